@@ -1,0 +1,1 @@
+//! moelink's CUDA C++ kernel sources (placeholder; being implemented).

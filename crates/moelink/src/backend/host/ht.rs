@@ -1,0 +1,350 @@
+//! High-throughput dispatch/combine on the host: rows are packed per destination in token order, exchanged
+//! with one `all_to_all`, and unpacked at `recv_offset[src] + send_slot`.
+
+use std::sync::Arc;
+
+use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
+use crate::backend::{HtDispatched, LayoutOutputs};
+use crate::error::{Error, Result};
+use crate::group::check_agreement;
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
+use crate::layout::{self, align_up, to_local_expert};
+use crate::tensor::TensorRef;
+use crate::validate::{read_i64_matrix, read_matrix};
+
+/// Routing state kept in a handle (host backend).
+pub(crate) struct HostHtRouting {
+    pub num_tokens: usize,
+    /// `[T * R]`.
+    pub is_token_in_rank: Vec<bool>,
+    /// `[T * R]`, -1 where not sent.
+    pub send_slot: Vec<i32>,
+    /// Rows received from each source.
+    pub recv_counts: Vec<usize>,
+    pub recv_offsets: Vec<usize>,
+    pub num_recv_tokens: usize,
+    /// Source token index of each received row.
+    pub recv_src_idx: Vec<i32>,
+    /// Unaligned per-local-expert receive counts (for cached dispatch).
+    pub num_recv_tokens_per_expert_raw: Vec<usize>,
+}
+
+/// State between `prepare_dispatch` and `dispatch`.
+struct HostPlan {
+    routing: HostHtRouting,
+}
+
+pub(crate) fn dispatch_layout(b: &mut HostBackend, topk_idx: &TensorRef<'_>, num_experts: usize, mut out: LayoutOutputs<'_>) -> Result<()> {
+    let rank = b.rank();
+    let idx = read_i64_matrix(topk_idx).ok_or_else(|| Error::invalid("topk_idx", rank, "the host backend needs host tensors"))?;
+    let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
+    let l = layout::dispatch_layout(&idx, t, k, num_experts, b.group.size());
+    output_bytes(&mut out.num_tokens_per_rank, "num_tokens_per_rank", rank)?.copy_from_slice(bytemuck::cast_slice(&l.num_tokens_per_rank));
+    output_bytes(&mut out.num_tokens_per_expert, "num_tokens_per_expert", rank)?.copy_from_slice(bytemuck::cast_slice(&l.num_tokens_per_expert));
+    output_bytes(&mut out.is_token_in_rank, "is_token_in_rank", rank)?.copy_from_slice(bytemuck::cast_slice(&l.is_token_in_rank));
+    Ok(())
+}
+
+/// Values every rank must agree on for a dispatch.
+fn agree(b: &HostBackend, s: &HtSpec, cached: bool) -> Result<()> {
+    check_agreement(
+        b.group.as_ref(),
+        &[
+            ("hidden", s.hidden as u64),
+            ("fp8", s.fp8 as u64),
+            ("num_experts", s.num_experts as u64),
+            ("topk", s.topk as u64),
+            ("cached", cached as u64),
+            ("num_worst_tokens > 0", (s.num_worst_tokens > 0) as u64),
+        ],
+    )
+}
+
+pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+    let (rank, nr, el) = (s.rank, s.num_ranks, s.num_local_experts());
+    let routing = match a.routing {
+        Routing::Cached(h) => {
+            agree(b, &s, true)?;
+            let r = h.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
+            HostHtRouting {
+                num_tokens: r.num_tokens,
+                is_token_in_rank: r.is_token_in_rank.clone(),
+                send_slot: r.send_slot.clone(),
+                recv_counts: r.recv_counts.clone(),
+                recv_offsets: r.recv_offsets.clone(),
+                num_recv_tokens: r.num_recv_tokens,
+                recv_src_idx: r.recv_src_idx.clone(),
+                num_recv_tokens_per_expert_raw: r.num_recv_tokens_per_expert_raw.clone(),
+            }
+        }
+        Routing::Fresh { layout: l, .. } => {
+            agree(b, &s, false)?;
+            let per_rank: Vec<i32> = read_matrix(&l.num_tokens_per_rank).ok_or_else(|| Error::invalid("num_tokens_per_rank", rank, "needs a host tensor"))?;
+            let per_expert: Vec<i32> = read_matrix(&l.num_tokens_per_expert).ok_or_else(|| Error::invalid("num_tokens_per_expert", rank, "needs a host tensor"))?;
+            let in_rank: Vec<bool> = input_bytes(&l.is_token_in_rank, "is_token_in_rank", rank)?.iter().map(|&v| v != 0).collect();
+            let send_slot = layout::send_slots(&in_rank, s.num_tokens, nr);
+            // The layout tensors must describe the tokens: count what is_token_in_rank says we send.
+            for r in 0..nr {
+                let sent = (0..s.num_tokens).filter(|&t| in_rank[t * nr + r]).count();
+                if sent != per_rank[r] as usize {
+                    return Err(Error::invalid("num_tokens_per_rank", rank, format!("says {} tokens go to rank {r}, is_token_in_rank says {sent}", per_rank[r])));
+                }
+            }
+            // Notify: send each rank its count and its experts' counts.
+            let msgs: Vec<Vec<u8>> = (0..nr)
+                .map(|r| {
+                    let mut m = Vec::with_capacity(4 * (1 + el));
+                    m.extend_from_slice(&per_rank[r].to_le_bytes());
+                    for e in &per_expert[r * el..(r + 1) * el] {
+                        m.extend_from_slice(&e.to_le_bytes());
+                    }
+                    m
+                })
+                .collect();
+            let recv = b.group.all_to_all(msgs)?;
+            let mut recv_counts = vec![0usize; nr];
+            let mut per_local_expert = vec![0usize; el];
+            for (src, m) in recv.iter().enumerate() {
+                let ints: Vec<i32> = m.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+                if ints.len() != 1 + el {
+                    return Err(Error::Group { rank, reason: format!("rank {src} sent a malformed count message") });
+                }
+                recv_counts[src] = ints[0] as usize;
+                for (e, c) in ints[1..].iter().enumerate() {
+                    per_local_expert[e] += *c as usize;
+                }
+            }
+            let mut recv_offsets = vec![0usize; nr];
+            let mut acc = 0usize;
+            for src in 0..nr {
+                recv_offsets[src] = acc;
+                acc += recv_counts[src];
+            }
+            HostHtRouting {
+                num_tokens: s.num_tokens,
+                is_token_in_rank: in_rank,
+                send_slot,
+                recv_counts,
+                recv_offsets,
+                num_recv_tokens: acc,
+                recv_src_idx: Vec::new(),
+                num_recv_tokens_per_expert_raw: per_local_expert,
+            }
+        }
+    };
+    let n = routing.num_recv_tokens;
+    if s.num_worst_tokens > 0 && n > s.num_worst_tokens {
+        return Err(Error::invalid("num_worst_tokens", rank, format!("{} rows, but this rank receives {n} tokens", s.num_worst_tokens)));
+    }
+    let per_expert_aligned: Vec<usize> = if s.num_worst_tokens > 0 {
+        Vec::new()
+    } else {
+        routing.num_recv_tokens_per_expert_raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect()
+    };
+    Ok(DispatchPlan { spec: s, num_recv_tokens: Some(n), num_recv_tokens_per_expert: per_expert_aligned, state: Box::new(HostPlan { routing }) })
+}
+
+/// Bytes of one packed row: payload, scales, top-k ids (i64) and weights (f32), source token index (i32).
+fn packed_row_bytes(s: &HtSpec) -> usize {
+    s.x_row_bytes() + 4 * s.num_scales() + 12 * s.topk + 4
+}
+
+pub(crate) fn dispatch(b: &mut HostBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, mut out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+    let s = plan.spec;
+    let rank = s.rank;
+    let nr = s.num_ranks;
+    let el = s.num_local_experts();
+    let mut routing = plan.state.downcast::<HostPlan>().map_err(|_| Error::invalid("plan", rank, "not a host-backend plan"))?.routing;
+    let x = input_bytes(a.x.x(), "x", rank)?;
+    let scales: Option<Vec<f32>> = match a.x {
+        Payload::Fp8 { scales, .. } => Some(read_matrix(&scales).ok_or_else(|| Error::invalid("x_scales", rank, "needs a host tensor"))?),
+        Payload::Bf16(_) => None,
+    };
+    let (topk_idx, topk_w): (Option<Vec<i64>>, Option<Vec<f32>>) = match a.routing {
+        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } => (read_i64_matrix(&i), read_matrix(&w)),
+        _ => (None, None),
+    };
+    let (rb, ns, k) = (s.x_row_bytes(), s.num_scales(), s.topk);
+    let row = packed_row_bytes(&s);
+
+    // Pack per destination, in token order (= send-slot order).
+    let mut msgs: Vec<Vec<u8>> = (0..nr).map(|_| Vec::new()).collect();
+    for (r, m) in msgs.iter_mut().enumerate() {
+        let count = (0..s.num_tokens).filter(|&t| routing.is_token_in_rank[t * nr + r]).count();
+        m.reserve_exact(count * row);
+        for t in 0..s.num_tokens {
+            if !routing.is_token_in_rank[t * nr + r] {
+                continue;
+            }
+            m.extend_from_slice(&x[t * rb..(t + 1) * rb]);
+            if let Some(sc) = &scales {
+                for v in &sc[t * ns..(t + 1) * ns] {
+                    m.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            if let (Some(idx), Some(w)) = (&topk_idx, &topk_w) {
+                let local: Vec<i64> = idx[t * k..(t + 1) * k].iter().map(|&e| to_local_expert(e, r, el)).collect();
+                for l in &local {
+                    m.extend_from_slice(&l.to_le_bytes());
+                }
+                for (j, l) in local.iter().enumerate() {
+                    let wv = if *l < 0 { 0.0f32 } else { w[t * k + j] };
+                    m.extend_from_slice(&wv.to_le_bytes());
+                }
+            }
+            m.extend_from_slice(&(t as i32).to_le_bytes());
+        }
+    }
+    let recv = b.group.all_to_all(msgs)?;
+
+    // Unpack at recv_offset[src] + slot.
+    let n = routing.num_recv_tokens;
+    let rx = super::output_bytes(&mut out.recv_x, "recv_x", rank)?;
+    let mut recv_src_idx = vec![0i32; n];
+    let mut rs = match out.recv_scales.as_mut() {
+        Some(t) => Some(super::output_bytes(t, "recv_x_scales", rank)?),
+        None => None,
+    };
+    let mut ri = match out.recv_topk_idx.as_mut() {
+        Some(t) => Some(super::output_bytes(t, "recv_topk_idx", rank)?),
+        None => None,
+    };
+    let mut rw = match out.recv_topk_weights.as_mut() {
+        Some(t) => Some(super::output_bytes(t, "recv_topk_weights", rank)?),
+        None => None,
+    };
+    for (src, m) in recv.iter().enumerate() {
+        let cnt = routing.recv_counts[src];
+        if m.len() != cnt * row {
+            return Err(Error::Group { rank, reason: format!("rank {src} sent {} bytes, expected {cnt} rows of {row}", m.len()) });
+        }
+        for j in 0..cnt {
+            let p = &m[j * row..(j + 1) * row];
+            let pos = routing.recv_offsets[src] + j;
+            rx[pos * rb..(pos + 1) * rb].copy_from_slice(&p[..rb]);
+            let mut off = rb;
+            if let Some(rs) = rs.as_deref_mut() {
+                rs[pos * 4 * ns..(pos + 1) * 4 * ns].copy_from_slice(&p[off..off + 4 * ns]);
+                off += 4 * ns;
+            }
+            if let (Some(ri), Some(rw)) = (ri.as_deref_mut(), rw.as_deref_mut()) {
+                ri[pos * 8 * k..(pos + 1) * 8 * k].copy_from_slice(&p[off..off + 8 * k]);
+                off += 8 * k;
+                rw[pos * 4 * k..(pos + 1) * 4 * k].copy_from_slice(&p[off..off + 4 * k]);
+                off += 4 * k;
+            }
+            recv_src_idx[pos] = i32::from_le_bytes(p[off..off + 4].try_into().expect("4 bytes"));
+        }
+    }
+    // No-sync mode: rows past the received count carry no expert.
+    if s.num_worst_tokens > 0 {
+        if let (Some(ri), Some(rw)) = (ri.as_deref_mut(), rw.as_deref_mut()) {
+            for pos in n..s.num_worst_tokens {
+                for j in 0..k {
+                    ri[(pos * k + j) * 8..(pos * k + j + 1) * 8].copy_from_slice(&(-1i64).to_le_bytes());
+                    rw[(pos * k + j) * 4..(pos * k + j + 1) * 4].copy_from_slice(&0f32.to_le_bytes());
+                }
+            }
+        }
+    }
+    routing.recv_src_idx = recv_src_idx;
+    Ok(HtDispatched { data: Arc::new(routing), num_recv_tokens: Some(n) })
+}
+
+pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, mut out: CombineOutputs<'_>) -> Result<()> {
+    let rank = s.rank;
+    let nr = s.num_ranks;
+    let routing = a.handle.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
+    check_agreement(b.group.as_ref(), &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
+    let x = input_bytes(&a.x, "x", rank)?;
+    let w: Option<Vec<f32>> = a.topk_weights.as_ref().and_then(read_matrix);
+    let (h, k) = (s.hidden, s.topk);
+    let rb = 2 * h;
+    let row = rb + 4 * k;
+
+    // Expert side: send each received row back to its source, in receive order (= the source's slot order).
+    let msgs: Vec<Vec<u8>> = (0..nr)
+        .map(|src| {
+            let (off, cnt) = (routing.recv_offsets[src], routing.recv_counts[src]);
+            let mut m = Vec::with_capacity(cnt * row);
+            for pos in off..off + cnt {
+                m.extend_from_slice(&x[pos * rb..(pos + 1) * rb]);
+                if let Some(w) = &w {
+                    for v in &w[pos * k..(pos + 1) * k] {
+                        m.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+            m
+        })
+        .collect();
+    let recv = b.group.all_to_all(msgs)?;
+    for (r, m) in recv.iter().enumerate() {
+        let expect = (0..s.num_tokens).filter(|&t| routing.is_token_in_rank[t * nr + r]).count() * row;
+        if m.len() != expect {
+            return Err(Error::Group { rank, reason: format!("rank {r} returned {} bytes, expected {expect}", m.len()) });
+        }
+    }
+
+    // Source side: ascending-rank fp32 sum, then biases, then round to bf16.
+    let biases: Vec<&[u8]> = a.bias.iter().flatten().map(|t| input_bytes(t, "bias", rank)).collect::<Result<_>>()?;
+    let cx = super::output_bytes(&mut out.combined_x, "combined_x", rank)?;
+    let mut acc = vec![0f32; h];
+    for t in 0..s.num_tokens {
+        acc.iter_mut().for_each(|v| *v = 0.0);
+        for (r, m) in recv.iter().enumerate() {
+            if !routing.is_token_in_rank[t * nr + r] {
+                continue;
+            }
+            let j = routing.send_slot[t * nr + r] as usize;
+            let p = &m[j * row..j * row + rb];
+            for (c, v) in acc.iter_mut().enumerate() {
+                *v += bf16_bits_to_f32(p[2 * c], p[2 * c + 1]);
+            }
+        }
+        for bias in &biases {
+            let p = &bias[t * rb..(t + 1) * rb];
+            for (c, v) in acc.iter_mut().enumerate() {
+                *v += bf16_bits_to_f32(p[2 * c], p[2 * c + 1]);
+            }
+        }
+        let o = &mut cx[t * rb..(t + 1) * rb];
+        for (c, v) in acc.iter().enumerate() {
+            o[2 * c..2 * c + 2].copy_from_slice(&f32_to_bf16_bits(*v).to_le_bytes());
+        }
+    }
+    if let Some(cw) = out.combined_topk_weights.as_mut() {
+        let cw = super::output_bytes(cw, "combined_topk_weights", rank)?;
+        for t in 0..s.num_tokens {
+            let mut sums = vec![0f32; k];
+            for (r, m) in recv.iter().enumerate() {
+                if !routing.is_token_in_rank[t * nr + r] {
+                    continue;
+                }
+                let j = routing.send_slot[t * nr + r] as usize;
+                let p = &m[j * row + rb..(j + 1) * row];
+                for (kk, v) in sums.iter_mut().enumerate() {
+                    *v += f32::from_le_bytes(p[4 * kk..4 * kk + 4].try_into().expect("4 bytes"));
+                }
+            }
+            for (kk, v) in sums.iter().enumerate() {
+                cw[(t * k + kk) * 4..(t * k + kk + 1) * 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+    Ok(())
+}
+
+impl HostHtRouting {
+    /// Number of rows received from `src`.
+    #[allow(dead_code)]
+    pub fn recv_count(&self, src: usize) -> usize {
+        self.recv_counts[src]
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<HostHtRouting>();
+}

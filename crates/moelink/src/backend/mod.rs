@@ -1,0 +1,66 @@
+//! Backends: the same operations on CPU threads (`host`, the oracle) and on GPUs (`cuda`). The core
+//! validates every argument before a backend sees it; backends trust their inputs.
+
+pub(crate) mod cuda;
+pub(crate) mod host;
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
+use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
+use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
+
+/// Outputs of `get_dispatch_layout`: `int32 [R]`, `int32 [E]`, `bool [T, R]`.
+pub struct LayoutOutputs<'a> {
+    pub num_tokens_per_rank: TensorMut<'a>,
+    pub num_tokens_per_expert: TensorMut<'a>,
+    pub is_token_in_rank: TensorMut<'a>,
+}
+
+/// A receive phase that has not run yet (`return_recv_hook`). Holds the output views it will write.
+pub(crate) enum PendingRecv<'a> {
+    HostLlDispatch(host::ll::PendingDispatch<'a>),
+    HostLlCombine(host::ll::PendingCombine<'a>),
+    Cuda(cuda::PendingRecv<'a>),
+}
+
+/// What a backend returns from a dispatch: handle data plus the host-known received count.
+pub(crate) struct HtDispatched {
+    pub data: Arc<dyn Any + Send + Sync>,
+    pub num_recv_tokens: Option<usize>,
+}
+
+pub(crate) trait Backend: Send {
+    /// `"host"` or `"cuda"`.
+    fn name(&self) -> &'static str;
+    /// Where this backend's tensors live.
+    fn location(&self) -> Location;
+    /// SMs a high-throughput kernel uses when the caller gives no config.
+    fn default_num_sms(&self) -> usize;
+    /// Allocates an output tensor on this backend's location (contents unspecified).
+    fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// Copies a tensor to this backend's location (contiguous result).
+    fn upload(&self, t: &Tensor) -> Result<Tensor>;
+    fn barrier(&mut self) -> Result<()>;
+
+    fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()>;
+    /// Count exchange (notify). Returns the plan with host-known sizes (CPU-sync) and backend state.
+    fn prepare_dispatch(&mut self, spec: HtSpec, args: &DispatchArgs<'_>) -> Result<DispatchPlan>;
+    fn dispatch(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched>;
+    fn combine(&mut self, spec: CombineSpec, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()>;
+
+    /// Low-latency dispatch. Returns the handle data and, with `return_recv_hook`, the pending receive.
+    fn ll_dispatch<'a>(&mut self, spec: LlSpec, args: &LlDispatchArgs<'_>, out: LlDispatchOutputs<'a>) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)>;
+    fn ll_combine<'a>(&mut self, spec: LlCombineSpec, args: &LlCombineArgs<'_>, out: LlCombineOutputs<'a>) -> Result<Option<PendingRecv<'a>>>;
+    fn run_recv(&mut self, pending: PendingRecv<'_>) -> Result<()>;
+    /// The buffer the next low-latency combine sends from (`[E_local, R*T_max, H]` bf16).
+    fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>>;
+    fn clean_ll_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()>;
+    /// Shrink mode: mask / unmask a rank, read the mask, clear it.
+    fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()>;
+    fn ll_mask(&mut self) -> Result<Vec<bool>>;
+    fn ll_clear_mask(&mut self) -> Result<()>;
+}

@@ -1,0 +1,408 @@
+//! `Buffer`: one rank's endpoint of the expert-parallel collectives.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::backend::{self, Backend, LayoutOutputs, PendingRecv};
+use crate::config::{BackendKind, BufferOptions};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::ht::{self, BufferFacts, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Routing};
+use crate::ll::{self, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle};
+use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
+
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Owned result of [`Buffer::get_dispatch_layout`].
+#[derive(Debug)]
+pub struct DispatchLayout {
+    /// `int32 [R]`.
+    pub num_tokens_per_rank: Tensor,
+    /// `int32 [E]`.
+    pub num_tokens_per_expert: Tensor,
+    /// `bool [T, R]`.
+    pub is_token_in_rank: Tensor,
+}
+
+impl DispatchLayout {
+    /// Views to pass as [`Routing::Fresh`]'s layout.
+    pub fn as_ref(&self) -> LayoutRef<'_> {
+        LayoutRef {
+            num_tokens_per_rank: self.num_tokens_per_rank.view(),
+            num_tokens_per_expert: self.num_tokens_per_expert.view(),
+            is_token_in_rank: self.is_token_in_rank.view(),
+        }
+    }
+}
+
+/// Owned result of [`Buffer::dispatch`].
+pub struct DispatchResult {
+    pub recv_x: Tensor,
+    /// `float32 [N, H/128]` for FP8 dispatch.
+    pub recv_x_scales: Option<Tensor>,
+    pub recv_topk_idx: Option<Tensor>,
+    pub recv_topk_weights: Option<Tensor>,
+    /// Received tokens per local expert, rounded up to `expert_alignment` (empty in no-sync mode).
+    pub num_recv_tokens_per_expert: Vec<usize>,
+    pub handle: HtHandle,
+}
+
+/// Owned result of [`Buffer::combine`].
+pub struct CombineResult {
+    pub combined_x: Tensor,
+    pub combined_topk_weights: Option<Tensor>,
+}
+
+/// Owned result of [`Buffer::low_latency_dispatch`].
+pub struct LlDispatchResult {
+    /// `[E_local, R*T_max, H]`.
+    pub recv_x: Tensor,
+    /// Scales *stored* as `[E_local, packs, R*T_max]` (the transpose of the logical column-major
+    /// `[E_local, R*T_max, packs]`).
+    pub recv_x_scales: Option<Tensor>,
+    /// `int32 [E_local]`.
+    pub recv_count: Tensor,
+    pub handle: LlHandle,
+}
+
+/// The receive phase of a low-latency call made with `return_recv_hook`. Run it with
+/// [`Buffer::run_hook`]; until then the outputs it will write stay borrowed.
+pub struct RecvHook<'a> {
+    buffer_id: u64,
+    pending: PendingRecv<'a>,
+}
+
+/// One rank's endpoint of the expert-parallel collectives. Every rank of the group creates one, and all
+/// ranks call the same operations in the same order.
+pub struct Buffer {
+    group: Arc<dyn Group>,
+    id: u64,
+    options: BufferOptions,
+    backend: Box<dyn Backend>,
+    poisoned: Option<String>,
+}
+
+impl Buffer {
+    /// Creates this rank's buffer (collective: every rank of `group` must call it).
+    ///
+    /// ```
+    /// use moelink::{group::run_ranks, Buffer, BufferOptions, BackendKind};
+    /// let ok = run_ranks(2, |g| {
+    ///     let buf = Buffer::new(std::sync::Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+    ///     Ok(buf.num_ranks())
+    /// });
+    /// assert!(ok.iter().all(|r| matches!(r, Ok(2))));
+    /// ```
+    pub fn new(group: Arc<dyn Group>, options: BufferOptions) -> Result<Buffer> {
+        let rank = group.rank();
+        if group.size() == 0 || rank >= group.size() {
+            return Err(Error::invalid("group", rank, format!("rank {rank} of {} ranks", group.size())));
+        }
+        if options.timeout_ms == 0 {
+            return Err(Error::invalid("timeout_ms", rank, "must be positive"));
+        }
+        let backend: Box<dyn Backend> = match options.backend {
+            BackendKind::Host => Box::new(backend::host::HostBackend::new(group.clone(), &options)?),
+            BackendKind::Cuda => Box::new(backend::cuda::CudaBackend::new(group.clone(), &options)?),
+            BackendKind::Auto => match backend::cuda::CudaBackend::available() {
+                Ok(()) => Box::new(backend::cuda::CudaBackend::new(group.clone(), &options)?),
+                Err(_) => Box::new(backend::host::HostBackend::new(group.clone(), &options)?),
+            },
+        };
+        let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed) ^ (crate::group::process_key() << 20);
+        Ok(Buffer { group, id, options, backend, poisoned: None })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+    pub fn num_ranks(&self) -> usize {
+        self.group.size()
+    }
+    pub fn group(&self) -> &Arc<dyn Group> {
+        &self.group
+    }
+    pub fn options(&self) -> &BufferOptions {
+        &self.options
+    }
+    /// `"host"` or `"cuda"`.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+    /// Where this buffer's tensors must live.
+    pub fn location(&self) -> Location {
+        self.backend.location()
+    }
+    /// The SM count high-throughput kernels use by default.
+    pub fn default_num_sms(&self) -> usize {
+        self.backend.default_num_sms()
+    }
+    /// Why the buffer refuses work, if it does.
+    pub fn poisoned(&self) -> Option<&str> {
+        self.poisoned.as_deref()
+    }
+
+    /// Allocates a tensor on this buffer's location (host or its GPU); contents unspecified.
+    pub fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        self.backend.alloc(dtype, shape)
+    }
+
+    /// Copies `t` to this buffer's location (e.g. host inputs to the buffer's GPU).
+    pub fn upload(&self, t: &Tensor) -> Result<Tensor> {
+        self.backend.upload(t)
+    }
+
+    fn facts(&self) -> BufferFacts {
+        BufferFacts {
+            buffer_id: self.id,
+            rank: self.rank(),
+            num_ranks: self.num_ranks(),
+            location: self.backend.location(),
+            default_num_sms: self.backend.default_num_sms(),
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(cause) => Err(Error::Poisoned { rank: self.rank(), cause: cause.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs a backend step; an error inside a collective poisons the buffer.
+    fn step<T>(&mut self, f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
+        self.check_usable()?;
+        let r = f(self.backend.as_mut());
+        if let Err(e) = &r {
+            if e.poisons_buffer() {
+                self.poisoned = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    /// Waits for every rank (collective).
+    pub fn barrier(&mut self) -> Result<()> {
+        self.step(|b| b.barrier())
+    }
+
+    // ------------------------------------------------------------------ high-throughput
+
+    /// Computes `num_tokens_per_rank`, `num_tokens_per_expert` and `is_token_in_rank` from `topk_idx`
+    /// (`int64 [T, K]`, `-1` = no expert). Local, not collective.
+    pub fn get_dispatch_layout(&mut self, topk_idx: TensorRef<'_>, num_experts: usize) -> Result<DispatchLayout> {
+        let (t, _) = ht::validate_layout(&topk_idx, num_experts, &self.facts())?;
+        let r = self.num_ranks();
+        let mut out = DispatchLayout {
+            num_tokens_per_rank: self.alloc(DType::I32, &[r])?,
+            num_tokens_per_expert: self.alloc(DType::I32, &[num_experts])?,
+            is_token_in_rank: self.alloc(DType::Bool, &[t, r])?,
+        };
+        let views = LayoutOutputs {
+            num_tokens_per_rank: out.num_tokens_per_rank.view_mut(),
+            num_tokens_per_expert: out.num_tokens_per_expert.view_mut(),
+            is_token_in_rank: out.is_token_in_rank.view_mut(),
+        };
+        self.step(|b| b.dispatch_layout(&topk_idx, num_experts, views))?;
+        Ok(out)
+    }
+
+    /// As [`Buffer::get_dispatch_layout`], writing into caller-provided tensors.
+    pub fn get_dispatch_layout_into(&mut self, topk_idx: TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+        let f = self.facts();
+        let (t, _) = ht::validate_layout(&topk_idx, num_experts, &f)?;
+        let r = f.num_ranks;
+        let expect = |arg, dtype, shape: &[usize], v: &TensorMut<'_>| {
+            crate::validate::Expect { arg, rank: f.rank, location: f.location, dtypes: &[dtype], shape: &shape.iter().map(|&d| Some(d)).collect::<Vec<_>>(), contiguous: true }
+                .view_mut(v)
+                .map(|_| ())
+        };
+        expect("num_tokens_per_rank", DType::I32, &[r], &out.num_tokens_per_rank)?;
+        expect("num_tokens_per_expert", DType::I32, &[num_experts], &out.num_tokens_per_expert)?;
+        expect("is_token_in_rank", DType::Bool, &[t, r], &out.is_token_in_rank)?;
+        self.step(|b| b.dispatch_layout(&topk_idx, num_experts, out))
+    }
+
+    /// Validates a dispatch and exchanges counts with the other ranks (collective). In CPU-sync mode the
+    /// plan knows the output sizes; allocate outputs with them and call [`Buffer::dispatch_into`].
+    pub fn prepare_dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+        let spec = ht::validate_dispatch(args, &self.facts())?;
+        self.step(|b| b.prepare_dispatch(spec, args))
+    }
+
+    /// Moves the tokens (collective). `args` must be the ones the plan was prepared with.
+    pub fn dispatch_into(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtHandle> {
+        ht::validate_dispatch_outputs(&plan, &out, self.location())?;
+        let spec = plan.spec;
+        let done = self.step(|b| b.dispatch(plan, args, out))?;
+        Ok(HtHandle {
+            buffer_id: self.id,
+            rank: spec.rank,
+            num_ranks: spec.num_ranks,
+            num_tokens: spec.num_tokens,
+            num_experts: spec.num_experts,
+            num_recv_tokens: done.num_recv_tokens,
+            num_worst_tokens: spec.num_worst_tokens,
+            data: done.data,
+        })
+    }
+
+    /// Dispatch with outputs allocated by moelink (collective).
+    pub fn dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchResult> {
+        let plan = self.prepare_dispatch(args)?;
+        let n = plan.num_recv_rows();
+        let s = plan.spec;
+        let mut recv_x = self.alloc(if s.fp8 { DType::Fp8E4M3 } else { DType::BF16 }, &[n, s.hidden])?;
+        let mut recv_x_scales = if s.fp8 { Some(self.alloc(DType::F32, &[n, s.num_scales()])?) } else { None };
+        let (mut idx, mut w) = if s.has_topk {
+            (Some(self.alloc(DType::I64, &[n, s.topk])?), Some(self.alloc(DType::F32, &[n, s.topk])?))
+        } else {
+            (None, None)
+        };
+        let per_expert = plan.num_recv_tokens_per_expert.clone();
+        let out = DispatchOutputs {
+            recv_x: recv_x.view_mut(),
+            recv_scales: recv_x_scales.as_mut().map(|t| t.view_mut()),
+            recv_topk_idx: idx.as_mut().map(|t| t.view_mut()),
+            recv_topk_weights: w.as_mut().map(|t| t.view_mut()),
+        };
+        let handle = self.dispatch_into(plan, args, out)?;
+        Ok(DispatchResult { recv_x, recv_x_scales, recv_topk_idx: idx, recv_topk_weights: w, num_recv_tokens_per_expert: per_expert, handle })
+    }
+
+    /// Sums expert outputs back onto the tokens' home ranks (collective).
+    pub fn combine_into(&mut self, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+        let spec = ht::validate_combine(args, &self.facts())?;
+        ht::validate_combine_outputs(&spec, &out, self.location())?;
+        self.step(|b| b.combine(spec, args, out))
+    }
+
+    /// Combine with outputs allocated by moelink (collective).
+    pub fn combine(&mut self, args: &CombineArgs<'_>) -> Result<CombineResult> {
+        let spec = ht::validate_combine(args, &self.facts())?;
+        let mut combined_x = self.alloc(DType::BF16, &[spec.num_tokens, spec.hidden])?;
+        let mut w = if spec.topk > 0 { Some(self.alloc(DType::F32, &[spec.num_tokens, spec.topk])?) } else { None };
+        let out = CombineOutputs { combined_x: combined_x.view_mut(), combined_topk_weights: w.as_mut().map(|t| t.view_mut()) };
+        self.combine_into(args, out)?;
+        Ok(CombineResult { combined_x, combined_topk_weights: w })
+    }
+
+    // ------------------------------------------------------------------ low-latency
+
+    /// Low-latency dispatch into caller-provided outputs (collective). With `return_recv_hook`, only the
+    /// send phase runs; the returned hook runs the receive phase.
+    pub fn low_latency_dispatch_into<'a>(&mut self, args: &LlDispatchArgs<'_>, out: LlDispatchOutputs<'a>) -> Result<(LlHandle, Option<RecvHook<'a>>)> {
+        let spec = ll::validate_ll_dispatch(args, &self.facts())?;
+        ll::validate_ll_dispatch_outputs(&spec, &out, self.location())?;
+        let id = self.id;
+        let (data, pending) = self.step(|b| b.ll_dispatch(spec, args, out))?;
+        Ok((LlHandle { buffer_id: id, spec, data }, pending.map(|pending| RecvHook { buffer_id: id, pending })))
+    }
+
+    /// Low-latency dispatch with outputs allocated by moelink (collective; no receive hook).
+    pub fn low_latency_dispatch(&mut self, args: &LlDispatchArgs<'_>) -> Result<LlDispatchResult> {
+        let spec = ll::validate_ll_dispatch(args, &self.facts())?;
+        if args.return_recv_hook {
+            return Err(Error::invalid("return_recv_hook", spec.rank, "use low_latency_dispatch_into to keep the outputs borrowed until the hook runs"));
+        }
+        let (el, rows, cols) = (spec.num_local_experts(), spec.rows_per_expert(), spec.num_scale_cols());
+        let mut recv_x = self.alloc(if spec.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, spec.hidden])?;
+        let mut scales = match spec.quant {
+            ll::LlQuant::Bf16 => None,
+            ll::LlQuant::Fp8 { use_ue8m0, .. } => Some(self.alloc(if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?),
+        };
+        let mut recv_count = self.alloc(DType::I32, &[el])?;
+        let out = LlDispatchOutputs {
+            recv_x: recv_x.view_mut(),
+            recv_scales: match scales.as_mut() {
+                Some(t) => Some(t.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?),
+                None => None,
+            },
+            recv_count: recv_count.view_mut(),
+            cumulative_local_expert_recv_stats: None,
+            dispatch_wait_recv_cost_stats: None,
+        };
+        let (handle, _) = self.low_latency_dispatch_into(args, out)?;
+        Ok(LlDispatchResult { recv_x, recv_x_scales: scales, recv_count, handle })
+    }
+
+    /// Low-latency combine into caller-provided outputs (collective).
+    pub fn low_latency_combine_into<'a>(&mut self, args: &LlCombineArgs<'_>, out: LlCombineOutputs<'a>) -> Result<Option<RecvHook<'a>>> {
+        let spec = ll::validate_ll_combine(args, &self.facts())?;
+        ll::validate_ll_combine_outputs(&spec, &out, self.location())?;
+        let id = self.id;
+        let pending = self.step(|b| b.ll_combine(spec, args, out))?;
+        Ok(pending.map(|pending| RecvHook { buffer_id: id, pending }))
+    }
+
+    /// Low-latency combine with the output allocated by moelink (collective; no receive hook).
+    pub fn low_latency_combine(&mut self, args: &LlCombineArgs<'_>) -> Result<Tensor> {
+        let spec = ll::validate_ll_combine(args, &self.facts())?;
+        if args.return_recv_hook {
+            return Err(Error::invalid("return_recv_hook", spec.ll.rank, "use low_latency_combine_into to keep the output borrowed until the hook runs"));
+        }
+        let mut out = self.alloc(DType::BF16, &[spec.ll.num_tokens, spec.ll.hidden])?;
+        self.low_latency_combine_into(args, LlCombineOutputs { combined_x: out.view_mut(), combine_wait_recv_cost_stats: None })?;
+        Ok(out)
+    }
+
+    /// Runs the receive phase of a call made with `return_recv_hook`.
+    pub fn run_hook(&mut self, hook: RecvHook<'_>) -> Result<()> {
+        if hook.buffer_id != self.id {
+            return Err(Error::invalid("hook", self.rank(), "the hook comes from another buffer"));
+        }
+        self.step(|b| b.run_recv(hook.pending))
+    }
+
+    /// The send buffer of the next low-latency combine, `bf16 [E_local, R*T_max, H]`: write expert outputs
+    /// there and combine with `zero_copy = true` to skip a copy.
+    pub fn get_next_low_latency_combine_buffer(&mut self, handle: &LlHandle) -> Result<TensorMut<'_>> {
+        if handle.buffer_id != self.id {
+            return Err(Error::invalid("handle", self.rank(), "the handle comes from another buffer"));
+        }
+        self.check_usable()?;
+        let spec = handle.spec;
+        self.backend.ll_next_combine_buffer(&spec)
+    }
+
+    /// Clears the low-latency buffers (collective), e.g. after switching between high-throughput and
+    /// low-latency use of the same memory.
+    pub fn clean_low_latency_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()> {
+        ht::check_num_experts(num_experts, &self.facts())?;
+        self.step(|b| b.clean_ll_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts))
+    }
+
+    /// Shrink mode: marks `rank` as failed (`masked = true`) or healthy again.
+    pub fn low_latency_update_mask_buffer(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.require_shrink("low_latency_update_mask_buffer")?;
+        if rank >= self.num_ranks() {
+            return Err(Error::invalid("rank", self.rank(), format!("{rank} is not a rank of this {}-rank group", self.num_ranks())));
+        }
+        self.backend.ll_set_mask(rank, masked)
+    }
+
+    /// Shrink mode: which ranks are masked.
+    pub fn low_latency_query_mask_buffer(&mut self) -> Result<Vec<bool>> {
+        self.require_shrink("low_latency_query_mask_buffer")?;
+        self.backend.ll_mask()
+    }
+
+    /// Shrink mode: unmasks every rank.
+    pub fn low_latency_clean_mask_buffer(&mut self) -> Result<()> {
+        self.require_shrink("low_latency_clean_mask_buffer")?;
+        self.backend.ll_clear_mask()
+    }
+
+    fn require_shrink(&self, what: &'static str) -> Result<()> {
+        if !self.options.enable_shrink {
+            return Err(Error::invalid("enable_shrink", self.rank(), format!("{what} needs a buffer created with enable_shrink = true")));
+        }
+        Ok(())
+    }
+}
+
+/// Shorthand for a fresh dispatch's routing.
+pub fn fresh<'a>(layout: &'a DispatchLayout, topk_idx: Option<TensorRef<'a>>, topk_weights: Option<TensorRef<'a>>) -> Routing<'a> {
+    Routing::Fresh { layout: layout.as_ref(), topk_idx, topk_weights }
+}

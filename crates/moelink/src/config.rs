@@ -1,0 +1,94 @@
+//! Tuning knobs and buffer options.
+
+/// Performance knobs of one high-throughput operation (DeepEP's `Config`). moelink's direct-write protocol
+/// uses `num_sms`; the chunk sizes are accepted for API compatibility and bound the receiver's copy-out
+/// granularity where the protocol has one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// SMs (thread blocks, one per SM) the kernel may occupy. Must be even.
+    pub num_sms: usize,
+    pub num_max_nvl_chunked_send_tokens: usize,
+    pub num_max_nvl_chunked_recv_tokens: usize,
+    pub num_max_rdma_chunked_send_tokens: usize,
+    pub num_max_rdma_chunked_recv_tokens: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            num_sms: 20,
+            num_max_nvl_chunked_send_tokens: 6,
+            num_max_nvl_chunked_recv_tokens: 256,
+            num_max_rdma_chunked_send_tokens: 6,
+            num_max_rdma_chunked_recv_tokens: 256,
+        }
+    }
+}
+
+impl Config {
+    /// A config with `num_sms` and default chunk sizes.
+    pub fn with_sms(num_sms: usize) -> Self {
+        Config { num_sms, ..Config::default() }
+    }
+
+    /// NVLink-domain buffer bytes this config needs for rows of `hidden_bytes` across `num_ranks`
+    /// (DeepEP's `get_nvl_buffer_size_hint`): enough for `num_max_nvl_chunked_recv_tokens` rows per
+    /// (channel, source) pair. moelink's own sizing is [`crate::Buffer::ht_bytes_needed`].
+    pub fn get_nvl_buffer_size_hint(&self, hidden_bytes: usize, num_ranks: usize) -> usize {
+        let num_channels = self.num_sms / 2;
+        let per_token = hidden_bytes + 4 * (hidden_bytes / 128 + 32);
+        let bytes = num_channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * per_token + num_channels * num_ranks * num_ranks * 16;
+        bytes.div_ceil(128) * 128
+    }
+
+    /// RDMA buffer bytes (0 within one node).
+    pub fn get_rdma_buffer_size_hint(&self, _hidden_bytes: usize, num_ranks: usize) -> usize {
+        if num_ranks <= 8 {
+            0
+        } else {
+            self.num_max_rdma_chunked_recv_tokens * _hidden_bytes * 2 * (num_ranks / 8) * self.num_sms / 2
+        }
+    }
+}
+
+/// Which implementation runs the collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// CUDA when a usable GPU, driver and NVRTC are present, otherwise host.
+    Auto,
+    /// CPU threads over the group; the reference (oracle) implementation.
+    Host,
+    /// CUDA kernels over NVLink.
+    Cuda,
+}
+
+/// How to build a [`crate::Buffer`].
+#[derive(Clone, Debug)]
+pub struct BufferOptions {
+    pub backend: BackendKind,
+    /// Bytes of the NVLink-domain (high-throughput) communication buffer per rank.
+    pub num_nvl_bytes: usize,
+    /// Bytes of the low-latency / RDMA buffer per rank.
+    pub num_rdma_bytes: usize,
+    pub low_latency_mode: bool,
+    /// Deadline of every wait inside a collective, in milliseconds.
+    pub timeout_ms: u64,
+    /// CUDA device ordinal; default: the group's local rank.
+    pub device: Option<usize>,
+    /// Low-latency fault tolerance: a rank that misses its deadline is masked instead of failing the call.
+    pub enable_shrink: bool,
+}
+
+impl Default for BufferOptions {
+    fn default() -> Self {
+        BufferOptions {
+            backend: BackendKind::Auto,
+            num_nvl_bytes: 0,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+            timeout_ms: 10_000,
+            device: None,
+            enable_shrink: false,
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! Tensor views (borrowed, with shape, strides and dtype) and owned tensors.
+//!
+//! A view is a base address plus a layout; it does not own memory. Safe constructors borrow a slice (host)
+//! or an owned [`Tensor`]; [`TensorRef::from_raw_parts`] is the `unsafe` door for memory owned elsewhere
+//! (torch tensors, another engine's device allocations). Strides are in elements and must be
+//! non-negative; at most [`MAX_DIMS`] dimensions.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+/// Maximum number of dimensions of a view.
+pub const MAX_DIMS: usize = 4;
+
+/// Where a tensor's memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// Host (CPU) memory.
+    Host,
+    /// Device memory of CUDA device `ordinal`.
+    Cuda(usize),
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Host => f.write_str("cpu"),
+            Location::Cuda(d) => write!(f, "cuda:{d}"),
+        }
+    }
+}
+
+/// Shape and strides (in elements) of a view.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    shape: [usize; MAX_DIMS],
+    strides: [isize; MAX_DIMS],
+    ndim: u8,
+}
+
+impl Layout {
+    /// A contiguous (row-major) layout.
+    pub fn contiguous(shape: &[usize]) -> Result<Layout> {
+        let mut strides = [0isize; MAX_DIMS];
+        if shape.len() > MAX_DIMS {
+            return Err(Error::invalid("shape", 0, format!("{} dimensions, at most {MAX_DIMS}", shape.len())));
+        }
+        let mut acc: isize = 1;
+        for i in (0..shape.len()).rev() {
+            strides[i] = acc;
+            acc = acc.saturating_mul(shape[i].max(1) as isize);
+        }
+        Layout::new(shape, &strides[..shape.len()])
+    }
+
+    /// A layout with explicit strides (elements). Strides must be non-negative.
+    pub fn new(shape: &[usize], strides: &[isize]) -> Result<Layout> {
+        if shape.len() > MAX_DIMS || shape.len() != strides.len() {
+            return Err(Error::invalid(
+                "shape",
+                0,
+                format!("{} dims with {} strides (at most {MAX_DIMS} dims)", shape.len(), strides.len()),
+            ));
+        }
+        if let Some(s) = strides.iter().find(|s| **s < 0) {
+            return Err(Error::invalid("strides", 0, format!("negative stride {s} is not supported")));
+        }
+        let mut l = Layout { shape: [0; MAX_DIMS], strides: [0; MAX_DIMS], ndim: shape.len() as u8 };
+        l.shape[..shape.len()].copy_from_slice(shape);
+        l.strides[..shape.len()].copy_from_slice(strides);
+        Ok(l)
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape[..self.ndim as usize]
+    }
+    pub fn strides(&self) -> &[isize] {
+        &self.strides[..self.ndim as usize]
+    }
+    pub fn ndim(&self) -> usize {
+        self.ndim as usize
+    }
+    pub fn numel(&self) -> usize {
+        self.shape().iter().product()
+    }
+    /// True when elements are densely packed in row-major order (size-1 dims may have any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let mut expect: isize = 1;
+        for i in (0..self.ndim()).rev() {
+            if self.shape[i] != 1 && self.strides[i] != expect {
+                return false;
+            }
+            expect *= self.shape[i] as isize;
+        }
+        true
+    }
+    /// Number of elements spanned from the first to one past the last element (0 when empty).
+    pub fn span_elems(&self) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        1 + self.shape().iter().zip(self.strides()).map(|(&n, &s)| (n - 1) * s as usize).sum::<usize>()
+    }
+    /// Element offset of a multi-index.
+    #[inline]
+    pub fn offset(&self, idx: &[usize]) -> usize {
+        idx.iter().zip(self.strides()).map(|(&i, &s)| i * s as usize).sum()
+    }
+}
+
+impl fmt::Debug for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} strides {:?}", self.shape(), self.strides())
+    }
+}
+
+macro_rules! view_common {
+    () => {
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+        pub fn location(&self) -> Location {
+            self.location
+        }
+        pub fn layout(&self) -> &Layout {
+            &self.layout
+        }
+        pub fn shape(&self) -> &[usize] {
+            self.layout.shape()
+        }
+        pub fn strides(&self) -> &[isize] {
+            self.layout.strides()
+        }
+        pub fn ndim(&self) -> usize {
+            self.layout.ndim()
+        }
+        pub fn numel(&self) -> usize {
+            self.layout.numel()
+        }
+        pub fn is_contiguous(&self) -> bool {
+            self.layout.is_contiguous()
+        }
+        /// Base address (host or device) of element `[0, 0, ...]`.
+        pub fn addr(&self) -> u64 {
+            self.addr
+        }
+        /// Bytes from the first element to one past the last.
+        pub fn span_bytes(&self) -> usize {
+            self.layout.span_elems() * self.dtype.size_bytes()
+        }
+    };
+}
+
+/// A read-only view of a tensor.
+#[derive(Clone, Copy)]
+pub struct TensorRef<'a> {
+    addr: u64,
+    location: Location,
+    dtype: DType,
+    layout: Layout,
+    _borrow: PhantomData<&'a [u8]>,
+}
+
+/// A writable view of a tensor.
+pub struct TensorMut<'a> {
+    addr: u64,
+    location: Location,
+    dtype: DType,
+    layout: Layout,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> TensorRef<'a> {
+    view_common!();
+
+    /// A contiguous view of a host slice.
+    pub fn from_slice<T: Element>(data: &'a [T], shape: &[usize]) -> Result<Self> {
+        Self::from_slice_strided(data, shape, Layout::contiguous(shape)?.strides())
+    }
+
+    /// A strided view of a host slice; every addressed element must lie inside `data`.
+    pub fn from_slice_strided<T: Element>(data: &'a [T], shape: &[usize], strides: &[isize]) -> Result<Self> {
+        let layout = Layout::new(shape, strides)?;
+        check_fits(&layout, data.len())?;
+        Ok(TensorRef { addr: data.as_ptr() as u64, location: Location::Host, dtype: T::DTYPE, layout, _borrow: PhantomData })
+    }
+
+    /// A view of a host slice of `bool` (torch.bool).
+    pub fn from_bools(data: &'a [bool], shape: &[usize]) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        check_fits(&layout, data.len())?;
+        Ok(TensorRef { addr: data.as_ptr() as u64, location: Location::Host, dtype: DType::Bool, layout, _borrow: PhantomData })
+    }
+
+    /// A view of memory owned elsewhere.
+    ///
+    /// # Safety
+    /// `addr` must point to memory at `location` that holds every element the layout addresses, that stays
+    /// valid and is not written by anyone else for `'a` (for device memory: until the stream work that reads
+    /// it has completed).
+    pub unsafe fn from_raw_parts(addr: u64, location: Location, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
+        let layout = Layout::new(shape, strides)?;
+        Ok(TensorRef { addr, location, dtype, layout, _borrow: PhantomData })
+    }
+
+    /// The bytes spanned by this view, when it lives in host memory.
+    pub fn host_bytes(&self) -> Option<&'a [u8]> {
+        if self.location != Location::Host {
+            return None;
+        }
+        let n = self.span_bytes();
+        if n == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: host views are built either from a borrowed slice covering the span (checked in
+        // `from_slice_strided`/`from_bools`/`Tensor::view`) or through `from_raw_parts`, whose contract
+        // requires the span to be valid, readable and unaliased by writers for 'a.
+        Some(unsafe { std::slice::from_raw_parts(self.addr as *const u8, n) })
+    }
+
+    /// Reads one element (host views only); `None` when the view is not on the host or the type differs.
+    pub fn get<T: Element>(&self, idx: &[usize]) -> Option<T> {
+        if T::DTYPE.size_bytes() != self.dtype.size_bytes() || idx.len() != self.ndim() {
+            return None;
+        }
+        let bytes = self.host_bytes()?;
+        let off = self.layout.offset(idx) * self.dtype.size_bytes();
+        Some(bytemuck::pod_read_unaligned(&bytes[off..off + std::mem::size_of::<T>()]))
+    }
+
+    /// Same view with another shape/strides over the same base (used for transposed/column-major scales).
+    pub fn with_layout(&self, shape: &[usize], strides: &[isize]) -> Result<TensorRef<'a>> {
+        let layout = Layout::new(shape, strides)?;
+        if layout.span_elems() > self.layout.span_elems() {
+            return Err(Error::invalid("shape", 0, format!("{layout:?} reaches past the viewed memory {:?}", self.layout)));
+        }
+        Ok(TensorRef { layout, ..*self })
+    }
+}
+
+impl<'a> TensorMut<'a> {
+    view_common!();
+
+    /// A contiguous writable view of a host slice.
+    pub fn from_slice<T: Element>(data: &'a mut [T], shape: &[usize]) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        check_fits(&layout, data.len())?;
+        Ok(TensorMut { addr: data.as_mut_ptr() as u64, location: Location::Host, dtype: T::DTYPE, layout, _borrow: PhantomData })
+    }
+
+    /// A writable view of memory owned elsewhere.
+    ///
+    /// # Safety
+    /// As [`TensorRef::from_raw_parts`], and nobody else reads or writes the memory for `'a`.
+    pub unsafe fn from_raw_parts(addr: u64, location: Location, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
+        let layout = Layout::new(shape, strides)?;
+        Ok(TensorMut { addr, location, dtype, layout, _borrow: PhantomData })
+    }
+
+    /// Read-only reborrow.
+    pub fn as_ref(&self) -> TensorRef<'_> {
+        TensorRef { addr: self.addr, location: self.location, dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+    }
+
+    /// Writable reborrow.
+    pub fn reborrow(&mut self) -> TensorMut<'_> {
+        TensorMut { addr: self.addr, location: self.location, dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+    }
+
+    /// The bytes spanned by this view, when it lives in host memory.
+    pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        if self.location != Location::Host {
+            return None;
+        }
+        let n = self.span_bytes();
+        if n == 0 {
+            return Some(&mut []);
+        }
+        // SAFETY: as in `TensorRef::host_bytes`; the view is unique (`&mut self`, and the constructors borrow
+        // mutably or require exclusive access by contract).
+        Some(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, n) })
+    }
+}
+
+fn check_fits(layout: &Layout, len: usize) -> Result<()> {
+    if layout.span_elems() > len {
+        return Err(Error::invalid(
+            "data",
+            0,
+            format!("layout {layout:?} addresses {} elements but the slice has {len}", layout.span_elems()),
+        ));
+    }
+    Ok(())
+}
+
+/// Owned storage of a [`Tensor`].
+enum Storage {
+    /// 16-byte aligned host bytes.
+    Host(Vec<u128>),
+    /// Device memory.
+    Cuda(moelink_cuda::DeviceBuffer),
+}
+
+/// An owned, contiguous tensor in host or device memory.
+pub struct Tensor {
+    storage: Storage,
+    dtype: DType,
+    layout: Layout,
+}
+
+impl Tensor {
+    /// A zero-filled host tensor.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let layout = Layout::contiguous(shape)?;
+        let bytes = layout.numel() * dtype.size_bytes();
+        Ok(Tensor { storage: Storage::Host(vec![0u128; bytes.div_ceil(16)]), dtype, layout })
+    }
+
+    /// A host tensor holding `data` (row-major, `shape.iter().product() == data.len()`).
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        let mut t = Tensor::zeros(T::DTYPE, shape)?;
+        if t.numel() != data.len() {
+            return Err(Error::invalid("data", 0, format!("{} elements for shape {shape:?}", data.len())));
+        }
+        t.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(&data));
+        Ok(t)
+    }
+
+    /// A host bool tensor.
+    pub fn from_bools(data: &[bool], shape: &[usize]) -> Result<Tensor> {
+        let mut t = Tensor::zeros(DType::Bool, shape)?;
+        if t.numel() != data.len() {
+            return Err(Error::invalid("data", 0, format!("{} elements for shape {shape:?}", data.len())));
+        }
+        t.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
+        Ok(t)
+    }
+
+    /// Wraps device memory allocated by the CUDA layer (contiguous).
+    pub fn from_device(buf: moelink_cuda::DeviceBuffer, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let layout = Layout::contiguous(shape)?;
+        if layout.numel() * dtype.size_bytes() > buf.len_bytes() {
+            return Err(Error::invalid("shape", 0, format!("{shape:?} x {dtype} does not fit {} bytes", buf.len_bytes())));
+        }
+        Ok(Tensor { storage: Storage::Cuda(buf), dtype, layout })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn shape(&self) -> &[usize] {
+        self.layout.shape()
+    }
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+    pub fn location(&self) -> Location {
+        match &self.storage {
+            Storage::Host(_) => Location::Host,
+            Storage::Cuda(b) => Location::Cuda(b.device_ordinal()),
+        }
+    }
+    fn addr(&self) -> u64 {
+        match &self.storage {
+            Storage::Host(v) => v.as_ptr() as u64,
+            Storage::Cuda(b) => b.device_ptr(),
+        }
+    }
+
+    /// A read-only view.
+    pub fn view(&self) -> TensorRef<'_> {
+        TensorRef { addr: self.addr(), location: self.location(), dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+    }
+
+    /// A writable view.
+    pub fn view_mut(&mut self) -> TensorMut<'_> {
+        TensorMut { addr: self.addr(), location: self.location(), dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+    }
+
+    fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size_bytes()
+    }
+
+    fn host_bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.nbytes();
+        match &mut self.storage {
+            Storage::Host(v) => &mut bytemuck::cast_slice_mut::<u128, u8>(v)[..n],
+            Storage::Cuda(_) => &mut [],
+        }
+    }
+
+    /// A writable view with another shape/strides over this tensor's memory (e.g. a column-major view of
+    /// scales stored transposed). Every addressed element must lie inside the tensor.
+    pub fn view_mut_strided(&mut self, shape: &[usize], strides: &[isize]) -> Result<TensorMut<'_>> {
+        let layout = Layout::new(shape, strides)?;
+        if layout.span_elems() > self.numel() {
+            return Err(Error::invalid("strides", 0, format!("{layout:?} reaches past the tensor's {} elements", self.numel())));
+        }
+        Ok(TensorMut { addr: self.addr(), location: self.location(), dtype: self.dtype, layout, _borrow: PhantomData })
+    }
+
+    /// The tensor's bytes, copied to the host if it lives on a device.
+    pub fn to_host_bytes(&self) -> Result<Vec<u8>> {
+        match &self.storage {
+            Storage::Host(v) => Ok(bytemuck::cast_slice::<u128, u8>(v)[..self.nbytes()].to_vec()),
+            Storage::Cuda(b) => {
+                let mut out = vec![0u8; self.nbytes()];
+                b.copy_to_host(&mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// A host copy of this tensor.
+    pub fn to_host(&self) -> Result<Tensor> {
+        let bytes = self.to_host_bytes()?;
+        let mut t = Tensor::zeros(self.dtype, self.shape())?;
+        t.host_bytes_mut().copy_from_slice(&bytes);
+        Ok(t)
+    }
+
+    /// The elements as a `Vec<T>` (copied to the host if needed). `T` must have the tensor's element size.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE.size_bytes() != self.dtype.size_bytes() {
+            return Err(Error::invalid("T", 0, format!("reading a {} tensor as {}", self.dtype, T::DTYPE)));
+        }
+        let bytes = self.to_host_bytes()?;
+        Ok(bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect())
+    }
+
+    /// The elements of a bool tensor.
+    pub fn to_bools(&self) -> Result<Vec<bool>> {
+        Ok(self.to_host_bytes()?.into_iter().map(|b| b != 0).collect())
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor({} {:?} on {})", self.dtype, self.shape(), self.location())
+    }
+}
