@@ -8,7 +8,9 @@ use crate::config::{BackendKind, BufferOptions};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::ht::{self, BufferFacts, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Routing};
+use crate::ht::{
+    self, BufferFacts, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Routing,
+};
 use crate::ll::{self, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 
@@ -214,9 +216,16 @@ impl Buffer {
         let (t, _) = ht::validate_layout(&topk_idx, num_experts, &f)?;
         let r = f.num_ranks;
         let expect = |arg, dtype, shape: &[usize], v: &TensorMut<'_>| {
-            crate::validate::Expect { arg, rank: f.rank, location: f.location, dtypes: &[dtype], shape: &shape.iter().map(|&d| Some(d)).collect::<Vec<_>>(), contiguous: true }
-                .view_mut(v)
-                .map(|_| ())
+            crate::validate::Expect {
+                arg,
+                rank: f.rank,
+                location: f.location,
+                dtypes: &[dtype],
+                shape: &shape.iter().map(|&d| Some(d)).collect::<Vec<_>>(),
+                contiguous: true,
+            }
+            .view_mut(v)
+            .map(|_| ())
         };
         expect("num_tokens_per_rank", DType::I32, &[r], &out.num_tokens_per_rank)?;
         expect("num_tokens_per_expert", DType::I32, &[num_experts], &out.num_tokens_per_expert)?;
@@ -268,7 +277,14 @@ impl Buffer {
             recv_topk_weights: w.as_mut().map(|t| t.view_mut()),
         };
         let handle = self.dispatch_into(plan, args, out)?;
-        Ok(DispatchResult { recv_x, recv_x_scales, recv_topk_idx: idx, recv_topk_weights: w, num_recv_tokens_per_expert: per_expert, handle })
+        Ok(DispatchResult {
+            recv_x,
+            recv_x_scales,
+            recv_topk_idx: idx,
+            recv_topk_weights: w,
+            num_recv_tokens_per_expert: per_expert,
+            handle,
+        })
     }
 
     /// Sums expert outputs back onto the tokens' home ranks (collective).
@@ -292,7 +308,11 @@ impl Buffer {
 
     /// Low-latency dispatch into caller-provided outputs (collective). With `return_recv_hook`, only the
     /// send phase runs; the returned hook runs the receive phase.
-    pub fn low_latency_dispatch_into<'a>(&mut self, args: &LlDispatchArgs<'_>, out: LlDispatchOutputs<'a>) -> Result<(LlHandle, Option<RecvHook<'a>>)> {
+    pub fn low_latency_dispatch_into<'a>(
+        &mut self,
+        args: &LlDispatchArgs<'_>,
+        out: LlDispatchOutputs<'a>,
+    ) -> Result<(LlHandle, Option<RecvHook<'a>>)> {
         let spec = ll::validate_ll_dispatch(args, &self.facts())?;
         ll::validate_ll_dispatch_outputs(&spec, &out, self.location())?;
         let id = self.id;
@@ -304,7 +324,11 @@ impl Buffer {
     pub fn low_latency_dispatch(&mut self, args: &LlDispatchArgs<'_>) -> Result<LlDispatchResult> {
         let spec = ll::validate_ll_dispatch(args, &self.facts())?;
         if args.return_recv_hook {
-            return Err(Error::invalid("return_recv_hook", spec.rank, "use low_latency_dispatch_into to keep the outputs borrowed until the hook runs"));
+            return Err(Error::invalid(
+                "return_recv_hook",
+                spec.rank,
+                "use low_latency_dispatch_into to keep the outputs borrowed until the hook runs",
+            ));
         }
         let (el, rows, cols) = (spec.num_local_experts(), spec.rows_per_expert(), spec.num_scale_cols());
         let mut recv_x = self.alloc(if spec.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, spec.hidden])?;
@@ -340,7 +364,11 @@ impl Buffer {
     pub fn low_latency_combine(&mut self, args: &LlCombineArgs<'_>) -> Result<Tensor> {
         let spec = ll::validate_ll_combine(args, &self.facts())?;
         if args.return_recv_hook {
-            return Err(Error::invalid("return_recv_hook", spec.ll.rank, "use low_latency_combine_into to keep the output borrowed until the hook runs"));
+            return Err(Error::invalid(
+                "return_recv_hook",
+                spec.ll.rank,
+                "use low_latency_combine_into to keep the output borrowed until the hook runs",
+            ));
         }
         let mut out = self.alloc(DType::BF16, &[spec.ll.num_tokens, spec.ll.hidden])?;
         self.low_latency_combine_into(args, LlCombineOutputs { combined_x: out.view_mut(), combine_wait_recv_cost_stats: None })?;

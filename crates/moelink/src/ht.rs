@@ -262,7 +262,8 @@ fn check_handle(h: &HtHandle, f: &BufferFacts) -> Result<()> {
 /// Validates the arguments of `get_dispatch_layout`; returns `(num_tokens, topk)`.
 pub(crate) fn validate_layout(topk_idx: &TensorRef<'_>, num_experts: usize, f: &BufferFacts) -> Result<(usize, usize)> {
     let r = f.rank;
-    let shape = Expect { arg: "topk_idx", rank: r, location: f.location, dtypes: &[DType::I64], shape: &[None, None], contiguous: false }.view(topk_idx)?;
+    let shape = Expect { arg: "topk_idx", rank: r, location: f.location, dtypes: &[DType::I64], shape: &[None, None], contiguous: false }
+        .view(topk_idx)?;
     let (t, k) = (shape[0], shape[1]);
     check_num_experts(num_experts, f)?;
     if let Some(idx) = read_i64_matrix(topk_idx) {
@@ -273,7 +274,11 @@ pub(crate) fn validate_layout(topk_idx: &TensorRef<'_>, num_experts: usize, f: &
 
 pub(crate) fn check_num_experts(num_experts: usize, f: &BufferFacts) -> Result<()> {
     if num_experts == 0 || num_experts % f.num_ranks != 0 {
-        return Err(Error::invalid("num_experts", f.rank, format!("{num_experts} is not a positive multiple of the {} ranks", f.num_ranks)));
+        return Err(Error::invalid(
+            "num_experts",
+            f.rank,
+            format!("{num_experts} is not a positive multiple of the {} ranks", f.num_ranks),
+        ));
     }
     Ok(())
 }
@@ -298,24 +303,66 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
         if hidden % FP8_BLOCK != 0 {
             return Err(Error::invalid("x", r, format!("FP8 hidden {hidden} must be a multiple of {FP8_BLOCK}")));
         }
-        Expect { arg: "x_scales", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(num_tokens), Some(hidden / FP8_BLOCK)], contiguous: false }.view(&scales)?;
+        Expect {
+            arg: "x_scales",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::F32],
+            shape: &[Some(num_tokens), Some(hidden / FP8_BLOCK)],
+            contiguous: false,
+        }
+        .view(&scales)?;
     }
     if a.expert_alignment == 0 {
         return Err(Error::invalid("expert_alignment", r, "must be at least 1"));
     }
     let (num_experts, topk, has_topk) = match a.routing {
         Routing::Fresh { layout, topk_idx, topk_weights } => {
-            Expect { arg: "num_tokens_per_rank", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(f.num_ranks)], contiguous: true }.view(&layout.num_tokens_per_rank)?;
-            let e = Expect { arg: "num_tokens_per_expert", rank: r, location: loc, dtypes: &[DType::I32], shape: &[None], contiguous: true }.view(&layout.num_tokens_per_expert)?[0];
+            Expect {
+                arg: "num_tokens_per_rank",
+                rank: r,
+                location: loc,
+                dtypes: &[DType::I32],
+                shape: &[Some(f.num_ranks)],
+                contiguous: true,
+            }
+            .view(&layout.num_tokens_per_rank)?;
+            let e =
+                Expect { arg: "num_tokens_per_expert", rank: r, location: loc, dtypes: &[DType::I32], shape: &[None], contiguous: true }
+                    .view(&layout.num_tokens_per_expert)?[0];
             check_num_experts(e, f).map_err(|err| match err {
                 Error::InvalidArgument { rank, reason, .. } => Error::InvalidArgument { arg: "num_tokens_per_expert", rank, reason },
                 other => other,
             })?;
-            Expect { arg: "is_token_in_rank", rank: r, location: loc, dtypes: &[DType::Bool], shape: &[Some(num_tokens), Some(f.num_ranks)], contiguous: true }.view(&layout.is_token_in_rank)?;
+            Expect {
+                arg: "is_token_in_rank",
+                rank: r,
+                location: loc,
+                dtypes: &[DType::Bool],
+                shape: &[Some(num_tokens), Some(f.num_ranks)],
+                contiguous: true,
+            }
+            .view(&layout.is_token_in_rank)?;
             match (topk_idx, topk_weights) {
                 (Some(idx), Some(w)) => {
-                    let k = Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(num_tokens), None], contiguous: true }.view(&idx)?[1];
-                    Expect { arg: "topk_weights", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(num_tokens), Some(k)], contiguous: true }.view(&w)?;
+                    let k = Expect {
+                        arg: "topk_idx",
+                        rank: r,
+                        location: loc,
+                        dtypes: &[DType::I64],
+                        shape: &[Some(num_tokens), None],
+                        contiguous: true,
+                    }
+                    .view(&idx)?[1];
+                    Expect {
+                        arg: "topk_weights",
+                        rank: r,
+                        location: loc,
+                        dtypes: &[DType::F32],
+                        shape: &[Some(num_tokens), Some(k)],
+                        contiguous: true,
+                    }
+                    .view(&w)?;
                     if let Some(v) = read_i64_matrix(&idx) {
                         check_topk_values(&v, k, e, "topk_idx", r)?;
                     }
@@ -338,7 +385,19 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
         Routing::Cached(h) => h.num_worst_tokens,
         Routing::Fresh { .. } => a.num_worst_tokens,
     };
-    Ok(HtSpec { rank: r, num_ranks: f.num_ranks, num_tokens, hidden, num_experts, topk, has_topk, fp8, expert_alignment: a.expert_alignment, num_worst_tokens, num_sms })
+    Ok(HtSpec {
+        rank: r,
+        num_ranks: f.num_ranks,
+        num_tokens,
+        hidden,
+        num_experts,
+        topk,
+        has_topk,
+        fp8,
+        expert_alignment: a.expert_alignment,
+        num_worst_tokens,
+        num_sms,
+    })
 }
 
 /// Validates dispatch outputs against a plan.
@@ -346,10 +405,19 @@ pub(crate) fn validate_dispatch_outputs(p: &DispatchPlan, o: &DispatchOutputs<'_
     let s = &p.spec;
     let (r, n) = (s.rank, p.num_recv_rows());
     let xd = if s.fp8 { DType::Fp8E4M3 } else { DType::BF16 };
-    Expect { arg: "recv_x", rank: r, location: loc, dtypes: &[xd], shape: &[Some(n), Some(s.hidden)], contiguous: true }.view_mut(&o.recv_x)?;
+    Expect { arg: "recv_x", rank: r, location: loc, dtypes: &[xd], shape: &[Some(n), Some(s.hidden)], contiguous: true }
+        .view_mut(&o.recv_x)?;
     match (&o.recv_scales, s.fp8) {
         (Some(t), true) => {
-            Expect { arg: "recv_x_scales", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(n), Some(s.num_scales())], contiguous: true }.view_mut(t)?;
+            Expect {
+                arg: "recv_x_scales",
+                rank: r,
+                location: loc,
+                dtypes: &[DType::F32],
+                shape: &[Some(n), Some(s.num_scales())],
+                contiguous: true,
+            }
+            .view_mut(t)?;
         }
         (None, true) => return Err(Error::invalid("recv_x_scales", r, "FP8 dispatch needs a scales output")),
         (Some(_), false) => return Err(Error::invalid("recv_x_scales", r, "BF16 dispatch has no scales output")),
@@ -375,12 +443,14 @@ pub(crate) fn validate_combine(a: &CombineArgs<'_>, f: &BufferFacts) -> Result<C
     let num_sms = check_config(&a.config, f)?;
     check_handle(a.handle, f)?;
     let n = a.handle.num_recv_rows();
-    let hidden = Expect { arg: "x", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(n), None], contiguous: true }.view(&a.x)?[1];
+    let hidden =
+        Expect { arg: "x", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(n), None], contiguous: true }.view(&a.x)?[1];
     if hidden == 0 || (hidden * 2) % 16 != 0 {
         return Err(Error::invalid("x", r, format!("hidden {hidden}: row bytes must be a positive multiple of 16")));
     }
     let topk = match &a.topk_weights {
-        Some(w) => Expect { arg: "topk_weights", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(n), None], contiguous: true }.view(w)?[1],
+        Some(w) => Expect { arg: "topk_weights", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(n), None], contiguous: true }
+            .view(w)?[1],
         None => 0,
     };
     let t = a.handle.num_tokens;
@@ -390,7 +460,8 @@ pub(crate) fn validate_combine(a: &CombineArgs<'_>, f: &BufferFacts) -> Result<C
             if i != num_bias {
                 return Err(Error::invalid("bias", r, "bias[1] given without bias[0]"));
             }
-            Expect { arg: "bias", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(t), Some(hidden)], contiguous: true }.view(b)?;
+            Expect { arg: "bias", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(t), Some(hidden)], contiguous: true }
+                .view(b)?;
             num_bias += 1;
         }
     }
@@ -400,10 +471,26 @@ pub(crate) fn validate_combine(a: &CombineArgs<'_>, f: &BufferFacts) -> Result<C
 /// Validates combine outputs.
 pub(crate) fn validate_combine_outputs(s: &CombineSpec, o: &CombineOutputs<'_>, loc: Location) -> Result<()> {
     let r = s.rank;
-    Expect { arg: "combined_x", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(s.num_tokens), Some(s.hidden)], contiguous: true }.view_mut(&o.combined_x)?;
+    Expect {
+        arg: "combined_x",
+        rank: r,
+        location: loc,
+        dtypes: &[DType::BF16],
+        shape: &[Some(s.num_tokens), Some(s.hidden)],
+        contiguous: true,
+    }
+    .view_mut(&o.combined_x)?;
     match (&o.combined_topk_weights, s.topk) {
         (Some(t), k) if k > 0 => {
-            Expect { arg: "combined_topk_weights", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(s.num_tokens), Some(k)], contiguous: true }.view_mut(t)?;
+            Expect {
+                arg: "combined_topk_weights",
+                rank: r,
+                location: loc,
+                dtypes: &[DType::F32],
+                shape: &[Some(s.num_tokens), Some(k)],
+                contiguous: true,
+            }
+            .view_mut(t)?;
         }
         (None, 0) => {}
         (None, _) => return Err(Error::invalid("combined_topk_weights", r, "combine with topk_weights needs this output")),

@@ -36,6 +36,7 @@
 mod backend;
 pub mod buffer;
 pub mod config;
+pub mod diag;
 pub mod dtype;
 pub mod error;
 pub mod fp8;

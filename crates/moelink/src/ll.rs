@@ -185,7 +185,11 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
         return Err(Error::invalid("num_max_dispatch_tokens_per_rank", r, "must be at least 1"));
     }
     if num_tokens > a.num_max_dispatch_tokens_per_rank {
-        return Err(Error::invalid("x", r, format!("{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank = {}", a.num_max_dispatch_tokens_per_rank)));
+        return Err(Error::invalid(
+            "x",
+            r,
+            format!("{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank = {}", a.num_max_dispatch_tokens_per_rank),
+        ));
     }
     let group = match a.quant {
         LlQuant::Bf16 => 8,
@@ -195,9 +199,19 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
     if hidden == 0 || hidden % group != 0 {
         return Err(Error::invalid("x", r, format!("hidden {hidden} must be a positive multiple of {group} for this dispatch mode")));
     }
-    let topk = Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(num_tokens), None], contiguous: true }.view(&a.topk_idx)?[1];
+    let topk =
+        Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(num_tokens), None], contiguous: true }
+            .view(&a.topk_idx)?[1];
     if let Some(w) = &a.topk_weights {
-        Expect { arg: "topk_weights", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(num_tokens), Some(topk)], contiguous: true }.view(w)?;
+        Expect {
+            arg: "topk_weights",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::F32],
+            shape: &[Some(num_tokens), Some(topk)],
+            contiguous: true,
+        }
+        .view(w)?;
     }
     if let Some(v) = read_i64_matrix(&a.topk_idx) {
         check_topk_values(&v, topk, a.num_experts, "topk_idx", r)?;
@@ -220,7 +234,8 @@ pub(crate) fn validate_ll_dispatch_outputs(s: &LlSpec, o: &LlDispatchOutputs<'_>
     let r = s.rank;
     let (el, rows) = (s.num_local_experts(), s.rows_per_expert());
     let xd = if s.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 };
-    Expect { arg: "recv_x", rank: r, location: loc, dtypes: &[xd], shape: &[Some(el), Some(rows), Some(s.hidden)], contiguous: true }.view_mut(&o.recv_x)?;
+    Expect { arg: "recv_x", rank: r, location: loc, dtypes: &[xd], shape: &[Some(el), Some(rows), Some(s.hidden)], contiguous: true }
+        .view_mut(&o.recv_x)?;
     match (&o.recv_scales, s.quant) {
         (None, LlQuant::Bf16) => {}
         (Some(_), LlQuant::Bf16) => return Err(Error::invalid("recv_x_scales", r, "a BF16 dispatch has no scales output")),
@@ -228,19 +243,51 @@ pub(crate) fn validate_ll_dispatch_outputs(s: &LlSpec, o: &LlDispatchOutputs<'_>
         (Some(t), LlQuant::Fp8 { use_ue8m0, .. }) => {
             let dt = if use_ue8m0 { DType::I32 } else { DType::F32 };
             let cols = s.num_scale_cols();
-            Expect { arg: "recv_x_scales", rank: r, location: loc, dtypes: &[dt], shape: &[Some(el), Some(rows), Some(cols)], contiguous: false }.view_mut(t)?;
+            Expect {
+                arg: "recv_x_scales",
+                rank: r,
+                location: loc,
+                dtypes: &[dt],
+                shape: &[Some(el), Some(rows), Some(cols)],
+                contiguous: false,
+            }
+            .view_mut(t)?;
             let want = [(cols * rows) as isize, 1, rows as isize];
             if el > 0 && rows > 0 && cols > 0 && t.strides() != want {
-                return Err(Error::invalid("recv_x_scales", r, format!("strides {:?}, expected column-major {want:?} (allocate [E_local, {cols}, {rows}] and transpose the last two dims)", t.strides())));
+                return Err(Error::invalid(
+                    "recv_x_scales",
+                    r,
+                    format!(
+                        "strides {:?}, expected column-major {want:?} (allocate [E_local, {cols}, {rows}] and transpose the last two dims)",
+                        t.strides()
+                    ),
+                ));
             }
         }
     }
-    Expect { arg: "recv_count", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(el)], contiguous: true }.view_mut(&o.recv_count)?;
+    Expect { arg: "recv_count", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(el)], contiguous: true }
+        .view_mut(&o.recv_count)?;
     if let Some(t) = &o.cumulative_local_expert_recv_stats {
-        Expect { arg: "cumulative_local_expert_recv_stats", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(el)], contiguous: true }.view_mut(t)?;
+        Expect {
+            arg: "cumulative_local_expert_recv_stats",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::I32],
+            shape: &[Some(el)],
+            contiguous: true,
+        }
+        .view_mut(t)?;
     }
     if let Some(t) = &o.dispatch_wait_recv_cost_stats {
-        Expect { arg: "dispatch_wait_recv_cost_stats", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(s.num_ranks)], contiguous: true }.view_mut(t)?;
+        Expect {
+            arg: "dispatch_wait_recv_cost_stats",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::I64],
+            shape: &[Some(s.num_ranks)],
+            contiguous: true,
+        }
+        .view_mut(t)?;
     }
     Ok(())
 }
@@ -253,10 +300,27 @@ pub(crate) fn validate_ll_combine(a: &LlCombineArgs<'_>, f: &BufferFacts) -> Res
     }
     let s = h.spec;
     if !a.zero_copy {
-        Expect { arg: "x", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(s.num_local_experts()), Some(s.rows_per_expert()), Some(s.hidden)], contiguous: true }.view(&a.x)?;
+        Expect {
+            arg: "x",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::BF16],
+            shape: &[Some(s.num_local_experts()), Some(s.rows_per_expert()), Some(s.hidden)],
+            contiguous: true,
+        }
+        .view(&a.x)?;
     }
-    Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(s.num_tokens), Some(s.topk)], contiguous: true }.view(&a.topk_idx)?;
-    Expect { arg: "topk_weights", rank: r, location: loc, dtypes: &[DType::F32], shape: &[Some(s.num_tokens), Some(s.topk)], contiguous: true }.view(&a.topk_weights)?;
+    Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(s.num_tokens), Some(s.topk)], contiguous: true }
+        .view(&a.topk_idx)?;
+    Expect {
+        arg: "topk_weights",
+        rank: r,
+        location: loc,
+        dtypes: &[DType::F32],
+        shape: &[Some(s.num_tokens), Some(s.topk)],
+        contiguous: true,
+    }
+    .view(&a.topk_weights)?;
     if let Some(v) = read_i64_matrix(&a.topk_idx) {
         check_topk_values(&v, s.topk, s.num_experts, "topk_idx", r)?;
     }
@@ -265,9 +329,25 @@ pub(crate) fn validate_ll_combine(a: &LlCombineArgs<'_>, f: &BufferFacts) -> Res
 
 pub(crate) fn validate_ll_combine_outputs(s: &LlCombineSpec, o: &LlCombineOutputs<'_>, loc: Location) -> Result<()> {
     let r = s.ll.rank;
-    Expect { arg: "out", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(s.ll.num_tokens), Some(s.ll.hidden)], contiguous: true }.view_mut(&o.combined_x)?;
+    Expect {
+        arg: "out",
+        rank: r,
+        location: loc,
+        dtypes: &[DType::BF16],
+        shape: &[Some(s.ll.num_tokens), Some(s.ll.hidden)],
+        contiguous: true,
+    }
+    .view_mut(&o.combined_x)?;
     if let Some(t) = &o.combine_wait_recv_cost_stats {
-        Expect { arg: "combine_wait_recv_cost_stats", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(s.ll.num_ranks)], contiguous: true }.view_mut(t)?;
+        Expect {
+            arg: "combine_wait_recv_cost_stats",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::I64],
+            shape: &[Some(s.ll.num_ranks)],
+            contiguous: true,
+        }
+        .view_mut(t)?;
     }
     Ok(())
 }

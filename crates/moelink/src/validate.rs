@@ -33,7 +33,11 @@ impl Expect<'_> {
         for (i, (&got, want)) in shape.iter().zip(self.shape).enumerate() {
             if let Some(w) = want {
                 if got != *w {
-                    return Err(Error::invalid(arg, rank, format!("shape is {shape:?}, expected {} (dimension {i})", fmt_shape(self.shape))));
+                    return Err(Error::invalid(
+                        arg,
+                        rank,
+                        format!("shape is {shape:?}, expected {} (dimension {i})", fmt_shape(self.shape)),
+                    ));
                 }
             }
         }

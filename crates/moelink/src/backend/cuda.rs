@@ -65,7 +65,12 @@ impl Backend for CudaBackend {
     fn combine(&mut self, _s: CombineSpec, _a: &CombineArgs<'_>, _o: CombineOutputs<'_>) -> Result<()> {
         self.unavailable()
     }
-    fn ll_dispatch<'a>(&mut self, _s: LlSpec, _a: &LlDispatchArgs<'_>, _o: LlDispatchOutputs<'a>) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
+    fn ll_dispatch<'a>(
+        &mut self,
+        _s: LlSpec,
+        _a: &LlDispatchArgs<'_>,
+        _o: LlDispatchOutputs<'a>,
+    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
         self.unavailable()
     }
     fn ll_combine<'a>(&mut self, _s: LlCombineSpec, _a: &LlCombineArgs<'_>, _o: LlCombineOutputs<'a>) -> Result<Option<AnyPending<'a>>> {

@@ -53,8 +53,18 @@ pub(crate) trait Backend: Send {
     fn combine(&mut self, spec: CombineSpec, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()>;
 
     /// Low-latency dispatch. Returns the handle data and, with `return_recv_hook`, the pending receive.
-    fn ll_dispatch<'a>(&mut self, spec: LlSpec, args: &LlDispatchArgs<'_>, out: LlDispatchOutputs<'a>) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)>;
-    fn ll_combine<'a>(&mut self, spec: LlCombineSpec, args: &LlCombineArgs<'_>, out: LlCombineOutputs<'a>) -> Result<Option<PendingRecv<'a>>>;
+    fn ll_dispatch<'a>(
+        &mut self,
+        spec: LlSpec,
+        args: &LlDispatchArgs<'_>,
+        out: LlDispatchOutputs<'a>,
+    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)>;
+    fn ll_combine<'a>(
+        &mut self,
+        spec: LlCombineSpec,
+        args: &LlCombineArgs<'_>,
+        out: LlCombineOutputs<'a>,
+    ) -> Result<Option<PendingRecv<'a>>>;
     fn run_recv(&mut self, pending: PendingRecv<'_>) -> Result<()>;
     /// The buffer the next low-latency combine sends from (`[E_local, R*T_max, H]` bf16).
     fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>>;

@@ -52,7 +52,9 @@ pub trait Group: Send + Sync {
         let me = self.rank();
         all.iter()
             .enumerate()
-            .map(|(src, p)| unpack_nth(p, me).ok_or_else(|| Error::Group { rank: me, reason: format!("malformed all_to_all message from rank {src}") }))
+            .map(|(src, p)| {
+                unpack_nth(p, me).ok_or_else(|| Error::Group { rank: me, reason: format!("malformed all_to_all message from rank {src}") })
+            })
             .collect()
     }
     /// Returns once every rank has entered.
@@ -93,7 +95,10 @@ pub fn check_agreement(group: &dyn Group, items: &[(&'static str, u64)]) -> Resu
     let me = group.rank();
     for (peer, theirs) in all.iter().enumerate() {
         if theirs.len() != mine.len() {
-            return Err(Error::Group { rank: me, reason: format!("rank {peer} sent {} bytes of call signature, expected {}", theirs.len(), mine.len()) });
+            return Err(Error::Group {
+                rank: me,
+                reason: format!("rank {peer} sent {} bytes of call signature, expected {}", theirs.len(), mine.len()),
+            });
         }
         for (i, (name, ours)) in items.iter().enumerate() {
             let t = u64::from_le_bytes(theirs[8 * i..8 * i + 8].try_into().expect("8-byte chunk"));

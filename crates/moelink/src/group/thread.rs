@@ -184,10 +184,7 @@ mod tests {
     fn a_missing_rank_is_a_timeout_naming_it() {
         let groups = ThreadGroup::with_timeout(3, Duration::from_millis(200));
         let out: Vec<Result<()>> = std::thread::scope(|s| {
-            let hs: Vec<_> = groups
-                .into_iter()
-                .map(|g| s.spawn(move || if g.rank() == 2 { Ok(()) } else { g.barrier() }))
-                .collect();
+            let hs: Vec<_> = groups.into_iter().map(|g| s.spawn(move || if g.rank() == 2 { Ok(()) } else { g.barrier() })).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let mut saw_timeout = false;

@@ -40,7 +40,8 @@ pub(crate) fn dispatch_layout(b: &mut HostBackend, topk_idx: &TensorRef<'_>, num
     let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     let l = layout::dispatch_layout(&idx, t, k, num_experts, b.group.size());
     output_bytes(&mut out.num_tokens_per_rank, "num_tokens_per_rank", rank)?.copy_from_slice(bytemuck::cast_slice(&l.num_tokens_per_rank));
-    output_bytes(&mut out.num_tokens_per_expert, "num_tokens_per_expert", rank)?.copy_from_slice(bytemuck::cast_slice(&l.num_tokens_per_expert));
+    output_bytes(&mut out.num_tokens_per_expert, "num_tokens_per_expert", rank)?
+        .copy_from_slice(bytemuck::cast_slice(&l.num_tokens_per_expert));
     output_bytes(&mut out.is_token_in_rank, "is_token_in_rank", rank)?.copy_from_slice(bytemuck::cast_slice(&l.is_token_in_rank));
     Ok(())
 }
@@ -79,15 +80,21 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
         }
         Routing::Fresh { layout: l, .. } => {
             agree(b, &s, false)?;
-            let per_rank: Vec<i32> = read_matrix(&l.num_tokens_per_rank).ok_or_else(|| Error::invalid("num_tokens_per_rank", rank, "needs a host tensor"))?;
-            let per_expert: Vec<i32> = read_matrix(&l.num_tokens_per_expert).ok_or_else(|| Error::invalid("num_tokens_per_expert", rank, "needs a host tensor"))?;
+            let per_rank: Vec<i32> =
+                read_matrix(&l.num_tokens_per_rank).ok_or_else(|| Error::invalid("num_tokens_per_rank", rank, "needs a host tensor"))?;
+            let per_expert: Vec<i32> = read_matrix(&l.num_tokens_per_expert)
+                .ok_or_else(|| Error::invalid("num_tokens_per_expert", rank, "needs a host tensor"))?;
             let in_rank: Vec<bool> = input_bytes(&l.is_token_in_rank, "is_token_in_rank", rank)?.iter().map(|&v| v != 0).collect();
             let send_slot = layout::send_slots(&in_rank, s.num_tokens, nr);
             // The layout tensors must describe the tokens: count what is_token_in_rank says we send.
             for r in 0..nr {
                 let sent = (0..s.num_tokens).filter(|&t| in_rank[t * nr + r]).count();
                 if sent != per_rank[r] as usize {
-                    return Err(Error::invalid("num_tokens_per_rank", rank, format!("says {} tokens go to rank {r}, is_token_in_rank says {sent}", per_rank[r])));
+                    return Err(Error::invalid(
+                        "num_tokens_per_rank",
+                        rank,
+                        format!("says {} tokens go to rank {r}, is_token_in_rank says {sent}", per_rank[r]),
+                    ));
                 }
             }
             // Notify: send each rank its count and its experts' counts.
@@ -141,7 +148,12 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
     } else {
         routing.num_recv_tokens_per_expert_raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect()
     };
-    Ok(DispatchPlan { spec: s, num_recv_tokens: Some(n), num_recv_tokens_per_expert: per_expert_aligned, state: Box::new(HostPlan { routing }) })
+    Ok(DispatchPlan {
+        spec: s,
+        num_recv_tokens: Some(n),
+        num_recv_tokens_per_expert: per_expert_aligned,
+        state: Box::new(HostPlan { routing }),
+    })
 }
 
 /// Bytes of one packed row: payload, scales, top-k ids (i64) and weights (f32), source token index (i32).
@@ -149,7 +161,12 @@ fn packed_row_bytes(s: &HtSpec) -> usize {
     s.x_row_bytes() + 4 * s.num_scales() + 12 * s.topk + 4
 }
 
-pub(crate) fn dispatch(b: &mut HostBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, mut out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+pub(crate) fn dispatch(
+    b: &mut HostBackend,
+    plan: DispatchPlan,
+    a: &DispatchArgs<'_>,
+    mut out: DispatchOutputs<'_>,
+) -> Result<HtDispatched> {
     let s = plan.spec;
     let rank = s.rank;
     let nr = s.num_ranks;
@@ -254,7 +271,8 @@ pub(crate) fn dispatch(b: &mut HostBackend, plan: DispatchPlan, a: &DispatchArgs
 pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, mut out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
     let nr = s.num_ranks;
-    let routing = a.handle.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
+    let routing =
+        a.handle.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
     check_agreement(b.group.as_ref(), &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
     let x = input_bytes(&a.x, "x", rank)?;
     let w: Option<Vec<f32>> = a.topk_weights.as_ref().and_then(read_matrix);

@@ -32,10 +32,20 @@ fn todo_err(b: &HostBackend) -> Error {
     Error::Unavailable(format!("rank {}: host low-latency path not implemented yet", b.rank()))
 }
 
-pub(crate) fn dispatch<'a>(b: &mut HostBackend, _s: LlSpec, _a: &LlDispatchArgs<'_>, _o: LlDispatchOutputs<'a>) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
+pub(crate) fn dispatch<'a>(
+    b: &mut HostBackend,
+    _s: LlSpec,
+    _a: &LlDispatchArgs<'_>,
+    _o: LlDispatchOutputs<'a>,
+) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
     Err(todo_err(b))
 }
-pub(crate) fn combine<'a>(b: &mut HostBackend, _s: LlCombineSpec, _a: &LlCombineArgs<'_>, _o: LlCombineOutputs<'a>) -> Result<Option<PendingRecv<'a>>> {
+pub(crate) fn combine<'a>(
+    b: &mut HostBackend,
+    _s: LlCombineSpec,
+    _a: &LlCombineArgs<'_>,
+    _o: LlCombineOutputs<'a>,
+) -> Result<Option<PendingRecv<'a>>> {
     Err(todo_err(b))
 }
 pub(crate) fn finish_dispatch(b: &mut HostBackend, _p: PendingDispatch<'_>) -> Result<()> {

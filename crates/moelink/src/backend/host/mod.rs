@@ -87,10 +87,20 @@ impl Backend for HostBackend {
         ht::combine(self, spec, args, out)
     }
 
-    fn ll_dispatch<'a>(&mut self, spec: LlSpec, args: &LlDispatchArgs<'_>, out: LlDispatchOutputs<'a>) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
+    fn ll_dispatch<'a>(
+        &mut self,
+        spec: LlSpec,
+        args: &LlDispatchArgs<'_>,
+        out: LlDispatchOutputs<'a>,
+    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
         ll::dispatch(self, spec, args, out)
     }
-    fn ll_combine<'a>(&mut self, spec: LlCombineSpec, args: &LlCombineArgs<'_>, out: LlCombineOutputs<'a>) -> Result<Option<PendingRecv<'a>>> {
+    fn ll_combine<'a>(
+        &mut self,
+        spec: LlCombineSpec,
+        args: &LlCombineArgs<'_>,
+        out: LlCombineOutputs<'a>,
+    ) -> Result<Option<PendingRecv<'a>>> {
         ll::combine(self, spec, args, out)
     }
     fn run_recv(&mut self, pending: PendingRecv<'_>) -> Result<()> {
