@@ -44,7 +44,12 @@ pub fn max_ranks(kind: BackendKind) -> usize {
 }
 
 /// Runs `f` on `num_ranks` threads, each with a fresh buffer of `kind`; panics with the first rank error.
-pub fn with_buffers<T: Send>(kind: BackendKind, num_ranks: usize, opts: BufferOptions, f: impl Fn(&mut Buffer) -> Result<T> + Sync) -> Vec<T> {
+pub fn with_buffers<T: Send>(
+    kind: BackendKind,
+    num_ranks: usize,
+    opts: BufferOptions,
+    f: impl Fn(&mut Buffer) -> Result<T> + Sync,
+) -> Vec<T> {
     let out = run_ranks(num_ranks, |g: ThreadGroup| {
         let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: kind, ..opts.clone() })?;
         f(&mut buf)

@@ -352,17 +352,3 @@ pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     }
     Ok(())
 }
-
-impl HostHtRouting {
-    /// Number of rows received from `src`.
-    #[allow(dead_code)]
-    pub fn recv_count(&self, src: usize) -> usize {
-        self.recv_counts[src]
-    }
-}
-
-#[allow(dead_code)]
-fn _assert_send_sync() {
-    fn f<T: Send + Sync>() {}
-    f::<HostHtRouting>();
-}

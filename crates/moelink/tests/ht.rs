@@ -1,0 +1,341 @@
+//! High-throughput dispatch/combine: one body per backend, checked against references computed here from
+//! every rank's (seeded, regenerable) inputs.
+
+mod common;
+
+use common::*;
+use moelink::{bf16, BackendKind, Buffer, CombineArgs, DispatchArgs, Fp8E4M3, Payload, Result, Routing, Tensor};
+
+/// Everything one rank feeds into a dispatch, regenerable by any rank from (seed, rank).
+struct Inputs {
+    x: Vec<bf16>,
+    x_fp8: Vec<Fp8E4M3>,
+    scales: Vec<f32>,
+    topk_idx: Vec<i64>,
+    topk_w: Vec<f32>,
+}
+
+#[derive(Clone, Copy)]
+struct Case {
+    ranks: usize,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    routing: RoutingKind,
+    seed: u64,
+}
+
+impl Case {
+    fn inputs(&self, rank: usize) -> Inputs {
+        let mut rng = Rng::new(self.seed * 1000 + rank as u64);
+        // Tokens per rank vary (rank r has tokens - r, at least 0) so counts differ across ranks.
+        let t = self.tokens_of(rank);
+        let x: Vec<bf16> = (0..t * self.hidden).map(|_| bf16::from_f32((rng.below(17) as f32) - 8.0)).collect();
+        let x_fp8: Vec<Fp8E4M3> = (0..t * self.hidden).map(|_| Fp8E4M3(rng.next_u64() as u8 & 0x7e)).collect();
+        let scales: Vec<f32> = (0..t * (self.hidden / 128)).map(|_| rng.uniform() as f32).collect();
+        let topk_idx = routing(&mut rng, self.routing, t, self.topk, self.experts, self.ranks);
+        let topk_w = random_weights(&mut rng, t * self.topk);
+        Inputs { x, x_fp8, scales, topk_idx, topk_w }
+    }
+    fn tokens_of(&self, rank: usize) -> usize {
+        self.tokens.saturating_sub(rank % 2)
+    }
+    fn el(&self) -> usize {
+        self.experts / self.ranks
+    }
+    fn hits(&self, inp: &Inputs, t: usize, r: usize) -> bool {
+        inp.topk_idx[t * self.topk..(t + 1) * self.topk].iter().any(|&e| e >= 0 && e as usize / self.el() == r)
+    }
+}
+
+/// The rows rank `me` must receive, in order: (source rank, source token).
+fn expected_rows(c: &Case, all: &[Inputs], me: usize) -> Vec<(usize, usize)> {
+    let mut rows = Vec::new();
+    for (s, inp) in all.iter().enumerate() {
+        for t in 0..c.tokens_of(s) {
+            if c.hits(inp, t, me) {
+                rows.push((s, t));
+            }
+        }
+    }
+    rows
+}
+
+fn run_dispatch_case(kind: BackendKind, c: Case, fp8: bool, with_topk: bool, alignment: usize) {
+    let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
+    let results = with_buffers(kind, c.ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let inp = &all[me];
+        let t = c.tokens_of(me);
+        let x = on(buf, Tensor::from_vec(inp.x.clone(), &[t, c.hidden])?);
+        let x8 = on(buf, Tensor::from_vec(inp.x_fp8.clone(), &[t, c.hidden])?);
+        let sc = on(buf, Tensor::from_vec(inp.scales.clone(), &[t, c.hidden / 128])?);
+        let idx = on(buf, Tensor::from_vec(inp.topk_idx.clone(), &[t, c.topk])?);
+        let w = on(buf, Tensor::from_vec(inp.topk_w.clone(), &[t, c.topk])?);
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let payload = if fp8 { Payload::Fp8 { x: x8.view(), scales: sc.view() } } else { Payload::Bf16(x.view()) };
+        let args = DispatchArgs {
+            x: payload,
+            routing: Routing::Fresh {
+                layout: layout.as_ref(),
+                topk_idx: with_topk.then(|| idx.view()),
+                topk_weights: with_topk.then(|| w.view()),
+            },
+            expert_alignment: alignment,
+            num_worst_tokens: 0,
+            config: None,
+        };
+        let out = buf.dispatch(&args)?;
+        // Cached dispatch with the same routing must give the same rows.
+        let cached = buf.dispatch(&DispatchArgs { routing: Routing::Cached(&out.handle), ..args })?;
+        let same = cached.recv_x.to_host_bytes()? == out.recv_x.to_host_bytes()?;
+        Ok((
+            out.recv_x.to_host_bytes()?,
+            out.recv_x_scales.map(|s| s.to_vec::<f32>()).transpose()?,
+            out.recv_topk_idx.map(|s| s.to_vec::<i64>()).transpose()?,
+            out.recv_topk_weights.map(|s| s.to_vec::<f32>()).transpose()?,
+            out.num_recv_tokens_per_expert,
+            layout.num_tokens_per_rank.to_vec::<i32>()?,
+            same,
+        ))
+    });
+    for (me, (rx, rs, ri, rw, per_expert, per_rank, cached_same)) in results.into_iter().enumerate() {
+        let rows = expected_rows(&c, &all, me);
+        let rb = c.hidden * if fp8 { 1 } else { 2 };
+        assert_eq!(rx.len(), rows.len() * rb, "rank {me}: received row count");
+        assert!(cached_same, "rank {me}: cached dispatch differs from fresh");
+        // num_tokens_per_rank counts each token once per destination.
+        let want_per_rank: Vec<i32> =
+            (0..c.ranks).map(|r| (0..c.tokens_of(me)).filter(|&t| c.hits(&all[me], t, r)).count() as i32).collect();
+        assert_eq!(per_rank, want_per_rank, "rank {me}: num_tokens_per_rank");
+        let mut counts = vec![0usize; c.el()];
+        for (i, &(s, t)) in rows.iter().enumerate() {
+            let src = &all[s];
+            let want: Vec<u8> = if fp8 {
+                src.x_fp8[t * c.hidden..(t + 1) * c.hidden].iter().map(|v| v.0).collect()
+            } else {
+                bytemuck::cast_slice(&src.x[t * c.hidden..(t + 1) * c.hidden]).to_vec()
+            };
+            assert_eq!(&rx[i * rb..(i + 1) * rb], &want[..], "rank {me}: row {i} (from rank {s} token {t})");
+            if let Some(rs) = &rs {
+                let ns = c.hidden / 128;
+                assert_eq!(&rs[i * ns..(i + 1) * ns], &src.scales[t * ns..(t + 1) * ns], "rank {me}: scales of row {i}");
+            }
+            for k in 0..c.topk {
+                let e = src.topk_idx[t * c.topk + k];
+                let local = if e >= 0 && e as usize / c.el() == me { e - (me * c.el()) as i64 } else { -1 };
+                if local >= 0 {
+                    counts[local as usize] += 1;
+                }
+                if let (Some(ri), Some(rw)) = (&ri, &rw) {
+                    assert_eq!(ri[i * c.topk + k], local, "rank {me}: topk_idx of row {i} slot {k}");
+                    let wv = if local >= 0 { src.topk_w[t * c.topk + k] } else { 0.0 };
+                    assert_eq!(rw[i * c.topk + k].to_bits(), wv.to_bits(), "rank {me}: weight of row {i} slot {k}");
+                }
+            }
+        }
+        let want: Vec<usize> = counts.iter().map(|&n| n.div_ceil(alignment) * alignment).collect();
+        assert_eq!(per_expert, want, "rank {me}: num_recv_tokens_per_expert");
+    }
+}
+
+/// Combine of identity experts (x sent back unchanged) with small-integer inputs is exact: every token comes
+/// back as `x * (number of ranks it was sent to) + bias0 + bias1`, and summed weights equal the originals.
+fn run_combine_case(kind: BackendKind, c: Case, num_bias: usize, worst: bool) {
+    let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
+    let results = with_buffers(kind, c.ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let inp = &all[me];
+        let t = c.tokens_of(me);
+        let x = on(buf, Tensor::from_vec(inp.x.clone(), &[t, c.hidden])?);
+        let idx = on(buf, Tensor::from_vec(inp.topk_idx.clone(), &[t, c.topk])?);
+        let w = on(buf, Tensor::from_vec(inp.topk_w.clone(), &[t, c.topk])?);
+        let bias: Vec<Tensor> = (0..num_bias)
+            .map(|b| {
+                on(
+                    buf,
+                    Tensor::from_vec((0..t * c.hidden).map(|i| bf16::from_f32(((i + b) % 5) as f32)).collect(), &[t, c.hidden])
+                        .expect("bias"),
+                )
+            })
+            .collect();
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let num_worst = if worst { c.tokens * c.ranks } else { 0 };
+        let out = buf.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: num_worst,
+            config: None,
+        })?;
+        if worst {
+            assert_eq!(out.recv_x.shape()[0], num_worst);
+            assert!(out.num_recv_tokens_per_expert.is_empty());
+        }
+        let tails_ok = check_tails(&out, worst)?;
+        let comb = buf.combine(&CombineArgs {
+            x: out.recv_x.view(),
+            handle: &out.handle,
+            topk_weights: out.recv_topk_weights.as_ref().map(|t| t.view()),
+            bias: [bias.first().map(|b| b.view()), bias.get(1).map(|b| b.view())],
+            config: None,
+        })?;
+        Ok((comb.combined_x.to_vec::<bf16>()?, comb.combined_topk_weights.map(|t| t.to_vec::<f32>()).transpose()?, tails_ok))
+    });
+    for (me, (cx, cw, tails_ok)) in results.into_iter().enumerate() {
+        assert!(tails_ok, "rank {me}: rows past the received count must carry topk_idx -1 / weight 0");
+        let inp = &all[me];
+        for t in 0..c.tokens_of(me) {
+            let hits = (0..c.ranks).filter(|&r| c.hits(inp, t, r)).count() as f32;
+            for h in 0..c.hidden {
+                let i = t * c.hidden + h;
+                let bias: f32 = (0..num_bias).map(|b| ((i + b) % 5) as f32).sum();
+                let want = inp.x[i].to_f32() * hits + bias;
+                assert_eq!(cx[i].to_f32(), want, "rank {me}: token {t} channel {h}");
+            }
+            let cw = cw.as_ref().expect("weights were combined");
+            for k in 0..c.topk {
+                let want = if inp.topk_idx[t * c.topk + k] >= 0 { inp.topk_w[t * c.topk + k] } else { 0.0 };
+                assert_eq!(cw[t * c.topk + k], want, "rank {me}: combined weight of token {t} slot {k}");
+            }
+        }
+    }
+}
+
+fn check_tails(out: &moelink::DispatchResult, worst: bool) -> Result<bool> {
+    if !worst {
+        return Ok(true);
+    }
+    let n = out.handle.num_recv_tokens().unwrap_or(0);
+    let idx = out.recv_topk_idx.as_ref().expect("topk").to_vec::<i64>()?;
+    let w = out.recv_topk_weights.as_ref().expect("topk").to_vec::<f32>()?;
+    let k = out.recv_topk_idx.as_ref().expect("topk").shape()[1];
+    Ok(idx[n * k..].iter().all(|&v| v == -1) && w[n * k..].iter().all(|&v| v == 0.0))
+}
+
+fn case(ranks: usize, tokens: usize, hidden: usize, routing: RoutingKind) -> Case {
+    Case { ranks, tokens, hidden, topk: 8.min(ranks * 4), experts: ranks * 8, routing, seed: 7 + tokens as u64 }
+}
+
+backend_tests! {
+    fn dispatch_uniform_bf16_ep2(kind: BackendKind) {
+        run_dispatch_case(kind, case(2.min(max_ranks(kind)), 64, 256, RoutingKind::Uniform), false, true, 1);
+    }
+    fn dispatch_uniform_bf16_ep4_aligned(kind: BackendKind) {
+        run_dispatch_case(kind, case(4.min(max_ranks(kind)), 96, 512, RoutingKind::Uniform), false, true, 32);
+    }
+    fn dispatch_fp8_with_scales(kind: BackendKind) {
+        run_dispatch_case(kind, case(4.min(max_ranks(kind)), 50, 1024, RoutingKind::WithHoles), true, true, 1);
+    }
+    fn dispatch_without_topk(kind: BackendKind) {
+        run_dispatch_case(kind, case(2.min(max_ranks(kind)), 33, 128, RoutingKind::Uniform), false, false, 1);
+    }
+    fn dispatch_skewed_to_one_expert(kind: BackendKind) {
+        run_dispatch_case(kind, case(4.min(max_ranks(kind)), 128, 256, RoutingKind::Skewed), false, true, 4);
+    }
+    fn dispatch_a_rank_that_receives_nothing(kind: BackendKind) {
+        let r = 4.min(max_ranks(kind));
+        run_dispatch_case(kind, case(r, 64, 256, RoutingKind::EmptyRank(r - 1)), false, true, 1);
+    }
+    fn dispatch_zero_and_one_token(kind: BackendKind) {
+        run_dispatch_case(kind, case(2.min(max_ranks(kind)), 1, 256, RoutingKind::Uniform), false, true, 1);
+        run_dispatch_case(kind, case(2.min(max_ranks(kind)), 0, 256, RoutingKind::Uniform), true, true, 1);
+    }
+    fn dispatch_eight_ranks(kind: BackendKind) {
+        run_dispatch_case(kind, case(8.min(max_ranks(kind)), 40, 128, RoutingKind::WithHoles), false, true, 1);
+    }
+    fn dispatch_8192_tokens(kind: BackendKind) {
+        run_dispatch_case(kind, Case { ranks: 2.min(max_ranks(kind)), tokens: 8192, hidden: 128, topk: 4, experts: 16, routing: RoutingKind::Uniform, seed: 3 }, false, true, 1);
+    }
+    fn combine_identity_experts_exact(kind: BackendKind) {
+        run_combine_case(kind, case(4.min(max_ranks(kind)), 64, 256, RoutingKind::WithHoles), 0, false);
+    }
+    fn combine_with_two_biases(kind: BackendKind) {
+        run_combine_case(kind, case(2.min(max_ranks(kind)), 48, 512, RoutingKind::Uniform), 2, false);
+    }
+    fn combine_no_sync_worst_tokens(kind: BackendKind) {
+        run_combine_case(kind, case(4.min(max_ranks(kind)), 40, 256, RoutingKind::Skewed), 1, true);
+    }
+    fn training_backward_pattern(kind: BackendKind) {
+        backward_pattern(kind, 4.min(max_ranks(kind)));
+    }
+}
+
+/// Dispatch backward = combine(grad_recv_x, handle); combine backward = cached dispatch(grad_combined_x).
+/// With identity experts both are checkable: the gradient of dispatch sums the returned rows, the
+/// gradient of combine is the combined gradient sent again along the same routing.
+fn backward_pattern(kind: BackendKind, ranks: usize) {
+    let c = case(ranks, 32, 256, RoutingKind::Uniform);
+    let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
+    let results = with_buffers(kind, c.ranks, test_options(), |buf: &mut Buffer| {
+        let me = buf.rank();
+        let t = c.tokens_of(me);
+        let x = on(buf, Tensor::from_vec(all[me].x.clone(), &[t, c.hidden])?);
+        let idx = on(buf, Tensor::from_vec(all[me].topk_idx.clone(), &[t, c.topk])?);
+        let w = on(buf, Tensor::from_vec(all[me].topk_w.clone(), &[t, c.topk])?);
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let fwd = buf.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })?;
+        // grad of combined output = x (pretend); backward of combine = cached dispatch of it.
+        let grad_recv = buf.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Cached(&fwd.handle),
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })?;
+        assert!(grad_recv.recv_topk_idx.is_none());
+        // backward of dispatch = combine of the gradient rows (with the weight gradients).
+        let grad_x = buf.combine(&CombineArgs {
+            x: grad_recv.recv_x.view(),
+            handle: &fwd.handle,
+            topk_weights: fwd.recv_topk_weights.as_ref().map(|t| t.view()),
+            bias: [None, None],
+            config: None,
+        })?;
+        Ok((grad_recv.recv_x.to_host_bytes()? == fwd.recv_x.to_host_bytes()?, grad_x.combined_x.to_vec::<bf16>()?))
+    });
+    for (me, (same, gx)) in results.into_iter().enumerate() {
+        assert!(same, "rank {me}: cached dispatch of the same tensor must reproduce the forward rows");
+        for t in 0..c.tokens_of(me) {
+            let hits = (0..c.ranks).filter(|&r| c.hits(&all[me], t, r)).count() as f32;
+            for h in 0..c.hidden {
+                assert_eq!(gx[t * c.hidden + h].to_f32(), all[me].x[t * c.hidden + h].to_f32() * hits);
+            }
+        }
+    }
+}
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Any routing (any mix of -1 slots, skew, empty ranks, 0..max tokens): every (token, rank) pair
+        /// arrives exactly once, in source-rank then token order, and identity combine returns x * hits.
+        #[test]
+        fn every_token_rank_pair_arrives_once(
+            ranks in prop::sample::select(vec![1usize, 2, 3, 4, 8]),
+            tokens in 0usize..40,
+            topk in 1usize..5,
+            experts_per_rank in 1usize..5,
+            routing_pick in 0usize..4,
+            seed in 0u64..1_000_000,
+        ) {
+            let experts = ranks * experts_per_rank;
+            let topk = topk.min(experts);
+            let routing = match routing_pick { 0 => RoutingKind::Uniform, 1 => RoutingKind::Skewed, 2 => RoutingKind::WithHoles, _ => RoutingKind::EmptyRank(seed as usize % ranks) };
+            let c = Case { ranks, tokens, hidden: 64, topk, experts, routing, seed };
+            run_dispatch_case(BackendKind::Host, c, false, true, 1);
+            run_combine_case(BackendKind::Host, c, 0, false);
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! Every malformed high-throughput input is rejected before any work, with an error naming the argument
+//! (and the rank). Low-latency validation is covered in `ll_host.rs`.
+
+use std::sync::Arc;
+
+use moelink::{
+    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DType, DispatchArgs, Error, Fp8E4M3, Location,
+    Payload, Routing, Tensor, TensorRef,
+};
+
+fn host_buffer(g: moelink::ThreadGroup) -> moelink::Result<Buffer> {
+    Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })
+}
+
+/// Runs `f` on a single host rank and returns its error.
+fn err_of(f: impl Fn(&mut Buffer) -> moelink::Result<()> + Sync) -> Error {
+    let mut out = run_ranks(1, |g| {
+        let mut b = host_buffer(g)?;
+        f(&mut b)
+    });
+    out.pop().expect("one rank").expect_err("the call must be rejected")
+}
+
+fn assert_arg(e: Error, arg: &str) {
+    assert_eq!(e.argument(), Some(arg), "wrong argument named: {e}");
+    let msg = e.to_string();
+    assert!(msg.contains(arg) && msg.contains("rank 0"), "message must name the argument and the rank: {msg}");
+}
+
+fn x_bf16(t: usize, h: usize) -> Tensor {
+    Tensor::from_vec(vec![bf16::ONE; t * h], &[t, h]).unwrap()
+}
+fn topk(t: usize, v: Vec<i64>) -> Tensor {
+    let k = v.len() / t.max(1);
+    Tensor::from_vec(v, &[t, k]).unwrap()
+}
+
+/// A fresh dispatch of 2 tokens, hidden 128, top-2 of 4 experts, with one argument swapped by `edit`.
+fn dispatch_with(edit: impl Fn(&mut DispatchArgs<'_>, &mut Buffer) -> moelink::Result<()> + Sync) -> Error {
+    err_of(|b| {
+        let x = x_bf16(2, 128);
+        let idx = topk(2, vec![0, 1, 2, 3]);
+        let w = Tensor::from_vec(vec![0.5f32; 4], &[2, 2])?;
+        let layout = b.get_dispatch_layout(idx.view(), 4)?;
+        let mut a = DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        };
+        edit(&mut a, b)?;
+        b.dispatch(&a).map(|_| ())
+    })
+}
+
+#[test]
+fn layout_rejects_out_of_range_and_duplicate_experts() {
+    assert_arg(err_of(|b| b.get_dispatch_layout(topk(2, vec![0, 4]).view(), 4).map(|_| ())), "topk_idx");
+    assert_arg(err_of(|b| b.get_dispatch_layout(topk(2, vec![-2, 1]).view(), 4).map(|_| ())), "topk_idx");
+    assert_arg(err_of(|b| b.get_dispatch_layout(topk(1, vec![3, 3]).view(), 4).map(|_| ())), "topk_idx");
+    // -1 may repeat.
+    let ok = run_ranks(1, |g| host_buffer(g)?.get_dispatch_layout(topk(1, vec![-1, -1]).view(), 4).map(|_| ()));
+    assert!(ok[0].is_ok());
+}
+
+#[test]
+fn layout_rejects_wrong_dtype_and_rank() {
+    let f32_idx = Tensor::from_vec(vec![0f32; 4], &[2, 2]).unwrap();
+    assert_arg(err_of(|b| b.get_dispatch_layout(f32_idx.view(), 4).map(|_| ())), "topk_idx");
+    let one_d = Tensor::from_vec(vec![0i64; 4], &[4]).unwrap();
+    assert_arg(err_of(|b| b.get_dispatch_layout(one_d.view(), 4).map(|_| ())), "topk_idx");
+}
+
+#[test]
+fn experts_must_divide_across_ranks() {
+    let out = run_ranks(2, |g| host_buffer(g)?.get_dispatch_layout(topk(1, vec![0, 1]).view(), 3).map(|_| ()));
+    for r in out {
+        assert_arg_rank_any(r.expect_err("3 experts over 2 ranks"), "num_experts");
+    }
+    assert_arg(err_of(|b| b.get_dispatch_layout(topk(1, vec![0]).view(), 0).map(|_| ())), "num_experts");
+}
+
+fn assert_arg_rank_any(e: Error, arg: &str) {
+    assert_eq!(e.argument(), Some(arg), "wrong argument named: {e}");
+}
+
+#[test]
+fn dispatch_rejects_bad_x() {
+    // wrong dtype
+    let xf = Tensor::from_vec(vec![0f32; 256], &[2, 128]).unwrap();
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak(&xf)))), "x");
+    // row bytes not a multiple of 16 (hidden 4 x 2 bytes)
+    let small = x_bf16(2, 4);
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak(&small)))), "x");
+    // token count differs from the layout's is_token_in_rank
+    let three = x_bf16(3, 128);
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak(&three)))), "is_token_in_rank");
+    // non-contiguous x
+    let big = x_bf16(2, 256);
+    let strided = big.view().with_layout(&[2, 128], &[256, 1]).unwrap();
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak_ref(strided)))), "x");
+    // a device tensor given to a host buffer
+    let dev = unsafe { TensorRef::from_raw_parts(0x1000, Location::Cuda(0), DType::BF16, &[2, 128], &[128, 1]).unwrap() };
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(dev))), "x");
+}
+
+#[test]
+fn dispatch_rejects_bad_fp8_payload() {
+    let x8 = Tensor::from_vec(vec![Fp8E4M3(0); 2 * 128], &[2, 128]).unwrap();
+    let bad_scales = Tensor::from_vec(vec![1f32; 4], &[2, 2]).unwrap();
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Fp8 { x: unsafe_leak(&x8), scales: unsafe_leak(&bad_scales) })), "x_scales");
+    let x8_odd = Tensor::from_vec(vec![Fp8E4M3(0); 2 * 144], &[2, 144]).unwrap();
+    let sc = Tensor::from_vec(vec![1f32; 2], &[2, 1]).unwrap();
+    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Fp8 { x: unsafe_leak(&x8_odd), scales: unsafe_leak(&sc) })), "x");
+    // column-major scales are fine
+    let sc_t = Tensor::from_vec(vec![1f32; 2], &[1, 2]).unwrap();
+    let col = sc_t.view().with_layout(&[2, 1], &[1, 2]).unwrap();
+    let ok = run_ranks(1, |g| {
+        let mut b = host_buffer(g)?;
+        let idx = topk(2, vec![0, 1, 2, 3]);
+        let layout = b.get_dispatch_layout(idx.view(), 4)?;
+        b.dispatch(&DispatchArgs {
+            x: Payload::Fp8 { x: x8.view(), scales: col },
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })
+        .map(|r| r.recv_x_scales.map(|s| s.to_vec::<f32>().unwrap()))
+    });
+    assert_eq!(ok.into_iter().next().unwrap().unwrap(), Some(vec![1.0, 1.0]));
+}
+
+#[test]
+fn dispatch_rejects_bad_topk_and_layout() {
+    let w_wrong = Tensor::from_vec(vec![0.5f32; 6], &[2, 3]).unwrap();
+    assert_arg(
+        dispatch_with(|a, _| {
+            if let Routing::Fresh { topk_weights, .. } = &mut a.routing {
+                *topk_weights = Some(unsafe_leak(&w_wrong));
+            }
+            Ok(())
+        }),
+        "topk_weights",
+    );
+    assert_arg(
+        dispatch_with(|a, _| {
+            if let Routing::Fresh { topk_weights, .. } = &mut a.routing {
+                *topk_weights = None;
+            }
+            Ok(())
+        }),
+        "topk_weights",
+    );
+    let bad_idx = topk(2, vec![0, 9, 1, 2]);
+    assert_arg(
+        dispatch_with(|a, _| {
+            if let Routing::Fresh { topk_idx, .. } = &mut a.routing {
+                *topk_idx = Some(unsafe_leak(&bad_idx));
+            }
+            Ok(())
+        }),
+        "topk_idx",
+    );
+    let per_rank_wrong = Tensor::from_vec(vec![5i32], &[1]).unwrap();
+    assert_arg(
+        dispatch_with(|a, _| {
+            if let Routing::Fresh { layout, .. } = &mut a.routing {
+                layout.num_tokens_per_rank = unsafe_leak(&per_rank_wrong);
+            }
+            Ok(())
+        }),
+        "num_tokens_per_rank",
+    );
+    let experts3 = Tensor::from_vec(vec![0i32; 3], &[3]).unwrap();
+    let e3 = run_ranks(2, |g| {
+        let mut b = host_buffer(g)?;
+        let x = x_bf16(1, 128);
+        let idx = topk(1, vec![0, 1]);
+        let layout = b.get_dispatch_layout(idx.view(), 4)?;
+        let mut l = layout.as_ref();
+        l.num_tokens_per_expert = experts3.view();
+        b.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: l, topk_idx: None, topk_weights: None },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })
+        .map(|_| ())
+    });
+    for r in e3 {
+        assert_arg_rank_any(r.expect_err("3 experts over 2 ranks"), "num_tokens_per_expert");
+    }
+}
+
+#[test]
+fn dispatch_rejects_bad_knobs() {
+    assert_arg(dispatch_with(|a, _| Ok(a.expert_alignment = 0)), "expert_alignment");
+    assert_arg(dispatch_with(|a, _| Ok(a.config = Some(Config::with_sms(3)))), "config.num_sms");
+    assert_arg(dispatch_with(|a, _| Ok(a.config = Some(Config::with_sms(0)))), "config.num_sms");
+    // num_worst_tokens smaller than what arrives (2 tokens, both to rank 0 of 1).
+    assert_arg(dispatch_with(|a, _| Ok(a.num_worst_tokens = 1)), "num_worst_tokens");
+}
+
+#[test]
+fn handles_from_another_buffer_are_rejected() {
+    let e = err_of(|b| {
+        let mut other = Buffer::new(b.group().clone(), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+        let x = x_bf16(2, 128);
+        let idx = topk(2, vec![0, 1, 2, 3]);
+        let layout = other.get_dispatch_layout(idx.view(), 4)?;
+        let out = other.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })?;
+        b.combine(&CombineArgs { x: out.recv_x.view(), handle: &out.handle, topk_weights: None, bias: [None, None], config: None })
+            .map(|_| ())
+    });
+    assert_arg(e, "handle");
+}
+
+#[test]
+fn combine_rejects_bad_inputs() {
+    fn combine_with(edit: impl Fn(&mut CombineArgs<'_>) + Sync) -> Error {
+        err_of(|b| {
+            let x = x_bf16(2, 128);
+            let idx = topk(2, vec![0, 1, 2, 3]);
+            let w = Tensor::from_vec(vec![0.5f32; 4], &[2, 2])?;
+            let layout = b.get_dispatch_layout(idx.view(), 4)?;
+            let out = b.dispatch(&DispatchArgs {
+                x: Payload::Bf16(x.view()),
+                routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+                expert_alignment: 1,
+                num_worst_tokens: 0,
+                config: None,
+            })?;
+            let mut a = CombineArgs { x: out.recv_x.view(), handle: &out.handle, topk_weights: None, bias: [None, None], config: None };
+            edit(&mut a);
+            b.combine(&a).map(|_| ())
+        })
+    }
+    let three_rows = x_bf16(3, 128);
+    assert_arg(combine_with(|a| a.x = unsafe_leak(&three_rows)), "x");
+    let bias_bad = x_bf16(2, 64);
+    assert_arg(combine_with(|a| a.bias = [Some(unsafe_leak(&bias_bad)), None]), "bias");
+    let bias_ok = x_bf16(2, 128);
+    assert_arg(combine_with(|a| a.bias = [None, Some(unsafe_leak(&bias_ok))]), "bias");
+    let w_bad = Tensor::from_vec(vec![0i32; 4], &[2, 2]).unwrap();
+    assert_arg(combine_with(|a| a.topk_weights = Some(unsafe_leak(&w_bad))), "topk_weights");
+    assert_arg(combine_with(|a| a.config = Some(Config::with_sms(5))), "config.num_sms");
+}
+
+#[test]
+fn ranks_disagreeing_on_sizes_name_the_peer() {
+    let out = run_ranks(2, |g| {
+        let mut b = host_buffer(g)?;
+        let hidden = if b.rank() == 0 { 128 } else { 256 };
+        let x = x_bf16(1, hidden);
+        let idx = topk(1, vec![0, 1]);
+        let layout = b.get_dispatch_layout(idx.view(), 4)?;
+        b.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })
+        .map(|_| ())
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        match r {
+            Err(Error::RankMismatch { what: "hidden", rank: rr, peer, .. }) => {
+                assert_eq!(rr, rank);
+                assert_eq!(peer, 1 - rank);
+            }
+            other => panic!("rank {rank}: expected a hidden-size mismatch naming the peer, got {:?}", other.err()),
+        }
+    }
+}
+
+#[test]
+fn view_constructors_check_bounds() {
+    let data = vec![0f32; 6];
+    assert!(TensorRef::from_slice(&data, &[2, 3]).is_ok());
+    assert_eq!(TensorRef::from_slice(&data, &[3, 3]).err().and_then(|e| e.argument()), Some("data"));
+    assert_eq!(TensorRef::from_slice_strided(&data, &[2, 3], &[4, 1]).err().and_then(|e| e.argument()), Some("data"));
+    assert_eq!(TensorRef::from_slice_strided(&data, &[2, 3], &[-3, 1]).err().and_then(|e| e.argument()), Some("strides"));
+}
+
+/// Re-borrows a tensor's view for the closure's lifetime (the tensor outlives every use in these tests).
+fn unsafe_leak(t: &Tensor) -> TensorRef<'static> {
+    unsafe_leak_ref(t.view())
+}
+fn unsafe_leak_ref(v: TensorRef<'_>) -> TensorRef<'static> {
+    // SAFETY: test-only: every tensor passed here lives until the end of the test function that owns it,
+    // after all ranks have joined.
+    unsafe { TensorRef::from_raw_parts(v.addr(), v.location(), v.dtype(), v.shape(), v.strides()).unwrap() }
+}
