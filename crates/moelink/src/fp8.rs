@@ -17,8 +17,9 @@
 //!   midpoint 464 (which rounds to 448 anyway: 448 has the even mantissa), 480, 1e9 and ±inf, becomes ±448;
 //! - values at or below 2^-10 (half the smallest subnormal) become a zero of the input's sign;
 //! - NaN becomes the canonical NaN 0x7F. PTX only promises "NaN"; we drop the sign because on the GPU
-//!   the quantiser's `x * scale` (an `fmul`) already turns every NaN into the canonical positive NaN
-//!   0x7FFFFFFF before the conversion, so the pipeline can only ever produce 0x7F.
+//!   the quantiser's `x * scale` (an `fmul`) returns NVIDIA's canonical f32 NaN 0x7FFFFFFF (positive)
+//!   for any NaN operand, so the quantiser can only produce 0x7F. (Not yet confirmed on our GPUs; a GPU
+//!   test feeding a negative NaN would pin it.)
 //!
 //! The `float8` crate (a port of the host emulation in CUDA's `cuda_fp8.hpp`, `__NV_SATFINITE`) agrees
 //! with [`f32_to_e4m3`] on every non-NaN input we sweep (see the tests), including saturation of ±inf to
@@ -69,9 +70,10 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
         return sign;
     }
     let exp = biased - 127;
-    let significand = u64::from((abs & 0x7F_FFFF) | 0x80_0000); // value = significand * 2^(exp - 23)
-                                                                // The quantum at this magnitude: 3 mantissa bits below the leading one, but never finer than the
-                                                                // subnormal spacing 2^-9 (the leading one of the smallest normal is 2^-6).
+    // value = significand * 2^(exp - 23)
+    let significand = u64::from((abs & 0x7F_FFFF) | 0x80_0000);
+    // The quantum at this magnitude: 3 mantissa bits below the leading one, but never finer than the
+    // subnormal spacing 2^-9 (the leading one of the smallest normal is 2^-6).
     let quantum_exp = exp.max(-6) - 3;
     let shift = (23 + quantum_exp - exp) as u32; // >= 20
     let n = round_shift_nearest_even(significand, shift);
@@ -438,6 +440,21 @@ mod tests {
         assert_eq!(q[1], f32_to_e4m3(1.0 * (448.0 / 3.5)));
         assert_eq!(q[2], f32_to_e4m3(bf(0.01).to_f32() * (448.0 / 3.5)));
         assert!(q[3..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn plain_scales_are_ieee_divisions() {
+        // `amax / 448` and `448 / amax`, not `amax * (1/448)`: the two differ in the last bit for some
+        // amax, and a kernel that multiplies by a rounded reciprocal would not match the oracle there.
+        let mut differs = 0;
+        for bits in (0x3800u16..0x4400).step_by(3) {
+            let amax = bf16::from_bits(bits).to_f32();
+            let (scale, inv) = group_scales(amax, false);
+            assert_eq!(inv.to_bits(), (amax / 448.0).to_bits());
+            assert_eq!(scale.to_bits(), (448.0 / amax).to_bits());
+            differs += usize::from(inv.to_bits() != (amax * (1.0 / 448.0)).to_bits());
+        }
+        assert!(differs > 0);
     }
 
     #[test]
