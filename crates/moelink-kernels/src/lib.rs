@@ -1,1 +1,251 @@
-//! moelink's CUDA C++ kernel sources (placeholder; being implemented).
+//! # moelink-kernels
+//!
+//! moelink's CUDA C++ kernels and the keys they are compiled for.
+//!
+//! - `cuda/ptx.cuh`: PTX primitives named after the instruction they emit, the error-record ABI and the
+//!   deadline wait. No `#include` of any CUDA header anywhere: NVRTC ≤ 13.2 bundles none.
+//! - One `.cu` file per kernel family ([`Family`]); every kernel starts with a comment block giving its
+//!   grid/block shape, roles, buffers and flag protocol.
+//! - A [`KernelSpec`] is one compilable variant: family + `-D` constants (shapes from [`BarrierVariant`] /
+//!   [`CopyVariant`], plus the ABI struct sizes the kernels `static_assert` against). [`all_variants`]
+//!   lists every variant the tests and the benchmark use; `tests/compile_all.rs` compiles each for sm_90a
+//!   and rejects spills in hot kernels.
+//! - [`abi`]: the Rust mirror of the argument structs, the error record and the constants.
+//!
+//! ```
+//! use moelink_kernels::{all_variants, Family};
+//! let req = all_variants().into_iter().find(|v| v.family == Family::Copy).unwrap().compile_request("sm_90a");
+//! assert!(req.options().contains(&"--gpu-architecture=sm_90a".to_string()));
+//! assert!(req.defines.iter().any(|(k, _)| k == "TMA_CHUNK_BYTES"));
+//! ```
+
+pub mod abi;
+
+use moelink_cuda::jit::CompileRequest;
+
+/// `cuda/ptx.cuh`.
+pub const PTX_HEADER: &str = include_str!("../cuda/ptx.cuh");
+/// `cuda/barrier.cu`.
+pub const BARRIER_SOURCE: &str = include_str!("../cuda/barrier.cu");
+/// `cuda/copy.cu`.
+pub const COPY_SOURCE: &str = include_str!("../cuda/copy.cu");
+
+/// Headers every family may include, as `(include name, contents)`.
+pub const HEADERS: &[(&str, &str)] = &[("ptx.cuh", PTX_HEADER)];
+
+/// One kernel entry point of a family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelInfo {
+    /// `extern "C"` name.
+    pub name: &'static str,
+    /// On a performance-critical path: must compile without stack frame or spills.
+    pub hot: bool,
+}
+
+/// A kernel family: one `.cu` file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// `barrier.cu`: the cross-GPU barrier and its latency loop.
+    Barrier,
+    /// `copy.cu`: the copy primitive (SM stores, TMA) and pattern fill/verify.
+    Copy,
+}
+
+impl Family {
+    /// The source file's name.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Family::Barrier => "barrier.cu",
+            Family::Copy => "copy.cu",
+        }
+    }
+
+    /// The source text.
+    pub fn source(self) -> &'static str {
+        match self {
+            Family::Barrier => BARRIER_SOURCE,
+            Family::Copy => COPY_SOURCE,
+        }
+    }
+
+    /// The entry points the file defines.
+    pub fn kernels(self) -> &'static [KernelInfo] {
+        match self {
+            Family::Barrier => &[KernelInfo { name: "gpu_barrier", hot: true }, KernelInfo { name: "gpu_barrier_latency", hot: true }],
+            Family::Copy => &[
+                KernelInfo { name: "copy_sm", hot: true },
+                KernelInfo { name: "copy_tma", hot: true },
+                KernelInfo { name: "fill_pattern", hot: true },
+                KernelInfo { name: "verify_pattern", hot: true },
+            ],
+        }
+    }
+}
+
+/// One compilable variant: a family and its `-D` constants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSpec {
+    /// Which file.
+    pub family: Family,
+    /// Short human-readable variant name, e.g. `copy[sm512x8,tma8192x4x4]`.
+    pub variant: String,
+    /// `-D name=value` constants, in order.
+    pub defines: Vec<(String, String)>,
+}
+
+impl KernelSpec {
+    /// The value of constant `name`, if defined.
+    pub fn define(&self, name: &str) -> Option<&str> {
+        self.defines.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// The entry points of the family.
+    pub fn kernels(&self) -> &'static [KernelInfo] {
+        self.family.kernels()
+    }
+
+    /// What to hand to [`moelink_cuda::jit::JitCache::compile`] for target `arch` (e.g. `sm_90a`).
+    pub fn compile_request(&self, arch: &str) -> CompileRequest {
+        let mut req = CompileRequest::new(self.family.file_name(), self.family.source(), arch);
+        for (name, contents) in HEADERS {
+            req = req.header(*name, *contents);
+        }
+        for (k, v) in &self.defines {
+            req = req.define(k.clone(), v);
+        }
+        req
+    }
+}
+
+/// Shape of the barrier family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BarrierVariant;
+
+impl BarrierVariant {
+    /// The compile key.
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::Barrier,
+            variant: format!("barrier[r{}]", abi::MAX_RANKS),
+            defines: vec![
+                ("MAX_RANKS".into(), abi::MAX_RANKS.to_string()),
+                ("MOELINK_SIZEOF_BARRIER_ARGS".into(), std::mem::size_of::<abi::BarrierArgs>().to_string()),
+            ],
+        }
+    }
+
+    /// Threads per block of the barrier kernels (one warp).
+    pub const THREADS: u32 = 32;
+}
+
+/// Shape of the copy family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyVariant {
+    /// Threads per block of `copy_sm`.
+    pub sm_threads: u32,
+    /// 16-byte vectors in flight per `copy_sm` thread.
+    pub sm_unroll: u32,
+    /// Bytes per TMA bulk copy.
+    pub tma_chunk_bytes: u32,
+    /// Shared-memory slots per TMA pipeline.
+    pub tma_stages: u32,
+    /// Warps (pipelines) per `copy_tma` block.
+    pub tma_warps: u32,
+    /// Threads per block of the pattern kernels.
+    pub pattern_threads: u32,
+}
+
+impl Default for CopyVariant {
+    /// The configuration measured best on 4×H200 (DESIGN.md §3): 512 threads × 8 vectors in flight; TMA
+    /// 8 KiB × 4 stages × 4 warps.
+    fn default() -> Self {
+        CopyVariant { sm_threads: 512, sm_unroll: 8, tma_chunk_bytes: 8192, tma_stages: 4, tma_warps: 4, pattern_threads: 256 }
+    }
+}
+
+impl CopyVariant {
+    /// The compile key.
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::Copy,
+            variant: format!(
+                "copy[sm{}x{},tma{}x{}x{}]",
+                self.sm_threads, self.sm_unroll, self.tma_chunk_bytes, self.tma_stages, self.tma_warps
+            ),
+            defines: vec![
+                ("MAX_PEERS".into(), abi::MAX_RANKS.to_string()),
+                ("COPY_SM_THREADS".into(), self.sm_threads.to_string()),
+                ("COPY_SM_UNROLL".into(), self.sm_unroll.to_string()),
+                ("TMA_CHUNK_BYTES".into(), self.tma_chunk_bytes.to_string()),
+                ("TMA_STAGES".into(), self.tma_stages.to_string()),
+                ("TMA_WARPS".into(), self.tma_warps.to_string()),
+                ("PATTERN_THREADS".into(), self.pattern_threads.to_string()),
+                ("MOELINK_SIZEOF_COPY_ARGS".into(), std::mem::size_of::<abi::CopyArgs>().to_string()),
+            ],
+        }
+    }
+
+    /// Bytes one `copy_sm` work unit moves (`sm_threads × sm_unroll × 16`).
+    pub fn sm_unit_bytes(&self) -> usize {
+        self.sm_threads as usize * self.sm_unroll as usize * 16
+    }
+
+    /// Threads per block of `copy_tma`.
+    pub fn tma_threads(&self) -> u32 {
+        self.tma_warps * 32
+    }
+
+    /// Dynamic shared memory `copy_tma` needs (mbarriers padded to 128 bytes, then the slots); mirrors
+    /// `TMA_BARRIER_REGION` + slots in `copy.cu`.
+    pub fn tma_smem_bytes(&self) -> u32 {
+        let barriers = (self.tma_warps * self.tma_stages * 8).div_ceil(128) * 128;
+        barriers + self.tma_warps * self.tma_stages * self.tma_chunk_bytes
+    }
+}
+
+/// Every variant the tests and the benchmark compile.
+pub fn all_variants() -> Vec<KernelSpec> {
+    vec![BarrierVariant.spec(), CopyVariant::default().spec()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_header_free_and_documented() {
+        for spec in all_variants() {
+            let src = spec.family.source();
+            for line in src.lines().chain(PTX_HEADER.lines()) {
+                let l = line.trim_start();
+                if l.starts_with("#include") {
+                    assert_eq!(l, "#include \"ptx.cuh\"", "{}: only the in-memory header may be included", spec.family.file_name());
+                }
+                assert!(!l.contains("trap;"), "{}: kernels must never trap", spec.family.file_name());
+            }
+            for k in spec.kernels() {
+                let decl = format!(" {}(", k.name);
+                let at = src.find(&decl).unwrap_or_else(|| panic!("{} is not defined in {}", k.name, spec.family.file_name()));
+                let before = &src[..at];
+                assert!(
+                    before.trim_end().lines().rev().nth(1).is_some_and(|l| l.starts_with("//")),
+                    "{} must start with a comment block",
+                    k.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn variants_define_every_constant_the_sources_require() {
+        for spec in all_variants() {
+            let src = spec.family.source();
+            for (k, _) in &spec.defines {
+                assert!(src.contains(k.as_str()), "{} defines {k} but {} never uses it", spec.variant, spec.family.file_name());
+            }
+        }
+        let copy = CopyVariant::default();
+        assert_eq!(copy.sm_unit_bytes(), 64 * 1024);
+        assert_eq!(copy.tma_smem_bytes(), 128 + 4 * 4 * 8192);
+    }
+}

@@ -1,0 +1,72 @@
+//! CUDA graphs captured from a stream ([`crate::Stream::capture`]).
+
+use crate::device::{same_device, Device};
+use crate::error::Result;
+use crate::raw::driver::{self as drv, CUgraph, CUgraphExec};
+use crate::stream::Stream;
+
+/// A captured graph (not yet executable: [`Graph::instantiate`] it).
+pub struct Graph {
+    device: Device,
+    raw: CUgraph,
+}
+
+// SAFETY: graph handles may be used from any thread as long as calls on one graph are not concurrent,
+// which `&self`/`&mut self` plus the driver's own locking guarantee for the calls made here.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    pub(crate) fn from_raw(device: &Device, raw: CUgraph) -> Graph {
+        Graph { device: device.clone(), raw }
+    }
+
+    /// Compiles the graph into an executable one.
+    pub fn instantiate(&self) -> Result<GraphExec> {
+        let _g = self.device.bind_scoped()?;
+        // SAFETY: live graph of the current context; the exec is destroyed in its Drop.
+        let raw = unsafe { drv::graph_instantiate(self.raw)? };
+        Ok(GraphExec { device: self.device.clone(), raw })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.device.bind_scoped() {
+            // SAFETY: we own the graph; instantiated execs do not depend on it.
+            let _ = unsafe { drv::graph_destroy(self.raw) };
+        }
+    }
+}
+
+/// An instantiated graph: replays the captured work with one launch.
+pub struct GraphExec {
+    device: Device,
+    raw: CUgraphExec,
+}
+
+// SAFETY: as for Graph; launches of one exec are serialised by the driver.
+unsafe impl Send for GraphExec {}
+// SAFETY: `launch` only submits work; concurrent launches of one exec are allowed by the driver.
+unsafe impl Sync for GraphExec {}
+
+impl GraphExec {
+    /// Launches the whole graph on `stream` (same device).
+    ///
+    /// # Safety
+    /// Replaying re-runs the captured kernels with the captured arguments: every pointer they were given
+    /// must still be valid (the contract of [`crate::Kernel::launch`] holds again for each replay).
+    pub unsafe fn launch(&self, stream: &Stream) -> Result<()> {
+        same_device("GraphExec::launch", &self.device, stream.device())?;
+        let _g = self.device.bind_scoped()?;
+        drv::graph_launch(self.raw, stream.raw())
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.device.bind_scoped() {
+            // SAFETY: we own the exec.
+            let _ = unsafe { drv::graph_exec_destroy(self.raw) };
+        }
+    }
+}

@@ -1,0 +1,551 @@
+//! Runtime compilation: CUDA C++ source (+ in-memory headers, `-D` constants) → NVRTC → CUBIN for the
+//! device's architecture, cached on disk and in memory.
+//!
+//! - Target: `--gpu-architecture=sm_90a` on Hopper ([`arch_for`]); always a CUBIN, never PTX (a newer
+//!   NVRTC's PTX can be too new for the installed driver).
+//! - Options: `-std=c++17 -lineinfo --ptxas-options=-v` plus the request's `-D` constants. The ptxas
+//!   report is requested on every compile (it does not change the CUBIN) so that the register/spill report
+//!   ([`KernelResources`]) is always available and is cached with the CUBIN.
+//! - Disk cache: `$MOELINK_CACHE_DIR`, default `<user cache dir>/moelink/kernels`, one file per key; the key
+//!   is a sha256 over the source, headers, options, NVRTC version and architecture. Writes go to a temporary
+//!   file that is renamed into place, so readers never see a partial file.
+//! - In-process memo: a second request for the same key in the same [`JitCache`] returns the same CUBIN
+//!   without touching the disk; concurrent requests for one key compile it once.
+//! - `MOELINK_JIT_VERBOSE=1` prints the options, the compile time and the register/spill report.
+//!
+//! ```no_run
+//! use moelink_cuda::jit::{CompileRequest, JitCache};
+//! let req = CompileRequest::new("fill.cu", "extern \"C\" __global__ void fill(int* p) { p[threadIdx.x] = N; }", "sm_90a")
+//!     .define("N", 7);
+//! let compiled = JitCache::global().compile(&req)?;
+//! assert!(compiled.resources.iter().all(|r| !r.spills()));
+//! # Ok::<(), moelink_cuda::Error>(())
+//! ```
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::module::Module;
+use crate::raw::nvrtc;
+
+/// Environment variable naming the disk cache directory.
+pub const CACHE_DIR_ENV: &str = "MOELINK_CACHE_DIR";
+/// Environment variable that turns on compile reports (`1`).
+pub const VERBOSE_ENV: &str = "MOELINK_JIT_VERBOSE";
+
+/// NVRTC's version `(major, minor)`, or why NVRTC cannot be loaded.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    nvrtc::ensure_loaded()
+}
+
+/// The NVRTC architecture for a compute capability: `sm_90a` for 9.x and later (arch-specific features:
+/// `setmaxnreg`, `wgmma`), `sm_XY` before.
+pub fn arch_for(compute_capability: (i32, i32)) -> String {
+    let (major, minor) = compute_capability;
+    if major >= 9 {
+        format!("sm_{major}{minor}a")
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// `$MOELINK_CACHE_DIR`, else `<user cache dir>/moelink/kernels`, else none (no disk cache).
+pub fn default_cache_dir() -> Option<PathBuf> {
+    match std::env::var_os(CACHE_DIR_ENV) {
+        Some(d) if !d.is_empty() => Some(PathBuf::from(d)),
+        _ => dirs::cache_dir().map(|d| d.join("moelink").join("kernels")),
+    }
+}
+
+/// True when `MOELINK_JIT_VERBOSE=1`.
+pub fn verbose() -> bool {
+    std::env::var(VERBOSE_ENV).map(|v| v == "1").unwrap_or(false)
+}
+
+/// One compilation unit: a source with its headers, `-D` constants and target.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompileRequest {
+    /// Name of the source (kernel family file), used in errors, reports and cache file names.
+    pub name: String,
+    /// CUDA C++ source.
+    pub source: String,
+    /// In-memory headers `(include name, contents)`, resolvable with `#include "name"`.
+    pub headers: Vec<(String, String)>,
+    /// `-D name=value` constants, in order.
+    pub defines: Vec<(String, String)>,
+    /// Target architecture, e.g. `sm_90a`.
+    pub arch: String,
+    /// Further NVRTC options, appended last.
+    pub extra_options: Vec<String>,
+}
+
+impl CompileRequest {
+    /// A request for `source` named `name`, targeting `arch`.
+    pub fn new(name: impl Into<String>, source: impl Into<String>, arch: impl Into<String>) -> CompileRequest {
+        CompileRequest {
+            name: name.into(),
+            source: source.into(),
+            headers: Vec::new(),
+            defines: Vec::new(),
+            arch: arch.into(),
+            extra_options: Vec::new(),
+        }
+    }
+
+    /// Adds an in-memory header.
+    pub fn header(mut self, include_name: impl Into<String>, contents: impl Into<String>) -> CompileRequest {
+        self.headers.push((include_name.into(), contents.into()));
+        self
+    }
+
+    /// Adds `-Dname=value`.
+    pub fn define(mut self, name: impl Into<String>, value: impl ToString) -> CompileRequest {
+        self.defines.push((name.into(), value.to_string()));
+        self
+    }
+
+    /// Adds a raw NVRTC option.
+    pub fn option(mut self, option: impl Into<String>) -> CompileRequest {
+        self.extra_options.push(option.into());
+        self
+    }
+
+    /// The exact option list handed to NVRTC.
+    pub fn options(&self) -> Vec<String> {
+        let mut o = vec![format!("--gpu-architecture={}", self.arch), "-std=c++17".into(), "-lineinfo".into(), "--ptxas-options=-v".into()];
+        o.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+        o.extend(self.extra_options.iter().cloned());
+        o
+    }
+
+    /// Hex sha256 over everything the CUBIN depends on: source, headers, options (which include the
+    /// architecture and constants) and the NVRTC version.
+    pub fn cache_key(&self, nvrtc_version: (i32, i32)) -> String {
+        let mut h = Sha256::new();
+        let mut field = |b: &[u8]| {
+            h.update((b.len() as u64).to_le_bytes());
+            h.update(b);
+        };
+        field(b"moelink-jit-key-v1");
+        field(self.name.as_bytes());
+        field(self.source.as_bytes());
+        field(&(self.headers.len() as u64).to_le_bytes());
+        for (n, c) in &self.headers {
+            field(n.as_bytes());
+            field(c.as_bytes());
+        }
+        let opts = self.options();
+        field(&(opts.len() as u64).to_le_bytes());
+        for o in &opts {
+            field(o.as_bytes());
+        }
+        field(format!("nvrtc {}.{}", nvrtc_version.0, nvrtc_version.1).as_bytes());
+        field(self.arch.as_bytes());
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// Register, stack and spill use of one function, from ptxas's report.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelResources {
+    /// Function name (unmangled for `extern "C"` kernels).
+    pub kernel: String,
+    /// A `__global__` entry point (as opposed to a non-inlined device function).
+    pub is_entry: bool,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Stack frame, bytes per thread.
+    pub stack_frame_bytes: u32,
+    /// Spill stores, bytes per thread.
+    pub spill_store_bytes: u32,
+    /// Spill loads, bytes per thread.
+    pub spill_load_bytes: u32,
+    /// Static shared memory, bytes per block.
+    pub shared_bytes: u32,
+}
+
+impl KernelResources {
+    /// True when the function uses local memory: a stack frame or spills.
+    pub fn spills(&self) -> bool {
+        self.stack_frame_bytes > 0 || self.spill_store_bytes > 0 || self.spill_load_bytes > 0
+    }
+}
+
+impl std::fmt::Display for KernelResources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} registers, {} B stack, {} B spill stores, {} B spill loads, {} B smem",
+            self.kernel, self.registers, self.stack_frame_bytes, self.spill_store_bytes, self.spill_load_bytes, self.shared_bytes
+        )
+    }
+}
+
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let i = line.find(unit)?;
+    line[..i].split(|c: char| !c.is_ascii_digit()).rfind(|s| !s.is_empty())?.parse().ok()
+}
+
+fn quoted(line: &str) -> Option<&str> {
+    let a = line.find('\'')?;
+    let b = line[a + 1..].find('\'')?;
+    Some(&line[a + 1..a + 1 + b])
+}
+
+/// Parses ptxas's `-v` report (in NVRTC's log) into one entry per function, in order of appearance.
+pub fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
+    let mut out: Vec<KernelResources> = Vec::new();
+    let index_of = |out: &mut Vec<KernelResources>, name: &str| -> usize {
+        if let Some(i) = out.iter().position(|r| r.kernel == name) {
+            return i;
+        }
+        out.push(KernelResources { kernel: name.to_string(), ..Default::default() });
+        out.len() - 1
+    };
+    let (mut entry, mut props): (Option<usize>, Option<usize>) = (None, None);
+    for line in log.lines() {
+        if line.contains("Compiling entry function") {
+            if let Some(name) = quoted(line) {
+                let i = index_of(&mut out, name);
+                out[i].is_entry = true;
+                entry = Some(i);
+            }
+        } else if let Some(rest) = line.split("Function properties for ").nth(1) {
+            props = Some(index_of(&mut out, rest.trim()));
+        } else if line.contains("bytes stack frame") {
+            if let Some(i) = props {
+                out[i].stack_frame_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                out[i].spill_store_bytes = number_before(line, "bytes spill stores").unwrap_or(0);
+                out[i].spill_load_bytes = number_before(line, "bytes spill loads").unwrap_or(0);
+            }
+        } else if line.contains("Used ") && line.contains(" registers") {
+            if let Some(i) = entry {
+                out[i].registers = number_before(line, " registers").unwrap_or(0);
+                out[i].shared_bytes = number_before(line, " bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+/// Where a compile result came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSource {
+    /// This [`JitCache`]'s in-process memo.
+    Memory,
+    /// The disk cache.
+    Disk,
+    /// A fresh NVRTC compile.
+    Compiled,
+}
+
+/// A compiled CUBIN with its compile log and resource report.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The request's name.
+    pub name: String,
+    /// Target architecture.
+    pub arch: String,
+    /// Cache key (hex sha256).
+    pub key: String,
+    /// The CUBIN image.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log (includes ptxas's report).
+    pub log: String,
+    /// Parsed register/spill report, one entry per function.
+    pub resources: Vec<KernelResources>,
+    /// Seconds the NVRTC compile took when this CUBIN was built (possibly in an earlier process).
+    pub compile_seconds: f64,
+}
+
+impl Compiled {
+    /// Loads the CUBIN on `device`.
+    pub fn load(&self, device: &Device) -> Result<Module> {
+        Module::load(device, &self.cubin)
+    }
+
+    /// The report entry of function `kernel`.
+    pub fn resources_of(&self, kernel: &str) -> Option<&KernelResources> {
+        self.resources.iter().find(|r| r.kernel == kernel)
+    }
+}
+
+type Slot = Arc<Mutex<Option<Arc<Compiled>>>>;
+
+/// A compile cache: an optional disk directory plus an in-process memo.
+pub struct JitCache {
+    dir: Option<PathBuf>,
+    memo: Mutex<HashMap<String, Slot>>,
+}
+
+impl std::fmt::Debug for JitCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JitCache({:?})", self.dir)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the data half-updated (single assignments).
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// NVRTC programs are compiled one at a time per process.
+static NVRTC_LOCK: Mutex<()> = Mutex::new(());
+
+const FILE_MAGIC: &[u8; 8] = b"MLCUBIN1";
+
+impl JitCache {
+    /// The process-wide cache at [`default_cache_dir`].
+    pub fn global() -> &'static JitCache {
+        static GLOBAL: OnceLock<JitCache> = OnceLock::new();
+        GLOBAL.get_or_init(|| JitCache::new(default_cache_dir()))
+    }
+
+    /// A cache at `dir` (created on first write), or memory-only when `None`.
+    pub fn new(dir: Option<PathBuf>) -> JitCache {
+        JitCache { dir, memo: Mutex::new(HashMap::new()) }
+    }
+
+    /// The disk directory, if any.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// Compiles `req`, or returns the cached CUBIN.
+    pub fn compile(&self, req: &CompileRequest) -> Result<Arc<Compiled>> {
+        self.compile_traced(req).map(|(c, _)| c)
+    }
+
+    /// As [`compile`](Self::compile), also saying where the result came from.
+    pub fn compile_traced(&self, req: &CompileRequest) -> Result<(Arc<Compiled>, CacheSource)> {
+        let version = nvrtc::ensure_loaded()?;
+        let key = req.cache_key(version);
+        let slot = lock(&self.memo).entry(key.clone()).or_default().clone();
+        let mut slot = lock(&slot);
+        if let Some(c) = slot.as_ref() {
+            return Ok((c.clone(), CacheSource::Memory));
+        }
+        let t0 = Instant::now();
+        if let Some(c) = self.read_disk(req, &key) {
+            if verbose() {
+                eprintln!("[moelink jit] {} {} {}: disk cache hit in {:.4} s", req.name, req.arch, &key[..12], t0.elapsed().as_secs_f64());
+            }
+            let c = Arc::new(c);
+            *slot = Some(c.clone());
+            return Ok((c, CacheSource::Disk));
+        }
+        let c = Arc::new(compile_uncached(req, key)?);
+        if let Err(e) = self.write_disk(&c) {
+            if verbose() {
+                eprintln!("[moelink jit] could not write the disk cache: {e}");
+            }
+        }
+        *slot = Some(c.clone());
+        Ok((c, CacheSource::Compiled))
+    }
+
+    fn file_for(&self, name: &str, key: &str) -> Option<PathBuf> {
+        let stem: String = name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+        self.dir.as_ref().map(|d| d.join(format!("{stem}-{key}.mlcubin")))
+    }
+
+    fn read_disk(&self, req: &CompileRequest, key: &str) -> Option<Compiled> {
+        let bytes = std::fs::read(self.file_for(&req.name, key)?).ok()?;
+        let (log, cubin, compile_seconds) = decode_cache_file(&bytes, key)?;
+        Some(Compiled {
+            name: req.name.clone(),
+            arch: req.arch.clone(),
+            key: key.to_string(),
+            resources: parse_ptxas_report(&log),
+            log,
+            cubin,
+            compile_seconds,
+        })
+    }
+
+    fn write_disk(&self, c: &Compiled) -> Result<()> {
+        let Some(path) = self.file_for(&c.name, &c.key) else { return Ok(()) };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("creating the JIT cache directory", dir, e))?;
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let tmp = path.with_extension(format!("tmp-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+        let body = encode_cache_file(&c.key, &c.log, &c.cubin, c.compile_seconds);
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&body)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io("writing the JIT cache file", &path, e)
+        })
+    }
+}
+
+fn encode_cache_file(key: &str, log: &str, cubin: &[u8], compile_seconds: f64) -> Vec<u8> {
+    let mut b = Vec::with_capacity(96 + log.len() + cubin.len());
+    b.extend_from_slice(FILE_MAGIC);
+    b.extend_from_slice(&(log.len() as u64).to_le_bytes());
+    b.extend_from_slice(&(cubin.len() as u64).to_le_bytes());
+    b.extend_from_slice(&compile_seconds.to_le_bytes());
+    b.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    b.extend_from_slice(key.as_bytes());
+    b.extend_from_slice(log.as_bytes());
+    b.extend_from_slice(cubin);
+    b
+}
+
+/// `(log, cubin, compile_seconds)` when `b` is a complete cache file for `key`.
+fn decode_cache_file(b: &[u8], key: &str) -> Option<(String, Vec<u8>, f64)> {
+    let u64_at = |o: usize| -> Option<u64> { Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?)) };
+    if b.get(..8)? != FILE_MAGIC {
+        return None;
+    }
+    let log_len = u64_at(8)? as usize;
+    let cubin_len = u64_at(16)? as usize;
+    let secs = f64::from_le_bytes(b.get(24..32)?.try_into().ok()?);
+    let key_len = u64_at(32)? as usize;
+    let mut o = 40;
+    if b.get(o..o + key_len)? != key.as_bytes() {
+        return None;
+    }
+    o += key_len;
+    let log = std::str::from_utf8(b.get(o..o + log_len)?).ok()?.to_string();
+    o += log_len;
+    let cubin = b.get(o..o + cubin_len)?.to_vec();
+    if o + cubin_len != b.len() || cubin.get(..4)? != [0x7f, b'E', b'L', b'F'] {
+        return None;
+    }
+    Some((log, cubin, secs))
+}
+
+/// Runs NVRTC (no caches).
+fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
+    let options = req.options();
+    let _serial = lock(&NVRTC_LOCK);
+    let t0 = Instant::now();
+    // SAFETY: NVRTC was loaded by the caller (ensure_loaded); the program is destroyed on every path below.
+    let (ok, log, cubin) = unsafe {
+        let mut prog = nvrtc::create_program(&req.source, &req.name, &req.headers)?;
+        let result = (|| -> Result<(bool, String, Vec<u8>)> {
+            let ok = nvrtc::compile_program(prog, &options)?;
+            let log = nvrtc::program_log(prog)?;
+            let cubin = if ok { nvrtc::program_cubin(prog)? } else { Vec::new() };
+            Ok((ok, log, cubin))
+        })();
+        let _ = nvrtc::destroy_program(&mut prog);
+        result?
+    };
+    let secs = t0.elapsed().as_secs_f64();
+    if !ok {
+        return Err(Error::Compile { kernel: req.name.clone(), arch: req.arch.clone(), log: log.trim().to_string() });
+    }
+    let resources = parse_ptxas_report(&log);
+    if verbose() {
+        eprintln!("[moelink jit] {} {} {}: compiled in {secs:.3} s, {} B cubin", req.name, req.arch, &key[..12], cubin.len());
+        eprintln!("[moelink jit]   options: {}", options.join(" "));
+        for r in resources.iter().filter(|r| r.is_entry) {
+            eprintln!("[moelink jit]   {r}");
+        }
+    }
+    Ok(Compiled { name: req.name.clone(), arch: req.arch.clone(), key, cubin, log, resources, compile_seconds: secs })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> CompileRequest {
+        CompileRequest::new("copy.cu", "extern \"C\" __global__ void k() {}", "sm_90a")
+            .header("ptx.cuh", "// header")
+            .define("MAX_RANKS", 8)
+    }
+
+    #[test]
+    fn cache_key_is_stable_and_covers_every_input() {
+        let base = req().cache_key((13, 0));
+        // Pinned: a change here means every user's cache is invalidated; bump deliberately.
+        assert_eq!(base.len(), 64);
+        assert_eq!(base, req().cache_key((13, 0)));
+        let variants = [
+            req().define("X", 1).cache_key((13, 0)),
+            CompileRequest { source: "extern \"C\" __global__ void k() { }".into(), ..req() }.cache_key((13, 0)),
+            CompileRequest { headers: vec![("ptx.cuh".into(), "// other".into())], ..req() }.cache_key((13, 0)),
+            CompileRequest { arch: "sm_100a".into(), ..req() }.cache_key((13, 0)),
+            req().option("-G").cache_key((13, 0)),
+            req().cache_key((13, 2)),
+            CompileRequest { defines: vec![("MAX_RANKS".into(), "4".into())], ..req() }.cache_key((13, 0)),
+        ];
+        for (i, v) in variants.iter().enumerate() {
+            assert_ne!(*v, base, "variant {i} must change the key");
+        }
+        // Field boundaries matter: moving bytes between name and source changes the key.
+        let a = CompileRequest::new("ab", "c", "sm_90a").cache_key((13, 0));
+        let b = CompileRequest::new("a", "bc", "sm_90a").cache_key((13, 0));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn options_are_what_nvrtc_gets() {
+        assert_eq!(req().options(), vec!["--gpu-architecture=sm_90a", "-std=c++17", "-lineinfo", "--ptxas-options=-v", "-DMAX_RANKS=8"]);
+    }
+
+    #[test]
+    fn arch_names() {
+        assert_eq!(arch_for((9, 0)), "sm_90a");
+        assert_eq!(arch_for((10, 0)), "sm_100a");
+        assert_eq!(arch_for((8, 0)), "sm_80");
+    }
+
+    #[test]
+    fn ptxas_report_is_parsed() {
+        let log = "ptxas info    : 0 bytes gmem\n\
+ptxas info    : Compiling entry function 'k3' for 'sm_90a'\n\
+ptxas info    : Function properties for k3\n\
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 10 registers, used 1 barriers, 1024 bytes smem\n\
+ptxas info    : Compile time = 3.071 ms\n\
+ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n\
+ptxas info    : Function properties for k1\n\
+ptxas         .     1408 bytes stack frame, 1376 bytes spill stores, 1556 bytes spill loads\n\
+ptxas info    : Used 24 registers, used 0 barriers, 1408 bytes cumulative stack size\n";
+        let r = parse_ptxas_report(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            r[0],
+            KernelResources {
+                kernel: "k3".into(),
+                is_entry: true,
+                registers: 10,
+                stack_frame_bytes: 0,
+                spill_store_bytes: 0,
+                spill_load_bytes: 0,
+                shared_bytes: 1024
+            }
+        );
+        assert!(!r[0].spills());
+        assert_eq!((r[1].registers, r[1].stack_frame_bytes, r[1].spill_store_bytes, r[1].spill_load_bytes), (24, 1408, 1376, 1556));
+        assert!(r[1].spills());
+    }
+
+    #[test]
+    fn cache_file_round_trips_and_rejects_damage() {
+        let cubin = [0x7f, b'E', b'L', b'F', 1, 2, 3];
+        let f = encode_cache_file("abc", "log text", &cubin, 0.25);
+        assert_eq!(decode_cache_file(&f, "abc"), Some(("log text".to_string(), cubin.to_vec(), 0.25)));
+        assert_eq!(decode_cache_file(&f, "abd"), None);
+        assert_eq!(decode_cache_file(&f[..f.len() - 1], "abc"), None);
+        let mut longer = f.clone();
+        longer.push(0);
+        assert_eq!(decode_cache_file(&longer, "abc"), None);
+    }
+}

@@ -1,0 +1,348 @@
+//! Device memory ([`DeviceBuffer`]) and page-locked host memory mapped into the device ([`HostMapped`]).
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use bytemuck::Pod;
+
+use crate::device::{same_device, Device};
+use crate::error::{Error, Result};
+use crate::raw::driver as drv;
+use crate::stream::Stream;
+
+fn check_range(what: &str, offset: usize, bytes: usize, len: usize) -> Result<()> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(Error::invalid(format!("{what}: bytes {offset}..{} out of a {len}-byte buffer", offset.saturating_add(bytes)))),
+    }
+}
+
+/// Device memory owned by this value (`cuMemAlloc`), freed on drop. Holds its device, so the context
+/// outlives the allocation.
+///
+/// Synchronous copies ([`DeviceBuffer::copy_to_host`], ...) first wait for *all* work on the device, so they
+/// see the results of kernels on any stream; the `_async` variants are ordered on the given stream only.
+pub struct DeviceBuffer {
+    device: Option<Device>,
+    ptr: u64,
+    len: usize,
+    ordinal: usize,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer(GPU {}, {:#x}, {} bytes)", self.ordinal, self.ptr, self.len)
+    }
+}
+
+impl DeviceBuffer {
+    /// Allocates `len_bytes` (uninitialised; 256-byte aligned). A zero-length buffer allocates nothing and
+    /// has address 0.
+    pub fn alloc(device: &Device, len_bytes: usize) -> Result<DeviceBuffer> {
+        let ptr = if len_bytes == 0 {
+            0
+        } else {
+            let _g = device.bind_scoped()?;
+            // SAFETY: context current; the allocation is freed exactly once in Drop.
+            unsafe { drv::mem_alloc(len_bytes)? }
+        };
+        Ok(DeviceBuffer { device: Some(device.clone()), ptr, len: len_bytes, ordinal: device.ordinal() })
+    }
+
+    /// Allocates `len_bytes` filled with zeros (completed before returning).
+    pub fn zeroed(device: &Device, len_bytes: usize) -> Result<DeviceBuffer> {
+        let mut b = DeviceBuffer::alloc(device, len_bytes)?;
+        b.memset_u8(0)?;
+        Ok(b)
+    }
+
+    /// Allocates a buffer holding a copy of `data`.
+    pub fn from_host(device: &Device, data: &[u8]) -> Result<DeviceBuffer> {
+        let mut b = DeviceBuffer::alloc(device, data.len())?;
+        b.copy_from_host(0, data)?;
+        Ok(b)
+    }
+
+    /// Size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    /// Device address of the first byte.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Ordinal of the device holding the memory.
+    pub fn device_ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device holding the memory.
+    pub fn device(&self) -> &Device {
+        self.device.as_ref().expect("a DeviceBuffer always holds its device until dropped")
+    }
+
+    /// Copies the first `dst.len()` bytes of the buffer into `dst` (at most [`len_bytes`](Self::len_bytes)),
+    /// after all work on the device finished.
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.copy_to_host_at(0, dst)
+    }
+
+    /// Copies `dst.len()` bytes starting at byte `offset` into `dst`, after all work on the device finished.
+    pub fn copy_to_host_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        check_range("copy_to_host_at", offset, dst.len(), self.len)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        // SAFETY: context current; the source range is inside the allocation (checked); `dst` is a valid
+        // host slice of that length. The device sync orders the copy after every stream's work.
+        unsafe {
+            drv::ctx_synchronize()?;
+            drv::memcpy_dtoh(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len())
+        }
+    }
+
+    /// Copies `src` into the buffer at byte `offset`, after all work on the device finished.
+    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        check_range("copy_from_host", offset, src.len(), self.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        // SAFETY: as in copy_to_host_at, with the roles swapped.
+        unsafe {
+            drv::ctx_synchronize()?;
+            drv::memcpy_htod(self.ptr + offset as u64, src.as_ptr(), src.len())
+        }
+    }
+
+    /// Copies `bytes` from `src[src_offset..]` into `self[dst_offset..]` (same or peer device), after all work
+    /// on this device finished; returns when the copy is done.
+    pub fn copy_from_device(&mut self, dst_offset: usize, src: &DeviceBuffer, src_offset: usize, bytes: usize) -> Result<()> {
+        check_range("copy_from_device (destination)", dst_offset, bytes, self.len)?;
+        check_range("copy_from_device (source)", src_offset, bytes, src.len)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        // SAFETY: both ranges are inside live allocations (checked); unified addressing resolves the devices.
+        unsafe {
+            drv::ctx_synchronize()?;
+            drv::memcpy_dtod(self.ptr + dst_offset as u64, src.ptr + src_offset as u64, bytes)?;
+            drv::ctx_synchronize()
+        }
+    }
+
+    /// Stream-ordered version of [`copy_from_device`](Self::copy_from_device).
+    pub fn copy_from_device_async(
+        &mut self,
+        dst_offset: usize,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        check_range("copy_from_device_async (destination)", dst_offset, bytes, self.len)?;
+        check_range("copy_from_device_async (source)", src_offset, bytes, src.len)?;
+        same_device("copy_from_device_async", self.device(), stream.device())?;
+        // SAFETY: both ranges are inside live allocations (checked). cuMemFree synchronises, so neither
+        // allocation can disappear under the pending copy.
+        unsafe { stream.memcpy_dtod_async(self.ptr + dst_offset as u64, src.ptr + src_offset as u64, bytes) }
+    }
+
+    /// Stream-ordered host → device copy of `src` into the buffer at `offset`.
+    ///
+    /// # Safety
+    /// `src` must stay alive and unmodified until the stream has executed the copy. (For pageable memory
+    /// the driver stages the copy and returns late; for page-locked memory it returns at once.)
+    pub unsafe fn copy_from_host_async(&mut self, offset: usize, src: &[u8], stream: &Stream) -> Result<()> {
+        check_range("copy_from_host_async", offset, src.len(), self.len)?;
+        same_device("copy_from_host_async", self.device(), stream.device())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        drv::memcpy_htod_async(self.ptr + offset as u64, src.as_ptr(), src.len(), stream.raw())
+    }
+
+    /// Stream-ordered device → host copy from `offset` into `dst`.
+    ///
+    /// # Safety
+    /// `dst` must stay alive and must not be read until the stream has executed the copy.
+    pub unsafe fn copy_to_host_async(&self, offset: usize, dst: &mut [u8], stream: &Stream) -> Result<()> {
+        check_range("copy_to_host_async", offset, dst.len(), self.len)?;
+        same_device("copy_to_host_async", self.device(), stream.device())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        drv::memcpy_dtoh_async(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len(), stream.raw())
+    }
+
+    /// Sets every byte to `value` (completed before returning).
+    pub fn memset_u8(&mut self, value: u8) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        // SAFETY: the whole allocation; the device sync orders it after pending work and completes it.
+        unsafe {
+            drv::ctx_synchronize()?;
+            drv::memset_d8(self.ptr, value, self.len)?;
+            drv::ctx_synchronize()
+        }
+    }
+
+    /// Sets every 32-bit word to `value` (the length must be a multiple of 4; completed before returning).
+    pub fn memset_u32(&mut self, value: u32) -> Result<()> {
+        if self.len % 4 != 0 {
+            return Err(Error::invalid(format!("memset_u32 on a {}-byte buffer (not a multiple of 4)", self.len)));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        // SAFETY: the whole allocation (length checked to be word-sized).
+        unsafe {
+            drv::ctx_synchronize()?;
+            drv::memset_d32(self.ptr, value, self.len / 4)?;
+            drv::ctx_synchronize()
+        }
+    }
+
+    /// Stream-ordered [`memset_u8`](Self::memset_u8).
+    pub fn memset_u8_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
+        same_device("memset_u8_async", self.device(), stream.device())?;
+        // SAFETY: the whole live allocation.
+        unsafe { stream.memset_d8_async(self.ptr, value, self.len) }
+    }
+
+    /// Stream-ordered [`memset_u32`](Self::memset_u32).
+    pub fn memset_u32_async(&mut self, value: u32, stream: &Stream) -> Result<()> {
+        same_device("memset_u32_async", self.device(), stream.device())?;
+        if self.len % 4 != 0 {
+            return Err(Error::invalid(format!("memset_u32_async on a {}-byte buffer (not a multiple of 4)", self.len)));
+        }
+        // SAFETY: the whole live allocation, word-sized.
+        unsafe { stream.memset_d32_async(self.ptr, value, self.len / 4) }
+    }
+
+    /// Exports the allocation for another process ([`crate::IpcMapping::open`]).
+    pub fn ipc_handle(&self) -> Result<crate::ipc::IpcMemHandle> {
+        if self.len == 0 {
+            return Err(Error::invalid("cannot export a zero-length buffer over IPC"));
+        }
+        let _g = self.device().bind_scoped()?;
+        // SAFETY: the pointer is the base of a live cuMemAlloc allocation.
+        let bytes = unsafe { drv::ipc_get_mem_handle(self.ptr)? };
+        Ok(crate::ipc::IpcMemHandle(bytes))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(device) = self.device.take() {
+            if self.ptr != 0 {
+                if let Ok(_g) = device.bind_scoped() {
+                    // SAFETY: we allocated the memory and free it once; cuMemFree waits for pending work
+                    // that uses it.
+                    let _ = unsafe { drv::mem_free(self.ptr) };
+                }
+            }
+        }
+    }
+}
+
+/// Page-locked host memory holding `len` values of `T`, mapped into every device's address space. The device
+/// writes it with plain (system-scope) stores; the host reads it with volatile loads, so a value written by
+/// a running kernel is seen without a copy — moelink uses it for receive counts and error records.
+pub struct HostMapped<T: Pod> {
+    device: Device,
+    host: *mut T,
+    device_ptr: u64,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: the memory is owned by this value; access goes through volatile reads/writes of Pod values, which
+// cannot create invalid values whatever the device writes concurrently.
+unsafe impl<T: Pod> Send for HostMapped<T> {}
+// SAFETY: as above; `&self` methods only perform volatile reads.
+unsafe impl<T: Pod> Sync for HostMapped<T> {}
+
+impl<T: Pod> HostMapped<T> {
+    /// Allocates `len` zeroed values, mapped for `device` (and, being portable, every other device).
+    pub fn new(device: &Device, len: usize) -> Result<HostMapped<T>> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| Error::invalid("HostMapped size overflows"))?.max(1);
+        let _g = device.bind_scoped()?;
+        // SAFETY: context current; the allocation is freed once in Drop; it is zeroed before anyone reads it
+        // (zero is a valid Pod value); the device pointer lookup is for this fresh allocation.
+        let (host, device_ptr) = unsafe {
+            let p = drv::mem_host_alloc_mapped(bytes)?;
+            std::ptr::write_bytes(p as *mut u8, 0, bytes);
+            match drv::mem_host_get_device_pointer(p) {
+                Ok(d) => (p as *mut T, d),
+                Err(e) => {
+                    let _ = drv::mem_free_host(p);
+                    return Err(e);
+                }
+            }
+        };
+        Ok(HostMapped { device: device.clone(), host, device_ptr, len, _t: PhantomData })
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address kernels use.
+    pub fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+
+    /// Reads value `i` with a volatile load (sees concurrent device writes).
+    pub fn read(&self, i: usize) -> T {
+        assert!(i < self.len, "HostMapped::read({i}) out of {} values", self.len);
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        // SAFETY: in bounds; the memory is live and properly aligned (page-locked allocations are page
+        // aligned and T's stride keeps alignment); any bit pattern is a valid Pod.
+        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+    }
+
+    /// Writes value `i` with a volatile store.
+    pub fn write(&mut self, i: usize, value: T) {
+        assert!(i < self.len, "HostMapped::write({i}) out of {} values", self.len);
+        // SAFETY: in bounds, live, aligned; exclusive access through `&mut self` on the host side.
+        unsafe { std::ptr::write_volatile(self.host.add(i), value) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+    }
+
+    /// Volatile copy of all values.
+    pub fn read_all(&self) -> Vec<T> {
+        (0..self.len).map(|i| self.read(i)).collect()
+    }
+
+    /// Sets every value to zero.
+    pub fn clear(&mut self) {
+        for i in 0..self.len {
+            self.write(i, T::zeroed());
+        }
+    }
+}
+
+impl<T: Pod> Drop for HostMapped<T> {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.device.bind_scoped() {
+            // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
+            let _ = unsafe { drv::mem_free_host(self.host as *mut c_void) };
+        }
+    }
+}

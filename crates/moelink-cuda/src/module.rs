@@ -1,0 +1,323 @@
+//! Loaded CUBIN modules, their kernels, and launches through `cuLaunchKernelEx`.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use bytemuck::Pod;
+
+use crate::device::{same_device, Device};
+use crate::error::{Error, Result};
+use crate::raw::driver::{self as drv, CUfunction, CUmodule, FuncAttr, RawLaunch};
+use crate::stream::Stream;
+
+struct ModuleInner {
+    device: Device,
+    raw: CUmodule,
+}
+
+// SAFETY: module handles may be used from any thread; the module is only unloaded in Drop.
+unsafe impl Send for ModuleInner {}
+// SAFETY: as above.
+unsafe impl Sync for ModuleInner {}
+
+impl Drop for ModuleInner {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.device.bind_scoped() {
+            // SAFETY: loaded in Module::load; every Kernel holds an Arc to this, so none outlives the unload.
+            let _ = unsafe { drv::module_unload(self.raw) };
+        }
+    }
+}
+
+/// A CUBIN loaded into a device's primary context. Cheap to clone.
+#[derive(Clone)]
+pub struct Module {
+    inner: Arc<ModuleInner>,
+}
+
+impl Module {
+    /// Loads a CUBIN (from [`crate::jit`]) on `device`. PTX is refused: moelink ships machine code only,
+    /// because a newer NVRTC's PTX can be too new for the installed driver.
+    pub fn load(device: &Device, cubin: &[u8]) -> Result<Module> {
+        if cubin.len() < 4 || cubin[..4] != [0x7f, b'E', b'L', b'F'] {
+            return Err(Error::invalid("Module::load expects a CUBIN (ELF) image, not PTX or other data"));
+        }
+        let _g = device.bind_scoped()?;
+        // SAFETY: context current; `cubin` is a complete ELF image that the driver parses and copies.
+        let raw = unsafe { drv::module_load_data(cubin)? };
+        Ok(Module { inner: Arc::new(ModuleInner { device: device.clone(), raw }) })
+    }
+
+    /// The kernel named `name` (an `extern "C"` function of the source).
+    pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        let _g = self.inner.device.bind_scoped()?;
+        // SAFETY: live module; function handles stay valid while the module (held by the Kernel) is loaded.
+        let (raw, param_sizes, max_dynamic_smem) = unsafe {
+            let f = drv::module_get_function(self.inner.raw, name)?;
+            (f, drv::func_param_sizes(f)?, drv::func_get_attribute(f, FuncAttr::MaxDynamicSharedSizeBytes)?)
+        };
+        Ok(Kernel {
+            module: self.inner.clone(),
+            raw,
+            name: name.to_string(),
+            param_sizes,
+            max_dynamic_smem: Arc::new(AtomicU32::new(max_dynamic_smem.max(0) as u32)),
+        })
+    }
+
+    /// The device the module is loaded on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+}
+
+/// Resource use of a loaded kernel as the driver reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelAttributes {
+    /// Registers per thread.
+    pub num_regs: u32,
+    /// Local memory per thread (stack frame + spills), bytes. Hot kernels must have 0.
+    pub local_bytes: u32,
+    /// Static shared memory, bytes.
+    pub static_smem_bytes: u32,
+    /// Largest block this kernel can be launched with.
+    pub max_threads_per_block: u32,
+}
+
+/// One kernel of a loaded [`Module`]. Keeps the module loaded. Knows the byte size of each of its
+/// parameters (from the driver), and checks every launch's arguments against them.
+#[derive(Clone)]
+pub struct Kernel {
+    module: Arc<ModuleInner>,
+    raw: CUfunction,
+    name: String,
+    param_sizes: Vec<usize>,
+    max_dynamic_smem: Arc<AtomicU32>,
+}
+
+// SAFETY: CUfunction handles may be used from any thread while their module is loaded (held by `module`).
+unsafe impl Send for Kernel {}
+// SAFETY: as above; the only mutable state is an atomic.
+unsafe impl Sync for Kernel {}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kernel({} on GPU {}, params {:?})", self.name, self.module.device.ordinal(), self.param_sizes)
+    }
+}
+
+impl Kernel {
+    /// The kernel's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Byte sizes of the kernel's parameters, in order.
+    pub fn param_sizes(&self) -> &[usize] {
+        &self.param_sizes
+    }
+
+    /// The device the kernel is loaded on.
+    pub fn device(&self) -> &Device {
+        &self.module.device
+    }
+
+    /// Registers, local memory and limits as the driver sees them.
+    pub fn attributes(&self) -> Result<KernelAttributes> {
+        let _g = self.module.device.bind_scoped()?;
+        // SAFETY: live function handle.
+        unsafe {
+            Ok(KernelAttributes {
+                num_regs: drv::func_get_attribute(self.raw, FuncAttr::NumRegs)? as u32,
+                local_bytes: drv::func_get_attribute(self.raw, FuncAttr::LocalSizeBytes)? as u32,
+                static_smem_bytes: drv::func_get_attribute(self.raw, FuncAttr::SharedSizeBytes)? as u32,
+                max_threads_per_block: drv::func_get_attribute(self.raw, FuncAttr::MaxThreadsPerBlock)? as u32,
+            })
+        }
+    }
+
+    /// Allows launches with up to `bytes` of dynamic shared memory (above the default 48 KiB limit, up to the
+    /// device's opt-in maximum).
+    pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<()> {
+        let optin = self.module.device.info().max_shared_memory_per_block_optin;
+        if bytes as usize > optin {
+            return Err(Error::invalid(format!("{}: {bytes} bytes of dynamic shared memory, the device allows {optin}", self.name)));
+        }
+        let _g = self.module.device.bind_scoped()?;
+        // SAFETY: live function handle; the value is within the device limit.
+        unsafe { drv::func_set_attribute(self.raw, FuncAttr::MaxDynamicSharedSizeBytes, bytes as i32)? };
+        self.max_dynamic_smem.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Launches the kernel on `stream`.
+    ///
+    /// Checked here (typed errors, nothing launched): the stream's device, the number and byte sizes of the
+    /// arguments against the kernel's parameters, the launch shape, cluster divisibility and the dynamic
+    /// shared memory limit.
+    ///
+    /// # Safety
+    /// The kernel trusts its arguments: every pointer among them must be valid for every access the kernel
+    /// makes, for as long as the kernel runs, and values must mean what the kernel expects.
+    pub unsafe fn launch(&self, stream: &Stream, cfg: &LaunchConfig, args: &KernelArgs) -> Result<()> {
+        same_device(&format!("launch of {}", self.name), &self.module.device, stream.device())?;
+        self.check_args(args)?;
+        self.check_config(cfg)?;
+        let mut ptrs = args.pointers();
+        let _g = self.module.device.bind_scoped()?;
+        let raw = RawLaunch {
+            grid: cfg.grid,
+            block: cfg.block,
+            dynamic_smem_bytes: cfg.dynamic_smem_bytes,
+            cooperative: cfg.cooperative,
+            cluster: cfg.cluster,
+        };
+        drv::launch_kernel_ex(self.raw, stream.raw(), &raw, &mut ptrs)
+    }
+
+    fn check_args(&self, args: &KernelArgs) -> Result<()> {
+        let got: Vec<usize> = args.spans.iter().map(|&(_, len)| len).collect();
+        if got != self.param_sizes {
+            return Err(Error::invalid(format!(
+                "kernel `{}` takes {} parameter(s) of {:?} bytes; the launch passed {} argument(s) of {:?} bytes",
+                self.name,
+                self.param_sizes.len(),
+                self.param_sizes,
+                got.len(),
+                got
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_config(&self, cfg: &LaunchConfig) -> Result<()> {
+        let bad = |why: String| Err(Error::invalid(format!("launch of `{}`: {why}", self.name)));
+        if cfg.grid.contains(&0) || cfg.block.contains(&0) {
+            return bad(format!("empty grid {:?} or block {:?}", cfg.grid, cfg.block));
+        }
+        let threads: u64 = cfg.block.iter().map(|&b| b as u64).product();
+        let limit = self.module.device.info().max_threads_per_block as u64;
+        if threads > limit {
+            return bad(format!("block {:?} has {threads} threads, at most {limit}", cfg.block));
+        }
+        let smem_limit = self.max_dynamic_smem.load(Ordering::Relaxed);
+        if cfg.dynamic_smem_bytes > smem_limit {
+            return bad(format!(
+                "{} bytes of dynamic shared memory, the kernel allows {smem_limit} (call set_max_dynamic_smem first)",
+                cfg.dynamic_smem_bytes
+            ));
+        }
+        if let Some(cluster) = cfg.cluster {
+            if cluster.contains(&0) || cfg.grid.iter().zip(cluster.iter()).any(|(g, c)| g % c != 0) {
+                return bad(format!("grid {:?} is not a multiple of cluster {:?}", cfg.grid, cluster));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Launch shape: grid and block dimensions, dynamic shared memory, and the optional cooperative and
+/// thread-block-cluster attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, bytes.
+    pub dynamic_smem_bytes: u32,
+    /// Cooperative launch (all blocks co-resident; grid-wide sync allowed).
+    pub cooperative: bool,
+    /// Thread-block cluster dimensions (Hopper), or none.
+    pub cluster: Option<[u32; 3]>,
+}
+
+impl LaunchConfig {
+    /// `grid` blocks of `block` threads, one-dimensional, no shared memory.
+    pub fn linear(grid: u32, block: u32) -> LaunchConfig {
+        LaunchConfig { grid: [grid, 1, 1], block: [block, 1, 1], dynamic_smem_bytes: 0, cooperative: false, cluster: None }
+    }
+
+    /// With `bytes` of dynamic shared memory per block.
+    pub fn with_dynamic_smem(mut self, bytes: u32) -> LaunchConfig {
+        self.dynamic_smem_bytes = bytes;
+        self
+    }
+
+    /// As a cooperative launch.
+    pub fn with_cooperative(mut self) -> LaunchConfig {
+        self.cooperative = true;
+        self
+    }
+
+    /// With thread-block clusters of `dims`.
+    pub fn with_cluster(mut self, dims: [u32; 3]) -> LaunchConfig {
+        self.cluster = Some(dims);
+        self
+    }
+}
+
+/// A kernel's arguments: a list of plain-old-data values (device pointers as `u64`, integers, floats, and
+/// `#[repr(C)]` structs deriving [`bytemuck::Pod`]), copied at push time. References cannot be pushed
+/// (they are not `Pod`), and [`Kernel::launch`] checks count and sizes against the kernel.
+///
+/// ```
+/// use moelink_cuda::KernelArgs;
+/// let ptr: u64 = 0x7f00_0000_0000;
+/// let args = KernelArgs::new().arg(ptr).arg(1024u32).arg(0.5f32);
+/// assert_eq!(args.len(), 3);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct KernelArgs {
+    /// Argument bytes, each argument starting at a 16-byte aligned offset.
+    storage: Vec<u128>,
+    /// (byte offset, byte length) of each argument in `storage`.
+    spans: Vec<(usize, usize)>,
+}
+
+impl KernelArgs {
+    /// No arguments.
+    pub fn new() -> KernelArgs {
+        KernelArgs::default()
+    }
+
+    /// Appends `value` (builder style).
+    pub fn arg<T: Pod>(mut self, value: T) -> KernelArgs {
+        self.push(&value);
+        self
+    }
+
+    /// Appends a copy of `value`.
+    pub fn push<T: Pod>(&mut self, value: &T) {
+        let bytes = bytemuck::bytes_of(value);
+        let offset = self.storage.len() * 16;
+        let words = bytes.len().div_ceil(16).max(1);
+        self.storage.resize(self.storage.len() + words, 0);
+        bytemuck::cast_slice_mut::<u128, u8>(&mut self.storage)[offset..offset + bytes.len()].copy_from_slice(bytes);
+        self.spans.push((offset, bytes.len()));
+    }
+
+    /// Number of arguments.
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// The bytes of argument `i`.
+    pub fn bytes(&self, i: usize) -> Option<&[u8]> {
+        let &(off, len) = self.spans.get(i)?;
+        Some(&bytemuck::cast_slice::<u128, u8>(&self.storage)[off..off + len])
+    }
+
+    /// Pointers to each argument's bytes, as `cuLaunchKernelEx` wants them. Valid while `self` is borrowed.
+    fn pointers(&self) -> Vec<*mut c_void> {
+        let base = self.storage.as_ptr() as *const u8;
+        // The driver only reads through these pointers (it copies the argument bytes at launch).
+        self.spans.iter().map(|&(off, _)| base.wrapping_add(off) as *mut c_void).collect()
+    }
+}

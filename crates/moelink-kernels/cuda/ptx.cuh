@@ -1,0 +1,361 @@
+// moelink PTX primitives.
+//
+// Header-free by design: NVRTC <= 13.2 bundles no CUDA headers, so everything the kernels need is defined
+// here with inline PTX. Each function is named after the instruction it emits (`ld_acquire_sys` emits
+// `ld.acquire.sys.global.u32`). Besides the instructions this header holds the kernel/host ABI of error
+// records and the deadline wait every spin loop must use: no kernel spins without a deadline, and no kernel
+// ever executes `trap` — on expiry it writes an error record for the host and returns.
+//
+// Constants shared with Rust live in `moelink_kernels::abi`; a Rust test parses this file and checks that
+// both sides agree.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// 16 bytes, the unit of vectorised global memory access.
+struct alignas(16) u32x4 {
+  u32 x, y, z, w;
+};
+
+constexpr u32 WARP_SIZE = 32;
+constexpr u32 FULL_WARP_MASK = 0xffffffffu;
+
+// ============================================================================================ ABI
+// Error codes written into ErrorRecord::code (0 = no error).
+constexpr u32 ERR_NONE = 0;
+constexpr u32 ERR_TIMEOUT = 1;
+
+// Phases written into ErrorRecord::phase; the host maps them to moelink::Phase.
+constexpr u32 PHASE_BARRIER = 1;
+constexpr u32 PHASE_COPY = 2;
+constexpr u32 PHASE_LAYOUT = 3;
+constexpr u32 PHASE_NOTIFY = 4;
+constexpr u32 PHASE_DISPATCH = 5;
+constexpr u32 PHASE_COMBINE = 6;
+constexpr u32 PHASE_LL_DISPATCH = 7;
+constexpr u32 PHASE_LL_COMBINE = 8;
+constexpr u32 PHASE_OTHER = 15;
+
+// ErrorRecord::peer when no single peer is to blame.
+constexpr u32 NO_PEER = 0xffffffffu;
+
+// How many spins between two deadline checks (a %globaltimer read and a look at the error claim word).
+constexpr u32 DEADLINE_POLL_SPINS = 256;
+
+// The first failure of a rank, in page-locked host memory mapped into the device. Written once per rank:
+// fields first, `code` last with release semantics, so a host that sees code != 0 sees the whole record.
+struct ErrorRecord {
+  u32 code;        // ERR_*; 0 while no error
+  u32 rank;        // rank that gave up
+  u32 peer;        // rank it was waiting for, or NO_PEER
+  u32 phase;       // PHASE_*
+  u64 elapsed_ns;  // how long it waited
+  u64 timeout_ns;  // the deadline it had
+};
+static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord is 32 bytes (moelink_kernels::abi::ErrorRecord)");
+
+// Where a kernel reports: `claim` is a device-memory word (atomicCAS 0 -> 1 by the first failing thread of
+// the rank; atomics on host memory over PCIe are not guaranteed), `record` is the host-mapped record.
+struct ErrorSink {
+  u32* claim;
+  ErrorRecord* record;
+};
+
+namespace ptx {
+
+// ============================================================================================ flags, atomics
+// Scope .sys: ordered with respect to other GPUs (NVLink peers) and the host.
+
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_relaxed_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_relaxed_gpu(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(u32* p, u32 v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_gpu_u64(u64* p, u64 v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_min_relaxed_gpu_u64(u64* p, u64 v) {
+  asm volatile("red.relaxed.gpu.global.min.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 desired) {
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
+  return old;
+}
+
+// A release/acquire fence at system scope. Release pattern: fence, then relaxed stores; acquire pattern:
+// relaxed loads that observed a flag, then fence. One fence covers every store/load that follows/precedes it.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// ============================================================================================ 16-byte accesses
+
+// Streamed read: non-coherent path, no L1 allocation, 256-byte L2 prefetch. Only for data no kernel writes
+// while this one runs.
+__device__ __forceinline__ u32x4 ld_nc_na_v4(const u32x4* p) {
+  u32x4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32x4 ld_v4(const u32x4* p) {
+  u32x4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// Streamed write (local or peer memory): no L1 allocation.
+__device__ __forceinline__ void st_na_v4(u32x4* p, const u32x4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void st_v4(u32x4* p, const u32x4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// ============================================================================================ time
+
+// Nanoseconds of the GPU's global timer (same clock on every SM).
+__device__ __forceinline__ u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ============================================================================================ shared memory, mbarrier, TMA
+
+// 32-bit shared-window address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 cvta_to_shared(const void* p) {
+  u32 a;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// Makes mbarrier initialisation visible to the async (TMA) proxy.
+__device__ __forceinline__ void fence_mbarrier_init_release_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (TMA) reads of them.
+__device__ __forceinline__ void fence_proxy_async_shared_cta() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// One arrival that also announces `bytes` of transactions the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ bool mbarrier_try_wait_parity(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// 1-D bulk copy global -> shared; completes `bytes` transactions on the mbarrier `bar`.
+__device__ __forceinline__ void cp_async_bulk_global_to_shared(u32 smem_dst, const void* gmem_src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_dst),
+               "l"(gmem_src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// 1-D bulk copy shared -> global (local or peer memory); completion tracked by bulk groups.
+__device__ __forceinline__ void cp_async_bulk_shared_to_global(void* gmem_dst, u32 smem_src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst), "r"(smem_src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until at most N bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Waits until at most N bulk groups are incomplete (their writes performed).
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// True on exactly one lane of the (converged, full) warp.
+__device__ __forceinline__ bool elect_sync() {
+  u32 elected;
+  asm volatile("{ .reg .pred p; .reg .b32 lane; elect.sync lane|p, %1; selp.u32 %0, 1, 0, p; }" : "=r"(elected) : "r"(FULL_WARP_MASK));
+  return elected != 0;
+}
+
+// ============================================================================================ bf16 / fp8
+
+__device__ __forceinline__ u16 cvt_rn_bf16_f32(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// Two floats to packed bf16: `hi` in the upper half, `lo` in the lower.
+__device__ __forceinline__ u32 cvt_rn_bf16x2_f32(float hi, float lo) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float cvt_f32_bf16(u16 h) {
+  float f;
+  asm("cvt.f32.bf16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Two floats to packed e4m3 (saturating to +-448): `hi` in the upper byte, `lo` in the lower.
+__device__ __forceinline__ u16 cvt_rn_satfinite_e4m3x2_f32(float hi, float lo) {
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Packed e4m3 pair to packed f16 pair (exact).
+__device__ __forceinline__ u32 cvt_rn_f16x2_e4m3x2(u16 v) {
+  u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+
+__device__ __forceinline__ float cvt_f32_f16(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Packed e4m3 pair to two floats (exact): lower byte -> lo, upper byte -> hi.
+__device__ __forceinline__ void e4m3x2_to_f32x2(u16 v, float& lo, float& hi) {
+  const u32 h2 = cvt_rn_f16x2_e4m3x2(v);
+  lo = cvt_f32_f16((u16)(h2 & 0xffffu));
+  hi = cvt_f32_f16((u16)(h2 >> 16));
+}
+
+}  // namespace ptx
+
+// ============================================================================================ deadlines
+
+// What a waiting thread needs to give up properly: its budget per wait and where to report.
+struct Deadline {
+  u64 timeout_ns;
+  ErrorSink sink;
+  u32 rank;
+  u32 phase;
+};
+
+__device__ __forceinline__ Deadline make_deadline(u64 error_claim, u64 error_record, u64 timeout_ns, u32 rank, u32 phase) {
+  Deadline d;
+  d.timeout_ns = timeout_ns;
+  d.sink.claim = reinterpret_cast<u32*>(error_claim);
+  d.sink.record = reinterpret_cast<ErrorRecord*>(error_record);
+  d.rank = rank;
+  d.phase = phase;
+  return d;
+}
+
+// Records this rank's first failure (first writer wins) and returns. Never traps. (Inlined: a call would
+// give hot kernels an ABI stack frame.)
+__device__ __forceinline__ void raise_error(const Deadline& d, u32 code, u32 peer, u64 elapsed_ns) {
+  if (ptx::atom_cas_acq_rel_gpu(d.sink.claim, 0u, 1u) != 0u) return;
+  ErrorRecord* r = d.sink.record;
+  ptx::st_relaxed_sys(&r->rank, d.rank);
+  ptx::st_relaxed_sys(&r->peer, peer);
+  ptx::st_relaxed_sys(&r->phase, d.phase);
+  ptx::st_relaxed_sys_u64(&r->elapsed_ns, elapsed_ns);
+  ptx::st_relaxed_sys_u64(&r->timeout_ns, d.timeout_ns);
+  ptx::st_release_sys(&r->code, code);  // publishes the fields above
+}
+
+// True once any thread of this rank has raised an error (device memory: cheap to poll).
+__device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld_relaxed_gpu(d.sink.claim) != 0u; }
+
+// Spins until the flag reaches `target` (wrap-safe: (i32)(flag - target) >= 0), polling with relaxed .sys
+// loads; on success the caller issues ptx::fence_acq_rel_sys() once (acquire pattern). Returns false when
+// `d.timeout_ns` passes first — after recording {ERR_TIMEOUT, rank, peer, phase, elapsed} — or as soon as
+// another thread of this rank has failed, so that a failing kernel winds down quickly.
+__device__ __forceinline__ bool wait_flag_geq(const u32* flag, u32 target, const Deadline& d, u32 peer) {
+  if ((i32)(ptx::ld_relaxed_sys(flag) - target) >= 0) return true;
+  const u64 start = ptx::globaltimer();
+  u32 spins = 0;
+  while ((i32)(ptx::ld_relaxed_sys(flag) - target) < 0) {
+    if (++spins % DEADLINE_POLL_SPINS == 0) {
+      const u64 waited = ptx::globaltimer() - start;
+      if (waited > d.timeout_ns) {
+        raise_error(d, ERR_TIMEOUT, peer, waited);
+        return false;
+      }
+      if (error_raised(d)) return false;
+    }
+  }
+  return true;
+}
+
+// Waits for an mbarrier phase (TMA completion) with the same deadline rules as wait_flag_geq.
+__device__ __forceinline__ bool mbarrier_wait_parity(u32 bar, u32 parity, const Deadline& d, u32 peer) {
+  if (ptx::mbarrier_try_wait_parity(bar, parity)) return true;
+  const u64 start = ptx::globaltimer();
+  u32 spins = 0;
+  while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
+    if (++spins % DEADLINE_POLL_SPINS == 0) {
+      const u64 waited = ptx::globaltimer() - start;
+      if (waited > d.timeout_ns) {
+        raise_error(d, ERR_TIMEOUT, peer, waited);
+        return false;
+      }
+      if (error_raised(d)) return false;
+    }
+  }
+  return true;
+}

@@ -1,0 +1,158 @@
+//! The kernel ↔ host ABI: argument structs passed by value, the error record in host-mapped memory, and the
+//! constants both sides use. Each struct mirrors one in `cuda/*.cu`; every kernel family `static_assert`s
+//! its struct's size against the `MOELINK_SIZEOF_*` constant the variant passes, and a test checks the
+//! constants against `cuda/ptx.cuh`.
+
+use bytemuck::{Pod, Zeroable};
+
+/// Ranks the argument structs have room for (one node).
+pub const MAX_RANKS: usize = 8;
+
+/// `ErrorRecord::code`: no error.
+pub const ERR_NONE: u32 = 0;
+/// `ErrorRecord::code`: a spin-wait passed its deadline.
+pub const ERR_TIMEOUT: u32 = 1;
+
+/// `ErrorRecord::peer` when no single peer is to blame.
+pub const NO_PEER: u32 = u32::MAX;
+
+/// Phase codes written by kernels into [`ErrorRecord::phase`].
+pub mod phase {
+    /// The cross-GPU barrier.
+    pub const BARRIER: u32 = 1;
+    /// The copy primitive.
+    pub const COPY: u32 = 2;
+    /// Dispatch layout.
+    pub const LAYOUT: u32 = 3;
+    /// Count exchange before a high-throughput dispatch.
+    pub const NOTIFY: u32 = 4;
+    /// High-throughput dispatch.
+    pub const DISPATCH: u32 = 5;
+    /// High-throughput combine.
+    pub const COMBINE: u32 = 6;
+    /// Low-latency dispatch.
+    pub const LL_DISPATCH: u32 = 7;
+    /// Low-latency combine.
+    pub const LL_COMBINE: u32 = 8;
+    /// Anything else.
+    pub const OTHER: u32 = 15;
+}
+
+/// A rank's first kernel failure, in host-mapped memory (`ErrorRecord` in `ptx.cuh`). The kernel writes the
+/// fields, then `code` with release semantics: read `code` first; when non-zero, the rest is complete.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ErrorRecord {
+    /// [`ERR_TIMEOUT`], ...; [`ERR_NONE`] while nothing failed.
+    pub code: u32,
+    /// Rank that gave up.
+    pub rank: u32,
+    /// Rank it waited for, or [`NO_PEER`].
+    pub peer: u32,
+    /// One of [`phase`].
+    pub phase: u32,
+    /// How long it waited, ns.
+    pub elapsed_ns: u64,
+    /// Its deadline, ns.
+    pub timeout_ns: u64,
+}
+
+/// Layout of a rank's barrier region inside symmetric memory (see `barrier.cu`).
+pub mod barrier_region {
+    use super::MAX_RANKS;
+    /// `u32 arrive[MAX_RANKS]` at 0; the epoch counter at this offset.
+    pub const EPOCH_OFFSET: usize = 4 * MAX_RANKS;
+    /// Bytes to reserve per rank for one barrier (rounded up to a 128-byte line).
+    pub const BYTES: usize = 128;
+    const _: () = assert!(EPOCH_OFFSET + 4 <= BYTES);
+}
+
+/// Argument of `gpu_barrier` / `gpu_barrier_latency` (`BarrierArgs` in `barrier.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct BarrierArgs {
+    /// Every rank's barrier region as addressable from this rank (own included); unused entries 0.
+    pub regions: [u64; MAX_RANKS],
+    /// Device address of the rank's error claim word (`u32`, device memory).
+    pub error_claim: u64,
+    /// Device address of the rank's [`ErrorRecord`] (host-mapped).
+    pub error_record: u64,
+    /// Deadline of each wait, ns.
+    pub timeout_ns: u64,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks taking part (≤ [`MAX_RANKS`]).
+    pub num_ranks: u32,
+}
+
+/// Argument of `copy_sm` / `copy_tma` (`CopyArgs` in `copy.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CopyArgs {
+    /// Source slice for destination `i` (this GPU), 16-byte aligned.
+    pub src: [u64; MAX_RANKS],
+    /// Destination slice `i` (usually peer memory), 16-byte aligned.
+    pub dst: [u64; MAX_RANKS],
+    /// Rank owning `dst[i]` (named in error records).
+    pub dst_rank: [u32; MAX_RANKS],
+    /// Bytes copied to each destination, a multiple of 16.
+    pub bytes_per_peer: u64,
+    /// Device address of the error claim word.
+    pub error_claim: u64,
+    /// Device address of the [`ErrorRecord`].
+    pub error_record: u64,
+    /// Deadline of each wait, ns.
+    pub timeout_ns: u64,
+    /// Destinations used (≤ [`MAX_RANKS`]).
+    pub num_peers: u32,
+    /// This rank.
+    pub rank: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_sizes() {
+        assert_eq!(std::mem::size_of::<ErrorRecord>(), 32);
+        assert_eq!(std::mem::size_of::<BarrierArgs>(), 8 * MAX_RANKS + 32);
+        assert_eq!(std::mem::size_of::<CopyArgs>(), 16 * MAX_RANKS + 4 * MAX_RANKS + 40);
+    }
+
+    /// Every `constexpr u32 NAME = value;` of ptx.cuh that Rust mirrors has the same value here.
+    #[test]
+    fn constants_agree_with_ptx_header() {
+        let header = crate::PTX_HEADER;
+        let value_of = |name: &str| -> u64 {
+            let needle = format!("constexpr u32 {name} = ");
+            let start = header.find(&needle).unwrap_or_else(|| panic!("{name} is not defined in ptx.cuh")) + needle.len();
+            let text: String = header[start..].chars().take_while(|c| c.is_ascii_alphanumeric()).collect();
+            let text = text.trim_end_matches('u');
+            if let Some(hex) = text.strip_prefix("0x") {
+                u64::from_str_radix(hex, 16).unwrap()
+            } else {
+                text.parse().unwrap()
+            }
+        };
+        let pairs: &[(&str, u64)] = &[
+            ("ERR_NONE", ERR_NONE as u64),
+            ("ERR_TIMEOUT", ERR_TIMEOUT as u64),
+            ("NO_PEER", NO_PEER as u64),
+            ("PHASE_BARRIER", phase::BARRIER as u64),
+            ("PHASE_COPY", phase::COPY as u64),
+            ("PHASE_LAYOUT", phase::LAYOUT as u64),
+            ("PHASE_NOTIFY", phase::NOTIFY as u64),
+            ("PHASE_DISPATCH", phase::DISPATCH as u64),
+            ("PHASE_COMBINE", phase::COMBINE as u64),
+            ("PHASE_LL_DISPATCH", phase::LL_DISPATCH as u64),
+            ("PHASE_LL_COMBINE", phase::LL_COMBINE as u64),
+            ("PHASE_OTHER", phase::OTHER as u64),
+        ];
+        for &(name, rust) in pairs {
+            assert_eq!(value_of(name), rust, "{name}");
+        }
+        assert!(crate::BARRIER_SOURCE.contains("constexpr u32 BARRIER_EPOCH_OFFSET = 4 * MAX_RANKS;"));
+        assert_eq!(barrier_region::EPOCH_OFFSET, 4 * MAX_RANKS);
+    }
+}

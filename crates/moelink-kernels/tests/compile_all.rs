@@ -1,0 +1,161 @@
+//! Compiles every kernel variant for sm_90a with NVRTC — no GPU needed — and fails on a compile error or on
+//! any stack frame / spill in a kernel marked hot.
+//!
+//! NVRTC missing: the test prints why and passes, unless `MOELINK_REQUIRE_NVRTC=1` (CI), where it fails.
+//! With `MOELINK_CUOBJDUMP=/path/to/cuobjdump` it also disassembles each CUBIN and checks that the intended
+//! instructions are there (`scripts/ci-nvrtc-env.sh` installs both tools).
+
+use moelink_cuda::jit::{CompileRequest, JitCache};
+use moelink_cuda::Error;
+use moelink_kernels::{all_variants, Family};
+
+const ARCH: &str = "sm_90a";
+
+/// `Some(reason)` when NVRTC is not there and that is allowed.
+fn skip_reason() -> Option<String> {
+    match moelink_cuda::jit::nvrtc_version() {
+        Ok(_) => None,
+        Err(e) => {
+            if std::env::var("MOELINK_REQUIRE_NVRTC").as_deref() == Ok("1") {
+                panic!("MOELINK_REQUIRE_NVRTC=1 but NVRTC cannot be loaded: {e}");
+            }
+            Some(e.to_string())
+        }
+    }
+}
+
+#[test]
+fn every_variant_compiles_without_spills() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping the NVRTC compile check: {why}");
+        return;
+    }
+    let cache = JitCache::new(None);
+    let mut failures = Vec::new();
+    for spec in all_variants() {
+        let compiled = match cache.compile(&spec.compile_request(ARCH)) {
+            Ok(c) => c,
+            Err(e) => {
+                failures.push(format!("{}: {e}", spec.variant));
+                continue;
+            }
+        };
+        eprintln!("{} ({} B cubin, {:.3} s):", spec.variant, compiled.cubin.len(), compiled.compile_seconds);
+        for k in spec.kernels() {
+            match compiled.resources_of(k.name) {
+                None => failures.push(format!("{}: no ptxas report for kernel {}", spec.variant, k.name)),
+                Some(r) => {
+                    eprintln!("  {r}{}", if k.hot { " [hot]" } else { "" });
+                    if !r.is_entry {
+                        failures.push(format!("{}: {} is not an entry point", spec.variant, k.name));
+                    }
+                    if k.hot && r.spills() {
+                        failures.push(format!("{}: hot kernel spills or has a stack frame: {r}", spec.variant));
+                    }
+                }
+            }
+        }
+        if let Some(tool) = std::env::var_os("MOELINK_CUOBJDUMP") {
+            failures.extend(check_sass(&tool, spec.family, &compiled.cubin).into_iter().map(|f| format!("{}: {f}", spec.variant)));
+        }
+    }
+    assert!(failures.is_empty(), "kernel compile check failed:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn a_compile_error_names_the_kernel_and_carries_the_log() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let req = CompileRequest::new("broken.cu", "extern \"C\" __global__ void k() { undefined_thing(); }", ARCH);
+    match JitCache::new(None).compile(&req) {
+        Err(Error::Compile { kernel, arch, log }) => {
+            assert_eq!(kernel, "broken.cu");
+            assert_eq!(arch, ARCH);
+            assert!(log.contains("undefined_thing"), "{log}");
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+}
+
+#[test]
+fn disk_cache_hits_after_a_cold_compile() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("moelink-jit-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let req = moelink_kernels::BarrierVariant.spec().compile_request(ARCH);
+    let (cold, src1) = JitCache::new(Some(dir.clone())).compile_traced(&req).unwrap();
+    let fresh = JitCache::new(Some(dir.clone()));
+    let (warm, src2) = fresh.compile_traced(&req).unwrap();
+    let (again, src3) = fresh.compile_traced(&req).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    use moelink_cuda::jit::CacheSource::*;
+    assert_eq!((src1, src2, src3), (Compiled, Disk, Memory));
+    assert_eq!(cold.cubin, warm.cubin);
+    assert_eq!(cold.resources, warm.resources);
+    assert!(std::sync::Arc::ptr_eq(&warm, &again));
+}
+
+/// Instructions each family must contain (substrings of cuobjdump -sass lines), and ones no kernel may.
+fn check_sass(tool: &std::ffi::OsStr, family: Family, cubin: &[u8]) -> Vec<String> {
+    let path = std::env::temp_dir().join(format!("moelink-sass-{}-{}.cubin", std::process::id(), family.file_name()));
+    if let Err(e) = std::fs::write(&path, cubin) {
+        return vec![format!("cannot write {}: {e}", path.display())];
+    }
+    let out = std::process::Command::new(tool).arg("-sass").arg(&path).output();
+    let _ = std::fs::remove_file(&path);
+    let sass = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Ok(o) => return vec![format!("cuobjdump failed: {}", String::from_utf8_lossy(&o.stderr))],
+        Err(e) => return vec![format!("cannot run cuobjdump: {e}")],
+    };
+    let functions = split_functions(&sass);
+    let expect: &[(&str, &[&str])] = match family {
+        Family::Barrier => &[
+            ("gpu_barrier", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"]),
+            ("gpu_barrier_latency", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"]),
+        ],
+        Family::Copy => &[
+            ("copy_sm", &["LDG.E.NA.LTC256B.128.CONSTANT", "STG.E.NA.128"]),
+            ("copy_tma", &["UBLKCP.S.G", "UBLKCP.G.S", "SYNCS"]),
+            ("fill_pattern", &["STG.E.128"]),
+            ("verify_pattern", &["LDG.E.128"]),
+        ],
+    };
+    let mut failures = Vec::new();
+    for (kernel, wanted) in expect {
+        let Some(body) = functions.iter().find(|(n, _)| n == kernel).map(|(_, b)| b) else {
+            failures.push(format!("{kernel}: not found in the SASS"));
+            continue;
+        };
+        for w in *wanted {
+            if !body.contains(w) {
+                failures.push(format!("{kernel}: expected `{w}` in the SASS"));
+            }
+        }
+        for banned in ["LDL", "STL", "BPT.TRAP"] {
+            if body.lines().any(|l| l.split_whitespace().any(|t| t.starts_with(banned))) {
+                failures.push(format!("{kernel}: SASS contains {banned} (local memory or trap)"));
+            }
+        }
+    }
+    failures
+}
+
+/// `(function name, its SASS)` from cuobjdump's output.
+fn split_functions(sass: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in sass.lines() {
+        if let Some(rest) = line.trim().strip_prefix("Function : ") {
+            out.push((rest.trim().to_string(), String::new()));
+        } else if let Some((_, body)) = out.last_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    out
+}
