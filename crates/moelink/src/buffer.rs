@@ -184,6 +184,17 @@ impl Buffer {
         r
     }
 
+    /// CUDA backend: run later operations on the caller's stream `stream` (a raw `CUstream`) and return as
+    /// soon as they are enqueued, or with `None` on the buffer's own stream, returning when they finish.
+    /// Kernel errors of an asynchronous operation surface at a later call. Host backend: no effect.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this buffer's device for as long as it is set, and every tensor
+    /// an asynchronous operation reads or writes must stay alive until that stream work has completed.
+    pub unsafe fn set_stream(&mut self, stream: Option<u64>) {
+        self.backend.set_stream(stream)
+    }
+
     /// Waits for every rank (collective).
     pub fn barrier(&mut self) -> Result<()> {
         self.step(|b| b.barrier())

@@ -45,6 +45,9 @@ pub(crate) trait Backend: Send {
     /// Copies a tensor to this backend's location (contiguous result).
     fn upload(&self, t: &Tensor) -> Result<Tensor>;
     fn barrier(&mut self) -> Result<()>;
+    /// Runs later operations on a caller's raw stream (asynchronously), or with `None` on the backend's
+    /// own stream with the host waiting. Host backend: ignored (always synchronous).
+    fn set_stream(&mut self, _stream: Option<u64>) {}
 
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()>;
     /// Count exchange (notify). Returns the plan with host-known sizes (CPU-sync) and backend state.

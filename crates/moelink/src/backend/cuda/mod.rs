@@ -1,0 +1,396 @@
+//! The CUDA backend: one GPU per rank, kernels JIT-compiled from `moelink-kernels`, peers reached through a
+//! symmetric buffer. Everything CUDA goes through `moelink_cuda`; this module only decides what to launch.
+//!
+//! Execution model: every operation runs on the buffer's communication stream. By default a call returns
+//! once its kernels have finished (the host waits with the buffer's deadline). With
+//! [`crate::Buffer::set_stream`] an operation is enqueued on a caller-provided stream and returns at once
+//! (the Python layer uses this for DeepEP's event semantics); errors recorded by the kernels then surface
+//! at the next call.
+
+pub(crate) mod ht;
+pub(crate) mod ll;
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use moelink_cuda::{Device, DeviceBuffer, Exchange, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer};
+use moelink_kernels::abi::{self, ErrorRecord};
+use moelink_kernels::KernelSpec;
+
+use super::{Backend, HtDispatched, LayoutOutputs, PendingRecv as AnyPending};
+use crate::config::BufferOptions;
+use crate::dtype::DType;
+use crate::error::{Error, Phase, Result};
+use crate::group::Group;
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
+use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
+use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
+
+/// Bytes at the start of the symmetric buffer reserved for flags, counters and epochs (offsets in
+/// `ht::ctrl` and `ll::ctrl`).
+pub(crate) const CTRL_BYTES: usize = 4 << 20;
+
+/// Offsets inside the control area (`CTRL_BYTES`) of the symmetric buffer.
+pub(crate) mod ctrl {
+    /// The generic barrier's region (`moelink_kernels::abi::barrier_region::BYTES`).
+    pub const BARRIER: usize = 0;
+    /// High-throughput flags, counts and epochs: `[HT, LL)`.
+    pub const HT: usize = 64 << 10;
+    /// Low-latency flags, counters and epochs: `[LL, CTRL_BYTES)`.
+    pub const LL: usize = 2 << 20;
+    const _: () = assert!(BARRIER + moelink_kernels::abi::barrier_region::BYTES <= HT && HT < LL && LL < super::CTRL_BYTES);
+}
+
+/// Byte offset of the high-throughput data region (`num_nvl_bytes` long) in the symmetric buffer.
+pub(crate) const HT_DATA: usize = CTRL_BYTES;
+
+/// A receive phase not yet run (`return_recv_hook`), CUDA flavour.
+pub(crate) enum PendingRecv<'a> {
+    LlDispatch(ll::PendingDispatch<'a>),
+    LlCombine(ll::PendingCombine<'a>),
+}
+
+/// Where the kernels of one operation run.
+enum StreamMode {
+    /// The buffer's own stream; the host waits for completion.
+    Own,
+    /// A caller's stream (raw handle); the call returns once the work is enqueued.
+    External(Stream),
+}
+
+pub(crate) struct CudaBackend {
+    pub(crate) group: Arc<dyn Group>,
+    pub(crate) rank: usize,
+    pub(crate) num_ranks: usize,
+    pub(crate) device: Device,
+    stream: Stream,
+    mode: StreamMode,
+    /// `[CTRL_BYTES | HT region (num_nvl_bytes) | LL region (num_rdma_bytes)]` on every rank.
+    pub(crate) sym: SymmetricBuffer,
+    pub(crate) num_nvl_bytes: usize,
+    pub(crate) num_rdma_bytes: usize,
+    error_claim: DeviceBuffer,
+    error_record: HostMapped<ErrorRecord>,
+    pub(crate) timeout_ns: u64,
+    modules: HashMap<String, Arc<Module>>,
+    kernels: HashMap<(String, &'static str), Kernel>,
+    pub(crate) ht: ht::HtState,
+    pub(crate) ll: ll::LlState,
+}
+
+impl CudaBackend {
+    /// `Ok` when a CUDA driver, at least one GPU and NVRTC are present.
+    pub(crate) fn available() -> Result<()> {
+        moelink_cuda::driver_available()?;
+        if Device::count()? == 0 {
+            return Err(Error::Unavailable("the CUDA driver reports no GPU".into()));
+        }
+        moelink_cuda::jit::nvrtc_version()?;
+        Ok(())
+    }
+
+    pub(crate) fn new(group: Arc<dyn Group>, options: &BufferOptions) -> Result<CudaBackend> {
+        Self::available()?;
+        let rank = group.rank();
+        let num_ranks = group.size();
+        if num_ranks > abi::MAX_RANKS {
+            return Err(Error::invalid("group", rank, format!("{num_ranks} ranks; the NVLink kernels support at most {}", abi::MAX_RANKS)));
+        }
+        let count = Device::count()?;
+        let ordinal = options.device.unwrap_or(group.local_rank() % count);
+        if ordinal >= count {
+            return Err(Error::invalid("device", rank, format!("device {ordinal} requested, {count} visible")));
+        }
+        let device = Device::new(ordinal)?;
+        device.bind_to_thread()?;
+        let stream = Stream::new(&device)?;
+        let len = CTRL_BYTES + options.num_nvl_bytes.next_multiple_of(4096) + options.num_rdma_bytes.next_multiple_of(4096);
+        let gather = |bytes: &[u8]| group.all_gather(bytes);
+        let ex = Exchange { rank, num_ranks, process_key: group.process_key(), all_gather: &gather };
+        let mut sym = SymmetricBuffer::new(&device, len, &ex)?;
+        // Flags and epochs start at zero on every rank; a barrier makes sure no peer writes before that.
+        sym.local_mut().memset_u8(0)?;
+        let mut error_claim = DeviceBuffer::alloc(&device, 4)?;
+        error_claim.memset_u8(0)?;
+        let error_record = HostMapped::new(&device, 1)?;
+        group.barrier()?;
+        Ok(CudaBackend {
+            group: group.clone(),
+            rank,
+            num_ranks,
+            sym,
+            num_nvl_bytes: options.num_nvl_bytes,
+            num_rdma_bytes: options.num_rdma_bytes,
+            error_claim,
+            error_record,
+            timeout_ns: options.timeout_ms.saturating_mul(1_000_000),
+            modules: HashMap::new(),
+            kernels: HashMap::new(),
+            ht: ht::HtState::default(),
+            ll: ll::LlState::new(num_ranks),
+            mode: StreamMode::Own,
+            stream,
+            device,
+        })
+    }
+
+    /// Runs later operations on `stream` (raw `CUstream`, asynchronously) or, with `None`, on the buffer's
+    /// own stream with the host waiting for completion.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this buffer's device for as long as it is set.
+    pub(crate) unsafe fn set_stream(&mut self, stream: Option<u64>) {
+        self.mode = match stream {
+            // SAFETY: the caller guarantees the handle is a live stream of this device.
+            Some(raw) => StreamMode::External(unsafe { Stream::borrow_raw(&self.device, raw) }),
+            None => StreamMode::Own,
+        };
+    }
+
+    /// The stream operations are enqueued on.
+    pub(crate) fn op_stream(&self) -> &Stream {
+        match &self.mode {
+            StreamMode::Own => &self.stream,
+            StreamMode::External(s) => s,
+        }
+    }
+
+    /// True when calls return before their kernels finish.
+    pub(crate) fn is_async(&self) -> bool {
+        matches!(self.mode, StreamMode::External(_))
+    }
+
+    /// Device address of byte `offset` of rank `r`'s symmetric buffer.
+    pub(crate) fn peer_addr(&self, r: usize, offset: usize) -> u64 {
+        self.sym.peer_ptr(r) + offset as u64
+    }
+
+    /// Base pointers of every rank's symmetric buffer plus `offset`, padded with zeros to `MAX_RANKS`.
+    pub(crate) fn peer_table(&self, offset: usize) -> [u64; abi::MAX_RANKS] {
+        let mut t = [0u64; abi::MAX_RANKS];
+        for (r, p) in t.iter_mut().enumerate().take(self.num_ranks) {
+            *p = self.peer_addr(r, offset);
+        }
+        t
+    }
+
+    /// (claim word, host-mapped record) device addresses every kernel reports errors to.
+    pub(crate) fn error_sink(&self) -> (u64, u64) {
+        (self.error_claim.device_ptr(), self.error_record.device_ptr())
+    }
+
+    /// Compiles (or loads from the cache) `spec` and returns its kernel `name`.
+    pub(crate) fn kernel(&mut self, spec: &KernelSpec, name: &'static str) -> Result<Kernel> {
+        let key = (spec.variant.clone(), name);
+        if let Some(k) = self.kernels.get(&key) {
+            return Ok(k.clone());
+        }
+        let module = match self.modules.get(&spec.variant) {
+            Some(m) => m.clone(),
+            None => {
+                let arch = moelink_cuda::jit::arch_for(self.device.info().compute_capability);
+                let compiled = moelink_cuda::jit::JitCache::global().compile(&spec.compile_request(&arch))?;
+                let m = Arc::new(compiled.load(&self.device)?);
+                self.modules.insert(spec.variant.clone(), m.clone());
+                m
+            }
+        };
+        let k = module.kernel(name)?;
+        self.kernels.insert(key, k.clone());
+        Ok(k)
+    }
+
+    /// Launches `kernel` with one by-value argument struct on the operation stream.
+    pub(crate) fn launch<A: bytemuck::Pod>(&self, kernel: &Kernel, cfg: &LaunchConfig, args: &A) -> Result<()> {
+        let a = KernelArgs::new().arg(*args);
+        // SAFETY: every kernel of moelink-kernels takes exactly one argument struct whose Rust mirror (in
+        // `abi` or the family's module) is size-checked by the kernel's static_assert against the constant
+        // its KernelSpec passes; pointers inside were derived from live allocations of this backend or from
+        // validated tensor views whose owners keep them alive until the stream work completes.
+        unsafe { kernel.launch(self.op_stream(), cfg, &a)? };
+        Ok(())
+    }
+
+    /// The error a kernel of this rank recorded, if any.
+    pub(crate) fn recorded_error(&self) -> Option<Error> {
+        let rec = self.error_record.read(0);
+        if rec.code == abi::ERR_NONE {
+            return None;
+        }
+        Some(Error::Timeout {
+            rank: rec.rank as usize,
+            peer: if rec.peer == abi::NO_PEER { usize::MAX } else { rec.peer as usize },
+            phase: phase_of(rec.phase),
+            waited_ms: rec.elapsed_ns / 1_000_000,
+        })
+    }
+
+    /// Ends an operation: in synchronous mode waits for the stream (deadline + slack) and turns a recorded
+    /// kernel error into an `Err`; in asynchronous mode only reports errors already recorded.
+    pub(crate) fn finish(&self, phase: Phase) -> Result<()> {
+        if let Some(e) = self.recorded_error() {
+            return Err(e);
+        }
+        if self.is_async() {
+            return Ok(());
+        }
+        let slack = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
+        let done = self.stream.synchronize_timeout(slack)?;
+        if let Some(e) = self.recorded_error() {
+            return Err(e);
+        }
+        if !done {
+            return Err(Error::Timeout { rank: self.rank, peer: usize::MAX, phase, waited_ms: slack.as_millis() as u64 });
+        }
+        Ok(())
+    }
+
+    /// Polls a host-mapped word until `ready(value)` holds, watching the error record and the deadline.
+    pub(crate) fn wait_host<T: bytemuck::Pod>(
+        &self,
+        mapped: &HostMapped<T>,
+        index: usize,
+        phase: Phase,
+        ready: impl Fn(T) -> bool,
+    ) -> Result<T> {
+        let start = Instant::now();
+        let limit = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
+        loop {
+            let v = mapped.read(index);
+            if ready(v) {
+                return Ok(v);
+            }
+            if let Some(e) = self.recorded_error() {
+                return Err(e);
+            }
+            if start.elapsed() > limit {
+                return Err(Error::Timeout { rank: self.rank, peer: usize::MAX, phase, waited_ms: start.elapsed().as_millis() as u64 });
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// A device allocation on this rank's GPU.
+    pub(crate) fn device_alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        Ok(DeviceBuffer::alloc(&self.device, bytes.max(1))?)
+    }
+
+    /// Checks that a view lives on this GPU (validation already did; kernels trust it).
+    pub(crate) fn addr_of(&self, t: &TensorRef<'_>) -> u64 {
+        debug_assert_eq!(t.location(), Location::Cuda(self.device.ordinal()));
+        t.addr()
+    }
+
+    /// The cross-GPU barrier kernel over the barrier region at the start of the control area (collective).
+    pub(crate) fn gpu_barrier(&mut self) -> Result<()> {
+        let k = self.kernel(&moelink_kernels::BarrierVariant.spec(), "gpu_barrier")?;
+        let (error_claim, error_record) = self.error_sink();
+        let args = abi::BarrierArgs {
+            regions: self.peer_table(ctrl::BARRIER),
+            error_claim,
+            error_record,
+            timeout_ns: self.timeout_ns,
+            rank: self.rank as u32,
+            num_ranks: self.num_ranks as u32,
+        };
+        self.launch(&k, &LaunchConfig::linear(1, moelink_kernels::BarrierVariant::THREADS), &args)?;
+        self.finish(Phase::Barrier)
+    }
+
+    /// The SM count of this GPU.
+    pub(crate) fn num_device_sms(&self) -> usize {
+        self.device.info().multiprocessors
+    }
+}
+
+fn phase_of(code: u32) -> Phase {
+    match code {
+        abi::phase::BARRIER => Phase::Barrier,
+        abi::phase::LAYOUT => Phase::Layout,
+        abi::phase::NOTIFY => Phase::Notify,
+        abi::phase::DISPATCH => Phase::Dispatch,
+        abi::phase::COMBINE => Phase::Combine,
+        abi::phase::LL_DISPATCH => Phase::LowLatencyDispatch,
+        abi::phase::LL_COMBINE => Phase::LowLatencyCombine,
+        _ => Phase::Other,
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn location(&self) -> Location {
+        Location::Cuda(self.device.ordinal())
+    }
+    fn default_num_sms(&self) -> usize {
+        ht::default_num_sms(self)
+    }
+    fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let bytes: usize = shape.iter().product::<usize>() * dtype.size_bytes();
+        Tensor::from_device(self.device_alloc(bytes)?, dtype, shape)
+    }
+    fn upload(&self, t: &Tensor) -> Result<Tensor> {
+        let bytes = t.to_host_bytes()?;
+        Tensor::from_device(DeviceBuffer::from_host(&self.device, &bytes)?, t.dtype(), t.shape())
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.gpu_barrier()
+    }
+    fn set_stream(&mut self, stream: Option<u64>) {
+        // SAFETY: forwarded from `Buffer::set_stream`, whose contract requires a live stream of this device.
+        unsafe { CudaBackend::set_stream(self, stream) }
+    }
+    fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+        ht::dispatch_layout(self, topk_idx, num_experts, out)
+    }
+    fn prepare_dispatch(&mut self, spec: HtSpec, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+        ht::prepare_dispatch(self, spec, args)
+    }
+    fn dispatch(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+        ht::dispatch(self, plan, args, out)
+    }
+    fn combine(&mut self, spec: CombineSpec, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+        ht::combine(self, spec, args, out)
+    }
+    fn ll_dispatch<'a>(
+        &mut self,
+        spec: LlSpec,
+        args: &LlDispatchArgs<'_>,
+        out: LlDispatchOutputs<'a>,
+    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
+        ll::dispatch(self, spec, args, out)
+    }
+    fn ll_combine<'a>(
+        &mut self,
+        spec: LlCombineSpec,
+        args: &LlCombineArgs<'_>,
+        out: LlCombineOutputs<'a>,
+    ) -> Result<Option<AnyPending<'a>>> {
+        ll::combine(self, spec, args, out)
+    }
+    fn run_recv(&mut self, pending: AnyPending<'_>) -> Result<()> {
+        match pending {
+            AnyPending::Cuda(PendingRecv::LlDispatch(p)) => ll::finish_dispatch(self, p),
+            AnyPending::Cuda(PendingRecv::LlCombine(p)) => ll::finish_combine(self, p),
+            _ => Err(Error::invalid("hook", self.rank, "a host hook cannot run on the CUDA backend")),
+        }
+    }
+    fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>> {
+        ll::next_combine_buffer(self, spec)
+    }
+    fn clean_ll_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()> {
+        ll::clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+    }
+    fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        ll::set_mask(self, rank, masked)
+    }
+    fn ll_mask(&mut self) -> Result<Vec<bool>> {
+        ll::mask(self)
+    }
+    fn ll_clear_mask(&mut self) -> Result<()> {
+        ll::clear_mask(self)
+    }
+}
