@@ -481,6 +481,7 @@ mod tests {
         let base = req().cache_key((13, 0));
         // Pinned: a change here means every user's cache is invalidated; bump deliberately.
         assert_eq!(base.len(), 64);
+        assert_eq!(base, "597ca6424d35a97b27c5fa34b9bfa0b1eef68bdeb610450a8d67358eaf70fabe");
         assert_eq!(base, req().cache_key((13, 0)));
         let variants = [
             req().define("X", 1).cache_key((13, 0)),
