@@ -6,7 +6,7 @@
 //! TCP group under torchrun). Peers in the same process are reached through peer pointers, peers in other
 //! processes through CUDA IPC; nothing here depends on which.
 //!
-//! Each call builds a [`DiagRank`]: the rank's device, stream, kernels, symmetric memory and error sink. A
+//! Each call builds a private `DiagRank`: the rank's device, stream, kernels, symmetric memory and error sink. A
 //! kernel that gives up on a deadline writes an error record; the host turns it into [`Error::Timeout`]
 //! naming the peer, and the `DiagRank` refuses every later operation ([`Error::Poisoned`]), as a `Buffer`
 //! does.
