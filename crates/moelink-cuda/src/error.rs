@@ -49,13 +49,15 @@ pub enum Error {
     )]
     NvrtcNotFound(String),
 
-    /// An NVRTC call other than the compilation itself failed.
-    #[error("{call} failed: {name}")]
+    /// An NVRTC call failed for a reason other than the source itself (e.g. `libnvrtc-builtins` missing).
+    #[error("{call} failed: {name}{}", if log.is_empty() { String::new() } else { format!("\n{log}") })]
     Nvrtc {
         /// The NVRTC function.
         call: &'static str,
         /// The `nvrtcResult`'s name.
         name: String,
+        /// NVRTC's program log, when there is one.
+        log: String,
     },
 
     /// NVRTC rejected a kernel source.

@@ -15,6 +15,12 @@ pub struct Graph {
 // which `&self`/`&mut self` plus the driver's own locking guarantee for the calls made here.
 unsafe impl Send for Graph {}
 
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Graph(GPU {})", self.device.ordinal())
+    }
+}
+
 impl Graph {
     pub(crate) fn from_raw(device: &Device, raw: CUgraph) -> Graph {
         Graph { device: device.clone(), raw }
@@ -48,6 +54,12 @@ pub struct GraphExec {
 unsafe impl Send for GraphExec {}
 // SAFETY: `launch` only submits work; concurrent launches of one exec are allowed by the driver.
 unsafe impl Sync for GraphExec {}
+
+impl std::fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphExec(GPU {})", self.device.ordinal())
+    }
+}
 
 impl GraphExec {
     /// Launches the whole graph on `stream` (same device).

@@ -437,8 +437,14 @@ fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
     let (ok, log, cubin) = unsafe {
         let mut prog = nvrtc::create_program(&req.source, &req.name, &req.headers)?;
         let result = (|| -> Result<(bool, String, Vec<u8>)> {
-            let ok = nvrtc::compile_program(prog, &options)?;
-            let log = nvrtc::program_log(prog)?;
+            let status = nvrtc::compile_program(prog, &options);
+            let log = nvrtc::program_log(prog).unwrap_or_default();
+            let ok = match status {
+                Ok(ok) => ok,
+                // e.g. NVRTC_ERROR_BUILTIN_OPERATION_FAILURE: libnvrtc-builtins not found; the log says which.
+                Err(Error::Nvrtc { call, name, .. }) => return Err(Error::Nvrtc { call, name, log: log.trim().to_string() }),
+                Err(e) => return Err(e),
+            };
             let cubin = if ok { nvrtc::program_cubin(prog)? } else { Vec::new() };
             Ok((ok, log, cubin))
         })();
@@ -475,6 +481,7 @@ mod tests {
         let base = req().cache_key((13, 0));
         // Pinned: a change here means every user's cache is invalidated; bump deliberately.
         assert_eq!(base.len(), 64);
+        assert_eq!(base, "597ca6424d35a97b27c5fa34b9bfa0b1eef68bdeb610450a8d67358eaf70fabe");
         assert_eq!(base, req().cache_key((13, 0)));
         let variants = [
             req().define("X", 1).cache_key((13, 0)),

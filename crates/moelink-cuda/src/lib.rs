@@ -21,6 +21,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 mod device;
 mod error;
 mod graph;

@@ -272,6 +272,12 @@ unsafe impl<T: Pod> Send for HostMapped<T> {}
 // SAFETY: as above; `&self` methods only perform volatile reads.
 unsafe impl<T: Pod> Sync for HostMapped<T> {}
 
+impl<T: Pod> std::fmt::Debug for HostMapped<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostMapped({} x {} B, device {:#x})", self.len, std::mem::size_of::<T>(), self.device_ptr)
+    }
+}
+
 impl<T: Pod> HostMapped<T> {
     /// Allocates `len` zeroed values, mapped for `device` (and, being portable, every other device).
     pub fn new(device: &Device, len: usize) -> Result<HostMapped<T>> {
@@ -308,13 +314,16 @@ impl<T: Pod> HostMapped<T> {
         self.device_ptr
     }
 
-    /// Reads value `i` with a volatile load (sees concurrent device writes).
+    /// Reads value `i` with a volatile load (sees concurrent device writes), followed by an acquire fence:
+    /// when the device published the value with a release store, later reads see what it wrote before.
+    /// A multi-word `T` is not read atomically; read the word the device publishes last first.
     pub fn read(&self, i: usize) -> T {
         assert!(i < self.len, "HostMapped::read({i}) out of {} values", self.len);
-        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         // SAFETY: in bounds; the memory is live and properly aligned (page-locked allocations are page
         // aligned and T's stride keeps alignment); any bit pattern is a valid Pod.
-        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+        let v = unsafe { std::ptr::read_volatile(self.host.add(i)) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        v
     }
 
     /// Writes value `i` with a volatile store.

@@ -36,6 +36,12 @@ pub struct Module {
     inner: Arc<ModuleInner>,
 }
 
+impl std::fmt::Debug for Module {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Module(GPU {})", self.inner.device.ordinal())
+    }
+}
+
 impl Module {
     /// Loads a CUBIN (from [`crate::jit`]) on `device`. PTX is refused: moelink ships machine code only,
     /// because a newer NVRTC's PTX can be too new for the installed driver.

@@ -201,6 +201,12 @@ unsafe impl Send for Event {}
 // SAFETY: as above.
 unsafe impl Sync for Event {}
 
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event(GPU {}, {:#x})", self.device.ordinal(), self.raw_handle())
+    }
+}
+
 impl Event {
     /// A new event. `timing` enables [`Event::elapsed_ms`] (slightly more expensive to record).
     pub fn new(device: &Device, timing: bool) -> Result<Event> {

@@ -44,8 +44,9 @@ static_assert(sizeof(BarrierArgs) == MOELINK_SIZEOF_BARRIER_ARGS, "BarrierArgs d
 //   signal: lanes of peers execute one fence.acq_rel.sys (one warp instruction: every earlier write of this
 //           rank, including previous kernels on the stream, is ordered before it), then st.relaxed.sys
 //           `epoch` into arrive[rank] of their peer's region.
-//   wait:   lane p polls arrive[p] of this rank's region with relaxed .sys loads until it reaches `epoch`
-//           (deadline-bounded), then one fence.acq_rel.sys makes the peers' earlier writes visible.
+//   wait:   lane p polls arrive[p] of this rank's region with ld.acquire.sys until it reaches `epoch`
+//           (deadline-bounded); the acquire makes peer p's earlier writes visible, and __syncwarp passes
+//           that on to the other lanes. One MEMBAR.SYS per barrier in all (the release fence).
 __device__ __forceinline__ bool warp_barrier(const BarrierArgs& a, const Deadline& d, u32 epoch) {
   const u32 lane = threadIdx.x % WARP_SIZE;
   const bool is_peer = lane < a.num_ranks && lane != a.rank;
@@ -57,8 +58,7 @@ __device__ __forceinline__ bool warp_barrier(const BarrierArgs& a, const Deadlin
   bool ok = true;
   if (is_peer) ok = wait_flag_geq(own_region + lane, epoch, d, lane);
   ok = __all_sync(FULL_WARP_MASK, ok);
-  if (ok && is_peer) ptx::fence_acq_rel_sys();
-  __syncwarp();
+  __syncwarp();  // memory ordering among the lanes: every lane now sees what every peer wrote before arriving
   return ok;
 }
 

@@ -123,8 +123,8 @@ __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 de
   return old;
 }
 
-// A release/acquire fence at system scope. Release pattern: fence, then relaxed stores; acquire pattern:
-// relaxed loads that observed a flag, then fence. One fence covers every store/load that follows/precedes it.
+// A release/acquire fence at system scope (MEMBAR.ALL.SYS). Release pattern: one fence, then relaxed stores
+// to any number of flags. (st.release / red.release each pay such a fence; ld.acquire does not.)
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
@@ -321,15 +321,16 @@ __device__ __forceinline__ void raise_error(const Deadline& d, u32 code, u32 pee
 // True once any thread of this rank has raised an error (device memory: cheap to poll).
 __device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld_relaxed_gpu(d.sink.claim) != 0u; }
 
-// Spins until the flag reaches `target` (wrap-safe: (i32)(flag - target) >= 0), polling with relaxed .sys
-// loads; on success the caller issues ptx::fence_acq_rel_sys() once (acquire pattern). Returns false when
-// `d.timeout_ns` passes first — after recording {ERR_TIMEOUT, rank, peer, phase, elapsed} — or as soon as
-// another thread of this rank has failed, so that a failing kernel winds down quickly.
+// Spins until the flag reaches `target` (wrap-safe: (i32)(flag - target) >= 0), polling with ld.acquire.sys
+// (LDG.STRONG.SYS + L1 invalidate, no MEMBAR): on success the writer's release is synchronised with, so its
+// earlier writes are visible to this thread. Returns false when `d.timeout_ns` passes first — after
+// recording {ERR_TIMEOUT, rank, peer, phase, elapsed} — or as soon as another thread of this rank has
+// failed, so that a failing kernel winds down quickly.
 __device__ __forceinline__ bool wait_flag_geq(const u32* flag, u32 target, const Deadline& d, u32 peer) {
-  if ((i32)(ptx::ld_relaxed_sys(flag) - target) >= 0) return true;
+  if ((i32)(ptx::ld_acquire_sys(flag) - target) >= 0) return true;
   const u64 start = ptx::globaltimer();
   u32 spins = 0;
-  while ((i32)(ptx::ld_relaxed_sys(flag) - target) < 0) {
+  while ((i32)(ptx::ld_acquire_sys(flag) - target) < 0) {
     if (++spins % DEADLINE_POLL_SPINS == 0) {
       const u64 waited = ptx::globaltimer() - start;
       if (waited > d.timeout_ns) {

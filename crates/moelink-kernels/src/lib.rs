@@ -19,6 +19,8 @@
 //! assert!(req.defines.iter().any(|(k, _)| k == "TMA_CHUNK_BYTES"));
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod abi;
 
 use moelink_cuda::jit::CompileRequest;

@@ -116,7 +116,7 @@ fn check_sass(tool: &std::ffi::OsStr, family: Family, cubin: &[u8]) -> Vec<Strin
     let functions = split_functions(&sass);
     let expect: &[(&str, &[&str])] = match family {
         Family::Barrier => &[
-            ("gpu_barrier", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"]),
+            ("gpu_barrier", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS", "CCTL.IVALL"]),
             ("gpu_barrier_latency", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"]),
         ],
         Family::Copy => &[

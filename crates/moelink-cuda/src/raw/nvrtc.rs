@@ -16,7 +16,7 @@ fn check(r: sys::nvrtcResult, call: &'static str) -> Result<()> {
     if r == sys::nvrtcResult::NVRTC_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Nvrtc { call, name: format!("{r:?}") })
+        Err(Error::Nvrtc { call, name: format!("{r:?}"), log: String::new() })
     }
 }
 

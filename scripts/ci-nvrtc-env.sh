@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs NVRTC 13.0.88 (what the GPU box runs) plus cuobjdump/nvdisasm (for the SASS checks) from PyPI
+# into a virtual environment, once, and prints the line that makes them visible to the kernel compile check
+# (crates/moelink-kernels/tests/compile_all.rs). Idempotent: a second run only prints the line.
+#
+#   eval "$(scripts/ci-nvrtc-env.sh)"
+#   MOELINK_REQUIRE_NVRTC=1 cargo test -p moelink-kernels --test compile_all
+#
+# The venv lives at $MOELINK_NVRTC_VENV (default: ~/.cache/moelink/nvrtc-venv). Progress goes to stderr;
+# stdout is only the export line.
+set -euo pipefail
+
+VENV="${MOELINK_NVRTC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/moelink/nvrtc-venv}"
+PACKAGES=("nvidia-cuda-nvrtc==13.0.88" "nvidia-cuda-cuobjdump==13.2.86" "nvidia-cuda-nvdisasm==13.2.86")
+
+find_cu13() { ls -d "$VENV"/lib/python3*/site-packages/nvidia/cu13 2>/dev/null | head -n 1; }
+
+CU13="$(find_cu13 || true)"
+if [[ -z "$CU13" || ! -e "$CU13/lib/libnvrtc.so.13" || ! -x "$CU13/bin/cuobjdump" || ! -x "$CU13/bin/nvdisasm" ]]; then
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "creating $VENV" >&2
+    mkdir -p "$(dirname "$VENV")"
+    python3 -m venv "$VENV" >&2
+  fi
+  echo "installing ${PACKAGES[*]} into $VENV" >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PACKAGES[@]}" >&2
+  CU13="$(find_cu13)"
+fi
+
+for f in "$CU13/lib/libnvrtc.so.13" "$CU13/lib/libnvrtc-builtins.so.13.0" "$CU13/bin/cuobjdump" "$CU13/bin/nvdisasm"; do
+  [[ -e "$f" ]] || { echo "ci-nvrtc-env: $f is missing after the install" >&2; exit 1; }
+done
+
+echo "export LD_LIBRARY_PATH=\"$CU13/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\" PATH=\"$CU13/bin:\$PATH\" MOELINK_CUOBJDUMP=\"$CU13/bin/cuobjdump\""
