@@ -171,7 +171,16 @@ struct Inner {
     broken: Option<String>,
 }
 
-/// A group of processes connected over TCP through rank 0 (see the [module docs](self)).
+/// A group of processes connected over TCP in a star through rank 0.
+///
+/// Under torchrun, [`TcpGroup::from_env`] reads `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` and
+/// `LOCAL_RANK`. torchrun's own agent already listens on `MASTER_PORT`, so moelink's rank 0 listens on
+/// `MASTER_PORT + 1`, or on `MOELINK_PORT` when set; `MOELINK_GROUP_TIMEOUT_MS` sets the deadline
+/// (default [`DEFAULT_GROUP_TIMEOUT_MS`](super::DEFAULT_GROUP_TIMEOUT_MS)). Construction returns once every
+/// rank has joined. A handshake (magic, protocol version, rank, size) rejects mismatched sizes, versions and
+/// duplicate ranks with an error naming them. Every collective has the deadline: a rank that does not show up
+/// becomes [`Error::Timeout`] naming it on every rank (rank 0 tells the others), a closed connection or a
+/// protocol violation becomes [`Error::Group`], and the group refuses further use afterwards.
 ///
 /// ```no_run
 /// use moelink::{Group, TcpGroup};
