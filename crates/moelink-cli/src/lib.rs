@@ -1,7 +1,7 @@
 //! The `moelink` command's implementation, as a library so that other tools (baseline harnesses, result
 //! collectors) can reuse its pieces — above all [`record::Record`], the JSON shape of every measurement.
 //!
-//! - [`bench`] — `moelink bench` (dispatch/combine) and `moelink bench nvlink` (GPU probes).
+//! - [`bench`](mod@bench) — `moelink bench` (dispatch/combine) and `moelink bench nvlink` (GPU probes).
 //! - [`selftest`] — `moelink selftest`, thread or process (torchrun) mode.
 //! - [`info`] — `moelink info`.
 //! - [`record`] — one measurement as written to `--json FILE`.

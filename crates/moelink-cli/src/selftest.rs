@@ -20,7 +20,7 @@ pub struct SelftestArgs {
     /// WORLD_SIZE, LOCAL_RANK; moelink listens on MASTER_PORT + 1 or MOELINK_PORT).
     #[arg(long)]
     pub process: bool,
-    /// Ranks in thread mode [number of GPUs; 2 without a GPU, to check the group alone].
+    /// Ranks in thread mode (default: number of GPUs; 2 without a GPU, to check the group alone).
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Deadline the deadline check gives the barrier, in milliseconds.

@@ -96,34 +96,34 @@ pub struct BenchArgs {
     /// Regime: ht, ll or all.
     #[arg(long, value_enum, default_value_t = ModeSel::All)]
     pub mode: ModeSel,
-    /// Tokens per rank [HT 4096, LL 128].
+    /// Tokens per rank (default: HT 4096, LL 128).
     #[arg(long)]
     pub tokens: Option<usize>,
-    /// Hidden size [7168].
+    /// Hidden size (default: 7168).
     #[arg(long)]
     pub hidden: Option<usize>,
-    /// Experts per token [8].
+    /// Experts per token (default: 8).
     #[arg(long)]
     pub topk: Option<usize>,
-    /// Experts in total [HT 256, LL 288].
+    /// Experts in total (default: HT 256, LL 288).
     #[arg(long)]
     pub experts: Option<usize>,
-    /// Ranks [number of GPUs; 4 on the host backend].
+    /// Ranks (default: number of GPUs; 4 on the host backend).
     #[arg(long)]
     pub ranks: Option<usize>,
-    /// Dispatch payload: bf16, fp8 or all [HT all, LL fp8]. Combine is always bf16.
+    /// Dispatch payload: bf16, fp8 or all (default: HT all, LL fp8). Combine is always bf16.
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeSel>,
     /// Routing, comma-separated: uniform (scores |randn|+1, top-k) and/or skewed.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "uniform")]
     pub routing: Vec<RoutingKind>,
-    /// SMs for HT kernels, comma-separated for a sweep [the backend's default].
+    /// SMs for HT kernels, comma-separated for a sweep (default: the backend's default).
     #[arg(long = "num-sms", value_delimiter = ',')]
     pub num_sms: Vec<usize>,
-    /// Timed repetitions [CUDA 30; host 5; --quick 3].
+    /// Timed repetitions (default: CUDA 30; host 5; --quick 3).
     #[arg(long)]
     pub reps: Option<usize>,
-    /// Untimed warm-up repetitions [CUDA 5; host and --quick 1].
+    /// Untimed warm-up repetitions (default: CUDA 5; host and --quick 1).
     #[arg(long)]
     pub warmup: Option<usize>,
     /// Backend: auto, host or cuda.

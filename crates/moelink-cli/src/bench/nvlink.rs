@@ -34,10 +34,10 @@ pub enum PatternSel {
 /// Options of `moelink bench nvlink`.
 #[derive(Args, Debug, Clone)]
 pub struct NvlinkArgs {
-    /// Ranks (GPUs) [all GPUs].
+    /// Ranks (GPUs) (default: all GPUs).
     #[arg(long)]
     pub ranks: Option<usize>,
-    /// SM counts to sweep, comma-separated [8,16,24,32 and all SMs].
+    /// SM counts to sweep, comma-separated (default: 8,16,24,32 and all SMs).
     #[arg(long, value_delimiter = ',')]
     pub sms: Vec<usize>,
     /// Copy methods, comma-separated.
