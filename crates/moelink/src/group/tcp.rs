@@ -816,7 +816,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    const T: Duration = Duration::from_millis(400);
+    const T: Duration = Duration::from_millis(500);
 
     fn listener() -> (TcpListener, u16) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -903,7 +903,7 @@ mod tests {
         let out = run(4, T, |g| {
             if g.rank() == 3 {
                 // Stay connected but skip the barrier until the others gave up, then try it late.
-                std::thread::sleep(T * 4);
+                std::thread::sleep(T * 3);
                 return g.barrier().map(|_| ());
             }
             g.barrier()
