@@ -311,3 +311,55 @@ fn check_combine(got: &[bf16], inputs: &Inputs, me: usize, dtype: Dtype) -> Vec<
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::RoutingKind;
+
+    /// The checks accept the host backend's results and reject results for other inputs (skips while the
+    /// host low-latency backend reports unavailable).
+    #[test]
+    fn checks_pass_on_the_truth_and_catch_wrong_results() {
+        let shape = Shape { ranks: 2, tokens: 16, hidden: 256, topk: 4, experts: 8 };
+        let good = Inputs::generate(shape, RoutingKind::Uniform, 1, false);
+        let other = Inputs::generate(shape, RoutingKind::Uniform, 2, false);
+        let out = moelink::group::run_ranks(2, |g| {
+            let me = g.rank();
+            let opts = BufferOptions { backend: BackendKind::Host, low_latency_mode: true, ..Default::default() };
+            let mut buf = Buffer::new(Arc::new(g), opts)?;
+            let t = LlTensors::host(&good, me)?;
+            let mut pairs = Vec::new();
+            for dtype in [Dtype::Bf16, Dtype::Fp8] {
+                let d = match buf.low_latency_dispatch(&t.dispatch_args(&shape, dtype)) {
+                    Err(moelink::Error::Unavailable(why)) => return Ok(Err(why)),
+                    r => r?,
+                };
+                pairs.push((check_dispatch(&d, &good, me, dtype)?, check_dispatch(&d, &other, me, dtype)?));
+                let y = Tensor::from_vec(expert_outputs(&d, &shape, dtype)?, &[4, 2 * 16, 256])?;
+                let c = buf.low_latency_combine(&LlCombineArgs {
+                    x: y.view(),
+                    topk_idx: t.topk.view(),
+                    topk_weights: t.weights.view(),
+                    handle: &d.handle,
+                    zero_copy: false,
+                    return_recv_hook: false,
+                })?;
+                let got: Vec<bf16> = c.to_vec()?;
+                pairs.push((check_combine(&got, &good, me, dtype), check_combine(&got, &other, me, dtype)));
+            }
+            Ok(Ok(pairs))
+        });
+        for r in out {
+            match r.unwrap() {
+                Err(why) => eprintln!("skipping: {why}"),
+                Ok(pairs) => {
+                    for (i, (truth, wrong)) in pairs.into_iter().enumerate() {
+                        assert!(truth.is_empty(), "check {i}: {truth:?}");
+                        assert!(!wrong.is_empty(), "check {i} accepted results for other inputs");
+                    }
+                }
+            }
+        }
+    }
+}
