@@ -27,7 +27,7 @@ fn tmp(name: &str) -> std::path::PathBuf {
 #[test]
 fn quick_bench_on_the_host_writes_correct_records() {
     let json = tmp("bench.json");
-    let o = moelink(&["bench", "--quick", "--backend", "host", "--routing", "uniform,skewed", "--json", json.to_str().unwrap()]);
+    let o = moelink(&["bench", "--quick", "--backend", "host", "--routing", "uniform,skewed", "--hook", "--json", json.to_str().unwrap()]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("backend: host"), "{out}");
@@ -81,6 +81,10 @@ fn quick_bench_on_the_host_writes_correct_records() {
     // LL is either measured and correct, or reported unavailable (host LL still being written).
     for r in records.iter().filter(|r| r["mode"] == "ll") {
         assert!(r["status"] == "ok" || r["status"] == "unavailable", "{r}");
+        if r["status"] == "ok" {
+            assert_eq!(r["correct"], true, "{r}");
+            assert!(r["send_us"].as_f64().is_some() && r["recv_us"].as_f64().is_some(), "--hook adds send/recv times: {r}");
+        }
     }
 }
 

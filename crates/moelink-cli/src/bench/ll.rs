@@ -6,8 +6,11 @@
 
 use std::sync::Arc;
 
+use std::time::Instant;
+
 use moelink::{
-    bf16, BackendKind, Buffer, BufferOptions, Group, LlCombineArgs, LlDispatchArgs, LlDispatchResult, LlQuant, Result, Tensor, ThreadGroup,
+    bf16, BackendKind, Buffer, BufferOptions, DType, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
+    LlDispatchResult, LlQuant, Result, Tensor, ThreadGroup,
 };
 
 use super::inputs::{e4m3_to_f32, Inputs, Shape};
@@ -104,6 +107,11 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                 if let Some(times) = settle(job.time(group.as_ref(), || buf.low_latency_dispatch(&args).map(drop)), out) {
                     out.times_us = times;
                 }
+                if job.hook && out.error.is_none() && out.unavailable.is_none() {
+                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, group.as_ref(), &args, &s, case.dtype), out) {
+                        (out.send_us, out.recv_us) = (send, recv);
+                    }
+                }
             }
             Op::Combine => {
                 let args = t.dispatch_args(&s, combine_dtype);
@@ -146,10 +154,91 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                 if let Some(times) = settle(job.time(group.as_ref(), || buf.low_latency_combine(&cargs).map(drop)), out) {
                     out.times_us = times;
                 }
+                if job.hook && out.error.is_none() && out.unavailable.is_none() {
+                    if let Some((send, recv)) = settle(time_hook_combine(&mut buf, job, group.as_ref(), &cargs, &s), out) {
+                        (out.send_us, out.recv_us) = (send, recv);
+                    }
+                }
             }
         }
     }
     Ok(outs)
+}
+
+/// Receive-hook mode: times the send phase (the call returns without waiting for data) and the receive
+/// phase (`run_hook`) separately, each rep after a group barrier. Returns (send µs, receive µs) per rep.
+fn time_hook_dispatch(
+    buf: &mut Buffer,
+    job: &Job<'_>,
+    group: &dyn Group,
+    args: &LlDispatchArgs<'_>,
+    s: &Shape,
+    dtype: Dtype,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (el, rows, cols) = (s.local_experts(), s.ranks * s.tokens, s.scale_cols());
+    let fp8 = dtype == Dtype::Fp8;
+    // Outputs stay borrowed by the hook until it runs, so they are the caller's (ours) here.
+    let mut recv_x = buf.alloc(if fp8 { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, s.hidden])?;
+    let mut scales = if fp8 { Some(buf.alloc(DType::F32, &[el, cols, rows])?) } else { None };
+    let mut recv_count = buf.alloc(DType::I32, &[el])?;
+    let hook_args = LlDispatchArgs { return_recv_hook: true, ..*args };
+    let (mut send, mut recv) = (Vec::new(), Vec::new());
+    for i in 0..job.warmup + job.reps {
+        let out = LlDispatchOutputs {
+            recv_x: recv_x.view_mut(),
+            recv_scales: match scales.as_mut() {
+                Some(t) => Some(t.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?),
+                None => None,
+            },
+            recv_count: recv_count.view_mut(),
+            cumulative_local_expert_recv_stats: None,
+            dispatch_wait_recv_cost_stats: None,
+        };
+        group.barrier()?;
+        let t0 = Instant::now();
+        let (_handle, hook) = buf.low_latency_dispatch_into(&hook_args, out)?;
+        let t1 = Instant::now();
+        if let Some(hook) = hook {
+            buf.run_hook(hook)?;
+        }
+        let t2 = Instant::now();
+        if i >= job.warmup {
+            send.push((t1 - t0).as_secs_f64() * 1e6);
+            recv.push((t2 - t1).as_secs_f64() * 1e6);
+        }
+    }
+    Ok((send, recv))
+}
+
+/// As [`time_hook_dispatch`], for combine.
+fn time_hook_combine(
+    buf: &mut Buffer,
+    job: &Job<'_>,
+    group: &dyn Group,
+    args: &LlCombineArgs<'_>,
+    s: &Shape,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut combined = buf.alloc(DType::BF16, &[s.tokens, s.hidden])?;
+    let hook_args = LlCombineArgs { return_recv_hook: true, ..*args };
+    let (mut send, mut recv) = (Vec::new(), Vec::new());
+    for i in 0..job.warmup + job.reps {
+        group.barrier()?;
+        let t0 = Instant::now();
+        let hook = buf.low_latency_combine_into(
+            &hook_args,
+            LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None },
+        )?;
+        let t1 = Instant::now();
+        if let Some(hook) = hook {
+            buf.run_hook(hook)?;
+        }
+        let t2 = Instant::now();
+        if i >= job.warmup {
+            send.push((t1 - t0).as_secs_f64() * 1e6);
+            recv.push((t2 - t1).as_secs_f64() * 1e6);
+        }
+    }
+    Ok((send, recv))
 }
 
 /// The host backend's dispatch + identity experts + combine on the same inputs.

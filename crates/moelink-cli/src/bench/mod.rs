@@ -147,6 +147,10 @@ pub struct BenchArgs {
     /// Seconds a rank waits for the others in a collective before giving up.
     #[arg(long, default_value_t = 120)]
     pub timeout_s: u64,
+    /// LL: also time receive-hook mode, the send phase and the receive phase apart (records get
+    /// `send_us` and `recv_us`).
+    #[arg(long)]
+    pub hook: bool,
 }
 
 /// Regime of a case.
@@ -233,6 +237,10 @@ pub struct RankOutcome {
     pub num_sms: Option<usize>,
     /// Whether the result matched the host backend bit for bit (CUDA only).
     pub matches_host: Option<bool>,
+    /// Receive-hook mode (LL, `--hook`): send-phase times, microseconds.
+    pub send_us: Vec<f64>,
+    /// Receive-hook mode: receive-phase (`run_hook`) times, microseconds.
+    pub recv_us: Vec<f64>,
 }
 
 /// Everything a rank worker needs, shared by reference across rank threads.
@@ -249,6 +257,8 @@ pub struct Job<'a> {
     pub warmup: usize,
     /// Timed repetitions.
     pub reps: usize,
+    /// LL: also time receive-hook mode.
+    pub hook: bool,
     /// Ticked once per repetition by rank 0.
     pub progress: &'a ProgressBar,
 }
@@ -516,6 +526,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
                 host_check: p.backend == BackendKind::Cuda && !a.no_host_check,
                 warmup: p.warmup,
                 reps: p.reps,
+                hook: a.hook,
                 progress: &progress,
             };
             let timeout = Duration::from_secs(a.timeout_s.max(1));
@@ -529,6 +540,18 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     progress.finish_and_clear();
 
     println!("{}", render(&records));
+    for r in records.iter().filter(|r| r.extra.contains_key("send_us")) {
+        let us = |k: &str| r.extra.get(k).and_then(|v| v.as_f64()).map_or("-".into(), num);
+        println!(
+            "receive-hook mode, {} {} {} {}: send {} µs + receive {} µs",
+            r.mode,
+            r.op,
+            r.dtype.as_deref().unwrap_or("-"),
+            r.routing.as_deref().unwrap_or("-"),
+            us("send_us"),
+            us("recv_us")
+        );
+    }
     if let Some(path) = &a.json {
         record::write_json(path, &records).map_err(CliError)?;
         println!("wrote {} records to {}", records.len(), path.display());
@@ -630,6 +653,12 @@ fn summarize(
             }
             if let Some(ceiling) = a.p2p_ceiling_gbps.filter(|c| *c > 0.0) {
                 rec.extra.insert("pct_of_p2p_ceiling".into(), serde_json::json!(100.0 * wire / (t * 1e3) / ceiling));
+            }
+            let send: Vec<Vec<f64>> = outs.iter().map(|o| o.send_us.clone()).collect();
+            let recv: Vec<Vec<f64>> = outs.iter().map(|o| o.recv_us.clone()).collect();
+            if send.iter().all(|v| !v.is_empty()) && recv.iter().all(|v| !v.is_empty()) {
+                rec.extra.insert("send_us".into(), serde_json::json!(slowest_rank_median(&send)));
+                rec.extra.insert("recv_us".into(), serde_json::json!(slowest_rank_median(&recv)));
             }
             if c.mode == Mode::Ll {
                 // Dispatch carried the top-k weights, so combine pre-reduces on the expert side (moelink's
