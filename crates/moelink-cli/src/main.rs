@@ -1,3 +1,61 @@
-fn main() {
-    println!("moelink (placeholder)");
+//! `moelink`: benchmarks, self-checks and machine facts for the moelink expert-parallel library.
+//!
+//! - `moelink bench` — dispatch/combine timings at DeepEP's shapes, correctness checked before timing.
+//! - `moelink bench nvlink` — NVLink copy bandwidth, barrier latency, JIT times (GPU diagnostics).
+//! - `moelink selftest [--process]` — group and GPU self-checks, in threads or as a torchrun rank.
+//! - `moelink info` — GPUs, driver, peer access, NVRTC, and the backend `auto` picks.
+//!
+//! Errors print as `error: <message>` and exit with status 1.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use moelink_cli::{bench, info, selftest};
+
+/// moelink: expert-parallel MoE dispatch/combine over NVLink.
+#[derive(Parser, Debug)]
+#[command(name = "moelink", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Time dispatch and combine (correctness is checked first); `bench nvlink` for the NVLink probes.
+    ///
+    /// Without a GPU it runs on the host backend (CPU threads) and says so: those times measure the
+    /// reference implementation, not GPU performance.
+    Bench(Box<bench::BenchCmd>),
+    /// Check the process group and the GPU machinery (symmetric memory, barrier, deadlines); PASS/FAIL per
+    /// check, non-zero exit on failure.
+    Selftest(selftest::SelftestArgs),
+    /// Show GPUs, driver, peer access, NVRTC, and which backend `auto` picks. Works without a GPU.
+    Info,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // clap prints "error: ..." with usage for bad arguments, and the text for --help/--version.
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(1) } else { ExitCode::SUCCESS };
+        }
+    };
+    let result = match &cli.cmd {
+        Cmd::Bench(b) => match &b.probe {
+            Some(bench::BenchSub::Nvlink(a)) => bench::nvlink::run(a),
+            None => bench::run(&b.args),
+        },
+        Cmd::Selftest(a) => selftest::run(a),
+        Cmd::Info => info::run(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
 }

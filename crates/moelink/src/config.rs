@@ -62,6 +62,27 @@ pub enum BackendKind {
     Cuda,
 }
 
+impl BackendKind {
+    /// `Ok` when this backend can run on this machine; for [`BackendKind::Cuda`] the error says why not
+    /// (no driver, no GPU, no NVRTC, not built). `Host` and `Auto` always can.
+    pub fn check_available(self) -> crate::Result<()> {
+        match self {
+            BackendKind::Cuda => crate::backend::cuda::CudaBackend::available(),
+            BackendKind::Host | BackendKind::Auto => Ok(()),
+        }
+    }
+
+    /// The backend `Auto` picks on this machine (`Cuda` when available, else `Host`); `Host` and `Cuda`
+    /// return themselves.
+    pub fn resolve(self) -> BackendKind {
+        match self {
+            BackendKind::Auto if BackendKind::Cuda.check_available().is_ok() => BackendKind::Cuda,
+            BackendKind::Auto => BackendKind::Host,
+            other => other,
+        }
+    }
+}
+
 /// How to build a [`crate::Buffer`].
 #[derive(Clone, Debug)]
 pub struct BufferOptions {

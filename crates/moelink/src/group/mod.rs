@@ -10,7 +10,7 @@
 mod tcp;
 mod thread;
 
-pub use tcp::TcpGroup;
+pub use tcp::{TcpConfig, TcpGroup};
 pub use thread::{run_ranks, ThreadGroup};
 
 use crate::error::{Error, Result};

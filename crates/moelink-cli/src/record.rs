@@ -1,0 +1,189 @@
+//! One measurement as it is written to `--json FILE`: a JSON list of these records. Baseline harnesses
+//! (NCCL all-to-all, DeepEP) write the same shape with their own `system`, so results from one lease can be
+//! compared row by row.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// Outcome of one measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Measured, and the correctness check passed.
+    Ok,
+    /// Measured, but the correctness check failed (`error` says how); the time is not trustworthy.
+    Incorrect,
+    /// Not run: the backend or feature is not available here (`error` says why).
+    Unavailable,
+    /// The operation failed (`error` holds the message).
+    Error,
+}
+
+/// One measurement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// What was measured: `"moelink"`, or a baseline's name (`"nccl"`, `"deepep"`).
+    pub system: String,
+    /// `"host"` (CPU threads; times mean nothing for GPUs) or `"cuda"`.
+    pub backend: String,
+    /// The GPU as nvidia-smi names it (`"NVIDIA H200"`), or on the host backend the CPU model from
+    /// `/proc/cpuinfo`.
+    pub device: String,
+    /// GPUs the measurement used (0 on the host backend).
+    pub gpus: usize,
+    /// When the measurement was taken, UTC, ISO-8601 (`2026-11-21T10:04:05Z`).
+    pub date: String,
+    /// Short git hash of the code measured: `MOELINK_COMMIT` when set, else `git rev-parse --short HEAD`,
+    /// else `"unknown"`.
+    pub commit: String,
+    /// `"ht"` (high-throughput), `"ll"` (low-latency) or `"probe"` (NVLink/barrier/JIT diagnostics).
+    pub mode: String,
+    /// `"dispatch"`, `"combine"`; for probes `"copy"`, `"barrier"` or `"jit"`.
+    pub op: String,
+    /// Payload type on the wire: `"bf16"` or `"fp8"` (FP8 E4M3 + one fp32 scale per 128 channels);
+    /// null where it does not apply.
+    pub dtype: Option<String>,
+    /// Ranks (processes or threads, one GPU each on CUDA).
+    pub ranks: usize,
+    /// Tokens per rank (for LL: also `num_max_dispatch_tokens_per_rank`).
+    pub tokens: Option<usize>,
+    /// Hidden size (elements per token row).
+    pub hidden: Option<usize>,
+    /// Experts selected per token.
+    pub topk: Option<usize>,
+    /// Experts in total (over all ranks).
+    pub experts: Option<usize>,
+    /// `"uniform"` (scores |randn|+1, top-k) or `"skewed"` (90% of tokens pick experts 0..k).
+    pub routing: Option<String>,
+    /// SMs the kernel was allowed (`Config::num_sms`); null where the operation has no such knob (LL).
+    pub num_sms: Option<usize>,
+    /// Median over repetitions of the slowest rank's time, microseconds.
+    pub time_us: Option<f64>,
+    /// DeepEP's accounting, per rank (mean over ranks), 1e9 B/s. HT: received rows (own rank included) ×
+    /// row bytes, where a BF16 row is 2·H bytes and an FP8 row H + H/128·4; combine counts the same rows
+    /// sent back as BF16. LL: (token, selected expert) pairs × row bytes, where an FP8 row is
+    /// H + H/128·4 + 16 bytes and a BF16 row 2·H.
+    pub logical_gbps: Option<f64>,
+    /// Only the rows that cross between ranks, per rank (mean), 1e9 B/s: HT rows received from other ranks;
+    /// LL one row per (token, destination rank other than its own), as moelink sends them.
+    pub wire_gbps: Option<f64>,
+    /// The correctness check on the same inputs passed (null when not measured).
+    pub correct: Option<bool>,
+    /// Outcome; see [`Status`].
+    pub status: Status,
+    /// Why the measurement is not `ok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Timed repetitions (after warm-up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reps: Option<usize>,
+    /// Untimed warm-up repetitions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<usize>,
+    /// How time was taken: `"wall"` (host clock around each call, after a group barrier) or `"cuda-events"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timer: Option<String>,
+    /// Anything else: `send_us`/`recv_us` (receive-hook mode), `pct_of_p2p_ceiling`, `pattern`, `method`,
+    /// `bytes_per_gpu`, `kernel`, `cached_us`, `matches_host`, ...
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+/// Facts shared by every record of one run.
+#[derive(Clone, Debug)]
+pub struct RunFacts {
+    /// See [`Record::system`].
+    pub system: String,
+    /// See [`Record::backend`].
+    pub backend: String,
+    /// See [`Record::device`].
+    pub device: String,
+    /// See [`Record::gpus`].
+    pub gpus: usize,
+    /// See [`Record::date`].
+    pub date: String,
+    /// See [`Record::commit`].
+    pub commit: String,
+}
+
+impl Record {
+    /// A record with the run's facts and nothing measured yet.
+    pub fn new(facts: &RunFacts, mode: &str, op: &str, ranks: usize) -> Record {
+        Record {
+            system: facts.system.clone(),
+            backend: facts.backend.clone(),
+            device: facts.device.clone(),
+            gpus: facts.gpus,
+            date: facts.date.clone(),
+            commit: facts.commit.clone(),
+            mode: mode.into(),
+            op: op.into(),
+            dtype: None,
+            ranks,
+            tokens: None,
+            hidden: None,
+            topk: None,
+            experts: None,
+            routing: None,
+            num_sms: None,
+            time_us: None,
+            logical_gbps: None,
+            wire_gbps: None,
+            correct: None,
+            status: Status::Unavailable,
+            error: None,
+            reps: None,
+            warmup: None,
+            timer: None,
+            extra: BTreeMap::new(),
+        }
+    }
+}
+
+/// Writes `records` to `path` as a pretty-printed JSON list (replacing the file).
+pub fn write_json(path: &Path, records: &[Record]) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(records).map_err(|e| format!("cannot encode results: {e}"))?;
+    std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Reads a file written by [`write_json`].
+pub fn read_json(path: &Path) -> Result<Vec<Record>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{} is not a list of records: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_with_extras_flattened() {
+        let facts = RunFacts {
+            system: "moelink".into(),
+            backend: "host".into(),
+            device: "cpu".into(),
+            gpus: 0,
+            date: "2026-01-01T00:00:00Z".into(),
+            commit: "abc1234".into(),
+        };
+        let mut r = Record::new(&facts, "ht", "dispatch", 4);
+        r.time_us = Some(12.5);
+        r.status = Status::Ok;
+        r.extra.insert("send_us".into(), serde_json::json!(3.0));
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["send_us"], serde_json::json!(3.0));
+        assert_eq!(v["status"], "ok");
+        assert!(v.get("error").is_none());
+        assert_eq!(v["num_sms"], serde_json::Value::Null);
+        let back: Record = serde_json::from_value(v).unwrap();
+        assert_eq!(back, r);
+        let dir = std::env::temp_dir().join(format!("moelink-record-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("r.json");
+        write_json(&f, std::slice::from_ref(&r)).unwrap();
+        assert_eq!(read_json(&f).unwrap(), vec![r]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,180 @@
+//! The `moelink` binary as a user runs it: exit codes, error format, JSON records, process mode.
+
+use std::net::TcpListener;
+use std::process::{Command, Output};
+
+fn moelink(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moelink"))
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .output()
+        .expect("the moelink binary runs")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("moelink-cli-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+#[test]
+fn quick_bench_on_the_host_writes_correct_records() {
+    let json = tmp("bench.json");
+    let o = moelink(&["bench", "--quick", "--backend", "host", "--routing", "uniform,skewed", "--hook", "--json", json.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("backend: host"), "{out}");
+    assert!(out.contains("not GPU performance"), "{out}");
+    let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // HT: bf16 + fp8 dispatch + combine; LL: fp8 dispatch + combine; for each of two routings.
+    assert_eq!(records.len(), 10);
+    let required = [
+        "system",
+        "backend",
+        "device",
+        "gpus",
+        "date",
+        "commit",
+        "mode",
+        "op",
+        "dtype",
+        "ranks",
+        "tokens",
+        "hidden",
+        "topk",
+        "experts",
+        "routing",
+        "num_sms",
+        "time_us",
+        "logical_gbps",
+        "wire_gbps",
+        "correct",
+    ];
+    for r in &records {
+        for k in required {
+            assert!(r.get(k).is_some(), "record lacks `{k}`: {r}");
+        }
+        assert_eq!(r["system"], "moelink");
+        assert_eq!(r["backend"], "host");
+        assert_eq!(r["gpus"], 0);
+        assert!(r["date"].as_str().unwrap().ends_with('Z'));
+    }
+    let ht: Vec<_> = records.iter().filter(|r| r["mode"] == "ht").collect();
+    assert_eq!(ht.len(), 6);
+    for r in ht {
+        assert_eq!(r["status"], "ok", "{r}");
+        assert_eq!(r["correct"], true);
+        assert!(r["time_us"].as_f64().unwrap() > 0.0);
+        assert!(r["logical_gbps"].as_f64().unwrap() >= r["wire_gbps"].as_f64().unwrap());
+        assert_eq!(
+            (r["tokens"].as_u64(), r["hidden"].as_u64(), r["topk"].as_u64(), r["experts"].as_u64()),
+            (Some(256), Some(1024), Some(8), Some(64))
+        );
+    }
+    // LL is either measured and correct, or reported unavailable (host LL still being written).
+    for r in records.iter().filter(|r| r["mode"] == "ll") {
+        assert!(r["status"] == "ok" || r["status"] == "unavailable", "{r}");
+        if r["status"] == "ok" {
+            assert_eq!(r["correct"], true, "{r}");
+            assert!(r["send_us"].as_f64().is_some() && r["recv_us"].as_f64().is_some(), "--hook adds send/recv times: {r}");
+        }
+    }
+}
+
+#[test]
+fn an_sm_sweep_gives_one_row_per_sm_count() {
+    let json = tmp("sweep.json");
+    let o = moelink(&[
+        "bench",
+        "--quick",
+        "--mode",
+        "ht",
+        "--dtype",
+        "bf16",
+        "--num-sms",
+        "8,16",
+        "--ranks",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let sms: Vec<u64> = records.iter().map(|r| r["num_sms"].as_u64().unwrap()).collect();
+    assert_eq!(sms, vec![8, 8, 16, 16]);
+    assert!(records.iter().all(|r| r["ranks"] == 2 && r["correct"] == true));
+}
+
+#[test]
+fn user_errors_print_error_and_exit_1() {
+    for args in [
+        vec!["bench", "--ranks", "3", "--quick"],
+        vec!["bench", "--num-sms", "7"],
+        vec!["bench", "--mode", "sideways"],
+        vec!["bench", "--quick", "--hidden", "1000", "--dtype", "fp8"],
+        vec!["selftest", "--process"],
+        vec!["no-such-command"],
+    ] {
+        let o = moelink(&args);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}\n{out}\n{err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn info_works_without_a_gpu() {
+    let o = moelink(&["info"]);
+    let (out, _) = text(&o);
+    assert!(o.status.success());
+    assert!(out.contains("CUDA driver:") && out.contains("backend auto ->"), "{out}");
+}
+
+#[test]
+fn selftest_in_thread_mode_passes_the_group_check() {
+    let o = moelink(&["selftest", "--ranks", "3"]);
+    let (out, err) = text(&o);
+    assert!(out.contains("PASS group"), "{out}\n{err}");
+    assert!(!out.contains("FAIL"), "{out}");
+}
+
+#[test]
+fn selftest_in_process_mode_joins_over_tcp() {
+    // What torchrun does: one process per rank with its variables (moelink listens on MOELINK_PORT here).
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let children: Vec<_> = (0..4)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_moelink"))
+                .args(["selftest", "--process"])
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", "1")
+                .env("MOELINK_PORT", &port)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("MOELINK_GROUP_TIMEOUT_MS", "30000")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let (out0, err0) = text(&outputs[0]);
+    assert!(out0.contains("process mode | 4 ranks"), "{out0}\n{err0}");
+    assert!(out0.contains("PASS group") && out0.contains("over 4 ranks"), "{out0}\n{err0}");
+    // Only rank 0 reports; every rank reaches the same exit status.
+    for o in &outputs[1..] {
+        let (out, err) = text(o);
+        assert!(out.is_empty(), "{out}");
+        assert_eq!(o.status.code(), outputs[0].status.code(), "{err}");
+    }
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Runs HERE (no GPU needed): builds what the GPU machine runs into the git-ignored .device/ folder.
+#
+#   .device/moelink          the release binary (bench, selftest, info)
+#   .device/tests/<crate>.<kind>.<target>   the workspace's test executables, under stable names
+#   .device/manifest.txt     commit, build date, toolchain, and every file with its size and sha256
+#
+# Then one device call carries it: kind nvidia-h200-x4, carry [".device"], command
+# `bash scripts/device/run.sh` (see docs/running-on-gpu.md).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=.device
+rm -rf "$out"
+mkdir -p "$out/tests"
+
+cargo build --release -p moelink-cli --bin moelink
+cp target/release/moelink "$out/moelink"
+
+# Test executables: cargo describes every artifact as one JSON line; keep those of test targets. The CLI's
+# own tests are left out: they run the binary at the absolute path it had here, which the GPU machine lacks.
+messages=$(mktemp)
+trap 'rm -f "$messages"' EXIT
+cargo test --workspace --release --no-run --message-format=json >"$messages"
+python3 - "$messages" "$out/tests" <<'PY'
+import json, os, shutil, sys
+messages, dest = sys.argv[1], sys.argv[2]
+seen = set()
+for line in open(messages):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact" or not m.get("profile", {}).get("test") or not m.get("executable"):
+        continue
+    crate = os.path.basename(os.path.dirname(m["manifest_path"]))
+    if crate == "moelink-cli":
+        continue
+    t = m["target"]
+    name = f"{crate}.{t['kind'][0]}.{t['name']}"
+    if name in seen:
+        continue
+    seen.add(name)
+    shutil.copy2(m["executable"], os.path.join(dest, name))
+    print(f"test executable: {name}")
+PY
+
+# The Python wheel, once the python/ package exists and maturin is installed.
+if [ -f python/pyproject.toml ] && command -v maturin >/dev/null 2>&1; then
+    maturin build --release -m python/pyproject.toml -o "$out"
+fi
+
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    commit="$commit-dirty"
+fi
+{
+    echo "commit: $commit"
+    echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "rustc: $(rustc --version)"
+    echo "host: $(uname -srm), $(ldd --version 2>&1 | head -n1)"
+    echo "files:"
+    (cd "$out" && find . -type f ! -name manifest.txt | sort | while read -r f; do
+        printf '  %s  %s bytes  sha256 %s\n' "${f#./}" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"
+    done)
+} >"$out/manifest.txt"
+cat "$out/manifest.txt"
+
+size_mib=$(( $(du -sb "$out" | cut -f1) / 1048576 ))
+echo "$out: ${size_mib} MiB (the device call carries at most 64 MiB with the working tree)"
+if [ "$size_mib" -gt 48 ]; then
+    echo "warning: $out is large; the working tree must still fit in 64 MiB" >&2
+fi

@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Runs THERE, on the GPU machine (device tool: kind nvidia-h200-x4, carry [".device"], command
+# `bash scripts/device/run.sh`). Needs what scripts/device/build.sh put in .device/; no cargo, no network.
+#
+# Steps (each under `timeout`, its exit status and seconds recorded, output appended to $OUT/log.txt):
+#   info      moelink info
+#   tests     every carried test executable (thread mode, MOELINK_TEST_CUDA=1)
+#   selftest  moelink selftest --strict                          (thread mode, one rank per GPU)
+#   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
+#   nvlink    moelink bench nvlink --json $OUT/nvlink.json
+#   bench     moelink bench $BENCH_ARGS --json $OUT/bench.json
+#
+# Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps;
+# BENCH_ARGS, NVLINK_ARGS, TEST_ARGS (default --test-threads=1) pass options; T_<STEP> sets a step's
+# timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits is skipped.
+#
+# Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
+# bench.json. The summary table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+START=$(date +%s)
+
+OUT=${OUT:-/tmp/moelink-out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+SUMMARY=$OUT/summary.md
+: >"$LOG"
+
+DEV=$ROOT/.device
+if [ ! -f "$DEV/moelink" ]; then
+    echo "error: $DEV/moelink is missing: run scripts/device/build.sh on the build machine and carry .device" | tee -a "$LOG"
+    exit 1
+fi
+# Run from a private copy: the carried tree may not keep exec bits.
+BIN_DIR=/tmp/moelink-device
+rm -rf "$BIN_DIR" && mkdir -p "$BIN_DIR/tests"
+cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
+if [ -d "$DEV/tests" ]; then
+    cp "$DEV"/tests/* "$BIN_DIR/tests/" 2>/dev/null
+    chmod +x "$BIN_DIR"/tests/* 2>/dev/null
+fi
+BIN=$BIN_DIR/moelink
+
+# Settings every GPU process here needs (DEVICE.md): no NVLink multicast; NVRTC from the CUDA install.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+[ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
+export MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=$NGPU
+MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
+export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
+export PYTHONUNBUFFERED=1
+
+STEPS=${STEPS:-"info tests selftest process nvlink bench"}
+BUDGET_S=${BUDGET_S:-570}
+TEST_ARGS=${TEST_ARGS:---test-threads=1}
+BENCH_ARGS=${BENCH_ARGS:-}
+NVLINK_ARGS=${NVLINK_ARGS:-}
+
+{
+    echo "== date";      date -u +%Y-%m-%dT%H:%M:%SZ
+    echo "== host";      hostname; uname -srm; grep PRETTY /etc/os-release; ldd --version 2>&1 | head -n1
+    echo "== manifest";  cat "$DEV/manifest.txt"
+    echo "== settings";  echo "STEPS=$STEPS NGPU=$NGPU BUDGET_S=$BUDGET_S BENCH_ARGS=$BENCH_ARGS NVLINK_ARGS=$NVLINK_ARGS TEST_ARGS=$TEST_ARGS"
+    env | grep -E '^(NCCL_NVLS_ENABLE|NVSHMEM_DISABLE_NVLS|TORCH_SYMM_MEM_DISABLE_MULTICAST|LD_LIBRARY_PATH|MOELINK_)' | sort
+    echo "== nvidia-smi"
+    nvidia-smi --query-gpu=index,name,driver_version,pci.bus_id,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit,persistence_mode --format=csv
+    echo "== topology";  nvidia-smi topo -m
+    echo "== nvlink (GPU 0)"; nvidia-smi nvlink -s -i 0 2>&1 | head -n 24
+    echo "== cuda";      ls -l /usr/local/cuda/lib64/libnvrtc.so* 2>&1; nvcc --version 2>&1 | tail -n 2
+    echo "== python";    command -v python3 torchrun; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+    echo "== moelink binary (built on Debian 12, glibc 2.36)"; ldd "$BIN"
+} >"$OUT/env.txt" 2>&1
+
+declare -a ROWS=()
+elapsed() { echo $(( $(date +%s) - START )); }
+
+# step NAME TIMEOUT_S COMMAND... : runs one step, logs it, records "name|rc|seconds".
+step() {
+    local name=$1 t=$2; shift 2
+    local left=$(( BUDGET_S - $(elapsed) ))
+    if [ "$left" -lt 10 ]; then
+        echo "===== $name: skipped (time budget of ${BUDGET_S}s used up)" | tee -a "$LOG"
+        ROWS+=("$name|skipped|0")
+        return
+    fi
+    [ "$t" -gt "$left" ] && t=$left
+    echo "===== $name (timeout ${t}s): $*" | tee -a "$LOG"
+    local t0
+    t0=$(date +%s)
+    timeout --kill-after=10 "$t" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    local secs=$(( $(date +%s) - t0 ))
+    [ "$rc" = 124 ] && echo "===== $name: timed out after ${t}s" | tee -a "$LOG"
+    echo "===== $name: rc=$rc ${secs}s" | tee -a "$LOG"
+    ROWS+=("$name|$rc|$secs")
+}
+
+run_tests() {
+    local worst=0 b crate
+    shopt -s nullglob
+    local bins=("$BIN_DIR"/tests/*)
+    if [ ${#bins[@]} -eq 0 ]; then
+        echo "no test executables carried"
+        return 1
+    fi
+    for b in "${bins[@]}"; do
+        # cargo runs a crate's tests from its directory; do the same so relative paths resolve.
+        crate=${b##*/}; crate=${crate%%.*}
+        echo "--- $(basename "$b")"
+        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT"; "$b" $TEST_ARGS)
+        local rc=$?
+        [ "$rc" -gt "$worst" ] && worst=$rc
+    done
+    return "$worst"
+}
+export -f run_tests
+export BIN_DIR ROOT TEST_ARGS
+
+for s in $STEPS; do
+    case $s in
+        info)     step info     "${T_INFO:-30}"     "$BIN" info ;;
+        tests)    step tests    "${T_TESTS:-150}"   bash -c run_tests ;;
+        selftest) step selftest "${T_SELFTEST:-45}" "$BIN" selftest --strict ;;
+        process)  step process  "${T_PROCESS:-60}"  torchrun --nproc_per_node="$NGPU" --no-python "$BIN" selftest --process --strict ;;
+        nvlink)   step nvlink   "${T_NVLINK:-90}"   "$BIN" bench nvlink $NVLINK_ARGS --json "$OUT/nvlink.json" ;;
+        bench)    step bench    "${T_BENCH:-180}"   "$BIN" bench $BENCH_ARGS --json "$OUT/bench.json" ;;
+        *)        echo "unknown step '$s' (known: info tests selftest process nvlink bench)" | tee -a "$LOG"; ROWS+=("$s|unknown|0") ;;
+    esac
+done
+
+# Key numbers per step, from the log and the JSON files.
+key_numbers() {
+    case $1 in
+        info)     grep -E '^(GPUs:|backend auto)' "$LOG" | tr '\n' ' ' ;;
+        tests)    awk '/^===== tests /{on=1} on && /^test result:/{p+=$4; f+=$6; i+=$8} /^===== tests: rc/{on=0}
+                       END{printf "%d passed, %d failed, %d ignored", p, f, i}' FS='[ ;]+' "$LOG" ;;
+        # torchrun may prefix worker lines ("[rank0]:"), so match anywhere in the line.
+        selftest|process)
+                  awk -v s="$1" '$0 ~ "^===== " s " " {on=1} on && /selftest: [0-9]+ passed/ {l=$0}
+                       $0 ~ "^===== " s ": rc" {on=0} END{print l}' "$LOG" ;;
+        nvlink|bench)
+            python3 - "$OUT/$1.json" <<'PY' 2>/dev/null
+import json, sys
+try:
+    recs = json.load(open(sys.argv[1]))
+except Exception:
+    print("no JSON written"); sys.exit()
+parts = []
+for r in recs:
+    if r.get("status") != "ok":
+        parts.append(f"{r['mode']} {r['op']}: {r.get('status')}")
+        continue
+    if r["op"] == "copy":
+        parts.append(f"{r.get('pattern')}/{r.get('method')}@{r.get('num_sms')}: {r['logical_gbps']:.0f} GB/s")
+    elif r["op"] in ("barrier", "jit"):
+        parts.append(f"{r['op']} {r.get('kernel', '')}: {r['time_us']:.1f} us".replace("  ", " "))
+    else:
+        parts.append(f"{r['mode']} {r['op']} {r['dtype']} {r['routing']}: {r['time_us']:.1f} us")
+print("; ".join(parts[:12]) + (f"; ... ({len(parts)} records)" if len(parts) > 12 else ""))
+PY
+            ;;
+    esac
+}
+
+{
+    echo "| step | rc | seconds | key numbers |"
+    echo "|---|---|---|---|"
+    for row in "${ROWS[@]}"; do
+        IFS='|' read -r name rc secs <<<"$row"
+        echo "| $name | $rc | $secs | $(key_numbers "$name" | tr '|' '/') |"
+    done
+    echo
+    echo "commit $MOELINK_COMMIT, $NGPU GPUs, total $(elapsed)s, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+} >"$SUMMARY"
+echo
+echo "================ SUMMARY ================"
+cat "$SUMMARY"

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command (README): every test of the workspace, with NVRTC present so that the JIT compiles
+# kernels here too (no GPU needed for that). GPU tests skip themselves unless MOELINK_TEST_CUDA=1.
+#
+#   scripts/test.sh                 # all tests
+#   scripts/test.sh -p moelink tcp  # extra arguments go to `cargo test`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# NVRTC 13.0.88 from PyPI (the version the GPU machine's driver accepts CUBINs from).
+if [ -f scripts/ci-nvrtc-env.sh ]; then
+    # Owned by the CUDA layer: installs if missing and exports LD_LIBRARY_PATH / MOELINK_REQUIRE_NVRTC.
+    # shellcheck source=/dev/null
+    source scripts/ci-nvrtc-env.sh
+else
+    venv=.venv-nvrtc
+    nvrtc_lib() { ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n1; }
+    if [ -z "$(nvrtc_lib)" ] || ! ls "$(nvrtc_lib)"/libnvrtc.so.13 >/dev/null 2>&1; then
+        echo "scripts/test.sh: installing nvidia-cuda-nvrtc==13.0.88 into $venv" >&2
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q nvidia-cuda-nvrtc==13.0.88
+    fi
+    lib=$(cd "$(nvrtc_lib)" && pwd)
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MOELINK_REQUIRE_NVRTC=1
+fi
+
+# Release profile: on 2 cores it compiles about as fast as the test profile (opt-level 2 + debug info,
+# whose link step is slower) and runs the host backend at full speed.
+cargo test --workspace --release "$@"
