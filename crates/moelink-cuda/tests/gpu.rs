@@ -5,7 +5,7 @@
 //! MOELINK_TEST_CUDA=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64 cargo test -p moelink-cuda --test gpu -- --test-threads 1
 //! ```
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use moelink_cuda::jit::{CacheSource, CompileRequest, JitCache};
@@ -287,22 +287,40 @@ fn jit_cache_hits() {
     eprintln!("JIT: cold {cold:?}, disk hit {warm:?}");
 }
 
-/// A minimal in-process all-gather for thread-mode tests.
+/// A minimal in-process all-gather for thread-mode tests. Waits at most 60 s for the other ranks, so a rank
+/// that panicked turns into an error on the others instead of a hung test binary.
 struct ThreadGather {
-    slots: Mutex<Vec<Vec<u8>>>,
-    barrier: Barrier,
+    n: usize,
+    state: Mutex<(u64, usize, Vec<Vec<u8>>, Arc<Vec<Vec<u8>>>)>,
+    cv: std::sync::Condvar,
 }
 
 impl ThreadGather {
     fn new(n: usize) -> Arc<ThreadGather> {
-        Arc::new(ThreadGather { slots: Mutex::new(vec![Vec::new(); n]), barrier: Barrier::new(n) })
+        Arc::new(ThreadGather { n, state: Mutex::new((0, 0, vec![Vec::new(); n], Arc::new(Vec::new()))), cv: std::sync::Condvar::new() })
     }
     fn all_gather(&self, rank: usize, bytes: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
-        self.slots.lock().unwrap()[rank] = bytes.to_vec();
-        self.barrier.wait();
-        let all = self.slots.lock().unwrap().clone();
-        self.barrier.wait();
-        Ok(all)
+        let broken = |why: &str| Error::Exchange { rank, reason: format!("test all_gather: {why}") };
+        let mut st = self.state.lock().map_err(|_| broken("a rank panicked"))?;
+        let generation = st.0;
+        st.2[rank] = bytes.to_vec();
+        st.1 += 1;
+        if st.1 == self.n {
+            st.3 = Arc::new(std::mem::replace(&mut st.2, vec![Vec::new(); self.n]));
+            st.1 = 0;
+            st.0 += 1;
+            self.cv.notify_all();
+            return Ok(st.3.as_ref().clone());
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while st.0 == generation {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(broken("timed out waiting for the other ranks (did one fail?)"));
+            }
+            st = self.cv.wait_timeout(st, left).map_err(|_| broken("a rank panicked"))?.0;
+        }
+        Ok(st.3.as_ref().clone())
     }
 }
 
