@@ -77,7 +77,7 @@ impl Group for PyGroup {
                 reason: format!("the group's all_gather returned {} messages for {} ranks", all.len(), self.size),
             }),
             Err(e) => {
-                let reason = format!("the group's all_gather raised {}", e.value(py));
+                let reason = format!("the group's all_gather raised {e}");
                 if let Ok(mut slot) = self.last_error.lock() {
                     *slot = Some(e);
                 }

@@ -15,6 +15,21 @@ use crate::errors::type_error;
 pub(crate) struct TensorArg(u64, String, Vec<usize>, Vec<isize>, i64);
 
 impl TensorArg {
+    /// The strides to use: as given, except that an empty tensor (some dimension 0) gets row-major strides
+    /// (numpy reports `(0, 0)` for a `(0, H)` array; what they are does not matter without elements).
+    fn strides(&self) -> Vec<isize> {
+        if !self.2.contains(&0) {
+            return self.3.clone();
+        }
+        let mut strides = vec![0isize; self.2.len()];
+        let mut acc = 1isize;
+        for (s, &d) in strides.iter_mut().zip(&self.2).rev() {
+            *s = acc;
+            acc = acc.saturating_mul(d.max(1) as isize);
+        }
+        strides
+    }
+
     fn parts(&self, py: Python<'_>, arg: &'static str, rank: usize) -> PyResult<(DType, Location)> {
         let dtype = DType::from_name(&self.1).ok_or_else(|| {
             type_error(py, arg, rank, format!("dtype {} is not supported (moelink moves {})", self.1, crate::dtype_names().join(", ")))
@@ -32,7 +47,7 @@ impl TensorArg {
         let (dtype, location) = self.parts(py, arg, rank)?;
         // SAFETY: the address, shape and strides describe a live tensor (or numpy array) that the Python
         // caller keeps alive and does not write while the call that reads it runs (see above).
-        let view = unsafe { TensorRef::from_raw_parts(self.0, location, dtype, &self.2, &self.3) };
+        let view = unsafe { TensorRef::from_raw_parts(self.0, location, dtype, &self.2, &self.strides()) };
         view.map_err(|e| rename(py, e, arg, rank))
     }
 
@@ -41,7 +56,7 @@ impl TensorArg {
         let (dtype, location) = self.parts(py, arg, rank)?;
         // SAFETY: as in `view`; outputs are freshly allocated by the package (or given by the caller as
         // `out=`/stats tensors it owns) and nothing else writes them during the call.
-        let view = unsafe { TensorMut::from_raw_parts(self.0, location, dtype, &self.2, &self.3) };
+        let view = unsafe { TensorMut::from_raw_parts(self.0, location, dtype, &self.2, &self.strides()) };
         view.map_err(|e| rename(py, e, arg, rank))
     }
 }
