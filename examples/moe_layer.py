@@ -154,7 +154,7 @@ def main() -> int:
 
     # Reference: every rank's tokens through the dense layer on this device.
     q = Params(num_experts, device)
-    all_x, all_grad = zip(*(inputs(r, device) for r in range(num_ranks)))
+    all_x, all_grad = zip(*(inputs(r, device) for r in range(num_ranks)), strict=True)
     xs = [t.clone().requires_grad_() for t in all_x]
     ref = dense_forward(torch.cat(xs), q)
     ref.backward(torch.cat(all_grad))

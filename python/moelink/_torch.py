@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
+torch: Any
 try:  # pragma: no cover - exercised by whichever environment runs the tests
-    import torch as _torch
+    import torch
 except ImportError:  # pragma: no cover
-    _torch = None
-
-torch: ModuleType | None = _torch
+    torch = None
 
 
 def require_torch() -> ModuleType:

@@ -164,8 +164,7 @@ def measure(ctx: Ctx, rec: Dict[str, Any], check: Callable[[], bool], fn: Callab
         if not ok:
             rec["error"] = "the correctness check failed; the time is not trustworthy"
     except Exception as e:  # noqa: BLE001 - one failing system must not stop the others
-        rec["status"] = "unavailable" if "not built yet" in str(e) or "unavailable" in str(e).lower() else "error"
-        rec["error"] = f"{type(e).__name__}: {e}"
+        rec.update(failed(e))
     return rec
 
 
@@ -249,55 +248,69 @@ def run_ht(ctx: Ctx, systems: Dict[str, Any], records: List[Dict[str, Any]]) -> 
     def bytes_of(dtype: str) -> Tuple[float, float]:
         return recv_rows * rows[dtype], other_rows * rows[dtype]
 
-    for dtype, payload, ref in (("bf16", x, ref_bf16), ("fp8", x8, ref_fp8)):
+    for dtype, payload in (("bf16", x), ("fp8", x8)):
         rec = record(ctx, "nccl", "ht", "dispatch", dtype, t, e, None)
         records.append(measure(ctx, rec, lambda: True, lambda payload=payload: nccl.dispatch(payload, idx, w), *bytes_of(dtype)))
     rec = record(ctx, "nccl", "ht", "combine", "bf16", t, e, None)
     records.append(measure(ctx, rec, lambda: True, lambda: nccl.combine(ref_bf16, plan, t), *bytes_of("bf16")))
 
+    refs = {"bf16": ref_bf16, "fp8": ref_fp8, "combined": ref_combined}
     for name, mod in systems.items():
-        if isinstance(mod, str):  # why the system is unavailable
-            for op, dtype in (("dispatch", "bf16"), ("dispatch", "fp8"), ("combine", "bf16")):
-                records.append(record(ctx, name, "ht", op, dtype, t, e, a.num_sms, error=mod))
-            continue
-        try:
-            mod.Buffer.set_num_sms(a.num_sms)
-            buf = mod.Buffer(ctx.group, num_nvl_bytes=a.nvl_bytes, num_rdma_bytes=0)
-            layout = buf.get_dispatch_layout(idx, e)
-        except Exception as err:  # noqa: BLE001
-            for op, dtype in (("dispatch", "bf16"), ("dispatch", "fp8"), ("combine", "bf16")):
-                records.append(record(ctx, name, "ht", op, dtype, t, e, a.num_sms, status="error" if "not built" not in str(err) else "unavailable",
-                                      error=f"{type(err).__name__}: {err}"))
-            continue
-        per_rank, _, per_expert, in_rank, _ = layout
-        cfg = mod.Buffer.get_dispatch_config(ctx.num_ranks)
+        records.extend(ht_system(ctx, name, mod, (x, x8, idx, w), plan, refs, bytes_of))
 
-        def dispatch(payload: Any) -> Any:
-            return buf.dispatch(payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=cfg)
 
-        def check_bf16() -> bool:
-            recv_x, recv_idx, recv_w, _, _, _ = dispatch(x)
-            return (torch.equal(recv_x, ref_bf16) and torch.equal(recv_idx, plan["recv_idx"])
-                    and torch.equal(recv_w, plan["recv_w"]))
+HT_CASES = (("dispatch", "bf16"), ("dispatch", "fp8"), ("combine", "bf16"))
 
-        def check_fp8() -> bool:
-            (rx, rs), _, _, _, _, _ = dispatch(x8)
-            return torch.equal(rx.view(torch.uint8), ref_fp8[0].view(torch.uint8)) and torch.equal(rs, ref_fp8[1])
 
-        for dtype, payload, check in (("bf16", x, check_bf16), ("fp8", x8, check_fp8)):
-            rec = record(ctx, name, "ht", "dispatch", dtype, t, e, a.num_sms)
-            records.append(measure(ctx, rec, check, lambda payload=payload: dispatch(payload), *bytes_of(dtype)))
-        rec = record(ctx, name, "ht", "combine", "bf16", t, e, a.num_sms)
-        try:
-            recv_x, _, _, _, handle, _ = dispatch(x)
-            ccfg = mod.Buffer.get_combine_config(ctx.num_ranks)
-            records.append(measure(ctx, rec, lambda: close(buf.combine(recv_x, handle, config=ccfg)[0], ref_combined),
-                                   lambda: buf.combine(recv_x, handle, config=ccfg), *bytes_of("bf16")))
-        except Exception as err:  # noqa: BLE001
-            rec.update(status="error", error=f"{type(err).__name__}: {err}")
-            records.append(rec)
-        del buf
+def failed(err: BaseException) -> Dict[str, Any]:
+    """Status and message of a system that could not run a case."""
+    unavailable = isinstance(err, ImportError) or "not built yet" in str(err) or "unavailable" in str(err).lower()
+    return {"status": "unavailable" if unavailable else "error", "error": f"{type(err).__name__}: {err}"}
+
+
+def ht_system(ctx: Ctx, name: str, mod: Any, inputs: Tuple[Any, ...], plan: Dict[str, Any], refs: Dict[str, Any],
+              bytes_of: Callable[[str], Tuple[float, float]]) -> List[Dict[str, Any]]:
+    """HT dispatch (bf16, fp8) and combine of one DeepEP-API system (moelink or DeepEP), checked against ``refs``."""
+    a = ctx.args
+    t, e = a.tokens, a.experts
+    x, x8, idx, w = inputs
+    if isinstance(mod, str):  # why the system is unavailable
+        return [record(ctx, name, "ht", op, dtype, t, e, a.num_sms, error=mod) for op, dtype in HT_CASES]
+    try:
+        mod.Buffer.set_num_sms(a.num_sms)
+        buf = mod.Buffer(ctx.group, num_nvl_bytes=a.nvl_bytes, num_rdma_bytes=0)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+        cfg, ccfg = mod.Buffer.get_dispatch_config(ctx.num_ranks), mod.Buffer.get_combine_config(ctx.num_ranks)
+    except Exception as err:  # noqa: BLE001
+        return [record(ctx, name, "ht", op, dtype, t, e, a.num_sms, **failed(err)) for op, dtype in HT_CASES]
+
+    def dispatch(payload: Any) -> Any:
+        return buf.dispatch(payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+
+    def check_bf16() -> bool:
+        recv_x, recv_idx, recv_w, _, _, _ = dispatch(x)
+        return (torch.equal(recv_x, refs["bf16"]) and torch.equal(recv_idx, plan["recv_idx"])
+                and torch.equal(recv_w, plan["recv_w"]))
+
+    def check_fp8() -> bool:
+        (rx, rs), _, _, _, _, _ = dispatch(x8)
+        return torch.equal(rx.view(torch.uint8), refs["fp8"][0].view(torch.uint8)) and torch.equal(rs, refs["fp8"][1])
+
+    out = [measure(ctx, record(ctx, name, "ht", "dispatch", "bf16", t, e, a.num_sms), check_bf16, lambda: dispatch(x),
+                   *bytes_of("bf16")),
+           measure(ctx, record(ctx, name, "ht", "dispatch", "fp8", t, e, a.num_sms), check_fp8, lambda: dispatch(x8),
+                   *bytes_of("fp8"))]
+    rec = record(ctx, name, "ht", "combine", "bf16", t, e, a.num_sms)
+    try:
+        recv_x, _, _, _, handle, _ = dispatch(x)
+    except Exception as err:  # noqa: BLE001
+        return out + [{**rec, **failed(err)}]
+
+    def combine() -> Any:
+        return buf.combine(recv_x, handle, config=ccfg)
+
+    return out + [measure(ctx, rec, lambda: close(combine()[0], refs["combined"]), combine, *bytes_of("bf16"))]
 
 
 # ---------------------------------------------------------------------------------------------------- low-latency
@@ -398,43 +411,48 @@ def run_ll(ctx: Ctx, systems: Dict[str, Any], records: List[Dict[str, Any]]) -> 
                            *bytes_of("bf16")))
 
     for name, mod in systems.items():
-        cases = [("dispatch", "bf16", {}), ("dispatch", "fp8", {}), ("combine", "bf16", {})]
-        if name == "moelink":
-            cases.append(("combine", "bf16", {"pre_reduced": True}))
-        if isinstance(mod, str):
-            for op, dtype, extra in cases:
-                records.append(record(ctx, name, "ll", op, dtype, t, e, None, error=mod, **extra))
+        records.extend(ll_system(ctx, name, mod, (x, idx, w), dispatch_ok, expected_combine, bytes_of))
+
+
+def ll_system(ctx: Ctx, name: str, mod: Any, inputs: Tuple[Any, ...], dispatch_ok: Callable[[Any, Any, bool], bool],
+              expected_combine: torch.Tensor, bytes_of: Callable[[str], Tuple[float, float]]) -> List[Dict[str, Any]]:
+    """LL dispatch (bf16, fp8) and combine of one DeepEP-API system (moelink also with its pre-reduced combine)."""
+    a = ctx.args
+    t, e, r = a.ll_tokens, a.ll_experts, ctx.num_ranks
+    x, idx, w = inputs
+    cases: List[Tuple[str, str, Dict[str, Any]]] = [("dispatch", "bf16", {}), ("dispatch", "fp8", {}), ("combine", "bf16", {})]
+    if name == "moelink":
+        cases.append(("combine", "bf16", {"pre_reduced": True}))
+    if isinstance(mod, str):
+        return [record(ctx, name, "ll", op, dtype, t, e, None, error=mod, **extra) for op, dtype, extra in cases]
+    try:
+        hint = mod.Buffer.get_low_latency_rdma_size_hint(t, a.hidden, r, e)
+        buf = mod.Buffer(ctx.group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=max(1, e // r))
+    except Exception as err:  # noqa: BLE001
+        return [record(ctx, name, "ll", op, dtype, t, e, None, **failed(err), **extra) for op, dtype, extra in cases]
+
+    def dispatch(fp8: bool, **kw: Any) -> Any:
+        return buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8, **kw)
+
+    out: List[Dict[str, Any]] = []
+    for op, dtype, extra in cases:
+        rec = record(ctx, name, "ll", op, dtype, t, e, None, **extra)
+        fp8 = dtype == "fp8"
+        if op == "dispatch":
+            out.append(measure(ctx, rec, lambda fp8=fp8: dispatch_ok(*dispatch(fp8)[:2], fp8), lambda fp8=fp8: dispatch(fp8),
+                               *bytes_of(dtype)))
             continue
         try:
-            hint = mod.Buffer.get_low_latency_rdma_size_hint(t, a.hidden, r, e)
-            buf = mod.Buffer(ctx.group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=max(1, el))
+            recv_x, _, handle, _, _ = dispatch(False, **({"topk_weights": w} if extra.get("pre_reduced") else {}))
         except Exception as err:  # noqa: BLE001
-            for op, dtype, extra in cases:
-                records.append(record(ctx, name, "ll", op, dtype, t, e, None, status="error", error=f"{type(err).__name__}: {err}", **extra))
+            out.append({**rec, **failed(err)})
             continue
-        for op, dtype, extra in cases:
-            rec = record(ctx, name, "ll", op, dtype, t, e, None, **extra)
-            fp8 = dtype == "fp8"
-            if op == "dispatch":
-                def run(fp8: bool = fp8) -> Any:
-                    return buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
 
-                def check(fp8: bool = fp8) -> bool:
-                    recv_x, recv_count, _, _, _ = run(fp8)
-                    return dispatch_ok(recv_x, recv_count, fp8)
+        def combine(recv_x: Any = recv_x, handle: Any = handle) -> Any:
+            return buf.low_latency_combine(recv_x, idx, w, handle)
 
-                records.append(measure(ctx, rec, check, run, *bytes_of(dtype)))
-                continue
-            pre = bool(extra.get("pre_reduced"))
-            try:
-                kw = {"topk_weights": w} if pre else {}
-                recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, **kw)
-                records.append(measure(ctx, rec, lambda: close(buf.low_latency_combine(recv_x, idx, w, handle)[0], expected_combine),
-                                       lambda: buf.low_latency_combine(recv_x, idx, w, handle), *bytes_of("bf16")))
-            except Exception as err:  # noqa: BLE001
-                rec.update(status="error", error=f"{type(err).__name__}: {err}")
-                records.append(rec)
-        del buf
+        out.append(measure(ctx, rec, lambda combine=combine: close(combine()[0], expected_combine), combine, *bytes_of("bf16")))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -449,16 +467,20 @@ def table(records: List[Dict[str, Any]]) -> str:
     head = f"{'mode':4} {'op':8} {'dtype':5} {'system':22} {'time_us':>10} {'logical GB/s':>12} {'wire GB/s':>10} " \
            f"{'nccl/x':>7} {'deepep/x':>8}  status"
     lines = [head, "-" * len(head)]
+    def cell(v: Optional[float], fmt: str) -> str:
+        return format(v, fmt) if v is not None else "-"
+
+    def ratio(ref: Optional[float], t: Optional[float]) -> str:
+        return f"{ref / t:.2f}" if (t and ref) else "-"
+
     for r in records:
         t = r["time_us"]
         k = (r["mode"], r["op"], r["dtype"], False)
         name = r["system"] + (" (pre-reduced)" if r.get("pre_reduced") else "")
-        cell = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
-        ratio = lambda ref: f"{ref / t:.2f}" if (t and ref) else "-"  # noqa: E731
         status = r["status"] + ("" if r["status"] == "ok" else f" ({(r.get('error') or '')[:80]})")
         lines.append(f"{r['mode']:4} {r['op']:8} {r['dtype'] or '-':5} {name:22} {cell(t, '10.1f'):>10} "
                      f"{cell(r['logical_gbps'], '12.1f'):>12} {cell(r['wire_gbps'], '10.1f'):>10} "
-                     f"{ratio(base.get(k)):>7} {ratio(deepep.get(k)):>8}  {status}")
+                     f"{ratio(base.get(k), t):>7} {ratio(deepep.get(k), t):>8}  {status}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,8 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _native
+from ._args import count as _count
+from ._args import invalid as _invalid
 from ._torch import require_torch, torch
 from .config import Config
 from .event import EventOverlap, record_event
@@ -36,26 +38,6 @@ else:
     Tensor = Any
 
 _TensorTuple = Tuple[int, str, Tuple[int, ...], Tuple[int, ...], int]
-
-
-def _invalid(exc_type: type, arg: str, rank: int, reason: str) -> Exception:
-    """An argument error in the native module's format, with ``argument`` and ``rank`` attributes."""
-    err = exc_type(f"invalid argument `{arg}` on rank {rank}: {reason}")
-    err.argument = arg  # type: ignore[attr-defined]
-    err.rank = rank  # type: ignore[attr-defined]
-    return err
-
-
-def _count(value: Any, name: str, rank: int) -> int:
-    """A non-negative int argument (the native module would only say "can't convert")."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = int(value.__index__())
-        except (AttributeError, TypeError):
-            raise _invalid(TypeError, name, rank, f"expected an int, got {type(value).__name__}") from None
-    if value < 0:
-        raise _invalid(ValueError, name, rank, f"{value} is negative")
-    return value
 
 
 def _event_of(previous_event: Any) -> Any:
@@ -176,7 +158,7 @@ class Buffer:
         self.backend: str = self._native.backend
         self._cuda = self.backend == "cuda"
         self._device = t.device("cuda", self._native.device) if self._cuda else t.device("cpu")
-        self._comm_stream = t.cuda.Stream(device=self._device) if self._cuda else None
+        self._comm_stream: Any = t.cuda.Stream(device=self._device) if self._cuda else None
 
     # ------------------------------------------------------------------ static / utility
 
@@ -330,7 +312,7 @@ class Buffer:
         ptr, dtype_name, shape, strides, device = desc
         dtype = getattr(t, dtype_name)
         item = t.empty((), dtype=dtype).element_size()
-        span = 0 if any(d == 0 for d in shape) else 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+        span = 0 if any(d == 0 for d in shape) else 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
         num_bytes = span * item
         if num_bytes == 0:
             return t.empty(tuple(shape), dtype=dtype, device=self._device)

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from . import _native
-
-
-def _count(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"invalid argument `{name}`: expected an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"invalid argument `{name}`: {value} is negative")
-    return value
+from ._args import count as _count
 
 
 class Config:
