@@ -433,6 +433,14 @@ impl Buffer {
         self.backend.ll_clear_mask()
     }
 
+    /// This rank's communication buffer as a 1-D `uint8` view (DeepEP's `get_local_buffer_tensor`): the
+    /// high-throughput region, or the low-latency one with `use_rdma_buffer`. Writing it while an
+    /// operation is in flight corrupts that operation. The host backend has none (`Unavailable`).
+    pub fn local_buffer(&mut self, use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
+        self.check_usable()?;
+        self.backend.local_buffer(use_rdma_buffer)
+    }
+
     fn require_shrink(&self, what: &'static str) -> Result<()> {
         if !self.options.enable_shrink {
             return Err(Error::invalid("enable_shrink", self.rank(), format!("{what} needs a buffer created with enable_shrink = true")));

@@ -76,4 +76,9 @@ pub(crate) trait Backend: Send {
     fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()>;
     fn ll_mask(&mut self) -> Result<Vec<bool>>;
     fn ll_clear_mask(&mut self) -> Result<()>;
+    /// This rank's communication buffer as a 1-D `uint8` view: the high-throughput region, or the
+    /// low-latency one with `use_rdma_buffer` (DeepEP's `get_local_buffer_tensor`).
+    fn local_buffer(&mut self, _use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
+        Err(crate::error::Error::Unavailable(format!("the {} backend has no communication buffer to view", self.name())))
+    }
 }

@@ -393,4 +393,16 @@ impl Backend for CudaBackend {
     fn ll_clear_mask(&mut self) -> Result<()> {
         ll::clear_mask(self)
     }
+    fn local_buffer(&mut self, use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
+        // The layout `new` allocates: [CTRL_BYTES | HT (num_nvl_bytes, 4 KiB-rounded) | LL (num_rdma_bytes)].
+        let (offset, len) = if use_rdma_buffer {
+            (HT_DATA + self.num_nvl_bytes.next_multiple_of(4096), self.num_rdma_bytes)
+        } else {
+            (HT_DATA, self.num_nvl_bytes)
+        };
+        let addr = self.sym.local().device_ptr() + offset as u64;
+        // SAFETY: `[offset, offset + len)` lies inside this rank's symmetric allocation (sized above in
+        // `new`), which lives as long as `self`; the view borrows `self` mutably.
+        unsafe { TensorMut::from_raw_parts(addr, self.location(), DType::U8, &[len], &[1]) }
+    }
 }

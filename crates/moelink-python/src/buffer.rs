@@ -1,0 +1,643 @@
+//! `moelink._native.Buffer` and the objects its calls return (dispatch plans, handles, receive hooks).
+//!
+//! Every method mirrors a [`moelink::Buffer`] method. Tensor arguments are [`TensorArg`] tuples; outputs
+//! are allocated by the caller. Long calls run with the GIL released (the buffer lock is taken after
+//! releasing it, so a group callback that needs the GIL never waits on a thread that holds the lock and
+//! waits for the GIL). Operations take an optional `stream`: a raw `CUstream` the CUDA backend enqueues on
+//! (returning at once), or `None` for the buffer's own stream with the host waiting. The host backend
+//! ignores it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+
+use moelink::{
+    BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan, Error, Group,
+    HtHandle, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant, Location,
+    Payload, RecvHook, Routing, TensorRef,
+};
+
+use crate::errors::to_pyerr;
+use crate::group::PyGroup;
+use crate::tensor::{describe, opt_view, opt_view_mut, TensorArg, ViewTuple};
+use crate::{config_from, ConfigTuple};
+
+/// Identifies a `PyBuffer` so that plans, handles and hooks cannot cross buffers.
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+/// One rank's endpoint (`moelink::Buffer`). Collective calls must be made by every rank, in the same order.
+#[pyclass(module = "moelink._native", name = "Buffer", frozen)]
+pub(crate) struct PyBuffer {
+    inner: Mutex<Option<Buffer>>,
+    group: Arc<PyGroup>,
+    uid: u64,
+    rank: usize,
+    num_ranks: usize,
+    backend: &'static str,
+    device: i64,
+    default_num_sms: usize,
+}
+
+/// The arguments of a dispatch, kept between `prepare_dispatch` and `dispatch_into`.
+struct HtCall {
+    x: Payload<'static>,
+    routing: StoredRouting,
+    expert_alignment: usize,
+    num_worst_tokens: usize,
+    config: Option<Config>,
+}
+
+enum StoredRouting {
+    Fresh(Box<FreshRouting>),
+    Cached(HtHandle),
+}
+
+struct FreshRouting {
+    layout: LayoutRef<'static>,
+    topk_idx: Option<TensorRef<'static>>,
+    topk_weights: Option<TensorRef<'static>>,
+}
+
+impl HtCall {
+    fn args(&self) -> DispatchArgs<'_> {
+        let routing = match &self.routing {
+            StoredRouting::Fresh(f) => Routing::Fresh { layout: f.layout, topk_idx: f.topk_idx, topk_weights: f.topk_weights },
+            StoredRouting::Cached(h) => Routing::Cached(h),
+        };
+        DispatchArgs {
+            x: self.x,
+            routing,
+            expert_alignment: self.expert_alignment,
+            num_worst_tokens: self.num_worst_tokens,
+            config: self.config,
+        }
+    }
+}
+
+/// A validated dispatch whose counts have been exchanged: the sizes to allocate outputs with. Pass it
+/// to `Buffer.dispatch_into` once.
+#[pyclass(module = "moelink._native", name = "DispatchPlan", frozen)]
+pub(crate) struct PyDispatchPlan {
+    state: Mutex<Option<(DispatchPlan, HtCall)>>,
+    buffer_uid: u64,
+    /// Rows every output must have (received tokens, or `num_worst_tokens`).
+    #[pyo3(get)]
+    num_recv_rows: usize,
+    /// Tokens received, when known on the host (None in no-sync mode).
+    #[pyo3(get)]
+    num_recv_tokens: Option<usize>,
+    /// Received tokens per local expert, aligned (empty in no-sync mode).
+    #[pyo3(get)]
+    num_recv_tokens_per_expert: Vec<usize>,
+    #[pyo3(get)]
+    hidden: usize,
+    /// Top-k width of the routing outputs (0 without top-k).
+    #[pyo3(get)]
+    topk: usize,
+    #[pyo3(get)]
+    is_fp8: bool,
+    /// Whether `recv_topk_idx`/`recv_topk_weights` outputs are expected.
+    #[pyo3(get)]
+    has_topk: bool,
+}
+
+/// The routing of one high-throughput dispatch (for `combine` and cached dispatch).
+#[pyclass(module = "moelink._native", name = "HtHandle", frozen)]
+pub(crate) struct PyHtHandle {
+    inner: HtHandle,
+    buffer_uid: u64,
+}
+
+#[pymethods]
+impl PyHtHandle {
+    /// Tokens this rank dispatched.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+    /// Tokens this rank received, when known on the host.
+    #[getter]
+    fn num_recv_tokens(&self) -> Option<usize> {
+        self.inner.num_recv_tokens()
+    }
+    /// Rows of the received tensors.
+    #[getter]
+    fn num_recv_rows(&self) -> usize {
+        self.inner.num_recv_rows()
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.inner.num_experts()
+    }
+}
+
+/// The routing of one low-latency dispatch (for `low_latency_combine`).
+#[pyclass(module = "moelink._native", name = "LlHandle", frozen)]
+pub(crate) struct PyLlHandle {
+    inner: LlHandle,
+    buffer_uid: u64,
+}
+
+#[pymethods]
+impl PyLlHandle {
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+    #[getter]
+    fn hidden(&self) -> usize {
+        self.inner.hidden()
+    }
+    #[getter]
+    fn num_max_dispatch_tokens_per_rank(&self) -> usize {
+        self.inner.num_max_dispatch_tokens_per_rank()
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.inner.num_experts()
+    }
+    /// True when dispatch carried `topk_weights` (combine pre-reduces on the expert side).
+    #[getter]
+    fn pre_reduced(&self) -> bool {
+        self.inner.pre_reduced()
+    }
+}
+
+/// The receive phase of a low-latency call made with `return_recv_hook=True`; run it with
+/// `Buffer.run_hook` (once).
+#[pyclass(module = "moelink._native", name = "RecvHook", frozen)]
+pub(crate) struct PyRecvHook {
+    inner: Mutex<Option<RecvHook<'static>>>,
+    buffer_uid: u64,
+}
+
+#[pymethods]
+impl PyRecvHook {
+    /// True until the hook has run.
+    #[getter]
+    fn pending(&self) -> bool {
+        self.inner.lock().map(|h| h.is_some()).unwrap_or(false)
+    }
+}
+
+fn invalid(py: Python<'_>, arg: &'static str, rank: usize, reason: impl Into<String>) -> PyErr {
+    to_pyerr(py, Error::invalid(arg, rank, reason), None)
+}
+
+fn required<T>(py: Python<'_>, v: Option<T>, arg: &'static str, rank: usize, why: &str) -> PyResult<T> {
+    v.ok_or_else(|| invalid(py, arg, rank, format!("is required {why}")))
+}
+
+impl PyBuffer {
+    /// Runs `f` on the buffer with the GIL released; `stream` (if the call has one) is set first.
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        stream: Option<Option<u64>>,
+        f: impl FnOnce(&mut Buffer) -> moelink::Result<T> + Send,
+    ) -> PyResult<T> {
+        let _stale = self.group.take_error();
+        let rank = self.rank;
+        let r = py.detach(|| {
+            let mut guard = self.inner.lock().map_err(|_| Error::Poisoned { rank, cause: "a previous call panicked".into() })?;
+            let buf = guard.as_mut().ok_or_else(|| Error::Unavailable(format!("the buffer on rank {rank} was destroyed")))?;
+            if let Some(stream) = stream {
+                // SAFETY: the package passes the handle of a live torch stream on this buffer's device
+                // (`torch.cuda.Stream.cuda_stream`) and sets it again before every operation, so a stale
+                // handle is never used; it keeps every tensor of an asynchronous operation alive until the
+                // stream work completes (EventOverlap's extra tensors, `record_stream`).
+                unsafe { buf.set_stream(stream) };
+            }
+            f(buf)
+        });
+        r.map_err(|e| to_pyerr(py, e, self.group.take_error()))
+    }
+
+    fn check_uid(&self, py: Python<'_>, uid: u64, arg: &'static str) -> PyResult<()> {
+        if uid != self.uid {
+            return Err(invalid(py, arg, self.rank, "comes from another buffer"));
+        }
+        Ok(())
+    }
+
+    fn hook(&self, hook: Option<RecvHook<'static>>) -> Option<PyRecvHook> {
+        hook.map(|h| PyRecvHook { inner: Mutex::new(Some(h)), buffer_uid: self.uid })
+    }
+}
+
+#[pymethods]
+impl PyBuffer {
+    /// Creates this rank's buffer (collective). `group` implements `rank()`, `size()`,
+    /// `all_gather(bytes) -> list[bytes]` and optionally `local_rank()`, `process_key()`.
+    /// `backend`: `"auto"` (CUDA when usable, else host), `"host"` or `"cuda"`.
+    #[new]
+    #[pyo3(signature = (group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=false, backend="auto", timeout_ms=10_000, device=None, enable_shrink=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        group: &Bound<'_, PyAny>,
+        num_nvl_bytes: usize,
+        num_rdma_bytes: usize,
+        low_latency_mode: bool,
+        backend: &str,
+        timeout_ms: u64,
+        device: Option<usize>,
+        enable_shrink: bool,
+    ) -> PyResult<PyBuffer> {
+        let group = Arc::new(PyGroup::new(group)?);
+        let rank = group.rank();
+        let kind = match backend {
+            "auto" => BackendKind::Auto,
+            "host" => BackendKind::Host,
+            "cuda" => BackendKind::Cuda,
+            other => return Err(invalid(py, "backend", rank, format!("{other:?}: expected \"auto\", \"host\" or \"cuda\""))),
+        };
+        let options = BufferOptions { backend: kind, num_nvl_bytes, num_rdma_bytes, low_latency_mode, timeout_ms, device, enable_shrink };
+        let dyn_group: Arc<dyn Group> = group.clone();
+        let buf = py.detach(|| Buffer::new(dyn_group, options)).map_err(|e| to_pyerr(py, e, group.take_error()))?;
+        let device = match buf.location() {
+            Location::Host => -1,
+            Location::Cuda(d) => d as i64,
+        };
+        Ok(PyBuffer {
+            rank,
+            num_ranks: buf.num_ranks(),
+            backend: buf.backend_name(),
+            default_num_sms: buf.default_num_sms(),
+            device,
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            group,
+            inner: Mutex::new(Some(buf)),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    #[getter]
+    fn num_ranks(&self) -> usize {
+        self.num_ranks
+    }
+    /// `"host"` or `"cuda"`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+    /// The CUDA device index tensors must live on, or -1 for host memory.
+    #[getter]
+    fn device(&self) -> i64 {
+        self.device
+    }
+    /// SMs high-throughput kernels use when no config is given.
+    #[getter]
+    fn default_num_sms(&self) -> usize {
+        self.default_num_sms
+    }
+    /// The Python group object this buffer was created with.
+    #[getter]
+    fn group(&self, py: Python<'_>) -> Py<PyAny> {
+        self.group.object().clone_ref(py)
+    }
+    /// Why the buffer refuses work (after a failed collective), or None.
+    #[getter]
+    fn poisoned(&self) -> Option<String> {
+        self.inner.lock().ok()?.as_ref()?.poisoned().map(str::to_string)
+    }
+    /// True once `destroy()` was called.
+    #[getter]
+    fn destroyed(&self) -> bool {
+        self.inner.lock().map(|b| b.is_none()).unwrap_or(true)
+    }
+
+    /// Releases the buffer's resources now; later calls raise `RuntimeError`.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            // A poisoned lock (a panicked call) still holds the buffer: release it all the same.
+            let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            drop(guard.take());
+        });
+        Ok(())
+    }
+
+    /// Runs later operations on the raw CUDA stream `stream` (returning once they are enqueued), or with
+    /// None on the buffer's own stream (returning when they finish). No effect on the host backend.
+    fn set_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        self.run(py, Some(stream), |_| Ok(()))
+    }
+
+    /// Waits for every rank (collective).
+    #[pyo3(signature = (stream=None))]
+    fn barrier(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        self.run(py, Some(stream), |b| b.barrier())
+    }
+
+    /// Writes the dispatch layout of `topk_idx` into the three outputs (local, not collective).
+    #[pyo3(signature = (topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_dispatch_layout_into(
+        &self,
+        py: Python<'_>,
+        topk_idx: TensorArg,
+        num_experts: usize,
+        num_tokens_per_rank: TensorArg,
+        num_tokens_per_expert: TensorArg,
+        is_token_in_rank: TensorArg,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let r = self.rank;
+        let topk_idx = topk_idx.view(py, "topk_idx", r)?;
+        let out = LayoutOutputs {
+            num_tokens_per_rank: num_tokens_per_rank.view_mut(py, "num_tokens_per_rank", r)?,
+            num_tokens_per_expert: num_tokens_per_expert.view_mut(py, "num_tokens_per_expert", r)?,
+            is_token_in_rank: is_token_in_rank.view_mut(py, "is_token_in_rank", r)?,
+        };
+        self.run(py, Some(stream), move |b| b.get_dispatch_layout_into(topk_idx, num_experts, out))
+    }
+
+    /// Validates a dispatch and exchanges counts (collective). Fresh dispatch: the three layout tensors
+    /// (and optionally `topk_idx` with `topk_weights`); cached dispatch: `handle` and no layout or top-k.
+    /// `x_scales` makes it an FP8 dispatch. `config`: `(num_sms, nvl send, nvl recv, rdma send, rdma recv)`.
+    #[pyo3(signature = (x, x_scales=None, handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_dispatch(
+        &self,
+        py: Python<'_>,
+        x: TensorArg,
+        x_scales: Option<TensorArg>,
+        handle: Option<PyRef<'_, PyHtHandle>>,
+        num_tokens_per_rank: Option<TensorArg>,
+        num_tokens_per_expert: Option<TensorArg>,
+        is_token_in_rank: Option<TensorArg>,
+        topk_idx: Option<TensorArg>,
+        topk_weights: Option<TensorArg>,
+        expert_alignment: usize,
+        num_worst_tokens: usize,
+        config: Option<ConfigTuple>,
+        stream: Option<u64>,
+    ) -> PyResult<PyDispatchPlan> {
+        let r = self.rank;
+        let xv = x.view(py, "x", r)?;
+        let payload = match opt_view(py, &x_scales, "x_scales", r)? {
+            Some(scales) => Payload::Fp8 { x: xv, scales },
+            None => Payload::Bf16(xv),
+        };
+        let routing = match handle {
+            Some(h) => {
+                self.check_uid(py, h.buffer_uid, "handle")?;
+                for (arg, given) in [("topk_idx", topk_idx.is_some()), ("topk_weights", topk_weights.is_some())] {
+                    if given {
+                        return Err(invalid(py, arg, r, "a cached dispatch (handle given) re-uses the handle's routing; pass no top-k"));
+                    }
+                }
+                StoredRouting::Cached(h.inner.clone())
+            }
+            None => {
+                let why = "for a fresh dispatch (or pass handle for a cached one)";
+                let layout = LayoutRef {
+                    num_tokens_per_rank: required(
+                        py,
+                        opt_view(py, &num_tokens_per_rank, "num_tokens_per_rank", r)?,
+                        "num_tokens_per_rank",
+                        r,
+                        why,
+                    )?,
+                    num_tokens_per_expert: required(
+                        py,
+                        opt_view(py, &num_tokens_per_expert, "num_tokens_per_expert", r)?,
+                        "num_tokens_per_expert",
+                        r,
+                        why,
+                    )?,
+                    is_token_in_rank: required(py, opt_view(py, &is_token_in_rank, "is_token_in_rank", r)?, "is_token_in_rank", r, why)?,
+                };
+                StoredRouting::Fresh(Box::new(FreshRouting {
+                    layout,
+                    topk_idx: opt_view(py, &topk_idx, "topk_idx", r)?,
+                    topk_weights: opt_view(py, &topk_weights, "topk_weights", r)?,
+                }))
+            }
+        };
+        let call = HtCall { x: payload, routing, expert_alignment, num_worst_tokens, config: config.map(config_from) };
+        let (plan, call) = self.run(py, Some(stream), move |b| {
+            let plan = b.prepare_dispatch(&call.args())?;
+            Ok((plan, call))
+        })?;
+        Ok(PyDispatchPlan {
+            buffer_uid: self.uid,
+            num_recv_rows: plan.num_recv_rows(),
+            num_recv_tokens: plan.num_recv_tokens(),
+            num_recv_tokens_per_expert: plan.num_recv_tokens_per_expert().to_vec(),
+            hidden: plan.hidden(),
+            topk: plan.topk(),
+            is_fp8: plan.is_fp8(),
+            has_topk: plan.has_topk(),
+            state: Mutex::new(Some((plan, call))),
+        })
+    }
+
+    /// Moves the tokens of a prepared dispatch into the outputs (collective); returns the handle.
+    #[pyo3(signature = (plan, recv_x, recv_x_scales=None, recv_topk_idx=None, recv_topk_weights=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_into(
+        &self,
+        py: Python<'_>,
+        plan: &PyDispatchPlan,
+        recv_x: TensorArg,
+        recv_x_scales: Option<TensorArg>,
+        recv_topk_idx: Option<TensorArg>,
+        recv_topk_weights: Option<TensorArg>,
+        stream: Option<u64>,
+    ) -> PyResult<PyHtHandle> {
+        let r = self.rank;
+        self.check_uid(py, plan.buffer_uid, "plan")?;
+        let out = DispatchOutputs {
+            recv_x: recv_x.view_mut(py, "recv_x", r)?,
+            recv_scales: opt_view_mut(py, &recv_x_scales, "recv_x_scales", r)?,
+            recv_topk_idx: opt_view_mut(py, &recv_topk_idx, "recv_topk_idx", r)?,
+            recv_topk_weights: opt_view_mut(py, &recv_topk_weights, "recv_topk_weights", r)?,
+        };
+        let taken = plan.state.lock().ok().and_then(|mut s| s.take());
+        let (p, call) = taken.ok_or_else(|| invalid(py, "plan", r, "was already used by dispatch_into"))?;
+        let handle = self.run(py, Some(stream), move |b| b.dispatch_into(p, &call.args(), out))?;
+        Ok(PyHtHandle { inner: handle, buffer_uid: self.uid })
+    }
+
+    /// Sums expert outputs `x` back onto the tokens' home ranks (collective). `bias_0`/`bias_1`: up to two
+    /// `[T, H]` bf16 tensors added to the output.
+    #[pyo3(signature = (x, handle, combined_x, topk_weights=None, combined_topk_weights=None, bias_0=None, bias_1=None, config=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn combine_into(
+        &self,
+        py: Python<'_>,
+        x: TensorArg,
+        handle: PyRef<'_, PyHtHandle>,
+        combined_x: TensorArg,
+        topk_weights: Option<TensorArg>,
+        combined_topk_weights: Option<TensorArg>,
+        bias_0: Option<TensorArg>,
+        bias_1: Option<TensorArg>,
+        config: Option<ConfigTuple>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let r = self.rank;
+        self.check_uid(py, handle.buffer_uid, "handle")?;
+        let x = x.view(py, "x", r)?;
+        let topk_weights = opt_view(py, &topk_weights, "topk_weights", r)?;
+        let bias = [opt_view(py, &bias_0, "bias", r)?, opt_view(py, &bias_1, "bias", r)?];
+        let out = CombineOutputs {
+            combined_x: combined_x.view_mut(py, "combined_x", r)?,
+            combined_topk_weights: opt_view_mut(py, &combined_topk_weights, "combined_topk_weights", r)?,
+        };
+        let h = handle.inner.clone();
+        let config = config.map(config_from);
+        self.run(py, Some(stream), move |b| b.combine_into(&CombineArgs { x, handle: &h, topk_weights, bias, config }, out))
+    }
+
+    /// Low-latency dispatch into caller-allocated outputs (collective). Returns `(handle, hook)`; `hook`
+    /// is None unless `return_recv_hook`, in which case only the send phase has run.
+    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, recv_x, recv_count, topk_weights=None, recv_x_scales=None, use_fp8=true, round_scale=false, use_ue8m0=false, return_recv_hook=false, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn low_latency_dispatch_into(
+        &self,
+        py: Python<'_>,
+        x: TensorArg,
+        topk_idx: TensorArg,
+        num_max_dispatch_tokens_per_rank: usize,
+        num_experts: usize,
+        recv_x: TensorArg,
+        recv_count: TensorArg,
+        topk_weights: Option<TensorArg>,
+        recv_x_scales: Option<TensorArg>,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        return_recv_hook: bool,
+        cumulative_local_expert_recv_stats: Option<TensorArg>,
+        dispatch_wait_recv_cost_stats: Option<TensorArg>,
+        stream: Option<u64>,
+    ) -> PyResult<(PyLlHandle, Option<PyRecvHook>)> {
+        let r = self.rank;
+        let quant = LlQuant::from_flags(use_fp8, round_scale, use_ue8m0, r).map_err(|e| to_pyerr(py, e, None))?;
+        let args = LlDispatchArgs {
+            x: x.view(py, "x", r)?,
+            topk_idx: topk_idx.view(py, "topk_idx", r)?,
+            topk_weights: opt_view(py, &topk_weights, "topk_weights", r)?,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            quant,
+            return_recv_hook,
+        };
+        let out = LlDispatchOutputs {
+            recv_x: recv_x.view_mut(py, "recv_x", r)?,
+            recv_scales: opt_view_mut(py, &recv_x_scales, "recv_x_scales", r)?,
+            recv_count: recv_count.view_mut(py, "recv_count", r)?,
+            cumulative_local_expert_recv_stats: opt_view_mut(
+                py,
+                &cumulative_local_expert_recv_stats,
+                "cumulative_local_expert_recv_stats",
+                r,
+            )?,
+            dispatch_wait_recv_cost_stats: opt_view_mut(py, &dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", r)?,
+        };
+        let (handle, hook) = self.run(py, Some(stream), move |b| b.low_latency_dispatch_into(&args, out))?;
+        Ok((PyLlHandle { inner: handle, buffer_uid: self.uid }, self.hook(hook)))
+    }
+
+    /// Low-latency combine into `out` (collective): `out[t] = Σ_k topk_weights[t,k]·x[expert, slot]`.
+    /// Returns the receive hook with `return_recv_hook`, else None. With `zero_copy`, `x` is ignored and
+    /// the buffer from `get_next_low_latency_combine_buffer` is sent.
+    #[pyo3(signature = (x, topk_idx, topk_weights, handle, out, zero_copy=false, return_recv_hook=false, combine_wait_recv_cost_stats=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn low_latency_combine_into(
+        &self,
+        py: Python<'_>,
+        x: TensorArg,
+        topk_idx: TensorArg,
+        topk_weights: TensorArg,
+        handle: PyRef<'_, PyLlHandle>,
+        out: TensorArg,
+        zero_copy: bool,
+        return_recv_hook: bool,
+        combine_wait_recv_cost_stats: Option<TensorArg>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyRecvHook>> {
+        let r = self.rank;
+        self.check_uid(py, handle.buffer_uid, "handle")?;
+        let (x, topk_idx, topk_weights) =
+            (x.view(py, "x", r)?, topk_idx.view(py, "topk_idx", r)?, topk_weights.view(py, "topk_weights", r)?);
+        let outputs = LlCombineOutputs {
+            combined_x: out.view_mut(py, "out", r)?,
+            combine_wait_recv_cost_stats: opt_view_mut(py, &combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", r)?,
+        };
+        let h = handle.inner.clone();
+        let hook = self.run(py, Some(stream), move |b| {
+            b.low_latency_combine_into(&LlCombineArgs { x, topk_idx, topk_weights, handle: &h, zero_copy, return_recv_hook }, outputs)
+        })?;
+        Ok(self.hook(hook))
+    }
+
+    /// Runs the receive phase of a call made with `return_recv_hook` (once).
+    #[pyo3(signature = (hook, stream=None))]
+    fn run_hook(&self, py: Python<'_>, hook: &PyRecvHook, stream: Option<u64>) -> PyResult<()> {
+        self.check_uid(py, hook.buffer_uid, "hook")?;
+        let taken = hook.inner.lock().ok().and_then(|mut h| h.take());
+        let pending = taken.ok_or_else(|| invalid(py, "hook", self.rank, "has already run"))?;
+        self.run(py, Some(stream), move |b| b.run_hook(pending))
+    }
+
+    /// The send buffer of the next low-latency combine (`bf16 [E_local, R*T_max, H]`), as
+    /// `(data_ptr, dtype, shape, strides, device)`. It belongs to the buffer and stays valid until the
+    /// next low-latency call with other sizes, `clean_low_latency_buffer` or `destroy`.
+    fn get_next_low_latency_combine_buffer(&self, py: Python<'_>, handle: PyRef<'_, PyLlHandle>) -> PyResult<ViewTuple> {
+        self.check_uid(py, handle.buffer_uid, "handle")?;
+        let h = handle.inner.clone();
+        self.run(py, None, move |b| b.get_next_low_latency_combine_buffer(&h).map(|t| describe(&t)))
+    }
+
+    /// This rank's communication buffer as `(data_ptr, num_bytes, device)`: the high-throughput region,
+    /// or the low-latency one with `use_rdma_buffer`. Owned by the buffer (valid until `destroy`).
+    fn local_buffer(&self, py: Python<'_>, use_rdma_buffer: bool) -> PyResult<(u64, usize, i64)> {
+        self.run(py, None, move |b| {
+            b.local_buffer(use_rdma_buffer).map(|t| {
+                let (addr, _, shape, _, device) = describe(&t);
+                (addr, shape.first().copied().unwrap_or(0), device)
+            })
+        })
+    }
+
+    /// Clears the low-latency buffers (collective).
+    #[pyo3(signature = (num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=None))]
+    fn clean_low_latency_buffer(
+        &self,
+        py: Python<'_>,
+        num_max_dispatch_tokens_per_rank: usize,
+        hidden: usize,
+        num_experts: usize,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        self.run(py, Some(stream), move |b| b.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts))
+    }
+
+    /// Shrink mode: masks `rank` (`mask=True`) or unmasks it.
+    #[pyo3(signature = (rank, mask=false))]
+    fn low_latency_update_mask_buffer(&self, py: Python<'_>, rank: i64, mask: bool) -> PyResult<()> {
+        let rank = usize::try_from(rank).map_err(|_| invalid(py, "rank", self.rank, format!("{rank} is negative")))?;
+        self.run(py, None, move |b| b.low_latency_update_mask_buffer(rank, mask))
+    }
+
+    /// Shrink mode: which ranks are masked, indexed by rank.
+    fn low_latency_query_mask_buffer(&self, py: Python<'_>) -> PyResult<Vec<bool>> {
+        self.run(py, None, |b| b.low_latency_query_mask_buffer())
+    }
+
+    /// Shrink mode: unmasks every rank.
+    fn low_latency_clean_mask_buffer(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, None, |b| b.low_latency_clean_mask_buffer())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<moelink._native.Buffer rank {} of {} on {}>", self.rank, self.num_ranks, self.backend)
+    }
+}

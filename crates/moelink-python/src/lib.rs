@@ -1,0 +1,124 @@
+//! `moelink._native`: the Python extension module, a thin adapter over the Rust API.
+//!
+//! Nothing here links libtorch. The Python package passes tensors as `(data_ptr, dtype name, shape,
+//! strides in elements, device index or -1 for CPU)` tuples, allocates every output with torch and hands
+//! raw stream handles over as integers; this module turns them into [`moelink::TensorRef`]s, runs the
+//! Rust call with the GIL released, and turns [`moelink::Error`]s into Python exceptions that name the
+//! argument. The process group is a Python object (see [`group::PyGroup`]).
+//!
+//! The two-phase shape of the Rust API is kept: `prepare_dispatch` returns the sizes, Python allocates,
+//! `dispatch_into` moves the data.
+
+mod buffer;
+mod errors;
+mod group;
+mod tensor;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// `Config`'s knobs as Python passes them: `(num_sms, nvl send, nvl recv, rdma send, rdma recv)`.
+pub(crate) type ConfigTuple = (usize, usize, usize, usize, usize);
+
+pub(crate) fn config_from(t: ConfigTuple) -> moelink::Config {
+    moelink::Config {
+        num_sms: t.0,
+        num_max_nvl_chunked_send_tokens: t.1,
+        num_max_nvl_chunked_recv_tokens: t.2,
+        num_max_rdma_chunked_send_tokens: t.3,
+        num_max_rdma_chunked_recv_tokens: t.4,
+    }
+}
+
+/// NVLink-domain buffer bytes a config needs for rows of `hidden_bytes` (DeepEP's
+/// `Config.get_nvl_buffer_size_hint`).
+#[pyfunction]
+fn nvl_buffer_size_hint(config: ConfigTuple, hidden_bytes: usize, num_ranks: usize) -> usize {
+    config_from(config).get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+}
+
+/// RDMA buffer bytes a config needs (0 within one node).
+#[pyfunction]
+fn rdma_buffer_size_hint(config: ConfigTuple, hidden_bytes: usize, num_ranks: usize) -> usize {
+    config_from(config).get_rdma_buffer_size_hint(hidden_bytes, num_ranks)
+}
+
+/// Low-latency buffer bytes (`num_rdma_bytes`) for these sizes: an upper bound of what moelink's
+/// low-latency protocol keeps per rank, for two alternating buffer sets. Each set holds the dispatch
+/// receive slots (one per source rank and token: a bf16 row, top-k ids and weights, 16 bytes of metadata),
+/// the zero-copy combine source `[E_local, R*T_max, H]` bf16 and the combine receive rows (at most
+/// `max(R, K)` per token; K is bounded by the number of experts here).
+#[pyfunction]
+fn low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_ranks: usize, num_experts: usize) -> usize {
+    let (t, h, r) = (num_max_dispatch_tokens_per_rank, hidden, num_ranks.max(1));
+    let e_local = num_experts.div_ceil(r);
+    let max_topk = num_experts.clamp(1, 32);
+    let dispatch_msg = 2 * h + max_topk * 12 + 16;
+    let per_set = r * t * dispatch_msg + e_local * r * t * 2 * h + r.max(max_topk) * t * 2 * h;
+    (2 * per_set).next_multiple_of(4096)
+}
+
+/// What the CUDA layer finds on this machine, without creating a context: a dict with `available`
+/// (bool), `reason` (why not, or ""), `driver_version`, `nvrtc` (`"major.minor"` or the error) and
+/// `devices` (a list of dicts: `name`, `compute_capability` as `(major, minor)`, `multiprocessors`).
+#[pyfunction]
+fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    match moelink_cuda::system_info() {
+        Ok(info) => {
+            let devices = info
+                .devices
+                .iter()
+                .map(|dev| {
+                    let e = PyDict::new(py);
+                    e.set_item("name", &dev.name)?;
+                    e.set_item("compute_capability", dev.compute_capability)?;
+                    e.set_item("multiprocessors", dev.multiprocessors)?;
+                    Ok(e)
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            let reason = match (&info.nvrtc, devices.is_empty()) {
+                (_, true) => "the CUDA driver reports no GPU".to_string(),
+                (Err(e), false) => format!("NVRTC is unavailable: {e}"),
+                (Ok(_), false) => String::new(),
+            };
+            d.set_item("available", reason.is_empty())?;
+            d.set_item("reason", reason)?;
+            d.set_item("driver_version", info.driver_version)?;
+            d.set_item("nvrtc", info.nvrtc.map(|(a, b)| format!("{a}.{b}")).unwrap_or_else(|e| e))?;
+            d.set_item("devices", devices)?;
+        }
+        Err(e) => {
+            d.set_item("available", false)?;
+            d.set_item("reason", e.to_string())?;
+            d.set_item("driver_version", py.None())?;
+            d.set_item("nvrtc", py.None())?;
+            d.set_item("devices", Vec::<i32>::new())?;
+        }
+    }
+    Ok(d)
+}
+
+/// The dtype names tensors may carry (torch's spelling, without the `torch.` prefix).
+#[pyfunction]
+fn dtype_names() -> Vec<&'static str> {
+    use moelink::DType::*;
+    [Bool, U8, I32, I64, F32, BF16, Fp8E4M3].iter().map(|d| d.name()).collect()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("TimeoutError", m.py().get_type::<errors::TimeoutError>())?;
+    m.add_class::<buffer::PyBuffer>()?;
+    m.add_class::<buffer::PyDispatchPlan>()?;
+    m.add_class::<buffer::PyHtHandle>()?;
+    m.add_class::<buffer::PyLlHandle>()?;
+    m.add_class::<buffer::PyRecvHook>()?;
+    m.add_function(wrap_pyfunction!(nvl_buffer_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(rdma_buffer_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(low_latency_rdma_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
+    m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
+    Ok(())
+}

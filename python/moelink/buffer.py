@@ -1,0 +1,626 @@
+"""``Buffer``: DeepEP's ``deep_ep.Buffer`` surface over moelink's native module.
+
+Division of labour: this module does what is torch-specific (turning tensors into
+``(data_ptr, dtype, shape, strides, device)`` tuples, allocating every output with torch, streams, events,
+keeping tensors alive); the native module validates everything else and moves the data. Errors name the
+argument (``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
+
+Streams (CUDA backend), as in DeepEP: high-throughput operations run on the buffer's communication
+stream (``get_comm_stream()``), which first waits for ``previous_event`` or else the current stream.
+Outputs are allocated on the current stream, or on the communication stream with
+``allocate_on_comm_stream=True``. With ``async_finish=True`` the returned ``EventOverlap`` marks the end of
+the work and keeps inputs and outputs alive; otherwise the current stream waits for the work before the
+call returns. Low-latency operations behave the same, except that with ``return_recv_hook=True`` the send
+phase runs on the current stream and ``hook()`` runs the receive phase on the stream current when it is
+called. On the host backend (CPU tensors) every call is synchronous and events are ``None``.
+
+Environment: ``MOELINK_BACKEND`` (``auto`` | ``host`` | ``cuda``, default ``auto``: CUDA when torch sees a GPU
+and the driver and NVRTC are usable), ``MOELINK_TIMEOUT_MS`` (deadline of every wait, default 10000).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
+
+from . import _native
+from ._args import count as _count
+from ._args import invalid as _invalid
+from ._torch import require_torch, torch
+from .config import Config
+from .event import EventOverlap, record_event
+from .group import MpiGroup, TorchGroup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+else:
+    Tensor = Any
+
+_TensorTuple = Tuple[int, str, Tuple[int, ...], Tuple[int, ...], int]
+
+
+def _event_of(previous_event: Any) -> Any:
+    """The CUDA event of an ``EventOverlap`` (or a bare ``torch.cuda.Event``)."""
+    return getattr(previous_event, "event", previous_event)
+
+
+class DispatchHandle:
+    """The routing of one high-throughput dispatch; pass it to ``combine`` or to a cached ``dispatch``.
+
+    Opaque: its attributes are informative only.
+    """
+
+    __slots__ = ("native", "num_tokens", "num_recv_tokens", "num_experts")
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+        self.num_tokens: int = native.num_tokens
+        self.num_recv_tokens: Optional[int] = native.num_recv_tokens
+        self.num_experts: int = native.num_experts
+
+    def __repr__(self) -> str:
+        return f"<moelink dispatch handle: {self.num_tokens} tokens sent, {self.num_recv_tokens} received>"
+
+
+class LowLatencyHandle:
+    """The routing of one low-latency dispatch; pass it to ``low_latency_combine`` (opaque)."""
+
+    __slots__ = ("native", "num_tokens", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts")
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+        self.num_tokens: int = native.num_tokens
+        self.hidden: int = native.hidden
+        self.num_max_dispatch_tokens_per_rank: int = native.num_max_dispatch_tokens_per_rank
+        self.num_experts: int = native.num_experts
+
+    def __repr__(self) -> str:
+        return (f"<moelink low-latency handle: {self.num_tokens} tokens, hidden {self.hidden}, "
+                f"T_max {self.num_max_dispatch_tokens_per_rank}, {self.num_experts} experts>")
+
+
+class _CudaMemory:
+    """A ``__cuda_array_interface__`` over native device memory, for ``torch.as_tensor`` (keeps ``owner``)."""
+
+    def __init__(self, ptr: int, num_bytes: int, owner: Any) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (num_bytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class Buffer:
+    """The expert-parallel communication buffer of one rank (DeepEP's ``deep_ep.Buffer``).
+
+    High-throughput ``dispatch``/``combine`` (training, prefill) and low-latency
+    ``low_latency_dispatch``/``low_latency_combine`` (decoding, CUDA-graph capturable). Every rank of
+    ``group`` creates one, and all ranks call the same collective operations in the same order.
+
+    Attributes: ``rank``, ``group_size``, ``group``, ``num_nvl_bytes``, ``num_rdma_bytes``,
+    ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``, ``backend`` (``"host"`` or ``"cuda"``).
+    """
+
+    #: SMs high-throughput kernels use by default (class-wide, even); see ``set_num_sms``.
+    num_sms: int = 20
+
+    def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None) -> None:
+        """Creates this rank's buffer (collective over ``group``).
+
+        Arguments:
+            group: a ``torch.distributed`` process group, one process per GPU (gloo works on the host
+                backend). Setup data is exchanged through it with ``all_gather_object``.
+            num_nvl_bytes: per-rank buffer bytes for high-throughput (NVLink) communication.
+            num_rdma_bytes: per-rank buffer bytes for low-latency communication.
+            low_latency_mode: whether the buffer serves the low-latency API.
+            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for
+                DeepEP compatibility; moelink's intranode transport has no use for them.
+            explicitly_destroy: call ``destroy()`` to release resources at a known point; without it they
+                are released when the buffer is garbage-collected (``destroy()`` works either way).
+            enable_shrink: low-latency fault tolerance (``low_latency_*_mask_buffer``).
+            comm: an ``mpi4py.MPI.Comm`` to use when ``group`` is None.
+        """
+        t = require_torch()
+        if group is not None:
+            bytes_group: Any = TorchGroup(group)
+        elif comm is not None:
+            bytes_group = MpiGroup(comm)
+        else:
+            raise _invalid(ValueError, "group", -1, "either `group` or `comm` must be given")
+        self.group = group if group is not None else comm
+        self.rank: int = bytes_group.rank()
+        self.group_size: int = bytes_group.size()
+        self.num_nvl_bytes: int = _count(num_nvl_bytes, "num_nvl_bytes", self.rank)
+        self.num_rdma_bytes: int = _count(num_rdma_bytes, "num_rdma_bytes", self.rank)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = _count(num_qps_per_rank, "num_qps_per_rank", self.rank)
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.allow_mnnvl = bool(allow_mnnvl)
+        self.use_fabric = bool(use_fabric)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
+
+        backend = os.environ.get("MOELINK_BACKEND", "auto")
+        if backend == "auto" and not t.cuda.is_available():
+            backend = "host"  # the driver may be there, but torch cannot hand us CUDA tensors
+        timeout_ms = int(os.environ.get("MOELINK_TIMEOUT_MS", "10000"))
+        device = t.cuda.current_device() if backend != "host" else None
+        self._native = _native.Buffer(bytes_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+                                      backend=backend, timeout_ms=timeout_ms, device=device,
+                                      enable_shrink=self.enable_shrink)
+        self.backend: str = self._native.backend
+        self._cuda = self.backend == "cuda"
+        self._device = t.device("cuda", self._native.device) if self._cuda else t.device("cpu")
+        self._comm_stream: Any = t.cuda.Stream(device=self._device) if self._cuda else None
+
+    # ------------------------------------------------------------------ static / utility
+
+    def destroy(self) -> None:
+        """Releases the buffer's resources now. Later calls raise ``RuntimeError``."""
+        self._native.destroy()
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True when Hopper features (FP8, TMA) are available: a usable CUDA driver, NVRTC and an sm_90+ GPU.
+
+        moelink compiles its kernels at run time for the GPU it finds, so this reports the machine.
+        """
+        info = _native.cuda_info()
+        return bool(info["available"]) and any(tuple(d["compute_capability"]) >= (9, 0) for d in info["devices"])
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the class-wide SM count of high-throughput kernels (must be even)."""
+        n = _count(new_num_sms, "new_num_sms", -1)
+        if n == 0 or n % 2 != 0:
+            raise _invalid(ValueError, "new_num_sms", -1, f"{n}: the SM count must be even and positive")
+        Buffer.num_sms = n
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` recorded on the current stream (event ``None`` without CUDA)."""
+        t = require_torch()
+        return EventOverlap(record_event() if t.cuda.is_available() else None)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` enough for low-latency calls of these sizes (bf16 or FP8)."""
+        return _native.low_latency_rdma_size_hint(
+            _count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", -1),
+            _count(hidden, "hidden", -1), _count(num_ranks, "num_ranks", -1), _count(num_experts, "num_experts", -1))
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The recommended dispatch ``Config`` for ``num_ranks`` (``Buffer.num_sms`` SMs; moelink's
+        direct-write protocol does not depend on the chunk sizes)."""
+        if _count(num_ranks, "num_ranks", -1) == 0:
+            raise _invalid(ValueError, "num_ranks", -1, "must be positive")
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The recommended combine ``Config`` for ``num_ranks`` (see ``get_dispatch_config``)."""
+        if _count(num_ranks, "num_ranks", -1) == 0:
+            raise _invalid(ValueError, "num_ranks", -1, "must be positive")
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    def get_comm_stream(self) -> Any:
+        """The ``torch.cuda.Stream`` the kernels run on (``None`` on the host backend)."""
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Tensor:
+        """A ``dtype`` view of this rank's communication buffer (the high-throughput region, or the
+        low-latency one with ``use_rdma_buffer``), starting ``offset`` elements in, shaped ``size`` (default:
+        all of it, 1-D)."""
+        t = require_torch()
+        if not isinstance(dtype, t.dtype):
+            raise _invalid(TypeError, "dtype", self.rank, f"expected a torch.dtype, got {type(dtype).__name__}")
+        offset = _count(offset, "offset", self.rank)
+        ptr, num_bytes, device = self._native.local_buffer(bool(use_rdma_buffer))
+        item = t.empty((), dtype=dtype).element_size()
+        total = num_bytes // item
+        if offset > total:
+            raise _invalid(ValueError, "offset", self.rank, f"{offset} elements is past the buffer's {total}")
+        numel = total - offset
+        shape = (numel,) if size is None else tuple(t.Size(size))
+        want = 1
+        for d in shape:
+            want *= d
+        if want > numel:
+            raise _invalid(ValueError, "size", self.rank,
+                           f"{shape} needs {want} elements, {numel} remain after offset {offset}")
+        contiguous = tuple(int(s) for s in t.empty(shape, device="meta").stride())
+        return self._wrap_view((ptr + offset * item, str(dtype).removeprefix("torch."), shape, contiguous, device))
+
+    # ------------------------------------------------------------------ tensors and streams
+
+    def _tensor(self, x: Any, name: str) -> _TensorTuple:
+        t = torch
+        if t is None or not isinstance(x, t.Tensor):
+            raise _invalid(TypeError, name, self.rank, f"expected a torch.Tensor, got {type(x).__name__}")
+        dev = x.device
+        if dev.type == "cpu":
+            index = -1
+        elif dev.type == "cuda":
+            index = dev.index if dev.index is not None else t.cuda.current_device()
+        else:
+            raise _invalid(ValueError, name, self.rank, f"tensor is on {dev}, the buffer works on {self._device}")
+        return (x.data_ptr(), str(x.dtype).removeprefix("torch."), tuple(x.shape), tuple(x.stride()), index)
+
+    def _opt(self, x: Any, name: str) -> Optional[_TensorTuple]:
+        return None if x is None else self._tensor(x, name)
+
+    def _empty(self, shape: Sequence[int], dtype: Any) -> Tensor:
+        return require_torch().empty(tuple(shape), dtype=dtype, device=self._device)
+
+    def _launch_stream(self) -> Optional[int]:
+        return self._comm_stream.cuda_stream if self._comm_stream is not None else None
+
+    def _enter(self, previous_event: Any, allocate_on_comm_stream: bool) -> Any:
+        """Orders the communication stream after ``previous_event`` (or the current stream) and, with
+        ``allocate_on_comm_stream``, makes it current. Returns the caller's stream (None on the host)."""
+        if not self._cuda:
+            return None
+        t = require_torch()
+        compute = t.cuda.current_stream(self._device)
+        if previous_event is not None:
+            self._comm_stream.wait_event(_event_of(previous_event))
+        else:
+            self._comm_stream.wait_stream(compute)
+        if allocate_on_comm_stream:
+            t.cuda.set_stream(self._comm_stream)
+        return compute
+
+    def _leave(self, compute: Any, allocate_on_comm_stream: bool) -> None:
+        if compute is not None and allocate_on_comm_stream:
+            require_torch().cuda.set_stream(compute)
+
+    def _finish(self, compute: Any, async_finish: bool, allocate_on_comm_stream: bool,
+                inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
+        """Ends an operation on the communication stream: an event (async) or the caller's stream waits."""
+        if not self._cuda:
+            return EventOverlap()
+        t = require_torch()
+        comm = self._comm_stream
+        live_in = [x for x in inputs if x is not None]
+        live_out = [x for x in outputs if x is not None]
+        # record_stream is not allowed while capturing a CUDA graph; extra_tensors keep things alive there.
+        capturing = t.cuda.is_current_stream_capturing()
+        if not capturing and allocate_on_comm_stream:
+            for x in live_out:
+                x.record_stream(compute)
+        if async_finish:
+            if not capturing:
+                for x in live_in + live_out:
+                    x.record_stream(comm)
+            return EventOverlap(record_event(comm), live_in + live_out)
+        compute.wait_stream(comm)
+        return EventOverlap()
+
+    def _wrap_view(self, desc: _TensorTuple) -> Tensor:
+        """A tensor over native memory ``(data_ptr, dtype, shape, strides, device)``, keeping the buffer alive."""
+        t = require_torch()
+        ptr, dtype_name, shape, strides, device = desc
+        dtype = getattr(t, dtype_name)
+        item = t.empty((), dtype=dtype).element_size()
+        span = 0 if any(d == 0 for d in shape) else 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
+        num_bytes = span * item
+        if num_bytes == 0:
+            return t.empty(tuple(shape), dtype=dtype, device=self._device)
+        if device < 0:
+            raw = (ctypes.c_char * num_bytes).from_address(ptr)
+            raw._moelink_owner = self._native  # type: ignore[attr-defined]
+            flat = t.frombuffer(raw, dtype=t.uint8)
+        else:
+            flat = t.as_tensor(_CudaMemory(ptr, num_bytes, self._native), device=t.device("cuda", device))
+        return flat.view(dtype).as_strided(tuple(shape), tuple(strides))
+
+    def _config(self, config: Optional[Config], default: Callable[[int], Config]) -> Tuple[int, int, int, int, int]:
+        if config is None:
+            config = default(self.group_size)
+        if not isinstance(config, Config):
+            raise _invalid(TypeError, "config", self.rank, f"expected a moelink.Config, got {type(config).__name__}")
+        return config.as_tuple()
+
+    # ------------------------------------------------------------------ high-throughput
+
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
+        """Computes the layout of a dispatch from ``topk_idx`` (``int64 [T, K]``, -1 = no expert).
+
+        Returns ``(num_tokens_per_rank int32 [R], None (intranode), num_tokens_per_expert int32 [E],
+        is_token_in_rank bool [T, R], event)``. A token counts once per rank.
+        """
+        t = require_torch()
+        idx = self._tensor(topk_idx, "topk_idx")
+        num_experts = _count(num_experts, "num_experts", self.rank)
+        num_tokens = idx[2][0] if idx[2] else 0
+        compute = self._enter(previous_event, allocate_on_comm_stream)
+        try:
+            per_rank = self._empty((self.group_size,), t.int32)
+            per_expert = self._empty((num_experts,), t.int32)
+            in_rank = self._empty((num_tokens, self.group_size), t.bool)
+            self._native.get_dispatch_layout_into(idx, num_experts, self._tensor(per_rank, "num_tokens_per_rank"),
+                                                  self._tensor(per_expert, "num_tokens_per_expert"),
+                                                  self._tensor(in_rank, "is_token_in_rank"),
+                                                  stream=self._launch_stream())
+        finally:
+            self._leave(compute, allocate_on_comm_stream)
+        event = self._finish(compute, async_finish, allocate_on_comm_stream, [topk_idx], [per_rank, per_expert, in_rank])
+        return per_rank, None, per_expert, in_rank, event
+
+    def dispatch(self, x: Union[Tensor, Tuple[Tensor, Tensor]], handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
+                 is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
+                 topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[Union[Tensor, Tuple[Tensor, Tensor]], Optional[Tensor], Optional[Tensor],
+                            Optional[List[int]], Optional[DispatchHandle], EventOverlap]:
+        """Sends each token to every rank hosting one of its experts (collective).
+
+        ``x``: ``bf16 [T, H]`` or ``(float8_e4m3fn [T, H], float32 scales [T, H/128] of any strides)``.
+        Fresh dispatch: the layout tensors from ``get_dispatch_layout`` and (forward) ``topk_idx`` /
+        ``topk_weights``. Cached dispatch: ``handle`` from an earlier dispatch and no top-k.
+        ``num_tokens_per_rdma_rank`` is ignored (intranode). ``num_worst_tokens > 0``: no CPU
+        synchronisation, outputs have that many rows (rows past the real count have ``recv_topk_idx = -1``)
+        and the per-expert list is empty.
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event)``; ``recv_x`` has the tuple-ness of ``x``; ``recv_topk_idx`` holds local expert ids (-1 for
+        experts elsewhere, with weight 0). A cached dispatch returns ``(recv_x, None, None, None, None,
+        event)``.
+        """
+        t = require_torch()
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise _invalid(ValueError, "x", self.rank, f"an FP8 tuple has 2 tensors (x, scales), got {len(x)}")
+            x_data, x_scales = x
+        else:
+            x_data, x_scales = x, None
+        if handle is not None and not isinstance(handle, DispatchHandle):
+            raise _invalid(TypeError, "handle", self.rank, f"expected the handle dispatch returned, got {type(handle).__name__}")
+        config_tuple = self._config(config, self.get_dispatch_config)
+        args = dict(
+            x=self._tensor(x_data, "x"), x_scales=self._opt(x_scales, "x_scales"),
+            handle=handle.native if handle is not None else None,
+            num_tokens_per_rank=self._opt(num_tokens_per_rank, "num_tokens_per_rank"),
+            num_tokens_per_expert=self._opt(num_tokens_per_expert, "num_tokens_per_expert"),
+            is_token_in_rank=self._opt(is_token_in_rank, "is_token_in_rank"),
+            topk_idx=self._opt(topk_idx, "topk_idx"), topk_weights=self._opt(topk_weights, "topk_weights"),
+            expert_alignment=_count(expert_alignment, "expert_alignment", self.rank),
+            num_worst_tokens=_count(num_worst_tokens, "num_worst_tokens", self.rank), config=config_tuple)
+        compute = self._enter(previous_event, allocate_on_comm_stream)
+        try:
+            plan = self._native.prepare_dispatch(**args, stream=self._launch_stream())
+            n = plan.num_recv_rows
+            recv_x = self._empty((n, plan.hidden), x_data.dtype)
+            recv_scales = self._empty((n, plan.hidden // 128), t.float32) if plan.is_fp8 else None
+            recv_idx = self._empty((n, plan.topk), t.int64) if plan.has_topk else None
+            recv_w = self._empty((n, plan.topk), t.float32) if plan.has_topk else None
+            native_handle = self._native.dispatch_into(
+                plan, self._tensor(recv_x, "recv_x"), self._opt(recv_scales, "recv_x_scales"),
+                self._opt(recv_idx, "recv_topk_idx"), self._opt(recv_w, "recv_topk_weights"),
+                stream=self._launch_stream())
+        finally:
+            self._leave(compute, allocate_on_comm_stream)
+        inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights]
+        event = self._finish(compute, async_finish, allocate_on_comm_stream, inputs, [recv_x, recv_scales, recv_idx, recv_w])
+        out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
+        if handle is not None:
+            return out_x, None, None, None, None, event
+        return out_x, recv_idx, recv_w, list(plan.num_recv_tokens_per_expert), DispatchHandle(native_handle), event
+
+    def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None,
+                bias: Union[Tensor, Tuple[Tensor, Tensor], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """Sums expert outputs back onto each token's home rank (collective).
+
+        ``x``: ``bf16 [N, H]``, one row per received token (gating weights already applied). Returns
+        ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``: the fp32 sum over
+        the ranks each token was sent to, plus ``bias`` (a tensor or a 2-tuple of ``[T, H]`` bf16 tensors),
+        rounded to bf16; ``combined_topk_weights`` sums ``topk_weights`` the same way.
+        """
+        t = require_torch()
+        if not isinstance(handle, DispatchHandle):
+            raise _invalid(TypeError, "handle", self.rank, f"expected the handle dispatch returned, got {type(handle).__name__}")
+        if bias is None or isinstance(bias, tuple) and len(bias) == 0:
+            bias_0, bias_1 = None, None
+        elif isinstance(bias, tuple):
+            if len(bias) != 2:
+                raise _invalid(ValueError, "bias", self.rank, f"a tuple of bias tensors has 2 entries, got {len(bias)}")
+            bias_0, bias_1 = bias
+        else:
+            bias_0, bias_1 = bias, None
+        config_tuple = self._config(config, self.get_combine_config)
+        x_arg = self._tensor(x, "x")
+        w_arg = self._opt(topk_weights, "topk_weights")
+        hidden = x_arg[2][-1] if x_arg[2] else 0
+        compute = self._enter(previous_event, allocate_on_comm_stream)
+        try:
+            combined_x = self._empty((handle.num_tokens, hidden), t.bfloat16)
+            combined_w = None
+            if w_arg is not None:
+                combined_w = self._empty((handle.num_tokens, w_arg[2][-1] if w_arg[2] else 0), t.float32)
+            self._native.combine_into(x_arg, handle.native, self._tensor(combined_x, "combined_x"), topk_weights=w_arg,
+                                      combined_topk_weights=self._opt(combined_w, "combined_topk_weights"),
+                                      bias_0=self._opt(bias_0, "bias"), bias_1=self._opt(bias_1, "bias"),
+                                      config=config_tuple, stream=self._launch_stream())
+        finally:
+            self._leave(compute, allocate_on_comm_stream)
+        event = self._finish(compute, async_finish, allocate_on_comm_stream, [x, topk_weights, bias_0, bias_1],
+                             [combined_x, combined_w])
+        return combined_x, combined_w, event
+
+    # ------------------------------------------------------------------ low-latency
+
+    def _collective_on_comm(self, fn: Callable[[Optional[int]], None]) -> None:
+        """Runs a synchronous collective step on the communication stream, ordered with the caller's."""
+        compute = self._enter(None, False)
+        fn(self._launch_stream())
+        self._finish(compute, False, False, [], [])
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Clears the low-latency buffers (collective), e.g. after high-throughput use of the buffer."""
+        args = (_count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", self.rank),
+                _count(hidden, "hidden", self.rank), _count(num_experts, "num_experts", self.rank))
+        self._collective_on_comm(lambda stream: self._native.clean_low_latency_buffer(*args, stream=stream))
+
+    def _ll_streams(self, async_finish: bool, return_recv_hook: bool, name: str) -> Tuple[Any, Optional[int]]:
+        """(caller's stream, launch stream handle) of a low-latency call."""
+        if async_finish and return_recv_hook:
+            raise _invalid(ValueError, name, self.rank, "return_recv_hook=True is incompatible with async_finish=True")
+        if not self._cuda:
+            return None, None
+        compute = require_torch().cuda.current_stream(self._device)
+        if return_recv_hook:
+            return compute, compute.cuda_stream
+        self._comm_stream.wait_stream(compute)
+        return compute, self._comm_stream.cuda_stream
+
+    def _ll_finish(self, compute: Any, async_finish: bool, return_recv_hook: bool, tensors: Sequence[Any]) -> EventOverlap:
+        if not self._cuda or return_recv_hook:
+            return EventOverlap()
+        if async_finish:
+            return EventOverlap(record_event(self._comm_stream), [x for x in tensors if x is not None])
+        compute.wait_stream(self._comm_stream)
+        return EventOverlap()
+
+    def _hook(self, native_hook: Any, keep: Sequence[Any]) -> Optional[Callable[[], None]]:
+        """The Python ``hook()`` of a receive phase; it keeps the call's tensors alive until it has run."""
+        if native_hook is None:
+            return None
+        kept: Tuple[Any, ...] = tuple(keep)
+
+        def hook() -> None:
+            nonlocal kept
+            stream = require_torch().cuda.current_stream(self._device).cuda_stream if self._cuda else None
+            self._native.run_hook(native_hook, stream=stream)
+            kept = ()  # the tensors the receive phase writes were held until here
+
+        return hook
+
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False, topk_weights: Optional[Tensor] = None
+                             ) -> Tuple[Union[Tensor, Tuple[Tensor, Tensor]], Tensor, LowLatencyHandle, EventOverlap,
+                                        Optional[Callable[[], None]]]:
+        """Low-latency dispatch (collective; no CPU synchronisation, CUDA-graph capturable).
+
+        ``x``: ``bf16 [T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` (the same on every rank).
+        Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``bf16 [E_local, R*T_max, H]``,
+        or with ``use_fp8`` a tuple ``(float8_e4m3fn [E_local, R*T_max, H], scales)`` with ``float32
+        [E_local, R*T_max, H/128]`` scales (``use_ue8m0``: ``int32 [..., H/512]``, four exponent bytes each;
+        requires ``round_scale``), column-major in the last two dims. ``recv_count int32 [E_local]`` counts
+        the valid rows per local expert. ``cumulative_local_expert_recv_stats int32 [E_local]`` is
+        incremented by the counts, ``dispatch_wait_recv_cost_stats int64 [R]`` by the nanoseconds waited
+        per source rank. With ``return_recv_hook`` only the send phase runs; ``hook()`` runs the receive
+        phase. **(ext)** ``topk_weights float32 [T, K]``: lets combine pre-reduce on the expert side (pass
+        the same weights to ``low_latency_combine``).
+        """
+        t = require_torch()
+        x_arg, idx_arg = self._tensor(x, "x"), self._tensor(topk_idx, "topk_idx")
+        w_arg = self._opt(topk_weights, "topk_weights")
+        t_max = _count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", self.rank)
+        num_experts = _count(num_experts, "num_experts", self.rank)
+        cum_arg = self._opt(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
+        wait_arg = self._opt(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
+        compute, stream = self._ll_streams(async_finish, return_recv_hook, "return_recv_hook")
+        hidden = x_arg[2][-1] if x_arg[2] else 0
+        e_local, rows = num_experts // self.group_size, self.group_size * t_max
+        use_fp8 = bool(use_fp8)
+        recv_x = self._empty((e_local, rows, hidden), t.float8_e4m3fn if use_fp8 else t.bfloat16)
+        recv_scales = None
+        if use_fp8:
+            packs = hidden // 512 if use_ue8m0 else hidden // 128
+            recv_scales = self._empty((e_local, packs, rows), t.int32 if use_ue8m0 else t.float32).transpose(1, 2)
+        recv_count = self._empty((e_local,), t.int32)
+        native_handle, native_hook = self._native.low_latency_dispatch_into(
+            x_arg, idx_arg, t_max, num_experts, self._tensor(recv_x, "recv_x"), self._tensor(recv_count, "recv_count"),
+            topk_weights=w_arg, recv_x_scales=self._opt(recv_scales, "recv_x_scales"), use_fp8=use_fp8,
+            round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0), return_recv_hook=bool(return_recv_hook),
+            cumulative_local_expert_recv_stats=cum_arg, dispatch_wait_recv_cost_stats=wait_arg, stream=stream)
+        tensors = [x, topk_idx, topk_weights, recv_x, recv_scales, recv_count, cumulative_local_expert_recv_stats,
+                   dispatch_wait_recv_cost_stats]
+        event = self._ll_finish(compute, async_finish, bool(return_recv_hook), tensors)
+        out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
+        return out_x, recv_count, LowLatencyHandle(native_handle), event, self._hook(native_hook, tensors)
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[Tensor] = None
+                            ) -> Tuple[Tensor, EventOverlap, Optional[Callable[[], None]]]:
+        """Low-latency combine (collective): ``combined_x[t] = Σ_k topk_weights[t,k]·y[t,k]`` in fp32,
+        skipping -1 slots, rounded to bf16.
+
+        ``x``: ``bf16 [E_local, R*T_max, H]`` laid out like ``recv_x`` (with ``zero_copy=True`` the buffer from
+        ``get_next_low_latency_combine_buffer`` is sent instead). ``out``: an optional ``bf16 [T, H]`` output.
+        ``combine_wait_recv_cost_stats int64 [R]`` is incremented by the nanoseconds waited per rank.
+        ``use_logfmt`` is not supported. Returns ``(combined_x, event, hook)``.
+        """
+        t = require_torch()
+        if use_logfmt:
+            raise _invalid(ValueError, "use_logfmt", self.rank, "LogFMT is not supported by moelink (combine sends bf16)")
+        if not isinstance(handle, LowLatencyHandle):
+            raise _invalid(TypeError, "handle", self.rank,
+                           f"expected the handle low_latency_dispatch returned, got {type(handle).__name__}")
+        x_arg, idx_arg, w_arg = self._tensor(x, "x"), self._tensor(topk_idx, "topk_idx"), self._tensor(topk_weights, "topk_weights")
+        wait_arg = self._opt(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
+        out_arg = self._opt(out, "out")
+        compute, stream = self._ll_streams(async_finish, return_recv_hook, "return_recv_hook")
+        if out is None:
+            out = self._empty((handle.num_tokens, handle.hidden), t.bfloat16)
+            out_arg = self._tensor(out, "out")
+        native_hook = self._native.low_latency_combine_into(
+            x_arg, idx_arg, w_arg, handle.native, out_arg, zero_copy=bool(zero_copy),
+            return_recv_hook=bool(return_recv_hook), combine_wait_recv_cost_stats=wait_arg, stream=stream)
+        tensors = [x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats]
+        event = self._ll_finish(compute, async_finish, bool(return_recv_hook), tensors)
+        return out, event, self._hook(native_hook, tensors)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
+        """A ``bf16 [E_local, R*T_max, H]`` view of the next combine's send buffer: write expert outputs
+        there and call ``low_latency_combine(..., zero_copy=True)`` to skip a copy. The view belongs to the
+        buffer; it stays valid until a low-latency call with other sizes, ``clean_low_latency_buffer`` or
+        ``destroy``."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise _invalid(TypeError, "handle", self.rank,
+                           f"expected the handle low_latency_dispatch returned, got {type(handle).__name__}")
+        return self._wrap_view(self._native.get_next_low_latency_combine_buffer(handle.native))
+
+    def low_latency_update_mask_buffer(self, rank: int, mask: bool = False) -> None:
+        """Shrink mode (``enable_shrink=True``): masks ``rank`` (``mask=True``: treated as failed, neither
+        sent to nor waited for) or unmasks it."""
+        self._native.low_latency_update_mask_buffer(_count(rank, "rank", self.rank), bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: Tensor) -> None:
+        """Shrink mode: writes each rank's mask status into ``mask_status`` (``int32 [R]``; 1 = masked)."""
+        t = require_torch()
+        self._tensor(mask_status, "mask_status")
+        if mask_status.numel() != self.group_size:
+            raise _invalid(ValueError, "mask_status", self.rank,
+                           f"has {mask_status.numel()} elements, expected one per rank ({self.group_size})")
+        masks = self._native.low_latency_query_mask_buffer()
+        mask_status.copy_(t.tensor([int(m) for m in masks], dtype=mask_status.dtype).view(mask_status.shape))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Shrink mode: unmasks every rank."""
+        self._native.low_latency_clean_mask_buffer()
+
+    def __repr__(self) -> str:
+        return f"<moelink.Buffer rank {self.rank} of {self.group_size} on {self._device} ({self.backend} backend)>"

@@ -1,0 +1,97 @@
+"""Multi-process test session: run under torchrun, one process per rank.
+
+    torchrun --nproc_per_node=4 --local-ranks-filter 0 -m pytest -x -q python/tests/gpu
+
+On a GPU machine every rank uses ``cuda:LOCAL_RANK`` with an NCCL group and moelink's CUDA backend. With
+``MOELINK_BACKEND=host`` (or without a GPU) the same tests run on CPU tensors over gloo on the host backend,
+which checks the Python layer anywhere.
+
+Every test body is collective: all ranks run the same tests in the same order. A failure on one rank is
+reported on every rank (``pytest_runtest_call`` below), so the others do not run ahead into the next test's
+collectives and hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moelink
+
+
+def _init() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        pytest.exit("python/tests/gpu runs under torchrun (e.g. torchrun --nproc_per_node=2 -m pytest python/tests/gpu)", 2)
+    use_cuda = torch.cuda.is_available() and os.environ.get("MOELINK_BACKEND", "auto") != "host"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    if not use_cuda:
+        os.environ["MOELINK_BACKEND"] = "host"
+
+
+_init()
+
+
+class Env:
+    """This rank's view of the session."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.num_ranks = dist.get_world_size()
+        self.cuda = os.environ.get("MOELINK_BACKEND") != "host"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.group = dist.group.WORLD
+
+    def to(self, t: Any) -> Any:
+        return t.to(self.device) if isinstance(t, torch.Tensor) else t
+
+
+@pytest.fixture(scope="session")
+def env() -> Env:
+    return Env()
+
+
+@pytest.fixture(scope="session")
+def ht_buffer(env: Env) -> Iterator[moelink.Buffer]:
+    buf = moelink.Buffer(env.group, num_nvl_bytes=256 << 20, num_rdma_bytes=0, explicitly_destroy=True)
+    yield buf
+    buf.destroy()
+
+
+@pytest.fixture(scope="session")
+def ll_buffer(env: Env) -> Iterator[moelink.Buffer]:
+    hint = moelink.Buffer.get_low_latency_rdma_size_hint(128, 1024, env.num_ranks, 8 * env.num_ranks)
+    buf = moelink.Buffer(env.group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    yield buf
+    buf.destroy()
+
+
+def _status(item: Any, excinfo: Any) -> str:
+    if excinfo is None or isinstance(excinfo[1], pytest.skip.Exception):
+        return ""
+    return f"{excinfo[0].__name__}: {str(excinfo[1]).splitlines()[0] if str(excinfo[1]) else ''}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: Any) -> Iterator[None]:
+    outcome = yield
+    mine = _status(item, outcome.excinfo)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    others = [f"rank {r}: {s}" for r, s in enumerate(every) if s and r != dist.get_rank()]
+    if others and not mine:
+        outcome.force_exception(AssertionError("failed on another rank: " + "; ".join(others)))
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

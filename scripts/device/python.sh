@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (carry [".device"] built by scripts/build-wheel.sh): installs the wheel and runs
+#   1. the CI tests (python/tests: native module, API surface) on this machine's Python,
+#   2. the torchrun suite python/tests/gpu on 2 and on 4 GPUs (CUDA backend, NCCL group),
+#   3. the same suite on the host backend (CPU tensors, gloo) as a check of the Python layer alone,
+#   4. examples/moe_layer.py on 4 GPUs,
+#   5. python -m moelink.bench on 4 GPUs (moelink vs NCCL, DeepEP if importable),
+# writing logs and JSON to $OUT (8 files) and printing a summary last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=${OUT:-/tmp/moelink-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export MOELINK_TIMEOUT_MS=${MOELINK_TIMEOUT_MS:-5000}
+export MOELINK_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
+export OMP_NUM_THREADS=4
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+ranks=$ngpu
+if [ "$ngpu" -eq 0 ]; then  # a machine without GPUs: everything on the host backend (a dry run of this script)
+    export MOELINK_BACKEND=host
+    ranks=2
+fi
+
+summary="$OUT/summary.txt"
+: > "$summary"
+step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and the pytest/PASS line
+    local name=$1 log=$2 limit=$3
+    shift 3
+    local start=$SECONDS
+    timeout "$limit" "$@" >> "$log" 2>&1
+    local rc=$?
+    local last
+    last=$(grep -E "passed|failed|error|PASS|FAIL|^bench records" "$log" | tail -n 1)
+    printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$last" >> "$summary"
+}
+
+{
+    echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ), $ngpu GPUs"
+    nvidia-smi -L 2>/dev/null
+    python3 --version
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/moelink-*.whl && echo "installed $(ls .device/moelink-*.whl)"
+} > "$OUT/setup.log" 2>&1
+export PYTHONPATH=/tmp/site
+python3 -c "import moelink, torch; print('moelink', moelink.__version__, 'torch', torch.__version__); print(moelink._native.cuda_info()); print('is_sm90_compiled', moelink.Buffer.is_sm90_compiled())" >> "$OUT/setup.log" 2>&1
+
+(cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
+tr=(torchrun --standalone --local-ranks-filter 0)
+for n in 2 4; do
+    if [ "$ngpu" -ge "$n" ]; then
+        step "gpu suite, $n ranks (cuda)" "$OUT/gpu-tests-$n.log" 200 \
+            "${tr[@]}" --nproc_per_node="$n" -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu
+    fi
+done
+MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 150 \
+    "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu
+step "examples/moe_layer.py, $ranks ranks" "$OUT/moe_layer.log" 120 "${tr[@]}" --nproc_per_node="$ranks" examples/moe_layer.py
+bench_args=()
+[ "$ngpu" -eq 0 ] && bench_args=(--tokens 256 --hidden 512 --experts 16 --ll-tokens 16 --ll-experts 16 --reps 3 --warmup 1)
+step "bench, $ranks ranks" "$OUT/bench.log" 240 \
+    "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
+
+echo "== bench table"
+sed -n '/^moelink bench/,$p' "$OUT/bench.log" | head -40
+echo "== summary (logs in \$OUT)"
+cat "$summary"
