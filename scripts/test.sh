@@ -2,8 +2,8 @@
 # The test command (README): every test of the workspace, with NVRTC present so that the JIT compiles
 # kernels here too (no GPU needed for that). GPU tests skip themselves unless MOELINK_TEST_CUDA=1.
 #
-#   scripts/test.sh                 # all tests
-#   scripts/test.sh -p moelink tcp  # extra arguments go to `cargo test`
+#   scripts/test.sh                 # all tests: the Rust workspace, then the Python package
+#   scripts/test.sh -p moelink tcp  # extra arguments go to `cargo test` (the Python tests are skipped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,3 +28,8 @@ fi
 # Release profile: on 2 cores it compiles about as fast as the test profile (opt-level 2 + debug info,
 # whose link step is slower) and runs the host backend at full speed.
 cargo test --workspace --release "$@"
+
+# The Python package: builds the abi3 wheel into a venv and runs python/tests (no torch, no GPU needed).
+if [ $# -eq 0 ]; then
+    scripts/test-python.sh
+fi
