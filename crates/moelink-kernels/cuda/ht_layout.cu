@@ -37,7 +37,7 @@ static_assert(sizeof(HtLayoutArgs) == MOELINK_SIZEOF_HT_LAYOUT_ARGS, "HtLayoutAr
 //   (grid-stride loop).
 //   Per token: expert e counts once per row; rank e / (E / R) is marked in is_token_in_rank and counted once
 //   per token. An entry outside [-1, E), or an expert repeated in a row, is reported (ERR_INVALID_TOPK,
-//   details: flat index t * K + k, the value) and counts as -1, so nothing is indexed out of bounds.
+//   details: t << 32 | k, the value) and counts as -1, so nothing is indexed out of bounds.
 //   Counts accumulate in shared memory, then one global atomicAdd per non-zero counter and block.
 //   reads: topk_idx; writes: the three outputs. No flags, no waits.
 extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ht_layout(const __grid_constant__ HtLayoutArgs a) {
@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ht_layout(const __g
           bad = true;
         }
       }
-      if (bad) report_error(d, ERR_INVALID_TOPK, NO_PEER, (u64)t * a.topk + k, (u64)e);
+      if (bad) report_error(d, ERR_INVALID_TOPK, NO_PEER, ((u64)t << 32) | k, (u64)e);
       if (!valid) continue;
       if (experts_in_smem)
         atomicAdd(&s_expert_count[e], 1u);

@@ -13,7 +13,7 @@ pub const ERR_NONE: u32 = 0;
 /// `ErrorRecord::code`: a spin-wait passed its deadline.
 pub const ERR_TIMEOUT: u32 = 1;
 /// `ErrorRecord::code`: a `topk_idx` entry is outside `[-1, E)` or repeats an expert of its row (it was
-/// treated as -1). Details: `elapsed_ns` = flat index `t * K + k`, `timeout_ns` = the value (as `u64`).
+/// treated as -1). Details: `elapsed_ns` = `t << 32 | k`, `timeout_ns` = the value (as `u64`).
 pub const ERR_INVALID_TOPK: u32 = 2;
 /// `ErrorRecord::code`: `num_tokens_per_rank` of rank `peer` disagrees with its `is_token_in_rank`.
 pub const ERR_INVALID_LAYOUT: u32 = 3;
