@@ -77,6 +77,7 @@ constexpr u32 HT_HN_READY = 0;        // the call's sequence number once everyth
 constexpr u32 HT_HN_NUM_RECV = 1;
 constexpr u32 HT_HN_T_MAX = 2;
 constexpr u32 HT_HN_STATUS = 3;
+constexpr u32 HT_HN_STATUS_PEER = 4;
 constexpr u32 HT_HN_RECV_COUNT = 8;   // [MAX_RANKS]
 constexpr u32 HT_HN_PER_EXPERT = HT_HN_RECV_COUNT + MAX_RANKS;  // [E / R] received tokens per local expert
 static_assert(HT_HN_PER_EXPERT == 16, "moelink_kernels::ht::host_notify::PER_EXPERT");

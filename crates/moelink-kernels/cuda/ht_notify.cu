@@ -57,7 +57,7 @@ __device__ __forceinline__ u32* notify_msg(u64 ctrl, u32 parity, u32 src) {
 //   4. recv_count[s], recv_offset[s] (exclusive scan over sources), N, T_max = max T_s, and the agreed status:
 //      any source's BAD_LAYOUT, else any signature != ours (MISMATCH), else T_max > slab_rows (TOO_SMALL);
 //      a non-zero status is also reported (ERR_INVALID_LAYOUT / ERR_RANK_MISMATCH / ERR_BUFFER_TOO_SMALL).
-//      Written to the routing header; with host_out, also N, T_max, status, recv counts and the received
+//      Written to the routing header; with host_out, also N, T_max, status (+ peer), recv counts and the received
 //      tokens per local expert, then host_out[READY] = host_seq (fence + release store).
 //   5. Thread 0 stores the epoch.
 //   reads: is_token_in_rank, the layout counts, own notify flags/messages;
@@ -224,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1) ht_notify(const 
       host[HT_HN_NUM_RECV] = num_recv;
       host[HT_HN_T_MAX] = t_max;
       host[HT_HN_STATUS] = status;
+      host[HT_HN_STATUS_PEER] = peer;
     }
   }
   __syncthreads();

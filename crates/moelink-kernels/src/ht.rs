@@ -105,6 +105,8 @@ pub mod host_notify {
     pub const T_MAX: usize = 2;
     /// Status bits.
     pub const STATUS: usize = 3;
+    /// The rank the status blames.
+    pub const STATUS_PEER: usize = 4;
     /// `[MAX_RANKS]`: rows from each source.
     pub const RECV_COUNT: usize = 8;
     /// `[E / R]`: received tokens per local expert (unaligned).
@@ -588,6 +590,7 @@ mod tests {
             ("HT_HN_NUM_RECV", host_notify::NUM_RECV),
             ("HT_HN_T_MAX", host_notify::T_MAX),
             ("HT_HN_STATUS", host_notify::STATUS),
+            ("HT_HN_STATUS_PEER", host_notify::STATUS_PEER),
             ("HT_HN_RECV_COUNT", host_notify::RECV_COUNT),
         ];
         for &(name, rust) in pairs {

@@ -15,6 +15,7 @@
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use moelink_cuda::{DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::{self, ErrorRecord};
@@ -431,7 +432,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                 reserved: 0,
             };
             b.launch(&kernel, &LaunchConfig::linear(1, HtNotifyVariant::THREADS), &args)?;
-            let host = if sync { Some(read_notify(b, host_seq, el)?) } else { None };
+            let host = if sync { Some(read_notify(b, host_seq, &s, row_bytes)?) } else { None };
             Ok(DispatchPlan {
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
@@ -442,32 +443,55 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     }
 }
 
-/// CPU-sync mode: waits (deadline) for the notify kernel's host-mapped results of call `seq`.
-fn read_notify(b: &mut CudaBackend, seq: u32, num_local_experts: usize) -> Result<HostRouting> {
-    let waited = match b.ht.host_notify.as_ref() {
-        Some(m) => b.wait_host(m, host_notify::READY, Phase::Notify, |v| v == seq),
-        None => return Err(Error::invalid("num_worst_tokens", b.rank, "internal: no host-mapped notify area")),
-    };
-    if let Err(e) = waited {
-        return Err(settle(b, e));
+/// CPU-sync mode: waits (deadline) for the notify kernel's host-mapped results of call `seq`, then decides
+/// whether this call dispatches. Only a fatal error ends the wait early, and the decision rests on the
+/// exchange's status alone — the value every rank computed from the same messages — never on an argument
+/// error an earlier asynchronous call may have left in the record (that one surfaces when the dispatch
+/// finishes, after the collective ran), so every rank launches the dispatch or none does.
+fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec, row_bytes: usize) -> Result<HostRouting> {
+    let start = Instant::now();
+    let limit = Duration::from_nanos(b.timeout_ns) + Duration::from_secs(5);
+    let rank = b.rank;
+    let m = b.ht.host_notify.as_ref().ok_or_else(|| Error::invalid("num_worst_tokens", rank, "internal: no host-mapped notify area"))?;
+    while m.read(host_notify::READY) != seq {
+        if let Some(e) = b.recorded_error().filter(|e| e.poisons_buffer()) {
+            return Err(e);
+        }
+        if start.elapsed() > limit {
+            return Err(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 });
+        }
+        std::hint::spin_loop();
     }
-    // A non-zero status was reported by the kernel on every rank (argument error); hand it over.
-    if let Some(e) = b.recorded_error() {
-        return Err(settle(b, e));
-    }
-    let m = b.ht.host_notify.as_ref().expect("checked above");
     let status = m.read(host_notify::STATUS);
-    if status != 0 {
-        return Err(Error::Group {
-            rank: b.rank,
-            reason: format!("the count exchange ended with status {status:#x} but recorded no error"),
-        });
-    }
-    Ok(HostRouting {
+    let host = HostRouting {
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
         t_max: m.read(host_notify::T_MAX) as usize,
-        per_expert_raw: Some((0..num_local_experts).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
-    })
+        per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+    };
+    if status == 0 {
+        return Ok(host);
+    }
+    let peer = m.read(host_notify::STATUS_PEER) as usize;
+    let recorded = b.recorded_error();
+    let e = if status & kht::status::FAILED != 0 {
+        recorded.unwrap_or(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 })
+    } else if status & kht::status::BAD_LAYOUT != 0 {
+        argument_error(b, &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() })
+    } else if status & kht::status::MISMATCH != 0 {
+        match recorded {
+            Some(e @ Error::RankMismatch { .. }) => e,
+            _ => Error::RankMismatch {
+                what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
+                rank,
+                peer,
+                ours: format!("hidden {}, {} experts, top-{}, fp8 {}", s.hidden, s.num_experts, s.topk, s.fp8),
+                theirs: "something else".into(),
+            },
+        }
+    } else {
+        too_small(b, "HT dispatch receive slab", host.t_max, row_bytes)
+    };
+    Err(settle(b, e))
 }
 
 fn out_addr(t: &Option<TensorMut<'_>>) -> u64 {
