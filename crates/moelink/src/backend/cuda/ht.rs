@@ -57,15 +57,22 @@ fn default_num_sms_for(device_sms: usize) -> usize {
     (2 * per_role).min(device_sms / 2 * 2).max(2)
 }
 
-/// Dispatch: half the blocks send, half receive.
+/// Tuning override of a role split: `name=<blocks>` in the environment, clamped to `[1, num_sms - 1]`.
+fn send_blocks_override(name: &str, num_sms: usize) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse::<usize>().ok().map(|n| n.clamp(1, num_sms - 1))
+}
+
+/// Dispatch: half the blocks send, half receive (the copy-out moves what arrives once, as fast as the senders
+/// push it). Override: `MOELINK_HT_DISPATCH_SEND_BLOCKS`.
 fn dispatch_send_blocks(num_sms: usize) -> usize {
-    num_sms / 2
+    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or(num_sms / 2)
 }
 
 /// Combine: a third of the blocks send rows back; two thirds reduce, since a reducer reads every row of a
 /// token (one per destination rank, ~3.6 at EP4 top-8) and writes one, while a sender moves each row once.
+/// Override: `MOELINK_HT_COMBINE_SEND_BLOCKS`.
 fn combine_send_blocks(num_sms: usize) -> usize {
-    (num_sms / 3).clamp(1, num_sms - 1)
+    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 3).clamp(1, num_sms - 1))
 }
 
 // ------------------------------------------------------------------------------------------ state
