@@ -204,8 +204,26 @@ fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::invalid(what, rank, format!("{v} does not fit the kernels' 32-bit counters")))
 }
 
+/// What the error messages need to know about the buffer.
+#[derive(Clone, Copy, Debug)]
+struct BufferShape {
+    rank: usize,
+    num_ranks: usize,
+    num_nvl_bytes: usize,
+}
+
+impl BufferShape {
+    fn of(b: &CudaBackend) -> BufferShape {
+        BufferShape { rank: b.rank, num_ranks: b.num_ranks, num_nvl_bytes: b.num_nvl_bytes }
+    }
+}
+
 /// The `BufferTooSmall` error for `t_max` tokens per rank in rows of `row_bytes`.
 fn too_small(b: &CudaBackend, what: &'static str, t_max: usize, row_bytes: usize) -> Error {
+    too_small_for(BufferShape::of(b), what, t_max, row_bytes)
+}
+
+fn too_small_for(b: BufferShape, what: &'static str, t_max: usize, row_bytes: usize) -> Error {
     let needed = kht::bytes_needed(t_max, b.num_ranks, &[row_bytes]);
     Error::BufferTooSmall {
         rank: b.rank,
@@ -222,6 +240,10 @@ fn too_small(b: &CudaBackend, what: &'static str, t_max: usize, row_bytes: usize
 
 /// The error an argument-error record (anything but a timeout) stands for.
 pub(crate) fn argument_error(b: &CudaBackend, rec: &ErrorRecord) -> Error {
+    argument_error_for(BufferShape::of(b), rec)
+}
+
+fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
     let rank = rec.rank as usize;
     let peer = rec.peer as usize;
     let (d0, d1) = (rec.elapsed_ns, rec.timeout_ns);
@@ -253,7 +275,7 @@ pub(crate) fn argument_error(b: &CudaBackend, rec: &ErrorRecord) -> Error {
         },
         abi::ERR_BUFFER_TOO_SMALL => {
             let what = if rec.phase == abi::phase::COMBINE { "HT combine receive slab" } else { "HT dispatch receive slab" };
-            too_small(b, what, d0 as usize, (d1 >> 32) as usize)
+            too_small_for(b, what, d0 as usize, (d1 >> 32) as usize)
         }
         abi::ERR_RECV_OVERFLOW => {
             Error::invalid("num_worst_tokens", rank, format!("this rank receives {d0} tokens, but the outputs have {d1} rows"))
@@ -656,6 +678,48 @@ mod tests {
             assert!(combine_send_blocks(sms) >= 1 && combine_send_blocks(sms) < sms);
         }
         assert_eq!(combine_send_blocks(24), 8);
+    }
+
+    #[test]
+    fn argument_records_become_the_documented_errors() {
+        let b = BufferShape { rank: 1, num_ranks: 4, num_nvl_bytes: 1 << 20 };
+        let rec = |code, peer, d0, d1, phase| ErrorRecord { code, rank: 1, peer, phase, elapsed_ns: d0, timeout_ns: d1 };
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_TOPK, abi::NO_PEER, (7 << 32) | 3, (-5i64) as u64, abi::phase::LAYOUT));
+        assert!(matches!(&e, Error::InvalidArgument { arg: "topk_idx", rank: 1, reason } if reason.contains("[7, 3] = -5")), "{e}");
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 1, 0, 0, abi::phase::NOTIFY));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_rank", reason, .. } if reason.contains("does not match")),
+            "{e}"
+        );
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 3, 0, 0, abi::phase::NOTIFY));
+        assert!(matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_rank", reason, .. } if reason.contains("rank 3")), "{e}");
+        let ours = CallSignature { hidden: 7168, num_experts: 256, topk: 8, fp8: true, has_topk: true, no_sync: false };
+        let theirs = CallSignature { fp8: false, ..ours };
+        let e = argument_error_for(
+            b,
+            &rec(abi::ERR_RANK_MISMATCH, 2, kht::call_signature(ours), kht::call_signature(theirs), abi::phase::NOTIFY),
+        );
+        assert!(matches!(&e, Error::RankMismatch { peer: 2, ours: o, theirs: t, .. } if o.contains("fp8") && t.contains("bf16")), "{e}");
+        let row = kht::dispatch_row_bytes(7168, false, 8);
+        let e = argument_error_for(b, &rec(abi::ERR_BUFFER_TOO_SMALL, abi::NO_PEER, 4096, ((row as u64) << 32) | 17, abi::phase::NOTIFY));
+        match &e {
+            Error::BufferTooSmall { what, needed, available, hint, .. } => {
+                assert_eq!(*what, "HT dispatch receive slab");
+                assert_eq!(*available, 1 << 20);
+                assert!(HtRegion { num_nvl_bytes: *needed, num_ranks: 4 }.slab_rows(row) >= 4096);
+                assert!(hint.contains("ht_bytes_needed"));
+            }
+            other => panic!("{other}"),
+        }
+        let e = argument_error_for(b, &rec(abi::ERR_BUFFER_TOO_SMALL, abi::NO_PEER, 10, (64 << 32) | 1, abi::phase::COMBINE));
+        assert!(matches!(e, Error::BufferTooSmall { what: "HT combine receive slab", .. }));
+        let e = argument_error_for(b, &rec(abi::ERR_RECV_OVERFLOW, abi::NO_PEER, 90, 64, abi::phase::DISPATCH));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_worst_tokens", reason, .. } if reason.contains("90") && reason.contains("64"))
+        );
+        assert!(!e.poisons_buffer());
+        let e = argument_error_for(b, &rec(99, abi::NO_PEER, 0, 0, abi::phase::OTHER));
+        assert!(e.poisons_buffer(), "an unknown code must poison the buffer: {e}");
     }
 
     #[test]
