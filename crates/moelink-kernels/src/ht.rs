@@ -439,7 +439,7 @@ impl HtDispatchVariant {
     /// Warps per block.
     pub const WARPS: u32 = 16;
     /// 16-byte vectors a lane keeps in flight per copy round.
-    pub const MAX_UNROLL: u32 = 8;
+    pub const MAX_UNROLL: u32 = 16;
 
     /// Threads per block.
     pub fn threads(&self) -> u32 {
@@ -481,7 +481,7 @@ impl HtCombineVariant {
     /// Warps per block.
     pub const WARPS: u32 = 16;
     /// 16-byte vectors a sender lane keeps in flight per copy round.
-    pub const MAX_UNROLL: u32 = 8;
+    pub const MAX_UNROLL: u32 = 16;
     /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
     pub const REDUCE_LOAD_VECS: u32 = 16;
 
