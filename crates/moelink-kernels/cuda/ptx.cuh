@@ -29,6 +29,20 @@ constexpr u32 FULL_WARP_MASK = 0xffffffffu;
 // Error codes written into ErrorRecord::code (0 = no error).
 constexpr u32 ERR_NONE = 0;
 constexpr u32 ERR_TIMEOUT = 1;
+// Argument errors found on the device (reported with report_error: the kernels keep the protocol going, so
+// the buffer stays usable once the host has read and cleared the record). ErrorRecord::elapsed_ns and
+// ::timeout_ns carry two code-specific details instead of times (moelink_kernels::abi documents them).
+constexpr u32 ERR_INVALID_TOPK = 2;      // topk_idx entry outside [-1, E) or repeated in its row
+constexpr u32 ERR_INVALID_LAYOUT = 3;    // num_tokens_per_rank disagrees with is_token_in_rank
+constexpr u32 ERR_RANK_MISMATCH = 4;     // ranks called with different shapes / dtypes / expert counts
+constexpr u32 ERR_BUFFER_TOO_SMALL = 5;  // a receive slab of num_nvl_bytes cannot hold the call
+constexpr u32 ERR_RECV_OVERFLOW = 6;     // no-sync dispatch received more rows than num_worst_tokens
+
+// Values of the claim word (ErrorSink::claim): nothing recorded, a fatal error (waits give up), or an
+// argument error (waits carry on; a later fatal error still takes the record over).
+constexpr u32 CLAIM_NONE = 0;
+constexpr u32 CLAIM_FATAL = 1;
+constexpr u32 CLAIM_ARGUMENT = 2;
 
 // Phases written into ErrorRecord::phase; the host maps them to moelink::Phase.
 constexpr u32 PHASE_BARRIER = 1;
@@ -117,6 +131,12 @@ __device__ __forceinline__ void red_min_relaxed_gpu_u64(u64* p, u64 v) {
   asm volatile("red.relaxed.gpu.global.min.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 desired) {
   u32 old;
   asm volatile("atom.acq_rel.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
@@ -138,6 +158,17 @@ __device__ __forceinline__ u32x4 ld_nc_na_v4(const u32x4* p) {
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+  return v;
+}
+
+// Weak read without L1 allocation: for data other GPUs write while this kernel runs, read once after an
+// acquire (the .nc path may serve stale lines there).
+__device__ __forceinline__ u32x4 ld_na_v4(const u32x4* p) {
+  u32x4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
   return v;
 }
 
@@ -250,6 +281,26 @@ __device__ __forceinline__ u32 cvt_rn_bf16x2_f32(float hi, float lo) {
   return r;
 }
 
+// IEEE single add, round to nearest even, never contracted or reassociated (the reduction order of
+// combine is part of its contract).
+__device__ __forceinline__ float add_rn_f32(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float f32_from_bits(u32 v) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v));
+  return f;
+}
+
+__device__ __forceinline__ u32 bits_from_f32(float f) {
+  u32 v;
+  asm("mov.b32 %0, %1;" : "=r"(v) : "f"(f));
+  return v;
+}
+
 __device__ __forceinline__ float cvt_f32_bf16(u16 h) {
   float f;
   asm("cvt.f32.bf16 %0, %1;" : "=f"(f) : "h"(h));
@@ -308,7 +359,13 @@ __device__ __forceinline__ Deadline make_deadline(u64 error_claim, u64 error_rec
 // Records this rank's first failure (first writer wins) and returns. Never traps. (Inlined: a call would
 // give hot kernels an ABI stack frame.)
 __device__ __forceinline__ void raise_error(const Deadline& d, u32 code, u32 peer, u64 elapsed_ns) {
-  if (ptx::atom_cas_acq_rel_gpu(d.sink.claim, 0u, 1u) != 0u) return;
+  u32 old = ptx::atom_cas_acq_rel_gpu(d.sink.claim, CLAIM_NONE, CLAIM_FATAL);
+  // A recorded argument error gives way: a fatal error is what the host must see (and the waits must stop).
+  if (old == CLAIM_ARGUMENT) {
+    const bool upgraded = ptx::atom_cas_acq_rel_gpu(d.sink.claim, CLAIM_ARGUMENT, CLAIM_FATAL) == CLAIM_ARGUMENT;
+    old = upgraded ? CLAIM_NONE : CLAIM_FATAL;
+  }
+  if (old != CLAIM_NONE) return;
   ErrorRecord* r = d.sink.record;
   ptx::st_relaxed_sys(&r->rank, d.rank);
   ptx::st_relaxed_sys(&r->peer, peer);
@@ -318,8 +375,24 @@ __device__ __forceinline__ void raise_error(const Deadline& d, u32 code, u32 pee
   ptx::st_release_sys(&r->code, code);  // publishes the fields above
 }
 
-// True once any thread of this rank has raised an error (device memory: cheap to poll).
-__device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld_relaxed_gpu(d.sink.claim) != 0u; }
+// Records an argument error found on the device (first record wins; a later raise_error still takes it
+// over) and returns: unlike raise_error it does not make waits give up, so the caller keeps the flag protocol
+// going (treating the bad input as harmless) and every rank stays in step. `detail0`/`detail1` land in
+// ErrorRecord::elapsed_ns/timeout_ns.
+__device__ __forceinline__ void report_error(const Deadline& d, u32 code, u32 peer, u64 detail0, u64 detail1) {
+  if (ptx::atom_cas_acq_rel_gpu(d.sink.claim, CLAIM_NONE, CLAIM_ARGUMENT) != CLAIM_NONE) return;
+  ErrorRecord* r = d.sink.record;
+  ptx::st_relaxed_sys(&r->rank, d.rank);
+  ptx::st_relaxed_sys(&r->peer, peer);
+  ptx::st_relaxed_sys(&r->phase, d.phase);
+  ptx::st_relaxed_sys_u64(&r->elapsed_ns, detail0);
+  ptx::st_relaxed_sys_u64(&r->timeout_ns, detail1);
+  ptx::st_release_sys(&r->code, code);
+}
+
+// True once any thread of this rank has raised a fatal error (device memory: cheap to poll). Argument errors
+// (report_error) do not count: the protocol goes on after them.
+__device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld_relaxed_gpu(d.sink.claim) == CLAIM_FATAL; }
 
 // Spins until the flag reaches `target` (wrap-safe: (i32)(flag - target) >= 0), polling with ld.acquire.sys
 // (LDG.STRONG.SYS + L1 invalidate, no MEMBAR): on success the writer's release is synchronised with, so its

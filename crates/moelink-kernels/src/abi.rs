@@ -12,6 +12,30 @@ pub const MAX_RANKS: usize = 8;
 pub const ERR_NONE: u32 = 0;
 /// `ErrorRecord::code`: a spin-wait passed its deadline.
 pub const ERR_TIMEOUT: u32 = 1;
+/// `ErrorRecord::code`: a `topk_idx` entry is outside `[-1, E)` or repeats an expert of its row (it was
+/// treated as -1). Details: `elapsed_ns` = `t << 32 | k`, `timeout_ns` = the value (as `u64`).
+pub const ERR_INVALID_TOPK: u32 = 2;
+/// `ErrorRecord::code`: `num_tokens_per_rank` of rank `peer` disagrees with its `is_token_in_rank`.
+pub const ERR_INVALID_LAYOUT: u32 = 3;
+/// `ErrorRecord::code`: rank `peer` called with another signature. Details: this rank's and the peer's
+/// `moelink_kernels::ht::call_signature`.
+pub const ERR_RANK_MISMATCH: u32 = 4;
+/// `ErrorRecord::code`: a receive slab cannot hold the call. Details: `elapsed_ns` = rows per source needed
+/// (`T_max`), `timeout_ns` = `row_bytes << 32 | rows per source available`.
+pub const ERR_BUFFER_TOO_SMALL: u32 = 5;
+/// `ErrorRecord::code`: a no-sync dispatch received more rows than the outputs have. Details: rows received,
+/// rows of the outputs.
+pub const ERR_RECV_OVERFLOW: u32 = 6;
+
+/// Claim word values (`CLAIM_*` in `ptx.cuh`): nothing recorded, a fatal error, an argument error.
+pub mod claim {
+    /// Nothing recorded.
+    pub const NONE: u32 = 0;
+    /// A fatal error (timeout): waits give up, the buffer is poisoned.
+    pub const FATAL: u32 = 1;
+    /// An argument error: the protocol went on; the host clears the record once it has reported it.
+    pub const ARGUMENT: u32 = 2;
+}
 
 /// `ErrorRecord::peer` when no single peer is to blame.
 pub const NO_PEER: u32 = u32::MAX;
@@ -138,6 +162,14 @@ mod tests {
         let pairs: &[(&str, u64)] = &[
             ("ERR_NONE", ERR_NONE as u64),
             ("ERR_TIMEOUT", ERR_TIMEOUT as u64),
+            ("ERR_INVALID_TOPK", ERR_INVALID_TOPK as u64),
+            ("ERR_INVALID_LAYOUT", ERR_INVALID_LAYOUT as u64),
+            ("ERR_RANK_MISMATCH", ERR_RANK_MISMATCH as u64),
+            ("ERR_BUFFER_TOO_SMALL", ERR_BUFFER_TOO_SMALL as u64),
+            ("ERR_RECV_OVERFLOW", ERR_RECV_OVERFLOW as u64),
+            ("CLAIM_NONE", claim::NONE as u64),
+            ("CLAIM_FATAL", claim::FATAL as u64),
+            ("CLAIM_ARGUMENT", claim::ARGUMENT as u64),
             ("NO_PEER", NO_PEER as u64),
             ("PHASE_BARRIER", phase::BARRIER as u64),
             ("PHASE_COPY", phase::COPY as u64),

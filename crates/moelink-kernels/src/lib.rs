@@ -22,6 +22,7 @@
 #![warn(missing_docs)]
 
 pub mod abi;
+pub mod ht;
 
 use moelink_cuda::jit::CompileRequest;
 
@@ -31,9 +32,19 @@ pub const PTX_HEADER: &str = include_str!("../cuda/ptx.cuh");
 pub const BARRIER_SOURCE: &str = include_str!("../cuda/barrier.cu");
 /// `cuda/copy.cu`.
 pub const COPY_SOURCE: &str = include_str!("../cuda/copy.cu");
+/// `cuda/ht.cuh`: what the high-throughput families share.
+pub const HT_HEADER: &str = include_str!("../cuda/ht.cuh");
+/// `cuda/ht_layout.cu`.
+pub const HT_LAYOUT_SOURCE: &str = include_str!("../cuda/ht_layout.cu");
+/// `cuda/ht_notify.cu`.
+pub const HT_NOTIFY_SOURCE: &str = include_str!("../cuda/ht_notify.cu");
+/// `cuda/ht_dispatch.cu`.
+pub const HT_DISPATCH_SOURCE: &str = include_str!("../cuda/ht_dispatch.cu");
+/// `cuda/ht_combine.cu`.
+pub const HT_COMBINE_SOURCE: &str = include_str!("../cuda/ht_combine.cu");
 
 /// Headers every family may include, as `(include name, contents)`.
-pub const HEADERS: &[(&str, &str)] = &[("ptx.cuh", PTX_HEADER)];
+pub const HEADERS: &[(&str, &str)] = &[("ptx.cuh", PTX_HEADER), ("ht.cuh", HT_HEADER)];
 
 /// One kernel entry point of a family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +62,14 @@ pub enum Family {
     Barrier,
     /// `copy.cu`: the copy primitive (SM stores, TMA) and pattern fill/verify.
     Copy,
+    /// `ht_layout.cu`: `get_dispatch_layout`.
+    HtLayout,
+    /// `ht_notify.cu`: the count exchange before a fresh high-throughput dispatch.
+    HtNotify,
+    /// `ht_dispatch.cu`: high-throughput dispatch.
+    HtDispatch,
+    /// `ht_combine.cu`: high-throughput combine.
+    HtCombine,
 }
 
 impl Family {
@@ -59,6 +78,10 @@ impl Family {
         match self {
             Family::Barrier => "barrier.cu",
             Family::Copy => "copy.cu",
+            Family::HtLayout => "ht_layout.cu",
+            Family::HtNotify => "ht_notify.cu",
+            Family::HtDispatch => "ht_dispatch.cu",
+            Family::HtCombine => "ht_combine.cu",
         }
     }
 
@@ -67,6 +90,10 @@ impl Family {
         match self {
             Family::Barrier => BARRIER_SOURCE,
             Family::Copy => COPY_SOURCE,
+            Family::HtLayout => HT_LAYOUT_SOURCE,
+            Family::HtNotify => HT_NOTIFY_SOURCE,
+            Family::HtDispatch => HT_DISPATCH_SOURCE,
+            Family::HtCombine => HT_COMBINE_SOURCE,
         }
     }
 
@@ -80,6 +107,10 @@ impl Family {
                 KernelInfo { name: "fill_pattern", hot: true },
                 KernelInfo { name: "verify_pattern", hot: true },
             ],
+            Family::HtLayout => &[KernelInfo { name: "ht_layout", hot: true }],
+            Family::HtNotify => &[KernelInfo { name: "ht_notify", hot: true }],
+            Family::HtDispatch => &[KernelInfo { name: "ht_dispatch", hot: true }],
+            Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
         }
     }
 }
@@ -207,7 +238,9 @@ impl CopyVariant {
 
 /// Every variant the tests and the benchmark compile.
 pub fn all_variants() -> Vec<KernelSpec> {
-    vec![BarrierVariant.spec(), CopyVariant::default().spec()]
+    let mut v = vec![BarrierVariant.spec(), CopyVariant::default().spec()];
+    v.extend(ht::variants());
+    v
 }
 
 #[cfg(test)]
@@ -218,10 +251,11 @@ mod tests {
     fn sources_are_header_free_and_documented() {
         for spec in all_variants() {
             let src = spec.family.source();
-            for line in src.lines().chain(PTX_HEADER.lines()) {
+            for line in src.lines().chain(HEADERS.iter().flat_map(|(_, h)| h.lines())) {
                 let l = line.trim_start();
                 if l.starts_with("#include") {
-                    assert_eq!(l, "#include \"ptx.cuh\"", "{}: only the in-memory header may be included", spec.family.file_name());
+                    let allowed = HEADERS.iter().any(|(name, _)| l == format!("#include \"{name}\""));
+                    assert!(allowed, "{}: only the in-memory headers may be included: {l}", spec.family.file_name());
                 }
                 assert!(!l.contains("trap;"), "{}: kernels must never trap", spec.family.file_name());
             }

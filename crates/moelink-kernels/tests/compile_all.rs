@@ -125,6 +125,25 @@ fn check_sass(tool: &std::ffi::OsStr, family: Family, cubin: &[u8]) -> Vec<Strin
             ("fill_pattern", &["STG.E.128"]),
             ("verify_pattern", &["LDG.E.128"]),
         ],
+        Family::HtLayout => &[("ht_layout", &["ATOMS"])],
+        Family::HtNotify => &[("ht_notify", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"])],
+        // Senders: streamed 16-byte loads of the inputs, 16-byte stores into peers' slabs, fence + flag;
+        // receivers: weak 16-byte loads of the slab after an acquire (LDG.STRONG.SYS + CCTL.IVALL).
+        Family::HtDispatch => &[(
+            "ht_dispatch",
+            &["LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.NA.128", "STG.E.NA.128", "MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "CCTL.IVALL"],
+        )],
+        Family::HtCombine => &[(
+            "ht_combine",
+            &[
+                "LDG.E.NA.LTC256B.128.CONSTANT",
+                "LDG.E.NA.128",
+                "STG.E.NA.128",
+                "MEMBAR.ALL.SYS",
+                "STG.E.STRONG.SYS",
+                "F2FP.BF16.F32.PACK_AB",
+            ],
+        )],
     };
     let mut failures = Vec::new();
     for (kernel, wanted) in expect {

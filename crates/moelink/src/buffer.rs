@@ -68,6 +68,12 @@ pub struct LlDispatchResult {
     pub handle: LlHandle,
 }
 
+/// A CUDA graph of buffer operations, from [`Buffer::capture`]; run it with [`Buffer::replay`].
+pub struct CapturedGraph {
+    buffer_id: u64,
+    exec: moelink_cuda::GraphExec,
+}
+
 /// The receive phase of a low-latency call made with `return_recv_hook`. Run it with
 /// [`Buffer::run_hook`]; until then the outputs it will write stay borrowed.
 pub struct RecvHook<'a> {
@@ -193,6 +199,61 @@ impl Buffer {
     /// an asynchronous operation reads or writes must stay alive until that stream work has completed.
     pub unsafe fn set_stream(&mut self, stream: Option<u64>) {
         self.backend.set_stream(stream)
+    }
+
+    /// CUDA backend: records the operations `f` enqueues on this buffer into a CUDA graph instead of running
+    /// them, and returns the graph with `f`'s result. Only work that never waits on the host can be
+    /// captured: [`Buffer::get_dispatch_layout_into`], no-sync dispatch (`num_worst_tokens > 0`) through
+    /// [`Buffer::prepare_dispatch`] + [`Buffer::dispatch_into`], cached dispatch, [`Buffer::combine_into`] —
+    /// with every output allocated before the capture. Run the same operations once before capturing (that
+    /// compiles the kernels and warms the handle pool; drop that run's handle), since nothing may allocate
+    /// device memory while a capture runs. Collective: every rank captures the same operations.
+    ///
+    /// ```no_run
+    /// # fn demo(buf: &mut moelink::Buffer) -> moelink::Result<()> {
+    /// let (graph, ()) = buf.capture(|buf| {
+    ///     // buf.get_dispatch_layout_into(..)?; buf.prepare_dispatch(..)?; buf.dispatch_into(..)?; ...
+    ///     Ok(())
+    /// })?;
+    /// // SAFETY: every tensor the captured calls use is still alive.
+    /// unsafe { buf.replay(&graph)? };
+    /// # Ok(()) }
+    /// ```
+    pub fn capture<T>(&mut self, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<(CapturedGraph, T)> {
+        self.check_usable()?;
+        self.backend.begin_capture()?;
+        let result = f(self);
+        let exec = self.backend.end_capture();
+        let value = result?;
+        Ok((CapturedGraph { buffer_id: self.id, exec: exec? }, value))
+    }
+
+    /// Runs a graph from [`Buffer::capture`] (collective: every rank replays its graph). In the default
+    /// synchronous mode it returns when the graph has finished, with any kernel error.
+    ///
+    /// # Safety
+    /// The captured kernels run again with the captured pointers: every tensor the captured operations read
+    /// or wrote (inputs, outputs, handles) must still be alive, with the same shapes.
+    pub unsafe fn replay(&mut self, graph: &CapturedGraph) -> Result<()> {
+        if graph.buffer_id != self.id {
+            return Err(Error::invalid("graph", self.rank(), "the graph was captured on another buffer"));
+        }
+        // SAFETY: forwarded contract.
+        self.step(|b| unsafe { b.replay(&graph.exec) })
+    }
+
+    /// `num_nvl_bytes` a buffer needs for high-throughput calls of up to `num_tokens` tokens per rank (the
+    /// largest count of any rank) of `hidden` channels with `topk` experts per token among `num_ranks` ranks,
+    /// dispatched as FP8 (`fp8`) or BF16, including the BF16 combine and a cached BF16 dispatch (backward).
+    ///
+    /// ```
+    /// let bytes = moelink::Buffer::ht_bytes_needed(4096, 7168, 8, 4, false);
+    /// assert!(bytes > 4 * 4096 * 7168 * 2 * 2 && bytes < 480 << 20);
+    /// ```
+    pub fn ht_bytes_needed(num_tokens: usize, hidden: usize, topk: usize, num_ranks: usize, fp8: bool) -> usize {
+        use moelink_kernels::ht::{bytes_needed, combine_row_bytes, dispatch_row_bytes};
+        let rows = [dispatch_row_bytes(hidden, fp8, topk), dispatch_row_bytes(hidden, false, 0), combine_row_bytes(hidden, topk)];
+        bytes_needed(num_tokens, num_ranks, &rows)
     }
 
     /// Waits for every rank (collective).

@@ -413,6 +413,20 @@ impl Tensor {
         }
     }
 
+    /// Overwrites the tensor's contents with `bytes` (its exact size, row-major), copying to the device if it
+    /// lives there (after all work on the device has finished).
+    pub fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        let n = self.nbytes();
+        if bytes.len() != n {
+            return Err(Error::invalid("bytes", 0, format!("{} bytes for a tensor of {n}", bytes.len())));
+        }
+        match &mut self.storage {
+            Storage::Host(_) => self.host_bytes_mut().copy_from_slice(bytes),
+            Storage::Cuda(b) => b.copy_from_host(0, bytes)?,
+        }
+        Ok(())
+    }
+
     /// A host copy of this tensor.
     pub fn to_host(&self) -> Result<Tensor> {
         let bytes = self.to_host_bytes()?;

@@ -339,3 +339,207 @@ mod properties {
         }
     }
 }
+
+/// One rank's outputs of layout -> no-sync dispatch -> identity combine, as raw bytes.
+#[derive(Clone, Debug, PartialEq)]
+struct NoSyncRun {
+    num_tokens_per_rank: Vec<i32>,
+    num_tokens_per_expert: Vec<i32>,
+    is_token_in_rank: Vec<bool>,
+    /// Received rows (bytes; the host reference keeps only the received ones). Weights as bit patterns.
+    recv_x: Vec<u8>,
+    recv_topk_idx: Vec<i64>,
+    recv_topk_weights: Vec<i32>,
+    combined_x: Vec<u16>,
+    combined_topk_weights: Vec<i32>,
+}
+
+/// The host backend's answer for `c`'s inputs (no-sync mode, `worst` rows).
+fn host_no_sync_reference(c: Case, worst: usize) -> Vec<NoSyncRun> {
+    let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
+    with_buffers(BackendKind::Host, c.ranks, test_options(), |buf| {
+        let inp = &all[buf.rank()];
+        let t = c.tokens_of(buf.rank());
+        let x = Tensor::from_vec(inp.x.clone(), &[t, c.hidden])?;
+        let idx = Tensor::from_vec(inp.topk_idx.clone(), &[t, c.topk])?;
+        let w = Tensor::from_vec(inp.topk_w.clone(), &[t, c.topk])?;
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let out = buf.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: worst,
+            config: None,
+        })?;
+        let comb = buf.combine(&CombineArgs {
+            x: out.recv_x.view(),
+            handle: &out.handle,
+            topk_weights: out.recv_topk_weights.as_ref().map(|t| t.view()),
+            bias: [None, None],
+            config: None,
+        })?;
+        let n = out.handle.num_recv_tokens().expect("the host backend knows the count");
+        Ok(NoSyncRun {
+            num_tokens_per_rank: layout.num_tokens_per_rank.to_vec()?,
+            num_tokens_per_expert: layout.num_tokens_per_expert.to_vec()?,
+            is_token_in_rank: layout.is_token_in_rank.to_bools()?,
+            recv_x: out.recv_x.to_host_bytes()?[..n * c.hidden * 2].to_vec(),
+            recv_topk_idx: out.recv_topk_idx.expect("topk").to_vec()?,
+            recv_topk_weights: out.recv_topk_weights.expect("topk").to_vec()?,
+            combined_x: comb.combined_x.to_vec::<bf16>()?.iter().map(|v| v.to_bits()).collect(),
+            combined_topk_weights: comb.combined_topk_weights.expect("weights").to_vec()?,
+        })
+    })
+}
+
+/// CUDA only: layout -> no-sync dispatch -> combine captured once into a CUDA graph per rank, then replayed
+/// with new inputs (new routing, new payload) written into the same tensors; each replay must equal the host
+/// backend bit for bit (received rows, tails of -1 ids, per-rank/expert counts, combined rows and weights).
+#[test]
+fn cuda_graph_of_no_sync_dispatch_and_combine_replays() {
+    if let Some(why) = cuda_skip_reason() {
+        eprintln!("skipping cuda_graph_of_no_sync_dispatch_and_combine_replays: {why}");
+        return;
+    }
+    let ranks = 4.min(max_ranks(BackendKind::Cuda));
+    let base =
+        Case { ranks, tokens: 48, hidden: 512, topk: 8.min(ranks * 4), experts: ranks * 8, routing: RoutingKind::WithHoles, seed: 0 };
+    let worst = base.tokens * ranks;
+    let seeds = [101u64, 202, 303, 404];
+    let case_of =
+        |i: usize| Case { seed: seeds[i], routing: if i % 2 == 0 { RoutingKind::WithHoles } else { RoutingKind::Skewed }, ..base };
+    let inputs: Vec<Vec<Inputs>> = (0..seeds.len()).map(|i| (0..ranks).map(|r| case_of(i).inputs(r)).collect()).collect();
+    let results = with_buffers(BackendKind::Cuda, ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let mut g = GraphTensors::new(buf, base.tokens_of(me), base.hidden, base.topk, base.experts, worst)?;
+        // Warm-up outside the capture (compiles the kernels, fills the handle pool); its handle is dropped.
+        g.write_inputs(&inputs[0][me])?;
+        drop(g.pipeline(buf)?);
+        let (graph, handle) = buf.capture(|buf| g.pipeline(buf))?;
+        assert_eq!(handle.num_recv_tokens(), None, "a captured dispatch cannot know its count on the host");
+        let mut runs = Vec::new();
+        for per_seed in &inputs {
+            g.write_inputs(&per_seed[me])?;
+            // SAFETY: every tensor the graph uses (inputs, layout, outputs: `g`; the handle) lives until the end
+            // of this closure.
+            unsafe { buf.replay(&graph)? };
+            runs.push(g.read()?);
+        }
+        drop(handle);
+        Ok(runs)
+    });
+    for (i, _) in seeds.iter().enumerate() {
+        let want = host_no_sync_reference(case_of(i), worst);
+        for (me, runs) in results.iter().enumerate() {
+            let mut got = runs[i].clone();
+            // Payload rows past the received count are unspecified.
+            got.recv_x.truncate(want[me].recv_x.len());
+            assert_eq!(got, want[me], "replay {i}, rank {me}");
+        }
+    }
+}
+
+/// The device tensors of `cuda_graph_of_no_sync_dispatch_and_combine_replays`, allocated once.
+struct GraphTensors {
+    x: Tensor,
+    idx: Tensor,
+    w: Tensor,
+    per_rank: Tensor,
+    per_expert: Tensor,
+    in_rank: Tensor,
+    recv_x: Tensor,
+    recv_idx: Tensor,
+    recv_w: Tensor,
+    cx: Tensor,
+    cw: Tensor,
+    experts: usize,
+    worst: usize,
+}
+
+impl GraphTensors {
+    fn new(buf: &Buffer, t: usize, h: usize, k: usize, experts: usize, worst: usize) -> Result<GraphTensors> {
+        use moelink::DType;
+        let r = buf.num_ranks();
+        Ok(GraphTensors {
+            x: buf.alloc(DType::BF16, &[t, h])?,
+            idx: buf.alloc(DType::I64, &[t, k])?,
+            w: buf.alloc(DType::F32, &[t, k])?,
+            per_rank: buf.alloc(DType::I32, &[r])?,
+            per_expert: buf.alloc(DType::I32, &[experts])?,
+            in_rank: buf.alloc(DType::Bool, &[t, r])?,
+            recv_x: buf.alloc(DType::BF16, &[worst, h])?,
+            recv_idx: buf.alloc(DType::I64, &[worst, k])?,
+            recv_w: buf.alloc(DType::F32, &[worst, k])?,
+            cx: buf.alloc(DType::BF16, &[t, h])?,
+            cw: buf.alloc(DType::F32, &[t, k])?,
+            experts,
+            worst,
+        })
+    }
+
+    fn write_inputs(&mut self, inp: &Inputs) -> Result<()> {
+        self.x.write_bytes(bytemuck::cast_slice(&inp.x))?;
+        self.idx.write_bytes(bytemuck::cast_slice(&inp.topk_idx))?;
+        self.w.write_bytes(bytemuck::cast_slice(&inp.topk_w))
+    }
+
+    /// Layout -> no-sync dispatch -> identity combine (outputs into the tensors above); returns the handle.
+    fn pipeline(&mut self, buf: &mut Buffer) -> Result<moelink::HtHandle> {
+        buf.get_dispatch_layout_into(
+            self.idx.view(),
+            self.experts,
+            moelink::LayoutOutputs {
+                num_tokens_per_rank: self.per_rank.view_mut(),
+                num_tokens_per_expert: self.per_expert.view_mut(),
+                is_token_in_rank: self.in_rank.view_mut(),
+            },
+        )?;
+        let layout = moelink::LayoutRef {
+            num_tokens_per_rank: self.per_rank.view(),
+            num_tokens_per_expert: self.per_expert.view(),
+            is_token_in_rank: self.in_rank.view(),
+        };
+        let args = DispatchArgs {
+            x: Payload::Bf16(self.x.view()),
+            routing: Routing::Fresh { layout, topk_idx: Some(self.idx.view()), topk_weights: Some(self.w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: self.worst,
+            config: None,
+        };
+        let plan = buf.prepare_dispatch(&args)?;
+        let handle = buf.dispatch_into(
+            plan,
+            &args,
+            moelink::DispatchOutputs {
+                recv_x: self.recv_x.view_mut(),
+                recv_scales: None,
+                recv_topk_idx: Some(self.recv_idx.view_mut()),
+                recv_topk_weights: Some(self.recv_w.view_mut()),
+            },
+        )?;
+        buf.combine_into(
+            &CombineArgs {
+                x: self.recv_x.view(),
+                handle: &handle,
+                topk_weights: Some(self.recv_w.view()),
+                bias: [None, None],
+                config: None,
+            },
+            moelink::CombineOutputs { combined_x: self.cx.view_mut(), combined_topk_weights: Some(self.cw.view_mut()) },
+        )?;
+        Ok(handle)
+    }
+
+    fn read(&self) -> Result<NoSyncRun> {
+        Ok(NoSyncRun {
+            num_tokens_per_rank: self.per_rank.to_vec()?,
+            num_tokens_per_expert: self.per_expert.to_vec()?,
+            is_token_in_rank: self.in_rank.to_bools()?,
+            recv_x: self.recv_x.to_host_bytes()?,
+            recv_topk_idx: self.recv_idx.to_vec()?,
+            recv_topk_weights: self.recv_w.to_vec()?,
+            combined_x: self.cx.to_vec::<bf16>()?.iter().map(|v| v.to_bits()).collect(),
+            combined_topk_weights: self.cw.to_vec()?,
+        })
+    }
+}

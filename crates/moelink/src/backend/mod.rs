@@ -48,6 +48,21 @@ pub(crate) trait Backend: Send {
     /// Runs later operations on a caller's raw stream (asynchronously), or with `None` on the backend's
     /// own stream with the host waiting. Host backend: ignored (always synchronous).
     fn set_stream(&mut self, _stream: Option<u64>) {}
+    /// Starts capturing this backend's operations into a CUDA graph (CUDA only).
+    fn begin_capture(&mut self) -> Result<()> {
+        Err(crate::Error::Unavailable(format!("the {} backend cannot capture CUDA graphs", self.name())))
+    }
+    /// Ends the capture and instantiates the graph.
+    fn end_capture(&mut self) -> Result<moelink_cuda::GraphExec> {
+        Err(crate::Error::Unavailable(format!("the {} backend cannot capture CUDA graphs", self.name())))
+    }
+    /// Replays a captured graph; synchronous mode waits for it and reports kernel errors.
+    ///
+    /// # Safety
+    /// As [`crate::Buffer::replay`].
+    unsafe fn replay(&mut self, _graph: &moelink_cuda::GraphExec) -> Result<()> {
+        Err(crate::Error::Unavailable(format!("the {} backend cannot replay CUDA graphs", self.name())))
+    }
 
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()>;
     /// Count exchange (notify). Returns the plan with host-known sizes (CPU-sync) and backend state.

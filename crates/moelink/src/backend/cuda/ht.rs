@@ -1,40 +1,731 @@
-//! High-throughput dispatch/combine on GPUs (see `docs/protocols.md`). Placeholder: being implemented.
+//! High-throughput dispatch/combine on GPUs: what to launch, with which arguments, after which checks. The
+//! protocol (direct writes into per-source receive slabs, per-row flags, slab hand-back) is described in
+//! `docs/protocols.md` ("HT") and at the top of each kernel in `moelink-kernels/cuda/ht_*.cu`.
+//!
+//! Kernels per call:
+//! - `get_dispatch_layout`: `ht_layout` (local).
+//! - fresh dispatch: `ht_notify` (count exchange; in CPU-sync mode the host waits for its host-mapped
+//!   results), then `ht_dispatch`. Cached dispatch: `ht_dispatch` only, on the handle's routing.
+//! - combine: `ht_combine`.
+//!
+//! Capacity: every condition that makes a call not fit the buffer is evaluated by the kernels on values all
+//! ranks share (T_max from the notify exchange, the call's row size, `num_nvl_bytes`), so every rank skips the
+//! same call and the epochs stay in step; where the host already knows those values (CPU-sync handles) it
+//! returns [`Error::BufferTooSmall`] before launching, which is the same decision taken earlier.
 
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use super::CudaBackend;
+use moelink_cuda::{DeviceBuffer, HostMapped, LaunchConfig};
+use moelink_kernels::abi::{self, ErrorRecord};
+use moelink_kernels::ht::{
+    self as kht, host_notify, routing, CallSignature, HtCombineArgs, HtCombineVariant, HtDispatchArgs, HtDispatchVariant, HtLayoutArgs,
+    HtLayoutVariant, HtNotifyArgs, HtNotifyVariant, HtRegion,
+};
+
+use super::{ctrl, CudaBackend, HT_DATA};
 use crate::backend::{HtDispatched, LayoutOutputs};
-use crate::error::{Error, Result};
-use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
-use crate::tensor::TensorRef;
+use crate::error::{Error, Phase, Result};
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
+use crate::layout::align_up;
+use crate::tensor::{TensorMut, TensorRef};
+
+const _: () = assert!(kht::ctrl::BYTES <= ctrl::LL - ctrl::HT, "the HT control region overflows its slot");
+
+// ------------------------------------------------------------------------------------------ SM budget
+
+/// Measured NVLink ingress ceiling per GPU in an all-to-all on 4xH200 (DESIGN.md §3), GB/s.
+const NVLINK_INGRESS_GBPS: f64 = 356.0;
+/// What one SM adds with 16-byte stores and 64 KiB of loads in flight (DESIGN.md §3), GB/s. The dispatch
+/// sender reads a token once and stores it to every destination, so this bounds its loads; the receivers'
+/// copy-out and the combine senders move each byte once, so it bounds them directly.
+const SM_COPY_GBPS: f64 = 46.0;
+/// Headroom over the bandwidth quotient: all-to-all dips between 10 and 28 SMs (DESIGN.md §3), and the
+/// copy-out of the receivers competes with NVLink ingress for HBM.
+const SM_HEADROOM: f64 = 1.5;
+
+/// SMs a high-throughput kernel uses by default: senders to keep NVLink ingress busy
+/// (`356 / 46` -> 8 SMs), the same number of receivers for the copy-out of what arrives (8 SMs), both with
+/// 1.5x headroom: `2 * ceil(1.5 * 8) = 24`; even, at most the device's SM count.
+pub(crate) fn default_num_sms(b: &CudaBackend) -> usize {
+    default_num_sms_for(b.num_device_sms())
+}
+
+fn default_num_sms_for(device_sms: usize) -> usize {
+    let per_role = (SM_HEADROOM * (NVLINK_INGRESS_GBPS / SM_COPY_GBPS).ceil()).ceil() as usize;
+    (2 * per_role).min(device_sms / 2 * 2).max(2)
+}
+
+/// Tuning override of a role split: `name=<blocks>` in the environment, clamped to `[1, num_sms - 1]`.
+fn send_blocks_override(name: &str, num_sms: usize) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse::<usize>().ok().map(|n| n.clamp(1, num_sms - 1))
+}
+
+/// Dispatch: half the blocks send, half receive (the copy-out moves what arrives once, as fast as the senders
+/// push it). Override: `MOELINK_HT_DISPATCH_SEND_BLOCKS`.
+fn dispatch_send_blocks(num_sms: usize) -> usize {
+    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or(num_sms / 2)
+}
+
+/// Combine: a third of the blocks send rows back; two thirds reduce, since a reducer reads every row of a
+/// token (one per destination rank, ~3.6 at EP4 top-8) and writes one, while a sender moves each row once.
+/// Override: `MOELINK_HT_COMBINE_SEND_BLOCKS`.
+fn combine_send_blocks(num_sms: usize) -> usize {
+    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 3).clamp(1, num_sms - 1))
+}
+
+// ------------------------------------------------------------------------------------------ state
 
 /// Per-buffer high-throughput state (kept across calls).
 #[derive(Default)]
-pub(crate) struct HtState {}
-
-/// Handle data of a CUDA dispatch.
-pub(crate) struct CudaHtRouting {}
-
-fn todo<T>() -> Result<T> {
-    Err(Error::Unavailable("CUDA high-throughput kernels are not built yet".into()))
+pub(crate) struct HtState {
+    pool: Arc<BufferPool>,
+    /// Host-mapped notify results (CPU-sync mode), grown to the largest expert count seen.
+    host_notify: Option<HostMapped<u32>>,
+    notify_seq: u32,
+    region_agreed: bool,
 }
 
-/// SMs a high-throughput kernel uses by default.
-pub(crate) fn default_num_sms(_b: &CudaBackend) -> usize {
-    24
+/// Device buffers for handles, recycled by size class: a dispatch never frees (`cuMemFree` synchronises the
+/// device) and, once warmed up, never allocates — which is what lets a no-sync dispatch run under CUDA graph
+/// capture.
+#[derive(Default)]
+struct BufferPool {
+    free: Mutex<Vec<DeviceBuffer>>,
 }
 
-pub(crate) fn dispatch_layout(_b: &mut CudaBackend, _topk_idx: &TensorRef<'_>, _num_experts: usize, _out: LayoutOutputs<'_>) -> Result<()> {
-    todo()
+impl BufferPool {
+    fn size_class(bytes: usize) -> usize {
+        bytes.max(4096).next_power_of_two()
+    }
+
+    fn take(self: &Arc<Self>, b: &CudaBackend, bytes: usize) -> Result<PooledBuffer> {
+        let class = Self::size_class(bytes);
+        let reused =
+            self.free.lock().ok().and_then(|mut free| free.iter().position(|d| d.len_bytes() == class).map(|i| free.swap_remove(i)));
+        let buf = match reused {
+            Some(d) => d,
+            None if b.is_capturing() => {
+                return Err(Error::invalid(
+                    "capture",
+                    b.rank,
+                    "a dispatch of this shape needs handle memory that cannot be allocated during CUDA graph capture: run the same \
+                     dispatch once (and drop its handle) before capturing",
+                ))
+            }
+            None => b.device_alloc(class)?,
+        };
+        Ok(PooledBuffer { buf: Some(buf), pool: self.clone() })
+    }
 }
-pub(crate) fn prepare_dispatch(_b: &mut CudaBackend, _s: HtSpec, _a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
-    todo()
+
+/// A device buffer that returns to its pool when dropped.
+struct PooledBuffer {
+    buf: Option<DeviceBuffer>,
+    pool: Arc<BufferPool>,
 }
-pub(crate) fn dispatch(_b: &mut CudaBackend, _p: DispatchPlan, _a: &DispatchArgs<'_>, _o: DispatchOutputs<'_>) -> Result<HtDispatched> {
-    let _: Option<Arc<dyn Any + Send + Sync>> = None;
-    todo()
+
+impl PooledBuffer {
+    fn buffer(&self) -> &DeviceBuffer {
+        self.buf.as_ref().expect("a PooledBuffer holds its buffer until dropped")
+    }
+    fn ptr(&self) -> u64 {
+        self.buffer().device_ptr()
+    }
 }
-pub(crate) fn combine(_b: &mut CudaBackend, _s: CombineSpec, _a: &CombineArgs<'_>, _o: CombineOutputs<'_>) -> Result<()> {
-    todo()
+
+impl Drop for PooledBuffer {
+    fn drop(&mut self) {
+        if let (Some(b), Ok(mut free)) = (self.buf.take(), self.pool.free.lock()) {
+            free.push(b);
+        }
+    }
+}
+
+/// What the host knows about a dispatch's routing (CPU-sync mode, or read back after a synchronous call).
+#[derive(Clone, Debug)]
+struct HostRouting {
+    num_recv_tokens: usize,
+    t_max: usize,
+    /// Received tokens per local expert, unaligned (CPU-sync mode only).
+    per_expert_raw: Option<Vec<usize>>,
+}
+
+/// Handle data of a CUDA dispatch: the routing buffer ht_notify wrote (status, counts, offsets, T_max and
+/// the token prefix per destination) and the source index of every received row.
+pub(crate) struct CudaHtRouting {
+    routing: PooledBuffer,
+    /// `i32 [rows]`: source token index of each received row (rows of the dispatch outputs), as DeepEP's
+    /// handle carries it. moelink's combine does not need it (it finds rows by send slot).
+    recv_src_idx: PooledBuffer,
+    host: Option<HostRouting>,
+}
+
+/// The handle data a dispatch returns: built by a fresh dispatch, shared by a cached one.
+enum HandleData {
+    New(CudaHtRouting),
+    Existing(Arc<dyn Any + Send + Sync>),
+}
+
+/// State between `prepare_dispatch` and `dispatch`.
+enum CudaPlan {
+    Fresh { routing: PooledBuffer, host: Option<HostRouting> },
+    Cached(Arc<dyn Any + Send + Sync>),
+}
+
+fn routing_of(data: &Arc<dyn Any + Send + Sync>, rank: usize) -> Result<&CudaHtRouting> {
+    data.downcast_ref::<CudaHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a CUDA-backend handle"))
+}
+
+// ------------------------------------------------------------------------------------------ helpers
+
+fn region(b: &CudaBackend) -> HtRegion {
+    HtRegion { num_nvl_bytes: b.num_nvl_bytes, num_ranks: b.num_ranks }
+}
+
+/// Every rank must see the same data-region layout; checked once, at the first collective HT call.
+fn ensure_region_agreed(b: &mut CudaBackend) -> Result<()> {
+    if !b.ht.region_agreed {
+        crate::group::check_agreement(b.group.as_ref(), &[("num_nvl_bytes", b.num_nvl_bytes as u64)])?;
+        b.ht.region_agreed = true;
+    }
+    Ok(())
+}
+
+fn check_aligned(addr: u64, align: u64, arg: &'static str, rank: usize) -> Result<()> {
+    if addr % align != 0 {
+        return Err(Error::invalid(arg, rank, format!("address {addr:#x} must be {align}-byte aligned for the CUDA kernels")));
+    }
+    Ok(())
+}
+
+fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::invalid(what, rank, format!("{v} does not fit the kernels' 32-bit counters")))
+}
+
+/// What the error messages need to know about the buffer.
+#[derive(Clone, Copy, Debug)]
+struct BufferShape {
+    rank: usize,
+    num_ranks: usize,
+    num_nvl_bytes: usize,
+}
+
+impl BufferShape {
+    fn of(b: &CudaBackend) -> BufferShape {
+        BufferShape { rank: b.rank, num_ranks: b.num_ranks, num_nvl_bytes: b.num_nvl_bytes }
+    }
+}
+
+/// The `BufferTooSmall` error for `t_max` tokens per rank in rows of `row_bytes`.
+fn too_small(b: &CudaBackend, what: &'static str, t_max: usize, row_bytes: usize) -> Error {
+    too_small_for(BufferShape::of(b), what, t_max, row_bytes)
+}
+
+fn too_small_for(b: BufferShape, what: &'static str, t_max: usize, row_bytes: usize) -> Error {
+    let needed = kht::bytes_needed(t_max, b.num_ranks, &[row_bytes]);
+    Error::BufferTooSmall {
+        rank: b.rank,
+        what,
+        needed,
+        available: b.num_nvl_bytes,
+        hint: format!(
+            "a rank has {t_max} tokens in {row_bytes}-byte rows; create the Buffer with num_nvl_bytes >= \
+             Buffer::ht_bytes_needed(max tokens per rank, hidden, topk, {}, fp8)",
+            b.num_ranks
+        ),
+    }
+}
+
+/// The error an argument-error record (anything but a timeout) stands for.
+pub(crate) fn argument_error(b: &CudaBackend, rec: &ErrorRecord) -> Error {
+    argument_error_for(BufferShape::of(b), rec)
+}
+
+fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
+    let rank = rec.rank as usize;
+    let peer = rec.peer as usize;
+    let (d0, d1) = (rec.elapsed_ns, rec.timeout_ns);
+    match rec.code {
+        abi::ERR_INVALID_TOPK => Error::invalid(
+            "topk_idx",
+            rank,
+            format!(
+                "entry [{}, {}] = {} is outside [-1, num_experts) or repeats an expert of its row",
+                d0 >> 32,
+                d0 & 0xffff_ffff,
+                d1 as i64
+            ),
+        ),
+        abi::ERR_INVALID_LAYOUT if peer == rank => {
+            Error::invalid("num_tokens_per_rank", rank, "does not match the tokens is_token_in_rank sends to each rank")
+        }
+        abi::ERR_INVALID_LAYOUT => Error::invalid(
+            "num_tokens_per_rank",
+            rank,
+            format!("rank {peer}'s num_tokens_per_rank does not match its is_token_in_rank, so no rank dispatched"),
+        ),
+        abi::ERR_RANK_MISMATCH => Error::RankMismatch {
+            what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
+            rank,
+            peer,
+            ours: CallSignature::decode(d0).to_string(),
+            theirs: CallSignature::decode(d1).to_string(),
+        },
+        abi::ERR_BUFFER_TOO_SMALL => {
+            let what = if rec.phase == abi::phase::COMBINE { "HT combine receive slab" } else { "HT dispatch receive slab" };
+            too_small_for(b, what, d0 as usize, (d1 >> 32) as usize)
+        }
+        abi::ERR_RECV_OVERFLOW => {
+            Error::invalid("num_worst_tokens", rank, format!("this rank receives {d0} tokens, but the outputs have {d1} rows"))
+        }
+        code => Error::Group {
+            rank,
+            reason: format!(
+                "a kernel recorded unknown error code {code} (phase {}, peer {}, details {d0:#x} {d1:#x})",
+                rec.phase, rec.peer
+            ),
+        },
+    }
+}
+
+/// An argument error leaves the protocol intact: forget the record (once the stream is idle) so that the
+/// buffer stays usable, and pass the error on. Fatal errors stay recorded (they poison the buffer).
+fn settle(b: &mut CudaBackend, e: Error) -> Error {
+    if !e.poisons_buffer() {
+        if let Err(clear) = b.clear_argument_error() {
+            return clear;
+        }
+    }
+    e
+}
+
+fn finish(b: &mut CudaBackend, phase: Phase) -> Result<()> {
+    b.finish(phase).map_err(|e| settle(b, e))
+}
+
+fn layout_args(b: &CudaBackend) -> ([u64; abi::MAX_RANKS], [u64; abi::MAX_RANKS]) {
+    (b.peer_table(ctrl::HT), b.peer_table(HT_DATA))
+}
+
+/// Reads `NUM_RECV` and `T_MAX` of a routing buffer (after the stream finished).
+fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
+    let mut words = [0u8; 8];
+    buf.buffer().copy_to_host_at(4 * routing::NUM_RECV, &mut words)?;
+    debug_assert_eq!(routing::T_MAX, routing::NUM_RECV + 1);
+    let num_recv = u32::from_le_bytes(words[..4].try_into().expect("4 bytes")) as usize;
+    let t_max = u32::from_le_bytes(words[4..].try_into().expect("4 bytes")) as usize;
+    Ok(HostRouting { num_recv_tokens: num_recv, t_max, per_expert_raw: None })
+}
+
+// ------------------------------------------------------------------------------------------ layout
+
+pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+    let rank = b.rank;
+    let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
+    check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
+    let num_tokens_per_rank = out.num_tokens_per_rank.addr();
+    let num_tokens_per_expert = out.num_tokens_per_expert.addr();
+    check_aligned(num_tokens_per_rank, 4, "num_tokens_per_rank", rank)?;
+    check_aligned(num_tokens_per_expert, 4, "num_tokens_per_expert", rank)?;
+    let kernel = b.kernel(&HtLayoutVariant.spec(), "ht_layout")?;
+    // SAFETY: both outputs were validated as contiguous int32 tensors of this device with R and E elements.
+    unsafe {
+        b.op_stream().memset_d32_async(num_tokens_per_rank, 0, b.num_ranks)?;
+        b.op_stream().memset_d32_async(num_tokens_per_expert, 0, num_experts)?;
+    }
+    let (error_claim, error_record) = b.error_sink();
+    let strides = topk_idx.strides();
+    let args = HtLayoutArgs {
+        topk_idx: b.addr_of(topk_idx),
+        topk_stride_token: strides[0] as i64,
+        topk_stride_k: strides[1] as i64,
+        num_tokens_per_rank,
+        num_tokens_per_expert,
+        is_token_in_rank: out.is_token_in_rank.addr(),
+        error_claim,
+        error_record,
+        num_tokens: to_u32(t, "topk_idx", rank)?,
+        topk: to_u32(k, "topk_idx", rank)?,
+        num_experts: to_u32(num_experts, "num_experts", rank)?,
+        num_ranks: b.num_ranks as u32,
+        rank: rank as u32,
+        reserved: 0,
+    };
+    b.launch(&kernel, &LaunchConfig::linear(HtLayoutVariant::grid(t), HtLayoutVariant::THREADS), &args)?;
+    finish(b, Phase::Layout)
+}
+
+// ------------------------------------------------------------------------------------------ dispatch
+
+fn per_expert_aligned(host: &Option<HostRouting>, s: &HtSpec) -> Vec<usize> {
+    if s.num_worst_tokens > 0 {
+        return Vec::new();
+    }
+    match host.as_ref().and_then(|h| h.per_expert_raw.as_ref()) {
+        Some(raw) => raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect(),
+        None => Vec::new(),
+    }
+}
+
+pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+    let rank = s.rank;
+    ensure_region_agreed(b)?;
+    if s.num_worst_tokens == 0 && b.is_capturing() {
+        return Err(Error::invalid(
+            "num_worst_tokens",
+            rank,
+            "a CPU-synchronised dispatch waits for the count exchange on the host and cannot be captured into a CUDA graph; \
+             pass num_worst_tokens > 0",
+        ));
+    }
+    check_aligned(b.addr_of(a.x.x()), 16, "x", rank)?;
+    if let Payload::Fp8 { scales, .. } = a.x {
+        check_aligned(scales.addr(), 4, "x_scales", rank)?;
+    }
+    let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
+    let slab_rows = region(b).slab_rows(row_bytes);
+    match a.routing {
+        Routing::Cached(h) => {
+            let data = h.data.clone();
+            let host = routing_of(&data, rank)?.host.clone();
+            if let Some(hr) = &host {
+                if hr.t_max > slab_rows {
+                    return Err(too_small(b, "HT dispatch receive slab", hr.t_max, row_bytes));
+                }
+            }
+            Ok(DispatchPlan {
+                spec: s,
+                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
+                num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+                state: Box::new(CudaPlan::Cached(data)),
+            })
+        }
+        Routing::Fresh { layout, topk_idx, topk_weights } => {
+            let el = s.num_local_experts();
+            if el > kht::ctrl::MAX_LOCAL_EXPERTS {
+                return Err(Error::invalid(
+                    "num_experts",
+                    rank,
+                    format!("{el} experts per rank; the CUDA kernels support at most {}", kht::ctrl::MAX_LOCAL_EXPERTS),
+                ));
+            }
+            if let (Some(i), Some(w)) = (topk_idx, topk_weights) {
+                check_aligned(i.addr(), 8, "topk_idx", rank)?;
+                check_aligned(w.addr(), 4, "topk_weights", rank)?;
+            }
+            check_aligned(layout.num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
+            check_aligned(layout.num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
+            let num_tokens = to_u32(s.num_tokens, "x", rank)?;
+            let routing_buf = b.ht.pool.clone().take(b, routing::bytes(s.num_tokens, s.num_ranks))?;
+            let sync = s.num_worst_tokens == 0;
+            let (host_out, host_seq) = if sync {
+                let words = host_notify::words(el);
+                if b.ht.host_notify.as_ref().is_none_or(|m| m.len() < words) {
+                    b.ht.host_notify = Some(HostMapped::new(&b.device, words.max(host_notify::words(256)))?);
+                }
+                b.ht.notify_seq = b.ht.notify_seq.wrapping_add(1).max(1);
+                (b.ht.host_notify.as_ref().map_or(0, |m| m.device_ptr()), b.ht.notify_seq)
+            } else {
+                (0, 0)
+            };
+            let signature = kht::call_signature(CallSignature {
+                hidden: s.hidden,
+                num_experts: s.num_experts,
+                topk: s.topk,
+                fp8: s.fp8,
+                has_topk: s.has_topk,
+                no_sync: !sync,
+            });
+            let kernel = b.kernel(&HtNotifyVariant.spec(), "ht_notify")?;
+            let (error_claim, error_record) = b.error_sink();
+            let args = HtNotifyArgs {
+                is_token_in_rank: layout.is_token_in_rank.addr(),
+                num_tokens_per_rank: layout.num_tokens_per_rank.addr(),
+                num_tokens_per_expert: layout.num_tokens_per_expert.addr(),
+                routing: routing_buf.ptr(),
+                host_out,
+                ctrl: b.peer_table(ctrl::HT),
+                signature,
+                error_claim,
+                error_record,
+                timeout_ns: b.timeout_ns,
+                rank: rank as u32,
+                num_ranks: s.num_ranks as u32,
+                num_tokens,
+                num_local_experts: el as u32,
+                slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+                slab_row_bytes: row_bytes as u32,
+                host_seq,
+                reserved: 0,
+            };
+            b.launch(&kernel, &LaunchConfig::linear(1, HtNotifyVariant::THREADS), &args)?;
+            let host = if sync { Some(read_notify(b, host_seq, &s, row_bytes)?) } else { None };
+            Ok(DispatchPlan {
+                spec: s,
+                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
+                num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+                state: Box::new(CudaPlan::Fresh { routing: routing_buf, host }),
+            })
+        }
+    }
+}
+
+/// CPU-sync mode: waits (deadline) for the notify kernel's host-mapped results of call `seq`, then decides
+/// whether this call dispatches. Only a fatal error ends the wait early, and the decision rests on the
+/// exchange's status alone — the value every rank computed from the same messages — never on an argument
+/// error an earlier asynchronous call may have left in the record (that one surfaces when the dispatch
+/// finishes, after the collective ran), so every rank launches the dispatch or none does.
+fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec, row_bytes: usize) -> Result<HostRouting> {
+    let start = Instant::now();
+    let limit = Duration::from_nanos(b.timeout_ns) + Duration::from_secs(5);
+    let rank = b.rank;
+    let m = b.ht.host_notify.as_ref().ok_or_else(|| Error::invalid("num_worst_tokens", rank, "internal: no host-mapped notify area"))?;
+    while m.read(host_notify::READY) != seq {
+        if let Some(e) = b.recorded_error().filter(|e| e.poisons_buffer()) {
+            return Err(e);
+        }
+        if start.elapsed() > limit {
+            return Err(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 });
+        }
+        std::hint::spin_loop();
+    }
+    let status = m.read(host_notify::STATUS);
+    let host = HostRouting {
+        num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
+        t_max: m.read(host_notify::T_MAX) as usize,
+        per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+    };
+    if status == 0 {
+        return Ok(host);
+    }
+    let peer = m.read(host_notify::STATUS_PEER) as usize;
+    let recorded = b.recorded_error();
+    let e = if status & kht::status::FAILED != 0 {
+        recorded.unwrap_or(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 })
+    } else if status & kht::status::BAD_LAYOUT != 0 {
+        argument_error(b, &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() })
+    } else if status & kht::status::MISMATCH != 0 {
+        match recorded {
+            Some(e @ Error::RankMismatch { .. }) => e,
+            _ => Error::RankMismatch {
+                what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
+                rank,
+                peer,
+                ours: format!("hidden {}, {} experts, top-{}, fp8 {}", s.hidden, s.num_experts, s.topk, s.fp8),
+                theirs: "something else".into(),
+            },
+        }
+    } else {
+        too_small(b, "HT dispatch receive slab", host.t_max, row_bytes)
+    };
+    Err(settle(b, e))
+}
+
+fn out_addr(t: &Option<TensorMut<'_>>) -> u64 {
+    t.as_ref().map_or(0, |t| t.addr())
+}
+
+pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+    let s = plan.spec;
+    let rank = s.rank;
+    let num_out_rows = plan.num_recv_rows();
+    let state = plan.state.downcast::<CudaPlan>().map_err(|_| Error::invalid("plan", rank, "not a CUDA-backend plan"))?;
+    check_aligned(out.recv_x.addr(), 16, "recv_x", rank)?;
+    check_aligned(out_addr(&out.recv_scales), 4, "recv_x_scales", rank)?;
+    check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
+    check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
+    let region = region(b);
+    let variant = HtDispatchVariant { hidden: s.hidden, fp8: s.fp8, topk: s.topk };
+    let slab_rows = region.slab_rows(variant.row_bytes());
+
+    // The handle: a fresh dispatch builds it (routing from notify, a new recv_src_idx); a cached one re-uses.
+    let handle = match *state {
+        CudaPlan::Fresh { routing, host } => {
+            let recv_src_idx = b.ht.pool.clone().take(b, 4 * num_out_rows.max(1))?;
+            HandleData::New(CudaHtRouting { routing, recv_src_idx, host })
+        }
+        CudaPlan::Cached(data) => HandleData::Existing(data),
+    };
+    let (r, recv_src_idx) = match &handle {
+        HandleData::New(r) => (r, r.recv_src_idx.ptr()),
+        HandleData::Existing(data) => (routing_of(data, rank)?, 0),
+    };
+
+    let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
+        Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
+        Payload::Bf16(_) => (0, 0, 0),
+    };
+    let (topk_idx, topk_weights) = match a.routing {
+        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } if s.has_topk => (i.addr(), w.addr()),
+        _ => (0, 0),
+    };
+    let (ctrl_table, data_table) = layout_args(b);
+    let (error_claim, error_record) = b.error_sink();
+    let args = HtDispatchArgs {
+        x: b.addr_of(a.x.x()),
+        x_scales,
+        scale_stride_token,
+        scale_stride_group,
+        topk_idx,
+        topk_weights,
+        recv_x: out.recv_x.addr(),
+        recv_scales: out_addr(&out.recv_scales),
+        recv_topk_idx: out_addr(&out.recv_topk_idx),
+        recv_topk_weights: out_addr(&out.recv_topk_weights),
+        recv_src_idx,
+        routing: r.routing.ptr(),
+        ctrl: ctrl_table,
+        data: data_table,
+        flags_offset: region.dispatch_flags_offset() as u64,
+        slab_offset: region.dispatch_slab_offset() as u64,
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        rank: rank as u32,
+        num_ranks: s.num_ranks as u32,
+        num_tokens: to_u32(s.num_tokens, "x", rank)?,
+        num_local_experts: s.num_local_experts() as u32,
+        num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
+        slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+        flag_slots: region.flag_slots() as u32,
+        num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
+    };
+    let kernel = b.kernel(&variant.spec(), "ht_dispatch")?;
+    b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    finish(b, Phase::Dispatch)?;
+
+    // No-sync mode, but this call waited for the kernels: the counts are on the device, read them back.
+    let read_back = if r.host.is_none() && !b.is_async() { Some(read_back_routing(&r.routing)?) } else { None };
+    let num_recv_tokens = r.host.as_ref().or(read_back.as_ref()).map(|h| h.num_recv_tokens);
+    let data = match handle {
+        HandleData::New(mut r) => {
+            if r.host.is_none() {
+                r.host = read_back;
+            }
+            Arc::new(r) as Arc<dyn Any + Send + Sync>
+        }
+        HandleData::Existing(data) => data,
+    };
+    Ok(HtDispatched { data, num_recv_tokens })
+}
+
+// ------------------------------------------------------------------------------------------ combine
+
+pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+    let rank = s.rank;
+    let r = routing_of(&a.handle.data, rank)?;
+    let variant = HtCombineVariant { num_ranks: s.num_ranks, hidden: s.hidden, topk: s.topk };
+    let region = region(b);
+    let slab_rows = region.slab_rows(variant.row_bytes());
+    if let Some(h) = &r.host {
+        if h.t_max > slab_rows {
+            return Err(too_small(b, "HT combine receive slab", h.t_max, variant.row_bytes()));
+        }
+    }
+    check_aligned(b.addr_of(&a.x), 16, "x", rank)?;
+    let topk_weights = a.topk_weights.as_ref().map_or(0, |w| w.addr());
+    check_aligned(topk_weights, 4, "topk_weights", rank)?;
+    let bias0 = a.bias[0].as_ref().map_or(0, |t| t.addr());
+    let bias1 = a.bias[1].as_ref().map_or(0, |t| t.addr());
+    check_aligned(bias0, 16, "bias", rank)?;
+    check_aligned(bias1, 16, "bias", rank)?;
+    check_aligned(out.combined_x.addr(), 16, "combined_x", rank)?;
+    let combined_topk_weights = out_addr(&out.combined_topk_weights);
+    check_aligned(combined_topk_weights, 4, "combined_topk_weights", rank)?;
+    let (ctrl_table, data_table) = layout_args(b);
+    let (error_claim, error_record) = b.error_sink();
+    let args = HtCombineArgs {
+        x: b.addr_of(&a.x),
+        topk_weights,
+        bias0,
+        bias1,
+        combined_x: out.combined_x.addr(),
+        combined_topk_weights,
+        routing: r.routing.ptr(),
+        ctrl: ctrl_table,
+        data: data_table,
+        flags_offset: region.combine_flags_offset() as u64,
+        slab_offset: region.combine_slab_offset() as u64,
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        rank: rank as u32,
+        num_tokens: to_u32(s.num_tokens, "x", rank)?,
+        num_x_rows: to_u32(s.num_recv_rows, "x", rank)?,
+        slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+        flag_slots: region.flag_slots() as u32,
+        num_send_blocks: combine_send_blocks(s.num_sms) as u32,
+    };
+    let kernel = b.kernel(&variant.spec(), "ht_combine")?;
+    b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    finish(b, Phase::Combine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_sms_follow_the_formula() {
+        assert_eq!(default_num_sms_for(132), 24);
+        assert_eq!(default_num_sms_for(16), 16);
+        assert_eq!(default_num_sms_for(17), 16);
+        assert_eq!(default_num_sms_for(1), 2);
+        for sms in (2..=132).step_by(2) {
+            assert!(dispatch_send_blocks(sms) >= 1 && dispatch_send_blocks(sms) < sms);
+            assert!(combine_send_blocks(sms) >= 1 && combine_send_blocks(sms) < sms);
+        }
+        assert_eq!(combine_send_blocks(24), 8);
+    }
+
+    #[test]
+    fn argument_records_become_the_documented_errors() {
+        let b = BufferShape { rank: 1, num_ranks: 4, num_nvl_bytes: 1 << 20 };
+        let rec = |code, peer, d0, d1, phase| ErrorRecord { code, rank: 1, peer, phase, elapsed_ns: d0, timeout_ns: d1 };
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_TOPK, abi::NO_PEER, (7 << 32) | 3, (-5i64) as u64, abi::phase::LAYOUT));
+        assert!(matches!(&e, Error::InvalidArgument { arg: "topk_idx", rank: 1, reason } if reason.contains("[7, 3] = -5")), "{e}");
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 1, 0, 0, abi::phase::NOTIFY));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_rank", reason, .. } if reason.contains("does not match")),
+            "{e}"
+        );
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 3, 0, 0, abi::phase::NOTIFY));
+        assert!(matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_rank", reason, .. } if reason.contains("rank 3")), "{e}");
+        let ours = CallSignature { hidden: 7168, num_experts: 256, topk: 8, fp8: true, has_topk: true, no_sync: false };
+        let theirs = CallSignature { fp8: false, ..ours };
+        let e = argument_error_for(
+            b,
+            &rec(abi::ERR_RANK_MISMATCH, 2, kht::call_signature(ours), kht::call_signature(theirs), abi::phase::NOTIFY),
+        );
+        assert!(matches!(&e, Error::RankMismatch { peer: 2, ours: o, theirs: t, .. } if o.contains("fp8") && t.contains("bf16")), "{e}");
+        let row = kht::dispatch_row_bytes(7168, false, 8);
+        let e = argument_error_for(b, &rec(abi::ERR_BUFFER_TOO_SMALL, abi::NO_PEER, 4096, ((row as u64) << 32) | 17, abi::phase::NOTIFY));
+        match &e {
+            Error::BufferTooSmall { what, needed, available, hint, .. } => {
+                assert_eq!(*what, "HT dispatch receive slab");
+                assert_eq!(*available, 1 << 20);
+                assert!(HtRegion { num_nvl_bytes: *needed, num_ranks: 4 }.slab_rows(row) >= 4096);
+                assert!(hint.contains("ht_bytes_needed"));
+            }
+            other => panic!("{other}"),
+        }
+        let e = argument_error_for(b, &rec(abi::ERR_BUFFER_TOO_SMALL, abi::NO_PEER, 10, (64 << 32) | 1, abi::phase::COMBINE));
+        assert!(matches!(e, Error::BufferTooSmall { what: "HT combine receive slab", .. }));
+        let e = argument_error_for(b, &rec(abi::ERR_RECV_OVERFLOW, abi::NO_PEER, 90, 64, abi::phase::DISPATCH));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_worst_tokens", reason, .. } if reason.contains("90") && reason.contains("64"))
+        );
+        assert!(!e.poisons_buffer());
+        let e = argument_error_for(b, &rec(99, abi::NO_PEER, 0, 0, abi::phase::OTHER));
+        assert!(e.poisons_buffer(), "an unknown code must poison the buffer: {e}");
+    }
+
+    #[test]
+    fn pool_classes() {
+        assert_eq!(BufferPool::size_class(0), 4096);
+        assert_eq!(BufferPool::size_class(4097), 8192);
+        assert_eq!(BufferPool::size_class(routing::bytes(4096, 4)), 128 << 10);
+    }
 }

@@ -15,7 +15,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use moelink_cuda::{Device, DeviceBuffer, Exchange, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer};
+use moelink_cuda::{
+    Device, DeviceBuffer, Exchange, GraphExec, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer,
+};
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::KernelSpec;
 
@@ -67,6 +69,8 @@ pub(crate) struct CudaBackend {
     pub(crate) device: Device,
     stream: Stream,
     mode: StreamMode,
+    /// While a graph capture runs (on `stream`): the mode to restore afterwards.
+    capture: Option<StreamMode>,
     /// `[CTRL_BYTES | HT region (num_nvl_bytes) | LL region (num_rdma_bytes)]` on every rank.
     pub(crate) sym: SymmetricBuffer,
     pub(crate) num_nvl_bytes: usize,
@@ -131,6 +135,7 @@ impl CudaBackend {
             ht: ht::HtState::default(),
             ll: ll::LlState::new(num_ranks),
             mode: StreamMode::Own,
+            capture: None,
             stream,
             device,
         })
@@ -219,12 +224,36 @@ impl CudaBackend {
         if rec.code == abi::ERR_NONE {
             return None;
         }
+        if rec.code != abi::ERR_TIMEOUT {
+            return Some(ht::argument_error(self, &rec));
+        }
         Some(Error::Timeout {
             rank: rec.rank as usize,
             peer: if rec.peer == abi::NO_PEER { usize::MAX } else { rec.peer as usize },
             phase: phase_of(rec.phase),
             waited_ms: rec.elapsed_ns / 1_000_000,
         })
+    }
+
+    /// Forgets a recorded argument error (`report_error` in `ptx.cuh`: the kernels kept the protocol going)
+    /// once this rank's stream is idle, so that the buffer stays usable. A fatal record (timeout) stays.
+    /// During a graph capture nothing can be waited for: the record stays until a later call.
+    pub(crate) fn clear_argument_error(&mut self) -> Result<()> {
+        if self.is_capturing() || self.error_record.read(0).code == abi::ERR_NONE {
+            return Ok(());
+        }
+        self.op_stream().synchronize()?;
+        if self.error_record.read(0).code == abi::ERR_TIMEOUT {
+            return Ok(());
+        }
+        self.error_claim.memset_u8(0)?;
+        self.error_record.write(0, ErrorRecord::default());
+        Ok(())
+    }
+
+    /// True while [`Backend::begin_capture`] is capturing this buffer's operations.
+    pub(crate) fn is_capturing(&self) -> bool {
+        self.capture.is_some()
     }
 
     /// Ends an operation: in synchronous mode waits for the stream (deadline + slack) and turns a recorded
@@ -342,6 +371,31 @@ impl Backend for CudaBackend {
     fn set_stream(&mut self, stream: Option<u64>) {
         // SAFETY: forwarded from `Buffer::set_stream`, whose contract requires a live stream of this device.
         unsafe { CudaBackend::set_stream(self, stream) }
+    }
+    fn begin_capture(&mut self) -> Result<()> {
+        if self.capture.is_some() {
+            return Err(Error::invalid("capture", self.rank, "a capture is already running on this buffer"));
+        }
+        // SAFETY: `self.stream` is owned by this backend and outlives the borrowed handle, which lives in
+        // `self.mode` only until `end_capture` restores the previous mode.
+        let capturing = unsafe { Stream::borrow_raw(&self.device, self.stream.raw_handle()) };
+        capturing.begin_capture()?;
+        self.capture = Some(std::mem::replace(&mut self.mode, StreamMode::External(capturing)));
+        Ok(())
+    }
+    fn end_capture(&mut self) -> Result<GraphExec> {
+        let previous = self.capture.take().ok_or_else(|| Error::invalid("capture", self.rank, "no capture is running"))?;
+        let graph = self.stream.end_capture();
+        self.mode = previous;
+        Ok(graph?.instantiate()?)
+    }
+    unsafe fn replay(&mut self, graph: &GraphExec) -> Result<()> {
+        if self.capture.is_some() {
+            return Err(Error::invalid("graph", self.rank, "cannot replay a graph while capturing"));
+        }
+        // SAFETY: the caller guarantees (Buffer::replay) that everything the captured kernels touch is alive.
+        unsafe { graph.launch(self.op_stream())? };
+        self.finish(Phase::Other)
     }
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
         ht::dispatch_layout(self, topk_idx, num_experts, out)

@@ -1,0 +1,133 @@
+// moelink high-throughput (HT) intranode kernels: what the four families (ht_layout.cu, ht_notify.cu,
+// ht_dispatch.cu, ht_combine.cu) share. Mirrored in Rust by moelink_kernels::ht (a test parses this file).
+//
+// Every HT family is compiled with MAX_RANKS defined (moelink_kernels::abi::MAX_RANKS).
+//
+// Memory a rank owns, and who writes it (docs/protocols.md, "HT"):
+//   control region (ctrl::HT of the symmetric buffer, HT_CTRL_* byte offsets below):
+//     epochs and block counters            this rank's kernels only
+//     dispatch/combine consumed[src]       rank `src`'s last block: "I have read what you sent in call e"
+//     notify flags[parity][src], msgs      rank `src`'s notify kernel
+//   data region (HT_DATA, num_nvl_bytes; offsets computed by moelink_kernels::ht::HtRegion):
+//     dispatch row flags [src][slot] u32   rank `src`'s dispatch senders (value: dispatch epoch)
+//     combine row flags  [src][slot] u32   rank `src`'s combine senders (value: combine epoch)
+//     dispatch slab [src][slot] rows       rank `src`'s dispatch senders
+//     combine slab  [src][slot] rows       rank `src`'s combine senders
+//   The flag arrays sit at fixed offsets for the buffer's lifetime (row layouts change between calls; a flag
+//   must never land on stale row bytes of an earlier call), with flag_slots entries per source.
+#pragma once
+#include "ptx.cuh"
+
+#if !defined(MAX_RANKS)
+#error "HT kernels need MAX_RANKS"
+#endif
+static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
+
+// FP8 scales cover this many channels each (moelink::ht::FP8_BLOCK).
+constexpr u32 HT_FP8_BLOCK = 128;
+
+// ------------------------------------------------------------------------------------ control region
+// Byte offsets inside a rank's HT control region. Counters and flags that different writers touch sit on
+// their own 128-byte lines.
+constexpr u32 HT_CTRL_NOTIFY_EPOCH = 0;            // u32: calls of ht_notify so far
+constexpr u32 HT_CTRL_DISPATCH_EPOCH = 4;          // u32: calls of ht_dispatch so far (not counting skipped)
+constexpr u32 HT_CTRL_COMBINE_EPOCH = 8;           // u32: calls of ht_combine so far (not counting skipped)
+constexpr u32 HT_CTRL_DISPATCH_DONE = 128;         // u32: blocks of the running ht_dispatch that finished
+constexpr u32 HT_CTRL_COMBINE_DONE = 256;          // u32: blocks of the running ht_combine that finished
+constexpr u32 HT_CTRL_DISPATCH_CONSUMED = 384;     // u32[MAX_RANKS]: [src] = last dispatch epoch src consumed
+constexpr u32 HT_CTRL_COMBINE_CONSUMED = 512;      // u32[MAX_RANKS]: [src] = last combine epoch src consumed
+constexpr u32 HT_CTRL_NOTIFY_FLAGS = 640;          // u32[2][MAX_RANKS]: [parity][src] = notify epoch
+constexpr u32 HT_CTRL_NOTIFY_MSGS = 1024;          // u32[2][MAX_RANKS][HT_MSG_WORDS]
+constexpr u32 HT_MAX_LOCAL_EXPERTS = 8192;         // experts per rank a notify message has room for
+constexpr u32 HT_MSG_HEADER_WORDS = 8;
+constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;
+constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;
+static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
+static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, "consumed flags overlap");
+
+// Words of a notify message (what a rank tells each destination before a fresh dispatch).
+constexpr u32 HT_MSG_COUNT = 0;        // tokens the source sends to this destination
+constexpr u32 HT_MSG_NUM_TOKENS = 1;   // the source's token count T
+constexpr u32 HT_MSG_STATUS = 2;       // HT_STATUS_BAD_LAYOUT when the source's layout tensors disagree
+constexpr u32 HT_MSG_SIG_LO = 3;       // the source's call signature (must equal everyone's)
+constexpr u32 HT_MSG_SIG_HI = 4;
+// then HT_MSG_HEADER_WORDS + e: tokens the source sends to the destination's local expert e
+
+// ------------------------------------------------------------------------------------ routing (handle)
+// A dispatch handle's device buffer: i32 words. Written by ht_notify, read by ht_dispatch and ht_combine.
+constexpr u32 HT_RT_STATUS = 0;                              // HT_STATUS_* (0: the call may move data)
+constexpr u32 HT_RT_STATUS_PEER = 1;                         // rank the status blames, or NO_PEER
+constexpr u32 HT_RT_NUM_RECV = 2;                            // rows this rank receives (N)
+constexpr u32 HT_RT_T_MAX = 3;                               // largest token count of any rank
+constexpr u32 HT_RT_RECV_OFFSET = 8;                         // [MAX_RANKS] first receive position of each source
+constexpr u32 HT_RT_RECV_COUNT = HT_RT_RECV_OFFSET + MAX_RANKS;  // [MAX_RANKS] rows from each source
+constexpr u32 HT_RT_SEND_COUNT = HT_RT_RECV_COUNT + MAX_RANKS;   // [MAX_RANKS] rows this rank sends each rank
+constexpr u32 HT_RT_PREFIX = HT_RT_SEND_COUNT + MAX_RANKS;       // [(T + 1) * R]: prefix[t][r] = tokens < t sent to r
+static_assert(HT_RT_PREFIX % 4 == 0, "prefix rows start 16-byte aligned");
+
+// Status bits (agreed by every rank: derived from every rank's notify message).
+constexpr u32 HT_STATUS_BAD_LAYOUT = 1;  // some rank's num_tokens_per_rank disagrees with its is_token_in_rank
+constexpr u32 HT_STATUS_MISMATCH = 2;    // call signatures differ
+constexpr u32 HT_STATUS_TOO_SMALL = 4;   // the dispatch slab cannot hold T_max rows per source
+constexpr u32 HT_STATUS_FAILED = 8;      // the notify exchange itself failed (timeout)
+
+// ------------------------------------------------------------------------------------ host-mapped notify
+// u32 words ht_notify writes for the host in CPU-synchronised mode; HT_HN_READY last (release).
+constexpr u32 HT_HN_READY = 0;        // the call's sequence number once everything else is written
+constexpr u32 HT_HN_NUM_RECV = 1;
+constexpr u32 HT_HN_T_MAX = 2;
+constexpr u32 HT_HN_STATUS = 3;
+constexpr u32 HT_HN_STATUS_PEER = 4;
+constexpr u32 HT_HN_RECV_COUNT = 8;   // [MAX_RANKS]
+constexpr u32 HT_HN_PER_EXPERT = HT_HN_RECV_COUNT + MAX_RANKS;  // [E / R] received tokens per local expert
+static_assert(HT_HN_PER_EXPERT == 16, "moelink_kernels::ht::host_notify::PER_EXPERT");
+
+// ------------------------------------------------------------------------------------ helpers
+
+// Start of part `i` of `parts` equal parts of [0, total) (parts i and i + 1 meet; part `parts` ends at total).
+__device__ __forceinline__ u32 ht_split(u32 total, u32 i, u32 parts) { return (u32)((u64)total * i / parts); }
+
+__device__ __forceinline__ u64 ht_min_u64(u64 a, u64 b) { return a < b ? a : b; }
+
+__device__ __forceinline__ u32* ht_ctrl_word(u64 ctrl, u32 byte_offset) {
+  return reinterpret_cast<u32*>(ctrl + byte_offset);
+}
+
+// End of a dispatch or combine kernel, called by every thread of every block (after the block's last access
+// to shared slabs). The last block to arrive (block counter `done_offset`, acq_rel at GPU scope, so it sees
+// every other block's reads as done) resets the counter, then — after one system-scope fence — tells every
+// peer that this rank has consumed call `epoch` (consumed[rank] = epoch in the peer's control region at
+// `consumed_offset`), and stores the epoch (`epoch_offset`) for the next call.
+__device__ __forceinline__ void ht_finish_op(const u64 (&ctrl)[MAX_RANKS], u32 rank, u32 num_ranks, u32 done_offset,
+                                             u32 consumed_offset, u32 epoch_offset, u32 epoch) {
+  __shared__ u32 s_is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 arrived = ptx::atom_add_acq_rel_gpu(ht_ctrl_word(ctrl[rank], done_offset), 1u);
+    s_is_last = arrived == gridDim.x - 1 ? 1u : 0u;
+  }
+  __syncthreads();
+  if (s_is_last != 0u && threadIdx.x == 0) {
+    *ht_ctrl_word(ctrl[rank], done_offset) = 0u;
+    ptx::fence_acq_rel_sys();
+    for (u32 r = 0; r < num_ranks; r++)
+      if (r != rank) ptx::st_relaxed_sys(ht_ctrl_word(ctrl[r], consumed_offset) + rank, epoch);
+    *ht_ctrl_word(ctrl[rank], epoch_offset) = epoch;
+  }
+}
+
+// Waits (one lane per peer) until every peer has consumed call `epoch - 1` of this family, i.e. may be
+// written again. Returns the same value on every lane: false after a timeout or an earlier fatal error.
+__device__ __forceinline__ bool ht_wait_consumed(u64 ctrl_me, u32 consumed_offset, u32 rank, u32 num_ranks, u32 epoch,
+                                                 const Deadline& d) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+  bool ok = true;
+  if (lane < num_ranks && lane != rank) {
+    const u32* flag = ht_ctrl_word(ctrl_me, consumed_offset) + lane;
+    ok = wait_flag_geq(flag, epoch - 1, d, lane);
+    if (ok) (void)ptx::ld_acquire_sys(flag);
+  }
+  ok = __all_sync(FULL_WARP_MASK, ok);
+  __syncwarp();
+  return ok;
+}

@@ -1,0 +1,266 @@
+// moelink kernel family: high-throughput intranode combine (reverse direct writes, ordered fp32 reduction).
+//
+// JIT constants (from moelink_kernels::ht::HtCombineVariant):
+//   MAX_RANKS                         ranks the argument struct has room for
+//   NUM_RANKS                         ranks of this buffer (the reduction unrolls over them)
+//   HIDDEN                            bf16 channels per token
+//   TOPK                              top-k weights per row to sum (0: none)
+//   COMBINE_WARPS                     warps per block (every block sends or reduces, never both)
+//   MAX_UNROLL                        16-byte vectors a sender lane keeps in flight per copy round
+//   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)
+//   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::combine_row_bytes)
+//   MOELINK_SIZEOF_HT_COMBINE_ARGS    sizeof(moelink_kernels::ht::HtCombineArgs)
+#include "ht.cuh"
+
+#if !defined(NUM_RANKS) || !defined(HIDDEN) || !defined(TOPK) || !defined(COMBINE_WARPS) || !defined(MAX_UNROLL) || \
+    !defined(REDUCE_LOAD_VECS) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
+#error "ht_combine.cu needs every JIT constant listed at the top of the file"
+#endif
+static_assert(NUM_RANKS >= 1 && NUM_RANKS <= MAX_RANKS, "ranks");
+
+constexpr u32 VEC_BYTES = 16;
+constexpr u32 BF16_PER_VEC = VEC_BYTES / 2;
+constexpr u32 NUM_BIASES = 2;
+constexpr u32 PAYLOAD_BYTES = HIDDEN * 2;
+constexpr u32 PAYLOAD_VECS = PAYLOAD_BYTES / VEC_BYTES;
+// A slab row: the bf16 payload, then TOPK f32 weights, padded to 16 bytes.
+constexpr u32 WEIGHT_BYTES = (TOPK * 4 + VEC_BYTES - 1) / VEC_BYTES * VEC_BYTES;
+static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
+static_assert(ROW_BYTES == PAYLOAD_BYTES + WEIGHT_BYTES, "slab row differs from moelink_kernels::ht::combine_row_bytes");
+constexpr u32 THREADS = COMBINE_WARPS * WARP_SIZE;
+constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
+// Sender: a row in ROUNDS rounds of UNROLL vectors per lane.
+constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
+constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
+// Reducer: RED_UNROLL vectors of every rank's row (and of each bias) per round.
+constexpr u32 RED_MAX_UNROLL = REDUCE_LOAD_VECS / (NUM_RANKS + NUM_BIASES) > 0 ? REDUCE_LOAD_VECS / (NUM_RANKS + NUM_BIASES) : 1;
+constexpr u32 RED_ROUNDS = (VECS_PER_LANE + RED_MAX_UNROLL - 1) / RED_MAX_UNROLL;
+constexpr u32 RED_UNROLL = (VECS_PER_LANE + RED_ROUNDS - 1) / RED_ROUNDS;
+static_assert(ROUNDS * UNROLL * WARP_SIZE >= PAYLOAD_VECS && RED_ROUNDS * RED_UNROLL * WARP_SIZE >= PAYLOAD_VECS, "rounds cover a row");
+
+// Kernel argument (by value). Must match moelink_kernels::ht::HtCombineArgs byte for byte.
+struct HtCombineArgs {
+  u64 x;                      // bf16 [num_x_rows, HIDDEN]: one row per received token, 16-byte aligned
+  u64 topk_weights;           // f32 [num_x_rows, TOPK] (TOPK > 0)
+  u64 bias0;                  // bf16 [T, HIDDEN] or 0
+  u64 bias1;                  // bf16 [T, HIDDEN] or 0 (only with bias0)
+  u64 combined_x;             // bf16 [T, HIDDEN]
+  u64 combined_topk_weights;  // f32 [T, TOPK] (TOPK > 0)
+  u64 routing;                // the dispatch handle's buffer (HT_RT_* words, prefix)
+  u64 ctrl[MAX_RANKS];        // every rank's HT control region, as addressable from this rank
+  u64 data[MAX_RANKS];        // every rank's HT data region
+  u64 flags_offset;           // combine row flags inside a data region
+  u64 slab_offset;            // combine slab inside a data region
+  u64 error_claim;            // ErrorSink::claim
+  u64 error_record;           // ErrorSink::record
+  u64 timeout_ns;             // per wait
+  u32 rank;
+  u32 num_tokens;             // T of this rank (the handle's)
+  u32 num_x_rows;             // rows of x (N, or num_worst_tokens in no-sync mode)
+  u32 slab_rows;              // slab rows per source for ROW_BYTES
+  u32 flag_slots;             // row flags per source (>= slab_rows)
+  u32 num_send_blocks;        // blocks [0, num_send_blocks) send, the others reduce
+};
+static_assert(sizeof(HtCombineArgs) == MOELINK_SIZEOF_HT_COMBINE_ARGS, "HtCombineArgs differs from the Rust definition");
+
+__device__ __forceinline__ void accumulate_bf16x8(float (&acc)[BF16_PER_VEC], const u32x4& v) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (u32 m = 0; m < 4; m++) {
+    acc[2 * m] = ptx::add_rn_f32(acc[2 * m], ptx::f32_from_bits(w[m] << 16));
+    acc[2 * m + 1] = ptx::add_rn_f32(acc[2 * m + 1], ptx::f32_from_bits(w[m] & 0xffff0000u));
+  }
+}
+
+// Sender warp `warp_id` of `num_warps` (expert side): for every source s != me, the received rows
+// [cnt_s * id / n, cnt_s * (id+1) / n) of s (cnt_s = recv_count[s]; row j is x[recv_offset[s] + j]) go back
+// to s's combine slab row [me][j] with their top-k weights. First waits until every peer consumed the
+// previous combine. Each step sends the next row of every source still pending (lane s holds s's state),
+// then __syncwarp, one fence.acq_rel.sys by the lanes of those sources, and st.relaxed.sys of the combine
+// epoch into row flag [me][j] of each. A row past num_x_rows (no-sync overflow) goes back as zeros.
+__device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_COMBINE_CONSUMED, me, NUM_RANKS, epoch, d)) return;
+  u32 next = 0, end = 0, offset = 0;
+  if (lane < NUM_RANKS && lane != me) {
+    const u32 count = (u32)routing[HT_RT_RECV_COUNT + lane];
+    next = ht_split(count, warp_id, num_warps);
+    end = ht_split(count, warp_id + 1, num_warps);
+    offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
+  }
+  const u32* weights = reinterpret_cast<const u32*>(a.topk_weights);
+  while (true) {
+    const bool active = next < end;
+    const u32 mask = __ballot_sync(FULL_WARP_MASK, active);
+    if (mask == 0u || __any_sync(FULL_WARP_MASK, error_raised(d))) break;
+    const u32 pos = offset + next;
+    u64 dst = 0;
+    bool have_row = false;
+    if (active) {
+      dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + next) * ROW_BYTES;
+      have_row = pos < a.num_x_rows;
+      if (!have_row) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, (u32)routing[HT_RT_NUM_RECV], a.num_x_rows);
+    }
+#pragma unroll
+    for (u32 r = 0; r < NUM_RANKS; r++) {
+      if (((mask >> r) & 1u) == 0u) continue;
+      const u32 row_pos = __shfl_sync(FULL_WARP_MASK, pos, r);
+      const bool row_valid = __shfl_sync(FULL_WARP_MASK, have_row, r);
+      u8* out = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
+      const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)row_pos * PAYLOAD_VECS;
+#pragma unroll 1
+      for (u32 round = 0; round < ROUNDS; round++) {
+        u32x4 v[UNROLL];
+#pragma unroll
+        for (u32 u = 0; u < UNROLL; u++) {
+          const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+          v[u] = u32x4{0u, 0u, 0u, 0u};
+          if (i < PAYLOAD_VECS && row_valid) v[u] = ptx::ld_nc_na_v4(src + i);
+        }
+#pragma unroll
+        for (u32 u = 0; u < UNROLL; u++) {
+          const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+          if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + i, v[u]);
+        }
+      }
+      if (TOPK > 0 && lane < TOPK)
+        reinterpret_cast<u32*>(out + PAYLOAD_BYTES)[lane] = row_valid ? weights[(u64)row_pos * TOPK + lane] : 0u;
+    }
+    __syncwarp();
+    if (active) {
+      ptx::fence_acq_rel_sys();
+      u32* flag = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + ((u64)me * a.flag_slots + next);
+      ptx::st_relaxed_sys(flag, epoch);
+      next++;
+    }
+  }
+}
+
+// Reducer warp `warp_id` of `num_warps` (source side): tokens [T * id / n, T * (id+1) / n) of this rank.
+// Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; for every remote rank r the token went to,
+// lane r waits (deadline) until row flag [r][slot] reached the combine epoch, then ld.acquire's it;
+// __syncwarp. The output is, per channel, ((+0.0 + row_r0) + row_r1) + ... over ranks in ascending order
+// (this rank's row read straight from x at recv_offset[me] + slot), then + bias0, + bias1, each add an IEEE
+// f32 add.rn, rounded to bf16 by cvt.rn.bf16x2.f32 — the host backend's order bit for bit. Weights: the same
+// ascending-rank f32 sum of the rows' top-k weights.
+__device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  const i32* prefix = routing + HT_RT_PREFIX;
+  const u32 recv_offset_me = (u32)routing[HT_RT_RECV_OFFSET + me];
+  const u32* flags = reinterpret_cast<const u32*>(a.data[me] + a.flags_offset);
+  const u64 slab = a.data[me] + a.slab_offset;
+  const u32x4* bias0 = reinterpret_cast<const u32x4*>(a.bias0);
+  const u32x4* bias1 = reinterpret_cast<const u32x4*>(a.bias1);
+  u32x4* combined = reinterpret_cast<u32x4*>(a.combined_x);
+  const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
+  for (u32 t = t_begin; t < t_end; t++) {
+    bool in = false, ok = true;
+    u64 row = 0, weight_row = 0;
+    if (lane < NUM_RANKS) {
+      const i32 p0 = prefix[(u64)t * NUM_RANKS + lane], p1 = prefix[(u64)(t + 1) * NUM_RANKS + lane];
+      in = p1 > p0;
+      if (in && lane == me) {
+        const u32 pos = recv_offset_me + (u32)p0;
+        if (pos < a.num_x_rows) {
+          row = a.x + (u64)pos * PAYLOAD_BYTES;
+          weight_row = a.topk_weights + (u64)pos * TOPK * 4;
+        } else {
+          in = false;  // no-sync overflow (reported by dispatch and the senders): counts as no row
+        }
+      } else if (in) {
+        const u32* flag = flags + (u64)lane * a.flag_slots + (u32)p0;
+        ok = wait_flag_geq(flag, epoch, d, lane);
+        if (ok) (void)ptx::ld_acquire_sys(flag);
+        row = slab + ((u64)lane * a.slab_rows + (u32)p0) * ROW_BYTES;
+        weight_row = row + PAYLOAD_BYTES;
+      }
+    }
+    if (!__all_sync(FULL_WARP_MASK, ok)) break;
+    __syncwarp();
+    const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
+    const u32x4* rows[NUM_RANKS];
+    const u32* weight_rows[NUM_RANKS];
+#pragma unroll
+    for (u32 r = 0; r < NUM_RANKS; r++) {
+      rows[r] = reinterpret_cast<const u32x4*>(__shfl_sync(FULL_WARP_MASK, row, r));
+      weight_rows[r] = reinterpret_cast<const u32*>(__shfl_sync(FULL_WARP_MASK, weight_row, r));
+    }
+
+#pragma unroll 1
+    for (u32 round = 0; round < RED_ROUNDS; round++) {
+      u32x4 v[RED_UNROLL][NUM_RANKS], b0[RED_UNROLL], b1[RED_UNROLL];
+#pragma unroll
+      for (u32 u = 0; u < RED_UNROLL; u++) {
+        const u32 i = (round * RED_UNROLL + u) * WARP_SIZE + lane;
+        if (i >= PAYLOAD_VECS) continue;
+#pragma unroll
+        for (u32 r = 0; r < NUM_RANKS; r++) {
+          if (((mask >> r) & 1u) == 0u) continue;
+          v[u][r] = r == me ? ptx::ld_nc_na_v4(rows[r] + i) : ptx::ld_na_v4(rows[r] + i);
+        }
+        if (bias0 != nullptr) b0[u] = ptx::ld_nc_na_v4(bias0 + (u64)t * PAYLOAD_VECS + i);
+        if (bias1 != nullptr) b1[u] = ptx::ld_nc_na_v4(bias1 + (u64)t * PAYLOAD_VECS + i);
+      }
+#pragma unroll
+      for (u32 u = 0; u < RED_UNROLL; u++) {
+        const u32 i = (round * RED_UNROLL + u) * WARP_SIZE + lane;
+        if (i >= PAYLOAD_VECS) continue;
+        float acc[BF16_PER_VEC];
+#pragma unroll
+        for (u32 c = 0; c < BF16_PER_VEC; c++) acc[c] = 0.0f;
+#pragma unroll
+        for (u32 r = 0; r < NUM_RANKS; r++)
+          if (((mask >> r) & 1u) != 0u) accumulate_bf16x8(acc, v[u][r]);
+        if (bias0 != nullptr) accumulate_bf16x8(acc, b0[u]);
+        if (bias1 != nullptr) accumulate_bf16x8(acc, b1[u]);
+        u32x4 out;
+        out.x = ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]);
+        out.y = ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]);
+        out.z = ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]);
+        out.w = ptx::cvt_rn_bf16x2_f32(acc[7], acc[6]);
+        ptx::st_na_v4(combined + (u64)t * PAYLOAD_VECS + i, out);
+      }
+    }
+
+    if (TOPK > 0 && lane < TOPK) {
+      float sum = 0.0f;
+#pragma unroll
+      for (u32 r = 0; r < NUM_RANKS; r++)
+        if (((mask >> r) & 1u) != 0u) sum = ptx::add_rn_f32(sum, ptx::f32_from_bits(weight_rows[r][lane]));
+      reinterpret_cast<float*>(a.combined_topk_weights)[(u64)t * TOPK + lane] = sum;
+    }
+  }
+}
+
+// ht_combine: grid num_sms blocks (persistent, one per SM), block THREADS.
+//   Blocks [0, num_send_blocks) send expert outputs back, the others reduce (see send and reduce above).
+//   Nothing moves when the handle's routing status is non-zero, or when T_max (every rank's largest token
+//   count, the same on every rank) exceeds slab_rows for this row size — then block 0 reports
+//   ERR_BUFFER_TOO_SMALL (details T_max, row bytes << 32 | slab_rows) and every rank returns.
+//   Flags: row flags (data region, [src][slot], value = combine epoch) from senders to reducers; the last
+//   block hands the combine slab back (consumed[me] = epoch in every peer's control region, ht_finish_op).
+//   reads: x, top-k weights, biases, routing, own combine slab and row flags;
+//   writes: peers' combine slabs and row flags, combined_x, combined_topk_weights, consumed flags.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_combine(const __grid_constant__ HtCombineArgs a) {
+  __shared__ u32 s_epoch;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  if (routing[HT_RT_STATUS] != 0) return;
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_COMBINE);
+  const u32 t_max = (u32)routing[HT_RT_T_MAX];
+  if (t_max > a.slab_rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      report_error(d, ERR_BUFFER_TOO_SMALL, NO_PEER, t_max, ((u64)ROW_BYTES << 32) | a.slab_rows);
+    return;
+  }
+  const u32 warp = threadIdx.x / WARP_SIZE;
+  if (threadIdx.x == 0) s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_COMBINE_EPOCH)) + 1;
+  __syncthreads();
+  const u32 epoch = s_epoch;
+  if (blockIdx.x < a.num_send_blocks)
+    send(a, epoch, d, blockIdx.x * COMBINE_WARPS + warp, a.num_send_blocks * COMBINE_WARPS);
+  else
+    reduce(a, epoch, d, (blockIdx.x - a.num_send_blocks) * COMBINE_WARPS + warp, (gridDim.x - a.num_send_blocks) * COMBINE_WARPS);
+  ht_finish_op(a.ctrl, a.rank, NUM_RANKS, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CONSUMED, HT_CTRL_COMBINE_EPOCH, epoch);
+}

@@ -1,0 +1,323 @@
+// moelink kernel family: high-throughput intranode dispatch (direct writes into per-source receive slabs).
+//
+// JIT constants (from moelink_kernels::ht::HtDispatchVariant):
+//   MAX_RANKS                         ranks the argument struct has room for
+//   HIDDEN                            channels per token
+//   FP8                               1: e4m3 payload with fp32 scales per HT_FP8_BLOCK channels; 0: bf16
+//   TOPK                              top-k entries travelling with each token (0: none, e.g. cached dispatch)
+//   DISPATCH_WARPS                    warps per block (every block sends or receives, never both)
+//   MAX_UNROLL                        16-byte vectors a lane keeps in flight per copy round
+//   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::dispatch_row_bytes)
+//   MOELINK_SIZEOF_HT_DISPATCH_ARGS   sizeof(moelink_kernels::ht::HtDispatchArgs)
+#include "ht.cuh"
+
+#if !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(DISPATCH_WARPS) || !defined(MAX_UNROLL) || \
+    !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
+#error "ht_dispatch.cu needs every JIT constant listed at the top of the file"
+#endif
+
+constexpr u32 VEC_BYTES = 16;
+constexpr u32 PAYLOAD_BYTES = HIDDEN * (FP8 ? 1 : 2);
+constexpr u32 PAYLOAD_VECS = PAYLOAD_BYTES / VEC_BYTES;
+constexpr u32 NUM_SCALES = FP8 ? HIDDEN / HT_FP8_BLOCK : 0;
+// A slab row: the payload, then u32 meta words: top-k ids as local i64 (2 words each, low word first), the
+// FP8 scales, the top-k weights (0 where the id is -1), the source token index; padded to 16 bytes.
+constexpr u32 META_SCALES = 2 * TOPK;
+constexpr u32 META_WEIGHTS = META_SCALES + NUM_SCALES;
+constexpr u32 META_SRC = META_WEIGHTS + TOPK;
+constexpr u32 META_WORDS = META_SRC + 1;
+constexpr u32 META_BYTES = (META_WORDS * 4 + VEC_BYTES - 1) / VEC_BYTES * VEC_BYTES;
+static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
+static_assert(!FP8 || HIDDEN % HT_FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
+static_assert(ROW_BYTES == PAYLOAD_BYTES + META_BYTES, "slab row differs from moelink_kernels::ht::dispatch_row_bytes");
+constexpr u32 THREADS = DISPATCH_WARPS * WARP_SIZE;
+// A row is copied in ROUNDS rounds of UNROLL vectors per lane (loads first, then stores).
+constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
+constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
+constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
+static_assert(ROUNDS * UNROLL * WARP_SIZE >= PAYLOAD_VECS && UNROLL <= MAX_UNROLL, "copy rounds cover the row");
+
+// Kernel argument (by value). Must match moelink_kernels::ht::HtDispatchArgs byte for byte.
+struct HtDispatchArgs {
+  u64 x;                   // [T, HIDDEN] bf16 / e4m3, contiguous, 16-byte aligned
+  u64 x_scales;            // f32 [T, HIDDEN / 128], any strides (FP8), else 0
+  i64 scale_stride_token;  // elements
+  i64 scale_stride_group;  // elements
+  u64 topk_idx;            // i64 [T, TOPK], contiguous (TOPK > 0)
+  u64 topk_weights;        // f32 [T, TOPK], contiguous (TOPK > 0)
+  u64 recv_x;              // [num_out_rows, HIDDEN], 16-byte aligned
+  u64 recv_scales;         // f32 [num_out_rows, HIDDEN / 128] (FP8)
+  u64 recv_topk_idx;       // i64 [num_out_rows, TOPK] (TOPK > 0)
+  u64 recv_topk_weights;   // f32 [num_out_rows, TOPK] (TOPK > 0)
+  u64 recv_src_idx;        // i32 [num_out_rows] of the handle, or 0 (cached dispatch)
+  u64 routing;             // the handle buffer ht_notify wrote (HT_RT_* words, prefix)
+  u64 ctrl[MAX_RANKS];     // every rank's HT control region, as addressable from this rank
+  u64 data[MAX_RANKS];     // every rank's HT data region
+  u64 flags_offset;        // dispatch row flags inside a data region
+  u64 slab_offset;         // dispatch slab inside a data region
+  u64 error_claim;         // ErrorSink::claim
+  u64 error_record;        // ErrorSink::record
+  u64 timeout_ns;          // per wait
+  u32 rank;
+  u32 num_ranks;
+  u32 num_tokens;          // T of this rank
+  u32 num_local_experts;   // E / R
+  u32 num_out_rows;        // rows of the outputs: N (CPU-sync) or num_worst_tokens
+  u32 slab_rows;           // slab rows per source for ROW_BYTES (>= T_max, checked by ht_notify)
+  u32 flag_slots;          // row flags per source (>= slab_rows)
+  u32 num_send_blocks;     // blocks [0, num_send_blocks) send, the others receive
+};
+static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
+
+// Stores meta word `w` of the row at receive position `pos` into the outputs.
+__device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32 w, u32 word) {
+  if (w < META_SCALES)
+    reinterpret_cast<u32*>(a.recv_topk_idx)[pos * (2 * TOPK) + w] = word;
+  else if (w < META_WEIGHTS)
+    reinterpret_cast<u32*>(a.recv_scales)[pos * NUM_SCALES + (w - META_SCALES)] = word;
+  else if (w < META_SRC)
+    reinterpret_cast<u32*>(a.recv_topk_weights)[pos * TOPK + (w - META_WEIGHTS)] = word;
+  else if (a.recv_src_idx != 0)
+    reinterpret_cast<u32*>(a.recv_src_idx)[pos] = word;
+}
+
+// Sender warp `warp_id` of `num_warps` (a channel): tokens [T * id / n, T * (id + 1) / n).
+//   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
+//   Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; the token goes to r when they differ, at send
+//   slot prefix[t][r]. The payload is read once (ld.global.nc, UNROLL vectors per lane in flight) and stored
+//   to every destination: peers' slab row [me][slot] (st.global.L1::no_allocate over NVLink), or for this
+//   rank recv_x[recv_offset[me] + slot] directly. Meta words are built per destination (ids remapped to its
+//   local experts, weights zeroed where the id is -1) and stored into the slab row or the outputs.
+//   Release: __syncwarp, then lanes of remote destinations execute one fence.acq_rel.sys (one warp
+//   instruction) and st.relaxed.sys the dispatch epoch into row flag [me][slot] of the destination.
+__device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  const i32* prefix = routing + HT_RT_PREFIX;
+  if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_DISPATCH_CONSUMED, me, num_ranks, epoch, d)) return;
+  const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
+  const u32 recv_offset_me = (u32)routing[HT_RT_RECV_OFFSET + me];
+  const i64 el = a.num_local_experts;
+  const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
+  const u32* scales = reinterpret_cast<const u32*>(a.x_scales);
+  for (u32 t = t_begin; t < t_end; t++) {
+    if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
+    u32 slot = 0;
+    bool in = false;
+    u64 dst = 0;
+    if (lane < num_ranks) {
+      const i32 p0 = prefix[(u64)t * num_ranks + lane], p1 = prefix[(u64)(t + 1) * num_ranks + lane];
+      in = p1 > p0;
+      slot = (u32)p0;
+    }
+    if (in) {
+      if (lane == me) {
+        // An own row past the outputs (no-sync overflow, reported by the receivers) is dropped.
+        const u32 pos = recv_offset_me + slot;
+        if (pos < a.num_out_rows)
+          dst = a.recv_x + (u64)pos * PAYLOAD_BYTES;
+        else
+          in = false;
+      } else {
+        dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + slot) * ROW_BYTES;
+      }
+    }
+    const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
+    if (mask == 0) continue;
+    const u64 pos_me = __shfl_sync(FULL_WARP_MASK, recv_offset_me + slot, me);
+    u64 dst_of[MAX_RANKS];
+#pragma unroll
+    for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
+
+    // Payload.
+    const u32x4* src = x + (u64)t * PAYLOAD_VECS;
+#pragma unroll 1
+    for (u32 round = 0; round < ROUNDS; round++) {
+      u32x4 v[UNROLL];
+#pragma unroll
+      for (u32 u = 0; u < UNROLL; u++) {
+        const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+        if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
+      }
+#pragma unroll
+      for (u32 r = 0; r < MAX_RANKS; r++) {
+        if (((mask >> r) & 1u) == 0u) continue;
+        u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
+#pragma unroll
+        for (u32 u = 0; u < UNROLL; u++) {
+          const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+          if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+        }
+      }
+    }
+
+    // Meta words.
+    const i64* idx_row = reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * TOPK;
+    const u32* weight_row = reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * TOPK;
+    for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
+      i64 expert = -1;
+      u32 raw = 0;
+      if (w < META_SCALES) {
+        expert = idx_row[w / 2];
+      } else if (w < META_WEIGHTS) {
+        raw = scales[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
+      } else if (w < META_SRC) {
+        expert = idx_row[w - META_WEIGHTS];
+        raw = weight_row[w - META_WEIGHTS];
+      } else {
+        raw = t;
+      }
+#pragma unroll
+      for (u32 r = 0; r < MAX_RANKS; r++) {
+        if (((mask >> r) & 1u) == 0u) continue;
+        u32 word = raw;
+        if (w < META_SCALES || (w >= META_WEIGHTS && w < META_SRC)) {
+          const i64 first = (i64)r * el;
+          const i64 local = expert >= first && expert < first + el ? expert - first : -1;
+          if (w < META_SCALES)
+            word = (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
+          else
+            word = local >= 0 ? raw : 0u;
+        }
+        if (r == me)
+          store_meta(a, pos_me, w, word);
+        else
+          reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = word;
+      }
+    }
+
+    // Release the rows to their destinations.
+    __syncwarp();
+    if (lane < num_ranks && lane != me && ((mask >> lane) & 1u) != 0u) {
+      ptx::fence_acq_rel_sys();
+      u32* flag = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + ((u64)me * a.flag_slots + slot);
+      ptx::st_relaxed_sys(flag, epoch);
+    }
+  }
+}
+
+// Copies slab row [s][j] of this rank to receive position `pos` (payload, meta words).
+__device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32 j, u32 pos, u32 lane) {
+  if (pos >= a.num_out_rows) return;  // no-sync overflow: reported once, rows dropped
+  const u8* row = reinterpret_cast<const u8*>(a.data[a.rank] + a.slab_offset) + ((u64)s * a.slab_rows + j) * ROW_BYTES;
+  const u32x4* src = reinterpret_cast<const u32x4*>(row);
+  u32x4* out = reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS;
+#pragma unroll 1
+  for (u32 round = 0; round < ROUNDS; round++) {
+    u32x4 v[UNROLL];
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) v[u] = ptx::ld_na_v4(src + i);
+    }
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+    }
+  }
+  const u32* meta = reinterpret_cast<const u32*>(row + PAYLOAD_BYTES);
+  for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, pos, w, meta[w]);
+}
+
+// Receiver warp `warp_id` of `num_warps`: for every source s != me, rows [cnt_s * id / n, cnt_s * (id+1) / n)
+// of s's sub-slab (cnt_s = recv_count[s]; row j lands at recv_offset[s] + j). Lane s keeps source s's next
+// row. Sources are served in turn: lane i polls row flag [s][next + i] (relaxed, local memory); the leading
+// run of rows whose flag reached the epoch is acquired (ld.acquire.sys by the lanes that saw them, then
+// __syncwarp) and copied to the outputs. A pass without progress counts towards the deadline (measured from
+// the last progress); on expiry the warp records {ERR_TIMEOUT, peer: the first source it still waits for}.
+//   Also: rows [N, num_out_rows) get top-k ids -1 and weights 0 (no-sync outputs); N > num_out_rows is
+//   reported once (ERR_RECV_OVERFLOW, details N and num_out_rows).
+__device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  const u32 num_recv = (u32)routing[HT_RT_NUM_RECV];
+  if (TOPK > 0 && a.num_out_rows > num_recv) {
+    const u64 total = (u64)a.num_out_rows * TOPK;
+    for (u64 i = (u64)num_recv * TOPK + (u64)warp_id * WARP_SIZE + lane; i < total; i += (u64)num_warps * WARP_SIZE) {
+      reinterpret_cast<i64*>(a.recv_topk_idx)[i] = -1;
+      reinterpret_cast<u32*>(a.recv_topk_weights)[i] = 0u;
+    }
+  }
+  if (warp_id == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
+
+  u32 next = 0, end = 0, offset = 0;
+  if (lane < num_ranks && lane != me) {
+    const u32 count = (u32)routing[HT_RT_RECV_COUNT + lane];
+    next = ht_split(count, warp_id, num_warps);
+    end = ht_split(count, warp_id + 1, num_warps);
+    offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
+  }
+  const u32* flags = reinterpret_cast<const u32*>(a.data[me] + a.flags_offset);
+  u32 pending = __ballot_sync(FULL_WARP_MASK, next < end);
+  u64 idle_since = 0;
+  u32 idle_spins = 0;
+  while (pending != 0u) {
+    bool progressed = false;
+    for (u32 todo = pending; todo != 0u; todo &= todo - 1) {
+      const u32 s = __ffs(todo) - 1;
+      const u32 j = __shfl_sync(FULL_WARP_MASK, next, s), stop = __shfl_sync(FULL_WARP_MASK, end, s);
+      const u32 n = stop - j < WARP_SIZE ? stop - j : WARP_SIZE;
+      const u32* flag = flags + (u64)s * a.flag_slots + j + lane;
+      const bool arrived = lane < n && (i32)(ptx::ld_relaxed_sys(flag) - epoch) >= 0;
+      const u32 arrived_mask = __ballot_sync(FULL_WARP_MASK, arrived);
+      const u32 ready = arrived_mask == FULL_WARP_MASK ? WARP_SIZE : (u32)__ffs(~arrived_mask) - 1;
+      if (ready == 0) continue;
+      if (lane < ready) (void)ptx::ld_acquire_sys(flag);
+      __syncwarp();
+      const u32 base = __shfl_sync(FULL_WARP_MASK, offset, s);
+      for (u32 i = 0; i < ready; i++) copy_out_row(a, s, j + i, base + j + i, lane);
+      if (lane == s) next += ready;
+      progressed = true;
+    }
+    pending = __ballot_sync(FULL_WARP_MASK, next < end);
+    if (progressed) {
+      idle_spins = 0;
+      continue;
+    }
+    if (idle_spins++ == 0) idle_since = ptx::globaltimer();
+    if (idle_spins % DEADLINE_POLL_SPINS == 0) {
+      const u64 waited = __shfl_sync(FULL_WARP_MASK, ptx::globaltimer() - idle_since, 0);
+      if (waited > d.timeout_ns) {
+        if (lane == 0) raise_error(d, ERR_TIMEOUT, (u32)__ffs(pending) - 1, waited);
+        break;
+      }
+      if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
+    }
+  }
+}
+
+// ht_dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
+//   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
+//   receive above). Nothing moves when the routing status of the handle is non-zero (every rank saw the same
+//   notify messages, so every rank returns here; ht_notify reported why), nor when T_max exceeds slab_rows
+//   for this row size (a cached dispatch of bigger rows; block 0 reports ERR_BUFFER_TOO_SMALL, details T_max
+//   and row bytes << 32 | slab_rows). Either way the epoch does not advance, on any rank.
+//   Flags: row flags (data region, [src][slot], value = dispatch epoch) from senders to receivers; at the end
+//   the last block hands the slab back: consumed[me] = epoch in every peer's control region (ht_finish_op),
+//   which the peers' senders of the next dispatch wait for. The epoch is read at start (counter + 1) and
+//   stored by the last block.
+//   reads: x, scales, top-k, routing, own slab and row flags;
+//   writes: peers' slabs and row flags, the outputs (own rows directly), recv_src_idx, consumed flags.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __grid_constant__ HtDispatchArgs a) {
+  __shared__ u32 s_epoch;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  if (routing[HT_RT_STATUS] != 0) return;
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_DISPATCH);
+  // A cached dispatch may move bigger rows than the fresh one did: the same capacity rule as ht_notify's.
+  const u32 t_max = (u32)routing[HT_RT_T_MAX];
+  if (t_max > a.slab_rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      report_error(d, ERR_BUFFER_TOO_SMALL, NO_PEER, t_max, ((u64)ROW_BYTES << 32) | a.slab_rows);
+    return;
+  }
+  const u32 warp = threadIdx.x / WARP_SIZE;
+  if (threadIdx.x == 0) s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_DISPATCH_EPOCH)) + 1;
+  __syncthreads();
+  const u32 epoch = s_epoch;
+  if (blockIdx.x < a.num_send_blocks)
+    send(a, epoch, d, blockIdx.x * DISPATCH_WARPS + warp, a.num_send_blocks * DISPATCH_WARPS);
+  else
+    receive(a, epoch, d, (blockIdx.x - a.num_send_blocks) * DISPATCH_WARPS + warp, (gridDim.x - a.num_send_blocks) * DISPATCH_WARPS);
+  ht_finish_op(a.ctrl, a.rank, a.num_ranks, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CONSUMED, HT_CTRL_DISPATCH_EPOCH, epoch);
+}

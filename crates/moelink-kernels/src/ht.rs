@@ -1,0 +1,704 @@
+//! The high-throughput (HT) intranode kernels' host side: argument-struct mirrors of `cuda/ht_*.cu`, their
+//! compile keys, the control-region and handle layouts of `cuda/ht.cuh`, and the arithmetic that sizes the
+//! data region (row flags and receive slabs). Everything here is plain arithmetic: `moelink` uses it to launch
+//! the kernels and to check capacity before it does, and `Buffer::ht_bytes_needed` to size buffers.
+//!
+//! The protocol is described in `docs/protocols.md` ("HT") and at the top of each kernel.
+//!
+//! ```
+//! use moelink_kernels::ht::{bytes_needed, combine_row_bytes, dispatch_row_bytes, HtRegion};
+//! // DeepEP's benchmark shape at EP4: 4096 tokens of hidden 7168, top-8, BF16.
+//! let rows = [dispatch_row_bytes(7168, false, 8), combine_row_bytes(7168, 8)];
+//! let n = bytes_needed(4096, 4, &rows);
+//! let region = HtRegion { num_nvl_bytes: n, num_ranks: 4 };
+//! assert!(rows.iter().all(|&row| region.slab_rows(row) >= 4096));
+//! ```
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::abi::MAX_RANKS;
+use crate::{Family, KernelSpec};
+
+/// FP8 scales cover this many channels each.
+pub const FP8_BLOCK: usize = 128;
+/// Bytes of one vectorised access; rows are multiples of it.
+pub const VEC_BYTES: usize = 16;
+
+/// Byte offsets inside a rank's HT control region (`HT_CTRL_*` in `ht.cuh`).
+pub mod ctrl {
+    /// `u32`: notify calls so far.
+    pub const NOTIFY_EPOCH: usize = 0;
+    /// `u32`: dispatch calls so far.
+    pub const DISPATCH_EPOCH: usize = 4;
+    /// `u32`: combine calls so far.
+    pub const COMBINE_EPOCH: usize = 8;
+    /// `u32`: finished blocks of the running dispatch.
+    pub const DISPATCH_DONE: usize = 128;
+    /// `u32`: finished blocks of the running combine.
+    pub const COMBINE_DONE: usize = 256;
+    /// `u32[MAX_RANKS]`: last dispatch epoch each source consumed.
+    pub const DISPATCH_CONSUMED: usize = 384;
+    /// `u32[MAX_RANKS]`: last combine epoch each source consumed.
+    pub const COMBINE_CONSUMED: usize = 512;
+    /// `u32[2][MAX_RANKS]`: notify flags.
+    pub const NOTIFY_FLAGS: usize = 640;
+    /// `u32[2][MAX_RANKS][MSG_WORDS]`: notify messages.
+    pub const NOTIFY_MSGS: usize = 1024;
+    /// Local experts a notify message has room for.
+    pub const MAX_LOCAL_EXPERTS: usize = 8192;
+    /// Header words of a notify message.
+    pub const MSG_HEADER_WORDS: usize = 8;
+    /// Words of a notify message.
+    pub const MSG_WORDS: usize = MSG_HEADER_WORDS + MAX_LOCAL_EXPERTS;
+    /// Bytes of the whole control region.
+    pub const BYTES: usize = NOTIFY_MSGS + 2 * super::MAX_RANKS * MSG_WORDS * 4;
+    // moelink reserves [64 KiB, 2 MiB) of its control area for HT.
+    const _: () = assert!(BYTES <= (2 << 20) - (64 << 10));
+}
+
+/// `i32` words of a dispatch handle's device buffer (`HT_RT_*` in `ht.cuh`).
+pub mod routing {
+    use super::MAX_RANKS;
+    /// `HT_STATUS_*` bits; 0 when the call moved data.
+    pub const STATUS: usize = 0;
+    /// The rank the status blames.
+    pub const STATUS_PEER: usize = 1;
+    /// Rows received.
+    pub const NUM_RECV: usize = 2;
+    /// Largest token count of any rank.
+    pub const T_MAX: usize = 3;
+    /// `[MAX_RANKS]`: first receive position of each source.
+    pub const RECV_OFFSET: usize = 8;
+    /// `[MAX_RANKS]`: rows received from each source.
+    pub const RECV_COUNT: usize = RECV_OFFSET + MAX_RANKS;
+    /// `[MAX_RANKS]`: rows sent to each rank.
+    pub const SEND_COUNT: usize = RECV_COUNT + MAX_RANKS;
+    /// `[(T + 1) * R]`: tokens before `t` sent to `r`.
+    pub const PREFIX: usize = SEND_COUNT + MAX_RANKS;
+
+    /// Bytes of the routing buffer of a rank with `num_tokens` tokens among `num_ranks`.
+    pub fn bytes(num_tokens: usize, num_ranks: usize) -> usize {
+        4 * (PREFIX + (num_tokens + 1) * num_ranks)
+    }
+}
+
+/// Status bits of a notify exchange (`HT_STATUS_*`).
+pub mod status {
+    /// A rank's `num_tokens_per_rank` disagrees with its `is_token_in_rank`.
+    pub const BAD_LAYOUT: u32 = 1;
+    /// Call signatures differ between ranks.
+    pub const MISMATCH: u32 = 2;
+    /// The dispatch slab cannot hold `T_max` rows per source.
+    pub const TOO_SMALL: u32 = 4;
+    /// The exchange itself failed (timeout).
+    pub const FAILED: u32 = 8;
+}
+
+/// `u32` words the notify kernel writes to host-mapped memory in CPU-synchronised mode (`HT_HN_*`).
+pub mod host_notify {
+    use super::MAX_RANKS;
+    /// The call's sequence number, written last.
+    pub const READY: usize = 0;
+    /// Rows received.
+    pub const NUM_RECV: usize = 1;
+    /// Largest token count of any rank.
+    pub const T_MAX: usize = 2;
+    /// Status bits.
+    pub const STATUS: usize = 3;
+    /// The rank the status blames.
+    pub const STATUS_PEER: usize = 4;
+    /// `[MAX_RANKS]`: rows from each source.
+    pub const RECV_COUNT: usize = 8;
+    /// `[E / R]`: received tokens per local expert (unaligned).
+    pub const PER_EXPERT: usize = RECV_COUNT + MAX_RANKS;
+
+    /// Words for `num_local_experts` experts.
+    pub fn words(num_local_experts: usize) -> usize {
+        PER_EXPERT + num_local_experts
+    }
+}
+
+/// Bytes of a dispatch slab row: payload, then `u32` meta words (top-k ids as `i64`, FP8 scales, top-k
+/// weights, the source token index), padded to 16 bytes. `ht_dispatch.cu` asserts the same value.
+pub fn dispatch_row_bytes(hidden: usize, fp8: bool, topk: usize) -> usize {
+    let payload = hidden * if fp8 { 1 } else { 2 };
+    let scales = if fp8 { hidden / FP8_BLOCK } else { 0 };
+    let meta_words = 2 * topk + scales + topk + 1;
+    payload + (4 * meta_words).next_multiple_of(VEC_BYTES)
+}
+
+/// Bytes of a combine slab row: the bf16 payload, then `topk` f32 weights, padded to 16 bytes.
+pub fn combine_row_bytes(hidden: usize, topk: usize) -> usize {
+    2 * hidden + (4 * topk).next_multiple_of(VEC_BYTES)
+}
+
+/// Data-region bytes per row-flag slot and rank: the flag arrays get `num_nvl_bytes / (R * 1024)` slots per
+/// source (8 bytes of flags per KiB of buffer).
+pub const FLAG_SLOT_SPACING: usize = 1024;
+/// Alignment of the data region's parts.
+pub const REGION_ALIGN: usize = 256;
+
+/// How a rank's HT data region (`num_nvl_bytes` long, the same on every rank) is laid out. Fixed for the
+/// buffer's lifetime except for the slab row size, which each call chooses:
+/// `[dispatch row flags: R x flag_slots u32][combine row flags: same][dispatch slab][combine slab]`, the two
+/// slabs of equal size; each slab holds `slab_rows(row_bytes)` rows per source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtRegion {
+    pub num_nvl_bytes: usize,
+    pub num_ranks: usize,
+}
+
+impl HtRegion {
+    /// Row flags per source (the most tokens per rank the region can ever serve).
+    pub fn flag_slots(&self) -> usize {
+        (self.num_nvl_bytes / (self.num_ranks.max(1) * FLAG_SLOT_SPACING)).min(i32::MAX as usize)
+    }
+    fn flag_array_bytes(&self) -> usize {
+        (self.num_ranks * self.flag_slots() * 4).next_multiple_of(REGION_ALIGN)
+    }
+    /// Offset of the dispatch row flags `[src][slot]`.
+    pub fn dispatch_flags_offset(&self) -> usize {
+        0
+    }
+    /// Offset of the combine row flags `[src][slot]`.
+    pub fn combine_flags_offset(&self) -> usize {
+        self.flag_array_bytes()
+    }
+    /// Bytes of each slab.
+    pub fn slab_bytes(&self) -> usize {
+        self.num_nvl_bytes.saturating_sub(2 * self.flag_array_bytes()) / 2 / REGION_ALIGN * REGION_ALIGN
+    }
+    /// Offset of the dispatch slab.
+    pub fn dispatch_slab_offset(&self) -> usize {
+        2 * self.flag_array_bytes()
+    }
+    /// Offset of the combine slab.
+    pub fn combine_slab_offset(&self) -> usize {
+        self.dispatch_slab_offset() + self.slab_bytes()
+    }
+    /// Rows per source a slab holds for rows of `row_bytes`: a call fits when every rank has at most this
+    /// many tokens.
+    pub fn slab_rows(&self, row_bytes: usize) -> usize {
+        let by_bytes = self.slab_bytes() / (self.num_ranks.max(1) * row_bytes.max(1));
+        by_bytes.min(self.flag_slots())
+    }
+}
+
+/// Smallest `num_nvl_bytes` (a multiple of 1 MiB) whose slabs hold `num_tokens` rows per source for every
+/// row size in `row_bytes`; 0 when `num_tokens` is 0.
+pub fn bytes_needed(num_tokens: usize, num_ranks: usize, row_bytes: &[usize]) -> usize {
+    const MIB: usize = 1 << 20;
+    if num_tokens == 0 || num_ranks == 0 {
+        return 0;
+    }
+    let max_row = row_bytes.iter().copied().max().unwrap_or(VEC_BYTES);
+    let slabs = 2 * num_ranks * num_tokens * max_row;
+    let flags = 2 * num_ranks * num_tokens * 4;
+    // A lower bound (no alignment padding), then 1 MiB steps: the flag arrays grow with the buffer.
+    let mut n = (slabs + flags).max(num_tokens * num_ranks * FLAG_SLOT_SPACING).next_multiple_of(MIB);
+    let fits = |n: usize| {
+        let region = HtRegion { num_nvl_bytes: n, num_ranks };
+        row_bytes.iter().all(|&row| region.slab_rows(row) >= num_tokens)
+    };
+    while !fits(n) {
+        n += MIB;
+    }
+    n
+}
+
+/// What every rank must agree on in a fresh dispatch, packed into the notify message: hidden (24 bits),
+/// experts (20), top-k (12), flags (fp8, has top-k, no-sync).
+pub fn call_signature(sig: CallSignature) -> u64 {
+    (sig.hidden as u64 & 0xff_ffff)
+        | ((sig.num_experts as u64 & 0xf_ffff) << 24)
+        | ((sig.topk as u64 & 0xfff) << 44)
+        | ((sig.fp8 as u64) << 56)
+        | ((sig.has_topk as u64) << 57)
+        | ((sig.no_sync as u64) << 58)
+}
+
+/// The fields of [`call_signature`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallSignature {
+    pub hidden: usize,
+    pub num_experts: usize,
+    pub topk: usize,
+    pub fp8: bool,
+    pub has_topk: bool,
+    pub no_sync: bool,
+}
+
+impl CallSignature {
+    /// Unpacks [`call_signature`] (fields wider than their bits come back truncated).
+    pub fn decode(v: u64) -> CallSignature {
+        CallSignature {
+            hidden: (v & 0xff_ffff) as usize,
+            num_experts: ((v >> 24) & 0xf_ffff) as usize,
+            topk: ((v >> 44) & 0xfff) as usize,
+            fp8: (v >> 56) & 1 != 0,
+            has_topk: (v >> 57) & 1 != 0,
+            no_sync: (v >> 58) & 1 != 0,
+        }
+    }
+}
+
+impl std::fmt::Display for CallSignature {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "hidden {}, {} experts, top-{}{}, {}, {}",
+            self.hidden,
+            self.num_experts,
+            self.topk,
+            if self.has_topk { "" } else { " (not sent)" },
+            if self.fp8 { "fp8" } else { "bf16" },
+            if self.no_sync { "no-sync" } else { "CPU-sync" }
+        )
+    }
+}
+
+/// Start of part `i` of `parts` equal parts of `[0, total)` (`ht_split` in `ht.cuh`): senders and receivers
+/// split tokens and rows with it.
+pub fn split(total: usize, i: usize, parts: usize) -> usize {
+    (total as u64 * i as u64 / parts as u64) as usize
+}
+
+// ============================================================================================ arguments
+
+/// Argument of `ht_layout` (`HtLayoutArgs` in `ht_layout.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtLayoutArgs {
+    pub topk_idx: u64,
+    pub topk_stride_token: i64,
+    pub topk_stride_k: i64,
+    pub num_tokens_per_rank: u64,
+    pub num_tokens_per_expert: u64,
+    pub is_token_in_rank: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub num_tokens: u32,
+    pub topk: u32,
+    pub num_experts: u32,
+    pub num_ranks: u32,
+    pub rank: u32,
+    pub reserved: u32,
+}
+
+/// Argument of `ht_notify` (`HtNotifyArgs` in `ht_notify.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtNotifyArgs {
+    pub is_token_in_rank: u64,
+    pub num_tokens_per_rank: u64,
+    pub num_tokens_per_expert: u64,
+    pub routing: u64,
+    pub host_out: u64,
+    pub ctrl: [u64; MAX_RANKS],
+    pub signature: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub num_ranks: u32,
+    pub num_tokens: u32,
+    pub num_local_experts: u32,
+    pub slab_rows: u32,
+    pub slab_row_bytes: u32,
+    pub host_seq: u32,
+    pub reserved: u32,
+}
+
+/// Argument of `ht_dispatch` (`HtDispatchArgs` in `ht_dispatch.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtDispatchArgs {
+    pub x: u64,
+    pub x_scales: u64,
+    pub scale_stride_token: i64,
+    pub scale_stride_group: i64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_topk_idx: u64,
+    pub recv_topk_weights: u64,
+    pub recv_src_idx: u64,
+    pub routing: u64,
+    pub ctrl: [u64; MAX_RANKS],
+    pub data: [u64; MAX_RANKS],
+    pub flags_offset: u64,
+    pub slab_offset: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub num_ranks: u32,
+    pub num_tokens: u32,
+    pub num_local_experts: u32,
+    pub num_out_rows: u32,
+    pub slab_rows: u32,
+    pub flag_slots: u32,
+    pub num_send_blocks: u32,
+}
+
+/// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtCombineArgs {
+    pub x: u64,
+    pub topk_weights: u64,
+    pub bias0: u64,
+    pub bias1: u64,
+    pub combined_x: u64,
+    pub combined_topk_weights: u64,
+    pub routing: u64,
+    pub ctrl: [u64; MAX_RANKS],
+    pub data: [u64; MAX_RANKS],
+    pub flags_offset: u64,
+    pub slab_offset: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub num_tokens: u32,
+    pub num_x_rows: u32,
+    pub slab_rows: u32,
+    pub flag_slots: u32,
+    pub num_send_blocks: u32,
+}
+
+// ============================================================================================ variants
+
+fn define(name: &str, value: impl ToString) -> (String, String) {
+    (name.to_string(), value.to_string())
+}
+
+/// `ht_layout.cu`: one variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtLayoutVariant;
+
+impl HtLayoutVariant {
+    /// Threads per block.
+    pub const THREADS: u32 = 256;
+    /// Expert counters kept in shared memory.
+    pub const SMEM_EXPERTS: u32 = 4096;
+    /// Most blocks a launch uses (grid-stride beyond).
+    pub const MAX_BLOCKS: u32 = 1024;
+
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::HtLayout,
+            variant: format!("ht_layout[r{}]", MAX_RANKS),
+            defines: vec![
+                define("MAX_RANKS", MAX_RANKS),
+                define("LAYOUT_THREADS", Self::THREADS),
+                define("LAYOUT_SMEM_EXPERTS", Self::SMEM_EXPERTS),
+                define("MOELINK_SIZEOF_HT_LAYOUT_ARGS", std::mem::size_of::<HtLayoutArgs>()),
+            ],
+        }
+    }
+
+    /// Blocks for `num_tokens` tokens.
+    pub fn grid(num_tokens: usize) -> u32 {
+        (num_tokens.div_ceil(Self::THREADS as usize) as u32).clamp(1, Self::MAX_BLOCKS)
+    }
+}
+
+/// `ht_notify.cu`: one variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtNotifyVariant;
+
+impl HtNotifyVariant {
+    /// Threads of the single block.
+    pub const THREADS: u32 = 1024;
+
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::HtNotify,
+            variant: format!("ht_notify[r{}]", MAX_RANKS),
+            defines: vec![
+                define("MAX_RANKS", MAX_RANKS),
+                define("NOTIFY_THREADS", Self::THREADS),
+                define("MOELINK_SIZEOF_HT_NOTIFY_ARGS", std::mem::size_of::<HtNotifyArgs>()),
+            ],
+        }
+    }
+}
+
+/// `ht_dispatch.cu`, specialised on the row shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HtDispatchVariant {
+    pub hidden: usize,
+    pub fp8: bool,
+    /// Top-k entries travelling with each token (0: none).
+    pub topk: usize,
+}
+
+impl HtDispatchVariant {
+    /// Warps per block.
+    pub const WARPS: u32 = 16;
+    /// 16-byte vectors a lane keeps in flight per copy round.
+    pub const MAX_UNROLL: u32 = 16;
+
+    /// Threads per block.
+    pub fn threads(&self) -> u32 {
+        Self::WARPS * 32
+    }
+    /// Bytes of a slab row.
+    pub fn row_bytes(&self) -> usize {
+        dispatch_row_bytes(self.hidden, self.fp8, self.topk)
+    }
+
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::HtDispatch,
+            variant: format!("ht_dispatch[h{},{},k{}]", self.hidden, if self.fp8 { "fp8" } else { "bf16" }, self.topk),
+            defines: vec![
+                define("MAX_RANKS", MAX_RANKS),
+                define("HIDDEN", self.hidden),
+                define("FP8", self.fp8 as u32),
+                define("TOPK", self.topk),
+                define("DISPATCH_WARPS", Self::WARPS),
+                define("MAX_UNROLL", Self::MAX_UNROLL),
+                define("ROW_BYTES", self.row_bytes()),
+                define("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>()),
+            ],
+        }
+    }
+}
+
+/// `ht_combine.cu`, specialised on the rank count and the row shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HtCombineVariant {
+    pub num_ranks: usize,
+    pub hidden: usize,
+    /// Top-k weights per row (0: none).
+    pub topk: usize,
+}
+
+impl HtCombineVariant {
+    /// Warps per block.
+    pub const WARPS: u32 = 16;
+    /// 16-byte vectors a sender lane keeps in flight per copy round.
+    pub const MAX_UNROLL: u32 = 16;
+    /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
+    pub const REDUCE_LOAD_VECS: u32 = 16;
+
+    /// Threads per block.
+    pub fn threads(&self) -> u32 {
+        Self::WARPS * 32
+    }
+    /// Bytes of a slab row.
+    pub fn row_bytes(&self) -> usize {
+        combine_row_bytes(self.hidden, self.topk)
+    }
+
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::HtCombine,
+            variant: format!("ht_combine[r{},h{},k{}]", self.num_ranks, self.hidden, self.topk),
+            defines: vec![
+                define("MAX_RANKS", MAX_RANKS),
+                define("NUM_RANKS", self.num_ranks),
+                define("HIDDEN", self.hidden),
+                define("TOPK", self.topk),
+                define("COMBINE_WARPS", Self::WARPS),
+                define("MAX_UNROLL", Self::MAX_UNROLL),
+                define("REDUCE_LOAD_VECS", Self::REDUCE_LOAD_VECS),
+                define("ROW_BYTES", self.row_bytes()),
+                define("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>()),
+            ],
+        }
+    }
+}
+
+/// The HT variants `compile_all` checks: the test suite's shapes (hidden 128..7168, top-k 0..8, ranks 1..8)
+/// and DeepEP's benchmark shapes (hidden 7168, top-8, BF16 and FP8).
+pub fn variants() -> Vec<KernelSpec> {
+    let mut v = vec![HtLayoutVariant.spec(), HtNotifyVariant.spec()];
+    let dispatch = [
+        (128, false, 0),
+        (128, false, 4),
+        (128, false, 8),
+        (256, false, 0),
+        (256, false, 8),
+        (256, true, 8),
+        (512, false, 8),
+        (1024, true, 8),
+        (4096, false, 1),
+        (7168, false, 0),
+        (7168, false, 8),
+        (7168, true, 0),
+        (7168, true, 8),
+    ];
+    v.extend(dispatch.iter().map(|&(hidden, fp8, topk)| HtDispatchVariant { hidden, fp8, topk }.spec()));
+    let combine = [
+        (1, 256, 4),
+        (2, 256, 8),
+        (2, 512, 8),
+        (4, 128, 0),
+        (4, 256, 8),
+        (4, 4096, 1),
+        (4, 7168, 0),
+        (4, 7168, 8),
+        (8, 128, 8),
+        (8, 7168, 8),
+    ];
+    v.extend(combine.iter().map(|&(num_ranks, hidden, topk)| HtCombineVariant { num_ranks, hidden, topk }.spec()));
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of `constexpr u32 NAME = <integer>;` in `ht.cuh`.
+    fn header_value(name: &str) -> usize {
+        let header = crate::HT_HEADER;
+        let needle = format!("constexpr u32 {name} = ");
+        let start = header.find(&needle).unwrap_or_else(|| panic!("{name} is not defined in ht.cuh")) + needle.len();
+        let text: String = header[start..].chars().take_while(|c| c.is_ascii_digit()).collect();
+        text.parse().unwrap_or_else(|_| panic!("{name} is not a plain integer in ht.cuh"))
+    }
+
+    #[test]
+    fn layouts_agree_with_ht_header() {
+        let pairs: &[(&str, usize)] = &[
+            ("HT_FP8_BLOCK", FP8_BLOCK),
+            ("HT_CTRL_NOTIFY_EPOCH", ctrl::NOTIFY_EPOCH),
+            ("HT_CTRL_DISPATCH_EPOCH", ctrl::DISPATCH_EPOCH),
+            ("HT_CTRL_COMBINE_EPOCH", ctrl::COMBINE_EPOCH),
+            ("HT_CTRL_DISPATCH_DONE", ctrl::DISPATCH_DONE),
+            ("HT_CTRL_COMBINE_DONE", ctrl::COMBINE_DONE),
+            ("HT_CTRL_DISPATCH_CONSUMED", ctrl::DISPATCH_CONSUMED),
+            ("HT_CTRL_COMBINE_CONSUMED", ctrl::COMBINE_CONSUMED),
+            ("HT_CTRL_NOTIFY_FLAGS", ctrl::NOTIFY_FLAGS),
+            ("HT_CTRL_NOTIFY_MSGS", ctrl::NOTIFY_MSGS),
+            ("HT_MAX_LOCAL_EXPERTS", ctrl::MAX_LOCAL_EXPERTS),
+            ("HT_MSG_HEADER_WORDS", ctrl::MSG_HEADER_WORDS),
+            ("HT_RT_STATUS", routing::STATUS),
+            ("HT_RT_STATUS_PEER", routing::STATUS_PEER),
+            ("HT_RT_NUM_RECV", routing::NUM_RECV),
+            ("HT_RT_T_MAX", routing::T_MAX),
+            ("HT_RT_RECV_OFFSET", routing::RECV_OFFSET),
+            ("HT_STATUS_BAD_LAYOUT", status::BAD_LAYOUT as usize),
+            ("HT_STATUS_MISMATCH", status::MISMATCH as usize),
+            ("HT_STATUS_TOO_SMALL", status::TOO_SMALL as usize),
+            ("HT_STATUS_FAILED", status::FAILED as usize),
+            ("HT_HN_READY", host_notify::READY),
+            ("HT_HN_NUM_RECV", host_notify::NUM_RECV),
+            ("HT_HN_T_MAX", host_notify::T_MAX),
+            ("HT_HN_STATUS", host_notify::STATUS),
+            ("HT_HN_STATUS_PEER", host_notify::STATUS_PEER),
+            ("HT_HN_RECV_COUNT", host_notify::RECV_COUNT),
+        ];
+        for &(name, rust) in pairs {
+            assert_eq!(header_value(name), rust, "{name}");
+        }
+        let h = crate::HT_HEADER;
+        assert!(h.contains("constexpr u32 HT_RT_RECV_COUNT = HT_RT_RECV_OFFSET + MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_RT_SEND_COUNT = HT_RT_RECV_COUNT + MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_RT_PREFIX = HT_RT_SEND_COUNT + MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_HN_PER_EXPERT = HT_HN_RECV_COUNT + MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;"));
+        assert_eq!(routing::PREFIX % 4, 0, "prefix rows 16-byte aligned");
+        assert_eq!(host_notify::PER_EXPERT, 16);
+    }
+
+    #[test]
+    fn struct_sizes() {
+        assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 6 * 4);
+    }
+
+    #[test]
+    fn row_sizes() {
+        // BF16 7168 top-8: 14336 payload + (16 + 0 + 8 + 1) words = 100 bytes -> 112.
+        assert_eq!(dispatch_row_bytes(7168, false, 8), 14336 + 112);
+        // FP8 7168 top-8: 7168 + (16 + 56 + 8 + 1) * 4 = 324 -> 336.
+        assert_eq!(dispatch_row_bytes(7168, true, 8), 7168 + 336);
+        // No top-k: the source index alone, padded.
+        assert_eq!(dispatch_row_bytes(128, false, 0), 256 + 16);
+        assert_eq!(combine_row_bytes(7168, 8), 14336 + 32);
+        assert_eq!(combine_row_bytes(7168, 0), 14336);
+        assert_eq!(combine_row_bytes(256, 1), 512 + 16);
+        for h in [128, 256, 7168] {
+            for k in 0..10 {
+                assert_eq!(dispatch_row_bytes(h, false, k) % 16, 0);
+                assert_eq!(dispatch_row_bytes(h, true, k) % 16, 0);
+                assert_eq!(combine_row_bytes(h, k) % 16, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn region_parts_are_disjoint_and_inside() {
+        for nvl in [0usize, 1000, 4096, 1 << 20, 3 << 20, (1 << 30) + 12345] {
+            for r in 1..=MAX_RANKS {
+                let g = HtRegion { num_nvl_bytes: nvl, num_ranks: r };
+                let fs = g.flag_slots();
+                assert_eq!(fs, nvl / (r * 1024));
+                assert!(g.dispatch_flags_offset() + r * fs * 4 <= g.combine_flags_offset());
+                assert!(g.combine_flags_offset() + r * fs * 4 <= g.dispatch_slab_offset());
+                assert_eq!(g.dispatch_slab_offset() + g.slab_bytes(), g.combine_slab_offset());
+                assert!(g.combine_slab_offset() + g.slab_bytes() <= nvl.max(g.combine_slab_offset()));
+                assert_eq!(g.dispatch_slab_offset() % REGION_ALIGN, 0);
+                assert_eq!(g.combine_slab_offset() % REGION_ALIGN, 0);
+                for row in [32usize, 272, 14448] {
+                    let rows = g.slab_rows(row);
+                    assert!(rows <= fs);
+                    assert!(r * rows * row <= g.slab_bytes(), "nvl {nvl} r {r} row {row}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_needed_fits_and_is_tight() {
+        for (t, h, k, r, fp8) in
+            [(4096, 7168, 8, 4, false), (4096, 7168, 8, 4, true), (1, 128, 1, 2, false), (8192, 128, 4, 2, false), (50, 1024, 8, 8, true)]
+        {
+            let rows = [dispatch_row_bytes(h, fp8, k), combine_row_bytes(h, k)];
+            let n = bytes_needed(t, r, &rows);
+            let g = HtRegion { num_nvl_bytes: n, num_ranks: r };
+            assert!(rows.iter().all(|&row| g.slab_rows(row) >= t), "{t} {h} {k} {r} {fp8}");
+            let smaller = HtRegion { num_nvl_bytes: n - (1 << 20), num_ranks: r };
+            assert!(rows.iter().any(|&row| smaller.slab_rows(row) < t), "not tight: {t} {h} {k} {r} {fp8}");
+            assert_eq!(n % (1 << 20), 0);
+        }
+        assert_eq!(bytes_needed(0, 4, &[1024]), 0);
+        // The benchmark shape needs under half a GiB per rank.
+        let bench = bytes_needed(4096, 4, &[dispatch_row_bytes(7168, false, 8), combine_row_bytes(7168, 8)]);
+        assert!(bench < 480 << 20, "{bench}");
+    }
+
+    #[test]
+    fn signature_round_trips() {
+        let s = CallSignature { hidden: 7168, num_experts: 256, topk: 8, fp8: true, has_topk: true, no_sync: false };
+        assert_eq!(CallSignature::decode(call_signature(s)), s);
+        let t = CallSignature { fp8: false, ..s };
+        assert_ne!(call_signature(s), call_signature(t));
+        assert!(s.to_string().contains("hidden 7168"));
+    }
+
+    #[test]
+    fn split_partitions() {
+        for total in [0usize, 1, 5, 31, 4096, 4097] {
+            for parts in [1usize, 2, 3, 12, 192] {
+                assert_eq!(split(total, 0, parts), 0);
+                assert_eq!(split(total, parts, parts), total);
+                let mut covered = 0;
+                for i in 0..parts {
+                    let (a, b) = (split(total, i, parts), split(total, i + 1, parts));
+                    assert!(a <= b && b - a <= total.div_ceil(parts));
+                    covered += b - a;
+                }
+                assert_eq!(covered, total);
+            }
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Runs the high-throughput kernels' real CUDA sources on the CPU and checks what they compute, on a machine
+//! without a GPU. `tests/emu/` holds the emulator (each block an OS thread, each CUDA thread a fiber, warp
+//! collectives as rendezvous, the `ptx` namespace of `ptx.cuh` as C++ atomics) and a harness that drives the
+//! kernels like moelink's CUDA backend for R ranks in one process: layout, notify (CPU-sync and no-sync),
+//! dispatch, combine with biases, cached dispatch, a second round in the same buffers (epochs, hand-back,
+//! changing row layouts), no-sync overflow, a buffer too small for the call, an invalid `topk_idx`, and a rank
+//! that never arrives (timeouts instead of hangs). Every output is compared with a reference; combine sums are
+//! checked bit for bit in the documented order.
+//!
+//! Needs `g++` (C++20). Without it the test prints why and passes, unless `MOELINK_REQUIRE_EMU=1`.
+//! It cannot check the GPU memory model's weak orderings, timing or register use (see `compile_all.rs`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use moelink_kernels::ht::{combine_row_bytes, dispatch_row_bytes, HtCombineArgs, HtDispatchArgs, HtLayoutArgs, HtNotifyArgs};
+
+/// One compiled configuration: rank count, row shape, and the block shapes to use.
+#[derive(Clone, Copy, Debug)]
+struct EmuCase {
+    ranks: usize,
+    hidden: usize,
+    topk: usize,
+    fp8: bool,
+    local_experts: usize,
+    /// 16-byte vectors per lane and copy round (small values exercise multi-round and partial rounds).
+    max_unroll: usize,
+    /// Expert counters in shared memory (fewer than E exercises the global-atomic path).
+    smem_experts: usize,
+}
+
+const PTX: &str = include_str!("../cuda/ptx.cuh");
+const HT: &str = include_str!("../cuda/ht.cuh");
+
+fn strip_header(src: &str) -> String {
+    src.lines().filter(|l| !l.starts_with("#pragma once") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n")
+}
+
+/// ptx.cuh with its `namespace ptx { ... }` replaced by the emulated one.
+fn emulated_ptx(ptx_emu: &str) -> String {
+    let start = PTX.find("namespace ptx {").expect("ptx.cuh has a ptx namespace");
+    let end_marker = "}  // namespace ptx";
+    let end = PTX.find(end_marker).expect("ptx.cuh closes its ptx namespace") + end_marker.len();
+    strip_header(&format!("{}{}{}", &PTX[..start], ptx_emu, &PTX[end..]))
+}
+
+fn family(name: &str, defines: &[(&str, String)], source: &str, ptx: &str) -> String {
+    let mut s = String::new();
+    for (k, v) in defines {
+        s += &format!("#define {k} {v}\n");
+    }
+    s += &format!(
+        "namespace {name} {{\n{ptx}\n{}\n{}\n}}  // namespace {name}\n",
+        strip_header(HT),
+        strip_header(&source.replace("extern \"C\" __global__", "__global__"))
+    );
+    for (k, _) in defines {
+        s += &format!("#undef {k}\n");
+    }
+    s
+}
+
+fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
+    let ptx = emulated_ptx(&std::fs::read_to_string(emu_dir.join("ptx_emu.hpp")).expect("ptx_emu.hpp"));
+    let warps = "2".to_string();
+    let mut s = String::new();
+    for (k, v) in [
+        ("MAX_RANKS", moelink_kernels::abi::MAX_RANKS.to_string()),
+        ("LAYOUT_THREADS", "64".into()),
+        ("LAYOUT_SMEM_EXPERTS", c.smem_experts.to_string()),
+        ("NOTIFY_THREADS", "64".into()),
+        ("MOELINK_SIZEOF_HT_LAYOUT_ARGS", std::mem::size_of::<HtLayoutArgs>().to_string()),
+        ("MOELINK_SIZEOF_HT_NOTIFY_ARGS", std::mem::size_of::<HtNotifyArgs>().to_string()),
+        ("EMU_RANKS", c.ranks.to_string()),
+        ("EMU_HIDDEN", c.hidden.to_string()),
+        ("EMU_TOPK", c.topk.to_string()),
+        ("EMU_FP8", (c.fp8 as u32).to_string()),
+        ("EMU_LOCAL_EXPERTS", c.local_experts.to_string()),
+    ] {
+        s += &format!("#define {k} {v}\n");
+    }
+    s += "#include \"emu.hpp\"\n";
+    s += &family("k_layout", &[], moelink_kernels::HT_LAYOUT_SOURCE, &ptx);
+    s += &family("k_notify", &[], moelink_kernels::HT_NOTIFY_SOURCE, &ptx);
+    let dispatch = |hidden: usize, fp8: bool, topk: usize| {
+        vec![
+            ("HIDDEN", hidden.to_string()),
+            ("FP8", (fp8 as u32).to_string()),
+            ("TOPK", topk.to_string()),
+            ("DISPATCH_WARPS", warps.clone()),
+            ("MAX_UNROLL", c.max_unroll.to_string()),
+            ("ROW_BYTES", dispatch_row_bytes(hidden, fp8, topk).to_string()),
+            ("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>().to_string()),
+        ]
+    };
+    s += &family("k_disp", &dispatch(c.hidden, c.fp8, c.topk), moelink_kernels::HT_DISPATCH_SOURCE, &ptx);
+    s += &family("k_disp0", &dispatch(c.hidden, false, 0), moelink_kernels::HT_DISPATCH_SOURCE, &ptx);
+    s += &family(
+        "k_comb",
+        &[
+            ("NUM_RANKS", c.ranks.to_string()),
+            ("HIDDEN", c.hidden.to_string()),
+            ("TOPK", c.topk.to_string()),
+            ("COMBINE_WARPS", warps.clone()),
+            ("MAX_UNROLL", c.max_unroll.to_string()),
+            ("REDUCE_LOAD_VECS", "4".into()),
+            ("ROW_BYTES", combine_row_bytes(c.hidden, c.topk).to_string()),
+            ("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>().to_string()),
+        ],
+        moelink_kernels::HT_COMBINE_SOURCE,
+        &ptx,
+    );
+    s += "#include \"harness.cpp\"\n";
+    s
+}
+
+fn compiler() -> Option<String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    match Command::new(&cxx).arg("--version").output() {
+        Ok(o) if o.status.success() => Some(cxx),
+        _ => None,
+    }
+}
+
+fn run_case(cxx: &str, c: &EmuCase, dir: &Path) -> Result<String, String> {
+    let emu_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/emu");
+    let name = format!("r{}_h{}_k{}_{}", c.ranks, c.hidden, c.topk, if c.fp8 { "fp8" } else { "bf16" });
+    let src = dir.join(format!("{name}.cpp"));
+    let bin = dir.join(&name);
+    std::fs::write(&src, assemble(c, &emu_dir)).map_err(|e| e.to_string())?;
+    let out = Command::new(cxx)
+        .args(["-std=c++20", "-O1", "-g", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unused"])
+        .arg("-I")
+        .arg(&emu_dir)
+        .arg(&src)
+        .arg("-o")
+        .arg(&bin)
+        .output()
+        .map_err(|e| format!("cannot run {cxx}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{name}: compile failed:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let run = Command::new(&bin).output().map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    if run.status.success() {
+        Ok(format!("{name}:\n{text}"))
+    } else {
+        Err(format!("{name} ({:?}):\n{text}", run.status))
+    }
+}
+
+#[test]
+fn ht_kernels_run_on_the_cpu_emulator() {
+    let Some(cxx) = compiler() else {
+        if std::env::var("MOELINK_REQUIRE_EMU").as_deref() == Ok("1") {
+            panic!("MOELINK_REQUIRE_EMU=1 but no C++ compiler (g++ or $CXX) was found");
+        }
+        eprintln!("skipping the CPU emulation of the HT kernels: no C++ compiler (g++ or $CXX)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("moelink-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let cases = [
+        EmuCase { ranks: 2, hidden: 1000, topk: 4, fp8: false, local_experts: 4, max_unroll: 3, smem_experts: 64 },
+        EmuCase { ranks: 4, hidden: 256, topk: 8, fp8: true, local_experts: 8, max_unroll: 8, smem_experts: 16 },
+        EmuCase { ranks: 3, hidden: 64, topk: 2, fp8: false, local_experts: 2, max_unroll: 1, smem_experts: 64 },
+        EmuCase { ranks: 1, hidden: 128, topk: 4, fp8: false, local_experts: 4, max_unroll: 8, smem_experts: 64 },
+        EmuCase { ranks: 8, hidden: 32, topk: 8, fp8: false, local_experts: 8, max_unroll: 8, smem_experts: 64 },
+        EmuCase { ranks: 2, hidden: 136, topk: 1, fp8: false, local_experts: 3, max_unroll: 2, smem_experts: 1 },
+    ];
+    let only = std::env::var("MOELINK_EMU_CASE").ok();
+    let mut failures = Vec::new();
+    for c in &cases {
+        if only.as_deref().is_some_and(|o| !format!("{c:?}").contains(o)) {
+            continue;
+        }
+        match run_case(&cxx, c, &dir) {
+            Ok(report) => eprintln!("{report}"),
+            Err(e) => failures.push(e),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "emulated HT kernels failed:\n{}", failures.join("\n"));
+}
