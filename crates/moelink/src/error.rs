@@ -68,13 +68,26 @@ pub enum Error {
     #[error("group error on rank {rank}: {reason}")]
     Group { rank: usize, reason: String },
 
-    /// An error from the CUDA layer.
+    /// An error from the CUDA layer (a failing driver or NVRTC call). A missing driver, device or NVRTC
+    /// arrives as [`Error::Unavailable`] instead.
     #[error(transparent)]
-    Cuda(#[from] moelink_cuda::Error),
+    Cuda(moelink_cuda::Error),
 
     /// An I/O error (files, sockets).
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+}
+
+impl From<moelink_cuda::Error> for Error {
+    /// "Nothing to run on" (no driver, no GPU, no NVRTC) is `Unavailable`, so callers can tell a machine
+    /// without CUDA from a CUDA failure with one match.
+    fn from(e: moelink_cuda::Error) -> Self {
+        if e.is_unavailable() {
+            Error::Unavailable(e.to_string())
+        } else {
+            Error::Cuda(e)
+        }
+    }
 }
 
 impl Error {
