@@ -20,6 +20,7 @@
 //! ```
 
 pub mod abi;
+pub mod ll;
 
 use moelink_cuda::jit::CompileRequest;
 
@@ -49,6 +50,8 @@ pub enum Family {
     Barrier,
     /// `copy.cu`: the copy primitive (SM stores, TMA) and pattern fill/verify.
     Copy,
+    /// `ll.cu`: low-latency dispatch and combine ([`ll`]).
+    Ll,
 }
 
 impl Family {
@@ -57,6 +60,7 @@ impl Family {
         match self {
             Family::Barrier => "barrier.cu",
             Family::Copy => "copy.cu",
+            Family::Ll => "ll.cu",
         }
     }
 
@@ -65,6 +69,7 @@ impl Family {
         match self {
             Family::Barrier => BARRIER_SOURCE,
             Family::Copy => COPY_SOURCE,
+            Family::Ll => ll::LL_SOURCE,
         }
     }
 
@@ -78,6 +83,7 @@ impl Family {
                 KernelInfo { name: "fill_pattern", hot: true },
                 KernelInfo { name: "verify_pattern", hot: true },
             ],
+            Family::Ll => &[KernelInfo { name: "ll_dispatch", hot: true }, KernelInfo { name: "ll_combine", hot: true }],
         }
     }
 }
@@ -205,7 +211,9 @@ impl CopyVariant {
 
 /// Every variant the tests and the benchmark compile.
 pub fn all_variants() -> Vec<KernelSpec> {
-    vec![BarrierVariant.spec(), CopyVariant::default().spec()]
+    let mut v = vec![BarrierVariant.spec(), CopyVariant::default().spec()];
+    v.extend(ll::LlVariant::all().iter().map(ll::LlVariant::spec));
+    v
 }
 
 #[cfg(test)]
