@@ -75,6 +75,13 @@ pub struct RecvHook<'a> {
     pending: PendingRecv<'a>,
 }
 
+/// A CUDA graph captured by [`Buffer::capture_graph`]; replay it with [`Buffer::replay_graph`] on the buffer
+/// that captured it.
+pub struct CapturedGraph {
+    buffer_id: u64,
+    graph: Box<dyn std::any::Any + Send + Sync>,
+}
+
 /// One rank's endpoint of the expert-parallel collectives. Every rank of the group creates one, and all
 /// ranks call the same operations in the same order.
 pub struct Buffer {
@@ -198,6 +205,33 @@ impl Buffer {
     /// Waits for every rank (collective).
     pub fn barrier(&mut self) -> Result<()> {
         self.step(|b| b.barrier())
+    }
+
+    /// CUDA backend: captures the operations `f` makes on this buffer into a CUDA graph instead of running
+    /// them (the buffer's own stream is captured; calls return as soon as their work is enqueued). Every rank
+    /// captures the same sequence. Only operations that need no host synchronisation can be captured: the
+    /// low-latency calls (with caller-provided outputs, `_into`) and the no-sync high-throughput ones.
+    /// Host backend: [`Error::Unavailable`].
+    pub fn capture_graph(&mut self, f: impl FnOnce(&mut Buffer) -> Result<()>) -> Result<CapturedGraph> {
+        self.check_usable()?;
+        self.backend.begin_capture()?;
+        let r = f(self);
+        let graph = self.backend.end_capture();
+        r?;
+        Ok(CapturedGraph { buffer_id: self.id, graph: graph? })
+    }
+
+    /// Replays a graph captured on this buffer and waits for it (collective: every rank replays its graph).
+    ///
+    /// # Safety
+    /// Every tensor the captured operations read or write must still be alive (the graph replays them at the
+    /// addresses they had at capture time).
+    pub unsafe fn replay_graph(&mut self, graph: &CapturedGraph) -> Result<()> {
+        if graph.buffer_id != self.id {
+            return Err(Error::invalid("graph", self.rank(), "the graph was captured on another buffer"));
+        }
+        // SAFETY: forwarded contract.
+        self.step(|b| unsafe { b.replay(graph.graph.as_ref()) })
     }
 
     // ------------------------------------------------------------------ high-throughput

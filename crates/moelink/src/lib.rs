@@ -48,7 +48,7 @@ pub mod tensor;
 pub(crate) mod validate;
 
 pub use backend::LayoutOutputs;
-pub use buffer::{fresh, Buffer, CombineResult, DispatchLayout, DispatchResult, LlDispatchResult, RecvHook};
+pub use buffer::{fresh, Buffer, CapturedGraph, CombineResult, DispatchLayout, DispatchResult, LlDispatchResult, RecvHook};
 pub use config::{BackendKind, BufferOptions, Config};
 pub use dtype::{DType, Element, Fp8E4M3};
 pub use error::{Error, Phase, Result};

@@ -76,4 +76,20 @@ pub(crate) trait Backend: Send {
     fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()>;
     fn ll_mask(&mut self) -> Result<Vec<bool>>;
     fn ll_clear_mask(&mut self) -> Result<()>;
+
+    /// Starts capturing this backend's operations into a CUDA graph (they are enqueued, not run).
+    fn begin_capture(&mut self) -> Result<()> {
+        Err(crate::error::Error::Unavailable(format!("the {} backend cannot capture CUDA graphs", self.name())))
+    }
+    /// Ends the capture and returns the instantiated graph.
+    fn end_capture(&mut self) -> Result<Box<dyn Any + Send + Sync>> {
+        Err(crate::error::Error::Unavailable(format!("the {} backend cannot capture CUDA graphs", self.name())))
+    }
+    /// Replays a graph returned by `end_capture` and waits for it.
+    ///
+    /// # Safety
+    /// Every tensor the captured operations read or write must still be alive.
+    unsafe fn replay(&mut self, _graph: &(dyn Any + Send + Sync)) -> Result<()> {
+        Err(crate::error::Error::Unavailable(format!("the {} backend cannot replay CUDA graphs", self.name())))
+    }
 }

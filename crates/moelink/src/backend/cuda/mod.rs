@@ -58,6 +58,8 @@ enum StreamMode {
     Own,
     /// A caller's stream (raw handle); the call returns once the work is enqueued.
     External(Stream),
+    /// The buffer's own stream while it is captured into a CUDA graph: calls only enqueue.
+    Capture,
 }
 
 pub(crate) struct CudaBackend {
@@ -152,14 +154,14 @@ impl CudaBackend {
     /// The stream operations are enqueued on.
     pub(crate) fn op_stream(&self) -> &Stream {
         match &self.mode {
-            StreamMode::Own => &self.stream,
+            StreamMode::Own | StreamMode::Capture => &self.stream,
             StreamMode::External(s) => s,
         }
     }
 
     /// True when calls return before their kernels finish.
     pub(crate) fn is_async(&self) -> bool {
-        matches!(self.mode, StreamMode::External(_))
+        matches!(self.mode, StreamMode::External(_) | StreamMode::Capture)
     }
 
     /// Device address of byte `offset` of rank `r`'s symmetric buffer.
@@ -392,5 +394,27 @@ impl Backend for CudaBackend {
     }
     fn ll_clear_mask(&mut self) -> Result<()> {
         ll::clear_mask(self)
+    }
+    fn begin_capture(&mut self) -> Result<()> {
+        if !matches!(self.mode, StreamMode::Own) {
+            return Err(Error::invalid("stream", self.rank, "capture runs on the buffer's own stream: call set_stream(None) first"));
+        }
+        self.stream.begin_capture()?;
+        self.mode = StreamMode::Capture;
+        Ok(())
+    }
+    fn end_capture(&mut self) -> Result<Box<dyn Any + Send + Sync>> {
+        self.mode = StreamMode::Own;
+        let graph = self.stream.end_capture()?;
+        Ok(Box::new(graph.instantiate()?))
+    }
+    unsafe fn replay(&mut self, graph: &(dyn Any + Send + Sync)) -> Result<()> {
+        let exec = graph
+            .downcast_ref::<moelink_cuda::GraphExec>()
+            .ok_or_else(|| Error::invalid("graph", self.rank, "the graph was captured by another backend"))?;
+        // SAFETY: the caller of Buffer::replay_graph guarantees that every tensor the captured calls use is
+        // still alive; the buffer's own memory lives as long as `self`.
+        unsafe { exec.launch(&self.stream)? };
+        self.finish(Phase::Other)
     }
 }
