@@ -246,10 +246,13 @@ struct LlShared {
   u32 abort;                 // a wait of this block failed: skip the data work
   u32 problem;
   u32 last;
+  u32 phase_ok;              // last block: no block of the phase failed
 };
 
 // ============================================================================================ PTX helpers
-// (named after the instruction they emit; specific to this family)
+// (named after the instruction they emit; specific to this family). The host emulator of
+// tests/ll_emulation.rs (emu/ptx.cuh) provides C++ versions of these.
+#ifndef MOELINK_HOST_EMULATION
 namespace llptx {
 
 __device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
@@ -322,6 +325,7 @@ __device__ __forceinline__ float max_f32(float a, float b) {
 }
 
 }  // namespace llptx
+#endif
 
 // ============================================================================================ small helpers
 __device__ __forceinline__ u32 lane_id() { return threadIdx.x % WARP_SIZE; }
@@ -419,21 +423,27 @@ __device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
 
 // Every thread of every block calls this once per phase, after its stores of the phase. A thread that wrote
 // into peer memory (`stored`, send phases) first fences its own stores at system scope; then the block
-// counts itself in `done`, and exactly one block — the last — gets true, with the counter reset for the
-// next launch and an acquire/release fence issued by its thread 0, the thread that then publishes.
-// Receive phases pass false: what they publish (consumed flags) only orders their loads of the receive
-// region, which completed before the block's barrier; their outputs are ordered by the kernel boundary.
+// counts itself in `done` (plus LL_DONE_FAILED when its phase failed: sm.abort), and exactly one block —
+// the last — gets true, with the counter reset for the next launch and an acquire/release fence issued by
+// its thread 0, the thread that then publishes; sm.phase_ok tells it whether every block succeeded (a
+// failure of a later phase of the same launch, or of another kernel, does not count).
+// Receive phases pass stored = false: what they publish (consumed flags) only orders their loads of the
+// receive region, which completed before the block's barrier; their outputs are ordered by the kernel
+// boundary.
+constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
 __device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored) {
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const u32 old = llptx::atom_add_acq_rel_gpu(done, 1);
-    const bool last = old == gridDim.x - 1;
+    const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
+    const u32 old = llptx::atom_add_acq_rel_gpu(done, mine);
+    const bool last = (old & (LL_DONE_FAILED - 1)) == gridDim.x - 1;
     if (last) {
       ptx::fence_acq_rel_sys();
       llptx::st_relaxed_gpu(done, 0);
     }
     sm.last = last ? 1u : 0u;
+    sm.phase_ok = (old + mine) < LL_DONE_FAILED ? 1u : 0u;
   }
   __syncthreads();
   return sm.last != 0;
@@ -700,8 +710,9 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   if (ll_last_block(&me->dispatch_send_done, sm, stored) && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
     me->dispatch_last_write[a.set] = epoch;
-    // A rank that failed does not publish: its peers then time out and name it, instead of reading garbage.
-    if (!error_raised(d)) {
+    // A send that failed (its hand-back wait timed out) does not publish: the peers then time out naming
+    // this rank instead of reading garbage. A timeout of this launch's receive phase does not count.
+    if (sm.phase_ok) {
       for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank], epoch);
     }
   }
@@ -862,7 +873,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   }
 
   if (ll_last_block(&me->dispatch_recv_done, sm, false) && threadIdx.x == 0) {
-    if (!error_raised(d)) {
+    if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], epoch);
     }
   }
@@ -1034,7 +1045,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   if (ll_last_block(&me->combine_send_done, sm, stored) && threadIdx.x == 0) {
     me->combine_epoch = epoch;
     me->combine_last_write[a.set] = epoch;
-    if (!error_raised(d)) {
+    if (sm.phase_ok) {
       for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank], epoch);
     }
   }
@@ -1158,7 +1169,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
     }
   }
   if (ll_last_block(&me->combine_recv_done, sm, false) && threadIdx.x == 0) {
-    if (!error_raised(d)) {
+    if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], epoch);
     }
   }
