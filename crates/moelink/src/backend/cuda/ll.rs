@@ -126,13 +126,18 @@ fn variant_of(s: &LlSpec) -> LlVariant {
 /// The layout for `s`, after checking the kernels' limits and that the region holds it (`with_staging`:
 /// the zero-copy buffer too).
 fn layout_for(b: &CudaBackend, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
+    checked_layout(b.num_rdma_bytes, s, with_staging)
+}
+
+/// [`layout_for`] against a region of `num_rdma_bytes`.
+fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
     let limits = LlLimits { num_ranks: s.num_ranks, max_tokens: s.num_max_tokens, topk: s.topk, num_experts: s.num_experts };
     limits.check().map_err(|(arg, why)| Error::invalid(arg, s.rank, why))?;
     let layout = LlLayout::new(s.num_ranks, s.num_max_tokens, s.hidden, s.topk, s.num_experts).ok_or_else(|| {
         Error::invalid("num_max_dispatch_tokens_per_rank", s.rank, "the low-latency buffer size overflows for this shape")
     })?;
     let needed = if with_staging { layout.bytes } else { layout.bytes_without_staging };
-    if needed > b.num_rdma_bytes {
+    if needed > num_rdma_bytes {
         let hint = LlLayout::bytes_hint(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).unwrap_or(needed).max(needed);
         return Err(Error::BufferTooSmall {
             rank: s.rank,
@@ -142,7 +147,7 @@ fn layout_for(b: &CudaBackend, s: &LlSpec, with_staging: bool) -> Result<LlLayou
                 "low-latency region (num_rdma_bytes)"
             },
             needed,
-            available: b.num_rdma_bytes,
+            available: num_rdma_bytes,
             hint: format!(
                 "create the Buffer with num_rdma_bytes >= Buffer::ll_bytes_needed({}, {}, {}, {}) = {hint}",
                 s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts
@@ -641,6 +646,27 @@ mod tests {
         let v = variant_of(&spec(LlQuant::Fp8 { round_scale: false, use_ue8m0: false }, false));
         assert_eq!(v, LlVariant { hidden: 7168, topk: 8, fp8: true });
         assert!(!variant_of(&spec(LlQuant::Bf16, true)).fp8);
+    }
+
+    #[test]
+    fn capacity_is_checked_before_launch() {
+        let s = spec(LlQuant::Fp8 { round_scale: false, use_ue8m0: false }, true);
+        let l = LlLayout::new(4, 128, 7168, 8, 288).unwrap();
+        assert_eq!(checked_layout(l.bytes_without_staging, &s, false).unwrap(), l);
+        match checked_layout(l.bytes_without_staging - 1, &s, false) {
+            Err(Error::BufferTooSmall { rank: 1, needed, available, hint, .. }) => {
+                assert_eq!((needed, available), (l.bytes_without_staging, l.bytes_without_staging - 1));
+                assert!(hint.contains("ll_bytes_needed(128, 7168, 4, 288)"), "{hint}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The zero-copy buffer needs the whole layout.
+        assert!(matches!(checked_layout(l.bytes - 1, &s, true), Err(Error::BufferTooSmall { .. })));
+        assert!(checked_layout(l.bytes, &s, true).is_ok());
+        assert!(checked_layout(bytes_needed(128, 7168, 4, 288), &s, true).is_ok(), "the hint is enough");
+        // Kernel limits come first, naming the argument.
+        let big = LlSpec { topk: 33, ..s };
+        assert_eq!(checked_layout(usize::MAX, &big, false).unwrap_err().argument(), Some("topk_idx"));
     }
 
     #[test]
