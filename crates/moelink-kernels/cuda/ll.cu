@@ -647,6 +647,22 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
   bool stored = false;
   for (u32 item = first_warp; item < items; item += num_warps) {
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
+    // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
+#if LL_FP8
+    const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
+    const bool active = ch < LL_HIDDEN;
+    u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
+    if (active) {
+      const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
+      v0 = ptx::ld_nc_na_v4(src);
+      v1 = ptx::ld_nc_na_v4(src + 1);
+    }
+#else
+    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+    const bool active = off < PAYLOAD_BYTES;
+    u32x4 v = {0, 0, 0, 0};
+    if (active) v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off));
+#endif
     u32 ranks = 0;
     if (lane < LL_TOPK) {
       const i64 e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
@@ -657,14 +673,6 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     stored = true;
     const u64 slot = a.off_rows + ((u64)a.rank * a.max_tokens + t) * a.row_stride;
 #if LL_FP8
-    const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
-    const bool active = ch < LL_HIDDEN;
-    u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
-    if (active) {
-      const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
-      v0 = ptx::ld_nc_na_v4(src);
-      v1 = ptx::ld_nc_na_v4(src + 1);
-    }
     float scale_inv;
     const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
     while (ranks != 0) {
@@ -677,10 +685,6 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
       }
     }
 #else
-    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-    const bool active = off < PAYLOAD_BYTES;
-    u32x4 v = {0, 0, 0, 0};
-    if (active) v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off));
     while (ranks != 0) {
       const u32 p = __ffs(ranks) - 1;
       ranks &= ranks - 1;
@@ -802,6 +806,12 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
       const u32 p = st / TM, t = st % TM;
       if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
+      // The payload chunk is loaded together with the entries (independent loads in flight at once).
+      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      const bool active = off < PAYLOAD_BYTES;
+      u32x4 v = {0, 0, 0, 0};
+      if (active) v = llptx::ld_cg_v4(msg + off);
       const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
       i32 row = -1;
       if (lane < LL_TOPK) {
@@ -817,11 +827,6 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       }
       const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
       if (valid == 0) continue;
-      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
-      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      const bool active = off < PAYLOAD_BYTES;
-      u32x4 v = {0, 0, 0, 0};
-      if (active) v = llptx::ld_cg_v4(msg + off);
       u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
       for (u32 m = valid; m != 0; m &= m - 1) {
         const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
