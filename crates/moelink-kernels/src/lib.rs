@@ -23,6 +23,7 @@
 
 pub mod abi;
 pub mod ht;
+pub mod ll;
 
 use moelink_cuda::jit::CompileRequest;
 
@@ -70,6 +71,8 @@ pub enum Family {
     HtDispatch,
     /// `ht_combine.cu`: high-throughput combine.
     HtCombine,
+    /// `ll.cu`: low-latency dispatch and combine ([`ll`]).
+    Ll,
 }
 
 impl Family {
@@ -82,6 +85,7 @@ impl Family {
             Family::HtNotify => "ht_notify.cu",
             Family::HtDispatch => "ht_dispatch.cu",
             Family::HtCombine => "ht_combine.cu",
+            Family::Ll => "ll.cu",
         }
     }
 
@@ -94,6 +98,7 @@ impl Family {
             Family::HtNotify => HT_NOTIFY_SOURCE,
             Family::HtDispatch => HT_DISPATCH_SOURCE,
             Family::HtCombine => HT_COMBINE_SOURCE,
+            Family::Ll => ll::LL_SOURCE,
         }
     }
 
@@ -111,6 +116,7 @@ impl Family {
             Family::HtNotify => &[KernelInfo { name: "ht_notify", hot: true }],
             Family::HtDispatch => &[KernelInfo { name: "ht_dispatch", hot: true }],
             Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
+            Family::Ll => &[KernelInfo { name: "ll_dispatch", hot: true }, KernelInfo { name: "ll_combine", hot: true }],
         }
     }
 }
@@ -240,6 +246,7 @@ impl CopyVariant {
 pub fn all_variants() -> Vec<KernelSpec> {
     let mut v = vec![BarrierVariant.spec(), CopyVariant::default().spec()];
     v.extend(ht::variants());
+    v.extend(ll::LlVariant::all().iter().map(ll::LlVariant::spec));
     v
 }
 

@@ -56,7 +56,7 @@ fn every_variant_compiles_without_spills() {
             }
         }
         if let Some(tool) = std::env::var_os("MOELINK_CUOBJDUMP") {
-            failures.extend(check_sass(&tool, spec.family, &compiled.cubin).into_iter().map(|f| format!("{}: {f}", spec.variant)));
+            failures.extend(check_sass(&tool, &spec, &compiled.cubin).into_iter().map(|f| format!("{}: {f}", spec.variant)));
         }
     }
     assert!(failures.is_empty(), "kernel compile check failed:\n{}", failures.join("\n"));
@@ -101,7 +101,8 @@ fn disk_cache_hits_after_a_cold_compile() {
 }
 
 /// Instructions each family must contain (substrings of cuobjdump -sass lines), and ones no kernel may.
-fn check_sass(tool: &std::ffi::OsStr, family: Family, cubin: &[u8]) -> Vec<String> {
+fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin: &[u8]) -> Vec<String> {
+    let family = spec.family;
     let path = std::env::temp_dir().join(format!("moelink-sass-{}-{}.cubin", std::process::id(), family.file_name()));
     if let Err(e) = std::fs::write(&path, cubin) {
         return vec![format!("cannot write {}: {e}", path.display())];
@@ -144,6 +145,31 @@ fn check_sass(tool: &std::ffi::OsStr, family: Family, cubin: &[u8]) -> Vec<Strin
                 "F2FP.BF16.F32.PACK_AB",
             ],
         )],
+        // 16-byte streamed loads/stores, L2-coherent 16-byte loads of what peers wrote, system-scope fences;
+        // FP8 dispatch converts with cvt.rn.satfinite.e4m3x2; combine rounds with cvt.rn.bf16x2.
+        Family::Ll if spec.define("LL_FP8") == Some("1") => &[
+            (
+                "ll_dispatch",
+                &[
+                    "STG.E.NA.128",
+                    "LDG.E.NA.LTC256B.128.CONSTANT",
+                    "LDG.E.128.STRONG.GPU",
+                    "MEMBAR.ALL.SYS",
+                    "F2FP.SATFINITE.E4M3.F32.PACK_AB",
+                ],
+            ),
+            (
+                "ll_combine",
+                &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
+            ),
+        ],
+        Family::Ll => &[
+            ("ll_dispatch", &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS"]),
+            (
+                "ll_combine",
+                &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
+            ),
+        ],
     };
     let mut failures = Vec::new();
     for (kernel, wanted) in expect {
@@ -160,6 +186,10 @@ fn check_sass(tool: &std::ffi::OsStr, family: Family, cubin: &[u8]) -> Vec<Strin
             if body.lines().any(|l| l.split_whitespace().any(|t| t.starts_with(banned))) {
                 failures.push(format!("{kernel}: SASS contains {banned} (local memory or trap)"));
             }
+        }
+        // The combine sums must round every product before the add: no fused multiply-add anywhere in it.
+        if *kernel == "ll_combine" && body.lines().any(|l| l.split_whitespace().any(|t| t.starts_with("FFMA"))) {
+            failures.push(format!("{kernel}: SASS contains FFMA (a contracted w * y + acc)"));
         }
     }
     failures

@@ -261,6 +261,18 @@ impl Buffer {
         self.step(|b| b.barrier())
     }
 
+    /// Bytes of `num_rdma_bytes` that low-latency calls of this shape need on the CUDA backend, zero-copy
+    /// combine included, for top-k up to 16 (DeepEP's `get_low_latency_rdma_size_hint`). A call that does
+    /// not fit fails with [`Error::BufferTooSmall`] before any launch.
+    ///
+    /// ```
+    /// let bytes = moelink::Buffer::ll_bytes_needed(128, 7168, 4, 288);
+    /// assert!(bytes > 128 * 7168 * 2 * 4 && bytes < 1 << 30);
+    /// ```
+    pub fn ll_bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_ranks: usize, num_experts: usize) -> usize {
+        backend::cuda::ll::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    }
+
     // ------------------------------------------------------------------ high-throughput
 
     /// Computes `num_tokens_per_rank`, `num_tokens_per_expert` and `is_token_in_rank` from `topk_idx`

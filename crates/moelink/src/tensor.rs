@@ -401,6 +401,38 @@ impl Tensor {
         Ok(TensorMut { addr: self.addr(), location: self.location(), dtype: self.dtype, layout, _borrow: PhantomData })
     }
 
+    /// Copies `src`'s elements into this tensor (same dtype and shape; either may live on the host or a
+    /// device). Device copies wait for all work on the device first, like [`Tensor::to_host_bytes`]. Used to
+    /// feed new inputs to tensors whose addresses a captured CUDA graph replays.
+    ///
+    /// ```
+    /// use moelink::{DType, Tensor};
+    /// let mut a = Tensor::zeros(DType::F32, &[2])?;
+    /// a.copy_from(&Tensor::from_vec(vec![1f32, 2.0], &[2])?)?;
+    /// assert_eq!(a.to_vec::<f32>()?, vec![1.0, 2.0]);
+    /// assert!(a.copy_from(&Tensor::zeros(DType::F32, &[3])?).is_err());
+    /// # Ok::<(), moelink::Error>(())
+    /// ```
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        if src.dtype != self.dtype || src.shape() != self.shape() {
+            return Err(Error::invalid(
+                "src",
+                0,
+                format!("copying a {} {:?} tensor into a {} {:?} one", src.dtype, src.shape(), self.dtype, self.shape()),
+            ));
+        }
+        let n = self.nbytes();
+        match (&mut self.storage, &src.storage) {
+            (Storage::Host(d), Storage::Host(s)) => {
+                bytemuck::cast_slice_mut::<u128, u8>(d)[..n].copy_from_slice(&bytemuck::cast_slice::<u128, u8>(s)[..n]);
+            }
+            (Storage::Cuda(d), Storage::Host(s)) => d.copy_from_host(0, &bytemuck::cast_slice::<u128, u8>(s)[..n])?,
+            (Storage::Host(d), Storage::Cuda(s)) => s.copy_to_host(&mut bytemuck::cast_slice_mut::<u128, u8>(d)[..n])?,
+            (Storage::Cuda(d), Storage::Cuda(s)) => d.copy_from_device(0, s, 0, n)?,
+        }
+        Ok(())
+    }
+
     /// The tensor's bytes, copied to the host if it lives on a device.
     pub fn to_host_bytes(&self) -> Result<Vec<u8>> {
         match &self.storage {

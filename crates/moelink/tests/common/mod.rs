@@ -43,13 +43,23 @@ pub fn max_ranks(kind: BackendKind) -> usize {
     }
 }
 
+/// Serialises the multi-GPU parts of the tests of one binary. Each rank's collective kernels spin on the
+/// GPU until every peer's kernel has run; kernels of two tests interleaving on the same GPUs could each
+/// hold the SMs the other's peers need, and every rank would wait out its deadline.
+pub fn cuda_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Runs `f` on `num_ranks` threads, each with a fresh buffer of `kind`; panics with the first rank error.
+/// CUDA runs hold [`cuda_lock`].
 pub fn with_buffers<T: Send>(
     kind: BackendKind,
     num_ranks: usize,
     opts: BufferOptions,
     f: impl Fn(&mut Buffer) -> Result<T> + Sync,
 ) -> Vec<T> {
+    let _gpus = (kind != BackendKind::Host).then(cuda_lock);
     let out = run_ranks(num_ranks, |g: ThreadGroup| {
         let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: kind, ..opts.clone() })?;
         f(&mut buf)

@@ -1,73 +1,679 @@
-//! Low-latency dispatch/combine on GPUs (see `docs/protocols.md`). Placeholder: being implemented.
+//! Low-latency dispatch/combine on GPUs: the host side of `moelink-kernels/cuda/ll.cu`. The protocol is in
+//! `docs/protocols.md` ("Low latency"); this module picks buffer sets, lays out the low-latency region
+//! ([`moelink_kernels::ll::LlLayout`]), fills the kernels' argument structs, launches them, and turns what
+//! the kernels report ([`LlReport`]) into typed errors.
+//!
+//! - Without `return_recv_hook` one cooperative launch runs the send and receive phases; with it the send
+//!   kernel returns once its stores are flagged and the pending receive launches the receive kernel.
+//! - Buffer sets alternate per call of each kind (`calls & 1`, host-side, so a captured CUDA graph replays
+//!   the sets it was captured with); every flag compares against a device-side epoch, so replays work.
+//! - Argument problems only the GPU can see (top-k ids, combine inputs that differ from dispatch's) and
+//!   call-signature mismatches between ranks come back through [`LlReport`] after the kernels ran the
+//!   protocol to its end: every rank fails the call with an argument error and the buffer stays usable.
 
 use std::any::Any;
-use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use super::CudaBackend;
-use crate::backend::PendingRecv as AnyPending;
-use crate::error::{Error, Result};
-use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
-use crate::tensor::TensorMut;
+use moelink_cuda::{Device, HostMapped, LaunchConfig};
+use moelink_kernels::abi::MAX_RANKS;
+use moelink_kernels::ll::{
+    flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
+    SIG_FIELDS,
+};
 
-/// Per-buffer low-latency state (buffer set parity, masks, ...).
+use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
+use crate::backend::PendingRecv as AnyPending;
+use crate::dtype::DType;
+use crate::error::{Error, Phase, Result};
+use crate::ll::{
+    LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlQuant, LlSpec,
+};
+use crate::tensor::{Location, TensorMut};
+
+/// Environment variable overriding the number of blocks (SMs) the low-latency kernels use.
+pub const LL_SMS_ENV: &str = "MOELINK_LL_SMS";
+
+const HOOK_PENDING: u8 = 0;
+const HOOK_RAN: u8 = 1;
+const HOOK_DROPPED: u8 = 2;
+
+/// State of one receive phase handed out as a hook: pending, ran, or dropped without running.
+type HookMarker = Arc<AtomicU8>;
+
+/// A receive phase handed out as a hook; if it is dropped unrun, the next call drains it (publishes its
+/// consumed flags) so that the peers can reuse that buffer set.
+struct Outstanding {
+    marker: HookMarker,
+    variant: LlVariant,
+    drain: Drain,
+}
+
+enum Drain {
+    Dispatch(LlDispatchArgs),
+    Combine(LlCombineArgs),
+}
+
+/// Per-buffer low-latency state.
 pub(crate) struct LlState {
-    pub mask: Vec<bool>,
+    enable_shrink: bool,
+    /// What the kernels report (argument problems, signature mismatches), host-mapped.
+    report: HostMapped<LlReport>,
+    /// Calls issued so far; the buffer set of the next call is `calls & 1`.
+    dispatch_calls: u64,
+    combine_calls: u64,
+    outstanding: Vec<Outstanding>,
+    /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
+    staging: Option<[usize; 3]>,
 }
 
 impl LlState {
-    pub(crate) fn new(num_ranks: usize) -> LlState {
-        LlState { mask: vec![false; num_ranks] }
+    pub(crate) fn new(device: &Device, enable_shrink: bool) -> Result<LlState> {
+        Ok(LlState {
+            enable_shrink,
+            report: HostMapped::new(device, 1)?,
+            dispatch_calls: 0,
+            combine_calls: 0,
+            outstanding: Vec::new(),
+            staging: None,
+        })
     }
 }
 
-pub(crate) struct PendingDispatch<'a> {
-    _out: PhantomData<LlDispatchOutputs<'a>>,
-}
-pub(crate) struct PendingCombine<'a> {
-    _out: PhantomData<LlCombineOutputs<'a>>,
+/// Handle data of a CUDA low-latency dispatch.
+pub(crate) struct CudaLlRouting {
+    /// Buffer set (and handle area) the dispatch used.
+    set: usize,
+    /// Index of the dispatch among this buffer's dispatches (the handle area is reused two calls later).
+    generation: u64,
+    /// The dispatch's receive phase (ran at once without a hook).
+    recv: HookMarker,
 }
 
-fn todo<T>() -> Result<T> {
-    Err(Error::Unavailable("CUDA low-latency kernels are not built yet".into()))
+/// A dispatch whose receive phase has not run yet (`return_recv_hook`). Boxed: the argument struct is large.
+pub(crate) struct PendingDispatch<'a>(Box<Pending<LlDispatchArgs, LlDispatchOutputs<'a>>>);
+
+/// A combine whose receive phase has not run yet (`return_recv_hook`).
+pub(crate) struct PendingCombine<'a>(Box<Pending<LlCombineArgs, LlCombineOutputs<'a>>>);
+
+struct Pending<A, O> {
+    /// The receive launch's argument.
+    args: A,
+    variant: LlVariant,
+    marker: HookMarker,
+    /// The outputs the receive kernel writes, borrowed until it has run.
+    _out: O,
 }
+
+impl<A, O> Drop for Pending<A, O> {
+    fn drop(&mut self) {
+        let _ = self.marker.compare_exchange(HOOK_PENDING, HOOK_DROPPED, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
+// ------------------------------------------------------------------ layout and sizes
+
+/// Byte offset of the low-latency data region in the symmetric buffer (after the control area and the
+/// high-throughput region, as allocated by `CudaBackend::new`).
+fn ll_data_offset(b: &CudaBackend) -> usize {
+    CTRL_BYTES + b.num_nvl_bytes.next_multiple_of(4096)
+}
+
+fn variant_of(s: &LlSpec) -> LlVariant {
+    LlVariant { hidden: s.hidden as u32, topk: s.topk as u32, fp8: s.quant.is_fp8() }
+}
+
+/// The layout for `s`, after checking the kernels' limits and that the region holds it (`with_staging`:
+/// the zero-copy buffer too).
+fn layout_for(b: &CudaBackend, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
+    checked_layout(b.num_rdma_bytes, s, with_staging)
+}
+
+/// [`layout_for`] against a region of `num_rdma_bytes`.
+fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
+    let limits = LlLimits { num_ranks: s.num_ranks, max_tokens: s.num_max_tokens, topk: s.topk, num_experts: s.num_experts };
+    limits.check().map_err(|(arg, why)| Error::invalid(arg, s.rank, why))?;
+    let layout = LlLayout::new(s.num_ranks, s.num_max_tokens, s.hidden, s.topk, s.num_experts).ok_or_else(|| {
+        Error::invalid("num_max_dispatch_tokens_per_rank", s.rank, "the low-latency buffer size overflows for this shape")
+    })?;
+    let needed = if with_staging { layout.bytes } else { layout.bytes_without_staging };
+    if needed > num_rdma_bytes {
+        let hint = LlLayout::bytes_hint(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).unwrap_or(needed).max(needed);
+        return Err(Error::BufferTooSmall {
+            rank: s.rank,
+            what: if with_staging {
+                "low-latency region with the zero-copy combine buffer (num_rdma_bytes)"
+            } else {
+                "low-latency region (num_rdma_bytes)"
+            },
+            needed,
+            available: num_rdma_bytes,
+            hint: format!(
+                "create the Buffer with num_rdma_bytes >= Buffer::ll_bytes_needed({}, {}, {}, {}) = {hint}",
+                s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts
+            ),
+        });
+    }
+    Ok(layout)
+}
+
+/// `num_rdma_bytes` a buffer needs for low-latency calls of this shape (see [`LlLayout::bytes_hint`]).
+pub(crate) fn bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_ranks: usize, num_experts: usize) -> usize {
+    LlLayout::bytes_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).unwrap_or(usize::MAX)
+}
+
+/// Blocks per low-latency launch: one per SM, or `MOELINK_LL_SMS`.
+fn grid_size(b: &CudaBackend) -> u32 {
+    let sms = b.num_device_sms().max(1) as u32;
+    match std::env::var(LL_SMS_ENV).ok().and_then(|v| v.parse::<u32>().ok()) {
+        Some(n) if n >= 1 => n.min(sms),
+        _ => sms,
+    }
+}
+
+fn quant_code(q: LlQuant) -> u32 {
+    match q {
+        LlQuant::Bf16 => 0,
+        LlQuant::Fp8 { round_scale, use_ue8m0 } => 1 | (u32::from(round_scale) << 1) | (u32::from(use_ue8m0) << 2),
+    }
+}
+
+/// The call signature every rank must share, in [`SIG_FIELDS`] order.
+fn signature(s: &LlSpec) -> [u32; LL_SIG_WORDS] {
+    let mut sig = [0u32; LL_SIG_WORDS];
+    let words =
+        [s.hidden as u32, s.topk as u32, s.num_experts as u32, s.num_max_tokens as u32, quant_code(s.quant), u32::from(s.has_weights)];
+    sig[..words.len()].copy_from_slice(&words);
+    sig
+}
+
+fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
+    let mut f = 0;
+    if let LlQuant::Fp8 { round_scale, use_ue8m0 } = s.quant {
+        if round_scale {
+            f |= flag::ROUND_SCALE;
+        }
+        if use_ue8m0 {
+            f |= flag::UE8M0;
+        }
+    }
+    if s.has_weights {
+        f |= flag::WEIGHTS;
+    }
+    if b.ll.enable_shrink {
+        f |= flag::SHRINK;
+    }
+    f
+}
+
+/// Addresses shared by both argument structs: every rank's `LlCtrl`, and every rank's copy of the region
+/// at `offset` of the low-latency data region.
+fn tables(b: &CudaBackend, offset: usize) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
+    (b.peer_table(ctrl::LL), b.peer_table(ll_data_offset(b) + offset))
+}
+
+/// The handle area of `set` on this rank: (hrow, hweight, hmeta, home_idx, home_weight).
+fn handle_area(b: &CudaBackend, layout: &LlLayout, set: usize) -> [u64; 5] {
+    let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set]);
+    let h = layout.handle;
+    [base, base + h.hweight as u64, base + h.hmeta as u64, base + h.home_idx as u64, base + h.home_weight as u64]
+}
+
+fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
+    t.map_or(0, |t| t.addr())
+}
+
+// ------------------------------------------------------------------ reports, drains
+
+/// The argument a problem bit names, and why (for the rank whose argument it is).
+fn problem_reason(bits: u32) -> (&'static str, &'static str) {
+    if bits & problem::TOPK_IDX != 0 {
+        ("topk_idx", "contains an expert id outside [-1, num_experts) or selects an expert twice in a row (checked on the GPU)")
+    } else if bits & problem::TOPK_IDX_DIFFERS != 0 {
+        ("topk_idx", "differs from the topk_idx given to low_latency_dispatch")
+    } else if bits & problem::WEIGHTS_DIFFER != 0 {
+        (
+            "topk_weights",
+            "differs from the topk_weights given to low_latency_dispatch; the expert side pre-reduces with the dispatch-time weights",
+        )
+    } else if bits & problem::ZERO_COPY != 0 {
+        (
+            "zero_copy",
+            "no combine buffer of this shape: call get_next_low_latency_combine_buffer(handle) and write the expert outputs there",
+        )
+    } else {
+        ("handle", "the handle is no longer usable")
+    }
+}
+
+/// The error a report stands for, in the host backend's precedence: this rank's own argument problem (with
+/// `local`'s reason when it names the same argument — a problem this rank found on the host), then a
+/// call-signature mismatch, then a peer's argument problem.
+fn report_error(rep: &LlReport, me: usize, local: Option<(&'static str, String)>) -> Option<Error> {
+    if *rep == LlReport::default() {
+        return None;
+    }
+    if rep.own_problem != 0 {
+        let (arg, why) = problem_reason(rep.own_problem);
+        return Some(match local {
+            Some((local_arg, local_why)) if local_arg == arg => Error::invalid(arg, me, local_why),
+            _ => Error::invalid(arg, me, why),
+        });
+    }
+    if rep.mismatch_peer != 0 {
+        return Some(Error::RankMismatch {
+            what: SIG_FIELDS.get(rep.mismatch_field as usize).copied().unwrap_or("call signature"),
+            rank: me,
+            peer: rep.mismatch_peer as usize - 1,
+            ours: rep.mismatch_ours.to_string(),
+            theirs: rep.mismatch_theirs.to_string(),
+        });
+    }
+    if rep.peer_problem_peer != 0 {
+        let (arg, _) = problem_reason(rep.peer_problem);
+        let peer = rep.peer_problem_peer - 1;
+        return Some(Error::invalid(arg, me, format!("rank {peer} passed an invalid `{arg}`; the call is abandoned on every rank")));
+    }
+    None
+}
+
+/// Reads and clears what the kernels reported; `local` as in [`report_error`].
+fn take_report(b: &mut CudaBackend, local: Option<(&'static str, String)>) -> Result<()> {
+    let rep = b.ll.report.read(0);
+    if rep == LlReport::default() {
+        return Ok(());
+    }
+    b.ll.report.write(0, LlReport::default());
+    match report_error(&rep, b.rank, local) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Publishes the consumed flags of receive phases whose hooks were dropped unrun, so that the peers may
+/// write those buffer sets again.
+fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
+    let outstanding = std::mem::take(&mut b.ll.outstanding);
+    for o in outstanding {
+        match o.marker.load(Ordering::Acquire) {
+            HOOK_PENDING => b.ll.outstanding.push(o),
+            HOOK_DROPPED => {
+                let cfg = LaunchConfig::linear(1, LL_THREADS);
+                match o.drain {
+                    Drain::Dispatch(mut a) => {
+                        a.phases = phase::DRAIN;
+                        let k = b.kernel(&o.variant.spec(), "ll_dispatch")?;
+                        b.launch(&k, &cfg, &a)?;
+                    }
+                    Drain::Combine(mut a) => {
+                        a.phases = phase::DRAIN;
+                        let k = b.kernel(&o.variant.spec(), "ll_combine")?;
+                        b.launch(&k, &cfg, &a)?;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// What every low-latency call does first: drain dropped hooks, surface a report left by an earlier
+/// asynchronous call.
+fn begin_call(b: &mut CudaBackend) -> Result<()> {
+    drain_abandoned(b)?;
+    take_report(b, None)
+}
+
+// ------------------------------------------------------------------ dispatch
 
 pub(crate) fn dispatch<'a>(
-    _b: &mut CudaBackend,
-    _s: LlSpec,
-    _a: &LlDispatchArgs<'_>,
-    _o: LlDispatchOutputs<'a>,
+    b: &mut CudaBackend,
+    s: LlSpec,
+    a: &DispatchArgs<'_>,
+    out: LlDispatchOutputs<'a>,
 ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
-    todo()
+    let layout = layout_for(b, &s, false)?;
+    begin_call(b)?;
+    let variant = variant_of(&s);
+    let kernel = b.kernel(&variant.spec(), "ll_dispatch")?;
+    let set = (b.ll.dispatch_calls & 1) as usize;
+    let generation = b.ll.dispatch_calls;
+    let (error_claim, error_record) = b.error_sink();
+    let (ctrl_table, recv_table) = tables(b, layout.dispatch_at[set]);
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set);
+    let args = LlDispatchArgs {
+        ctrl: ctrl_table,
+        recv: recv_table,
+        x: a.x.addr(),
+        topk_idx: a.topk_idx.addr(),
+        topk_weights: a.topk_weights.map_or(0, |w| w.addr()),
+        recv_x: out.recv_x.addr(),
+        recv_scales: opt_addr(out.recv_scales.as_ref()),
+        recv_count: out.recv_count.addr(),
+        cum_stats: opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
+        wait_stats: opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
+        hrow,
+        hweight,
+        hmeta,
+        home_idx,
+        home_weight,
+        error_claim,
+        error_record,
+        report: b.ll.report.device_ptr(),
+        timeout_ns: b.timeout_ns,
+        off_entries: layout.dispatch.entries as u64,
+        off_weights: layout.dispatch.weights as u64,
+        off_rows: layout.dispatch.rows as u64,
+        row_stride: layout.dispatch.row_stride as u32,
+        rank: s.rank as u32,
+        num_ranks: s.num_ranks as u32,
+        num_tokens: s.num_tokens as u32,
+        max_tokens: s.num_max_tokens as u32,
+        num_experts: s.num_experts as u32,
+        num_local_experts: s.num_local_experts() as u32,
+        set: set as u32,
+        phases: phase::SEND | phase::RECV,
+        flags: flags(b, &s),
+        host_problem: 0,
+        pad: 0,
+        sig: signature(&s),
+    };
+    let grid = grid_size(b);
+    b.ll.dispatch_calls += 1;
+    let marker: HookMarker = Arc::new(AtomicU8::new(if s.return_recv_hook { HOOK_PENDING } else { HOOK_RAN }));
+    let routing: Arc<dyn Any + Send + Sync> = Arc::new(CudaLlRouting { set, generation, recv: marker.clone() });
+    if s.return_recv_hook {
+        let send = LlDispatchArgs { phases: phase::SEND, ..args };
+        let recv = LlDispatchArgs { phases: phase::RECV, ..args };
+        b.ll.outstanding.push(Outstanding { marker: marker.clone(), variant, drain: Drain::Dispatch(recv) });
+        let pending = PendingDispatch(Box::new(Pending { args: recv, variant, marker, _out: out }));
+        b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
+        b.finish(Phase::LowLatencyDispatch)?;
+        take_report(b, None)?;
+        Ok((routing, Some(AnyPending::Cuda(PendingRecv::LlDispatch(pending)))))
+    } else {
+        b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS).with_cooperative(), &args)?;
+        b.finish(Phase::LowLatencyDispatch)?;
+        take_report(b, None)?;
+        Ok((routing, None))
+    }
 }
+
+/// The receive phase of a hooked dispatch.
+pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Result<()> {
+    let p = &p.0;
+    p.marker.store(HOOK_RAN, Ordering::Release);
+    drain_abandoned(b)?;
+    let kernel = b.kernel(&p.variant.spec(), "ll_dispatch")?;
+    let grid = grid_size(b);
+    b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
+    b.finish(Phase::LowLatencyDispatch)?;
+    take_report(b, None)
+}
+
+// ------------------------------------------------------------------ combine
+
 pub(crate) fn combine<'a>(
-    _b: &mut CudaBackend,
-    _s: LlCombineSpec,
-    _a: &LlCombineArgs<'_>,
-    _o: LlCombineOutputs<'a>,
+    b: &mut CudaBackend,
+    cs: LlCombineSpec,
+    a: &CombineArgs<'_>,
+    out: LlCombineOutputs<'a>,
 ) -> Result<Option<AnyPending<'a>>> {
-    todo()
+    let s = cs.ll;
+    let me = s.rank;
+    let routing = a.handle.data.downcast_ref::<CudaLlRouting>().ok_or_else(|| Error::invalid("handle", me, "not a CUDA-backend handle"))?;
+    let layout = layout_for(b, &s, false)?;
+    begin_call(b)?;
+
+    // Problems only this rank can see travel with the call, so that every rank fails it.
+    let mut host_problem = 0;
+    let mut local: Option<(&'static str, String)> = None;
+    if b.ll.dispatch_calls > routing.generation + 2 {
+        host_problem |= problem::HANDLE;
+        local = Some((
+            "handle",
+            "expired: its buffer set was reused by a later dispatch (at most two low-latency dispatches are usable at once)".to_string(),
+        ));
+    } else if routing.recv.load(Ordering::Acquire) != HOOK_RAN {
+        host_problem |= problem::HANDLE;
+        local = Some(("handle", "the dispatch's receive hook has not run; run it before combining".to_string()));
+    }
+    let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
+    let y = if cs.zero_copy {
+        if b.ll.staging != Some(shape) || layout_for(b, &s, true).is_err() {
+            host_problem |= problem::ZERO_COPY;
+            local.get_or_insert(("zero_copy", problem_reason(problem::ZERO_COPY).1.to_string()));
+            0
+        } else {
+            b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at)
+        }
+    } else {
+        a.x.addr()
+    };
+
+    let variant = variant_of(&s);
+    let kernel = b.kernel(&variant.spec(), "ll_combine")?;
+    let set = (b.ll.combine_calls & 1) as usize;
+    let (error_claim, error_record) = b.error_sink();
+    let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set);
+    let args = LlCombineArgs {
+        ctrl: ctrl_table,
+        recv: recv_table,
+        y,
+        topk_idx: a.topk_idx.addr(),
+        topk_weights: a.topk_weights.addr(),
+        out: out.combined_x.addr(),
+        wait_stats: opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
+        hrow,
+        hweight,
+        hmeta,
+        home_idx,
+        home_weight,
+        error_claim,
+        error_record,
+        report: b.ll.report.device_ptr(),
+        timeout_ns: b.timeout_ns,
+        rank: s.rank as u32,
+        num_ranks: s.num_ranks as u32,
+        num_tokens: s.num_tokens as u32,
+        max_tokens: s.num_max_tokens as u32,
+        num_experts: s.num_experts as u32,
+        num_local_experts: s.num_local_experts() as u32,
+        set: set as u32,
+        phases: phase::SEND | phase::RECV,
+        flags: flags(b, &s),
+        host_problem,
+        pad: [0; 2],
+    };
+    let grid = grid_size(b);
+    b.ll.combine_calls += 1;
+    if cs.return_recv_hook {
+        let send = LlCombineArgs { phases: phase::SEND, ..args };
+        let recv = LlCombineArgs { phases: phase::RECV, ..args };
+        let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
+        b.ll.outstanding.push(Outstanding { marker: marker.clone(), variant, drain: Drain::Combine(recv) });
+        let pending = PendingCombine(Box::new(Pending { args: recv, variant, marker, _out: out }));
+        b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
+        b.finish(Phase::LowLatencyCombine)?;
+        take_report(b, local)?;
+        Ok(Some(AnyPending::Cuda(PendingRecv::LlCombine(pending))))
+    } else {
+        b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS).with_cooperative(), &args)?;
+        b.finish(Phase::LowLatencyCombine)?;
+        take_report(b, local)?;
+        Ok(None)
+    }
 }
-pub(crate) fn finish_dispatch(_b: &mut CudaBackend, _p: PendingDispatch<'_>) -> Result<()> {
-    todo()
+
+/// The receive phase of a hooked combine.
+pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Result<()> {
+    let p = &p.0;
+    p.marker.store(HOOK_RAN, Ordering::Release);
+    drain_abandoned(b)?;
+    let kernel = b.kernel(&p.variant.spec(), "ll_combine")?;
+    let grid = grid_size(b);
+    b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
+    b.finish(Phase::LowLatencyCombine)?;
+    take_report(b, None)
 }
-pub(crate) fn finish_combine(_b: &mut CudaBackend, _p: PendingCombine<'_>) -> Result<()> {
-    todo()
+
+// ------------------------------------------------------------------ zero-copy buffer, clean, masks
+
+/// The zero-copy combine buffer for `s`'s shape: `bf16 [E_local, R*T_max, H]` inside this rank's
+/// low-latency region (local memory; peers never write it). Combine with `zero_copy` reads it in place of
+/// `x`.
+pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Result<TensorMut<'b>> {
+    let layout = layout_for(b, s, true)?;
+    let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
+    b.ll.staging = Some(shape);
+    let addr = b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at);
+    let strides = [(shape[1] * shape[2]) as isize, shape[2] as isize, 1];
+    // SAFETY: the range [addr, addr + staging_bytes) lies inside this rank's symmetric buffer (layout_for
+    // checked it against num_rdma_bytes), which lives as long as the backend; the view borrows the backend
+    // mutably for 'b, and only combine (a later call, which needs the backend again) reads it.
+    unsafe { TensorMut::from_raw_parts(addr, Location::Cuda(b.device.ordinal()), DType::BF16, &shape, &strides) }
 }
-pub(crate) fn next_combine_buffer<'b>(_b: &'b mut CudaBackend, _s: &LlSpec) -> Result<TensorMut<'b>> {
-    todo()
+
+/// `clean_low_latency_buffer`: resets the low-latency control area on every rank (collective): a barrier
+/// (no call in flight anywhere), zero the epochs, counters, flags and metadata (not the masks), a barrier.
+pub(crate) fn clean(b: &mut CudaBackend, _t: usize, _h: usize, _e: usize) -> Result<()> {
+    b.gpu_barrier()?;
+    let addr = b.peer_addr(b.rank, ctrl::LL);
+    // SAFETY: [ctrl::LL, ctrl::LL + MASK_OFFSET) is inside this rank's control area; the barrier above
+    // ordered every earlier kernel (ours and the peers' writes into it) before the memset on this stream.
+    unsafe { b.op_stream().memset_d8_async(addr, 0, LlCtrl::MASK_OFFSET)? };
+    b.gpu_barrier()?;
+    b.ll.outstanding.clear();
+    b.ll.report.write(0, LlReport::default());
+    Ok(())
 }
-pub(crate) fn clean(_b: &mut CudaBackend, _t: usize, _h: usize, _e: usize) -> Result<()> {
-    todo()
+
+fn mask_offset(rank: usize) -> usize {
+    ctrl::LL + LlCtrl::MASK_OFFSET + 4 * rank
 }
+
 pub(crate) fn set_mask(b: &mut CudaBackend, rank: usize, masked: bool) -> Result<()> {
-    b.ll.mask[rank] = masked;
+    let word = u32::from(masked).to_le_bytes();
+    b.sym.local_mut().copy_from_host(mask_offset(rank), &word)?;
     Ok(())
 }
+
 pub(crate) fn mask(b: &mut CudaBackend) -> Result<Vec<bool>> {
-    Ok(b.ll.mask.clone())
+    let mut bytes = vec![0u8; 4 * b.num_ranks];
+    b.sym.local().copy_to_host_at(mask_offset(0), &mut bytes)?;
+    Ok(bytes.chunks_exact(4).map(|w| w != [0, 0, 0, 0]).collect())
 }
+
 pub(crate) fn clear_mask(b: &mut CudaBackend) -> Result<()> {
-    b.ll.mask.iter_mut().for_each(|m| *m = false);
+    let zeros = vec![0u8; 4 * b.num_ranks];
+    b.sym.local_mut().copy_from_host(mask_offset(0), &zeros)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ll::LlQuant;
+
+    fn spec(quant: LlQuant, has_weights: bool) -> LlSpec {
+        LlSpec {
+            rank: 1,
+            num_ranks: 4,
+            num_tokens: 100,
+            hidden: 7168,
+            topk: 8,
+            num_experts: 288,
+            num_max_tokens: 128,
+            quant,
+            has_weights,
+            return_recv_hook: false,
+        }
+    }
+
+    #[test]
+    fn signature_follows_the_host_check_order() {
+        let s = spec(LlQuant::Fp8 { round_scale: true, use_ue8m0: true }, true);
+        let sig = signature(&s);
+        assert_eq!(&sig[..6], &[7168, 8, 288, 128, 0b111, 1]);
+        assert_eq!(&sig[6..], &[0, 0]);
+        assert_eq!(signature(&spec(LlQuant::Bf16, false))[4..6], [0, 0]);
+        assert_eq!(SIG_FIELDS[0], "hidden");
+        assert_eq!(SIG_FIELDS[5], "topk_weights");
+    }
+
+    #[test]
+    fn problem_bits_name_arguments() {
+        assert_eq!(problem_reason(problem::TOPK_IDX).0, "topk_idx");
+        assert_eq!(problem_reason(problem::TOPK_IDX_DIFFERS).0, "topk_idx");
+        assert_eq!(problem_reason(problem::WEIGHTS_DIFFER).0, "topk_weights");
+        assert_eq!(problem_reason(problem::ZERO_COPY).0, "zero_copy");
+        assert_eq!(problem_reason(problem::HANDLE).0, "handle");
+        // The lowest bit wins when several are set.
+        assert_eq!(problem_reason(problem::WEIGHTS_DIFFER | problem::TOPK_IDX_DIFFERS).0, "topk_idx");
+    }
+
+    #[test]
+    fn reports_become_the_host_backends_errors() {
+        assert!(report_error(&LlReport::default(), 0, None).is_none());
+        // Own problem first, with the host-side reason when it names the same argument.
+        let own =
+            LlReport { own_problem: problem::ZERO_COPY, mismatch_peer: 2, peer_problem_peer: 1, peer_problem: 1, ..Default::default() };
+        let e = report_error(&own, 3, Some(("zero_copy", "mine".into()))).unwrap();
+        assert_eq!(e.argument(), Some("zero_copy"));
+        assert!(e.to_string().contains("mine") && e.to_string().contains("rank 3"), "{e}");
+        let e = report_error(&LlReport { own_problem: problem::WEIGHTS_DIFFER, ..Default::default() }, 0, Some(("zero_copy", "x".into())));
+        assert_eq!(e.unwrap().argument(), Some("topk_weights"));
+        // Then a signature mismatch naming the peer and the field.
+        let mism = LlReport { mismatch_peer: 2, mismatch_field: 0, mismatch_ours: 128, mismatch_theirs: 256, ..Default::default() };
+        match report_error(&mism, 0, None) {
+            Some(Error::RankMismatch { what: "hidden", rank: 0, peer: 1, ours, theirs }) => {
+                assert_eq!((ours.as_str(), theirs.as_str()), ("128", "256"))
+            }
+            other => panic!("{other:?}"),
+        }
+        // Then a peer's problem, naming the peer.
+        let peer = LlReport { peer_problem_peer: 1, peer_problem: problem::WEIGHTS_DIFFER, ..Default::default() };
+        let e = report_error(&peer, 1, None).unwrap();
+        assert_eq!(e.argument(), Some("topk_weights"));
+        assert!(e.to_string().contains("rank 0"), "{e}");
+        assert!(!e.poisons_buffer());
+    }
+
+    #[test]
+    fn variant_follows_the_spec() {
+        let v = variant_of(&spec(LlQuant::Fp8 { round_scale: false, use_ue8m0: false }, false));
+        assert_eq!(v, LlVariant { hidden: 7168, topk: 8, fp8: true });
+        assert!(!variant_of(&spec(LlQuant::Bf16, true)).fp8);
+    }
+
+    #[test]
+    fn capacity_is_checked_before_launch() {
+        let s = spec(LlQuant::Fp8 { round_scale: false, use_ue8m0: false }, true);
+        let l = LlLayout::new(4, 128, 7168, 8, 288).unwrap();
+        assert_eq!(checked_layout(l.bytes_without_staging, &s, false).unwrap(), l);
+        match checked_layout(l.bytes_without_staging - 1, &s, false) {
+            Err(Error::BufferTooSmall { rank: 1, needed, available, hint, .. }) => {
+                assert_eq!((needed, available), (l.bytes_without_staging, l.bytes_without_staging - 1));
+                assert!(hint.contains("ll_bytes_needed(128, 7168, 4, 288)"), "{hint}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The zero-copy buffer needs the whole layout.
+        assert!(matches!(checked_layout(l.bytes - 1, &s, true), Err(Error::BufferTooSmall { .. })));
+        assert!(checked_layout(l.bytes, &s, true).is_ok());
+        assert!(checked_layout(bytes_needed(128, 7168, 4, 288), &s, true).is_ok(), "the hint is enough");
+        // Kernel limits come first, naming the argument.
+        let big = LlSpec { topk: 33, ..s };
+        assert_eq!(checked_layout(usize::MAX, &big, false).unwrap_err().argument(), Some("topk_idx"));
+    }
+
+    #[test]
+    fn bytes_needed_covers_the_layout_with_staging() {
+        let need = bytes_needed(128, 7168, 4, 288);
+        let l = LlLayout::new(4, 128, 7168, 8, 288).unwrap();
+        assert!(need >= l.bytes);
+        assert_eq!(bytes_needed(usize::MAX / 2, 7168, 8, 288), usize::MAX, "overflow saturates");
+    }
 }

@@ -133,7 +133,7 @@ impl CudaBackend {
             modules: HashMap::new(),
             kernels: HashMap::new(),
             ht: ht::HtState::default(),
-            ll: ll::LlState::new(num_ranks),
+            ll: ll::LlState::new(&device, options.enable_shrink)?,
             mode: StreamMode::Own,
             capture: None,
             stream,

@@ -1,0 +1,1218 @@
+// moelink kernel family: low-latency (decode) dispatch and combine over NVLink.
+//
+// JIT constants (from moelink_kernels::ll::LlVariant):
+//   MAX_RANKS                        ranks the argument structs have room for (<= WARP_SIZE)
+//   LL_HIDDEN                        hidden size H (bf16 channels per token; multiple of 8, of 128 with FP8)
+//   LL_TOPK                          experts per token K (1..=WARP_SIZE)
+//   LL_FP8                           1: dispatch quantises rows to FP8 E4M3 per 128 channels; 0: bf16 rows
+//   LL_THREADS                       threads per block (whole warps)
+//   LL_SMEM_WORDS                    u32 words of shared scratch (expert token bitmaps / per-expert bases)
+//   MOELINK_SIZEOF_LL_DISPATCH_ARGS  sizeof(moelink_kernels::ll::LlDispatchArgs) on the Rust side
+//   MOELINK_SIZEOF_LL_COMBINE_ARGS   sizeof(moelink_kernels::ll::LlCombineArgs)
+//   MOELINK_SIZEOF_LL_CTRL           sizeof(moelink_kernels::ll::LlCtrl)
+//   MOELINK_SIZEOF_LL_REPORT         sizeof(moelink_kernels::ll::LlReport)
+//
+// Memory (docs/protocols.md, "Low latency"). Every rank has, at the same offsets of its symmetric buffer:
+//   LlCtrl (control area, ctrl::LL): epochs, block-completion counters, flags and per-source metadata;
+//   per buffer set s in {0, 1} (chosen by the host, identical on every rank for a given call):
+//     dispatch receive region  counts  u32 [R][E_local]        hits of each local expert, per source
+//                              entries i32 [R][T_max][K]       per source token: (local expert << 16 | rank
+//                                                              of the token among the source's tokens of
+//                                                              that expert), or -1
+//                              weights f32 [R][T_max][K]       the dispatch-time top-k weights
+//                              rows    [R][T_max][row_stride]  FP8 payload + f32 scale_inv per 128 channels,
+//                                                              or the bf16 row
+//     combine receive region   bf16 rows [R][T_max] (pre-reduced partials) or [T_max][K] (one per expert)
+//     handle area (local only) hrow i32 [R][T_max][K]          flat row (e * R*T_max + slot) of recv_x, or -1
+//                              hweight f32 [R][T_max][K], hmeta u32 [R][2] = {tokens, accepted},
+//                              home_idx i64 [T_max][K], home_weight f32 [T_max][K] (this rank's own call)
+//
+// Epochs, not resets: LlCtrl.dispatch_epoch counts dispatch calls on this GPU; a send kernel works as call
+// e = epoch + 1 and its last block stores e back. Flags carry e, so nothing is ever cleared, and CUDA-graph
+// replays (which re-run the kernels, not the host code) advance the epochs like direct calls. Every rank
+// runs the same sequence of calls, so epochs agree across ranks.
+//
+// Flag protocol (both families; "send" writes into peers, "recv" reads its own receive region):
+//   send:  (0) wait until every unmasked destination d has consumed what this rank last wrote into set s:
+//              ctrl.X_consumed[s][d] >= ctrl.X_last_write[s] (local poll, deadline);
+//          (1) data/metadata stores into every destination's region (weak, 16-byte where possible);
+//          (2) every thread: fence.acq_rel.sys; __syncthreads; thread 0 counts the block in
+//              ctrl.X_send_done (atom.acq_rel.gpu); the last block: fence.acq_rel.sys, stores the epoch,
+//              then st.relaxed.sys of e into ctrl.X_arrive[s][me] of every rank (itself included).
+//   recv:  lane p of warp 0 polls ctrl.X_arrive[s][p] >= e (relaxed .sys loads, deadline), then
+//          fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish stores e
+//          into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write set s again.
+//   Masked ranks (shrink mode) are not waited for and their data is dropped; with LL_FLAG_SHRINK a missed
+//   deadline masks the peer (decided once per call with a CAS on ctrl.decision, so every block agrees)
+//   instead of raising ERR_TIMEOUT. Without it a missed deadline writes the error record and the kernel
+//   winds down without publishing its flags, so peers time out too (no hang, no trap).
+// Argument problems found on the GPU (invalid top-k ids, combine inputs that differ from dispatch's) travel
+// in the metadata next to the flags: every rank finishes the protocol and reports them in LlReport, so the
+// call fails on every rank with an argument error and the buffer stays usable.
+#include "ptx.cuh"
+
+#if !defined(MAX_RANKS) || !defined(LL_HIDDEN) || !defined(LL_TOPK) || !defined(LL_FP8) || !defined(LL_THREADS) || \
+    !defined(LL_SMEM_WORDS) || !defined(MOELINK_SIZEOF_LL_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_LL_COMBINE_ARGS) ||  \
+    !defined(MOELINK_SIZEOF_LL_CTRL) || !defined(MOELINK_SIZEOF_LL_REPORT)
+#error "ll.cu needs every JIT constant listed at the top of the file"
+#endif
+static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
+static_assert(LL_TOPK >= 1 && LL_TOPK <= WARP_SIZE, "one lane per top-k slot");
+static_assert(LL_HIDDEN % 8 == 0, "bf16 rows are moved in 16-byte vectors");
+static_assert(LL_FP8 == 0 || LL_HIDDEN % 128 == 0, "FP8 rows are quantised per 128 channels");
+static_assert(LL_THREADS % WARP_SIZE == 0 && LL_THREADS >= 2 * WARP_SIZE, "whole warps, at least two");
+
+// ============================================================================================ constants
+constexpr u32 LL_WARPS = LL_THREADS / WARP_SIZE;
+constexpr u32 LL_SIG_WORDS = 8;
+
+// Phases of one launch (LlXArgs::phases).
+constexpr u32 LL_PHASE_SEND = 1;
+constexpr u32 LL_PHASE_RECV = 2;
+constexpr u32 LL_PHASE_DRAIN = 4;
+
+// LlXArgs::flags.
+constexpr u32 LL_FLAG_ROUND_SCALE = 1;
+constexpr u32 LL_FLAG_UE8M0 = 2;
+constexpr u32 LL_FLAG_WEIGHTS = 4;
+constexpr u32 LL_FLAG_SHRINK = 8;
+
+// Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
+constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
+constexpr u32 LL_PROBLEM_TOPK_IDX_DIFFERS = 2;    // combine: topk_idx differs from dispatch's
+constexpr u32 LL_PROBLEM_WEIGHTS_DIFFER = 4;      // combine (pre-reduced): topk_weights differ from dispatch's
+constexpr u32 LL_PROBLEM_ZERO_COPY = 8;           // combine: no zero-copy buffer of this shape (host-detected)
+constexpr u32 LL_PROBLEM_HANDLE = 16;             // combine: expired handle / dispatch hook not run (host)
+
+// Shrink decisions per (kind, source).
+constexpr u32 LL_KIND_DISPATCH = 0;
+constexpr u32 LL_KIND_COMBINE = 1;
+
+// One warp moves 32 lanes x 16 bytes per instruction.
+constexpr u32 VEC_BYTES = 16;
+constexpr u32 CHUNK_BYTES = WARP_SIZE * VEC_BYTES;
+constexpr u32 FP8_GROUP = 128;
+constexpr u32 E4M3_MAX_BITS_F32 = 0x43e00000u;  // 448.0f
+constexpr u32 AMAX_FLOOR_BITS_F32 = 0x38d1b717u;  // 1e-4f
+constexpr u32 ABS_MASK = 0x7fffffffu;
+
+// Row payload in recv_x, scale groups, and the 512-byte chunks a warp moves per row.
+constexpr u32 ROW_BYTES_BF16 = 2 * LL_HIDDEN;
+constexpr u32 PAYLOAD_BYTES = LL_FP8 ? LL_HIDDEN : ROW_BYTES_BF16;
+constexpr u32 SCALE_GROUPS = LL_HIDDEN / FP8_GROUP;
+constexpr u32 UE8M0_WORDS = SCALE_GROUPS / 4;
+// Register arrays of scales per lane (at least one element; UE8M0 needs H % 512 == 0, checked on the host).
+constexpr u32 SCALE_ITERS = SCALE_GROUPS > WARP_SIZE ? (SCALE_GROUPS + WARP_SIZE - 1) / WARP_SIZE : 1;
+constexpr u32 UE8M0_ITERS = UE8M0_WORDS > WARP_SIZE ? (UE8M0_WORDS + WARP_SIZE - 1) / WARP_SIZE : 1;
+// Dispatch send: FP8 lanes read 16 channels (32 bytes) and write 16 bytes; bf16 lanes move 16 bytes.
+constexpr u32 FP8_LANE_CHANNELS = 16;
+constexpr u32 FP8_CHUNK_CHANNELS = WARP_SIZE * FP8_LANE_CHANNELS;
+constexpr u32 FP8_GROUP_LANES = FP8_GROUP / FP8_LANE_CHANNELS;  // 8 lanes share one scale
+constexpr u32 SEND_CHUNKS = (PAYLOAD_BYTES + CHUNK_BYTES - 1) / CHUNK_BYTES;
+constexpr u32 RECV_CHUNKS = SEND_CHUNKS;
+constexpr u32 BF16_CHUNKS = (ROW_BYTES_BF16 + CHUNK_BYTES - 1) / CHUNK_BYTES;
+// Combine loads at most this many expert rows before summing them (registers: 4 per row).
+constexpr u32 K_BATCH = LL_TOPK < 8 ? LL_TOPK : 8;
+static_assert(FP8_CHUNK_CHANNELS == CHUNK_BYTES, "an FP8 chunk is 512 channels = 512 output bytes");
+
+// ============================================================================================ structs
+// Per-source metadata, written by the source before its flag (one 64-byte line).
+struct LlMeta {
+  u32 num_tokens;            // tokens the source dispatched in this call
+  u32 problem;               // LL_PROBLEM_* bits of the source's arguments
+  u32 accepted;              // combine: 1 when the source received this rank's dispatch (it was not masked)
+  u32 reserved;
+  u32 sig[LL_SIG_WORDS];     // dispatch: the call signature (hidden, topk, experts, T_max, quant, weights)
+  u32 pad[4];
+};
+static_assert(sizeof(LlMeta) == 64, "LlMeta is one 64-byte line");
+
+// The control area of one rank (ctrl::LL). Fields above `dispatch_arrive` are written only by this rank's
+// kernels; the arrays from `dispatch_arrive` to `combine_meta` are written by peers; `mask` by this rank's
+// kernels (shrink) and the host. moelink_kernels::ll::LlCtrl mirrors it.
+struct LlCtrl {
+  u32 dispatch_epoch;
+  u32 combine_epoch;
+  u32 dispatch_send_done;
+  u32 dispatch_recv_done;
+  u32 combine_send_done;
+  u32 combine_recv_done;
+  u32 dispatch_last_write[2];
+  u32 combine_last_write[2];
+  u32 pad0[6];
+  u32 decision[2][MAX_RANKS];           // [kind][src] = (epoch << 1) | accepted, shrink mode only
+  u32 dispatch_arrive[2][MAX_RANKS];    // [set][src] = epoch of src's last dispatch into set
+  u32 dispatch_consumed[2][MAX_RANKS];  // [set][dst] = epoch dst last finished reading set from me
+  u32 combine_arrive[2][MAX_RANKS];
+  u32 combine_consumed[2][MAX_RANKS];
+  LlMeta dispatch_meta[2][MAX_RANKS];   // [set][src]
+  LlMeta combine_meta[2][MAX_RANKS];
+  u32 mask[MAX_RANKS];                  // 1 = rank masked (shrink); not cleared by clean_low_latency_buffer
+  u32 pad1[8];
+};
+static_assert(sizeof(LlCtrl) == MOELINK_SIZEOF_LL_CTRL, "LlCtrl differs from the Rust definition");
+
+// What the host reads after a call (host-mapped). Each field has one writer per call.
+struct LlReport {
+  u32 own_problem;        // LL_PROBLEM_* of this rank's own arguments (send, block 0)
+  u32 mismatch_peer;      // 1 + first peer whose call signature differs (dispatch recv, block 0)
+  u32 mismatch_field;     // index into the signature
+  u32 peer_problem_peer;  // 1 + first peer that reported an argument problem (recv, block 0)
+  u32 peer_problem;       // that peer's LL_PROBLEM_* bits
+  u32 pad[3];
+  u64 mismatch_ours;
+  u64 mismatch_theirs;
+};
+static_assert(sizeof(LlReport) == MOELINK_SIZEOF_LL_REPORT, "LlReport differs from the Rust definition");
+
+// Kernel argument of ll_dispatch (by value). Must match moelink_kernels::ll::LlDispatchArgs byte for byte.
+struct LlDispatchArgs {
+  u64 ctrl[MAX_RANKS];   // LlCtrl of every rank, as addressable from this rank (own included)
+  u64 recv[MAX_RANKS];   // dispatch receive region of this call's set, on every rank
+  u64 x;                 // bf16 [T, H]
+  u64 topk_idx;          // i64 [T, K]
+  u64 topk_weights;      // f32 [T, K], or 0
+  u64 recv_x;            // [E_local, R*T_max, H] fp8 or bf16
+  u64 recv_scales;       // f32 [E_local][H/128][R*T_max] or i32 [E_local][H/512][R*T_max], or 0
+  u64 recv_count;        // i32 [E_local]
+  u64 cum_stats;         // i32 [E_local], or 0
+  u64 wait_stats;        // i64 [R], or 0
+  u64 hrow;              // handle area of this call's set (local)
+  u64 hweight;
+  u64 hmeta;
+  u64 home_idx;
+  u64 home_weight;
+  u64 error_claim;
+  u64 error_record;
+  u64 report;            // LlReport (host-mapped)
+  u64 timeout_ns;
+  u64 off_entries;       // offsets inside a dispatch receive region (counts at 0)
+  u64 off_weights;
+  u64 off_rows;
+  u32 row_stride;        // bytes per row slot (16-byte multiple)
+  u32 rank;
+  u32 num_ranks;
+  u32 num_tokens;
+  u32 max_tokens;
+  u32 num_experts;
+  u32 num_local_experts;
+  u32 set;
+  u32 phases;            // LL_PHASE_*
+  u32 flags;             // LL_FLAG_*
+  u32 host_problem;      // LL_PROBLEM_* found by the host (sent to every peer; data is skipped)
+  u32 pad;
+  u32 sig[LL_SIG_WORDS];
+};
+static_assert(sizeof(LlDispatchArgs) == MOELINK_SIZEOF_LL_DISPATCH_ARGS, "LlDispatchArgs differs from the Rust definition");
+
+// Kernel argument of ll_combine (by value). Must match moelink_kernels::ll::LlCombineArgs byte for byte.
+struct LlCombineArgs {
+  u64 ctrl[MAX_RANKS];
+  u64 recv[MAX_RANKS];   // combine receive region of this call's set, on every rank
+  u64 y;                 // bf16 [E_local, R*T_max, H]: expert outputs (x, or the zero-copy buffer)
+  u64 topk_idx;          // i64 [T, K], combine-time
+  u64 topk_weights;      // f32 [T, K], combine-time
+  u64 out;               // bf16 [T, H]
+  u64 wait_stats;        // i64 [R], or 0
+  u64 hrow;              // handle area of the dispatch's set (local)
+  u64 hweight;
+  u64 hmeta;
+  u64 home_idx;
+  u64 home_weight;
+  u64 error_claim;
+  u64 error_record;
+  u64 report;
+  u64 timeout_ns;
+  u32 rank;
+  u32 num_ranks;
+  u32 num_tokens;
+  u32 max_tokens;
+  u32 num_experts;
+  u32 num_local_experts;
+  u32 set;
+  u32 phases;
+  u32 flags;
+  u32 host_problem;
+  u32 pad[2];
+};
+static_assert(sizeof(LlCombineArgs) == MOELINK_SIZEOF_LL_COMBINE_ARGS, "LlCombineArgs differs from the Rust definition");
+
+// Shared memory of one block.
+struct LlShared {
+  u32 words[LL_SMEM_WORDS];  // send, block 0: token bitmaps [E][ceil(T/32)]; recv: bases [R][E_local]
+  u32 ok[MAX_RANKS];         // recv: source/expert rank p's data is used in this call
+  u32 ntok[MAX_RANKS];       // recv: tokens of source p / combine send: tokens of home p
+  u32 epoch;
+  u32 abort;                 // a wait of this block failed: skip the data work
+  u32 problem;
+  u32 last;
+  u32 phase_ok;              // last block: no block of the phase failed
+};
+
+// ============================================================================================ PTX helpers
+// (named after the instruction they emit; specific to this family). The host emulator of
+// tests/ll_emulation.rs (emu/ptx.cuh) provides C++ versions of these.
+#ifndef MOELINK_HOST_EMULATION
+namespace llptx {
+
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ void st_relaxed_gpu(u32* p, u32 v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// L2-only loads: data peers wrote into this GPU's memory during the kernel (coherent at L2).
+__device__ __forceinline__ u32x4 ld_cg_v4(const void* p) {
+  u32x4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_cg_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u64 ld_nc_u64(const void* p) {
+  u64 v;
+  asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_nc_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_na_u32(void* p, u32 v) {
+  asm volatile("st.global.L1::no_allocate.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_na_u64(void* p, u64 v) {
+  asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// IEEE f32 arithmetic with the rounding mode spelled out: never contracted into an FMA.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float div_rn(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// max.f32: when one input is NaN the other is returned (like Rust's f32::max).
+__device__ __forceinline__ float max_f32(float a, float b) {
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+}  // namespace llptx
+#endif
+
+// ============================================================================================ small helpers
+__device__ __forceinline__ u32 lane_id() { return threadIdx.x % WARP_SIZE; }
+__device__ __forceinline__ u32 warp_id() { return threadIdx.x / WARP_SIZE; }
+
+__device__ __forceinline__ LlCtrl* ctrl_of(const u64* table, u32 r) { return reinterpret_cast<LlCtrl*>(table[r]); }
+
+__device__ __forceinline__ float bits_f32(u32 b) { return __uint_as_float(b); }
+__device__ __forceinline__ u32 f32_bits(float f) { return __float_as_uint(f); }
+
+// bf16 pair (low half = first element) to two floats, exactly.
+__device__ __forceinline__ float bf16_lo(u32 w) { return bits_f32(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return bits_f32(w & 0xffff0000u); }
+
+__device__ __forceinline__ u32 word_of(const u32x4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// ceil(log2(x)) of a positive f32 from its bits (fp8::ceil_log2): exponent, +1 when any mantissa bit is set;
+// subnormals as m * 2^-149; +inf gives 128.
+__device__ __forceinline__ i32 ceil_log2_bits(u32 bits) {
+  const u32 biased = (bits >> 23) & 0xffu;
+  const u32 mantissa = bits & 0x7fffffu;
+  if (biased == 0) {
+    if (mantissa == 0) return -149;
+    return -149 + (i32)(32 - __clz(mantissa - 1));
+  }
+  return (i32)biased - 127 + (mantissa != 0 ? 1 : 0);
+}
+
+// 2^e as f32, exactly (fp8::exp2i): +inf above 2^127, subnormal below 2^-126, 0 below 2^-149.
+__device__ __forceinline__ float exp2i(i32 e) {
+  if (e > 127) return bits_f32(0x7f800000u);
+  if (e >= -126) return bits_f32((u32)(e + 127) << 23);
+  if (e >= -149) return bits_f32(1u << (u32)(e + 149));
+  return 0.0f;
+}
+
+// Loads one token's top-k row into registers and marks its live selections: live[k] when ids[k] is in
+// [0, E) and not selected earlier in the row (an id repeated later counts once, at its first slot).
+// Returns LL_PROBLEM_TOPK_IDX when the row holds an id outside [-1, E) or a repeat, else 0.
+__device__ __forceinline__ u32 load_topk_row(const i64* row, u32 num_experts, i64 (&ids)[LL_TOPK], bool (&live)[LL_TOPK]) {
+  u32 problem = 0;
+#pragma unroll
+  for (u32 k = 0; k < LL_TOPK; k++) ids[k] = (i64)llptx::ld_nc_u64(row + k);
+#pragma unroll
+  for (u32 k = 0; k < LL_TOPK; k++) {
+    const bool valid = ids[k] >= 0 && ids[k] < (i64)num_experts;
+    if (ids[k] < -1 || ids[k] >= (i64)num_experts) problem = LL_PROBLEM_TOPK_IDX;
+    bool repeat = false;
+#pragma unroll
+    for (u32 j = 0; j < k; j++) repeat |= ids[j] == ids[k];
+    if (valid && repeat) problem = LL_PROBLEM_TOPK_IDX;
+    live[k] = valid && !repeat;
+  }
+  return problem;
+}
+
+// ============================================================================================ waits
+enum : u32 { LL_WAIT_SEEN = 0, LL_WAIT_TIMEOUT = 1, LL_WAIT_FAILED = 2 };
+
+// Spins until *flag >= target (wrap-safe). Hard (soft == false): a missed deadline records ERR_TIMEOUT
+// naming `peer` (wait_flag_geq) and returns LL_WAIT_FAILED. Soft (shrink mode): a missed deadline returns
+// LL_WAIT_TIMEOUT without recording anything. Either way LL_WAIT_FAILED once another thread of this rank
+// has recorded an error. The caller fences (acquire) after LL_WAIT_SEEN.
+__device__ __forceinline__ u32 ll_wait_geq(const u32* flag, u32 target, const Deadline& d, u32 peer, bool soft) {
+  if (!soft) return wait_flag_geq(flag, target, d, peer) ? LL_WAIT_SEEN : LL_WAIT_FAILED;
+  if ((i32)(ptx::ld_relaxed_sys(flag) - target) >= 0) return LL_WAIT_SEEN;
+  const u64 start = ptx::globaltimer();
+  u32 spins = 0;
+  while ((i32)(ptx::ld_relaxed_sys(flag) - target) < 0) {
+    if (++spins % DEADLINE_POLL_SPINS == 0) {
+      if (ptx::globaltimer() - start > d.timeout_ns) return LL_WAIT_TIMEOUT;
+      if (error_raised(d)) return LL_WAIT_FAILED;
+    }
+  }
+  return LL_WAIT_SEEN;
+}
+
+// Shrink mode: the one decision of this call about a peer, shared by every block. The first block to
+// resolve the peer (flag seen, or deadline missed) stores (epoch << 1 | seen) with a CAS; every other block
+// adopts it. Returns whether the peer's data is used.
+__device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
+  const u32 tag = epoch & 0x7fffffffu;
+  const u32 mine = (tag << 1) | (seen ? 1u : 0u);
+  u32 v = ptx::ld_relaxed_gpu(word);
+  while ((v >> 1) != tag) {
+    const u32 w = ptx::atom_cas_acq_rel_gpu(word, v, mine);
+    if (w == v) {
+      v = mine;
+      break;
+    }
+    v = w;
+  }
+  return (v & 1u) != 0;
+}
+
+// Every thread of every block calls this once per phase, after its stores of the phase. A thread that wrote
+// into peer memory (`stored`, send phases) first fences its own stores at system scope; then the block
+// counts itself in `done` (plus LL_DONE_FAILED when its phase failed: sm.abort), and exactly one block —
+// the last — gets true, with the counter reset for the next launch and an acquire/release fence issued by
+// its thread 0, the thread that then publishes; sm.phase_ok tells it whether every block succeeded (a
+// failure of a later phase of the same launch, or of another kernel, does not count).
+// Receive phases pass stored = false: what they publish (consumed flags) only orders their loads of the
+// receive region, which completed before the block's barrier; their outputs are ordered by the kernel
+// boundary.
+constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
+__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored) {
+  if (stored) ptx::fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
+    const u32 old = llptx::atom_add_acq_rel_gpu(done, mine);
+    const bool last = (old & (LL_DONE_FAILED - 1)) == gridDim.x - 1;
+    if (last) {
+      ptx::fence_acq_rel_sys();
+      llptx::st_relaxed_gpu(done, 0);
+    }
+    sm.last = last ? 1u : 0u;
+    sm.phase_ok = (old + mine) < LL_DONE_FAILED ? 1u : 0u;
+  }
+  __syncthreads();
+  return sm.last != 0;
+}
+
+// Waits (warp 0, lane p < R) until every unmasked rank p has consumed what this rank last wrote into set
+// `set` of its region (consumed[p] >= last_write). Shrink mode: a rank that misses the deadline is masked.
+// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads.
+__device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32* last_write, u32* mask, u32 num_ranks,
+                                                 const Deadline& d, bool soft, LlShared& sm) {
+  if (threadIdx.x == 0) sm.abort = 0;
+  __syncthreads();
+  const u32 lane = lane_id();
+  if (warp_id() == 0 && lane < num_ranks) {
+    const u32 target = ptx::ld_relaxed_gpu(last_write);
+    if (ptx::ld_relaxed_gpu(mask + lane) == 0) {
+      const u32 w = ll_wait_geq(consumed + lane, target, d, lane, soft);
+      if (w == LL_WAIT_TIMEOUT) llptx::st_relaxed_gpu(mask + lane, 1);
+      if (w == LL_WAIT_FAILED) sm.abort = 1;
+    }
+  }
+  __syncthreads();
+}
+
+// Result of waiting for one source in a receive phase.
+struct SourceState {
+  bool used;      // flag seen (or decided seen) and not masked: the source's metadata/data may be read
+  u64 waited_ns;  // time spent waiting
+};
+
+// Waits for rank `p`'s flag of this call (lane p of warp 0), honouring its mask. Shrink mode: every block
+// resolves p through the call's decision word (ll_decide), so that all blocks use or drop p's data alike
+// even when they looked at different moments (p masked meanwhile, flag arriving late); a peer decided
+// absent is masked for later calls.
+__device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epoch, u32* mask, u32* decision, u32 p,
+                                                      const Deadline& d, bool soft, LlShared& sm) {
+  SourceState s = {false, 0};
+  const bool masked = ptx::ld_relaxed_gpu(mask + p) != 0;
+  u32 w = LL_WAIT_TIMEOUT;
+  if (!masked) {
+    const u64 start = ptx::globaltimer();
+    w = ll_wait_geq(arrive + p, epoch, d, p, soft);
+    s.waited_ns = ptx::globaltimer() - start;
+  }
+  if (w == LL_WAIT_FAILED) {
+    sm.abort = 1;
+    return s;
+  }
+  bool seen = w == LL_WAIT_SEEN;
+  if (soft) {
+    seen = ll_decide(decision + p, epoch, seen);
+    if (!seen && !masked) llptx::st_relaxed_gpu(mask + p, 1);
+  }
+  if (seen) ptx::fence_acq_rel_sys();
+  s.used = seen;
+  return s;
+}
+
+// ============================================================================================ dispatch: send
+// Block 0 of the send phase: routing metadata for every destination. Marks the live (id, token) pairs in a
+// shared bitmap per expert (bit t of expert e = token t selects e), so that the rank of token t among the
+// tokens selecting e is a popcount; writes per destination p, into p's receive region: the counts of p's
+// experts, the entries of every token (local expert << 16 | rank, or -1) and the weights; copies this rank's
+// top-k ids/weights into its handle area (combine checks its inputs against them); then the metadata line
+// (tokens, problems, signature) into p's control area.
+__device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared& sm) {
+  const u32 T = a.num_tokens, E = a.num_experts, EL = a.num_local_experts, R = a.num_ranks;
+  const u32 W = (T + 31) / 32;  // bitmap words per expert
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const float* wts = reinterpret_cast<const float*>(a.topk_weights);
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+
+  if (threadIdx.x == 0) sm.problem = a.host_problem;
+  for (u32 i = threadIdx.x; i < E * W; i += LL_THREADS) sm.words[i] = 0;
+  __syncthreads();
+
+  // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks.
+  u32 problem = 0;
+  for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
+    i64 ids[LL_TOPK];
+    bool live[LL_TOPK];
+    problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k);
+      if (live[k]) atomicOr(&sm.words[(u32)ids[k] * W + t / 32], 1u << (t % 32));
+    }
+  }
+  if (problem != 0) atomicOr(&sm.problem, problem);
+  __syncthreads();
+
+  // Entries (and weights) of every token, for every destination: item = (destination, token).
+  for (u32 item = threadIdx.x; item < R * T; item += LL_THREADS) {
+    const u32 p = item / T, t = item % T;
+    i64 ids[LL_TOPK];
+    bool live[LL_TOPK];
+    load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+    i32 ent[LL_TOPK];
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      ent[k] = -1;
+      if (live[k] && (u32)ids[k] / EL == p) {
+        const u32* bm = sm.words + (u32)ids[k] * W;
+        u32 pos = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
+        for (u32 w = 0; w < t / 32; w++) pos += __popc(bm[w]);
+        ent[k] = (i32)((((u32)ids[k] % EL) << 16) | pos);
+      }
+    }
+    u8* region = reinterpret_cast<u8*>(a.recv[p]);
+    const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4;
+    if constexpr (LL_TOPK % 4 == 0) {
+#pragma unroll
+      for (u32 k = 0; k < LL_TOPK; k += 4) {
+        const u32x4 v = {(u32)ent[k], (u32)ent[k + 1], (u32)ent[k + 2], (u32)ent[k + 3]};
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_entries + at + 4 * k), v);
+      }
+    } else {
+#pragma unroll
+      for (u32 k = 0; k < LL_TOPK; k++) llptx::st_na_u32(region + a.off_entries + at + 4 * k, (u32)ent[k]);
+    }
+    if (has_weights) {
+#pragma unroll
+      for (u32 k = 0; k < LL_TOPK; k++)
+        llptx::st_na_u32(region + a.off_weights + at + 4 * k, llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k));
+    }
+  }
+
+  // Counts of every expert, into its rank's region at [me][local expert].
+  for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
+    u32 n = 0;
+    for (u32 w = 0; w < W; w++) n += __popc(sm.words[e * W + w]);
+    u8* region = reinterpret_cast<u8*>(a.recv[e / EL]);
+    llptx::st_na_u32(region + ((u64)a.rank * EL + e % EL) * 4, n);
+  }
+  __syncthreads();
+
+  // Metadata line for every destination, and this rank's own problems for the host.
+  const u32 problem_all = sm.problem;
+  if (threadIdx.x < R) {
+    LlMeta* m = &ctrl_of(a.ctrl, threadIdx.x)->dispatch_meta[a.set][a.rank];
+    llptx::st_na_u32(&m->num_tokens, T);
+    llptx::st_na_u32(&m->problem, problem_all);
+#pragma unroll
+    for (u32 i = 0; i < LL_SIG_WORDS; i++) llptx::st_na_u32(&m->sig[i], a.sig[i]);
+  }
+  if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
+}
+
+// Quantises one lane's 16 channels (two 16-byte bf16 vectors) to FP8 with the scale of its 128-channel
+// group (8 lanes). Bitwise equal to fp8::quantize_token: amax = max(|x|) over the group, floored at 1e-4;
+// scale = 448 / amax and scale_inv = amax / 448 (IEEE divisions), or with round_scale scale_inv =
+// 2^ceil(log2(amax / 448)) from the quotient's bits and scale = its exact inverse; q = e4m3(x * scale) with
+// one f32 multiply and cvt.rn.satfinite. All 32 lanes must call it (shuffles); inactive lanes pass zeros.
+__device__ __forceinline__ u32x4 quantize16(const u32x4& v0, const u32x4& v1, bool round_scale, float& scale_inv) {
+  float f[16];
+#pragma unroll
+  for (u32 i = 0; i < 4; i++) {
+    f[2 * i] = bf16_lo(word_of(v0, i));
+    f[2 * i + 1] = bf16_hi(word_of(v0, i));
+    f[8 + 2 * i] = bf16_lo(word_of(v1, i));
+    f[8 + 2 * i + 1] = bf16_hi(word_of(v1, i));
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (u32 i = 0; i < 16; i++) amax = llptx::max_f32(amax, bits_f32(f32_bits(f[i]) & ABS_MASK));
+#pragma unroll
+  for (u32 m = FP8_GROUP_LANES / 2; m >= 1; m /= 2) amax = llptx::max_f32(amax, __shfl_xor_sync(FULL_WARP_MASK, amax, m));
+  amax = llptx::max_f32(amax, bits_f32(AMAX_FLOOR_BITS_F32));
+  const float e4m3_max = bits_f32(E4M3_MAX_BITS_F32);
+  float scale;
+  if (round_scale) {
+    const i32 e = ceil_log2_bits(f32_bits(llptx::div_rn(amax, e4m3_max)));
+    scale = exp2i(-e);
+    scale_inv = exp2i(e);
+  } else {
+    scale = llptx::div_rn(e4m3_max, amax);
+    scale_inv = llptx::div_rn(amax, e4m3_max);
+  }
+  u32 q[4];
+#pragma unroll
+  for (u32 i = 0; i < 4; i++) {
+    const u16 lo = ptx::cvt_rn_satfinite_e4m3x2_f32(llptx::mul_rn(f[4 * i + 1], scale), llptx::mul_rn(f[4 * i], scale));
+    const u16 hi = ptx::cvt_rn_satfinite_e4m3x2_f32(llptx::mul_rn(f[4 * i + 3], scale), llptx::mul_rn(f[4 * i + 2], scale));
+    q[i] = (u32)lo | ((u32)hi << 16);
+  }
+  return u32x4{q[0], q[1], q[2], q[3]};
+}
+
+// Rows: work item = (token, 512-byte chunk of its payload), dealt over the data warps. The warp finds the
+// token's destination ranks from its top-k ids (valid ids only; each rank once), quantises the chunk once
+// (FP8) and stores it into slot [me][token] of every destination (16 bytes per lane; FP8 scale_inv as 4
+// bytes per 128-channel group after the payload).
+// Returns whether this warp stored anything.
+__device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps) {
+  const u32 lane = lane_id();
+  const u32 E = a.num_experts, EL = a.num_local_experts;
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const u8* x = reinterpret_cast<const u8*>(a.x);
+  const u32 items = a.num_tokens * SEND_CHUNKS;
+  bool stored = false;
+  for (u32 item = first_warp; item < items; item += num_warps) {
+    const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
+    // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
+#if LL_FP8
+    const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
+    const bool active = ch < LL_HIDDEN;
+    u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
+    if (active) {
+      const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
+      v0 = ptx::ld_nc_na_v4(src);
+      v1 = ptx::ld_nc_na_v4(src + 1);
+    }
+#else
+    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+    const bool active = off < PAYLOAD_BYTES;
+    u32x4 v = {0, 0, 0, 0};
+    if (active) v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off));
+#endif
+    u32 ranks = 0;
+    if (lane < LL_TOPK) {
+      const i64 e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
+      if (e >= 0 && e < (i64)E) ranks = 1u << ((u32)e / EL);
+    }
+    ranks = __reduce_or_sync(FULL_WARP_MASK, ranks);
+    if (ranks == 0) continue;
+    stored = true;
+    const u64 slot = a.off_rows + ((u64)a.rank * a.max_tokens + t) * a.row_stride;
+#if LL_FP8
+    float scale_inv;
+    const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
+    while (ranks != 0) {
+      const u32 p = __ffs(ranks) - 1;
+      ranks &= ranks - 1;
+      u8* row = reinterpret_cast<u8*>(a.recv[p]) + slot;
+      if (active) {
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(row + ch), q);
+        if (lane % FP8_GROUP_LANES == 0) llptx::st_na_u32(row + LL_HIDDEN + (ch / FP8_GROUP) * 4, f32_bits(scale_inv));
+      }
+    }
+#else
+    while (ranks != 0) {
+      const u32 p = __ffs(ranks) - 1;
+      ranks &= ranks - 1;
+      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[p]) + slot + off), v);
+    }
+#endif
+  }
+  return stored;
+}
+
+__device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
+  bool stored = false;
+  if (sm.abort == 0) {
+    if (blockIdx.x == 0) {
+      dispatch_index(a, sm);
+      stored = true;
+    }
+    if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
+      const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
+      const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
+      stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+    }
+  }
+  if (ll_last_block(&me->dispatch_send_done, sm, stored) && threadIdx.x == 0) {
+    me->dispatch_epoch = epoch;
+    me->dispatch_last_write[a.set] = epoch;
+    // A send that failed (its hand-back wait timed out) does not publish: the peers then time out naming
+    // this rank instead of reading garbage. A timeout of this launch's receive phase does not count.
+    if (sm.phase_ok) {
+      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank], epoch);
+    }
+  }
+}
+
+// ============================================================================================ dispatch: receive
+// Warp 0 of every block waits for every source (lane p <-> source p) and checks its metadata: a source is
+// used when its flag arrived (shrink: the call's decision says so), its call signature equals ours and it
+// reported no argument problem. Block 0 records the wait times and reports mismatches/problems (lowest peer).
+__device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  const u32 lane = lane_id();
+  if (threadIdx.x == 0) sm.abort = 0;
+  __syncthreads();
+  if (warp_id() == 0) {
+    bool used = false;
+    u32 ntok = 0, mismatch_field = LL_SIG_WORDS, problem = 0;
+    u64 waited = 0;
+    if (lane < a.num_ranks) {
+      const SourceState s = ll_wait_source(me->dispatch_arrive[a.set], epoch, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
+      waited = s.waited_ns;
+      if (s.used) {
+        const LlMeta* m = &me->dispatch_meta[a.set][lane];
+        for (u32 i = 0; i < LL_SIG_WORDS && mismatch_field == LL_SIG_WORDS; i++)
+          if (llptx::ld_cg_u32(&m->sig[i]) != a.sig[i]) mismatch_field = i;
+        problem = llptx::ld_cg_u32(&m->problem);
+        const u32 n = llptx::ld_cg_u32(&m->num_tokens);
+        ntok = n < a.max_tokens ? n : a.max_tokens;
+        used = mismatch_field == LL_SIG_WORDS && problem == 0;
+      }
+      sm.ok[lane] = used ? 1u : 0u;
+      sm.ntok[lane] = used ? ntok : 0u;
+    }
+    if (blockIdx.x == 0) {
+      if (lane < a.num_ranks && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[lane] += (i64)waited;
+      LlReport* rep = reinterpret_cast<LlReport*>(a.report);
+      const u32 mism = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && mismatch_field != LL_SIG_WORDS);
+      if (mism != 0 && lane == __ffs(mism) - 1) {
+        const LlMeta* m = &me->dispatch_meta[a.set][lane];
+        ptx::st_relaxed_sys_u64(&rep->mismatch_ours, a.sig[mismatch_field]);
+        ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, llptx::ld_cg_u32(&m->sig[mismatch_field]));
+        ptx::st_relaxed_sys(&rep->mismatch_field, mismatch_field);
+        ptx::st_relaxed_sys(&rep->mismatch_peer, lane + 1);
+      }
+      const u32 bad = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && lane != a.rank && problem != 0);
+      if (bad != 0 && lane == __ffs(bad) - 1) {
+        ptx::st_relaxed_sys(&rep->peer_problem, problem);
+        ptx::st_relaxed_sys(&rep->peer_problem_peer, lane + 1);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const u32 R = a.num_ranks, EL = a.num_local_experts, TM = a.max_tokens;
+  const u32 rows = R * TM;
+  const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
+  dispatch_wait_sources(a, d, sm, epoch);
+
+  if (sm.abort == 0) {
+    // Per-expert bases: slot of (source, local expert) = sum of the counts of the used sources before it.
+    for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
+      u32 run = 0;
+      for (u32 p = 0; p < R; p++) {
+        sm.words[p * EL + e] = run;
+        if (sm.ok[p]) run += llptx::ld_cg_u32(region + ((u64)p * EL + e) * 4);
+      }
+      if (blockIdx.x == 0) {
+        reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
+        if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
+      }
+    }
+    if (blockIdx.x == 0 && threadIdx.x < R) {
+      reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x] = sm.ntok[threadIdx.x];
+      reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
+    }
+    __syncthreads();
+
+    // Expansion: work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
+    const u32 lane = lane_id();
+    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    const u32 items = rows * RECV_CHUNKS;
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += gridDim.x * LL_WARPS) {
+      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
+      const u32 p = st / TM, t = st % TM;
+      if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
+      // The payload chunk is loaded together with the entries (independent loads in flight at once).
+      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      const bool active = off < PAYLOAD_BYTES;
+      u32x4 v = {0, 0, 0, 0};
+      if (active) v = llptx::ld_cg_v4(msg + off);
+      const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
+      i32 row = -1;
+      if (lane < LL_TOPK) {
+        const u32 ent = llptx::ld_cg_u32(region + a.off_entries + entry_at * 4);
+        if ((i32)ent >= 0) {
+          const u32 el = ent >> 16, slot = el < EL ? sm.words[p * EL + el] + (ent & 0xffffu) : rows;
+          if (slot < rows) row = (i32)(el * rows + slot);
+        }
+        if (c == 0) {
+          reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
+          if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = llptx::ld_cg_u32(region + a.off_weights + entry_at * 4);
+        }
+      }
+      const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
+      if (valid == 0) continue;
+      u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
+      for (u32 m = valid; m != 0; m &= m - 1) {
+        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+        if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), v);
+      }
+#if LL_FP8
+      // Scales (column-major [E_local][cols][rows]) with the chunk-0 item of the row.
+      if (c == 0) {
+        if ((a.flags & LL_FLAG_UE8M0) == 0) {
+          u32 s[SCALE_ITERS];
+#pragma unroll
+          for (u32 i = 0; i < SCALE_ITERS; i++) {
+            const u32 g = lane + i * WARP_SIZE;
+            s[i] = g < SCALE_GROUPS ? llptx::ld_cg_u32(msg + LL_HIDDEN + 4 * g) : 0u;
+          }
+          for (u32 m = valid; m != 0; m &= m - 1) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
+#pragma unroll
+            for (u32 i = 0; i < SCALE_ITERS; i++) {
+              const u32 g = lane + i * WARP_SIZE;
+              if (g < SCALE_GROUPS) col0[(u64)g * rows] = s[i];
+            }
+          }
+        } else {
+          u32 s[UE8M0_ITERS];
+#pragma unroll
+          for (u32 i = 0; i < UE8M0_ITERS; i++) {
+            const u32 j = lane + i * WARP_SIZE;
+            s[i] = 0;
+            if (j < UE8M0_WORDS) {
+              const u32x4 f = llptx::ld_cg_v4(msg + LL_HIDDEN + 16 * j);
+              s[i] = ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+            }
+          }
+          for (u32 m = valid; m != 0; m &= m - 1) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
+#pragma unroll
+            for (u32 i = 0; i < UE8M0_ITERS; i++) {
+              const u32 j = lane + i * WARP_SIZE;
+              if (j < UE8M0_WORDS) col0[(u64)j * rows] = s[i];
+            }
+          }
+        }
+      }
+#endif
+    }
+  }
+
+  if (ll_last_block(&me->dispatch_recv_done, sm, false) && threadIdx.x == 0) {
+    if (sm.phase_ok) {
+      for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], epoch);
+    }
+  }
+}
+
+// ll_dispatch: low-latency dispatch, send and/or receive phase.
+//   grid: G blocks (one per SM; cooperative when both phases run in one launch), block: LL_THREADS.
+//   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use;
+//         block 0 = routing metadata (dispatch_index: bitmaps, entries, counts, weights, handle copies,
+//         metadata lines); blocks 1..G-1 (block 0 too when G == 1) = rows: work item (token, 512-byte chunk)
+//         per warp, FP8 quantisation in registers, 16-byte stores into every destination rank's slot
+//         [me][token]. Last block: dispatch_epoch = last_write[set] = e, flags to every rank.
+//   RECV  warp 0 of every block waits for every source's flag (deadline) and checks its metadata; per-block
+//         bases of every (source, local expert) in shared memory; work item (source, token, chunk) per warp:
+//         one 16-byte load, one store per selected local expert into recv_x[e][slot] (slots in (source,
+//         token) order: base + the token's rank among the source's tokens of e), scales column-major,
+//         handle rows/weights; block 0: recv_count, cumulative stats, wait stats, handle metadata, report.
+//         Last block: consumed flags to every source.
+//   DRAIN a receive phase that will never run (its hook was dropped): only the consumed flags.
+//   reads:  x, topk_idx, topk_weights; own receive region of the set; own LlCtrl.
+//   writes: every rank's receive region of the set (send) and LlCtrl flags/metadata; recv_x, recv_scales,
+//           recv_count, stats, handle area (recv); LlReport; error record on timeout.
+extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __grid_constant__ LlDispatchArgs a) {
+  __shared__ LlShared sm;
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_DISPATCH);
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  if (a.phases & LL_PHASE_DRAIN) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const u32 e = ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
+      ptx::fence_acq_rel_sys();
+      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], e);
+    }
+    return;
+  }
+  // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
+  // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
+  if (threadIdx.x == 0)
+    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->dispatch_epoch) + 1u : ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
+  __syncthreads();
+  const u32 epoch = sm.epoch;
+  if (a.phases & LL_PHASE_SEND) dispatch_send(a, d, sm, epoch);
+  if (a.phases & LL_PHASE_RECV) dispatch_recv(a, d, sm, epoch);
+}
+
+// ============================================================================================ combine
+// Block 0 of the send phase: checks this rank's combine inputs against its dispatch (handle area) and
+// writes the metadata line (problems, whether this rank received the home rank's dispatch) to every rank.
+__device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& sm) {
+  const u32 T = a.num_tokens;
+  if (threadIdx.x == 0) sm.problem = a.host_problem;
+  __syncthreads();
+  if ((a.host_problem & LL_PROBLEM_HANDLE) == 0) {
+    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    u32 problem = 0;
+    for (u32 i = threadIdx.x; i < T * LL_TOPK; i += LL_THREADS) {
+      if (llptx::ld_nc_u64(reinterpret_cast<const i64*>(a.topk_idx) + i) != llptx::ld_nc_u64(reinterpret_cast<const i64*>(a.home_idx) + i))
+        problem |= LL_PROBLEM_TOPK_IDX_DIFFERS;
+      if (has_weights &&
+          llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + i) != llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.home_weight) + i))
+        problem |= LL_PROBLEM_WEIGHTS_DIFFER;
+    }
+    if (problem != 0) atomicOr(&sm.problem, problem);
+  }
+  __syncthreads();
+  const u32 problem_all = sm.problem;
+  if (threadIdx.x < a.num_ranks) {
+    LlMeta* m = &ctrl_of(a.ctrl, threadIdx.x)->combine_meta[a.set][a.rank];
+    llptx::st_na_u32(&m->num_tokens, T);
+    llptx::st_na_u32(&m->problem, problem_all);
+    llptx::st_na_u32(&m->accepted, reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x + 1]);
+  }
+  if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
+}
+
+// Rows back: work item = (home rank, its token, 512-byte chunk = 256 channels). Pre-reduced mode: one bf16
+// partial per (home, token): sum over this rank's selections of the token in ascending k, from +0.0, of
+// f32(w) * f32(y) rounded to f32 before each add, into slot [me][token] of the home's region. Per-expert
+// mode: each selection's row y into slot [token][k].
+// Returns whether this warp stored anything.
+__device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
+  const u32 lane = lane_id();
+  const u32 R = a.num_ranks, TM = a.max_tokens;
+  const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u8* y = reinterpret_cast<const u8*>(a.y);
+  const u32 items = R * TM * BF16_CHUNKS;
+  bool stored = false;
+  for (u32 item = first_warp; item < items; item += num_warps) {
+    const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
+    const u32 h = st / TM, t = st % TM;
+    if (t >= sm.ntok[h]) continue;
+    const u64 at = ((u64)h * TM + t) * LL_TOPK + lane;
+    i32 row = -1;
+    float w = 0.0f;
+    if (lane < LL_TOPK) {
+      row = (i32)llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hrow) + at);
+      if (pre_reduced) w = bits_f32(llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hweight) + at));
+    }
+    const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
+    if (valid == 0) continue;
+    stored = true;
+    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+    const bool active = off < ROW_BYTES_BF16;
+    u8* region = reinterpret_cast<u8*>(a.recv[h]);
+    if (pre_reduced) {
+      float acc[8];
+#pragma unroll
+      for (u32 j = 0; j < 8; j++) acc[j] = 0.0f;
+#pragma unroll
+      for (u32 kb = 0; kb < LL_TOPK; kb += K_BATCH) {
+        u32x4 v[K_BATCH];
+#pragma unroll
+        for (u32 j = 0; j < K_BATCH; j++) {
+          const u32 k = kb + j;
+          v[j] = u32x4{0, 0, 0, 0};
+          if (k < LL_TOPK && ((valid >> k) & 1u)) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, k);
+            if (active) v[j] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
+          }
+        }
+#pragma unroll
+        for (u32 j = 0; j < K_BATCH; j++) {
+          const u32 k = kb + j;
+          if (k < LL_TOPK && ((valid >> k) & 1u)) {
+            const float wk = __shfl_sync(FULL_WARP_MASK, w, k);
+#pragma unroll
+            for (u32 i = 0; i < 4; i++) {
+              const u32 word = word_of(v[j], i);
+              acc[2 * i] = llptx::add_rn(acc[2 * i], llptx::mul_rn(wk, bf16_lo(word)));
+              acc[2 * i + 1] = llptx::add_rn(acc[2 * i + 1], llptx::mul_rn(wk, bf16_hi(word)));
+            }
+          }
+        }
+      }
+      const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]), ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]), ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]),
+                         ptx::cvt_rn_bf16x2_f32(acc[7], acc[6])};
+      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + ((u64)a.rank * TM + t) * ROW_BYTES_BF16 + off), out);
+    } else {
+      for (u32 m = valid; m != 0; m &= m - 1) {
+        const u32 k = __ffs(m) - 1;
+        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, k);
+        if (active) {
+          const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
+          ptx::st_na_v4(reinterpret_cast<u32x4*>(region + ((u64)t * LL_TOPK + k) * ROW_BYTES_BF16 + off), v);
+        }
+      }
+    }
+  }
+  return stored;
+}
+
+__device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
+  bool stored = false;
+  if (sm.abort == 0) {
+    if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
+    __syncthreads();
+    if (blockIdx.x == 0) {
+      combine_check(a, sm);
+      stored = true;
+    }
+    if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
+      const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
+      const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
+      stored |= combine_rows(a, sm, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+    }
+  }
+  if (ll_last_block(&me->combine_send_done, sm, stored) && threadIdx.x == 0) {
+    me->combine_epoch = epoch;
+    me->combine_last_write[a.set] = epoch;
+    if (sm.phase_ok) {
+      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank], epoch);
+    }
+  }
+}
+
+// Warp 0 of every block waits for every expert rank r (lane r); r's rows are used when its flag arrived
+// (shrink: decided so), r is not masked, r reported no problem and r received this rank's dispatch.
+__device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  const u32 lane = lane_id();
+  if (threadIdx.x == 0) sm.abort = 0;
+  __syncthreads();
+  if (warp_id() == 0) {
+    u32 problem = 0;
+    u64 waited = 0;
+    if (lane < a.num_ranks) {
+      const SourceState s = ll_wait_source(me->combine_arrive[a.set], epoch, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
+      waited = s.waited_ns;
+      bool used = false;
+      if (s.used) {
+        const LlMeta* m = &me->combine_meta[a.set][lane];
+        problem = llptx::ld_cg_u32(&m->problem);
+        used = problem == 0 && llptx::ld_cg_u32(&m->accepted) != 0;
+      }
+      sm.ok[lane] = used ? 1u : 0u;
+    }
+    if (blockIdx.x == 0) {
+      if (lane < a.num_ranks && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[lane] += (i64)waited;
+      const u32 bad = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && lane != a.rank && problem != 0);
+      if (bad != 0 && lane == __ffs(bad) - 1) {
+        LlReport* rep = reinterpret_cast<LlReport*>(a.report);
+        ptx::st_relaxed_sys(&rep->peer_problem, problem);
+        ptx::st_relaxed_sys(&rep->peer_problem_peer, lane + 1);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const u32 R = a.num_ranks, TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
+  combine_wait_sources(a, d, sm, epoch);
+  if (sm.abort == 0) {
+    const u32 lane = lane_id();
+    const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
+    const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+    const u32 items = a.num_tokens * BF16_CHUNKS;
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += gridDim.x * LL_WARPS) {
+      const u32 t = item / BF16_CHUNKS, c = item % BF16_CHUNKS;
+      bool use = false;
+      u32 r = 0;
+      float w = 0.0f;
+      if (lane < LL_TOPK) {
+        const i64 e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
+        if (e >= 0 && e < (i64)E) {
+          r = (u32)e / EL;
+          use = sm.ok[r] != 0;
+        }
+        if (!pre_reduced) w = bits_f32(llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * LL_TOPK + lane));
+      }
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      const bool active = off < ROW_BYTES_BF16;
+      float acc[8];
+#pragma unroll
+      for (u32 j = 0; j < 8; j++) acc[j] = 0.0f;
+      if (pre_reduced) {
+        // Partials of the ranks the token was sent to, in ascending rank order.
+        const u32 hit = __reduce_or_sync(FULL_WARP_MASK, use ? 1u << r : 0u);
+        u32x4 v[MAX_RANKS];
+#pragma unroll
+        for (u32 q = 0; q < MAX_RANKS; q++) {
+          v[q] = u32x4{0, 0, 0, 0};
+          if (((hit >> q) & 1u) && active) v[q] = llptx::ld_cg_v4(region + ((u64)q * TM + t) * ROW_BYTES_BF16 + off);
+        }
+#pragma unroll
+        for (u32 q = 0; q < MAX_RANKS; q++) {
+          if ((hit >> q) & 1u) {
+#pragma unroll
+            for (u32 i = 0; i < 4; i++) {
+              const u32 word = word_of(v[q], i);
+              acc[2 * i] = llptx::add_rn(acc[2 * i], bf16_lo(word));
+              acc[2 * i + 1] = llptx::add_rn(acc[2 * i + 1], bf16_hi(word));
+            }
+          }
+        }
+      } else {
+        // One row per selection, in ascending k, weighted with the combine-time weights.
+        const u32 sel = __ballot_sync(FULL_WARP_MASK, use);
+#pragma unroll
+        for (u32 kb = 0; kb < LL_TOPK; kb += K_BATCH) {
+          u32x4 v[K_BATCH];
+#pragma unroll
+          for (u32 j = 0; j < K_BATCH; j++) {
+            const u32 k = kb + j;
+            v[j] = u32x4{0, 0, 0, 0};
+            if (k < LL_TOPK && ((sel >> k) & 1u) && active) v[j] = llptx::ld_cg_v4(region + ((u64)t * LL_TOPK + k) * ROW_BYTES_BF16 + off);
+          }
+#pragma unroll
+          for (u32 j = 0; j < K_BATCH; j++) {
+            const u32 k = kb + j;
+            if (k < LL_TOPK && ((sel >> k) & 1u)) {
+              const float wk = __shfl_sync(FULL_WARP_MASK, w, k);
+#pragma unroll
+              for (u32 i = 0; i < 4; i++) {
+                const u32 word = word_of(v[j], i);
+                acc[2 * i] = llptx::add_rn(acc[2 * i], llptx::mul_rn(wk, bf16_lo(word)));
+                acc[2 * i + 1] = llptx::add_rn(acc[2 * i + 1], llptx::mul_rn(wk, bf16_hi(word)));
+              }
+            }
+          }
+        }
+      }
+      if (active) {
+        const u32x4 o = {ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]), ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]), ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]),
+                         ptx::cvt_rn_bf16x2_f32(acc[7], acc[6])};
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.out) + (u64)t * ROW_BYTES_BF16 + off), o);
+      }
+    }
+  }
+  if (ll_last_block(&me->combine_recv_done, sm, false) && threadIdx.x == 0) {
+    if (sm.phase_ok) {
+      for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], epoch);
+    }
+  }
+}
+
+// ll_combine: low-latency combine, send and/or receive phase.
+//   grid: G blocks (cooperative when both phases run in one launch), block: LL_THREADS.
+//   SEND  every block waits (warp 0) until the home ranks consumed this set's previous use; block 0 checks
+//         the combine-time topk_idx/weights against the dispatch's and writes the metadata lines; blocks
+//         1..G-1 (block 0 too when G == 1): work item (home rank, token, 256-channel chunk) per warp, rows
+//         from the handle area, loads of the expert outputs y (16 bytes per lane), pre-reduced sum or
+//         per-expert copies, 16-byte stores into the home rank's combine region. Last block: combine_epoch
+//         = last_write[set] = e, flags to every rank.
+//   RECV  warp 0 of every block waits for every expert rank; work item (token, chunk) per warp: sum of the
+//         partials in ascending rank order (pre-reduced) or of w * y in ascending k (per expert), from +0.0
+//         in f32, one bf16 rounding, 16-byte store into out. Block 0: wait stats, report. Last block:
+//         consumed flags to every expert rank.
+//   DRAIN consumed flags only (a dropped hook).
+//   reads:  y, topk_idx, topk_weights, handle area; own combine region; own LlCtrl.
+//   writes: every home rank's combine region and LlCtrl flags/metadata (send); out, stats, LlReport (recv).
+extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __grid_constant__ LlCombineArgs a) {
+  __shared__ LlShared sm;
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_COMBINE);
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  if (a.phases & LL_PHASE_DRAIN) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const u32 e = ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
+      ptx::fence_acq_rel_sys();
+      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], e);
+    }
+    return;
+  }
+  // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
+  // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
+  if (threadIdx.x == 0)
+    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->combine_epoch) + 1u : ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
+  __syncthreads();
+  const u32 epoch = sm.epoch;
+  if (a.phases & LL_PHASE_SEND) combine_send(a, d, sm, epoch);
+  if (a.phases & LL_PHASE_RECV) combine_recv(a, d, sm, epoch);
+}

@@ -1,0 +1,800 @@
+// Host emulation of the low-latency kernels (ll.cu) for tests/ll_emulation.rs: R ranks as threads, each
+// launch as one OS thread per block and one fiber per CUDA thread (emu/ptx.cuh), symmetric memory as
+// host allocations. Every scenario compares what the kernels wrote with a reference computed here from the
+// documented semantics (crates/moelink/src/ll.rs, docs/oracle.md): recv_count, every valid row (bytes),
+// every scale, the combined output bit for bit, the reports and error records. Prints one line per
+// scenario and exits non-zero on the first mismatch.
+//
+// Built by the test with the variant's -D constants (LL_HIDDEN, LL_TOPK, LL_FP8, ...) and LL_THREADS=64.
+#include "ptx.cuh"
+#include "ll.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+
+// ============================================================================================ launching
+namespace run {
+
+thread_local const void* t_args = nullptr;
+thread_local void (*t_entry)(const void*) = nullptr;
+
+void fiber_main() {
+  t_entry(t_args);
+  emu::g_block->fibers[emu::g_block->current].done = true;
+}
+
+void kernel_of(const LlDispatchArgs& a) { ll_dispatch(a); }
+void kernel_of(const LlCombineArgs& a) { ll_combine(a); }
+
+template <typename Args>
+void entry(const void* p) {
+  kernel_of(*reinterpret_cast<const Args*>(p));
+}
+
+// Runs the kernel for `args` on `grid` blocks of LL_THREADS threads; returns when every block finished.
+template <typename Args>
+void launch(const Args& args, u32 grid) {
+  std::vector<std::thread> blocks;
+  for (u32 b = 0; b < grid; b++) {
+    blocks.emplace_back([&args, b, grid] {
+      emu::Block blk;
+      blk.fibers.resize(LL_THREADS);
+      blk.warps.resize(LL_THREADS / WARP_SIZE);
+      blk.block_idx.x = b;
+      blk.grid_dim.x = grid;
+      emu::g_block = &blk;
+      t_args = &args;
+      t_entry = &entry<Args>;
+      for (auto& f : blk.fibers) {
+        f.stack.resize(256 << 10);
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &blk.main;
+        makecontext(&f.ctx, fiber_main, 0);
+      }
+      u32 live = LL_THREADS;
+      while (live > 0) {
+        live = 0;
+        for (u32 i = 0; i < LL_THREADS; i++) {
+          if (blk.fibers[i].done) continue;
+          blk.current = i;
+          swapcontext(&blk.main, &blk.fibers[i].ctx);
+          if (!blk.fibers[i].done) live++;
+        }
+        std::this_thread::yield();
+      }
+    });
+  }
+  for (auto& t : blocks) t.join();
+}
+
+}  // namespace run
+
+// ============================================================================================ helpers
+#define CHECK(cond, ...)                                 \
+  do {                                                   \
+    if (!(cond)) {                                       \
+      std::fprintf(stderr, "FAILED %s:%d: ", __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                 \
+      std::fprintf(stderr, "\n");                        \
+      std::exit(1);                                      \
+    }                                                    \
+  } while (0)
+
+static float bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
+static u16 f32_to_bf16(float f) { return ptx::bf16_rn(f); }
+static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+static float e4m3_to_f32(u8 b) {
+  const bool neg = b & 0x80;
+  const int exp = (b >> 3) & 0xf, man = b & 7;
+  float m;
+  if (exp == 0xf && man == 7) m = NAN;
+  else if (exp == 0) m = man * std::ldexp(1.0f, -9);
+  else m = (8 + man) * std::ldexp(1.0f, exp - 10);
+  return neg ? -m : m;
+}
+
+// fp8::quantize_token, written from the documented rule (not from the kernel's lane decomposition).
+static void quantize_token(const u16* x, bool round_scale, u8* q, float* scale_inv) {
+  for (u32 g = 0; g < LL_HIDDEN / 128; g++) {
+    float amax = 0.0f;
+    for (u32 c = 0; c < 128; c++) amax = std::fmax(amax, std::fabs(bf16_to_f32(x[g * 128 + c])));
+    amax = std::fmax(amax, 1e-4f);
+    float scale, inv;
+    if (round_scale) {
+      // ceil(log2(q)) from frexp: q = m * 2^x with m in [0.5, 1); exact powers of two have m == 0.5.
+      int x;
+      const float m = std::frexp(amax / 448.0f, &x);
+      const int e = m == 0.5f ? x - 1 : x;
+      scale = std::ldexp(1.0f, -e);
+      inv = std::ldexp(1.0f, e);
+    } else {
+      scale = 448.0f / amax;
+      inv = amax / 448.0f;
+    }
+    scale_inv[g] = inv;
+    for (u32 c = 0; c < 128; c++) q[g * 128 + c] = ptx::e4m3_rn_satfinite(bf16_to_f32(x[g * 128 + c]) * scale);
+  }
+}
+
+// ============================================================================================ the world
+struct Shape {
+  u32 ranks, experts, t_max;
+  std::vector<u32> tokens;
+  u32 el() const { return experts / ranks; }
+  u32 rows() const { return ranks * t_max; }
+};
+
+// moelink_kernels::ll::LlLayout (same arithmetic).
+struct Layout {
+  size_t entries, weights, rows, row_stride, dispatch_bytes, combine_bytes;
+  size_t hweight, hmeta, home_idx, home_weight, handle_bytes;
+  size_t dispatch_at[2], combine_at[2], handle_at[2], total;
+  explicit Layout(const Shape& s) {
+    const size_t r = s.ranks, tm = s.t_max, h = LL_HIDDEN, k = LL_TOPK, el = s.el(), A = 4096;
+    const size_t counts = align_up(r * el * 4, A), eb = align_up(r * tm * k * 4, A);
+    row_stride = align_up(2 * h, 16);
+    entries = counts;
+    weights = counts + eb;
+    rows = counts + 2 * eb;
+    dispatch_bytes = align_up(rows + r * tm * row_stride, A);
+    combine_bytes = align_up(std::max(r * tm, tm * k) * 2 * h, A);
+    hweight = align_up(r * tm * k * 4, A);
+    hmeta = 2 * hweight;
+    home_idx = hmeta + align_up(r * 8, A);
+    home_weight = home_idx + align_up(tm * k * 8, A);
+    handle_bytes = home_weight + align_up(tm * k * 4, A);
+    size_t at = 0;
+    for (int i = 0; i < 2; i++) dispatch_at[i] = at, at += dispatch_bytes;
+    for (int i = 0; i < 2; i++) combine_at[i] = at, at += combine_bytes;
+    for (int i = 0; i < 2; i++) handle_at[i] = at, at += handle_bytes;
+    total = at;
+  }
+};
+
+struct Inputs {
+  std::vector<u16> x;    // bf16 [T, H]
+  std::vector<i64> idx;  // [T, K]
+  std::vector<float> w;  // [T, K]
+};
+
+struct RankState {
+  u8* ctrl = nullptr;  // LlCtrl
+  u8* data = nullptr;  // LL data region
+  u32 claim = 0;
+  ErrorRecord record{};
+  LlReport report{};
+  u32 dispatch_calls = 0, combine_calls = 0;
+};
+
+// Outputs of one dispatch on one rank (caller-owned, like the Rust API's).
+struct DispatchOut {
+  std::vector<u8> recv_x;
+  std::vector<u32> scales;
+  std::vector<i32> count, cum;
+  std::vector<i64> wait;
+  u32 set = 0;
+};
+
+struct Quant {
+  bool fp8, round_scale, ue8m0;
+};
+
+struct World {
+  Shape s;
+  Layout L;
+  Quant q;
+  u32 grid = 3;
+  u64 timeout_ns = 20ull * 1000 * 1000 * 1000;
+  std::vector<RankState> r;
+  explicit World(Shape shape, Quant quant) : s(shape), L(shape), q(quant), r(shape.ranks) {
+    for (auto& st : r) {
+      st.ctrl = static_cast<u8*>(std::aligned_alloc(4096, align_up(sizeof(LlCtrl), 4096)));
+      std::memset(st.ctrl, 0, align_up(sizeof(LlCtrl), 4096));
+      st.data = static_cast<u8*>(std::aligned_alloc(4096, L.total));
+      std::memset(st.data, 0xcd, L.total);  // garbage: nothing may depend on zeroed data
+    }
+  }
+  ~World() {
+    for (auto& st : r) {
+      std::free(st.ctrl);
+      std::free(st.data);
+    }
+  }
+  LlCtrl& ctrl(u32 rank) { return *reinterpret_cast<LlCtrl*>(r[rank].ctrl); }
+  u32 cols() const { return !q.fp8 ? 0 : q.ue8m0 ? LL_HIDDEN / 512 : LL_HIDDEN / 128; }
+  u32 row_bytes() const { return q.fp8 ? LL_HIDDEN : 2 * LL_HIDDEN; }
+
+  u32 flags(bool weights, bool shrink) const {
+    return (q.round_scale ? LL_FLAG_ROUND_SCALE : 0) | (q.ue8m0 ? LL_FLAG_UE8M0 : 0) | (weights ? LL_FLAG_WEIGHTS : 0) |
+           (shrink ? LL_FLAG_SHRINK : 0);
+  }
+  u32 quant_code() const { return q.fp8 ? (1u | (q.round_scale ? 2u : 0u) | (q.ue8m0 ? 4u : 0u)) : 0u; }
+
+  void handle_area(u32 rank, u32 set, u64 out[5]) {
+    const u64 base = (u64)(r[rank].data + L.handle_at[set]);
+    out[0] = base, out[1] = base + L.hweight, out[2] = base + L.hmeta, out[3] = base + L.home_idx, out[4] = base + L.home_weight;
+  }
+
+  LlDispatchArgs dispatch_args(u32 me, const Inputs& in, DispatchOut& o, bool weights, bool shrink, u32 phases) {
+    const u32 set = r[me].dispatch_calls & 1;
+    o.set = set;
+    o.recv_x.assign((size_t)s.el() * s.rows() * row_bytes(), 0xee);
+    o.scales.assign((size_t)s.el() * std::max(cols(), 1u) * s.rows(), 0xeeeeeeeeu);
+    o.count.assign(s.el(), -7);
+    if (o.cum.empty()) o.cum.assign(s.el(), 0);
+    if (o.wait.empty()) o.wait.assign(s.ranks, 0);
+    LlDispatchArgs a{};
+    for (u32 p = 0; p < s.ranks; p++) {
+      a.ctrl[p] = (u64)r[p].ctrl;
+      a.recv[p] = (u64)(r[p].data + L.dispatch_at[set]);
+    }
+    a.x = (u64)in.x.data();
+    a.topk_idx = (u64)in.idx.data();
+    a.topk_weights = weights ? (u64)in.w.data() : 0;
+    a.recv_x = (u64)o.recv_x.data();
+    a.recv_scales = q.fp8 ? (u64)o.scales.data() : 0;
+    a.recv_count = (u64)o.count.data();
+    a.cum_stats = (u64)o.cum.data();
+    a.wait_stats = (u64)o.wait.data();
+    u64 h[5];
+    handle_area(me, set, h);
+    a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4];
+    a.error_claim = (u64)&r[me].claim;
+    a.error_record = (u64)&r[me].record;
+    a.report = (u64)&r[me].report;
+    a.timeout_ns = timeout_ns;
+    a.off_entries = L.entries, a.off_weights = L.weights, a.off_rows = L.rows;
+    a.row_stride = (u32)L.row_stride;
+    a.rank = me, a.num_ranks = s.ranks, a.num_tokens = s.tokens[me], a.max_tokens = s.t_max;
+    a.num_experts = s.experts, a.num_local_experts = s.el(), a.set = set, a.phases = phases;
+    a.flags = flags(weights, shrink);
+    const u32 sig[6] = {LL_HIDDEN, LL_TOPK, s.experts, s.t_max, quant_code(), weights ? 1u : 0u};
+    for (u32 i = 0; i < 6; i++) a.sig[i] = sig[i];
+    r[me].dispatch_calls++;
+    return a;
+  }
+
+  LlCombineArgs combine_args(u32 me, const Inputs& in, u32 dispatch_set, const std::vector<u16>& y, std::vector<u16>& out,
+                             std::vector<i64>& wait, bool weights, bool shrink, u32 phases, u32 host_problem = 0) {
+    const u32 set = r[me].combine_calls & 1;
+    out.assign((size_t)s.tokens[me] * LL_HIDDEN, 0xeeee);
+    if (wait.empty()) wait.assign(s.ranks, 0);
+    LlCombineArgs a{};
+    for (u32 p = 0; p < s.ranks; p++) {
+      a.ctrl[p] = (u64)r[p].ctrl;
+      a.recv[p] = (u64)(r[p].data + L.combine_at[set]);
+    }
+    a.y = (u64)y.data();
+    a.topk_idx = (u64)in.idx.data();
+    a.topk_weights = (u64)in.w.data();
+    a.out = (u64)out.data();
+    a.wait_stats = (u64)wait.data();
+    u64 h[5];
+    handle_area(me, dispatch_set, h);
+    a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4];
+    a.error_claim = (u64)&r[me].claim;
+    a.error_record = (u64)&r[me].record;
+    a.report = (u64)&r[me].report;
+    a.timeout_ns = timeout_ns;
+    a.rank = me, a.num_ranks = s.ranks, a.num_tokens = s.tokens[me], a.max_tokens = s.t_max;
+    a.num_experts = s.experts, a.num_local_experts = s.el(), a.set = set, a.phases = phases;
+    a.flags = flags(weights, shrink);
+    a.host_problem = host_problem;
+    r[me].combine_calls++;
+    return a;
+  }
+
+  // Runs body(rank) on one thread per rank (ranks listed in `who`), concurrently.
+  void ranks(const std::function<void(u32)>& body, std::vector<u32> who = {}) {
+    if (who.empty())
+      for (u32 p = 0; p < s.ranks; p++) who.push_back(p);
+    std::vector<std::thread> t;
+    for (u32 p : who) t.emplace_back(body, p);
+    for (auto& x : t) x.join();
+  }
+};
+
+static Inputs make_inputs(const World& w, u32 rank, u32 seed, u32 holes_every = 4, bool cancel = false) {
+  std::mt19937_64 rng(seed * 7919u + rank);
+  Inputs in;
+  const u32 T = w.s.tokens[rank];
+  std::normal_distribution<float> normal;
+  in.x.resize((size_t)T * LL_HIDDEN);
+  for (size_t i = 0; i < in.x.size(); i++) {
+    const u32 t = (u32)(i / LL_HIDDEN), g = (u32)(i % LL_HIDDEN) / 128;
+    const bool zero_group = (t + 3 * g + rank) % 11 == 10;
+    in.x[i] = zero_group ? 0 : f32_to_bf16(normal(rng) * std::ldexp(1.0f, (int)((t * 7 + g * 3) % 11) - 5));
+  }
+  // Some groups get an amax of exactly 7 * 2^k, so that amax / 448 is a power of two (round_scale's
+  // exact case) and the largest value maps to 448 itself.
+  for (u32 t = 0; t < T; t++)
+    for (u32 g = 0; g < LL_HIDDEN / 128; g++)
+      if ((t + g + rank) % 4 == 1) {
+        const float v = std::ldexp(7.0f, (int)((t * 7 + g * 3) % 11) - 5 + 2);
+        in.x[(size_t)t * LL_HIDDEN + g * 128 + (t * 13 + g * 7) % 128] = f32_to_bf16((t + g) % 2 ? v : -v);
+      }
+  in.idx.resize((size_t)T * LL_TOPK);
+  in.w.resize((size_t)T * LL_TOPK);
+  std::vector<u32> perm(w.s.experts);
+  for (u32 t = 0; t < T; t++) {
+    for (u32 e = 0; e < w.s.experts; e++) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    // Cancellation on EP2: every token selects experts 0, 1, 2 of rank 0 (+B, -B, tiny) and otherwise tiny
+    // ones (e % 3 == 2, on both ranks), in an order that rotates with the token, so that the order inside a
+    // pre-reduced partial decides whether the tiny terms survive.
+    u32 picks[LL_TOPK];
+    for (u32 k = 0, e = 0; k < LL_TOPK; e++) {
+      if (e < 3 || e % 3 == 2) picks[k++] = e;
+    }
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      const bool hole = holes_every != 0 && rng() % holes_every == 0;
+      in.idx[t * LL_TOPK + k] = (k < w.s.experts && !hole) ? (i64)perm[k] : -1;
+      if (cancel && w.s.ranks == 2) in.idx[t * LL_TOPK + k] = (i64)picks[(k + t) % LL_TOPK];
+      // With `cancel`, equal weights whose products with the experts' values need rounding (see expert_outputs).
+      in.w[t * LL_TOPK + k] = cancel ? 0.5f + std::ldexp(1.0f, -20) : (float)(rng() % 1000) / 997.0f + 0.01f;
+    }
+  }
+  return in;
+}
+
+// What each rank's experts see: the sent payload of (src, t) as the kernel must have written it.
+struct Sent {
+  std::vector<u8> bytes;
+  std::vector<float> inv;
+};
+static Sent sent_row(const World& w, const Inputs& in, u32 t) {
+  Sent s;
+  const u16* x = in.x.data() + (size_t)t * LL_HIDDEN;
+  if (w.q.fp8) {
+    s.bytes.resize(LL_HIDDEN);
+    s.inv.resize(LL_HIDDEN / 128);
+    quantize_token(x, w.q.round_scale, s.bytes.data(), s.inv.data());
+  } else {
+    s.bytes.resize(2 * LL_HIDDEN);
+    std::memcpy(s.bytes.data(), x, s.bytes.size());
+  }
+  return s;
+}
+
+static u32 rank_of(const World& w, i64 e) { return (u32)(e / w.s.el()); }
+
+// Checks recv_count, every valid row and its scales of rank `me` against the routing (masked sources
+// dropped). Returns the expected (src, t) of each row per local expert.
+static std::vector<std::vector<std::pair<u32, u32>>> check_dispatch(const World& w, u32 me, const std::vector<Inputs>& all,
+                                                                      const DispatchOut& o, const std::vector<bool>& masked,
+                                                                      const char* what) {
+  std::vector<std::vector<std::pair<u32, u32>>> rows(w.s.el());
+  for (u32 el = 0; el < w.s.el(); el++) {
+    const i64 e = (i64)me * w.s.el() + el;
+    for (u32 src = 0; src < w.s.ranks; src++) {
+      if (masked[src]) continue;
+      for (u32 t = 0; t < w.s.tokens[src]; t++) {
+        const i64* row = all[src].idx.data() + (size_t)t * LL_TOPK;
+        if (std::find(row, row + LL_TOPK, e) != row + LL_TOPK) rows[el].push_back({src, t});
+      }
+    }
+    CHECK(o.count[el] == (i32)rows[el].size(), "%s: rank %u expert %u recv_count %d, expected %zu", what, me, el, o.count[el], rows[el].size());
+    for (u32 slot = 0; slot < rows[el].size(); slot++) {
+      const auto [src, t] = rows[el][slot];
+      const Sent s = sent_row(w, all[src], t);
+      const u8* got = o.recv_x.data() + ((size_t)el * w.s.rows() + slot) * w.row_bytes();
+      CHECK(std::memcmp(got, s.bytes.data(), s.bytes.size()) == 0, "%s: rank %u expert %u row %u should be token %u of rank %u", what, me,
+            el, slot, t, src);
+      if (w.q.fp8) {
+        const u32 cols = w.cols();
+        for (u32 col = 0; col < cols; col++) {
+          const u32 got_s = o.scales[((size_t)el * cols + col) * w.s.rows() + slot];
+          u32 want;
+          if (w.q.ue8m0) {
+            want = 0;
+            for (u32 i = 0; i < 4; i++) want |= ((__float_as_uint(s.inv[4 * col + i]) >> 23) & 0xffu) << (8 * i);
+          } else {
+            want = __float_as_uint(s.inv[col]);
+          }
+          CHECK(got_s == want, "%s: rank %u scale (%u, %u, %u) = %#x, expected %#x", what, me, el, slot, col, got_s, want);
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+// Expert outputs y [E_local][rows][H] from what the rank received: bf16(dequantised * factor(e)). With
+// `cancel` the experts ignore their input and return large values of both signs and tiny ones instead, so
+// that the order of the combine sums (over k, over ranks) and every intermediate rounding shows in the bits.
+static std::vector<u16> expert_outputs(const World& w, u32 me, const DispatchOut& o, bool cancel = false) {
+  std::vector<u16> y((size_t)w.s.el() * w.s.rows() * LL_HIDDEN, 0x7fc0);  // NaN where nothing was received
+  for (u32 el = 0; el < w.s.el(); el++) {
+    const float f = (float)((me * w.s.el() + el) % 7) * 0.375f - 1.125f;
+    for (u32 slot = 0; slot < (u32)std::max(o.count[el], 0); slot++) {
+      for (u32 i = 0; i < LL_HIDDEN; i++) {
+        float v;
+        const size_t row = (size_t)el * w.s.rows() + slot;
+        if (w.q.fp8) {
+          const u32 cols = w.cols();
+          const u32 col = w.q.ue8m0 ? i / 512 : i / 128;
+          const u32 word = o.scales[((size_t)el * cols + col) * w.s.rows() + slot];
+          const float inv = w.q.ue8m0 ? std::ldexp(1.0f, (int)((word >> (8 * ((i / 128) % 4))) & 0xff) - 127) : __uint_as_float(word);
+          v = e4m3_to_f32(o.recv_x[row * LL_HIDDEN + i]) * inv;
+        } else {
+          u16 b;
+          std::memcpy(&b, o.recv_x.data() + (row * LL_HIDDEN + i) * 2, 2);
+          v = bf16_to_f32(b);
+        }
+        if (cancel) {
+          // +B and -B cancel exactly only when each product is rounded before the add (no FMA) and they
+          // meet before the tiny terms (order over k and over ranks); tiny terms vanish next to B.
+          const u32 e = me * w.s.el() + el;
+          const float big = std::ldexp(1.0f + std::ldexp(1.0f, -7), 8 + (int)(i % 3));
+          v = e % 3 == 0 ? big : e % 3 == 1 ? -big : std::ldexp(1.0f + (float)(e % 5) / 8, -26 - (int)(i % 4));
+          y[row * LL_HIDDEN + i] = f32_to_bf16(v);
+        } else {
+          y[row * LL_HIDDEN + i] = f32_to_bf16(v * f);
+        }
+      }
+    }
+  }
+  return y;
+}
+
+// The documented combine of rank `me`'s tokens. `ys[r]` are rank r's expert outputs and `rows_of[r]` its
+// (src, t) per local expert (to find which slot held the token).
+static std::vector<u16> combine_reference(const World& w, u32 me, const Inputs& in, const std::vector<std::vector<u16>>& ys,
+                                          const std::vector<std::vector<std::vector<std::pair<u32, u32>>>>& rows_of,
+                                          const std::vector<bool>& masked, bool pre_reduced) {
+  const u32 T = w.s.tokens[me];
+  std::vector<u16> out((size_t)T * LL_HIDDEN);
+  auto y_of = [&](u32 t, i64 e, u32 i) -> float {
+    const u32 r = rank_of(w, e), el = (u32)(e % w.s.el());
+    const auto& rows = rows_of[r][el];
+    const auto it = std::find(rows.begin(), rows.end(), std::make_pair(me, t));
+    const size_t slot = (size_t)(it - rows.begin());
+    return bf16_to_f32(ys[r][((size_t)el * w.s.rows() + slot) * LL_HIDDEN + i]);
+  };
+  for (u32 t = 0; t < T; t++) {
+    for (u32 i = 0; i < LL_HIDDEN; i++) {
+      float acc = 0.0f;
+      if (pre_reduced) {
+        for (u32 r = 0; r < w.s.ranks; r++) {
+          if (masked[r] || masked[me]) continue;
+          float partial = 0.0f;
+          bool any = false;
+          for (u32 k = 0; k < LL_TOPK; k++) {
+            const i64 e = in.idx[t * LL_TOPK + k];
+            if (e < 0 || rank_of(w, e) != r) continue;
+            any = true;
+            const float term = in.w[t * LL_TOPK + k] * y_of(t, e, i);
+            partial = partial + term;
+          }
+          if (any) acc = acc + bf16_to_f32(f32_to_bf16(partial));
+        }
+      } else {
+        for (u32 k = 0; k < LL_TOPK; k++) {
+          const i64 e = in.idx[t * LL_TOPK + k];
+          if (e < 0 || masked[rank_of(w, e)] || masked[me]) continue;
+          const float term = in.w[t * LL_TOPK + k] * y_of(t, e, i);
+          acc = acc + term;
+        }
+      }
+      out[(size_t)t * LL_HIDDEN + i] = f32_to_bf16(acc);
+    }
+  }
+  return out;
+}
+
+static void check_combined(const World& w, u32 me, const std::vector<u16>& got, const std::vector<u16>& want, const char* what) {
+  for (size_t i = 0; i < want.size(); i++)
+    CHECK(got[i] == want[i], "%s: rank %u combined[%zu, %zu] = %#06x, expected %#06x", what, me, i / LL_HIDDEN, i % LL_HIDDEN, got[i],
+          want[i]);
+  (void)w;
+}
+
+static void check_clean(World& w, u32 me, const char* what) {
+  const LlReport& rep = w.r[me].report;
+  CHECK(rep.own_problem == 0 && rep.mismatch_peer == 0 && rep.peer_problem_peer == 0, "%s: rank %u unexpected report (%u, %u, %u)", what, me,
+        rep.own_problem, rep.mismatch_peer, rep.peer_problem_peer);
+  CHECK(w.r[me].record.code == ERR_NONE, "%s: rank %u unexpected error record (peer %u)", what, me, w.r[me].record.peer);
+}
+
+// ============================================================================================ scenarios
+// One full round on every rank: dispatch (fused or hooked), experts, combine (fused or hooked); checked.
+struct RoundOpts {
+  bool weights = true;
+  bool hook = false;
+  bool cancel = false;
+  u32 seed = 1;
+  std::vector<bool> masked;
+};
+
+static void round_trip(World& w, const RoundOpts& ro, const char* what) {
+  const u32 R = w.s.ranks;
+  std::vector<Inputs> in(R);
+  for (u32 p = 0; p < R; p++) in[p] = make_inputs(w, p, ro.seed, 4, ro.cancel);
+  std::vector<bool> masked = ro.masked.empty() ? std::vector<bool>(R, false) : ro.masked;
+  std::vector<DispatchOut> d(R);
+  w.ranks([&](u32 me) {
+    if (ro.hook) {
+      LlDispatchArgs a = w.dispatch_args(me, in[me], d[me], ro.weights, false, LL_PHASE_SEND);
+      run::launch(a, w.grid);
+      a.phases = LL_PHASE_RECV;
+      run::launch(a, w.grid);
+    } else {
+      run::launch(w.dispatch_args(me, in[me], d[me], ro.weights, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid);
+    }
+  });
+  std::vector<std::vector<std::vector<std::pair<u32, u32>>>> rows_of(R);
+  std::vector<std::vector<u16>> ys(R);
+  for (u32 me = 0; me < R; me++) {
+    check_clean(w, me, what);
+    // A masked rank drops its own tokens too (it is masked in its own mask).
+    std::vector<bool> m = masked;
+    rows_of[me] = check_dispatch(w, me, in, d[me], m, what);
+    ys[me] = expert_outputs(w, me, d[me], ro.cancel);
+  }
+  std::vector<std::vector<u16>> out(R);
+  std::vector<std::vector<i64>> cwait(R);
+  w.ranks([&](u32 me) {
+    if (ro.hook) {
+      LlCombineArgs a = w.combine_args(me, in[me], d[me].set, ys[me], out[me], cwait[me], ro.weights, false, LL_PHASE_SEND);
+      run::launch(a, w.grid);
+      a.phases = LL_PHASE_RECV;
+      run::launch(a, w.grid);
+    } else {
+      run::launch(w.combine_args(me, in[me], d[me].set, ys[me], out[me], cwait[me], ro.weights, false, LL_PHASE_SEND | LL_PHASE_RECV),
+                  w.grid);
+    }
+  });
+  for (u32 me = 0; me < R; me++) {
+    check_clean(w, me, what);
+    check_combined(w, me, out[me], combine_reference(w, me, in[me], ys, rows_of, masked, ro.weights), what);
+    for (u32 p = 0; p < R; p++) CHECK(d[me].wait[p] >= 0 && cwait[me][p] >= 0, "%s: negative wait", what);
+  }
+}
+
+static void set_mask(World& w, u32 masked_rank, bool on) {
+  for (u32 p = 0; p < w.s.ranks; p++) w.ctrl(p).mask[masked_rank] = on ? 1 : 0;
+}
+
+int main() {
+  const bool ue8m0_ok = LL_HIDDEN % 512 == 0;
+  std::vector<Quant> quants;
+  if (LL_FP8) {
+    quants.push_back({true, false, false});
+    quants.push_back({true, true, false});
+    if (ue8m0_ok) quants.push_back({true, true, true});
+  } else {
+    quants.push_back({false, false, false});
+  }
+  const u32 E = 4 * 4;
+  for (const Quant& q : quants) {
+    const std::string qn = !q.fp8 ? "bf16" : q.ue8m0 ? "ue8m0" : q.round_scale ? "round" : "plain";
+    // Several rounds on one world: buffer sets alternate, epochs grow, nothing is cleared.
+    {
+      World w(Shape{4, E, 6, {6, 3, 0, 5}}, q);
+      for (u32 i = 0; i < 4; i++) {
+        RoundOpts ro;
+        ro.weights = i % 2 == 0;
+        ro.hook = i == 2;
+        ro.seed = 10 + i;
+        w.grid = 1 + i % 3;
+        round_trip(w, ro, (qn + " rounds").c_str());
+      }
+      std::printf("%s: 4 rounds (fused/hooked, pre-reduced/per-expert, 1..3 blocks) ok\n", qn.c_str());
+      for (bool weights : {true, false}) {
+        RoundOpts ro;
+        ro.weights = weights;
+        ro.cancel = true;
+        ro.seed = 15;
+        round_trip(w, ro, (qn + " cancellation").c_str());
+      }
+      // Shrink-mode mask (set by the host): rank 1 masked everywhere.
+      set_mask(w, 1, true);
+      RoundOpts ro;
+      ro.masked = {false, true, false, false};
+      ro.seed = 20;
+      round_trip(w, ro, (qn + " masked").c_str());
+      set_mask(w, 1, false);
+      ro.masked.clear();
+      ro.weights = false;
+      round_trip(w, ro, (qn + " unmasked").c_str());
+      std::printf("%s: masks ok\n", qn.c_str());
+    }
+    {
+      // Few experts per rank, so that tokens often select +B, -B and a tiny expert on the same rank (the
+      // order inside a pre-reduced partial) as well as across ranks.
+      const u32 e2 = std::max<u32>(6u, 4u * LL_TOPK);  // room for the tiny experts the tokens select
+      World w(Shape{2, e2, 8, {8, 7}}, q);
+      for (u32 i = 0; i < 4; i++) {
+        RoundOpts ro;
+        ro.weights = i % 2 == 0;
+        ro.cancel = true;
+        ro.seed = 16 + i;
+        round_trip(w, ro, (qn + " cancellation (EP2)").c_str());
+      }
+      std::printf("%s: summation order under cancellation ok\n", qn.c_str());
+    }
+  }
+  const Quant q = quants[0];
+
+  // Two hooked dispatches in flight: send e, send e+1, receive e, receive e+1, then both combines.
+  {
+    World w(Shape{3, 12, 5, {5, 4, 2}}, q);
+    const u32 R = 3;
+    std::vector<Inputs> a(R), b(R);
+    for (u32 p = 0; p < R; p++) a[p] = make_inputs(w, p, 31), b[p] = make_inputs(w, p, 32);
+    std::vector<DispatchOut> da(R), db(R);
+    w.ranks([&](u32 me) {
+      LlDispatchArgs x = w.dispatch_args(me, a[me], da[me], true, false, LL_PHASE_SEND);
+      LlDispatchArgs y = w.dispatch_args(me, b[me], db[me], true, false, LL_PHASE_SEND);
+      run::launch(x, w.grid);
+      run::launch(y, w.grid);
+      x.phases = LL_PHASE_RECV;
+      y.phases = LL_PHASE_RECV;
+      run::launch(x, w.grid);
+      run::launch(y, w.grid);
+    });
+    std::vector<bool> none(R, false);
+    std::vector<std::vector<std::vector<std::pair<u32, u32>>>> ra(R), rb(R);
+    std::vector<std::vector<u16>> ya(R), yb(R);
+    for (u32 me = 0; me < R; me++) {
+      check_clean(w, me, "two in flight");
+      ra[me] = check_dispatch(w, me, a, da[me], none, "two in flight (first)");
+      rb[me] = check_dispatch(w, me, b, db[me], none, "two in flight (second)");
+      ya[me] = expert_outputs(w, me, da[me]);
+      yb[me] = expert_outputs(w, me, db[me]);
+    }
+    std::vector<std::vector<u16>> oa(R), ob(R);
+    std::vector<std::vector<i64>> wa(R), wb(R);
+    w.ranks([&](u32 me) {
+      run::launch(w.combine_args(me, a[me], da[me].set, ya[me], oa[me], wa[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid);
+      run::launch(w.combine_args(me, b[me], db[me].set, yb[me], ob[me], wb[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid);
+    });
+    for (u32 me = 0; me < R; me++) {
+      check_combined(w, me, oa[me], combine_reference(w, me, a[me], ya, ra, none, true), "two in flight (first combine)");
+      check_combined(w, me, ob[me], combine_reference(w, me, b[me], yb, rb, none, true), "two in flight (second combine)");
+    }
+    std::printf("two hooked dispatches in flight ok\n");
+  }
+
+  // A dropped hook is drained; the set is reused afterwards; cumulative statistics accumulate.
+  {
+    World w(Shape{2, 8, 4, {4, 3}}, q);
+    std::vector<Inputs> in(2);
+    for (u32 p = 0; p < 2; p++) in[p] = make_inputs(w, p, 41);
+    std::vector<DispatchOut> dropped(2);
+    w.ranks([&](u32 me) {
+      LlDispatchArgs x = w.dispatch_args(me, in[me], dropped[me], true, false, LL_PHASE_SEND);
+      run::launch(x, w.grid);
+      x.phases = LL_PHASE_DRAIN;
+      run::launch(x, 1);
+    });
+    for (u32 i = 0; i < 3; i++) {
+      RoundOpts ro;
+      ro.seed = 42 + i;
+      round_trip(w, ro, "after a drain");
+    }
+    std::printf("drained hook ok\n");
+  }
+
+  // Invalid top-k ids on rank 2: it reports its own problem, the others name it; the next round works.
+  {
+    World w(Shape{3, 12, 4, {4, 4, 3}}, q);
+    std::vector<Inputs> in(3);
+    for (u32 p = 0; p < 3; p++) in[p] = make_inputs(w, p, 51, 0);
+    in[2].idx[1] = 12;  // == num_experts
+    in[1].idx[LL_TOPK] = -1;
+    std::vector<DispatchOut> d(3);
+    w.ranks([&](u32 me) { run::launch(w.dispatch_args(me, in[me], d[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid); });
+    CHECK(w.r[2].report.own_problem == LL_PROBLEM_TOPK_IDX, "rank 2 own problem %u", w.r[2].report.own_problem);
+    for (u32 me = 0; me < 2; me++)
+      CHECK(w.r[me].report.peer_problem_peer == 3 && w.r[me].report.peer_problem == LL_PROBLEM_TOPK_IDX, "rank %u peer problem %u/%u", me,
+            w.r[me].report.peer_problem_peer, w.r[me].report.peer_problem);
+    if (LL_TOPK >= 2) {
+      // A repeated expert is a problem too.
+      for (u32 p = 0; p < 3; p++) w.r[p].report = LlReport{};
+      in[2].idx[1] = in[2].idx[0] >= 0 ? in[2].idx[0] : 3;
+      in[2].idx[0] = in[2].idx[1];
+      w.ranks([&](u32 me) { run::launch(w.dispatch_args(me, in[me], d[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid); });
+      CHECK(w.r[2].report.own_problem == LL_PROBLEM_TOPK_IDX, "rank 2 repeat: own problem %u", w.r[2].report.own_problem);
+      CHECK(w.r[0].report.peer_problem_peer == 3, "rank 0 should name rank 2 for the repeat");
+    }
+    for (u32 p = 0; p < 3; p++) w.r[p].report = LlReport{};
+    RoundOpts ro;
+    ro.seed = 52;
+    round_trip(w, ro, "after invalid ids");
+    std::printf("invalid top-k ids reported on every rank ok\n");
+  }
+
+  // Call-signature mismatch (rank 1 claims another expert count) and combine weights that differ from
+  // dispatch's: reported, then the next round works.
+  {
+    World w(Shape{2, 8, 4, {4, 2}}, q);
+    std::vector<Inputs> in(2);
+    for (u32 p = 0; p < 2; p++) in[p] = make_inputs(w, p, 61);
+    std::vector<DispatchOut> d(2);
+    w.ranks([&](u32 me) {
+      LlDispatchArgs a = w.dispatch_args(me, in[me], d[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV);
+      if (me == 1) a.sig[2] = 9;
+      run::launch(a, w.grid);
+    });
+    CHECK(w.r[0].report.mismatch_peer == 2 && w.r[0].report.mismatch_field == 2 && w.r[0].report.mismatch_ours == 8 &&
+              w.r[0].report.mismatch_theirs == 9,
+          "rank 0 mismatch report");
+    CHECK(w.r[1].report.mismatch_peer == 1 && w.r[1].report.mismatch_theirs == 8, "rank 1 mismatch report");
+    for (u32 p = 0; p < 2; p++) w.r[p].report = LlReport{};
+
+    // A good dispatch, then a combine where rank 0 changed one weight by one ulp.
+    w.ranks([&](u32 me) { run::launch(w.dispatch_args(me, in[me], d[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid); });
+    std::vector<std::vector<u16>> ys(2), out(2);
+    std::vector<std::vector<i64>> cw(2);
+    for (u32 me = 0; me < 2; me++) ys[me] = expert_outputs(w, me, d[me]);
+    Inputs changed = in[0];
+    changed.w[0] = __uint_as_float(__float_as_uint(changed.w[0]) + 1);
+    w.ranks([&](u32 me) {
+      run::launch(w.combine_args(me, me == 0 ? changed : in[me], d[me].set, ys[me], out[me], cw[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV),
+                  w.grid);
+    });
+    CHECK(w.r[0].report.own_problem == LL_PROBLEM_WEIGHTS_DIFFER, "rank 0 own problem %u", w.r[0].report.own_problem);
+    CHECK(w.r[1].report.peer_problem_peer == 1 && w.r[1].report.peer_problem == LL_PROBLEM_WEIGHTS_DIFFER, "rank 1 should name rank 0");
+    for (u32 p = 0; p < 2; p++) w.r[p].report = LlReport{};
+    // The same handle with the dispatch-time weights still combines correctly.
+    std::vector<std::vector<std::vector<std::pair<u32, u32>>>> rows_of(2);
+    for (u32 me = 0; me < 2; me++) rows_of[me] = check_dispatch(w, me, in, d[me], {false, false}, "before the second combine");
+    w.ranks([&](u32 me) {
+      run::launch(w.combine_args(me, in[me], d[me].set, ys[me], out[me], cw[me], true, false, LL_PHASE_SEND | LL_PHASE_RECV), w.grid);
+    });
+    for (u32 me = 0; me < 2; me++) {
+      check_clean(w, me, "second combine");
+      check_combined(w, me, out[me], combine_reference(w, me, in[me], ys, rows_of, {false, false}, true), "second combine");
+    }
+    std::printf("signature mismatch and changed weights reported ok\n");
+  }
+
+  // A silent rank: hard mode names it; shrink mode masks it and finishes with the others' data.
+  for (bool shrink : {false, true}) {
+    World w(Shape{3, 12, 4, {4, 3, 4}}, q);
+    w.timeout_ns = 1000ull * 1000 * 1000;
+    std::vector<Inputs> in(3);
+    for (u32 p = 0; p < 3; p++) in[p] = make_inputs(w, p, 71);
+    std::vector<DispatchOut> d(3);
+    std::vector<std::vector<u16>> ys(3), out(3);
+    std::vector<std::vector<i64>> cw(3);
+    w.ranks([&](u32 me) { run::launch(w.dispatch_args(me, in[me], d[me], true, shrink, LL_PHASE_SEND | LL_PHASE_RECV), w.grid); }, {0, 1});
+    if (!shrink) {
+      for (u32 me = 0; me < 2; me++)
+        CHECK(w.r[me].record.code == ERR_TIMEOUT && w.r[me].record.peer == 2 && w.r[me].record.phase == PHASE_LL_DISPATCH,
+              "rank %u: expected a timeout naming rank 2 (code %u peer %u)", me, w.r[me].record.code, w.r[me].record.peer);
+      std::printf("silent rank: timeout names it ok\n");
+      continue;
+    }
+    std::vector<bool> masked = {false, false, true};
+    std::vector<std::vector<std::vector<std::pair<u32, u32>>>> rows_of(3);
+    for (u32 me = 0; me < 2; me++) {
+      check_clean(w, me, "shrink dispatch");
+      CHECK(w.ctrl(me).mask[2] == 1 && w.ctrl(me).mask[0] == 0 && w.ctrl(me).mask[1] == 0, "rank %u: rank 2 should be masked", me);
+      rows_of[me] = check_dispatch(w, me, in, d[me], masked, "shrink dispatch");
+      ys[me] = expert_outputs(w, me, d[me]);
+    }
+    rows_of[2].resize(w.s.el());
+    ys[2].assign(ys[0].size(), 0);
+    w.ranks([&](u32 me) {
+      run::launch(w.combine_args(me, in[me], d[me].set, ys[me], out[me], cw[me], true, true, LL_PHASE_SEND | LL_PHASE_RECV), w.grid);
+    }, {0, 1});
+    for (u32 me = 0; me < 2; me++) {
+      check_clean(w, me, "shrink combine");
+      check_combined(w, me, out[me], combine_reference(w, me, in[me], ys, rows_of, masked, true), "shrink combine");
+    }
+    std::printf("silent rank: shrink mode masks it ok\n");
+  }
+
+  std::printf("all scenarios passed (hidden %u, top-%u, %s)\n", LL_HIDDEN, LL_TOPK, LL_FP8 ? "fp8" : "bf16");
+  return 0;
+}

@@ -1,0 +1,494 @@
+//! CUDA-only low-latency tests (skipped unless `MOELINK_TEST_CUDA=1`; `MOELINK_TEST_GPUS=n` ranks):
+//! - dispatch + combine captured into CUDA graphs and replayed many times, with new inputs written into
+//!   the captured tensors before every replay, each replay checked bit for bit against the host backend
+//!   run on the same inputs (valid rows, scales, counts, combined output);
+//! - a peer that never arrives: `Error::Timeout` naming it (no hang), or with `enable_shrink` the peer is
+//!   masked and the call finishes with what the others sent.
+//!
+//! Rank closures only make calls and return what they saw; assertions run on the test thread.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{random_weights, routing, test_options, with_buffers, Rng, RoutingKind};
+use moelink::{
+    bf16, fp8, group::run_ranks, BackendKind, Buffer, BufferOptions, DType, Error, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
+    LlDispatchOutputs, LlHandle, LlQuant, Result, Tensor, ThreadGroup,
+};
+
+const PLAIN: LlQuant = LlQuant::Fp8 { round_scale: false, use_ue8m0: false };
+const UE8M0: LlQuant = LlQuant::Fp8 { round_scale: true, use_ue8m0: true };
+
+/// Ranks for the CUDA tests: up to 4 of the GPUs the run was given.
+fn cuda_ranks() -> Option<usize> {
+    if let Some(why) = common::cuda_skip_reason() {
+        eprintln!("skipping: {why}");
+        return None;
+    }
+    Some(common::max_ranks(BackendKind::Cuda).clamp(1, 4))
+}
+
+#[derive(Clone, Debug)]
+struct Shape {
+    ranks: usize,
+    experts: usize,
+    topk: usize,
+    hidden: usize,
+    t_max: usize,
+    /// Tokens of each rank (fixed: the captured tensors have fixed shapes).
+    tokens: Vec<usize>,
+    quant: LlQuant,
+    weights: bool,
+    hook: bool,
+}
+
+impl Shape {
+    fn local_experts(&self) -> usize {
+        self.experts / self.ranks
+    }
+    fn rows(&self) -> usize {
+        self.ranks * self.t_max
+    }
+    fn cols(&self) -> usize {
+        match self.quant {
+            LlQuant::Bf16 => 0,
+            LlQuant::Fp8 { use_ue8m0: false, .. } => self.hidden / 128,
+            LlQuant::Fp8 { use_ue8m0: true, .. } => self.hidden / 512,
+        }
+    }
+    fn row_bytes(&self) -> usize {
+        if self.quant.is_fp8() {
+            self.hidden
+        } else {
+            2 * self.hidden
+        }
+    }
+}
+
+/// One replay's inputs of one rank.
+#[derive(Clone)]
+struct Step {
+    x: Vec<bf16>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+}
+
+fn step_inputs(sh: &Shape, rank: usize, replay: usize) -> Step {
+    let mut rng = Rng::new(0x5eed ^ ((replay as u64) << 8) ^ rank as u64);
+    let t = sh.tokens[rank];
+    let kind = if replay % 3 == 2 { RoutingKind::WithHoles } else { RoutingKind::Uniform };
+    let idx = routing(&mut rng, kind, t, sh.topk, sh.experts, sh.ranks);
+    let x = (0..t * sh.hidden).map(|i| bf16::from_f64(rng.normal() * 2f64.powi(((i / 128 + replay) % 9) as i32 - 4))).collect();
+    Step { x, idx, w: random_weights(&mut rng, t * sh.topk) }
+}
+
+/// What a rank saw in one replay: counts, the valid rows (bytes) and their scales, the combined output.
+#[derive(Clone, Debug, PartialEq)]
+struct Seen {
+    count: Vec<i32>,
+    rows: Vec<u8>,
+    scales: Vec<u8>,
+    combined: Vec<u16>,
+}
+
+fn valid_part(sh: &Shape, recv_x: &[u8], scales: &[u8], count: &[i32]) -> (Vec<u8>, Vec<u8>) {
+    let (rb, rows, cols) = (sh.row_bytes(), sh.rows(), sh.cols());
+    let (mut r, mut s) = (Vec::new(), Vec::new());
+    for (e, &n) in count.iter().enumerate() {
+        let n = (n.max(0) as usize).min(rows);
+        r.extend_from_slice(&recv_x[e * rows * rb..(e * rows + n) * rb]);
+        for col in 0..cols {
+            for slot in 0..n {
+                let at = 4 * ((e * cols + col) * rows + slot);
+                s.extend_from_slice(&scales[at..at + 4]);
+            }
+        }
+    }
+    (r, s)
+}
+
+/// The test's experts: global expert `e` multiplies its dequantised input by a small factor.
+fn expert_outputs(sh: &Shape, me: usize, recv_x: &[u8], scales: &[u8], count: &[i32]) -> Vec<bf16> {
+    let (rows, cols, h) = (sh.rows(), sh.cols(), sh.hidden);
+    let mut y = vec![bf16::ZERO; sh.local_experts() * rows * h];
+    for (el, &n) in count.iter().enumerate() {
+        let f = ((me * sh.local_experts() + el) % 5) as f32 * 0.5 - 1.0;
+        for slot in 0..(n.max(0) as usize).min(rows) {
+            for i in 0..h {
+                let v = match sh.quant {
+                    LlQuant::Bf16 => {
+                        let at = 2 * ((el * rows + slot) * h + i);
+                        bf16::from_le_bytes([recv_x[at], recv_x[at + 1]]).to_f32()
+                    }
+                    LlQuant::Fp8 { use_ue8m0, .. } => {
+                        let col = if use_ue8m0 { i / 512 } else { i / 128 };
+                        let at = 4 * ((el * cols + col) * rows + slot);
+                        let w = [scales[at], scales[at + 1], scales[at + 2], scales[at + 3]];
+                        let inv = if use_ue8m0 { fp8::ue8m0_to_f32(w[(i / 128) % 4]) } else { f32::from_le_bytes(w) };
+                        fp8::e4m3_to_f32(recv_x[(el * rows + slot) * h + i]) * inv
+                    }
+                };
+                y[(el * rows + slot) * h + i] = bf16::from_f32(v * f);
+            }
+        }
+    }
+    y
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u16>> {
+    Ok(t.to_vec::<bf16>()?.into_iter().map(|v| v.to_bits()).collect())
+}
+
+/// The tensors of one rank, at fixed addresses.
+struct Fixed {
+    x: Tensor,
+    idx: Tensor,
+    w: Tensor,
+    recv_x: Tensor,
+    scales: Option<Tensor>,
+    count: Tensor,
+    y: Tensor,
+    out: Tensor,
+}
+
+impl Fixed {
+    fn new(buf: &Buffer, sh: &Shape) -> Result<Fixed> {
+        let (t, el, rows, cols) = (sh.tokens[buf.rank()], sh.local_experts(), sh.rows(), sh.cols());
+        let scales = match sh.quant {
+            LlQuant::Bf16 => None,
+            LlQuant::Fp8 { use_ue8m0, .. } => Some(buf.alloc(if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?),
+        };
+        Ok(Fixed {
+            x: buf.alloc(DType::BF16, &[t, sh.hidden])?,
+            idx: buf.alloc(DType::I64, &[t, sh.topk])?,
+            w: buf.alloc(DType::F32, &[t, sh.topk])?,
+            recv_x: buf.alloc(if sh.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, sh.hidden])?,
+            scales,
+            count: buf.alloc(DType::I32, &[el])?,
+            y: buf.alloc(DType::BF16, &[el, rows, sh.hidden])?,
+            out: buf.alloc(DType::BF16, &[t, sh.hidden])?,
+        })
+    }
+
+    fn load(&mut self, sh: &Shape, s: &Step) -> Result<()> {
+        let t = s.idx.len() / sh.topk;
+        self.x.copy_from(&Tensor::from_vec(s.x.clone(), &[t, sh.hidden])?)?;
+        self.idx.copy_from(&Tensor::from_vec(s.idx.clone(), &[t, sh.topk])?)?;
+        self.w.copy_from(&Tensor::from_vec(s.w.clone(), &[t, sh.topk])?)
+    }
+
+    /// Dispatch into the fixed outputs (running the hook when there is one); returns the handle.
+    fn dispatch(&mut self, buf: &mut Buffer, sh: &Shape) -> Result<LlHandle> {
+        let (el, rows, cols) = (sh.local_experts(), sh.rows(), sh.cols());
+        let args = LlDispatchArgs {
+            x: self.x.view(),
+            topk_idx: self.idx.view(),
+            topk_weights: sh.weights.then(|| self.w.view()),
+            num_max_dispatch_tokens_per_rank: sh.t_max,
+            num_experts: sh.experts,
+            quant: sh.quant,
+            return_recv_hook: sh.hook,
+        };
+        let recv_scales = match self.scales.as_mut() {
+            Some(t) => Some(t.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?),
+            None => None,
+        };
+        let out = LlDispatchOutputs {
+            recv_x: self.recv_x.view_mut(),
+            recv_scales,
+            recv_count: self.count.view_mut(),
+            cumulative_local_expert_recv_stats: None,
+            dispatch_wait_recv_cost_stats: None,
+        };
+        let (handle, hook) = buf.low_latency_dispatch_into(&args, out)?;
+        if let Some(hook) = hook {
+            buf.run_hook(hook)?;
+        }
+        Ok(handle)
+    }
+
+    /// Combine into the fixed output; `identity`: the expert outputs are `recv_x` itself (bf16 only).
+    fn combine(&mut self, buf: &mut Buffer, sh: &Shape, handle: &LlHandle, identity: bool) -> Result<()> {
+        let y = if identity { self.recv_x.view() } else { self.y.view() };
+        let args = LlCombineArgs {
+            x: y,
+            topk_idx: self.idx.view(),
+            topk_weights: self.w.view(),
+            handle,
+            zero_copy: false,
+            return_recv_hook: sh.hook,
+        };
+        let hook =
+            buf.low_latency_combine_into(&args, LlCombineOutputs { combined_x: self.out.view_mut(), combine_wait_recv_cost_stats: None })?;
+        if let Some(hook) = hook {
+            buf.run_hook(hook)?;
+        }
+        Ok(())
+    }
+
+    fn seen_dispatch(&self) -> Result<(Vec<u8>, Vec<u8>, Vec<i32>)> {
+        let recv_x = self.recv_x.to_host_bytes()?;
+        let scales = self.scales.as_ref().map(|t| t.to_host_bytes()).transpose()?.unwrap_or_default();
+        let count: Vec<i32> = self.count.to_vec()?;
+        Ok((recv_x, scales, count))
+    }
+}
+
+/// The host backend on every replay's inputs: what each rank must see.
+fn host_reference(sh: &Shape, steps: &[Vec<Step>], identity: bool) -> Vec<Vec<Seen>> {
+    with_buffers(BackendKind::Host, sh.ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let mut seen = Vec::new();
+        for step in steps {
+            let s = &step[me];
+            let t = sh.tokens[me];
+            let (x, idx, w) = (
+                Tensor::from_vec(s.x.clone(), &[t, sh.hidden])?,
+                Tensor::from_vec(s.idx.clone(), &[t, sh.topk])?,
+                Tensor::from_vec(s.w.clone(), &[t, sh.topk])?,
+            );
+            let args = LlDispatchArgs {
+                x: x.view(),
+                topk_idx: idx.view(),
+                topk_weights: sh.weights.then(|| w.view()),
+                num_max_dispatch_tokens_per_rank: sh.t_max,
+                num_experts: sh.experts,
+                quant: sh.quant,
+                return_recv_hook: false,
+            };
+            let d = buf.low_latency_dispatch(&args)?;
+            let recv_x = d.recv_x.to_host_bytes()?;
+            let scales = d.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose()?.unwrap_or_default();
+            let count: Vec<i32> = d.recv_count.to_vec()?;
+            let y = if identity {
+                d.recv_x.to_host()?
+            } else {
+                Tensor::from_vec(expert_outputs(sh, me, &recv_x, &scales, &count), &[sh.local_experts(), sh.rows(), sh.hidden])?
+            };
+            let cargs = LlCombineArgs {
+                x: y.view(),
+                topk_idx: idx.view(),
+                topk_weights: w.view(),
+                handle: &d.handle,
+                zero_copy: false,
+                return_recv_hook: false,
+            };
+            let out = buf.low_latency_combine(&cargs)?;
+            let (rows, sc) = valid_part(sh, &recv_x, &scales, &count);
+            seen.push(Seen { count, rows, scales: sc, combined: bits(&out)? });
+        }
+        Ok(seen)
+    })
+}
+
+/// CUDA: warm up, capture, then replay once per step with that step's inputs.
+/// `identity` (bf16): one graph holds dispatch and combine, the experts being the identity (`y = recv_x`).
+/// Otherwise two graphs: dispatch, then (after the host computed the experts into `y`) combine.
+fn cuda_replays(sh: &Shape, steps: &[Vec<Step>], identity: bool) -> Vec<Vec<Seen>> {
+    with_buffers(BackendKind::Cuda, sh.ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let mut f = Fixed::new(buf, sh)?;
+        // Warm-up outside the capture: compiles and loads the kernels, runs both calls once.
+        f.load(sh, &steps[0][me])?;
+        let h = f.dispatch(buf, sh)?;
+        if !identity {
+            let (rx, sc, n) = f.seen_dispatch()?;
+            f.y.copy_from(&Tensor::from_vec(expert_outputs(sh, me, &rx, &sc, &n), &[sh.local_experts(), sh.rows(), sh.hidden])?)?;
+        }
+        f.combine(buf, sh, &h, identity)?;
+        buf.barrier()?;
+
+        let mut handle = None;
+        let (first, ()) = buf.capture(|b| {
+            let h = f.dispatch(b, sh)?;
+            if identity {
+                f.combine(b, sh, &h, true)?;
+            }
+            handle = Some(h);
+            Ok(())
+        })?;
+        let handle = handle.ok_or_else(|| Error::Unavailable("capture produced no handle".into()))?;
+        let second = if identity { None } else { Some(buf.capture(|b| f.combine(b, sh, &handle, false))?.0) };
+
+        let mut seen = Vec::new();
+        for step in steps {
+            f.load(sh, &step[me])?;
+            // SAFETY: every tensor the graphs use (`f`'s) lives until the end of this closure.
+            unsafe { buf.replay(&first)? };
+            let (recv_x, scales, count) = f.seen_dispatch()?;
+            if let Some(g) = &second {
+                f.y.copy_from(&Tensor::from_vec(
+                    expert_outputs(sh, me, &recv_x, &scales, &count),
+                    &[sh.local_experts(), sh.rows(), sh.hidden],
+                )?)?;
+                // SAFETY: as above.
+                unsafe { buf.replay(g)? };
+            }
+            let (rows, sc) = valid_part(sh, &recv_x, &scales, &count);
+            seen.push(Seen { count, rows, scales: sc, combined: bits(&f.out)? });
+        }
+        buf.barrier()?;
+        Ok(seen)
+    })
+}
+
+fn check_replays(sh: &Shape, replays: usize, identity: bool) {
+    let steps: Vec<Vec<Step>> = (0..replays).map(|r| (0..sh.ranks).map(|me| step_inputs(sh, me, r)).collect()).collect();
+    let want = host_reference(sh, &steps, identity);
+    let got = cuda_replays(sh, &steps, identity);
+    for me in 0..sh.ranks {
+        for r in 0..replays {
+            let (g, w) = (&got[me][r], &want[me][r]);
+            assert_eq!(g.count, w.count, "rank {me} replay {r}: recv_count ({sh:?})");
+            assert!(g.rows == w.rows, "rank {me} replay {r}: valid rows differ from the host backend ({sh:?})");
+            assert!(g.scales == w.scales, "rank {me} replay {r}: scales differ from the host backend ({sh:?})");
+            if let Some(i) = g.combined.iter().zip(&w.combined).position(|(a, b)| a != b) {
+                panic!(
+                    "rank {me} replay {r}: combined[{}, {}] = {:#06x}, host {:#06x} ({sh:?})",
+                    i / sh.hidden,
+                    i % sh.hidden,
+                    g.combined[i],
+                    w.combined[i]
+                );
+            }
+        }
+    }
+}
+
+fn shape(ranks: usize, quant: LlQuant, weights: bool, hook: bool) -> Shape {
+    let tokens = [8, 5, 0, 7, 8, 3, 8, 1];
+    Shape {
+        ranks,
+        experts: 4 * ranks,
+        topk: 3.min(4 * ranks),
+        hidden: 1024,
+        t_max: 8,
+        tokens: tokens[..ranks].to_vec(),
+        quant,
+        weights,
+        hook,
+    }
+}
+
+#[test]
+fn graph_replays_bf16_dispatch_and_combine_in_one_graph() {
+    let Some(ranks) = cuda_ranks() else { return };
+    for (weights, hook) in [(true, false), (false, false), (true, true)] {
+        check_replays(&shape(ranks, LlQuant::Bf16, weights, hook), 12, true);
+    }
+}
+
+#[test]
+fn graph_replays_fp8_dispatch_then_combine() {
+    let Some(ranks) = cuda_ranks() else { return };
+    for (quant, weights, hook) in [(PLAIN, true, false), (UE8M0, false, true)] {
+        let mut sh = shape(ranks, quant, weights, hook);
+        sh.hidden = 2048;
+        check_replays(&sh, 8, false);
+    }
+}
+
+/// One rank never calls: without shrink mode the others fail with a timeout naming it; with shrink mode
+/// they mask it and finish with what the others sent (the host backend with the same mask agrees).
+#[test]
+fn a_silent_peer_times_out_or_is_masked() {
+    let Some(ranks) = cuda_ranks() else { return };
+    if ranks < 2 {
+        eprintln!("skipping: needs 2 GPUs");
+        return;
+    }
+    let silent = ranks - 1;
+    let sh = Shape { hook: false, ..shape(ranks, PLAIN, true, false) };
+    let steps: Vec<Step> = (0..ranks).map(|me| step_inputs(&sh, me, 0)).collect();
+
+    for shrink in [false, true] {
+        let opts = BufferOptions { backend: BackendKind::Cuda, timeout_ms: 1500, enable_shrink: shrink, ..test_options() };
+        let gpus = common::cuda_lock();
+        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
+            let group: Arc<ThreadGroup> = Arc::new(g);
+            let mut buf = Buffer::new(group.clone(), opts.clone())?;
+            let me = buf.rank();
+            let r = if me == silent {
+                None
+            } else {
+                let mut f = Fixed::new(&buf, &sh)?;
+                f.load(&sh, &steps[me])?;
+                let seen = (|| -> Result<Seen> {
+                    let h = f.dispatch(&mut buf, &sh)?;
+                    let (recv_x, scales, count) = f.seen_dispatch()?;
+                    f.y.copy_from(&Tensor::from_vec(
+                        expert_outputs(&sh, me, &recv_x, &scales, &count),
+                        &[sh.local_experts(), sh.rows(), sh.hidden],
+                    )?)?;
+                    f.combine(&mut buf, &sh, &h, false)?;
+                    let (rows, sc) = valid_part(&sh, &recv_x, &scales, &count);
+                    Ok(Seen { count, rows, scales: sc, combined: bits(&f.out)? })
+                })();
+                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
+                Some((seen, mask))
+            };
+            // Nobody frees its buffer while another rank's kernels may still write into it.
+            moelink::Group::barrier(group.as_ref())?;
+            Ok(r)
+        });
+        drop(gpus);
+        let want = if shrink {
+            // The host backend with the silent rank masked everywhere (it still takes part there).
+            Some(with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
+                buf.low_latency_update_mask_buffer(silent, true)?;
+                let me = buf.rank();
+                let s = &steps[me];
+                let t = sh.tokens[me];
+                let (x, idx, w) = (
+                    Tensor::from_vec(s.x.clone(), &[t, sh.hidden])?,
+                    Tensor::from_vec(s.idx.clone(), &[t, sh.topk])?,
+                    Tensor::from_vec(s.w.clone(), &[t, sh.topk])?,
+                );
+                let d = buf.low_latency_dispatch(&LlDispatchArgs {
+                    x: x.view(),
+                    topk_idx: idx.view(),
+                    topk_weights: Some(w.view()),
+                    num_max_dispatch_tokens_per_rank: sh.t_max,
+                    num_experts: sh.experts,
+                    quant: sh.quant,
+                    return_recv_hook: false,
+                })?;
+                let recv_x = d.recv_x.to_host_bytes()?;
+                let scales = d.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose()?.unwrap_or_default();
+                let count: Vec<i32> = d.recv_count.to_vec()?;
+                let y = Tensor::from_vec(expert_outputs(&sh, me, &recv_x, &scales, &count), &[sh.local_experts(), sh.rows(), sh.hidden])?;
+                let out = buf.low_latency_combine(&LlCombineArgs {
+                    x: y.view(),
+                    topk_idx: idx.view(),
+                    topk_weights: w.view(),
+                    handle: &d.handle,
+                    zero_copy: false,
+                    return_recv_hook: false,
+                })?;
+                let (rows, sc) = valid_part(&sh, &recv_x, &scales, &count);
+                Ok(Seen { count, rows, scales: sc, combined: bits(&out)? })
+            }))
+        } else {
+            None
+        };
+        for (me, r) in results.into_iter().enumerate() {
+            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
+            let Some((seen, mask)) = r else { continue };
+            if shrink {
+                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
+                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
+                assert_eq!(
+                    seen,
+                    want.as_ref().unwrap()[me],
+                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
+                );
+            } else {
+                match seen {
+                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
+                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
+                }
+            }
+        }
+    }
+}
