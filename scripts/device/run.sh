@@ -4,7 +4,8 @@
 #
 # Steps (each under `timeout`, its exit status and seconds recorded, output appended to $OUT/log.txt):
 #   info      moelink info
-#   tests     every carried test executable (thread mode, MOELINK_TEST_CUDA=1)
+#   tests     every carried test executable, or those named in TEST_BINS, each under T_TEST_EACH seconds
+#             (thread mode, MOELINK_TEST_CUDA=1)
 #   selftest  moelink selftest --strict                          (thread mode, one rank per GPU)
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
@@ -98,9 +99,14 @@ step() {
 }
 
 run_tests() {
-    local worst=0 b crate
+    local worst=0 b crate rc
     shopt -s nullglob
-    local bins=("$BIN_DIR"/tests/*)
+    local bins=()
+    if [ -n "${TEST_BINS:-}" ]; then
+        for b in $TEST_BINS; do bins+=("$BIN_DIR/tests/$b"); done
+    else
+        bins=("$BIN_DIR"/tests/*)
+    fi
     if [ ${#bins[@]} -eq 0 ]; then
         echo "no test executables carried"
         return 1
@@ -109,14 +115,16 @@ run_tests() {
         # cargo runs a crate's tests from its directory; do the same so relative paths resolve.
         crate=${b##*/}; crate=${crate%%.*}
         echo "--- $(basename "$b")"
-        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT"; "$b" $TEST_ARGS)
-        local rc=$?
+        # Each executable under its own timeout: one hang must not hide the others' results.
+        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT"; timeout --kill-after=10 "${T_TEST_EACH:-240}" "$b" $TEST_ARGS)
+        rc=$?
+        [ "$rc" = 124 ] && echo "--- $(basename "$b"): timed out after ${T_TEST_EACH:-240}s"
         [ "$rc" -gt "$worst" ] && worst=$rc
     done
     return "$worst"
 }
 export -f run_tests
-export BIN_DIR ROOT TEST_ARGS
+export BIN_DIR ROOT TEST_ARGS TEST_BINS T_TEST_EACH
 
 for s in $STEPS; do
     case $s in

@@ -69,7 +69,10 @@ pub fn with_buffers<T: Send>(
 
 /// Default options for tests: room for the sizes the tests use.
 pub fn test_options() -> BufferOptions {
-    BufferOptions { num_nvl_bytes: 1 << 30, num_rdma_bytes: 1 << 30, timeout_ms: 20_000, ..Default::default() }
+    // MOELINK_TEST_TIMEOUT_MS shortens the kernels' deadline on the GPU machine, so a protocol bug costs
+    // seconds of the lease, not minutes.
+    let timeout_ms = std::env::var("MOELINK_TEST_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    BufferOptions { num_nvl_bytes: 1 << 30, num_rdma_bytes: 1 << 30, timeout_ms, ..Default::default() }
 }
 
 /// A small, seeded generator (splitmix64) so every rank and backend sees the same inputs.
