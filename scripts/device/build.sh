@@ -44,9 +44,9 @@ for line in open(messages):
     print(f"test executable: {name}")
 PY
 
-# The Python wheel, once the python/ package exists and maturin is installed.
-if [ -f python/pyproject.toml ] && command -v maturin >/dev/null 2>&1; then
-    maturin build --release -m python/pyproject.toml -o "$out"
+# The Python wheel (abi3, for the GPU machine's Python 3.12), for scripts/device/python.sh.
+if [ -f python/pyproject.toml ]; then
+    scripts/build-wheel.sh
 fi
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
