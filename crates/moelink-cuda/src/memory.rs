@@ -104,7 +104,8 @@ impl DeviceBuffer {
         }
     }
 
-    /// Copies `src` into the buffer at byte `offset`, after all work on the device finished.
+    /// Copies `src` into the buffer at byte `offset`, after all work on the device finished; returns when the
+    /// data is in device memory.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("copy_from_host", offset, src.len(), self.len)?;
         if src.is_empty() {
@@ -114,7 +115,11 @@ impl DeviceBuffer {
         // SAFETY: as in copy_to_host_at, with the roles swapped.
         unsafe {
             drv::ctx_synchronize()?;
-            drv::memcpy_htod(self.ptr + offset as u64, src.as_ptr(), src.len())
+            drv::memcpy_htod(self.ptr + offset as u64, src.as_ptr(), src.len())?;
+            // From pageable memory cuMemcpyHtoD may return once the data is staged, before the DMA into
+            // device memory is done, and work on non-blocking streams is not ordered after it: wait for it
+            // here (seen on 4xH200: a copy-engine read right after `from_host` saw stale bytes).
+            drv::ctx_synchronize()
         }
     }
 
