@@ -289,9 +289,12 @@ fn jit_cache_hits() {
 
 /// A minimal in-process all-gather for thread-mode tests. Waits at most 60 s for the other ranks, so a rank
 /// that panicked turns into an error on the others instead of a hung test binary.
+/// (completed rounds, arrivals in this round, this round's messages, the last round's result).
+type GatherState = (u64, usize, Vec<Vec<u8>>, Arc<Vec<Vec<u8>>>);
+
 struct ThreadGather {
     n: usize,
-    state: Mutex<(u64, usize, Vec<Vec<u8>>, Arc<Vec<Vec<u8>>>)>,
+    state: Mutex<GatherState>,
     cv: std::sync::Condvar,
 }
 

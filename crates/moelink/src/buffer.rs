@@ -332,7 +332,6 @@ impl Buffer {
         Ok(HtHandle {
             buffer_id: self.id,
             rank: spec.rank,
-            num_ranks: spec.num_ranks,
             num_tokens: spec.num_tokens,
             num_experts: spec.num_experts,
             num_recv_tokens: done.num_recv_tokens,

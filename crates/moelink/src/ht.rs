@@ -59,6 +59,8 @@ pub struct LayoutRef<'a> {
 }
 
 /// Routing of a dispatch: fresh (layout exchange) or cached (re-use an earlier handle).
+// A small Copy argument passed by reference; boxing the larger variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy)]
 pub enum Routing<'a> {
     Fresh {
@@ -172,7 +174,6 @@ impl HtSpec {
 pub struct HtHandle {
     pub(crate) buffer_id: u64,
     pub(crate) rank: usize,
-    pub(crate) num_ranks: usize,
     pub(crate) num_tokens: usize,
     pub(crate) num_experts: usize,
     pub(crate) num_recv_tokens: Option<usize>,
@@ -232,7 +233,6 @@ pub(crate) struct CombineSpec {
     pub hidden: usize,
     /// 0 when no weights.
     pub topk: usize,
-    pub num_bias: usize,
     pub num_sms: usize,
 }
 
@@ -465,7 +465,7 @@ pub(crate) fn validate_combine(a: &CombineArgs<'_>, f: &BufferFacts) -> Result<C
             num_bias += 1;
         }
     }
-    Ok(CombineSpec { rank: r, num_ranks: f.num_ranks, num_tokens: t, num_recv_rows: n, hidden, topk, num_bias, num_sms })
+    Ok(CombineSpec { rank: r, num_ranks: f.num_ranks, num_tokens: t, num_recv_rows: n, hidden, topk, num_sms })
 }
 
 /// Validates combine outputs.

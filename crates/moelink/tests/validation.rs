@@ -89,30 +89,72 @@ fn assert_arg_rank_any(e: Error, arg: &str) {
 fn dispatch_rejects_bad_x() {
     // wrong dtype
     let xf = Tensor::from_vec(vec![0f32; 256], &[2, 128]).unwrap();
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak(&xf)))), "x");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Bf16(unsafe_leak(&xf));
+            Ok(())
+        }),
+        "x",
+    );
     // row bytes not a multiple of 16 (hidden 4 x 2 bytes)
     let small = x_bf16(2, 4);
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak(&small)))), "x");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Bf16(unsafe_leak(&small));
+            Ok(())
+        }),
+        "x",
+    );
     // token count differs from the layout's is_token_in_rank
     let three = x_bf16(3, 128);
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak(&three)))), "is_token_in_rank");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Bf16(unsafe_leak(&three));
+            Ok(())
+        }),
+        "is_token_in_rank",
+    );
     // non-contiguous x
     let big = x_bf16(2, 256);
     let strided = big.view().with_layout(&[2, 128], &[256, 1]).unwrap();
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(unsafe_leak_ref(strided)))), "x");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Bf16(unsafe_leak_ref(strided));
+            Ok(())
+        }),
+        "x",
+    );
     // a device tensor given to a host buffer
     let dev = unsafe { TensorRef::from_raw_parts(0x1000, Location::Cuda(0), DType::BF16, &[2, 128], &[128, 1]).unwrap() };
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Bf16(dev))), "x");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Bf16(dev);
+            Ok(())
+        }),
+        "x",
+    );
 }
 
 #[test]
 fn dispatch_rejects_bad_fp8_payload() {
     let x8 = Tensor::from_vec(vec![Fp8E4M3(0); 2 * 128], &[2, 128]).unwrap();
     let bad_scales = Tensor::from_vec(vec![1f32; 4], &[2, 2]).unwrap();
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Fp8 { x: unsafe_leak(&x8), scales: unsafe_leak(&bad_scales) })), "x_scales");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Fp8 { x: unsafe_leak(&x8), scales: unsafe_leak(&bad_scales) };
+            Ok(())
+        }),
+        "x_scales",
+    );
     let x8_odd = Tensor::from_vec(vec![Fp8E4M3(0); 2 * 144], &[2, 144]).unwrap();
     let sc = Tensor::from_vec(vec![1f32; 2], &[2, 1]).unwrap();
-    assert_arg(dispatch_with(|a, _| Ok(a.x = Payload::Fp8 { x: unsafe_leak(&x8_odd), scales: unsafe_leak(&sc) })), "x");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.x = Payload::Fp8 { x: unsafe_leak(&x8_odd), scales: unsafe_leak(&sc) };
+            Ok(())
+        }),
+        "x",
+    );
     // column-major scales are fine
     let sc_t = Tensor::from_vec(vec![1f32; 2], &[1, 2]).unwrap();
     let col = sc_t.view().with_layout(&[2, 1], &[1, 2]).unwrap();
@@ -197,11 +239,35 @@ fn dispatch_rejects_bad_topk_and_layout() {
 
 #[test]
 fn dispatch_rejects_bad_knobs() {
-    assert_arg(dispatch_with(|a, _| Ok(a.expert_alignment = 0)), "expert_alignment");
-    assert_arg(dispatch_with(|a, _| Ok(a.config = Some(Config::with_sms(3)))), "config.num_sms");
-    assert_arg(dispatch_with(|a, _| Ok(a.config = Some(Config::with_sms(0)))), "config.num_sms");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.expert_alignment = 0;
+            Ok(())
+        }),
+        "expert_alignment",
+    );
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.config = Some(Config::with_sms(3));
+            Ok(())
+        }),
+        "config.num_sms",
+    );
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.config = Some(Config::with_sms(0));
+            Ok(())
+        }),
+        "config.num_sms",
+    );
     // num_worst_tokens smaller than what arrives (2 tokens, both to rank 0 of 1).
-    assert_arg(dispatch_with(|a, _| Ok(a.num_worst_tokens = 1)), "num_worst_tokens");
+    assert_arg(
+        dispatch_with(|a, _| {
+            a.num_worst_tokens = 1;
+            Ok(())
+        }),
+        "num_worst_tokens",
+    );
 }
 
 #[test]

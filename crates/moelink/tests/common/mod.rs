@@ -125,12 +125,11 @@ pub fn routing(rng: &mut Rng, kind: RoutingKind, num_tokens: usize, topk: usize,
     for _ in 0..num_tokens {
         let mut scores: Vec<(f64, usize)> = (0..num_experts).map(|e| (rng.normal().abs() + 1.0, e)).collect();
         match kind {
-            RoutingKind::Skewed => {
-                if rng.uniform() < 0.9 {
-                    for (s, e) in scores.iter_mut() {
-                        if *e < topk {
-                            *s += 100.0;
-                        }
+            // The guard draws only for skewed routing, as before.
+            RoutingKind::Skewed if rng.uniform() < 0.9 => {
+                for (s, e) in scores.iter_mut() {
+                    if *e < topk {
+                        *s += 100.0;
                     }
                 }
             }

@@ -13,7 +13,7 @@ pub(crate) mod ll;
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use moelink_cuda::{
     Device, DeviceBuffer, Exchange, GraphExec, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer,
@@ -274,31 +274,6 @@ impl CudaBackend {
             return Err(Error::Timeout { rank: self.rank, peer: usize::MAX, phase, waited_ms: slack.as_millis() as u64 });
         }
         Ok(())
-    }
-
-    /// Polls a host-mapped word until `ready(value)` holds, watching the error record and the deadline.
-    pub(crate) fn wait_host<T: bytemuck::Pod>(
-        &self,
-        mapped: &HostMapped<T>,
-        index: usize,
-        phase: Phase,
-        ready: impl Fn(T) -> bool,
-    ) -> Result<T> {
-        let start = Instant::now();
-        let limit = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
-        loop {
-            let v = mapped.read(index);
-            if ready(v) {
-                return Ok(v);
-            }
-            if let Some(e) = self.recorded_error() {
-                return Err(e);
-            }
-            if start.elapsed() > limit {
-                return Err(Error::Timeout { rank: self.rank, peer: usize::MAX, phase, waited_ms: start.elapsed().as_millis() as u64 });
-            }
-            std::hint::spin_loop();
-        }
     }
 
     /// A device allocation on this rank's GPU.

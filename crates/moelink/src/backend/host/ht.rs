@@ -255,7 +255,7 @@ pub(crate) fn dispatch(
     }
     // No-sync mode: rows past the received count carry no expert.
     if s.num_worst_tokens > 0 {
-        if let (Some(ri), Some(rw)) = (ri.as_deref_mut(), rw.as_deref_mut()) {
+        if let (Some(ri), Some(rw)) = (ri, rw) {
             for pos in n..s.num_worst_tokens {
                 for j in 0..k {
                     ri[(pos * k + j) * 8..(pos * k + j + 1) * 8].copy_from_slice(&(-1i64).to_le_bytes());
