@@ -245,14 +245,15 @@ impl Buffer {
     /// Runs `f` and measures how long the operations it issues on this buffer take; returns `f`'s result and
     /// the time in microseconds (collective: every rank times the same operations).
     ///
-    /// CUDA backend: enqueues a barrier of all ranks' GPUs and records a timing event behind it on the
-    /// operation stream, runs `f`, records a second event right after the kernels of the last operation `f`
-    /// issues (in the default synchronous mode before the host waits for them; with a caller's stream after
-    /// `f` returns), waits for it and returns the device time between the two events. The ranks' regions so
-    /// start together on the devices, the launches `f` enqueues while the barrier waits stay out of the
-    /// time, and so does the host's polling for completion; host work between operations inside `f` (the
-    /// count exchange of a CPU-synchronised dispatch) is included, as on a real step. The events are created
-    /// once per buffer and reused. Not while a graph capture runs.
+    /// CUDA backend: enqueues on the operation stream a barrier of all ranks' GPUs, a 128 MiB memset of
+    /// scratch memory (it evicts the L2 cache, as DeepEP's and Triton's benchmarks do) and a timing event,
+    /// runs `f`, records a second event right after the kernels of the last operation `f` issues (in the
+    /// default synchronous mode before the host waits for them; with a caller's stream after `f` returns),
+    /// waits for it and returns the device time between the two events. The ranks' regions so start together
+    /// on the devices, the launches `f` enqueues while the barrier and the memset run stay out of the time,
+    /// and so does the host's polling for completion; host work between operations inside `f` (the count
+    /// exchange of a CPU-synchronised dispatch) is included, as on a real step. The events and the scratch
+    /// memory are allocated once per buffer and reused. Not while a graph capture runs.
     ///
     /// Host backend: a barrier of all ranks, then the wall clock around `f`.
     ///

@@ -55,10 +55,18 @@ pub(crate) enum PendingRecv<'a> {
     LlCombine(ll::PendingCombine<'a>),
 }
 
+/// Bytes a timed region overwrites before its start event: more than twice the L2 cache of an H100/H200
+/// (50 MB), so every region starts with a cold L2 (as DeepEP's and Triton's benchmarks do), and ~40 us of
+/// device work behind which the host enqueues the timed launches.
+const TIMER_FLUSH_BYTES: usize = 128 << 20;
+
 /// The events of [`crate::Buffer::timed`]: created on first use, reused by every timed region.
 struct Timer {
     start: Event,
     end: Event,
+    /// `TIMER_FLUSH_BYTES` overwritten at the start of each region.
+    scratch: DeviceBuffer,
+    regions: u32,
     /// A timed region is open.
     open: bool,
     /// `end` was recorded in the open region, by the last synchronous operation just before its host wait.
@@ -354,9 +362,10 @@ impl CudaBackend {
         self.launch(&k, &LaunchConfig::linear(1, moelink_kernels::BarrierVariant::THREADS), &args)
     }
 
-    /// Opens a timed region: a GPU barrier enqueued (not waited for), then the start event on the operation
-    /// stream. The ranks' regions thus start together on the devices, and the launches of the timed work,
-    /// enqueued while the barrier waits for the slowest rank, stay out of the measured time.
+    /// Opens a timed region, enqueueing (not waiting for) a GPU barrier, a memset of `TIMER_FLUSH_BYTES` of
+    /// scratch memory and the start event on the operation stream. The ranks' regions thus start together on
+    /// the devices (the memset takes the same time on each), with a cold L2, and the launches of the timed
+    /// work, enqueued while the barrier and the memset run, stay out of the measured time.
     fn open_timer(&mut self) -> Result<()> {
         if self.is_capturing() {
             return Err(Error::invalid("timed", self.rank, "cannot time operations while a CUDA graph capture runs"));
@@ -368,6 +377,8 @@ impl CudaBackend {
             self.timer = Some(Timer {
                 start: Event::new(&self.device, true)?,
                 end: Event::new(&self.device, true)?,
+                scratch: DeviceBuffer::alloc(&self.device, TIMER_FLUSH_BYTES)?,
+                regions: 0,
                 open: false,
                 end_recorded: Cell::new(false),
             });
@@ -378,6 +389,8 @@ impl CudaBackend {
             StreamMode::Own => &self.stream,
             StreamMode::External(s) => s,
         };
+        t.regions = t.regions.wrapping_add(1);
+        t.scratch.memset_u32_async(t.regions, stream)?;
         t.start.record(stream)?;
         t.open = true;
         t.end_recorded.set(false);
