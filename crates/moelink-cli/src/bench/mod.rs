@@ -26,7 +26,7 @@ pub mod nvlink;
 use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -634,12 +634,14 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     );
 
     let mut records = Vec::new();
-    for (batch, case_list) in p.batches.iter().zip(&all_cases) {
+    let started = Instant::now();
+    for (i, (batch, case_list)) in p.batches.iter().zip(&all_cases).enumerate() {
+        let batch_start = Instant::now();
         let what = format!("{} {} tokens {}", batch.mode.name(), batch.shape.tokens, batch.routing.name());
         progress.set_message(format!("{what}: inputs"));
         let want_fp8_payload = batch.mode == Mode::Ht && batch.dtypes.contains(&Dtype::Fp8);
         let inputs = Inputs::generate(batch.shape, batch.routing, a.seed, want_fp8_payload);
-        progress.set_message(what);
+        progress.set_message(what.clone());
         let job = Job {
             inputs: &inputs,
             cases: case_list,
@@ -655,7 +657,23 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
             Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes),
             Mode::Ll => ll::run_rank(g, &job, num_rdma_bytes),
         });
-        records.extend(summarize(case_list, &inputs, &results, &facts, &p, a));
+        let new = summarize(case_list, &inputs, &results, &facts, &p, a);
+        let failed = new.iter().filter(|r| !matches!(r.status, Status::Ok | Status::Unavailable)).count();
+        let line = format!(
+            "batch {}/{}: {what}, {} cases{} in {:.1} s (total {:.1} s)",
+            i + 1,
+            p.batches.len(),
+            new.len(),
+            if failed > 0 { format!(", {failed} FAILED") } else { String::new() },
+            batch_start.elapsed().as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
+        if progress.is_hidden() {
+            println!("{line}");
+        } else {
+            progress.println(line);
+        }
+        records.extend(new);
         if let Some(path) = &a.json {
             record::write_json(path, &records).map_err(CliError)?;
         }
