@@ -89,19 +89,25 @@ fn timer_of(buf: &Buffer) -> &'static str {
 }
 
 /// Times replays of `graph`, each in its own timed region.
-fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<Vec<f64>> {
-    // SAFETY: the callers keep every tensor the graph was captured with (inputs, outputs, the handle)
-    // alive, unchanged in shape, until they drop the graph.
+///
+/// # Safety
+/// As [`Buffer::replay`]: every tensor the graph was captured with (inputs, outputs, the handle) is alive,
+/// with the same shapes.
+unsafe fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<Vec<f64>> {
+    // SAFETY: forwarded contract.
     job.time(buf, |b| unsafe { b.replay(graph) })
 }
 
 /// Times send-graph replays and receive-graph replays alternately, each in its own timed region.
-fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGraph, recv: &CapturedGraph) -> Result<(Vec<f64>, Vec<f64>)> {
+///
+/// # Safety
+/// As [`time_replays`], for both graphs.
+unsafe fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGraph, recv: &CapturedGraph) -> Result<(Vec<f64>, Vec<f64>)> {
     let (mut send_us, mut recv_us) = (Vec::new(), Vec::new());
     for i in 0..job.warmup + job.reps {
-        // SAFETY: as in `time_replays`.
+        // SAFETY: forwarded contract.
         let ((), s) = buf.timed(|b| unsafe { b.replay(send) })?;
-        // SAFETY: as in `time_replays`.
+        // SAFETY: forwarded contract.
         let ((), r) = buf.timed(|b| unsafe { b.replay(recv) })?;
         if i >= job.warmup {
             send_us.push(s);
@@ -165,8 +171,10 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                 }
                 let timed = if uses_graphs(&buf) {
                     let outputs = outputs_of(&mut res, &s)?;
-                    buf.capture(|b| b.low_latency_dispatch_into(&args, outputs).map(drop))
-                        .and_then(|(graph, ())| time_replays(&mut buf, job, &graph))
+                    buf.capture(|b| b.low_latency_dispatch_into(&args, outputs).map(drop)).and_then(|(graph, ())| {
+                        // SAFETY: the graph reads `t`'s inputs and writes `res`; both outlive it (dropped here).
+                        unsafe { time_replays(&mut buf, job, &graph) }
+                    })
                 } else {
                     job.time(&mut buf, |b| b.low_latency_dispatch_into(&args, outputs_of(&mut res, &s)?).map(drop))
                 };
@@ -219,8 +227,10 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                 }
                 let timed = if uses_graphs(&buf) {
                     let outputs = combine_outputs(&mut c);
-                    buf.capture(|b| b.low_latency_combine_into(&cargs, outputs).map(drop))
-                        .and_then(|(graph, ())| time_replays(&mut buf, job, &graph))
+                    buf.capture(|b| b.low_latency_combine_into(&cargs, outputs).map(drop)).and_then(|(graph, ())| {
+                        // SAFETY: the graph reads `y`, `t`'s routing and `d`'s handle and writes `c`; all outlive it.
+                        unsafe { time_replays(&mut buf, job, &graph) }
+                    })
                 } else {
                     job.time(&mut buf, |b| b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop))
                 };
@@ -258,7 +268,8 @@ fn time_hook_dispatch(
         let (send, (_handle, hook)) = buf.capture(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let (recv, ()) = buf.capture(|b| b.run_hook(hook))?;
-        return time_split_replays(buf, job, &send, &recv);
+        // SAFETY: the graphs read the caller's inputs (`args`) and write `res`, all of which outlive them.
+        return unsafe { time_split_replays(buf, job, &send, &recv) };
     }
     let (mut send, mut recv) = (Vec::new(), Vec::new());
     for i in 0..job.warmup + job.reps {
@@ -284,7 +295,9 @@ fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, 
         let (send, hook) = buf.capture(|b| b.low_latency_combine_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let (recv, ()) = buf.capture(|b| b.run_hook(hook))?;
-        return time_split_replays(buf, job, &send, &recv);
+        // SAFETY: the graphs read the caller's inputs and handle (`args`) and write `combined`, all of which
+        // outlive them.
+        return unsafe { time_split_replays(buf, job, &send, &recv) };
     }
     let (mut send, mut recv) = (Vec::new(), Vec::new());
     for i in 0..job.warmup + job.reps {
