@@ -59,7 +59,8 @@ pub struct Record {
     pub routing: Option<String>,
     /// SMs the kernel was allowed (`Config::num_sms`); null where the operation has no such knob (LL).
     pub num_sms: Option<usize>,
-    /// Median over repetitions of the slowest rank's time, microseconds.
+    /// Microseconds: per repetition the largest time of any rank (the slowest rank), then the median over
+    /// repetitions. `time_us_min` / `time_us_max` in the extras give the range of that per-repetition series.
     pub time_us: Option<f64>,
     /// DeepEP's accounting, per rank (mean over ranks), 1e9 B/s. HT: received rows (own rank included) ×
     /// row bytes, where a BF16 row is 2·H bytes and an FP8 row H + H/128·4; combine counts the same rows
@@ -82,11 +83,18 @@ pub struct Record {
     /// Untimed warm-up repetitions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup: Option<usize>,
-    /// How time was taken: `"wall"` (host clock around each call, after a group barrier) or `"cuda-events"`.
+    /// How time was taken, each repetition in its own `Buffer::timed` region:
+    /// - `"cuda-events"`: CUDA events on the operation stream behind a GPU barrier of all ranks, the end event
+    ///   recorded right after the last kernel is enqueued (HT dispatch: `prepare_dispatch` + `dispatch_into`,
+    ///   i.e. count exchange, host wait and dispatch kernel; HT combine: `combine_into`; outputs preallocated);
+    /// - `"cuda-graph-events"`: the same events around one replay of a CUDA graph holding the call (LL;
+    ///   receive-hook mode: the send and receive phases as two graphs, timed apart);
+    /// - `"wall"`: the host clock around the call after a group barrier (host backend).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timer: Option<String>,
-    /// Anything else: `send_us`/`recv_us` (receive-hook mode), `pct_of_p2p_ceiling`, `pattern`, `method`,
-    /// `bytes_per_gpu`, `kernel`, `cached_us`, `matches_host`, ...
+    /// Anything else: `send_us`/`recv_us` (receive-hook mode, same statistic as `time_us`), `time_us_min`/
+    /// `time_us_max`, `pct_of_p2p_ceiling`, `pattern`, `method`, `bytes_per_gpu`, `kernel`, `cached_us`,
+    /// `matches_host`, `pre_reduced`, ...
     #[serde(flatten)]
     pub extra: BTreeMap<String, serde_json::Value>,
 }

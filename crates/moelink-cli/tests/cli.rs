@@ -65,6 +65,7 @@ fn quick_bench_on_the_host_writes_correct_records() {
         assert_eq!(r["backend"], "host");
         assert_eq!(r["gpus"], 0);
         assert!(r["date"].as_str().unwrap().ends_with('Z'));
+        assert!(r["status"] != "ok" || r["timer"] == "wall", "{r}");
     }
     let ht: Vec<_> = records.iter().filter(|r| r["mode"] == "ht").collect();
     assert_eq!(ht.len(), 6);
@@ -113,10 +114,37 @@ fn an_sm_sweep_gives_one_row_per_sm_count() {
 }
 
 #[test]
+fn the_suite_runs_every_curve_and_ends_with_the_summary() {
+    let json = tmp("suite.json");
+    let o = moelink(&["bench", "--suite", "--quick", "--hook", "--reps", "1", "--warmup", "0", "--json", json.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // HT: 6 SM counts at the base shape + skewed + 3 token counts, 3 cases each; LL: 2 + 3 batches, 2 cases each.
+    assert_eq!(records.len(), (6 + 1 + 3) * 3 + (2 + 3) * 2);
+    let tokens = |mode: &str| {
+        let mut t: Vec<u64> = records.iter().filter(|r| r["mode"] == mode).map(|r| r["tokens"].as_u64().unwrap()).collect();
+        t.dedup();
+        t
+    };
+    assert_eq!(tokens("ht"), vec![256, 64, 128, 512]);
+    assert_eq!(tokens("ll"), vec![32, 1, 8, 64]);
+    for r in &records {
+        assert!(r["status"] == "ok" || r["status"] == "unavailable", "{r}");
+    }
+    // The short summary comes last: one row per (mode, routing, tokens, SMs).
+    let tail: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("summary:")).filter(|l| !l.is_empty()).collect();
+    assert_eq!(tail.len(), 3 + 10 + 5, "{out}");
+    assert!(tail[1].contains("fp8 disp µs") && tail[3].starts_with("ht "), "{out}");
+}
+
+#[test]
 fn user_errors_print_error_and_exit_1() {
     for args in [
         vec!["bench", "--ranks", "3", "--quick"],
         vec!["bench", "--num-sms", "7"],
+        vec!["bench", "--suite", "--tokens", "512"],
+        vec!["bench", "--quick", "--ll-tokens", "0"],
         vec!["bench", "--mode", "sideways"],
         vec!["bench", "--quick", "--hidden", "1000", "--dtype", "fp8"],
         vec!["selftest", "--process"],

@@ -242,6 +242,51 @@ impl Buffer {
         self.step(|b| unsafe { b.replay(&graph.exec) })
     }
 
+    /// Runs `f` and measures how long the operations it issues on this buffer take; returns `f`'s result and
+    /// the time in microseconds (collective: every rank times the same operations).
+    ///
+    /// CUDA backend: enqueues on the operation stream a barrier of all ranks' GPUs, a 128 MiB memset of
+    /// scratch memory (it evicts the L2 cache, as DeepEP's and Triton's benchmarks do) and a timing event,
+    /// runs `f`, records a second event right after the kernels of the last operation `f` issues (in the
+    /// default synchronous mode before the host waits for them; with a caller's stream after `f` returns),
+    /// waits for it and returns the device time between the two events. The ranks' regions so start together
+    /// on the devices, the launches `f` enqueues while the barrier and the memset run stay out of the time,
+    /// and so does the host's polling for completion; host work between operations inside `f` (the count
+    /// exchange of a CPU-synchronised dispatch) is included, as on a real step. The events and the scratch
+    /// memory are allocated once per buffer and reused. Not while a graph capture runs.
+    ///
+    /// Host backend: a barrier of all ranks, then the wall clock around `f`.
+    ///
+    /// ```
+    /// use moelink::{group::run_ranks, Buffer, BufferOptions, BackendKind};
+    /// let out = run_ranks(2, |g| {
+    ///     let mut buf = Buffer::new(std::sync::Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+    ///     let (rank, us) = buf.timed(|b| Ok(b.rank()))?;
+    ///     Ok((rank, us >= 0.0, buf.timer_name()))
+    /// });
+    /// assert!(out.iter().all(|r| matches!(r, Ok((_, true, "wall")))));
+    /// ```
+    pub fn timed<T>(&mut self, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<(T, f64)> {
+        let device = self.step(|b| b.timer_begin())?;
+        let t0 = std::time::Instant::now();
+        let value = match f(self) {
+            Ok(v) => v,
+            Err(e) => {
+                self.backend.timer_cancel();
+                return Err(e);
+            }
+        };
+        let wall_us = t0.elapsed().as_secs_f64() * 1e6;
+        let us = if device { self.step(|b| b.timer_end())? } else { wall_us };
+        Ok((value, us))
+    }
+
+    /// What [`Buffer::timed`] measures on this buffer: `"cuda-events"` (device time between CUDA events) or
+    /// `"wall"` (host clock).
+    pub fn timer_name(&self) -> &'static str {
+        self.backend.timer_name()
+    }
+
     /// `num_nvl_bytes` a buffer needs for high-throughput calls of up to `num_tokens` tokens per rank (the
     /// largest count of any rank) of `hidden` channels with `topk` experts per token among `num_ranks` ranks,
     /// dispatched as FP8 (`fp8`) or BF16, including the BF16 combine and a cached BF16 dispatch (backward).

@@ -260,6 +260,72 @@ backend_tests! {
     fn training_backward_pattern(kind: BackendKind) {
         backward_pattern(kind, 4.min(max_ranks(kind)));
     }
+    fn timed_regions_keep_results_and_measure(kind: BackendKind) {
+        timed_regions(kind, 4.min(max_ranks(kind)));
+    }
+}
+
+/// `Buffer::timed` around a CPU-synchronised dispatch into preallocated outputs (prepare + dispatch_into) and
+/// a combine into a preallocated output: the outputs equal the owned calls', every time is positive and
+/// within what the host saw around the call, a failing region leaves the buffer usable, and (CUDA) no
+/// region may open inside a graph capture.
+fn timed_regions(kind: BackendKind, ranks: usize) {
+    let c = case(ranks, 64, 256, RoutingKind::Uniform);
+    let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
+    with_buffers(kind, c.ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let t = c.tokens_of(me);
+        let x = on(buf, Tensor::from_vec(all[me].x.clone(), &[t, c.hidden])?);
+        let idx = on(buf, Tensor::from_vec(all[me].topk_idx.clone(), &[t, c.topk])?);
+        let w = on(buf, Tensor::from_vec(all[me].topk_w.clone(), &[t, c.topk])?);
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let args = DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        };
+        let mut d = buf.dispatch(&args)?;
+        let want = d.recv_x.to_host_bytes()?;
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            let (_handle, us) = buf.timed(|b| {
+                let plan = b.prepare_dispatch(&args)?;
+                let out = moelink::DispatchOutputs {
+                    recv_x: d.recv_x.view_mut(),
+                    recv_scales: None,
+                    recv_topk_idx: d.recv_topk_idx.as_mut().map(|t| t.view_mut()),
+                    recv_topk_weights: d.recv_topk_weights.as_mut().map(|t| t.view_mut()),
+                };
+                b.dispatch_into(plan, &args, out)
+            })?;
+            let wall = t0.elapsed().as_secs_f64() * 1e6;
+            assert!(us > 0.0 && us <= wall, "rank {me}: timed dispatch {us} us, {wall} us on the host clock");
+        }
+        assert!(d.recv_x.to_host_bytes()? == want, "rank {me}: timed dispatch changed recv_x");
+        let cargs = CombineArgs { x: d.recv_x.view(), handle: &d.handle, topk_weights: None, bias: [None, None], config: None };
+        let mut comb = buf.combine(&cargs)?;
+        let want = comb.combined_x.to_host_bytes()?;
+        let ((), us) = buf.timed(|b| {
+            b.combine_into(&cargs, moelink::CombineOutputs { combined_x: comb.combined_x.view_mut(), combined_topk_weights: None })
+        })?;
+        assert!(us > 0.0, "rank {me}: timed combine {us} us");
+        assert!(comb.combined_x.to_host_bytes()? == want, "rank {me}: timed combine changed combined_x");
+        let failed = buf.timed(|_| -> Result<()> { Err(moelink::Error::invalid("x", me, "fails on purpose")) });
+        assert!(failed.is_err());
+        let ((), us) = buf.timed(|b| b.barrier())?;
+        assert!(us >= 0.0, "rank {me}: timed barrier {us} us");
+        if kind == BackendKind::Cuda {
+            assert_eq!(buf.timer_name(), "cuda-events");
+            let nested = buf.capture(|b| b.timed(|_| Ok(())).map(drop));
+            assert!(nested.is_err(), "rank {me}: a timed region opened inside a capture");
+            buf.timed(|b| b.barrier())?;
+        } else {
+            assert_eq!(buf.timer_name(), "wall");
+        }
+        Ok(())
+    });
 }
 
 /// Dispatch backward = combine(grad_recv_x, handle); combine backward = cached dispatch(grad_combined_x).

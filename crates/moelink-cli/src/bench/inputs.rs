@@ -97,41 +97,44 @@ impl Inputs {
         let Shape { ranks, tokens, hidden, topk, experts } = shape;
         let amp = amplitude(ranks);
         let span = (2 * amp + 1) as u64;
-        let ranks_in: Vec<RankInputs> = (0..ranks)
-            .map(|r| {
-                let salt = seed.wrapping_mul(0x100_0000_01B3) ^ ((r as u64) << 40) ^ ((kind as u64) << 56);
-                let mut rng = Rng::new(salt);
-                let topk_idx = routing(&mut rng, kind, tokens, topk, experts);
-                let topk_weights = (0..tokens * topk).map(|_| rng.uniform() as f32 + 0.01).collect();
-                // Eight values per draw: generating 10^8 values one draw each would dominate the bench.
-                let mut x = Vec::with_capacity(tokens * hidden);
-                while x.len() < tokens * hidden {
-                    let bits = rng.next_u64();
-                    for b in bits.to_le_bytes() {
-                        if x.len() < tokens * hidden {
-                            x.push(bf16::from_f32(((b as u64 % span) as i32 - amp) as f32));
+        // One thread per rank: at 16384 tokens of 7168 channels this is ~1 GB of payload per run.
+        let one_rank = |r: usize| {
+            let salt = seed.wrapping_mul(0x100_0000_01B3) ^ ((r as u64) << 40) ^ ((kind as u64) << 56);
+            let mut rng = Rng::new(salt);
+            let topk_idx = routing(&mut rng, kind, tokens, topk, experts);
+            let topk_weights = (0..tokens * topk).map(|_| rng.uniform() as f32 + 0.01).collect();
+            // Eight values per draw: generating 10^8 values one draw each would dominate the bench.
+            let mut x = Vec::with_capacity(tokens * hidden);
+            while x.len() < tokens * hidden {
+                let bits = rng.next_u64();
+                for b in bits.to_le_bytes() {
+                    if x.len() < tokens * hidden {
+                        x.push(bf16::from_f32(((b as u64 % span) as i32 - amp) as f32));
+                    }
+                }
+            }
+            let (x_fp8, scales) = if with_fp8_payload {
+                let mut bytes = Vec::with_capacity(tokens * hidden);
+                while bytes.len() < tokens * hidden {
+                    for b in rng.next_u64().to_le_bytes() {
+                        // 0x7f / 0xff are E4M3's NaNs: keep the payload finite so it prints sanely.
+                        let b = if b & 0x7f == 0x7f { b & 0xfe } else { b };
+                        if bytes.len() < tokens * hidden {
+                            bytes.push(b);
                         }
                     }
                 }
-                let (x_fp8, scales) = if with_fp8_payload {
-                    let mut bytes = Vec::with_capacity(tokens * hidden);
-                    while bytes.len() < tokens * hidden {
-                        for b in rng.next_u64().to_le_bytes() {
-                            // 0x7f / 0xff are E4M3's NaNs: keep the payload finite so it prints sanely.
-                            let b = if b & 0x7f == 0x7f { b & 0xfe } else { b };
-                            if bytes.len() < tokens * hidden {
-                                bytes.push(b);
-                            }
-                        }
-                    }
-                    let scales = (0..tokens * (hidden / 128)).map(|_| 0.5 + rng.uniform() as f32).collect();
-                    (bytes, scales)
-                } else {
-                    (Vec::new(), Vec::new())
-                };
-                RankInputs { topk_idx, topk_weights, x, x_fp8, scales }
-            })
-            .collect();
+                let scales = (0..tokens * (hidden / 128)).map(|_| 0.5 + rng.uniform() as f32).collect();
+                (bytes, scales)
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            RankInputs { topk_idx, topk_weights, x, x_fp8, scales }
+        };
+        let ranks_in: Vec<RankInputs> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..ranks).map(|r| sc.spawn(move || one_rank(r))).collect();
+            handles.into_iter().map(|h| h.join().expect("input generation does not panic")).collect()
+        });
         let reference = reference(&shape, &ranks_in);
         Inputs { shape, ranks: ranks_in, reference }
     }

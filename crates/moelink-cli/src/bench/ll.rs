@@ -1,4 +1,5 @@
-//! One rank of the low-latency bench: per case a checked call, then the timed repetitions.
+//! One rank of the low-latency bench: per case a checked call, then the timed repetitions into its outputs
+//! (CUDA-graph replays on CUDA).
 //!
 //! Dispatch carries the top-k weights (moelink's extension), so combine may pre-reduce on the expert side.
 //! The "experts" are the identity: they return their (dequantised) received rows, so combine must give
@@ -6,10 +7,8 @@
 
 use std::sync::Arc;
 
-use std::time::Instant;
-
 use moelink::{
-    bf16, BackendKind, Buffer, BufferOptions, DType, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
+    bf16, BackendKind, Buffer, BufferOptions, CapturedGraph, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
     LlDispatchResult, LlQuant, Result, Tensor, ThreadGroup,
 };
 
@@ -56,7 +55,74 @@ impl LlTensors {
     }
 }
 
+/// Views of a dispatch result's tensors as the outputs of the next dispatch into them (scales stored
+/// `[E_local, packs, R*T_max]`, viewed as `[E_local, R*T_max, packs]`).
+fn outputs_of<'a>(res: &'a mut LlDispatchResult, s: &Shape) -> Result<LlDispatchOutputs<'a>> {
+    let (el, rows, cols) = (s.local_experts(), s.ranks * s.tokens, s.scale_cols());
+    Ok(LlDispatchOutputs {
+        recv_x: res.recv_x.view_mut(),
+        recv_scales: match res.recv_x_scales.as_mut() {
+            Some(t) => Some(t.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?),
+            None => None,
+        },
+        recv_count: res.recv_count.view_mut(),
+        cumulative_local_expert_recv_stats: None,
+        dispatch_wait_recv_cost_stats: None,
+    })
+}
+
+fn combine_outputs(combined: &mut Tensor) -> LlCombineOutputs<'_> {
+    LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None }
+}
+
+/// How the low-latency calls are timed: replays of CUDA graphs captured once (CUDA), or the calls (host).
+fn uses_graphs(buf: &Buffer) -> bool {
+    buf.backend_name() == "cuda"
+}
+
+fn timer_of(buf: &Buffer) -> &'static str {
+    if uses_graphs(buf) {
+        "cuda-graph-events"
+    } else {
+        buf.timer_name()
+    }
+}
+
+/// Times replays of `graph`, each in its own timed region.
+///
+/// # Safety
+/// As [`Buffer::replay`]: every tensor the graph was captured with (inputs, outputs, the handle) is alive,
+/// with the same shapes.
+unsafe fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<Vec<f64>> {
+    // SAFETY: forwarded contract.
+    job.time(buf, |b| unsafe { b.replay(graph) })
+}
+
+/// Times send-graph replays and receive-graph replays alternately, each in its own timed region.
+///
+/// # Safety
+/// As [`time_replays`], for both graphs.
+unsafe fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGraph, recv: &CapturedGraph) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (mut send_us, mut recv_us) = (Vec::new(), Vec::new());
+    for i in 0..job.warmup + job.reps {
+        // SAFETY: forwarded contract.
+        let ((), s) = buf.timed(|b| unsafe { b.replay(send) })?;
+        // SAFETY: forwarded contract.
+        let ((), r) = buf.timed(|b| unsafe { b.replay(recv) })?;
+        if i >= job.warmup {
+            send_us.push(s);
+            recv_us.push(r);
+        }
+    }
+    Ok((send_us, recv_us))
+}
+
 /// Runs every case of `job` on this rank; the outcomes line up with `job.cases`.
+///
+/// Per case: one call with outputs allocated by moelink, checked (and on CUDA compared with the host
+/// backend); then the timed repetitions write into that call's outputs: on CUDA one call captured into a
+/// graph and replayed (the combine graph is captured after the checked dispatch, whose handle it uses), on
+/// the host backend the calls themselves.
 pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
     let me = g.rank();
     let group: Arc<dyn Group> = Arc::new(g);
@@ -69,7 +135,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
         Err(moelink::Error::Unavailable(why)) => {
             for o in &mut outs {
                 o.unavailable = Some(why.clone());
-                job.skip(group.as_ref());
+                job.skip(me);
             }
             return Ok(outs);
         }
@@ -86,8 +152,8 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
         match case.op {
             Op::Dispatch => {
                 let args = t.dispatch_args(&s, case.dtype);
-                let Some(res) = settle(buf.low_latency_dispatch(&args), out) else {
-                    job.skip(group.as_ref());
+                let Some(mut res) = settle(buf.low_latency_dispatch(&args), out) else {
+                    job.skip(me);
                     continue;
                 };
                 out.failures.extend(check_dispatch(&res, inputs, me, case.dtype)?);
@@ -103,12 +169,21 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                         Err(e) => out.failures.push(format!("host backend comparison failed: {e}")),
                     }
                 }
-                drop(res);
-                if let Some(times) = settle(job.time(group.as_ref(), || buf.low_latency_dispatch(&args).map(drop)), out) {
+                let timed = if uses_graphs(&buf) {
+                    let outputs = outputs_of(&mut res, &s)?;
+                    buf.capture(|b| b.low_latency_dispatch_into(&args, outputs).map(drop)).and_then(|(graph, ())| {
+                        // SAFETY: the graph reads `t`'s inputs and writes `res`; both outlive it (dropped here).
+                        unsafe { time_replays(&mut buf, job, &graph) }
+                    })
+                } else {
+                    job.time(&mut buf, |b| b.low_latency_dispatch_into(&args, outputs_of(&mut res, &s)?).map(drop))
+                };
+                if let Some(times) = settle(timed, out) {
                     out.times_us = times;
+                    out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
-                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, group.as_ref(), &args, &s, case.dtype), out) {
+                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, &args, &mut res, &s), out) {
                         (out.send_us, out.recv_us) = (send, recv);
                     }
                 }
@@ -116,7 +191,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
             Op::Combine => {
                 let args = t.dispatch_args(&s, combine_dtype);
                 let Some(d) = settle(buf.low_latency_dispatch(&args), out) else {
-                    job.skip(group.as_ref());
+                    job.skip(me);
                     continue;
                 };
                 let y_host = Tensor::from_vec(expert_outputs(&d, &s, combine_dtype)?, &[s.local_experts(), s.ranks * s.tokens, s.hidden])?;
@@ -129,8 +204,8 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     zero_copy: false,
                     return_recv_hook: false,
                 };
-                let Some(c) = settle(buf.low_latency_combine(&cargs), out) else {
-                    job.skip(group.as_ref());
+                let Some(mut c) = settle(buf.low_latency_combine(&cargs), out) else {
+                    job.skip(me);
                     continue;
                 };
                 let got: Vec<bf16> = c.to_vec()?;
@@ -150,12 +225,21 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                         Err(e) => out.failures.push(format!("host backend comparison failed: {e}")),
                     }
                 }
-                drop(c);
-                if let Some(times) = settle(job.time(group.as_ref(), || buf.low_latency_combine(&cargs).map(drop)), out) {
+                let timed = if uses_graphs(&buf) {
+                    let outputs = combine_outputs(&mut c);
+                    buf.capture(|b| b.low_latency_combine_into(&cargs, outputs).map(drop)).and_then(|(graph, ())| {
+                        // SAFETY: the graph reads `y`, `t`'s routing and `d`'s handle and writes `c`; all outlive it.
+                        unsafe { time_replays(&mut buf, job, &graph) }
+                    })
+                } else {
+                    job.time(&mut buf, |b| b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop))
+                };
+                if let Some(times) = settle(timed, out) {
                     out.times_us = times;
+                    out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
-                    if let Some((send, recv)) = settle(time_hook_combine(&mut buf, job, group.as_ref(), &cargs, &s), out) {
+                    if let Some((send, recv)) = settle(time_hook_combine(&mut buf, job, &cargs, &mut c), out) {
                         (out.send_us, out.recv_us) = (send, recv);
                     }
                 }
@@ -166,76 +250,64 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
 }
 
 /// Receive-hook mode: times the send phase (the call returns without waiting for data) and the receive
-/// phase (`run_hook`) separately, each rep after a group barrier. Returns (send µs, receive µs) per rep.
+/// phase (`run_hook`) apart, each in its own timed region (so the receive phase starts with the data
+/// already sent, as when compute overlaps the wait). CUDA: the two phases captured as two graphs and
+/// replayed alternately; host: the calls. Returns (send µs, receive µs) per rep.
 fn time_hook_dispatch(
     buf: &mut Buffer,
     job: &Job<'_>,
-    group: &dyn Group,
     args: &LlDispatchArgs<'_>,
+    res: &mut LlDispatchResult,
     s: &Shape,
-    dtype: Dtype,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let (el, rows, cols) = (s.local_experts(), s.ranks * s.tokens, s.scale_cols());
-    let fp8 = dtype == Dtype::Fp8;
-    // Outputs stay borrowed by the hook until it runs, so they are the caller's (ours) here.
-    let mut recv_x = buf.alloc(if fp8 { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, s.hidden])?;
-    let mut scales = if fp8 { Some(buf.alloc(DType::F32, &[el, cols, rows])?) } else { None };
-    let mut recv_count = buf.alloc(DType::I32, &[el])?;
     let hook_args = LlDispatchArgs { return_recv_hook: true, ..*args };
+    let rank = buf.rank();
+    let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the dispatch returned no receive hook");
+    if uses_graphs(buf) {
+        let outputs = outputs_of(res, s)?;
+        let (send, (_handle, hook)) = buf.capture(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
+        let hook = hook.ok_or_else(no_hook)?;
+        let (recv, ()) = buf.capture(|b| b.run_hook(hook))?;
+        // SAFETY: the graphs read the caller's inputs (`args`) and write `res`, all of which outlive them.
+        return unsafe { time_split_replays(buf, job, &send, &recv) };
+    }
     let (mut send, mut recv) = (Vec::new(), Vec::new());
     for i in 0..job.warmup + job.reps {
-        let out = LlDispatchOutputs {
-            recv_x: recv_x.view_mut(),
-            recv_scales: match scales.as_mut() {
-                Some(t) => Some(t.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?),
-                None => None,
-            },
-            recv_count: recv_count.view_mut(),
-            cumulative_local_expert_recv_stats: None,
-            dispatch_wait_recv_cost_stats: None,
-        };
-        group.barrier()?;
-        let t0 = Instant::now();
-        let (_handle, hook) = buf.low_latency_dispatch_into(&hook_args, out)?;
-        let t1 = Instant::now();
-        if let Some(hook) = hook {
-            buf.run_hook(hook)?;
-        }
-        let t2 = Instant::now();
+        let outputs = outputs_of(res, s)?;
+        let ((_handle, hook), send_us) = buf.timed(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
+        let hook = hook.ok_or_else(no_hook)?;
+        let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
         if i >= job.warmup {
-            send.push((t1 - t0).as_secs_f64() * 1e6);
-            recv.push((t2 - t1).as_secs_f64() * 1e6);
+            send.push(send_us);
+            recv.push(recv_us);
         }
     }
     Ok((send, recv))
 }
 
-/// As [`time_hook_dispatch`], for combine.
-fn time_hook_combine(
-    buf: &mut Buffer,
-    job: &Job<'_>,
-    group: &dyn Group,
-    args: &LlCombineArgs<'_>,
-    s: &Shape,
-) -> Result<(Vec<f64>, Vec<f64>)> {
-    let mut combined = buf.alloc(DType::BF16, &[s.tokens, s.hidden])?;
+/// As [`time_hook_dispatch`], for combine (into `combined`, with the checked dispatch's handle).
+fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, combined: &mut Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     let hook_args = LlCombineArgs { return_recv_hook: true, ..*args };
+    let rank = buf.rank();
+    let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the combine returned no receive hook");
+    if uses_graphs(buf) {
+        let outputs = combine_outputs(combined);
+        let (send, hook) = buf.capture(|b| b.low_latency_combine_into(&hook_args, outputs))?;
+        let hook = hook.ok_or_else(no_hook)?;
+        let (recv, ()) = buf.capture(|b| b.run_hook(hook))?;
+        // SAFETY: the graphs read the caller's inputs and handle (`args`) and write `combined`, all of which
+        // outlive them.
+        return unsafe { time_split_replays(buf, job, &send, &recv) };
+    }
     let (mut send, mut recv) = (Vec::new(), Vec::new());
     for i in 0..job.warmup + job.reps {
-        group.barrier()?;
-        let t0 = Instant::now();
-        let hook = buf.low_latency_combine_into(
-            &hook_args,
-            LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None },
-        )?;
-        let t1 = Instant::now();
-        if let Some(hook) = hook {
-            buf.run_hook(hook)?;
-        }
-        let t2 = Instant::now();
+        let outputs = combine_outputs(combined);
+        let (hook, send_us) = buf.timed(|b| b.low_latency_combine_into(&hook_args, outputs))?;
+        let hook = hook.ok_or_else(no_hook)?;
+        let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
         if i >= job.warmup {
-            send.push((t1 - t0).as_secs_f64() * 1e6);
-            recv.push((t2 - t1).as_secs_f64() * 1e6);
+            send.push(send_us);
+            recv.push(recv_us);
         }
     }
     Ok((send, recv))

@@ -1,24 +1,36 @@
 //! `moelink bench`: dispatch/combine timings at DeepEP's benchmark shapes, correctness checked first.
 //!
-//! Every rank is a thread of this process (one GPU each on CUDA). For each (mode, routing) the inputs of all
-//! ranks are generated once from the seed together with the results they must produce ([`inputs`]); each
-//! rank then creates its buffer and, case by case, runs the operation once and checks it (always against
+//! Every rank is a thread of this process (one GPU each on CUDA). A run is a list of batches, one per
+//! (mode, shape, routing); for each, the inputs of all ranks are generated once from the seed together with
+//! the results they must produce ([`inputs`]); each rank then creates its buffer (sized once per run for the
+//! largest shape of its mode) and, case by case, runs the operation once and checks it (always against
 //! those backend-independent expectations, on CUDA also bit for bit against the host backend on the same
-//! inputs), then times warm-up + repetitions with a group barrier before each. The reported time is the
-//! median over repetitions of the slowest rank.
+//! inputs), then times warm-up + repetitions, each in its own [`moelink::Buffer::timed`] region (a barrier
+//! of all ranks, then CUDA events on the device or the wall clock on the host):
+//!
+//! - HT dispatch: `prepare_dispatch` + `dispatch_into` in CPU-sync mode (the count exchange, the host's
+//!   wait for it and the dispatch kernel, as DeepEP's benchmark times it) into the checked call's outputs;
+//!   HT combine: `combine_into` into the checked call's output. Nothing is allocated while timing.
+//! - LL on CUDA: the call captured once into a CUDA graph (outputs of the checked call), each repetition
+//!   one timed replay; with `--hook` the send phase and the receive phase (`run_hook`) as two graphs, timed
+//!   apart. On the host backend the plain calls.
+//!
+//! The reported time is the median over repetitions of the slowest rank: per repetition the largest time of
+//! any rank, then the median of those.
 
 mod ht;
 pub mod inputs;
 mod ll;
 pub mod nvlink;
 
+use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use moelink::{BackendKind, Group, Result};
+use moelink::{BackendKind, Buffer, Result};
 
 use crate::record::{self, Record, RunFacts, Status};
 use crate::rng::RoutingKind;
@@ -90,15 +102,20 @@ impl BackendSel {
 
 /// Options of `moelink bench`. Sizes left out take DeepEP's benchmark shapes (HT: 4096 tokens per rank,
 /// hidden 7168, top-8 of 256 experts; LL: 128 tokens, hidden 7168, top-8 of 288, FP8 dispatch), or small
-/// ones with `--quick`.
+/// ones with `--quick`. Lists (`--tokens`, `--ll-tokens`, `--num-sms`, `--routing`) multiply: one measurement
+/// per combination. `--suite` runs a fixed set of curves in one invocation instead.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Regime: ht, ll or all.
     #[arg(long, value_enum, default_value_t = ModeSel::All)]
     pub mode: ModeSel,
-    /// Tokens per rank (default: HT 4096, LL 128).
-    #[arg(long)]
-    pub tokens: Option<usize>,
+    /// Tokens per rank, comma-separated for a sweep (default: HT 4096, LL 128). Applies to LL too unless
+    /// --ll-tokens is given.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Vec<usize>,
+    /// LL tokens per rank (also `num_max_dispatch_tokens_per_rank`), comma-separated for a sweep.
+    #[arg(long = "ll-tokens", value_delimiter = ',')]
+    pub ll_tokens: Vec<usize>,
     /// Hidden size (default: 7168).
     #[arg(long)]
     pub hidden: Option<usize>,
@@ -120,6 +137,13 @@ pub struct BenchArgs {
     /// SMs for HT kernels, comma-separated for a sweep (default: the backend's default).
     #[arg(long = "num-sms", value_delimiter = ',')]
     pub num_sms: Vec<usize>,
+    /// The standard curves in one run, DeepEP's shapes first: HT (bf16 + FP8 dispatch, combine) at 4096 tokens
+    /// and 24 SMs with uniform and skewed routing, an SM sweep 8,16,24,32,48,64 at 4096 tokens, a token sweep
+    /// 512,1024,2048,8192,16384 at 24 SMs; LL (FP8 dispatch, combine) at 128 tokens, uniform and skewed, and
+    /// a token sweep 1,16,64,256. Sweeps use uniform routing. --hidden/--topk/--experts/--mode/--hook apply;
+    /// --quick shrinks the sizes.
+    #[arg(long, conflicts_with_all = ["tokens", "ll_tokens", "num_sms", "routing", "dtype"])]
+    pub suite: bool,
     /// Timed repetitions (default: CUDA 30; host 5; --quick 3).
     #[arg(long)]
     pub reps: Option<usize>,
@@ -129,7 +153,8 @@ pub struct BenchArgs {
     /// Backend: auto, host or cuda.
     #[arg(long, value_enum, default_value_t = BackendSel::Auto)]
     pub backend: BackendSel,
-    /// Write one JSON record per measurement to FILE (a JSON list).
+    /// Write one JSON record per measurement to FILE (a JSON list), rewritten after every batch of
+    /// measurements so that a run cut short keeps what it measured.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Small sizes for CI and smoke tests (HT 256 tokens, LL 32 tokens, hidden 1024, top-8 of 64).
@@ -152,6 +177,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub hook: bool,
 }
+
+/// SMs of the HT kernels in `--suite` outside its SM sweep: DESIGN.md's target budget (and the CUDA
+/// backend's default on H200).
+pub const SUITE_SMS: usize = 24;
+/// `--suite`'s HT SM sweep.
+const SUITE_SM_SWEEP: [usize; 6] = [8, 16, 24, 32, 48, 64];
 
 /// Regime of a case.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,7 +221,7 @@ impl Op {
 }
 
 /// Payload type of a case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
     /// bf16.
     Bf16,
@@ -227,6 +258,8 @@ pub struct Case {
 pub struct RankOutcome {
     /// Timed repetitions, microseconds (empty when not timed).
     pub times_us: Vec<f64>,
+    /// How they were taken: `"cuda-events"`, `"cuda-graph-events"` or `"wall"`.
+    pub timer: Option<&'static str>,
     /// Correctness failures (empty = correct).
     pub failures: Vec<String>,
     /// `Some(why)` when the backend cannot run this case.
@@ -264,30 +297,30 @@ pub struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Times `op` on this rank: a group barrier, then the wall clock around the call.
-    ///
-    /// Seam for CUDA events: once the CUDA backend exposes its stream, record an event before and after the
-    /// call there and report the elapsed device time instead (and set the records' `timer` accordingly).
-    pub fn time(&self, group: &dyn Group, mut op: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    /// Runs `op` warm-up + reps times, each in its own [`Buffer::timed`] region (a barrier of all ranks,
+    /// then device events on CUDA or the wall clock on the host); returns the timed repetitions' µs.
+    pub fn time(&self, buf: &mut Buffer, mut op: impl FnMut(&mut Buffer) -> Result<()>) -> Result<Vec<f64>> {
         let mut times = Vec::with_capacity(self.reps);
         for i in 0..self.warmup + self.reps {
-            group.barrier()?;
-            let t0 = Instant::now();
-            op()?;
-            let dt = t0.elapsed().as_secs_f64() * 1e6;
+            let ((), us) = buf.timed(&mut op)?;
             if i >= self.warmup {
-                times.push(dt);
+                times.push(us);
             }
-            if group.rank() == 0 {
-                self.progress.inc(1);
-            }
+            self.tick(buf.rank());
         }
         Ok(times)
     }
 
+    /// Counts one repetition on the progress bar (rank 0 only).
+    pub fn tick(&self, rank: usize) {
+        if rank == 0 {
+            self.progress.inc(1);
+        }
+    }
+
     /// Advances the progress bar past a case that will not be timed.
-    pub fn skip(&self, group: &dyn Group) {
-        if group.rank() == 0 {
+    pub fn skip(&self, rank: usize) {
+        if rank == 0 {
             self.progress.inc((self.warmup + self.reps) as u64);
         }
     }
@@ -308,12 +341,37 @@ pub fn settle<T>(r: Result<T>, out: &mut RankOutcome) -> Option<T> {
     }
 }
 
-/// Communication buffer bytes asked for: room for every rank's tokens at full width (the direct-write
-/// protocol's worst case), twice for LL's double buffering. The CUDA backend may round up.
-fn buffer_bytes(s: &Shape, mode: Mode) -> usize {
-    let row = s.hidden * 2 + s.scale_cols() * 4 + s.topk * 12 + 64;
-    let bytes = s.ranks * s.tokens * row * if mode == Mode::Ll { 4 } else { 1 };
-    bytes.div_ceil(1 << 20) << 20
+/// One (mode, shape, routing) of a run: its cases share the inputs and each rank's buffer.
+#[derive(Clone, Debug)]
+struct Batch {
+    mode: Mode,
+    shape: Shape,
+    routing: RoutingKind,
+    /// Dispatch payloads to measure (combine is always measured, bf16).
+    dtypes: Vec<Dtype>,
+    /// HT: the SM counts to measure (`None`: the backend's default); LL: `[None]`.
+    sms: Vec<Option<usize>>,
+}
+
+/// Communication buffer sizes of a run, `(num_nvl_bytes, num_rdma_bytes)`: what the largest batch of each
+/// mode needs on the CUDA backend ([`Buffer::ht_bytes_needed`] over the dispatch types measured, bf16
+/// always since combine dispatches bf16; [`Buffer::ll_bytes_needed`]). Every batch of a mode gets the same
+/// size, so the points of a curve differ only in what they measure. The host backend ignores them.
+fn buffer_bytes(batches: &[Batch]) -> (usize, usize) {
+    let (mut nvl, mut rdma) = (0, 0);
+    for b in batches {
+        let s = &b.shape;
+        match b.mode {
+            Mode::Ht => {
+                let fp8 = b.dtypes.contains(&Dtype::Fp8);
+                for use_fp8 in [false, fp8] {
+                    nvl = nvl.max(Buffer::ht_bytes_needed(s.tokens, s.hidden, s.topk, s.ranks, use_fp8));
+                }
+            }
+            Mode::Ll => rdma = rdma.max(Buffer::ll_bytes_needed(s.tokens, s.hidden, s.ranks, s.experts)),
+        }
+    }
+    (nvl, rdma)
 }
 
 /// The resolved plan of one bench run.
@@ -323,10 +381,7 @@ struct Plan {
     ranks: usize,
     reps: usize,
     warmup: usize,
-    /// (mode, shape, dtypes) to run.
-    modes: Vec<(Mode, Shape, Vec<Dtype>)>,
-    routings: Vec<RoutingKind>,
-    sms: Vec<Option<usize>>,
+    batches: Vec<Batch>,
 }
 
 fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
@@ -361,12 +416,12 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
             return Err(CliError(format!("--num-sms {n}: SM counts must be even and at least 2")));
         }
     }
-    let mut modes = Vec::new();
     let wanted: &[Mode] = match a.mode {
         ModeSel::Ht => &[Mode::Ht],
         ModeSel::Ll => &[Mode::Ll],
         ModeSel::All => &[Mode::Ht, Mode::Ll],
     };
+    let mut batches = Vec::new();
     for &mode in wanted {
         let (t, e) = match (mode, a.quick) {
             (Mode::Ht, false) => (4096, 256),
@@ -374,25 +429,92 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
             (Mode::Ht, true) => (256, 64),
             (Mode::Ll, true) => (32, 64),
         };
-        let shape = Shape {
+        let base = Shape {
             ranks,
-            tokens: a.tokens.unwrap_or(t),
+            tokens: t,
             hidden: a.hidden.unwrap_or(if a.quick { 1024 } else { 7168 }),
             topk: a.topk.unwrap_or(8),
             experts: a.experts.unwrap_or(e),
         };
-        let dtypes = match (a.dtype, mode) {
-            (Some(DtypeSel::Bf16), _) => vec![Dtype::Bf16],
-            (Some(DtypeSel::Fp8), _) | (None, Mode::Ll) => vec![Dtype::Fp8],
-            (Some(DtypeSel::All), _) | (None, Mode::Ht) => vec![Dtype::Bf16, Dtype::Fp8],
-        };
-        check_shape(mode, &shape, &dtypes)?;
-        modes.push((mode, shape, dtypes));
+        let mode_batches = if a.suite { suite_batches(mode, base, a.quick) } else { flag_batches(mode, base, a) };
+        for b in &mode_batches {
+            check_shape(mode, &b.shape, &b.dtypes)?;
+        }
+        batches.extend(mode_batches);
     }
+    // HT first, then LL, except that the suite measures DeepEP's shapes (both modes) before its sweeps.
+    if a.suite {
+        let deepep = |b: &Batch| match b.mode {
+            Mode::Ht => b.shape.tokens == if a.quick { 256 } else { 4096 },
+            Mode::Ll => b.shape.tokens == if a.quick { 32 } else { 128 },
+        };
+        batches.sort_by_key(|b| !deepep(b));
+    }
+    Ok(Plan { backend, fallback_reason, ranks, reps, warmup, batches })
+}
+
+/// Batches of one mode from the flags: every combination of token count and routing, each with every SM
+/// count.
+fn flag_batches(mode: Mode, base: Shape, a: &BenchArgs) -> Vec<Batch> {
+    let tokens = match mode {
+        Mode::Ll if !a.ll_tokens.is_empty() => a.ll_tokens.clone(),
+        _ if !a.tokens.is_empty() => a.tokens.clone(),
+        _ => vec![base.tokens],
+    };
+    let dtypes = match (a.dtype, mode) {
+        (Some(DtypeSel::Bf16), _) => vec![Dtype::Bf16],
+        (Some(DtypeSel::Fp8), _) | (None, Mode::Ll) => vec![Dtype::Fp8],
+        (Some(DtypeSel::All), _) | (None, Mode::Ht) => vec![Dtype::Bf16, Dtype::Fp8],
+    };
+    let sms = match mode {
+        Mode::Ht if !a.num_sms.is_empty() => a.num_sms.iter().map(|&n| Some(n)).collect(),
+        _ => vec![None],
+    };
     let mut routings = a.routing.clone();
     routings.dedup();
-    let sms = if a.num_sms.is_empty() { vec![None] } else { a.num_sms.iter().map(|&n| Some(n)).collect() };
-    Ok(Plan { backend, fallback_reason, ranks, reps, warmup, modes, routings, sms })
+    let mut out = Vec::new();
+    for &t in &tokens {
+        for &routing in &routings {
+            out.push(Batch { mode, shape: Shape { tokens: t, ..base }, routing, dtypes: dtypes.clone(), sms: sms.clone() });
+        }
+    }
+    out
+}
+
+/// `--suite`'s batches of one mode. HT: DeepEP's shape with uniform routing at the SM sweep (24 first: the
+/// DeepEP-shape row), the same with skewed routing at 24 SMs, then the token sweep at 24 SMs; LL (FP8):
+/// DeepEP's shape with uniform and skewed routing, then the token sweep. Each point is measured once.
+fn suite_batches(mode: Mode, base: Shape, quick: bool) -> Vec<Batch> {
+    let at = |tokens: usize, routing: RoutingKind, dtypes: &[Dtype], sms: Vec<Option<usize>>| Batch {
+        mode,
+        shape: Shape { tokens, ..base },
+        routing,
+        dtypes: dtypes.to_vec(),
+        sms,
+    };
+    let sweep: &[usize] = match (mode, quick) {
+        (Mode::Ht, false) => &[512, 1024, 2048, 8192, 16384],
+        (Mode::Ht, true) => &[64, 128, 512],
+        (Mode::Ll, false) => &[1, 16, 64, 256],
+        (Mode::Ll, true) => &[1, 8, 64],
+    };
+    let mut out = Vec::new();
+    match mode {
+        Mode::Ht => {
+            let both = [Dtype::Bf16, Dtype::Fp8];
+            let mut sm_sweep = vec![Some(SUITE_SMS)];
+            sm_sweep.extend(SUITE_SM_SWEEP.iter().filter(|&&n| n != SUITE_SMS).map(|&n| Some(n)));
+            out.push(at(base.tokens, RoutingKind::Uniform, &both, sm_sweep));
+            out.push(at(base.tokens, RoutingKind::Skewed, &both, vec![Some(SUITE_SMS)]));
+            out.extend(sweep.iter().map(|&t| at(t, RoutingKind::Uniform, &both, vec![Some(SUITE_SMS)])));
+        }
+        Mode::Ll => {
+            out.push(at(base.tokens, RoutingKind::Uniform, &[Dtype::Fp8], vec![None]));
+            out.push(at(base.tokens, RoutingKind::Skewed, &[Dtype::Fp8], vec![None]));
+            out.extend(sweep.iter().map(|&t| at(t, RoutingKind::Uniform, &[Dtype::Fp8], vec![None])));
+        }
+    }
+    out
 }
 
 fn check_shape(mode: Mode, s: &Shape, dtypes: &[Dtype]) -> std::result::Result<(), CliError> {
@@ -416,20 +538,21 @@ fn check_shape(mode: Mode, s: &Shape, dtypes: &[Dtype]) -> std::result::Result<(
     Ok(())
 }
 
-/// Cases of one (mode, routing), in the order the rank workers run them.
-fn cases(mode: Mode, dtypes: &[Dtype], routing: RoutingKind, sms: &[Option<usize>]) -> Vec<Case> {
+/// Cases of one batch, in the order the rank workers run them.
+fn cases(b: &Batch) -> Vec<Case> {
+    let (mode, routing) = (b.mode, b.routing);
     let mut out = Vec::new();
     match mode {
         Mode::Ht => {
-            for &num_sms in sms {
-                for &dtype in dtypes {
+            for &num_sms in &b.sms {
+                for &dtype in &b.dtypes {
                     out.push(Case { mode, op: Op::Dispatch, dtype, routing, num_sms });
                 }
                 out.push(Case { mode, op: Op::Combine, dtype: Dtype::Bf16, routing, num_sms });
             }
         }
         Mode::Ll => {
-            for &dtype in dtypes {
+            for &dtype in &b.dtypes {
                 out.push(Case { mode, op: Op::Dispatch, dtype, routing, num_sms: None });
             }
             out.push(Case { mode, op: Op::Combine, dtype: Dtype::Bf16, routing, num_sms: None });
@@ -478,10 +601,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Per repetition, the slowest rank's time.
+fn slowest_per_rep(per_rank: &[Vec<f64>]) -> Vec<f64> {
+    let reps = per_rank.iter().map(|v| v.len()).min().unwrap_or(0);
+    (0..reps).map(|i| per_rank.iter().map(|v| v[i]).fold(0.0, f64::max)).collect()
+}
+
 /// Median over repetitions of the slowest rank.
 fn slowest_rank_median(per_rank: &[Vec<f64>]) -> f64 {
-    let reps = per_rank.iter().map(|v| v.len()).min().unwrap_or(0);
-    median((0..reps).map(|i| per_rank.iter().map(|v| v[i]).fold(0.0, f64::max)).collect())
+    median(slowest_per_rep(per_rank))
 }
 
 /// Runs `moelink bench`.
@@ -495,16 +623,10 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         date: sys::utc_now(),
         commit: sys::commit(),
     };
-    println!("{}", header(&p, &facts));
-    let per_routing: usize = p
-        .modes
-        .iter()
-        .map(|(mode, _, dtypes)| match mode {
-            Mode::Ht => p.sms.len() * (dtypes.len() + 1),
-            Mode::Ll => dtypes.len() + 1,
-        })
-        .sum();
-    let total = (per_routing * p.routings.len() * (p.warmup + p.reps)) as u64;
+    let (num_nvl_bytes, num_rdma_bytes) = buffer_bytes(&p.batches);
+    println!("{}", header(&p, &facts, num_nvl_bytes, num_rdma_bytes));
+    let all_cases: Vec<Vec<Case>> = p.batches.iter().map(cases).collect();
+    let total = (all_cases.iter().map(Vec::len).sum::<usize>() * (p.warmup + p.reps)) as u64;
     let progress = if std::io::stderr().is_terminal() { ProgressBar::new(total) } else { ProgressBar::hidden() };
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} reps  {msg}")
@@ -512,50 +634,57 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     );
 
     let mut records = Vec::new();
-    for (mode, shape, dtypes) in &p.modes {
-        for &routing in &p.routings {
-            progress.set_message(format!("{} {} inputs", mode.name(), routing.name()));
-            let want_fp8_payload = *mode == Mode::Ht && dtypes.contains(&Dtype::Fp8);
-            let inputs = Inputs::generate(*shape, routing, a.seed, want_fp8_payload);
-            let case_list = cases(*mode, dtypes, routing, &p.sms);
-            progress.set_message(format!("{} {}", mode.name(), routing.name()));
-            let job = Job {
-                inputs: &inputs,
-                cases: &case_list,
-                backend: p.backend,
-                host_check: p.backend == BackendKind::Cuda && !a.no_host_check,
-                warmup: p.warmup,
-                reps: p.reps,
-                hook: a.hook,
-                progress: &progress,
-            };
-            let timeout = Duration::from_secs(a.timeout_s.max(1));
-            let results = crate::ranks::run_threads(p.ranks, timeout, |g| match mode {
-                Mode::Ht => ht::run_rank(g, &job, buffer_bytes(shape, Mode::Ht)),
-                Mode::Ll => ll::run_rank(g, &job, buffer_bytes(shape, Mode::Ll)),
-            });
-            records.extend(summarize(&case_list, &inputs, &results, &facts, &p, a));
+    let started = Instant::now();
+    for (i, (batch, case_list)) in p.batches.iter().zip(&all_cases).enumerate() {
+        let batch_start = Instant::now();
+        let what = format!("{} {} tokens {}", batch.mode.name(), batch.shape.tokens, batch.routing.name());
+        progress.set_message(format!("{what}: inputs"));
+        let want_fp8_payload = batch.mode == Mode::Ht && batch.dtypes.contains(&Dtype::Fp8);
+        let inputs = Inputs::generate(batch.shape, batch.routing, a.seed, want_fp8_payload);
+        progress.set_message(what.clone());
+        let job = Job {
+            inputs: &inputs,
+            cases: case_list,
+            backend: p.backend,
+            host_check: p.backend == BackendKind::Cuda && !a.no_host_check,
+            warmup: p.warmup,
+            reps: p.reps,
+            hook: a.hook,
+            progress: &progress,
+        };
+        let timeout = Duration::from_secs(a.timeout_s.max(1));
+        let results = crate::ranks::run_threads(p.ranks, timeout, |g| match batch.mode {
+            Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes),
+            Mode::Ll => ll::run_rank(g, &job, num_rdma_bytes),
+        });
+        let new = summarize(case_list, &inputs, &results, &facts, &p, a);
+        let failed = new.iter().filter(|r| !matches!(r.status, Status::Ok | Status::Unavailable)).count();
+        let line = format!(
+            "batch {}/{}: {what}, {} cases{} in {:.1} s (total {:.1} s)",
+            i + 1,
+            p.batches.len(),
+            new.len(),
+            if failed > 0 { format!(", {failed} FAILED") } else { String::new() },
+            batch_start.elapsed().as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
+        if progress.is_hidden() {
+            println!("{line}");
+        } else {
+            progress.println(line);
+        }
+        records.extend(new);
+        if let Some(path) = &a.json {
+            record::write_json(path, &records).map_err(CliError)?;
         }
     }
     progress.finish_and_clear();
 
     println!("{}", render(&records));
-    for r in records.iter().filter(|r| r.extra.contains_key("send_us")) {
-        let us = |k: &str| r.extra.get(k).and_then(|v| v.as_f64()).map_or("-".into(), num);
-        println!(
-            "receive-hook mode, {} {} {} {}: send {} µs + receive {} µs",
-            r.mode,
-            r.op,
-            r.dtype.as_deref().unwrap_or("-"),
-            r.routing.as_deref().unwrap_or("-"),
-            us("send_us"),
-            us("recv_us")
-        );
-    }
     if let Some(path) = &a.json {
-        record::write_json(path, &records).map_err(CliError)?;
         println!("wrote {} records to {}", records.len(), path.display());
     }
+    println!("{}", render_summary(&records, &p));
     let bad: Vec<&Record> = records.iter().filter(|r| matches!(r.status, Status::Incorrect | Status::Error)).collect();
     if !bad.is_empty() {
         return Err(CliError(format!(
@@ -571,7 +700,19 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     Ok(())
 }
 
-fn header(p: &Plan, f: &RunFacts) -> String {
+/// What the times are, in a line.
+fn timer_line(backend: BackendKind) -> &'static str {
+    match backend {
+        BackendKind::Cuda => {
+            "CUDA events behind a GPU barrier and an L2 flush, per rep: HT prepare_dispatch + dispatch_into (count exchange \
+             + host wait + dispatch) and combine_into into preallocated outputs; LL one CUDA-graph replay (--hook: send and \
+             receive graphs apart)"
+        }
+        _ => "wall clock after a barrier, per rep, around the plain calls (preallocated outputs)",
+    }
+}
+
+fn header(p: &Plan, f: &RunFacts, nvl: usize, rdma: usize) -> String {
     let backend = match (p.backend, &p.fallback_reason) {
         (BackendKind::Cuda, _) => format!("cuda on {} x {}", p.ranks, f.device),
         (_, Some(why)) => format!(
@@ -580,9 +721,19 @@ fn header(p: &Plan, f: &RunFacts) -> String {
         ),
         (_, None) => format!("host (CPU threads on {}) -- these times measure the CPU reference, not GPU performance", f.device),
     };
+    let mib = |b: usize| b.div_ceil(1 << 20);
     format!(
-        "moelink bench | backend: {backend}\n  ranks {} | reps {} (+{} warm-up) | timer: wall clock after a barrier, median of the slowest rank | commit {} | {}",
-        p.ranks, p.reps, p.warmup, f.commit, f.date
+        "moelink bench | backend: {backend}\n  ranks {} | reps {} (+{} warm-up) | {} batches | buffers: HT {} MiB, LL {} MiB | commit {} | {}\n  \
+         timer: {}\n  time = median over reps of the slowest rank (per rep the max over ranks)",
+        p.ranks,
+        p.reps,
+        p.warmup,
+        p.batches.len(),
+        mib(nvl),
+        mib(rdma),
+        f.commit,
+        f.date,
+        timer_line(p.backend)
     )
 }
 
@@ -630,14 +781,19 @@ fn summarize(
                 return rec;
             }
             let per_rank: Vec<Vec<f64>> = outs.iter().map(|o| o.times_us.clone()).collect();
-            let t = slowest_rank_median(&per_rank);
+            let slowest = slowest_per_rep(&per_rank);
+            let t = median(slowest.clone());
             let (logical, wire) = bytes_moved(c, inputs);
             rec.time_us = Some(t);
             rec.logical_gbps = Some(logical / (t * 1e3));
             rec.wire_gbps = Some(wire / (t * 1e3));
             rec.reps = Some(p.reps);
             rec.warmup = Some(p.warmup);
-            rec.timer = Some("wall".into());
+            rec.timer = outs.iter().find_map(|o| o.timer).map(String::from);
+            if !slowest.is_empty() {
+                rec.extra.insert("time_us_min".into(), serde_json::json!(slowest.iter().copied().fold(f64::INFINITY, f64::min)));
+                rec.extra.insert("time_us_max".into(), serde_json::json!(slowest.iter().copied().fold(0.0, f64::max)));
+            }
             let failures: Vec<String> =
                 outs.iter().enumerate().flat_map(|(r, o)| o.failures.iter().map(move |f| format!("rank {r}: {f}"))).collect();
             rec.correct = Some(failures.is_empty());
@@ -684,11 +840,12 @@ fn render(records: &[Record]) -> String {
             "routing",
             "SMs",
             "time µs",
+            "min-max µs",
             "logical GB/s",
             "wire GB/s",
             "correct",
         ],
-        &[false, false, false, true, true, true, true, true, false, true, true, true, true, false],
+        &[false, false, false, true, true, true, true, true, false, true, true, true, true, true, false],
     );
     let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
     for r in records {
@@ -708,8 +865,13 @@ fn render(records: &[Record]) -> String {
             Status::Unavailable => t.note(lead, format!("unavailable: {}", r.error.as_deref().unwrap_or("?"))),
             Status::Error => t.note(lead, format!("error: {}", r.error.as_deref().unwrap_or("?"))),
             Status::Ok | Status::Incorrect => {
+                let extra = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
                 let mut cells = lead;
                 cells.push(r.time_us.map_or("-".into(), num));
+                cells.push(match (extra("time_us_min"), extra("time_us_max")) {
+                    (Some(lo), Some(hi)) => format!("{}-{}", num(lo), num(hi)),
+                    _ => "-".into(),
+                });
                 cells.push(r.logical_gbps.map_or("-".into(), num));
                 cells.push(r.wire_gbps.map_or("-".into(), num));
                 cells.push(if r.correct == Some(true) { "yes".into() } else { format!("NO: {}", r.error.as_deref().unwrap_or("?")) });
@@ -720,13 +882,130 @@ fn render(records: &[Record]) -> String {
     t.render()
 }
 
+/// The short table printed last: one row per (mode, routing, shape, SMs), the dispatch and combine times
+/// side by side (µs, logical GB/s), receive-hook splits, and whether everything in the row was correct.
+fn render_summary(records: &[Record], p: &Plan) -> String {
+    type Key = (String, String, Option<usize>, Option<usize>, Option<usize>, Option<usize>, Option<usize>);
+    let key =
+        |r: &Record| -> Key { (r.mode.clone(), r.routing.clone().unwrap_or_default(), r.tokens, r.hidden, r.topk, r.experts, r.num_sms) };
+    let mut order: Vec<Key> = Vec::new();
+    let mut rows: HashMap<Key, Vec<&Record>> = HashMap::new();
+    for r in records {
+        let k = key(r);
+        if !rows.contains_key(&k) {
+            order.push(k.clone());
+        }
+        rows.entry(k).or_default().push(r);
+    }
+    let mut t = Table::new(
+        &[
+            "mode",
+            "routing",
+            "tokens",
+            "hidden",
+            "top-k/E",
+            "SMs",
+            "bf16 disp µs",
+            "GB/s",
+            "fp8 disp µs",
+            "GB/s",
+            "combine µs",
+            "GB/s",
+            "hook send+recv µs (disp; comb)",
+            "ok",
+        ],
+        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false],
+    );
+    let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
+    for k in &order {
+        let recs = &rows[k];
+        let find = |op: &str, dtype: &str| recs.iter().find(|r| r.op == op && r.dtype.as_deref() == Some(dtype)).copied();
+        let time = |r: Option<&Record>| match r {
+            None => ("".to_string(), "".to_string()),
+            Some(r) if matches!(r.status, Status::Ok | Status::Incorrect) => {
+                (r.time_us.map_or("-".into(), num), r.logical_gbps.map_or("-".into(), num))
+            }
+            Some(r) => (if r.status == Status::Unavailable { "n/a" } else { "error" }.to_string(), "".to_string()),
+        };
+        let hook = |r: Option<&Record>| {
+            let f = |k: &str| r.and_then(|r| r.extra.get(k)).and_then(|v| v.as_f64());
+            match (f("send_us"), f("recv_us")) {
+                (Some(s), Some(v)) => format!("{}+{}", num(s), num(v)),
+                _ => "-".into(),
+            }
+        };
+        let (bd, bg) = time(find("dispatch", "bf16"));
+        let (fd, fg) = time(find("dispatch", "fp8"));
+        let comb = find("combine", "bf16");
+        let (cd, cg) = time(comb);
+        let disp = find("dispatch", "fp8").or(find("dispatch", "bf16"));
+        let hooks = if k.0 == "ll" { format!("{}; {}", hook(disp), hook(comb)) } else { String::new() };
+        let bad: Vec<&&Record> = recs.iter().filter(|r| r.status != Status::Ok).collect();
+        let ok = match bad.first() {
+            None => "yes".to_string(),
+            Some(r) => {
+                format!("{} {} {}: {}", r.op, r.dtype.as_deref().unwrap_or("-"), status_name(r.status), r.error.as_deref().unwrap_or("?"))
+            }
+        };
+        t.row(vec![
+            k.0.clone(),
+            k.1.clone(),
+            opt(k.2),
+            opt(k.3),
+            format!("{}/{}", opt(k.4), opt(k.5)),
+            opt(k.6),
+            bd,
+            bg,
+            fd,
+            fg,
+            cd,
+            cg,
+            hooks,
+            ok,
+        ]);
+    }
+    let timer = match p.backend {
+        BackendKind::Cuda => "CUDA events (HT per call, LL per graph replay)",
+        _ => "wall clock (host backend: the CPU reference, not GPU performance)",
+    };
+    format!(
+        "summary: {} ranks, time = median over {} reps of the slowest rank, {timer}; GB/s = logical (DeepEP's accounting)\n{}",
+        p.ranks,
+        p.reps,
+        t.render()
+    )
+}
+
+fn status_name(s: Status) -> &'static str {
+    match s {
+        Status::Ok => "ok",
+        Status::Incorrect => "INCORRECT",
+        Status::Unavailable => "unavailable",
+        Status::Error => "error",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn args(flags: &[&str]) -> BenchArgs {
+        let mut argv = vec!["bench", "--backend", "host"];
+        argv.extend_from_slice(flags);
+        Cli::try_parse_from(argv).expect("valid flags").args
+    }
 
     #[test]
     fn slowest_rank_median_takes_the_max_per_rep_then_the_median() {
         let per_rank = vec![vec![1.0, 5.0, 3.0], vec![2.0, 1.0, 9.0]];
+        assert_eq!(slowest_per_rep(&per_rank), vec![2.0, 5.0, 9.0]);
         assert_eq!(slowest_rank_median(&per_rank), 5.0);
         assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
     }
@@ -740,5 +1019,65 @@ mod tests {
         let (logical, wire) = bytes_moved(&c, &inputs);
         assert_eq!(logical, recv as f64 * (256.0 + 2.0 * 4.0) / 2.0);
         assert!(wire < logical);
+    }
+
+    #[test]
+    fn the_default_plan_is_deepeps_shapes() {
+        let p = plan(&args(&[])).unwrap();
+        let shapes: Vec<(Mode, usize, usize, usize, usize)> =
+            p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.shape.hidden, b.shape.topk, b.shape.experts)).collect();
+        assert_eq!(shapes, vec![(Mode::Ht, 4096, 7168, 8, 256), (Mode::Ll, 128, 7168, 8, 288)]);
+        assert_eq!(p.batches[0].dtypes, vec![Dtype::Bf16, Dtype::Fp8]);
+        assert_eq!(p.batches[1].dtypes, vec![Dtype::Fp8]);
+        assert!(p.batches.iter().all(|b| b.routing == RoutingKind::Uniform && b.sms == vec![None]));
+    }
+
+    #[test]
+    fn token_lists_sweep_each_mode() {
+        let p = plan(&args(&["--tokens", "512,1024", "--ll-tokens", "1,16,64", "--routing", "uniform,skewed"])).unwrap();
+        let ht: Vec<(usize, RoutingKind)> = p.batches.iter().filter(|b| b.mode == Mode::Ht).map(|b| (b.shape.tokens, b.routing)).collect();
+        assert_eq!(
+            ht,
+            [512, 512, 1024, 1024].into_iter().zip([RoutingKind::Uniform, RoutingKind::Skewed].into_iter().cycle()).collect::<Vec<_>>()
+        );
+        let ll: Vec<usize> = p.batches.iter().filter(|b| b.mode == Mode::Ll).map(|b| b.shape.tokens).collect();
+        assert_eq!(ll, vec![1, 1, 16, 16, 64, 64]);
+        // Without --ll-tokens, --tokens applies to LL too.
+        let p = plan(&args(&["--mode", "ll", "--tokens", "8,32"])).unwrap();
+        assert_eq!(p.batches.iter().map(|b| b.shape.tokens).collect::<Vec<_>>(), vec![8, 32]);
+    }
+
+    #[test]
+    fn buffers_fit_the_largest_shape_of_each_mode() {
+        let p = plan(&args(&["--tokens", "512,16384", "--ll-tokens", "1,256"])).unwrap();
+        let (nvl, rdma) = buffer_bytes(&p.batches);
+        for fp8 in [false, true] {
+            assert!(nvl >= Buffer::ht_bytes_needed(16384, 7168, 8, 4, fp8));
+        }
+        assert_eq!(rdma, Buffer::ll_bytes_needed(256, 7168, 4, 288));
+        // DeepEP's shapes: what the CUDA backend asks for (the old rows-based guess was too small).
+        let (nvl, rdma) = buffer_bytes(&plan(&args(&[])).unwrap().batches);
+        assert_eq!(nvl, Buffer::ht_bytes_needed(4096, 7168, 8, 4, false).max(Buffer::ht_bytes_needed(4096, 7168, 8, 4, true)));
+        assert_eq!(rdma, Buffer::ll_bytes_needed(128, 7168, 4, 288));
+    }
+
+    #[test]
+    fn the_suite_measures_deepeps_shapes_first_then_the_sweeps() {
+        let p = plan(&args(&["--suite"])).unwrap();
+        let b: Vec<(Mode, usize, RoutingKind, Vec<Option<usize>>)> =
+            p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.routing, b.sms.clone())).collect();
+        let s24 = vec![Some(24)];
+        let u = RoutingKind::Uniform;
+        assert_eq!(b[0], (Mode::Ht, 4096, u, [24, 8, 16, 32, 48, 64].map(Some).to_vec()));
+        assert_eq!(b[1], (Mode::Ht, 4096, RoutingKind::Skewed, s24.clone()));
+        assert_eq!(b[2], (Mode::Ll, 128, u, vec![None]));
+        assert_eq!(b[3], (Mode::Ll, 128, RoutingKind::Skewed, vec![None]));
+        let ht_sweep: Vec<usize> = b[4..].iter().filter(|x| x.0 == Mode::Ht).map(|x| x.1).collect();
+        assert_eq!(ht_sweep, vec![512, 1024, 2048, 8192, 16384]);
+        let ll_sweep: Vec<usize> = b[4..].iter().filter(|x| x.0 == Mode::Ll).map(|x| x.1).collect();
+        assert_eq!(ll_sweep, vec![1, 16, 64, 256]);
+        assert!(p.batches.iter().all(|b| b.mode == Mode::Ll || b.dtypes == vec![Dtype::Bf16, Dtype::Fp8]));
+        assert!(p.batches.iter().all(|b| b.mode == Mode::Ht || b.dtypes == vec![Dtype::Fp8]));
+        assert!(Cli::try_parse_from(["bench", "--suite", "--tokens", "8"]).is_err());
     }
 }

@@ -63,6 +63,24 @@ pub(crate) trait Backend: Send {
     unsafe fn replay(&mut self, _graph: &moelink_cuda::GraphExec) -> Result<()> {
         Err(crate::Error::Unavailable(format!("the {} backend cannot replay CUDA graphs", self.name())))
     }
+    /// Opens a timed region (collective; [`crate::Buffer::timed`]): lines the ranks up and marks the start.
+    /// Returns `false` when the backend has no device clock: the caller then times with the wall clock, which
+    /// this default makes meaningful by returning right after a barrier of all ranks.
+    fn timer_begin(&mut self) -> Result<bool> {
+        self.barrier()?;
+        Ok(false)
+    }
+    /// Closes the region `timer_begin` opened with `true`, once its work has completed: microseconds of
+    /// device time from the start mark to the end of the last operation enqueued since.
+    fn timer_end(&mut self) -> Result<f64> {
+        Err(crate::Error::Unavailable(format!("the {} backend has no device timer", self.name())))
+    }
+    /// Closes a timed region without reading it (the timed work failed).
+    fn timer_cancel(&mut self) {}
+    /// What [`crate::Buffer::timed`] measures here: `"cuda-events"` or `"wall"`.
+    fn timer_name(&self) -> &'static str {
+        "wall"
+    }
 
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()>;
     /// Count exchange (notify). Returns the plan with host-known sizes (CPU-sync) and backend state.

@@ -11,12 +11,13 @@ pub(crate) mod ht;
 pub(crate) mod ll;
 
 use std::any::Any;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use moelink_cuda::{
-    Device, DeviceBuffer, Exchange, GraphExec, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer,
+    Device, DeviceBuffer, Event, Exchange, GraphExec, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer,
 };
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::KernelSpec;
@@ -54,6 +55,24 @@ pub(crate) enum PendingRecv<'a> {
     LlCombine(ll::PendingCombine<'a>),
 }
 
+/// Bytes a timed region overwrites before its start event: more than twice the L2 cache of an H100/H200
+/// (50 MB), so every region starts with a cold L2 (as DeepEP's and Triton's benchmarks do), and ~40 us of
+/// device work behind which the host enqueues the timed launches.
+const TIMER_FLUSH_BYTES: usize = 128 << 20;
+
+/// The events of [`crate::Buffer::timed`]: created on first use, reused by every timed region.
+struct Timer {
+    start: Event,
+    end: Event,
+    /// `TIMER_FLUSH_BYTES` overwritten at the start of each region.
+    scratch: DeviceBuffer,
+    regions: u32,
+    /// A timed region is open.
+    open: bool,
+    /// `end` was recorded in the open region, by the last synchronous operation just before its host wait.
+    end_recorded: Cell<bool>,
+}
+
 /// Where the kernels of one operation run.
 enum StreamMode {
     /// The buffer's own stream; the host waits for completion.
@@ -71,6 +90,8 @@ pub(crate) struct CudaBackend {
     mode: StreamMode,
     /// While a graph capture runs (on `stream`): the mode to restore afterwards.
     capture: Option<StreamMode>,
+    /// Events of timed regions (`None` until the first one).
+    timer: Option<Timer>,
     /// `[CTRL_BYTES | HT region (num_nvl_bytes) | LL region (num_rdma_bytes)]` on every rank.
     pub(crate) sym: SymmetricBuffer,
     pub(crate) num_nvl_bytes: usize,
@@ -136,6 +157,7 @@ impl CudaBackend {
             ll: ll::LlState::new(&device, options.enable_shrink)?,
             mode: StreamMode::Own,
             capture: None,
+            timer: None,
             stream,
             device,
         })
@@ -265,6 +287,12 @@ impl CudaBackend {
         if self.is_async() {
             return Ok(());
         }
+        // Inside a timed region the end mark goes right behind the kernels, so the host's polling below
+        // stays out of the measured time.
+        if let Some(t) = self.timer.as_ref().filter(|t| t.open) {
+            t.end.record(&self.stream)?;
+            t.end_recorded.set(true);
+        }
         let slack = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
         let done = self.stream.synchronize_timeout(slack)?;
         if let Some(e) = self.recorded_error() {
@@ -289,6 +317,13 @@ impl CudaBackend {
 
     /// The cross-GPU barrier kernel over the barrier region at the start of the control area (collective).
     pub(crate) fn gpu_barrier(&mut self) -> Result<()> {
+        self.enqueue_barrier()?;
+        self.finish(Phase::Barrier)
+    }
+
+    /// Launches the cross-GPU barrier kernel on the operation stream without waiting for it (collective);
+    /// an error it records surfaces at the next operation's `finish`.
+    pub(crate) fn enqueue_barrier(&mut self) -> Result<()> {
         let k = self.kernel(&moelink_kernels::BarrierVariant.spec(), "gpu_barrier")?;
         let (error_claim, error_record) = self.error_sink();
         let args = abi::BarrierArgs {
@@ -299,8 +334,73 @@ impl CudaBackend {
             rank: self.rank as u32,
             num_ranks: self.num_ranks as u32,
         };
-        self.launch(&k, &LaunchConfig::linear(1, moelink_kernels::BarrierVariant::THREADS), &args)?;
-        self.finish(Phase::Barrier)
+        self.launch(&k, &LaunchConfig::linear(1, moelink_kernels::BarrierVariant::THREADS), &args)
+    }
+
+    /// Opens a timed region, enqueueing (not waiting for) a GPU barrier, a memset of `TIMER_FLUSH_BYTES` of
+    /// scratch memory and the start event on the operation stream. The ranks' regions thus start together on
+    /// the devices (the memset takes the same time on each), with a cold L2, and the launches of the timed
+    /// work, enqueued while the barrier and the memset run, stay out of the measured time.
+    fn open_timer(&mut self) -> Result<()> {
+        if self.is_capturing() {
+            return Err(Error::invalid("timed", self.rank, "cannot time operations while a CUDA graph capture runs"));
+        }
+        if self.timer.as_ref().is_some_and(|t| t.open) {
+            return Err(Error::invalid("timed", self.rank, "a timed region is already open on this buffer"));
+        }
+        if self.timer.is_none() {
+            self.timer = Some(Timer {
+                start: Event::new(&self.device, true)?,
+                end: Event::new(&self.device, true)?,
+                scratch: DeviceBuffer::alloc(&self.device, TIMER_FLUSH_BYTES)?,
+                regions: 0,
+                open: false,
+                end_recorded: Cell::new(false),
+            });
+        }
+        self.enqueue_barrier()?;
+        let t = self.timer.as_mut().expect("created above");
+        let stream = match &self.mode {
+            StreamMode::Own => &self.stream,
+            StreamMode::External(s) => s,
+        };
+        t.regions = t.regions.wrapping_add(1);
+        t.scratch.memset_u32_async(t.regions, stream)?;
+        t.start.record(stream)?;
+        t.open = true;
+        t.end_recorded.set(false);
+        Ok(())
+    }
+
+    /// Closes the timed region: records the end event unless a synchronous operation already did, waits for
+    /// it (deadline, kernel errors) and returns the microseconds between the two events.
+    fn close_timer(&mut self) -> Result<f64> {
+        let t = self.timer.as_mut().filter(|t| t.open).ok_or_else(|| Error::invalid("timed", self.rank, "no timed region is open"))?;
+        t.open = false;
+        let t = self.timer.as_ref().expect("checked above");
+        if !t.end_recorded.get() {
+            t.end.record(self.op_stream())?;
+        }
+        let start = Instant::now();
+        let limit = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
+        while !t.end.query()? {
+            if let Some(e) = self.recorded_error() {
+                return Err(e);
+            }
+            if start.elapsed() > limit {
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    peer: usize::MAX,
+                    phase: Phase::Other,
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            }
+            std::thread::yield_now();
+        }
+        if let Some(e) = self.recorded_error() {
+            return Err(e);
+        }
+        Ok(t.start.elapsed_ms(&t.end)? as f64 * 1e3)
     }
 
     /// The SM count of this GPU.
@@ -371,6 +471,21 @@ impl Backend for CudaBackend {
         // SAFETY: the caller guarantees (Buffer::replay) that everything the captured kernels touch is alive.
         unsafe { graph.launch(self.op_stream())? };
         self.finish(Phase::Other)
+    }
+    fn timer_begin(&mut self) -> Result<bool> {
+        self.open_timer()?;
+        Ok(true)
+    }
+    fn timer_end(&mut self) -> Result<f64> {
+        self.close_timer()
+    }
+    fn timer_cancel(&mut self) {
+        if let Some(t) = self.timer.as_mut() {
+            t.open = false;
+        }
+    }
+    fn timer_name(&self) -> &'static str {
+        "cuda-events"
     }
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
         ht::dispatch_layout(self, topk_idx, num_experts, out)
