@@ -14,7 +14,7 @@ use std::any::Any;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use moelink_cuda::{
     Device, DeviceBuffer, Event, Exchange, GraphExec, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer,
