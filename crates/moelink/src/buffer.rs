@@ -566,6 +566,17 @@ impl Buffer {
     }
 }
 
+impl Drop for Buffer {
+    /// Dropping a buffer is collective on the CUDA backend: it waits until every rank's kernels are done
+    /// before freeing the communication memory peers write into. A poisoned buffer skips the wait (a peer
+    /// may be gone for good).
+    fn drop(&mut self) {
+        if self.poisoned.is_none() {
+            let _ = self.backend.quiesce();
+        }
+    }
+}
+
 /// Shorthand for a fresh dispatch's routing.
 pub fn fresh<'a>(layout: &'a DispatchLayout, topk_idx: Option<TensorRef<'a>>, topk_weights: Option<TensorRef<'a>>) -> Routing<'a> {
     Routing::Fresh { layout: layout.as_ref(), topk_idx, topk_weights }

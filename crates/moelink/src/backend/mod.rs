@@ -45,6 +45,11 @@ pub(crate) trait Backend: Send {
     /// Copies a tensor to this backend's location (contiguous result).
     fn upload(&self, t: &Tensor) -> Result<Tensor>;
     fn barrier(&mut self) -> Result<()>;
+    /// Before this rank's resources are freed: waits until no rank's kernels can still touch them
+    /// (collective). Host backend: nothing to wait for.
+    fn quiesce(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Runs later operations on a caller's raw stream (asynchronously), or with `None` on the backend's
     /// own stream with the host waiting. Host backend: ignored (always synchronous).
     fn set_stream(&mut self, _stream: Option<u64>) {}

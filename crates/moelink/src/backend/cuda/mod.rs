@@ -443,6 +443,17 @@ impl Backend for CudaBackend {
     fn barrier(&mut self) -> Result<()> {
         self.gpu_barrier()
     }
+    fn quiesce(&mut self) -> Result<()> {
+        // A peer's kernel can still be writing its last flags (slab hand-back, arrival counters) into this
+        // rank's symmetric memory after this rank's own work is done; freeing it then faults the peer (seen
+        // on 4xH200 as CUDA_ERROR_ILLEGAL_ADDRESS in the next test). Wait for this rank's streams, then for
+        // every rank to have done the same: after that nobody writes here any more.
+        self.stream.synchronize()?;
+        if let StreamMode::External(s) = &self.mode {
+            s.synchronize()?;
+        }
+        self.group.barrier()
+    }
     fn set_stream(&mut self, stream: Option<u64>) {
         // SAFETY: forwarded from `Buffer::set_stream`, whose contract requires a live stream of this device.
         unsafe { CudaBackend::set_stream(self, stream) }
