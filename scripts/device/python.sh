@@ -45,20 +45,23 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
 export PYTHONPATH=/tmp/site
 python3 -c "import moelink, torch; print('moelink', moelink.__version__, 'torch', torch.__version__); print(moelink._native.cuda_info()); print('is_sm90_compiled', moelink.Buffer.is_sm90_compiled())" >> "$OUT/setup.log" 2>&1
 
-(cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
+# PY_STEPS picks steps (default: all): ci gpu2 gpu4 host example bench.
+PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
+want() { case " $PY_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+want ci && (cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
 tr=(torchrun --standalone --local-ranks-filter 0)
 for n in 2 4; do
-    if [ "$ngpu" -ge "$n" ]; then
+    if [ "$ngpu" -ge "$n" ] && want "gpu$n"; then
         step "gpu suite, $n ranks (cuda)" "$OUT/gpu-tests-$n.log" 200 \
             "${tr[@]}" --nproc_per_node="$n" -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu
     fi
 done
-MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 150 \
+want host && MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 150 \
     "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu
-step "examples/moe_layer.py, $ranks ranks" "$OUT/moe_layer.log" 120 "${tr[@]}" --nproc_per_node="$ranks" examples/moe_layer.py
+want example && step "examples/moe_layer.py, $ranks ranks" "$OUT/moe_layer.log" 120 "${tr[@]}" --nproc_per_node="$ranks" examples/moe_layer.py
 bench_args=()
 [ "$ngpu" -eq 0 ] && bench_args=(--tokens 256 --hidden 512 --experts 16 --ll-tokens 16 --ll-experts 16 --reps 3 --warmup 1)
-step "bench, $ranks ranks" "$OUT/bench.log" 240 \
+want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
 echo "== bench table"
