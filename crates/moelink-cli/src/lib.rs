@@ -4,14 +4,18 @@
 //! - [`bench`](mod@bench) — `moelink bench` (dispatch/combine) and `moelink bench nvlink` (GPU probes).
 //! - [`selftest`] — `moelink selftest`, thread or process (torchrun) mode.
 //! - [`info`] — `moelink info`.
+//! - [`soak`] — `moelink soak` (randomized rounds checked against the host backend).
+//! - [`chaos`] — `moelink chaos` (a rank killed mid-collective, process mode).
 //! - [`record`] — one measurement as written to `--json FILE`.
 
 pub mod bench;
+pub mod chaos;
 pub mod info;
 pub mod ranks;
 pub mod record;
 pub mod rng;
 pub mod selftest;
+pub mod soak;
 pub mod sys;
 pub mod table;
 

@@ -4,13 +4,15 @@
 //! - `moelink bench nvlink` — NVLink copy bandwidth, barrier latency, JIT times (GPU diagnostics).
 //! - `moelink selftest [--process]` — group and GPU self-checks, in threads or as a torchrun rank.
 //! - `moelink info` — GPUs, driver, peer access, NVRTC, and the backend `auto` picks.
+//! - `moelink soak` — randomized rounds of every kernel family checked against the host backend.
+//! - `moelink chaos` — kill a rank mid-collective (process mode); survivors must time out and rebuild.
 //!
 //! Errors print as `error: <message>` and exit with status 1.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use moelink_cli::{bench, info, selftest};
+use moelink_cli::{bench, chaos, info, selftest, soak};
 
 /// moelink: expert-parallel MoE dispatch/combine over NVLink.
 #[derive(Parser, Debug)]
@@ -32,6 +34,12 @@ enum Cmd {
     Selftest(selftest::SelftestArgs),
     /// Show GPUs, driver, peer access, NVRTC, and which backend `auto` picks. Works without a GPU.
     Info,
+    /// Randomized rounds of every kernel family, each checked bit for bit against the host backend, with
+    /// device and host memory sampled (thread mode; `--backend host` runs without a GPU).
+    Soak(soak::SoakArgs),
+    /// Process mode: one rank SIGKILLs itself in the middle of a collective; the survivors must get a
+    /// timeout naming it, stay alive and rebuild over the remaining ranks (or, with --shrink, mask it).
+    Chaos(chaos::ChaosArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +58,8 @@ fn main() -> ExitCode {
         },
         Cmd::Selftest(a) => selftest::run(a),
         Cmd::Info => info::run(),
+        Cmd::Soak(a) => soak::run(a),
+        Cmd::Chaos(a) => chaos::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

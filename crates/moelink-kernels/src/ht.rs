@@ -121,15 +121,18 @@ pub mod host_notify {
 /// Bytes of a dispatch slab row: payload, then `u32` meta words (top-k ids as `i64`, FP8 scales, top-k
 /// weights, the source token index), padded to 16 bytes. `ht_dispatch.cu` asserts the same value.
 pub fn dispatch_row_bytes(hidden: usize, fp8: bool, topk: usize) -> usize {
-    let payload = hidden * if fp8 { 1 } else { 2 };
+    // Saturating: absurd sizes give usize::MAX (which no buffer satisfies) rather than overflow.
+    let payload = hidden.saturating_mul(if fp8 { 1 } else { 2 });
     let scales = if fp8 { hidden / FP8_BLOCK } else { 0 };
-    let meta_words = 2 * topk + scales + topk + 1;
-    payload + (4 * meta_words).next_multiple_of(VEC_BYTES)
+    let meta_words = topk.saturating_mul(3).saturating_add(scales).saturating_add(1);
+    let meta = meta_words.saturating_mul(4).checked_next_multiple_of(VEC_BYTES).unwrap_or(usize::MAX);
+    payload.saturating_add(meta)
 }
 
 /// Bytes of a combine slab row: the bf16 payload, then `topk` f32 weights, padded to 16 bytes.
 pub fn combine_row_bytes(hidden: usize, topk: usize) -> usize {
-    2 * hidden + (4 * topk).next_multiple_of(VEC_BYTES)
+    let weights = topk.saturating_mul(4).checked_next_multiple_of(VEC_BYTES).unwrap_or(usize::MAX);
+    hidden.saturating_mul(2).saturating_add(weights)
 }
 
 /// Data-region bytes per row-flag slot and rank: the flag arrays get `num_nvl_bytes / (R * 1024)` slots per
@@ -185,23 +188,34 @@ impl HtRegion {
 }
 
 /// Smallest `num_nvl_bytes` (a multiple of 1 MiB) whose slabs hold `num_tokens` rows per source for every
-/// row size in `row_bytes`; 0 when `num_tokens` is 0.
+/// row size in `row_bytes`; 0 when `num_tokens` is 0; `usize::MAX` when no buffer can (the sizes overflow,
+/// or more rows than the flag arrays can count).
 pub fn bytes_needed(num_tokens: usize, num_ranks: usize, row_bytes: &[usize]) -> usize {
     const MIB: usize = 1 << 20;
     if num_tokens == 0 || num_ranks == 0 {
         return 0;
     }
+    if num_tokens > i32::MAX as usize {
+        return usize::MAX; // flag_slots() never exceeds i32::MAX
+    }
     let max_row = row_bytes.iter().copied().max().unwrap_or(VEC_BYTES);
-    let slabs = 2 * num_ranks * num_tokens * max_row;
-    let flags = 2 * num_ranks * num_tokens * 4;
+    let rows = num_ranks.checked_mul(num_tokens);
+    let slabs = rows.and_then(|r| r.checked_mul(max_row)?.checked_mul(2));
+    let flags = rows.and_then(|r| r.checked_mul(8));
+    let spacing = rows.and_then(|r| r.checked_mul(FLAG_SLOT_SPACING));
     // A lower bound (no alignment padding), then 1 MiB steps: the flag arrays grow with the buffer.
-    let mut n = (slabs + flags).max(num_tokens * num_ranks * FLAG_SLOT_SPACING).next_multiple_of(MIB);
+    let Some(mut n) = (|| slabs?.checked_add(flags?)?.max(spacing?).checked_next_multiple_of(MIB))() else {
+        return usize::MAX;
+    };
     let fits = |n: usize| {
         let region = HtRegion { num_nvl_bytes: n, num_ranks };
         row_bytes.iter().all(|&row| region.slab_rows(row) >= num_tokens)
     };
     while !fits(n) {
-        n += MIB;
+        match n.checked_add(MIB) {
+            Some(m) => n = m,
+            None => return usize::MAX,
+        }
     }
     n
 }

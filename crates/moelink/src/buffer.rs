@@ -185,6 +185,7 @@ impl Buffer {
         if let Err(e) = &r {
             if e.poisons_buffer() {
                 self.poisoned = Some(e.to_string());
+                self.backend.poison();
             }
         }
         r

@@ -35,10 +35,14 @@ impl Config {
     /// (DeepEP's `get_nvl_buffer_size_hint`): enough for `num_max_nvl_chunked_recv_tokens` rows per
     /// (channel, source) pair. moelink's own sizing is [`crate::Buffer::ht_bytes_needed`].
     pub fn get_nvl_buffer_size_hint(&self, hidden_bytes: usize, num_ranks: usize) -> usize {
+        // Saturating: absurd arguments give a huge hint, never an overflow.
         let num_channels = self.num_sms / 2;
-        let per_token = hidden_bytes + 4 * (hidden_bytes / 128 + 32);
-        let bytes = num_channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * per_token + num_channels * num_ranks * num_ranks * 16;
-        bytes.div_ceil(128) * 128
+        let per_token = hidden_bytes.saturating_add((hidden_bytes / 128 + 32).saturating_mul(4));
+        let rows = num_channels.saturating_mul(num_ranks).saturating_mul(self.num_max_nvl_chunked_recv_tokens);
+        let bytes = rows
+            .saturating_mul(per_token)
+            .saturating_add(num_channels.saturating_mul(num_ranks).saturating_mul(num_ranks).saturating_mul(16));
+        bytes.div_ceil(128).saturating_mul(128)
     }
 
     /// RDMA buffer bytes (0 within one node).
@@ -46,7 +50,12 @@ impl Config {
         if num_ranks <= 8 {
             0
         } else {
-            self.num_max_rdma_chunked_recv_tokens * _hidden_bytes * 2 * (num_ranks / 8) * self.num_sms / 2
+            self.num_max_rdma_chunked_recv_tokens
+                .saturating_mul(_hidden_bytes)
+                .saturating_mul(2)
+                .saturating_mul(num_ranks / 8)
+                .saturating_mul(self.num_sms)
+                / 2
         }
     }
 }

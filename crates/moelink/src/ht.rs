@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Location, TensorMut, TensorRef};
-use crate::validate::{check_topk_values, read_i64_matrix, Expect};
+use crate::validate::{check_at_most, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN, MAX_LOCAL_EXPERTS, MAX_ROWS, MAX_TOPK};
 
 /// FP8 scales cover this many channels each.
 pub const FP8_BLOCK: usize = 128;
@@ -265,6 +265,8 @@ pub(crate) fn validate_layout(topk_idx: &TensorRef<'_>, num_experts: usize, f: &
     let shape = Expect { arg: "topk_idx", rank: r, location: f.location, dtypes: &[DType::I64], shape: &[None, None], contiguous: false }
         .view(topk_idx)?;
     let (t, k) = (shape[0], shape[1]);
+    check_at_most(t, MAX_ROWS, "topk_idx", r)?;
+    check_at_most(k, MAX_TOPK, "topk_idx", r)?;
     check_num_experts(num_experts, f)?;
     if let Some(idx) = read_i64_matrix(topk_idx) {
         check_topk_values(&idx, k, num_experts, "topk_idx", r)?;
@@ -278,6 +280,13 @@ pub(crate) fn check_num_experts(num_experts: usize, f: &BufferFacts) -> Result<(
             "num_experts",
             f.rank,
             format!("{num_experts} is not a positive multiple of the {} ranks", f.num_ranks),
+        ));
+    }
+    if num_experts / f.num_ranks > MAX_LOCAL_EXPERTS {
+        return Err(Error::invalid(
+            "num_experts",
+            f.rank,
+            format!("{} experts per rank exceed the supported {MAX_LOCAL_EXPERTS}", num_experts / f.num_ranks),
         ));
     }
     Ok(())
@@ -295,6 +304,8 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
     let want = if fp8 { DType::Fp8E4M3 } else { DType::BF16 };
     let shape = Expect { arg: "x", rank: r, location: loc, dtypes: &[want], shape: &[None, None], contiguous: true }.view(&x)?;
     let (num_tokens, hidden) = (shape[0], shape[1]);
+    check_at_most(num_tokens, MAX_ROWS, "x", r)?;
+    check_at_most(hidden, MAX_HIDDEN, "x", r)?;
     let row_bytes = hidden * want.size_bytes();
     if hidden == 0 || row_bytes % 16 != 0 {
         return Err(Error::invalid("x", r, format!("row bytes {row_bytes} (hidden {hidden} x {want}) must be a positive multiple of 16")));
@@ -316,6 +327,8 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
     if a.expert_alignment == 0 {
         return Err(Error::invalid("expert_alignment", r, "must be at least 1"));
     }
+    check_at_most(a.expert_alignment, MAX_ROWS, "expert_alignment", r)?;
+    check_at_most(a.num_worst_tokens, MAX_ROWS, "num_worst_tokens", r)?;
     let (num_experts, topk, has_topk) = match a.routing {
         Routing::Fresh { layout, topk_idx, topk_weights } => {
             Expect {
@@ -354,6 +367,7 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
                         contiguous: true,
                     }
                     .view(&idx)?[1];
+                    check_at_most(k, MAX_TOPK, "topk_idx", r)?;
                     Expect {
                         arg: "topk_weights",
                         rank: r,
@@ -445,6 +459,7 @@ pub(crate) fn validate_combine(a: &CombineArgs<'_>, f: &BufferFacts) -> Result<C
     let n = a.handle.num_recv_rows();
     let hidden =
         Expect { arg: "x", rank: r, location: loc, dtypes: &[DType::BF16], shape: &[Some(n), None], contiguous: true }.view(&a.x)?[1];
+    check_at_most(hidden, MAX_HIDDEN, "x", r)?;
     if hidden == 0 || (hidden * 2) % 16 != 0 {
         return Err(Error::invalid("x", r, format!("hidden {hidden}: row bytes must be a positive multiple of 16")));
     }
@@ -453,6 +468,7 @@ pub(crate) fn validate_combine(a: &CombineArgs<'_>, f: &BufferFacts) -> Result<C
             .view(w)?[1],
         None => 0,
     };
+    check_at_most(topk, MAX_TOPK, "topk_weights", r)?;
     let t = a.handle.num_tokens;
     let mut num_bias = 0;
     for (i, b) in a.bias.iter().enumerate() {

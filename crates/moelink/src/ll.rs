@@ -25,7 +25,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ht::{BufferFacts, FP8_BLOCK};
 use crate::tensor::{Location, TensorMut, TensorRef};
-use crate::validate::{check_topk_values, read_i64_matrix, Expect};
+use crate::validate::{check_at_most, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN};
 
 /// UE8M0 scales pack this many 128-channel groups into one int32.
 pub const UE8M0_PER_INT: usize = 4;
@@ -199,9 +199,19 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
     if hidden == 0 || hidden % group != 0 {
         return Err(Error::invalid("x", r, format!("hidden {hidden} must be a positive multiple of {group} for this dispatch mode")));
     }
+    check_at_most(hidden, MAX_HIDDEN, "x", r)?;
     let topk =
         Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(num_tokens), None], contiguous: true }
             .view(&a.topk_idx)?[1];
+    // The kernels' limits (tokens, top-k, experts x tokens in shared memory) hold for every backend, so the
+    // host oracle accepts exactly what the GPUs do — and no size argument can ask for an absurd allocation.
+    let limits = moelink_kernels::ll::LlLimits {
+        num_ranks: f.num_ranks,
+        max_tokens: a.num_max_dispatch_tokens_per_rank,
+        topk,
+        num_experts: a.num_experts,
+    };
+    limits.check().map_err(|(arg, why)| Error::invalid(arg, r, why))?;
     if let Some(w) = &a.topk_weights {
         Expect {
             arg: "topk_weights",

@@ -14,6 +14,10 @@ use crate::error::{Error, Result};
 /// Maximum number of dimensions of a view.
 pub const MAX_DIMS: usize = 4;
 
+/// Largest element count or element span of a layout: its bytes fit in `isize` for every dtype (8 bytes at
+/// most), so sizes computed from a layout never overflow.
+pub const MAX_ELEMS: usize = isize::MAX as usize / 8;
+
 /// Where a tensor's memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Location {
@@ -50,7 +54,7 @@ impl Layout {
         let mut acc: isize = 1;
         for i in (0..shape.len()).rev() {
             strides[i] = acc;
-            acc = acc.saturating_mul(shape[i].max(1) as isize);
+            acc = acc.saturating_mul(isize::try_from(shape[i].max(1)).unwrap_or(isize::MAX));
         }
         Layout::new(shape, &strides[..shape.len()])
     }
@@ -66,6 +70,22 @@ impl Layout {
         }
         if let Some(s) = strides.iter().find(|s| **s < 0) {
             return Err(Error::invalid("strides", 0, format!("negative stride {s} is not supported")));
+        }
+        // Every size derived from a layout (element count, span, bytes for any dtype) must be computable
+        // without overflow: refuse layouts whose element count or span exceeds what `isize` bytes can hold.
+        let numel = if shape.contains(&0) { Some(0) } else { shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) };
+        if numel.is_none_or(|n| n > MAX_ELEMS) {
+            return Err(Error::invalid("shape", 0, format!("{shape:?} has more elements than memory can hold")));
+        }
+        if numel != Some(0) {
+            let span = shape.iter().zip(strides).try_fold(1usize, |a, (&n, &s)| a.checked_add((n - 1).checked_mul(s as usize)?));
+            if span.is_none_or(|n| n > MAX_ELEMS) {
+                return Err(Error::invalid(
+                    "strides",
+                    0,
+                    format!("shape {shape:?} with strides {strides:?} reaches past any addressable memory"),
+                ));
+            }
         }
         let mut l = Layout { shape: [0; MAX_DIMS], strides: [0; MAX_DIMS], ndim: shape.len() as u8 };
         l.shape[..shape.len()].copy_from_slice(shape);
@@ -320,20 +340,21 @@ impl Tensor {
 
     /// A host tensor holding `data` (row-major, `shape.iter().product() == data.len()`).
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
-        let mut t = Tensor::zeros(T::DTYPE, shape)?;
-        if t.numel() != data.len() {
+        // Check the size before allocating: a shape that does not match must not cost an allocation.
+        if Layout::contiguous(shape)?.numel() != data.len() {
             return Err(Error::invalid("data", 0, format!("{} elements for shape {shape:?}", data.len())));
         }
+        let mut t = Tensor::zeros(T::DTYPE, shape)?;
         t.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(&data));
         Ok(t)
     }
 
     /// A host bool tensor.
     pub fn from_bools(data: &[bool], shape: &[usize]) -> Result<Tensor> {
-        let mut t = Tensor::zeros(DType::Bool, shape)?;
-        if t.numel() != data.len() {
+        if Layout::contiguous(shape)?.numel() != data.len() {
             return Err(Error::invalid("data", 0, format!("{} elements for shape {shape:?}", data.len())));
         }
+        let mut t = Tensor::zeros(DType::Bool, shape)?;
         t.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
         Ok(t)
     }

@@ -5,6 +5,23 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Location, TensorMut, TensorRef};
 
+/// Largest hidden size any call accepts (the kernels' cross-rank call signatures carry it in 24 bits).
+pub(crate) const MAX_HIDDEN: usize = 1 << 20;
+/// Largest top-k (the HT call signature carries it in 12 bits).
+pub(crate) const MAX_TOPK: usize = 1024;
+/// Largest number of experts per rank (the LL kernels index local experts in 15 bits).
+pub(crate) const MAX_LOCAL_EXPERTS: usize = (1 << 15) - 1;
+/// Largest row count argument (`num_worst_tokens`, `expert_alignment`; DeepEP passes them as C `int`).
+pub(crate) const MAX_ROWS: usize = i32::MAX as usize;
+
+/// Rejects a size argument above `max`.
+pub(crate) fn check_at_most(value: usize, max: usize, arg: &'static str, rank: usize) -> Result<()> {
+    if value > max {
+        return Err(Error::invalid(arg, rank, format!("{value} exceeds the supported maximum {max}")));
+    }
+    Ok(())
+}
+
 /// What a tensor argument must look like.
 pub(crate) struct Expect<'s> {
     pub arg: &'static str,

@@ -53,6 +53,9 @@ pub(crate) trait Backend: Send {
     /// Runs later operations on a caller's raw stream (asynchronously), or with `None` on the backend's
     /// own stream with the host waiting. Host backend: ignored (always synchronous).
     fn set_stream(&mut self, _stream: Option<u64>) {}
+    /// Told once when a collective failed and the buffer is poisoned (the CUDA backend then keeps its
+    /// symmetric memory alive on drop: peers may still write into it).
+    fn poison(&mut self) {}
     /// Starts capturing this backend's operations into a CUDA graph (CUDA only).
     fn begin_capture(&mut self) -> Result<()> {
         Err(crate::Error::Unavailable(format!("the {} backend cannot capture CUDA graphs", self.name())))

@@ -13,6 +13,7 @@ pub(crate) mod ll;
 use std::any::Any;
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -93,16 +94,19 @@ pub(crate) struct CudaBackend {
     /// Events of timed regions (`None` until the first one).
     timer: Option<Timer>,
     /// `[CTRL_BYTES | HT region (num_nvl_bytes) | LL region (num_rdma_bytes)]` on every rank.
-    pub(crate) sym: SymmetricBuffer,
+    /// `ManuallyDrop` (as the other fields kernels write): see `Drop for CudaBackend`.
+    pub(crate) sym: ManuallyDrop<SymmetricBuffer>,
     pub(crate) num_nvl_bytes: usize,
     pub(crate) num_rdma_bytes: usize,
-    error_claim: DeviceBuffer,
-    error_record: HostMapped<ErrorRecord>,
+    error_claim: ManuallyDrop<DeviceBuffer>,
+    error_record: ManuallyDrop<HostMapped<ErrorRecord>>,
     pub(crate) timeout_ns: u64,
     modules: HashMap<String, Arc<Module>>,
     kernels: HashMap<(String, &'static str), Kernel>,
-    pub(crate) ht: ht::HtState,
-    pub(crate) ll: ll::LlState,
+    pub(crate) ht: ManuallyDrop<ht::HtState>,
+    pub(crate) ll: ManuallyDrop<ll::LlState>,
+    /// Set when the buffer was poisoned (a collective failed): peers may still write into `sym`.
+    poisoned: bool,
 }
 
 impl CudaBackend {
@@ -145,16 +149,17 @@ impl CudaBackend {
             group: group.clone(),
             rank,
             num_ranks,
-            sym,
+            sym: ManuallyDrop::new(sym),
             num_nvl_bytes: options.num_nvl_bytes,
             num_rdma_bytes: options.num_rdma_bytes,
-            error_claim,
-            error_record,
+            error_claim: ManuallyDrop::new(error_claim),
+            error_record: ManuallyDrop::new(error_record),
             timeout_ns: options.timeout_ms.saturating_mul(1_000_000),
             modules: HashMap::new(),
             kernels: HashMap::new(),
-            ht: ht::HtState::default(),
-            ll: ll::LlState::new(&device, options.enable_shrink)?,
+            ht: ManuallyDrop::new(ht::HtState::default()),
+            ll: ManuallyDrop::new(ll::LlState::new(&device, options.enable_shrink)?),
+            poisoned: false,
             mode: StreamMode::Own,
             capture: None,
             timer: None,
@@ -409,6 +414,56 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Waits (bounded) until every kernel this buffer enqueued has finished: on its own stream and, with
+    /// [`crate::Buffer::set_stream`], on the caller's stream. Every wait inside a kernel has the buffer's
+    /// deadline, so the kernels end within it; a `false` means they did not (or the context is broken).
+    fn wait_idle(&self) -> bool {
+        let limit = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
+        let own = matches!(self.stream.synchronize_timeout(limit), Ok(true));
+        let external = match &self.mode {
+            StreamMode::External(s) if self.capture.is_none() => matches!(s.synchronize_timeout(limit), Ok(true)),
+            _ => true,
+        };
+        own && external
+    }
+}
+
+/// Dropping a buffer never frees memory a kernel may still use:
+/// - it first waits (bounded by the deadline + 5 s) for this buffer's own kernels, on its stream and on a
+///   caller's stream set with `set_stream`;
+/// - if they did not finish (a wedged GPU, a broken context), nothing they touch is freed: the symmetric
+///   memory, the error records, the handle pool and the modules are leaked;
+/// - if the buffer was poisoned (a collective failed), a peer may still be inside that collective, or start a
+///   later one, and write into this rank's symmetric memory: that memory (and the mappings of the peers'
+///   memory) is leaked — the price of rebuilding after a failure, instead of a peer's late store landing in
+///   someone else's allocation.
+///
+/// A healthy buffer's memory is freed. Peers of a healthy buffer may still publish the last call's hand-back
+/// flags into it for a few microseconds after this rank's call returned: drop buffers collectively, after a
+/// `barrier()` (the Python layer's `destroy` and DeepEP's do the same).
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let idle = self.wait_idle();
+        if !idle {
+            std::mem::forget(std::mem::take(&mut self.modules));
+            std::mem::forget(std::mem::take(&mut self.kernels));
+            return;
+        }
+        // SAFETY: every ManuallyDrop field is dropped at most once, here, and `self` is not used afterwards;
+        // the kernels that wrote them have finished (`wait_idle`).
+        unsafe {
+            ManuallyDrop::drop(&mut self.ht);
+            ManuallyDrop::drop(&mut self.ll);
+            ManuallyDrop::drop(&mut self.error_claim);
+            ManuallyDrop::drop(&mut self.error_record);
+            if !self.poisoned {
+                ManuallyDrop::drop(&mut self.sym);
+            }
+        }
+    }
+}
+
 fn phase_of(code: u32) -> Phase {
     match code {
         abi::phase::BARRIER => Phase::Barrier,
@@ -453,6 +508,9 @@ impl Backend for CudaBackend {
             s.synchronize()?;
         }
         self.group.barrier()
+    }
+    fn poison(&mut self) {
+        self.poisoned = true;
     }
     fn set_stream(&mut self, stream: Option<u64>) {
         // SAFETY: forwarded from `Buffer::set_stream`, whose contract requires a live stream of this device.

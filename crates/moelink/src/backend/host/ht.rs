@@ -63,6 +63,10 @@ fn agree(b: &HostBackend, s: &HtSpec, cached: bool) -> Result<()> {
 
 pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
     let (rank, nr, el) = (s.rank, s.num_ranks, s.num_local_experts());
+    // An argument problem only this rank can see (its layout, or more rows arriving than its
+    // num_worst_tokens): every rank learns of it and fails the call, as on the GPU.
+    let mut problem: Option<Error> = None;
+    let fresh = matches!(a.routing, Routing::Fresh { .. });
     let routing = match a.routing {
         Routing::Cached(h) => {
             agree(b, &s, true)?;
@@ -86,11 +90,12 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 .ok_or_else(|| Error::invalid("num_tokens_per_expert", rank, "needs a host tensor"))?;
             let in_rank: Vec<bool> = input_bytes(&l.is_token_in_rank, "is_token_in_rank", rank)?.iter().map(|&v| v != 0).collect();
             let send_slot = layout::send_slots(&in_rank, s.num_tokens, nr);
-            // The layout tensors must describe the tokens: count what is_token_in_rank says we send.
+            // The layout tensors must describe the tokens: count what is_token_in_rank says we send. A problem is
+            // reported after the exchange, on every rank (below), so that nobody is left waiting.
             for r in 0..nr {
                 let sent = (0..s.num_tokens).filter(|&t| in_rank[t * nr + r]).count();
-                if sent != per_rank[r] as usize {
-                    return Err(Error::invalid(
+                if sent != per_rank[r] as usize && problem.is_none() {
+                    problem = Some(Error::invalid(
                         "num_tokens_per_rank",
                         rank,
                         format!("says {} tokens go to rank {r}, is_token_in_rank says {sent}", per_rank[r]),
@@ -140,8 +145,11 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
         }
     };
     let n = routing.num_recv_tokens;
-    if s.num_worst_tokens > 0 && n > s.num_worst_tokens {
-        return Err(Error::invalid("num_worst_tokens", rank, format!("{} rows, but this rank receives {n} tokens", s.num_worst_tokens)));
+    if s.num_worst_tokens > 0 && n > s.num_worst_tokens && problem.is_none() {
+        problem = Some(Error::invalid("num_worst_tokens", rank, format!("{} rows, but this rank receives {n} tokens", s.num_worst_tokens)));
+    }
+    if fresh {
+        agree_on_problems(b, problem)?;
     }
     let per_expert_aligned: Vec<usize> = if s.num_worst_tokens > 0 {
         Vec::new()
@@ -154,6 +162,26 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
         num_recv_tokens_per_expert: per_expert_aligned,
         state: Box::new(HostPlan { routing }),
     })
+}
+
+/// Every rank shares whether it found an argument problem; this rank's own problem comes back as is, a
+/// peer's as an `InvalidArgument` naming the same argument and that peer (the lowest one).
+fn agree_on_problems(b: &HostBackend, problem: Option<Error>) -> Result<()> {
+    let rank = b.rank();
+    let code = match &problem {
+        None => 0u8,
+        Some(e) if e.argument() == Some("num_tokens_per_rank") => 1,
+        Some(_) => 2,
+    };
+    let all = b.group.all_gather(&[code])?;
+    if let Some(e) = problem {
+        return Err(e);
+    }
+    if let Some((peer, c)) = all.iter().enumerate().find_map(|(p, m)| m.first().filter(|&&c| c != 0).map(|&c| (p, c))) {
+        let arg = if c == 1 { "num_tokens_per_rank" } else { "num_worst_tokens" };
+        return Err(Error::invalid(arg, rank, format!("rank {peer} passed an invalid `{arg}`; the call is abandoned on every rank")));
+    }
+    Ok(())
 }
 
 /// Bytes of one packed row: payload, scales, top-k ids (i64) and weights (f32), source token index (i32).

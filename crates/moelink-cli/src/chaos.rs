@@ -1,0 +1,703 @@
+//! `moelink chaos`: one rank of a process-mode group SIGKILLs itself in the middle of a collective; the
+//! survivors must notice within the deadline, stay alive and carry on.
+//!
+//! Launch one process per GPU with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `LOCAL_RANK` set
+//! (`scripts/device/reliability.sh` does; torchrun would kill every worker once one dies). Every rank builds
+//! a CUDA buffer with a short deadline (`--timeout-ms`), warms the phase up, then loops it: each iteration is
+//! a full round trip (HT: layout → dispatch → identity combine; LL: dispatch → identity combine), checked
+//! against a host-backend simulation of all ranks on the same seeded inputs. At iteration `--kill-at`
+//! (default: drawn from the seed, the same on every rank) the victim enqueues the phase's kernel
+//! asynchronously (`set_stream`), spins a few microseconds so that the kernel is in flight, prints
+//! `CHAOS_KILL {json}` with the time and sends itself SIGKILL.
+//!
+//! Survivors, default mode: the loop must end with `Error::Timeout` naming the victim within the deadline
+//! (plus slack); the buffer must then refuse work (`Error::Poisoned`); dropping it must return; then the
+//! survivors build a fresh group over themselves (a new TCP rendezvous on `--recover-port`, ranks numbered
+//! in order of their old ranks, the lowest surviving rank as rank 0) and a fresh CUDA buffer, and run
+//! dispatch/combine rounds on it checked bit for bit against a host-backend twin. The ranks also exchange
+//! which peer each one's timeout named, so that a chain (a survivor that timed out waiting for another
+//! survivor, which had itself timed out on the victim) is traced back to its root.
+//!
+//! `--shrink` (LL phases): the buffer is created with `enable_shrink`; the survivors keep looping a fixed
+//! number of iterations: no call may fail, the victim must end up masked (and only it), and every iteration
+//! after the kill must equal the host backend with the victim masked.
+//!
+//! What the survivors' GPUs do with the dead rank's memory: the CUDA driver documents freeing an exported
+//! allocation before the importers close their mappings as undefined; in practice the importer's mapping
+//! holds a reference to the physical pages (imported mappings pin the exporter's memory until they are
+//! closed or the importer exits), so stores into a dead peer's buffer land in orphaned pages. In the
+//! default mode survivors stop touching the victim's memory once their kernels time out (the buffer is
+//! poisoned; its symmetric memory and mappings are kept, never freed under a peer); in shrink mode the
+//! low-latency kernels keep writing flags and rows to the masked rank (receivers drop them) — the GPU run
+//! tells whether that stays harmless.
+//!
+//! Each surviving rank prints one line `CHAOS_RESULT {json}` and exits 0 when its checks passed.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{Args, ValueEnum};
+use moelink::{
+    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, DispatchArgs, Error, Group, LlCombineArgs, LlDispatchArgs, LlQuant, Payload,
+    Result, Routing, TcpGroup, Tensor, ThreadGroup,
+};
+use serde::Serialize;
+
+use crate::rng::Rng;
+use crate::soak::{self, random_bf16, random_weights, route, Family, RouteKind};
+use crate::CliError;
+
+/// Where the victim dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ChaosPhase {
+    /// In the middle of a high-throughput dispatch kernel.
+    HtDispatch,
+    /// In the middle of a high-throughput combine kernel.
+    HtCombine,
+    /// In the middle of a low-latency dispatch kernel.
+    LlDispatch,
+    /// In the middle of a low-latency combine kernel.
+    LlCombine,
+}
+
+impl ChaosPhase {
+    fn is_ll(self) -> bool {
+        matches!(self, ChaosPhase::LlDispatch | ChaosPhase::LlCombine)
+    }
+    fn name(self) -> &'static str {
+        match self {
+            ChaosPhase::HtDispatch => "ht-dispatch",
+            ChaosPhase::HtCombine => "ht-combine",
+            ChaosPhase::LlDispatch => "ll-dispatch",
+            ChaosPhase::LlCombine => "ll-combine",
+        }
+    }
+}
+
+/// Backend of the buffers under test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ChaosBackend {
+    /// CUDA kernels (the real test).
+    Cuda,
+    /// The host backend: exercises the harness without a GPU (a dead peer then shows up as a group error).
+    Host,
+}
+
+/// Options of `moelink chaos`.
+#[derive(Args, Debug, Clone)]
+pub struct ChaosArgs {
+    /// The collective the victim dies in.
+    #[arg(long, value_enum)]
+    pub phase: ChaosPhase,
+    /// The rank that kills itself.
+    #[arg(long, default_value_t = 3)]
+    pub victim: usize,
+    /// Low-latency shrink mode: survivors mask the victim and keep serving.
+    #[arg(long)]
+    pub shrink: bool,
+    /// The buffers' deadline (`timeout_ms`).
+    #[arg(long, default_value_t = 3000)]
+    pub timeout_ms: u64,
+    /// Iterations: the fixed loop length in shrink mode; otherwise the most a survivor runs before it gives
+    /// up waiting for an error.
+    #[arg(long, default_value_t = 120)]
+    pub iterations: usize,
+    /// Iteration in which the victim dies (default: drawn from the seed in [iterations/5, iterations/2]).
+    #[arg(long)]
+    pub kill_at: Option<usize>,
+    /// Port of the survivors' new rendezvous (default: MASTER_PORT + 2).
+    #[arg(long)]
+    pub recover_port: Option<u16>,
+    /// Rounds run on the rebuilt buffer (each checked against the host backend).
+    #[arg(long, default_value_t = 3)]
+    pub verify_rounds: usize,
+    /// Wall-clock limit of a survivor's loop, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub limit_s: f64,
+    /// Seed of the inputs and of the kill iteration.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Backend: cuda (default) or host (harness check without a GPU; no shrink mode).
+    #[arg(long, value_enum, default_value_t = ChaosBackend::Cuda)]
+    pub backend: ChaosBackend,
+}
+
+/// Problem size of the loop (small: the point is the failure, not the bandwidth).
+#[derive(Clone, Copy, Debug, Serialize)]
+struct Shape {
+    ranks: usize,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+}
+
+impl Shape {
+    fn new(ranks: usize, ll: bool) -> Shape {
+        Shape { ranks, tokens: if ll { 16 } else { 64 }, hidden: 2048, topk: 8, experts: ranks * 8 }
+    }
+    fn rows(&self) -> usize {
+        self.ranks * self.tokens
+    }
+}
+
+/// One rank's inputs for input set `set` (0 or 1: iterations alternate, so a stale output never passes).
+struct Inputs {
+    x: Vec<bf16>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+}
+
+fn inputs(sh: &Shape, seed: u64, rank: usize, set: usize) -> Inputs {
+    let mut rng = Rng::new(seed ^ 0xc4a0_5000 ^ ((rank as u64) << 20) ^ ((set as u64) << 40));
+    let kind = if set == 0 { RouteKind::Uniform } else { RouteKind::Holes };
+    Inputs {
+        idx: route(&mut rng, kind, sh.tokens, sh.topk, sh.experts, sh.ranks),
+        x: random_bf16(&mut rng, sh.tokens * sh.hidden),
+        w: random_weights(&mut rng, sh.tokens * sh.topk),
+    }
+}
+
+/// What one iteration produced on one rank (compared between backends).
+#[derive(Clone, Debug, PartialEq)]
+struct Out {
+    /// HT: received rows; LL: per-expert counts then the valid rows.
+    recv: Vec<u8>,
+    combined: Vec<u8>,
+}
+
+/// Tensors of one input set on a buffer's location.
+struct Loaded {
+    x: Tensor,
+    idx: Tensor,
+    w: Tensor,
+}
+
+fn load(buf: &Buffer, sh: &Shape, inp: &Inputs) -> Result<Loaded> {
+    Ok(Loaded {
+        x: buf.upload(&Tensor::from_vec(inp.x.clone(), &[sh.tokens, sh.hidden])?)?,
+        idx: buf.upload(&Tensor::from_vec(inp.idx.clone(), &[sh.tokens, sh.topk])?)?,
+        w: buf.upload(&Tensor::from_vec(inp.w.clone(), &[sh.tokens, sh.topk])?)?,
+    })
+}
+
+/// Where an iteration stops to let the victim die: right after the named kernel was enqueued.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    None,
+    BeforeDispatch,
+    BeforeCombine,
+}
+
+/// One iteration (HT: layout → dispatch → identity combine; LL: dispatch → identity combine). With a stop
+/// point, the buffer is switched to `stream` (asynchronous) just before that call and the function returns
+/// `Ok(None)` right after enqueuing it.
+fn iteration(buf: &mut Buffer, sh: &Shape, ll: bool, inp: &Loaded, stop: Stop, stream: Option<u64>) -> Result<Option<Out>> {
+    let go_async = |buf: &mut Buffer| {
+        // SAFETY: `stream` is a live stream of this buffer's device (created by the caller, never destroyed:
+        // the process dies right after), and every tensor the enqueued kernel touches stays alive.
+        unsafe { buf.set_stream(stream) };
+    };
+    if ll {
+        let args = LlDispatchArgs {
+            x: inp.x.view(),
+            topk_idx: inp.idx.view(),
+            topk_weights: None,
+            num_max_dispatch_tokens_per_rank: sh.tokens,
+            num_experts: sh.experts,
+            quant: LlQuant::Bf16,
+            return_recv_hook: false,
+        };
+        if stop == Stop::BeforeDispatch {
+            go_async(buf);
+            let d = buf.low_latency_dispatch(&args)?;
+            std::mem::forget(d); // its memory stays valid for the in-flight kernel
+            return Ok(None);
+        }
+        let d = buf.low_latency_dispatch(&args)?;
+        let cargs = LlCombineArgs {
+            x: d.recv_x.view(),
+            topk_idx: inp.idx.view(),
+            topk_weights: inp.w.view(),
+            handle: &d.handle,
+            zero_copy: false,
+            return_recv_hook: false,
+        };
+        if stop == Stop::BeforeCombine {
+            go_async(buf);
+            let c = buf.low_latency_combine(&cargs)?;
+            std::mem::forget(c);
+            std::mem::forget(d);
+            return Ok(None);
+        }
+        let combined = buf.low_latency_combine(&cargs)?;
+        let count: Vec<i32> = d.recv_count.to_vec()?;
+        let bytes = d.recv_x.to_host_bytes()?;
+        let (rows, rb) = (sh.rows(), 2 * sh.hidden);
+        let mut recv: Vec<u8> = count.iter().flat_map(|c| c.to_le_bytes()).collect();
+        for (e, &n) in count.iter().enumerate() {
+            let n = (n.max(0) as usize).min(rows);
+            recv.extend_from_slice(&bytes[e * rows * rb..(e * rows + n) * rb]);
+        }
+        return Ok(Some(Out { recv, combined: combined.to_host_bytes()? }));
+    }
+    let layout = buf.get_dispatch_layout(inp.idx.view(), sh.experts)?;
+    let args = DispatchArgs {
+        x: Payload::Bf16(inp.x.view()),
+        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(inp.idx.view()), topk_weights: Some(inp.w.view()) },
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        config: None,
+    };
+    if stop == Stop::BeforeDispatch {
+        go_async(buf);
+        let d = buf.dispatch(&args)?;
+        std::mem::forget(d);
+        std::mem::forget(layout);
+        return Ok(None);
+    }
+    let d = buf.dispatch(&args)?;
+    let cargs = CombineArgs {
+        x: d.recv_x.view(),
+        handle: &d.handle,
+        topk_weights: d.recv_topk_weights.as_ref().map(|t| t.view()),
+        bias: [None, None],
+        config: None,
+    };
+    if stop == Stop::BeforeCombine {
+        go_async(buf);
+        let c = buf.combine(&cargs)?;
+        std::mem::forget(c);
+        std::mem::forget(d);
+        std::mem::forget(layout);
+        return Ok(None);
+    }
+    let c = buf.combine(&cargs)?;
+    Ok(Some(Out { recv: d.recv_x.to_host_bytes()?, combined: c.combined_x.to_host_bytes()? }))
+}
+
+/// The host backend's outputs for rank `me`, both input sets, simulating every rank in threads of this
+/// process (`masked`: that rank is masked on every rank, shrink semantics).
+fn reference(sh: &Shape, ll: bool, seed: u64, me: usize, masked: Option<usize>) -> Result<[Out; 2]> {
+    let groups = ThreadGroup::with_timeout(sh.ranks, Duration::from_secs(60));
+    let results: Vec<Result<[Out; 2]>> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || -> Result<[Out; 2]> {
+                    let r = g.rank();
+                    let opts = BufferOptions { backend: BackendKind::Host, enable_shrink: masked.is_some(), ..Default::default() };
+                    let mut buf = Buffer::new(Arc::new(g), opts)?;
+                    if let Some(m) = masked {
+                        buf.low_latency_update_mask_buffer(m, true)?;
+                    }
+                    let mut outs = Vec::new();
+                    for set in 0..2 {
+                        let l = load(&buf, sh, &inputs(sh, seed, r, set))?;
+                        outs.push(iteration(&mut buf, sh, ll, &l, Stop::None, None)?.expect("no stop"));
+                    }
+                    let b = outs.pop().expect("two");
+                    let a = outs.pop().expect("two");
+                    Ok([a, b])
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Unavailable("reference thread panicked".into())))).collect()
+    });
+    results.into_iter().nth(me).unwrap_or_else(|| Err(Error::Unavailable("no reference".into())))
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The kill iteration every rank agrees on.
+fn kill_iteration(a: &ChaosArgs) -> usize {
+    if let Some(k) = a.kill_at {
+        return k;
+    }
+    let lo = (a.iterations / 5).max(2);
+    let hi = (a.iterations / 2).max(lo + 1);
+    lo + (Rng::new(a.seed ^ 0x4b11).next_u64() as usize) % (hi - lo)
+}
+
+/// The victim's end: a short spin so the kernel is in flight, a line saying when, then SIGKILL.
+fn die(rank: usize, phase: ChaosPhase, iteration: usize, seed: u64) -> ! {
+    let spin_us = (Rng::new(seed ^ std::process::id() as u64).next_u64() % 30) as u128;
+    let t0 = Instant::now();
+    while t0.elapsed().as_micros() < spin_us {
+        std::hint::spin_loop();
+    }
+    let line = serde_json::json!({
+        "rank": rank, "phase": phase.name(), "iteration": iteration, "spin_us": spin_us as u64,
+        "kill_unix_ms": unix_ms(), "pid": std::process::id(),
+    });
+    println!("CHAOS_KILL {line}");
+    let _ = std::io::stdout().flush();
+    // SAFETY: kill(2) on our own pid with a valid signal number; it does not return for SIGKILL.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    eprintln!("rank {rank}: still alive after SIGKILL");
+    std::process::exit(3)
+}
+
+/// What a survivor reports.
+#[derive(Debug, Default, Serialize)]
+struct Report {
+    rank: usize,
+    world: usize,
+    victim: usize,
+    phase: String,
+    shrink: bool,
+    backend: String,
+    timeout_ms: u64,
+    kill_at: usize,
+    /// Iterations completed (and checked) before the failure, or in total (shrink).
+    iterations_done: usize,
+    /// Iterations whose outputs differed from the host backend's.
+    mismatching_iterations: usize,
+    mismatches: Vec<String>,
+    /// The error that ended the loop.
+    error: Option<String>,
+    error_kind: Option<String>,
+    /// The peer the timeout named (`None`: not a timeout, or no peer).
+    peer_named: Option<usize>,
+    names_victim: bool,
+    /// Root cause after following the survivors' "timed out waiting for" chain.
+    root_cause: Option<usize>,
+    error_unix_ms: Option<u64>,
+    /// Wall time of the call that failed, from its start to its error.
+    failing_call_ms: Option<f64>,
+    within_deadline: bool,
+    /// The next call's error (must be `Poisoned`).
+    after_error: Option<String>,
+    poisoned_afterwards: bool,
+    drop_ms: Option<f64>,
+    /// Rebuild over the survivors.
+    new_rank: Option<usize>,
+    new_world: Option<usize>,
+    rebuild_ms: Option<f64>,
+    recovered: bool,
+    recovery_detail: Option<String>,
+    /// Shrink mode.
+    mask: Option<Vec<bool>>,
+    mask_ok: bool,
+    slowest_call_ms: f64,
+    verdict: String,
+    reasons: Vec<String>,
+}
+
+fn kind_of(e: &Error) -> &'static str {
+    match e {
+        Error::Timeout { .. } => "timeout",
+        Error::Group { .. } => "group",
+        Error::Poisoned { .. } => "poisoned",
+        Error::Cuda(_) => "cuda",
+        Error::InvalidArgument { .. } => "invalid-argument",
+        Error::RankMismatch { .. } => "rank-mismatch",
+        Error::BufferTooSmall { .. } => "buffer-too-small",
+        Error::Unavailable(_) => "unavailable",
+        Error::Io(_) => "io",
+    }
+}
+
+/// Runs `moelink chaos` on this rank.
+pub fn run(a: &ChaosArgs) -> std::result::Result<(), CliError> {
+    if a.shrink && !a.phase.is_ll() {
+        return Err(CliError("--shrink applies to the low-latency phases (ll-dispatch, ll-combine)".into()));
+    }
+    if a.shrink && a.backend == ChaosBackend::Host {
+        return Err(CliError("--shrink needs the CUDA backend (the host backend needs every rank in every exchange)".into()));
+    }
+    let cfg = moelink::group::TcpConfig::from_env().map_err(|e| CliError(format!("cannot read the launch environment: {e}")))?;
+    let (me, world) = (cfg.rank, cfg.size);
+    if world < 2 || a.victim >= world {
+        return Err(CliError(format!("--victim {} needs a group of at least 2 ranks containing it (WORLD_SIZE {world})", a.victim)));
+    }
+    let g = TcpGroup::connect(&cfg.addr, cfg.port, me, world, cfg.local_rank, cfg.timeout)
+        .map_err(|e| CliError(format!("cannot join the process group: {e}")))?;
+    let kill_at = kill_iteration(a);
+    let mut rep = Report {
+        rank: me,
+        world,
+        victim: a.victim,
+        phase: a.phase.name().into(),
+        shrink: a.shrink,
+        backend: format!("{:?}", a.backend).to_lowercase(),
+        timeout_ms: a.timeout_ms,
+        kill_at,
+        ..Default::default()
+    };
+    let outcome = survive(a, g, &cfg, kill_at, &mut rep);
+    if let Err(e) = outcome {
+        rep.reasons.push(format!("harness error: {e}"));
+    }
+    rep.verdict = if rep.reasons.is_empty() { "pass".into() } else { "fail".into() };
+    println!("CHAOS_RESULT {}", serde_json::to_string(&rep).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")));
+    let _ = std::io::stdout().flush();
+    if rep.reasons.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError(format!("rank {me}: {}", rep.reasons.join("; "))))
+    }
+}
+
+/// Everything after the rendezvous. Returns only on survivors (the victim dies inside).
+fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at: usize, rep: &mut Report) -> Result<()> {
+    let (me, world, ll) = (g.rank(), g.size(), a.phase.is_ll());
+    let sh = Shape::new(world, ll);
+    let backend = match a.backend {
+        ChaosBackend::Cuda => BackendKind::Cuda,
+        ChaosBackend::Host => BackendKind::Host,
+    };
+    let opts = BufferOptions {
+        backend,
+        num_nvl_bytes: Buffer::ht_bytes_needed(sh.tokens, sh.hidden, sh.topk, world, false),
+        num_rdma_bytes: Buffer::ll_bytes_needed(sh.tokens, sh.hidden, world, sh.experts),
+        timeout_ms: a.timeout_ms,
+        enable_shrink: a.shrink,
+        ..Default::default()
+    };
+    let group: Arc<dyn Group> = Arc::new(g);
+    let mut buf = Buffer::new(group.clone(), opts)?;
+    let sets = [load(&buf, &sh, &inputs(&sh, a.seed, me, 0))?, load(&buf, &sh, &inputs(&sh, a.seed, me, 1))?];
+    let healthy = reference(&sh, ll, a.seed, me, None)?;
+    let masked = if a.shrink { Some(reference(&sh, ll, a.seed, me, Some(a.victim))?) } else { None };
+    // The victim's stream for its last, asynchronous call (a CUDA stream of its device; none on the host).
+    let stream = match (backend, buf.location()) {
+        (BackendKind::Cuda, moelink::Location::Cuda(ordinal)) => {
+            let dev = moelink_cuda::Device::new(ordinal)?;
+            Some(moelink_cuda::Stream::new(&dev)?)
+        }
+        _ => None,
+    };
+    // Warm-up (kernels compiled, handle pools filled) and a group barrier, so the loop starts together.
+    for (i, set) in sets.iter().enumerate() {
+        let out = iteration(&mut buf, &sh, ll, set, Stop::None, None)?.expect("no stop");
+        if out != healthy[i] {
+            rep.mismatching_iterations += 1;
+            rep.mismatches.push(format!("warm-up {i} differs from the host backend"));
+        }
+    }
+    group.barrier()?;
+
+    let start = Instant::now();
+    let limit = Duration::from_secs_f64(a.limit_s);
+    let stop_at =
+        if a.phase == ChaosPhase::HtDispatch || a.phase == ChaosPhase::LlDispatch { Stop::BeforeDispatch } else { Stop::BeforeCombine };
+    let mut failure: Option<(Error, f64)> = None;
+    for it in 0..a.iterations {
+        if !a.shrink && start.elapsed() > limit {
+            break;
+        }
+        let set = &sets[it % 2];
+        if me == a.victim && it == kill_at {
+            let raw = stream.as_ref().map(|s| s.raw_handle());
+            let _ = iteration(&mut buf, &sh, ll, set, stop_at, raw);
+            die(me, a.phase, it, a.seed);
+        }
+        let t0 = Instant::now();
+        let r = iteration(&mut buf, &sh, ll, set, Stop::None, None);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        rep.slowest_call_ms = rep.slowest_call_ms.max(ms);
+        match r {
+            Ok(Some(out)) => {
+                rep.iterations_done = it + 1;
+                // The kill iteration itself may or may not include the victim's rows: not checked.
+                let want = match &masked {
+                    Some(m) if it > kill_at => &m[it % 2],
+                    _ => &healthy[it % 2],
+                };
+                if it != kill_at && out != *want {
+                    rep.mismatching_iterations += 1;
+                    if rep.mismatches.len() < 5 {
+                        let part = if out.recv != want.recv { "received rows" } else { "combined rows" };
+                        rep.mismatches.push(format!("iteration {it}: {part} differ from the host backend"));
+                    }
+                }
+            }
+            Ok(None) => unreachable!("no stop point on survivors"),
+            Err(e) => {
+                failure = Some((e, ms));
+                break;
+            }
+        }
+    }
+    if rep.mismatching_iterations > 0 {
+        rep.reasons.push(format!("{} iterations differ from the host backend", rep.mismatching_iterations));
+    }
+    if a.shrink {
+        return judge_shrink(&mut buf, a, failure, rep);
+    }
+    let Some((err, ms)) = failure else {
+        rep.reasons.push(format!("no error within {} iterations / {:.0} s although rank {} died", a.iterations, a.limit_s, a.victim));
+        return Ok(());
+    };
+    judge_error(&err, ms, a, rep);
+    // The buffer must refuse further work.
+    let after = iteration(&mut buf, &sh, ll, &sets[0], Stop::None, None);
+    match after {
+        Err(e @ Error::Poisoned { .. }) => {
+            rep.poisoned_afterwards = buf.poisoned().is_some();
+            rep.after_error = Some(e.to_string());
+        }
+        Err(e) => rep.after_error = Some(e.to_string()),
+        Ok(_) => rep.after_error = Some("the next call succeeded".into()),
+    }
+    if !rep.poisoned_afterwards {
+        rep.reasons.push(format!("the buffer did not refuse work after the error: {}", rep.after_error.clone().unwrap_or_default()));
+    }
+    let t0 = Instant::now();
+    drop(sets);
+    drop(buf);
+    drop(group);
+    let drop_ms = t0.elapsed().as_secs_f64() * 1e3;
+    rep.drop_ms = Some(drop_ms);
+    if drop_ms > (a.timeout_ms + 6000) as f64 {
+        rep.reasons.push(format!("dropping the poisoned buffer took {drop_ms:.0} ms"));
+    }
+    rebuild(a, cfg, backend, rep)
+}
+
+fn judge_error(err: &Error, ms: f64, a: &ChaosArgs, rep: &mut Report) {
+    rep.error = Some(err.to_string());
+    rep.error_kind = Some(kind_of(err).into());
+    rep.error_unix_ms = Some(unix_ms());
+    rep.failing_call_ms = Some(ms);
+    let slack_ms = 2000.0;
+    rep.within_deadline = ms <= a.timeout_ms as f64 + slack_ms;
+    match err {
+        Error::Timeout { peer, .. } => {
+            rep.peer_named = (*peer != usize::MAX).then_some(*peer);
+            rep.names_victim = *peer == a.victim;
+        }
+        // The host backend: a dead peer closes its socket; the group error names it in words.
+        Error::Group { reason, .. } if a.backend == ChaosBackend::Host => {
+            rep.names_victim = reason.contains(&format!("rank {}", a.victim));
+        }
+        _ => {}
+    }
+    if a.backend == ChaosBackend::Cuda && !matches!(err, Error::Timeout { .. }) {
+        rep.reasons.push(format!("expected a timeout, got: {err}"));
+    }
+    if !rep.within_deadline {
+        rep.reasons.push(format!("the failing call took {ms:.0} ms for a {} ms deadline", a.timeout_ms));
+    }
+}
+
+/// Shrink mode: no call may fail; the victim (and only it) ends up masked.
+fn judge_shrink(buf: &mut Buffer, a: &ChaosArgs, failure: Option<(Error, f64)>, rep: &mut Report) -> Result<()> {
+    if let Some((e, ms)) = failure {
+        rep.error = Some(e.to_string());
+        rep.error_kind = Some(kind_of(&e).into());
+        rep.failing_call_ms = Some(ms);
+        rep.reasons.push(format!("a call failed in shrink mode: {e}"));
+        return Ok(());
+    }
+    let mask = buf.low_latency_query_mask_buffer()?;
+    rep.mask_ok = mask.iter().enumerate().all(|(r, &m)| m == (r == a.victim));
+    rep.mask = Some(mask);
+    if !rep.mask_ok {
+        rep.reasons.push(format!("mask {:?}: expected exactly rank {} masked", rep.mask, a.victim));
+    }
+    rep.within_deadline = rep.slowest_call_ms <= 2.0 * a.timeout_ms as f64 + 2000.0;
+    if !rep.within_deadline {
+        rep.reasons.push(format!("the slowest call took {:.0} ms for a {} ms deadline", rep.slowest_call_ms, a.timeout_ms));
+    }
+    Ok(())
+}
+
+/// The survivors' new group (ranks in order of their old ranks) and buffer, checked against a host twin.
+fn rebuild(a: &ChaosArgs, cfg: &moelink::group::TcpConfig, backend: BackendKind, rep: &mut Report) -> Result<()> {
+    let survivors: Vec<usize> = (0..rep.world).filter(|&r| r != a.victim).collect();
+    let new_rank = survivors.iter().position(|&r| r == rep.rank).expect("a survivor");
+    let new_world = survivors.len();
+    rep.new_rank = Some(new_rank);
+    rep.new_world = Some(new_world);
+    let port = a.recover_port.unwrap_or_else(|| cfg.port.wrapping_add(1));
+    let t0 = Instant::now();
+    let g = TcpGroup::connect(&cfg.addr, port, new_rank, new_world, cfg.local_rank, Duration::from_secs(60))?;
+    // Trace timeouts back to their root: each survivor tells which old rank its timeout named.
+    let named = g.all_gather(&(rep.peer_named.map_or(u64::MAX, |p| p as u64)).to_le_bytes())?;
+    let named: Vec<Option<usize>> = named
+        .iter()
+        .map(|b| b.get(..8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes"))).filter(|&v| v != u64::MAX).map(|v| v as usize))
+        .collect();
+    let mut at = rep.peer_named;
+    for _ in 0..survivors.len() {
+        match at {
+            Some(p) if p != a.victim => at = survivors.iter().position(|&r| r == p).and_then(|i| named[i]),
+            _ => break,
+        }
+    }
+    rep.root_cause = at;
+    if rep.error_kind.as_deref() == Some("timeout") && at != Some(a.victim) {
+        rep.reasons.push(format!("the timeout chain does not lead to rank {} (named {:?}, root {:?})", a.victim, rep.peer_named, at));
+    }
+    let (nvl, rdma) = soak::verify_buffer_bytes(new_world);
+    let opts = BufferOptions { backend, num_nvl_bytes: nvl, num_rdma_bytes: rdma, timeout_ms: a.timeout_ms, ..Default::default() };
+    let group: Arc<dyn Group> = Arc::new(g);
+    let mut prim = Buffer::new(group.clone(), opts.clone())?;
+    let mut twin = Buffer::new(group, BufferOptions { backend: BackendKind::Host, ..opts })?;
+    rep.rebuild_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+    let fam = if a.phase.is_ll() { Family::Ll } else { Family::Ht };
+    match soak::verify_rounds(&mut prim, &mut twin, &[fam], a.verify_rounds, a.seed ^ 0x5eb0) {
+        Ok(d) if d.is_empty() => {
+            rep.recovered = true;
+            rep.recovery_detail =
+                Some(format!("{} {} rounds over {new_world} ranks matched the host backend", a.verify_rounds, fam.name()));
+        }
+        Ok(d) => {
+            rep.recovery_detail = Some(d.join("; "));
+            rep.reasons.push("the rebuilt buffer's results differ from the host backend".into());
+        }
+        Err(e) => {
+            rep.recovery_detail = Some(e.to_string());
+            rep.reasons.push(format!("the rebuilt buffer failed: {e}"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kill_iteration_is_agreed_and_in_range() {
+        let a = ChaosArgs {
+            phase: ChaosPhase::LlDispatch,
+            victim: 3,
+            shrink: false,
+            timeout_ms: 3000,
+            iterations: 120,
+            kill_at: None,
+            recover_port: None,
+            verify_rounds: 3,
+            limit_s: 60.0,
+            seed: 7,
+            backend: ChaosBackend::Host,
+        };
+        let k = kill_iteration(&a);
+        assert_eq!(k, kill_iteration(&a));
+        assert!((24..60).contains(&k), "{k}");
+        assert_eq!(kill_iteration(&ChaosArgs { kill_at: Some(5), ..a }), 5);
+    }
+
+    #[test]
+    fn references_differ_between_sets_and_with_a_mask() {
+        for ll in [false, true] {
+            let sh = Shape::new(4, ll);
+            let h = reference(&sh, ll, 1, 2, None).unwrap();
+            assert_ne!(h[0], h[1], "the two input sets must give different outputs");
+            if ll {
+                let m = reference(&sh, ll, 1, 2, Some(3)).unwrap();
+                assert_ne!(h[0], m[0], "masking rank 3 must change rank 2's results");
+            }
+        }
+    }
+}

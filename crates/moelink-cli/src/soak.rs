@@ -1,0 +1,1818 @@
+//! `moelink soak`: many small randomized rounds of every kernel family, each checked bit for bit against the
+//! host backend on the same inputs, with device and host memory sampled along the way.
+//!
+//! Thread mode, one rank per GPU. Every rank holds two buffers over the same group: the *primary* (CUDA, or
+//! the host backend with `--backend host`) and its *twin* (always the host backend, the oracle). Every round
+//! runs the same operation on both with the same inputs and compares: dispatch outputs byte for byte (the
+//! valid rows; in no-sync mode the tail of `-1` ids and zero weights too), combine outputs bit for bit (the
+//! summation order is part of the contract).
+//!
+//! Families (`--families`), one round of each per outer round:
+//! - `ht`: layout → fresh dispatch (BF16 or FP8, with or without top-k, CPU-sync or no-sync) → combine
+//!   (identity experts, optional weights and biases); with probability `--graph-fraction` a CUDA graph of
+//!   layout → no-sync dispatch → combine, captured once and replayed with new inputs;
+//! - `ht-cached`: a fresh dispatch, then a cached dispatch of a new payload with its handle, then combine;
+//! - `ll`: low-latency dispatch (BF16 / FP8 / FP8 round-scale / UE8M0) + per-expert combine; also CUDA graph
+//!   rounds (dispatch + combine captured together, replayed with new inputs);
+//! - `ll-prereduced`: top-k weights given at dispatch, pre-reduced combine;
+//! - `ll-hook`: both calls with `return_recv_hook`, the receive phases run through the hooks.
+//!
+//! Randomized per round: tokens per rank `0..=T_max` (an empty rank now and then), the hidden size (from
+//! `--hidden`), the expert count, routing (uniform, skewed, holes of `-1`, a rank nobody routes to), FP8 on or
+//! off, alignment, SM count, biases. Low-latency shapes (hidden, top-k, experts, `T_max`) change every
+//! `--ll-block` rounds, with `clean_low_latency_buffer` between (DeepEP's rule; the layout of the LL region
+//! depends on them). All ranks derive the round's plan from the same seed; inputs are per rank.
+//!
+//! Memory: every `--mem-every` rounds each rank reads its GPU's used memory (`cuMemGetInfo`) and rank 0 the
+//! process's resident set (`VmRSS`); the JSON reports the first sample, the sample after warm-up (kernels
+//! compiled, pools filled), the last and the largest. `--time-budget-s` stops early (at an agreed round) with
+//! honest counts. Exit status 1 on any mismatch or error.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use moelink::{
+    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DType, DispatchArgs, Fp8E4M3, Group, LlCombineArgs, LlCombineOutputs,
+    LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant, Payload, Result, Routing, Tensor, TensorRef, ThreadGroup,
+};
+use serde::Serialize;
+
+use crate::rng::Rng;
+use crate::{sys, CliError};
+
+/// Kernel families the soak exercises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// High-throughput dispatch + combine (fresh routing; no-sync and CUDA-graph rounds included).
+    Ht,
+    /// High-throughput cached dispatch (re-using a handle), then combine.
+    HtCached,
+    /// Low-latency dispatch + per-expert combine (CUDA-graph rounds included).
+    Ll,
+    /// Low-latency with top-k weights at dispatch: pre-reduced combine.
+    LlPrereduced,
+    /// Low-latency with receive hooks on both calls.
+    LlHook,
+}
+
+impl Family {
+    /// Name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ht => "ht",
+            Family::HtCached => "ht-cached",
+            Family::Ll => "ll",
+            Family::LlPrereduced => "ll-prereduced",
+            Family::LlHook => "ll-hook",
+        }
+    }
+    fn is_ll(self) -> bool {
+        matches!(self, Family::Ll | Family::LlPrereduced | Family::LlHook)
+    }
+    fn code(self) -> u64 {
+        self as u64 + 1
+    }
+}
+
+/// Which backend the primary buffer uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SoakBackend {
+    /// CUDA when usable, else the host backend (then host is checked against host).
+    Auto,
+    /// CUDA kernels (fails when unavailable).
+    Cuda,
+    /// The host backend against itself (no GPU needed: checks the harness and the oracle's determinism).
+    Host,
+}
+
+/// Options of `moelink soak`.
+#[derive(Args, Debug, Clone)]
+pub struct SoakArgs {
+    /// Primary backend: auto, cuda or host. The twin is always the host backend.
+    #[arg(long, value_enum, default_value_t = SoakBackend::Auto)]
+    pub backend: SoakBackend,
+    /// Ranks (threads; one GPU each on CUDA). Default: the number of GPUs, or 4 without one.
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Rounds per family.
+    #[arg(long, default_value_t = 10_000)]
+    pub rounds: usize,
+    /// Families, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ht,ht-cached,ll,ll-prereduced,ll-hook")]
+    pub families: Vec<Family>,
+    /// Largest high-throughput token count per rank (each round draws 0..=T_MAX).
+    #[arg(long, default_value_t = 32)]
+    pub t_max: usize,
+    /// Largest low-latency `num_max_dispatch_tokens_per_rank` (each block draws one, each round 0..=it tokens).
+    #[arg(long, default_value_t = 16)]
+    pub ll_t_max: usize,
+    /// Hidden sizes to draw from, comma-separated (multiples of 128; FP8 UE8M0 rounds need multiples of 512).
+    #[arg(long, value_delimiter = ',', default_value = "256,2048,4096,5120,7168")]
+    pub hidden: Vec<usize>,
+    /// Top-k values to draw from, comma-separated (each is a JIT variant: keep the list short).
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    pub topk: Vec<usize>,
+    /// Fraction of `ht` and `ll` rounds run as CUDA-graph rounds (capture + 2 replays; CUDA only).
+    #[arg(long, default_value_t = 0.03)]
+    pub graph_fraction: f64,
+    /// Low-latency rounds per shape block (`clean_low_latency_buffer` between blocks).
+    #[arg(long, default_value_t = 50)]
+    pub ll_block: usize,
+    /// Seed of every plan and input.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Stop after this many seconds (at an agreed round), reporting what ran.
+    #[arg(long)]
+    pub time_budget_s: Option<f64>,
+    /// Sample memory every this many rounds.
+    #[arg(long, default_value_t = 250)]
+    pub mem_every: usize,
+    /// Deadline of every wait inside a collective (the buffers' timeout_ms).
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// Write the JSON summary to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Print progress every this many seconds (0: never).
+    #[arg(long, default_value_t = 15.0)]
+    pub progress_s: f64,
+}
+
+// ================================================================================================ inputs
+
+fn below(rng: &mut Rng, n: usize) -> usize {
+    if n == 0 {
+        0
+    } else {
+        (rng.next_u64() % n as u64) as usize
+    }
+}
+
+fn pick<T: Copy>(rng: &mut Rng, v: &[T]) -> T {
+    v[below(rng, v.len())]
+}
+
+fn chance(rng: &mut Rng, p: f64) -> bool {
+    rng.uniform() < p
+}
+
+/// How tokens pick experts in a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteKind {
+    /// Scores `|randn| + 1`, top-k.
+    Uniform,
+    /// 90% of tokens pick experts `0..k` (the first rank receives nearly everything).
+    Skewed,
+    /// Uniform, then each slot is `-1` with probability 1/4.
+    Holes,
+    /// Uniform over the experts of every rank but this one, which receives nothing.
+    Empty(usize),
+}
+
+impl RouteKind {
+    fn draw(rng: &mut Rng, ranks: usize) -> RouteKind {
+        match below(rng, 8) {
+            0..=2 => RouteKind::Uniform,
+            3 | 4 => RouteKind::Skewed,
+            5 | 6 => RouteKind::Holes,
+            _ => RouteKind::Empty(below(rng, ranks)),
+        }
+    }
+}
+
+/// `topk_idx [t, k]` row-major: distinct experts per token (or `-1`).
+pub fn route(rng: &mut Rng, kind: RouteKind, t: usize, k: usize, experts: usize, ranks: usize) -> Vec<i64> {
+    let el = (experts / ranks).max(1);
+    let mut out = Vec::with_capacity(t * k);
+    let mut scores: Vec<(f64, usize)> = Vec::with_capacity(experts);
+    for _ in 0..t {
+        scores.clear();
+        scores.extend((0..experts).map(|e| (rng.normal().abs() + 1.0, e)));
+        match kind {
+            RouteKind::Skewed if rng.uniform() < 0.9 => scores.iter_mut().filter(|(_, e)| *e < k).for_each(|(s, _)| *s += 100.0),
+            RouteKind::Empty(r) => scores.iter_mut().filter(|(_, e)| *e / el == r).for_each(|(s, _)| *s = -1.0),
+            _ => {}
+        }
+        let by = |a: &(f64, usize), b: &(f64, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        if k < scores.len() {
+            scores.select_nth_unstable_by(k, by);
+        }
+        let best = &mut scores[..k.min(experts)];
+        best.sort_by(by);
+        for &(s, e) in best.iter() {
+            let hole = kind == RouteKind::Holes && below(rng, 4) == 0;
+            out.push(if s < 0.0 || hole { -1 } else { e as i64 });
+        }
+        for _ in experts..k {
+            out.push(-1);
+        }
+    }
+    out
+}
+
+/// `n` bf16 values with exponents in [-7, 7] and random signs/mantissas (never NaN or infinite), four per draw.
+pub fn random_bf16(rng: &mut Rng, n: usize) -> Vec<bf16> {
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        let bits = rng.next_u64();
+        for j in 0..4 {
+            if v.len() == n {
+                break;
+            }
+            let r = (bits >> (16 * j)) as u16;
+            let sign = r & 0x8000;
+            let exp = 120 + (r >> 7 & 0xff) % 15;
+            v.push(bf16::from_bits(sign | (exp << 7) | (r & 0x7f)));
+        }
+    }
+    v
+}
+
+/// `n` FP8 E4M3 bytes, never NaN, eight per draw.
+fn random_fp8(rng: &mut Rng, n: usize) -> Vec<Fp8E4M3> {
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        for b in rng.next_u64().to_le_bytes() {
+            if v.len() < n {
+                v.push(Fp8E4M3(if b & 0x7f == 0x7f { b & 0xfe } else { b }));
+            }
+        }
+    }
+    v
+}
+
+/// Positive weights in (0.01, 1.01).
+pub fn random_weights(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.uniform() as f32 + 0.01).collect()
+}
+
+/// FP8 E4M3 byte → bf16 bits (exact: every finite E4M3 value is a bf16 value).
+fn fp8_to_bf16_table() -> [u16; 256] {
+    let mut t = [0u16; 256];
+    for (b, v) in t.iter_mut().enumerate() {
+        *v = bf16::from_f32(moelink::fp8::e4m3_to_f32(b as u8)).to_bits();
+    }
+    t
+}
+
+/// A seed for (what, round, rank) under the run's seed.
+fn seed_of(seed: u64, what: u64, round: usize, rank: usize) -> u64 {
+    let mut r = Rng::new(seed ^ what.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let a = r.next_u64() ^ (round as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut r = Rng::new(a);
+    r.next_u64() ^ (rank as u64 + 1).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7)
+}
+
+// ================================================================================================ comparing
+
+/// Mismatch descriptions of one round on one rank (empty: the round passed).
+#[derive(Default)]
+struct Diffs(Vec<String>);
+
+impl Diffs {
+    fn bytes(&mut self, what: &str, want: &[u8], got: &[u8]) {
+        if want.len() != got.len() {
+            self.0.push(format!("{what}: {} bytes from the host backend, {} from the primary", want.len(), got.len()));
+        } else if let Some(i) = want.iter().zip(got).position(|(a, b)| a != b) {
+            let n = want.iter().zip(got).filter(|(a, b)| a != b).count();
+            self.0.push(format!("{what}: {n} of {} bytes differ, first at byte {i} ({:#04x} vs {:#04x})", want.len(), want[i], got[i]));
+        }
+    }
+    fn eq<T: PartialEq + std::fmt::Debug>(&mut self, what: &str, want: T, got: T) {
+        if want != got {
+            self.0.push(format!("{what}: host {want:?}, primary {got:?}"));
+        }
+    }
+    fn note(&mut self, s: String) {
+        self.0.push(s);
+    }
+}
+
+fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
+    t.to_host_bytes()
+}
+
+// ================================================================================================ settings
+
+/// The run's settings, shared by every rank.
+#[derive(Clone, Debug, Serialize)]
+pub struct Settings {
+    /// `cuda` or `host`.
+    pub backend: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// Rounds per family asked for.
+    pub rounds: usize,
+    /// Families, in execution order.
+    pub families: Vec<Family>,
+    /// Largest HT tokens per rank.
+    pub t_max: usize,
+    /// Largest LL `num_max_dispatch_tokens_per_rank`.
+    pub ll_t_max: usize,
+    /// Hidden sizes drawn from.
+    pub hidden: Vec<usize>,
+    /// Top-k values drawn from.
+    pub topk: Vec<usize>,
+    /// Fraction of graph rounds in `ht` and `ll`.
+    pub graph_fraction: f64,
+    /// LL rounds per shape block.
+    pub ll_block: usize,
+    /// Seed.
+    pub seed: u64,
+    /// Time budget, seconds.
+    pub time_budget_s: Option<f64>,
+    /// Memory sample period in rounds.
+    pub mem_every: usize,
+    /// Buffers' deadline.
+    pub timeout_ms: u64,
+    /// Bytes of each buffer's HT region.
+    pub num_nvl_bytes: usize,
+    /// Bytes of each buffer's LL region.
+    pub num_rdma_bytes: usize,
+    #[serde(skip)]
+    kind: BackendKind,
+}
+
+impl Settings {
+    fn largest_experts(&self) -> usize {
+        self.ranks * 8
+    }
+}
+
+// ================================================================================================ per-rank state
+
+/// Counters of one family on one rank.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FamilyCount {
+    /// Rounds run.
+    pub rounds: usize,
+    /// Rounds with at least one difference.
+    pub mismatches: usize,
+    /// Graph rounds (each: capture + replays).
+    pub graph_rounds: usize,
+    /// Graph replays checked.
+    pub graph_replays: usize,
+    /// No-sync (worst-case sized) HT dispatches checked outside graphs.
+    pub no_sync_rounds: usize,
+    /// FP8 rounds.
+    pub fp8_rounds: usize,
+    /// Rounds where this rank dispatched no token.
+    pub empty_rank_rounds: usize,
+}
+
+/// One recorded problem.
+#[derive(Clone, Debug, Serialize)]
+pub struct Failure {
+    /// Family.
+    pub family: String,
+    /// Outer round.
+    pub round: usize,
+    /// Rank that saw it.
+    pub rank: usize,
+    /// The round's plan.
+    pub plan: String,
+    /// What differed, or the error.
+    pub what: String,
+}
+
+/// A memory sample: (round, bytes).
+type Sample = (usize, u64);
+
+struct RankState {
+    counts: Vec<FamilyCount>,
+    failures: Vec<Failure>,
+    error: Option<String>,
+    device_mem: Vec<Sample>,
+    host_rss: Vec<Sample>,
+    ll: Option<LlBlock>,
+    lut: [u16; 256],
+}
+
+impl RankState {
+    fn new(families: usize) -> RankState {
+        RankState {
+            counts: vec![FamilyCount::default(); families],
+            failures: Vec::new(),
+            error: None,
+            device_mem: Vec::new(),
+            host_rss: Vec::new(),
+            ll: None,
+            lut: fp8_to_bf16_table(),
+        }
+    }
+}
+
+/// What one rank reports back.
+struct RankReport {
+    counts: Vec<FamilyCount>,
+    failures: Vec<Failure>,
+    error: Option<String>,
+    device_mem: Vec<Sample>,
+    host_rss: Vec<Sample>,
+    rounds_done: usize,
+    stop_reason: Option<String>,
+}
+
+/// Shared by the rank threads.
+struct Shared {
+    abort: AtomicBool,
+    start: Instant,
+    /// Outer rounds finished by rank 0 (progress).
+    done: AtomicUsize,
+    failures: Mutex<usize>,
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Used bytes of one GPU (`total - free`), through the CUDA layer.
+struct DeviceProbe(Option<moelink_cuda::Device>);
+
+impl DeviceProbe {
+    fn used(&self) -> Option<u64> {
+        let (free, total) = self.0.as_ref()?.memory_info().ok()?;
+        Some((total - free) as u64)
+    }
+}
+
+// ================================================================================================ HT
+
+#[derive(Clone, Copy, Debug)]
+struct HtPlan {
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    fp8: bool,
+    with_topk: bool,
+    route: RouteKind,
+    align: usize,
+    num_sms: Option<usize>,
+    no_sync: bool,
+    combine_weights: bool,
+    bias: usize,
+    /// ht-cached: the cached payload's type, and whether combine uses the cached handle and rows.
+    cached_fp8: bool,
+    combine_cached: bool,
+    graph: bool,
+}
+
+impl HtPlan {
+    fn draw(s: &Settings, fam: Family, round: usize, graphs: bool) -> HtPlan {
+        let mut r = Rng::new(seed_of(s.seed, fam.code(), round, usize::MAX));
+        let hidden = pick(&mut r, &s.hidden);
+        let topk = pick(&mut r, &s.topk);
+        let per_rank = pick(&mut r, &[1usize, 2, 4, 8]);
+        let experts = (s.ranks * per_rank).max(topk.div_ceil(s.ranks) * s.ranks);
+        let fp8 = hidden % 128 == 0 && chance(&mut r, 0.4);
+        let graph = graphs && fam == Family::Ht && chance(&mut r, s.graph_fraction);
+        let with_topk = graph || fam == Family::HtCached || chance(&mut r, 0.8);
+        HtPlan {
+            hidden,
+            topk,
+            experts,
+            fp8: fp8 && !graph,
+            with_topk,
+            route: RouteKind::draw(&mut r, s.ranks),
+            align: pick(&mut r, &[1, 1, 1, 4, 128]),
+            num_sms: pick(&mut r, &[None, None, Some(2), Some(8), Some(24), Some(64)]),
+            no_sync: fam == Family::Ht && chance(&mut r, 0.15),
+            combine_weights: chance(&mut r, 0.6),
+            bias: pick(&mut r, &[0, 0, 1, 2]),
+            cached_fp8: hidden % 128 == 0 && chance(&mut r, 0.4),
+            combine_cached: chance(&mut r, 0.5),
+            graph,
+        }
+    }
+}
+
+/// One rank's HT inputs.
+struct HtInputs {
+    t: usize,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+    x: Vec<bf16>,
+    x8: Vec<Fp8E4M3>,
+    scales: Vec<f32>,
+    bias: Vec<Vec<bf16>>,
+}
+
+fn ht_inputs(p: &HtPlan, rng: &mut Rng, t: usize, ranks: usize, fp8: bool) -> HtInputs {
+    let h = p.hidden;
+    HtInputs {
+        t,
+        idx: route(rng, p.route, t, p.topk, p.experts, ranks),
+        w: random_weights(rng, t * p.topk),
+        x: if fp8 { Vec::new() } else { random_bf16(rng, t * h) },
+        x8: if fp8 { random_fp8(rng, t * h) } else { Vec::new() },
+        scales: if fp8 { (0..t * (h / 128)).map(|_| 0.25 + rng.uniform() as f32).collect() } else { Vec::new() },
+        bias: (0..p.bias).map(|_| random_bf16(rng, t * h)).collect(),
+    }
+}
+
+/// Host tensors of a payload: (x, scales).
+fn payload_tensors(inp: &HtInputs, h: usize, fp8: bool) -> Result<(Tensor, Option<Tensor>)> {
+    if fp8 {
+        Ok((Tensor::from_vec(inp.x8.clone(), &[inp.t, h])?, Some(Tensor::from_vec(inp.scales.clone(), &[inp.t, h / 128])?)))
+    } else {
+        Ok((Tensor::from_vec(inp.x.clone(), &[inp.t, h])?, None))
+    }
+}
+
+fn payload<'a>(x: &'a Tensor, s: &'a Option<Tensor>) -> Payload<'a> {
+    match s {
+        Some(s) => Payload::Fp8 { x: x.view(), scales: s.view() },
+        None => Payload::Bf16(x.view()),
+    }
+}
+
+/// Combine input from received rows: the rows themselves (BF16) or their FP8 values as bf16 (exact).
+fn expert_rows(buf: &Buffer, recv: &Tensor, lut: &[u16; 256]) -> Result<Option<Tensor>> {
+    if recv.dtype() == DType::BF16 {
+        return Ok(None);
+    }
+    let bytes = recv.to_host_bytes()?;
+    let v: Vec<bf16> = bytes.iter().map(|&b| bf16::from_bits(lut[b as usize])).collect();
+    Ok(Some(buf.upload(&Tensor::from_vec(v, recv.shape())?)?))
+}
+
+struct Pair<'b> {
+    prim: &'b mut Buffer,
+    twin: &'b mut Buffer,
+}
+
+/// Dispatch outputs, downloaded.
+#[derive(Clone)]
+struct SeenDispatch {
+    rows: usize,
+    x: Vec<u8>,
+    scales: Vec<u8>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+}
+
+fn seen_dispatch(r: &moelink::DispatchResult) -> Result<SeenDispatch> {
+    Ok(SeenDispatch {
+        rows: r.recv_x.shape()[0],
+        x: bytes_of(&r.recv_x)?,
+        scales: r.recv_x_scales.as_ref().map(bytes_of).transpose()?.unwrap_or_default(),
+        idx: r.recv_topk_idx.as_ref().map(|t| t.to_vec()).transpose()?.unwrap_or_default(),
+        w: r.recv_topk_weights.as_ref().map(|t| t.to_vec()).transpose()?.unwrap_or_default(),
+    })
+}
+
+/// Compares a primary dispatch (CPU-sync or no-sync with `worst` rows) against the host's (CPU-sync).
+fn compare_dispatch(d: &mut Diffs, what: &str, host: &SeenDispatch, prim: &SeenDispatch, worst: usize, k: usize) {
+    let n = host.rows;
+    if worst == 0 {
+        d.eq(&format!("{what} rows"), n, prim.rows);
+    } else if prim.rows != worst || n > worst {
+        d.note(format!("{what}: {} rows from the primary, {worst} expected ({n} received)", prim.rows));
+        return;
+    }
+    if prim.rows < n {
+        d.note(format!("{what}: {} rows from the primary, {n} from the host", prim.rows));
+        return;
+    }
+    let row = host.x.len().checked_div(n).unwrap_or(0);
+    d.bytes(&format!("{what} recv_x"), &host.x, &prim.x[..(n * row).min(prim.x.len())]);
+    let srow = host.scales.len().checked_div(n).unwrap_or(0);
+    d.bytes(&format!("{what} recv_x_scales"), &host.scales, &prim.scales[..(n * srow).min(prim.scales.len())]);
+    if k > 0 {
+        d.eq(&format!("{what} recv_topk_idx"), &host.idx[..], &prim.idx[..(n * k).min(prim.idx.len())]);
+        let hw: Vec<u32> = host.w.iter().map(|v| v.to_bits()).collect();
+        let pw: Vec<u32> = prim.w[..(n * k).min(prim.w.len())].iter().map(|v| v.to_bits()).collect();
+        d.eq(&format!("{what} recv_topk_weights"), hw, pw);
+        if worst > 0 {
+            if prim.idx[n * k..].iter().any(|&e| e != -1) {
+                d.note(format!("{what}: no-sync tail rows carry top-k ids other than -1"));
+            }
+            if prim.w[n * k..].iter().any(|&w| w.to_bits() != 0) {
+                d.note(format!("{what}: no-sync tail rows carry nonzero weights"));
+            }
+        }
+    }
+}
+
+fn layout_diffs(d: &mut Diffs, h: &moelink::DispatchLayout, p: &moelink::DispatchLayout) -> Result<()> {
+    d.bytes("num_tokens_per_rank", &bytes_of(&h.num_tokens_per_rank)?, &bytes_of(&p.num_tokens_per_rank)?);
+    d.bytes("num_tokens_per_expert", &bytes_of(&h.num_tokens_per_expert)?, &bytes_of(&p.num_tokens_per_expert)?);
+    d.bytes("is_token_in_rank", &bytes_of(&h.is_token_in_rank)?, &bytes_of(&p.is_token_in_rank)?);
+    Ok(())
+}
+
+/// One `ht` / `ht-cached` round (not a graph round).
+fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Option<&HtInputs>, lut: &[u16; 256]) -> Result<Diffs> {
+    let mut d = Diffs::default();
+    let (t, h, k, e) = (inp.t, p.hidden, p.topk, p.experts);
+    let idx_h = Tensor::from_vec(inp.idx.clone(), &[t, k])?;
+    let idx_p = b.prim.upload(&idx_h)?;
+    let w_h = Tensor::from_vec(inp.w.clone(), &[t, k])?;
+    let w_p = b.prim.upload(&w_h)?;
+    let lay_h = b.twin.get_dispatch_layout(idx_h.view(), e)?;
+    let lay_p = b.prim.get_dispatch_layout(idx_p.view(), e)?;
+    layout_diffs(&mut d, &lay_h, &lay_p)?;
+
+    let (x_h, sc_h) = payload_tensors(inp, h, p.fp8)?;
+    let x_p = b.prim.upload(&x_h)?;
+    let sc_p = sc_h.as_ref().map(|t| b.prim.upload(t)).transpose()?;
+    let worst = if p.no_sync { s.ranks * s.t_max.max(1) } else { 0 };
+    let config = p.num_sms.map(Config::with_sms);
+    let fresh = |x, lay, idx, w, worst| fresh_args(p, config, x, lay, idx, w, worst);
+    let res_h = b.twin.dispatch(&fresh(payload(&x_h, &sc_h), &lay_h, idx_h.view(), w_h.view(), 0))?;
+    let res_p = b.prim.dispatch(&fresh(payload(&x_p, &sc_p), &lay_p, idx_p.view(), w_p.view(), worst))?;
+    let k_out = if p.with_topk { k } else { 0 };
+    compare_dispatch(&mut d, "dispatch", &seen_dispatch(&res_h)?, &seen_dispatch(&res_p)?, worst, k_out);
+    if worst == 0 {
+        d.eq("num_recv_tokens_per_expert", &res_h.num_recv_tokens_per_expert, &res_p.num_recv_tokens_per_expert);
+        d.eq("handle.num_recv_tokens", res_h.handle.num_recv_tokens(), res_p.handle.num_recv_tokens());
+    }
+
+    // Cached dispatch of a second payload with the fresh handle.
+    let mut cached = None;
+    if let Some(inp2) = inp2 {
+        let (x2_h, sc2_h) = payload_tensors(inp2, h, p.cached_fp8)?;
+        let x2_p = b.prim.upload(&x2_h)?;
+        let sc2_p = sc2_h.as_ref().map(|t| b.prim.upload(t)).transpose()?;
+        let cached_args =
+            |x, handle| DispatchArgs { x, routing: Routing::Cached(handle), expert_alignment: 1, num_worst_tokens: 0, config };
+        let c_h = b.twin.dispatch(&cached_args(payload(&x2_h, &sc2_h), &res_h.handle))?;
+        let c_p = b.prim.dispatch(&cached_args(payload(&x2_p, &sc2_p), &res_p.handle))?;
+        compare_dispatch(&mut d, "cached dispatch", &seen_dispatch(&c_h)?, &seen_dispatch(&c_p)?, worst, 0);
+        cached = Some((c_h, c_p));
+    }
+
+    // Combine: identity experts over the fresh rows (or the cached ones), optional weights and biases.
+    let (rows_h, rows_p, hd_h, hd_p, weights) = match (&cached, p.combine_cached) {
+        (Some((c_h, c_p)), true) => (&c_h.recv_x, &c_p.recv_x, &c_h.handle, &c_p.handle, false),
+        _ => (&res_h.recv_x, &res_p.recv_x, &res_h.handle, &res_p.handle, p.with_topk && p.combine_weights),
+    };
+    let y_h = expert_rows(b.twin, rows_h, lut)?;
+    let y_p = expert_rows(b.prim, rows_p, lut)?;
+    let bias_h: Vec<Tensor> = inp.bias.iter().map(|v| Tensor::from_vec(v.clone(), &[t, h])).collect::<Result<_>>()?;
+    let bias_p: Vec<Tensor> = bias_h.iter().map(|t| b.prim.upload(t)).collect::<Result<_>>()?;
+    fn bias(v: &[Tensor]) -> [Option<TensorRef<'_>>; 2] {
+        [v.first().map(|t| t.view()), v.get(1).map(|t| t.view())]
+    }
+    let comb_h = b.twin.combine(&CombineArgs {
+        x: y_h.as_ref().unwrap_or(rows_h).view(),
+        handle: hd_h,
+        topk_weights: if weights { res_h.recv_topk_weights.as_ref().map(|t| t.view()) } else { None },
+        bias: bias(&bias_h),
+        config,
+    })?;
+    let comb_p = b.prim.combine(&CombineArgs {
+        x: y_p.as_ref().unwrap_or(rows_p).view(),
+        handle: hd_p,
+        topk_weights: if weights { res_p.recv_topk_weights.as_ref().map(|t| t.view()) } else { None },
+        bias: bias(&bias_p),
+        config,
+    })?;
+    d.bytes("combined_x", &bytes_of(&comb_h.combined_x)?, &bytes_of(&comb_p.combined_x)?);
+    match (&comb_h.combined_topk_weights, &comb_p.combined_topk_weights) {
+        (Some(a), Some(c)) => d.bytes("combined_topk_weights", &bytes_of(a)?, &bytes_of(c)?),
+        (None, None) => {}
+        _ => d.note("combined_topk_weights present on one backend only".into()),
+    }
+    Ok(d)
+}
+
+/// Arguments of a fresh dispatch under plan `p`.
+fn fresh_args<'a>(
+    p: &HtPlan,
+    config: Option<Config>,
+    x: Payload<'a>,
+    lay: &'a moelink::DispatchLayout,
+    idx: TensorRef<'a>,
+    w: TensorRef<'a>,
+    worst: usize,
+) -> DispatchArgs<'a> {
+    let routing = Routing::Fresh { layout: lay.as_ref(), topk_idx: p.with_topk.then_some(idx), topk_weights: p.with_topk.then_some(w) };
+    DispatchArgs { x, routing, expert_alignment: p.align, num_worst_tokens: worst, config }
+}
+
+/// Device tensors of an HT graph round, allocated before the capture.
+struct HtGraph {
+    x: Tensor,
+    idx: Tensor,
+    w: Tensor,
+    per_rank: Tensor,
+    per_expert: Tensor,
+    in_rank: Tensor,
+    recv_x: Tensor,
+    recv_idx: Tensor,
+    recv_w: Tensor,
+    cx: Tensor,
+    cw: Tensor,
+    experts: usize,
+    worst: usize,
+}
+
+impl HtGraph {
+    fn new(buf: &Buffer, t: usize, p: &HtPlan, worst: usize) -> Result<HtGraph> {
+        let (h, k, r) = (p.hidden, p.topk, buf.num_ranks());
+        Ok(HtGraph {
+            x: buf.alloc(DType::BF16, &[t, h])?,
+            idx: buf.alloc(DType::I64, &[t, k])?,
+            w: buf.alloc(DType::F32, &[t, k])?,
+            per_rank: buf.alloc(DType::I32, &[r])?,
+            per_expert: buf.alloc(DType::I32, &[p.experts])?,
+            in_rank: buf.alloc(DType::Bool, &[t, r])?,
+            recv_x: buf.alloc(DType::BF16, &[worst, h])?,
+            recv_idx: buf.alloc(DType::I64, &[worst, k])?,
+            recv_w: buf.alloc(DType::F32, &[worst, k])?,
+            cx: buf.alloc(DType::BF16, &[t, h])?,
+            cw: buf.alloc(DType::F32, &[t, k])?,
+            experts: p.experts,
+            worst,
+        })
+    }
+
+    fn load(&mut self, inp: &HtInputs) -> Result<()> {
+        self.x.write_bytes(bytemuck::cast_slice(&inp.x))?;
+        self.idx.write_bytes(bytemuck::cast_slice(&inp.idx))?;
+        self.w.write_bytes(bytemuck::cast_slice(&inp.w))
+    }
+
+    /// Layout → no-sync dispatch → identity combine with the received weights.
+    fn pipeline(&mut self, buf: &mut Buffer) -> Result<moelink::HtHandle> {
+        buf.get_dispatch_layout_into(
+            self.idx.view(),
+            self.experts,
+            moelink::LayoutOutputs {
+                num_tokens_per_rank: self.per_rank.view_mut(),
+                num_tokens_per_expert: self.per_expert.view_mut(),
+                is_token_in_rank: self.in_rank.view_mut(),
+            },
+        )?;
+        let layout = moelink::LayoutRef {
+            num_tokens_per_rank: self.per_rank.view(),
+            num_tokens_per_expert: self.per_expert.view(),
+            is_token_in_rank: self.in_rank.view(),
+        };
+        let args = DispatchArgs {
+            x: Payload::Bf16(self.x.view()),
+            routing: Routing::Fresh { layout, topk_idx: Some(self.idx.view()), topk_weights: Some(self.w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: self.worst,
+            config: None,
+        };
+        let plan = buf.prepare_dispatch(&args)?;
+        let handle = buf.dispatch_into(
+            plan,
+            &args,
+            moelink::DispatchOutputs {
+                recv_x: self.recv_x.view_mut(),
+                recv_scales: None,
+                recv_topk_idx: Some(self.recv_idx.view_mut()),
+                recv_topk_weights: Some(self.recv_w.view_mut()),
+            },
+        )?;
+        buf.combine_into(
+            &CombineArgs {
+                x: self.recv_x.view(),
+                handle: &handle,
+                topk_weights: Some(self.recv_w.view()),
+                bias: [None, None],
+                config: None,
+            },
+            moelink::CombineOutputs { combined_x: self.cx.view_mut(), combined_topk_weights: Some(self.cw.view_mut()) },
+        )?;
+        Ok(handle)
+    }
+
+    fn compare(&self, d: &mut Diffs, what: &str, host: &HtHostRun) -> Result<()> {
+        d.bytes(&format!("{what} num_tokens_per_rank"), &host.per_rank, &bytes_of(&self.per_rank)?);
+        d.bytes(&format!("{what} num_tokens_per_expert"), &host.per_expert, &bytes_of(&self.per_expert)?);
+        d.bytes(&format!("{what} is_token_in_rank"), &host.in_rank, &bytes_of(&self.in_rank)?);
+        let prim = SeenDispatch {
+            rows: self.worst,
+            x: bytes_of(&self.recv_x)?,
+            scales: Vec::new(),
+            idx: self.recv_idx.to_vec()?,
+            w: self.recv_w.to_vec()?,
+        };
+        compare_dispatch(d, what, &host.dispatch, &prim, self.worst, self.idx.shape()[1]);
+        d.bytes(&format!("{what} combined_x"), &host.cx, &bytes_of(&self.cx)?);
+        d.bytes(&format!("{what} combined_topk_weights"), &host.cw, &bytes_of(&self.cw)?);
+        Ok(())
+    }
+}
+
+/// The host backend's run of a graph round's pipeline (CPU-sync).
+struct HtHostRun {
+    per_rank: Vec<u8>,
+    per_expert: Vec<u8>,
+    in_rank: Vec<u8>,
+    dispatch: SeenDispatch,
+    cx: Vec<u8>,
+    cw: Vec<u8>,
+}
+
+fn ht_host_pipeline(twin: &mut Buffer, p: &HtPlan, inp: &HtInputs) -> Result<HtHostRun> {
+    let (t, h, k) = (inp.t, p.hidden, p.topk);
+    let idx = Tensor::from_vec(inp.idx.clone(), &[t, k])?;
+    let w = Tensor::from_vec(inp.w.clone(), &[t, k])?;
+    let x = Tensor::from_vec(inp.x.clone(), &[t, h])?;
+    let lay = twin.get_dispatch_layout(idx.view(), p.experts)?;
+    let r = twin.dispatch(&DispatchArgs {
+        x: Payload::Bf16(x.view()),
+        routing: Routing::Fresh { layout: lay.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        config: None,
+    })?;
+    let c = twin.combine(&CombineArgs {
+        x: r.recv_x.view(),
+        handle: &r.handle,
+        topk_weights: r.recv_topk_weights.as_ref().map(|t| t.view()),
+        bias: [None, None],
+        config: None,
+    })?;
+    Ok(HtHostRun {
+        per_rank: bytes_of(&lay.num_tokens_per_rank)?,
+        per_expert: bytes_of(&lay.num_tokens_per_expert)?,
+        in_rank: bytes_of(&lay.is_token_in_rank)?,
+        dispatch: seen_dispatch(&r)?,
+        cx: bytes_of(&c.combined_x)?,
+        cw: c.combined_topk_weights.as_ref().map(bytes_of).transpose()?.unwrap_or_default(),
+    })
+}
+
+/// An HT graph round: warm-up (checked), capture, two replays with new inputs (checked). Returns the diffs
+/// and the replays checked.
+fn ht_graph_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, sets: &[HtInputs]) -> Result<(Diffs, usize)> {
+    let mut d = Diffs::default();
+    let worst = s.ranks * s.t_max.max(1);
+    let mut g = HtGraph::new(b.prim, sets[0].t, p, worst)?;
+    g.load(&sets[0])?;
+    let warm = g.pipeline(b.prim)?;
+    let host = ht_host_pipeline(b.twin, p, &sets[0])?;
+    g.compare(&mut d, "graph warm-up", &host)?;
+    drop(warm);
+    let (graph, handle) = b.prim.capture(|buf| g.pipeline(buf))?;
+    let mut replays = 0;
+    for (i, inp) in sets.iter().enumerate().skip(1) {
+        g.load(inp)?;
+        // SAFETY: every tensor the graph uses (`g`'s, and the handle's routing data) lives until the end of
+        // this function, after the last replay finished (synchronous mode).
+        unsafe { b.prim.replay(&graph)? };
+        let host = ht_host_pipeline(b.twin, p, inp)?;
+        g.compare(&mut d, &format!("graph replay {i}"), &host)?;
+        replays += 1;
+    }
+    drop(graph);
+    drop(handle);
+    Ok((d, replays))
+}
+
+// ================================================================================================ LL
+
+/// Shape of a block of low-latency rounds, and the per-block tensors of both buffers.
+struct LlBlock {
+    id: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    t_max: usize,
+    prim: LlTensors,
+    twin: LlTensors,
+    /// Expert outputs for FP8 rounds (`bf16 [E_local, R*T_max, H]`), the same values in both.
+    y_prim: Tensor,
+    y_twin: Tensor,
+}
+
+/// Outputs of one buffer, reused by every round of a block.
+struct LlTensors {
+    recv_bf16: Tensor,
+    recv_fp8: Tensor,
+    scales_f32: Tensor,
+    scales_ue8m0: Tensor,
+    count: Tensor,
+}
+
+impl LlTensors {
+    fn new(buf: &Buffer, el: usize, rows: usize, h: usize) -> Result<LlTensors> {
+        Ok(LlTensors {
+            recv_bf16: buf.alloc(DType::BF16, &[el, rows, h])?,
+            recv_fp8: buf.alloc(DType::Fp8E4M3, &[el, rows, h])?,
+            scales_f32: buf.alloc(DType::F32, &[el, h / 128, rows])?,
+            scales_ue8m0: buf.alloc(DType::I32, &[el, (h / 512).max(1), rows])?,
+            count: buf.alloc(DType::I32, &[el])?,
+        })
+    }
+
+    fn outputs(&mut self, quant: LlQuant) -> Result<LlDispatchOutputs<'_>> {
+        let [el, rows, h] = [self.recv_bf16.shape()[0], self.recv_bf16.shape()[1], self.recv_bf16.shape()[2]];
+        let (recv_x, recv_scales) = match quant {
+            LlQuant::Bf16 => (self.recv_bf16.view_mut(), None),
+            LlQuant::Fp8 { use_ue8m0, .. } => {
+                let (cols, t) = if use_ue8m0 { (h / 512, &mut self.scales_ue8m0) } else { (h / 128, &mut self.scales_f32) };
+                let sc = t.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?;
+                (self.recv_fp8.view_mut(), Some(sc))
+            }
+        };
+        Ok(LlDispatchOutputs {
+            recv_x,
+            recv_scales,
+            recv_count: self.count.view_mut(),
+            cumulative_local_expert_recv_stats: None,
+            dispatch_wait_recv_cost_stats: None,
+        })
+    }
+
+    /// (count, valid rows, valid scales) of the last dispatch.
+    fn seen(&self, quant: LlQuant) -> Result<(Vec<i32>, Vec<u8>, Vec<u8>)> {
+        let count: Vec<i32> = self.count.to_vec()?;
+        let [_, rows, h] = [self.recv_bf16.shape()[0], self.recv_bf16.shape()[1], self.recv_bf16.shape()[2]];
+        let (recv, rb) = if quant.is_fp8() { (&self.recv_fp8, h) } else { (&self.recv_bf16, 2 * h) };
+        let bytes = recv.to_host_bytes()?;
+        let (scales, cols) = match quant {
+            LlQuant::Bf16 => (Vec::new(), 0),
+            LlQuant::Fp8 { use_ue8m0: false, .. } => (self.scales_f32.to_host_bytes()?, h / 128),
+            LlQuant::Fp8 { use_ue8m0: true, .. } => (self.scales_ue8m0.to_host_bytes()?, h / 512),
+        };
+        let (mut r, mut s) = (Vec::new(), Vec::new());
+        for (e, &n) in count.iter().enumerate() {
+            let n = (n.max(0) as usize).min(rows);
+            r.extend_from_slice(&bytes[e * rows * rb..(e * rows + n) * rb]);
+            for col in 0..cols {
+                let at = 4 * ((e * cols + col) * rows);
+                s.extend_from_slice(&scales[at..at + 4 * n]);
+            }
+        }
+        Ok((count, r, s))
+    }
+}
+
+impl LlBlock {
+    fn new(b: &mut Pair<'_>, s: &Settings, id: usize) -> Result<LlBlock> {
+        let mut r = Rng::new(seed_of(s.seed, 0x11b0c, id, usize::MAX));
+        let hidden = pick(&mut r, &s.hidden);
+        let topk = pick(&mut r, &s.topk);
+        let per_rank = pick(&mut r, &[1usize, 2, 4, 8]);
+        let experts = (s.ranks * per_rank).max(topk.div_ceil(s.ranks) * s.ranks).min(s.largest_experts().max(topk));
+        let t_max = pick(&mut r, &[1, s.ll_t_max / 2, s.ll_t_max, s.ll_t_max, s.ll_t_max, s.ll_t_max]).max(1);
+        let (el, rows) = (experts / s.ranks, s.ranks * t_max);
+        // Block-wide expert outputs for FP8 rounds (seeded by block, identical on both buffers).
+        let mut yr = Rng::new(seed_of(s.seed, 0x11b0d, id, b.prim.rank()));
+        let y = Tensor::from_vec(random_bf16(&mut yr, el * rows * hidden), &[el, rows, hidden])?;
+        b.prim.clean_low_latency_buffer(t_max, hidden, experts)?;
+        b.twin.clean_low_latency_buffer(t_max, hidden, experts)?;
+        Ok(LlBlock {
+            id,
+            hidden,
+            topk,
+            experts,
+            t_max,
+            prim: LlTensors::new(b.prim, el, rows, hidden)?,
+            twin: LlTensors::new(b.twin, el, rows, hidden)?,
+            y_prim: b.prim.upload(&y)?,
+            y_twin: y,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct LlPlan {
+    quant: LlQuant,
+    weights: bool,
+    hook: bool,
+    route: RouteKind,
+    graph: bool,
+}
+
+impl LlPlan {
+    fn draw(s: &Settings, fam: Family, round: usize, blk: &LlBlock, graphs: bool) -> LlPlan {
+        let mut r = Rng::new(seed_of(s.seed, fam.code(), round, usize::MAX));
+        let ue8m0_ok = blk.hidden % 512 == 0;
+        let graph = graphs && fam == Family::Ll && chance(&mut r, s.graph_fraction);
+        let quant = match below(&mut r, 5) {
+            _ if graph => LlQuant::Bf16,
+            0 | 1 => LlQuant::Bf16,
+            2 => LlQuant::Fp8 { round_scale: false, use_ue8m0: false },
+            3 => LlQuant::Fp8 { round_scale: true, use_ue8m0: false },
+            _ => LlQuant::Fp8 { round_scale: true, use_ue8m0: ue8m0_ok },
+        };
+        let weights = match fam {
+            Family::LlPrereduced => true,
+            Family::LlHook => chance(&mut r, 0.5),
+            _ => graph && chance(&mut r, 0.5),
+        };
+        LlPlan { quant, weights, hook: fam == Family::LlHook, route: RouteKind::draw(&mut r, s.ranks), graph }
+    }
+}
+
+/// One rank's LL inputs.
+struct LlInputs {
+    t: usize,
+    x: Vec<bf16>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+}
+
+fn ll_inputs(blk: &LlBlock, p: &LlPlan, rng: &mut Rng, t: usize, ranks: usize) -> LlInputs {
+    LlInputs {
+        t,
+        idx: route(rng, p.route, t, blk.topk, blk.experts, ranks),
+        x: random_bf16(rng, t * blk.hidden),
+        w: random_weights(rng, t * blk.topk),
+    }
+}
+
+/// What a low-latency round produced: (recv_count, valid rows, valid scales, combined bytes).
+type LlSeen = (Vec<i32>, Vec<u8>, Vec<u8>, Vec<u8>);
+
+/// Dispatch + combine on one buffer; the hook variants run the receive phases through the hooks.
+#[allow(clippy::too_many_arguments)]
+fn ll_call(
+    buf: &mut Buffer,
+    out: &mut LlTensors,
+    y_fp8: &Tensor,
+    blk_shape: (usize, usize),
+    p: &LlPlan,
+    x: &Tensor,
+    idx: &Tensor,
+    w: &Tensor,
+    hook: bool,
+) -> Result<LlSeen> {
+    let (t_max, experts) = blk_shape;
+    let args = LlDispatchArgs {
+        x: x.view(),
+        topk_idx: idx.view(),
+        topk_weights: p.weights.then(|| w.view()),
+        num_max_dispatch_tokens_per_rank: t_max,
+        num_experts: experts,
+        quant: p.quant,
+        return_recv_hook: hook,
+    };
+    let handle: LlHandle = {
+        let outputs = out.outputs(p.quant)?;
+        let (h, pending) = buf.low_latency_dispatch_into(&args, outputs)?;
+        if let Some(pending) = pending {
+            buf.run_hook(pending)?;
+        }
+        h
+    };
+    let (count, rows, scales) = out.seen(p.quant)?;
+    let y = if p.quant.is_fp8() { y_fp8.view() } else { out.recv_bf16.view() };
+    let mut combined = buf.alloc(DType::BF16, &[x.shape()[0], x.shape()[1]])?;
+    let cargs =
+        LlCombineArgs { x: y, topk_idx: idx.view(), topk_weights: w.view(), handle: &handle, zero_copy: false, return_recv_hook: hook };
+    {
+        let pending =
+            buf.low_latency_combine_into(&cargs, LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None })?;
+        if let Some(pending) = pending {
+            buf.run_hook(pending)?;
+        }
+    }
+    Ok((count, rows, scales, bytes_of(&combined)?))
+}
+
+fn ll_round(b: &mut Pair<'_>, blk: &mut LlBlock, p: &LlPlan, inp: &LlInputs) -> Result<Diffs> {
+    let mut d = Diffs::default();
+    let (t, h, k) = (inp.t, blk.hidden, blk.topk);
+    let x = Tensor::from_vec(inp.x.clone(), &[t, h])?;
+    let idx = Tensor::from_vec(inp.idx.clone(), &[t, k])?;
+    let w = Tensor::from_vec(inp.w.clone(), &[t, k])?;
+    let (xp, idxp, wp) = (b.prim.upload(&x)?, b.prim.upload(&idx)?, b.prim.upload(&w)?);
+    let shape = (blk.t_max, blk.experts);
+    let want = ll_call(b.twin, &mut blk.twin, &blk.y_twin, shape, p, &x, &idx, &w, false)?;
+    let got = ll_call(b.prim, &mut blk.prim, &blk.y_prim, shape, p, &xp, &idxp, &wp, p.hook)?;
+    d.eq("recv_count", &want.0, &got.0);
+    d.bytes("recv_x (valid rows)", &want.1, &got.1);
+    d.bytes("recv_x_scales (valid rows)", &want.2, &got.2);
+    d.bytes("combined_x", &want.3, &got.3);
+    Ok(d)
+}
+
+/// An LL graph round (BF16, identity experts, dispatch + combine in one graph): warm-up, capture, two
+/// replays with new inputs, each checked against the host backend.
+fn ll_graph_round(b: &mut Pair<'_>, blk: &mut LlBlock, p: &LlPlan, sets: &[LlInputs]) -> Result<(Diffs, usize)> {
+    let mut d = Diffs::default();
+    let (t, h, k) = (sets[0].t, blk.hidden, blk.topk);
+    let shape = (blk.t_max, blk.experts);
+    let mut x = b.prim.alloc(DType::BF16, &[t, h])?;
+    let mut idx = b.prim.alloc(DType::I64, &[t, k])?;
+    let mut w = b.prim.alloc(DType::F32, &[t, k])?;
+    let mut out = b.prim.alloc(DType::BF16, &[t, h])?;
+    let load = |x: &mut Tensor, idx: &mut Tensor, w: &mut Tensor, inp: &LlInputs| -> Result<()> {
+        x.write_bytes(bytemuck::cast_slice(&inp.x))?;
+        idx.write_bytes(bytemuck::cast_slice(&inp.idx))?;
+        w.write_bytes(bytemuck::cast_slice(&inp.w))
+    };
+    let host = |twin: &mut Buffer, tw: &mut LlTensors, y: &Tensor, inp: &LlInputs| -> Result<LlSeen> {
+        let x = Tensor::from_vec(inp.x.clone(), &[t, h])?;
+        let idx = Tensor::from_vec(inp.idx.clone(), &[t, k])?;
+        let w = Tensor::from_vec(inp.w.clone(), &[t, k])?;
+        ll_call(twin, tw, y, shape, p, &x, &idx, &w, false)
+    };
+    let (weights, t_max, experts) = (p.weights, blk.t_max, blk.experts);
+    fn ll_args<'a>(x: &'a Tensor, idx: &'a Tensor, w: &'a Tensor, weights: bool, t_max: usize, experts: usize) -> LlDispatchArgs<'a> {
+        LlDispatchArgs {
+            x: x.view(),
+            topk_idx: idx.view(),
+            topk_weights: weights.then(|| w.view()),
+            num_max_dispatch_tokens_per_rank: t_max,
+            num_experts: experts,
+            quant: LlQuant::Bf16,
+            return_recv_hook: false,
+        }
+    }
+    // One pass: dispatch into the block's outputs, identity combine into `out`.
+    fn pass(buf: &mut Buffer, pt: &mut LlTensors, a: &LlDispatchArgs<'_>, idx: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<LlHandle> {
+        let (handle, _) = buf.low_latency_dispatch_into(a, pt.outputs(LlQuant::Bf16)?)?;
+        buf.low_latency_combine_into(
+            &LlCombineArgs {
+                x: pt.recv_bf16.view(),
+                topk_idx: idx.view(),
+                topk_weights: w.view(),
+                handle: &handle,
+                zero_copy: false,
+                return_recv_hook: false,
+            },
+            LlCombineOutputs { combined_x: out.view_mut(), combine_wait_recv_cost_stats: None },
+        )?;
+        Ok(handle)
+    }
+    let check = |d: &mut Diffs, what: &str, want: &LlSeen, pt: &LlTensors, out: &Tensor| -> Result<()> {
+        let (count, rows, _) = pt.seen(LlQuant::Bf16)?;
+        d.eq(&format!("{what} recv_count"), &want.0, &count);
+        d.bytes(&format!("{what} recv_x (valid rows)"), &want.1, &rows);
+        d.bytes(&format!("{what} combined_x"), &want.3, &bytes_of(out)?);
+        Ok(())
+    };
+
+    load(&mut x, &mut idx, &mut w, &sets[0])?;
+    let warm = pass(b.prim, &mut blk.prim, &ll_args(&x, &idx, &w, weights, t_max, experts), &idx, &w, &mut out)?;
+    drop(warm);
+    let want = host(b.twin, &mut blk.twin, &blk.y_twin, &sets[0])?;
+    check(&mut d, "graph warm-up", &want, &blk.prim, &out)?;
+    b.prim.barrier()?;
+    let prim_t = &mut blk.prim;
+    let (graph, handle) = b.prim.capture(|buf| pass(buf, prim_t, &ll_args(&x, &idx, &w, weights, t_max, experts), &idx, &w, &mut out))?;
+    let mut replays = 0;
+    for (i, inp) in sets.iter().enumerate().skip(1) {
+        load(&mut x, &mut idx, &mut w, inp)?;
+        // SAFETY: every tensor the graph uses (x, idx, w, out, the block's outputs) lives until this function
+        // returns, after the last replay finished (synchronous mode).
+        unsafe { b.prim.replay(&graph)? };
+        let want = host(b.twin, &mut blk.twin, &blk.y_twin, inp)?;
+        check(&mut d, &format!("graph replay {i}"), &want, &blk.prim, &out)?;
+        replays += 1;
+    }
+    drop(graph);
+    drop(handle);
+    Ok((d, replays))
+}
+
+// ================================================================================================ driver
+
+/// Tokens of a rank in a round: none now and then, else 1..=t_max.
+fn tokens(rng: &mut Rng, t_max: usize) -> usize {
+    if chance(rng, 0.06) {
+        0
+    } else {
+        1 + below(rng, t_max)
+    }
+}
+
+/// Runs one round of `fam` on this rank; returns the differences and whether it was a graph round (and
+/// how many replays it checked), plus a plan description for reports.
+fn run_family(b: &mut Pair<'_>, s: &Settings, st: &mut RankState, fam: Family, round: usize) -> Result<(Diffs, String)> {
+    let me = b.prim.rank();
+    let graphs = s.kind == BackendKind::Cuda;
+    let fi = s.families.iter().position(|f| *f == fam).expect("family listed");
+    let mut rng = Rng::new(seed_of(s.seed, fam.code() << 8, round, me));
+    if !fam.is_ll() {
+        let p = HtPlan::draw(s, fam, round, graphs);
+        let c = &mut st.counts[fi];
+        if p.graph {
+            let t = tokens(&mut rng, s.t_max).max(1);
+            let sets: Vec<HtInputs> = (0..3).map(|_| ht_inputs(&p, &mut rng, t, s.ranks, false)).collect();
+            let (d, replays) = ht_graph_round(b, s, &p, &sets)?;
+            c.graph_rounds += 1;
+            c.graph_replays += replays;
+            return Ok((d, format!("{p:?} t={t}")));
+        }
+        let t = tokens(&mut rng, s.t_max);
+        let inp = ht_inputs(&p, &mut rng, t, s.ranks, p.fp8);
+        let inp2 = (fam == Family::HtCached).then(|| ht_inputs(&p, &mut rng, t, s.ranks, p.cached_fp8));
+        c.no_sync_rounds += usize::from(p.no_sync);
+        c.fp8_rounds += usize::from(p.fp8);
+        c.empty_rank_rounds += usize::from(t == 0);
+        let d = ht_round(b, s, &p, &inp, inp2.as_ref(), &st.lut)?;
+        return Ok((d, format!("{p:?} t={t}")));
+    }
+    let block = round / s.ll_block.max(1);
+    if st.ll.as_ref().is_none_or(|blk| blk.id != block) {
+        st.ll = None; // free the old block's tensors first
+        st.ll = Some(LlBlock::new(b, s, block)?);
+    }
+    let blk = st.ll.as_mut().expect("block");
+    let p = LlPlan::draw(s, fam, round, blk, graphs);
+    let desc = format!("{p:?} hidden={} topk={} experts={} t_max={}", blk.hidden, blk.topk, blk.experts, blk.t_max);
+    let c = &mut st.counts[fi];
+    if p.graph {
+        let t = tokens(&mut rng, blk.t_max).max(1);
+        let sets: Vec<LlInputs> = (0..3).map(|_| ll_inputs(blk, &p, &mut rng, t, s.ranks)).collect();
+        let (d, replays) = ll_graph_round(b, blk, &p, &sets)?;
+        c.graph_rounds += 1;
+        c.graph_replays += replays;
+        return Ok((d, format!("{desc} t={t}")));
+    }
+    let t = tokens(&mut rng, blk.t_max);
+    let inp = ll_inputs(blk, &p, &mut rng, t, s.ranks);
+    c.fp8_rounds += usize::from(p.quant.is_fp8());
+    c.empty_rank_rounds += usize::from(t == 0);
+    let d = ll_round(b, blk, &p, &inp)?;
+    Ok((d, format!("{desc} t={t}")))
+}
+
+const MAX_FAILURES_KEPT: usize = 20;
+/// Outer rounds between the ranks' stop votes.
+const VOTE_EVERY: usize = 8;
+
+fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
+    let me = g.rank();
+    let group: Arc<dyn Group> = Arc::new(g);
+    let opts = BufferOptions {
+        backend: s.kind,
+        num_nvl_bytes: s.num_nvl_bytes,
+        num_rdma_bytes: s.num_rdma_bytes,
+        timeout_ms: s.timeout_ms,
+        ..Default::default()
+    };
+    let mut prim = Buffer::new(group.clone(), opts.clone())?;
+    let mut twin = Buffer::new(group.clone(), BufferOptions { backend: BackendKind::Host, ..opts })?;
+    let probe = DeviceProbe(match prim.location() {
+        moelink::Location::Cuda(ordinal) => moelink_cuda::Device::new(ordinal).ok(),
+        moelink::Location::Host => None,
+    });
+    let mut st = RankState::new(s.families.len());
+    let sample = |st: &mut RankState, round: usize| {
+        if let Some(u) = probe.used() {
+            st.device_mem.push((round, u));
+        }
+        if me == 0 {
+            st.host_rss.push((round, rss_bytes()));
+        }
+    };
+    sample(&mut st, 0);
+    let mut rounds_done = 0;
+    let mut stop_reason = None;
+    'outer: for round in 0..s.rounds {
+        if round % VOTE_EVERY == 0 {
+            let over = s.time_budget_s.is_some_and(|b| sh.start.elapsed().as_secs_f64() >= b);
+            let abort = sh.abort.load(Ordering::Relaxed);
+            let votes = match group.all_gather(&[u8::from(over) | u8::from(abort) << 1]) {
+                Ok(v) => v,
+                Err(e) => {
+                    st.error = Some(format!("stop vote before round {round}: {e}"));
+                    stop_reason = Some(format!("error on rank {me}"));
+                    break;
+                }
+            };
+            let any = votes.iter().fold(0u8, |a, v| a | v.first().copied().unwrap_or(2));
+            if any != 0 {
+                stop_reason = Some(if any & 2 != 0 {
+                    "a rank failed".to_string()
+                } else {
+                    format!("time budget of {:?} s used up", s.time_budget_s)
+                });
+                break;
+            }
+        }
+        if round > 0 && round % s.mem_every.max(1) == 0 {
+            sample(&mut st, round);
+        }
+        for &fam in &s.families {
+            if sh.abort.load(Ordering::Relaxed) {
+                stop_reason = Some("a rank failed".into());
+                break 'outer;
+            }
+            let mut pair = Pair { prim: &mut prim, twin: &mut twin };
+            let fi = s.families.iter().position(|f| *f == fam).expect("family listed");
+            match run_family(&mut pair, s, &mut st, fam, round) {
+                Ok((d, plan)) => {
+                    st.counts[fi].rounds += 1;
+                    if !d.0.is_empty() {
+                        st.counts[fi].mismatches += 1;
+                        *sh.failures.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                        if st.failures.len() < MAX_FAILURES_KEPT {
+                            st.failures.push(Failure { family: fam.name().into(), round, rank: me, plan, what: d.0.join("; ") });
+                        }
+                    }
+                }
+                Err(e) => {
+                    sh.abort.store(true, Ordering::Relaxed);
+                    st.error = Some(format!("{} round {round}: {e}", fam.name()));
+                    stop_reason = Some(format!("error on rank {me}"));
+                    break 'outer;
+                }
+            }
+        }
+        rounds_done = round + 1;
+        if me == 0 {
+            sh.done.store(rounds_done, Ordering::Relaxed);
+        }
+    }
+    st.ll = None;
+    sample(&mut st, rounds_done);
+    Ok(RankReport {
+        counts: st.counts,
+        failures: st.failures,
+        error: st.error,
+        device_mem: st.device_mem,
+        host_rss: st.host_rss,
+        rounds_done,
+        stop_reason,
+    })
+}
+
+/// Shapes of [`verify_rounds`]: (T_max, LL T_max, hidden, top-k).
+const VERIFY_SHAPE: (usize, usize, usize, usize) = (32, 16, 2048, 8);
+
+/// `(num_nvl_bytes, num_rdma_bytes)` a buffer of `ranks` ranks needs for [`verify_rounds`].
+pub fn verify_buffer_bytes(ranks: usize) -> (usize, usize) {
+    let (t, tl, h, k) = VERIFY_SHAPE;
+    let nvl = Buffer::ht_bytes_needed(t, h, k, ranks, false).max(Buffer::ht_bytes_needed(t, h, k, ranks, true));
+    (nvl, Buffer::ll_bytes_needed(tl, h, ranks, (ranks * 8).max(k.div_ceil(ranks) * ranks)))
+}
+
+/// Runs `rounds` soak rounds of each of `families` (small shapes, no graphs) on `prim` against `twin`, a
+/// host-backend buffer over the same group; every rank of the group calls it with the same arguments.
+/// Returns the differences found (empty: every output matched). `moelink chaos` checks rebuilt buffers
+/// with it.
+pub fn verify_rounds(prim: &mut Buffer, twin: &mut Buffer, families: &[Family], rounds: usize, seed: u64) -> Result<Vec<String>> {
+    let (t_max, ll_t_max, hidden, topk) = VERIFY_SHAPE;
+    let kind = if prim.backend_name() == "cuda" { BackendKind::Cuda } else { BackendKind::Host };
+    let s = Settings {
+        backend: prim.backend_name().into(),
+        ranks: prim.num_ranks(),
+        rounds,
+        families: families.to_vec(),
+        t_max,
+        ll_t_max,
+        hidden: vec![hidden],
+        topk: vec![topk],
+        graph_fraction: 0.0,
+        ll_block: rounds.max(1),
+        seed,
+        time_budget_s: None,
+        mem_every: 1,
+        timeout_ms: prim.options().timeout_ms,
+        num_nvl_bytes: prim.options().num_nvl_bytes,
+        num_rdma_bytes: prim.options().num_rdma_bytes,
+        kind,
+    };
+    let mut st = RankState::new(families.len());
+    let mut out = Vec::new();
+    for round in 0..rounds {
+        for &fam in families {
+            let (d, plan) = run_family(&mut Pair { prim, twin }, &s, &mut st, fam, round)?;
+            out.extend(d.0.into_iter().map(|x| format!("{} round {round}: {x} [{plan}]", fam.name())));
+        }
+    }
+    Ok(out)
+}
+
+// ================================================================================================ summary
+
+/// Memory figures of one series (bytes).
+#[derive(Clone, Debug, Serialize)]
+pub struct MemSeries {
+    /// Rank (device series) or `None` (host RSS of the process).
+    pub rank: Option<usize>,
+    /// First sample (after the buffers were created).
+    pub start: u64,
+    /// First sample after warm-up (round `mem_every`, or the last when the run was shorter).
+    pub after_warmup: u64,
+    /// Last sample.
+    pub end: u64,
+    /// Largest sample.
+    pub max: u64,
+    /// `end - after_warmup` (negative: shrank).
+    pub growth_after_warmup: i64,
+    /// Every sample: (round, bytes).
+    pub samples: Vec<(usize, u64)>,
+}
+
+fn series(rank: Option<usize>, v: &[Sample]) -> Option<MemSeries> {
+    let first = v.first()?;
+    let warm = v.get(1).or(v.last())?;
+    let last = v.last()?;
+    Some(MemSeries {
+        rank,
+        start: first.1,
+        after_warmup: warm.1,
+        end: last.1,
+        max: v.iter().map(|s| s.1).max().unwrap_or(0),
+        growth_after_warmup: last.1 as i64 - warm.1 as i64,
+        samples: v.to_vec(),
+    })
+}
+
+/// Per family over all ranks.
+#[derive(Clone, Debug, Serialize)]
+pub struct FamilySummary {
+    /// Family.
+    pub family: Family,
+    /// Rounds run (every rank ran each round).
+    pub rounds: usize,
+    /// Rounds with a difference on at least one rank (summed over ranks: a round differing on two ranks
+    /// counts twice).
+    pub mismatches: usize,
+    /// Graph rounds / replays checked (rank 0's count; the same on every rank).
+    pub graph_rounds: usize,
+    /// Graph replays checked.
+    pub graph_replays: usize,
+    /// No-sync HT rounds outside graphs.
+    pub no_sync_rounds: usize,
+    /// FP8 rounds.
+    pub fp8_rounds: usize,
+    /// (rank, round) pairs where the rank had no token.
+    pub empty_rank_rounds: usize,
+}
+
+/// The JSON written by `--json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Always "moelink soak".
+    pub tool: String,
+    /// Code version.
+    pub commit: String,
+    /// UTC, ISO-8601.
+    pub date: String,
+    /// GPU name or CPU model.
+    pub device: String,
+    /// Settings of the run.
+    pub settings: Settings,
+    /// Wall seconds.
+    pub elapsed_s: f64,
+    /// Outer rounds completed (each runs one round of every family).
+    pub rounds_done: usize,
+    /// Why the run stopped before `rounds`, if it did.
+    pub stopped_early: Option<String>,
+    /// Per family.
+    pub families: Vec<FamilySummary>,
+    /// Sum of mismatches.
+    pub total_mismatches: usize,
+    /// Errors (a failing call ends the run).
+    pub errors: Vec<String>,
+    /// The first differences seen.
+    pub failures: Vec<Failure>,
+    /// GPU memory used per rank.
+    pub device_memory: Vec<MemSeries>,
+    /// Resident set of the process.
+    pub host_rss: Option<MemSeries>,
+    /// "pass" (every round ran to the end or to the budget, no mismatch, no error) or "fail".
+    pub verdict: String,
+}
+
+/// Runs `moelink soak`.
+pub fn run(a: &SoakArgs) -> Result<(), CliError> {
+    let kind = match a.backend {
+        SoakBackend::Host => BackendKind::Host,
+        SoakBackend::Cuda => sys::resolve_backend(BackendKind::Cuda).map_err(CliError)?.0,
+        SoakBackend::Auto => sys::resolve_backend(BackendKind::Auto).map_err(CliError)?.0,
+    };
+    let gpus = if kind == BackendKind::Cuda { sys::gpu_count() } else { 0 };
+    let ranks = a.ranks.unwrap_or(if gpus > 0 { gpus } else { 4 });
+    if ranks == 0 || a.families.is_empty() || a.hidden.is_empty() || a.topk.is_empty() {
+        return Err(CliError("--ranks, --families, --hidden and --topk must not be empty".into()));
+    }
+    if let Some(h) = a.hidden.iter().find(|&&h| h == 0 || h % 128 != 0) {
+        return Err(CliError(format!("--hidden {h}: every hidden size must be a positive multiple of 128")));
+    }
+    if a.topk.iter().any(|&k| k == 0 || k > 16) || a.t_max == 0 || a.ll_t_max == 0 {
+        return Err(CliError("--topk must be in 1..=16, --t-max and --ll-t-max at least 1".into()));
+    }
+    let max_h = *a.hidden.iter().max().expect("non-empty");
+    let max_k = *a.topk.iter().max().expect("non-empty");
+    let nvl = Buffer::ht_bytes_needed(a.t_max, max_h, max_k, ranks, false).max(Buffer::ht_bytes_needed(a.t_max, max_h, max_k, ranks, true));
+    let rdma = Buffer::ll_bytes_needed(a.ll_t_max, max_h, ranks, (ranks * 8).max(max_k.div_ceil(ranks) * ranks));
+    let s = Settings {
+        backend: sys::backend_name(kind).into(),
+        ranks,
+        rounds: a.rounds,
+        families: a.families.clone(),
+        t_max: a.t_max,
+        ll_t_max: a.ll_t_max,
+        hidden: a.hidden.clone(),
+        topk: a.topk.clone(),
+        graph_fraction: a.graph_fraction,
+        ll_block: a.ll_block.max(1),
+        seed: a.seed,
+        time_budget_s: a.time_budget_s,
+        mem_every: a.mem_every.max(1),
+        timeout_ms: a.timeout_ms,
+        num_nvl_bytes: nvl,
+        num_rdma_bytes: rdma,
+        kind,
+    };
+    println!(
+        "moelink soak | {} vs host | {ranks} ranks | {} rounds x {} families | T<={} LL T<={} | hidden {:?} | seed {} | commit {}",
+        s.backend,
+        s.rounds,
+        s.families.len(),
+        s.t_max,
+        s.ll_t_max,
+        s.hidden,
+        s.seed,
+        sys::commit()
+    );
+    let sh = Shared { abort: AtomicBool::new(false), start: Instant::now(), done: AtomicUsize::new(0), failures: Mutex::new(0) };
+    let group_timeout = Duration::from_millis(a.timeout_ms.saturating_mul(3).max(120_000));
+    let finished = AtomicBool::new(false);
+    let reports = std::thread::scope(|scope| {
+        if a.progress_s > 0.0 {
+            let (sh, finished, s) = (&sh, &finished, &s);
+            scope.spawn(move || {
+                let mut last = Instant::now();
+                while !finished.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if last.elapsed().as_secs_f64() >= a.progress_s {
+                        last = Instant::now();
+                        let done = sh.done.load(Ordering::Relaxed);
+                        let bad = *sh.failures.lock().unwrap_or_else(|e| e.into_inner());
+                        eprintln!(
+                            "[soak] {:.0} s: {done}/{} rounds of each family, {bad} mismatching rank-rounds",
+                            sh.start.elapsed().as_secs_f64(),
+                            s.rounds
+                        );
+                    }
+                }
+            });
+        }
+        let r = crate::ranks::run_threads(ranks, group_timeout, |g| rank_main(g, &s, &sh));
+        finished.store(true, Ordering::Relaxed);
+        r
+    });
+    let elapsed_s = sh.start.elapsed().as_secs_f64();
+
+    let mut families: Vec<FamilySummary> = s
+        .families
+        .iter()
+        .map(|&f| FamilySummary {
+            family: f,
+            rounds: usize::MAX,
+            mismatches: 0,
+            graph_rounds: 0,
+            graph_replays: 0,
+            no_sync_rounds: 0,
+            fp8_rounds: 0,
+            empty_rank_rounds: 0,
+        })
+        .collect();
+    let (mut errors, mut failures, mut device_memory, mut host_rss) = (Vec::new(), Vec::new(), Vec::new(), None);
+    let mut rounds_done = usize::MAX;
+    let mut stopped = None;
+    for (rank, r) in reports.into_iter().enumerate() {
+        match r {
+            Ok(rep) => {
+                for (fs, c) in families.iter_mut().zip(&rep.counts) {
+                    fs.rounds = fs.rounds.min(c.rounds);
+                    fs.mismatches += c.mismatches;
+                    fs.empty_rank_rounds += c.empty_rank_rounds;
+                    if rank == 0 {
+                        fs.graph_rounds = c.graph_rounds;
+                        fs.graph_replays = c.graph_replays;
+                        fs.no_sync_rounds = c.no_sync_rounds;
+                        fs.fp8_rounds = c.fp8_rounds;
+                    }
+                }
+                failures.extend(rep.failures);
+                if let Some(e) = rep.error {
+                    errors.push(format!("rank {rank}: {e}"));
+                }
+                if let Some(m) = series(Some(rank), &rep.device_mem) {
+                    device_memory.push(m);
+                }
+                if rank == 0 {
+                    host_rss = series(None, &rep.host_rss);
+                }
+                rounds_done = rounds_done.min(rep.rounds_done);
+                stopped = stopped.or(rep.stop_reason);
+            }
+            Err(e) => errors.push(format!("rank {rank}: {e}")),
+        }
+    }
+    for f in &mut families {
+        if f.rounds == usize::MAX {
+            f.rounds = 0;
+        }
+    }
+    if rounds_done == usize::MAX {
+        rounds_done = 0;
+    }
+    failures.truncate(MAX_FAILURES_KEPT);
+    let total_mismatches: usize = families.iter().map(|f| f.mismatches).sum();
+    let budget_stop = stopped.as_deref().is_some_and(|r| r.starts_with("time budget"));
+    let verdict = if total_mismatches == 0 && errors.is_empty() && (stopped.is_none() || budget_stop) { "pass" } else { "fail" };
+    let summary = Summary {
+        tool: "moelink soak".into(),
+        commit: sys::commit(),
+        date: sys::utc_now(),
+        device: sys::device_name(kind),
+        settings: s.clone(),
+        elapsed_s,
+        rounds_done,
+        stopped_early: stopped,
+        families,
+        total_mismatches,
+        errors,
+        failures,
+        device_memory,
+        host_rss,
+        verdict: verdict.into(),
+    };
+    print_summary(&summary);
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&summary).map_err(|e| CliError(format!("cannot encode the summary: {e}")))?;
+        std::fs::write(path, text + "\n").map_err(|e| CliError(format!("cannot write {}: {e}", path.display())))?;
+        println!("wrote {}", path.display());
+    }
+    if summary.verdict == "pass" {
+        Ok(())
+    } else {
+        Err(CliError(format!(
+            "soak failed: {total_mismatches} mismatching rank-rounds, {} errors{}",
+            summary.errors.len(),
+            summary.stopped_early.as_deref().map(|r| format!(", stopped early: {r}")).unwrap_or_default()
+        )))
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1 << 20) as f64)
+}
+
+fn print_summary(s: &Summary) {
+    println!("family          rounds  mismatches  graph(rounds/replays)  no-sync  fp8  empty-rank");
+    for f in &s.families {
+        println!(
+            "{:<15} {:>6}  {:>10}  {:>10}/{:<10}  {:>7}  {:>4}  {:>10}",
+            f.family.name(),
+            f.rounds,
+            f.mismatches,
+            f.graph_rounds,
+            f.graph_replays,
+            f.no_sync_rounds,
+            f.fp8_rounds,
+            f.empty_rank_rounds
+        );
+    }
+    for m in &s.device_memory {
+        println!(
+            "GPU memory rank {}: start {} MiB, after warm-up {} MiB, end {} MiB, max {} MiB ({} samples)",
+            m.rank.unwrap_or(0),
+            mib(m.start),
+            mib(m.after_warmup),
+            mib(m.end),
+            mib(m.max),
+            m.samples.len()
+        );
+    }
+    if let Some(m) = &s.host_rss {
+        println!(
+            "host RSS: start {} MiB, after warm-up {} MiB, end {} MiB, max {} MiB ({} samples)",
+            mib(m.start),
+            mib(m.after_warmup),
+            mib(m.end),
+            mib(m.max),
+            m.samples.len()
+        );
+    }
+    for e in &s.errors {
+        println!("ERROR {e}");
+    }
+    for f in s.failures.iter().take(5) {
+        println!("MISMATCH {} round {} rank {}: {} [{}]", f.family, f.round, f.rank, f.what, f.plan);
+    }
+    println!(
+        "soak: {} after {:.1} s, {} rounds per family{}",
+        s.verdict.to_uppercase(),
+        s.elapsed_s,
+        s.rounds_done,
+        s.stopped_early.as_deref().map(|r| format!(" (stopped: {r})")).unwrap_or_default()
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_are_distinct_and_honour_holes_and_empty_ranks() {
+        let mut r = Rng::new(3);
+        for kind in [RouteKind::Uniform, RouteKind::Skewed, RouteKind::Holes, RouteKind::Empty(1)] {
+            let idx = route(&mut r, kind, 50, 8, 32, 4);
+            assert_eq!(idx.len(), 400);
+            for row in idx.chunks(8) {
+                let live: Vec<i64> = row.iter().copied().filter(|&e| e >= 0).collect();
+                let mut d = live.clone();
+                d.sort();
+                d.dedup();
+                assert_eq!(d.len(), live.len(), "{kind:?}: {row:?}");
+                assert!(live.iter().all(|&e| e < 32));
+                if kind == RouteKind::Empty(1) {
+                    assert!(live.iter().all(|&e| e / 8 != 1), "{row:?}");
+                }
+            }
+        }
+        // Fewer experts than k: the rest is -1.
+        assert_eq!(route(&mut r, RouteKind::Uniform, 1, 4, 2, 2).iter().filter(|&&e| e == -1).count(), 2);
+    }
+
+    #[test]
+    fn random_values_are_finite() {
+        let mut r = Rng::new(9);
+        assert!(random_bf16(&mut r, 1001).iter().all(|v| v.to_f32().is_finite() && v.to_f32() != 0.0));
+        assert!(random_fp8(&mut r, 1001).iter().all(|b| b.0 & 0x7f != 0x7f));
+        let lut = fp8_to_bf16_table();
+        assert_eq!(lut[0x38], bf16::ONE.to_bits());
+        assert_eq!(bf16::from_bits(lut[0x7e]).to_f32(), 448.0);
+    }
+
+    #[test]
+    fn comparisons_catch_every_kind_of_difference() {
+        let host = SeenDispatch { rows: 2, x: vec![1, 2, 3, 4], scales: vec![], idx: vec![0, -1, 3, 1], w: vec![0.5, 0.0, 0.25, 1.0] };
+        let check = |prim: &SeenDispatch, worst: usize| {
+            let mut d = Diffs::default();
+            compare_dispatch(&mut d, "dispatch", &host, prim, worst, 2);
+            d.0
+        };
+        assert!(check(&host, 0).is_empty());
+        let mut x = host.clone();
+        x.x[3] ^= 1;
+        assert!(check(&x, 0)[0].contains("recv_x"), "{:?}", check(&x, 0));
+        let mut w = host.clone();
+        w.w[1] = -0.0; // a different bit pattern of zero is a difference
+        assert!(!check(&w, 0).is_empty());
+        let mut i = host.clone();
+        i.idx[1] = 2;
+        assert!(!check(&i, 0).is_empty());
+        // No-sync: worst-case rows, a tail of -1 ids and zero weights; payload past the count is free.
+        let tail = SeenDispatch {
+            rows: 3,
+            x: vec![1, 2, 3, 4, 9, 9],
+            scales: vec![],
+            idx: vec![0, -1, 3, 1, -1, -1],
+            w: vec![0.5, 0.0, 0.25, 1.0, 0.0, 0.0],
+        };
+        assert!(check(&tail, 3).is_empty(), "{:?}", check(&tail, 3));
+        let mut bad_tail = tail.clone();
+        bad_tail.idx[5] = 0;
+        assert!(!check(&bad_tail, 3).is_empty());
+        assert!(!check(&tail, 4).is_empty(), "rows must equal num_worst_tokens");
+    }
+
+    #[test]
+    fn a_short_host_soak_passes_and_writes_its_summary() {
+        let json = std::env::temp_dir().join(format!("moelink-soak-test-{}.json", std::process::id()));
+        let a = SoakArgs {
+            backend: SoakBackend::Host,
+            ranks: Some(3),
+            rounds: 6,
+            families: vec![Family::Ht, Family::HtCached, Family::Ll, Family::LlPrereduced, Family::LlHook],
+            t_max: 8,
+            ll_t_max: 4,
+            hidden: vec![256, 512],
+            topk: vec![2, 4],
+            graph_fraction: 0.5,
+            ll_block: 2,
+            seed: 5,
+            time_budget_s: None,
+            mem_every: 2,
+            timeout_ms: 10_000,
+            json: Some(json.clone()),
+            progress_s: 0.0,
+        };
+        run(&a).expect("host against host must agree");
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&json);
+        assert_eq!(v["verdict"], "pass");
+        assert_eq!(v["rounds_done"], 6);
+        assert_eq!(v["families"].as_array().unwrap().len(), 5);
+        assert!(v["families"].as_array().unwrap().iter().all(|f| f["rounds"] == 6 && f["mismatches"] == 0));
+        assert!(v["host_rss"]["max"].as_u64().unwrap() > 0);
+    }
+
+    #[test]
+    fn seeds_differ_by_every_coordinate() {
+        let base = seed_of(1, 2, 3, 0);
+        assert_ne!(base, seed_of(1, 2, 3, 1));
+        assert_ne!(base, seed_of(1, 2, 4, 0));
+        assert_ne!(base, seed_of(1, 3, 3, 0));
+        assert_ne!(base, seed_of(2, 2, 3, 0));
+        assert_eq!(base, seed_of(1, 2, 3, 0));
+    }
+}

@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# Runs THERE, on the GPU machine (device tool: kind nvidia-h200-x4, carry [".device"], command
+# `bash scripts/device/reliability.sh`), after scripts/device/build.sh ran here. No cargo, no network.
+#
+# Steps (each under `timeout`; the whole run under BUDGET_S, default 360 s; a step that no longer fits is
+# skipped, and the soak gets what is left):
+#   chaos   `moelink chaos` in process mode, one process per GPU launched directly (torchrun would kill
+#           every worker once one dies): rank VICTIM (default 3) SIGKILLs itself in the middle of an HT
+#           dispatch, an HT combine, an LL dispatch and an LL combine (survivors must time out naming it,
+#           stay alive, rebuild over the survivors and pass a checked round trip), then LL dispatch and
+#           combine again with --shrink (survivors mask it and keep serving, checked against the host
+#           backend). Every rank prints one CHAOS_* line; they are collected into reliability.json.
+#   poison  the poison test executable (tests/poison.rs) with MOELINK_TEST_CUDA=1: a kernel timeout poisons
+#           every entry point until rebuilt; dropping a buffer with kernels in flight waits for them.
+#   soak    `moelink soak --backend cuda` (thread mode, one rank per GPU): up to SOAK_ROUNDS (10000) rounds
+#           of each family checked bit for bit against the host backend, memory sampled, stopping at the
+#           time left (at most SOAK_S seconds) with honest counts.
+#
+# Knobs: STEPS="chaos poison soak", BUDGET_S, SOAK_S (default 200), SOAK_ROUNDS, SOAK_ARGS, VICTIM,
+# CHAOS_TIMEOUT_MS (the buffers' deadline, default 3000), CHAOS_RUNS (default
+# "ht-dispatch ht-combine ll-dispatch ll-combine ll-dispatch:shrink ll-combine:shrink"), CHAOS_ARGS (extra
+# options; `--backend host` checks this script's plumbing on a machine without GPU: NGPU=4 STEPS=chaos).
+#
+# Comes back in $OUT (at most 8 files): env.txt, reliability.json, reliability-summary.md,
+# reliability-log.txt (every chaos process's output), poison-log.txt, soak.json, soak-log.txt.
+# The summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+START=$(date +%s)
+
+OUT=${OUT:-/tmp/moelink-out}
+mkdir -p "$OUT"
+DEV=$ROOT/.device
+if [ ! -f "$DEV/moelink" ]; then
+    echo "error: $DEV/moelink is missing: run scripts/device/build.sh on the build machine and carry .device"
+    exit 1
+fi
+BIN_DIR=/tmp/moelink-rel
+rm -rf "$BIN_DIR" && mkdir -p "$BIN_DIR/tests"
+cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
+cp "$DEV"/tests/moelink.test.poison "$BIN_DIR/tests/" 2>/dev/null && chmod +x "$BIN_DIR"/tests/*
+BIN=$BIN_DIR/moelink
+
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# One JIT cache for every process of the run (chaos ranks, soak): each kernel variant compiles once.
+export MOELINK_CACHE_DIR=/tmp/moelink-jit
+MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
+export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+[ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
+
+STEPS=${STEPS:-"chaos poison soak"}
+BUDGET_S=${BUDGET_S:-360}
+SOAK_S=${SOAK_S:-200}
+SOAK_ROUNDS=${SOAK_ROUNDS:-10000}
+SOAK_ARGS=${SOAK_ARGS:-}
+VICTIM=${VICTIM:-3}
+CHAOS_TIMEOUT_MS=${CHAOS_TIMEOUT_MS:-3000}
+CHAOS_RUNS=${CHAOS_RUNS:-"ht-dispatch ht-combine ll-dispatch ll-combine ll-dispatch:shrink ll-combine:shrink"}
+CHAOS_ARGS=${CHAOS_ARGS:-}
+CHAOS_LOG=$OUT/reliability-log.txt
+: >"$CHAOS_LOG"
+
+{
+    echo "== date"; date -u +%Y-%m-%dT%H:%M:%SZ
+    echo "== host"; hostname; uname -srm
+    echo "== manifest"; cat "$DEV/manifest.txt"
+    echo "== settings"; echo "STEPS=$STEPS NGPU=$NGPU BUDGET_S=$BUDGET_S SOAK_S=$SOAK_S SOAK_ROUNDS=$SOAK_ROUNDS VICTIM=$VICTIM CHAOS_TIMEOUT_MS=$CHAOS_TIMEOUT_MS"
+    echo "CHAOS_RUNS=$CHAOS_RUNS CHAOS_ARGS=$CHAOS_ARGS SOAK_ARGS=$SOAK_ARGS"
+    echo "== nvidia-smi"; nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv
+    echo "== ulimit -c"; ulimit -c
+} >"$OUT/env.txt" 2>&1
+
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( BUDGET_S - $(elapsed) )); }
+declare -a ROWS=()
+
+# One chaos run: NGPU processes with torchrun's variables, each under its own timeout; the victim's exit
+# status is 137 (SIGKILL), the survivors' 0 when their checks passed.
+chaos_run() {
+    local idx=$1 spec=$2 phase=${2%%:*} extra="" port=$((29400 + 20 * $1)) t=45 r
+    [ "$spec" != "$phase" ] && extra="--shrink"
+    local tag="chaos-$idx-$phase${extra:+-shrink}"
+    local -a pids=()
+    echo "===== $tag (victim $VICTIM, deadline ${CHAOS_TIMEOUT_MS} ms, port $port)" | tee -a "$CHAOS_LOG"
+    local t0; t0=$(date +%s%N)
+    for ((r = 0; r < NGPU; r++)); do
+        RANK=$r WORLD_SIZE=$NGPU LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port MOELINK_GROUP_TIMEOUT_MS=60000 \
+            timeout --kill-after=5 "$t" "$BIN" chaos --phase "$phase" --victim "$VICTIM" --timeout-ms "$CHAOS_TIMEOUT_MS" \
+            --seed $((idx + 1)) $extra $CHAOS_ARGS >"/tmp/$tag-r$r.log" 2>&1 &
+        pids[r]=$!
+    done
+    local rcs=""
+    for ((r = 0; r < NGPU; r++)); do
+        wait "${pids[r]}"
+        rcs="$rcs $?"
+    done
+    local secs=$(( ($(date +%s%N) - t0) / 1000000 ))
+    for ((r = 0; r < NGPU; r++)); do
+        sed "s/^/[$tag r$r] /" "/tmp/$tag-r$r.log" >>"$CHAOS_LOG"
+    done
+    echo "RUN $tag phase=$phase shrink=${extra:+1} victim=$VICTIM rcs=${rcs# } wall_ms=$secs" | tee -a "$CHAOS_LOG"
+}
+
+step_chaos() {
+    local i=0 spec
+    if [ "$NGPU" -lt 2 ] || [ "$VICTIM" -ge "$NGPU" ]; then
+        echo "chaos needs at least 2 GPUs and VICTIM < NGPU ($NGPU GPUs)" | tee -a "$CHAOS_LOG"
+        return 1
+    fi
+    for spec in $CHAOS_RUNS; do
+        if [ "$(left)" -lt 60 ]; then
+            echo "RUN chaos-$i-$spec skipped: budget" | tee -a "$CHAOS_LOG"
+        else
+            chaos_run "$i" "$spec"
+        fi
+        i=$((i + 1))
+    done
+}
+
+step_poison() {
+    local b=$BIN_DIR/tests/moelink.test.poison t
+    [ -x "$b" ] || { echo "no poison test executable carried (.device/tests/moelink.test.poison)"; return 1; }
+    t=$(( $(left) - 10 )); [ "$t" -gt 120 ] && t=120
+    (cd "$ROOT/crates/moelink" && MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=$NGPU timeout --kill-after=10 "$t" "$b" --test-threads=1 2>&1) \
+        | tee "$OUT/poison-log.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+step_soak() {
+    local t=$(( $(left) - 25 ))
+    [ "$t" -gt "$SOAK_S" ] && t=$SOAK_S
+    if [ "$t" -lt 20 ]; then echo "soak skipped: ${t}s left"; return 1; fi
+    # The soak stops itself at the budget; the outer timeout only guards against a hang.
+    timeout --kill-after=10 $((t + 60)) "$BIN" soak --backend cuda --rounds "$SOAK_ROUNDS" --time-budget-s "$t" \
+        --json "$OUT/soak.json" --progress-s 20 $SOAK_ARGS 2>&1 | tee "$OUT/soak-log.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+for s in $STEPS; do
+    if [ "$(left)" -lt 15 ]; then
+        echo "===== $s: skipped (budget)"; ROWS+=("$s|skipped|0"); continue
+    fi
+    echo "===== $s ($(left)s left)"
+    t0=$(date +%s)
+    case $s in
+        chaos) step_chaos; rc=$? ;;
+        poison) step_poison; rc=$? ;;
+        soak) step_soak; rc=$? ;;
+        *) echo "unknown step $s"; rc=2 ;;
+    esac
+    ROWS+=("$s|$rc|$(( $(date +%s) - t0 ))")
+done
+
+# Collect the chaos lines into reliability.json and write the summary.
+python3 - "$CHAOS_LOG" "$OUT" "${ROWS[@]}" <<'PY'
+import json, re, sys, os
+log, out, rows = sys.argv[1], sys.argv[2], sys.argv[3:]
+runs, cur = [], {}
+for line in open(log, errors="replace"):
+    m = re.match(r"\[(chaos-[^ ]+) r(\d+)\] (CHAOS_RESULT|CHAOS_KILL) (\{.*\})\s*$", line)
+    if m:
+        tag, rank, kind, body = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        try:
+            d = json.loads(body)
+        except ValueError:
+            d = {"unparsed": body}
+        cur.setdefault(tag, {"ranks": {}, "kill": None})
+        if kind == "CHAOS_KILL":
+            cur[tag]["kill"] = d
+        else:
+            cur[tag]["ranks"][rank] = d
+        continue
+    m = re.match(r"RUN (chaos-\S+) phase=(\S+) shrink=(\S*) victim=(\d+) rcs=([\d ]+) wall_ms=(\d+)", line)
+    if m:
+        tag = m.group(1)
+        r = cur.pop(tag, {"ranks": {}, "kill": None})
+        rcs = [int(x) for x in m.group(5).split()]
+        victim = int(m.group(4))
+        kill = r["kill"] or {}
+        survivors = []
+        for rank, rc in enumerate(rcs):
+            if rank == victim:
+                continue
+            d = r["ranks"].get(rank, {"verdict": "fail", "reasons": ["no CHAOS_RESULT line (process died or hung)"]})
+            d["exit_code"] = rc
+            if kill.get("kill_unix_ms") and d.get("error_unix_ms"):
+                d["detect_ms_after_kill"] = d["error_unix_ms"] - kill["kill_unix_ms"]
+            survivors.append(d)
+        ok = (rcs[victim] == 137 if victim < len(rcs) else False) and all(
+            s.get("verdict") == "pass" and s.get("exit_code") == 0 for s in survivors)
+        runs.append({"run": tag, "phase": m.group(2), "shrink": m.group(3) == "1", "victim": victim,
+                     "victim_exit_code": rcs[victim] if victim < len(rcs) else None, "kill": kill,
+                     "wall_ms": int(m.group(6)), "survivors": survivors, "verdict": "pass" if ok else "fail"})
+steps = [dict(zip(("step", "rc", "seconds"), r.split("|"))) for r in rows]
+soak = None
+try:
+    soak = json.load(open(os.path.join(out, "soak.json")))
+except Exception:
+    pass
+doc = {"tool": "scripts/device/reliability.sh", "commit": os.environ.get("MOELINK_COMMIT"), "steps": steps, "chaos": runs,
+       "soak_verdict": soak and soak.get("verdict")}
+json.dump(doc, open(os.path.join(out, "reliability.json"), "w"), indent=1)
+
+lines = ["# Reliability run", "", "| step | rc | seconds |", "|---|---|---|"]
+lines += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in steps]
+lines += ["", "## Kill a rank (process mode)", "",
+          "| run | victim exit | survivors: error (peer named / root) | failing call ms | detect ms after kill | poisoned | drop ms | rebuilt | verdict |",
+          "|---|---|---|---|---|---|---|---|---|"]
+for r in runs:
+    sv = r["survivors"]
+    def col(key, fmt="{}"):
+        return ", ".join(fmt.format(s.get(key)) if s.get(key) is not None else "-" for s in sv)
+    errs = ", ".join(f"{s.get('error_kind') or 'none'} ({s.get('peer_named')}/{s.get('root_cause')})" for s in sv)
+    if r["shrink"]:
+        errs = ", ".join(f"mask {s.get('mask')} ok={s.get('mask_ok')}, slowest {s.get('slowest_call_ms', 0):.0f} ms, "
+                         f"{s.get('iterations_done')} it, {s.get('mismatching_iterations')} bad" for s in sv)
+    lines.append(f"| {r['run']} | {r['victim_exit_code']} | {errs} | {col('failing_call_ms', '{:.0f}')} | "
+                 f"{col('detect_ms_after_kill')} | {col('poisoned_afterwards')} | {col('drop_ms', '{:.0f}')} | "
+                 f"{col('recovered')} | **{r['verdict']}** |")
+    for s in sv:
+        if s.get("reasons"):
+            lines.append(f"|  ↳ rank {s.get('rank')} | | {'; '.join(s['reasons'])[:400]} | | | | | | |")
+if soak:
+    lines += ["", "## Soak", "", f"verdict **{soak['verdict']}**, {soak['rounds_done']} rounds per family in {soak['elapsed_s']:.0f} s"
+              + (f" (stopped: {soak['stopped_early']})" if soak.get("stopped_early") else ""), "",
+              "| family | rounds | mismatches | graph rounds/replays | no-sync | fp8 |", "|---|---|---|---|---|---|"]
+    for f in soak["families"]:
+        lines.append(f"| {f['family']} | {f['rounds']} | {f['mismatches']} | {f['graph_rounds']}/{f['graph_replays']} | {f['no_sync_rounds']} | {f['fp8_rounds']} |")
+    mib = lambda b: f"{b / 2**20:.1f}"
+    for m in soak.get("device_memory", []):
+        lines.append(f"- GPU {m['rank']}: start {mib(m['start'])} MiB, after warm-up {mib(m['after_warmup'])}, end {mib(m['end'])}, max {mib(m['max'])} MiB")
+    h = soak.get("host_rss")
+    if h:
+        lines.append(f"- host RSS: start {mib(h['start'])} MiB, after warm-up {mib(h['after_warmup'])}, end {mib(h['end'])}, max {mib(h['max'])} MiB")
+    for e in soak.get("errors", []):
+        lines.append(f"- ERROR {e}")
+    for f in soak.get("failures", [])[:5]:
+        lines.append(f"- MISMATCH {f['family']} round {f['round']} rank {f['rank']}: {f['what'][:300]}")
+open(os.path.join(out, "reliability-summary.md"), "w").write("\n".join(lines) + "\n")
+PY
+echo
+echo "================ RELIABILITY SUMMARY ================"
+cat "$OUT/reliability-summary.md"
+echo "total $(elapsed)s"
