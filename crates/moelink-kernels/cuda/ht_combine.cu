@@ -127,9 +127,11 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
       if (TOPK > 0 && lane < TOPK)
         reinterpret_cast<u32*>(out + PAYLOAD_BYTES)[lane] = row_valid ? weights[(u64)row_pos * TOPK + lane] : 0u;
     }
+    // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
+    __syncwarp();
+    ptx::fence_acq_rel_sys();
     __syncwarp();
     if (active) {
-      ptx::fence_acq_rel_sys();
       u32* flag = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + ((u64)me * a.flag_slots + next);
       ptx::st_relaxed_sys(flag, epoch);
       next++;
@@ -180,6 +182,15 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
     if (!__all_sync(FULL_WARP_MASK, ok)) break;
     __syncwarp();
     const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
+    // Every lane reads part of every row: every lane acquires each remote row's flag itself.
+    {
+      const u32 p0_of_lane = lane < NUM_RANKS ? (u32)prefix[(u64)t * NUM_RANKS + lane] : 0u;
+#pragma unroll
+      for (u32 r = 0; r < NUM_RANKS; r++) {
+        const u32 p0 = __shfl_sync(FULL_WARP_MASK, p0_of_lane, r);
+        if (r != me && ((mask >> r) & 1u) != 0u) (void)ptx::ld_acquire_sys(flags + (u64)r * a.flag_slots + p0);
+      }
+    }
     const u32x4* rows[NUM_RANKS];
     const u32* weight_rows[NUM_RANKS];
 #pragma unroll

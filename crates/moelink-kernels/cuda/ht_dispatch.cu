@@ -186,10 +186,13 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
       }
     }
 
-    // Release the rows to their destinations.
+    // Release the rows to their destinations. Every lane fences its own row stores (a fence orders the
+    // fencing thread's writes; a single lane's fence left other lanes' 16-byte stores in flight when the flag
+    // landed — seen as stale 16-byte vectors by the soak on 4xH200), then the flag lanes publish.
+    __syncwarp();
+    ptx::fence_acq_rel_sys();
     __syncwarp();
     if (lane < num_ranks && lane != me && ((mask >> lane) & 1u) != 0u) {
-      ptx::fence_acq_rel_sys();
       u32* flag = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + ((u64)me * a.flag_slots + slot);
       ptx::st_relaxed_sys(flag, epoch);
     }
@@ -266,7 +269,11 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (lane < ready) (void)ptx::ld_acquire_sys(flag);
       __syncwarp();
       const u32 base = __shfl_sync(FULL_WARP_MASK, offset, s);
-      for (u32 i = 0; i < ready; i++) copy_out_row(a, s, j + i, base + j + i, lane);
+      for (u32 i = 0; i < ready; i++) {
+        // Every lane reads part of the row: every lane acquires its flag (one broadcast load).
+        (void)ptx::ld_acquire_sys(flags + (u64)s * a.flag_slots + j + i);
+        copy_out_row(a, s, j + i, base + j + i, lane);
+      }
       if (lane == s) next += ready;
       progressed = true;
     }
