@@ -569,12 +569,12 @@ impl Buffer {
 
 impl Drop for Buffer {
     /// Dropping a buffer is collective on the CUDA backend: it waits until every rank's kernels are done
-    /// before freeing the communication memory peers write into. A poisoned buffer skips the wait (a peer
-    /// may be gone for good).
+    /// before freeing the communication memory peers write into. Every rank takes part, poisoned or not, so
+    /// that the ranks' group collectives stay paired (a healthy rank waiting here while a poisoned one moved on
+    /// to its next collective broke the rebuild after a timeout, on 4xH200); with a dead peer the wait ends
+    /// with the group's error or deadline, and a poisoned buffer keeps (leaks) its memory anyway.
     fn drop(&mut self) {
-        if self.poisoned.is_none() {
-            let _ = self.backend.quiesce();
-        }
+        let _ = self.backend.quiesce();
     }
 }
 

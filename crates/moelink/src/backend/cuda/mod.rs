@@ -503,11 +503,15 @@ impl Backend for CudaBackend {
         // rank's symmetric memory after this rank's own work is done; freeing it then faults the peer (seen
         // on 4xH200 as CUDA_ERROR_ILLEGAL_ADDRESS in the next test). Wait for this rank's streams, then for
         // every rank to have done the same: after that nobody writes here any more.
-        self.stream.synchronize()?;
-        if let StreamMode::External(s) = &self.mode {
-            s.synchronize()?;
-        }
-        self.group.barrier()
+        // Stream errors (a poisoned context) must not skip the barrier: the other ranks are waiting in it.
+        let own = self.stream.synchronize();
+        let external = match &self.mode {
+            StreamMode::External(s) => s.synchronize(),
+            _ => Ok(()),
+        };
+        self.group.barrier()?;
+        own?;
+        Ok(external?)
     }
     fn poison(&mut self) {
         self.poisoned = true;
