@@ -7,13 +7,14 @@
 //   TOPK                              top-k weights per row to sum (0: none)
 //   COMBINE_WARPS                     warps per block (every block sends or reduces, never both)
 //   MAX_UNROLL                        16-byte vectors a sender lane keeps in flight per copy round
+//   RELEASE_BATCH                     rows per source a sender warp writes before one fence releases them
 //   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::combine_row_bytes)
 //   MOELINK_SIZEOF_HT_COMBINE_ARGS    sizeof(moelink_kernels::ht::HtCombineArgs)
 #include "ht.cuh"
 
 #if !defined(NUM_RANKS) || !defined(HIDDEN) || !defined(TOPK) || !defined(COMBINE_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(REDUCE_LOAD_VECS) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
+    !defined(RELEASE_BATCH) || !defined(REDUCE_LOAD_VECS) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
 #error "ht_combine.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_RANKS >= 1 && NUM_RANKS <= MAX_RANKS, "ranks");
@@ -75,9 +76,11 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[BF16_PER_VEC], co
 // Sender warp `warp_id` of `num_warps` (expert side): for every source s != me, the received rows
 // [cnt_s * id / n, cnt_s * (id+1) / n) of s (cnt_s = recv_count[s]; row j is x[recv_offset[s] + j]) go back
 // to s's combine slab row [me][j] with their top-k weights. First waits until every peer consumed the
-// previous combine. Each step sends the next row of every source still pending (lane s holds s's state),
-// then __syncwarp, one fence.acq_rel.sys by the lanes of those sources, and st.relaxed.sys of the combine
-// epoch into row flag [me][j] of each. A row past num_x_rows (no-sync overflow) goes back as zeros.
+// previous combine. Each step sends the next row of every source still pending (lane s holds s's state);
+// after RELEASE_BATCH steps: __syncwarp, fence.acq_rel.sys by every lane, __syncwarp, and lane s
+// st.relaxed.sys's the combine epoch into row flag [me][j] of s for each row j of the batch (one fence per
+// batch, not per row: a fence waits for the warp's NVLink stores to be acknowledged). A row past num_x_rows
+// (no-sync overflow) goes back as zeros.
 __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -90,51 +93,60 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
   }
   const u32* weights = reinterpret_cast<const u32*>(a.topk_weights);
-  while (true) {
-    const bool active = next < end;
-    const u32 mask = __ballot_sync(FULL_WARP_MASK, active);
-    if (mask == 0u || __any_sync(FULL_WARP_MASK, error_raised(d))) break;
-    const u32 pos = offset + next;
-    u64 dst = 0;
-    bool have_row = false;
-    if (active) {
-      dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + next) * ROW_BYTES;
-      have_row = pos < a.num_x_rows;
-      if (!have_row) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, (u32)routing[HT_RT_NUM_RECV], a.num_x_rows);
-    }
-#pragma unroll
-    for (u32 r = 0; r < NUM_RANKS; r++) {
-      if (((mask >> r) & 1u) == 0u) continue;
-      const u32 row_pos = __shfl_sync(FULL_WARP_MASK, pos, r);
-      const bool row_valid = __shfl_sync(FULL_WARP_MASK, have_row, r);
-      u8* out = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
-      const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)row_pos * PAYLOAD_VECS;
+  bool more = true;
+  while (more) {
+    if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
+    const u32 batch_first = next;  // lane s: the first row of this batch for source s
 #pragma unroll 1
-      for (u32 round = 0; round < ROUNDS; round++) {
-        u32x4 v[UNROLL];
-#pragma unroll
-        for (u32 u = 0; u < UNROLL; u++) {
-          const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-          v[u] = u32x4{0u, 0u, 0u, 0u};
-          if (i < PAYLOAD_VECS && row_valid) v[u] = ptx::ld_nc_na_v4(src + i);
-        }
-#pragma unroll
-        for (u32 u = 0; u < UNROLL; u++) {
-          const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-          if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + i, v[u]);
-        }
+    for (u32 step = 0; step < RELEASE_BATCH; step++) {
+      const bool active = next < end;
+      const u32 mask = __ballot_sync(FULL_WARP_MASK, active);
+      if (mask == 0u) {
+        more = false;
+        break;
       }
-      if (TOPK > 0 && lane < TOPK)
-        reinterpret_cast<u32*>(out + PAYLOAD_BYTES)[lane] = row_valid ? weights[(u64)row_pos * TOPK + lane] : 0u;
+      const u32 pos = offset + next;
+      u64 dst = 0;
+      bool have_row = false;
+      if (active) {
+        dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + next) * ROW_BYTES;
+        have_row = pos < a.num_x_rows;
+        if (!have_row) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, (u32)routing[HT_RT_NUM_RECV], a.num_x_rows);
+      }
+#pragma unroll
+      for (u32 r = 0; r < NUM_RANKS; r++) {
+        if (((mask >> r) & 1u) == 0u) continue;
+        const u32 row_pos = __shfl_sync(FULL_WARP_MASK, pos, r);
+        const bool row_valid = __shfl_sync(FULL_WARP_MASK, have_row, r);
+        u8* out = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
+        const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)row_pos * PAYLOAD_VECS;
+#pragma unroll 1
+        for (u32 round = 0; round < ROUNDS; round++) {
+          u32x4 v[UNROLL];
+#pragma unroll
+          for (u32 u = 0; u < UNROLL; u++) {
+            const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+            v[u] = u32x4{0u, 0u, 0u, 0u};
+            if (i < PAYLOAD_VECS && row_valid) v[u] = ptx::ld_nc_na_v4(src + i);
+          }
+#pragma unroll
+          for (u32 u = 0; u < UNROLL; u++) {
+            const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+            if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + i, v[u]);
+          }
+        }
+        if (TOPK > 0 && lane < TOPK)
+          reinterpret_cast<u32*>(out + PAYLOAD_BYTES)[lane] = row_valid ? weights[(u64)row_pos * TOPK + lane] : 0u;
+      }
+      if (active) next++;
     }
     // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
     __syncwarp();
     ptx::fence_acq_rel_sys();
     __syncwarp();
-    if (active) {
-      u32* flag = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + ((u64)me * a.flag_slots + next);
-      ptx::st_relaxed_sys(flag, epoch);
-      next++;
+    if (lane < NUM_RANKS && lane != me) {
+      u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
+      for (u32 row = batch_first; row < next; row++) ptx::st_relaxed_sys(flags + row, epoch);
     }
   }
 }
@@ -181,16 +193,9 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
     }
     if (!__all_sync(FULL_WARP_MASK, ok)) break;
     __syncwarp();
+    // Lane r's acquire, then __syncwarp (memory ordering among the warp's lanes), makes rank r's row visible
+    // to every lane; re-acquiring each flag with all lanes cost R - 1 serial round trips per token.
     const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
-    // Every lane reads part of every row: every lane acquires each remote row's flag itself.
-    {
-      const u32 p0_of_lane = lane < NUM_RANKS ? (u32)prefix[(u64)t * NUM_RANKS + lane] : 0u;
-#pragma unroll
-      for (u32 r = 0; r < NUM_RANKS; r++) {
-        const u32 p0 = __shfl_sync(FULL_WARP_MASK, p0_of_lane, r);
-        if (r != me && ((mask >> r) & 1u) != 0u) (void)ptx::ld_acquire_sys(flags + (u64)r * a.flag_slots + p0);
-      }
-    }
     const u32x4* rows[NUM_RANKS];
     const u32* weight_rows[NUM_RANKS];
 #pragma unroll

@@ -7,12 +7,13 @@
 //   TOPK                              top-k entries travelling with each token (0: none, e.g. cached dispatch)
 //   DISPATCH_WARPS                    warps per block (every block sends or receives, never both)
 //   MAX_UNROLL                        16-byte vectors a lane keeps in flight per copy round
+//   RELEASE_BATCH                     tokens a sender warp writes before one fence releases them all
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::dispatch_row_bytes)
 //   MOELINK_SIZEOF_HT_DISPATCH_ARGS   sizeof(moelink_kernels::ht::HtDispatchArgs)
 #include "ht.cuh"
 
 #if !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(DISPATCH_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
+    !defined(RELEASE_BATCH) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
 #error "ht_dispatch.cu needs every JIT constant listed at the top of the file"
 #endif
 
@@ -36,6 +37,7 @@ constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
 constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
 static_assert(ROUNDS * UNROLL * WARP_SIZE >= PAYLOAD_VECS && UNROLL <= MAX_UNROLL, "copy rounds cover the row");
+static_assert(RELEASE_BATCH >= 1, "a sender releases at least one token per fence");
 
 // Kernel argument (by value). Must match moelink_kernels::ht::HtDispatchArgs byte for byte.
 struct HtDispatchArgs {
@@ -88,8 +90,11 @@ __device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32
 //   to every destination: peers' slab row [me][slot] (st.global.L1::no_allocate over NVLink), or for this
 //   rank recv_x[recv_offset[me] + slot] directly. Meta words are built per destination (ids remapped to its
 //   local experts, weights zeroed where the id is -1) and stored into the slab row or the outputs.
-//   Release: __syncwarp, then lanes of remote destinations execute one fence.acq_rel.sys (one warp
-//   instruction) and st.relaxed.sys the dispatch epoch into row flag [me][slot] of the destination.
+//   Release, once per RELEASE_BATCH tokens (a fence waits until the warp's NVLink stores are acknowledged;
+//   one per token left each warp idle for a round trip per row): __syncwarp, every lane executes
+//   fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R re-reads the batch's prefix rows and
+//   st.relaxed.sys the dispatch epoch into row flag [me][slot] of remote destination r for each token of the
+//   batch that went there.
 __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -100,101 +105,110 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   const i64 el = a.num_local_experts;
   const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
   const u32* scales = reinterpret_cast<const u32*>(a.x_scales);
-  for (u32 t = t_begin; t < t_end; t++) {
+  for (u32 batch_begin = t_begin; batch_begin < t_end; batch_begin += RELEASE_BATCH) {
     if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
-    u32 slot = 0;
-    bool in = false;
-    u64 dst = 0;
-    if (lane < num_ranks) {
-      const i32 p0 = prefix[(u64)t * num_ranks + lane], p1 = prefix[(u64)(t + 1) * num_ranks + lane];
-      in = p1 > p0;
-      slot = (u32)p0;
-    }
-    if (in) {
-      if (lane == me) {
-        // An own row past the outputs (no-sync overflow, reported by the receivers) is dropped.
-        const u32 pos = recv_offset_me + slot;
-        if (pos < a.num_out_rows)
-          dst = a.recv_x + (u64)pos * PAYLOAD_BYTES;
-        else
-          in = false;
-      } else {
-        dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + slot) * ROW_BYTES;
-      }
-    }
-    const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
-    if (mask == 0) continue;
-    const u64 pos_me = __shfl_sync(FULL_WARP_MASK, recv_offset_me + slot, me);
-    u64 dst_of[MAX_RANKS];
-#pragma unroll
-    for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
-
-    // Payload.
-    const u32x4* src = x + (u64)t * PAYLOAD_VECS;
+    const u32 batch_end = batch_begin + RELEASE_BATCH < t_end ? batch_begin + RELEASE_BATCH : t_end;
 #pragma unroll 1
-    for (u32 round = 0; round < ROUNDS; round++) {
-      u32x4 v[UNROLL];
-#pragma unroll
-      for (u32 u = 0; u < UNROLL; u++) {
-        const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-        if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
+    for (u32 t = batch_begin; t < batch_end; t++) {
+      u32 slot = 0;
+      bool in = false;
+      u64 dst = 0;
+      if (lane < num_ranks) {
+        const i32 p0 = prefix[(u64)t * num_ranks + lane], p1 = prefix[(u64)(t + 1) * num_ranks + lane];
+        in = p1 > p0;
+        slot = (u32)p0;
       }
+      if (in) {
+        if (lane == me) {
+          // An own row past the outputs (no-sync overflow, reported by the receivers) is dropped.
+          const u32 pos = recv_offset_me + slot;
+          if (pos < a.num_out_rows)
+            dst = a.recv_x + (u64)pos * PAYLOAD_BYTES;
+          else
+            in = false;
+        } else {
+          dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + slot) * ROW_BYTES;
+        }
+      }
+      const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
+      if (mask == 0) continue;
+      const u64 pos_me = __shfl_sync(FULL_WARP_MASK, recv_offset_me + slot, me);
+      u64 dst_of[MAX_RANKS];
 #pragma unroll
-      for (u32 r = 0; r < MAX_RANKS; r++) {
-        if (((mask >> r) & 1u) == 0u) continue;
-        u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
+      for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
+
+      // Payload.
+      const u32x4* src = x + (u64)t * PAYLOAD_VECS;
+#pragma unroll 1
+      for (u32 round = 0; round < ROUNDS; round++) {
+        u32x4 v[UNROLL];
 #pragma unroll
         for (u32 u = 0; u < UNROLL; u++) {
           const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-          if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+          if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
         }
-      }
-    }
-
-    // Meta words.
-    const i64* idx_row = reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * TOPK;
-    const u32* weight_row = reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * TOPK;
-    for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
-      i64 expert = -1;
-      u32 raw = 0;
-      if (w < META_SCALES) {
-        expert = idx_row[w / 2];
-      } else if (w < META_WEIGHTS) {
-        raw = scales[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
-      } else if (w < META_SRC) {
-        expert = idx_row[w - META_WEIGHTS];
-        raw = weight_row[w - META_WEIGHTS];
-      } else {
-        raw = t;
-      }
 #pragma unroll
-      for (u32 r = 0; r < MAX_RANKS; r++) {
-        if (((mask >> r) & 1u) == 0u) continue;
-        u32 word = raw;
-        if (w < META_SCALES || (w >= META_WEIGHTS && w < META_SRC)) {
-          const i64 first = (i64)r * el;
-          const i64 local = expert >= first && expert < first + el ? expert - first : -1;
-          if (w < META_SCALES)
-            word = (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
-          else
-            word = local >= 0 ? raw : 0u;
+        for (u32 r = 0; r < MAX_RANKS; r++) {
+          if (((mask >> r) & 1u) == 0u) continue;
+          u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
+#pragma unroll
+          for (u32 u = 0; u < UNROLL; u++) {
+            const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+            if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+          }
         }
-        if (r == me)
-          store_meta(a, pos_me, w, word);
-        else
-          reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = word;
       }
-    }
 
-    // Release the rows to their destinations. Every lane fences its own row stores (a fence orders the
-    // fencing thread's writes; a single lane's fence left other lanes' 16-byte stores in flight when the flag
-    // landed — seen as stale 16-byte vectors by the soak on 4xH200), then the flag lanes publish.
+      // Meta words.
+      const i64* idx_row = reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * TOPK;
+      const u32* weight_row = reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * TOPK;
+      for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
+        i64 expert = -1;
+        u32 raw = 0;
+        if (w < META_SCALES) {
+          expert = idx_row[w / 2];
+        } else if (w < META_WEIGHTS) {
+          raw = scales[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
+        } else if (w < META_SRC) {
+          expert = idx_row[w - META_WEIGHTS];
+          raw = weight_row[w - META_WEIGHTS];
+        } else {
+          raw = t;
+        }
+#pragma unroll
+        for (u32 r = 0; r < MAX_RANKS; r++) {
+          if (((mask >> r) & 1u) == 0u) continue;
+          u32 word = raw;
+          if (w < META_SCALES || (w >= META_WEIGHTS && w < META_SRC)) {
+            const i64 first = (i64)r * el;
+            const i64 local = expert >= first && expert < first + el ? expert - first : -1;
+            if (w < META_SCALES)
+              word = (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
+            else
+              word = local >= 0 ? raw : 0u;
+          }
+          if (r == me)
+            store_meta(a, pos_me, w, word);
+          else
+            reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = word;
+        }
+      }
+
+    }
+    // Release the batch's rows to their destinations. Every lane fences its own row stores (a fence orders
+    // the fencing thread's writes; a single lane's fence left other lanes' 16-byte stores in flight when the
+    // flag landed — seen as stale 16-byte vectors by the soak on 4xH200), then the flag lanes publish.
     __syncwarp();
     ptx::fence_acq_rel_sys();
     __syncwarp();
-    if (lane < num_ranks && lane != me && ((mask >> lane) & 1u) != 0u) {
-      u32* flag = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + ((u64)me * a.flag_slots + slot);
-      ptx::st_relaxed_sys(flag, epoch);
+    if (lane < num_ranks && lane != me) {
+      u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
+      i32 p0 = prefix[(u64)batch_begin * num_ranks + lane];
+      for (u32 t = batch_begin; t < batch_end; t++) {
+        const i32 p1 = prefix[(u64)(t + 1) * num_ranks + lane];
+        if (p1 > p0) ptx::st_relaxed_sys(flags + (u32)p0, epoch);
+        p0 = p1;
+      }
     }
   }
 }
@@ -269,11 +283,9 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (lane < ready) (void)ptx::ld_acquire_sys(flag);
       __syncwarp();
       const u32 base = __shfl_sync(FULL_WARP_MASK, offset, s);
-      for (u32 i = 0; i < ready; i++) {
-        // Every lane reads part of the row: every lane acquires its flag (one broadcast load).
-        (void)ptx::ld_acquire_sys(flags + (u64)s * a.flag_slots + j + i);
-        copy_out_row(a, s, j + i, base + j + i, lane);
-      }
+      // The lanes' acquires, then __syncwarp (which orders memory among the warp's lanes), make every row of
+      // the run visible to every lane; one acquire per row by all lanes cost a serial L2 round trip per row.
+      for (u32 i = 0; i < ready; i++) copy_out_row(a, s, j + i, base + j + i, lane);
       if (lane == s) next += ready;
       progressed = true;
     }

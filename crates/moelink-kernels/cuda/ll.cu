@@ -741,10 +741,16 @@ __device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, c
       waited = s.waited_ns;
       if (s.used) {
         const LlMeta* m = &me->dispatch_meta[a.set][lane];
-        for (u32 i = 0; i < LL_SIG_WORDS && mismatch_field == LL_SIG_WORDS; i++)
-          if (llptx::ld_cg_u32(&m->sig[i]) != a.sig[i]) mismatch_field = i;
+        // Every word is loaded before any is compared: independent loads in flight together, not one L2
+        // round trip per word.
+        u32 sig[LL_SIG_WORDS];
+#pragma unroll
+        for (u32 i = 0; i < LL_SIG_WORDS; i++) sig[i] = llptx::ld_cg_u32(&m->sig[i]);
         problem = llptx::ld_cg_u32(&m->problem);
         const u32 n = llptx::ld_cg_u32(&m->num_tokens);
+#pragma unroll
+        for (u32 i = LL_SIG_WORDS; i-- > 0;)
+          if (sig[i] != a.sig[i]) mismatch_field = i;
         ntok = n < a.max_tokens ? n : a.max_tokens;
         used = mismatch_field == LL_SIG_WORDS && problem == 0;
       }
@@ -782,10 +788,15 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   if (sm.abort == 0) {
     // Per-expert bases: slot of (source, local expert) = sum of the counts of the used sources before it.
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
+      // The counts of every source are loaded first (in flight together), then summed in source order.
+      u32 count[MAX_RANKS];
+#pragma unroll
+      for (u32 p = 0; p < MAX_RANKS; p++) count[p] = p < R && sm.ok[p] ? llptx::ld_cg_u32(region + ((u64)p * EL + e) * 4) : 0u;
       u32 run = 0;
-      for (u32 p = 0; p < R; p++) {
-        sm.words[p * EL + e] = run;
-        if (sm.ok[p]) run += llptx::ld_cg_u32(region + ((u64)p * EL + e) * 4);
+#pragma unroll
+      for (u32 p = 0; p < MAX_RANKS; p++) {
+        if (p < R) sm.words[p * EL + e] = run;
+        run += count[p];
       }
       if (blockIdx.x == 0) {
         reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;

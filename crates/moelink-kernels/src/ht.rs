@@ -447,9 +447,21 @@ pub struct HtDispatchVariant {
     pub fp8: bool,
     /// Top-k entries travelling with each token (0: none).
     pub topk: usize,
+    /// Tokens a sender warp writes before one fence releases them (see ht_dispatch.cu).
+    pub release_batch: u32,
 }
 
+/// Rows a sender warp writes before one `fence.acq_rel.sys` releases them all (HT dispatch and combine). The
+/// fence waits until the warp's NVLink stores are acknowledged, so one per row leaves each warp idle for a
+/// round trip per row; a batch amortises it, at the cost of the receivers seeing rows later.
+pub const DEFAULT_RELEASE_BATCH: u32 = 4;
+
 impl HtDispatchVariant {
+    /// The variant with the default release batch.
+    pub fn new(hidden: usize, fp8: bool, topk: usize) -> Self {
+        Self { hidden, fp8, topk, release_batch: DEFAULT_RELEASE_BATCH }
+    }
+
     /// Warps per block.
     pub const WARPS: u32 = 16;
     /// 16-byte vectors a lane keeps in flight per copy round.
@@ -467,7 +479,13 @@ impl HtDispatchVariant {
     pub fn spec(&self) -> KernelSpec {
         KernelSpec {
             family: Family::HtDispatch,
-            variant: format!("ht_dispatch[h{},{},k{}]", self.hidden, if self.fp8 { "fp8" } else { "bf16" }, self.topk),
+            variant: format!(
+                "ht_dispatch[h{},{},k{},b{}]",
+                self.hidden,
+                if self.fp8 { "fp8" } else { "bf16" },
+                self.topk,
+                self.release_batch
+            ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
                 define("HIDDEN", self.hidden),
@@ -475,6 +493,7 @@ impl HtDispatchVariant {
                 define("TOPK", self.topk),
                 define("DISPATCH_WARPS", Self::WARPS),
                 define("MAX_UNROLL", Self::MAX_UNROLL),
+                define("RELEASE_BATCH", self.release_batch),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>()),
             ],
@@ -489,9 +508,16 @@ pub struct HtCombineVariant {
     pub hidden: usize,
     /// Top-k weights per row (0: none).
     pub topk: usize,
+    /// Rows per source a sender warp writes before one fence releases them (see ht_combine.cu).
+    pub release_batch: u32,
 }
 
 impl HtCombineVariant {
+    /// The variant with the default release batch.
+    pub fn new(num_ranks: usize, hidden: usize, topk: usize) -> Self {
+        Self { num_ranks, hidden, topk, release_batch: DEFAULT_RELEASE_BATCH }
+    }
+
     /// Warps per block.
     pub const WARPS: u32 = 16;
     /// 16-byte vectors a sender lane keeps in flight per copy round.
@@ -511,7 +537,7 @@ impl HtCombineVariant {
     pub fn spec(&self) -> KernelSpec {
         KernelSpec {
             family: Family::HtCombine,
-            variant: format!("ht_combine[r{},h{},k{}]", self.num_ranks, self.hidden, self.topk),
+            variant: format!("ht_combine[r{},h{},k{},b{}]", self.num_ranks, self.hidden, self.topk, self.release_batch),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
                 define("NUM_RANKS", self.num_ranks),
@@ -519,6 +545,7 @@ impl HtCombineVariant {
                 define("TOPK", self.topk),
                 define("COMBINE_WARPS", Self::WARPS),
                 define("MAX_UNROLL", Self::MAX_UNROLL),
+                define("RELEASE_BATCH", self.release_batch),
                 define("REDUCE_LOAD_VECS", Self::REDUCE_LOAD_VECS),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>()),
@@ -546,7 +573,7 @@ pub fn variants() -> Vec<KernelSpec> {
         (7168, true, 0),
         (7168, true, 8),
     ];
-    v.extend(dispatch.iter().map(|&(hidden, fp8, topk)| HtDispatchVariant { hidden, fp8, topk }.spec()));
+    v.extend(dispatch.iter().map(|&(hidden, fp8, topk)| HtDispatchVariant::new(hidden, fp8, topk).spec()));
     let combine = [
         (1, 256, 4),
         (2, 256, 8),
@@ -559,7 +586,7 @@ pub fn variants() -> Vec<KernelSpec> {
         (8, 128, 8),
         (8, 7168, 8),
     ];
-    v.extend(combine.iter().map(|&(num_ranks, hidden, topk)| HtCombineVariant { num_ranks, hidden, topk }.spec()));
+    v.extend(combine.iter().map(|&(num_ranks, hidden, topk)| HtCombineVariant::new(num_ranks, hidden, topk).spec()));
     v
 }
 

@@ -27,6 +27,8 @@ struct EmuCase {
     max_unroll: usize,
     /// Expert counters in shared memory (fewer than E exercises the global-atomic path).
     smem_experts: usize,
+    /// Rows a sender warp releases per fence (1, partial and whole batches).
+    release_batch: usize,
 }
 
 const PTX: &str = include_str!("../cuda/ptx.cuh");
@@ -89,6 +91,7 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
             ("TOPK", topk.to_string()),
             ("DISPATCH_WARPS", warps.clone()),
             ("MAX_UNROLL", c.max_unroll.to_string()),
+            ("RELEASE_BATCH", c.release_batch.to_string()),
             ("ROW_BYTES", dispatch_row_bytes(hidden, fp8, topk).to_string()),
             ("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>().to_string()),
         ]
@@ -103,6 +106,7 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
             ("TOPK", c.topk.to_string()),
             ("COMBINE_WARPS", warps.clone()),
             ("MAX_UNROLL", c.max_unroll.to_string()),
+            ("RELEASE_BATCH", c.release_batch.to_string()),
             ("REDUCE_LOAD_VECS", "4".into()),
             ("ROW_BYTES", combine_row_bytes(c.hidden, c.topk).to_string()),
             ("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>().to_string()),
@@ -161,12 +165,12 @@ fn ht_kernels_run_on_the_cpu_emulator() {
     let dir = std::env::temp_dir().join(format!("moelink-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let cases = [
-        EmuCase { ranks: 2, hidden: 1000, topk: 4, fp8: false, local_experts: 4, max_unroll: 3, smem_experts: 64 },
-        EmuCase { ranks: 4, hidden: 256, topk: 8, fp8: true, local_experts: 8, max_unroll: 8, smem_experts: 16 },
-        EmuCase { ranks: 3, hidden: 64, topk: 2, fp8: false, local_experts: 2, max_unroll: 1, smem_experts: 64 },
-        EmuCase { ranks: 1, hidden: 128, topk: 4, fp8: false, local_experts: 4, max_unroll: 8, smem_experts: 64 },
-        EmuCase { ranks: 8, hidden: 32, topk: 8, fp8: false, local_experts: 8, max_unroll: 8, smem_experts: 64 },
-        EmuCase { ranks: 2, hidden: 136, topk: 1, fp8: false, local_experts: 3, max_unroll: 2, smem_experts: 1 },
+        EmuCase { ranks: 2, hidden: 1000, topk: 4, fp8: false, local_experts: 4, max_unroll: 3, smem_experts: 64, release_batch: 1 },
+        EmuCase { ranks: 4, hidden: 256, topk: 8, fp8: true, local_experts: 8, max_unroll: 8, smem_experts: 16, release_batch: 4 },
+        EmuCase { ranks: 3, hidden: 64, topk: 2, fp8: false, local_experts: 2, max_unroll: 1, smem_experts: 64, release_batch: 2 },
+        EmuCase { ranks: 1, hidden: 128, topk: 4, fp8: false, local_experts: 4, max_unroll: 8, smem_experts: 64, release_batch: 3 },
+        EmuCase { ranks: 8, hidden: 32, topk: 8, fp8: false, local_experts: 8, max_unroll: 8, smem_experts: 64, release_batch: 8 },
+        EmuCase { ranks: 2, hidden: 136, topk: 1, fp8: false, local_experts: 3, max_unroll: 2, smem_experts: 1, release_batch: 5 },
     ];
     let only = std::env::var("MOELINK_EMU_CASE").ok();
     let mut failures = Vec::new();

@@ -76,6 +76,16 @@ fn combine_send_blocks(num_sms: usize) -> usize {
     send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 2).clamp(1, num_sms - 1))
 }
 
+/// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`). Tuning override:
+/// `MOELINK_HT_RELEASE_BATCH=<rows>` in the environment (1..=64).
+fn release_batch() -> u32 {
+    std::env::var("MOELINK_HT_RELEASE_BATCH")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map(|n| n.clamp(1, 64))
+        .unwrap_or(kht::DEFAULT_RELEASE_BATCH)
+}
+
 // ------------------------------------------------------------------------------------------ state
 
 /// Per-buffer high-throughput state (kept across calls).
@@ -538,7 +548,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
     check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
     let region = region(b);
-    let variant = HtDispatchVariant { hidden: s.hidden, fp8: s.fp8, topk: s.topk };
+    let variant = HtDispatchVariant { release_batch: release_batch(), ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk) };
     let slab_rows = region.slab_rows(variant.row_bytes());
 
     // The handle: a fresh dispatch builds it (routing from notify, a new recv_src_idx); a cached one re-uses.
@@ -617,7 +627,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
 pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
-    let variant = HtCombineVariant { num_ranks: s.num_ranks, hidden: s.hidden, topk: s.topk };
+    let variant = HtCombineVariant { release_batch: release_batch(), ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk) };
     let region = region(b);
     let slab_rows = region.slab_rows(variant.row_bytes());
     if let Some(h) = &r.host {
