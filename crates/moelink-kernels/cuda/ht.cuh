@@ -23,6 +23,12 @@
 #endif
 static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
 
+// Timing experiments (JIT constant HT_EXPERIMENT of ht_dispatch/ht_combine; 0 in every real call): each bit
+// removes one role's data movement while keeping its protocol (flags, fences, waits), so that the time of
+// the other role alone can be measured. Results are wrong with any bit set.
+constexpr u32 HT_EXP_NO_COPY_OUT = 1;         // receivers/reducers wait for the flags but move no payload
+constexpr u32 HT_EXP_NO_REMOTE_PAYLOAD = 2;   // senders store meta words and flags but no remote payload
+
 // FP8 scales cover this many channels each (moelink::ht::FP8_BLOCK).
 constexpr u32 HT_FP8_BLOCK = 128;
 

@@ -8,13 +8,14 @@
 //   COMBINE_WARPS                     warps per block (every block sends or reduces, never both)
 //   MAX_UNROLL                        16-byte vectors a sender lane keeps in flight per copy round
 //   RELEASE_BATCH                     rows per source a sender warp writes before one fence releases them
+//   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::combine_row_bytes)
 //   MOELINK_SIZEOF_HT_COMBINE_ARGS    sizeof(moelink_kernels::ht::HtCombineArgs)
 #include "ht.cuh"
 
 #if !defined(NUM_RANKS) || !defined(HIDDEN) || !defined(TOPK) || !defined(COMBINE_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(RELEASE_BATCH) || !defined(REDUCE_LOAD_VECS) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
+    !defined(RELEASE_BATCH) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
 #error "ht_combine.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_RANKS >= 1 && NUM_RANKS <= MAX_RANKS, "ranks");
@@ -132,7 +133,7 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
 #pragma unroll
           for (u32 u = 0; u < UNROLL; u++) {
             const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-            if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + i, v[u]);
+            if (i < PAYLOAD_VECS && (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) == 0) ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + i, v[u]);
           }
         }
         if (TOPK > 0 && lane < TOPK)
@@ -193,9 +194,16 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
     }
     if (!__all_sync(FULL_WARP_MASK, ok)) break;
     __syncwarp();
-    // Lane r's acquire, then __syncwarp (memory ordering among the warp's lanes), makes rank r's row visible
-    // to every lane; re-acquiring each flag with all lanes cost R - 1 serial round trips per token.
     const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
+    // Every lane reads part of every row: every lane acquires each remote row's flag itself.
+    {
+      const u32 p0_of_lane = lane < NUM_RANKS ? (u32)prefix[(u64)t * NUM_RANKS + lane] : 0u;
+#pragma unroll
+      for (u32 r = 0; r < NUM_RANKS; r++) {
+        const u32 p0 = __shfl_sync(FULL_WARP_MASK, p0_of_lane, r);
+        if (r != me && ((mask >> r) & 1u) != 0u) (void)ptx::ld_acquire_sys(flags + (u64)r * a.flag_slots + p0);
+      }
+    }
     const u32x4* rows[NUM_RANKS];
     const u32* weight_rows[NUM_RANKS];
 #pragma unroll
@@ -205,7 +213,7 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
     }
 
 #pragma unroll 1
-    for (u32 round = 0; round < RED_ROUNDS; round++) {
+    for (u32 round = 0; round < ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0 ? RED_ROUNDS : 0u); round++) {
       u32x4 v[RED_UNROLL][NUM_RANKS], b0[RED_UNROLL], b1[RED_UNROLL];
 #pragma unroll
       for (u32 u = 0; u < RED_UNROLL; u++) {

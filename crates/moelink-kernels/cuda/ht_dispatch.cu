@@ -8,12 +8,13 @@
 //   DISPATCH_WARPS                    warps per block (every block sends or receives, never both)
 //   MAX_UNROLL                        16-byte vectors a lane keeps in flight per copy round
 //   RELEASE_BATCH                     tokens a sender warp writes before one fence releases them all
+//   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::dispatch_row_bytes)
 //   MOELINK_SIZEOF_HT_DISPATCH_ARGS   sizeof(moelink_kernels::ht::HtDispatchArgs)
 #include "ht.cuh"
 
 #if !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(DISPATCH_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(RELEASE_BATCH) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
+    !defined(RELEASE_BATCH) || !defined(HT_EXPERIMENT) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
 #error "ht_dispatch.cu needs every JIT constant listed at the top of the file"
 #endif
 
@@ -150,6 +151,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
 #pragma unroll
         for (u32 r = 0; r < MAX_RANKS; r++) {
           if (((mask >> r) & 1u) == 0u) continue;
+          if ((HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0 && r != me) continue;
           u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
 #pragma unroll
           for (u32 u = 0; u < UNROLL; u++) {
@@ -283,9 +285,11 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (lane < ready) (void)ptx::ld_acquire_sys(flag);
       __syncwarp();
       const u32 base = __shfl_sync(FULL_WARP_MASK, offset, s);
-      // The lanes' acquires, then __syncwarp (which orders memory among the warp's lanes), make every row of
-      // the run visible to every lane; one acquire per row by all lanes cost a serial L2 round trip per row.
-      for (u32 i = 0; i < ready; i++) copy_out_row(a, s, j + i, base + j + i, lane);
+      for (u32 i = 0; i < ready; i++) {
+        // Every lane reads part of the row: every lane acquires its flag (one broadcast load).
+        (void)ptx::ld_acquire_sys(flags + (u64)s * a.flag_slots + j + i);
+        if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_out_row(a, s, j + i, base + j + i, lane);
+      }
       if (lane == s) next += ready;
       progressed = true;
     }

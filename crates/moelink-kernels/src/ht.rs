@@ -449,6 +449,8 @@ pub struct HtDispatchVariant {
     pub topk: usize,
     /// Tokens a sender warp writes before one fence releases them (see ht_dispatch.cu).
     pub release_batch: u32,
+    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong).
+    pub experiment: u32,
 }
 
 /// Rows a sender warp writes before one `fence.acq_rel.sys` releases them all (HT dispatch and combine). The
@@ -459,7 +461,7 @@ pub const DEFAULT_RELEASE_BATCH: u32 = 4;
 impl HtDispatchVariant {
     /// The variant with the default release batch.
     pub fn new(hidden: usize, fp8: bool, topk: usize) -> Self {
-        Self { hidden, fp8, topk, release_batch: DEFAULT_RELEASE_BATCH }
+        Self { hidden, fp8, topk, release_batch: DEFAULT_RELEASE_BATCH, experiment: 0 }
     }
 
     /// Warps per block.
@@ -480,11 +482,12 @@ impl HtDispatchVariant {
         KernelSpec {
             family: Family::HtDispatch,
             variant: format!(
-                "ht_dispatch[h{},{},k{},b{}]",
+                "ht_dispatch[h{},{},k{},b{},x{}]",
                 self.hidden,
                 if self.fp8 { "fp8" } else { "bf16" },
                 self.topk,
-                self.release_batch
+                self.release_batch,
+                self.experiment
             ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
@@ -494,6 +497,7 @@ impl HtDispatchVariant {
                 define("DISPATCH_WARPS", Self::WARPS),
                 define("MAX_UNROLL", Self::MAX_UNROLL),
                 define("RELEASE_BATCH", self.release_batch),
+                define("HT_EXPERIMENT", self.experiment),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>()),
             ],
@@ -510,12 +514,14 @@ pub struct HtCombineVariant {
     pub topk: usize,
     /// Rows per source a sender warp writes before one fence releases them (see ht_combine.cu).
     pub release_batch: u32,
+    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong).
+    pub experiment: u32,
 }
 
 impl HtCombineVariant {
     /// The variant with the default release batch.
     pub fn new(num_ranks: usize, hidden: usize, topk: usize) -> Self {
-        Self { num_ranks, hidden, topk, release_batch: DEFAULT_RELEASE_BATCH }
+        Self { num_ranks, hidden, topk, release_batch: DEFAULT_RELEASE_BATCH, experiment: 0 }
     }
 
     /// Warps per block.
@@ -537,7 +543,10 @@ impl HtCombineVariant {
     pub fn spec(&self) -> KernelSpec {
         KernelSpec {
             family: Family::HtCombine,
-            variant: format!("ht_combine[r{},h{},k{},b{}]", self.num_ranks, self.hidden, self.topk, self.release_batch),
+            variant: format!(
+                "ht_combine[r{},h{},k{},b{},x{}]",
+                self.num_ranks, self.hidden, self.topk, self.release_batch, self.experiment
+            ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
                 define("NUM_RANKS", self.num_ranks),
@@ -546,6 +555,7 @@ impl HtCombineVariant {
                 define("COMBINE_WARPS", Self::WARPS),
                 define("MAX_UNROLL", Self::MAX_UNROLL),
                 define("RELEASE_BATCH", self.release_batch),
+                define("HT_EXPERIMENT", self.experiment),
                 define("REDUCE_LOAD_VECS", Self::REDUCE_LOAD_VECS),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>()),

@@ -92,6 +92,7 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
             ("DISPATCH_WARPS", warps.clone()),
             ("MAX_UNROLL", c.max_unroll.to_string()),
             ("RELEASE_BATCH", c.release_batch.to_string()),
+            ("HT_EXPERIMENT", "0".into()),
             ("ROW_BYTES", dispatch_row_bytes(hidden, fp8, topk).to_string()),
             ("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>().to_string()),
         ]
@@ -107,6 +108,7 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
             ("COMBINE_WARPS", warps.clone()),
             ("MAX_UNROLL", c.max_unroll.to_string()),
             ("RELEASE_BATCH", c.release_batch.to_string()),
+            ("HT_EXPERIMENT", "0".into()),
             ("REDUCE_LOAD_VECS", "4".into()),
             ("ROW_BYTES", combine_row_bytes(c.hidden, c.topk).to_string()),
             ("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>().to_string()),

@@ -86,6 +86,18 @@ fn release_batch() -> u32 {
         .unwrap_or(kht::DEFAULT_RELEASE_BATCH)
 }
 
+/// `MOELINK_HT_TIMING_EXPERIMENT=<bits>` (ht.cuh's `HT_EXP_*`): removes one role's data movement so that the
+/// other role can be timed alone (`moelink bench --no-host-check`). The results are wrong; a warning says so
+/// once per process.
+fn timing_experiment() -> u32 {
+    let bits = std::env::var("MOELINK_HT_TIMING_EXPERIMENT").ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(0) & 3;
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if bits != 0 {
+        WARNED.call_once(|| eprintln!("moelink: MOELINK_HT_TIMING_EXPERIMENT={bits}: HT results are WRONG (timing experiment)"));
+    }
+    bits
+}
+
 // ------------------------------------------------------------------------------------------ state
 
 /// Per-buffer high-throughput state (kept across calls).
@@ -548,7 +560,11 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
     check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
     let region = region(b);
-    let variant = HtDispatchVariant { release_batch: release_batch(), ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk) };
+    let variant = HtDispatchVariant {
+        release_batch: release_batch(),
+        experiment: timing_experiment(),
+        ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk)
+    };
     let slab_rows = region.slab_rows(variant.row_bytes());
 
     // The handle: a fresh dispatch builds it (routing from notify, a new recv_src_idx); a cached one re-uses.
@@ -627,7 +643,11 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
 pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
-    let variant = HtCombineVariant { release_batch: release_batch(), ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk) };
+    let variant = HtCombineVariant {
+        release_batch: release_batch(),
+        experiment: timing_experiment(),
+        ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
+    };
     let region = region(b);
     let slab_rows = region.slab_rows(variant.row_bytes());
     if let Some(h) = &r.host {
