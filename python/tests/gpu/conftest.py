@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import moelink
+from checks import HT_NVL_BYTES, LL
 
 
 def _init() -> None:
@@ -67,14 +68,14 @@ def env() -> Env:
 
 @pytest.fixture(scope="session")
 def ht_buffer(env: Env) -> Iterator[moelink.Buffer]:
-    buf = moelink.Buffer(env.group, num_nvl_bytes=256 << 20, num_rdma_bytes=0, explicitly_destroy=True)
+    buf = moelink.Buffer(env.group, num_nvl_bytes=HT_NVL_BYTES, num_rdma_bytes=0, explicitly_destroy=True)
     yield buf
     buf.destroy()
 
 
 @pytest.fixture(scope="session")
 def ll_buffer(env: Env) -> Iterator[moelink.Buffer]:
-    hint = moelink.Buffer.get_low_latency_rdma_size_hint(128, 1024, env.num_ranks, 8 * env.num_ranks)
+    hint = moelink.Buffer.get_low_latency_rdma_size_hint(LL.tokens, LL.hidden, env.num_ranks, LL.num_experts(env.num_ranks))
     buf = moelink.Buffer(env.group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
     yield buf
     buf.destroy()
