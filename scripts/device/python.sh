@@ -14,6 +14,8 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MOELINK_TIMEOUT_MS=${MOELINK_TIMEOUT_MS:-5000}
+# A suite test running longer than this is taken for a hang: stacks printed, the suite stopped (conftest.py).
+export MOELINK_TEST_DEADLINE_S=${MOELINK_TEST_DEADLINE_S:-45}
 export MOELINK_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
 export OMP_NUM_THREADS=4
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -50,14 +52,14 @@ PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
 want() { case " $PY_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 want ci && (cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
 tr=(torchrun --standalone --local-ranks-filter 0)
+suite=(-m pytest -q -p no:cacheprovider -rfEs --durations=15 python/tests/gpu)  # per-test times in the log
 for n in 2 4; do
     if [ "$ngpu" -ge "$n" ] && want "gpu$n"; then
-        step "gpu suite, $n ranks (cuda)" "$OUT/gpu-tests-$n.log" 200 \
-            "${tr[@]}" --nproc_per_node="$n" -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu
+        step "gpu suite, $n ranks (cuda)" "$OUT/gpu-tests-$n.log" 120 "${tr[@]}" --nproc_per_node="$n" "${suite[@]}"
     fi
 done
-want host && MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 150 \
-    "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu
+want host && MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 120 \
+    "${tr[@]}" --nproc_per_node=4 "${suite[@]}"
 want example && step "examples/moe_layer.py, $ranks ranks" "$OUT/moe_layer.log" 120 "${tr[@]}" --nproc_per_node="$ranks" examples/moe_layer.py
 bench_args=()
 [ "$ngpu" -eq 0 ] && bench_args=(--tokens 256 --hidden 512 --experts 16 --ll-tokens 16 --ll-experts 16 --reps 3 --warmup 1)

@@ -9,12 +9,18 @@ which checks the Python layer anywhere.
 Every test body is collective: all ranks run the same tests in the same order. A failure on one rank is
 reported on every rank (``pytest_runtest_call`` below), so the others do not run ahead into the next test's
 collectives and hang.
+
+A test that runs longer than ``MOELINK_TEST_DEADLINE_S`` seconds (default 60; 0 = no limit) is taken for a
+hang: the rank prints every thread's Python stack and exits, which makes torchrun stop the others. A hung
+suite then costs one deadline, not the caller's whole time limit, and says where it stood.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import sys
 from typing import Any, Iterator
 
 import pytest
@@ -22,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import moelink
+from checks import HT_NVL_BYTES, LL
 
 
 def _init() -> None:
@@ -61,14 +68,14 @@ def env() -> Env:
 
 @pytest.fixture(scope="session")
 def ht_buffer(env: Env) -> Iterator[moelink.Buffer]:
-    buf = moelink.Buffer(env.group, num_nvl_bytes=256 << 20, num_rdma_bytes=0, explicitly_destroy=True)
+    buf = moelink.Buffer(env.group, num_nvl_bytes=HT_NVL_BYTES, num_rdma_bytes=0, explicitly_destroy=True)
     yield buf
     buf.destroy()
 
 
 @pytest.fixture(scope="session")
 def ll_buffer(env: Env) -> Iterator[moelink.Buffer]:
-    hint = moelink.Buffer.get_low_latency_rdma_size_hint(128, 1024, env.num_ranks, 8 * env.num_ranks)
+    hint = moelink.Buffer.get_low_latency_rdma_size_hint(LL.tokens, LL.hidden, env.num_ranks, LL.num_experts(env.num_ranks))
     buf = moelink.Buffer(env.group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
     yield buf
     buf.destroy()
@@ -84,6 +91,12 @@ def _status(item: Any, excinfo: Any) -> str:
 def pytest_runtest_call(item: Any) -> Iterator[None]:
     outcome = yield
     mine = _status(item, outcome.excinfo)
+    # One small all-reduce per test; the messages are gathered only when some rank failed.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    failed = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if not int(failed.item()):
+        return
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     others = [f"rank {r}: {s}" for r, s in enumerate(every) if s and r != dist.get_rank()]
@@ -91,7 +104,29 @@ def pytest_runtest_call(item: Any) -> Iterator[None]:
         outcome.force_exception(AssertionError("failed on another rank: " + "; ".join(others)))
 
 
+_DEADLINE_S = float(os.environ.get("MOELINK_TEST_DEADLINE_S", "60"))
+_stderr_fd = -1
+
+
+def pytest_configure(config: Any) -> None:
+    # The real stderr, kept before pytest's capture redirects fd 2 (a dump into the capture would be lost).
+    global _stderr_fd
+    _stderr_fd = os.dup(sys.stderr.fileno())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
+    if _DEADLINE_S > 0 and _stderr_fd >= 0:
+        faulthandler.dump_traceback_later(_DEADLINE_S, exit=True, file=_stderr_fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    if _DEADLINE_S > 0 and _stderr_fd >= 0:
+        faulthandler.dump_traceback_later(_DEADLINE_S, exit=True, file=_stderr_fd)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

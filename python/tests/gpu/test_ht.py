@@ -1,4 +1,5 @@
-"""High-throughput API (layout, dispatch, combine, cached, no-sync, FP8, events) against plain-torch semantics."""
+"""High-throughput API (layout, dispatch, combine, cached, no-sync, FP8, events, CUDA graphs) against the
+plain-torch semantics of reference.py, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,142 +9,202 @@ import pytest
 import torch
 
 import moelink
+from checks import HT_NVL_BYTES, HT_REAL, HT_SMALL, Shape, same
 from reference import RankInputs, ht_combine, ht_dispatch, layout, make_inputs
 
 
-def experts_for(num_ranks: int) -> int:
-    return 8 * num_ranks
+def all_inputs(shape: Shape, num_ranks: int, seed: int, drop: float = 0.1) -> List[RankInputs]:
+    """Every rank's inputs; ranks send different token counts."""
+    e = shape.num_experts(num_ranks)
+    return [make_inputs(r, shape.tokens + 3 * r, shape.hidden, e, shape.topk, seed, drop) for r in range(num_ranks)]
 
 
-def all_inputs(num_ranks: int, tokens: int, hidden: int, topk: int, seed: int) -> List[RankInputs]:
-    return [make_inputs(r, tokens + 3 * r, hidden, experts_for(num_ranks), topk, seed) for r in range(num_ranks)]
-
-
-def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    got = got.cpu()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if got.dtype == torch.float8_e4m3fn:
-        got, want = got.view(torch.uint8), want.view(torch.uint8)
-    if not torch.equal(got, want):
-        bad = (got != want) if got.dtype != torch.bool else (got ^ want)
-        if bad.dim() > 1:
-            bad = bad.flatten(1).any(1)
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} rows differ (first: {torch.nonzero(bad).flatten()[:5].tolist()})")
-
-
-def fresh(buf: moelink.Buffer, env, inp: RankInputs, **kw):
+def fresh(buf: moelink.Buffer, env, inp: RankInputs, num_experts: int, **kw):
+    """Layout, then a fresh dispatch of ``inp`` (``x=`` overrides the rows, e.g. with an FP8 tuple)."""
     idx = env.to(inp.topk_idx)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts_for(env.num_ranks))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     x = kw.pop("x", env.to(inp.x))
     return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                         topk_idx=idx, topk_weights=env.to(inp.topk_weights), **kw)
 
 
+def expert_out(rank: int, x: torch.Tensor) -> torch.Tensor:
+    """What rank ``rank``'s experts return for received rows ``x`` (a rank-dependent scaling)."""
+    return (x.float() * ((rank + 1) / 4)).to(torch.bfloat16)
+
+
+def check_received(got, want, what: str) -> None:
+    recv_x, recv_idx, recv_w, counts = got
+    same(recv_x, want.x, f"recv_x ({what})")
+    same(recv_idx, want.topk_idx, f"recv_topk_idx ({what})")
+    same(recv_w, want.topk_weights, f"recv_topk_weights ({what})")
+    assert isinstance(counts, list) and counts == want.num_recv_tokens_per_expert, f"num_recv_tokens_per_expert ({what})"
+
+
+def test_module_and_buffer_attributes(env, ht_buffer):
+    assert moelink.topk_idx_t is torch.int64
+    assert ht_buffer.rank == env.rank and ht_buffer.group_size == env.num_ranks and ht_buffer.group is env.group
+    assert ht_buffer.num_nvl_bytes == HT_NVL_BYTES and ht_buffer.num_rdma_bytes == 0
+    assert ht_buffer.low_latency_mode is False and ht_buffer.explicitly_destroy is True
+    assert ht_buffer.backend == ("cuda" if env.cuda else "host")
+    sm90 = moelink.Buffer.is_sm90_compiled()
+    assert isinstance(sm90, bool)
+    if env.cuda:
+        assert sm90 == (torch.cuda.get_device_capability() >= (9, 0))
+    for cfg in (moelink.Buffer.get_dispatch_config(env.num_ranks), moelink.Buffer.get_combine_config(env.num_ranks)):
+        assert isinstance(cfg, moelink.Config) and cfg.num_sms > 0 and cfg.num_sms % 2 == 0
+        assert cfg.get_nvl_buffer_size_hint(HT_REAL.hidden * 2, env.num_ranks) > 0
+        assert cfg.get_rdma_buffer_size_hint(HT_REAL.hidden * 2, env.num_ranks) == 0  # one node
+
+
 def test_layout(env, ht_buffer):
-    e = experts_for(env.num_ranks)
-    for seed in range(3):
-        inp = make_inputs(env.rank, 77, 128, e, 6, seed, drop=0.3)
+    nr = env.num_ranks
+    for shape, seed, drop in ((HT_SMALL, 1, 0.3), (HT_REAL, 2, 0.1), (HT_SMALL, 3, 1.0)):  # 1.0: no expert at all
+        e = shape.num_experts(nr)
+        inp = make_inputs(env.rank, shape.tokens + 5 * env.rank, shape.hidden, e, shape.topk, seed, drop)
         per_rank, rdma, per_expert, in_rank, event = ht_buffer.get_dispatch_layout(env.to(inp.topk_idx), e)
-        want = layout(inp.topk_idx, e, env.num_ranks)
-        assert rdma is None
+        want = layout(inp.topk_idx, e, nr)
+        what = f"topk {shape.topk} of {e}, drop {drop}"
+        assert rdma is None, "intranode: no RDMA counts"
         assert isinstance(event, moelink.EventOverlap)
-        assert per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32 and in_rank.dtype == torch.bool
-        same(per_rank, want[0], "num_tokens_per_rank")
-        same(per_expert, want[1], "num_tokens_per_expert")
-        same(in_rank, want[2], "is_token_in_rank")
+        same(per_rank, want[0], f"num_tokens_per_rank ({what})")
+        same(per_expert, want[1], f"num_tokens_per_expert ({what})")
+        same(in_rank, want[2], f"is_token_in_rank ({what})")
 
 
-@pytest.mark.parametrize("expert_alignment", [1, 4])
-@pytest.mark.parametrize("bias_kind", ["none", "one", "two"])
-def test_dispatch_combine_bf16(env, ht_buffer, expert_alignment, bias_kind):
+def test_dispatch_combine_bf16_alignment_and_bias(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
-    inputs = all_inputs(nr, 64, 256, 4, seed=1)
+    e = HT_SMALL.num_experts(nr)
+    inputs = all_inputs(HT_SMALL, nr, seed=1)
     mine = inputs[r]
-    recv_x, recv_idx, recv_w, per_expert, handle, event = fresh(ht_buffer, env, mine, expert_alignment=expert_alignment)
-    want = ht_dispatch(inputs, r, experts_for(nr), expert_alignment)
-    same(recv_x, want.x, "recv_x")
-    same(recv_idx, want.topk_idx, "recv_topk_idx")
-    same(recv_w, want.topk_weights, "recv_topk_weights")
-    assert per_expert == want.num_recv_tokens_per_expert
-    assert isinstance(per_expert, list)
-
-    # Experts' outputs: rank-dependent scaling of what arrived; gradients of the weights: doubled weights.
-    def returned(rank: int, x: torch.Tensor) -> torch.Tensor:
-        return (x.float() * ((rank + 1) / 4)).to(torch.bfloat16)
-
-    g = torch.Generator().manual_seed(5 + r)
     t, h = mine.x.shape
-    biases = [torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range({"none": 0, "one": 1, "two": 2}[bias_kind])]
-    bias = None if not biases else env.to(biases[0]) if len(biases) == 1 else tuple(env.to(b) for b in biases)
-    combined, combined_w, _ = ht_buffer.combine(returned(r, recv_x), handle, topk_weights=recv_w * 2, bias=bias)
-    received = [ht_dispatch(inputs, k, experts_for(nr)) for k in range(nr)]
-    want_x, want_w = ht_combine([(rec, returned(k, rec.x), rec.topk_weights * 2) for k, rec in enumerate(received)], r, t, biases)
-    same(combined, want_x, "combined_x")
-    same(combined_w, want_w, "combined_topk_weights")
-    assert combined.dtype == torch.bfloat16 and combined_w.dtype == torch.float32
+    received = [ht_dispatch(inputs, k, e) for k in range(nr)]
+    for alignment in (1, 4):
+        recv_x, recv_idx, recv_w, counts, handle, event = fresh(ht_buffer, env, mine, e, expert_alignment=alignment)
+        assert isinstance(event, moelink.EventOverlap) and isinstance(handle, moelink.buffer.DispatchHandle)
+        check_received((recv_x, recv_idx, recv_w, counts), ht_dispatch(inputs, r, e, alignment),
+                       f"expert_alignment {alignment}")
+    # Combine through the last handle: experts' outputs, doubled weights (as a weight gradient), 0-2 biases.
+    g = torch.Generator().manual_seed(5 + r)
+    biases = [torch.randn(t, h, generator=g).to(torch.bfloat16) for _ in range(2)]
+    for num_bias in (0, 1, 2):
+        bias = None if num_bias == 0 else env.to(biases[0]) if num_bias == 1 else tuple(env.to(b) for b in biases)
+        combined, combined_w, event = ht_buffer.combine(expert_out(r, recv_x), handle, topk_weights=recv_w * 2, bias=bias)
+        assert isinstance(event, moelink.EventOverlap)
+        want_x, want_w = ht_combine([(rec, expert_out(k, rec.x), rec.topk_weights * 2) for k, rec in enumerate(received)],
+                                    r, t, biases[:num_bias])
+        same(combined, want_x, f"combined_x ({num_bias} biases)")
+        same(combined_w, want_w, f"combined_topk_weights ({num_bias} biases)")
 
 
-def test_dispatch_fp8_any_stride_scales(env, ht_buffer):
+def test_realistic_shape_bf16(env, ht_buffer):
+    """Hidden 7168, top-8 of 256 experts, a few hundred tokens per rank: dispatch and combine with weights."""
     r, nr = env.rank, env.num_ranks
-    inputs = all_inputs(nr, 48, 512, 4, seed=2)
+    e = HT_REAL.num_experts(nr)
+    inputs = all_inputs(HT_REAL, nr, seed=21)
+    mine = inputs[r]
+    recv_x, recv_idx, recv_w, counts, handle, _ = fresh(ht_buffer, env, mine, e)
+    check_received((recv_x, recv_idx, recv_w, counts), ht_dispatch(inputs, r, e), "hidden 7168")
+    combined, combined_w, _ = ht_buffer.combine(expert_out(r, recv_x), handle, topk_weights=recv_w)
+    received = [ht_dispatch(inputs, k, e) for k in range(nr)]
+    want_x, want_w = ht_combine([(rec, expert_out(k, rec.x), rec.topk_weights) for k, rec in enumerate(received)],
+                                r, mine.x.shape[0])
+    same(combined, want_x, "combined_x (hidden 7168)")
+    same(combined_w, want_w, "combined_topk_weights (hidden 7168)")
+
+
+def test_realistic_shape_fp8_column_major_scales_and_cached(env, ht_buffer):
+    r, nr = env.rank, env.num_ranks
+    e = HT_REAL.num_experts(nr)
+    inputs = all_inputs(HT_REAL, nr, seed=22)
     fp8 = [inp.x.float().clamp(-400, 400).to(torch.float8_e4m3fn) for inp in inputs]
     scales = [torch.rand(inp.x.shape[1] // 128, inp.x.shape[0], generator=torch.Generator().manual_seed(k)).t()
-              for k, inp in enumerate(inputs)]  # column-major [T, H/128]
+              for k, inp in enumerate(inputs)]  # column-major [T, H/128], as DeepEP's callers pass them
     assert not scales[r].is_contiguous()
-    (recv_x, recv_s), recv_idx, _, per_expert, handle, _ = fresh(ht_buffer, env, inputs[r], x=(env.to(fp8[r]), env.to(scales[r])))
-    same(recv_x, ht_dispatch(inputs, r, experts_for(nr), payloads=fp8).x, "recv_x (fp8)")
-    same(recv_s, ht_dispatch(inputs, r, experts_for(nr), payloads=[s.contiguous() for s in scales]).x, "recv_x scales")
+    (recv_x, recv_s), recv_idx, recv_w, counts, handle, _ = fresh(ht_buffer, env, inputs[r], e,
+                                                                  x=(env.to(fp8[r]), env.to(scales[r])))
     assert recv_x.dtype == torch.float8_e4m3fn and recv_s.dtype == torch.float32
-    # Cached FP8 dispatch keeps the tuple.
-    out = ht_buffer.dispatch((env.to(fp8[r]), env.to(scales[r])), handle=handle)
+    check_received((recv_x, recv_idx, recv_w, counts), ht_dispatch(inputs, r, e, payloads=fp8), "fp8")
+    want_s = ht_dispatch(inputs, r, e, payloads=[s.contiguous() for s in scales]).x
+    same(recv_s, want_s, "recv_x scales")
+    # A cached FP8 dispatch (same routing, other values) keeps the tuple and returns no top-k or handle.
+    fp8_2 = [(-f.float()).to(torch.float8_e4m3fn) for f in fp8]
+    scales_2 = [s * 2 for s in scales]
+    out = ht_buffer.dispatch((env.to(fp8_2[r]), env.to(scales_2[r])), handle=handle)
     assert isinstance(out[0], tuple) and out[1:5] == (None, None, None, None)
-    same(out[0][0], recv_x.cpu(), "cached recv_x (fp8)")
-    same(out[0][1], recv_s.cpu(), "cached scales")
+    same(out[0][0], ht_dispatch(inputs, r, e, payloads=fp8_2).x, "cached recv_x (fp8)")
+    same(out[0][1], ht_dispatch(inputs, r, e, payloads=[s.contiguous() for s in scales_2]).x, "cached scales")
 
 
-def test_dispatch_without_topk_and_cached(env, ht_buffer):
+def test_dispatch_without_topk_then_cached(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
-    inputs = all_inputs(nr, 40, 128, 3, seed=3)
+    e = HT_SMALL.num_experts(nr)
+    inputs = all_inputs(HT_SMALL, nr, seed=3)
     idx = env.to(inputs[r].topk_idx)
-    per_rank, _, per_expert, in_rank, _ = ht_buffer.get_dispatch_layout(idx, experts_for(nr))
+    per_rank, _, per_expert, in_rank, _ = ht_buffer.get_dispatch_layout(idx, e)
     recv_x, recv_idx, recv_w, counts, handle, _ = ht_buffer.dispatch(
         env.to(inputs[r].x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    want = ht_dispatch(inputs, r, experts_for(nr))
+    want = ht_dispatch(inputs, r, e)
     assert recv_idx is None and recv_w is None
-    same(recv_x, want.x, "recv_x")
+    same(recv_x, want.x, "recv_x (no top-k)")
     assert counts == want.num_recv_tokens_per_expert
-    # The backward of combine: a cached dispatch of other rows along the same routing.
+    # Training: combine's backward is a cached dispatch of the gradients along the same routing...
     grads = [torch.randn(inp.x.shape, generator=torch.Generator().manual_seed(50 + k)).to(torch.bfloat16)
              for k, inp in enumerate(inputs)]
     recv_g, a, b, c, d, event = ht_buffer.dispatch(env.to(grads[r]), handle=handle)
     assert (a, b, c, d) == (None, None, None, None) and isinstance(event, moelink.EventOverlap)
-    same(recv_g, ht_dispatch(inputs, r, experts_for(nr), payloads=grads).x, "cached recv_x")
+    same(recv_g, ht_dispatch(inputs, r, e, payloads=grads).x, "cached recv_x")
+    # ... and dispatch's backward is a combine without weights.
+    combined, combined_w, _ = ht_buffer.combine(recv_g, handle)
+    assert combined_w is None
+    received = [ht_dispatch(inputs, k, e, payloads=grads) for k in range(nr)]
+    want_x, _ = ht_combine([(rec, rec.x, None) for rec in received], r, inputs[r].x.shape[0])
+    same(combined, want_x, "combined_x (no weights)")
 
 
 def test_no_sync_worst_case_rows(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
-    inputs = all_inputs(nr, 32, 256, 4, seed=4)
+    e = HT_SMALL.num_experts(nr)
+    inputs = all_inputs(HT_SMALL, nr, seed=4)
     worst = sum(inp.x.shape[0] for inp in inputs)
-    recv_x, recv_idx, recv_w, counts, handle, _ = fresh(ht_buffer, env, inputs[r], num_worst_tokens=worst)
-    want = ht_dispatch(inputs, r, experts_for(nr))
-    n = len(want.src)
-    assert recv_x.shape[0] == worst and recv_idx.shape[0] == worst and counts == []
+    recv_x, recv_idx, recv_w, counts, handle, _ = fresh(ht_buffer, env, inputs[r], e, num_worst_tokens=worst)
+    want = ht_dispatch(inputs, r, e)
+    n = want.num_rows
+    assert n < worst, "the test needs rows past the received count"
+    assert recv_x.shape[0] == worst and recv_idx.shape[0] == worst and recv_w.shape[0] == worst
+    assert counts == [], "no-sync dispatch returns no per-expert counts"
     same(recv_x[:n], want.x, "recv_x")
     same(recv_idx[:n], want.topk_idx, "recv_topk_idx")
     same(recv_w[:n], want.topk_weights, "recv_topk_weights")
     assert bool((recv_idx[n:] == -1).all()), "rows past the received count must have recv_topk_idx = -1"
-    combined, _, _ = ht_buffer.combine(recv_x, handle)
-    received = [ht_dispatch(inputs, k, experts_for(nr)) for k in range(nr)]
-    want_x, _ = ht_combine([(rec, rec.x, None) for rec in received], r, inputs[r].x.shape[0])
+    combined, combined_w, _ = ht_buffer.combine(recv_x, handle, topk_weights=recv_w)
+    received = [ht_dispatch(inputs, k, e) for k in range(nr)]
+    want_x, want_w = ht_combine([(rec, rec.x, rec.topk_weights) for rec in received], r, inputs[r].x.shape[0])
     same(combined, want_x, "combined_x (no-sync)")
+    same(combined_w, want_w, "combined_topk_weights (no-sync)")
+
+
+def test_rank_without_tokens(env, ht_buffer):
+    """The last rank sends nothing (T = 0); the others still receive and combine correctly."""
+    r, nr = env.rank, env.num_ranks
+    e = HT_SMALL.num_experts(nr)
+    inputs = all_inputs(HT_SMALL, nr, seed=8)
+    inputs[nr - 1] = make_inputs(nr - 1, 0, HT_SMALL.hidden, e, HT_SMALL.topk, 8)
+    recv_x, recv_idx, recv_w, counts, handle, _ = fresh(ht_buffer, env, inputs[r], e)
+    check_received((recv_x, recv_idx, recv_w, counts), ht_dispatch(inputs, r, e), "a rank with no tokens")
+    combined, _, _ = ht_buffer.combine(expert_out(r, recv_x), handle)
+    received = [ht_dispatch(inputs, k, e) for k in range(nr)]
+    want_x, _ = ht_combine([(rec, expert_out(k, rec.x), None) for k, rec in enumerate(received)], r, inputs[r].x.shape[0])
+    same(combined, want_x, "combined_x (a rank with no tokens)")
 
 
 def test_overlap_events_and_comm_stream_allocation(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
-    inputs = all_inputs(nr, 50, 128, 4, seed=6)
-    e = experts_for(nr)
+    e = HT_SMALL.num_experts(nr)
+    inputs = all_inputs(HT_SMALL, nr, seed=6)
     idx = env.to(inputs[r].topk_idx)
     previous = moelink.Buffer.capture()
+    assert isinstance(previous, moelink.EventOverlap) and (previous.event is not None) == env.cuda
     per_rank, _, per_expert, in_rank, ev = ht_buffer.get_dispatch_layout(idx, e, previous_event=previous, async_finish=True,
                                                                          allocate_on_comm_stream=True)
     ev.current_stream_wait()
@@ -152,15 +213,15 @@ def test_overlap_events_and_comm_stream_allocation(env, ht_buffer):
         topk_idx=idx, topk_weights=env.to(inputs[r].topk_weights), previous_event=moelink.Buffer.capture(),
         async_finish=True, allocate_on_comm_stream=True)
     with ev:
-        pass  # work that overlaps the dispatch would go here
+        pass  # work that overlaps the dispatch would go here; the current stream waits on exit
     if env.cuda:
         assert ev.event is not None and ev.extra_tensors, "async_finish returns an event keeping the tensors alive"
         assert isinstance(ht_buffer.get_comm_stream(), torch.cuda.Stream)
     else:
         assert ev.event is None and ht_buffer.get_comm_stream() is None
-    want = ht_dispatch(inputs, r, e)
-    same(recv_x, want.x, "recv_x (async)")
-    combined, _, ev = ht_buffer.combine(recv_x, handle, async_finish=True, allocate_on_comm_stream=True)
+    check_received((recv_x, recv_idx, recv_w, counts), ht_dispatch(inputs, r, e), "async")
+    combined, _, ev = ht_buffer.combine(recv_x, handle, previous_event=moelink.Buffer.capture(), async_finish=True,
+                                        allocate_on_comm_stream=True)
     ev.current_stream_wait()
     received = [ht_dispatch(inputs, k, e) for k in range(nr)]
     want_x, _ = ht_combine([(rec, rec.x, None) for rec in received], r, inputs[r].x.shape[0])
@@ -169,26 +230,32 @@ def test_overlap_events_and_comm_stream_allocation(env, ht_buffer):
 
 def test_config_num_sms(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
-    inputs = all_inputs(nr, 16, 128, 2, seed=7)
-    for sms in (2, 8, 24):
-        recv_x, *_ = fresh(ht_buffer, env, inputs[r], config=moelink.Config(sms))
-        same(recv_x, ht_dispatch(inputs, r, experts_for(nr)).x, f"recv_x with {sms} SMs")
+    e = HT_SMALL.num_experts(nr)
+    inputs = all_inputs(HT_SMALL, nr, seed=7)
+    want = ht_dispatch(inputs, r, e).x
+    for sms in (2, 24):
+        recv_x, *_ = fresh(ht_buffer, env, inputs[r], e, config=moelink.Config(sms, 6, 256, 6, 256))
+        same(recv_x, want, f"recv_x with {sms} SMs")
     with pytest.raises(ValueError) as err:
-        fresh(ht_buffer, env, inputs[r], config=moelink.Config(num_sms=3))
+        fresh(ht_buffer, env, inputs[r], e, config=moelink.Config(num_sms=3))
     assert err.value.argument == "config.num_sms"
     with pytest.raises(ValueError):
         moelink.Buffer.set_num_sms(5)
     old = moelink.Buffer.num_sms
-    moelink.Buffer.set_num_sms(24)
-    assert moelink.Buffer.get_dispatch_config(nr).num_sms == 24
-    moelink.Buffer.set_num_sms(old)
+    try:
+        moelink.Buffer.set_num_sms(8)
+        assert moelink.Buffer.get_dispatch_config(nr).num_sms == 8
+        recv_x, *_ = fresh(ht_buffer, env, inputs[r], e)  # the class-wide default
+        same(recv_x, want, "recv_x with set_num_sms(8)")
+    finally:
+        moelink.Buffer.set_num_sms(old)
     assert moelink.Buffer.get_combine_config(nr).num_sms == old
 
 
 def test_argument_errors_name_the_argument(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
-    e = experts_for(nr)
-    inp = make_inputs(r, 8, 128, e, 2, 8)
+    e = HT_SMALL.num_experts(nr)
+    inp = make_inputs(r, 8, HT_SMALL.hidden, e, HT_SMALL.topk, 8)
     idx = env.to(inp.topk_idx)
     per_rank, _, per_expert, in_rank, _ = ht_buffer.get_dispatch_layout(idx, e)
     lay = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
@@ -209,13 +276,14 @@ def test_argument_errors_name_the_argument(env, ht_buffer):
     raises(ValueError, "num_experts", ht_buffer.get_dispatch_layout, idx, e + 1)
     raises(ValueError, "expert_alignment", ht_buffer.dispatch, env.to(inp.x), **lay, expert_alignment=0)
     raises(TypeError, "x", ht_buffer.dispatch, "not a tensor", **lay)
+    raises(ValueError, "x", ht_buffer.dispatch, (env.to(inp.x),), **lay)  # an FP8 tuple has two tensors
     if env.cuda:
         raises(ValueError, "x", ht_buffer.dispatch, inp.x, **lay)  # a CPU tensor on a CUDA buffer
     else:
         raises(ValueError, "topk_idx", ht_buffer.get_dispatch_layout, torch.full_like(inp.topk_idx, e), e)
     # Nothing above reached a collective: the buffer still works.
     recv_x, *_ = ht_buffer.dispatch(env.to(inp.x), **lay)
-    assert recv_x.shape[1] == 128
+    assert recv_x.shape[1] == HT_SMALL.hidden
 
 
 def test_local_buffer_tensor(env, ht_buffer):
@@ -231,3 +299,46 @@ def test_local_buffer_tensor(env, ht_buffer):
     with pytest.raises(ValueError) as err:
         ht_buffer.get_local_buffer_tensor(torch.int32, torch.Size([ht_buffer.num_nvl_bytes]))
     assert err.value.argument == "size"
+
+
+def test_no_sync_cuda_graph_capture_replay(env, ht_buffer):
+    """Layout, no-sync dispatch (num_worst_tokens), the experts and combine captured in one CUDA graph, then
+    replayed with new values and new routing (same token counts), checked against the reference each time."""
+    if not env.cuda:
+        pytest.skip("CUDA graphs need the CUDA backend; this run uses the host backend (CPU tensors)")
+    r, nr = env.rank, env.num_ranks
+    e = HT_SMALL.num_experts(nr)
+    first = all_inputs(HT_SMALL, nr, seed=30)
+    worst = sum(inp.x.shape[0] for inp in first)
+    x, idx, w = env.to(first[r].x), env.to(first[r].topk_idx), env.to(first[r].topk_weights)
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = ht_buffer.get_dispatch_layout(idx, e)
+        recv_x, recv_idx, recv_w, _, handle, _ = ht_buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+            topk_weights=w, num_worst_tokens=worst)
+        combined, combined_w, _ = ht_buffer.combine(expert_out(r, recv_x), handle, topk_weights=recv_w)
+        return recv_x, recv_idx, combined, combined_w
+
+    step()  # warm-up (JIT, allocations) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_x, recv_idx, combined, combined_w = step()
+    for seed in (31, 32):
+        everyone = all_inputs(HT_SMALL, nr, seed)
+        x.copy_(env.to(everyone[r].x))
+        idx.copy_(env.to(everyone[r].topk_idx))
+        w.copy_(env.to(everyone[r].topk_weights))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ht_dispatch(everyone, r, e)
+        n = want.num_rows
+        same(recv_x[:n], want.x, f"recv_x (replay, seed {seed})")
+        same(recv_idx[:n], want.topk_idx, f"recv_topk_idx (replay, seed {seed})")
+        assert bool((recv_idx[n:] == -1).all()), "rows past the received count must have recv_topk_idx = -1"
+        received = [ht_dispatch(everyone, k, e) for k in range(nr)]
+        want_x, want_w = ht_combine([(rec, expert_out(k, rec.x), rec.topk_weights) for k, rec in enumerate(received)],
+                                    r, everyone[r].x.shape[0])
+        same(combined, want_x, f"combined_x (replay, seed {seed})")
+        same(combined_w, want_w, f"combined_topk_weights (replay, seed {seed})")
