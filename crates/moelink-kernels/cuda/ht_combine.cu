@@ -31,8 +31,12 @@ static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are who
 static_assert(ROW_BYTES == PAYLOAD_BYTES + WEIGHT_BYTES, "slab row differs from moelink_kernels::ht::combine_row_bytes");
 constexpr u32 THREADS = COMBINE_WARPS * WARP_SIZE;
 constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
-// Sender: a row in ROUNDS rounds of UNROLL vectors per lane.
-constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
+// Sender: one step sends a row to every pending source, in ROUNDS rounds; a round loads UNROLL vectors per
+// lane of every source's row before storing any (all sources' loads in flight together: loading and storing
+// one row after the other paid a load latency per row), at most MAX_UNROLL + MAX_UNROLL / 2 in all.
+constexpr u32 SEND_LOAD_VECS = MAX_UNROLL + MAX_UNROLL / 2;
+constexpr u32 SEND_MAX_UNROLL = SEND_LOAD_VECS / NUM_RANKS > 0 ? SEND_LOAD_VECS / NUM_RANKS : 1;
+constexpr u32 ROUNDS = (VECS_PER_LANE + SEND_MAX_UNROLL - 1) / SEND_MAX_UNROLL;
 constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
 // Reducer: RED_UNROLL vectors of every rank's row (and of each bias) per round.
 constexpr u32 RED_MAX_UNROLL = REDUCE_LOAD_VECS / (NUM_RANKS + NUM_BIASES) > 0 ? REDUCE_LOAD_VECS / (NUM_RANKS + NUM_BIASES) : 1;
@@ -114,30 +118,44 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
         have_row = pos < a.num_x_rows;
         if (!have_row) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, (u32)routing[HT_RT_NUM_RECV], a.num_x_rows);
       }
+      u32 row_pos[NUM_RANKS];
+      bool row_valid[NUM_RANKS];
+      u8* out[NUM_RANKS];
 #pragma unroll
       for (u32 r = 0; r < NUM_RANKS; r++) {
-        if (((mask >> r) & 1u) == 0u) continue;
-        const u32 row_pos = __shfl_sync(FULL_WARP_MASK, pos, r);
-        const bool row_valid = __shfl_sync(FULL_WARP_MASK, have_row, r);
-        u8* out = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
-        const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)row_pos * PAYLOAD_VECS;
+        row_pos[r] = __shfl_sync(FULL_WARP_MASK, pos, r);
+        row_valid[r] = __shfl_sync(FULL_WARP_MASK, have_row, r);
+        out[r] = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
+      }
+      const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
 #pragma unroll 1
-        for (u32 round = 0; round < ROUNDS; round++) {
-          u32x4 v[UNROLL];
+      for (u32 round = 0; round < ROUNDS; round++) {
+        u32x4 v[NUM_RANKS][UNROLL];
+#pragma unroll
+        for (u32 r = 0; r < NUM_RANKS; r++) {
+          if (((mask >> r) & 1u) == 0u) continue;
 #pragma unroll
           for (u32 u = 0; u < UNROLL; u++) {
             const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-            v[u] = u32x4{0u, 0u, 0u, 0u};
-            if (i < PAYLOAD_VECS && row_valid) v[u] = ptx::ld_nc_na_v4(src + i);
-          }
-#pragma unroll
-          for (u32 u = 0; u < UNROLL; u++) {
-            const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-            if (i < PAYLOAD_VECS && (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) == 0) ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + i, v[u]);
+            v[r][u] = u32x4{0u, 0u, 0u, 0u};
+            if (i < PAYLOAD_VECS && row_valid[r]) v[r][u] = ptx::ld_nc_na_v4(x + (u64)row_pos[r] * PAYLOAD_VECS + i);
           }
         }
-        if (TOPK > 0 && lane < TOPK)
-          reinterpret_cast<u32*>(out + PAYLOAD_BYTES)[lane] = row_valid ? weights[(u64)row_pos * TOPK + lane] : 0u;
+#pragma unroll
+        for (u32 r = 0; r < NUM_RANKS; r++) {
+          if (((mask >> r) & 1u) == 0u || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
+#pragma unroll
+          for (u32 u = 0; u < UNROLL; u++) {
+            const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+            if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out[r]) + i, v[r][u]);
+          }
+        }
+      }
+      if (TOPK > 0 && lane < TOPK) {
+#pragma unroll
+        for (u32 r = 0; r < NUM_RANKS; r++)
+          if (((mask >> r) & 1u) != 0u)
+            reinterpret_cast<u32*>(out[r] + PAYLOAD_BYTES)[lane] = row_valid[r] ? weights[(u64)row_pos[r] * TOPK + lane] : 0u;
       }
       if (active) next++;
     }

@@ -84,13 +84,35 @@ __device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32
     reinterpret_cast<u32*>(a.recv_src_idx)[pos] = word;
 }
 
-// Sender warp `warp_id` of `num_warps` (a channel): tokens [T * id / n, T * (id + 1) / n).
+// Meta word `w` of token t's row as destination rank r sees it: top-k ids remapped to r's local experts
+// (-1 elsewhere, as i64 in two words), the FP8 scales, the top-k weights (0 where the id is -1), the token.
+__device__ __forceinline__ u32 meta_word(const HtDispatchArgs& a, u32 t, u32 w, u32 r) {
+  i64 expert = -1;
+  u32 raw = 0;
+  if (w < META_SCALES) {
+    expert = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + w / 2];
+  } else if (w < META_WEIGHTS) {
+    raw = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
+  } else if (w < META_SRC) {
+    expert = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + (w - META_WEIGHTS)];
+    raw = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + (w - META_WEIGHTS)];
+  } else {
+    return t;
+  }
+  const i64 first = (i64)r * a.num_local_experts;
+  const i64 local = expert >= first && expert < first + (i64)a.num_local_experts ? expert - first : -1;
+  if (w < META_SCALES) return (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
+  if (w < META_WEIGHTS) return raw;
+  return local >= 0 ? raw : 0u;
+}
+
+// Sender warp `warp_id` of `num_warps` (a channel): tokens [T * id / n, T * (id + 1) / n), remote
+// destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; the token goes to r when they differ, at send
 //   slot prefix[t][r]. The payload is read once (ld.global.nc, UNROLL vectors per lane in flight) and stored
-//   to every destination: peers' slab row [me][slot] (st.global.L1::no_allocate over NVLink), or for this
-//   rank recv_x[recv_offset[me] + slot] directly. Meta words are built per destination (ids remapped to its
-//   local experts, weights zeroed where the id is -1) and stored into the slab row or the outputs.
+//   into every remote destination's slab row [me][slot] (st.global.L1::no_allocate over NVLink), then the
+//   meta words, remapped per destination.
 //   Release, once per RELEASE_BATCH tokens (a fence waits until the warp's NVLink stores are acknowledged;
 //   one per token left each warp idle for a round trip per row): __syncwarp, every lane executes
 //   fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R re-reads the batch's prefix rows and
@@ -102,38 +124,21 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   const i32* prefix = routing + HT_RT_PREFIX;
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_DISPATCH_CONSUMED, me, num_ranks, epoch, d)) return;
   const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
-  const u32 recv_offset_me = (u32)routing[HT_RT_RECV_OFFSET + me];
-  const i64 el = a.num_local_experts;
   const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
-  const u32* scales = reinterpret_cast<const u32*>(a.x_scales);
   for (u32 batch_begin = t_begin; batch_begin < t_end; batch_begin += RELEASE_BATCH) {
     if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     const u32 batch_end = batch_begin + RELEASE_BATCH < t_end ? batch_begin + RELEASE_BATCH : t_end;
 #pragma unroll 1
     for (u32 t = batch_begin; t < batch_end; t++) {
-      u32 slot = 0;
-      bool in = false;
       u64 dst = 0;
-      if (lane < num_ranks) {
+      bool in = false;
+      if (lane < num_ranks && lane != me) {
         const i32 p0 = prefix[(u64)t * num_ranks + lane], p1 = prefix[(u64)(t + 1) * num_ranks + lane];
         in = p1 > p0;
-        slot = (u32)p0;
-      }
-      if (in) {
-        if (lane == me) {
-          // An own row past the outputs (no-sync overflow, reported by the receivers) is dropped.
-          const u32 pos = recv_offset_me + slot;
-          if (pos < a.num_out_rows)
-            dst = a.recv_x + (u64)pos * PAYLOAD_BYTES;
-          else
-            in = false;
-        } else {
-          dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + slot) * ROW_BYTES;
-        }
+        dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + (u32)p0) * ROW_BYTES;
       }
       const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
       if (mask == 0) continue;
-      const u64 pos_me = __shfl_sync(FULL_WARP_MASK, recv_offset_me + slot, me);
       u64 dst_of[MAX_RANKS];
 #pragma unroll
       for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
@@ -150,8 +155,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         }
 #pragma unroll
         for (u32 r = 0; r < MAX_RANKS; r++) {
-          if (((mask >> r) & 1u) == 0u) continue;
-          if ((HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0 && r != me) continue;
+          if (((mask >> r) & 1u) == 0u || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
           u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
 #pragma unroll
           for (u32 u = 0; u < UNROLL; u++) {
@@ -162,40 +166,11 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
       }
 
       // Meta words.
-      const i64* idx_row = reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * TOPK;
-      const u32* weight_row = reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * TOPK;
       for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
-        i64 expert = -1;
-        u32 raw = 0;
-        if (w < META_SCALES) {
-          expert = idx_row[w / 2];
-        } else if (w < META_WEIGHTS) {
-          raw = scales[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
-        } else if (w < META_SRC) {
-          expert = idx_row[w - META_WEIGHTS];
-          raw = weight_row[w - META_WEIGHTS];
-        } else {
-          raw = t;
-        }
 #pragma unroll
-        for (u32 r = 0; r < MAX_RANKS; r++) {
-          if (((mask >> r) & 1u) == 0u) continue;
-          u32 word = raw;
-          if (w < META_SCALES || (w >= META_WEIGHTS && w < META_SRC)) {
-            const i64 first = (i64)r * el;
-            const i64 local = expert >= first && expert < first + el ? expert - first : -1;
-            if (w < META_SCALES)
-              word = (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
-            else
-              word = local >= 0 ? raw : 0u;
-          }
-          if (r == me)
-            store_meta(a, pos_me, w, word);
-          else
-            reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = word;
-        }
+        for (u32 r = 0; r < MAX_RANKS; r++)
+          if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_word(a, t, w, r);
       }
-
     }
     // Release the batch's rows to their destinations. Every lane fences its own row stores (a fence orders
     // the fencing thread's writes; a single lane's fence left other lanes' 16-byte stores in flight when the
@@ -211,6 +186,53 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         if (p1 > p0) ptx::st_relaxed_sys(flags + (u32)p0, epoch);
         p0 = p1;
       }
+    }
+  }
+}
+
+// Receiver warp `warp_id` of `num_warps`, first: this rank's own rows, tokens [T * id / n, T * (id+1) / n):
+// token t with prefix[t + 1][me] > prefix[t][me] is copied from x to recv_x[recv_offset[me] + prefix[t][me]]
+// with its meta words (ids remapped to this rank's experts). Done here rather than by the senders: the
+// senders bound the dispatch (measured: bench/results/2026-11-21-4xnvidia-h200-58851bb-roles), while the
+// receivers wait for remote rows anyway. A row past num_out_rows (no-sync overflow, reported) is dropped.
+__device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_id, u32 num_warps) {
+  const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  const i32* prefix = routing + HT_RT_PREFIX;
+  const u32 recv_offset_me = (u32)routing[HT_RT_RECV_OFFSET + me];
+  const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
+  const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
+  u32x4* recv_x = reinterpret_cast<u32x4*>(a.recv_x);
+  // Lane i looks at token t0 + i: one pass of prefix loads per 32 tokens, then the warp copies the hits.
+  for (u32 t0 = t_begin; t0 < t_end; t0 += WARP_SIZE) {
+    const u32 t_lane = t0 + lane;
+    u32 pos = 0;
+    bool hit = false;
+    if (t_lane < t_end) {
+      const i32 p0 = prefix[(u64)t_lane * num_ranks + me], p1 = prefix[(u64)(t_lane + 1) * num_ranks + me];
+      pos = recv_offset_me + (u32)p0;
+      hit = p1 > p0 && pos < a.num_out_rows;
+    }
+    for (u32 m = __ballot_sync(FULL_WARP_MASK, hit); m != 0u; m &= m - 1) {
+      const u32 i = __ffs(m) - 1, t = t0 + i;
+      const u64 row_pos = __shfl_sync(FULL_WARP_MASK, pos, i);
+      const u32x4* src = x + (u64)t * PAYLOAD_VECS;
+      u32x4* out = recv_x + row_pos * PAYLOAD_VECS;
+#pragma unroll 1
+      for (u32 round = 0; round < ROUNDS; round++) {
+        u32x4 v[UNROLL];
+#pragma unroll
+        for (u32 u = 0; u < UNROLL; u++) {
+          const u32 k = (round * UNROLL + u) * WARP_SIZE + lane;
+          if (k < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + k);
+        }
+#pragma unroll
+        for (u32 u = 0; u < UNROLL; u++) {
+          const u32 k = (round * UNROLL + u) * WARP_SIZE + lane;
+          if (k < PAYLOAD_VECS) ptx::st_na_v4(out + k, v[u]);
+        }
+      }
+      for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, row_pos, w, meta_word(a, t, w, me));
     }
   }
 }
@@ -245,8 +267,8 @@ __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32
 // run of rows whose flag reached the epoch is acquired (ld.acquire.sys by the lanes that saw them, then
 // __syncwarp) and copied to the outputs. A pass without progress counts towards the deadline (measured from
 // the last progress); on expiry the warp records {ERR_TIMEOUT, peer: the first source it still waits for}.
-//   Also: rows [N, num_out_rows) get top-k ids -1 and weights 0 (no-sync outputs); N > num_out_rows is
-//   reported once (ERR_RECV_OVERFLOW, details N and num_out_rows).
+//   Before that: rows [N, num_out_rows) get top-k ids -1 and weights 0 (no-sync outputs); N > num_out_rows
+//   is reported once (ERR_RECV_OVERFLOW, details N and num_out_rows); this rank's own rows (copy_own_rows).
 __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -259,6 +281,7 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
     }
   }
   if (warp_id == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
+  if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_own_rows(a, warp_id, num_warps);
 
   u32 next = 0, end = 0, offset = 0;
   if (lane < num_ranks && lane != me) {
@@ -321,7 +344,8 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
 //   which the peers' senders of the next dispatch wait for. The epoch is read at start (counter + 1) and
 //   stored by the last block.
 //   reads: x, scales, top-k, routing, own slab and row flags;
-//   writes: peers' slabs and row flags, the outputs (own rows directly), recv_src_idx, consumed flags.
+//   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
+//   remote rows from the slab), consumed flags.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __grid_constant__ HtDispatchArgs a) {
   __shared__ u32 s_epoch;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
