@@ -204,8 +204,7 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
         }
       } else if (in) {
         const u32* flag = flags + (u64)lane * a.flag_slots + (u32)p0;
-        ok = wait_flag_geq(flag, epoch, d, lane);
-        if (ok) (void)ptx::ld_acquire_sys(flag);
+        ok = wait_flag_geq<true>(flag, epoch, d, lane);
         row = slab + ((u64)lane * a.slab_rows + (u32)p0) * ROW_BYTES;
         weight_row = row + PAYLOAD_BYTES;
       }

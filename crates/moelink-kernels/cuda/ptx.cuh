@@ -399,11 +399,18 @@ __device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld
 // earlier writes are visible to this thread. Returns false when `d.timeout_ns` passes first — after
 // recording {ERR_TIMEOUT, rank, peer, phase, elapsed} — or as soon as another thread of this rank has
 // failed, so that a failing kernel winds down quickly.
+// RELAXED_POLL: spin with ld.relaxed.sys (no L1 invalidate per poll: cheaper for a data-heavy SM that waits
+// often) and acquire once the value is seen.
+template <bool RELAXED_POLL = false>
 __device__ __forceinline__ bool wait_flag_geq(const u32* flag, u32 target, const Deadline& d, u32 peer) {
-  if ((i32)(ptx::ld_acquire_sys(flag) - target) >= 0) return true;
+  auto poll = [&]() { return RELAXED_POLL ? ptx::ld_relaxed_sys(flag) : ptx::ld_acquire_sys(flag); };
+  if ((i32)(poll() - target) >= 0) {
+    if (RELAXED_POLL) (void)ptx::ld_acquire_sys(flag);
+    return true;
+  }
   const u64 start = ptx::globaltimer();
   u32 spins = 0;
-  while ((i32)(ptx::ld_acquire_sys(flag) - target) < 0) {
+  while ((i32)(poll() - target) < 0) {
     if (++spins % DEADLINE_POLL_SPINS == 0) {
       const u64 waited = ptx::globaltimer() - start;
       if (waited > d.timeout_ns) {
@@ -413,6 +420,7 @@ __device__ __forceinline__ bool wait_flag_geq(const u32* flag, u32 target, const
       if (error_raised(d)) return false;
     }
   }
+  if (RELAXED_POLL) (void)ptx::ld_acquire_sys(flag);
   return true;
 }
 

@@ -516,12 +516,14 @@ pub struct HtCombineVariant {
     pub release_batch: u32,
     /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong).
     pub experiment: u32,
+    /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
+    pub reduce_load_vecs: u32,
 }
 
 impl HtCombineVariant {
     /// The variant with the default release batch.
     pub fn new(num_ranks: usize, hidden: usize, topk: usize) -> Self {
-        Self { num_ranks, hidden, topk, release_batch: DEFAULT_RELEASE_BATCH, experiment: 0 }
+        Self { num_ranks, hidden, topk, release_batch: DEFAULT_RELEASE_BATCH, experiment: 0, reduce_load_vecs: Self::REDUCE_LOAD_VECS }
     }
 
     /// Warps per block.
@@ -544,8 +546,8 @@ impl HtCombineVariant {
         KernelSpec {
             family: Family::HtCombine,
             variant: format!(
-                "ht_combine[r{},h{},k{},b{},x{}]",
-                self.num_ranks, self.hidden, self.topk, self.release_batch, self.experiment
+                "ht_combine[r{},h{},k{},b{},x{},l{}]",
+                self.num_ranks, self.hidden, self.topk, self.release_batch, self.experiment, self.reduce_load_vecs
             ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
@@ -556,7 +558,7 @@ impl HtCombineVariant {
                 define("MAX_UNROLL", Self::MAX_UNROLL),
                 define("RELEASE_BATCH", self.release_batch),
                 define("HT_EXPERIMENT", self.experiment),
-                define("REDUCE_LOAD_VECS", Self::REDUCE_LOAD_VECS),
+                define("REDUCE_LOAD_VECS", self.reduce_load_vecs),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>()),
             ],

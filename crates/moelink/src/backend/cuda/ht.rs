@@ -79,11 +79,13 @@ fn combine_send_blocks(num_sms: usize) -> usize {
 /// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`). Tuning override:
 /// `MOELINK_HT_RELEASE_BATCH=<rows>` in the environment (1..=64).
 fn release_batch() -> u32 {
-    std::env::var("MOELINK_HT_RELEASE_BATCH")
-        .ok()
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .map(|n| n.clamp(1, 64))
-        .unwrap_or(kht::DEFAULT_RELEASE_BATCH)
+    env_u32("MOELINK_HT_RELEASE_BATCH", 1, 64).unwrap_or(kht::DEFAULT_RELEASE_BATCH)
+}
+
+/// A tuning override from the environment, clamped to `[min, max]`. `MOELINK_HT_REDUCE_LOAD_VECS` sets the
+/// combine reducers' loads in flight (`HtCombineVariant::REDUCE_LOAD_VECS`).
+fn env_u32(name: &str, min: u32, max: u32) -> Option<u32> {
+    std::env::var(name).ok()?.trim().parse::<u32>().ok().map(|n| n.clamp(min, max))
 }
 
 /// `MOELINK_HT_TIMING_EXPERIMENT=<bits>` (ht.cuh's `HT_EXP_*`): removes one role's data movement so that the
@@ -646,6 +648,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     let variant = HtCombineVariant {
         release_batch: release_batch(),
         experiment: timing_experiment(),
+        reduce_load_vecs: env_u32("MOELINK_HT_REDUCE_LOAD_VECS", 1, 64).unwrap_or(HtCombineVariant::REDUCE_LOAD_VECS),
         ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
     };
     let region = region(b);
