@@ -232,9 +232,11 @@ if soak:
     mib = lambda b: f"{b / 2**20:.1f}"
     for m in soak.get("device_memory", []):
         lines.append(f"- GPU {m['rank']}: start {mib(m['start'])} MiB, after warm-up {mib(m['after_warmup'])}, end {mib(m['end'])}, max {mib(m['max'])} MiB")
-    h = soak.get("host_rss")
-    if h:
-        lines.append(f"- host RSS: start {mib(h['start'])} MiB, after warm-up {mib(h['after_warmup'])}, end {mib(h['end'])}, max {mib(h['max'])} MiB")
+    for key, what in [("host_rss", "host RSS"), ("host_heap_in_use", "host heap in use"), ("host_heap_held", "host heap held"),
+                      ("host_rss_after_trim", "host RSS after malloc_trim")]:
+        h = soak.get(key)
+        if h:
+            lines.append(f"- {what}: start {mib(h['start'])} MiB, after warm-up {mib(h['after_warmup'])}, end {mib(h['end'])}, max {mib(h['max'])} MiB")
     for e in soak.get("errors", []):
         lines.append(f"- ERROR {e}")
     for f in soak.get("failures", [])[:5]:

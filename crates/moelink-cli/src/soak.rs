@@ -24,9 +24,15 @@
 //! depends on them). All ranks derive the round's plan from the same seed; inputs are per rank.
 //!
 //! Memory: every `--mem-every` rounds each rank reads its GPU's used memory (`cuMemGetInfo`) and rank 0 the
-//! process's resident set (`VmRSS`); the JSON reports the first sample, the sample after warm-up (kernels
-//! compiled, pools filled), the last and the largest. `--time-budget-s` stops early (at an agreed round) with
-//! honest counts. Exit status 1 on any mismatch or error.
+//! process's resident set (`VmRSS`) and the C heap's statistics (`mallinfo2`: bytes in live allocations and
+//! bytes held from the system), all ranks stopped at a barrier between rounds; with `--malloc-trim` rank 0
+//! then also returns the heap's free memory to the system (`malloc_trim(0)`) and reads `VmRSS` again. The
+//! JSON reports, per series, the first sample, the sample after warm-up (kernels compiled, pools filled),
+//! the last and the largest. A sample that falls on an LL block boundary frees the old block first, so such
+//! samples hold no block or round data: a leak grows the heap's in-use bytes from sample to sample (or,
+//! outside the heap, the RSS after the trim); free chunks the allocator keeps grow only the RSS and the held
+//! bytes. `--time-budget-s` stops early (at an agreed round) with honest counts. Exit status 1 on any
+//! mismatch or error.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -131,6 +137,10 @@ pub struct SoakArgs {
     /// Sample memory every this many rounds.
     #[arg(long, default_value_t = 250)]
     pub mem_every: usize,
+    /// At every memory sample, also return the C heap's free memory to the system (`malloc_trim(0)`) and
+    /// sample the resident set again (`host_rss_after_trim`). Later RSS samples then start from a trimmed heap.
+    #[arg(long)]
+    pub malloc_trim: bool,
     /// Deadline of every wait inside a collective (the buffers' timeout_ms).
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
@@ -327,6 +337,8 @@ pub struct Settings {
     pub time_budget_s: Option<f64>,
     /// Memory sample period in rounds.
     pub mem_every: usize,
+    /// `malloc_trim(0)` at every memory sample (and the RSS after it sampled).
+    pub malloc_trim: bool,
     /// Buffers' deadline.
     pub timeout_ms: u64,
     /// Bytes of each buffer's HT region.
@@ -387,7 +399,7 @@ struct RankState {
     failures: Vec<Failure>,
     error: Option<String>,
     device_mem: Vec<Sample>,
-    host_rss: Vec<Sample>,
+    host: HostSamples,
     ll: Option<LlBlock>,
     lut: [u16; 256],
 }
@@ -399,7 +411,7 @@ impl RankState {
             failures: Vec::new(),
             error: None,
             device_mem: Vec::new(),
-            host_rss: Vec::new(),
+            host: HostSamples::default(),
             ll: None,
             lut: fp8_to_bf16_table(),
         }
@@ -412,7 +424,7 @@ struct RankReport {
     failures: Vec<Failure>,
     error: Option<String>,
     device_mem: Vec<Sample>,
-    host_rss: Vec<Sample>,
+    host: HostSamples,
     rounds_done: usize,
     stop_reason: Option<String>,
 }
@@ -426,11 +438,30 @@ struct Shared {
     failures: Mutex<usize>,
 }
 
-fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
-        .map_or(0, |kb| kb * 1024)
+/// The process's host memory, sampled by rank 0.
+#[derive(Default)]
+struct HostSamples {
+    /// `VmRSS`.
+    rss: Vec<Sample>,
+    /// C heap bytes in live allocations (empty without glibc's `mallinfo2`).
+    heap_in_use: Vec<Sample>,
+    /// C heap bytes held from the system.
+    heap_held: Vec<Sample>,
+    /// `VmRSS` right after `malloc_trim(0)` (`--malloc-trim` only).
+    rss_after_trim: Vec<Sample>,
+}
+
+impl HostSamples {
+    fn take(&mut self, round: usize, trim: bool) {
+        self.rss.push((round, sys::rss_bytes()));
+        if let Some(h) = sys::heap_stats() {
+            self.heap_in_use.push((round, h.in_use));
+            self.heap_held.push((round, h.held));
+        }
+        if trim && sys::trim_heap() {
+            self.rss_after_trim.push((round, sys::rss_bytes()));
+        }
+    }
 }
 
 /// Used bytes of one GPU (`total - free`), through the CUDA layer.
@@ -1257,15 +1288,24 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
         moelink::Location::Host => None,
     });
     let mut st = RankState::new(s.families.len());
-    let sample = |st: &mut RankState, round: usize| {
+    // Every rank stops at a barrier first (`quiet`), so that the host samples see no round's temporaries,
+    // and waits for rank 0 to finish sampling before it allocates again.
+    let sample = |st: &mut RankState, round: usize, quiet: bool| -> Result<()> {
+        if quiet {
+            group.barrier()?;
+        }
         if let Some(u) = probe.used() {
             st.device_mem.push((round, u));
         }
         if me == 0 {
-            st.host_rss.push((round, rss_bytes()));
+            st.host.take(round, s.malloc_trim);
         }
+        if quiet {
+            group.barrier()?;
+        }
+        Ok(())
     };
-    sample(&mut st, 0);
+    sample(&mut st, 0, true)?;
     let mut rounds_done = 0;
     let mut stop_reason = None;
     'outer: for round in 0..s.rounds {
@@ -1290,8 +1330,17 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
                 break;
             }
         }
-        if round > 0 && round % s.mem_every.max(1) == 0 {
-            sample(&mut st, round);
+        if round > 0 && round % s.mem_every.max(1) == 0 && !sh.abort.load(Ordering::Relaxed) {
+            if round % s.ll_block == 0 {
+                // This round starts a new LL block anyway: free the old one first, so that every sample
+                // at a block boundary (all of them with the defaults) sees the same live state.
+                st.ll = None;
+            }
+            if let Err(e) = sample(&mut st, round, true) {
+                st.error = Some(format!("memory sample before round {round}: {e}"));
+                stop_reason = Some(format!("error on rank {me}"));
+                break;
+            }
         }
         for &fam in &s.families {
             if sh.abort.load(Ordering::Relaxed) {
@@ -1325,13 +1374,17 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
         }
     }
     st.ll = None;
-    sample(&mut st, rounds_done);
+    // Every rank leaves the loop at the same round unless one failed; then no barrier (a rank may be gone).
+    let agreed = stop_reason.as_deref().is_none_or(|r| r.starts_with("time budget"));
+    if let Err(e) = sample(&mut st, rounds_done, agreed) {
+        st.error.get_or_insert(format!("last memory sample: {e}"));
+    }
     Ok(RankReport {
         counts: st.counts,
         failures: st.failures,
         error: st.error,
         device_mem: st.device_mem,
-        host_rss: st.host_rss,
+        host: st.host,
         rounds_done,
         stop_reason,
     })
@@ -1368,6 +1421,7 @@ pub fn verify_rounds(prim: &mut Buffer, twin: &mut Buffer, families: &[Family], 
         seed,
         time_budget_s: None,
         mem_every: 1,
+        malloc_trim: false,
         timeout_ms: prim.options().timeout_ms,
         num_nvl_bytes: prim.options().num_nvl_bytes,
         num_rdma_bytes: prim.options().num_rdma_bytes,
@@ -1471,8 +1525,15 @@ pub struct Summary {
     pub failures: Vec<Failure>,
     /// GPU memory used per rank.
     pub device_memory: Vec<MemSeries>,
-    /// Resident set of the process.
+    /// Resident set of the process (`VmRSS`).
     pub host_rss: Option<MemSeries>,
+    /// C heap bytes in live allocations (glibc `mallinfo2`: `uordblks + hblkhd`); flat after warm-up
+    /// unless something leaks on the heap.
+    pub host_heap_in_use: Option<MemSeries>,
+    /// C heap bytes held from the system (`arena + hblkhd`): in use plus free chunks kept for reuse.
+    pub host_heap_held: Option<MemSeries>,
+    /// Resident set right after `malloc_trim(0)` (`--malloc-trim`): the RSS without the heap's free pages.
+    pub host_rss_after_trim: Option<MemSeries>,
     /// "pass" (every round ran to the end or to the budget, no mismatch, no error) or "fail".
     pub verdict: String,
 }
@@ -1513,6 +1574,7 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         seed: a.seed,
         time_budget_s: a.time_budget_s,
         mem_every: a.mem_every.max(1),
+        malloc_trim: a.malloc_trim,
         timeout_ms: a.timeout_ms,
         num_nvl_bytes: nvl,
         num_rdma_bytes: rdma,
@@ -1572,7 +1634,7 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
             empty_rank_rounds: 0,
         })
         .collect();
-    let (mut errors, mut failures, mut device_memory, mut host_rss) = (Vec::new(), Vec::new(), Vec::new(), None);
+    let (mut errors, mut failures, mut device_memory, mut host) = (Vec::new(), Vec::new(), Vec::new(), HostSamples::default());
     let mut rounds_done = usize::MAX;
     let mut stopped = None;
     for (rank, r) in reports.into_iter().enumerate() {
@@ -1597,7 +1659,7 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
                     device_memory.push(m);
                 }
                 if rank == 0 {
-                    host_rss = series(None, &rep.host_rss);
+                    host = rep.host;
                 }
                 rounds_done = rounds_done.min(rep.rounds_done);
                 stopped = stopped.or(rep.stop_reason);
@@ -1631,7 +1693,10 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         errors,
         failures,
         device_memory,
-        host_rss,
+        host_rss: series(None, &host.rss),
+        host_heap_in_use: series(None, &host.heap_in_use),
+        host_heap_held: series(None, &host.heap_held),
+        host_rss_after_trim: series(None, &host.rss_after_trim),
         verdict: verdict.into(),
     };
     print_summary(&summary);
@@ -1681,15 +1746,23 @@ fn print_summary(s: &Summary) {
             m.samples.len()
         );
     }
-    if let Some(m) = &s.host_rss {
-        println!(
-            "host RSS: start {} MiB, after warm-up {} MiB, end {} MiB, max {} MiB ({} samples)",
-            mib(m.start),
-            mib(m.after_warmup),
-            mib(m.end),
-            mib(m.max),
-            m.samples.len()
-        );
+    let host = [
+        ("host RSS", &s.host_rss),
+        ("host heap in use", &s.host_heap_in_use),
+        ("host heap held", &s.host_heap_held),
+        ("host RSS after malloc_trim", &s.host_rss_after_trim),
+    ];
+    for (what, m) in host {
+        if let Some(m) = m {
+            println!(
+                "{what}: start {} MiB, after warm-up {} MiB, end {} MiB, max {} MiB ({} samples)",
+                mib(m.start),
+                mib(m.after_warmup),
+                mib(m.end),
+                mib(m.max),
+                m.samples.len()
+            );
+        }
     }
     for e in &s.errors {
         println!("ERROR {e}");
@@ -1792,6 +1865,7 @@ mod tests {
             seed: 5,
             time_budget_s: None,
             mem_every: 2,
+            malloc_trim: true,
             timeout_ms: 10_000,
             json: Some(json.clone()),
             progress_s: 0.0,
@@ -1804,6 +1878,12 @@ mod tests {
         assert_eq!(v["families"].as_array().unwrap().len(), 5);
         assert!(v["families"].as_array().unwrap().iter().all(|f| f["rounds"] == 6 && f["mismatches"] == 0));
         assert!(v["host_rss"]["max"].as_u64().unwrap() > 0);
+        // A sample at rounds 0, 2, 4 and the end (6) of every host series.
+        for key in ["host_rss", "host_heap_in_use", "host_heap_held", "host_rss_after_trim"] {
+            let rounds: Vec<u64> = v[key]["samples"].as_array().unwrap().iter().map(|p| p[0].as_u64().unwrap()).collect();
+            assert_eq!(rounds, [0, 2, 4, 6], "{key}");
+        }
+        assert!(v["host_heap_held"]["max"].as_u64() >= v["host_heap_in_use"]["max"].as_u64());
     }
 
     #[test]
