@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Runs THERE (kind nvidia-h200-x4, carry [".device"]): the run that produces a results folder, in ~5 minutes.
+#   tests    the HT and LL GPU tests (bitwise against the host backend) — before anything is timed
+#   soak     HT soak at T <= 32 and T <= 1024 (SOAK_S seconds each)
+#   tune     MOELINK_HT_REDUCE_LOAD_VECS in TUNE_VECS at DeepEP's HT shape (24 SMs)
+#   suite    moelink bench --suite --hook (EP4: HT tokens/SM sweeps, skewed, LL curves) with the P2P ceiling
+#   ep2      moelink bench --ranks 2 (HT at 24 SMs, LL)
+#   llsoak   scripts/device/reliability.sh STEPS=soak over the LL families (host heap figures)
+#   python   python -m moelink.bench under torchrun (moelink vs NCCL all_to_all_single)
+# Everything lands in $OUT/results.tgz (logs, JSON) plus $OUT/summary.txt, printed last.
+# Knobs: STEPS (default: all of the above in that order), SOAK_S (20), TUNE_VECS ("16 24").
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/moelink-out}
+mkdir -p "$OUT"
+W=/tmp/results
+rm -rf "$W" && mkdir -p "$W" /tmp/moelink-device
+BIN=/tmp/moelink-device/moelink
+cp .device/moelink "$BIN" && chmod +x "$BIN"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
+export MOELINK_CACHE_DIR=/tmp/moelink-jit
+STEPS=${STEPS:-"tests soak tune suite ep2 llsoak python"}
+SOAK_S=${SOAK_S:-20}
+TUNE_VECS=${TUNE_VECS:-"16 24"}
+summary=$OUT/summary.txt
+{ echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+run() {  # run NAME LIMIT CMD...: output to $W/NAME.log, status and time to the summary
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout --kill-after=10 "$limit" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    note "$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E '^test result|^soak: |^wrote|passed|PASS|FAIL' "$W/$name.log" | tail -n 1)")"
+}
+for s in $STEPS; do
+    case $s in
+    tests)
+        for t in ht ll_cuda; do
+            run "test-$t" 150 env -C crates/moelink MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=4 ../../.device/tests/moelink.test.$t
+        done ;;
+    soak)
+        for tm in 32 1024; do
+            run "soak-ht-t$tm" $((SOAK_S + 60)) "$BIN" soak --backend cuda --families ht,ht-cached --t-max $tm --rounds 100000 \
+                --time-budget-s "$SOAK_S" --json "$W/soak-ht-t$tm.json"
+        done ;;
+    tune)
+        for v in $TUNE_VECS; do
+            run "tune-vecs$v" 90 env MOELINK_HT_REDUCE_LOAD_VECS=$v "$BIN" bench --mode ht --dtype bf16 --num-sms 24 --reps 10 \
+                --warmup 2 --json "$W/tune-vecs$v.json"
+            note "  $(grep -E '^ht +combine' "$W/tune-vecs$v.log" | head -n1)"
+        done ;;
+    suite)
+        run suite 300 "$BIN" bench --suite --hook --reps 20 --warmup 3 --p2p-ceiling-gbps 356 --json "$W/bench.json"
+        sed -n '/^summary:/,$p' "$W/suite.log" >> "$summary" ;;
+    ep2)
+        run ep2 120 "$BIN" bench --ranks 2 --num-sms 24 --hook --reps 20 --warmup 3 --p2p-ceiling-gbps 356 --json "$W/bench-ep2.json"
+        sed -n '/^summary:/,$p' "$W/ep2.log" >> "$summary" ;;
+    llsoak)
+        run llsoak 200 env OUT="$W/llsoak" STEPS=soak BUDGET_S=100 SOAK_S=60 \
+            SOAK_ARGS="--families ll,ll-prereduced,ll-hook --seed 2" bash scripts/device/reliability.sh
+        grep -iE "host (rss|heap)|mismatch|PASS|FAIL" "$W/llsoak.log" | tail -n 6 >> "$summary" ;;
+    python)
+        run python 200 env OUT="$W/py" PY_STEPS="bench" bash scripts/device/python.sh
+        sed -n '/^== bench table/,/^== summary/p' "$W/python.log" >> "$summary" ;;
+    esac
+done
+tar czf "$OUT/results.tgz" -C /tmp results
+echo "== summary"
+cat "$summary"
