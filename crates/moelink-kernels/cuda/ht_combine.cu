@@ -10,19 +10,20 @@
 //   RELEASE_BATCH                     rows per source a sender warp writes before one fence releases them
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)
+//   NUM_BIASES                        biases the call adds (0, 1 or 2): bias0, bias1 are non-null exactly then
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::combine_row_bytes)
 //   MOELINK_SIZEOF_HT_COMBINE_ARGS    sizeof(moelink_kernels::ht::HtCombineArgs)
 #include "ht.cuh"
 
 #if !defined(NUM_RANKS) || !defined(HIDDEN) || !defined(TOPK) || !defined(COMBINE_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(RELEASE_BATCH) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
+    !defined(RELEASE_BATCH) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(NUM_BIASES) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
 #error "ht_combine.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_RANKS >= 1 && NUM_RANKS <= MAX_RANKS, "ranks");
 
 constexpr u32 VEC_BYTES = 16;
 constexpr u32 BF16_PER_VEC = VEC_BYTES / 2;
-constexpr u32 NUM_BIASES = 2;
+static_assert(NUM_BIASES <= 2, "at most two biases");
 constexpr u32 PAYLOAD_BYTES = HIDDEN * 2;
 constexpr u32 PAYLOAD_VECS = PAYLOAD_BYTES / VEC_BYTES;
 // A slab row: the bf16 payload, then TOPK f32 weights, padded to 16 bytes.
@@ -241,8 +242,8 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
           if (((mask >> r) & 1u) == 0u) continue;
           v[u][r] = r == me ? ptx::ld_nc_na_v4(rows[r] + i) : ptx::ld_na_v4(rows[r] + i);
         }
-        if (bias0 != nullptr) b0[u] = ptx::ld_nc_na_v4(bias0 + (u64)t * PAYLOAD_VECS + i);
-        if (bias1 != nullptr) b1[u] = ptx::ld_nc_na_v4(bias1 + (u64)t * PAYLOAD_VECS + i);
+        if (NUM_BIASES >= 1) b0[u] = ptx::ld_nc_na_v4(bias0 + (u64)t * PAYLOAD_VECS + i);
+        if (NUM_BIASES >= 2) b1[u] = ptx::ld_nc_na_v4(bias1 + (u64)t * PAYLOAD_VECS + i);
       }
 #pragma unroll
       for (u32 u = 0; u < RED_UNROLL; u++) {
@@ -254,8 +255,8 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
 #pragma unroll
         for (u32 r = 0; r < NUM_RANKS; r++)
           if (((mask >> r) & 1u) != 0u) accumulate_bf16x8(acc, v[u][r]);
-        if (bias0 != nullptr) accumulate_bf16x8(acc, b0[u]);
-        if (bias1 != nullptr) accumulate_bf16x8(acc, b1[u]);
+        if (NUM_BIASES >= 1) accumulate_bf16x8(acc, b0[u]);
+        if (NUM_BIASES >= 2) accumulate_bf16x8(acc, b1[u]);
         u32x4 out;
         out.x = ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]);
         out.y = ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]);

@@ -84,26 +84,38 @@ __device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32
     reinterpret_cast<u32*>(a.recv_src_idx)[pos] = word;
 }
 
-// Meta word `w` of token t's row as destination rank r sees it: top-k ids remapped to r's local experts
-// (-1 elsewhere, as i64 in two words), the FP8 scales, the top-k weights (0 where the id is -1), the token.
-__device__ __forceinline__ u32 meta_word(const HtDispatchArgs& a, u32 t, u32 w, u32 r) {
-  i64 expert = -1;
-  u32 raw = 0;
+// Meta word `w` of token t's row, before it is remapped for a destination: the top-k id it carries (-1 for
+// words without one) and the raw word (scale, weight or token index).
+struct MetaSource {
+  i64 expert;
+  u32 raw;
+};
+
+__device__ __forceinline__ MetaSource load_meta(const HtDispatchArgs& a, u32 t, u32 w) {
+  MetaSource m = {-1, 0u};
   if (w < META_SCALES) {
-    expert = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + w / 2];
+    m.expert = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + w / 2];
   } else if (w < META_WEIGHTS) {
-    raw = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
+    m.raw = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)(w - META_SCALES) * a.scale_stride_group];
   } else if (w < META_SRC) {
-    expert = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + (w - META_WEIGHTS)];
-    raw = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + (w - META_WEIGHTS)];
+    m.expert = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + (w - META_WEIGHTS)];
+    m.raw = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + (w - META_WEIGHTS)];
   } else {
-    return t;
+    m.raw = t;
   }
+  return m;
+}
+
+// The word as destination rank r sees it: top-k ids remapped to r's local experts (-1 elsewhere, as i64 in
+// two words), weights zeroed where the id is -1 there; scales and the token index as they are. Loaded once
+// per word (load_meta) and remapped per destination: loads between the remote stores would be re-issued
+// after each store (possible aliasing), one round trip per destination.
+__device__ __forceinline__ u32 meta_for(const HtDispatchArgs& a, const MetaSource& m, u32 w, u32 r) {
+  if (w >= META_SCALES && (w < META_WEIGHTS || w >= META_SRC)) return m.raw;
   const i64 first = (i64)r * a.num_local_experts;
-  const i64 local = expert >= first && expert < first + (i64)a.num_local_experts ? expert - first : -1;
+  const i64 local = m.expert >= first && m.expert < first + (i64)a.num_local_experts ? m.expert - first : -1;
   if (w < META_SCALES) return (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
-  if (w < META_WEIGHTS) return raw;
-  return local >= 0 ? raw : 0u;
+  return local >= 0 ? m.raw : 0u;
 }
 
 // Sender warp `warp_id` of `num_warps` (a channel): tokens [T * id / n, T * (id + 1) / n), remote
@@ -167,9 +179,10 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
 
       // Meta words.
       for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
+        const MetaSource m = load_meta(a, t, w);
 #pragma unroll
         for (u32 r = 0; r < MAX_RANKS; r++)
-          if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_word(a, t, w, r);
+          if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, m, w, r);
       }
     }
     // Release the batch's rows to their destinations. Every lane fences its own row stores (a fence orders
@@ -232,7 +245,7 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
           if (k < PAYLOAD_VECS) ptx::st_na_v4(out + k, v[u]);
         }
       }
-      for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, row_pos, w, meta_word(a, t, w, me));
+      for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, row_pos, w, meta_for(a, load_meta(a, t, w), w, me));
     }
   }
 }

@@ -518,20 +518,30 @@ pub struct HtCombineVariant {
     pub experiment: u32,
     /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
     pub reduce_load_vecs: u32,
+    /// Biases the call adds (0..=2).
+    pub num_biases: u32,
 }
 
 impl HtCombineVariant {
     /// The variant with the default release batch.
     pub fn new(num_ranks: usize, hidden: usize, topk: usize) -> Self {
-        Self { num_ranks, hidden, topk, release_batch: DEFAULT_RELEASE_BATCH, experiment: 0, reduce_load_vecs: Self::REDUCE_LOAD_VECS }
+        Self {
+            num_ranks,
+            hidden,
+            topk,
+            release_batch: DEFAULT_RELEASE_BATCH,
+            experiment: 0,
+            reduce_load_vecs: Self::REDUCE_LOAD_VECS,
+            num_biases: 0,
+        }
     }
 
     /// Warps per block.
-    pub const WARPS: u32 = 16;
+    pub const WARPS: u32 = 12;
     /// 16-byte vectors a sender lane keeps in flight per copy round.
     pub const MAX_UNROLL: u32 = 16;
     /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
-    pub const REDUCE_LOAD_VECS: u32 = 16;
+    pub const REDUCE_LOAD_VECS: u32 = 24;
 
     /// Threads per block.
     pub fn threads(&self) -> u32 {
@@ -546,8 +556,8 @@ impl HtCombineVariant {
         KernelSpec {
             family: Family::HtCombine,
             variant: format!(
-                "ht_combine[r{},h{},k{},b{},x{},l{}]",
-                self.num_ranks, self.hidden, self.topk, self.release_batch, self.experiment, self.reduce_load_vecs
+                "ht_combine[r{},h{},k{},n{},b{},x{},l{}]",
+                self.num_ranks, self.hidden, self.topk, self.num_biases, self.release_batch, self.experiment, self.reduce_load_vecs
             ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
@@ -559,6 +569,7 @@ impl HtCombineVariant {
                 define("RELEASE_BATCH", self.release_batch),
                 define("HT_EXPERIMENT", self.experiment),
                 define("REDUCE_LOAD_VECS", self.reduce_load_vecs),
+                define("NUM_BIASES", self.num_biases),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>()),
             ],
@@ -599,6 +610,10 @@ pub fn variants() -> Vec<KernelSpec> {
         (8, 7168, 8),
     ];
     v.extend(combine.iter().map(|&(num_ranks, hidden, topk)| HtCombineVariant::new(num_ranks, hidden, topk).spec()));
+    // Biases change the reducer's registers: the largest shapes with one and two.
+    for (num_ranks, num_biases) in [(4, 1), (4, 2), (8, 2)] {
+        v.push(HtCombineVariant { num_biases, ..HtCombineVariant::new(num_ranks, 7168, 8) }.spec());
+    }
     v
 }
 

@@ -99,9 +99,8 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
     };
     s += &family("k_disp", &dispatch(c.hidden, c.fp8, c.topk), moelink_kernels::HT_DISPATCH_SOURCE, &ptx);
     s += &family("k_disp0", &dispatch(c.hidden, false, 0), moelink_kernels::HT_DISPATCH_SOURCE, &ptx);
-    s += &family(
-        "k_comb",
-        &[
+    let combine = |num_biases: u32| {
+        vec![
             ("NUM_RANKS", c.ranks.to_string()),
             ("HIDDEN", c.hidden.to_string()),
             ("TOPK", c.topk.to_string()),
@@ -110,12 +109,13 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
             ("RELEASE_BATCH", c.release_batch.to_string()),
             ("HT_EXPERIMENT", "0".into()),
             ("REDUCE_LOAD_VECS", "4".into()),
+            ("NUM_BIASES", num_biases.to_string()),
             ("ROW_BYTES", combine_row_bytes(c.hidden, c.topk).to_string()),
             ("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>().to_string()),
-        ],
-        moelink_kernels::HT_COMBINE_SOURCE,
-        &ptx,
-    );
+        ]
+    };
+    s += &family("k_comb", &combine(2), moelink_kernels::HT_COMBINE_SOURCE, &ptx);
+    s += &family("k_comb0", &combine(0), moelink_kernels::HT_COMBINE_SOURCE, &ptx);
     s += "#include \"harness.cpp\"\n";
     s
 }

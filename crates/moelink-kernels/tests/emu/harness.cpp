@@ -2,9 +2,11 @@
 // process, and checks every output against a reference computed here. Included at the end of the translation
 // unit tests/emulate_ht.rs assembles, after the kernel namespaces:
 //   k_layout (ht_layout.cu), k_notify (ht_notify.cu), k_disp (ht_dispatch.cu for HIDDEN/FP8/TOPK),
-//   k_disp0 (ht_dispatch.cu, bf16, no top-k: cached dispatch), k_comb (ht_combine.cu for NUM_RANKS/HIDDEN/TOPK).
+//   k_disp0 (ht_dispatch.cu, bf16, no top-k: cached dispatch), k_comb / k_comb0 (ht_combine.cu for NUM_RANKS/HIDDEN/TOPK,
+//   with two biases / none).
 // Usage: harness <scenario>; prints "PASS <scenario>" or a diagnosis, exits non-zero on failure.
 #include <cinttypes>
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -385,7 +387,16 @@ void run_combine(World& w, u32 me, u32 tokens, const Handle& h, const std::vecto
   a.flag_slots = w.region.flag_slots();
   u32 send = w.num_sms / 3;
   a.num_send_blocks = send < 1 ? 1 : (send > w.num_sms - 1 ? w.num_sms - 1 : send);
-  emu::launch(w.num_sms, k_comb::THREADS, [&] { k_comb::ht_combine(a); });
+  // NUM_BIASES is a JIT constant: k_comb adds two biases, k_comb0 none (same argument layout).
+  CHECK((bias0 == nullptr) == (bias1 == nullptr), "the harness passes both biases or none");
+  if (bias0 != nullptr) {
+    emu::launch(w.num_sms, k_comb::THREADS, [&] { k_comb::ht_combine(a); });
+  } else {
+    static_assert(sizeof(k_comb0::HtCombineArgs) == sizeof(k_comb::HtCombineArgs), "one argument layout");
+    k_comb0::HtCombineArgs a0;
+    std::memcpy(&a0, &a, sizeof a);
+    emu::launch(w.num_sms, k_comb0::THREADS, [&] { k_comb0::ht_combine(a0); });
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- references

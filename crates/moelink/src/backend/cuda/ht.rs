@@ -645,7 +645,11 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
 pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
+    // The biases given, in order (the kernel adds bias0 then bias1; a lone second bias takes the first slot,
+    // which adds the same values in the same order).
+    let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
     let variant = HtCombineVariant {
+        num_biases: biases.len() as u32,
         release_batch: release_batch(),
         experiment: timing_experiment(),
         reduce_load_vecs: env_u32("MOELINK_HT_REDUCE_LOAD_VECS", 1, 64).unwrap_or(HtCombineVariant::REDUCE_LOAD_VECS),
@@ -661,8 +665,8 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     check_aligned(b.addr_of(&a.x), 16, "x", rank)?;
     let topk_weights = a.topk_weights.as_ref().map_or(0, |w| w.addr());
     check_aligned(topk_weights, 4, "topk_weights", rank)?;
-    let bias0 = a.bias[0].as_ref().map_or(0, |t| t.addr());
-    let bias1 = a.bias[1].as_ref().map_or(0, |t| t.addr());
+    let bias0 = biases.first().copied().unwrap_or(0);
+    let bias1 = biases.get(1).copied().unwrap_or(0);
     check_aligned(bias0, 16, "bias", rank)?;
     check_aligned(bias1, 16, "bias", rank)?;
     check_aligned(out.combined_x.addr(), 16, "combined_x", rank)?;
