@@ -3,6 +3,7 @@
 #   tests    the HT and LL GPU tests (bitwise against the host backend) — before anything is timed
 #   soak     HT soak at T <= 32 and T <= 1024 (SOAK_S seconds each)
 #   tune     MOELINK_HT_REDUCE_LOAD_VECS in TUNE_VECS at DeepEP's HT shape (24 SMs)
+#   roles    scripts/device/ht-roles.sh at the default split: each role's data movement taken away in turn
 #   suite    moelink bench --suite --hook (EP4: HT tokens/SM sweeps, skewed, LL curves) with the P2P ceiling
 #   ep2      moelink bench --ranks 2 (HT at 24 SMs, LL)
 #   llsoak   scripts/device/reliability.sh STEPS=soak over the LL families (host heap figures)
@@ -21,7 +22,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
 export MOELINK_CACHE_DIR=/tmp/moelink-jit
-STEPS=${STEPS:-"tests soak tune suite ep2 llsoak python"}
+STEPS=${STEPS:-"tests soak tune roles suite ep2 llsoak python"}
 SOAK_S=${SOAK_S:-20}
 TUNE_VECS=${TUNE_VECS:-"16 24"}
 summary=$OUT/summary.txt
@@ -51,6 +52,9 @@ for s in $STEPS; do
                 --warmup 2 --json "$W/tune-vecs$v.json"
             note "  $(grep -E '^ht +combine' "$W/tune-vecs$v.log" | head -n1)"
         done ;;
+    roles)
+        run roles 200 env OUT="$W/roles" SPLITS="8:12" EXPERIMENTS="0 1 2" bash scripts/device/ht-roles.sh
+        sed -n '/^dsend csend exp/,/^== summary/p' "$W/roles.log" | head -n 5 >> "$summary" ;;
     suite)
         run suite 300 "$BIN" bench --suite --hook --reps 20 --warmup 3 --p2p-ceiling-gbps 356 --json "$W/bench.json"
         sed -n '/^summary:/,$p' "$W/suite.log" >> "$summary" ;;
