@@ -29,6 +29,7 @@ constexpr u32 META_WEIGHTS = META_SCALES + NUM_SCALES;
 constexpr u32 META_SRC = META_WEIGHTS + TOPK;
 constexpr u32 META_WORDS = META_SRC + 1;
 constexpr u32 META_BYTES = (META_WORDS * 4 + VEC_BYTES - 1) / VEC_BYTES * VEC_BYTES;
+constexpr u32 META_ITERS = (META_WORDS + WARP_SIZE - 1) / WARP_SIZE;  // meta words per lane
 static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
 static_assert(!FP8 || HIDDEN % HT_FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
 static_assert(ROW_BYTES == PAYLOAD_BYTES + META_BYTES, "slab row differs from moelink_kernels::ht::dispatch_row_bytes");
@@ -121,15 +122,14 @@ __device__ __forceinline__ u32 meta_for(const HtDispatchArgs& a, const MetaSourc
 // Sender warp `warp_id` of `num_warps` (a channel): tokens [T * id / n, T * (id + 1) / n), remote
 // destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
-//   Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; the token goes to r when they differ, at send
-//   slot prefix[t][r]. The payload is read once (ld.global.nc, UNROLL vectors per lane in flight) and stored
+//   Per token: lane r < R holds prefix[t][r], prefix[t + 1][r] (loaded a token ahead); the token goes to r
+//   when they differ, at send slot prefix[t][r]. The payload is read once (ld.global.nc, UNROLL vectors per lane in flight) and stored
 //   into every remote destination's slab row [me][slot] (st.global.L1::no_allocate over NVLink), then the
 //   meta words, remapped per destination.
 //   Release, once per RELEASE_BATCH tokens (a fence waits until the warp's NVLink stores are acknowledged;
 //   one per token left each warp idle for a round trip per row): __syncwarp, every lane executes
-//   fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R re-reads the batch's prefix rows and
-//   st.relaxed.sys the dispatch epoch into row flag [me][slot] of remote destination r for each token of the
-//   batch that went there.
+//   fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R st.relaxed.sys's the dispatch epoch
+//   into row flag [me][slot] of remote destination r for each slot the batch filled there (consecutive).
 __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -137,23 +137,32 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_DISPATCH_CONSUMED, me, num_ranks, epoch, d)) return;
   const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
   const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
+  const bool peer_lane = lane < num_ranks && lane != me;
+  // Lane r's slot cursor for destination r: prefix[t][r] of the next token, and prefix[t + 1][r] loaded one
+  // token ahead (prefix[t + 1] of token t is prefix[t] of token t + 1), so no token waits for its prefix row.
+  i32 slot_next = peer_lane && t_begin < t_end ? prefix[(u64)t_begin * num_ranks + lane] : 0;
+  i32 slot_after = peer_lane && t_begin < t_end ? prefix[(u64)(t_begin + 1) * num_ranks + lane] : 0;
   for (u32 batch_begin = t_begin; batch_begin < t_end; batch_begin += RELEASE_BATCH) {
     if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     const u32 batch_end = batch_begin + RELEASE_BATCH < t_end ? batch_begin + RELEASE_BATCH : t_end;
+    const i32 batch_first_slot = slot_next;  // the batch's rows for r take slots [batch_first_slot, slot_next)
 #pragma unroll 1
     for (u32 t = batch_begin; t < batch_end; t++) {
-      u64 dst = 0;
-      bool in = false;
-      if (lane < num_ranks && lane != me) {
-        const i32 p0 = prefix[(u64)t * num_ranks + lane], p1 = prefix[(u64)(t + 1) * num_ranks + lane];
-        in = p1 > p0;
-        dst = a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + (u32)p0) * ROW_BYTES;
-      }
+      const i32 p0 = slot_next, p1 = slot_after;
+      slot_next = p1;
+      if (peer_lane && t + 2 <= t_end) slot_after = prefix[(u64)(t + 2) * num_ranks + lane];
+      const bool in = peer_lane && p1 > p0;
+      const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
       const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
       if (mask == 0) continue;
       u64 dst_of[MAX_RANKS];
 #pragma unroll
       for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
+      // The meta words' sources are loaded before the payload, so that their latency hides behind it.
+      MetaSource meta[META_ITERS];
+#pragma unroll
+      for (u32 k = 0; k < META_ITERS; k++)
+        if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
 
       // Payload.
       const u32x4* src = x + (u64)t * PAYLOAD_VECS;
@@ -178,27 +187,25 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
       }
 
       // Meta words.
-      for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
-        const MetaSource m = load_meta(a, t, w);
+#pragma unroll
+      for (u32 k = 0; k < META_ITERS; k++) {
+        const u32 w = lane + k * WARP_SIZE;
+        if (w >= META_WORDS) continue;
 #pragma unroll
         for (u32 r = 0; r < MAX_RANKS; r++)
-          if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, m, w, r);
+          if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
       }
     }
     // Release the batch's rows to their destinations. Every lane fences its own row stores (a fence orders
     // the fencing thread's writes; a single lane's fence left other lanes' 16-byte stores in flight when the
-    // flag landed — seen as stale 16-byte vectors by the soak on 4xH200), then the flag lanes publish.
+    // flag landed — seen as stale 16-byte vectors by the soak on 4xH200), then lane r publishes the flags
+    // of the batch's rows for r: its slots are consecutive, [batch_first_slot, slot_next).
     __syncwarp();
     ptx::fence_acq_rel_sys();
     __syncwarp();
-    if (lane < num_ranks && lane != me) {
+    if (peer_lane) {
       u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
-      i32 p0 = prefix[(u64)batch_begin * num_ranks + lane];
-      for (u32 t = batch_begin; t < batch_end; t++) {
-        const i32 p1 = prefix[(u64)(t + 1) * num_ranks + lane];
-        if (p1 > p0) ptx::st_relaxed_sys(flags + (u32)p0, epoch);
-        p0 = p1;
-      }
+      for (i32 slot = batch_first_slot; slot < slot_next; slot++) ptx::st_relaxed_sys(flags + (u32)slot, epoch);
     }
   }
 }
