@@ -70,10 +70,12 @@ fn dispatch_send_blocks(num_sms: usize) -> usize {
     send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 3).clamp(1, num_sms - 1))
 }
 
-/// Combine: half the blocks send rows back, half reduce. Measured on 4xH200 (same case as dispatch): 4/8/12/16
-/// senders took 1192/910/854/1002 µs. Override: `MOELINK_HT_COMBINE_SEND_BLOCKS`.
+/// Combine: a third of the blocks send rows back, two thirds reduce. Measured on 4xH200 (EP4, 4096 tokens, H
+/// 7168, 24 SMs): 4/8/12/16 senders took 1192/910/854/1002 µs at commit e10b4d3, and after the reducers got 24
+/// loads in flight (bench/results/2026-11-21-4xnvidia-h200-f85a929-split) 6/8/10/12/14/16 senders took
+/// 791/678/724/752/786/857 µs. Override: `MOELINK_HT_COMBINE_SEND_BLOCKS`.
 fn combine_send_blocks(num_sms: usize) -> usize {
-    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 2).clamp(1, num_sms - 1))
+    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 3).clamp(1, num_sms - 1))
 }
 
 /// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`). Tuning override:
@@ -715,7 +717,7 @@ mod tests {
             assert!(dispatch_send_blocks(sms) >= 1 && dispatch_send_blocks(sms) < sms);
             assert!(combine_send_blocks(sms) >= 1 && combine_send_blocks(sms) < sms);
         }
-        assert_eq!((dispatch_send_blocks(24), combine_send_blocks(24)), (8, 12));
+        assert_eq!((dispatch_send_blocks(24), combine_send_blocks(24)), (8, 8));
     }
 
     #[test]
