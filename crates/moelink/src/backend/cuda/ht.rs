@@ -62,20 +62,27 @@ fn send_blocks_override(name: &str, num_sms: usize) -> Option<usize> {
     std::env::var(name).ok()?.trim().parse::<usize>().ok().map(|n| n.clamp(1, num_sms - 1))
 }
 
-/// Dispatch: a third of the blocks send, two thirds receive. Measured on 4xH200 (EP4, 4096 tokens, H 7168,
-/// BF16, 24 SMs; bench/results/2026-11-21-4xnvidia-h200-e10b4d3): 6/8/12/18 senders took 888/739/790/1023
-/// µs — the copy-out (per-row flag polling + slab-to-output copy) is the slower role. Override:
-/// `MOELINK_HT_DISPATCH_SEND_BLOCKS`.
-fn dispatch_send_blocks(num_sms: usize) -> usize {
-    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 3).clamp(1, num_sms - 1))
+/// Sender blocks of a role split: a third of the blocks, but at least the SMs that carry the NVLink egress
+/// (`ceil(356 / 46)` = 8) as long as that leaves half for the receivers. Measured on 4xH200 (EP4, 4096
+/// tokens, H 7168): at 24 SMs a third is best for both kernels (dispatch 6/7/8/10/12 senders:
+/// 729/658/655/725/801 µs BF16; combine 6/8/10/12/16: 791/678/724/752/857 µs; bench/results/
+/// 2026-11-21-4xnvidia-h200-f85a929-split), while a plain third starved the senders below 24 SMs (combine at
+/// 16 SMs: 1002 µs with 5 senders, 850 with 8; at 8 SMs 2250 with 2, 1631 with 4; bench/results/
+/// 2026-11-21-4xnvidia-h200-a68f5bf vs -09674d2).
+fn default_send_blocks(num_sms: usize) -> usize {
+    let link_sms = (NVLINK_INGRESS_GBPS / SM_COPY_GBPS).ceil() as usize;
+    (num_sms / 3).max(link_sms.min(num_sms / 2)).clamp(1, num_sms - 1)
 }
 
-/// Combine: a third of the blocks send rows back, two thirds reduce. Measured on 4xH200 (EP4, 4096 tokens, H
-/// 7168, 24 SMs): 4/8/12/16 senders took 1192/910/854/1002 µs at commit e10b4d3, and after the reducers got 24
-/// loads in flight (bench/results/2026-11-21-4xnvidia-h200-f85a929-split) 6/8/10/12/14/16 senders took
-/// 791/678/724/752/786/857 µs. Override: `MOELINK_HT_COMBINE_SEND_BLOCKS`.
+/// Dispatch senders (override: `MOELINK_HT_DISPATCH_SEND_BLOCKS`). The dispatch is bound by its senders'
+/// NVLink stores; the receivers copy this rank's own rows and the arriving rows out.
+fn dispatch_send_blocks(num_sms: usize) -> usize {
+    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or_else(|| default_send_blocks(num_sms))
+}
+
+/// Combine senders (override: `MOELINK_HT_COMBINE_SEND_BLOCKS`).
 fn combine_send_blocks(num_sms: usize) -> usize {
-    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or((num_sms / 3).clamp(1, num_sms - 1))
+    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or_else(|| default_send_blocks(num_sms))
 }
 
 /// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`). Tuning override:
@@ -718,6 +725,7 @@ mod tests {
             assert!(combine_send_blocks(sms) >= 1 && combine_send_blocks(sms) < sms);
         }
         assert_eq!((dispatch_send_blocks(24), combine_send_blocks(24)), (8, 8));
+        assert_eq!([8, 16, 64].map(default_send_blocks), [4, 8, 21]);
     }
 
     #[test]
