@@ -976,17 +976,28 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   const u8* y = reinterpret_cast<const u8*>(a.y);
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
-  for (u32 item = first_warp; item < items; item += num_warps) {
-    const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
-    const u32 h = st / TM, t = st % TM;
-    if (t >= sm.ntok[h]) continue;
-    const u64 at = ((u64)h * TM + t) * LL_TOPK + lane;
-    i32 row = -1;
-    float w = 0.0f;
-    if (lane < LL_TOPK) {
+  // The handle entries (row, weight) of an item are loaded one item ahead: the expert rows' loads depend on
+  // them, so loading them at the top of each item put two dependent round trips on every item's path.
+  auto load_entry = [&](u32 it, i32& row, float& w) {
+    row = -1;
+    w = 0.0f;
+    const u32 st = it / BF16_CHUNKS, h = st / TM, t = st % TM;
+    if (it < items && lane < LL_TOPK && t < sm.ntok[h]) {
+      const u64 at = ((u64)h * TM + t) * LL_TOPK + lane;
       row = (i32)llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hrow) + at);
       if (pre_reduced) w = bits_f32(llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hweight) + at));
     }
+  };
+  i32 row_ahead;
+  float w_ahead;
+  load_entry(first_warp, row_ahead, w_ahead);
+  for (u32 item = first_warp; item < items; item += num_warps) {
+    const i32 row = row_ahead;
+    const float w = w_ahead;
+    load_entry(item + num_warps, row_ahead, w_ahead);
+    const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
+    const u32 h = st / TM, t = st % TM;
+    if (t >= sm.ntok[h]) continue;
     const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
     if (valid == 0) continue;
     stored = true;
