@@ -210,6 +210,27 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   }
 }
 
+// One row's payload from src to out by the warp, UNROLL 16-byte vectors per lane in flight per round.
+// READ_ONLY: src does not change during the kernel (x: ld.global.nc); otherwise (the slab, which peers write
+// during the kernel) plain loads.
+template <bool READ_ONLY>
+__device__ __forceinline__ void copy_payload(const u32x4* src, u32x4* out, u32 lane) {
+#pragma unroll 1
+  for (u32 round = 0; round < ROUNDS; round++) {
+    u32x4 v[UNROLL];
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) v[u] = READ_ONLY ? ptx::ld_nc_na_v4(src + i) : ptx::ld_na_v4(src + i);
+    }
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+    }
+  }
+}
+
 // Receiver warp `warp_id` of `num_warps`, first: this rank's own rows, tokens [T * id / n, T * (id+1) / n):
 // token t with prefix[t + 1][me] > prefix[t][me] is copied from x to recv_x[recv_offset[me] + prefix[t][me]]
 // with its meta words (ids remapped to this rank's experts). Done here rather than by the senders: the
@@ -236,22 +257,7 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
     for (u32 m = __ballot_sync(FULL_WARP_MASK, hit); m != 0u; m &= m - 1) {
       const u32 i = __ffs(m) - 1, t = t0 + i;
       const u64 row_pos = __shfl_sync(FULL_WARP_MASK, pos, i);
-      const u32x4* src = x + (u64)t * PAYLOAD_VECS;
-      u32x4* out = recv_x + row_pos * PAYLOAD_VECS;
-#pragma unroll 1
-      for (u32 round = 0; round < ROUNDS; round++) {
-        u32x4 v[UNROLL];
-#pragma unroll
-        for (u32 u = 0; u < UNROLL; u++) {
-          const u32 k = (round * UNROLL + u) * WARP_SIZE + lane;
-          if (k < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + k);
-        }
-#pragma unroll
-        for (u32 u = 0; u < UNROLL; u++) {
-          const u32 k = (round * UNROLL + u) * WARP_SIZE + lane;
-          if (k < PAYLOAD_VECS) ptx::st_na_v4(out + k, v[u]);
-        }
-      }
+      copy_payload<true>(x + (u64)t * PAYLOAD_VECS, recv_x + row_pos * PAYLOAD_VECS, lane);
       for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, row_pos, w, meta_for(a, load_meta(a, t, w), w, me));
     }
   }
@@ -261,22 +267,7 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
 __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32 j, u32 pos, u32 lane) {
   if (pos >= a.num_out_rows) return;  // no-sync overflow: reported once, rows dropped
   const u8* row = reinterpret_cast<const u8*>(a.data[a.rank] + a.slab_offset) + ((u64)s * a.slab_rows + j) * ROW_BYTES;
-  const u32x4* src = reinterpret_cast<const u32x4*>(row);
-  u32x4* out = reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS;
-#pragma unroll 1
-  for (u32 round = 0; round < ROUNDS; round++) {
-    u32x4 v[UNROLL];
-#pragma unroll
-    for (u32 u = 0; u < UNROLL; u++) {
-      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-      if (i < PAYLOAD_VECS) v[u] = ptx::ld_na_v4(src + i);
-    }
-#pragma unroll
-    for (u32 u = 0; u < UNROLL; u++) {
-      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-      if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
-    }
-  }
+  copy_payload<false>(reinterpret_cast<const u32x4*>(row), reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, lane);
   const u32* meta = reinterpret_cast<const u32*>(row + PAYLOAD_BYTES);
   for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, pos, w, meta[w]);
 }
