@@ -394,50 +394,41 @@ __device__ __forceinline__ void report_error(const Deadline& d, u32 code, u32 pe
 // (report_error) do not count: the protocol goes on after them.
 __device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld_relaxed_gpu(d.sink.claim) == CLAIM_FATAL; }
 
+// Spins until done() returns true. Returns false when `d.timeout_ns` passes first — after recording
+// {ERR_TIMEOUT, rank, peer, phase, elapsed} — or as soon as another thread of this rank has failed, so that a
+// failing kernel winds down quickly. The clock and the error word are read every DEADLINE_POLL_SPINS polls.
+template <typename Done>
+__device__ __forceinline__ bool spin_until(Done done, const Deadline& d, u32 peer) {
+  if (done()) return true;
+  const u64 start = ptx::globaltimer();
+  u32 spins = 0;
+  while (!done()) {
+    if (++spins % DEADLINE_POLL_SPINS == 0) {
+      const u64 waited = ptx::globaltimer() - start;
+      if (waited > d.timeout_ns) {
+        raise_error(d, ERR_TIMEOUT, peer, waited);
+        return false;
+      }
+      if (error_raised(d)) return false;
+    }
+  }
+  return true;
+}
+
 // Spins until the flag reaches `target` (wrap-safe: (i32)(flag - target) >= 0), polling with ld.acquire.sys
 // (LDG.STRONG.SYS + L1 invalidate, no MEMBAR): on success the writer's release is synchronised with, so its
-// earlier writes are visible to this thread. Returns false when `d.timeout_ns` passes first — after
-// recording {ERR_TIMEOUT, rank, peer, phase, elapsed} — or as soon as another thread of this rank has
-// failed, so that a failing kernel winds down quickly.
+// earlier writes are visible to this thread. Deadline rules: spin_until.
 // RELAXED_POLL: spin with ld.relaxed.sys (no L1 invalidate per poll: cheaper for a data-heavy SM that waits
 // often) and acquire once the value is seen.
 template <bool RELAXED_POLL = false>
 __device__ __forceinline__ bool wait_flag_geq(const u32* flag, u32 target, const Deadline& d, u32 peer) {
-  auto poll = [&]() { return RELAXED_POLL ? ptx::ld_relaxed_sys(flag) : ptx::ld_acquire_sys(flag); };
-  if ((i32)(poll() - target) >= 0) {
-    if (RELAXED_POLL) (void)ptx::ld_acquire_sys(flag);
-    return true;
-  }
-  const u64 start = ptx::globaltimer();
-  u32 spins = 0;
-  while ((i32)(poll() - target) < 0) {
-    if (++spins % DEADLINE_POLL_SPINS == 0) {
-      const u64 waited = ptx::globaltimer() - start;
-      if (waited > d.timeout_ns) {
-        raise_error(d, ERR_TIMEOUT, peer, waited);
-        return false;
-      }
-      if (error_raised(d)) return false;
-    }
-  }
-  if (RELAXED_POLL) (void)ptx::ld_acquire_sys(flag);
-  return true;
+  const bool seen = spin_until(
+      [&]() { return (i32)((RELAXED_POLL ? ptx::ld_relaxed_sys(flag) : ptx::ld_acquire_sys(flag)) - target) >= 0; }, d, peer);
+  if (seen && RELAXED_POLL) (void)ptx::ld_acquire_sys(flag);
+  return seen;
 }
 
-// Waits for an mbarrier phase (TMA completion) with the same deadline rules as wait_flag_geq.
+// Waits for an mbarrier phase (TMA completion) with the same deadline rules.
 __device__ __forceinline__ bool mbarrier_wait_parity(u32 bar, u32 parity, const Deadline& d, u32 peer) {
-  if (ptx::mbarrier_try_wait_parity(bar, parity)) return true;
-  const u64 start = ptx::globaltimer();
-  u32 spins = 0;
-  while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
-    if (++spins % DEADLINE_POLL_SPINS == 0) {
-      const u64 waited = ptx::globaltimer() - start;
-      if (waited > d.timeout_ns) {
-        raise_error(d, ERR_TIMEOUT, peer, waited);
-        return false;
-      }
-      if (error_raised(d)) return false;
-    }
-  }
-  return true;
+  return spin_until([&]() { return ptx::mbarrier_try_wait_parity(bar, parity); }, d, peer);
 }
