@@ -59,7 +59,7 @@ fn default_num_sms_for(device_sms: usize) -> usize {
 
 /// Tuning override of a role split: `name=<blocks>` in the environment, clamped to `[1, num_sms - 1]`.
 fn send_blocks_override(name: &str, num_sms: usize) -> Option<usize> {
-    std::env::var(name).ok()?.trim().parse::<usize>().ok().map(|n| n.clamp(1, num_sms - 1))
+    env_override(name, 1, num_sms - 1)
 }
 
 /// Sender blocks of a role split: a third of the blocks, but at least the SMs that carry the NVLink egress
@@ -88,20 +88,21 @@ fn combine_send_blocks(num_sms: usize) -> usize {
 /// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`). Tuning override:
 /// `MOELINK_HT_RELEASE_BATCH=<rows>` in the environment (1..=64).
 fn release_batch() -> u32 {
-    env_u32("MOELINK_HT_RELEASE_BATCH", 1, 64).unwrap_or(kht::DEFAULT_RELEASE_BATCH)
+    env_override("MOELINK_HT_RELEASE_BATCH", 1, 64).unwrap_or(kht::DEFAULT_RELEASE_BATCH)
 }
 
-/// A tuning override from the environment, clamped to `[min, max]`. `MOELINK_HT_REDUCE_LOAD_VECS` sets the
-/// combine reducers' loads in flight (`HtCombineVariant::REDUCE_LOAD_VECS`).
-fn env_u32(name: &str, min: u32, max: u32) -> Option<u32> {
-    std::env::var(name).ok()?.trim().parse::<u32>().ok().map(|n| n.clamp(min, max))
+/// A tuning override from the environment, clamped to `[min, max]`; `None` when unset or not a number.
+/// `MOELINK_HT_REDUCE_LOAD_VECS` sets the combine reducers' loads in flight
+/// (`HtCombineVariant::REDUCE_LOAD_VECS`).
+fn env_override<T: std::str::FromStr + Ord>(name: &str, min: T, max: T) -> Option<T> {
+    std::env::var(name).ok()?.trim().parse::<T>().ok().map(|n| n.clamp(min, max))
 }
 
 /// `MOELINK_HT_TIMING_EXPERIMENT=<bits>` (ht.cuh's `HT_EXP_*`): removes one role's data movement so that the
 /// other role can be timed alone (`moelink bench --no-host-check`). The results are wrong; a warning says so
 /// once per process.
 fn timing_experiment() -> u32 {
-    let bits = std::env::var("MOELINK_HT_TIMING_EXPERIMENT").ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(0) & 3;
+    let bits = env_override("MOELINK_HT_TIMING_EXPERIMENT", 0u32, u32::MAX).unwrap_or(0) & 3;
     static WARNED: std::sync::Once = std::sync::Once::new();
     if bits != 0 {
         WARNED.call_once(|| eprintln!("moelink: MOELINK_HT_TIMING_EXPERIMENT={bits}: HT results are WRONG (timing experiment)"));
@@ -661,7 +662,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         num_biases: biases.len() as u32,
         release_batch: release_batch(),
         experiment: timing_experiment(),
-        reduce_load_vecs: env_u32("MOELINK_HT_REDUCE_LOAD_VECS", 1, 64).unwrap_or(HtCombineVariant::REDUCE_LOAD_VECS),
+        reduce_load_vecs: env_override("MOELINK_HT_REDUCE_LOAD_VECS", 1, 64).unwrap_or(HtCombineVariant::REDUCE_LOAD_VECS),
         ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
     };
     let region = region(b);
