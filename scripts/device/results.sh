@@ -4,12 +4,14 @@
 #   soak     HT soak at T <= 32 and T <= 1024 (SOAK_S seconds each)
 #   tune     MOELINK_HT_REDUCE_LOAD_VECS in TUNE_VECS at DeepEP's HT shape (24 SMs)
 #   roles    scripts/device/ht-roles.sh at the default split: each role's data movement taken away in turn
+#   chunks   HT at DeepEP's shape, 24 SMs, per work assignment in CHUNKS ("send:recv" chunk sizes for
+#            MOELINK_HT_SEND_CHUNK / MOELINK_HT_RECV_CHUNK; "0:0" = one contiguous part per warp; "-" = default)
 #   suite    moelink bench --suite --hook (EP4: HT tokens/SM sweeps, skewed, LL curves) with the P2P ceiling
 #   ep2      moelink bench --ranks 2 (HT at 24 SMs, LL)
 #   llsoak   scripts/device/reliability.sh STEPS=soak over the LL families (host heap figures)
 #   python   python -m moelink.bench under torchrun (moelink vs NCCL all_to_all_single)
 # Everything lands in $OUT/results.tgz (logs, JSON) plus $OUT/summary.txt, printed last.
-# Knobs: STEPS (default: all of the above in that order), SOAK_S (20), TUNE_VECS ("16 24").
+# Knobs: STEPS (default: all of the above in that order), SOAK_S (20), TUNE_VECS ("16 24"), CHUNKS ("- 0:0").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/moelink-out}
@@ -25,6 +27,7 @@ export MOELINK_CACHE_DIR=/tmp/moelink-jit
 STEPS=${STEPS:-"tests soak tune roles suite ep2 llsoak python"}
 SOAK_S=${SOAK_S:-20}
 TUNE_VECS=${TUNE_VECS:-"16 24"}
+CHUNKS=${CHUNKS:-"- 0:0"}
 summary=$OUT/summary.txt
 { echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
@@ -51,6 +54,15 @@ for s in $STEPS; do
             run "tune-vecs$v" 90 env MOELINK_HT_REDUCE_LOAD_VECS=$v "$BIN" bench --mode ht --dtype bf16 --num-sms 24 --reps 10 \
                 --warmup 2 --json "$W/tune-vecs$v.json"
             note "  $(grep -E '^ht +combine' "$W/tune-vecs$v.log" | head -n1)"
+        done ;;
+    chunks)
+        for c in $CHUNKS; do
+            env_args=()
+            [ "$c" != "-" ] && env_args=(MOELINK_HT_SEND_CHUNK="${c%%:*}" MOELINK_HT_RECV_CHUNK="${c##*:}")
+            tag=${c//:/-}
+            run "chunks-$tag" 120 env "${env_args[@]}" "$BIN" bench --mode ht --num-sms 24 --reps 20 --warmup 3 --no-host-check \
+                --json "$W/chunks-$tag.json"
+            note "  chunks $c: $(grep -E '^ht +uniform' "$W/chunks-$tag.log" | head -n1)"
         done ;;
     roles)
         run roles 200 env OUT="$W/roles" SPLITS="8:12" EXPERIMENTS="0 1 2" bash scripts/device/ht-roles.sh

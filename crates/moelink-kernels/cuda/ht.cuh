@@ -95,6 +95,37 @@ __device__ __forceinline__ u32 ht_split(u32 total, u32 i, u32 parts) { return (u
 
 __device__ __forceinline__ u64 ht_min_u64(u64 a, u64 b) { return a < b ? a : b; }
 
+// Work assignment of items [0, count) (tokens, or one source's slab rows) to warp `w` of `n`, one chunk
+// [next, end) at a time. chunk > 0: interleaved — chunks of `chunk` items, warp w takes chunks
+// w - rotate, w - rotate + n, ... (mod n), so that every warp works near the same front of the item order;
+// the senders and the receivers both walk the token order, so the rows a receiver waits for are the ones
+// being sent now (with one contiguous part per warp, a receiver warp whose part a sender warp reaches
+// late idled for most of the call, and the receivers fell behind). chunk == 0: one contiguous part per
+// warp (ht_split). A cursor with next == end after ht_next_chunk is finished.
+struct HtCursor {
+  u32 next;
+  u32 end;
+};
+
+__device__ __forceinline__ HtCursor ht_first_chunk(u32 count, u32 chunk, u32 w, u32 n, u32 rotate) {
+  if (chunk == 0) return HtCursor{ht_split(count, w, n), ht_split(count, w + 1, n)};
+  const u64 start = (u64)((w + n - rotate % n) % n) * chunk;
+  if (start >= count) return HtCursor{count, count};
+  return HtCursor{(u32)start, (u32)ht_min_u64(start + chunk, count)};
+}
+
+// Moves a cursor whose chunk is done (next == end) to the warp's next chunk, or leaves it finished.
+__device__ __forceinline__ void ht_next_chunk(HtCursor& c, u32 count, u32 chunk, u32 n) {
+  if (chunk == 0 || c.end == 0 || c.next != c.end) return;
+  const u64 start = (u64)((c.end - 1) / chunk) * chunk + (u64)n * chunk;
+  if (start >= count) {
+    c.next = c.end = count;
+    return;
+  }
+  c.next = (u32)start;
+  c.end = (u32)ht_min_u64(start + chunk, count);
+}
+
 __device__ __forceinline__ u32* ht_ctrl_word(u64 ctrl, u32 byte_offset) {
   return reinterpret_cast<u32*>(ctrl + byte_offset);
 }

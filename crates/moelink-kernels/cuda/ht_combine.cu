@@ -67,6 +67,8 @@ struct HtCombineArgs {
   u32 slab_rows;              // slab rows per source for ROW_BYTES
   u32 flag_slots;             // row flags per source (>= slab_rows)
   u32 num_send_blocks;        // blocks [0, num_send_blocks) send, the others reduce
+  u32 send_chunk;             // rows per sender chunk, per source (HtCursor; 0: one contiguous part per warp)
+  u32 recv_chunk;             // tokens per reducer chunk (0: one contiguous part per warp)
 };
 static_assert(sizeof(HtCombineArgs) == MOELINK_SIZEOF_HT_COMBINE_ARGS, "HtCombineArgs differs from the Rust definition");
 
@@ -79,38 +81,36 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[BF16_PER_VEC], co
   }
 }
 
-// Sender warp `warp_id` of `num_warps` (expert side): for every source s != me, the received rows
-// [cnt_s * id / n, cnt_s * (id+1) / n) of s (cnt_s = recv_count[s]; row j is x[recv_offset[s] + j]) go back
-// to s's combine slab row [me][j] with their top-k weights. First waits until every peer consumed the
-// previous combine. Each step sends the next row of every source still pending (lane s holds s's state);
-// after RELEASE_BATCH steps: __syncwarp, fence.acq_rel.sys by every lane, __syncwarp, and lane s
-// st.relaxed.sys's the combine epoch into row flag [me][j] of s for each row j of the batch (one fence per
-// batch, not per row: a fence waits for the warp's NVLink stores to be acknowledged). A row past num_x_rows
-// (no-sync overflow) goes back as zeros.
+// Sender warp `warp_id` of `num_warps` (expert side): for every source s != me, its chunks of send_chunk
+// received rows of s (HtCursor over [0, cnt_s), cnt_s = recv_count[s]; row j is x[recv_offset[s] + j]) go
+// back to s's combine slab row [me][j] with their top-k weights. First waits until every peer consumed the
+// previous combine. Each step sends the next row of every source whose chunk is not done (lane s holds s's
+// cursor); after RELEASE_BATCH steps or at the end of the chunks: __syncwarp, fence.acq_rel.sys by every
+// lane, __syncwarp, and lane s st.relaxed.sys's the combine epoch into row flag [me][j] of s for each row j
+// of the batch (one fence per batch, not per row: a fence waits for the warp's NVLink stores to be
+// acknowledged); then sources whose chunk is done move to their next one. A row past num_x_rows (no-sync
+// overflow) goes back as zeros.
 __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_COMBINE_CONSUMED, me, NUM_RANKS, epoch, d)) return;
-  u32 next = 0, end = 0, offset = 0;
+  HtCursor chunk = {0, 0};
+  u32 count = 0, offset = 0;
   if (lane < NUM_RANKS && lane != me) {
-    const u32 count = (u32)routing[HT_RT_RECV_COUNT + lane];
-    next = ht_split(count, warp_id, num_warps);
-    end = ht_split(count, warp_id + 1, num_warps);
+    count = (u32)routing[HT_RT_RECV_COUNT + lane];
+    chunk = ht_first_chunk(count, a.send_chunk, warp_id, num_warps, 0);
     offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
   }
   const u32* weights = reinterpret_cast<const u32*>(a.topk_weights);
-  bool more = true;
-  while (more) {
+  while (__any_sync(FULL_WARP_MASK, chunk.next < chunk.end)) {
     if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
-    const u32 batch_first = next;  // lane s: the first row of this batch for source s
+    const u32 batch_first = chunk.next;  // lane s: the first row of this batch for source s
 #pragma unroll 1
     for (u32 step = 0; step < RELEASE_BATCH; step++) {
-      const bool active = next < end;
+      const u32 next = chunk.next;
+      const bool active = next < chunk.end;
       const u32 mask = __ballot_sync(FULL_WARP_MASK, active);
-      if (mask == 0u) {
-        more = false;
-        break;
-      }
+      if (mask == 0u) break;
       const u32 pos = offset + next;
       u64 dst = 0;
       bool have_row = false;
@@ -158,7 +158,7 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
           if (((mask >> r) & 1u) != 0u)
             reinterpret_cast<u32*>(out[r] + PAYLOAD_BYTES)[lane] = row_valid[r] ? weights[(u64)row_pos[r] * TOPK + lane] : 0u;
       }
-      if (active) next++;
+      if (active) chunk.next++;
     }
     // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
     __syncwarp();
@@ -166,13 +166,14 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     __syncwarp();
     if (lane < NUM_RANKS && lane != me) {
       u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
-      for (u32 row = batch_first; row < next; row++) ptx::st_relaxed_sys(flags + row, epoch);
+      for (u32 row = batch_first; row < chunk.next; row++) ptx::st_relaxed_sys(flags + row, epoch);
     }
+    ht_next_chunk(chunk, count, a.send_chunk, num_warps);
   }
 }
 
-// Reducer warp `warp_id` of `num_warps` (source side): tokens [T * id / n, T * (id+1) / n) of this rank.
-// Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; for every remote rank r the token went to,
+// Reducer warp `warp_id` of `num_warps` (source side): its chunks of recv_chunk tokens of this rank
+// (HtCursor over [0, T)). Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; for every remote rank r the token went to,
 // lane r waits (deadline) until row flag [r][slot] reached the combine epoch, then ld.acquire's it;
 // __syncwarp. The output is, per channel, ((+0.0 + row_r0) + row_r1) + ... over ranks in ascending order
 // (this rank's row read straight from x at recv_offset[me] + slot), then + bias0, + bias1, each add an IEEE
@@ -188,8 +189,10 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
   const u32x4* bias0 = reinterpret_cast<const u32x4*>(a.bias0);
   const u32x4* bias1 = reinterpret_cast<const u32x4*>(a.bias1);
   u32x4* combined = reinterpret_cast<u32x4*>(a.combined_x);
-  const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
-  for (u32 t = t_begin; t < t_end; t++) {
+  HtCursor chunk = ht_first_chunk(a.num_tokens, a.recv_chunk, warp_id, num_warps, 0);
+  for (u32 t = chunk.next; t < chunk.end; t = chunk.next) {
+    chunk.next = t + 1;
+    ht_next_chunk(chunk, a.num_tokens, a.recv_chunk, num_warps);
     bool in = false, ok = true;
     u64 row = 0, weight_row = 0;
     if (lane < NUM_RANKS) {

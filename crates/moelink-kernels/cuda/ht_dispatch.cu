@@ -70,6 +70,8 @@ struct HtDispatchArgs {
   u32 slab_rows;           // slab rows per source for ROW_BYTES (>= T_max, checked by ht_notify)
   u32 flag_slots;          // row flags per source (>= slab_rows)
   u32 num_send_blocks;     // blocks [0, num_send_blocks) send, the others receive
+  u32 send_chunk;          // tokens per sender chunk (HtCursor; 0: one contiguous part per warp)
+  u32 recv_chunk;          // slab rows per receiver chunk, per source (0: one contiguous part per warp)
 };
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
 
@@ -119,94 +121,113 @@ __device__ __forceinline__ u32 meta_for(const HtDispatchArgs& a, const MetaSourc
   return local >= 0 ? m.raw : 0u;
 }
 
-// Sender warp `warp_id` of `num_warps` (a channel): tokens [T * id / n, T * (id + 1) / n), remote
-// destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
+// Sends token t to every remote destination r it goes to: lane r < R holds p0 = prefix[t][r] and
+// p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0). The payload is read once
+// (ld.global.nc, UNROLL vectors per lane in flight) and stored into every such destination's slab row
+// [me][p0] (st.global.L1::no_allocate over NVLink), then the meta words, remapped per destination.
+__device__ __forceinline__ void send_token(const HtDispatchArgs& a, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane) {
+  const bool in = peer_lane && p1 > p0;
+  const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)a.rank * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
+  const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
+  if (mask == 0) return;
+  u64 dst_of[MAX_RANKS];
+#pragma unroll
+  for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
+  // The meta words' sources are loaded before the payload, so that their latency hides behind it.
+  MetaSource meta[META_ITERS];
+#pragma unroll
+  for (u32 k = 0; k < META_ITERS; k++)
+    if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
+
+  const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS;
+#pragma unroll 1
+  for (u32 round = 0; round < ROUNDS; round++) {
+    u32x4 v[UNROLL];
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
+    }
+#pragma unroll
+    for (u32 r = 0; r < MAX_RANKS; r++) {
+      if (((mask >> r) & 1u) == 0u || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
+      u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
+#pragma unroll
+      for (u32 u = 0; u < UNROLL; u++) {
+        const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+        if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (u32 k = 0; k < META_ITERS; k++) {
+    const u32 w = lane + k * WARP_SIZE;
+    if (w >= META_WORDS) continue;
+#pragma unroll
+    for (u32 r = 0; r < MAX_RANKS; r++)
+      if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
+  }
+}
+
+// Sender warp `warp_id` of `num_warps` (a channel): its chunks of send_chunk tokens (HtCursor: interleaved,
+// so that every warp sends near the same front of the token order), remote destinations only (this rank's
+// own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
-//   Per token: lane r < R holds prefix[t][r], prefix[t + 1][r] (loaded a token ahead); the token goes to r
-//   when they differ, at send slot prefix[t][r]. The payload is read once (ld.global.nc, UNROLL vectors per lane in flight) and stored
-//   into every remote destination's slab row [me][slot] (st.global.L1::no_allocate over NVLink), then the
-//   meta words, remapped per destination.
-//   Release, once per RELEASE_BATCH tokens (a fence waits until the warp's NVLink stores are acknowledged;
-//   one per token left each warp idle for a round trip per row): __syncwarp, every lane executes
-//   fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R st.relaxed.sys's the dispatch epoch
-//   into row flag [me][slot] of remote destination r for each slot the batch filled there (consecutive).
+//   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
+//   chunk's first pair while this chunk is sent), so that no token waits for its prefix row; send_token.
+//   Release, once per RELEASE_BATCH tokens of a chunk (a fence waits until the warp's NVLink stores are
+//   acknowledged; one per token left each warp idle for a round trip per row): __syncwarp, every lane
+//   executes fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R st.relaxed.sys's the
+//   dispatch epoch into row flag [me][slot] of remote destination r for each slot the batch filled there
+//   (consecutive: the batch's tokens are).
 __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
-  const i32* routing = reinterpret_cast<const i32*>(a.routing);
-  const i32* prefix = routing + HT_RT_PREFIX;
+  const i32* prefix = reinterpret_cast<const i32*>(a.routing) + HT_RT_PREFIX;
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_DISPATCH_CONSUMED, me, num_ranks, epoch, d)) return;
-  const u32 t_begin = ht_split(a.num_tokens, warp_id, num_warps), t_end = ht_split(a.num_tokens, warp_id + 1, num_warps);
-  const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
   const bool peer_lane = lane < num_ranks && lane != me;
-  // Lane r's slot cursor for destination r: prefix[t][r] of the next token, and prefix[t + 1][r] loaded one
-  // token ahead (prefix[t + 1] of token t is prefix[t] of token t + 1), so no token waits for its prefix row.
-  i32 slot_next = peer_lane && t_begin < t_end ? prefix[(u64)t_begin * num_ranks + lane] : 0;
-  i32 slot_after = peer_lane && t_begin < t_end ? prefix[(u64)(t_begin + 1) * num_ranks + lane] : 0;
-  for (u32 batch_begin = t_begin; batch_begin < t_end; batch_begin += RELEASE_BATCH) {
-    if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
-    const u32 batch_end = batch_begin + RELEASE_BATCH < t_end ? batch_begin + RELEASE_BATCH : t_end;
-    const i32 batch_first_slot = slot_next;  // the batch's rows for r take slots [batch_first_slot, slot_next)
+  auto load_prefix = [&](u32 t) -> i32 { return peer_lane ? prefix[(u64)t * num_ranks + lane] : 0; };
+  HtCursor chunk = ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
+  i32 chunk_p0 = 0, chunk_p1 = 0;
+  if (chunk.next < chunk.end) {
+    chunk_p0 = load_prefix(chunk.next);
+    chunk_p1 = load_prefix(chunk.next + 1);
+  }
+  while (chunk.next < chunk.end) {
+    HtCursor following = chunk;
+    following.next = following.end;
+    ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
+    i32 following_p0 = 0, following_p1 = 0;
+    if (following.next < following.end) {
+      following_p0 = load_prefix(following.next);
+      following_p1 = load_prefix(following.next + 1);
+    }
+    i32 slot_next = chunk_p0, slot_after = chunk_p1;
+    for (u32 batch_begin = chunk.next; batch_begin < chunk.end; batch_begin += RELEASE_BATCH) {
+      if (__any_sync(FULL_WARP_MASK, error_raised(d))) return;
+      const u32 batch_end = batch_begin + RELEASE_BATCH < chunk.end ? batch_begin + RELEASE_BATCH : chunk.end;
+      const i32 batch_first_slot = slot_next;  // the batch's rows for r take slots [batch_first_slot, slot_next)
 #pragma unroll 1
-    for (u32 t = batch_begin; t < batch_end; t++) {
-      const i32 p0 = slot_next, p1 = slot_after;
-      slot_next = p1;
-      if (peer_lane && t + 2 <= t_end) slot_after = prefix[(u64)(t + 2) * num_ranks + lane];
-      const bool in = peer_lane && p1 > p0;
-      const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)me * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
-      const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
-      if (mask == 0) continue;
-      u64 dst_of[MAX_RANKS];
-#pragma unroll
-      for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
-      // The meta words' sources are loaded before the payload, so that their latency hides behind it.
-      MetaSource meta[META_ITERS];
-#pragma unroll
-      for (u32 k = 0; k < META_ITERS; k++)
-        if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
-
-      // Payload.
-      const u32x4* src = x + (u64)t * PAYLOAD_VECS;
-#pragma unroll 1
-      for (u32 round = 0; round < ROUNDS; round++) {
-        u32x4 v[UNROLL];
-#pragma unroll
-        for (u32 u = 0; u < UNROLL; u++) {
-          const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-          if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
-        }
-#pragma unroll
-        for (u32 r = 0; r < MAX_RANKS; r++) {
-          if (((mask >> r) & 1u) == 0u || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
-          u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
-#pragma unroll
-          for (u32 u = 0; u < UNROLL; u++) {
-            const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-            if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
-          }
-        }
+      for (u32 t = batch_begin; t < batch_end; t++) {
+        const i32 p0 = slot_next, p1 = slot_after;
+        slot_next = p1;
+        if (t + 2 <= chunk.end) slot_after = load_prefix(t + 2);
+        send_token(a, t, p0, p1, peer_lane, lane);
       }
-
-      // Meta words.
-#pragma unroll
-      for (u32 k = 0; k < META_ITERS; k++) {
-        const u32 w = lane + k * WARP_SIZE;
-        if (w >= META_WORDS) continue;
-#pragma unroll
-        for (u32 r = 0; r < MAX_RANKS; r++)
-          if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
+      // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
+      // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
+      // vectors by the soak on 4xH200), then lane r publishes the flags of the batch's rows for r.
+      __syncwarp();
+      ptx::fence_acq_rel_sys();
+      __syncwarp();
+      if (peer_lane) {
+        u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
+        for (i32 slot = batch_first_slot; slot < slot_next; slot++) ptx::st_relaxed_sys(flags + (u32)slot, epoch);
       }
     }
-    // Release the batch's rows to their destinations. Every lane fences its own row stores (a fence orders
-    // the fencing thread's writes; a single lane's fence left other lanes' 16-byte stores in flight when the
-    // flag landed — seen as stale 16-byte vectors by the soak on 4xH200), then lane r publishes the flags
-    // of the batch's rows for r: its slots are consecutive, [batch_first_slot, slot_next).
-    __syncwarp();
-    ptx::fence_acq_rel_sys();
-    __syncwarp();
-    if (peer_lane) {
-      u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
-      for (i32 slot = batch_first_slot; slot < slot_next; slot++) ptx::st_relaxed_sys(flags + (u32)slot, epoch);
-    }
+    chunk = following;
+    chunk_p0 = following_p0;
+    chunk_p1 = following_p1;
   }
 }
 
@@ -272,9 +293,10 @@ __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32
   for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, pos, w, meta[w]);
 }
 
-// Receiver warp `warp_id` of `num_warps`: for every source s != me, rows [cnt_s * id / n, cnt_s * (id+1) / n)
-// of s's sub-slab (cnt_s = recv_count[s]; row j lands at recv_offset[s] + j). Lane s keeps source s's next
-// row. Sources are served in turn: lane i polls row flag [s][next + i] (relaxed, local memory); the leading
+// Receiver warp `warp_id` of `num_warps`: for every source s != me, its chunks of recv_chunk rows of s's
+// sub-slab (HtCursor over [0, cnt_s), cnt_s = recv_count[s], rotated by s * n / R so that a warp's chunks of
+// different sources fall due at different times; row j lands at recv_offset[s] + j). Lane s keeps source
+// s's chunk. Sources are served in turn: lane i polls row flag [s][next + i] (relaxed, local memory); the leading
 // run of rows whose flag reached the epoch is acquired (ld.acquire.sys by the lanes that saw them, then
 // __syncwarp) and copied to the outputs. A pass without progress counts towards the deadline (measured from
 // the last progress); on expiry the warp records {ERR_TIMEOUT, peer: the first source it still waits for}.
@@ -294,22 +316,22 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
   if (warp_id == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
   if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_own_rows(a, warp_id, num_warps);
 
-  u32 next = 0, end = 0, offset = 0;
+  HtCursor chunk = {0, 0};
+  u32 count = 0, offset = 0;
   if (lane < num_ranks && lane != me) {
-    const u32 count = (u32)routing[HT_RT_RECV_COUNT + lane];
-    next = ht_split(count, warp_id, num_warps);
-    end = ht_split(count, warp_id + 1, num_warps);
+    count = (u32)routing[HT_RT_RECV_COUNT + lane];
+    chunk = ht_first_chunk(count, a.recv_chunk, warp_id, num_warps, lane * num_warps / num_ranks);
     offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
   }
   const u32* flags = reinterpret_cast<const u32*>(a.data[me] + a.flags_offset);
-  u32 pending = __ballot_sync(FULL_WARP_MASK, next < end);
+  u32 pending = __ballot_sync(FULL_WARP_MASK, chunk.next < chunk.end);
   u64 idle_since = 0;
   u32 idle_spins = 0;
   while (pending != 0u) {
     bool progressed = false;
     for (u32 todo = pending; todo != 0u; todo &= todo - 1) {
       const u32 s = __ffs(todo) - 1;
-      const u32 j = __shfl_sync(FULL_WARP_MASK, next, s), stop = __shfl_sync(FULL_WARP_MASK, end, s);
+      const u32 j = __shfl_sync(FULL_WARP_MASK, chunk.next, s), stop = __shfl_sync(FULL_WARP_MASK, chunk.end, s);
       const u32 n = stop - j < WARP_SIZE ? stop - j : WARP_SIZE;
       const u32* flag = flags + (u64)s * a.flag_slots + j + lane;
       const bool arrived = lane < n && (i32)(ptx::ld_relaxed_sys(flag) - epoch) >= 0;
@@ -324,10 +346,13 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
         (void)ptx::ld_acquire_sys(flags + (u64)s * a.flag_slots + j + i);
         if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_out_row(a, s, j + i, base + j + i, lane);
       }
-      if (lane == s) next += ready;
+      if (lane == s) {
+        chunk.next += ready;
+        ht_next_chunk(chunk, count, a.recv_chunk, num_warps);
+      }
       progressed = true;
     }
-    pending = __ballot_sync(FULL_WARP_MASK, next < end);
+    pending = __ballot_sync(FULL_WARP_MASK, chunk.next < chunk.end);
     if (progressed) {
       idle_spins = 0;
       continue;

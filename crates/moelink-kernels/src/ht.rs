@@ -354,6 +354,10 @@ pub struct HtDispatchArgs {
     pub slab_rows: u32,
     pub flag_slots: u32,
     pub num_send_blocks: u32,
+    /// Tokens per sender chunk (0: one contiguous part per warp); see `HtCursor` in ht.cuh.
+    pub send_chunk: u32,
+    /// Slab rows per receiver chunk, per source (0: one contiguous part per warp).
+    pub recv_chunk: u32,
 }
 
 /// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).
@@ -380,6 +384,10 @@ pub struct HtCombineArgs {
     pub slab_rows: u32,
     pub flag_slots: u32,
     pub num_send_blocks: u32,
+    /// Rows per sender chunk, per source (0: one contiguous part per warp); see `HtCursor` in ht.cuh.
+    pub send_chunk: u32,
+    /// Tokens per reducer chunk (0: one contiguous part per warp).
+    pub recv_chunk: u32,
 }
 
 // ============================================================================================ variants
@@ -457,6 +465,14 @@ pub struct HtDispatchVariant {
 /// fence waits until the warp's NVLink stores are acknowledged, so one per row leaves each warp idle for a
 /// round trip per row; a batch amortises it, at the cost of the receivers seeing rows later.
 pub const DEFAULT_RELEASE_BATCH: u32 = 4;
+
+/// Work chunks of the HT kernels' warps (`HtCursor` in ht.cuh): every warp takes every n-th chunk, so that
+/// senders and receivers walk the token order together; 0 gives each warp one contiguous part instead.
+/// Senders: one release batch per chunk. Receivers: the dispatch receivers take 8 slab rows of a source
+/// per chunk, the combine reducers 4 tokens.
+pub const DEFAULT_DISPATCH_RECV_CHUNK: u32 = 8;
+/// Tokens per chunk of a combine reducer warp (see [`DEFAULT_DISPATCH_RECV_CHUNK`]).
+pub const DEFAULT_COMBINE_RECV_CHUNK: u32 = 4;
 
 impl HtDispatchVariant {
     /// The variant with the default release batch.
@@ -679,8 +695,8 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4);
+        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 8 * 4);
     }
 
     #[test]

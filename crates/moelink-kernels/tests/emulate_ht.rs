@@ -29,6 +29,11 @@ struct EmuCase {
     smem_experts: usize,
     /// Rows a sender warp releases per fence (1, partial and whole batches).
     release_batch: usize,
+    /// Sender chunk (tokens / rows per source; 0: contiguous parts), a multiple of release_batch as the
+    /// backend passes it.
+    send_chunk: usize,
+    /// Receiver chunk (dispatch rows per source / combine tokens; 0: contiguous parts).
+    recv_chunk: usize,
 }
 
 const PTX: &str = include_str!("../cuda/ptx.cuh");
@@ -78,6 +83,8 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
         ("EMU_TOPK", c.topk.to_string()),
         ("EMU_FP8", (c.fp8 as u32).to_string()),
         ("EMU_LOCAL_EXPERTS", c.local_experts.to_string()),
+        ("EMU_SEND_CHUNK", c.send_chunk.to_string()),
+        ("EMU_RECV_CHUNK", c.recv_chunk.to_string()),
     ] {
         s += &format!("#define {k} {v}\n");
     }
@@ -167,12 +174,78 @@ fn ht_kernels_run_on_the_cpu_emulator() {
     let dir = std::env::temp_dir().join(format!("moelink-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let cases = [
-        EmuCase { ranks: 2, hidden: 1000, topk: 4, fp8: false, local_experts: 4, max_unroll: 3, smem_experts: 64, release_batch: 1 },
-        EmuCase { ranks: 4, hidden: 256, topk: 8, fp8: true, local_experts: 8, max_unroll: 8, smem_experts: 16, release_batch: 4 },
-        EmuCase { ranks: 3, hidden: 64, topk: 2, fp8: false, local_experts: 2, max_unroll: 1, smem_experts: 64, release_batch: 2 },
-        EmuCase { ranks: 1, hidden: 128, topk: 4, fp8: false, local_experts: 4, max_unroll: 8, smem_experts: 64, release_batch: 3 },
-        EmuCase { ranks: 8, hidden: 32, topk: 8, fp8: false, local_experts: 8, max_unroll: 8, smem_experts: 64, release_batch: 8 },
-        EmuCase { ranks: 2, hidden: 136, topk: 1, fp8: false, local_experts: 3, max_unroll: 2, smem_experts: 1, release_batch: 5 },
+        EmuCase {
+            ranks: 2,
+            hidden: 1000,
+            topk: 4,
+            fp8: false,
+            local_experts: 4,
+            max_unroll: 3,
+            smem_experts: 64,
+            release_batch: 1,
+            send_chunk: 0,
+            recv_chunk: 0,
+        },
+        EmuCase {
+            ranks: 4,
+            hidden: 256,
+            topk: 8,
+            fp8: true,
+            local_experts: 8,
+            max_unroll: 8,
+            smem_experts: 16,
+            release_batch: 4,
+            send_chunk: 4,
+            recv_chunk: 8,
+        },
+        EmuCase {
+            ranks: 3,
+            hidden: 64,
+            topk: 2,
+            fp8: false,
+            local_experts: 2,
+            max_unroll: 1,
+            smem_experts: 64,
+            release_batch: 2,
+            send_chunk: 2,
+            recv_chunk: 1,
+        },
+        EmuCase {
+            ranks: 1,
+            hidden: 128,
+            topk: 4,
+            fp8: false,
+            local_experts: 4,
+            max_unroll: 8,
+            smem_experts: 64,
+            release_batch: 3,
+            send_chunk: 6,
+            recv_chunk: 3,
+        },
+        EmuCase {
+            ranks: 8,
+            hidden: 32,
+            topk: 8,
+            fp8: false,
+            local_experts: 8,
+            max_unroll: 8,
+            smem_experts: 64,
+            release_batch: 8,
+            send_chunk: 8,
+            recv_chunk: 2,
+        },
+        EmuCase {
+            ranks: 2,
+            hidden: 136,
+            topk: 1,
+            fp8: false,
+            local_experts: 3,
+            max_unroll: 2,
+            smem_experts: 1,
+            release_batch: 5,
+            send_chunk: 5,
+            recv_chunk: 0,
+        },
     ];
     let only = std::env::var("MOELINK_EMU_CASE").ok();
     let mut failures = Vec::new();

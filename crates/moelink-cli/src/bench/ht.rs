@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use moelink::{
     bf16, fresh, BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchLayout, DispatchOutputs,
-    DispatchResult, Fp8E4M3, Group, Payload, Result, Tensor, ThreadGroup,
+    DispatchResult, Fp8E4M3, Group, Payload, Result, Routing, Tensor, ThreadGroup,
 };
 
 use super::inputs::{Inputs, Shape};
@@ -117,8 +117,8 @@ fn outputs_of(res: &mut DispatchResult) -> DispatchOutputs<'_> {
 /// Per case: one call with outputs allocated by moelink, checked (and on CUDA compared bit for bit with the
 /// host backend); then the timed repetitions write into that call's outputs. Dispatch times
 /// `prepare_dispatch` + `dispatch_into` (CPU-sync mode: the count exchange and the host's wait for it are
-/// part of the call, as in DeepEP's benchmark); combine times `combine_into` with the checked dispatch's
-/// handle.
+/// part of the call), then the cached dispatch with that call's handle (what DeepEP's benchmark times);
+/// combine times `combine_into` with the checked dispatch's handle.
 pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<Vec<RankOutcome>> {
     let me = g.rank();
     let group: Arc<dyn Group> = Arc::new(g);
@@ -183,6 +183,20 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<V
                 if let Some(times) = settle(timed, out) {
                     out.times_us = times;
                     out.timer = Some(buf.timer_name());
+                }
+                // The cached dispatch of the same payload with this call's handle (no count exchange, no host
+                // wait, no top-k): what DeepEP's benchmark times (`buffer.dispatch(x, handle=handle)`).
+                let cargs = DispatchArgs { x: t.payload(case.dtype)?, routing: Routing::Cached(&res.handle), ..args };
+                let Some(mut cached) = settle(buf.dispatch(&cargs), out) else {
+                    continue;
+                };
+                out.failures.extend(compare_cached(&cached, &res)?);
+                let timed = job.time_quietly(&mut buf, |b| {
+                    let plan = b.prepare_dispatch(&cargs)?;
+                    b.dispatch_into(plan, &cargs, outputs_of(&mut cached)).map(drop)
+                });
+                if let Some(times) = settle(timed, out) {
+                    out.cached_us = times;
                 }
             }
             Op::Combine => {
@@ -348,6 +362,19 @@ fn compare_dispatch(a: &DispatchResult, b: &DispatchResult) -> Result<Vec<String
 }
 
 /// Combine of identity experts returns `x × (ranks the token went to)`, exactly (small integers).
+/// A cached dispatch of the same payload must reproduce the fresh dispatch's rows (and scales) bit for bit.
+fn compare_cached(cached: &DispatchResult, fresh: &DispatchResult) -> Result<Vec<String>> {
+    let mut diffs = Vec::new();
+    if cached.recv_x.to_host_bytes()? != fresh.recv_x.to_host_bytes()? {
+        diffs.push("cached dispatch: recv_x differs from the fresh dispatch".to_string());
+    }
+    let scales = |r: &DispatchResult| r.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose();
+    if scales(cached)? != scales(fresh)? {
+        diffs.push("cached dispatch: recv_scales differ from the fresh dispatch".to_string());
+    }
+    Ok(diffs)
+}
+
 fn check_combine(combined: &Tensor, inputs: &Inputs, me: usize) -> Result<Vec<String>> {
     let s = &inputs.shape;
     if combined.shape() != [s.tokens, s.hidden] {

@@ -9,8 +9,11 @@
 //! of all ranks, then CUDA events on the device or the wall clock on the host):
 //!
 //! - HT dispatch: `prepare_dispatch` + `dispatch_into` in CPU-sync mode (the count exchange, the host's
-//!   wait for it and the dispatch kernel, as DeepEP's benchmark times it) into the checked call's outputs;
-//!   HT combine: `combine_into` into the checked call's output. Nothing is allocated while timing.
+//!   wait for it and the dispatch kernel) into the checked call's outputs; then, as `cached_us`, the cached
+//!   dispatch of the same payload with that call's handle (no count exchange, no host wait, no top-k; its
+//!   rows checked bit for bit against the fresh call's) — what DeepEP's benchmark times
+//!   (`buffer.dispatch(x, handle=handle)` in its tests' tuning loop). HT combine: `combine_into` into the
+//!   checked call's output. Nothing is allocated while timing.
 //! - LL on CUDA: the call captured once into a CUDA graph (outputs of the checked call), each repetition
 //!   one timed replay; with `--hook` the send phase and the receive phase (`run_hook`) as two graphs, timed
 //!   apart. On the host backend the plain calls.
@@ -274,6 +277,8 @@ pub struct RankOutcome {
     pub send_us: Vec<f64>,
     /// Receive-hook mode: receive-phase (`run_hook`) times, microseconds.
     pub recv_us: Vec<f64>,
+    /// HT dispatch: times of the cached dispatch (the call's handle re-used), microseconds.
+    pub cached_us: Vec<f64>,
 }
 
 /// Everything a rank worker needs, shared by reference across rank threads.
@@ -307,6 +312,18 @@ impl Job<'_> {
                 times.push(us);
             }
             self.tick(buf.rank());
+        }
+        Ok(times)
+    }
+
+    /// [`Job::time`] for a second measurement of a case, which the progress bar does not count.
+    pub fn time_quietly(&self, buf: &mut Buffer, mut op: impl FnMut(&mut Buffer) -> Result<()>) -> Result<Vec<f64>> {
+        let mut times = Vec::with_capacity(self.reps);
+        for i in 0..self.warmup + self.reps {
+            let ((), us) = buf.timed(&mut op)?;
+            if i >= self.warmup {
+                times.push(us);
+            }
         }
         Ok(times)
     }
@@ -816,6 +833,12 @@ fn summarize(
                 rec.extra.insert("send_us".into(), serde_json::json!(slowest_rank_median(&send)));
                 rec.extra.insert("recv_us".into(), serde_json::json!(slowest_rank_median(&recv)));
             }
+            let cached: Vec<Vec<f64>> = outs.iter().map(|o| o.cached_us.clone()).collect();
+            if cached.iter().all(|v| !v.is_empty()) {
+                let ct = slowest_rank_median(&cached);
+                rec.extra.insert("cached_us".into(), serde_json::json!(ct));
+                rec.extra.insert("cached_logical_gbps".into(), serde_json::json!(logical / (ct * 1e3)));
+            }
             if c.mode == Mode::Ll {
                 // Dispatch carried the top-k weights, so combine pre-reduces on the expert side (moelink's
                 // extension; DeepEP sends one row per expert instead).
@@ -911,10 +934,11 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             "GB/s",
             "combine µs",
             "GB/s",
+            "cached disp µs (bf16; fp8)",
             "hook send+recv µs (disp; comb)",
             "ok",
         ],
-        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false],
+        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false, false],
     );
     let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
     for k in &order {
@@ -940,6 +964,12 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
         let (cd, cg) = time(comb);
         let disp = find("dispatch", "fp8").or(find("dispatch", "bf16"));
         let hooks = if k.0 == "ll" { format!("{}; {}", hook(disp), hook(comb)) } else { String::new() };
+        let cached_of = |r: Option<&Record>| r.and_then(|r| r.extra.get("cached_us")).and_then(|v| v.as_f64()).map_or("-".to_string(), num);
+        let cached = if k.0 == "ht" {
+            format!("{}; {}", cached_of(find("dispatch", "bf16")), cached_of(find("dispatch", "fp8")))
+        } else {
+            String::new()
+        };
         let bad: Vec<&&Record> = recs.iter().filter(|r| r.status != Status::Ok).collect();
         let ok = match bad.first() {
             None => "yes".to_string(),
@@ -960,6 +990,7 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             fg,
             cd,
             cg,
+            cached,
             hooks,
             ok,
         ]);

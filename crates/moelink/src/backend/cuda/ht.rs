@@ -91,6 +91,23 @@ fn release_batch() -> u32 {
     env_override("MOELINK_HT_RELEASE_BATCH", 1, 64).unwrap_or(kht::DEFAULT_RELEASE_BATCH)
 }
 
+/// Sender work chunk of both HT kernels (`moelink_kernels::ht::HtDispatchArgs::send_chunk`): one release
+/// batch. Tuning override: `MOELINK_HT_SEND_CHUNK=<n>` (0: one contiguous part per warp, the assignment
+/// before interleaving; else rounded up to whole release batches).
+fn send_chunk(release_batch: u32) -> u32 {
+    match env_override("MOELINK_HT_SEND_CHUNK", 0u32, 1 << 20) {
+        Some(0) => 0,
+        Some(n) => n.div_ceil(release_batch) * release_batch,
+        None => release_batch,
+    }
+}
+
+/// Receiver work chunk (dispatch: slab rows per source; combine: tokens). Tuning override:
+/// `MOELINK_HT_RECV_CHUNK=<n>` (0: one contiguous part per warp).
+fn recv_chunk(default: u32) -> u32 {
+    env_override("MOELINK_HT_RECV_CHUNK", 0u32, 1 << 20).unwrap_or(default)
+}
+
 /// A tuning override from the environment, clamped to `[min, max]`; `None` when unset or not a number.
 /// `MOELINK_HT_REDUCE_LOAD_VECS` sets the combine reducers' loads in flight
 /// (`HtCombineVariant::REDUCE_LOAD_VECS`).
@@ -630,6 +647,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
         num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
+        send_chunk: send_chunk(variant.release_batch),
+        recv_chunk: recv_chunk(kht::DEFAULT_DISPATCH_RECV_CHUNK),
     };
     let kernel = b.kernel(&variant.spec(), "ht_dispatch")?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
@@ -705,6 +724,8 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
         num_send_blocks: combine_send_blocks(s.num_sms) as u32,
+        send_chunk: send_chunk(variant.release_batch),
+        recv_chunk: recv_chunk(kht::DEFAULT_COMBINE_RECV_CHUNK),
     };
     let kernel = b.kernel(&variant.spec(), "ht_combine")?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
