@@ -4,7 +4,8 @@
 #      from an older fault: "path:batch ..." (e.g. ".device/moelink:4 .device/moelink-old:1");
 #   2. EP4, 4096 tokens, hidden 7168, top-8 of 256, 24 SMs, BF16 + FP8 dispatch and combine, for each
 #      MOELINK_HT_TIMING_EXPERIMENT in EXPERIMENTS (0: real; 1: receivers/reducers move no payload;
-#      2: senders store no remote payload; 3: both, i.e. protocol only) and each split in SPLITS.
+#      2: senders store no remote payload; 3: both, i.e. protocol only) and each split in SPLITS
+#      ("dispatch:combine" sender blocks) at NUM_SMS SMs (default 24); cached dispatches as "... cached".
 # Writes $OUT/ht-roles.json (records tagged), $OUT/ht-roles-log.txt, soak JSON, and a table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +22,7 @@ summary=$OUT/summary.txt
 EXPERIMENTS=${EXPERIMENTS:-"0 1 2 3"}
 SPLITS=${SPLITS:-"8:12 10:12"}
 BATCH=${BATCH:-4}
+NUM_SMS=${NUM_SMS:-24}
 SOAK_S=${SOAK_S:-20}
 BIN=/tmp/moelink-device/moelink
 cp .device/moelink "$BIN" && chmod +x "$BIN"
@@ -41,7 +43,7 @@ tmp=$(mktemp -d)
 for s in $SPLITS; do
     for x in $EXPERIMENTS; do
         MOELINK_HT_TIMING_EXPERIMENT=$x MOELINK_HT_RELEASE_BATCH=$BATCH MOELINK_HT_DISPATCH_SEND_BLOCKS=${s%%:*} \
-            MOELINK_HT_COMBINE_SEND_BLOCKS=${s##*:} timeout 90 "$BIN" bench --mode ht --dtype all --num-sms 24 --reps 10 \
+            MOELINK_HT_COMBINE_SEND_BLOCKS=${s##*:} timeout 90 "$BIN" bench --mode ht --dtype all --num-sms "$NUM_SMS" --reps 10 \
             --warmup 2 --no-host-check --json "$tmp/x$x-d${s%%:*}-c${s##*:}.json" >> "$LOG" 2>&1
     done
 done
@@ -57,6 +59,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
             r["status"] = "timing experiment (results wrong by design)"
         out.append(r)
         rows.setdefault((d, c, x), {})[f"{r['op']} {r['dtype']}"] = round(r["time_us"], 1)
+        if r.get("cached_us") is not None:
+            rows[(d, c, x)][f"{r['op']} {r['dtype']} cached"] = round(r["cached_us"], 1)
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 print(f"{len(out)} records -> {sys.argv[2]}  (experiment 0 real, 1 no copy-out, 2 no remote payload, 3 neither)")
 cols = sorted({n for v in rows.values() for n in v})

@@ -468,11 +468,11 @@ pub const DEFAULT_RELEASE_BATCH: u32 = 4;
 
 /// Work chunks of the HT kernels' warps (`HtCursor` in ht.cuh): every warp takes every n-th chunk, so that
 /// senders and receivers walk the token order together; 0 gives each warp one contiguous part instead.
-/// Senders: one release batch per chunk. Receivers: the dispatch receivers take 8 slab rows of a source
-/// per chunk, the combine reducers 4 tokens.
-pub const DEFAULT_DISPATCH_RECV_CHUNK: u32 = 8;
-/// Tokens per chunk of a combine reducer warp (see [`DEFAULT_DISPATCH_RECV_CHUNK`]).
-pub const DEFAULT_COMBINE_RECV_CHUNK: u32 = 4;
+/// Senders take one release batch per chunk; receivers this many items (dispatch: slab rows of a source;
+/// combine: tokens). Measured on 4xH200 (EP4, 4096 tokens, H 7168, 24 SMs; bench/results/
+/// 2026-11-21-4xnvidia-h200-192c69d-chunks): dispatch receivers with 4 rows 596 / 356 µs (BF16 / FP8),
+/// 8 rows 605 / 359, 16 rows 619 / 373; contiguous parts 663 / 403 µs, combine 679 -> 565 µs.
+pub const DEFAULT_RECV_CHUNK: u32 = 4;
 
 impl HtDispatchVariant {
     /// The variant with the default release batch.

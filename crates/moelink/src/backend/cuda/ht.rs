@@ -102,10 +102,11 @@ fn send_chunk(release_batch: u32) -> u32 {
     }
 }
 
-/// Receiver work chunk (dispatch: slab rows per source; combine: tokens). Tuning override:
-/// `MOELINK_HT_RECV_CHUNK=<n>` (0: one contiguous part per warp).
-fn recv_chunk(default: u32) -> u32 {
-    env_override("MOELINK_HT_RECV_CHUNK", 0u32, 1 << 20).unwrap_or(default)
+/// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
+/// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). Tuning override: `MOELINK_HT_RECV_CHUNK=<n>` (0: one
+/// contiguous part per warp).
+fn recv_chunk() -> u32 {
+    env_override("MOELINK_HT_RECV_CHUNK", 0u32, 1 << 20).unwrap_or(kht::DEFAULT_RECV_CHUNK)
 }
 
 /// A tuning override from the environment, clamped to `[min, max]`; `None` when unset or not a number.
@@ -648,7 +649,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         flag_slots: region.flag_slots() as u32,
         num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
         send_chunk: send_chunk(variant.release_batch),
-        recv_chunk: recv_chunk(kht::DEFAULT_DISPATCH_RECV_CHUNK),
+        recv_chunk: recv_chunk(),
     };
     let kernel = b.kernel(&variant.spec(), "ht_dispatch")?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
@@ -725,7 +726,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         flag_slots: region.flag_slots() as u32,
         num_send_blocks: combine_send_blocks(s.num_sms) as u32,
         send_chunk: send_chunk(variant.release_batch),
-        recv_chunk: recv_chunk(kht::DEFAULT_COMBINE_RECV_CHUNK),
+        recv_chunk: recv_chunk(),
     };
     let kernel = b.kernel(&variant.spec(), "ht_combine")?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
