@@ -62,22 +62,27 @@ fn send_blocks_override(name: &str, num_sms: usize) -> Option<usize> {
     env_override(name, 1, num_sms - 1)
 }
 
-/// Sender blocks of a role split: a third of the blocks, but at least the SMs that carry the NVLink egress
-/// (`ceil(356 / 46)` = 8) as long as that leaves half for the receivers. Measured on 4xH200 (EP4, 4096
-/// tokens, H 7168): at 24 SMs a third is best for both kernels (dispatch 6/7/8/10/12 senders:
-/// 729/658/655/725/801 µs BF16; combine 6/8/10/12/16: 791/678/724/752/857 µs; bench/results/
-/// 2026-11-21-4xnvidia-h200-f85a929-split), while a plain third starved the senders below 24 SMs (combine at
-/// 16 SMs: 1002 µs with 5 senders, 850 with 8; at 8 SMs 2250 with 2, 1631 with 4; bench/results/
-/// 2026-11-21-4xnvidia-h200-a68f5bf vs -09674d2).
-fn default_send_blocks(num_sms: usize) -> usize {
-    let link_sms = (NVLINK_INGRESS_GBPS / SM_COPY_GBPS).ceil() as usize;
-    (num_sms / 3).max(link_sms.min(num_sms / 2)).clamp(1, num_sms - 1)
+/// SMs that carry the NVLink egress: `ceil(356 / 46)` = 8.
+fn link_sms() -> usize {
+    (NVLINK_INGRESS_GBPS / SM_COPY_GBPS).ceil() as usize
 }
 
-/// Dispatch senders (override: `MOELINK_HT_DISPATCH_SEND_BLOCKS`). The dispatch is bound by its senders'
-/// NVLink stores; the receivers copy this rank's own rows and the arriving rows out.
+/// Combine sender blocks: a third of the blocks, but at least the link SMs as long as that leaves half for
+/// the reducers. Measured on 4xH200 (EP4, 4096 tokens, H 7168, interleaved chunks): 24 SMs 6/8/10/12
+/// senders 690/566/568/578 µs; 48 SMs 8/16: 561/554; 64 SMs 8/16/21: 561/543/539 (bench/results/
+/// 2026-11-21-4xnvidia-h200-52de077-sweeps, -run23); a plain third starved the senders below 24 SMs.
+fn default_send_blocks(num_sms: usize) -> usize {
+    (num_sms / 3).max(link_sms().min(num_sms / 2)).clamp(1, num_sms - 1)
+}
+
+/// Dispatch senders (override: `MOELINK_HT_DISPATCH_SEND_BLOCKS`): the link SMs (at most half), at every
+/// SM count. The dispatch is bound by its senders' NVLink stores, and more sender SMs land in the
+/// all-to-all dip between 10 and 28 SMs (DESIGN.md §3): measured on 4xH200 (EP4, 4096 tokens, H 7168, BF16
+/// dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643; 48 SMs 8/16: 585/597;
+/// 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps, -run23). The
+/// receivers copy this rank's own rows and the arriving rows out.
 fn dispatch_send_blocks(num_sms: usize) -> usize {
-    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or_else(|| default_send_blocks(num_sms))
+    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or_else(|| link_sms().min(num_sms / 2).clamp(1, num_sms - 1))
 }
 
 /// Combine senders (override: `MOELINK_HT_COMBINE_SEND_BLOCKS`).
@@ -748,6 +753,7 @@ mod tests {
             assert!(combine_send_blocks(sms) >= 1 && combine_send_blocks(sms) < sms);
         }
         assert_eq!((dispatch_send_blocks(24), combine_send_blocks(24)), (8, 8));
+        assert_eq!([2, 8, 16, 64, 132].map(dispatch_send_blocks), [1, 4, 8, 8, 8]);
         assert_eq!([8, 16, 64].map(default_send_blocks), [4, 8, 21]);
     }
 
