@@ -458,8 +458,12 @@ __device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32*
   __syncthreads();
   const u32 lane = lane_id();
   if (warp_id() == 0 && lane < num_ranks) {
+    // The three words are loaded together (one round trip, not three); the wait polls only when the first
+    // look at the peer's consumed flag was not enough.
     const u32 target = ptx::ld_relaxed_gpu(last_write);
-    if (ptx::ld_relaxed_gpu(mask + lane) == 0) {
+    const u32 masked = ptx::ld_relaxed_gpu(mask + lane);
+    const u32 seen = ptx::ld_relaxed_sys(consumed + lane);
+    if (masked == 0 && (i32)(seen - target) < 0) {
       const u32 w = ll_wait_geq(consumed + lane, target, d, lane, soft);
       if (w == LL_WAIT_TIMEOUT) llptx::st_relaxed_gpu(mask + lane, 1);
       if (w == LL_WAIT_FAILED) sm.abort = 1;
@@ -968,7 +972,11 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // partial per (home, token): sum over this rank's selections of the token in ascending k, from +0.0, of
 // f32(w) * f32(y) rounded to f32 before each add, into slot [me][token] of the home's region. Per-expert
 // mode: each selection's row y into slot [token][k].
+// A warp takes items first_warp + i * num_warps, COMBINE_ITEMS of them per round with every expert-row load
+// of the round in flight together: an item has only ~K/R rows here, so one item per round left each warp a
+// chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost).
 // Returns whether this warp stored anything.
+constexpr u32 COMBINE_ITEMS = 2;
 __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 R = a.num_ranks, TM = a.max_tokens;
@@ -976,7 +984,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   const u8* y = reinterpret_cast<const u8*>(a.y);
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
-  // The handle entries (row, weight) of an item are loaded one item ahead: the expert rows' loads depend on
+  // The handle entries (row, weight) of an item are loaded one round ahead: the expert rows' loads depend on
   // them, so loading them at the top of each item put two dependent round trips on every item's path.
   auto load_entry = [&](u32 it, i32& row, float& w) {
     row = -1;
@@ -988,62 +996,87 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
       if (pre_reduced) w = bits_f32(llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hweight) + at));
     }
   };
-  i32 row_ahead;
-  float w_ahead;
-  load_entry(first_warp, row_ahead, w_ahead);
-  for (u32 item = first_warp; item < items; item += num_warps) {
-    const i32 row = row_ahead;
-    const float w = w_ahead;
-    load_entry(item + num_warps, row_ahead, w_ahead);
-    const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
-    const u32 h = st / TM, t = st % TM;
-    if (t >= sm.ntok[h]) continue;
-    const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
-    if (valid == 0) continue;
-    stored = true;
-    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-    const bool active = off < ROW_BYTES_BF16;
-    u8* region = reinterpret_cast<u8*>(a.recv[h]);
-    if (pre_reduced) {
-      float acc[8];
+  i32 row_ahead[COMBINE_ITEMS];
+  float w_ahead[COMBINE_ITEMS];
 #pragma unroll
-      for (u32 j = 0; j < 8; j++) acc[j] = 0.0f;
+  for (u32 j = 0; j < COMBINE_ITEMS; j++) load_entry(first_warp + j * num_warps, row_ahead[j], w_ahead[j]);
+  for (u32 base = first_warp; base < items; base += COMBINE_ITEMS * num_warps) {
+    i32 row[COMBINE_ITEMS];
+    float w[COMBINE_ITEMS];
+    u32 valid[COMBINE_ITEMS];
+    u32 off[COMBINE_ITEMS];
+    u8* dst[COMBINE_ITEMS];
+#pragma unroll
+    for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+      row[j] = row_ahead[j];
+      w[j] = w_ahead[j];
+      load_entry(base + (COMBINE_ITEMS + j) * num_warps, row_ahead[j], w_ahead[j]);
+      // load_entry gives row -1 to items past the end and to tokens the home did not send: valid == 0.
+      const u32 item = base + j * num_warps;
+      const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
+      const u32 h = st / TM, t = st % TM;
+      valid[j] = __ballot_sync(FULL_WARP_MASK, row[j] >= 0);
+      off[j] = c * CHUNK_BYTES + lane * VEC_BYTES;
+      u8* region = item < items ? reinterpret_cast<u8*>(a.recv[h]) : nullptr;
+      dst[j] = region == nullptr ? nullptr
+                                 : region + (pre_reduced ? ((u64)a.rank * TM + t) * ROW_BYTES_BF16 : (u64)t * LL_TOPK * ROW_BYTES_BF16);
+      if (valid[j] != 0) stored = true;
+    }
+    if (pre_reduced) {
+      float acc[COMBINE_ITEMS][8];
+#pragma unroll
+      for (u32 j = 0; j < COMBINE_ITEMS; j++)
+#pragma unroll
+        for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
 #pragma unroll
       for (u32 kb = 0; kb < LL_TOPK; kb += K_BATCH) {
-        u32x4 v[K_BATCH];
+        u32x4 v[COMBINE_ITEMS][K_BATCH];
 #pragma unroll
-        for (u32 j = 0; j < K_BATCH; j++) {
-          const u32 k = kb + j;
-          v[j] = u32x4{0, 0, 0, 0};
-          if (k < LL_TOPK && ((valid >> k) & 1u)) {
-            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, k);
-            if (active) v[j] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
+        for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+#pragma unroll
+          for (u32 q = 0; q < K_BATCH; q++) {
+            const u32 k = kb + q;
+            v[j][q] = u32x4{0, 0, 0, 0};
+            if (k < LL_TOPK && ((valid[j] >> k) & 1u)) {
+              const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
+              if (off[j] < ROW_BYTES_BF16) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
+            }
           }
         }
 #pragma unroll
-        for (u32 j = 0; j < K_BATCH; j++) {
-          const u32 k = kb + j;
-          if (k < LL_TOPK && ((valid >> k) & 1u)) {
-            const float wk = __shfl_sync(FULL_WARP_MASK, w, k);
+        for (u32 j = 0; j < COMBINE_ITEMS; j++) {
 #pragma unroll
-            for (u32 i = 0; i < 4; i++) {
-              const u32 word = word_of(v[j], i);
-              acc[2 * i] = llptx::add_rn(acc[2 * i], llptx::mul_rn(wk, bf16_lo(word)));
-              acc[2 * i + 1] = llptx::add_rn(acc[2 * i + 1], llptx::mul_rn(wk, bf16_hi(word)));
+          for (u32 q = 0; q < K_BATCH; q++) {
+            const u32 k = kb + q;
+            if (k < LL_TOPK && ((valid[j] >> k) & 1u)) {
+              const float wk = __shfl_sync(FULL_WARP_MASK, w[j], k);
+#pragma unroll
+              for (u32 i = 0; i < 4; i++) {
+                const u32 word = word_of(v[j][q], i);
+                acc[j][2 * i] = llptx::add_rn(acc[j][2 * i], llptx::mul_rn(wk, bf16_lo(word)));
+                acc[j][2 * i + 1] = llptx::add_rn(acc[j][2 * i + 1], llptx::mul_rn(wk, bf16_hi(word)));
+              }
             }
           }
         }
       }
-      const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]), ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]), ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]),
-                         ptx::cvt_rn_bf16x2_f32(acc[7], acc[6])};
-      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + ((u64)a.rank * TM + t) * ROW_BYTES_BF16 + off), out);
+#pragma unroll
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+        if (valid[j] == 0 || off[j] >= ROW_BYTES_BF16) continue;
+        const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
+                           ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + off[j]), out);
+      }
     } else {
-      for (u32 m = valid; m != 0; m &= m - 1) {
-        const u32 k = __ffs(m) - 1;
-        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, k);
-        if (active) {
-          const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
-          ptx::st_na_v4(reinterpret_cast<u32x4*>(region + ((u64)t * LL_TOPK + k) * ROW_BYTES_BF16 + off), v);
+#pragma unroll
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+        for (u32 m = valid[j]; m != 0; m &= m - 1) {
+          const u32 k = __ffs(m) - 1;
+          const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
+          if (off[j] < ROW_BYTES_BF16) {
+            const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
+            ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + (u64)k * ROW_BYTES_BF16 + off[j]), v);
+          }
         }
       }
     }
