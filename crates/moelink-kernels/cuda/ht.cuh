@@ -29,6 +29,19 @@ static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
 constexpr u32 HT_EXP_NO_COPY_OUT = 1;         // receivers/reducers wait for the flags but move no payload
 constexpr u32 HT_EXP_NO_REMOTE_PAYLOAD = 2;   // senders store meta words and flags but no remote payload
 
+// Timing trace (MOELINK_HT_TRACE on the host; the argument `trace` is 0 in every other call): %globaltimer
+// stamps into host-mapped u64 words, per block HT_TRACE_BLOCK_WORDS(warps) of them: block start, block end,
+// then per warp the start and the end of its work (sender: after the hand-back wait, until its last flag;
+// receiver: after this rank's own rows, until its last row). moelink::backend::cuda::ht::trace mirrors it.
+constexpr u32 HT_TRACE_BLOCK_START = 0;
+constexpr u32 HT_TRACE_BLOCK_END = 1;
+constexpr u32 HT_TRACE_WARP_START = 2;  // + 2 * warp
+constexpr u32 HT_TRACE_WARP_END = 3;    // + 2 * warp
+
+__device__ __forceinline__ void ht_trace_stamp(u64 trace, u32 words_per_block, u32 word) {
+  if (trace != 0) reinterpret_cast<volatile u64*>(trace)[(u64)blockIdx.x * words_per_block + word] = ptx::globaltimer();
+}
+
 // FP8 scales cover this many channels each (moelink::ht::FP8_BLOCK).
 constexpr u32 HT_FP8_BLOCK = 128;
 

@@ -69,7 +69,9 @@ struct HtCombineArgs {
   u32 num_send_blocks;        // blocks [0, num_send_blocks) send, the others reduce
   u32 send_chunk;             // rows per sender chunk, per source (HtCursor; 0: one contiguous part per warp)
   u32 recv_chunk;             // tokens per reducer chunk (0: one contiguous part per warp)
+  u64 trace;                  // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
 };
+constexpr u32 TRACE_WORDS = 2 + 2 * COMBINE_WARPS;  // per block
 static_assert(sizeof(HtCombineArgs) == MOELINK_SIZEOF_HT_COMBINE_ARGS, "HtCombineArgs differs from the Rust definition");
 
 __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[BF16_PER_VEC], const u32x4& v) {
@@ -94,6 +96,8 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_COMBINE_CONSUMED, me, NUM_RANKS, epoch, d)) return;
+  const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   HtCursor chunk = {0, 0};
   u32 count = 0, offset = 0;
   if (lane < NUM_RANKS && lane != me) {
@@ -170,6 +174,7 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     }
     ht_next_chunk(chunk, count, a.send_chunk, num_warps);
   }
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
 // Reducer warp `warp_id` of `num_warps` (source side): its chunks of recv_chunk tokens of this rank
@@ -189,6 +194,8 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
   const u32x4* bias0 = reinterpret_cast<const u32x4*>(a.bias0);
   const u32x4* bias1 = reinterpret_cast<const u32x4*>(a.bias1);
   u32x4* combined = reinterpret_cast<u32x4*>(a.combined_x);
+  const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   HtCursor chunk = ht_first_chunk(a.num_tokens, a.recv_chunk, warp_id, num_warps, 0);
   for (u32 t = chunk.next; t < chunk.end; t = chunk.next) {
     chunk.next = t + 1;
@@ -277,6 +284,7 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
       reinterpret_cast<float*>(a.combined_topk_weights)[(u64)t * TOPK + lane] = sum;
     }
   }
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
 // ht_combine: grid num_sms blocks (persistent, one per SM), block THREADS.
@@ -300,6 +308,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_combine(const __grid
     return;
   }
   const u32 warp = threadIdx.x / WARP_SIZE;
+  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_START);
   if (threadIdx.x == 0) s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_COMBINE_EPOCH)) + 1;
   __syncthreads();
   const u32 epoch = s_epoch;
@@ -307,5 +316,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_combine(const __grid
     send(a, epoch, d, blockIdx.x * COMBINE_WARPS + warp, a.num_send_blocks * COMBINE_WARPS);
   else
     reduce(a, epoch, d, (blockIdx.x - a.num_send_blocks) * COMBINE_WARPS + warp, (gridDim.x - a.num_send_blocks) * COMBINE_WARPS);
+  __syncthreads();
+  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
   ht_finish_op(a.ctrl, a.rank, NUM_RANKS, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CONSUMED, HT_CTRL_COMBINE_EPOCH, epoch);
 }

@@ -72,7 +72,9 @@ struct HtDispatchArgs {
   u32 num_send_blocks;     // blocks [0, num_send_blocks) send, the others receive
   u32 send_chunk;          // tokens per sender chunk (HtCursor; 0: one contiguous part per warp)
   u32 recv_chunk;          // slab rows per receiver chunk, per source (0: one contiguous part per warp)
+  u64 trace;               // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
 };
+constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
 
 // Stores meta word `w` of the row at receive position `pos` into the outputs.
@@ -185,6 +187,8 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
   const i32* prefix = reinterpret_cast<const i32*>(a.routing) + HT_RT_PREFIX;
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_DISPATCH_CONSUMED, me, num_ranks, epoch, d)) return;
+  const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < num_ranks && lane != me;
   auto load_prefix = [&](u32 t) -> i32 { return peer_lane ? prefix[(u64)t * num_ranks + lane] : 0; };
   HtCursor chunk = ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
@@ -229,6 +233,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
     chunk_p0 = following_p0;
     chunk_p1 = following_p1;
   }
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
 // One row's payload from src to out by the warp, UNROLL 16-byte vectors per lane in flight per round.
@@ -315,6 +320,8 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
   }
   if (warp_id == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
   if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_own_rows(a, warp_id, num_warps);
+  const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
 
   HtCursor chunk = {0, 0};
   u32 count = 0, offset = 0;
@@ -367,6 +374,7 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     }
   }
+  if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
 // ht_dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
@@ -395,6 +403,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __gri
     return;
   }
   const u32 warp = threadIdx.x / WARP_SIZE;
+  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_START);
   if (threadIdx.x == 0) s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_DISPATCH_EPOCH)) + 1;
   __syncthreads();
   const u32 epoch = s_epoch;
@@ -402,5 +411,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __gri
     send(a, epoch, d, blockIdx.x * DISPATCH_WARPS + warp, a.num_send_blocks * DISPATCH_WARPS);
   else
     receive(a, epoch, d, (blockIdx.x - a.num_send_blocks) * DISPATCH_WARPS + warp, (gridDim.x - a.num_send_blocks) * DISPATCH_WARPS);
+  __syncthreads();
+  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
   ht_finish_op(a.ctrl, a.rank, a.num_ranks, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CONSUMED, HT_CTRL_DISPATCH_EPOCH, epoch);
 }

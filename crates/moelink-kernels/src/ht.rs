@@ -358,6 +358,8 @@ pub struct HtDispatchArgs {
     pub send_chunk: u32,
     /// Slab rows per receiver chunk, per source (0: one contiguous part per warp).
     pub recv_chunk: u32,
+    /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
+    pub trace: u64,
 }
 
 /// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).
@@ -388,6 +390,14 @@ pub struct HtCombineArgs {
     pub send_chunk: u32,
     /// Tokens per reducer chunk (0: one contiguous part per warp).
     pub recv_chunk: u32,
+    /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
+    pub trace: u64,
+}
+
+/// u64 words of the timing trace per block of a kernel with `warps` warps per block (`HT_TRACE_*` in ht.cuh):
+/// block start, block end, then per warp the start and the end of its work (%globaltimer, ns).
+pub const fn trace_words_per_block(warps: u32) -> usize {
+    2 + 2 * warps as usize
 }
 
 // ============================================================================================ variants
@@ -695,8 +705,8 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4);
-        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 8 * 4 + 8);
     }
 
     #[test]

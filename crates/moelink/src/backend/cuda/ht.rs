@@ -133,6 +133,66 @@ fn timing_experiment() -> u32 {
     bits
 }
 
+/// `MOELINK_HT_TRACE=1`: every synchronous HT dispatch and combine records `%globaltimer` stamps (ht.cuh,
+/// `HT_TRACE_*`) and prints one line per call to stderr — when each role's warps started and finished their
+/// work, relative to the kernel's first block — to find where a kernel's time goes. Off (and the argument 0)
+/// otherwise, and in asynchronous calls and graph captures.
+fn trace_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOELINK_HT_TRACE").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// The trace words for a launch of `blocks` blocks of `warps` warps, zeroed; 0 when tracing is off.
+fn trace_begin(b: &mut CudaBackend, blocks: usize, warps: u32) -> Result<u64> {
+    if !trace_enabled() || b.is_async() || b.is_capturing() {
+        return Ok(0);
+    }
+    let words = blocks * kht::trace_words_per_block(warps);
+    if b.ht.trace.as_ref().is_none_or(|t| t.len() < words) {
+        b.ht.trace = Some(HostMapped::new(&b.device, words)?);
+    }
+    let t = b.ht.trace.as_mut().expect("allocated above");
+    t.clear();
+    Ok(t.device_ptr())
+}
+
+/// Prints the trace of the call that just finished (see [`trace_enabled`]).
+fn trace_report(b: &CudaBackend, op: &str, blocks: usize, warps: u32, send_blocks: usize) {
+    let Some(t) = b.ht.trace.as_ref() else { return };
+    let per_block = kht::trace_words_per_block(warps);
+    let words: Vec<u64> = (0..blocks * per_block).map(|i| t.read(i)).collect();
+    let t0 = (0..blocks).map(|k| words[k * per_block]).filter(|&v| v != 0).min().unwrap_or(0);
+    let us = |v: u64| (v.saturating_sub(t0)) as f64 / 1e3;
+    let role = |range: std::ops::Range<usize>| {
+        let (mut starts, mut ends) = (Vec::new(), Vec::new());
+        for k in range {
+            for w in 0..warps as usize {
+                let (s, e) = (words[k * per_block + 2 + 2 * w], words[k * per_block + 3 + 2 * w]);
+                if s != 0 {
+                    starts.push(us(s));
+                }
+                if e != 0 {
+                    ends.push(us(e));
+                }
+            }
+        }
+        ends.sort_by(f64::total_cmp);
+        let last_start = starts.iter().copied().fold(0.0, f64::max);
+        match (ends.first(), ends.get(ends.len() / 2), ends.last()) {
+            (Some(a), Some(m), Some(z)) => format!("started by +{last_start:.1}, done +{a:.1} / +{m:.1} / +{z:.1}"),
+            _ => "no stamps".to_string(),
+        }
+    };
+    let last_block_start = (0..blocks).map(|k| us(words[k * per_block])).fold(0.0, f64::max);
+    let end = (0..blocks).map(|k| us(words[k * per_block + 1])).fold(0.0, f64::max);
+    eprintln!(
+        "moelink trace: rank {} {op}, {blocks} blocks: last block start +{last_block_start:.1} us; senders {}; receivers {}          (min / median / max over warps); blocks end by +{end:.1} us",
+        b.rank,
+        role(0..send_blocks),
+        role(send_blocks..blocks)
+    );
+}
+
 // ------------------------------------------------------------------------------------------ state
 
 /// Per-buffer high-throughput state (kept across calls).
@@ -143,6 +203,8 @@ pub(crate) struct HtState {
     host_notify: Option<HostMapped<u32>>,
     notify_seq: u32,
     region_agreed: bool,
+    /// Host-mapped words of the timing trace (`MOELINK_HT_TRACE`), grown to the largest kernel traced.
+    trace: Option<HostMapped<u64>>,
 }
 
 /// Device buffers for handles, recycled by size class: a dispatch never frees (`cuMemFree` synchronises the
@@ -655,10 +717,15 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
         send_chunk: send_chunk(variant.release_batch),
         recv_chunk: recv_chunk(),
+        trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
     };
     let kernel = b.kernel(&variant.spec(), "ht_dispatch")?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     finish(b, Phase::Dispatch)?;
+    if args.trace != 0 {
+        let op = if recv_src_idx == 0 { "cached dispatch" } else { "dispatch" };
+        trace_report(b, op, s.num_sms, HtDispatchVariant::WARPS, args.num_send_blocks as usize);
+    }
 
     // No-sync mode, but this call waited for the kernels: the counts are on the device, read them back.
     let read_back = if r.host.is_none() && !b.is_async() { Some(read_back_routing(&r.routing)?) } else { None };
@@ -732,10 +799,15 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         num_send_blocks: combine_send_blocks(s.num_sms) as u32,
         send_chunk: send_chunk(variant.release_batch),
         recv_chunk: recv_chunk(),
+        trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
     };
     let kernel = b.kernel(&variant.spec(), "ht_combine")?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
-    finish(b, Phase::Combine)
+    finish(b, Phase::Combine)?;
+    if args.trace != 0 {
+        trace_report(b, "combine", s.num_sms, HtCombineVariant::WARPS, args.num_send_blocks as usize);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
