@@ -163,23 +163,38 @@ fn trace_report(b: &CudaBackend, op: &str, blocks: usize, warps: u32, send_block
     let words: Vec<u64> = (0..blocks * per_block).map(|i| t.read(i)).collect();
     let t0 = (0..blocks).map(|k| words[k * per_block]).filter(|&v| v != 0).min().unwrap_or(0);
     let us = |v: u64| (v.saturating_sub(t0)) as f64 / 1e3;
+    // Per role: when its last warp started, when its warps ended (min / median / max), and whether the
+    // spread is between SMs (range of the blocks' median end) or inside them (mean max - min per block).
     let role = |range: std::ops::Range<usize>| {
         let (mut starts, mut ends) = (Vec::new(), Vec::new());
+        let (mut block_medians, mut block_spreads) = (Vec::new(), Vec::new());
         for k in range {
+            let mut block_ends = Vec::new();
             for w in 0..warps as usize {
                 let (s, e) = (words[k * per_block + 2 + 2 * w], words[k * per_block + 3 + 2 * w]);
                 if s != 0 {
                     starts.push(us(s));
                 }
                 if e != 0 {
-                    ends.push(us(e));
+                    block_ends.push(us(e));
                 }
             }
+            block_ends.sort_by(f64::total_cmp);
+            if let (Some(a), Some(z)) = (block_ends.first(), block_ends.last()) {
+                block_medians.push(block_ends[block_ends.len() / 2]);
+                block_spreads.push(z - a);
+            }
+            ends.extend(block_ends);
         }
         ends.sort_by(f64::total_cmp);
+        block_medians.sort_by(f64::total_cmp);
         let last_start = starts.iter().copied().fold(0.0, f64::max);
-        match (ends.first(), ends.get(ends.len() / 2), ends.last()) {
-            (Some(a), Some(m), Some(z)) => format!("started by +{last_start:.1}, done +{a:.1} / +{m:.1} / +{z:.1}"),
+        let in_block = block_spreads.iter().sum::<f64>() / block_spreads.len().max(1) as f64;
+        match (ends.first(), ends.get(ends.len() / 2), ends.last(), block_medians.first(), block_medians.last()) {
+            (Some(a), Some(m), Some(z), Some(b0), Some(b1)) => format!(
+                "started by +{last_start:.1}, done +{a:.1} / +{m:.1} / +{z:.1} (block medians +{b0:.1}..+{b1:.1}, \
+                 in-block spread {in_block:.1})"
+            ),
             _ => "no stamps".to_string(),
         }
     };
