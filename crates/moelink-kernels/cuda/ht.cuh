@@ -56,6 +56,8 @@ constexpr u32 HT_CTRL_COMBINE_DONE = 256;          // u32: blocks of the running
 constexpr u32 HT_CTRL_DISPATCH_CONSUMED = 384;     // u32[MAX_RANKS]: [src] = last dispatch epoch src consumed
 constexpr u32 HT_CTRL_COMBINE_CONSUMED = 512;      // u32[MAX_RANKS]: [src] = last combine epoch src consumed
 constexpr u32 HT_CTRL_NOTIFY_FLAGS = 640;          // u32[2][MAX_RANKS]: [parity][src] = notify epoch
+constexpr u32 HT_CTRL_DISPATCH_CHUNK = 768;        // u32: next sender chunk of the running ht_dispatch (0 between calls)
+constexpr u32 HT_CTRL_COMBINE_CHUNK = 896;         // u32: next sender chunk of the running ht_combine (0 between calls)
 constexpr u32 HT_CTRL_NOTIFY_MSGS = 1024;          // u32[2][MAX_RANKS][HT_MSG_WORDS]
 constexpr u32 HT_MAX_LOCAL_EXPERTS = 8192;         // experts per rank a notify message has room for
 constexpr u32 HT_MSG_HEADER_WORDS = 8;
@@ -63,6 +65,7 @@ constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;
 constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
 static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, "consumed flags overlap");
+static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK, "chunk counters overlap the notify flags");
 
 // Words of a notify message (what a rank tells each destination before a fresh dispatch).
 constexpr u32 HT_MSG_COUNT = 0;        // tokens the source sends to this destination
@@ -127,6 +130,23 @@ __device__ __forceinline__ HtCursor ht_first_chunk(u32 count, u32 chunk, u32 w, 
   return HtCursor{(u32)start, (u32)ht_min_u64(start + chunk, count)};
 }
 
+// Dynamic sender chunks: warps take chunk indices 0, 1, 2, ... from a per-call counter (in order, so the
+// front of the token order stays where every warp works), each as soon as it is done with the last one:
+// with a fixed share per warp (interleaved), the slowest sender warps finished ~25% after the median
+// (MOELINK_HT_TRACE on 4xH200), and the kernel ended with them. Lane 0's atomic, broadcast.
+__device__ __forceinline__ u32 ht_grab_chunk(u32* counter) {
+  u32 q = 0;
+  if (threadIdx.x % WARP_SIZE == 0) q = ptx::atom_add_acq_rel_gpu(counter, 1u);
+  return __shfl_sync(FULL_WARP_MASK, q, 0);
+}
+
+// Items [q * chunk, (q + 1) * chunk) of [0, count), or a finished cursor past the end.
+__device__ __forceinline__ HtCursor ht_chunk_at(u32 q, u32 chunk, u32 count) {
+  const u64 start = (u64)q * chunk;
+  if (start >= count) return HtCursor{count, count};
+  return HtCursor{(u32)start, (u32)ht_min_u64(start + chunk, count)};
+}
+
 // Moves a cursor whose chunk is done (next == end) to the warp's next chunk, or leaves it finished.
 __device__ __forceinline__ void ht_next_chunk(HtCursor& c, u32 count, u32 chunk, u32 n) {
   if (chunk == 0 || c.end == 0 || c.next != c.end) return;
@@ -145,11 +165,12 @@ __device__ __forceinline__ u32* ht_ctrl_word(u64 ctrl, u32 byte_offset) {
 
 // End of a dispatch or combine kernel, called by every thread of every block (after the block's last access
 // to shared slabs). The last block to arrive (block counter `done_offset`, acq_rel at GPU scope, so it sees
-// every other block's reads as done) resets the counter, then — after one system-scope fence — tells every
-// peer that this rank has consumed call `epoch` (consumed[rank] = epoch in the peer's control region at
-// `consumed_offset`), and stores the epoch (`epoch_offset`) for the next call.
+// every other block's reads as done) resets it and the sender chunk counter (`chunk_offset`), then — after
+// one system-scope fence — tells every peer that this rank has consumed call `epoch` (consumed[rank] = epoch
+// in the peer's control region at `consumed_offset`), and stores the epoch (`epoch_offset`) for the next
+// call.
 __device__ __forceinline__ void ht_finish_op(const u64 (&ctrl)[MAX_RANKS], u32 rank, u32 num_ranks, u32 done_offset,
-                                             u32 consumed_offset, u32 epoch_offset, u32 epoch) {
+                                             u32 chunk_offset, u32 consumed_offset, u32 epoch_offset, u32 epoch) {
   __shared__ u32 s_is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -159,6 +180,7 @@ __device__ __forceinline__ void ht_finish_op(const u64 (&ctrl)[MAX_RANKS], u32 r
   __syncthreads();
   if (s_is_last != 0u && threadIdx.x == 0) {
     *ht_ctrl_word(ctrl[rank], done_offset) = 0u;
+    *ht_ctrl_word(ctrl[rank], chunk_offset) = 0u;  // every sender warp is done taking chunks
     ptx::fence_acq_rel_sys();
     for (u32 r = 0; r < num_ranks; r++)
       if (r != rank) ptx::st_relaxed_sys(ht_ctrl_word(ctrl[r], consumed_offset) + rank, epoch);

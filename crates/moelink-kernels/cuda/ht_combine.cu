@@ -69,6 +69,8 @@ struct HtCombineArgs {
   u32 num_send_blocks;        // blocks [0, num_send_blocks) send, the others reduce
   u32 send_chunk;             // rows per sender chunk, per source (HtCursor; 0: one contiguous part per warp)
   u32 recv_chunk;             // tokens per reducer chunk (0: one contiguous part per warp)
+  u32 dynamic_send;           // 1: sender warps take chunks from HT_CTRL_COMBINE_CHUNK (needs send_chunk > 0)
+  u32 reserved;
   u64 trace;                  // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * COMBINE_WARPS;  // per block
@@ -83,8 +85,10 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[BF16_PER_VEC], co
   }
 }
 
-// Sender warp `warp_id` of `num_warps` (expert side): for every source s != me, its chunks of send_chunk
-// received rows of s (HtCursor over [0, cnt_s), cnt_s = recv_count[s]; row j is x[recv_offset[s] + j]) go
+// Sender warp `warp_id` of `num_warps` (expert side): for every source s != me, chunks of send_chunk
+// received rows of s — chunk q = rows [q * send_chunk, ...) of every source, q taken in order from the
+// call's chunk counter (dynamic_send, ht_grab_chunk), or the warp's interleaved share (HtCursor over
+// [0, cnt_s)); cnt_s = recv_count[s]; row j is x[recv_offset[s] + j] — go
 // back to s's combine slab row [me][j] with their top-k weights. First waits until every peer consumed the
 // previous combine. Each step sends the next row of every source whose chunk is not done (lane s holds s's
 // cursor); after RELEASE_BATCH steps or at the end of the chunks: __syncwarp, fence.acq_rel.sys by every
@@ -98,15 +102,26 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_COMBINE_CONSUMED, me, NUM_RANKS, epoch, d)) return;
   const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
+  const bool peer_lane = lane < NUM_RANKS && lane != me;
+  // Dynamic chunks: chunk q is rows [q * send_chunk, ...) of every source; the warp goes on while some source
+  // has rows there (chunk indices only grow, so later ones are empty too). The next index is taken while
+  // this chunk is sent.
+  u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_COMBINE_CHUNK) : nullptr;
+  u32 q = counter != nullptr ? ht_grab_chunk(counter) : 0u;
   HtCursor chunk = {0, 0};
   u32 count = 0, offset = 0;
-  if (lane < NUM_RANKS && lane != me) {
+  if (peer_lane) {
     count = (u32)routing[HT_RT_RECV_COUNT + lane];
-    chunk = ht_first_chunk(count, a.send_chunk, warp_id, num_warps, 0);
+    chunk = counter != nullptr ? ht_chunk_at(q, a.send_chunk, count) : ht_first_chunk(count, a.send_chunk, warp_id, num_warps, 0);
     offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
   }
+  auto more = [&]() -> bool {
+    return counter != nullptr ? __any_sync(FULL_WARP_MASK, peer_lane && (u64)q * a.send_chunk < count)
+                              : __any_sync(FULL_WARP_MASK, chunk.next < chunk.end);
+  };
+  u32 q_following = counter != nullptr && more() ? ht_grab_chunk(counter) : 0u;
   const u32* weights = reinterpret_cast<const u32*>(a.topk_weights);
-  while (__any_sync(FULL_WARP_MASK, chunk.next < chunk.end)) {
+  while (more()) {
     if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     const u32 batch_first = chunk.next;  // lane s: the first row of this batch for source s
 #pragma unroll 1
@@ -172,7 +187,13 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
       u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
       for (u32 row = batch_first; row < chunk.next; row++) ptx::st_relaxed_sys(flags + row, epoch);
     }
-    ht_next_chunk(chunk, count, a.send_chunk, num_warps);
+    if (counter == nullptr) {
+      ht_next_chunk(chunk, count, a.send_chunk, num_warps);
+    } else if (!__any_sync(FULL_WARP_MASK, chunk.next < chunk.end)) {
+      q = q_following;
+      if (peer_lane) chunk = ht_chunk_at(q, a.send_chunk, count);
+      if (more()) q_following = ht_grab_chunk(counter);
+    }
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
@@ -318,5 +339,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_combine(const __grid
     reduce(a, epoch, d, (blockIdx.x - a.num_send_blocks) * COMBINE_WARPS + warp, (gridDim.x - a.num_send_blocks) * COMBINE_WARPS);
   __syncthreads();
   if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
-  ht_finish_op(a.ctrl, a.rank, NUM_RANKS, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CONSUMED, HT_CTRL_COMBINE_EPOCH, epoch);
+  ht_finish_op(a.ctrl, a.rank, NUM_RANKS, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CHUNK, HT_CTRL_COMBINE_CONSUMED, HT_CTRL_COMBINE_EPOCH, epoch);
 }

@@ -72,6 +72,8 @@ struct HtDispatchArgs {
   u32 num_send_blocks;     // blocks [0, num_send_blocks) send, the others receive
   u32 send_chunk;          // tokens per sender chunk (HtCursor; 0: one contiguous part per warp)
   u32 recv_chunk;          // slab rows per receiver chunk, per source (0: one contiguous part per warp)
+  u32 dynamic_send;        // 1: sender warps take chunks from HT_CTRL_DISPATCH_CHUNK (needs send_chunk > 0)
+  u32 reserved;
   u64 trace;               // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
@@ -172,9 +174,10 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, u32 t, i32 p
   }
 }
 
-// Sender warp `warp_id` of `num_warps` (a channel): its chunks of send_chunk tokens (HtCursor: interleaved,
-// so that every warp sends near the same front of the token order), remote destinations only (this rank's
-// own rows are the receivers' work: see copy_own_rows).
+// Sender warp `warp_id` of `num_warps` (a channel): chunks of send_chunk tokens — taken in order from the
+// call's chunk counter (dynamic_send, ht_grab_chunk: the next one while the current one is sent), or its
+// interleaved share (HtCursor) — so that every warp sends near the same front of the token order; remote
+// destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
 //   chunk's first pair while this chunk is sent), so that no token waits for its prefix row; send_token.
@@ -191,7 +194,9 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < num_ranks && lane != me;
   auto load_prefix = [&](u32 t) -> i32 { return peer_lane ? prefix[(u64)t * num_ranks + lane] : 0; };
-  HtCursor chunk = ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
+  u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
+  HtCursor chunk = counter != nullptr ? ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens)
+                                      : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
   i32 chunk_p0 = 0, chunk_p1 = 0;
   if (chunk.next < chunk.end) {
     chunk_p0 = load_prefix(chunk.next);
@@ -200,7 +205,10 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   while (chunk.next < chunk.end) {
     HtCursor following = chunk;
     following.next = following.end;
-    ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
+    if (counter != nullptr)
+      following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
+    else
+      ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
     i32 following_p0 = 0, following_p1 = 0;
     if (following.next < following.end) {
       following_p0 = load_prefix(following.next);
@@ -413,5 +421,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __gri
     receive(a, epoch, d, (blockIdx.x - a.num_send_blocks) * DISPATCH_WARPS + warp, (gridDim.x - a.num_send_blocks) * DISPATCH_WARPS);
   __syncthreads();
   if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
-  ht_finish_op(a.ctrl, a.rank, a.num_ranks, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CONSUMED, HT_CTRL_DISPATCH_EPOCH, epoch);
+  ht_finish_op(a.ctrl, a.rank, a.num_ranks, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CHUNK, HT_CTRL_DISPATCH_CONSUMED, HT_CTRL_DISPATCH_EPOCH, epoch);
 }

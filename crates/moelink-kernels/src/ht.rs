@@ -42,6 +42,10 @@ pub mod ctrl {
     pub const COMBINE_CONSUMED: usize = 512;
     /// `u32[2][MAX_RANKS]`: notify flags.
     pub const NOTIFY_FLAGS: usize = 640;
+    /// `u32`: next sender chunk of the running dispatch (0 between calls).
+    pub const DISPATCH_CHUNK: usize = 768;
+    /// `u32`: next sender chunk of the running combine (0 between calls).
+    pub const COMBINE_CHUNK: usize = 896;
     /// `u32[2][MAX_RANKS][MSG_WORDS]`: notify messages.
     pub const NOTIFY_MSGS: usize = 1024;
     /// Local experts a notify message has room for.
@@ -358,6 +362,9 @@ pub struct HtDispatchArgs {
     pub send_chunk: u32,
     /// Slab rows per receiver chunk, per source (0: one contiguous part per warp).
     pub recv_chunk: u32,
+    /// 1: sender warps take chunks in order from the call's counter (`ht_grab_chunk`); needs `send_chunk > 0`.
+    pub dynamic_send: u32,
+    pub reserved: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
     pub trace: u64,
 }
@@ -390,6 +397,9 @@ pub struct HtCombineArgs {
     pub send_chunk: u32,
     /// Tokens per reducer chunk (0: one contiguous part per warp).
     pub recv_chunk: u32,
+    /// 1: sender warps take chunks in order from the call's counter (`ht_grab_chunk`); needs `send_chunk > 0`.
+    pub dynamic_send: u32,
+    pub reserved: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
     pub trace: u64,
 }
@@ -668,6 +678,8 @@ mod tests {
             ("HT_CTRL_DISPATCH_CONSUMED", ctrl::DISPATCH_CONSUMED),
             ("HT_CTRL_COMBINE_CONSUMED", ctrl::COMBINE_CONSUMED),
             ("HT_CTRL_NOTIFY_FLAGS", ctrl::NOTIFY_FLAGS),
+            ("HT_CTRL_DISPATCH_CHUNK", ctrl::DISPATCH_CHUNK),
+            ("HT_CTRL_COMBINE_CHUNK", ctrl::COMBINE_CHUNK),
             ("HT_CTRL_NOTIFY_MSGS", ctrl::NOTIFY_MSGS),
             ("HT_MAX_LOCAL_EXPERTS", ctrl::MAX_LOCAL_EXPERTS),
             ("HT_MSG_HEADER_WORDS", ctrl::MSG_HEADER_WORDS),
@@ -705,8 +717,8 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
-        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 8 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
     }
 
     #[test]

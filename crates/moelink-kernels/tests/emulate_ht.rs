@@ -34,6 +34,8 @@ struct EmuCase {
     send_chunk: usize,
     /// Receiver chunk (dispatch rows per source / combine tokens; 0: contiguous parts).
     recv_chunk: usize,
+    /// Sender warps take chunks from the per-call counter (needs send_chunk > 0).
+    dynamic_send: bool,
 }
 
 const PTX: &str = include_str!("../cuda/ptx.cuh");
@@ -85,6 +87,7 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
         ("EMU_LOCAL_EXPERTS", c.local_experts.to_string()),
         ("EMU_SEND_CHUNK", c.send_chunk.to_string()),
         ("EMU_RECV_CHUNK", c.recv_chunk.to_string()),
+        ("EMU_DYNAMIC_SEND", (c.dynamic_send as u32).to_string()),
     ] {
         s += &format!("#define {k} {v}\n");
     }
@@ -185,6 +188,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             release_batch: 1,
             send_chunk: 0,
             recv_chunk: 0,
+            dynamic_send: false,
         },
         EmuCase {
             ranks: 4,
@@ -197,6 +201,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             release_batch: 4,
             send_chunk: 4,
             recv_chunk: 8,
+            dynamic_send: true,
         },
         EmuCase {
             ranks: 3,
@@ -209,6 +214,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             release_batch: 2,
             send_chunk: 2,
             recv_chunk: 1,
+            dynamic_send: false,
         },
         EmuCase {
             ranks: 1,
@@ -221,6 +227,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             release_batch: 3,
             send_chunk: 6,
             recv_chunk: 3,
+            dynamic_send: true,
         },
         EmuCase {
             ranks: 8,
@@ -233,6 +240,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             release_batch: 8,
             send_chunk: 8,
             recv_chunk: 2,
+            dynamic_send: true,
         },
         EmuCase {
             ranks: 2,
@@ -245,6 +253,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             release_batch: 5,
             send_chunk: 5,
             recv_chunk: 0,
+            dynamic_send: true,
         },
     ];
     let only = std::env::var("MOELINK_EMU_CASE").ok();

@@ -336,6 +336,7 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o,
   a.num_send_blocks = w.num_sms / 2;
   a.send_chunk = EMU_SEND_CHUNK;
   a.recv_chunk = EMU_RECV_CHUNK;
+  a.dynamic_send = EMU_DYNAMIC_SEND;
   emu::launch(w.num_sms, k_disp::THREADS, [&] { k_disp::ht_dispatch(a); });
 }
 
@@ -361,6 +362,7 @@ void run_cached(World& w, u32 me, const RankInputs& in, const Handle& h, std::ve
   a.num_send_blocks = w.num_sms / 2;
   a.send_chunk = EMU_SEND_CHUNK;
   a.recv_chunk = EMU_RECV_CHUNK;
+  a.dynamic_send = EMU_DYNAMIC_SEND;
   emu::launch(w.num_sms, k_disp0::THREADS, [&] { k_disp0::ht_dispatch(a); });
   if (h.routing[k_notify::HT_RT_STATUS] == 0) {
     const u32 n = (u32)h.routing[k_notify::HT_RT_NUM_RECV];
@@ -393,6 +395,7 @@ void run_combine(World& w, u32 me, u32 tokens, const Handle& h, const std::vecto
   a.num_send_blocks = send < 1 ? 1 : (send > w.num_sms - 1 ? w.num_sms - 1 : send);
   a.send_chunk = EMU_SEND_CHUNK;
   a.recv_chunk = EMU_RECV_CHUNK;
+  a.dynamic_send = EMU_DYNAMIC_SEND;
   // NUM_BIASES is a JIT constant: k_comb adds two biases, k_comb0 none (same argument layout).
   CHECK((bias0 == nullptr) == (bias1 == nullptr), "the harness passes both biases or none");
   if (bias0 != nullptr) {

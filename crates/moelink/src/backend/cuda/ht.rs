@@ -107,6 +107,12 @@ fn send_chunk(release_batch: u32) -> u32 {
     }
 }
 
+/// Whether sender warps take their chunks from the call's counter (1) or a fixed interleaved share (0):
+/// dynamic unless `MOELINK_HT_DYNAMIC_SEND=0` or the sender chunks are contiguous parts.
+fn dynamic_send(release_batch: u32) -> u32 {
+    (send_chunk(release_batch) > 0 && env_override("MOELINK_HT_DYNAMIC_SEND", 0u32, 1).unwrap_or(1) == 1) as u32
+}
+
 /// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
 /// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). Tuning override: `MOELINK_HT_RECV_CHUNK=<n>` (0: one
 /// contiguous part per warp).
@@ -732,6 +738,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
         send_chunk: send_chunk(variant.release_batch),
         recv_chunk: recv_chunk(),
+        dynamic_send: dynamic_send(variant.release_batch),
+        reserved: 0,
         trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
     };
     let kernel = b.kernel(&variant.spec(), "ht_dispatch")?;
@@ -814,6 +822,8 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         num_send_blocks: combine_send_blocks(s.num_sms) as u32,
         send_chunk: send_chunk(variant.release_batch),
         recv_chunk: recv_chunk(),
+        dynamic_send: dynamic_send(variant.release_batch),
+        reserved: 0,
         trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
     };
     let kernel = b.kernel(&variant.spec(), "ht_combine")?;
