@@ -131,6 +131,14 @@ __device__ __forceinline__ void red_min_relaxed_gpu_u64(u64* p, u64 v) {
   asm volatile("red.relaxed.gpu.global.min.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// No ordering: for counters that hand out work, where an acq_rel atomic would first wait until every prior
+// store of the thread (NVLink stores included) is performed.
+__device__ __forceinline__ u32 atom_add_relaxed_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
   u32 old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");

@@ -309,6 +309,7 @@ inline bool wait_flag_geq(const u32* flag, u32 target, const Deadline& d, u32 pe
 
 // ============================================================================================ ll.cu's own PTX helpers
 namespace llptx {
+inline u32 atom_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 inline u32 atom_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 inline void st_relaxed_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline u32x4 ld_cg_v4(const void* p) {

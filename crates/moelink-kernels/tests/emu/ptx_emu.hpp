@@ -21,6 +21,7 @@ __device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) { __atomic_store_n
 __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void red_add_release_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ u32 atom_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
