@@ -304,25 +304,24 @@ pub struct Job<'a> {
 impl Job<'_> {
     /// Runs `op` warm-up + reps times, each in its own [`Buffer::timed`] region (a barrier of all ranks,
     /// then device events on CUDA or the wall clock on the host); returns the timed repetitions' µs.
-    pub fn time(&self, buf: &mut Buffer, mut op: impl FnMut(&mut Buffer) -> Result<()>) -> Result<Vec<f64>> {
+    pub fn time(&self, buf: &mut Buffer, op: impl FnMut(&mut Buffer) -> Result<()>) -> Result<Vec<f64>> {
+        self.time_reps(buf, op, true)
+    }
+
+    /// [`Job::time`] for a second measurement of a case, which the progress bar does not count.
+    pub fn time_quietly(&self, buf: &mut Buffer, op: impl FnMut(&mut Buffer) -> Result<()>) -> Result<Vec<f64>> {
+        self.time_reps(buf, op, false)
+    }
+
+    fn time_reps(&self, buf: &mut Buffer, mut op: impl FnMut(&mut Buffer) -> Result<()>, counted: bool) -> Result<Vec<f64>> {
         let mut times = Vec::with_capacity(self.reps);
         for i in 0..self.warmup + self.reps {
             let ((), us) = buf.timed(&mut op)?;
             if i >= self.warmup {
                 times.push(us);
             }
-            self.tick(buf.rank());
-        }
-        Ok(times)
-    }
-
-    /// [`Job::time`] for a second measurement of a case, which the progress bar does not count.
-    pub fn time_quietly(&self, buf: &mut Buffer, mut op: impl FnMut(&mut Buffer) -> Result<()>) -> Result<Vec<f64>> {
-        let mut times = Vec::with_capacity(self.reps);
-        for i in 0..self.warmup + self.reps {
-            let ((), us) = buf.timed(&mut op)?;
-            if i >= self.warmup {
-                times.push(us);
+            if counted {
+                self.tick(buf.rank());
             }
         }
         Ok(times)
