@@ -2,9 +2,10 @@
 //! without a GPU. `tests/emu/` holds the emulator (each block an OS thread, each CUDA thread a fiber, warp
 //! collectives as rendezvous, the `ptx` namespace of `ptx.cuh` as C++ atomics) and a harness that drives the
 //! kernels like moelink's CUDA backend for R ranks in one process: layout, notify (CPU-sync and no-sync),
-//! dispatch, combine with biases, cached dispatch, a second round in the same buffers (epochs, hand-back,
-//! changing row layouts), no-sync overflow, a buffer too small for the call, an invalid `topk_idx`, and a rank
-//! that never arrives (timeouts instead of hangs). Every output is compared with a reference; combine sums are
+//! dispatch, combine with biases (also with the timing trace on: every stamp present and ordered), cached
+//! dispatch, a second round in the same buffers (epochs, hand-back, changing row layouts), no-sync overflow,
+//! a buffer too small for the call, an invalid `topk_idx`, and a rank that never arrives (timeouts instead
+//! of hangs). Every output is compared with a reference; combine sums are
 //! checked bit for bit in the documented order.
 //!
 //! Needs `g++` (C++20). Without it the test prints why and passes, unless `MOELINK_REQUIRE_EMU=1`.

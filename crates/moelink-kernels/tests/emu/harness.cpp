@@ -303,6 +303,31 @@ void fill_common(Args& a, World& w, u32 me) {
   a.rank = me;
 }
 
+// Timing trace (MOELINK_HT_TRACE): scenario "trace" gives the dispatch and combine kernels a buffer per rank
+// and checks every block's and warp's stamps (ht.cuh, HT_TRACE_*) are present and ordered.
+bool g_trace_on = false;
+std::vector<u64> g_trace[2][R];  // [dispatch, combine][rank]
+
+u64 trace_buffer(u32 kind, u32 me, u32 blocks, u32 words_per_block) {
+  if (!g_trace_on) return 0;
+  g_trace[kind][me].assign((size_t)blocks * words_per_block, 0);
+  return (u64)g_trace[kind][me].data();
+}
+
+void check_trace(u32 kind, u32 me, u32 blocks, u32 words_per_block) {
+  const std::vector<u64>& t = g_trace[kind][me];
+  const u32 warps = (words_per_block - 2) / 2;
+  for (u32 b = 0; b < blocks; b++) {
+    const u64* w = t.data() + (size_t)b * words_per_block;
+    CHECK(w[0] != 0 && w[1] >= w[0], "rank %u: trace %u block %u: start %llu end %llu", me, kind, b, (unsigned long long)w[0],
+          (unsigned long long)w[1]);
+    for (u32 k = 0; k < warps; k++) {
+      const u64 start = w[2 + 2 * k], end = w[3 + 2 * k];
+      CHECK(start >= w[0] && end >= start && end <= w[1], "rank %u: trace %u block %u warp %u out of order", me, kind, b, k);
+    }
+  }
+}
+
 // Fresh dispatch (payload x, top-k when K > 0).
 void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o, u32 rows) {
   o.rows = rows;
@@ -337,7 +362,9 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o,
   a.send_chunk = EMU_SEND_CHUNK;
   a.recv_chunk = EMU_RECV_CHUNK;
   a.dynamic_send = EMU_DYNAMIC_SEND;
+  a.trace = trace_buffer(0, me, w.num_sms, k_disp::TRACE_WORDS);
   emu::launch(w.num_sms, k_disp::THREADS, [&] { k_disp::ht_dispatch(a); });
+  if (a.trace != 0) check_trace(0, me, w.num_sms, k_disp::TRACE_WORDS);
 }
 
 // Cached dispatch of the bf16 payload y (no top-k), on the handle's routing.
@@ -396,6 +423,7 @@ void run_combine(World& w, u32 me, u32 tokens, const Handle& h, const std::vecto
   a.send_chunk = EMU_SEND_CHUNK;
   a.recv_chunk = EMU_RECV_CHUNK;
   a.dynamic_send = EMU_DYNAMIC_SEND;
+  a.trace = trace_buffer(1, me, w.num_sms, k_comb::TRACE_WORDS);
   // NUM_BIASES is a JIT constant: k_comb adds two biases, k_comb0 none (same argument layout).
   CHECK((bias0 == nullptr) == (bias1 == nullptr), "the harness passes both biases or none");
   if (bias0 != nullptr) {
@@ -406,6 +434,7 @@ void run_combine(World& w, u32 me, u32 tokens, const Handle& h, const std::vecto
     std::memcpy(&a0, &a, sizeof a);
     emu::launch(w.num_sms, k_comb0::THREADS, [&] { k_comb0::ht_combine(a0); });
   }
+  if (a.trace != 0) check_trace(1, me, w.num_sms, k_comb::TRACE_WORDS);
 }
 
 // ---------------------------------------------------------------------------------------------- references
@@ -746,6 +775,11 @@ int main(int argc, char** argv) {
   };
   run("sync", [] { h::scenario_full(true, 37, h::Route::Holes, 4, 0); });
   run("sync_skewed_2sms", [] { h::scenario_full(true, 29, h::Route::Skewed, 2, 0); });
+  run("trace", [] {
+    h::g_trace_on = true;
+    h::scenario_full(true, 21, h::Route::Uniform, 3, 0);
+    h::g_trace_on = false;
+  });
   run("nosync", [] { h::scenario_full(false, 33, h::Route::EmptyLast, 6, 5); });
   run("zero_tokens", [] { h::scenario_full(true, 0, h::Route::Uniform, 2, 0); });
   run("back_to_back", [] { h::scenario_back_to_back(); });
