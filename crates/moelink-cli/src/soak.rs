@@ -1474,26 +1474,36 @@ fn series(rank: Option<usize>, v: &[Sample]) -> Option<MemSeries> {
     })
 }
 
-/// Per family over all ranks.
+/// Per family over all ranks: the ranks' [`FamilyCount`]s merged by [`FamilySummary::add_rank`] (JSON: the
+/// family, then the counts' fields).
 #[derive(Clone, Debug, Serialize)]
 pub struct FamilySummary {
     /// Family.
     pub family: Family,
-    /// Rounds run (every rank ran each round).
-    pub rounds: usize,
-    /// Rounds with a difference on at least one rank (summed over ranks: a round differing on two ranks
-    /// counts twice).
-    pub mismatches: usize,
-    /// Graph rounds / replays checked (rank 0's count; the same on every rank).
-    pub graph_rounds: usize,
-    /// Graph replays checked.
-    pub graph_replays: usize,
-    /// No-sync HT rounds outside graphs.
-    pub no_sync_rounds: usize,
-    /// FP8 rounds.
-    pub fp8_rounds: usize,
-    /// (rank, round) pairs where the rank had no token.
-    pub empty_rank_rounds: usize,
+    /// `rounds`: every rank ran each round (the least of the ranks'); `mismatches`, `empty_rank_rounds`:
+    /// summed over ranks (a round differing on two ranks counts twice); graph, no-sync and FP8 rounds: rank
+    /// 0's (the same on every rank).
+    #[serde(flatten)]
+    pub counts: FamilyCount,
+}
+
+impl FamilySummary {
+    fn new(family: Family) -> Self {
+        Self { family, counts: FamilyCount { rounds: usize::MAX, ..FamilyCount::default() } }
+    }
+
+    fn add_rank(&mut self, rank: usize, c: &FamilyCount) {
+        let s = &mut self.counts;
+        s.rounds = s.rounds.min(c.rounds);
+        s.mismatches += c.mismatches;
+        s.empty_rank_rounds += c.empty_rank_rounds;
+        if rank == 0 {
+            s.graph_rounds = c.graph_rounds;
+            s.graph_replays = c.graph_replays;
+            s.no_sync_rounds = c.no_sync_rounds;
+            s.fp8_rounds = c.fp8_rounds;
+        }
+    }
 }
 
 /// The JSON written by `--json`.
@@ -1620,20 +1630,7 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
     });
     let elapsed_s = sh.start.elapsed().as_secs_f64();
 
-    let mut families: Vec<FamilySummary> = s
-        .families
-        .iter()
-        .map(|&f| FamilySummary {
-            family: f,
-            rounds: usize::MAX,
-            mismatches: 0,
-            graph_rounds: 0,
-            graph_replays: 0,
-            no_sync_rounds: 0,
-            fp8_rounds: 0,
-            empty_rank_rounds: 0,
-        })
-        .collect();
+    let mut families: Vec<FamilySummary> = s.families.iter().map(|&f| FamilySummary::new(f)).collect();
     let (mut errors, mut failures, mut device_memory, mut host) = (Vec::new(), Vec::new(), Vec::new(), HostSamples::default());
     let mut rounds_done = usize::MAX;
     let mut stopped = None;
@@ -1641,15 +1638,7 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         match r {
             Ok(rep) => {
                 for (fs, c) in families.iter_mut().zip(&rep.counts) {
-                    fs.rounds = fs.rounds.min(c.rounds);
-                    fs.mismatches += c.mismatches;
-                    fs.empty_rank_rounds += c.empty_rank_rounds;
-                    if rank == 0 {
-                        fs.graph_rounds = c.graph_rounds;
-                        fs.graph_replays = c.graph_replays;
-                        fs.no_sync_rounds = c.no_sync_rounds;
-                        fs.fp8_rounds = c.fp8_rounds;
-                    }
+                    fs.add_rank(rank, c);
                 }
                 failures.extend(rep.failures);
                 if let Some(e) = rep.error {
@@ -1668,15 +1657,15 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         }
     }
     for f in &mut families {
-        if f.rounds == usize::MAX {
-            f.rounds = 0;
+        if f.counts.rounds == usize::MAX {
+            f.counts.rounds = 0;
         }
     }
     if rounds_done == usize::MAX {
         rounds_done = 0;
     }
     failures.truncate(MAX_FAILURES_KEPT);
-    let total_mismatches: usize = families.iter().map(|f| f.mismatches).sum();
+    let total_mismatches: usize = families.iter().map(|f| f.counts.mismatches).sum();
     let budget_stop = stopped.as_deref().is_some_and(|r| r.starts_with("time budget"));
     let verdict = if total_mismatches == 0 && errors.is_empty() && (stopped.is_none() || budget_stop) { "pass" } else { "fail" };
     let summary = Summary {
@@ -1722,10 +1711,10 @@ fn mib(b: u64) -> String {
 
 fn print_summary(s: &Summary) {
     println!("family          rounds  mismatches  graph(rounds/replays)  no-sync  fp8  empty-rank");
-    for f in &s.families {
+    for FamilySummary { family, counts: f } in &s.families {
         println!(
             "{:<15} {:>6}  {:>10}  {:>10}/{:<10}  {:>7}  {:>4}  {:>10}",
-            f.family.name(),
+            family.name(),
             f.rounds,
             f.mismatches,
             f.graph_rounds,

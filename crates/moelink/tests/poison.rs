@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::{cuda_lock, cuda_skip_reason, max_ranks};
 use moelink::{
-    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, CombineArgs, DType, DispatchArgs, Error, Group, LlCombineArgs,
-    LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlQuant, Payload, Result, Routing, Tensor, ThreadGroup,
+    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, CombineArgs, DType, DispatchArgs, DispatchResult, Error, Group,
+    LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlQuant, Payload, Result, Routing, Tensor, ThreadGroup,
 };
 
 const H: usize = 256;
@@ -41,6 +41,18 @@ fn inputs(buf: &Buffer) -> Result<Inputs> {
     let idx = Tensor::from_vec(idx_of(me, r), &[3, K])?;
     let w = Tensor::from_vec(vec![0.5f32; 3 * K], &[3, K])?;
     Ok(Inputs { x: buf.upload(&x)?, idx: buf.upload(&idx)?, w: buf.upload(&w)? })
+}
+
+/// A fresh BF16 dispatch without top-k (its handle outlives a later failure in the tests below).
+fn plain_dispatch(buf: &mut Buffer, inp: &Inputs) -> Result<DispatchResult> {
+    let layout = buf.get_dispatch_layout(inp.idx.view(), 2 * buf.num_ranks())?;
+    buf.dispatch(&DispatchArgs {
+        x: Payload::Bf16(inp.x.view()),
+        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        config: None,
+    })
 }
 
 /// HT dispatch + combine; returns the combined rows.
@@ -159,14 +171,7 @@ fn a_failed_collective_poisons_until_the_buffer_is_rebuilt() {
                     let inp = inputs(&buf)?;
                     // One healthy round first: a handle from before the failure.
                     ht_round_trip(&mut buf, &inp)?;
-                    let layout = buf.get_dispatch_layout(inp.idx.view(), 2 * ranks)?;
-                    let before = buf.dispatch(&DispatchArgs {
-                        x: Payload::Bf16(inp.x.view()),
-                        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
-                        expert_alignment: 1,
-                        num_worst_tokens: 0,
-                        config: None,
-                    })?;
+                    let before = plain_dispatch(&mut buf, &inp)?;
                     let ll = buf.low_latency_dispatch(&ll_args(&inp, ranks, false))?;
                     if me == silent {
                         return Ok(None);
@@ -298,14 +303,7 @@ fn cuda_kernel_timeout_poisons_until_rebuilt() {
         let mut buf = Buffer::new(group.clone(), cuda_opts(timeout_ms))?;
         let me = buf.rank();
         let inp = inputs(&buf)?;
-        let layout = buf.get_dispatch_layout(inp.idx.view(), 2 * ranks)?;
-        let before = buf.dispatch(&DispatchArgs {
-            x: Payload::Bf16(inp.x.view()),
-            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
-            expert_alignment: 1,
-            num_worst_tokens: 0,
-            config: None,
-        })?;
+        let before = plain_dispatch(&mut buf, &inp)?;
         let ll = buf.low_latency_dispatch(&ll_args(&inp, ranks, false))?;
         let mut seen = None;
         if me != silent {

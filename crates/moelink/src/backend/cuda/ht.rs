@@ -107,10 +107,10 @@ fn send_chunk(release_batch: u32) -> u32 {
     }
 }
 
-/// Whether sender warps take their chunks from the call's counter (1) or a fixed interleaved share (0):
-/// dynamic unless `MOELINK_HT_DYNAMIC_SEND=0` or the sender chunks are contiguous parts.
-fn dynamic_send(release_batch: u32) -> u32 {
-    (send_chunk(release_batch) > 0 && env_override("MOELINK_HT_DYNAMIC_SEND", 0u32, 1).unwrap_or(1) == 1) as u32
+/// Whether sender warps take their chunks of `send_chunk` items from the call's counter (1) or a fixed
+/// interleaved share (0): dynamic unless `MOELINK_HT_DYNAMIC_SEND=0` or the chunks are contiguous parts (0).
+fn dynamic_send(send_chunk: u32) -> u32 {
+    (send_chunk > 0 && env_override("MOELINK_HT_DYNAMIC_SEND", 0u32, 1).unwrap_or(1) == 1) as u32
 }
 
 /// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
@@ -708,6 +708,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     };
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
+    let sender_chunk = send_chunk(variant.release_batch);
     let args = HtDispatchArgs {
         x: b.addr_of(a.x.x()),
         x_scales,
@@ -736,9 +737,9 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
         num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
-        send_chunk: send_chunk(variant.release_batch),
+        send_chunk: sender_chunk,
         recv_chunk: recv_chunk(),
-        dynamic_send: dynamic_send(variant.release_batch),
+        dynamic_send: dynamic_send(sender_chunk),
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
     };
@@ -799,6 +800,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     check_aligned(combined_topk_weights, 4, "combined_topk_weights", rank)?;
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
+    let sender_chunk = send_chunk(variant.release_batch);
     let args = HtCombineArgs {
         x: b.addr_of(&a.x),
         topk_weights,
@@ -820,9 +822,9 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
         num_send_blocks: combine_send_blocks(s.num_sms) as u32,
-        send_chunk: send_chunk(variant.release_batch),
+        send_chunk: sender_chunk,
         recv_chunk: recv_chunk(),
-        dynamic_send: dynamic_send(variant.release_batch),
+        dynamic_send: dynamic_send(sender_chunk),
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
     };
