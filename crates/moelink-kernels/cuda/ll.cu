@@ -88,6 +88,23 @@ constexpr u32 LL_PROBLEM_HANDLE = 16;             // combine: expired handle / d
 constexpr u32 LL_KIND_DISPATCH = 0;
 constexpr u32 LL_KIND_COMBINE = 1;
 
+// Timing trace (MOELINK_LL_TRACE on the host; `trace` is 0 otherwise): thread 0 of every block stores
+// %globaltimer into host-mapped u64 words [block][LL_TRACE_WORDS] as it passes these points. The host reads
+// them after the launch (moelink::backend::cuda::ll, trace_summary): the kernel span (first start to last
+// end, what a profiler's kernel duration measures) and when the blocks passed each point.
+constexpr u32 LL_TRACE_START = 0;        // block entry
+constexpr u32 LL_TRACE_SEND_READY = 1;   // send: hand-back wait done
+constexpr u32 LL_TRACE_SEND_STORED = 2;  // send: this block's stores issued
+constexpr u32 LL_TRACE_SEND_DONE = 3;    // send: counted (the last block: after publishing the flags)
+constexpr u32 LL_TRACE_RECV_SEEN = 4;    // recv: every source's flag seen
+constexpr u32 LL_TRACE_RECV_STORED = 5;  // recv: this block's outputs written
+constexpr u32 LL_TRACE_END = 6;          // block exit
+constexpr u32 LL_TRACE_WORDS = 8;
+
+__device__ __forceinline__ void ll_trace(u64 trace, u32 point) {
+  if (trace != 0 && threadIdx.x == 0) reinterpret_cast<volatile u64*>(trace)[(u64)blockIdx.x * LL_TRACE_WORDS + point] = ptx::globaltimer();
+}
+
 // One warp moves 32 lanes x 16 bytes per instruction.
 constexpr u32 VEC_BYTES = 16;
 constexpr u32 CHUNK_BYTES = WARP_SIZE * VEC_BYTES;
@@ -186,6 +203,7 @@ struct LlDispatchArgs {
   u64 error_record;
   u64 report;            // LlReport (host-mapped)
   u64 timeout_ns;
+  u64 trace;             // host-mapped timing trace (LL_TRACE_*), or 0
   u64 off_entries;       // offsets inside a dispatch receive region (counts at 0)
   u64 off_weights;
   u64 off_rows;
@@ -223,6 +241,7 @@ struct LlCombineArgs {
   u64 error_record;
   u64 report;
   u64 timeout_ns;
+  u64 trace;             // host-mapped timing trace (LL_TRACE_*), or 0
   u32 rank;
   u32 num_ranks;
   u32 num_tokens;
@@ -431,9 +450,11 @@ __device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
 // receive region, which completed before the block's barrier; their outputs are ordered by the kernel
 // boundary.
 constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
-__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored) {
+// `point`: the trace point stamped once every thread of the block has fenced.
+__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored, u64 trace, u32 point) {
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
+  ll_trace(trace, point);
   if (threadIdx.x == 0) {
     const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
     const u32 old = llptx::atom_add_acq_rel_gpu(done, mine);
@@ -703,6 +724,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
+  ll_trace(a.trace, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
     if (blockIdx.x == 0) {
@@ -715,7 +737,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
       stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
-  if (ll_last_block(&me->dispatch_send_done, sm, stored) && threadIdx.x == 0) {
+  if (ll_last_block(&me->dispatch_send_done, sm, stored, a.trace, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
     me->dispatch_last_write[a.set] = epoch;
     // A send that failed (its hand-back wait timed out) does not publish: the peers then time out naming
@@ -724,6 +746,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
       for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank], epoch);
     }
   }
+  ll_trace(a.trace, LL_TRACE_SEND_DONE);
 }
 
 // ============================================================================================ dispatch: receive
@@ -788,6 +811,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const u32 rows = R * TM;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
   dispatch_wait_sources(a, d, sm, epoch);
+  ll_trace(a.trace, LL_TRACE_RECV_SEEN);
 
   if (sm.abort == 0) {
     // Per-expert bases: slot of (source, local expert) = sum of the counts of the used sources before it.
@@ -892,7 +916,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     }
   }
 
-  if (ll_last_block(&me->dispatch_recv_done, sm, false) && threadIdx.x == 0) {
+  if (ll_last_block(&me->dispatch_recv_done, sm, false, a.trace, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
     if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], epoch);
     }
@@ -918,6 +942,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 //           recv_count, stats, handle area (recv); LlReport; error record on timeout.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __grid_constant__ LlDispatchArgs a) {
   __shared__ LlShared sm;
+  ll_trace(a.trace, LL_TRACE_START);
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_DISPATCH);
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   if (a.phases & LL_PHASE_DRAIN) {
@@ -936,6 +961,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __
   const u32 epoch = sm.epoch;
   if (a.phases & LL_PHASE_SEND) dispatch_send(a, d, sm, epoch);
   if (a.phases & LL_PHASE_RECV) dispatch_recv(a, d, sm, epoch);
+  ll_trace(a.trace, LL_TRACE_END);
 }
 
 // ============================================================================================ combine
@@ -1088,6 +1114,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
+  ll_trace(a.trace, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
     if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
@@ -1102,13 +1129,14 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
       stored |= combine_rows(a, sm, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
-  if (ll_last_block(&me->combine_send_done, sm, stored) && threadIdx.x == 0) {
+  if (ll_last_block(&me->combine_send_done, sm, stored, a.trace, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
     me->combine_epoch = epoch;
     me->combine_last_write[a.set] = epoch;
     if (sm.phase_ok) {
       for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank], epoch);
     }
   }
+  ll_trace(a.trace, LL_TRACE_SEND_DONE);
 }
 
 // Warp 0 of every block waits for every expert rank r (lane r); r's rows are used when its flag arrived
@@ -1150,6 +1178,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const u32 R = a.num_ranks, TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
   combine_wait_sources(a, d, sm, epoch);
+  ll_trace(a.trace, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
     const u32 lane = lane_id();
     const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
@@ -1228,7 +1257,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
       }
     }
   }
-  if (ll_last_block(&me->combine_recv_done, sm, false) && threadIdx.x == 0) {
+  if (ll_last_block(&me->combine_recv_done, sm, false, a.trace, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
     if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], epoch);
     }
@@ -1252,6 +1281,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
 //   writes: every home rank's combine region and LlCtrl flags/metadata (send); out, stats, LlReport (recv).
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __grid_constant__ LlCombineArgs a) {
   __shared__ LlShared sm;
+  ll_trace(a.trace, LL_TRACE_START);
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_COMBINE);
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   if (a.phases & LL_PHASE_DRAIN) {
@@ -1270,4 +1300,5 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __g
   const u32 epoch = sm.epoch;
   if (a.phases & LL_PHASE_SEND) combine_send(a, d, sm, epoch);
   if (a.phases & LL_PHASE_RECV) combine_recv(a, d, sm, epoch);
+  ll_trace(a.trace, LL_TRACE_END);
 }

@@ -28,6 +28,11 @@ pub const LL_SIG_WORDS: usize = 8;
 /// Top-k assumed by [`LlLayout::bytes_hint`] (DeepEP's size hint has no top-k argument).
 pub const LL_HINT_TOPK: usize = 16;
 
+/// Timing trace (`MOELINK_LL_TRACE`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
+/// `ll.cu`), in the order a block passes them.
+pub const LL_TRACE_WORDS: usize = 8;
+pub const LL_TRACE_POINTS: [&str; 7] = ["start", "send_ready", "send_stored", "send_done", "recv_seen", "recv_stored", "end"];
+
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
 pub const SIG_FIELDS: [&str; 6] = ["hidden", "topk", "num_experts", "num_max_dispatch_tokens_per_rank", "quant", "topk_weights"];
 
@@ -206,6 +211,8 @@ pub struct LlDispatchArgs {
     pub error_record: u64,
     pub report: u64,
     pub timeout_ns: u64,
+    /// Host-mapped timing trace (`[block][LL_TRACE_WORDS]` %globaltimer stamps), or 0.
+    pub trace: u64,
     pub off_entries: u64,
     pub off_weights: u64,
     pub off_rows: u64,
@@ -245,6 +252,8 @@ pub struct LlCombineArgs {
     pub error_record: u64,
     pub report: u64,
     pub timeout_ns: u64,
+    /// Host-mapped timing trace, or 0.
+    pub trace: u64,
     pub rank: u32,
     pub num_ranks: u32,
     pub num_tokens: u32,

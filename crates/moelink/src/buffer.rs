@@ -288,6 +288,13 @@ impl Buffer {
         self.backend.timer_name()
     }
 
+    /// With `MOELINK_LL_TRACE=1` on the CUDA backend: the `%globaltimer` trace of the last low-latency kernel
+    /// launch of the last [`Buffer::timed`] region (its span — what a profiler reports as the kernel's
+    /// duration, without the launch — and when its blocks passed each point). `None` otherwise.
+    pub fn kernel_trace(&self) -> Option<crate::diag::KernelTrace> {
+        self.backend.kernel_trace()
+    }
+
     /// `num_nvl_bytes` a buffer needs for high-throughput calls of up to `num_tokens` tokens per rank (the
     /// largest count of any rank) of `hidden` channels with `topk` experts per token among `num_ranks` ranks,
     /// dispatched as FP8 (`fp8`) or BF16, including the BF16 combine and a cached BF16 dispatch (backward).

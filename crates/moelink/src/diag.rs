@@ -727,3 +727,26 @@ mod tests {
         assert!(matches!(jit_timings(0), Err(Error::Unavailable(_))));
     }
 }
+
+/// When the blocks of one kernel launch passed one traced point (`MOELINK_LL_TRACE`), in µs after the
+/// first block started.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TracePoint {
+    /// The point (`LL_TRACE_POINTS`: `start`, `send_ready`, `send_stored`, `send_done`, `recv_seen`,
+    /// `recv_stored`, `end`).
+    pub name: &'static str,
+    /// Blocks that stamped it.
+    pub blocks: usize,
+    pub min_us: f64,
+    pub median_us: f64,
+    pub max_us: f64,
+}
+
+/// The `%globaltimer` trace of the last low-latency launch in a timed region ([`crate::Buffer::kernel_trace`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTrace {
+    /// First block's start to last block's end: the kernel duration a profiler reports, without the launch.
+    pub span_us: f64,
+    /// The points the launch passed, in kernel order.
+    pub points: Vec<TracePoint>,
+}

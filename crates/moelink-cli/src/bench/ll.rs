@@ -88,33 +88,57 @@ fn timer_of(buf: &Buffer) -> &'static str {
     }
 }
 
+/// Event times of timed repetitions and, with `MOELINK_LL_TRACE=1`, the kernel trace of each.
+#[derive(Default)]
+struct Timed {
+    us: Vec<f64>,
+    traces: Vec<moelink::diag::KernelTrace>,
+}
+
+impl Timed {
+    fn push(&mut self, buf: &Buffer, us: f64) {
+        self.us.push(us);
+        self.traces.extend(buf.kernel_trace());
+    }
+}
+
 /// Times replays of `graph`, each in its own timed region.
 ///
 /// # Safety
 /// As [`Buffer::replay`]: every tensor the graph was captured with (inputs, outputs, the handle) is alive,
 /// with the same shapes.
-unsafe fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<Vec<f64>> {
-    // SAFETY: forwarded contract.
-    job.time(buf, |b| unsafe { b.replay(graph) })
+unsafe fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<Timed> {
+    let mut t = Timed::default();
+    for i in 0..job.warmup + job.reps {
+        // SAFETY: forwarded contract.
+        let ((), us) = buf.timed(|b| unsafe { b.replay(graph) })?;
+        if i >= job.warmup {
+            t.push(buf, us);
+        }
+        job.tick(buf.rank());
+    }
+    Ok(t)
 }
 
 /// Times send-graph replays and receive-graph replays alternately, each in its own timed region.
 ///
 /// # Safety
 /// As [`time_replays`], for both graphs.
-unsafe fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGraph, recv: &CapturedGraph) -> Result<(Vec<f64>, Vec<f64>)> {
-    let (mut send_us, mut recv_us) = (Vec::new(), Vec::new());
+unsafe fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGraph, recv: &CapturedGraph) -> Result<(Timed, Timed)> {
+    let (mut send_t, mut recv_t) = (Timed::default(), Timed::default());
     for i in 0..job.warmup + job.reps {
         // SAFETY: forwarded contract.
         let ((), s) = buf.timed(|b| unsafe { b.replay(send) })?;
+        if i >= job.warmup {
+            send_t.push(buf, s);
+        }
         // SAFETY: forwarded contract.
         let ((), r) = buf.timed(|b| unsafe { b.replay(recv) })?;
         if i >= job.warmup {
-            send_us.push(s);
-            recv_us.push(r);
+            recv_t.push(buf, r);
         }
     }
-    Ok((send_us, recv_us))
+    Ok((send_t, recv_t))
 }
 
 /// Runs every case of `job` on this rank; the outcomes line up with `job.cases`.
@@ -177,14 +201,16 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     })
                 } else {
                     job.time(&mut buf, |b| b.low_latency_dispatch_into(&args, outputs_of(&mut res, &s)?).map(drop))
+                        .map(|us| Timed { us, traces: Vec::new() })
                 };
-                if let Some(times) = settle(timed, out) {
-                    out.times_us = times;
+                if let Some(t) = settle(timed, out) {
+                    (out.times_us, out.traces[0]) = (t.us, t.traces);
                     out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
                     if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, &args, &mut res, &s), out) {
-                        (out.send_us, out.recv_us) = (send, recv);
+                        (out.send_us, out.traces[1]) = (send.us, send.traces);
+                        (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
                 }
             }
@@ -233,14 +259,16 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     })
                 } else {
                     job.time(&mut buf, |b| b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop))
+                        .map(|us| Timed { us, traces: Vec::new() })
                 };
-                if let Some(times) = settle(timed, out) {
-                    out.times_us = times;
+                if let Some(t) = settle(timed, out) {
+                    (out.times_us, out.traces[0]) = (t.us, t.traces);
                     out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
                     if let Some((send, recv)) = settle(time_hook_combine(&mut buf, job, &cargs, &mut c), out) {
-                        (out.send_us, out.recv_us) = (send, recv);
+                        (out.send_us, out.traces[1]) = (send.us, send.traces);
+                        (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
                 }
             }
@@ -259,7 +287,7 @@ fn time_hook_dispatch(
     args: &LlDispatchArgs<'_>,
     res: &mut LlDispatchResult,
     s: &Shape,
-) -> Result<(Vec<f64>, Vec<f64>)> {
+) -> Result<(Timed, Timed)> {
     let hook_args = LlDispatchArgs { return_recv_hook: true, ..*args };
     let rank = buf.rank();
     let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the dispatch returned no receive hook");
@@ -271,22 +299,22 @@ fn time_hook_dispatch(
         // SAFETY: the graphs read the caller's inputs (`args`) and write `res`, all of which outlive them.
         return unsafe { time_split_replays(buf, job, &send, &recv) };
     }
-    let (mut send, mut recv) = (Vec::new(), Vec::new());
+    let (mut send, mut recv) = (Timed::default(), Timed::default());
     for i in 0..job.warmup + job.reps {
         let outputs = outputs_of(res, s)?;
         let ((_handle, hook), send_us) = buf.timed(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
         if i >= job.warmup {
-            send.push(send_us);
-            recv.push(recv_us);
+            send.push(buf, send_us);
+            recv.push(buf, recv_us);
         }
     }
     Ok((send, recv))
 }
 
 /// As [`time_hook_dispatch`], for combine (into `combined`, with the checked dispatch's handle).
-fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, combined: &mut Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
+fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, combined: &mut Tensor) -> Result<(Timed, Timed)> {
     let hook_args = LlCombineArgs { return_recv_hook: true, ..*args };
     let rank = buf.rank();
     let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the combine returned no receive hook");
@@ -299,15 +327,15 @@ fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, 
         // outlive them.
         return unsafe { time_split_replays(buf, job, &send, &recv) };
     }
-    let (mut send, mut recv) = (Vec::new(), Vec::new());
+    let (mut send, mut recv) = (Timed::default(), Timed::default());
     for i in 0..job.warmup + job.reps {
         let outputs = combine_outputs(combined);
         let (hook, send_us) = buf.timed(|b| b.low_latency_combine_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
         if i >= job.warmup {
-            send.push(send_us);
-            recv.push(recv_us);
+            send.push(buf, send_us);
+            recv.push(buf, recv_us);
         }
     }
     Ok((send, recv))

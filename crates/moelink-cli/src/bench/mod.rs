@@ -279,6 +279,9 @@ pub struct RankOutcome {
     pub recv_us: Vec<f64>,
     /// HT dispatch: times of the cached dispatch (the call's handle re-used), microseconds.
     pub cached_us: Vec<f64>,
+    /// LL with `MOELINK_LL_TRACE=1`: kernel traces of the timed repetitions (fused call; hook send; hook
+    /// receive), whose spans are the kernels' durations without the launch.
+    pub traces: [Vec<moelink::diag::KernelTrace>; 3],
 }
 
 /// Everything a rank worker needs, shared by reference across rank threads.
@@ -628,6 +631,29 @@ fn slowest_rank_median(per_rank: &[Vec<f64>]) -> f64 {
     median(slowest_per_rep(per_rank))
 }
 
+/// Kernel-trace points over ranks and repetitions: per point, the median over repetitions of the blocks'
+/// median and last stamp (µs after the kernel's first block started), the largest over ranks.
+fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::diag::KernelTrace]>) -> serde_json::Value {
+    let mut points: Vec<(&'static str, f64, f64)> = Vec::new();
+    for traces in per_rank {
+        let names: Vec<&'static str> = traces.first().map(|t| t.points.iter().map(|p| p.name).collect()).unwrap_or_default();
+        for name in names {
+            let of = |f: fn(&moelink::diag::TracePoint) -> f64| {
+                median(traces.iter().filter_map(|t| t.points.iter().find(|p| p.name == name)).map(f).collect())
+            };
+            let (med, last) = (of(|p| p.median_us), of(|p| p.max_us));
+            match points.iter_mut().find(|p| p.0 == name) {
+                Some(p) => {
+                    p.1 = p.1.max(med);
+                    p.2 = p.2.max(last);
+                }
+                None => points.push((name, med, last)),
+            }
+        }
+    }
+    serde_json::Value::Array(points.into_iter().map(|(n, m, l)| serde_json::json!({"point": n, "median_us": m, "last_us": l})).collect())
+}
+
 /// Runs `moelink bench`.
 pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     let p = plan(a)?;
@@ -832,6 +858,13 @@ fn summarize(
                 rec.extra.insert("send_us".into(), serde_json::json!(slowest_rank_median(&send)));
                 rec.extra.insert("recv_us".into(), serde_json::json!(slowest_rank_median(&recv)));
             }
+            for (i, key) in ["kernel", "send_kernel", "recv_kernel"].iter().enumerate() {
+                let spans: Vec<Vec<f64>> = outs.iter().map(|o| o.traces[i].iter().map(|t| t.span_us).collect()).collect();
+                if spans.iter().all(|v| !v.is_empty()) {
+                    rec.extra.insert(format!("{key}_us"), serde_json::json!(slowest_rank_median(&spans)));
+                    rec.extra.insert(format!("{key}_trace"), trace_points_json(outs.iter().map(|o| o.traces[i].as_slice())));
+                }
+            }
             let cached: Vec<Vec<f64>> = outs.iter().map(|o| o.cached_us.clone()).collect();
             if cached.iter().all(|v| !v.is_empty()) {
                 let ct = slowest_rank_median(&cached);
@@ -935,9 +968,10 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             "GB/s",
             "cached disp µs (bf16; fp8)",
             "hook send+recv µs (disp; comb)",
+            "kernel µs (disp; comb)",
             "ok",
         ],
-        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false, false],
+        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false, false, false],
     );
     let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
     for k in &order {
@@ -963,6 +997,16 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
         let (cd, cg) = time(comb);
         let disp = find("dispatch", "fp8").or(find("dispatch", "bf16"));
         let hooks = if k.0 == "ll" { format!("{}; {}", hook(disp), hook(comb)) } else { String::new() };
+        // LL kernel spans from the trace (MOELINK_LL_TRACE=1): fused call, and hook send+recv when timed.
+        let kernel = |r: Option<&Record>| {
+            let f = |k: &str| r.and_then(|r| r.extra.get(k)).and_then(|v| v.as_f64());
+            match (f("kernel_us"), f("send_kernel_us"), f("recv_kernel_us")) {
+                (Some(k), Some(s), Some(v)) => format!("{} ({}+{})", num(k), num(s), num(v)),
+                (Some(k), _, _) => num(k),
+                _ => "-".into(),
+            }
+        };
+        let kernels = if k.0 == "ll" { format!("{}; {}", kernel(disp), kernel(comb)) } else { String::new() };
         let cached_of = |r: Option<&Record>| r.and_then(|r| r.extra.get("cached_us")).and_then(|v| v.as_f64()).map_or("-".to_string(), num);
         let cached = if k.0 == "ht" {
             format!("{}; {}", cached_of(find("dispatch", "bf16")), cached_of(find("dispatch", "fp8")))
@@ -991,6 +1035,7 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             cg,
             cached,
             hooks,
+            kernels,
             ok,
         ]);
     }

@@ -89,6 +89,10 @@ pub(crate) trait Backend: Send {
     fn timer_name(&self) -> &'static str {
         "wall"
     }
+    /// The low-latency kernel trace of the last timed region (`MOELINK_LL_TRACE`), when there is one.
+    fn kernel_trace(&self) -> Option<crate::diag::KernelTrace> {
+        None
+    }
 
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()>;
     /// Count exchange (notify). Returns the plan with host-known sizes (CPU-sync) and backend state.

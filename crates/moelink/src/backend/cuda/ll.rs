@@ -19,7 +19,7 @@ use moelink_cuda::{Device, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
-    SIG_FIELDS,
+    LL_TRACE_POINTS, LL_TRACE_WORDS, SIG_FIELDS,
 };
 
 use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
@@ -33,6 +33,17 @@ use crate::tensor::{Location, TensorMut};
 
 /// Environment variable overriding the number of blocks (SMs) the low-latency kernels use.
 pub const LL_SMS_ENV: &str = "MOELINK_LL_SMS";
+
+/// `MOELINK_LL_TRACE=1`: every low-latency launch stores `%globaltimer` stamps per block (`LL_TRACE_*` in
+/// `ll.cu`) into host-mapped memory, and [`crate::Buffer::kernel_trace`] summarises the last launch of a
+/// timed region: the kernel's span and when its blocks passed each point. Off by default (the stamps are
+/// host-memory stores on the kernels' path).
+pub const LL_TRACE_ENV: &str = "MOELINK_LL_TRACE";
+
+fn trace_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(LL_TRACE_ENV).is_ok_and(|v| v.trim() == "1"))
+}
 
 const HOOK_PENDING: u8 = 0;
 const HOOK_RAN: u8 = 1;
@@ -65,6 +76,9 @@ pub(crate) struct LlState {
     outstanding: Vec<Outstanding>,
     /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
     staging: Option<[usize; 3]>,
+    /// Timing trace words (`MOELINK_LL_TRACE`), one row per SM; allocated on the first traced call and never
+    /// moved (captured graphs keep its address).
+    trace: Option<HostMapped<u64>>,
 }
 
 impl LlState {
@@ -76,6 +90,7 @@ impl LlState {
             combine_calls: 0,
             outstanding: Vec::new(),
             staging: None,
+            trace: None,
         })
     }
 }
@@ -223,6 +238,49 @@ fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
     t.map_or(0, |t| t.addr())
 }
 
+// ------------------------------------------------------------------ timing trace
+
+/// The trace address for a launch (allocating the words on first use), or 0 when tracing is off.
+fn trace_ptr(b: &mut CudaBackend) -> Result<u64> {
+    if !trace_enabled() {
+        return Ok(0);
+    }
+    if b.ll.trace.is_none() {
+        b.ll.trace = Some(HostMapped::new(&b.device, b.num_device_sms().max(1) * LL_TRACE_WORDS)?);
+    }
+    Ok(b.ll.trace.as_ref().map_or(0, |t| t.device_ptr()))
+}
+
+/// Clears the trace words (the GPU is idle: called when a timed region opens, after the previous one's work
+/// completed).
+pub(crate) fn trace_clear(b: &mut CudaBackend) {
+    if let Some(t) = b.ll.trace.as_mut() {
+        t.clear();
+    }
+}
+
+/// Summary of the stamps the last low-latency launch left (None when tracing is off or nothing ran).
+pub(crate) fn trace_summary(b: &CudaBackend) -> Option<crate::diag::KernelTrace> {
+    let t = b.ll.trace.as_ref()?;
+    let blocks = t.len() / LL_TRACE_WORDS;
+    let stamp = |k: usize, w: usize| t.read(k * LL_TRACE_WORDS + w);
+    let t0 = (0..blocks).map(|k| stamp(k, 0)).filter(|&v| v != 0).min()?;
+    let points = LL_TRACE_POINTS
+        .iter()
+        .enumerate()
+        .filter_map(|(w, name)| {
+            let mut us: Vec<f64> = (0..blocks).map(|k| stamp(k, w)).filter(|&v| v >= t0).map(|v| (v - t0) as f64 / 1e3).collect();
+            if us.is_empty() {
+                return None;
+            }
+            us.sort_by(f64::total_cmp);
+            Some(crate::diag::TracePoint { name, blocks: us.len(), min_us: us[0], median_us: us[us.len() / 2], max_us: us[us.len() - 1] })
+        })
+        .collect::<Vec<_>>();
+    let span_us = points.iter().find(|p| p.name == "end")?.max_us;
+    Some(crate::diag::KernelTrace { span_us, points })
+}
+
 // ------------------------------------------------------------------ reports, drains
 
 /// The argument a problem bit names, and why (for the rank whose argument it is).
@@ -362,6 +420,7 @@ pub(crate) fn dispatch<'a>(
         error_record,
         report: b.ll.report.device_ptr(),
         timeout_ns: b.timeout_ns,
+        trace: trace_ptr(b)?,
         off_entries: layout.dispatch.entries as u64,
         off_weights: layout.dispatch.weights as u64,
         off_rows: layout.dispatch.rows as u64,
@@ -475,6 +534,7 @@ pub(crate) fn combine<'a>(
         error_record,
         report: b.ll.report.device_ptr(),
         timeout_ns: b.timeout_ns,
+        trace: trace_ptr(b)?,
         rank: s.rank as u32,
         num_ranks: s.num_ranks as u32,
         num_tokens: s.num_tokens as u32,

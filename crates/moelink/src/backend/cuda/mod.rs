@@ -363,6 +363,8 @@ impl CudaBackend {
                 end_recorded: Cell::new(false),
             });
         }
+        // The previous region's work has completed (close_timer waited for it): the trace words are idle.
+        ll::trace_clear(self);
         self.enqueue_barrier()?;
         let t = self.timer.as_mut().expect("created above");
         let stream = match &self.mode {
@@ -559,6 +561,9 @@ impl Backend for CudaBackend {
     }
     fn timer_name(&self) -> &'static str {
         "cuda-events"
+    }
+    fn kernel_trace(&self) -> Option<crate::diag::KernelTrace> {
+        ll::trace_summary(self)
     }
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
         ht::dispatch_layout(self, topk_idx, num_experts, out)

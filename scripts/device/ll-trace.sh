@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs THERE (kind nvidia-h200-x4, carry [".device"]): where the low-latency kernels' time goes.
+#   tests  the LL GPU tests (bitwise against the host backend) first
+#   trace  moelink bench --mode ll --hook with MOELINK_LL_TRACE=1 over LL_TOKENS (EP4, and EP2): event times
+#          per graph replay next to the kernels' spans and the trace points (JSON: kernel_trace etc.)
+#   plain  the same without the trace (what the stamps cost)
+# Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
+# Knobs: STEPS ("tests trace plain"), LL_TOKENS ("1,128"), RANKS ("4 2"), REPS (20).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/moelink-out}
+mkdir -p "$OUT"
+W=/tmp/results
+rm -rf "$W" && mkdir -p "$W" /tmp/moelink-device
+BIN=/tmp/moelink-device/moelink
+cp .device/moelink "$BIN" && chmod +x "$BIN"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
+export MOELINK_CACHE_DIR=/tmp/moelink-jit
+STEPS=${STEPS:-"tests trace plain"}
+LL_TOKENS=${LL_TOKENS:-"1,128"}
+RANKS=${RANKS:-"4 2"}
+REPS=${REPS:-20}
+summary=$OUT/summary.txt
+{ echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+run() {  # run NAME LIMIT CMD...: output to $W/NAME.log, status and time to the summary
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout --kill-after=10 "$limit" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    note "$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E '^test result|^wrote|passed|FAIL' "$W/$name.log" | tail -n 1)")"
+}
+for s in $STEPS; do
+    case $s in
+    tests)
+        run test-ll_cuda 150 env -C crates/moelink MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=4 ../../.device/tests/moelink.test.ll_cuda ;;
+    trace|plain)
+        for r in $RANKS; do
+            if [ "$s" = trace ]; then e=(MOELINK_LL_TRACE=1); else e=(MOELINK_LL_TRACE=0); fi
+            run "$s-ep$r" 200 env "${e[@]}" "$BIN" bench --mode ll --ranks "$r" --ll-tokens "$LL_TOKENS" --hook --reps "$REPS" \
+                --warmup 3 --json "$W/$s-ep$r.json"
+            sed -n '/^mode/,$p' "$W/$s-ep$r.log" >> "$summary"
+        done ;;
+    esac
+done
+# The trace points of every LL record, one line each.
+python3 - "$W" >> "$summary" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/trace-*.json")):
+    for r in json.load(open(f)):
+        for k in ("kernel", "send_kernel", "recv_kernel"):
+            pts = r.get(k + "_trace")
+            if pts:
+                desc = " ".join(f"{p['point']}={p['median_us']:.1f}/{p['last_us']:.1f}" for p in pts)
+                print(f"{f.split('/')[-1]} {r.get('op')} T={r.get('tokens')} {k}: span {r.get(k + '_us', 0):.1f} us (event {r.get('time_us', 0):.1f}) | {desc}")
+PY
+tar czf "$OUT/results.tgz" -C "$W" .
+cat "$summary"
