@@ -4,6 +4,8 @@
 #   trace  moelink bench --mode ll --hook with MOELINK_LL_TRACE=1 over LL_TOKENS (EP4, and EP2): event times
 #          per graph replay next to the kernels' spans and the trace points (JSON: kernel_trace etc.)
 #   plain  the same without the trace (what the stamps cost)
+#   local  the trace with MOELINK_LL_EXPERIMENT=local_stores (rows stored into the sender's own region:
+#          wrong results, flagged incorrect; the time NVLink adds to the send phases), EP4
 # Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
 # Knobs: STEPS ("tests trace plain"), LL_TOKENS ("1,128"), RANKS ("4 2"), REPS (20).
 set -uo pipefail
@@ -17,7 +19,7 @@ cp .device/moelink "$BIN" && chmod +x "$BIN"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
 export MOELINK_CACHE_DIR=/tmp/moelink-jit
-STEPS=${STEPS:-"tests trace plain"}
+STEPS=${STEPS:-"tests trace plain local"}
 LL_TOKENS=${LL_TOKENS:-"1,128"}
 RANKS=${RANKS:-"4 2"}
 REPS=${REPS:-20}
@@ -42,12 +44,16 @@ for s in $STEPS; do
                 --warmup 3 --json "$W/$s-ep$r.json"
             sed -n '/^mode/,$p' "$W/$s-ep$r.log" >> "$summary"
         done ;;
+    local)
+        run local-ep4 200 env MOELINK_LL_TRACE=1 MOELINK_LL_EXPERIMENT=local_stores "$BIN" bench --mode ll --ranks 4 \
+            --ll-tokens "$LL_TOKENS" --hook --reps "$REPS" --warmup 3 --no-host-check --json "$W/local-ep4.json"
+        sed -n '/^mode/,$p' "$W/local-ep4.log" >> "$summary" ;;
     esac
 done
 # The trace points of every LL record, one line each.
 python3 - "$W" >> "$summary" <<'PY'
 import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/trace-*.json")):
+for f in sorted(glob.glob(sys.argv[1] + "/trace-*.json") + glob.glob(sys.argv[1] + "/local-*.json")):
     for r in json.load(open(f)):
         for k in ("kernel", "send_kernel", "recv_kernel"):
             pts = r.get(k + "_trace")

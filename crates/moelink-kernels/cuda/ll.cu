@@ -76,6 +76,9 @@ constexpr u32 LL_FLAG_ROUND_SCALE = 1;
 constexpr u32 LL_FLAG_UE8M0 = 2;
 constexpr u32 LL_FLAG_WEIGHTS = 4;
 constexpr u32 LL_FLAG_SHRINK = 8;
+// Timing experiment only (MOELINK_LL_EXPERIMENT=local_stores; results are wrong): the send phases' row
+// stores go to this rank's own region instead of the destination's, so NVLink's share of their time shows.
+constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 1u << 16;
 
 // Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
 constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
@@ -94,11 +97,12 @@ constexpr u32 LL_KIND_COMBINE = 1;
 // end, what a profiler's kernel duration measures) and when the blocks passed each point.
 constexpr u32 LL_TRACE_START = 0;        // block entry
 constexpr u32 LL_TRACE_SEND_READY = 1;   // send: hand-back wait done
-constexpr u32 LL_TRACE_SEND_STORED = 2;  // send: this block's stores issued
-constexpr u32 LL_TRACE_SEND_DONE = 3;    // send: counted (the last block: after publishing the flags)
-constexpr u32 LL_TRACE_RECV_SEEN = 4;    // recv: every source's flag seen
-constexpr u32 LL_TRACE_RECV_STORED = 5;  // recv: this block's outputs written
-constexpr u32 LL_TRACE_END = 6;          // block exit
+constexpr u32 LL_TRACE_SEND_ISSUED = 2;  // send: thread 0's warp has issued its stores (before the fence)
+constexpr u32 LL_TRACE_SEND_STORED = 3;  // send: every thread of the block fenced its stores
+constexpr u32 LL_TRACE_SEND_DONE = 4;    // send: counted (the last block: after publishing the flags)
+constexpr u32 LL_TRACE_RECV_SEEN = 5;    // recv: every source's flag seen
+constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
+constexpr u32 LL_TRACE_END = 7;          // block exit
 constexpr u32 LL_TRACE_WORDS = 8;
 
 __device__ __forceinline__ void ll_trace(u64 trace, u32 point) {
@@ -670,6 +674,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
   const u8* x = reinterpret_cast<const u8*>(a.x);
   const u32 items = a.num_tokens * SEND_CHUNKS;
   bool stored = false;
+  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
   for (u32 item = first_warp; item < items; item += num_warps) {
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
     // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
@@ -703,7 +708,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     while (ranks != 0) {
       const u32 p = __ffs(ranks) - 1;
       ranks &= ranks - 1;
-      u8* row = reinterpret_cast<u8*>(a.recv[p]) + slot;
+      u8* row = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot;
       if (active) {
         ptx::st_na_v4(reinterpret_cast<u32x4*>(row + ch), q);
         if (lane % FP8_GROUP_LANES == 0) llptx::st_na_u32(row + LL_HIDDEN + (ch / FP8_GROUP) * 4, f32_bits(scale_inv));
@@ -713,7 +718,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     while (ranks != 0) {
       const u32 p = __ffs(ranks) - 1;
       ranks &= ranks - 1;
-      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[p]) + slot + off), v);
+      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot + off), v);
     }
 #endif
   }
@@ -737,6 +742,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
       stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
+  ll_trace(a.trace, LL_TRACE_SEND_ISSUED);
   if (ll_last_block(&me->dispatch_send_done, sm, stored, a.trace, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
     me->dispatch_last_write[a.set] = epoch;
@@ -1010,6 +1016,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   const u8* y = reinterpret_cast<const u8*>(a.y);
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
+  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
   // The handle entries (row, weight) of an item are loaded one round ahead: the expert rows' loads depend on
   // them, so loading them at the top of each item put two dependent round trips on every item's path.
   auto load_entry = [&](u32 it, i32& row, float& w) {
@@ -1043,7 +1050,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
       const u32 h = st / TM, t = st % TM;
       valid[j] = __ballot_sync(FULL_WARP_MASK, row[j] >= 0);
       off[j] = c * CHUNK_BYTES + lane * VEC_BYTES;
-      u8* region = item < items ? reinterpret_cast<u8*>(a.recv[h]) : nullptr;
+      u8* region = item < items ? reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : h]) : nullptr;
       dst[j] = region == nullptr ? nullptr
                                  : region + (pre_reduced ? ((u64)a.rank * TM + t) * ROW_BYTES_BF16 : (u64)t * LL_TOPK * ROW_BYTES_BF16);
       if (valid[j] != 0) stored = true;
@@ -1129,6 +1136,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
       stored |= combine_rows(a, sm, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
+  ll_trace(a.trace, LL_TRACE_SEND_ISSUED);
   if (ll_last_block(&me->combine_send_done, sm, stored, a.trace, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
     me->combine_epoch = epoch;
     me->combine_last_write[a.set] = epoch;

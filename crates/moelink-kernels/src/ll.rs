@@ -31,7 +31,8 @@ pub const LL_HINT_TOPK: usize = 16;
 /// Timing trace (`MOELINK_LL_TRACE`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
 /// `ll.cu`), in the order a block passes them.
 pub const LL_TRACE_WORDS: usize = 8;
-pub const LL_TRACE_POINTS: [&str; 7] = ["start", "send_ready", "send_stored", "send_done", "recv_seen", "recv_stored", "end"];
+pub const LL_TRACE_POINTS: [&str; 8] =
+    ["start", "send_ready", "send_issued", "send_stored", "send_done", "recv_seen", "recv_stored", "end"];
 
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
 pub const SIG_FIELDS: [&str; 6] = ["hidden", "topk", "num_experts", "num_max_dispatch_tokens_per_rank", "quant", "topk_weights"];
@@ -56,6 +57,9 @@ pub mod flag {
     pub const WEIGHTS: u32 = 4;
     /// Shrink mode: a peer that misses the deadline is masked instead of failing the call.
     pub const SHRINK: u32 = 8;
+    /// Timing experiment only (`MOELINK_LL_EXPERIMENT=local_stores`; results are wrong): row stores go to
+    /// the sender's own region.
+    pub const EXP_LOCAL_STORES: u32 = 1 << 16;
 }
 
 /// Argument problems (`LlReport`, `LlMeta::problem`).

@@ -732,8 +732,8 @@ mod tests {
 /// first block started.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TracePoint {
-    /// The point (`LL_TRACE_POINTS`: `start`, `send_ready`, `send_stored`, `send_done`, `recv_seen`,
-    /// `recv_stored`, `end`).
+    /// The point (`LL_TRACE_POINTS`: `start`, `send_ready`, `send_issued`, `send_stored`, `send_done`,
+    /// `recv_seen`, `recv_stored`, `end`).
     pub name: &'static str,
     /// Blocks that stamped it.
     pub blocks: usize,

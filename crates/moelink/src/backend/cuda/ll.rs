@@ -15,7 +15,7 @@ use std::any::Any;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{Device, HostMapped, LaunchConfig};
+use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
@@ -35,9 +35,10 @@ use crate::tensor::{Location, TensorMut};
 pub const LL_SMS_ENV: &str = "MOELINK_LL_SMS";
 
 /// `MOELINK_LL_TRACE=1`: every low-latency launch stores `%globaltimer` stamps per block (`LL_TRACE_*` in
-/// `ll.cu`) into host-mapped memory, and [`crate::Buffer::kernel_trace`] summarises the last launch of a
-/// timed region: the kernel's span and when its blocks passed each point. Off by default (the stamps are
-/// host-memory stores on the kernels' path).
+/// `ll.cu`) into device memory, and [`crate::Buffer::kernel_trace`] summarises the last launch of a timed
+/// region: the kernel's span and when its blocks passed each point. Off by default. (Device memory, not
+/// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
+/// exactly the points being measured.)
 pub const LL_TRACE_ENV: &str = "MOELINK_LL_TRACE";
 
 fn trace_enabled() -> bool {
@@ -76,9 +77,9 @@ pub(crate) struct LlState {
     outstanding: Vec<Outstanding>,
     /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
     staging: Option<[usize; 3]>,
-    /// Timing trace words (`MOELINK_LL_TRACE`), one row per SM; allocated on the first traced call and never
-    /// moved (captured graphs keep its address).
-    trace: Option<HostMapped<u64>>,
+    /// Timing trace words (`MOELINK_LL_TRACE`, device memory), one row of u64 per SM; allocated on the first
+    /// traced call and never moved (captured graphs keep its address).
+    trace: Option<DeviceBuffer>,
 }
 
 impl LlState {
@@ -218,7 +219,17 @@ fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
     if b.ll.enable_shrink {
         f |= flag::SHRINK;
     }
+    if experiment_local_stores() {
+        f |= flag::EXP_LOCAL_STORES;
+    }
     f
+}
+
+/// `MOELINK_LL_EXPERIMENT=local_stores`: a timing experiment (wrong results; never in a real run): the send
+/// phases store their rows into the sender's own region, so the time NVLink adds shows.
+fn experiment_local_stores() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOELINK_LL_EXPERIMENT").is_ok_and(|v| v.trim() == "local_stores"))
 }
 
 /// Addresses shared by both argument structs: every rank's `LlCtrl`, and every rank's copy of the region
@@ -246,24 +257,30 @@ fn trace_ptr(b: &mut CudaBackend) -> Result<u64> {
         return Ok(0);
     }
     if b.ll.trace.is_none() {
-        b.ll.trace = Some(HostMapped::new(&b.device, b.num_device_sms().max(1) * LL_TRACE_WORDS)?);
+        b.ll.trace = Some(DeviceBuffer::zeroed(&b.device, b.num_device_sms().max(1) * LL_TRACE_WORDS * 8)?);
     }
     Ok(b.ll.trace.as_ref().map_or(0, |t| t.device_ptr()))
 }
 
-/// Clears the trace words (the GPU is idle: called when a timed region opens, after the previous one's work
-/// completed).
-pub(crate) fn trace_clear(b: &mut CudaBackend) {
-    if let Some(t) = b.ll.trace.as_mut() {
-        t.clear();
+/// Enqueues the clearing of the trace words (when a timed region opens, before its barrier).
+pub(crate) fn trace_clear(b: &mut CudaBackend) -> Result<()> {
+    if let Some(mut t) = b.ll.trace.take() {
+        let r = t.memset_u32_async(0, b.op_stream());
+        b.ll.trace = Some(t);
+        r?;
     }
+    Ok(())
 }
 
-/// Summary of the stamps the last low-latency launch left (None when tracing is off or nothing ran).
+/// Summary of the stamps the last low-latency launch left (None when tracing is off or nothing ran). Called
+/// once the timed region's work has completed.
 pub(crate) fn trace_summary(b: &CudaBackend) -> Option<crate::diag::KernelTrace> {
     let t = b.ll.trace.as_ref()?;
-    let blocks = t.len() / LL_TRACE_WORDS;
-    let stamp = |k: usize, w: usize| t.read(k * LL_TRACE_WORDS + w);
+    let mut bytes = vec![0u8; t.len_bytes()];
+    t.copy_to_host(&mut bytes).ok()?;
+    let words: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    let blocks = words.len() / LL_TRACE_WORDS;
+    let stamp = |k: usize, w: usize| words[k * LL_TRACE_WORDS + w];
     let t0 = (0..blocks).map(|k| stamp(k, 0)).filter(|&v| v != 0).min()?;
     let points = LL_TRACE_POINTS
         .iter()

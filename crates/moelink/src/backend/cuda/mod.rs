@@ -363,8 +363,7 @@ impl CudaBackend {
                 end_recorded: Cell::new(false),
             });
         }
-        // The previous region's work has completed (close_timer waited for it): the trace words are idle.
-        ll::trace_clear(self);
+        ll::trace_clear(self)?;
         self.enqueue_barrier()?;
         let t = self.timer.as_mut().expect("created above");
         let stream = match &self.mode {
