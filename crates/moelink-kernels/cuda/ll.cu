@@ -321,6 +321,9 @@ __device__ __forceinline__ void st_na_u64(void* p, u64 v) {
   asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Brings a line into L2 without waiting for it (loads issued before a wait, consumed after it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // IEEE f32 arithmetic with the rounding mode spelled out: never contracted into an FMA.
 __device__ __forceinline__ float mul_rn(float a, float b) {
   float r;
@@ -364,6 +367,20 @@ __device__ __forceinline__ float bf16_lo(u32 w) { return bits_f32(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return bits_f32(w & 0xffff0000u); }
 
 __device__ __forceinline__ u32 word_of(const u32x4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Destination order of one rank's stores: me + 1, me + 2, ..., me (mod R). Every rank walking its
+// destinations from the lowest rank up sent the first wave of every SM of every GPU to rank 0, then to rank
+// 1, ...: one GPU's ingress saturated while the others idled (the LL send phases ran at ~200 GB/s, half the
+// all-to-all ceiling; MOELINK_LL_TRACE, run 2 of the fourth session). Starting after oneself spreads each wave
+// over all destinations.
+__device__ __forceinline__ u32 first_dest(u32 rank, u32 num_ranks) { return rank + 1 == num_ranks ? 0 : rank + 1; }
+
+// `ranks` (bits < num_ranks) rotated right by `by` (< num_ranks): bit i of the result is rank (i + by) mod R.
+__device__ __forceinline__ u32 rotate_ranks(u32 ranks, u32 by, u32 num_ranks) {
+  if (by == 0) return ranks;
+  const u64 all = num_ranks >= 32 ? 0xffffffffull : ((1ull << num_ranks) - 1);
+  return (u32)((((u64)ranks >> by) | ((u64)ranks << (num_ranks - by))) & all);
+}
 
 // ceil(log2(x)) of a positive f32 from its bits (fp8::ceil_log2): exponent, +1 when any mantissa bit is set;
 // subnormals as m * 2^-149; +inf gives 128.
@@ -549,55 +566,88 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   for (u32 i = threadIdx.x; i < E * W; i += LL_THREADS) sm.words[i] = 0;
   __syncthreads();
 
-  // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks.
+  // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks. A thread's
+  // first token stays in registers for the entries below (T <= LL_THREADS: no second load, which was one more
+  // dependent round trip on this block's path, the longest of the send phase at one token).
   u32 problem = 0;
+  i64 first_ids[LL_TOPK];
+  bool first_live[LL_TOPK];
+  u32 first_w[LL_TOPK];
   for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
+    u32 w[LL_TOPK];
     problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
       reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
-      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k);
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = w[k];
       if (live[k]) atomicOr(&sm.words[(u32)ids[k] * W + t / 32], 1u << (t % 32));
+    }
+    if (t == threadIdx.x) {
+#pragma unroll
+      for (u32 k = 0; k < LL_TOPK; k++) {
+        first_ids[k] = ids[k];
+        first_live[k] = live[k];
+        first_w[k] = w[k];
+      }
     }
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
   __syncthreads();
 
-  // Entries (and weights) of every token, for every destination: item = (destination, token).
-  for (u32 item = threadIdx.x; item < R * T; item += LL_THREADS) {
-    const u32 p = item / T, t = item % T;
+  // Entries (and weights) of every token, for every destination (starting after this rank, first_dest).
+  const u32 dest0 = first_dest(a.rank, R);
+  for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
-    load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
-    i32 ent[LL_TOPK];
+    u32 w[LL_TOPK];
+    if (t == threadIdx.x) {
 #pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) {
-      ent[k] = -1;
-      if (live[k] && (u32)ids[k] / EL == p) {
-        const u32* bm = sm.words + (u32)ids[k] * W;
-        u32 pos = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
-        for (u32 w = 0; w < t / 32; w++) pos += __popc(bm[w]);
-        ent[k] = (i32)((((u32)ids[k] % EL) << 16) | pos);
-      }
-    }
-    u8* region = reinterpret_cast<u8*>(a.recv[p]);
-    const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4;
-    if constexpr (LL_TOPK % 4 == 0) {
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k += 4) {
-        const u32x4 v = {(u32)ent[k], (u32)ent[k + 1], (u32)ent[k + 2], (u32)ent[k + 3]};
-        ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_entries + at + 4 * k), v);
+      for (u32 k = 0; k < LL_TOPK; k++) {
+        ids[k] = first_ids[k];
+        live[k] = first_live[k];
+        w[k] = first_w[k];
       }
     } else {
+      load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
 #pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) llptx::st_na_u32(region + a.off_entries + at + 4 * k, (u32)ent[k]);
+      for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
     }
-    if (has_weights) {
+    // Rank of t among the tokens selecting each of its live experts (a popcount of the bitmap below t).
+    u32 pos[LL_TOPK];
 #pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++)
-        llptx::st_na_u32(region + a.off_weights + at + 4 * k, llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k));
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      pos[k] = 0;
+      if (live[k]) {
+        const u32* bm = sm.words + (u32)ids[k] * W;
+        pos[k] = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
+        for (u32 wd = 0; wd < t / 32; wd++) pos[k] += __popc(bm[wd]);
+      }
+    }
+    const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4;
+    for (u32 i = 0; i < R; i++) {
+      const u32 p = dest0 + i >= R ? dest0 + i - R : dest0 + i;
+      i32 ent[LL_TOPK];
+#pragma unroll
+      for (u32 k = 0; k < LL_TOPK; k++) ent[k] = live[k] && (u32)ids[k] / EL == p ? (i32)((((u32)ids[k] % EL) << 16) | pos[k]) : -1;
+      u8* region = reinterpret_cast<u8*>(a.recv[p]);
+      if constexpr (LL_TOPK % 4 == 0) {
+#pragma unroll
+        for (u32 k = 0; k < LL_TOPK; k += 4) {
+          const u32x4 v = {(u32)ent[k], (u32)ent[k + 1], (u32)ent[k + 2], (u32)ent[k + 3]};
+          ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_entries + at + 4 * k), v);
+          if (has_weights) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_weights + at + 4 * k), u32x4{w[k], w[k + 1], w[k + 2], w[k + 3]});
+        }
+      } else {
+#pragma unroll
+        for (u32 k = 0; k < LL_TOPK; k++) {
+          llptx::st_na_u32(region + a.off_entries + at + 4 * k, (u32)ent[k]);
+          if (has_weights) llptx::st_na_u32(region + a.off_weights + at + 4 * k, w[k]);
+        }
+      }
     }
   }
 
@@ -675,6 +725,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
   const u32 items = a.num_tokens * SEND_CHUNKS;
   bool stored = false;
   const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  const u32 dest0 = first_dest(a.rank, a.num_ranks);
   for (u32 item = first_warp; item < items; item += num_warps) {
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
     // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
@@ -705,9 +756,9 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
 #if LL_FP8
     float scale_inv;
     const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
-    while (ranks != 0) {
-      const u32 p = __ffs(ranks) - 1;
-      ranks &= ranks - 1;
+    for (u32 rot = rotate_ranks(ranks, dest0, a.num_ranks); rot != 0; rot &= rot - 1) {
+      const u32 i = __ffs(rot) - 1 + dest0;
+      const u32 p = i >= a.num_ranks ? i - a.num_ranks : i;
       u8* row = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot;
       if (active) {
         ptx::st_na_v4(reinterpret_cast<u32x4*>(row + ch), q);
@@ -715,9 +766,9 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
       }
     }
 #else
-    while (ranks != 0) {
-      const u32 p = __ffs(ranks) - 1;
-      ranks &= ranks - 1;
+    for (u32 rot = rotate_ranks(ranks, dest0, a.num_ranks); rot != 0; rot &= rot - 1) {
+      const u32 i = __ffs(rot) - 1 + dest0;
+      const u32 p = i >= a.num_ranks ? i - a.num_ranks : i;
       if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot + off), v);
     }
 #endif
@@ -728,6 +779,19 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  // The first reads (top-k rows; each data warp's first row chunk) are sent towards L2 before the hand-back
+  // wait, whose round trips (~1 us after the timer's L2 flush) they then overlap.
+  const u32 lane = lane_id();
+  if (blockIdx.x == 0) {
+    for (u32 t = threadIdx.x; t < a.num_tokens; t += LL_THREADS) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
+  }
+  if (blockIdx.x != 0 || gridDim.x == 1) {
+    const u32 item = (gridDim.x == 1 ? 0 : blockIdx.x - 1) * LL_WARPS + warp_id();
+    const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
+    const u32 off = c * CHUNK_BYTES * (LL_FP8 ? 2 : 1) + lane * VEC_BYTES * (LL_FP8 ? 2 : 1);
+    if (t < a.num_tokens && off < ROW_BYTES_BF16) llptx::prefetch_l2(reinterpret_cast<const u8*>(a.x) + (u64)t * ROW_BYTES_BF16 + off);
+    if (t < a.num_tokens && lane < LL_TOPK) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK + lane);
+  }
   ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(a.trace, LL_TRACE_SEND_READY);
   bool stored = false;
@@ -1000,7 +1064,7 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
   if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
 }
 
-// Rows back: work item = (home rank, its token, 512-byte chunk = 256 channels). Pre-reduced mode: one bf16
+// Rows back: work item = (token, home rank, 512-byte chunk = 256 channels). Pre-reduced mode: one bf16
 // partial per (home, token): sum over this rank's selections of the token in ascending k, from +0.0, of
 // f32(w) * f32(y) rounded to f32 before each add, into slot [me][token] of the home's region. Per-expert
 // mode: each selection's row y into slot [token][k].
@@ -1017,12 +1081,19 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
   const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  // Rows in (token, home) order, homes starting after this rank (first_dest): consecutive items, and so
+  // every wave of stores, spread over all homes instead of filling one home's region after the other.
+  const u32 dest0 = first_dest(a.rank, R);
+  auto home_of = [&](u32 st) {
+    const u32 h = st % R + dest0;
+    return h >= R ? h - R : h;
+  };
   // The handle entries (row, weight) of an item are loaded one round ahead: the expert rows' loads depend on
   // them, so loading them at the top of each item put two dependent round trips on every item's path.
   auto load_entry = [&](u32 it, i32& row, float& w) {
     row = -1;
     w = 0.0f;
-    const u32 st = it / BF16_CHUNKS, h = st / TM, t = st % TM;
+    const u32 st = it / BF16_CHUNKS, h = home_of(st), t = st / R;
     if (it < items && lane < LL_TOPK && t < sm.ntok[h]) {
       const u64 at = ((u64)h * TM + t) * LL_TOPK + lane;
       row = (i32)llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hrow) + at);
@@ -1047,7 +1118,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
       // load_entry gives row -1 to items past the end and to tokens the home did not send: valid == 0.
       const u32 item = base + j * num_warps;
       const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
-      const u32 h = st / TM, t = st % TM;
+      const u32 h = home_of(st), t = st / R;
       valid[j] = __ballot_sync(FULL_WARP_MASK, row[j] >= 0);
       off[j] = c * CHUNK_BYTES + lane * VEC_BYTES;
       u8* region = item < items ? reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : h]) : nullptr;
@@ -1120,6 +1191,19 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  // Each data warp's first handle entries are sent towards L2 before the hand-back wait (as in dispatch_send);
+  // combine_rows' item order: item -> row st = item / BF16_CHUNKS -> (home, token) = (first_dest + st % R, st / R).
+  if ((blockIdx.x != 0 || gridDim.x == 1) && lane_id() < LL_TOPK) {
+    const u32 R = a.num_ranks;
+    const u32 item = (gridDim.x == 1 ? 0 : blockIdx.x - 1) * LL_WARPS + warp_id();
+    const u32 st = item / BF16_CHUNKS, t = st / R;
+    const u32 h0 = st % R + first_dest(a.rank, R), h = h0 >= R ? h0 - R : h0;
+    if (t < a.max_tokens) {
+      const u64 at = ((u64)h * a.max_tokens + t) * LL_TOPK + lane_id();
+      llptx::prefetch_l2(reinterpret_cast<const u32*>(a.hrow) + at);
+      if ((a.flags & LL_FLAG_WEIGHTS) != 0) llptx::prefetch_l2(reinterpret_cast<const u32*>(a.hweight) + at);
+    }
+  }
   ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(a.trace, LL_TRACE_SEND_READY);
   bool stored = false;

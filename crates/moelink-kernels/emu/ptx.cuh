@@ -330,6 +330,7 @@ inline u32 ld_nc_u32(const void* p) {
 }
 inline void st_na_u32(void* p, u32 v) { std::memcpy(p, &v, 4); }
 inline void st_na_u64(void* p, u64 v) { std::memcpy(p, &v, 8); }
+inline void prefetch_l2(const void*) {}
 // Compiled with -ffp-contract=off: one rounding per operation, as mul.rn / add.rn / div.rn.
 inline float mul_rn(float a, float b) { return a * b; }
 inline float add_rn(float a, float b) { return a + b; }
