@@ -782,10 +782,12 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   // The first reads (top-k rows; each data warp's first row chunk) are sent towards L2 before the hand-back
   // wait, whose round trips (~1 us after the timer's L2 flush) they then overlap.
   const u32 lane = lane_id();
-  if (blockIdx.x == 0) {
-    for (u32 t = threadIdx.x; t < a.num_tokens; t += LL_THREADS) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
+  if (blockIdx.x == 0 && warp_id() != 0) {
+    for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
   }
-  if (blockIdx.x != 0 || gridDim.x == 1) {
+  // Not warp 0: its lanes poll the hand-back words, whose loads would queue behind the prefetches (run 3:
+  // the wait took 1.7 us instead of 1.0 with them).
+  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() != 0) {
     const u32 item = (gridDim.x == 1 ? 0 : blockIdx.x - 1) * LL_WARPS + warp_id();
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
     const u32 off = c * CHUNK_BYTES * (LL_FP8 ? 2 : 1) + lane * VEC_BYTES * (LL_FP8 ? 2 : 1);
@@ -911,20 +913,40 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     const u32 lane = lane_id();
     const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
     const u32 items = rows * RECV_CHUNKS;
-    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += gridDim.x * LL_WARPS) {
+    const u32 stride = gridDim.x * LL_WARPS;
+    // Each item's payload chunk and entry are loaded one item ahead: a warp's items were a chain of L2 round
+    // trips (~3.4 items per warp at 128 tokens x 4 ranks); now the next item's loads fly during this one's
+    // stores.
+    struct Ahead {
+      u32x4 v;
+      u32 ent;
+    };
+    auto load_ahead = [&](u32 item) {
+      Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu};
+      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
+      const u32 p = st / TM, t = st % TM;
+      if (item >= items || sm.ok[p] == 0 || t >= sm.ntok[p]) return l;
+      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      if (off < PAYLOAD_BYTES) l.v = llptx::ld_cg_v4(msg + off);
+      if (lane < LL_TOPK) l.ent = llptx::ld_cg_u32(region + a.off_entries + (((u64)p * TM + t) * LL_TOPK + lane) * 4);
+      return l;
+    };
+    Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
+      const Ahead cur = next;
+      next = load_ahead(item + stride);
       const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
       const u32 p = st / TM, t = st % TM;
       if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
-      // The payload chunk is loaded together with the entries (independent loads in flight at once).
       const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
       const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
       const bool active = off < PAYLOAD_BYTES;
-      u32x4 v = {0, 0, 0, 0};
-      if (active) v = llptx::ld_cg_v4(msg + off);
+      const u32x4 v = cur.v;
       const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
       i32 row = -1;
       if (lane < LL_TOPK) {
-        const u32 ent = llptx::ld_cg_u32(region + a.off_entries + entry_at * 4);
+        const u32 ent = cur.ent;
         if ((i32)ent >= 0) {
           const u32 el = ent >> 16, slot = el < EL ? sm.words[p * EL + el] + (ent & 0xffffu) : rows;
           if (slot < rows) row = (i32)(el * rows + slot);
@@ -1070,9 +1092,12 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // mode: each selection's row y into slot [token][k].
 // A warp takes items first_warp + i * num_warps, COMBINE_ITEMS of them per round with every expert-row load
 // of the round in flight together: an item has only ~K/R rows here, so one item per round left each warp a
-// chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost).
+// chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost;
+// with two items per round the send still took ~11 us without NVLink, run 2's local_stores experiment).
 // Returns whether this warp stored anything.
-constexpr u32 COMBINE_ITEMS = 2;
+constexpr u32 COMBINE_ITEMS = 3;
+// Expert rows loaded per item and batch (pre-reduced): with top-8 over 4 ranks an item has ~2.2 of them.
+constexpr u32 COMBINE_ROWS = LL_TOPK < 4 ? LL_TOPK : 4;
 __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 R = a.num_ranks, TM = a.max_tokens;
@@ -1132,16 +1157,27 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
       for (u32 j = 0; j < COMBINE_ITEMS; j++)
 #pragma unroll
         for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
+      // The selected rows of each item, compacted (the q-th row is the q-th set bit of valid, ascending k):
+      // ~K/R of them per item, so one batch of COMBINE_ROWS loads covers nearly every item and the registers
+      // go to more items in flight rather than to empty slots of K.
+      u32 most = 0;
 #pragma unroll
-      for (u32 kb = 0; kb < LL_TOPK; kb += K_BATCH) {
-        u32x4 v[COMBINE_ITEMS][K_BATCH];
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) most = (u32)__popc(valid[j]) > most ? (u32)__popc(valid[j]) : most;
+      for (u32 qb = 0; qb < most; qb += COMBINE_ROWS) {
+        u32x4 v[COMBINE_ITEMS][COMBINE_ROWS];
+        u32 kq[COMBINE_ITEMS][COMBINE_ROWS];  // k of each loaded row, WARP_SIZE when none
 #pragma unroll
         for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+          u32 m = valid[j];
+          for (u32 i = 0; i < qb && m != 0; i++) m &= m - 1;
 #pragma unroll
-          for (u32 q = 0; q < K_BATCH; q++) {
-            const u32 k = kb + q;
+          for (u32 q = 0; q < COMBINE_ROWS; q++) {
             v[j][q] = u32x4{0, 0, 0, 0};
-            if (k < LL_TOPK && ((valid[j] >> k) & 1u)) {
+            kq[j][q] = WARP_SIZE;
+            if (m != 0) {
+              const u32 k = __ffs(m) - 1;
+              m &= m - 1;
+              kq[j][q] = k;
               const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
               if (off[j] < ROW_BYTES_BF16) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
             }
@@ -1150,10 +1186,9 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 #pragma unroll
         for (u32 j = 0; j < COMBINE_ITEMS; j++) {
 #pragma unroll
-          for (u32 q = 0; q < K_BATCH; q++) {
-            const u32 k = kb + q;
-            if (k < LL_TOPK && ((valid[j] >> k) & 1u)) {
-              const float wk = __shfl_sync(FULL_WARP_MASK, w[j], k);
+          for (u32 q = 0; q < COMBINE_ROWS; q++) {
+            if (kq[j][q] < WARP_SIZE) {
+              const float wk = __shfl_sync(FULL_WARP_MASK, w[j], kq[j][q]);
 #pragma unroll
               for (u32 i = 0; i < 4; i++) {
                 const u32 word = word_of(v[j][q], i);
@@ -1193,7 +1228,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   // Each data warp's first handle entries are sent towards L2 before the hand-back wait (as in dispatch_send);
   // combine_rows' item order: item -> row st = item / BF16_CHUNKS -> (home, token) = (first_dest + st % R, st / R).
-  if ((blockIdx.x != 0 || gridDim.x == 1) && lane_id() < LL_TOPK) {
+  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() != 0 && lane_id() < LL_TOPK) {
     const u32 R = a.num_ranks;
     const u32 item = (gridDim.x == 1 ? 0 : blockIdx.x - 1) * LL_WARPS + warp_id();
     const u32 st = item / BF16_CHUNKS, t = st / R;
@@ -1277,18 +1312,35 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
     const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
     const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
     const u32 items = a.num_tokens * BF16_CHUNKS;
-    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += gridDim.x * LL_WARPS) {
+    const u32 stride = gridDim.x * LL_WARPS;
+    // The top-k ids (and weights) of an item are loaded one item ahead: the partials' loads depend on them,
+    // two dependent round trips per item otherwise.
+    auto load_ids = [&](u32 item, i64& e, u32& wbits) {
+      e = -1;
+      wbits = 0;
+      const u32 t = item / BF16_CHUNKS;
+      if (item < items && lane < LL_TOPK) {
+        e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
+        if (!pre_reduced) wbits = llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * LL_TOPK + lane);
+      }
+    };
+    i64 e_next;
+    u32 w_next;
+    load_ids(blockIdx.x * LL_WARPS + warp_id(), e_next, w_next);
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
       const u32 t = item / BF16_CHUNKS, c = item % BF16_CHUNKS;
+      const i64 e = e_next;
+      const u32 wbits = w_next;
+      load_ids(item + stride, e_next, w_next);
       bool use = false;
       u32 r = 0;
       float w = 0.0f;
       if (lane < LL_TOPK) {
-        const i64 e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
         if (e >= 0 && e < (i64)E) {
           r = (u32)e / EL;
           use = sm.ok[r] != 0;
         }
-        if (!pre_reduced) w = bits_f32(llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * LL_TOPK + lane));
+        w = bits_f32(wbits);
       }
       const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
       const bool active = off < ROW_BYTES_BF16;
