@@ -60,6 +60,9 @@ for f in sorted(glob.glob(sys.argv[1] + "/trace-*.json") + glob.glob(sys.argv[1]
             if pts:
                 desc = " ".join(f"{p['point']}={p['median_us']:.1f}/{p['last_us']:.1f}" for p in pts)
                 print(f"{f.split('/')[-1]} {r.get('op')} T={r.get('tokens')} {k}: span {r.get(k + '_us', 0):.1f} us (event {r.get('time_us', 0):.1f}) | {desc}")
+        if "loop_dispatch_kernel_us" in r:
+            print(f"{f.split('/')[-1]} T={r.get('tokens')} back to back (DeepEP's method): dispatch {r['loop_dispatch_kernel_us']:.1f} us + "
+                  f"combine {r['loop_combine_kernel_us']:.1f} us kernel time; {r['loop_pair_us']:.1f} us per pair with launches")
 PY
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$summary"

@@ -92,9 +92,11 @@ constexpr u32 LL_KIND_DISPATCH = 0;
 constexpr u32 LL_KIND_COMBINE = 1;
 
 // Timing trace (MOELINK_LL_TRACE on the host; `trace` is 0 otherwise): thread 0 of every block stores
-// %globaltimer into host-mapped u64 words [block][LL_TRACE_WORDS] as it passes these points. The host reads
-// them after the launch (moelink::backend::cuda::ll, trace_summary): the kernel span (first start to last
-// end, what a profiler's kernel duration measures) and when the blocks passed each point.
+// %globaltimer into u64 words (device memory) as it passes these points, in a row per (launch slot, block):
+// slot = (epoch % LL_TRACE_CALLS) * 2 + (receive-only launch), so that back-to-back calls (a replayed graph
+// of many calls) each keep their own stamps. The host reads them after a timed region
+// (moelink::backend::cuda::ll, trace_summaries): each launch's span (first start to last end, what a
+// profiler's kernel duration measures) and when its blocks passed each point.
 constexpr u32 LL_TRACE_START = 0;        // block entry
 constexpr u32 LL_TRACE_SEND_READY = 1;   // send: hand-back wait done
 constexpr u32 LL_TRACE_SEND_ISSUED = 2;  // send: thread 0's warp has issued its stores (before the fence)
@@ -104,9 +106,17 @@ constexpr u32 LL_TRACE_RECV_SEEN = 5;    // recv: every source's flag seen
 constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
 constexpr u32 LL_TRACE_END = 7;          // block exit
 constexpr u32 LL_TRACE_WORDS = 8;
+constexpr u32 LL_TRACE_CALLS = 16;
 
-__device__ __forceinline__ void ll_trace(u64 trace, u32 point) {
-  if (trace != 0 && threadIdx.x == 0) reinterpret_cast<volatile u64*>(trace)[(u64)blockIdx.x * LL_TRACE_WORDS + point] = ptx::globaltimer();
+// The row of this launch and block (0 when tracing is off).
+__device__ __forceinline__ u64 ll_trace_row(u64 trace, u32 epoch, u32 phases) {
+  if (trace == 0) return 0;
+  const u32 slot = (epoch % LL_TRACE_CALLS) * 2 + ((phases & LL_PHASE_SEND) != 0 ? 0u : 1u);
+  return trace + ((u64)slot * gridDim.x + blockIdx.x) * LL_TRACE_WORDS * sizeof(u64);
+}
+
+__device__ __forceinline__ void ll_trace_at(u64 row, u32 point, u64 when) {
+  if (row != 0 && threadIdx.x == 0) reinterpret_cast<volatile u64*>(row)[point] = when;
 }
 
 // One warp moves 32 lanes x 16 bytes per instruction.
@@ -270,7 +280,10 @@ struct LlShared {
   u32 problem;
   u32 last;
   u32 phase_ok;              // last block: no block of the phase failed
+  u64 trace_row;             // this launch's timing-trace row (ll_trace_row), or 0
 };
+
+__device__ __forceinline__ void ll_trace(const LlShared& sm, u32 point) { ll_trace_at(sm.trace_row, point, ptx::globaltimer()); }
 
 // ============================================================================================ PTX helpers
 // (named after the instruction they emit; specific to this family). The host emulator of
@@ -472,10 +485,10 @@ __device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
 // boundary.
 constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
 // `point`: the trace point stamped once every thread of the block has fenced.
-__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored, u64 trace, u32 point) {
+__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored, u32 point) {
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
-  ll_trace(trace, point);
+  ll_trace(sm, point);
   if (threadIdx.x == 0) {
     const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
     const u32 old = llptx::atom_add_acq_rel_gpu(done, mine);
@@ -795,7 +808,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
     if (t < a.num_tokens && lane < LL_TOPK) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK + lane);
   }
   ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
-  ll_trace(a.trace, LL_TRACE_SEND_READY);
+  ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
     if (blockIdx.x == 0) {
@@ -808,8 +821,8 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
       stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
-  ll_trace(a.trace, LL_TRACE_SEND_ISSUED);
-  if (ll_last_block(&me->dispatch_send_done, sm, stored, a.trace, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
+  ll_trace(sm, LL_TRACE_SEND_ISSUED);
+  if (ll_last_block(&me->dispatch_send_done, sm, stored, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
     me->dispatch_last_write[a.set] = epoch;
     // A send that failed (its hand-back wait timed out) does not publish: the peers then time out naming
@@ -818,7 +831,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
       for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank], epoch);
     }
   }
-  ll_trace(a.trace, LL_TRACE_SEND_DONE);
+  ll_trace(sm, LL_TRACE_SEND_DONE);
 }
 
 // ============================================================================================ dispatch: receive
@@ -883,7 +896,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const u32 rows = R * TM;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
   dispatch_wait_sources(a, d, sm, epoch);
-  ll_trace(a.trace, LL_TRACE_RECV_SEEN);
+  ll_trace(sm, LL_TRACE_RECV_SEEN);
 
   if (sm.abort == 0) {
     // Per-expert bases: slot of (source, local expert) = sum of the counts of the used sources before it.
@@ -1008,7 +1021,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     }
   }
 
-  if (ll_last_block(&me->dispatch_recv_done, sm, false, a.trace, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
+  if (ll_last_block(&me->dispatch_recv_done, sm, false, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
     if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], epoch);
     }
@@ -1034,7 +1047,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 //           recv_count, stats, handle area (recv); LlReport; error record on timeout.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __grid_constant__ LlDispatchArgs a) {
   __shared__ LlShared sm;
-  ll_trace(a.trace, LL_TRACE_START);
+  const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_DISPATCH);
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   if (a.phases & LL_PHASE_DRAIN) {
@@ -1047,13 +1060,16 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __
   }
   // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
   // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->dispatch_epoch) + 1u : ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
+    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
+    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
+  }
   __syncthreads();
   const u32 epoch = sm.epoch;
   if (a.phases & LL_PHASE_SEND) dispatch_send(a, d, sm, epoch);
   if (a.phases & LL_PHASE_RECV) dispatch_recv(a, d, sm, epoch);
-  ll_trace(a.trace, LL_TRACE_END);
+  ll_trace(sm, LL_TRACE_END);
 }
 
 // ============================================================================================ combine
@@ -1240,7 +1256,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
     }
   }
   ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
-  ll_trace(a.trace, LL_TRACE_SEND_READY);
+  ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
     if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
@@ -1255,15 +1271,15 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
       stored |= combine_rows(a, sm, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
-  ll_trace(a.trace, LL_TRACE_SEND_ISSUED);
-  if (ll_last_block(&me->combine_send_done, sm, stored, a.trace, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
+  ll_trace(sm, LL_TRACE_SEND_ISSUED);
+  if (ll_last_block(&me->combine_send_done, sm, stored, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
     me->combine_epoch = epoch;
     me->combine_last_write[a.set] = epoch;
     if (sm.phase_ok) {
       for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank], epoch);
     }
   }
-  ll_trace(a.trace, LL_TRACE_SEND_DONE);
+  ll_trace(sm, LL_TRACE_SEND_DONE);
 }
 
 // Warp 0 of every block waits for every expert rank r (lane r); r's rows are used when its flag arrived
@@ -1305,7 +1321,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const u32 R = a.num_ranks, TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
   combine_wait_sources(a, d, sm, epoch);
-  ll_trace(a.trace, LL_TRACE_RECV_SEEN);
+  ll_trace(sm, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
     const u32 lane = lane_id();
     const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
@@ -1401,7 +1417,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
       }
     }
   }
-  if (ll_last_block(&me->combine_recv_done, sm, false, a.trace, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
+  if (ll_last_block(&me->combine_recv_done, sm, false, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
     if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], epoch);
     }
@@ -1425,7 +1441,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
 //   writes: every home rank's combine region and LlCtrl flags/metadata (send); out, stats, LlReport (recv).
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __grid_constant__ LlCombineArgs a) {
   __shared__ LlShared sm;
-  ll_trace(a.trace, LL_TRACE_START);
+  const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_COMBINE);
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   if (a.phases & LL_PHASE_DRAIN) {
@@ -1438,11 +1454,14 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __g
   }
   // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
   // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->combine_epoch) + 1u : ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
+    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
+    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
+  }
   __syncthreads();
   const u32 epoch = sm.epoch;
   if (a.phases & LL_PHASE_SEND) combine_send(a, d, sm, epoch);
   if (a.phases & LL_PHASE_RECV) combine_recv(a, d, sm, epoch);
-  ll_trace(a.trace, LL_TRACE_END);
+  ll_trace(sm, LL_TRACE_END);
 }

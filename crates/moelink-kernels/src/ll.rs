@@ -29,8 +29,10 @@ pub const LL_SIG_WORDS: usize = 8;
 pub const LL_HINT_TOPK: usize = 16;
 
 /// Timing trace (`MOELINK_LL_TRACE`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
-/// `ll.cu`), in the order a block passes them.
+/// `ll.cu`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
+/// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
 pub const LL_TRACE_WORDS: usize = 8;
+pub const LL_TRACE_CALLS: usize = 16;
 pub const LL_TRACE_POINTS: [&str; 8] =
     ["start", "send_ready", "send_issued", "send_stored", "send_done", "recv_seen", "recv_stored", "end"];
 

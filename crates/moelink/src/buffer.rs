@@ -288,11 +288,12 @@ impl Buffer {
         self.backend.timer_name()
     }
 
-    /// With `MOELINK_LL_TRACE=1` on the CUDA backend: the `%globaltimer` trace of the last low-latency kernel
-    /// launch of the last [`Buffer::timed`] region (its span — what a profiler reports as the kernel's
-    /// duration, without the launch — and when its blocks passed each point). `None` otherwise.
-    pub fn kernel_trace(&self) -> Option<crate::diag::KernelTrace> {
-        self.backend.kernel_trace()
+    /// With `MOELINK_LL_TRACE=1` on the CUDA backend: the `%globaltimer` traces of the low-latency kernel
+    /// launches of the last [`Buffer::timed`] region (up to 16 calls of each kind), in start order: each
+    /// launch's span — what a profiler reports as the kernel's duration, without the launch — and when its
+    /// blocks passed each point. Empty otherwise.
+    pub fn kernel_traces(&self) -> Vec<crate::diag::KernelTrace> {
+        self.backend.kernel_traces()
     }
 
     /// `num_nvl_bytes` a buffer needs for high-throughput calls of up to `num_tokens` tokens per rank (the

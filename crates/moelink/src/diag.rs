@@ -742,9 +742,15 @@ pub struct TracePoint {
     pub max_us: f64,
 }
 
-/// The `%globaltimer` trace of the last low-latency launch in a timed region ([`crate::Buffer::kernel_trace`]).
+/// The `%globaltimer` trace of one low-latency kernel launch ([`crate::Buffer::kernel_traces`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTrace {
+    /// `"dispatch"` or `"combine"`.
+    pub kernel: &'static str,
+    /// `"send+recv"` (one launch), `"send"` or `"recv"` (receive-hook mode).
+    pub phases: &'static str,
+    /// The first block's start, GPU `%globaltimer` nanoseconds (orders launches of one GPU).
+    pub start_ns: u64,
     /// First block's start to last block's end: the kernel duration a profiler reports, without the launch.
     pub span_us: f64,
     /// The points the launch passed, in kernel order.

@@ -98,7 +98,8 @@ struct Timed {
 impl Timed {
     fn push(&mut self, buf: &Buffer, us: f64) {
         self.us.push(us);
-        self.traces.extend(buf.kernel_trace());
+        // One call per region here: its one launch (the receive launch in a hook's receive region).
+        self.traces.extend(buf.kernel_traces().pop());
     }
 }
 
@@ -271,10 +272,66 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                         (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
                 }
+                if uses_graphs(&buf) && out.error.is_none() && out.unavailable.is_none() && std::env::var("MOELINK_LL_TRACE").as_deref() == Ok("1") {
+                    if let Some(l) = settle(time_loop(&mut buf, job, &args, &y, t, &s), out) {
+                        out.loop_times = l;
+                    }
+                }
             }
         }
     }
     Ok(outs)
+}
+
+/// Pairs of calls per timed region in [`time_loop`] (the trace keeps 16 launches of each kernel).
+const LOOP_CALLS: usize = 8;
+
+/// DeepEP's way of timing (its test_low_latency: kernel durations from a profiler over dispatch + combine
+/// called back to back, no barrier or L2 flush between calls): one graph holding a dispatch and the combine
+/// of its rows, LOOP_CALLS replays per timed region, each kernel's duration from the trace
+/// (`MOELINK_LL_TRACE=1`). Returns [dispatch spans, combine spans, event µs per pair] (the pair time includes
+/// the launches between replays).
+fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Tensor, t: &LlTensors, s: &Shape) -> Result<[Vec<f64>; 3]> {
+    let mut d = buf.low_latency_dispatch(args)?;
+    let mut c = buf.low_latency_combine(&LlCombineArgs {
+        x: y.view(),
+        topk_idx: t.topk.view(),
+        topk_weights: t.weights.view(),
+        handle: &d.handle,
+        zero_copy: false,
+        return_recv_hook: false,
+    })?;
+    let (graph, ()) = buf.capture(|b| {
+        let (handle, _) = b.low_latency_dispatch_into(args, outputs_of(&mut d, s)?)?;
+        let cargs = LlCombineArgs {
+            x: y.view(),
+            topk_idx: t.topk.view(),
+            topk_weights: t.weights.view(),
+            handle: &handle,
+            zero_copy: false,
+            return_recv_hook: false,
+        };
+        b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop)
+    })?;
+    let mut out: [Vec<f64>; 3] = Default::default();
+    for i in 0..(job.reps / 4).max(1) + 1 {
+        let ((), us) = buf.timed(|b| {
+            for _ in 0..LOOP_CALLS {
+                // SAFETY: the graph reads `args`' inputs and `y` and writes `d` and `c`, all alive until the
+                // end of this function.
+                unsafe { b.replay(&graph)? };
+            }
+            Ok(())
+        })?;
+        if i == 0 {
+            continue; // warm-up region
+        }
+        for tr in buf.kernel_traces() {
+            out[usize::from(tr.kernel == "combine")].push(tr.span_us);
+        }
+        out[2].push(us / LOOP_CALLS as f64);
+    }
+    Ok(out)
 }
 
 /// Receive-hook mode: times the send phase (the call returns without waiting for data) and the receive

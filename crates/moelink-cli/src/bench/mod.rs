@@ -282,6 +282,9 @@ pub struct RankOutcome {
     /// LL with `MOELINK_LL_TRACE=1`: kernel traces of the timed repetitions (fused call; hook send; hook
     /// receive), whose spans are the kernels' durations without the launch.
     pub traces: [Vec<moelink::diag::KernelTrace>; 3],
+    /// LL combine with `MOELINK_LL_TRACE=1`: DeepEP's way of timing — dispatch + combine back to back,
+    /// kernel durations: [dispatch spans, combine spans, event µs per pair].
+    pub loop_times: [Vec<f64>; 3],
 }
 
 /// Everything a rank worker needs, shared by reference across rank threads.
@@ -865,6 +868,12 @@ fn summarize(
                     rec.extra.insert(format!("{key}_trace"), trace_points_json(outs.iter().map(|o| o.traces[i].as_slice())));
                 }
             }
+            for (i, key) in ["loop_dispatch_kernel_us", "loop_combine_kernel_us", "loop_pair_us"].iter().enumerate() {
+                let v: Vec<Vec<f64>> = outs.iter().map(|o| o.loop_times[i].clone()).collect();
+                if v.iter().all(|v| !v.is_empty()) {
+                    rec.extra.insert((*key).into(), serde_json::json!(slowest_rank_median(&v)));
+                }
+            }
             let cached: Vec<Vec<f64>> = outs.iter().map(|o| o.cached_us.clone()).collect();
             if cached.iter().all(|v| !v.is_empty()) {
                 let ct = slowest_rank_median(&cached);
@@ -969,9 +978,10 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             "cached disp µs (bf16; fp8)",
             "hook send+recv µs (disp; comb)",
             "kernel µs (disp; comb)",
+            "back-to-back kernel µs (disp+comb)",
             "ok",
         ],
-        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false, false, false],
+        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false, false, false, false],
     );
     let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
     for k in &order {
@@ -1007,6 +1017,13 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             }
         };
         let kernels = if k.0 == "ll" { format!("{}; {}", kernel(disp), kernel(comb)) } else { String::new() };
+        let back_to_back = {
+            let f = |k: &str| comb.and_then(|r| r.extra.get(k)).and_then(|v| v.as_f64());
+            match (f("loop_dispatch_kernel_us"), f("loop_combine_kernel_us")) {
+                (Some(d), Some(c)) => format!("{}+{}", num(d), num(c)),
+                _ => String::new(),
+            }
+        };
         let cached_of = |r: Option<&Record>| r.and_then(|r| r.extra.get("cached_us")).and_then(|v| v.as_f64()).map_or("-".to_string(), num);
         let cached = if k.0 == "ht" {
             format!("{}; {}", cached_of(find("dispatch", "bf16")), cached_of(find("dispatch", "fp8")))
@@ -1036,6 +1053,7 @@ fn render_summary(records: &[Record], p: &Plan) -> String {
             cached,
             hooks,
             kernels,
+            back_to_back,
             ok,
         ]);
     }

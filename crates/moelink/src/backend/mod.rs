@@ -89,9 +89,9 @@ pub(crate) trait Backend: Send {
     fn timer_name(&self) -> &'static str {
         "wall"
     }
-    /// The low-latency kernel trace of the last timed region (`MOELINK_LL_TRACE`), when there is one.
-    fn kernel_trace(&self) -> Option<crate::diag::KernelTrace> {
-        None
+    /// The low-latency kernel traces of the last timed region (`MOELINK_LL_TRACE`), in start order.
+    fn kernel_traces(&self) -> Vec<crate::diag::KernelTrace> {
+        Vec::new()
     }
 
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()>;

@@ -19,7 +19,7 @@ use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
-    LL_TRACE_POINTS, LL_TRACE_WORDS, SIG_FIELDS,
+    LL_TRACE_CALLS, LL_TRACE_POINTS, LL_TRACE_WORDS, SIG_FIELDS,
 };
 
 use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
@@ -251,15 +251,22 @@ fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
 
 // ------------------------------------------------------------------ timing trace
 
-/// The trace address for a launch (allocating the words on first use), or 0 when tracing is off.
-fn trace_ptr(b: &mut CudaBackend) -> Result<u64> {
+/// Trace words of one kernel family: `2 * LL_TRACE_CALLS` launch slots of one row per block.
+fn trace_family_words(b: &CudaBackend) -> usize {
+    2 * LL_TRACE_CALLS * b.num_device_sms().max(1) * LL_TRACE_WORDS
+}
+
+/// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch (allocating the words on
+/// first use), or 0 when tracing is off.
+fn trace_ptr(b: &mut CudaBackend, family: usize) -> Result<u64> {
     if !trace_enabled() {
         return Ok(0);
     }
+    let words = trace_family_words(b);
     if b.ll.trace.is_none() {
-        b.ll.trace = Some(DeviceBuffer::zeroed(&b.device, b.num_device_sms().max(1) * LL_TRACE_WORDS * 8)?);
+        b.ll.trace = Some(DeviceBuffer::zeroed(&b.device, 2 * words * 8)?);
     }
-    Ok(b.ll.trace.as_ref().map_or(0, |t| t.device_ptr()))
+    Ok(b.ll.trace.as_ref().map_or(0, |t| t.device_ptr() + (family * words * 8) as u64))
 }
 
 /// Enqueues the clearing of the trace words (when a timed region opens, before its barrier).
@@ -272,30 +279,44 @@ pub(crate) fn trace_clear(b: &mut CudaBackend) -> Result<()> {
     Ok(())
 }
 
-/// Summary of the stamps the last low-latency launch left (None when tracing is off or nothing ran). Called
-/// once the timed region's work has completed.
-pub(crate) fn trace_summary(b: &CudaBackend) -> Option<crate::diag::KernelTrace> {
-    let t = b.ll.trace.as_ref()?;
+/// The traces of every low-latency launch since the trace was last cleared, in start order (empty when
+/// tracing is off). Called once the timed region's work has completed.
+pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::diag::KernelTrace> {
+    let Some(t) = b.ll.trace.as_ref() else { return Vec::new() };
     let mut bytes = vec![0u8; t.len_bytes()];
-    t.copy_to_host(&mut bytes).ok()?;
+    if t.copy_to_host(&mut bytes).is_err() {
+        return Vec::new();
+    }
     let words: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-    let blocks = words.len() / LL_TRACE_WORDS;
-    let stamp = |k: usize, w: usize| words[k * LL_TRACE_WORDS + w];
-    let t0 = (0..blocks).map(|k| stamp(k, 0)).filter(|&v| v != 0).min()?;
-    let points = LL_TRACE_POINTS
-        .iter()
-        .enumerate()
-        .filter_map(|(w, name)| {
-            let mut us: Vec<f64> = (0..blocks).map(|k| stamp(k, w)).filter(|&v| v >= t0).map(|v| (v - t0) as f64 / 1e3).collect();
-            if us.is_empty() {
-                return None;
-            }
-            us.sort_by(f64::total_cmp);
-            Some(crate::diag::TracePoint { name, blocks: us.len(), min_us: us[0], median_us: us[us.len() / 2], max_us: us[us.len() - 1] })
-        })
-        .collect::<Vec<_>>();
-    let span_us = points.iter().find(|p| p.name == "end")?.max_us;
-    Some(crate::diag::KernelTrace { span_us, points })
+    let blocks = grid_size(b) as usize;
+    let family = trace_family_words(b);
+    let mut out = Vec::new();
+    for (f, kernel) in ["dispatch", "combine"].into_iter().enumerate() {
+        for slot in 0..2 * LL_TRACE_CALLS {
+            let base = f * family + slot * blocks * LL_TRACE_WORDS;
+            let stamp = |k: usize, w: usize| words[base + k * LL_TRACE_WORDS + w];
+            let Some(t0) = (0..blocks).map(|k| stamp(k, 0)).filter(|&v| v != 0).min() else { continue };
+            let points: Vec<crate::diag::TracePoint> = LL_TRACE_POINTS
+                .iter()
+                .enumerate()
+                .filter_map(|(w, name)| {
+                    let mut us: Vec<f64> = (0..blocks).map(|k| stamp(k, w)).filter(|&v| v >= t0).map(|v| (v - t0) as f64 / 1e3).collect();
+                    if us.is_empty() {
+                        return None;
+                    }
+                    us.sort_by(f64::total_cmp);
+                    Some(crate::diag::TracePoint { name, blocks: us.len(), min_us: us[0], median_us: us[us.len() / 2], max_us: us[us.len() - 1] })
+                })
+                .collect();
+            let Some(span_us) = points.iter().find(|p| p.name == "end").map(|p| p.max_us) else { continue };
+            let recv_only = slot % 2 == 1;
+            let sends = points.iter().any(|p| p.name == "send_ready");
+            let phases = if recv_only { "recv" } else if points.iter().any(|p| p.name == "recv_seen") && sends { "send+recv" } else { "send" };
+            out.push(crate::diag::KernelTrace { kernel, phases, start_ns: t0, span_us, points });
+        }
+    }
+    out.sort_by_key(|t| t.start_ns);
+    out
 }
 
 // ------------------------------------------------------------------ reports, drains
@@ -437,7 +458,7 @@ pub(crate) fn dispatch<'a>(
         error_record,
         report: b.ll.report.device_ptr(),
         timeout_ns: b.timeout_ns,
-        trace: trace_ptr(b)?,
+        trace: trace_ptr(b, 0)?,
         off_entries: layout.dispatch.entries as u64,
         off_weights: layout.dispatch.weights as u64,
         off_rows: layout.dispatch.rows as u64,
@@ -551,7 +572,7 @@ pub(crate) fn combine<'a>(
         error_record,
         report: b.ll.report.device_ptr(),
         timeout_ns: b.timeout_ns,
-        trace: trace_ptr(b)?,
+        trace: trace_ptr(b, 1)?,
         rank: s.rank as u32,
         num_ranks: s.num_ranks as u32,
         num_tokens: s.num_tokens as u32,

@@ -561,8 +561,8 @@ impl Backend for CudaBackend {
     fn timer_name(&self) -> &'static str {
         "cuda-events"
     }
-    fn kernel_trace(&self) -> Option<crate::diag::KernelTrace> {
-        ll::trace_summary(self)
+    fn kernel_traces(&self) -> Vec<crate::diag::KernelTrace> {
+        ll::trace_summaries(self)
     }
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
         ht::dispatch_layout(self, topk_idx, num_experts, out)
