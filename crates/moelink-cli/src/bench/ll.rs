@@ -313,13 +313,31 @@ fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Ten
         };
         b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop)
     })?;
+    // The replays are enqueued asynchronously on a stream of ours, as a model's calls are (and as DeepEP's
+    // test launches them): synchronous replays kept the ranks apart by a host round trip per call, and each
+    // dispatch kernel then waited for its peers' launches.
+    let moelink::Location::Cuda(ordinal) = buf.location() else {
+        return Err(moelink::Error::invalid("backend", buf.rank(), "the back-to-back timing needs a CUDA buffer"));
+    };
+    let stream = moelink_cuda::Stream::new(&moelink_cuda::Device::new(ordinal)?)?;
+    // SAFETY: `stream` outlives its use (set back to None below, after the timed regions waited for their
+    // work); every tensor the replays touch lives until the end of this function.
+    unsafe { buf.set_stream(Some(stream.raw_handle())) };
+    let timed = time_loop_regions(buf, job, &graph);
+    // SAFETY: back to the buffer's own stream; the regions above waited for everything enqueued on `stream`.
+    unsafe { buf.set_stream(None) };
+    timed
+}
+
+/// The timed regions of [`time_loop`].
+fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<[Vec<f64>; 3]> {
     let mut out: [Vec<f64>; 3] = Default::default();
     for i in 0..(job.reps / 4).max(1) + 1 {
         let ((), us) = buf.timed(|b| {
             for _ in 0..LOOP_CALLS {
-                // SAFETY: the graph reads `args`' inputs and `y` and writes `d` and `c`, all alive until the
-                // end of this function.
-                unsafe { b.replay(&graph)? };
+                // SAFETY: the graph reads the inputs and `y` and writes `d` and `c` of time_loop, all alive
+                // until time_loop returns, after these regions.
+                unsafe { b.replay(graph)? };
             }
             Ok(())
         })?;
