@@ -4,6 +4,7 @@
 #   trace  moelink bench --mode ll --hook with MOELINK_LL_TRACE=1 over LL_TOKENS (EP4, and EP2): event times
 #          per graph replay next to the kernels' spans and the trace points (JSON: kernel_trace etc.)
 #   plain  the same without the trace (what the stamps cost)
+#   (points print as median/last over blocks, /b0 = block 0, the send phases' index block)
 #   local  the trace with MOELINK_LL_EXPERIMENT=local_stores (rows stored into the sender's own region:
 #          wrong results, flagged incorrect; the time NVLink adds to the send phases), EP4
 # Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
@@ -51,18 +52,6 @@ for s in $STEPS; do
     esac
 done
 # The trace points of every LL record, one line each.
-python3 - "$W" >> "$summary" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/trace-*.json") + glob.glob(sys.argv[1] + "/local-*.json")):
-    for r in json.load(open(f)):
-        for k in ("kernel", "send_kernel", "recv_kernel"):
-            pts = r.get(k + "_trace")
-            if pts:
-                desc = " ".join(f"{p['point']}={p['median_us']:.1f}/{p['last_us']:.1f}" for p in pts)
-                print(f"{f.split('/')[-1]} {r.get('op')} T={r.get('tokens')} {k}: span {r.get(k + '_us', 0):.1f} us (event {r.get('time_us', 0):.1f}) | {desc}")
-        if "loop_dispatch_kernel_us" in r:
-            print(f"{f.split('/')[-1]} T={r.get('tokens')} back to back (DeepEP's method): dispatch {r['loop_dispatch_kernel_us']:.1f} us + "
-                  f"combine {r['loop_combine_kernel_us']:.1f} us kernel time; {r['loop_pair_us']:.1f} us per pair with launches")
-PY
+python3 scripts/device/ll-trace-points.py "$W"/trace-*.json "$W"/local-*.json 2>/dev/null >> "$summary"
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$summary"

@@ -8,6 +8,8 @@
 #            MOELINK_HT_SEND_CHUNK / MOELINK_HT_RECV_CHUNK; "0:0" = one contiguous part per warp; "-" = default)
 #   suite    moelink bench --suite --hook (EP4: HT tokens/SM sweeps, skewed, LL curves) with the P2P ceiling
 #   ep2      moelink bench --ranks 2 (HT at 24 SMs, LL)
+#   ll       moelink bench --mode ll --hook with MOELINK_LL_TRACE=1, EP4 and EP2, tokens 1-256: event times,
+#            kernel spans and trace points, and the back-to-back (DeepEP's method) kernel times
 #   llsoak   scripts/device/reliability.sh STEPS=soak over the LL families (host heap figures)
 #   python   python -m moelink.bench under torchrun (moelink vs NCCL all_to_all_single)
 # Everything lands in $OUT/results.tgz (logs, JSON) plus $OUT/summary.txt, printed last.
@@ -73,6 +75,13 @@ for s in $STEPS; do
     ep2)
         run ep2 120 "$BIN" bench --ranks 2 --num-sms 24 --hook --reps 20 --warmup 3 --p2p-ceiling-gbps 356 --json "$W/bench-ep2.json"
         sed -n '/^summary:/,$p' "$W/ep2.log" >> "$summary" ;;
+    ll)
+        for r in 4 2; do
+            run "ll-ep$r" 200 env MOELINK_LL_TRACE=1 "$BIN" bench --mode ll --ranks "$r" --ll-tokens 1,16,64,128,256 --hook \
+                --reps 20 --warmup 3 --p2p-ceiling-gbps 356 --json "$W/bench-ll-ep$r.json"
+            sed -n '/^summary:/,$p' "$W/ll-ep$r.log" >> "$summary"
+        done
+        python3 scripts/device/ll-trace-points.py "$W"/bench-ll-ep*.json >> "$summary" ;;
     llsoak)
         run llsoak 200 env OUT="$W/llsoak" STEPS=soak BUDGET_S=100 SOAK_S=60 \
             SOAK_ARGS="--families ll,ll-prereduced,ll-hook --seed 2" bash scripts/device/reliability.sh

@@ -740,6 +740,8 @@ pub struct TracePoint {
     pub min_us: f64,
     pub median_us: f64,
     pub max_us: f64,
+    /// Block 0's stamp (the send phases' index/check block), when it passed the point.
+    pub block0_us: Option<f64>,
 }
 
 /// The `%globaltimer` trace of one low-latency kernel launch ([`crate::Buffer::kernel_traces`]).

@@ -635,26 +635,33 @@ fn slowest_rank_median(per_rank: &[Vec<f64>]) -> f64 {
 }
 
 /// Kernel-trace points over ranks and repetitions: per point, the median over repetitions of the blocks'
-/// median and last stamp (µs after the kernel's first block started), the largest over ranks.
+/// median stamp, last stamp and block 0's stamp (µs after the kernel's first block started), the largest
+/// over ranks.
 fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::diag::KernelTrace]>) -> serde_json::Value {
-    let mut points: Vec<(&'static str, f64, f64)> = Vec::new();
+    let mut points: Vec<(&'static str, f64, f64, f64)> = Vec::new();
     for traces in per_rank {
         let names: Vec<&'static str> = traces.first().map(|t| t.points.iter().map(|p| p.name).collect()).unwrap_or_default();
         for name in names {
             let of = |f: fn(&moelink::diag::TracePoint) -> f64| {
                 median(traces.iter().filter_map(|t| t.points.iter().find(|p| p.name == name)).map(f).collect())
             };
-            let (med, last) = (of(|p| p.median_us), of(|p| p.max_us));
+            let (med, last, b0) = (of(|p| p.median_us), of(|p| p.max_us), of(|p| p.block0_us.unwrap_or(f64::NAN)));
             match points.iter_mut().find(|p| p.0 == name) {
                 Some(p) => {
                     p.1 = p.1.max(med);
                     p.2 = p.2.max(last);
+                    p.3 = p.3.max(b0);
                 }
-                None => points.push((name, med, last)),
+                None => points.push((name, med, last, b0)),
             }
         }
     }
-    serde_json::Value::Array(points.into_iter().map(|(n, m, l)| serde_json::json!({"point": n, "median_us": m, "last_us": l})).collect())
+    serde_json::Value::Array(
+        points
+            .into_iter()
+            .map(|(n, m, l, b0)| serde_json::json!({"point": n, "median_us": m, "last_us": l, "block0_us": b0.is_finite().then_some(b0)}))
+            .collect(),
+    )
 }
 
 /// Runs `moelink bench`.

@@ -305,7 +305,16 @@ pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::diag::KernelTrace> 
                         return None;
                     }
                     us.sort_by(f64::total_cmp);
-                    Some(crate::diag::TracePoint { name, blocks: us.len(), min_us: us[0], median_us: us[us.len() / 2], max_us: us[us.len() - 1] })
+                    let b0 = stamp(0, w);
+                    let block0_us = (b0 >= t0).then(|| (b0 - t0) as f64 / 1e3);
+                    Some(crate::diag::TracePoint {
+                        name,
+                        blocks: us.len(),
+                        min_us: us[0],
+                        median_us: us[us.len() / 2],
+                        max_us: us[us.len() - 1],
+                        block0_us,
+                    })
                 })
                 .collect();
             let Some(span_us) = points.iter().find(|p| p.name == "end").map(|p| p.max_us) else { continue };
