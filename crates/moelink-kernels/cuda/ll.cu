@@ -792,20 +792,13 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  // The first reads (top-k rows; each data warp's first row chunk) are sent towards L2 before the hand-back
-  // wait, whose round trips (~1 us after the timer's L2 flush) they then overlap.
-  const u32 lane = lane_id();
+  // The index block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
+  // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
+  // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
+  // wait took 1.9 us instead of 1.0 and the warps issued their stores no earlier (runs 3-7).
   if (blockIdx.x == 0 && warp_id() != 0) {
-    for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
-  }
-  // Not warp 0: its lanes poll the hand-back words, whose loads would queue behind the prefetches (run 3:
-  // the wait took 1.7 us instead of 1.0 with them).
-  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() != 0) {
-    const u32 item = (gridDim.x == 1 ? 0 : blockIdx.x - 1) * LL_WARPS + warp_id();
-    const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
-    const u32 off = c * CHUNK_BYTES * (LL_FP8 ? 2 : 1) + lane * VEC_BYTES * (LL_FP8 ? 2 : 1);
-    if (t < a.num_tokens && off < ROW_BYTES_BF16) llptx::prefetch_l2(reinterpret_cast<const u8*>(a.x) + (u64)t * ROW_BYTES_BF16 + off);
-    if (t < a.num_tokens && lane < LL_TOPK) llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK + lane);
+    for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
+      llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
   }
   ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
@@ -1242,19 +1235,6 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  // Each data warp's first handle entries are sent towards L2 before the hand-back wait (as in dispatch_send);
-  // combine_rows' item order: item -> row st = item / BF16_CHUNKS -> (home, token) = (first_dest + st % R, st / R).
-  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() != 0 && lane_id() < LL_TOPK) {
-    const u32 R = a.num_ranks;
-    const u32 item = (gridDim.x == 1 ? 0 : blockIdx.x - 1) * LL_WARPS + warp_id();
-    const u32 st = item / BF16_CHUNKS, t = st / R;
-    const u32 h0 = st % R + first_dest(a.rank, R), h = h0 >= R ? h0 - R : h0;
-    if (t < a.max_tokens) {
-      const u64 at = ((u64)h * a.max_tokens + t) * LL_TOPK + lane_id();
-      llptx::prefetch_l2(reinterpret_cast<const u32*>(a.hrow) + at);
-      if ((a.flags & LL_FLAG_WEIGHTS) != 0) llptx::prefetch_l2(reinterpret_cast<const u32*>(a.hweight) + at);
-    }
-  }
   ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
