@@ -105,7 +105,12 @@ constexpr u32 LL_TRACE_SEND_DONE = 4;    // send: counted (the last block: after
 constexpr u32 LL_TRACE_RECV_SEEN = 5;    // recv: every source's flag seen
 constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
 constexpr u32 LL_TRACE_END = 7;          // block exit
-constexpr u32 LL_TRACE_WORDS = 8;
+// Dispatch send, block 0 only (dispatch_index): after the bitmap clear, the token pass, the entries, the counts.
+constexpr u32 LL_TRACE_INDEX_CLEARED = 8;
+constexpr u32 LL_TRACE_INDEX_TOKENS = 9;
+constexpr u32 LL_TRACE_INDEX_ENTRIES = 10;
+constexpr u32 LL_TRACE_INDEX_COUNTS = 11;
+constexpr u32 LL_TRACE_WORDS = 12;
 constexpr u32 LL_TRACE_CALLS = 16;
 
 // The row of this launch and block (0 when tracing is off).
@@ -578,6 +583,7 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   if (threadIdx.x == 0) sm.problem = a.host_problem;
   for (u32 i = threadIdx.x; i < E * W; i += LL_THREADS) sm.words[i] = 0;
   __syncthreads();
+  ll_trace(sm, LL_TRACE_INDEX_CLEARED);
 
   // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks. A thread's
   // first token stays in registers for the entries below (T <= LL_THREADS: no second load, which was one more
@@ -610,6 +616,7 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
   __syncthreads();
+  ll_trace(sm, LL_TRACE_INDEX_TOKENS);
 
   // Entries (and weights) of every token, for every destination (starting after this rank, first_dest).
   const u32 dest0 = first_dest(a.rank, R);
@@ -664,6 +671,7 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
     }
   }
 
+  ll_trace(sm, LL_TRACE_INDEX_ENTRIES);
   // Counts of every expert, into its rank's region at [me][local expert].
   for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
     u32 n = 0;
@@ -673,6 +681,7 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   }
   __syncthreads();
 
+  ll_trace(sm, LL_TRACE_INDEX_COUNTS);
   // Metadata line for every destination, and this rank's own problems for the host.
   const u32 problem_all = sm.problem;
   if (threadIdx.x < R) {
