@@ -585,88 +585,62 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   __syncthreads();
   ll_trace(sm, LL_TRACE_INDEX_CLEARED);
 
-  // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks. A thread's
-  // first token stays in registers for the entries below (T <= LL_THREADS: no second load, which was one more
-  // dependent round trip on this block's path, the longest of the send phase at one token).
+  // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks.
   u32 problem = 0;
-  i64 first_ids[LL_TOPK];
-  bool first_live[LL_TOPK];
-  u32 first_w[LL_TOPK];
   for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
-    u32 w[LL_TOPK];
     problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
       reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
-      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = w[k];
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k);
       if (live[k]) atomicOr(&sm.words[(u32)ids[k] * W + t / 32], 1u << (t % 32));
-    }
-    if (t == threadIdx.x) {
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) {
-        first_ids[k] = ids[k];
-        first_live[k] = live[k];
-        first_w[k] = w[k];
-      }
     }
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
   __syncthreads();
   ll_trace(sm, LL_TRACE_INDEX_TOKENS);
 
-  // Entries (and weights) of every token, for every destination (starting after this rank, first_dest).
+  // Entries (and weights) of every token for every destination: item = (destination, token), destinations
+  // starting after this rank (first_dest), so that different warps store to different destinations. One
+  // thread storing a token's entries to every destination in turn took ~1.5 us per remote destination (run
+  // 9: 4.7 us for one token), the index block's longest step; the rows are reloaded (L1 hits) instead.
   const u32 dest0 = first_dest(a.rank, R);
-  for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
+  for (u32 item = threadIdx.x; item < R * T; item += LL_THREADS) {
+    const u32 i = item / T, t = item % T;
+    const u32 p = dest0 + i >= R ? dest0 + i - R : dest0 + i;
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
+    load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
     u32 w[LL_TOPK];
-    if (t == threadIdx.x) {
 #pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) {
-        ids[k] = first_ids[k];
-        live[k] = first_live[k];
-        w[k] = first_w[k];
-      }
-    } else {
-      load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
-    }
-    // Rank of t among the tokens selecting each of its live experts (a popcount of the bitmap below t).
-    u32 pos[LL_TOPK];
+    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
+    // Rank of t among the tokens selecting each of its live experts on p (a popcount of the bitmap below t).
+    i32 ent[LL_TOPK];
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
-      pos[k] = 0;
-      if (live[k]) {
+      ent[k] = -1;
+      if (live[k] && (u32)ids[k] / EL == p) {
         const u32* bm = sm.words + (u32)ids[k] * W;
-        pos[k] = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
-        for (u32 wd = 0; wd < t / 32; wd++) pos[k] += __popc(bm[wd]);
+        u32 pos = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
+        for (u32 wd = 0; wd < t / 32; wd++) pos += __popc(bm[wd]);
+        ent[k] = (i32)((((u32)ids[k] % EL) << 16) | pos);
       }
     }
+    u8* region = reinterpret_cast<u8*>(a.recv[p]);
     const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4;
-    for (u32 i = 0; i < R; i++) {
-      const u32 p = dest0 + i >= R ? dest0 + i - R : dest0 + i;
-      i32 ent[LL_TOPK];
+    if constexpr (LL_TOPK % 4 == 0) {
 #pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) ent[k] = live[k] && (u32)ids[k] / EL == p ? (i32)((((u32)ids[k] % EL) << 16) | pos[k]) : -1;
-      u8* region = reinterpret_cast<u8*>(a.recv[p]);
-      if constexpr (LL_TOPK % 4 == 0) {
+      for (u32 k = 0; k < LL_TOPK; k += 4) {
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_entries + at + 4 * k), u32x4{(u32)ent[k], (u32)ent[k + 1], (u32)ent[k + 2], (u32)ent[k + 3]});
+        if (has_weights) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_weights + at + 4 * k), u32x4{w[k], w[k + 1], w[k + 2], w[k + 3]});
+      }
+    } else {
 #pragma unroll
-        for (u32 k = 0; k < LL_TOPK; k += 4) {
-          const u32x4 v = {(u32)ent[k], (u32)ent[k + 1], (u32)ent[k + 2], (u32)ent[k + 3]};
-          ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_entries + at + 4 * k), v);
-          if (has_weights) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_weights + at + 4 * k), u32x4{w[k], w[k + 1], w[k + 2], w[k + 3]});
-        }
-      } else {
-#pragma unroll
-        for (u32 k = 0; k < LL_TOPK; k++) {
-          llptx::st_na_u32(region + a.off_entries + at + 4 * k, (u32)ent[k]);
-          if (has_weights) llptx::st_na_u32(region + a.off_weights + at + 4 * k, w[k]);
-        }
+      for (u32 k = 0; k < LL_TOPK; k++) {
+        llptx::st_na_u32(region + a.off_entries + at + 4 * k, (u32)ent[k]);
+        if (has_weights) llptx::st_na_u32(region + a.off_weights + at + 4 * k, w[k]);
       }
     }
   }
@@ -808,6 +782,29 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   if (blockIdx.x == 0 && warp_id() != 0) {
     for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
       llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
+  }
+  // Warp 1 of the index block also touches, in every destination, the first line of what it will write there
+  // (entries, weights, counts, metadata): the first store to a peer's page stalled its thread for ~1.5 us
+  // (run 9), and a prefetch takes that translation before the wait instead of after it.
+  if (blockIdx.x == 0 && warp_id() == 1) {
+    const u32 R = a.num_ranks;
+    const u64 at = (u64)a.rank * a.max_tokens * LL_TOPK * 4;
+    for (u32 j = lane_id(); j < 4 * R; j += WARP_SIZE) {
+      const u32 p = j % R, kind = j / R;
+      const u8* region = reinterpret_cast<const u8*>(a.recv[p]);
+      const void* line = kind == 0   ? region + a.off_entries + at
+                         : kind == 1 ? region + a.off_weights + at
+                         : kind == 2 ? region + (u64)a.rank * a.num_local_experts * 4
+                                     : static_cast<const void*>(&ctrl_of(a.ctrl, p)->dispatch_meta[a.set][a.rank]);
+      llptx::prefetch_l2(line);
+    }
+  }
+  // Every data block warms its translations of this rank's row slab in each destination the same way (first
+  // and last line: the slab may span two pages).
+  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() == 1 && lane_id() < 2 * a.num_ranks) {
+    const u32 p = lane_id() % a.num_ranks, last = lane_id() / a.num_ranks;
+    const u64 slab = a.off_rows + (u64)a.rank * a.max_tokens * a.row_stride;
+    llptx::prefetch_l2(reinterpret_cast<const u8*>(a.recv[p]) + slab + (last ? (u64)a.max_tokens * a.row_stride - 16 : 0));
   }
   ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
@@ -1244,6 +1241,14 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  // The data blocks warm their translations of this rank's slab in every home (first and last line), as the
+  // dispatch send does (the first store to a peer's page stalls its thread, run 9).
+  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() == 1 && lane_id() < 2 * a.num_ranks) {
+    const u32 p = lane_id() % a.num_ranks, last = lane_id() / a.num_ranks;
+    const u64 slab = (a.flags & LL_FLAG_WEIGHTS) != 0 ? (u64)a.rank * a.max_tokens * ROW_BYTES_BF16 : 0;
+    const u64 bytes = (a.flags & LL_FLAG_WEIGHTS) != 0 ? (u64)a.max_tokens * ROW_BYTES_BF16 : (u64)a.max_tokens * LL_TOPK * ROW_BYTES_BF16;
+    llptx::prefetch_l2(reinterpret_cast<const u8*>(a.recv[p]) + slab + (last ? bytes - 16 : 0));
+  }
   ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
