@@ -605,7 +605,9 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   // Entries (and weights) of every token for every destination: item = (destination, token), destinations
   // starting after this rank (first_dest), so that different warps store to different destinations. One
   // thread storing a token's entries to every destination in turn took ~1.5 us per remote destination (run
-  // 9: 4.7 us for one token), the index block's longest step; the rows are reloaded (L1 hits) instead.
+  // 9: 4.7 us for one token, 2.4 us this way in run 10), the index block's longest step; the rows are
+  // reloaded (L1 hits) instead. (Warming the peers' translations with prefetches of their lines before the
+  // hand-back wait made it worse: a prefetch of peer memory held its warp for 5-10 us, run 10.)
   const u32 dest0 = first_dest(a.rank, R);
   for (u32 item = threadIdx.x; item < R * T; item += LL_THREADS) {
     const u32 i = item / T, t = item % T;
@@ -782,29 +784,6 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   if (blockIdx.x == 0 && warp_id() != 0) {
     for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
       llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
-  }
-  // Warp 1 of the index block also touches, in every destination, the first line of what it will write there
-  // (entries, weights, counts, metadata): the first store to a peer's page stalled its thread for ~1.5 us
-  // (run 9), and a prefetch takes that translation before the wait instead of after it.
-  if (blockIdx.x == 0 && warp_id() == 1) {
-    const u32 R = a.num_ranks;
-    const u64 at = (u64)a.rank * a.max_tokens * LL_TOPK * 4;
-    for (u32 j = lane_id(); j < 4 * R; j += WARP_SIZE) {
-      const u32 p = j % R, kind = j / R;
-      const u8* region = reinterpret_cast<const u8*>(a.recv[p]);
-      const void* line = kind == 0   ? region + a.off_entries + at
-                         : kind == 1 ? region + a.off_weights + at
-                         : kind == 2 ? region + (u64)a.rank * a.num_local_experts * 4
-                                     : static_cast<const void*>(&ctrl_of(a.ctrl, p)->dispatch_meta[a.set][a.rank]);
-      llptx::prefetch_l2(line);
-    }
-  }
-  // Every data block warms its translations of this rank's row slab in each destination the same way (first
-  // and last line: the slab may span two pages).
-  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() == 1 && lane_id() < 2 * a.num_ranks) {
-    const u32 p = lane_id() % a.num_ranks, last = lane_id() / a.num_ranks;
-    const u64 slab = a.off_rows + (u64)a.rank * a.max_tokens * a.row_stride;
-    llptx::prefetch_l2(reinterpret_cast<const u8*>(a.recv[p]) + slab + (last ? (u64)a.max_tokens * a.row_stride - 16 : 0));
   }
   ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
@@ -1241,14 +1220,6 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  // The data blocks warm their translations of this rank's slab in every home (first and last line), as the
-  // dispatch send does (the first store to a peer's page stalls its thread, run 9).
-  if ((blockIdx.x != 0 || gridDim.x == 1) && warp_id() == 1 && lane_id() < 2 * a.num_ranks) {
-    const u32 p = lane_id() % a.num_ranks, last = lane_id() / a.num_ranks;
-    const u64 slab = (a.flags & LL_FLAG_WEIGHTS) != 0 ? (u64)a.rank * a.max_tokens * ROW_BYTES_BF16 : 0;
-    const u64 bytes = (a.flags & LL_FLAG_WEIGHTS) != 0 ? (u64)a.max_tokens * ROW_BYTES_BF16 : (u64)a.max_tokens * LL_TOPK * ROW_BYTES_BF16;
-    llptx::prefetch_l2(reinterpret_cast<const u8*>(a.recv[p]) + slab + (last ? bytes - 16 : 0));
-  }
   ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
