@@ -272,7 +272,11 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                         (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
                 }
-                if uses_graphs(&buf) && out.error.is_none() && out.unavailable.is_none() && std::env::var("MOELINK_LL_TRACE").as_deref() == Ok("1") {
+                if uses_graphs(&buf)
+                    && out.error.is_none()
+                    && out.unavailable.is_none()
+                    && std::env::var("MOELINK_LL_TRACE").as_deref() == Ok("1")
+                {
                     if let Some(l) = settle(time_loop(&mut buf, job, &args, &y, t, &s), out) {
                         out.loop_times = l;
                     }

@@ -320,7 +320,13 @@ pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::diag::KernelTrace> 
             let Some(span_us) = points.iter().find(|p| p.name == "end").map(|p| p.max_us) else { continue };
             let recv_only = slot % 2 == 1;
             let sends = points.iter().any(|p| p.name == "send_ready");
-            let phases = if recv_only { "recv" } else if points.iter().any(|p| p.name == "recv_seen") && sends { "send+recv" } else { "send" };
+            let phases = if recv_only {
+                "recv"
+            } else if points.iter().any(|p| p.name == "recv_seen") && sends {
+                "send+recv"
+            } else {
+                "send"
+            };
             out.push(crate::diag::KernelTrace { kernel, phases, start_ns: t0, span_us, points });
         }
     }
