@@ -460,8 +460,8 @@ mod tests {
         assert_eq!(std::mem::offset_of!(LlCtrl, decision), 64);
         assert_eq!(LlCtrl::MASK_OFFSET, 64 + 5 * 2 * 4 * MAX_RANKS + 4 * 64 * MAX_RANKS);
         assert_eq!(std::mem::size_of::<LlReport>(), 48);
-        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 20 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
-        assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 14 * 8 + 12 * 4);
+        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 21 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
+        assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 15 * 8 + 12 * 4);
     }
 
     #[test]

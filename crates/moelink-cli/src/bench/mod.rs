@@ -16,7 +16,10 @@
 //!   checked call's output. Nothing is allocated while timing.
 //! - LL on CUDA: the call captured once into a CUDA graph (outputs of the checked call), each repetition
 //!   one timed replay; with `--hook` the send phase and the receive phase (`run_hook`) as two graphs, timed
-//!   apart. On the host backend the plain calls.
+//!   apart. On the host backend the plain calls. With `MOELINK_LL_TRACE=1` also each kernel's span from the
+//!   in-kernel trace (`kernel_us`, with the trace points), and DeepEP's way of timing: a graph of dispatch +
+//!   combine replayed back to back on an asynchronous stream, no barrier or L2 flush between calls, each
+//!   kernel's span (`loop_dispatch_kernel_us`, `loop_combine_kernel_us`, `loop_pair_us`).
 //!
 //! The reported time is the median over repetitions of the slowest rank: per repetition the largest time of
 //! any rank, then the median of those.
@@ -758,7 +761,7 @@ fn timer_line(backend: BackendKind) -> &'static str {
         BackendKind::Cuda => {
             "CUDA events behind a GPU barrier and an L2 flush, per rep: HT prepare_dispatch + dispatch_into (count exchange \
              + host wait + dispatch) and combine_into into preallocated outputs; LL one CUDA-graph replay (--hook: send and \
-             receive graphs apart)"
+             receive graphs apart; MOELINK_LL_TRACE=1: kernel spans, and dispatch + combine back to back as DeepEP times)"
         }
         _ => "wall clock after a barrier, per rep, around the plain calls (preallocated outputs)",
     }
