@@ -16,30 +16,11 @@
 # Knobs: STEPS (default: all of the above in that order), SOAK_S (20), TUNE_VECS ("16 24"), CHUNKS ("- 0:0").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/moelink-out}
-mkdir -p "$OUT"
-W=/tmp/results
-rm -rf "$W" && mkdir -p "$W" /tmp/moelink-device
-BIN=/tmp/moelink-device/moelink
-cp .device/moelink "$BIN" && chmod +x "$BIN"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
-export MOELINK_CACHE_DIR=/tmp/moelink-jit
+. scripts/device/steps.sh
 STEPS=${STEPS:-"tests soak tune roles suite ep2 llsoak python"}
 SOAK_S=${SOAK_S:-20}
 TUNE_VECS=${TUNE_VECS:-"16 24"}
 CHUNKS=${CHUNKS:-"- 0:0"}
-summary=$OUT/summary.txt
-{ echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
-run() {  # run NAME LIMIT CMD...: output to $W/NAME.log, status and time to the summary
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    timeout --kill-after=10 "$limit" "$@" > "$W/$name.log" 2>&1
-    local rc=$?
-    note "$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E '^test result|^soak: |^wrote|passed|PASS|FAIL' "$W/$name.log" | tail -n 1)")"
-}
 for s in $STEPS; do
     case $s in
     tests)

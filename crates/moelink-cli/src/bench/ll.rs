@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use moelink::{
     bf16, BackendKind, Buffer, BufferOptions, CapturedGraph, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
-    LlDispatchResult, LlQuant, Result, Tensor, ThreadGroup,
+    LlDispatchResult, LlHandle, LlQuant, Result, Tensor, ThreadGroup,
 };
 
 use super::inputs::{e4m3_to_f32, Inputs, Shape};
@@ -50,6 +50,20 @@ impl LlTensors {
                 Dtype::Bf16 => LlQuant::Bf16,
                 Dtype::Fp8 => LlQuant::Fp8 { round_scale: false, use_ue8m0: false },
             },
+            return_recv_hook: false,
+        }
+    }
+}
+
+impl LlTensors {
+    /// Combine of the expert outputs `y` of the dispatch behind `handle`, with this rank's routing and weights.
+    fn combine_args<'a>(&'a self, y: &'a Tensor, handle: &'a LlHandle) -> LlCombineArgs<'a> {
+        LlCombineArgs {
+            x: y.view(),
+            topk_idx: self.topk.view(),
+            topk_weights: self.weights.view(),
+            handle,
+            zero_copy: false,
             return_recv_hook: false,
         }
     }
@@ -223,14 +237,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                 };
                 let y_host = Tensor::from_vec(expert_outputs(&d, &s, combine_dtype)?, &[s.local_experts(), s.ranks * s.tokens, s.hidden])?;
                 let y = if job.backend == BackendKind::Host { y_host } else { buf.upload(&y_host)? };
-                let cargs = LlCombineArgs {
-                    x: y.view(),
-                    topk_idx: t.topk.view(),
-                    topk_weights: t.weights.view(),
-                    handle: &d.handle,
-                    zero_copy: false,
-                    return_recv_hook: false,
-                };
+                let cargs = t.combine_args(&y, &d.handle);
                 let Some(mut c) = settle(buf.low_latency_combine(&cargs), out) else {
                     job.skip(me);
                     continue;
@@ -297,24 +304,10 @@ const LOOP_CALLS: usize = 8;
 /// the launches between replays).
 fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Tensor, t: &LlTensors, s: &Shape) -> Result<[Vec<f64>; 3]> {
     let mut d = buf.low_latency_dispatch(args)?;
-    let mut c = buf.low_latency_combine(&LlCombineArgs {
-        x: y.view(),
-        topk_idx: t.topk.view(),
-        topk_weights: t.weights.view(),
-        handle: &d.handle,
-        zero_copy: false,
-        return_recv_hook: false,
-    })?;
+    let mut c = buf.low_latency_combine(&t.combine_args(y, &d.handle))?;
     let (graph, ()) = buf.capture(|b| {
         let (handle, _) = b.low_latency_dispatch_into(args, outputs_of(&mut d, s)?)?;
-        let cargs = LlCombineArgs {
-            x: y.view(),
-            topk_idx: t.topk.view(),
-            topk_weights: t.weights.view(),
-            handle: &handle,
-            zero_copy: false,
-            return_recv_hook: false,
-        };
+        let cargs = t.combine_args(y, &handle);
         b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop)
     })?;
     // The replays are enqueued asynchronously on a stream of ours, as a model's calls are (and as DeepEP's
@@ -424,14 +417,7 @@ fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, 
 fn host_combine(tw: &mut Buffer, t: &LlTensors, s: &Shape, dtype: Dtype) -> Result<Vec<bf16>> {
     let d = tw.low_latency_dispatch(&t.dispatch_args(s, dtype))?;
     let y = Tensor::from_vec(expert_outputs(&d, s, dtype)?, &[s.local_experts(), s.ranks * s.tokens, s.hidden])?;
-    let c = tw.low_latency_combine(&LlCombineArgs {
-        x: y.view(),
-        topk_idx: t.topk.view(),
-        topk_weights: t.weights.view(),
-        handle: &d.handle,
-        zero_copy: false,
-        return_recv_hook: false,
-    })?;
+    let c = tw.low_latency_combine(&t.combine_args(&y, &d.handle))?;
     c.to_vec()
 }
 
@@ -605,14 +591,7 @@ mod tests {
                 };
                 pairs.push((check_dispatch(&d, &good, me, dtype)?, check_dispatch(&d, &other, me, dtype)?));
                 let y = Tensor::from_vec(expert_outputs(&d, &shape, dtype)?, &[4, 2 * 16, 256])?;
-                let c = buf.low_latency_combine(&LlCombineArgs {
-                    x: y.view(),
-                    topk_idx: t.topk.view(),
-                    topk_weights: t.weights.view(),
-                    handle: &d.handle,
-                    zero_copy: false,
-                    return_recv_hook: false,
-                })?;
+                let c = buf.low_latency_combine(&t.combine_args(&y, &d.handle))?;
                 let got: Vec<bf16> = c.to_vec()?;
                 pairs.push((check_combine(&got, &good, me, dtype), check_combine(&got, &other, me, dtype)));
             }

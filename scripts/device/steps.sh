@@ -1,0 +1,23 @@
+# Sourced by the device step scripts (results.sh, ll-trace.sh) after `cd` to the repository root: the
+# binary under /tmp, the environment every GPU run keeps (NVLS off), the work folder $W, the summary file
+# ($OUT/summary.txt, started with the commit and the GPUs) and `run` / `note`.
+OUT=${OUT:-/tmp/moelink-out}
+mkdir -p "$OUT"
+W=/tmp/results
+rm -rf "$W" && mkdir -p "$W" /tmp/moelink-device
+BIN=/tmp/moelink-device/moelink
+cp .device/moelink "$BIN" && chmod +x "$BIN"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
+export MOELINK_CACHE_DIR=/tmp/moelink-jit
+summary=$OUT/summary.txt
+{ echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+run() {  # run NAME LIMIT CMD...: output to $W/NAME.log, status and time to the summary
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout --kill-after=10 "$limit" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    note "$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E '^test result|^soak: |^wrote|passed|PASS|FAIL' "$W/$name.log" | tail -n 1)")"
+}
