@@ -602,18 +602,15 @@ __device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared
   __syncthreads();
   ll_trace(sm, LL_TRACE_INDEX_TOKENS);
 
-  // Entries (and weights) of every token for every destination, destinations starting after this rank
-  // (first_dest). Work unit = (destination, 32 consecutive tokens), one per warp (a lane per token),
-  // destination fastest, so that even one token's R stores leave from R different warps: one thread storing
-  // a token's entries to every destination in turn took ~1.5 us per remote destination (run 9: 4.7 us for one
-  // token; 2.4 us with (destination, token) items dealt over threads, run 10), the index block's longest step.
-  // The rows are reloaded (L1 hits). (Warming the peers' translations with prefetches of their lines before
-  // the hand-back wait made it worse: a prefetch of peer memory held its warp for 5-10 us, run 10.)
+  // Entries (and weights) of every token for every destination: item = (destination, token), destinations
+  // starting after this rank (first_dest), so that different warps store to different destinations. One
+  // thread storing a token's entries to every destination in turn took ~1.5 us per remote destination (run
+  // 9: 4.7 us for one token, 2.4 us this way in run 10), the index block's longest step; the rows are
+  // reloaded (L1 hits) instead. (Warming the peers' translations with prefetches of their lines before the
+  // hand-back wait made it worse: a prefetch of peer memory held its warp for 5-10 us, run 10.)
   const u32 dest0 = first_dest(a.rank, R);
-  const u32 token_blocks = (T + WARP_SIZE - 1) / WARP_SIZE;
-  for (u32 unit = warp_id(); unit < R * token_blocks; unit += LL_WARPS) {
-    const u32 i = unit % R, t = (unit / R) * WARP_SIZE + lane_id();
-    if (t >= T) continue;
+  for (u32 item = threadIdx.x; item < R * T; item += LL_THREADS) {
+    const u32 i = item / T, t = item % T;
     const u32 p = dest0 + i >= R ? dest0 + i - R : dest0 + i;
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
