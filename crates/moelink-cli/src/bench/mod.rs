@@ -182,6 +182,12 @@ pub struct BenchArgs {
     /// `send_us` and `recv_us`).
     #[arg(long)]
     pub hook: bool,
+    /// LL on CUDA: stamp the kernels (`MOELINK_LL_TRACE=1`) and also report each kernel's span (records get
+    /// `kernel_us` and the trace points) and DeepEP's way of timing — dispatch + combine back to back, no
+    /// barrier or L2 flush between calls, kernel durations (`loop_dispatch_kernel_us`,
+    /// `loop_combine_kernel_us`).
+    #[arg(long)]
+    pub ll_trace: bool,
 }
 
 /// SMs of the HT kernels in `--suite` outside its SM sweep: DESIGN.md's target budget (and the CUDA
@@ -669,6 +675,11 @@ fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::diag::Kern
 
 /// Runs `moelink bench`.
 pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
+    if a.ll_trace {
+        // Read once by the CUDA backend at its first low-latency call; set before any buffer exists (this
+        // thread alone runs yet: the rank threads start below).
+        std::env::set_var("MOELINK_LL_TRACE", "1");
+    }
     let p = plan(a)?;
     let facts = RunFacts {
         system: "moelink".into(),
