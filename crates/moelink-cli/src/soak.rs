@@ -274,7 +274,7 @@ fn seed_of(seed: u64, what: u64, round: usize, rank: usize) -> u64 {
     let mut r = Rng::new(seed ^ what.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let a = r.next_u64() ^ (round as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
     let mut r = Rng::new(a);
-    r.next_u64() ^ (rank as u64 + 1).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7)
+    r.next_u64() ^ (rank as u64).wrapping_add(1).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7)
 }
 
 // ================================================================================================ comparing
