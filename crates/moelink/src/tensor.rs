@@ -103,7 +103,13 @@ impl Layout {
         self.ndim as usize
     }
     pub fn numel(&self) -> usize {
-        self.shape().iter().product()
+        // An empty tensor may have a huge other dimension (`[2, usize::MAX, 0]`): the product of the others
+        // would overflow before the zero. Layout::new bounds every non-empty product.
+        if self.shape().contains(&0) {
+            0
+        } else {
+            self.shape().iter().product()
+        }
     }
     /// True when elements are densely packed in row-major order (size-1 dims may have any stride).
     pub fn is_contiguous(&self) -> bool {
