@@ -1,6 +1,6 @@
 """Prints the LL kernel-trace summaries of `moelink bench --json` files (run with MOELINK_LL_TRACE=1), one
 line per record and launch kind: the kernel span next to the event time, then each trace point as
-median/last over blocks (/b0: block 0, the send phases' index block), µs after the kernel's first block
+median/last over blocks (/b0: block 0, the dispatch send's check block), µs after the kernel's first block
 started; and the back-to-back (DeepEP's method) kernel times."""
 import json
 import sys

@@ -15,10 +15,9 @@
 // Memory (docs/protocols.md, "Low latency"). Every rank has, at the same offsets of its symmetric buffer:
 //   LlCtrl (control area, ctrl::LL): epochs, block-completion counters, flags and per-source metadata;
 //   per buffer set s in {0, 1} (chosen by the host, identical on every rank for a given call):
-//     dispatch receive region  counts  u32 [R][E_local]        hits of each local expert, per source
-//                              entries i32 [R][T_max][K]       per source token: (local expert << 16 | rank
-//                                                              of the token among the source's tokens of
-//                                                              that expert), or -1
+//     dispatch receive region  entries i32 [R][T_max][K]       per source token: its live expert ids (global;
+//                                                              -1 for empty, invalid and repeated slots),
+//                                                              written to every rank, routed there or not
 //                              weights f32 [R][T_max][K]       the dispatch-time top-k weights
 //                              rows    [R][T_max][row_stride]  FP8 payload + f32 scale_inv per 128 channels,
 //                                                              or the bf16 row
@@ -78,7 +77,10 @@ constexpr u32 LL_FLAG_WEIGHTS = 4;
 constexpr u32 LL_FLAG_SHRINK = 8;
 // Timing experiment only (MOELINK_LL_EXPERIMENT=local_stores; results are wrong): the send phases' row
 // stores go to this rank's own region instead of the destination's, so NVLink's share of their time shows.
-constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 1u << 16;
+constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 65536;  // 1 << 16
+// Timing experiment only (MOELINK_LL_EXPERIMENT=no_loads; results are wrong): the send phases do not load
+// their payload rows (x, y) and send zeros, so the loads' share of their time shows.
+constexpr u32 LL_FLAG_EXP_NO_LOADS = 131072;  // 1 << 17
 
 // Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
 constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
@@ -105,12 +107,9 @@ constexpr u32 LL_TRACE_SEND_DONE = 4;    // send: counted (the last block: after
 constexpr u32 LL_TRACE_RECV_SEEN = 5;    // recv: every source's flag seen
 constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
 constexpr u32 LL_TRACE_END = 7;          // block exit
-// Dispatch send, block 0 only (dispatch_index): after the bitmap clear, the token pass, the entries, the counts.
-constexpr u32 LL_TRACE_INDEX_CLEARED = 8;
-constexpr u32 LL_TRACE_INDEX_TOKENS = 9;
-constexpr u32 LL_TRACE_INDEX_ENTRIES = 10;
-constexpr u32 LL_TRACE_INDEX_COUNTS = 11;
-constexpr u32 LL_TRACE_WORDS = 12;
+constexpr u32 LL_TRACE_INDEX_CHECKED = 8;  // dispatch send, block 0 (dispatch_check): rows validated, handle copies
+constexpr u32 LL_TRACE_RECV_INDEXED = 9;  // dispatch receive: routing bitmaps and bases built
+constexpr u32 LL_TRACE_WORDS = 10;
 constexpr u32 LL_TRACE_CALLS = 16;
 
 // The row of this launch and block (0 when tracing is off).
@@ -223,7 +222,7 @@ struct LlDispatchArgs {
   u64 report;            // LlReport (host-mapped)
   u64 timeout_ns;
   u64 trace;             // host-mapped timing trace (LL_TRACE_*), or 0
-  u64 off_entries;       // offsets inside a dispatch receive region (counts at 0)
+  u64 off_entries;       // offsets inside a dispatch receive region (entries at 0)
   u64 off_weights;
   u64 off_rows;
   u32 row_stride;        // bytes per row slot (16-byte multiple)
@@ -277,7 +276,7 @@ static_assert(sizeof(LlCombineArgs) == MOELINK_SIZEOF_LL_COMBINE_ARGS, "LlCombin
 
 // Shared memory of one block.
 struct LlShared {
-  u32 words[LL_SMEM_WORDS];  // send, block 0: token bitmaps [E][ceil(T/32)]; recv: bases [R][E_local]
+  u32 words[LL_SMEM_WORDS];  // dispatch recv: token bitmaps [R][E_local][ceil(T_max/32)], then bases [R][E_local]
   u32 ok[MAX_RANKS];         // recv: source/expert rank p's data is used in this call
   u32 ntok[MAX_RANKS];       // recv: tokens of source p / combine send: tokens of home p
   u32 epoch;
@@ -567,98 +566,38 @@ __device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epo
 }
 
 // ============================================================================================ dispatch: send
-// Block 0 of the send phase: routing metadata for every destination. Marks the live (id, token) pairs in a
-// shared bitmap per expert (bit t of expert e = token t selects e), so that the rank of token t among the
-// tokens selecting e is a popcount; writes per destination p, into p's receive region: the counts of p's
-// experts, the entries of every token (local expert << 16 | rank, or -1) and the weights; copies this rank's
-// top-k ids/weights into its handle area (combine checks its inputs against them); then the metadata line
-// (tokens, problems, signature) into p's control area.
-__device__ __forceinline__ void dispatch_index(const LlDispatchArgs& a, LlShared& sm) {
-  const u32 T = a.num_tokens, E = a.num_experts, EL = a.num_local_experts, R = a.num_ranks;
-  const u32 W = (T + 31) / 32;  // bitmap words per expert
+// Block 0 of the send phase: validates this rank's top-k rows (ids outside [-1, E), repeats), keeps its
+// top-k ids/weights in the handle area (combine checks its inputs against them), and writes the metadata
+// line (tokens, problems, signature) into every destination's control area. It stores nothing else into
+// the peers: the routing travels with the rows (dispatch_rows), so this block is never on the critical path
+// (it used to build every destination's entries and counts and ended as late as the data: 10 us at 128
+// tokens, all of the critical path at 1-16 tokens; run 11).
+__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
+  const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const float* wts = reinterpret_cast<const float*>(a.topk_weights);
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
 
   if (threadIdx.x == 0) sm.problem = a.host_problem;
-  for (u32 i = threadIdx.x; i < E * W; i += LL_THREADS) sm.words[i] = 0;
   __syncthreads();
-  ll_trace(sm, LL_TRACE_INDEX_CLEARED);
-
-  // Tokens: validate, mark live selections, keep this call's ids/weights for combine's checks.
   u32 problem = 0;
   for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
     problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+    u32 w[LL_TOPK];
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
       reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
-      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k);
-      if (live[k]) atomicOr(&sm.words[(u32)ids[k] * W + t / 32], 1u << (t % 32));
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = w[k];
     }
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
   __syncthreads();
-  ll_trace(sm, LL_TRACE_INDEX_TOKENS);
+  ll_trace(sm, LL_TRACE_INDEX_CHECKED);
 
-  // Entries (and weights) of every token for every destination: item = (destination, token), destinations
-  // starting after this rank (first_dest), so that different warps store to different destinations. One
-  // thread storing a token's entries to every destination in turn took ~1.5 us per remote destination (run
-  // 9: 4.7 us for one token, 2.4 us this way in run 10), the index block's longest step; the rows are
-  // reloaded (L1 hits) instead. (Warming the peers' translations with prefetches of their lines before the
-  // hand-back wait made it worse: a prefetch of peer memory held its warp for 5-10 us, run 10.)
-  const u32 dest0 = first_dest(a.rank, R);
-  for (u32 item = threadIdx.x; item < R * T; item += LL_THREADS) {
-    const u32 i = item / T, t = item % T;
-    const u32 p = dest0 + i >= R ? dest0 + i - R : dest0 + i;
-    i64 ids[LL_TOPK];
-    bool live[LL_TOPK];
-    load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
-    u32 w[LL_TOPK];
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
-    // Rank of t among the tokens selecting each of its live experts on p (a popcount of the bitmap below t).
-    i32 ent[LL_TOPK];
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) {
-      ent[k] = -1;
-      if (live[k] && (u32)ids[k] / EL == p) {
-        const u32* bm = sm.words + (u32)ids[k] * W;
-        u32 pos = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
-        for (u32 wd = 0; wd < t / 32; wd++) pos += __popc(bm[wd]);
-        ent[k] = (i32)((((u32)ids[k] % EL) << 16) | pos);
-      }
-    }
-    u8* region = reinterpret_cast<u8*>(a.recv[p]);
-    const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4;
-    if constexpr (LL_TOPK % 4 == 0) {
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k += 4) {
-        ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_entries + at + 4 * k), u32x4{(u32)ent[k], (u32)ent[k + 1], (u32)ent[k + 2], (u32)ent[k + 3]});
-        if (has_weights) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + a.off_weights + at + 4 * k), u32x4{w[k], w[k + 1], w[k + 2], w[k + 3]});
-      }
-    } else {
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) {
-        llptx::st_na_u32(region + a.off_entries + at + 4 * k, (u32)ent[k]);
-        if (has_weights) llptx::st_na_u32(region + a.off_weights + at + 4 * k, w[k]);
-      }
-    }
-  }
-
-  ll_trace(sm, LL_TRACE_INDEX_ENTRIES);
-  // Counts of every expert, into its rank's region at [me][local expert].
-  for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
-    u32 n = 0;
-    for (u32 w = 0; w < W; w++) n += __popc(sm.words[e * W + w]);
-    u8* region = reinterpret_cast<u8*>(a.recv[e / EL]);
-    llptx::st_na_u32(region + ((u64)a.rank * EL + e % EL) * 4, n);
-  }
-  __syncthreads();
-
-  ll_trace(sm, LL_TRACE_INDEX_COUNTS);
-  // Metadata line for every destination, and this rank's own problems for the host.
   const u32 problem_all = sm.problem;
   if (threadIdx.x < R) {
     LlMeta* m = &ctrl_of(a.ctrl, threadIdx.x)->dispatch_meta[a.set][a.rank];
@@ -710,19 +649,48 @@ __device__ __forceinline__ u32x4 quantize16(const u32x4& v0, const u32x4& v1, bo
   return u32x4{q[0], q[1], q[2], q[3]};
 }
 
+// A token's routing, stored with its chunk-0 item into every rank (routed there or not, so that every slot
+// t < num_tokens of this source holds this call's): lane k < K writes the token's k-th expert id if it is
+// live (in [0, E), `id`, and not an earlier slot's id), else -1, into entries [me][t][k], and its weight
+// bits into weights [me][t][k]. The receiver rebuilds each expert's token order from these ids
+// (dispatch_recv), so no routing block has to finish before the rows are useful.
+__device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores) {
+  const u32 lane = lane_id();
+  bool live = id != 0xffffffffu;
+#pragma unroll
+  for (u32 j = 0; j < LL_TOPK; j++) {
+    const u32 other = __shfl_sync(FULL_WARP_MASK, id, j);
+    if (j < lane && other == id) live = false;
+  }
+  if (lane >= LL_TOPK) return;
+  const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4 + lane * 4;
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u32 dest0 = first_dest(a.rank, a.num_ranks);
+  for (u32 i = 0; i < a.num_ranks; i++) {
+    const u32 p = dest0 + i >= a.num_ranks ? dest0 + i - a.num_ranks : dest0 + i;
+    u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]);
+    llptx::st_na_u32(region + a.off_entries + at, live ? id : 0xffffffffu);
+    if (has_weights) llptx::st_na_u32(region + a.off_weights + at, wbits);
+  }
+}
+
 // Rows: work item = (token, 512-byte chunk of its payload), dealt over the data warps. The warp finds the
 // token's destination ranks from its top-k ids (valid ids only; each rank once), quantises the chunk once
 // (FP8) and stores it into slot [me][token] of every destination (16 bytes per lane; FP8 scale_inv as 4
-// bytes per 128-channel group after the payload).
+// bytes per 128-channel group after the payload); the chunk-0 item also stores the token's routing
+// (dispatch_routing).
 // Returns whether this warp stored anything.
 __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 E = a.num_experts, EL = a.num_local_experts;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const u32* wts = reinterpret_cast<const u32*>(a.topk_weights);
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u8* x = reinterpret_cast<const u8*>(a.x);
   const u32 items = a.num_tokens * SEND_CHUNKS;
   bool stored = false;
   const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  const bool loads = (a.flags & LL_FLAG_EXP_NO_LOADS) == 0;
   const u32 dest0 = first_dest(a.rank, a.num_ranks);
   for (u32 item = first_warp; item < items; item += num_warps) {
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
@@ -731,7 +699,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
     const bool active = ch < LL_HIDDEN;
     u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
-    if (active) {
+    if (active && loads) {
       const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
       v0 = ptx::ld_nc_na_v4(src);
       v1 = ptx::ld_nc_na_v4(src + 1);
@@ -740,14 +708,22 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
     const bool active = off < PAYLOAD_BYTES;
     u32x4 v = {0, 0, 0, 0};
-    if (active) v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off));
+    if (active && loads) v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off));
 #endif
-    u32 ranks = 0;
+    u32 ranks = 0, id = 0xffffffffu, wbits = 0;
     if (lane < LL_TOPK) {
       const i64 e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
-      if (e >= 0 && e < (i64)E) ranks = 1u << ((u32)e / EL);
+      if (c == 0 && has_weights) wbits = llptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane);
+      if (e >= 0 && e < (i64)E) {
+        ranks = 1u << ((u32)e / EL);
+        id = (u32)e;
+      }
     }
     ranks = __reduce_or_sync(FULL_WARP_MASK, ranks);
+    if (c == 0) {
+      dispatch_routing(a, t, id, wbits, local_stores);
+      stored = true;
+    }
     if (ranks == 0) continue;
     stored = true;
     const u64 slot = a.off_rows + ((u64)a.rank * a.max_tokens + t) * a.row_stride;
@@ -777,7 +753,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  // The index block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
+  // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
   // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
   // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
   // wait took 1.9 us instead of 1.0 and the warps issued their stores no earlier (runs 3-7).
@@ -790,7 +766,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   bool stored = false;
   if (sm.abort == 0) {
     if (blockIdx.x == 0) {
-      dispatch_index(a, sm);
+      dispatch_check(a, sm);
       stored = true;
     }
     if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
@@ -877,17 +853,43 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   ll_trace(sm, LL_TRACE_RECV_SEEN);
 
   if (sm.abort == 0) {
-    // Per-expert bases: slot of (source, local expert) = sum of the counts of the used sources before it.
+    // Routing, rebuilt by every block from the ids the rows carried: per (used source, local expert) a
+    // bitmap of the source's tokens that selected it, so that a token's rank among them is a popcount; the
+    // slot of (source p, token t) in expert el's rows is the tokens of el from the used sources before p
+    // (bases) plus that rank: rows in (source, token) order, no atomics.
+    const u32 W = (TM + 31) / 32;
+    const u32 first_expert = a.rank * EL;
+    u32* bitmaps = sm.words;               // [R][EL][W]
+    u32* bases = sm.words + R * EL * W;    // [R][EL]
+    for (u32 i = threadIdx.x; i < R * EL * W; i += LL_THREADS) bitmaps[i] = 0;
+    __syncthreads();
+    for (u32 st = threadIdx.x; st < R * TM; st += LL_THREADS) {
+      const u32 p = st / TM, t = st % TM;
+      if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
+      const u8* at = region + a.off_entries + (u64)st * LL_TOPK * 4;
+      u32 id[LL_TOPK];
+      if constexpr (LL_TOPK % 4 == 0) {
+#pragma unroll
+        for (u32 k = 0; k < LL_TOPK; k += 4) {
+          const u32x4 v = llptx::ld_cg_v4(at + 4 * k);
+          id[k] = v.x, id[k + 1] = v.y, id[k + 2] = v.z, id[k + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (u32 k = 0; k < LL_TOPK; k++) id[k] = llptx::ld_cg_u32(at + 4 * k);
+      }
+#pragma unroll
+      for (u32 k = 0; k < LL_TOPK; k++) {
+        const u32 el = id[k] - first_expert;  // -1 and other ranks' experts wrap past EL
+        if (el < EL) atomicOr(&bitmaps[(p * EL + el) * W + t / 32], 1u << (t % 32));
+      }
+    }
+    __syncthreads();
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
-      // The counts of every source are loaded first (in flight together), then summed in source order.
-      u32 count[MAX_RANKS];
-#pragma unroll
-      for (u32 p = 0; p < MAX_RANKS; p++) count[p] = p < R && sm.ok[p] ? llptx::ld_cg_u32(region + ((u64)p * EL + e) * 4) : 0u;
       u32 run = 0;
-#pragma unroll
-      for (u32 p = 0; p < MAX_RANKS; p++) {
-        if (p < R) sm.words[p * EL + e] = run;
-        run += count[p];
+      for (u32 p = 0; p < R; p++) {
+        bases[p * EL + e] = run;
+        for (u32 w = 0; w < W; w++) run += __popc(bitmaps[(p * EL + e) * W + w]);
       }
       if (blockIdx.x == 0) {
         reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
@@ -899,6 +901,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
     }
     __syncthreads();
+    ll_trace(sm, LL_TRACE_RECV_INDEXED);
 
     // Expansion: work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
     const u32 lane = lane_id();
@@ -937,9 +940,11 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
       i32 row = -1;
       if (lane < LL_TOPK) {
-        const u32 ent = cur.ent;
-        if ((i32)ent >= 0) {
-          const u32 el = ent >> 16, slot = el < EL ? sm.words[p * EL + el] + (ent & 0xffffu) : rows;
+        const u32 el = cur.ent - first_expert;
+        if (el < EL) {
+          const u32* bm = bitmaps + (p * EL + el) * W;
+          u32 slot = bases[p * EL + el] + __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
+          for (u32 w = 0; w < t / 32; w++) slot += __popc(bm[w]);
           if (slot < rows) row = (i32)(el * rows + slot);
         }
         if (c == 0) {
@@ -1009,12 +1014,14 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 // ll_dispatch: low-latency dispatch, send and/or receive phase.
 //   grid: G blocks (one per SM; cooperative when both phases run in one launch), block: LL_THREADS.
 //   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use;
-//         block 0 = routing metadata (dispatch_index: bitmaps, entries, counts, weights, handle copies,
-//         metadata lines); blocks 1..G-1 (block 0 too when G == 1) = rows: work item (token, 512-byte chunk)
-//         per warp, FP8 quantisation in registers, 16-byte stores into every destination rank's slot
-//         [me][token]. Last block: dispatch_epoch = last_write[set] = e, flags to every rank.
-//   RECV  warp 0 of every block waits for every source's flag (deadline) and checks its metadata; per-block
-//         bases of every (source, local expert) in shared memory; work item (source, token, chunk) per warp:
+//         block 0 = checks (dispatch_check: top-k validation, handle copies, metadata lines); blocks 1..G-1
+//         (block 0 too when G == 1) = rows: work item (token, 512-byte chunk) per warp, FP8 quantisation in
+//         registers, 16-byte stores into every destination rank's slot [me][token]; chunk 0 also stores the
+//         token's live expert ids and weights into every rank (dispatch_routing). Last block:
+//         dispatch_epoch = last_write[set] = e, flags to every rank.
+//   RECV  warp 0 of every block waits for every source's flag (deadline) and checks its metadata; every
+//         block rebuilds the routing from the received ids (token bitmaps per (source, local expert) and
+//         bases, in shared memory); work item (source, token, chunk) per warp:
 //         one 16-byte load, one store per selected local expert into recv_x[e][slot] (slots in (source,
 //         token) order: base + the token's rank among the source's tokens of e), scales column-major,
 //         handle rows/weights; block 0: recv_count, cumulative stats, wait stats, handle metadata, report.
@@ -1100,6 +1107,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
   const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  const bool loads = (a.flags & LL_FLAG_EXP_NO_LOADS) == 0;
   // Rows in (token, home) order, homes starting after this rank (first_dest): consecutive items, and so
   // every wave of stores, spread over all homes instead of filling one home's region after the other.
   const u32 dest0 = first_dest(a.rank, R);
@@ -1173,7 +1181,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
               m &= m - 1;
               kq[j][q] = k;
               const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
-              if (off[j] < ROW_BYTES_BF16) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
+              if (off[j] < ROW_BYTES_BF16 && loads) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
             }
           }
         }
@@ -1207,7 +1215,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
           const u32 k = __ffs(m) - 1;
           const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
           if (off[j] < ROW_BYTES_BF16) {
-            const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
+            const u32x4 v = loads ? ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j])) : u32x4{0, 0, 0, 0};
             ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + (u64)k * ROW_BYTES_BF16 + off[j]), v);
           }
         }

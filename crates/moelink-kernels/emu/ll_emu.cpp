@@ -139,11 +139,11 @@ struct Layout {
   size_t dispatch_at[2], combine_at[2], handle_at[2], total;
   explicit Layout(const Shape& s) {
     const size_t r = s.ranks, tm = s.t_max, h = LL_HIDDEN, k = LL_TOPK, el = s.el(), A = 4096;
-    const size_t counts = align_up(r * el * 4, A), eb = align_up(r * tm * k * 4, A);
+    const size_t eb = align_up(r * tm * k * 4, A);
     row_stride = align_up(2 * h, 16);
-    entries = counts;
-    weights = counts + eb;
-    rows = counts + 2 * eb;
+    entries = 0;
+    weights = eb;
+    rows = 2 * eb;
     dispatch_bytes = align_up(rows + r * tm * row_stride, A);
     combine_bytes = align_up(std::max(r * tm, tm * k) * 2 * h, A);
     hweight = align_up(r * tm * k * 4, A);

@@ -3,9 +3,9 @@
 //! layout of the low-latency data region ([`LlLayout`]) — the one place where its offsets are computed; the
 //! kernels receive them as arguments.
 //!
-//! Limits of the kernels ([`LlLimits::check`]): top-k ≤ 32, `num_experts ≤ LL_SMEM_WORDS`,
-//! `num_experts × ceil(T_max / 32) ≤ LL_SMEM_WORDS` (the per-expert token bitmaps of the routing block),
-//! `T_max ≤ 65535` and `E_local < 32768` (entries pack `local expert << 16 | rank`).
+//! Limits of the kernels ([`LlLimits::check`]): top-k ≤ 32, `num_experts × (ceil(T_max / 32) + 1) ≤
+//! LL_SMEM_WORDS` (the dispatch receiver's token bitmaps per (source, local expert) and their bases, in
+//! shared memory), `T_max ≤ 65535`.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -17,11 +17,13 @@ pub const LL_SOURCE: &str = include_str!("../cuda/ll.cu");
 
 /// Threads per block of both kernels.
 pub const LL_THREADS: u32 = 512;
-/// u32 words of shared scratch per block (token bitmaps per expert / per-expert bases).
-pub const LL_SMEM_WORDS: u32 = 8192;
+/// u32 words of shared scratch per block (the dispatch receiver's token bitmaps and bases); with the rest of
+/// the block's shared state it stays under the 48 KB of static shared memory.
+pub const LL_SMEM_WORDS: u32 = 12032;
 /// Largest top-k the kernels support (one lane per slot).
 pub const LL_MAX_TOPK: usize = 32;
-/// Largest `num_max_dispatch_tokens_per_rank` (entries keep a token's rank in 16 bits).
+/// Largest `num_max_dispatch_tokens_per_rank` (a bound on the index arithmetic; shared memory bounds it
+/// further, see [`LlLimits::check`]).
 pub const LL_MAX_TOKENS: usize = 0xffff;
 /// Words of the call signature compared across ranks (`LlMeta::sig`).
 pub const LL_SIG_WORDS: usize = 8;
@@ -31,22 +33,10 @@ pub const LL_HINT_TOPK: usize = 16;
 /// Timing trace (`MOELINK_LL_TRACE`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
 /// `ll.cu`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
 /// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
-pub const LL_TRACE_WORDS: usize = 12;
+pub const LL_TRACE_WORDS: usize = 10;
 pub const LL_TRACE_CALLS: usize = 16;
-pub const LL_TRACE_POINTS: [&str; 12] = [
-    "start",
-    "send_ready",
-    "send_issued",
-    "send_stored",
-    "send_done",
-    "recv_seen",
-    "recv_stored",
-    "end",
-    "index_cleared",
-    "index_tokens",
-    "index_entries",
-    "index_counts",
-];
+pub const LL_TRACE_POINTS: [&str; 10] =
+    ["start", "send_ready", "send_issued", "send_stored", "send_done", "recv_seen", "recv_stored", "end", "index_checked", "recv_indexed"];
 
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
 pub const SIG_FIELDS: [&str; 6] = ["hidden", "topk", "num_experts", "num_max_dispatch_tokens_per_rank", "quant", "topk_weights"];
@@ -74,6 +64,9 @@ pub mod flag {
     /// Timing experiment only (`MOELINK_LL_EXPERIMENT=local_stores`; results are wrong): row stores go to
     /// the sender's own region.
     pub const EXP_LOCAL_STORES: u32 = 1 << 16;
+    /// Timing experiment only (`MOELINK_LL_EXPERIMENT=no_loads`; results are wrong): the send phases do not
+    /// load their payload rows (x, y) and send zeros.
+    pub const EXP_NO_LOADS: u32 = 1 << 17;
 }
 
 /// Argument problems (`LlReport`, `LlMeta::problem`).
@@ -306,7 +299,7 @@ impl LlLimits {
                 format!("{} exceeds the {LL_MAX_TOKENS} the CUDA low-latency kernels support", self.max_tokens),
             ));
         }
-        let words = self.num_experts.max(self.num_experts * self.max_tokens.div_ceil(32));
+        let words = self.num_experts * (self.max_tokens.div_ceil(32) + 1);
         if words > LL_SMEM_WORDS as usize {
             return Err((
                 "num_experts",
@@ -317,20 +310,14 @@ impl LlLimits {
                 ),
             ));
         }
-        if self.num_ranks > 0 && self.num_experts / self.num_ranks >= 1 << 15 {
-            return Err((
-                "num_experts",
-                format!("{} local experts exceed the 32767 the kernels support", self.num_experts / self.num_ranks),
-            ));
-        }
         Ok(())
     }
 }
 
-/// Byte offsets of one buffer set's dispatch receive region, relative to its start (`counts` at 0).
+/// Byte offsets of one buffer set's dispatch receive region, relative to its start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DispatchRegion {
-    /// `i32 [R][T_max][K]`.
+    /// `i32 [R][T_max][K]`: every source token's live expert ids (-1 elsewhere).
     pub entries: usize,
     /// `f32 [R][T_max][K]`.
     pub weights: usize,
@@ -396,16 +383,15 @@ impl LlLayout {
         let (r, tm, h, k) = (num_ranks, max_tokens, hidden, topk);
         let el = num_experts.checked_div(r)?;
         let pairs = r.checked_mul(tm)?.checked_mul(k)?;
-        let counts = align(r.checked_mul(el)?.checked_mul(4)?)?;
         let entries_bytes = align(pairs.checked_mul(4)?)?;
         let row_stride = h.checked_mul(2)?.checked_next_multiple_of(16)?;
         let rows_bytes = r.checked_mul(tm)?.checked_mul(row_stride)?;
         let dispatch = DispatchRegion {
-            entries: counts,
-            weights: counts + entries_bytes,
-            rows: counts + 2 * entries_bytes,
+            entries: 0,
+            weights: entries_bytes,
+            rows: 2 * entries_bytes,
             row_stride,
-            bytes: align((counts + 2 * entries_bytes).checked_add(rows_bytes)?)?,
+            bytes: align((2 * entries_bytes).checked_add(rows_bytes)?)?,
         };
         let combine_rows = (r.checked_mul(tm)?).max(tm.checked_mul(k)?);
         let combine_bytes = align(combine_rows.checked_mul(h.checked_mul(2)?)?)?;
@@ -469,10 +455,10 @@ mod tests {
         // EP4, 128 tokens, hidden 7168, top-8 of 288.
         let l = LlLayout::new(4, 128, 7168, 8, 288).unwrap();
         assert_eq!(l.dispatch.row_stride, 14336);
-        assert_eq!(l.dispatch.entries, 4096, "counts: 4 x 72 x 4 bytes, aligned");
-        assert_eq!(l.dispatch.weights, 4096 + 16384);
-        assert_eq!(l.dispatch.rows, 4096 + 2 * 16384);
-        assert_eq!(l.dispatch.bytes, 4096 + 2 * 16384 + 512 * 14336);
+        assert_eq!(l.dispatch.entries, 0);
+        assert_eq!(l.dispatch.weights, 16384, "entries: 4 x 128 x 8 ids");
+        assert_eq!(l.dispatch.rows, 2 * 16384);
+        assert_eq!(l.dispatch.bytes, 2 * 16384 + 512 * 14336);
         assert_eq!(l.combine_bytes, 1024 * 14336, "per-expert mode: 128 x 8 rows");
         assert_eq!(l.dispatch_at, [0, l.dispatch.bytes]);
         assert_eq!(l.combine_at[0], 2 * l.dispatch.bytes);
@@ -507,7 +493,7 @@ mod tests {
             let l = LlLayout::new(r, tm, h, k, e).unwrap();
             let el = e / r;
             let d = l.dispatch;
-            assert!(d.entries >= r * el * 4 && d.weights - d.entries >= r * tm * k * 4 && d.rows - d.weights >= r * tm * k * 4);
+            assert!(d.weights - d.entries >= r * tm * k * 4 && d.rows - d.weights >= r * tm * k * 4);
             assert!(d.bytes >= d.rows + r * tm * d.row_stride);
             assert!(d.row_stride >= 2 * h && d.row_stride >= h + h / 32 && d.row_stride % 16 == 0);
             assert!(l.combine_bytes >= (r * tm).max(tm * k) * 2 * h);
@@ -526,9 +512,11 @@ mod tests {
         assert!(ok.check().is_ok());
         assert_eq!(LlLimits { topk: 33, ..ok }.check().unwrap_err().0, "topk_idx");
         assert_eq!(LlLimits { max_tokens: 70000, ..ok }.check().unwrap_err().0, "num_max_dispatch_tokens_per_rank");
-        assert_eq!(LlLimits { max_tokens: 1024, ..ok }.check().unwrap_err().0, "num_experts");
-        assert!(LlLimits { num_experts: 8192, max_tokens: 32, ..ok }.check().is_ok());
-        assert!(LlLimits { num_experts: 8193, max_tokens: 1, ..ok }.check().is_err());
+        // 288 x (ceil(T/32) + 1) words: 896 tokens fit (288 x 29 = 8352), 1312 do not (288 x 42 = 12096).
+        assert!(LlLimits { max_tokens: 896, ..ok }.check().is_ok());
+        assert_eq!(LlLimits { max_tokens: 1312, ..ok }.check().unwrap_err().0, "num_experts");
+        assert!(LlLimits { num_experts: 6016, max_tokens: 32, ..ok }.check().is_ok());
+        assert!(LlLimits { num_experts: 6020, max_tokens: 32, ..ok }.check().is_err());
     }
 
     #[test]
@@ -554,6 +542,8 @@ mod tests {
         };
         let pairs: &[(&str, u32)] = &[
             ("LL_SIG_WORDS", LL_SIG_WORDS as u32),
+            ("LL_TRACE_WORDS", LL_TRACE_WORDS as u32),
+            ("LL_TRACE_CALLS", LL_TRACE_CALLS as u32),
             ("LL_PHASE_SEND", phase::SEND),
             ("LL_PHASE_RECV", phase::RECV),
             ("LL_PHASE_DRAIN", phase::DRAIN),
@@ -561,6 +551,8 @@ mod tests {
             ("LL_FLAG_UE8M0", flag::UE8M0),
             ("LL_FLAG_WEIGHTS", flag::WEIGHTS),
             ("LL_FLAG_SHRINK", flag::SHRINK),
+            ("LL_FLAG_EXP_LOCAL_STORES", flag::EXP_LOCAL_STORES),
+            ("LL_FLAG_EXP_NO_LOADS", flag::EXP_NO_LOADS),
             ("LL_PROBLEM_TOPK_IDX", problem::TOPK_IDX),
             ("LL_PROBLEM_TOPK_IDX_DIFFERS", problem::TOPK_IDX_DIFFERS),
             ("LL_PROBLEM_WEIGHTS_DIFFER", problem::WEIGHTS_DIFFER),

@@ -733,8 +733,8 @@ mod tests {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TracePoint {
     /// The point (`LL_TRACE_POINTS`: `start`, `send_ready`, `send_issued`, `send_stored`, `send_done`,
-    /// `recv_seen`, `recv_stored`, `end`; block 0 of a dispatch send: `index_cleared`, `index_tokens`,
-    /// `index_entries`, `index_counts`).
+    /// `recv_seen`, `recv_stored`, `end`; block 0 of a dispatch send: `index_checked`; a dispatch receive:
+    /// `recv_indexed`, the routing rebuilt).
     pub name: &'static str,
     /// Blocks that stamped it.
     pub blocks: usize,

@@ -219,17 +219,25 @@ fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
     if b.ll.enable_shrink {
         f |= flag::SHRINK;
     }
-    if experiment_local_stores() {
-        f |= flag::EXP_LOCAL_STORES;
-    }
-    f
+    f | experiment_flags()
 }
 
-/// `MOELINK_LL_EXPERIMENT=local_stores`: a timing experiment (wrong results; never in a real run): the send
-/// phases store their rows into the sender's own region, so the time NVLink adds shows.
-fn experiment_local_stores() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MOELINK_LL_EXPERIMENT").is_ok_and(|v| v.trim() == "local_stores"))
+/// `MOELINK_LL_EXPERIMENT`, a comma-separated list of timing experiments (wrong results; never in a real
+/// run): `local_stores` — the send phases store their rows into the sender's own region, so the time NVLink
+/// adds shows; `no_loads` — the send phases do not load their payload (x, y) and send zeros, so the time the
+/// loads take shows.
+fn experiment_flags() -> u32 {
+    static FLAGS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *FLAGS.get_or_init(|| {
+        let list = std::env::var("MOELINK_LL_EXPERIMENT").unwrap_or_default();
+        list.split(',')
+            .map(|e| match e.trim() {
+                "local_stores" => flag::EXP_LOCAL_STORES,
+                "no_loads" => flag::EXP_NO_LOADS,
+                _ => 0,
+            })
+            .fold(0, |a, b| a | b)
+    })
 }
 
 /// Addresses shared by both argument structs: every rank's `LlCtrl`, and every rank's copy of the region
