@@ -76,7 +76,10 @@ constexpr u32 LL_FLAG_UE8M0 = 2;
 constexpr u32 LL_FLAG_WEIGHTS = 4;
 constexpr u32 LL_FLAG_SHRINK = 8;
 // Timing experiment only (MOELINK_LL_EXPERIMENT=local_stores; results are wrong): the send phases' row
-// stores go to this rank's own region instead of the destination's, so NVLink's share of their time shows.
+// stores go to this rank's own region instead of the destination's, so NVLink's share of their time shows;
+// each destination's rows to their own slots there (slot [destination][token]: with every destination's
+// rows on slot [me][token], as until run 1 of the fifth session, the writes of 2-4 SMs met on one line).
+// Per-expert combine rows still share their slots.
 constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 65536;  // 1 << 16
 // Timing experiment only (MOELINK_LL_EXPERIMENT=no_loads; results are wrong): the send phases do not load
 // their payload rows (x, y) and send zeros, so the loads' share of their time shows.
@@ -663,12 +666,12 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
     if (j < lane && other == id) live = false;
   }
   if (lane >= LL_TOPK) return;
-  const u64 at = ((u64)a.rank * a.max_tokens + t) * LL_TOPK * 4 + lane * 4;
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u32 dest0 = first_dest(a.rank, a.num_ranks);
   for (u32 i = 0; i < a.num_ranks; i++) {
     const u32 p = dest0 + i >= a.num_ranks ? dest0 + i - a.num_ranks : dest0 + i;
     u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]);
+    const u64 at = ((u64)(local_stores ? p : a.rank) * a.max_tokens + t) * LL_TOPK * 4 + lane * 4;
     llptx::st_na_u32(region + a.off_entries + at, live ? id : 0xffffffffu);
     if (has_weights) llptx::st_na_u32(region + a.off_weights + at, wbits);
   }
@@ -726,14 +729,15 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     }
     if (ranks == 0) continue;
     stored = true;
-    const u64 slot = a.off_rows + ((u64)a.rank * a.max_tokens + t) * a.row_stride;
+    // local_stores: into the own region's slot [p][token] (distinct per destination, like the real stores).
+    auto slot_of = [&](u32 p) { return a.off_rows + ((u64)(local_stores ? p : a.rank) * a.max_tokens + t) * a.row_stride; };
 #if LL_FP8
     float scale_inv;
     const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
     for (u32 rot = rotate_ranks(ranks, dest0, a.num_ranks); rot != 0; rot &= rot - 1) {
       const u32 i = __ffs(rot) - 1 + dest0;
       const u32 p = i >= a.num_ranks ? i - a.num_ranks : i;
-      u8* row = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot;
+      u8* row = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot_of(p);
       if (active) {
         ptx::st_na_v4(reinterpret_cast<u32x4*>(row + ch), q);
         if (lane % FP8_GROUP_LANES == 0) llptx::st_na_u32(row + LL_HIDDEN + (ch / FP8_GROUP) * 4, f32_bits(scale_inv));
@@ -743,7 +747,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     for (u32 rot = rotate_ranks(ranks, dest0, a.num_ranks); rot != 0; rot &= rot - 1) {
       const u32 i = __ffs(rot) - 1 + dest0;
       const u32 p = i >= a.num_ranks ? i - a.num_ranks : i;
-      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot + off), v);
+      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot_of(p) + off), v);
     }
 #endif
   }
@@ -849,20 +853,49 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const u32 R = a.num_ranks, EL = a.num_local_experts, TM = a.max_tokens;
   const u32 rows = R * TM;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
+  // Routing, rebuilt by every block from the ids the rows carried: per (used source, local expert) a bitmap
+  // of the source's tokens that selected it, so that a token's rank among them is a popcount; the slot of
+  // (source p, token t) in expert el's rows is the tokens of el from the used sources before p (bases) plus
+  // that rank: rows in (source, token) order, no atomics. The bitmaps are cleared while the flags fly.
+  const u32 W = (TM + 31) / 32;
+  const u32 first_expert = a.rank * EL;
+  u32* bitmaps = sm.words;             // [R][EL][W]
+  u32* bases = sm.words + R * EL * W;  // [R][EL]: first each pair's count, then its base
+  for (u32 i = threadIdx.x; i < R * EL * W; i += LL_THREADS) bitmaps[i] = 0;
   dispatch_wait_sources(a, d, sm, epoch);
   ll_trace(sm, LL_TRACE_RECV_SEEN);
 
   if (sm.abort == 0) {
-    // Routing, rebuilt by every block from the ids the rows carried: per (used source, local expert) a
-    // bitmap of the source's tokens that selected it, so that a token's rank among them is a popcount; the
-    // slot of (source p, token t) in expert el's rows is the tokens of el from the used sources before p
-    // (bases) plus that rank: rows in (source, token) order, no atomics.
-    const u32 W = (TM + 31) / 32;
-    const u32 first_expert = a.rank * EL;
-    u32* bitmaps = sm.words;               // [R][EL][W]
-    u32* bases = sm.words + R * EL * W;    // [R][EL]
-    for (u32 i = threadIdx.x; i < R * EL * W; i += LL_THREADS) bitmaps[i] = 0;
-    __syncthreads();
+    // Expansion (below): work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
+    // Each item's payload chunk, top-k id and weight are loaded one item ahead: a warp's items were a chain
+    // of L2 round trips (~3.4 items per warp at 128 tokens x 4 ranks); now the next item's loads fly during
+    // this one's stores, and the first item's during the routing rebuild.
+    const u32 lane = lane_id();
+    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    const u32 items = rows * RECV_CHUNKS;
+    const u32 stride = gridDim.x * LL_WARPS;
+    struct Ahead {
+      u32x4 v;
+      u32 id;
+      u32 w;
+    };
+    auto load_ahead = [&](u32 item) {
+      Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
+      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
+      const u32 p = st / TM, t = st % TM;
+      if (item >= items || sm.ok[p] == 0 || t >= sm.ntok[p]) return l;
+      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      if (off < PAYLOAD_BYTES) l.v = llptx::ld_cg_v4(msg + off);
+      if (lane < LL_TOPK) {
+        const u64 at = (((u64)p * TM + t) * LL_TOPK + lane) * 4;
+        l.id = llptx::ld_cg_u32(region + a.off_entries + at);
+        if (c == 0 && has_weights) l.w = llptx::ld_cg_u32(region + a.off_weights + at);
+      }
+      return l;
+    };
+    Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
+
     for (u32 st = threadIdx.x; st < R * TM; st += LL_THREADS) {
       const u32 p = st / TM, t = st % TM;
       if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
@@ -885,11 +918,19 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       }
     }
     __syncthreads();
+    // Counts of every (source, local expert) in parallel, then each expert's exclusive scan over sources.
+    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
+      u32 n = 0;
+      for (u32 w = 0; w < W; w++) n += __popc(bitmaps[pe * W + w]);
+      bases[pe] = n;
+    }
+    __syncthreads();
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
       u32 run = 0;
       for (u32 p = 0; p < R; p++) {
+        const u32 n = bases[p * EL + e];
         bases[p * EL + e] = run;
-        for (u32 w = 0; w < W; w++) run += __popc(bitmaps[(p * EL + e) * W + w]);
+        run += n;
       }
       if (blockIdx.x == 0) {
         reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
@@ -903,30 +944,6 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     __syncthreads();
     ll_trace(sm, LL_TRACE_RECV_INDEXED);
 
-    // Expansion: work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
-    const u32 lane = lane_id();
-    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
-    const u32 items = rows * RECV_CHUNKS;
-    const u32 stride = gridDim.x * LL_WARPS;
-    // Each item's payload chunk and entry are loaded one item ahead: a warp's items were a chain of L2 round
-    // trips (~3.4 items per warp at 128 tokens x 4 ranks); now the next item's loads fly during this one's
-    // stores.
-    struct Ahead {
-      u32x4 v;
-      u32 ent;
-    };
-    auto load_ahead = [&](u32 item) {
-      Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu};
-      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
-      const u32 p = st / TM, t = st % TM;
-      if (item >= items || sm.ok[p] == 0 || t >= sm.ntok[p]) return l;
-      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
-      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      if (off < PAYLOAD_BYTES) l.v = llptx::ld_cg_v4(msg + off);
-      if (lane < LL_TOPK) l.ent = llptx::ld_cg_u32(region + a.off_entries + (((u64)p * TM + t) * LL_TOPK + lane) * 4);
-      return l;
-    };
-    Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
     for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
       const Ahead cur = next;
       next = load_ahead(item + stride);
@@ -940,7 +957,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
       i32 row = -1;
       if (lane < LL_TOPK) {
-        const u32 el = cur.ent - first_expert;
+        const u32 el = cur.id - first_expert;
         if (el < EL) {
           const u32* bm = bitmaps + (p * EL + el) * W;
           u32 slot = bases[p * EL + el] + __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
@@ -949,7 +966,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
         }
         if (c == 0) {
           reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
-          if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = llptx::ld_cg_u32(region + a.off_weights + entry_at * 4);
+          if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = cur.w;
         }
       }
       const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
@@ -1149,8 +1166,10 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
       valid[j] = __ballot_sync(FULL_WARP_MASK, row[j] >= 0);
       off[j] = c * CHUNK_BYTES + lane * VEC_BYTES;
       u8* region = item < items ? reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : h]) : nullptr;
+      // local_stores: the own region's slot [h][token] (distinct per home, like the real stores).
       dst[j] = region == nullptr ? nullptr
-                                 : region + (pre_reduced ? ((u64)a.rank * TM + t) * ROW_BYTES_BF16 : (u64)t * LL_TOPK * ROW_BYTES_BF16);
+                                 : region + (pre_reduced ? ((u64)(local_stores ? h : a.rank) * TM + t) * ROW_BYTES_BF16
+                                                         : (u64)t * LL_TOPK * ROW_BYTES_BF16);
       if (valid[j] != 0) stored = true;
     }
     if (pre_reduced) {
