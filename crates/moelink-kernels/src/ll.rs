@@ -299,7 +299,8 @@ impl LlLimits {
                 format!("{} exceeds the {LL_MAX_TOKENS} the CUDA low-latency kernels support", self.max_tokens),
             ));
         }
-        let words = self.num_experts * (self.max_tokens.div_ceil(32) + 1);
+        // num_experts comes from the caller: a huge value must be refused, not wrap past the bound.
+        let words = self.num_experts.saturating_mul(self.max_tokens.div_ceil(32) + 1);
         if words > LL_SMEM_WORDS as usize {
             return Err((
                 "num_experts",
@@ -517,6 +518,8 @@ mod tests {
         assert_eq!(LlLimits { max_tokens: 1312, ..ok }.check().unwrap_err().0, "num_experts");
         assert!(LlLimits { num_experts: 6016, max_tokens: 32, ..ok }.check().is_ok());
         assert!(LlLimits { num_experts: 6020, max_tokens: 32, ..ok }.check().is_err());
+        // 2^62 experts x (96 / 32 + 1) words = 2^64: wrapped to 0 words before the bound saturated.
+        assert_eq!(LlLimits { num_experts: 1 << 62, max_tokens: 96, ..ok }.check().unwrap_err().0, "num_experts");
     }
 
     #[test]
