@@ -15,10 +15,13 @@
 // Memory (docs/protocols.md, "Low latency"). Every rank has, at the same offsets of its symmetric buffer:
 //   LlCtrl (control area, ctrl::LL): epochs, block-completion counters, flags and per-source metadata;
 //   per buffer set s in {0, 1} (chosen by the host, identical on every rank for a given call):
-//     dispatch receive region  entries i32 [R][T_max][K]       per source token: its live expert ids (global;
-//                                                              -1 for empty, invalid and repeated slots),
-//                                                              written to every rank, routed there or not
+//     dispatch receive region  entries u32 [R][T_max][K]       per source token and live selection: expert id
+//                                                              (global) << 16 | the token's rank among the
+//                                                              source's tokens of that expert; ~0 for empty,
+//                                                              invalid and repeated slots; written to every
+//                                                              rank, routed there or not
 //                              weights f32 [R][T_max][K]       the dispatch-time top-k weights
+//                              counts u32 [R][E_local]         tokens each source sends each local expert
 //                              rows    [R][T_max][row_stride]  FP8 payload + f32 scale_inv per 128 channels,
 //                                                              or the bf16 row
 //     combine receive region   bf16 rows [R][T_max] (pre-reduced partials) or [T_max][K] (one per expert)
@@ -27,20 +30,26 @@
 //                              home_idx i64 [T_max][K], home_weight f32 [T_max][K] (this rank's own call)
 //
 // Epochs, not resets: LlCtrl.dispatch_epoch counts dispatch calls on this GPU; a send kernel works as call
-// e = epoch + 1 and its last block stores e back. Flags carry e, so nothing is ever cleared, and CUDA-graph
-// replays (which re-run the kernels, not the host code) advance the epochs like direct calls. Every rank
-// runs the same sequence of calls, so epochs agree across ranks.
+// e = epoch + 1 and its last block stores e back. Flags carry e (arrival words LL_ARRIVE_UNIT * e), so
+// nothing is ever cleared, and CUDA-graph replays (which re-run the kernels, not the host code) advance the
+// epochs like direct calls. Every rank runs the same sequence of calls, so epochs agree across ranks.
 //
 // Flag protocol (both families; "send" writes into peers, "recv" reads its own receive region):
 //   send:  (0) wait until every unmasked destination d has consumed what this rank last wrote into set s:
 //              ctrl.X_consumed[s][d] >= ctrl.X_last_write[s] (local poll, deadline);
 //          (1) data/metadata stores into every destination's region (weak, 16-byte where possible);
-//          (2) every thread: fence.acq_rel.sys; __syncthreads; thread 0 counts the block in
-//              ctrl.X_send_done (atom.acq_rel.gpu); the last block: fence.acq_rel.sys, stores the epoch,
-//              then st.relaxed.sys of e into ctrl.X_arrive[s][me] of every rank (itself included).
-//   recv:  lane p of warp 0 polls ctrl.X_arrive[s][p] >= e (relaxed .sys loads, deadline), then
-//          fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish stores e
-//          into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write set s again.
+//          (2) every thread: fence.acq_rel.sys; __syncthreads; then the block arrives at every rank on its
+//              own: red.relaxed.sys.add of (e - e') * share into ctrl.X_arrive[s][me] of every rank (itself
+//              included), e' = ctrl.X_last_write[s] = the epoch of this rank's previous call into set s, and
+//              the blocks' shares summing to LL_ARRIVE_UNIT (ll_arrive_share), so that after call e the word
+//              holds LL_ARRIVE_UNIT * e whatever the grid, and only once every block added. No block waits
+//              for the others before its flags go out (until the sixth session the last block of a
+//              grid-wide counter published, ~1.3 us after the median block). A grid counter (local) still
+//              finds the last block, which stores the epoch words for the next launch.
+//   recv:  lane p of warp 0 polls ctrl.X_arrive[s][p] >= LL_ARRIVE_UNIT * e (wrap-safe, relaxed .sys loads, deadline),
+//          then fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish
+//          stores e into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write
+//          set s again.
 //   Masked ranks (shrink mode) are not waited for and their data is dropped; with LL_FLAG_SHRINK a missed
 //   deadline masks the peer (decided once per call with a CAS on ctrl.decision, so every block agrees)
 //   instead of raising ERR_TIMEOUT. Without it a missed deadline writes the error record and the kernel
@@ -60,6 +69,9 @@ static_assert(LL_TOPK >= 1 && LL_TOPK <= WARP_SIZE, "one lane per top-k slot");
 static_assert(LL_HIDDEN % 8 == 0, "bf16 rows are moved in 16-byte vectors");
 static_assert(LL_FP8 == 0 || LL_HIDDEN % 128 == 0, "FP8 rows are quantised per 128 channels");
 static_assert(LL_THREADS % WARP_SIZE == 0 && LL_THREADS >= 2 * WARP_SIZE, "whole warps, at least two");
+// A dispatch entry packs an expert id (< E <= LL_SMEM_WORDS / 2, the host's limit) and a token rank
+// (< T_max <= 0xffff) into 16 bits each.
+static_assert(LL_SMEM_WORDS <= 0xffff, "expert ids fit 16 bits of an entry");
 
 // ============================================================================================ constants
 constexpr u32 LL_WARPS = LL_THREADS / WARP_SIZE;
@@ -106,12 +118,12 @@ constexpr u32 LL_TRACE_START = 0;        // block entry
 constexpr u32 LL_TRACE_SEND_READY = 1;   // send: hand-back wait done
 constexpr u32 LL_TRACE_SEND_ISSUED = 2;  // send: thread 0's warp has issued its stores (before the fence)
 constexpr u32 LL_TRACE_SEND_STORED = 3;  // send: every thread of the block fenced its stores
-constexpr u32 LL_TRACE_SEND_DONE = 4;    // send: counted (the last block: after publishing the flags)
+constexpr u32 LL_TRACE_SEND_DONE = 4;    // send: arrived at every rank and counted
 constexpr u32 LL_TRACE_RECV_SEEN = 5;    // recv: every source's flag seen
 constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
 constexpr u32 LL_TRACE_END = 7;          // block exit
 constexpr u32 LL_TRACE_INDEX_CHECKED = 8;  // dispatch send, block 0 (dispatch_check): rows validated, handle copies
-constexpr u32 LL_TRACE_RECV_INDEXED = 9;  // dispatch receive: routing bitmaps and bases built
+constexpr u32 LL_TRACE_RECV_INDEXED = 9;  // dispatch receive: counts scanned into bases
 constexpr u32 LL_TRACE_WORDS = 10;
 constexpr u32 LL_TRACE_CALLS = 16;
 
@@ -179,7 +191,7 @@ struct LlCtrl {
   u32 combine_last_write[2];
   u32 pad0[6];
   u32 decision[2][MAX_RANKS];           // [kind][src] = (epoch << 1) | accepted, shrink mode only
-  u32 dispatch_arrive[2][MAX_RANKS];    // [set][src] = epoch of src's last dispatch into set
+  u32 dispatch_arrive[2][MAX_RANKS];    // [set][src] = LL_ARRIVE_UNIT * epoch of src's last dispatch into set
   u32 dispatch_consumed[2][MAX_RANKS];  // [set][dst] = epoch dst last finished reading set from me
   u32 combine_arrive[2][MAX_RANKS];
   u32 combine_consumed[2][MAX_RANKS];
@@ -228,6 +240,7 @@ struct LlDispatchArgs {
   u64 off_entries;       // offsets inside a dispatch receive region (entries at 0)
   u64 off_weights;
   u64 off_rows;
+  u64 off_counts;
   u32 row_stride;        // bytes per row slot (16-byte multiple)
   u32 rank;
   u32 num_ranks;
@@ -279,10 +292,11 @@ static_assert(sizeof(LlCombineArgs) == MOELINK_SIZEOF_LL_COMBINE_ARGS, "LlCombin
 
 // Shared memory of one block.
 struct LlShared {
-  u32 words[LL_SMEM_WORDS];  // dispatch recv: token bitmaps [R][E_local][ceil(T_max/32)], then bases [R][E_local]
+  u32 words[LL_SMEM_WORDS];  // dispatch send: token bitmaps [E][ceil(T/32)]; dispatch recv: bases [R][E_local]
   u32 ok[MAX_RANKS];         // recv: source/expert rank p's data is used in this call
   u32 ntok[MAX_RANKS];       // recv: tokens of source p / combine send: tokens of home p
   u32 epoch;
+  u32 prev_write;            // send: this rank's previous epoch in the call's buffer set (X_last_write[set])
   u32 abort;                 // a wait of this block failed: skip the data work
   u32 problem;
   u32 last;
@@ -302,6 +316,12 @@ __device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
   u32 old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
+}
+
+// A block's arrival at a peer (send phases): no return value, so the issuing thread does not wait for the
+// NVLink round trip.
+__device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_relaxed_gpu(u32* p, u32 v) {
@@ -481,19 +501,15 @@ __device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
   return (v & 1u) != 0;
 }
 
-// Every thread of every block calls this once per phase, after its stores of the phase. A thread that wrote
-// into peer memory (`stored`, send phases) first fences its own stores at system scope; then the block
-// counts itself in `done` (plus LL_DONE_FAILED when its phase failed: sm.abort), and exactly one block —
-// the last — gets true, with the counter reset for the next launch and an acquire/release fence issued by
-// its thread 0, the thread that then publishes; sm.phase_ok tells it whether every block succeeded (a
-// failure of a later phase of the same launch, or of another kernel, does not count).
-// Receive phases pass stored = false: what they publish (consumed flags) only orders their loads of the
-// receive region, which completed before the block's barrier; their outputs are ordered by the kernel
-// boundary.
+// End of a receive phase, called by every thread of every block: the block counts itself in `done` (plus
+// LL_DONE_FAILED when its phase failed: sm.abort), and exactly one block — the last — gets true, with the
+// counter reset for the next launch and an acquire/release fence issued by its thread 0, the thread that
+// then publishes the consumed flags; sm.phase_ok tells it whether every block succeeded (a failure of
+// another phase or kernel does not count). What it publishes only orders the blocks' loads of the receive
+// region, which completed before their barriers; the outputs are ordered by the kernel boundary.
 constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
-// `point`: the trace point stamped once every thread of the block has fenced.
-__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stored, u32 point) {
-  if (stored) ptx::fence_acq_rel_sys();
+// `point`: the trace point stamped once the block's threads are past their work.
+__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, u32 point) {
   __syncthreads();
   ll_trace(sm, point);
   if (threadIdx.x == 0) {
@@ -511,14 +527,50 @@ __device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, bool stor
   return sm.last != 0;
 }
 
+// One call's arrivals from all of a source's blocks: block b's share is LL_ARRIVE_UNIT / G, block 0 adds the
+// remainder. Every share is positive (G <= 65536), so the word reaches its target only once every block
+// added, and a peer with another grid size (MOELINK_LL_SMS) still sums to the same unit.
+constexpr u32 LL_ARRIVE_UNIT = 65536;
+__device__ __forceinline__ u32 ll_arrive_share() {
+  const u32 share = LL_ARRIVE_UNIT / gridDim.x;
+  return blockIdx.x == 0 ? LL_ARRIVE_UNIT - share * (gridDim.x - 1) : share;
+}
+
+// End of a send phase, called by every thread of every block after its stores: a thread that wrote into
+// peer memory (`stored`) fences them at system scope; after the block's barrier it arrives at every rank on
+// its own (the arrival word of this rank in rank p's control area, `arrive_of(p)`, += increment, a relaxed
+// reduction by lane p of warp 1: the fences and the barrier order the block's stores before it) unless its
+// phase failed (sm.abort: the peers then time out naming this rank instead of reading garbage). A local
+// grid-wide counter (`done`) still finds the last block, which gets true with the counter reset for the
+// next launch; nothing waits for it.
+template <typename ArriveOf>
+__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 increment, ArriveOf arrive_of) {
+  if (stored) ptx::fence_acq_rel_sys();
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_SEND_STORED);
+  // Warp 1, not thread 0: thread 0's counter atomic below then does not wait behind the reductions.
+  if (warp_id() == 1 && lane_id() < num_ranks && sm.abort == 0) llptx::red_add_relaxed_sys(arrive_of(lane_id()), increment);
+  if (threadIdx.x == 0) {
+    const u32 old = llptx::atom_add_acq_rel_gpu(done, 1u);
+    const bool last = old == gridDim.x - 1;
+    if (last) llptx::st_relaxed_gpu(done, 0);
+    sm.last = last ? 1u : 0u;
+  }
+  __syncthreads();
+  return sm.last != 0;
+}
+
 // Waits (warp 0, lane p < R) until every unmasked rank p has consumed what this rank last wrote into set
 // `set` of its region (consumed[p] >= last_write). Shrink mode: a rank that misses the deadline is masked.
-// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads.
+// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads. The other warps run
+// `meanwhile()` during the wait (local work that needs no peer: it overlaps the round trips).
+template <typename Meanwhile>
 __device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32* last_write, u32* mask, u32 num_ranks,
-                                                 const Deadline& d, bool soft, LlShared& sm) {
+                                                 const Deadline& d, bool soft, LlShared& sm, Meanwhile&& meanwhile) {
   if (threadIdx.x == 0) sm.abort = 0;
   __syncthreads();
   const u32 lane = lane_id();
+  if (warp_id() != 0) meanwhile();
   if (warp_id() == 0 && lane < num_ranks) {
     // The three words are loaded together (one round trip, not three); the wait polls only when the first
     // look at the peer's consumed flag was not enough.
@@ -540,18 +592,19 @@ struct SourceState {
   u64 waited_ns;  // time spent waiting
 };
 
-// Waits for rank `p`'s flag of this call (lane p of warp 0), honouring its mask. Shrink mode: every block
+// Waits for rank `p`'s flag of this call (lane p of warp 0) to reach `target` (LL_ARRIVE_UNIT * epoch:
+// every block of p's send arrived), honouring its mask. Shrink mode: every block
 // resolves p through the call's decision word (ll_decide), so that all blocks use or drop p's data alike
 // even when they looked at different moments (p masked meanwhile, flag arriving late); a peer decided
 // absent is masked for later calls.
-__device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epoch, u32* mask, u32* decision, u32 p,
+__device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epoch, u32 target, u32* mask, u32* decision, u32 p,
                                                       const Deadline& d, bool soft, LlShared& sm) {
   SourceState s = {false, 0};
   const bool masked = ptx::ld_relaxed_gpu(mask + p) != 0;
   u32 w = LL_WAIT_TIMEOUT;
   if (!masked) {
     const u64 start = ptx::globaltimer();
-    w = ll_wait_geq(arrive + p, epoch, d, p, soft);
+    w = ll_wait_geq(arrive + p, target, d, p, soft);
     s.waited_ns = ptx::globaltimer() - start;
   }
   if (w == LL_WAIT_FAILED) {
@@ -570,12 +623,13 @@ __device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epo
 
 // ============================================================================================ dispatch: send
 // Block 0 of the send phase: validates this rank's top-k rows (ids outside [-1, E), repeats), keeps its
-// top-k ids/weights in the handle area (combine checks its inputs against them), and writes the metadata
-// line (tokens, problems, signature) into every destination's control area. It stores nothing else into
-// the peers: the routing travels with the rows (dispatch_rows), so this block is never on the critical path
-// (it used to build every destination's entries and counts and ended as late as the data: 10 us at 128
-// tokens, all of the critical path at 1-16 tokens; run 11).
-__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
+// top-k ids/weights in the handle area (combine checks its inputs against them), writes each destination's
+// counts (tokens per local expert, from the block's token bitmaps) into its receive region and the
+// metadata line (tokens, problems, signature) into its control area. The per-token routing travels with
+// the rows (dispatch_rows), so this block is never on the critical path (it used to build every
+// destination's entries and ended as late as the data: 10 us at 128 tokens, all of the critical path at
+// 1-16 tokens; run 11 of the fourth session).
+__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm, const u32* bitmaps, u32 words_per_expert) {
   const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const float* wts = reinterpret_cast<const float*>(a.topk_weights);
@@ -598,6 +652,17 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
     }
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
+  // Counts: expert e = d * E_local + el goes to counts [me][el] of rank d (local_stores: the own region's
+  // counts [d][el]).
+  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  const u32 EL = a.num_local_experts;
+  for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
+    u32 n = 0;
+    for (u32 w = 0; w < words_per_expert; w++) n += __popc(bitmaps[e * words_per_expert + w]);
+    const u32 dest = e / EL, el = e % EL;
+    u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : dest]);
+    llptx::st_na_u32(region + a.off_counts + ((u64)(local_stores ? dest : a.rank) * EL + el) * 4, n);
+  }
   __syncthreads();
   ll_trace(sm, LL_TRACE_INDEX_CHECKED);
 
@@ -653,11 +718,13 @@ __device__ __forceinline__ u32x4 quantize16(const u32x4& v0, const u32x4& v1, bo
 }
 
 // A token's routing, stored with its chunk-0 item into every rank (routed there or not, so that every slot
-// t < num_tokens of this source holds this call's): lane k < K writes the token's k-th expert id if it is
-// live (in [0, E), `id`, and not an earlier slot's id), else -1, into entries [me][t][k], and its weight
-// bits into weights [me][t][k]. The receiver rebuilds each expert's token order from these ids
-// (dispatch_recv), so no routing block has to finish before the rows are useful.
-__device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores) {
+// t < num_tokens of this source holds this call's): lane k < K writes, if the token's k-th id is live (in
+// [0, E), `id`, and not an earlier slot's id), id << 16 | the token's rank among this rank's tokens that
+// selected expert id (a popcount of the block's token bitmap of id below t), else ~0, into entries
+// [me][t][k], and its weight bits into weights [me][t][k]. With the source's counts (dispatch_check) the
+// receiver places the row without looking at any other token (dispatch_recv).
+__device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores, const u32* bitmaps,
+                                                 u32 words_per_expert) {
   const u32 lane = lane_id();
   bool live = id != 0xffffffffu;
 #pragma unroll
@@ -666,13 +733,20 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
     if (j < lane && other == id) live = false;
   }
   if (lane >= LL_TOPK) return;
+  u32 entry = 0xffffffffu;
+  if (live) {
+    const u32* bm = bitmaps + id * words_per_expert;
+    u32 rank = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
+    for (u32 w = 0; w < t / 32; w++) rank += __popc(bm[w]);
+    entry = (id << 16) | rank;
+  }
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u32 dest0 = first_dest(a.rank, a.num_ranks);
   for (u32 i = 0; i < a.num_ranks; i++) {
     const u32 p = dest0 + i >= a.num_ranks ? dest0 + i - a.num_ranks : dest0 + i;
     u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]);
     const u64 at = ((u64)(local_stores ? p : a.rank) * a.max_tokens + t) * LL_TOPK * 4 + lane * 4;
-    llptx::st_na_u32(region + a.off_entries + at, live ? id : 0xffffffffu);
+    llptx::st_na_u32(region + a.off_entries + at, entry);
     if (has_weights) llptx::st_na_u32(region + a.off_weights + at, wbits);
   }
 }
@@ -683,7 +757,7 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
 // bytes per 128-channel group after the payload); the chunk-0 item also stores the token's routing
 // (dispatch_routing).
 // Returns whether this warp stored anything.
-__device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps) {
+__device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps, const u32* bitmaps, u32 words_per_expert) {
   const u32 lane = lane_id();
   const u32 E = a.num_experts, EL = a.num_local_experts;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
@@ -724,7 +798,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     }
     ranks = __reduce_or_sync(FULL_WARP_MASK, ranks);
     if (c == 0) {
-      dispatch_routing(a, t, id, wbits, local_stores);
+      dispatch_routing(a, t, id, wbits, local_stores, bitmaps, words_per_expert);
       stored = true;
     }
     if (ranks == 0) continue;
@@ -754,40 +828,50 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
   return stored;
 }
 
+// Every block's token bitmaps of this call: bit t of words [e][*] when token t selected expert e (valid ids;
+// an id repeated in a row sets its bit once). Built by warps 1.. from the top-k rows while warp 0 waits for
+// the hand-back (ll_wait_consumed), so they cost the send no extra round trip; block 0 counts them for the
+// destinations and the chunk-0 warps rank their token with them (dispatch_routing).
+__device__ __forceinline__ void dispatch_bitmaps(const LlDispatchArgs& a, u32* bitmaps, u32 words_per_expert) {
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE) {
+    i64 ids[LL_TOPK];
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) ids[k] = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + k);
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++)
+      if (ids[k] >= 0 && ids[k] < (i64)a.num_experts) atomicOr(&bitmaps[(u32)ids[k] * words_per_expert + t / 32], 1u << (t % 32));
+  }
+}
+
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
-  // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
-  // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
-  // wait took 1.9 us instead of 1.0 and the warps issued their stores no earlier (runs 3-7).
-  if (blockIdx.x == 0 && warp_id() != 0) {
-    for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
-      llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
-  }
-  ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
+  const u32 words_per_expert = (a.num_tokens + 31) / 32;
+  u32* bitmaps = sm.words;  // [E][words_per_expert]
+  for (u32 i = threadIdx.x; i < a.num_experts * words_per_expert; i += LL_THREADS) bitmaps[i] = 0;
+  ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm,
+                   [&] { dispatch_bitmaps(a, bitmaps, words_per_expert); });
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
     if (blockIdx.x == 0) {
-      dispatch_check(a, sm);
+      dispatch_check(a, sm, bitmaps, words_per_expert);
       stored = true;
     }
     if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
       const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
       const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
-      stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+      stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS, bitmaps, words_per_expert);
     }
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
-  if (ll_last_block(&me->dispatch_send_done, sm, stored, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
+  const u32 increment = (epoch - sm.prev_write) * ll_arrive_share();
+  const bool last = ll_send_arrive(&me->dispatch_send_done, sm, stored, a.num_ranks, increment,
+                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank]; });
+  if (last && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
     me->dispatch_last_write[a.set] = epoch;
-    // A send that failed (its hand-back wait timed out) does not publish: the peers then time out naming
-    // this rank instead of reading garbage. A timeout of this launch's receive phase does not count.
-    if (sm.phase_ok) {
-      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank], epoch);
-    }
   }
   ll_trace(sm, LL_TRACE_SEND_DONE);
 }
@@ -807,7 +891,8 @@ __device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, c
     u32 ntok = 0, mismatch_field = LL_SIG_WORDS, problem = 0;
     u64 waited = 0;
     if (lane < a.num_ranks) {
-      const SourceState s = ll_wait_source(me->dispatch_arrive[a.set], epoch, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
+      const SourceState s =
+          ll_wait_source(me->dispatch_arrive[a.set], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
       waited = s.waited_ns;
       if (s.used) {
         const LlMeta* m = &me->dispatch_meta[a.set][lane];
@@ -853,30 +938,27 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const u32 R = a.num_ranks, EL = a.num_local_experts, TM = a.max_tokens;
   const u32 rows = R * TM;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
-  // Routing, rebuilt by every block from the ids the rows carried: per (used source, local expert) a bitmap
-  // of the source's tokens that selected it, so that a token's rank among them is a popcount; the slot of
-  // (source p, token t) in expert el's rows is the tokens of el from the used sources before p (bases) plus
-  // that rank: rows in (source, token) order, no atomics. The bitmaps are cleared while the flags fly.
-  const u32 W = (TM + 31) / 32;
+  // Placement: the slot of (source p, token t) in expert el's rows is the tokens of el from the used
+  // sources before p (bases, from the counts each source's block 0 wrote) plus t's rank among p's tokens of
+  // el (in its entry): rows in (source, token) order, no atomics, nothing rebuilt here (until the sixth
+  // session every block rebuilt per-source token bitmaps from all received ids: 1.7-1.9 us after the flags).
   const u32 first_expert = a.rank * EL;
-  u32* bitmaps = sm.words;             // [R][EL][W]
-  u32* bases = sm.words + R * EL * W;  // [R][EL]: first each pair's count, then its base
-  for (u32 i = threadIdx.x; i < R * EL * W; i += LL_THREADS) bitmaps[i] = 0;
+  u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
   dispatch_wait_sources(a, d, sm, epoch);
   ll_trace(sm, LL_TRACE_RECV_SEEN);
 
   if (sm.abort == 0) {
     // Expansion (below): work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
-    // Each item's payload chunk, top-k id and weight are loaded one item ahead: a warp's items were a chain
+    // Each item's payload chunk, entry and weight are loaded one item ahead: a warp's items were a chain
     // of L2 round trips (~3.4 items per warp at 128 tokens x 4 ranks); now the next item's loads fly during
-    // this one's stores, and the first item's during the routing rebuild.
+    // this one's stores, and the first item's during the count loads.
     const u32 lane = lane_id();
     const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
     const u32 items = rows * RECV_CHUNKS;
     const u32 stride = gridDim.x * LL_WARPS;
     struct Ahead {
       u32x4 v;
-      u32 id;
+      u32 entry;
       u32 w;
     };
     auto load_ahead = [&](u32 item) {
@@ -889,42 +971,17 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       if (off < PAYLOAD_BYTES) l.v = llptx::ld_cg_v4(msg + off);
       if (lane < LL_TOPK) {
         const u64 at = (((u64)p * TM + t) * LL_TOPK + lane) * 4;
-        l.id = llptx::ld_cg_u32(region + a.off_entries + at);
+        l.entry = llptx::ld_cg_u32(region + a.off_entries + at);
         if (c == 0 && has_weights) l.w = llptx::ld_cg_u32(region + a.off_weights + at);
       }
       return l;
     };
     Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
 
-    for (u32 st = threadIdx.x; st < R * TM; st += LL_THREADS) {
-      const u32 p = st / TM, t = st % TM;
-      if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
-      const u8* at = region + a.off_entries + (u64)st * LL_TOPK * 4;
-      u32 id[LL_TOPK];
-      if constexpr (LL_TOPK % 4 == 0) {
-#pragma unroll
-        for (u32 k = 0; k < LL_TOPK; k += 4) {
-          const u32x4 v = llptx::ld_cg_v4(at + 4 * k);
-          id[k] = v.x, id[k + 1] = v.y, id[k + 2] = v.z, id[k + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (u32 k = 0; k < LL_TOPK; k++) id[k] = llptx::ld_cg_u32(at + 4 * k);
-      }
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) {
-        const u32 el = id[k] - first_expert;  // -1 and other ranks' experts wrap past EL
-        if (el < EL) atomicOr(&bitmaps[(p * EL + el) * W + t / 32], 1u << (t % 32));
-      }
-    }
+    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS)
+      bases[pe] = sm.ok[pe / EL] != 0 ? llptx::ld_cg_u32(region + a.off_counts + (u64)pe * 4) : 0u;
     __syncthreads();
-    // Counts of every (source, local expert) in parallel, then each expert's exclusive scan over sources.
-    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
-      u32 n = 0;
-      for (u32 w = 0; w < W; w++) n += __popc(bitmaps[pe * W + w]);
-      bases[pe] = n;
-    }
-    __syncthreads();
+    // Each expert's exclusive scan over sources.
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
       u32 run = 0;
       for (u32 p = 0; p < R; p++) {
@@ -957,11 +1014,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
       i32 row = -1;
       if (lane < LL_TOPK) {
-        const u32 el = cur.id - first_expert;
-        if (el < EL) {
-          const u32* bm = bitmaps + (p * EL + el) * W;
-          u32 slot = bases[p * EL + el] + __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
-          for (u32 w = 0; w < t / 32; w++) slot += __popc(bm[w]);
+        const u32 el = (cur.entry >> 16) - first_expert;  // other ranks' experts wrap past EL
+        if (cur.entry != 0xffffffffu && el < EL) {
+          const u32 slot = bases[p * EL + el] + (cur.entry & 0xffffu);
           if (slot < rows) row = (i32)(el * rows + slot);
         }
         if (c == 0) {
@@ -1021,7 +1076,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     }
   }
 
-  if (ll_last_block(&me->dispatch_recv_done, sm, false, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
+  if (ll_last_block(&me->dispatch_recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
     if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], epoch);
     }
@@ -1030,15 +1085,17 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 
 // ll_dispatch: low-latency dispatch, send and/or receive phase.
 //   grid: G blocks (one per SM; cooperative when both phases run in one launch), block: LL_THREADS.
-//   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use;
-//         block 0 = checks (dispatch_check: top-k validation, handle copies, metadata lines); blocks 1..G-1
-//         (block 0 too when G == 1) = rows: work item (token, 512-byte chunk) per warp, FP8 quantisation in
-//         registers, 16-byte stores into every destination rank's slot [me][token]; chunk 0 also stores the
-//         token's live expert ids and weights into every rank (dispatch_routing). Last block:
-//         dispatch_epoch = last_write[set] = e, flags to every rank.
-//   RECV  warp 0 of every block waits for every source's flag (deadline) and checks its metadata; every
-//         block rebuilds the routing from the received ids (token bitmaps per (source, local expert) and
-//         bases, in shared memory); work item (source, token, chunk) per warp:
+//   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use,
+//         while its other warps build the call's token bitmaps per expert (dispatch_bitmaps, shared memory);
+//         block 0 = checks (dispatch_check: top-k validation, handle copies, counts and metadata lines);
+//         blocks 1..G-1 (block 0 too when G == 1) = rows: work item (token, 512-byte chunk) per warp, FP8
+//         quantisation in registers, 16-byte stores into every destination rank's slot [me][token]; chunk 0
+//         also stores the token's entries (expert id, rank) and weights into every rank (dispatch_routing).
+//         Every block then arrives at every rank (ll_send_arrive); the last one stores dispatch_epoch =
+//         last_write[set] = e.
+//   RECV  warp 0 of every block waits for every source's arrivals (deadline) and checks its metadata; every
+//         block scans the received counts into bases per (source, local expert) in shared memory; work item
+//         (source, token, chunk) per warp:
 //         one 16-byte load, one store per selected local expert into recv_x[e][slot] (slots in (source,
 //         token) order: base + the token's rank among the source's tokens of e), scales column-major,
 //         handle rows/weights; block 0: recv_count, cumulative stats, wait stats, handle metadata, report.
@@ -1063,7 +1120,8 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __
   // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
   // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
   if (threadIdx.x == 0) {
-    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->dispatch_epoch) + 1u : ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
+    sm.prev_write = ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
+    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->dispatch_epoch) + 1u : sm.prev_write;
     sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
     ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
   }
@@ -1247,7 +1305,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
+  ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm, [] {});
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
@@ -1264,12 +1322,12 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
     }
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
-  if (ll_last_block(&me->combine_send_done, sm, stored, LL_TRACE_SEND_STORED) && threadIdx.x == 0) {
+  const u32 increment = (epoch - sm.prev_write) * ll_arrive_share();
+  const bool last = ll_send_arrive(&me->combine_send_done, sm, stored, a.num_ranks, increment,
+                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank]; });
+  if (last && threadIdx.x == 0) {
     me->combine_epoch = epoch;
     me->combine_last_write[a.set] = epoch;
-    if (sm.phase_ok) {
-      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank], epoch);
-    }
   }
   ll_trace(sm, LL_TRACE_SEND_DONE);
 }
@@ -1286,7 +1344,8 @@ __device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, con
     u32 problem = 0;
     u64 waited = 0;
     if (lane < a.num_ranks) {
-      const SourceState s = ll_wait_source(me->combine_arrive[a.set], epoch, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
+      const SourceState s =
+          ll_wait_source(me->combine_arrive[a.set], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
       waited = s.waited_ns;
       bool used = false;
       if (s.used) {
@@ -1312,29 +1371,30 @@ __device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, con
 __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const u32 R = a.num_ranks, TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
+  const u32 lane = lane_id();
+  const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const u32 items = a.num_tokens * BF16_CHUNKS;
+  const u32 stride = gridDim.x * LL_WARPS;
+  // The top-k ids (and weights) of an item are loaded one item ahead: the partials' loads depend on them,
+  // two dependent round trips per item otherwise. They are this rank's own inputs, so the first item's are
+  // loaded before the flag wait, whose latency they then share.
+  auto load_ids = [&](u32 item, i64& e, u32& wbits) {
+    e = -1;
+    wbits = 0;
+    const u32 t = item / BF16_CHUNKS;
+    if (item < items && lane < LL_TOPK) {
+      e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
+      if (!pre_reduced) wbits = llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * LL_TOPK + lane);
+    }
+  };
+  i64 e_next;
+  u32 w_next;
+  load_ids(blockIdx.x * LL_WARPS + warp_id(), e_next, w_next);
   combine_wait_sources(a, d, sm, epoch);
   ll_trace(sm, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
-    const u32 lane = lane_id();
-    const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
-    const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
-    const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
-    const u32 items = a.num_tokens * BF16_CHUNKS;
-    const u32 stride = gridDim.x * LL_WARPS;
-    // The top-k ids (and weights) of an item are loaded one item ahead: the partials' loads depend on them,
-    // two dependent round trips per item otherwise.
-    auto load_ids = [&](u32 item, i64& e, u32& wbits) {
-      e = -1;
-      wbits = 0;
-      const u32 t = item / BF16_CHUNKS;
-      if (item < items && lane < LL_TOPK) {
-        e = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
-        if (!pre_reduced) wbits = llptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * LL_TOPK + lane);
-      }
-    };
-    i64 e_next;
-    u32 w_next;
-    load_ids(blockIdx.x * LL_WARPS + warp_id(), e_next, w_next);
     for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
       const u32 t = item / BF16_CHUNKS, c = item % BF16_CHUNKS;
       const i64 e = e_next;
@@ -1409,7 +1469,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
       }
     }
   }
-  if (ll_last_block(&me->combine_recv_done, sm, false, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
+  if (ll_last_block(&me->combine_recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
     if (sm.phase_ok) {
       for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], epoch);
     }
@@ -1422,8 +1482,8 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
 //         the combine-time topk_idx/weights against the dispatch's and writes the metadata lines; blocks
 //         1..G-1 (block 0 too when G == 1): work item (home rank, token, 256-channel chunk) per warp, rows
 //         from the handle area, loads of the expert outputs y (16 bytes per lane), pre-reduced sum or
-//         per-expert copies, 16-byte stores into the home rank's combine region. Last block: combine_epoch
-//         = last_write[set] = e, flags to every rank.
+//         per-expert copies, 16-byte stores into the home rank's combine region. Every block arrives at
+//         every rank (ll_send_arrive); the last one stores combine_epoch = last_write[set] = e.
 //   RECV  warp 0 of every block waits for every expert rank; work item (token, chunk) per warp: sum of the
 //         partials in ascending rank order (pre-reduced) or of w * y in ascending k (per expert), from +0.0
 //         in f32, one bf16 rounding, 16-byte store into out. Block 0: wait stats, report. Last block:
@@ -1447,7 +1507,8 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __g
   // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
   // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
   if (threadIdx.x == 0) {
-    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->combine_epoch) + 1u : ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
+    sm.prev_write = ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
+    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->combine_epoch) + 1u : sm.prev_write;
     sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
     ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
   }

@@ -134,7 +134,7 @@ struct Shape {
 
 // moelink_kernels::ll::LlLayout (same arithmetic).
 struct Layout {
-  size_t entries, weights, rows, row_stride, dispatch_bytes, combine_bytes;
+  size_t entries, weights, counts, rows, row_stride, dispatch_bytes, combine_bytes;
   size_t hweight, hmeta, home_idx, home_weight, handle_bytes;
   size_t dispatch_at[2], combine_at[2], handle_at[2], total;
   explicit Layout(const Shape& s) {
@@ -143,7 +143,8 @@ struct Layout {
     row_stride = align_up(2 * h, 16);
     entries = 0;
     weights = eb;
-    rows = 2 * eb;
+    counts = 2 * eb;
+    rows = counts + align_up(r * el * 4, A);
     dispatch_bytes = align_up(rows + r * tm * row_stride, A);
     combine_bytes = align_up(std::max(r * tm, tm * k) * 2 * h, A);
     hweight = align_up(r * tm * k * 4, A);
@@ -251,7 +252,7 @@ struct World {
     a.error_record = (u64)&r[me].record;
     a.report = (u64)&r[me].report;
     a.timeout_ns = timeout_ns;
-    a.off_entries = L.entries, a.off_weights = L.weights, a.off_rows = L.rows;
+    a.off_entries = L.entries, a.off_weights = L.weights, a.off_rows = L.rows, a.off_counts = L.counts;
     a.row_stride = (u32)L.row_stride;
     a.rank = me, a.num_ranks = s.ranks, a.num_tokens = s.tokens[me], a.max_tokens = s.t_max;
     a.num_experts = s.experts, a.num_local_experts = s.el(), a.set = set, a.phases = phases;

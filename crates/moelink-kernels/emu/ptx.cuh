@@ -312,6 +312,7 @@ namespace llptx {
 inline u32 atom_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 inline u32 atom_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 inline void st_relaxed_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline void red_add_relaxed_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 inline u32x4 ld_cg_v4(const void* p) {
   u32x4 v;
   std::memcpy(&v, p, 16);

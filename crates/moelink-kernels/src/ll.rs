@@ -4,8 +4,8 @@
 //! kernels receive them as arguments.
 //!
 //! Limits of the kernels ([`LlLimits::check`]): top-k ≤ 32, `num_experts × (ceil(T_max / 32) + 1) ≤
-//! LL_SMEM_WORDS` (the dispatch receiver's token bitmaps per (source, local expert) and their bases, in
-//! shared memory), `T_max ≤ 65535`.
+//! LL_SMEM_WORDS` (the dispatch sender's token bitmaps per expert, in shared memory, with room for the
+//! receiver's bases), `T_max ≤ 65535` (a dispatch entry packs an expert id and a token rank in 16 bits each).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -17,7 +17,7 @@ pub const LL_SOURCE: &str = include_str!("../cuda/ll.cu");
 
 /// Threads per block of both kernels.
 pub const LL_THREADS: u32 = 512;
-/// u32 words of shared scratch per block (the dispatch receiver's token bitmaps and bases); with the rest of
+/// u32 words of shared scratch per block (the dispatch sender's token bitmaps, the receiver's bases); with the rest of
 /// the block's shared state it stays under the 48 KB of static shared memory.
 pub const LL_SMEM_WORDS: u32 = 12032;
 /// Largest top-k the kernels support (one lane per slot).
@@ -227,6 +227,7 @@ pub struct LlDispatchArgs {
     pub off_entries: u64,
     pub off_weights: u64,
     pub off_rows: u64,
+    pub off_counts: u64,
     pub row_stride: u32,
     pub rank: u32,
     pub num_ranks: u32,
@@ -318,10 +319,13 @@ impl LlLimits {
 /// Byte offsets of one buffer set's dispatch receive region, relative to its start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DispatchRegion {
-    /// `i32 [R][T_max][K]`: every source token's live expert ids (-1 elsewhere).
+    /// `u32 [R][T_max][K]`: every source token's live selections, `expert id << 16 | the token's rank among
+    /// the source's tokens of that expert` (`!0` elsewhere).
     pub entries: usize,
     /// `f32 [R][T_max][K]`.
     pub weights: usize,
+    /// `u32 [R][E_local]`: tokens each source sends each local expert.
+    pub counts: usize,
     /// `[R][T_max][row_stride]`.
     pub rows: usize,
     /// Bytes per row slot: room for a bf16 row (`2H`), which also holds an FP8 row and its scales.
@@ -387,12 +391,15 @@ impl LlLayout {
         let entries_bytes = align(pairs.checked_mul(4)?)?;
         let row_stride = h.checked_mul(2)?.checked_next_multiple_of(16)?;
         let rows_bytes = r.checked_mul(tm)?.checked_mul(row_stride)?;
+        let counts_bytes = align(r.checked_mul(el)?.checked_mul(4)?)?;
+        let rows_at = (2 * entries_bytes).checked_add(counts_bytes)?;
         let dispatch = DispatchRegion {
             entries: 0,
             weights: entries_bytes,
-            rows: 2 * entries_bytes,
+            counts: 2 * entries_bytes,
+            rows: rows_at,
             row_stride,
-            bytes: align((2 * entries_bytes).checked_add(rows_bytes)?)?,
+            bytes: align(rows_at.checked_add(rows_bytes)?)?,
         };
         let combine_rows = (r.checked_mul(tm)?).max(tm.checked_mul(k)?);
         let combine_bytes = align(combine_rows.checked_mul(h.checked_mul(2)?)?)?;
@@ -447,7 +454,7 @@ mod tests {
         assert_eq!(std::mem::offset_of!(LlCtrl, decision), 64);
         assert_eq!(LlCtrl::MASK_OFFSET, 64 + 5 * 2 * 4 * MAX_RANKS + 4 * 64 * MAX_RANKS);
         assert_eq!(std::mem::size_of::<LlReport>(), 48);
-        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 21 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
+        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 22 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
         assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 15 * 8 + 12 * 4);
     }
 
@@ -458,8 +465,9 @@ mod tests {
         assert_eq!(l.dispatch.row_stride, 14336);
         assert_eq!(l.dispatch.entries, 0);
         assert_eq!(l.dispatch.weights, 16384, "entries: 4 x 128 x 8 ids");
-        assert_eq!(l.dispatch.rows, 2 * 16384);
-        assert_eq!(l.dispatch.bytes, 2 * 16384 + 512 * 14336);
+        assert_eq!(l.dispatch.counts, 2 * 16384);
+        assert_eq!(l.dispatch.rows, 2 * 16384 + 4096, "counts: 4 x 72 words, one aligned page");
+        assert_eq!(l.dispatch.bytes, 2 * 16384 + 4096 + 512 * 14336);
         assert_eq!(l.combine_bytes, 1024 * 14336, "per-expert mode: 128 x 8 rows");
         assert_eq!(l.dispatch_at, [0, l.dispatch.bytes]);
         assert_eq!(l.combine_at[0], 2 * l.dispatch.bytes);
@@ -494,7 +502,7 @@ mod tests {
             let l = LlLayout::new(r, tm, h, k, e).unwrap();
             let el = e / r;
             let d = l.dispatch;
-            assert!(d.weights - d.entries >= r * tm * k * 4 && d.rows - d.weights >= r * tm * k * 4);
+            assert!(d.weights - d.entries >= r * tm * k * 4 && d.counts - d.weights >= r * tm * k * 4 && d.rows - d.counts >= r * el * 4);
             assert!(d.bytes >= d.rows + r * tm * d.row_stride);
             assert!(d.row_stride >= 2 * h && d.row_stride >= h + h / 32 && d.row_stride % 16 == 0);
             assert!(l.combine_bytes >= (r * tm).max(tm * k) * 2 * h);

@@ -734,7 +734,7 @@ mod tests {
 pub struct TracePoint {
     /// The point (`LL_TRACE_POINTS`: `start`, `send_ready`, `send_issued`, `send_stored`, `send_done`,
     /// `recv_seen`, `recv_stored`, `end`; block 0 of a dispatch send: `index_checked`; a dispatch receive:
-    /// `recv_indexed`, the routing rebuilt).
+    /// `recv_indexed`, the counts scanned into bases).
     pub name: &'static str,
     /// Blocks that stamped it.
     pub blocks: usize,

@@ -485,6 +485,7 @@ pub(crate) fn dispatch<'a>(
         off_entries: layout.dispatch.entries as u64,
         off_weights: layout.dispatch.weights as u64,
         off_rows: layout.dispatch.rows as u64,
+        off_counts: layout.dispatch.counts as u64,
         row_stride: layout.dispatch.row_stride as u32,
         rank: s.rank as u32,
         num_ranks: s.num_ranks as u32,
