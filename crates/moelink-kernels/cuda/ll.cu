@@ -6,7 +6,7 @@
 //   LL_TOPK                          experts per token K (1..=WARP_SIZE)
 //   LL_FP8                           1: dispatch quantises rows to FP8 E4M3 per 128 channels; 0: bf16 rows
 //   LL_THREADS                       threads per block (whole warps)
-//   LL_SMEM_WORDS                    u32 words of shared scratch (expert token bitmaps / per-expert bases)
+//   LL_SMEM_WORDS                    u32 words of shared scratch (per-expert counts / bases)
 //   MOELINK_SIZEOF_LL_DISPATCH_ARGS  sizeof(moelink_kernels::ll::LlDispatchArgs) on the Rust side
 //   MOELINK_SIZEOF_LL_COMBINE_ARGS   sizeof(moelink_kernels::ll::LlCombineArgs)
 //   MOELINK_SIZEOF_LL_CTRL           sizeof(moelink_kernels::ll::LlCtrl)
@@ -292,7 +292,7 @@ static_assert(sizeof(LlCombineArgs) == MOELINK_SIZEOF_LL_COMBINE_ARGS, "LlCombin
 
 // Shared memory of one block.
 struct LlShared {
-  u32 words[LL_SMEM_WORDS];  // dispatch send: token bitmaps [E][ceil(T/32)]; dispatch recv: bases [R][E_local]
+  u32 words[LL_SMEM_WORDS];  // dispatch send, block 0: counts [E]; dispatch recv: bases [R][E_local]
   u32 ok[MAX_RANKS];         // recv: source/expert rank p's data is used in this call
   u32 ntok[MAX_RANKS];       // recv: tokens of source p / combine send: tokens of home p
   u32 epoch;
@@ -562,15 +562,12 @@ __device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool sto
 
 // Waits (warp 0, lane p < R) until every unmasked rank p has consumed what this rank last wrote into set
 // `set` of its region (consumed[p] >= last_write). Shrink mode: a rank that misses the deadline is masked.
-// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads. The other warps run
-// `meanwhile()` during the wait (local work that needs no peer: it overlaps the round trips).
-template <typename Meanwhile>
+// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads.
 __device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32* last_write, u32* mask, u32 num_ranks,
-                                                 const Deadline& d, bool soft, LlShared& sm, Meanwhile&& meanwhile) {
+                                                 const Deadline& d, bool soft, LlShared& sm) {
   if (threadIdx.x == 0) sm.abort = 0;
   __syncthreads();
   const u32 lane = lane_id();
-  if (warp_id() != 0) meanwhile();
   if (warp_id() == 0 && lane < num_ranks) {
     // The three words are loaded together (one round trip, not three); the wait polls only when the first
     // look at the peer's consumed flag was not enough.
@@ -624,12 +621,13 @@ __device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epo
 // ============================================================================================ dispatch: send
 // Block 0 of the send phase: validates this rank's top-k rows (ids outside [-1, E), repeats), keeps its
 // top-k ids/weights in the handle area (combine checks its inputs against them), writes each destination's
-// counts (tokens per local expert, from the block's token bitmaps) into its receive region and the
+// counts (tokens per local expert: shared-memory atomics over the live selections, sm.words cleared by
+// dispatch_send) into its receive region and the
 // metadata line (tokens, problems, signature) into its control area. The per-token routing travels with
 // the rows (dispatch_rows), so this block is never on the critical path (it used to build every
 // destination's entries and ended as late as the data: 10 us at 128 tokens, all of the critical path at
 // 1-16 tokens; run 11 of the fourth session).
-__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm, const u32* bitmaps, u32 words_per_expert) {
+__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
   const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const float* wts = reinterpret_cast<const float*>(a.topk_weights);
@@ -649,16 +647,17 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
     for (u32 k = 0; k < LL_TOPK; k++) {
       reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
       if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = w[k];
+      if (live[k]) atomicAdd(&sm.words[(u32)ids[k]], 1u);
     }
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
+  __syncthreads();
   // Counts: expert e = d * E_local + el goes to counts [me][el] of rank d (local_stores: the own region's
   // counts [d][el]).
   const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
   const u32 EL = a.num_local_experts;
   for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
-    u32 n = 0;
-    for (u32 w = 0; w < words_per_expert; w++) n += __popc(bitmaps[e * words_per_expert + w]);
+    const u32 n = sm.words[e];
     const u32 dest = e / EL, el = e % EL;
     u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : dest]);
     llptx::st_na_u32(region + a.off_counts + ((u64)(local_stores ? dest : a.rank) * EL + el) * 4, n);
@@ -717,14 +716,37 @@ __device__ __forceinline__ u32x4 quantize16(const u32x4& v0, const u32x4& v1, bo
   return u32x4{q[0], q[1], q[2], q[3]};
 }
 
+// Earlier tokens' top-k rows, which a chunk-0 warp counts to rank its token: lane l holds rows
+// base + l + 32 i (i < RANK_ROWS) below t, only the low 32 bits of each id (~0 for rows past t): valid ids
+// are < E < 2^16, and an id whose low word aliases a valid one lies outside [-1, E) and fails the call on
+// every rank anyway (LL_PROBLEM_TOPK_IDX).
+constexpr u32 RANK_ROWS = LL_TOPK <= 8 ? 4 : LL_TOPK <= 16 ? 2 : 1;
+struct PriorRows {
+  u32 id[RANK_ROWS][LL_TOPK];
+};
+
+__device__ __forceinline__ PriorRows load_prior_rows(const LlDispatchArgs& a, u32 t, u32 base) {
+  const u32* low = reinterpret_cast<const u32*>(a.topk_idx);  // i64 little endian: low word first
+  PriorRows r;
+#pragma unroll
+  for (u32 i = 0; i < RANK_ROWS; i++) {
+    const u32 row = base + lane_id() + i * WARP_SIZE;
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) r.id[i][k] = row < t ? llptx::ld_nc_u32(low + 2 * ((u64)row * LL_TOPK + k)) : 0xffffffffu;
+  }
+  return r;
+}
+
 // A token's routing, stored with its chunk-0 item into every rank (routed there or not, so that every slot
 // t < num_tokens of this source holds this call's): lane k < K writes, if the token's k-th id is live (in
 // [0, E), `id`, and not an earlier slot's id), id << 16 | the token's rank among this rank's tokens that
-// selected expert id (a popcount of the block's token bitmap of id below t), else ~0, into entries
-// [me][t][k], and its weight bits into weights [me][t][k]. With the source's counts (dispatch_check) the
-// receiver places the row without looking at any other token (dispatch_recv).
-__device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores, const u32* bitmaps,
-                                                 u32 words_per_expert) {
+// selected that expert, else ~0, into entries [me][t][k], and its weight bits into weights [me][t][k].
+// With the source's counts (dispatch_check) the receiver places the row without looking at any other
+// token (dispatch_recv). The rank is counted here, by the warp, over the earlier rows (`first`: rows 0 ..
+// 32 RANK_ROWS - 1, loaded with the item's payload; later passes load their own): no shared state, so no
+// block-wide step between the hand-back wait and the first stores (sender-side bitmaps built during that
+// wait delayed every block's stores by 0.8 us at 128 tokens: sixth session, run 1).
+__device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores, const PriorRows& first) {
   const u32 lane = lane_id();
   bool live = id != 0xffffffffu;
 #pragma unroll
@@ -732,14 +754,27 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
     const u32 other = __shfl_sync(FULL_WARP_MASK, id, j);
     if (j < lane && other == id) live = false;
   }
+  u32 rank = 0;
+  auto count = [&](const PriorRows& r) {
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      const u32 e = __shfl_sync(FULL_WARP_MASK, id, k);
+      u32 rows_with_e = 0;
+#pragma unroll
+      for (u32 i = 0; i < RANK_ROWS; i++) {
+        bool hit = false;
+#pragma unroll
+        for (u32 j = 0; j < LL_TOPK; j++) hit |= r.id[i][j] == e;
+        rows_with_e += hit ? 1u : 0u;
+      }
+      rows_with_e = __reduce_add_sync(FULL_WARP_MASK, rows_with_e);
+      if (lane == k) rank += rows_with_e;
+    }
+  };
+  count(first);
+  for (u32 base = RANK_ROWS * WARP_SIZE; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(a, t, base));
   if (lane >= LL_TOPK) return;
-  u32 entry = 0xffffffffu;
-  if (live) {
-    const u32* bm = bitmaps + id * words_per_expert;
-    u32 rank = __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
-    for (u32 w = 0; w < t / 32; w++) rank += __popc(bm[w]);
-    entry = (id << 16) | rank;
-  }
+  const u32 entry = live ? (id << 16) | rank : 0xffffffffu;
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u32 dest0 = first_dest(a.rank, a.num_ranks);
   for (u32 i = 0; i < a.num_ranks; i++) {
@@ -754,10 +789,10 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
 // Rows: work item = (token, 512-byte chunk of its payload), dealt over the data warps. The warp finds the
 // token's destination ranks from its top-k ids (valid ids only; each rank once), quantises the chunk once
 // (FP8) and stores it into slot [me][token] of every destination (16 bytes per lane; FP8 scale_inv as 4
-// bytes per 128-channel group after the payload); the chunk-0 item also stores the token's routing
-// (dispatch_routing).
+// bytes per 128-channel group after the payload); the chunk-0 item then also stores the token's routing
+// (dispatch_routing; the earlier rows it counts are loaded with the payload).
 // Returns whether this warp stored anything.
-__device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps, const u32* bitmaps, u32 words_per_expert) {
+__device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 E = a.num_experts, EL = a.num_local_experts;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
@@ -772,6 +807,8 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
   for (u32 item = first_warp; item < items; item += num_warps) {
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
     // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
+    PriorRows prior;
+    if (c == 0) prior = load_prior_rows(a, t, 0);
 #if LL_FP8
     const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
     const bool active = ch < LL_HIDDEN;
@@ -797,12 +834,8 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
       }
     }
     ranks = __reduce_or_sync(FULL_WARP_MASK, ranks);
-    if (c == 0) {
-      dispatch_routing(a, t, id, wbits, local_stores, bitmaps, words_per_expert);
-      stored = true;
-    }
-    if (ranks == 0) continue;
-    stored = true;
+    if (c == 0) stored = true;  // the routing, below
+    if (ranks != 0) stored = true;
     // local_stores: into the own region's slot [p][token] (distinct per destination, like the real stores).
     auto slot_of = [&](u32 p) { return a.off_rows + ((u64)(local_stores ? p : a.rank) * a.max_tokens + t) * a.row_stride; };
 #if LL_FP8
@@ -824,45 +857,37 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
       if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot_of(p) + off), v);
     }
 #endif
+    if (c == 0) dispatch_routing(a, t, id, wbits, local_stores, prior);
   }
   return stored;
-}
-
-// Every block's token bitmaps of this call: bit t of words [e][*] when token t selected expert e (valid ids;
-// an id repeated in a row sets its bit once). Built by warps 1.. from the top-k rows while warp 0 waits for
-// the hand-back (ll_wait_consumed), so they cost the send no extra round trip; block 0 counts them for the
-// destinations and the chunk-0 warps rank their token with them (dispatch_routing).
-__device__ __forceinline__ void dispatch_bitmaps(const LlDispatchArgs& a, u32* bitmaps, u32 words_per_expert) {
-  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
-  for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE) {
-    i64 ids[LL_TOPK];
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) ids[k] = (i64)llptx::ld_nc_u64(idx + (u64)t * LL_TOPK + k);
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++)
-      if (ids[k] >= 0 && ids[k] < (i64)a.num_experts) atomicOr(&bitmaps[(u32)ids[k] * words_per_expert + t / 32], 1u << (t % 32));
-  }
 }
 
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  const u32 words_per_expert = (a.num_tokens + 31) / 32;
-  u32* bitmaps = sm.words;  // [E][words_per_expert]
-  for (u32 i = threadIdx.x; i < a.num_experts * words_per_expert; i += LL_THREADS) bitmaps[i] = 0;
-  ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm,
-                   [&] { dispatch_bitmaps(a, bitmaps, words_per_expert); });
+  // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
+  // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
+  // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
+  // wait took 1.9 us instead of 1.0 and the warps issued their stores no earlier (runs 3-7).
+  if (blockIdx.x == 0) {
+    for (u32 e = threadIdx.x; e < a.num_experts; e += LL_THREADS) sm.words[e] = 0;  // dispatch_check's counts
+    if (warp_id() != 0) {
+      for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
+        llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
+    }
+  }
+  ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
     if (blockIdx.x == 0) {
-      dispatch_check(a, sm, bitmaps, words_per_expert);
+      dispatch_check(a, sm);
       stored = true;
     }
     if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
       const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
       const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
-      stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS, bitmaps, words_per_expert);
+      stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
     }
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
@@ -1085,12 +1110,12 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 
 // ll_dispatch: low-latency dispatch, send and/or receive phase.
 //   grid: G blocks (one per SM; cooperative when both phases run in one launch), block: LL_THREADS.
-//   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use,
-//         while its other warps build the call's token bitmaps per expert (dispatch_bitmaps, shared memory);
+//   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use;
 //         block 0 = checks (dispatch_check: top-k validation, handle copies, counts and metadata lines);
 //         blocks 1..G-1 (block 0 too when G == 1) = rows: work item (token, 512-byte chunk) per warp, FP8
 //         quantisation in registers, 16-byte stores into every destination rank's slot [me][token]; chunk 0
-//         also stores the token's entries (expert id, rank) and weights into every rank (dispatch_routing).
+//         then stores the token's entries (expert id, rank counted over the earlier rows) and weights into
+//         every rank (dispatch_routing).
 //         Every block then arrives at every rank (ll_send_arrive); the last one stores dispatch_epoch =
 //         last_write[set] = e.
 //   RECV  warp 0 of every block waits for every source's arrivals (deadline) and checks its metadata; every
@@ -1305,7 +1330,7 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm, [] {});
+  ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {

@@ -608,6 +608,19 @@ int main() {
       round_trip(w, ro, (qn + " unmasked").c_str());
       std::printf("%s: masks ok\n", qn.c_str());
     }
+    // Many tokens per rank: a sender ranks each token over all earlier rows in passes of 32 x RANK_ROWS rows
+    // (dispatch_routing), so the entries and the counts are checked past the first pass and past lane 31.
+    if (&q == &quants.front()) {
+      World w(Shape{2, E, 300, {300, 257}}, q);
+      for (u32 i = 0; i < 2; i++) {
+        RoundOpts ro;
+        ro.weights = i == 0;
+        ro.seed = 30 + i;
+        w.grid = 2 + i;
+        round_trip(w, ro, (qn + " many tokens").c_str());
+      }
+      std::printf("%s: 300 tokens per rank ok\n", qn.c_str());
+    }
     {
       // Few experts per rank, so that tokens often select +B, -B and a tiny expert on the same rank (the
       // order inside a pre-reduced partial) as well as across ranks.

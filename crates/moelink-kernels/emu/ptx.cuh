@@ -147,6 +147,13 @@ inline u32 __reduce_or_sync(u32, u32 v) {
   return r;
 }
 
+inline u32 __reduce_add_sync(u32, u32 v) {
+  const u64* s = emu::warp_exchange(v);
+  u32 r = 0;
+  for (u32 i = 0; i < WARP_SIZE; i++) r += (u32)s[i];
+  return r;
+}
+
 inline u32 __popc(u32 v) { return (u32)__builtin_popcount(v); }
 inline i32 __ffs(u32 v) { return __builtin_ffs((int)v); }
 inline i32 __clz(u32 v) { return v == 0 ? 32 : __builtin_clz(v); }
@@ -156,6 +163,12 @@ inline u32 __float_as_uint(float f) { return (u32)emu::to_bits(f); }
 inline u32 atomicOr(u32* p, u32 v) {
   const u32 old = *p;
   *p = old | v;
+  return old;
+}
+
+inline u32 atomicAdd(u32* p, u32 v) {
+  const u32 old = *p;
+  *p = old + v;
   return old;
 }
 
