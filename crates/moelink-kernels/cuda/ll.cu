@@ -96,6 +96,10 @@ constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 65536;  // 1 << 16
 // Timing experiment only (MOELINK_LL_EXPERIMENT=no_loads; results are wrong): the send phases do not load
 // their payload rows (x, y) and send zeros, so the loads' share of their time shows.
 constexpr u32 LL_FLAG_EXP_NO_LOADS = 131072;  // 1 << 17
+// Timing experiment (MOELINK_LL_EXPERIMENT=last_arrives; results stay right): the send phases' arrivals
+// are made by the last block of the grid-wide counter, once for all blocks (after a system fence), instead
+// of by every block on its own (ll_send_arrive).
+constexpr u32 LL_FLAG_EXP_LAST_ARRIVES = 262144;  // 1 << 18
 
 // Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
 constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
@@ -538,22 +542,33 @@ __device__ __forceinline__ u32 ll_arrive_share() {
 
 // End of a send phase, called by every thread of every block after its stores: a thread that wrote into
 // peer memory (`stored`) fences them at system scope; after the block's barrier it arrives at every rank on
-// its own (the arrival word of this rank in rank p's control area, `arrive_of(p)`, += increment, a relaxed
-// reduction by lane p of warp 1: the fences and the barrier order the block's stores before it) unless its
-// phase failed (sm.abort: the peers then time out naming this rank instead of reading garbage). A local
-// grid-wide counter (`done`) still finds the last block, which gets true with the counter reset for the
-// next launch; nothing waits for it.
+// its own (the arrival word of this rank in rank p's control area, `arrive_of(p)`, += epochs x its share,
+// a relaxed reduction by lane p of warp 1: the fences and the barrier order the block's stores before it)
+// unless its phase failed (sm.abort: the peers then time out naming this rank instead of reading garbage).
+// A local grid-wide counter (`done`) still finds the last block, which gets true with the counter reset for
+// the next launch; nothing waits for it. `epochs`: this call's epoch minus this rank's previous one in the
+// set. With LL_FLAG_EXP_LAST_ARRIVES the last block arrives for the whole grid instead (after a system
+// fence, only when no block failed), as every send did until the sixth session.
 template <typename ArriveOf>
-__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 increment, ArriveOf arrive_of) {
+__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 flags, u32 epochs, ArriveOf arrive_of) {
+  const bool per_block = (flags & LL_FLAG_EXP_LAST_ARRIVES) == 0;
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
   ll_trace(sm, LL_TRACE_SEND_STORED);
   // Warp 1, not thread 0: thread 0's counter atomic below then does not wait behind the reductions.
-  if (warp_id() == 1 && lane_id() < num_ranks && sm.abort == 0) llptx::red_add_relaxed_sys(arrive_of(lane_id()), increment);
+  if (per_block && warp_id() == 1 && lane_id() < num_ranks && sm.abort == 0)
+    llptx::red_add_relaxed_sys(arrive_of(lane_id()), epochs * ll_arrive_share());
   if (threadIdx.x == 0) {
-    const u32 old = llptx::atom_add_acq_rel_gpu(done, 1u);
-    const bool last = old == gridDim.x - 1;
-    if (last) llptx::st_relaxed_gpu(done, 0);
+    const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
+    const u32 old = llptx::atom_add_acq_rel_gpu(done, mine);
+    const bool last = (old & (LL_DONE_FAILED - 1)) == gridDim.x - 1;
+    if (last) {
+      llptx::st_relaxed_gpu(done, 0);
+      if (!per_block && old + mine < LL_DONE_FAILED) {
+        ptx::fence_acq_rel_sys();
+        for (u32 p = 0; p < num_ranks; p++) llptx::red_add_relaxed_sys(arrive_of(p), epochs * LL_ARRIVE_UNIT);
+      }
+    }
     sm.last = last ? 1u : 0u;
   }
   __syncthreads();
@@ -891,8 +906,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
     }
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
-  const u32 increment = (epoch - sm.prev_write) * ll_arrive_share();
-  const bool last = ll_send_arrive(&me->dispatch_send_done, sm, stored, a.num_ranks, increment,
+  const bool last = ll_send_arrive(&me->dispatch_send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
                                    [&](u32 p) { return &ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank]; });
   if (last && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
@@ -1347,8 +1361,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
     }
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
-  const u32 increment = (epoch - sm.prev_write) * ll_arrive_share();
-  const bool last = ll_send_arrive(&me->combine_send_done, sm, stored, a.num_ranks, increment,
+  const bool last = ll_send_arrive(&me->combine_send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
                                    [&](u32 p) { return &ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank]; });
   if (last && threadIdx.x == 0) {
     me->combine_epoch = epoch;

@@ -67,6 +67,9 @@ pub mod flag {
     /// Timing experiment only (`MOELINK_LL_EXPERIMENT=no_loads`; results are wrong): the send phases do not
     /// load their payload rows (x, y) and send zeros.
     pub const EXP_NO_LOADS: u32 = 1 << 17;
+    /// Timing experiment (`MOELINK_LL_EXPERIMENT=last_arrives`; results stay right): the last block of the
+    /// send phase arrives at every rank for the whole grid, instead of every block on its own.
+    pub const EXP_LAST_ARRIVES: u32 = 1 << 18;
 }
 
 /// Argument problems (`LlReport`, `LlMeta::problem`).
@@ -564,6 +567,7 @@ mod tests {
             ("LL_FLAG_SHRINK", flag::SHRINK),
             ("LL_FLAG_EXP_LOCAL_STORES", flag::EXP_LOCAL_STORES),
             ("LL_FLAG_EXP_NO_LOADS", flag::EXP_NO_LOADS),
+            ("LL_FLAG_EXP_LAST_ARRIVES", flag::EXP_LAST_ARRIVES),
             ("LL_PROBLEM_TOPK_IDX", problem::TOPK_IDX),
             ("LL_PROBLEM_TOPK_IDX_DIFFERS", problem::TOPK_IDX_DIFFERS),
             ("LL_PROBLEM_WEIGHTS_DIFFER", problem::WEIGHTS_DIFFER),

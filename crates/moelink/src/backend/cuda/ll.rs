@@ -225,7 +225,8 @@ fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
 /// `MOELINK_LL_EXPERIMENT`, a comma-separated list of timing experiments (wrong results; never in a real
 /// run): `local_stores` — the send phases store their rows into the sender's own region, so the time NVLink
 /// adds shows; `no_loads` — the send phases do not load their payload (x, y) and send zeros, so the time the
-/// loads take shows.
+/// loads take shows; `last_arrives` (results stay right) — the last block of a send phase arrives at every
+/// rank for the whole grid instead of every block on its own.
 fn experiment_flags() -> u32 {
     static FLAGS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *FLAGS.get_or_init(|| {
@@ -234,6 +235,7 @@ fn experiment_flags() -> u32 {
             .map(|e| match e.trim() {
                 "local_stores" => flag::EXP_LOCAL_STORES,
                 "no_loads" => flag::EXP_NO_LOADS,
+                "last_arrives" => flag::EXP_LAST_ARRIVES,
                 _ => 0,
             })
             .fold(0, |a, b| a | b)
