@@ -39,14 +39,14 @@
 //              ctrl.X_consumed[s][d] >= ctrl.X_last_write[s] (local poll, deadline);
 //          (1) data/metadata stores into every destination's region (weak, 16-byte where possible);
 //          (2) every thread: fence.acq_rel.sys; __syncthreads; then the block arrives at every rank on its
-//              own: red.relaxed.sys.add of (e - e') * share into ctrl.X_arrive[s][me] of every rank (itself
+//              own: red.relaxed.sys.add of (e - e') * share into ctrl.X_arrive[s][me][b % 8] of every rank (itself
 //              included), e' = ctrl.X_last_write[s] = the epoch of this rank's previous call into set s, and
 //              the blocks' shares summing to LL_ARRIVE_UNIT (ll_arrive_share), so that after call e the word
 //              holds LL_ARRIVE_UNIT * e whatever the grid, and only once every block added. No block waits
 //              for the others before its flags go out (until the sixth session the last block of a
 //              grid-wide counter published, ~1.3 us after the median block). A grid counter (local) still
 //              finds the last block, which stores the epoch words for the next launch.
-//   recv:  lane p of warp 0 polls ctrl.X_arrive[s][p] >= LL_ARRIVE_UNIT * e (wrap-safe, relaxed .sys loads, deadline),
+//   recv:  lane p of warp 0 polls the sum of ctrl.X_arrive[s][p][*] >= LL_ARRIVE_UNIT * e (wrap-safe, relaxed .sys loads, deadline),
 //          then fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish
 //          stores e into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write
 //          set s again.
@@ -181,6 +181,17 @@ struct LlMeta {
 };
 static_assert(sizeof(LlMeta) == 64, "LlMeta is one 64-byte line");
 
+// Arrival words (ll_send_arrive): a source's blocks add to LL_ARRIVE_LANES words per (set, source), block b
+// to word b % LL_ARRIVE_LANES, each word alone on its 128-byte line; the receiver sums them. With one word
+// per (set, source) and the sources' words on one line, the 4 x 132 remote reductions of a call met on one
+// line of every GPU and every block's stores were acknowledged ~1 us later (sixth session, runs 2-3).
+constexpr u32 LL_ARRIVE_LANES = 8;
+struct LlArriveLine {
+  u32 word;
+  u32 pad[31];
+};
+static_assert(sizeof(LlArriveLine) == 128, "one arrival word per 128-byte line");
+
 // The control area of one rank (ctrl::LL). Fields above `dispatch_arrive` are written only by this rank's
 // kernels; the arrays from `dispatch_arrive` to `combine_meta` are written by peers; `mask` by this rank's
 // kernels (shrink) and the host. moelink_kernels::ll::LlCtrl mirrors it.
@@ -195,16 +206,17 @@ struct LlCtrl {
   u32 combine_last_write[2];
   u32 pad0[6];
   u32 decision[2][MAX_RANKS];           // [kind][src] = (epoch << 1) | accepted, shrink mode only
-  u32 dispatch_arrive[2][MAX_RANKS];    // [set][src] = LL_ARRIVE_UNIT * epoch of src's last dispatch into set
+  // [set][src][lane]: the lanes' sum = LL_ARRIVE_UNIT * epoch of src's last dispatch into set
+  LlArriveLine dispatch_arrive[2][MAX_RANKS][LL_ARRIVE_LANES];
+  LlArriveLine combine_arrive[2][MAX_RANKS][LL_ARRIVE_LANES];
   u32 dispatch_consumed[2][MAX_RANKS];  // [set][dst] = epoch dst last finished reading set from me
-  u32 combine_arrive[2][MAX_RANKS];
   u32 combine_consumed[2][MAX_RANKS];
   LlMeta dispatch_meta[2][MAX_RANKS];   // [set][src]
   LlMeta combine_meta[2][MAX_RANKS];
   u32 mask[MAX_RANKS];                  // 1 = rank masked (shrink); not cleared by clean_low_latency_buffer
   u32 pad1[8];
 };
-static_assert(sizeof(LlCtrl) == MOELINK_SIZEOF_LL_CTRL, "LlCtrl differs from the Rust definition");
+static_assert(sizeof(LlCtrl) == MOELINK_SIZEOF_LL_CTRL, "LlCtrl differs from the Rust definition");  // offsets: ll.rs tests
 
 // What the host reads after a call (host-mapped). Each field has one writer per call.
 struct LlReport {
@@ -469,22 +481,39 @@ __device__ __forceinline__ u32 load_topk_row(const i64* row, u32 num_experts, i6
 // ============================================================================================ waits
 enum : u32 { LL_WAIT_SEEN = 0, LL_WAIT_TIMEOUT = 1, LL_WAIT_FAILED = 2 };
 
-// Spins until *flag >= target (wrap-safe). Hard (soft == false): a missed deadline records ERR_TIMEOUT
-// naming `peer` (wait_flag_geq) and returns LL_WAIT_FAILED. Soft (shrink mode): a missed deadline returns
-// LL_WAIT_TIMEOUT without recording anything. Either way LL_WAIT_FAILED once another thread of this rank
-// has recorded an error. The caller fences (acquire) after LL_WAIT_SEEN.
-__device__ __forceinline__ u32 ll_wait_geq(const u32* flag, u32 target, const Deadline& d, u32 peer, bool soft) {
-  if (!soft) return wait_flag_geq(flag, target, d, peer) ? LL_WAIT_SEEN : LL_WAIT_FAILED;
-  if ((i32)(ptx::ld_relaxed_sys(flag) - target) >= 0) return LL_WAIT_SEEN;
+// Spins until read() >= target (wrap-safe; read() polls with relaxed .sys loads). Hard (soft == false): a
+// missed deadline records ERR_TIMEOUT naming `peer` and returns LL_WAIT_FAILED. Soft (shrink mode): a
+// missed deadline returns LL_WAIT_TIMEOUT without recording anything. Either way LL_WAIT_FAILED once
+// another thread of this rank has recorded an error. The caller acquires (fence or ld.acquire) after
+// LL_WAIT_SEEN.
+template <typename Read>
+__device__ __forceinline__ u32 ll_wait_geq(Read read, u32 target, const Deadline& d, u32 peer, bool soft) {
+  if ((i32)(read() - target) >= 0) return LL_WAIT_SEEN;
   const u64 start = ptx::globaltimer();
   u32 spins = 0;
-  while ((i32)(ptx::ld_relaxed_sys(flag) - target) < 0) {
+  while ((i32)(read() - target) < 0) {
     if (++spins % DEADLINE_POLL_SPINS == 0) {
-      if (ptx::globaltimer() - start > d.timeout_ns) return LL_WAIT_TIMEOUT;
+      const u64 waited = ptx::globaltimer() - start;
+      if (waited > d.timeout_ns) {
+        if (soft) return LL_WAIT_TIMEOUT;
+        raise_error(d, ERR_TIMEOUT, peer, waited);
+        return LL_WAIT_FAILED;
+      }
       if (error_raised(d)) return LL_WAIT_FAILED;
     }
   }
   return LL_WAIT_SEEN;
+}
+
+// A source's arrivals in one (set, source) slot: the sum of its lanes (independent loads, one round trip).
+__device__ __forceinline__ u32 ll_arrivals(const LlArriveLine* lines) {
+  u32 w[LL_ARRIVE_LANES];
+#pragma unroll
+  for (u32 i = 0; i < LL_ARRIVE_LANES; i++) w[i] = ptx::ld_relaxed_sys(&lines[i].word);
+  u32 sum = 0;
+#pragma unroll
+  for (u32 i = 0; i < LL_ARRIVE_LANES; i++) sum += w[i];
+  return sum;
 }
 
 // Shrink mode: the one decision of this call about a peer, shared by every block. The first block to
@@ -590,7 +619,8 @@ __device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32*
     const u32 masked = ptx::ld_relaxed_gpu(mask + lane);
     const u32 seen = ptx::ld_relaxed_sys(consumed + lane);
     if (masked == 0 && (i32)(seen - target) < 0) {
-      const u32 w = ll_wait_geq(consumed + lane, target, d, lane, soft);
+      const u32 w = ll_wait_geq([&] { return ptx::ld_relaxed_sys(consumed + lane); }, target, d, lane, soft);
+      if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys(consumed + lane);
       if (w == LL_WAIT_TIMEOUT) llptx::st_relaxed_gpu(mask + lane, 1);
       if (w == LL_WAIT_FAILED) sm.abort = 1;
     }
@@ -604,19 +634,19 @@ struct SourceState {
   u64 waited_ns;  // time spent waiting
 };
 
-// Waits for rank `p`'s flag of this call (lane p of warp 0) to reach `target` (LL_ARRIVE_UNIT * epoch:
-// every block of p's send arrived), honouring its mask. Shrink mode: every block
+// Waits for rank `p`'s arrivals of this call (lane p of warp 0; `arrive`: p's lines) to reach `target`
+// (LL_ARRIVE_UNIT * epoch: every block of p's send arrived), honouring its mask. Shrink mode: every block
 // resolves p through the call's decision word (ll_decide), so that all blocks use or drop p's data alike
 // even when they looked at different moments (p masked meanwhile, flag arriving late); a peer decided
 // absent is masked for later calls.
-__device__ __forceinline__ SourceState ll_wait_source(const u32* arrive, u32 epoch, u32 target, u32* mask, u32* decision, u32 p,
+__device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive, u32 epoch, u32 target, u32* mask, u32* decision, u32 p,
                                                       const Deadline& d, bool soft, LlShared& sm) {
   SourceState s = {false, 0};
   const bool masked = ptx::ld_relaxed_gpu(mask + p) != 0;
   u32 w = LL_WAIT_TIMEOUT;
   if (!masked) {
     const u64 start = ptx::globaltimer();
-    w = ll_wait_geq(arrive + p, target, d, p, soft);
+    w = ll_wait_geq([&] { return ll_arrivals(arrive); }, target, d, p, soft);
     s.waited_ns = ptx::globaltimer() - start;
   }
   if (w == LL_WAIT_FAILED) {
@@ -907,7 +937,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
   const bool last = ll_send_arrive(&me->dispatch_send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
-                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank]; });
+                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank][blockIdx.x % LL_ARRIVE_LANES].word; });
   if (last && threadIdx.x == 0) {
     me->dispatch_epoch = epoch;
     me->dispatch_last_write[a.set] = epoch;
@@ -931,7 +961,7 @@ __device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, c
     u64 waited = 0;
     if (lane < a.num_ranks) {
       const SourceState s =
-          ll_wait_source(me->dispatch_arrive[a.set], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
+          ll_wait_source(me->dispatch_arrive[a.set][lane], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
       waited = s.waited_ns;
       if (s.used) {
         const LlMeta* m = &me->dispatch_meta[a.set][lane];
@@ -1362,7 +1392,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
   const bool last = ll_send_arrive(&me->combine_send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
-                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank]; });
+                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank][blockIdx.x % LL_ARRIVE_LANES].word; });
   if (last && threadIdx.x == 0) {
     me->combine_epoch = epoch;
     me->combine_last_write[a.set] = epoch;
@@ -1383,7 +1413,7 @@ __device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, con
     u64 waited = 0;
     if (lane < a.num_ranks) {
       const SourceState s =
-          ll_wait_source(me->combine_arrive[a.set], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
+          ll_wait_source(me->combine_arrive[a.set][lane], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
       waited = s.waited_ns;
       bool used = false;
       if (s.used) {

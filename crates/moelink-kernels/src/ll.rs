@@ -150,6 +150,17 @@ pub struct LlMeta {
     pub pad: [u32; 4],
 }
 
+/// Arrival words per (buffer set, source), each on its own 128-byte line (`LL_ARRIVE_LANES` in `ll.cu`).
+pub const LL_ARRIVE_LANES: usize = 8;
+
+/// One arrival word and the rest of its line (`LlArriveLine` in `ll.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct LlArriveLine {
+    pub word: u32,
+    pub pad: [u32; 31],
+}
+
 /// A rank's low-latency control area (`LlCtrl` in `ll.cu`), at `ctrl::LL` of its symmetric buffer.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -164,9 +175,9 @@ pub struct LlCtrl {
     pub combine_last_write: [u32; 2],
     pub pad0: [u32; 6],
     pub decision: [[u32; MAX_RANKS]; 2],
-    pub dispatch_arrive: [[u32; MAX_RANKS]; 2],
+    pub dispatch_arrive: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
+    pub combine_arrive: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
     pub dispatch_consumed: [[u32; MAX_RANKS]; 2],
-    pub combine_arrive: [[u32; MAX_RANKS]; 2],
     pub combine_consumed: [[u32; MAX_RANKS]; 2],
     pub dispatch_meta: [[LlMeta; MAX_RANKS]; 2],
     pub combine_meta: [[LlMeta; MAX_RANKS]; 2],
@@ -453,9 +464,12 @@ mod tests {
     #[test]
     fn struct_sizes_and_offsets() {
         assert_eq!(std::mem::size_of::<LlMeta>(), 64);
-        assert_eq!(LlCtrl::BYTES, 64 + 5 * 2 * 4 * MAX_RANKS + 2 * 2 * 64 * MAX_RANKS + 4 * MAX_RANKS + 32);
+        let arrive = 2 * MAX_RANKS * LL_ARRIVE_LANES * 128;
+        assert_eq!(LlCtrl::BYTES, 64 + 3 * 2 * 4 * MAX_RANKS + 2 * arrive + 2 * 2 * 64 * MAX_RANKS + 4 * MAX_RANKS + 32);
         assert_eq!(std::mem::offset_of!(LlCtrl, decision), 64);
-        assert_eq!(LlCtrl::MASK_OFFSET, 64 + 5 * 2 * 4 * MAX_RANKS + 4 * 64 * MAX_RANKS);
+        assert_eq!(std::mem::offset_of!(LlCtrl, dispatch_arrive) % 128, 0, "arrival words on their own lines");
+        assert_eq!(std::mem::offset_of!(LlCtrl, combine_arrive) % 128, 0);
+        assert_eq!(LlCtrl::MASK_OFFSET, LlCtrl::BYTES - 4 * MAX_RANKS - 32);
         assert_eq!(std::mem::size_of::<LlReport>(), 48);
         assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 22 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
         assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 15 * 8 + 12 * 4);
@@ -556,6 +570,7 @@ mod tests {
         };
         let pairs: &[(&str, u32)] = &[
             ("LL_SIG_WORDS", LL_SIG_WORDS as u32),
+            ("LL_ARRIVE_LANES", LL_ARRIVE_LANES as u32),
             ("LL_TRACE_WORDS", LL_TRACE_WORDS as u32),
             ("LL_TRACE_CALLS", LL_TRACE_CALLS as u32),
             ("LL_PHASE_SEND", phase::SEND),
