@@ -285,8 +285,9 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     // The timed replays came back with kernel traces: the backend is tracing.
                     && !out.traces[0].is_empty()
                 {
-                    if let Some(l) = settle(time_loop(&mut buf, job, &args, &y, t, &s), out) {
-                        out.loop_times = l;
+                    if let Some((times, traces)) = settle(time_loop(&mut buf, job, &args, &y, t, &s), out) {
+                        out.loop_times = times;
+                        out.loop_traces = traces;
                     }
                 }
             }
@@ -302,8 +303,9 @@ const LOOP_CALLS: usize = 8;
 /// called back to back, no barrier or L2 flush between calls): one graph holding a dispatch and the combine
 /// of its rows, LOOP_CALLS replays per timed region, each kernel's duration from the trace
 /// (`MOELINK_LL_TRACE=1`). Returns [dispatch spans, combine spans, event µs per pair] (the pair time includes
-/// the launches between replays).
-fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Tensor, t: &LlTensors, s: &Shape) -> Result<[Vec<f64>; 3]> {
+/// the launches between replays) and the traces themselves, [dispatch, combine].
+type LoopTimes = ([Vec<f64>; 3], [Vec<moelink::diag::KernelTrace>; 2]);
+fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Tensor, t: &LlTensors, s: &Shape) -> Result<LoopTimes> {
     let mut d = buf.low_latency_dispatch(args)?;
     let mut c = buf.low_latency_combine(&t.combine_args(y, &d.handle))?;
     let (graph, ()) = buf.capture(|b| {
@@ -328,8 +330,9 @@ fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Ten
 }
 
 /// The timed regions of [`time_loop`].
-fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<[Vec<f64>; 3]> {
+fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<LoopTimes> {
     let mut out: [Vec<f64>; 3] = Default::default();
+    let mut traces: [Vec<moelink::diag::KernelTrace>; 2] = Default::default();
     for i in 0..(job.reps / 4).max(1) + 1 {
         let ((), us) = buf.timed(|b| {
             for _ in 0..LOOP_CALLS {
@@ -343,11 +346,13 @@ fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> 
             continue; // warm-up region
         }
         for tr in buf.kernel_traces() {
-            out[usize::from(tr.kernel == "combine")].push(tr.span_us);
+            let k = usize::from(tr.kernel == "combine");
+            out[k].push(tr.span_us);
+            traces[k].push(tr);
         }
         out[2].push(us / LOOP_CALLS as f64);
     }
-    Ok(out)
+    Ok((out, traces))
 }
 
 /// Receive-hook mode: times the send phase (the call returns without waiting for data) and the receive

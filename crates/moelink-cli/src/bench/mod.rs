@@ -19,7 +19,8 @@
 //!   apart. On the host backend the plain calls. With `MOELINK_LL_TRACE=1` also each kernel's span from the
 //!   in-kernel trace (`kernel_us`, with the trace points), and DeepEP's way of timing: a graph of dispatch +
 //!   combine replayed back to back on an asynchronous stream, no barrier or L2 flush between calls, each
-//!   kernel's span (`loop_dispatch_kernel_us`, `loop_combine_kernel_us`, `loop_pair_us`).
+//!   kernel's span (`loop_dispatch_kernel_us`, `loop_combine_kernel_us`, `loop_pair_us`) and trace points
+//!   (`loop_dispatch_trace`, `loop_combine_trace`).
 //!
 //! The reported time is the median over repetitions of the slowest rank: per repetition the largest time of
 //! any rank, then the median of those.
@@ -294,6 +295,9 @@ pub struct RankOutcome {
     /// LL combine with `MOELINK_LL_TRACE=1`: DeepEP's way of timing — dispatch + combine back to back,
     /// kernel durations: [dispatch spans, combine spans, event µs per pair].
     pub loop_times: [Vec<f64>; 3],
+    /// The same regions' kernel traces, [dispatch, combine]: where the time goes with no barrier between
+    /// calls (the per-call traces above start every call after a barrier, so a late peer shows there).
+    pub loop_traces: [Vec<moelink::diag::KernelTrace>; 2],
 }
 
 /// Everything a rank worker needs, shared by reference across rank threads.
@@ -893,6 +897,11 @@ fn summarize(
                 let v: Vec<Vec<f64>> = outs.iter().map(|o| o.loop_times[i].clone()).collect();
                 if v.iter().all(|v| !v.is_empty()) {
                     rec.extra.insert((*key).into(), serde_json::json!(slowest_rank_median(&v)));
+                }
+            }
+            for (i, key) in ["loop_dispatch_trace", "loop_combine_trace"].iter().enumerate() {
+                if outs.iter().all(|o| !o.loop_traces[i].is_empty()) {
+                    rec.extra.insert((*key).into(), trace_points_json(outs.iter().map(|o| o.loop_traces[i].as_slice())));
                 }
             }
             let cached: Vec<Vec<f64>> = outs.iter().map(|o| o.cached_us.clone()).collect();
