@@ -272,6 +272,11 @@ impl Compiled {
         Module::load(device, &self.cubin)
     }
 
+    /// Loads the CUBIN on `device` once per process ([`Module::load_shared`], keyed by [`Compiled::key`]).
+    pub fn load_shared(&self, device: &Device) -> Result<Module> {
+        Module::load_shared(device, &self.key, &self.cubin)
+    }
+
     /// The report entry of function `kernel`.
     pub fn resources_of(&self, kernel: &str) -> Option<&KernelResources> {
         self.resources.iter().find(|r| r.kernel == kernel)

@@ -1,8 +1,9 @@
 //! Loaded CUBIN modules, their kernels, and launches through `cuLaunchKernelEx`.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 
@@ -43,8 +44,9 @@ impl std::fmt::Debug for Module {
 }
 
 impl Module {
-    /// Loads a CUBIN (from [`crate::jit`]) on `device`. PTX is refused: moelink ships machine code only,
-    /// because a newer NVRTC's PTX can be too new for the installed driver.
+    /// Loads a CUBIN (from [`crate::jit`]) on `device`, every function of it at once (not at its first
+    /// launch, as lazy loading would). PTX is refused: moelink ships machine code only, because a newer
+    /// NVRTC's PTX can be too new for the installed driver.
     pub fn load(device: &Device, cubin: &[u8]) -> Result<Module> {
         if cubin.len() < 4 || cubin[..4] != [0x7f, b'E', b'L', b'F'] {
             return Err(Error::invalid("Module::load expects a CUBIN (ELF) image, not PTX or other data"));
@@ -52,7 +54,32 @@ impl Module {
         let _g = device.bind_scoped()?;
         // SAFETY: context current; `cubin` is a complete ELF image that the driver parses and copies.
         let raw = unsafe { drv::module_load_data(cubin)? };
-        Ok(Module { inner: Arc::new(ModuleInner { device: device.clone(), raw }) })
+        let module = Module { inner: Arc::new(ModuleInner { device: device.clone(), raw }) };
+        // SAFETY: live module (unloaded by `module`'s drop if this fails).
+        unsafe { drv::module_load_functions(raw)? };
+        Ok(module)
+    }
+
+    /// Loads a CUBIN on `device` once per process: later calls with the same `key` (a digest of the image,
+    /// e.g. [`crate::jit::Compiled::key`]) on the same GPU return the module loaded first, which then stays
+    /// loaded until the process exits.
+    ///
+    /// Why: loading a module synchronises the device's context. Ranks that share a GPU in one process
+    /// share its context, and a rank's collective kernel spins until its peers' kernels run; a peer that
+    /// loaded its own copy of the module at that moment would wait for that kernel, and both would wait out
+    /// their deadline. With one module per process, only the first rank to reach a kernel variant loads it
+    /// (before its own launch), and [`Module::load`] loads every function with the module, so no launch does.
+    pub fn load_shared(device: &Device, key: &str, cubin: &[u8]) -> Result<Module> {
+        type Loaded = Mutex<HashMap<(usize, String), Module>>;
+        static LOADED: std::sync::OnceLock<Loaded> = std::sync::OnceLock::new();
+        let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        let slot = (device.ordinal(), key.to_string());
+        if let Some(m) = loaded.get(&slot) {
+            return Ok(m.clone());
+        }
+        let m = Module::load(device, cubin)?;
+        loaded.insert(slot, m.clone());
+        Ok(m)
     }
 
     /// The kernel named `name` (an `extern "C"` function of the source).

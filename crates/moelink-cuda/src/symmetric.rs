@@ -13,8 +13,10 @@ use crate::memory::DeviceBuffer;
 pub enum PeerAccess {
     /// This rank's own allocation.
     Local,
-    /// Another rank of this process: its pointer, with peer access enabled between the GPUs.
+    /// Another rank of this process on another GPU: its pointer, with peer access enabled between the GPUs.
     SameProcess,
+    /// Another rank of this process on this rank's own GPU (ranks sharing a GPU: tests, EP8 on 4 GPUs).
+    SameDevice,
     /// Another process's allocation, mapped with CUDA IPC.
     Ipc,
 }
@@ -196,12 +198,13 @@ impl SymmetricBuffer {
             if r == rank {
                 peer_ptrs[r] = me.ptr;
                 access[r] = PeerAccess::Local;
+            } else if p.process_key == me.process_key && p.ordinal == device.ordinal() {
+                peer_ptrs[r] = p.ptr;
+                access[r] = PeerAccess::SameDevice;
             } else if p.process_key == me.process_key {
-                if p.ordinal != device.ordinal() {
-                    let peer_dev = Device::new(p.ordinal)?;
-                    device.enable_peer_access(&peer_dev)?;
-                    peer_devices.push(peer_dev);
-                }
+                let peer_dev = Device::new(p.ordinal)?;
+                device.enable_peer_access(&peer_dev)?;
+                peer_devices.push(peer_dev);
                 peer_ptrs[r] = p.ptr;
                 access[r] = PeerAccess::SameProcess;
             } else {
@@ -260,6 +263,12 @@ impl SymmetricBuffer {
     /// How rank `r`'s buffer is reached (for diagnostics only).
     pub fn peer_access(&self, r: usize) -> PeerAccess {
         self.access[r]
+    }
+
+    /// Ranks of this process whose buffers live on this rank's GPU, this rank included (1 unless ranks
+    /// share a GPU). Their kernels must fit on the GPU together: each waits for the others'.
+    pub fn ranks_on_device(&self) -> usize {
+        self.access.iter().filter(|a| matches!(a, PeerAccess::Local | PeerAccess::SameDevice)).count()
     }
 
     /// The device holding this rank's allocation.

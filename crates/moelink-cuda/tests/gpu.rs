@@ -63,6 +63,17 @@ extern "C" __global__ void grid_rendezvous(u32* counter, u32* out) {
   while ((seen = atomicAdd(counter, 0u)) < gridDim.x && now_ns() - start < 2000000000ull) {}
   out[blockIdx.x] = seen;
 }
+
+// Spins until *flag is non-zero, at most 2 s: *out = 1 when it saw the flag, 2 when it gave up.
+extern "C" __global__ void wait_for_flag(const volatile u32* flag, u32* out) {
+  const u64 start = now_ns();
+  while (*flag == 0) {
+    if (now_ns() - start > 2000000000ull) { *out = 2; return; }
+  }
+  *out = 1;
+}
+
+extern "C" __global__ void set_flag(volatile u32* flag) { *flag = 1; }
 "#;
 
 fn test_module(device: &Device) -> Module {
@@ -346,6 +357,7 @@ fn symmetric_memory_over_all_gpus_in_thread_mode() {
                         let want = if r == rank { PeerAccess::Local } else { PeerAccess::SameProcess };
                         assert_eq!(sym.peer_access(r), want);
                     }
+                    assert_eq!(sym.ranks_on_device(), 1);
                     // Write slot `rank` of every peer through its pointer (copy engine over NVLink).
                     let pattern: Vec<u8> = (0..bytes_per_peer).map(|i| (i * 7 + rank * 31 + 1) as u8).collect();
                     let src = DeviceBuffer::from_host(&dev, &pattern).map_err(|e| e.to_string())?;
@@ -389,6 +401,78 @@ fn symmetric_memory_over_all_gpus_in_thread_mode() {
     for (rank, r) in results.into_iter().enumerate() {
         assert!(r.is_ok(), "rank {rank}: {r:?}");
     }
+}
+
+/// Ranks that share a GPU in one process share its context, and loading a module synchronises the
+/// context: a rank loading its own copy of a module while a peer's kernel spins until this rank's kernel
+/// runs would wait for that kernel, and the peer would wait out its deadline. `load_shared` gives the second
+/// rank the module the first one loaded (functions included), so nothing is loaded while the kernel spins.
+#[test]
+fn ranks_sharing_a_gpu_load_each_module_once() {
+    let Some(dev) = gpu("ranks_sharing_a_gpu_load_each_module_once") else { return };
+    let req = CompileRequest::new("gpu_test_kernels.cu", TEST_KERNELS, dev.info().arch()).define("SHARED_MODULE_TEST", 1);
+    let compiled = JitCache::new(None).compile(&req).unwrap();
+    let flag = DeviceBuffer::zeroed(&dev, 4).unwrap();
+    let out = DeviceBuffer::zeroed(&dev, 4).unwrap();
+    let (spinning, spinning_rx) = std::sync::mpsc::channel();
+    let (compiled, dev, flag, out) = (&compiled, &dev, &flag, &out);
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let module = compiled.load_shared(dev).unwrap();
+            let wait = module.kernel("wait_for_flag").unwrap();
+            let stream = Stream::new(dev).unwrap();
+            // SAFETY: one flag word and one output word, both alive until the scope ends.
+            unsafe {
+                wait.launch(&stream, &LaunchConfig::linear(1, 1), &KernelArgs::new().arg(flag.device_ptr()).arg(out.device_ptr())).unwrap()
+            };
+            std::thread::sleep(Duration::from_millis(50)); // let the kernel start spinning
+            spinning.send(()).unwrap();
+            stream.synchronize().unwrap();
+        });
+        s.spawn(move || {
+            spinning_rx.recv().unwrap();
+            let module = compiled.load_shared(dev).unwrap();
+            let set = module.kernel("set_flag").unwrap();
+            let stream = Stream::new(dev).unwrap();
+            // SAFETY: one flag word, alive until the scope ends.
+            unsafe { set.launch(&stream, &LaunchConfig::linear(1, 1), &KernelArgs::new().arg(flag.device_ptr())).unwrap() };
+            stream.synchronize().unwrap();
+        });
+    });
+    let mut host = vec![0u8; 4];
+    out.copy_to_host(&mut host).unwrap();
+    assert_eq!(words_of(&host), vec![1], "1: the spinning kernel saw the peer's flag; 2: it waited out 2 s for the peer");
+}
+
+/// Two ranks of one process on the same GPU: each reaches the other's buffer by its plain pointer.
+#[test]
+fn symmetric_memory_of_ranks_sharing_a_gpu() {
+    let Some(dev) = gpu("symmetric_memory_of_ranks_sharing_a_gpu") else { return };
+    let gather = ThreadGather::new(2);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (gather, dev) = (gather.clone(), dev.clone());
+            s.spawn(move || {
+                let f = |b: &[u8]| gather.all_gather(rank, b);
+                let ex = Exchange { rank, num_ranks: 2, process_key: 7, all_gather: &f };
+                let mut sym = SymmetricBuffer::new(&dev, 1 << 20, &ex).unwrap();
+                assert_eq!(sym.peer_access(rank), PeerAccess::Local);
+                assert_eq!(sym.peer_access(1 - rank), PeerAccess::SameDevice);
+                assert_eq!(sym.ranks_on_device(), 2);
+                sym.local_mut().copy_from_host(0, &[rank as u8 + 1; 16]).unwrap();
+                gather.all_gather(rank, &[]).unwrap();
+                let stream = Stream::new(&dev).unwrap();
+                let peer = DeviceBuffer::zeroed(&dev, 16).unwrap();
+                // SAFETY: 16 bytes of the peer's live buffer (it waits at the gather below) into `peer`.
+                unsafe { stream.memcpy_dtod_async(peer.device_ptr(), sym.peer_ptr(1 - rank), 16).unwrap() };
+                stream.synchronize().unwrap();
+                let mut host = [0u8; 16];
+                peer.copy_to_host(&mut host).unwrap();
+                assert_eq!(host, [2 - rank as u8; 16]);
+                gather.all_gather(rank, &[]).unwrap();
+            });
+        }
+    });
 }
 
 const IPC_CHILD_ENV: &str = "MOELINK_TEST_IPC_CHILD";

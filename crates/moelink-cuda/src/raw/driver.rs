@@ -408,6 +408,19 @@ pub(crate) unsafe fn module_get_function(m: CUmodule, name: &str) -> Result<CUfu
     Ok(f)
 }
 
+/// Loads every function of `m` now. Under lazy loading (the default since CUDA 12.2) a function is
+/// otherwise loaded at its first launch, and a load can synchronise the context.
+pub(crate) unsafe fn module_load_functions(m: CUmodule) -> Result<()> {
+    let mut count: std::ffi::c_uint = 0;
+    drv!(cuModuleGetFunctionCount(&mut count, m))?;
+    let mut functions: Vec<CUfunction> = vec![std::ptr::null_mut(); count as usize];
+    drv!(cuModuleEnumerateFunctions(functions.as_mut_ptr(), count, m))?;
+    for f in functions {
+        drv!(cuFuncLoad(f))?;
+    }
+    Ok(())
+}
+
 /// Function attributes the safe layer reads or sets.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum FuncAttr {

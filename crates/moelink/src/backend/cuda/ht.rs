@@ -47,9 +47,9 @@ const SM_HEADROOM: f64 = 1.5;
 
 /// SMs a high-throughput kernel uses by default: senders to keep NVLink ingress busy
 /// (`356 / 46` -> 8 SMs), the same number of receivers for the copy-out of what arrives (8 SMs), both with
-/// 1.5x headroom: `2 * ceil(1.5 * 8) = 24`; even, at most the device's SM count.
+/// 1.5x headroom: `2 * ceil(1.5 * 8) = 24`; even, at most this rank's share of the device's SMs.
 pub(crate) fn default_num_sms(b: &CudaBackend) -> usize {
-    default_num_sms_for(b.num_device_sms())
+    default_num_sms_for(b.num_rank_sms())
 }
 
 fn default_num_sms_for(device_sms: usize) -> usize {

@@ -178,9 +178,9 @@ pub(crate) fn bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usiz
     LlLayout::bytes_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).unwrap_or(usize::MAX)
 }
 
-/// Blocks per low-latency launch: one per SM, or `MOELINK_LL_SMS`.
+/// Blocks per low-latency launch: one per SM of this rank's share of the GPU, or `MOELINK_LL_SMS`.
 fn grid_size(b: &CudaBackend) -> u32 {
-    let sms = b.num_device_sms().max(1) as u32;
+    let sms = b.num_rank_sms() as u32;
     match std::env::var(LL_SMS_ENV).ok().and_then(|v| v.parse::<u32>().ok()) {
         Some(n) if n >= 1 => n.min(sms),
         _ => sms,

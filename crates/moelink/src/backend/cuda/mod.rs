@@ -224,7 +224,7 @@ impl CudaBackend {
             None => {
                 let arch = moelink_cuda::jit::arch_for(self.device.info().compute_capability);
                 let compiled = moelink_cuda::jit::JitCache::global().compile(&spec.compile_request(&arch))?;
-                let m = Arc::new(compiled.load(&self.device)?);
+                let m = Arc::new(compiled.load_shared(&self.device)?);
                 self.modules.insert(spec.variant.clone(), m.clone());
                 m
             }
@@ -412,6 +412,12 @@ impl CudaBackend {
     /// The SM count of this GPU.
     pub(crate) fn num_device_sms(&self) -> usize {
         self.device.info().multiprocessors
+    }
+
+    /// This rank's share of its GPU's SMs: all of them, or an equal part when ranks share the GPU (their
+    /// kernels wait for each other, so they must be resident together).
+    pub(crate) fn num_rank_sms(&self) -> usize {
+        (self.num_device_sms() / self.sym.ranks_on_device()).max(1)
     }
 }
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs THERE, on any GPU machine (one GPU is enough; carry [".device"]): the GPU tests and soaks with
+# several ranks sharing each GPU (thread mode: rank r on GPU r % count). Correctness only: ranks on one GPU
+# exchange through its own memory, not NVLink, so nothing here is a performance figure.
+#   base     the binaries in .device/base/ (an earlier build, if carried): one HT and one LL test at 2 ranks
+#            on GPU 0, with and without CUDA_MODULE_LOADING=EAGER (what the earlier build did there)
+#   tests    every GPU test executable at each rank count in RANKS (default "2 4")
+#   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
+#   soak     moelink soak with SOAK_RANKS ranks (default 4), HT and LL families, SOAK_S seconds each
+# Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/device/steps.sh
+STEPS=${STEPS:-"base tests ep8 soak"}
+RANKS=${RANKS:-"2 4"}
+SOAK_RANKS=${SOAK_RANKS:-4}
+SOAK_S=${SOAK_S:-30}
+export MOELINK_TEST_CUDA=1 MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
+note "ranks share GPUs: $(nvidia-smi -L | wc -l) GPU(s)"
+test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]: one test executable, from its crate's folder
+    local name=$1 ranks=$2 exe=$3
+    shift 3
+    local crate=${exe%%.*}
+    cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
+    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_GPUS="$ranks" "/tmp/moelink-device/$exe" --test-threads=1 "$@"
+}
+for s in $STEPS; do
+    case $s in
+    base)
+        [ -d .device/base ] || { note "base: no .device/base carried"; continue; }
+        for mode in lazy eager; do
+            loading=(); [ $mode = eager ] && loading=(CUDA_MODULE_LOADING=EAGER)
+            for t in "ht cuda::dispatch_uniform_bf16_ep2" "ll_host cuda::ep2_bf16_and_fp8_hidden_2048"; do
+                set -- $t
+                cp ".device/base/moelink.test.$1" "/tmp/moelink-device/base.$1" && chmod +x "/tmp/moelink-device/base.$1"
+                run "base-$mode-$1" 60 env -C crates/moelink "${loading[@]}" MOELINK_LL_SMS=$(( $(nvidia-smi --query-gpu=multiprocessor_count --format=csv,noheader 2>/dev/null | head -n1 || echo 132) / 2 )) \
+                    MOELINK_TEST_GPUS=2 MOELINK_TEST_TIMEOUT_MS=3000 "/tmp/moelink-device/base.$1" --test-threads=1 --exact "$2"
+            done
+        done ;;
+    tests)
+        test_bin "cuda-gpu" 1 moelink-cuda.test.gpu
+        for r in $RANKS; do
+            for t in ht ll_host ll_cuda poison diag_gpu; do
+                test_bin "r$r-$t" "$r" "moelink.test.$t"
+            done
+        done ;;
+    ep8)
+        test_bin "r8-ht" 8 moelink.test.ht --exact cuda::dispatch_eight_ranks
+        test_bin "r8-ll" 8 moelink.test.ll_host --exact cuda::ep8_and_ep1 ;;
+    soak)
+        for fam in ht,ht-cached ll,ll-prereduced,ll-hook; do
+            run "soak-${fam%%,*}" $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families "$fam" --rounds 100000 \
+                --time-budget-s "$SOAK_S" --json "$W/soak-${fam%%,*}.json"
+        done ;;
+    esac
+done
+tar czf "$OUT/results.tgz" -C /tmp results
+echo "== summary"
+cat "$summary"
