@@ -53,7 +53,8 @@ for s in $STEPS; do
                 --time-budget-s "$SOAK_S" --json "$W/soak-${fam%%,*}.json"
         done ;;
     esac
+    tar czf "$OUT/results.tgz" -C /tmp results  # after every step: a call cut short still returns the logs
+    cp "$summary" "$OUT/summary.txt" 2>/dev/null
 done
-tar czf "$OUT/results.tgz" -C /tmp results
 echo "== summary"
 cat "$summary"
