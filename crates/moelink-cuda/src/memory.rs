@@ -20,8 +20,12 @@ fn check_range(what: &str, offset: usize, bytes: usize, len: usize) -> Result<()
 /// Device memory owned by this value (`cuMemAlloc`), freed on drop. Holds its device, so the context
 /// outlives the allocation.
 ///
-/// Synchronous copies ([`DeviceBuffer::copy_to_host`], ...) first wait for *all* work on the device, so they
-/// see the results of kernels on any stream; the `_async` variants are ordered on the given stream only.
+/// Synchronous copies and memsets ([`DeviceBuffer::copy_to_host`], ...) run on a stream of their own and
+/// are complete when they return; they are not ordered after work on other streams, so the caller finishes
+/// the work whose results it reads first (every synchronous moelink operation has when it returns). They
+/// do not wait for the whole device either: ranks that share a GPU share its context, and a copy that
+/// waited for the device would wait for a peer's kernel that is waiting for this rank. The `_async`
+/// variants are ordered on the given stream.
 pub struct DeviceBuffer {
     device: Option<Device>,
     ptr: u64,
@@ -83,61 +87,39 @@ impl DeviceBuffer {
         self.device.as_ref().expect("a DeviceBuffer always holds its device until dropped")
     }
 
-    /// Copies the first `dst.len()` bytes of the buffer into `dst` (at most [`len_bytes`](Self::len_bytes)),
-    /// after all work on the device finished.
+    /// Copies the first `dst.len()` bytes of the buffer into `dst` (at most [`len_bytes`](Self::len_bytes)).
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
         self.copy_to_host_at(0, dst)
     }
 
-    /// Copies `dst.len()` bytes starting at byte `offset` into `dst`, after all work on the device finished.
+    /// Copies `dst.len()` bytes starting at byte `offset` into `dst`.
     pub fn copy_to_host_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         check_range("copy_to_host_at", offset, dst.len(), self.len)?;
         if dst.is_empty() {
             return Ok(());
         }
-        let _g = self.device().bind_scoped()?;
-        // SAFETY: context current; the source range is inside the allocation (checked); `dst` is a valid
-        // host slice of that length. The device sync orders the copy after every stream's work.
-        unsafe {
-            drv::ctx_synchronize()?;
-            drv::memcpy_dtoh(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len())
-        }
+        let stream = Stream::new(self.device())?;
+        // SAFETY: `dst` is neither dropped nor read before the stream has run the copy (synchronised here).
+        unsafe { self.copy_to_host_async(offset, dst, &stream)? };
+        stream.synchronize()
     }
 
-    /// Copies `src` into the buffer at byte `offset`, after all work on the device finished; returns when the
-    /// data is in device memory.
+    /// Copies `src` into the buffer at byte `offset`; returns when the data is in device memory.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        check_range("copy_from_host", offset, src.len(), self.len)?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        let _g = self.device().bind_scoped()?;
-        // SAFETY: as in copy_to_host_at, with the roles swapped.
-        unsafe {
-            drv::ctx_synchronize()?;
-            drv::memcpy_htod(self.ptr + offset as u64, src.as_ptr(), src.len())?;
-            // From pageable memory cuMemcpyHtoD may return once the data is staged, before the DMA into
-            // device memory is done, and work on non-blocking streams is not ordered after it: wait for it
-            // here (seen on 4xH200: a copy-engine read right after `from_host` saw stale bytes).
-            drv::ctx_synchronize()
-        }
+        let stream = Stream::new(self.device())?;
+        // SAFETY: `src` outlives the copy (synchronised here). Waiting for the stream also covers pageable
+        // memory, where the call can return once the data is staged, before it is in device memory (seen on
+        // 4xH200: a copy-engine read right after `from_host` saw stale bytes).
+        unsafe { self.copy_from_host_async(offset, src, &stream)? };
+        stream.synchronize()
     }
 
-    /// Copies `bytes` from `src[src_offset..]` into `self[dst_offset..]` (same or peer device), after all work
-    /// on this device finished; returns when the copy is done.
+    /// Copies `bytes` from `src[src_offset..]` into `self[dst_offset..]` (same or peer device); returns when the
+    /// copy is done.
     pub fn copy_from_device(&mut self, dst_offset: usize, src: &DeviceBuffer, src_offset: usize, bytes: usize) -> Result<()> {
-        check_range("copy_from_device (destination)", dst_offset, bytes, self.len)?;
-        check_range("copy_from_device (source)", src_offset, bytes, src.len)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        let _g = self.device().bind_scoped()?;
-        // SAFETY: both ranges are inside live allocations (checked); unified addressing resolves the devices.
-        unsafe {
-            drv::ctx_synchronize()?;
-            drv::memcpy_dtod(self.ptr + dst_offset as u64, src.ptr + src_offset as u64, bytes)?;
-            drv::ctx_synchronize()
-        }
+        let stream = Stream::new(self.device())?;
+        self.copy_from_device_async(dst_offset, src, src_offset, bytes, &stream)?;
+        stream.synchronize()
     }
 
     /// Stream-ordered version of [`copy_from_device`](Self::copy_from_device).
@@ -188,16 +170,9 @@ impl DeviceBuffer {
 
     /// Sets every byte to `value` (completed before returning).
     pub fn memset_u8(&mut self, value: u8) -> Result<()> {
-        if self.len == 0 {
-            return Ok(());
-        }
-        let _g = self.device().bind_scoped()?;
-        // SAFETY: the whole allocation; the device sync orders it after pending work and completes it.
-        unsafe {
-            drv::ctx_synchronize()?;
-            drv::memset_d8(self.ptr, value, self.len)?;
-            drv::ctx_synchronize()
-        }
+        let stream = Stream::new(self.device())?;
+        self.memset_u8_async(value, &stream)?;
+        stream.synchronize()
     }
 
     /// Sets every 32-bit word to `value` (the length must be a multiple of 4; completed before returning).
@@ -205,16 +180,9 @@ impl DeviceBuffer {
         if self.len % 4 != 0 {
             return Err(Error::invalid(format!("memset_u32 on a {}-byte buffer (not a multiple of 4)", self.len)));
         }
-        if self.len == 0 {
-            return Ok(());
-        }
-        let _g = self.device().bind_scoped()?;
-        // SAFETY: the whole allocation (length checked to be word-sized).
-        unsafe {
-            drv::ctx_synchronize()?;
-            drv::memset_d32(self.ptr, value, self.len / 4)?;
-            drv::ctx_synchronize()
-        }
+        let stream = Stream::new(self.device())?;
+        self.memset_u32_async(value, &stream)?;
+        stream.synchronize()
     }
 
     /// Stream-ordered [`memset_u8`](Self::memset_u8).

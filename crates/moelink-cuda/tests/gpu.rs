@@ -444,6 +444,47 @@ fn ranks_sharing_a_gpu_load_each_module_once() {
     assert_eq!(words_of(&host), vec![1], "1: the spinning kernel saw the peer's flag; 2: it waited out 2 s for the peer");
 }
 
+/// What a rank does on the host between its collective kernels must not wait for a peer's kernel on the
+/// same GPU (that kernel may be waiting for this rank): each operation runs while a kernel on another
+/// stream spins until a flag that is set only after the operation returned.
+#[test]
+fn host_operations_do_not_wait_for_other_streams() {
+    let Some(dev) = gpu("host_operations_do_not_wait_for_other_streams") else { return };
+    let module = test_module(&dev);
+    let (wait, set) = (module.kernel("wait_for_flag").unwrap(), module.kernel("set_flag").unwrap());
+    let (spinner, setter) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let while_a_kernel_spins = |name: &str, op: &mut dyn FnMut()| {
+        let flag = DeviceBuffer::zeroed(&dev, 4).unwrap();
+        let out = DeviceBuffer::zeroed(&dev, 4).unwrap();
+        // SAFETY: one flag word and one output word, alive until both streams are synchronised below.
+        unsafe {
+            wait.launch(&spinner, &LaunchConfig::linear(1, 1), &KernelArgs::new().arg(flag.device_ptr()).arg(out.device_ptr())).unwrap()
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        op();
+        // SAFETY: as above.
+        unsafe { set.launch(&setter, &LaunchConfig::linear(1, 1), &KernelArgs::new().arg(flag.device_ptr())).unwrap() };
+        spinner.synchronize().unwrap();
+        setter.synchronize().unwrap();
+        let mut host = vec![0u8; 4];
+        out.copy_to_host(&mut host).unwrap();
+        assert_eq!(words_of(&host), vec![1], "{name} waited for a kernel on another stream (2: the kernel gave up after 2 s)");
+    };
+    let compiled = JitCache::new(None).compile(&CompileRequest::new("gpu_test_kernels.cu", TEST_KERNELS, dev.info().arch())).unwrap();
+    compiled.load_shared(&dev).unwrap();
+    let mut buf = DeviceBuffer::zeroed(&dev, 1 << 20).unwrap();
+    let mut fresh = Vec::new();
+    while_a_kernel_spins("DeviceBuffer::alloc", &mut || fresh.push(DeviceBuffer::alloc(&dev, 64 << 20).unwrap()));
+    while_a_kernel_spins("DeviceBuffer::memset_u8", &mut || buf.memset_u8(3).unwrap());
+    while_a_kernel_spins("DeviceBuffer::copy_from_host", &mut || buf.copy_from_host(16, &[5u8; 16]).unwrap());
+    let mut host = vec![0u8; 48];
+    while_a_kernel_spins("DeviceBuffer::copy_to_host", &mut || buf.copy_to_host(&mut host).unwrap());
+    assert_eq!(host, [[3u8; 16], [5; 16], [3; 16]].concat());
+    while_a_kernel_spins("Stream::new", &mut || drop(Stream::new(&dev).unwrap()));
+    while_a_kernel_spins("Module::load_shared (loaded before)", &mut || drop(compiled.load_shared(&dev).unwrap()));
+    while_a_kernel_spins("drop(DeviceBuffer)", &mut || fresh.clear());
+}
+
 /// Two ranks of one process on the same GPU: each reaches the other's buffer by its plain pointer.
 #[test]
 fn symmetric_memory_of_ranks_sharing_a_gpu() {

@@ -429,8 +429,10 @@ impl Tensor {
     }
 
     /// Copies `src`'s elements into this tensor (same dtype and shape; either may live on the host or a
-    /// device). Device copies wait for all work on the device first, like [`Tensor::to_host_bytes`]. Used to
-    /// feed new inputs to tensors whose addresses a captured CUDA graph replays.
+    /// device). Device copies are complete when this returns and are not ordered after work on any stream:
+    /// call it once the work that uses the tensor has finished (every synchronous [`crate::Buffer`]
+    /// operation has when it returns). Used to feed new inputs to tensors whose addresses a captured CUDA
+    /// graph replays.
     ///
     /// ```
     /// use moelink::{DType, Tensor};
@@ -460,7 +462,8 @@ impl Tensor {
         Ok(())
     }
 
-    /// The tensor's bytes, copied to the host if it lives on a device.
+    /// The tensor's bytes, copied to the host if it lives on a device (not ordered after work on any stream,
+    /// like [`Tensor::copy_from`]).
     pub fn to_host_bytes(&self) -> Result<Vec<u8>> {
         match &self.storage {
             Storage::Host(v) => Ok(bytemuck::cast_slice::<u128, u8>(v)[..self.nbytes()].to_vec()),
@@ -473,7 +476,7 @@ impl Tensor {
     }
 
     /// Overwrites the tensor's contents with `bytes` (its exact size, row-major), copying to the device if it
-    /// lives there (after all work on the device has finished).
+    /// lives there (complete on return; not ordered after work on any stream, like [`Tensor::copy_from`]).
     pub fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
         let n = self.nbytes();
         if bytes.len() != n {

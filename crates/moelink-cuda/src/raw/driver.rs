@@ -224,18 +224,6 @@ pub(crate) unsafe fn mem_get_address_range(ptr: u64) -> Result<(u64, usize)> {
     Ok((base, size))
 }
 
-pub(crate) unsafe fn memcpy_htod(dst: u64, src: *const u8, bytes: usize) -> Result<()> {
-    drv!(cuMemcpyHtoD_v2(dst, src as *const c_void, bytes))
-}
-
-pub(crate) unsafe fn memcpy_dtoh(dst: *mut u8, src: u64, bytes: usize) -> Result<()> {
-    drv!(cuMemcpyDtoH_v2(dst as *mut c_void, src, bytes))
-}
-
-pub(crate) unsafe fn memcpy_dtod(dst: u64, src: u64, bytes: usize) -> Result<()> {
-    drv!(cuMemcpyDtoD_v2(dst, src, bytes))
-}
-
 pub(crate) unsafe fn memcpy_htod_async(dst: u64, src: *const u8, bytes: usize, stream: CUstream) -> Result<()> {
     drv!(cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream))
 }
@@ -246,14 +234,6 @@ pub(crate) unsafe fn memcpy_dtoh_async(dst: *mut u8, src: u64, bytes: usize, str
 
 pub(crate) unsafe fn memcpy_dtod_async(dst: u64, src: u64, bytes: usize, stream: CUstream) -> Result<()> {
     drv!(cuMemcpyDtoDAsync_v2(dst, src, bytes, stream))
-}
-
-pub(crate) unsafe fn memset_d8(dst: u64, value: u8, count: usize) -> Result<()> {
-    drv!(cuMemsetD8_v2(dst, value, count))
-}
-
-pub(crate) unsafe fn memset_d32(dst: u64, value: u32, count: usize) -> Result<()> {
-    drv!(cuMemsetD32_v2(dst, value, count))
 }
 
 pub(crate) unsafe fn memset_d8_async(dst: u64, value: u8, count: usize, stream: CUstream) -> Result<()> {

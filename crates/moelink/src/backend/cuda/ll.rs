@@ -678,21 +678,33 @@ fn mask_offset(rank: usize) -> usize {
     ctrl::LL + LlCtrl::MASK_OFFSET + 4 * rank
 }
 
+// The mask words are read by this rank's kernels: reads and writes are ordered after this rank's earlier
+// operations on the operation stream (a caller's stream in asynchronous mode), and complete on return.
+
 pub(crate) fn set_mask(b: &mut CudaBackend, rank: usize, masked: bool) -> Result<()> {
-    let word = u32::from(masked).to_le_bytes();
-    b.sym.local_mut().copy_from_host(mask_offset(rank), &word)?;
-    Ok(())
+    write_mask_words(b, mask_offset(rank), &u32::from(masked).to_le_bytes())
 }
 
 pub(crate) fn mask(b: &mut CudaBackend) -> Result<Vec<bool>> {
     let mut bytes = vec![0u8; 4 * b.num_ranks];
-    b.sym.local().copy_to_host_at(mask_offset(0), &mut bytes)?;
+    // SAFETY: `bytes` is read only after the stream has run the copy (synchronised below).
+    unsafe { b.sym.local().copy_to_host_async(mask_offset(0), &mut bytes, b.op_stream())? };
+    b.op_stream().synchronize()?;
     Ok(bytes.chunks_exact(4).map(|w| w != [0, 0, 0, 0]).collect())
 }
 
 pub(crate) fn clear_mask(b: &mut CudaBackend) -> Result<()> {
-    let zeros = vec![0u8; 4 * b.num_ranks];
-    b.sym.local_mut().copy_from_host(mask_offset(0), &zeros)?;
+    write_mask_words(b, mask_offset(0), &vec![0u8; 4 * b.num_ranks])
+}
+
+fn write_mask_words(b: &mut CudaBackend, offset: usize, bytes: &[u8]) -> Result<()> {
+    let stream = match &b.mode {
+        super::StreamMode::Own => &b.stream,
+        super::StreamMode::External(s) => s,
+    };
+    // SAFETY: `bytes` outlives the copy (the stream is synchronised below).
+    unsafe { b.sym.local_mut().copy_from_host_async(offset, bytes, stream)? };
+    stream.synchronize()?;
     Ok(())
 }
 
