@@ -31,6 +31,8 @@ pub struct DeviceBuffer {
     ptr: u64,
     len: usize,
     ordinal: usize,
+    /// `cuMemAlloc` memory ([`DeviceBuffer::alloc_exportable`]), else memory of the device's pool.
+    exportable: bool,
 }
 
 impl std::fmt::Debug for DeviceBuffer {
@@ -40,9 +42,33 @@ impl std::fmt::Debug for DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    /// Allocates `len_bytes` (uninitialised; 256-byte aligned). A zero-length buffer allocates nothing and
-    /// has address 0.
+    /// Allocates `len_bytes` of device memory (uninitialised) from the device's memory pool, usable by any
+    /// stream on return. A zero-length buffer has address 0.
+    ///
+    /// Pool memory is freed in stream order on drop, without waiting for the device: `cuMemFree` waits
+    /// for every kernel of the context, and ranks that share a GPU share its context, so a rank freeing
+    /// memory while a peer's kernel waits for it would wait for that kernel and the peer would time out.
+    /// Drop a buffer only once no work uses it (every synchronous moelink operation has finished its
+    /// kernels when it returns). Pool memory cannot be exported over IPC: see
+    /// [`DeviceBuffer::alloc_exportable`].
     pub fn alloc(device: &Device, len_bytes: usize) -> Result<DeviceBuffer> {
+        let ptr = if len_bytes == 0 {
+            0
+        } else {
+            let stream = Stream::new(device)?;
+            let _g = device.bind_scoped()?;
+            // SAFETY: context current, live stream; freed exactly once in Drop. The stream is synchronised
+            // so that any stream may use the memory on return.
+            let ptr = unsafe { drv::mem_alloc_async(len_bytes, stream.raw())? };
+            stream.synchronize()?;
+            ptr
+        };
+        Ok(DeviceBuffer { device: Some(device.clone()), ptr, len: len_bytes, ordinal: device.ordinal(), exportable: false })
+    }
+
+    /// Allocates `len_bytes` with `cuMemAlloc`, which [`DeviceBuffer::ipc_handle`] can export to other
+    /// processes (the symmetric buffer). Its drop waits for every kernel on the device.
+    pub fn alloc_exportable(device: &Device, len_bytes: usize) -> Result<DeviceBuffer> {
         let ptr = if len_bytes == 0 {
             0
         } else {
@@ -50,7 +76,7 @@ impl DeviceBuffer {
             // SAFETY: context current; the allocation is freed exactly once in Drop.
             unsafe { drv::mem_alloc(len_bytes)? }
         };
-        Ok(DeviceBuffer { device: Some(device.clone()), ptr, len: len_bytes, ordinal: device.ordinal() })
+        Ok(DeviceBuffer { device: Some(device.clone()), ptr, len: len_bytes, ordinal: device.ordinal(), exportable: true })
     }
 
     /// Allocates `len_bytes` filled with zeros (completed before returning).
@@ -207,6 +233,9 @@ impl DeviceBuffer {
         if self.len == 0 {
             return Err(Error::invalid("cannot export a zero-length buffer over IPC"));
         }
+        if !self.exportable {
+            return Err(Error::invalid("cannot export pool memory over IPC: allocate with DeviceBuffer::alloc_exportable"));
+        }
         let _g = self.device().bind_scoped()?;
         // SAFETY: the pointer is the base of a live cuMemAlloc allocation.
         let bytes = unsafe { drv::ipc_get_mem_handle(self.ptr)? };
@@ -218,10 +247,18 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if let Some(device) = self.device.take() {
             if self.ptr != 0 {
-                if let Ok(_g) = device.bind_scoped() {
-                    // SAFETY: we allocated the memory and free it once; cuMemFree waits for pending work
-                    // that uses it.
-                    let _ = unsafe { drv::mem_free(self.ptr) };
+                if self.exportable {
+                    if let Ok(_g) = device.bind_scoped() {
+                        // SAFETY: we allocated the memory and free it once; cuMemFree waits for pending work
+                        // that uses it.
+                        let _ = unsafe { drv::mem_free(self.ptr) };
+                    }
+                } else if let Ok(stream) = Stream::new(&device) {
+                    if let Ok(_g) = device.bind_scoped() {
+                        // SAFETY: pool memory we allocated, freed once; no work uses it any more (the
+                        // contract of `alloc`), so the free needs no ordering after other streams.
+                        let _ = unsafe { drv::mem_free_async(self.ptr, stream.raw()) };
+                    }
                 }
             }
         }

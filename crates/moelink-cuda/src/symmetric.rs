@@ -136,7 +136,7 @@ impl SymmetricBuffer {
         }
         // Zero before anyone can learn the address: flags must start at 0. A rank that cannot allocate still
         // takes part in both rounds (with an empty message), so its peers fail fast instead of timing out.
-        let local = DeviceBuffer::zeroed(device, len_bytes);
+        let local = DeviceBuffer::alloc_exportable(device, len_bytes).and_then(|mut l| l.memset_u8(0).map(|()| l));
         let me = local.as_ref().ok().map(|l| PeerInfo {
             rank,
             ordinal: device.ordinal(),

@@ -526,7 +526,9 @@ fn ipc_across_processes() {
     let Some(dev) = gpu("ipc_across_processes") else { return };
     let half = IPC_BYTES / 2;
     let first: Vec<u8> = (0..half).map(|i| (i % 251) as u8).collect();
-    let mut buf = DeviceBuffer::zeroed(&dev, IPC_BYTES).unwrap();
+    assert!(DeviceBuffer::zeroed(&dev, IPC_BYTES).unwrap().ipc_handle().is_err(), "pool memory is not exportable");
+    let mut buf = DeviceBuffer::alloc_exportable(&dev, IPC_BYTES).unwrap();
+    buf.memset_u8(0).unwrap();
     buf.copy_from_host(0, &first).unwrap();
     let handle = buf.ipc_handle().unwrap();
     let hex: String = handle.as_bytes().iter().map(|b| format!("{b:02x}")).collect();

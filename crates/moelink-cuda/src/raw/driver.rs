@@ -213,6 +213,18 @@ pub(crate) unsafe fn mem_alloc(bytes: usize) -> Result<u64> {
     Ok(p)
 }
 
+/// Stream-ordered allocation from the device's default memory pool.
+pub(crate) unsafe fn mem_alloc_async(bytes: usize, stream: CUstream) -> Result<u64> {
+    let mut p: sys::CUdeviceptr = 0;
+    drv!(cuMemAllocAsync(&mut p, bytes, stream))?;
+    Ok(p)
+}
+
+/// Stream-ordered free of a [`mem_alloc_async`] allocation: unlike cuMemFree it does not wait for the device.
+pub(crate) unsafe fn mem_free_async(ptr: u64, stream: CUstream) -> Result<()> {
+    drv!(cuMemFreeAsync(ptr, stream))
+}
+
 pub(crate) unsafe fn mem_free(ptr: u64) -> Result<()> {
     drv!(cuMemFree_v2(ptr))
 }
