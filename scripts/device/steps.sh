@@ -1,6 +1,8 @@
-# Sourced by the device step scripts (results.sh, ll-trace.sh) after `cd` to the repository root: the
-# binary under /tmp, the environment every GPU run keeps (NVLS off), the work folder $W, the summary file
-# ($OUT/summary.txt, started with the commit and the GPUs) and `run` / `note`.
+# Sourced by the device step scripts (results.sh, ll-trace.sh, shared-gpu.sh) after `cd` to the repository
+# root: the binary under /tmp, the environment every GPU run keeps (NVLS off), the work folder $W, the summary
+# file ($OUT/summary.txt, started with the commit and the GPUs) and `run` / `note`. BUDGET_S (default 570)
+# bounds the whole call: `run` shortens a step's limit to what is left and skips a step that no longer fits,
+# so the summary always comes back inside the device tool's 600 s.
 OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"
 W=/tmp/results
@@ -13,10 +15,16 @@ export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null
 export MOELINK_CACHE_DIR=/tmp/moelink-jit
 summary=$OUT/summary.txt
 { echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
+BUDGET_S=${BUDGET_S:-570}
 note() { echo "$*" | tee -a "$summary"; }
 run() {  # run NAME LIMIT CMD...: output to $W/NAME.log, status and time to the summary
-    local name=$1 limit=$2 start=$SECONDS
+    local name=$1 limit=$2 start=$SECONDS left=$((BUDGET_S - SECONDS - 15))
     shift 2
+    if [ "$left" -lt 20 ]; then
+        note "$(printf '%-16s skipped (BUDGET_S=%s used up)' "$name" "$BUDGET_S")"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     timeout --kill-after=10 "$limit" "$@" > "$W/$name.log" 2>&1
     local rc=$?
     note "$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E '^test result|^soak: |^wrote|passed|PASS|FAIL' "$W/$name.log" | tail -n 1)")"
