@@ -67,6 +67,14 @@ pub fn with_buffers<T: Send>(
     out.into_iter().enumerate().map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect()
 }
 
+/// Whether another rank of `buf`'s group has its buffer on the same GPU (ranks sharing a GPU: the tests
+/// run with more ranks than GPUs, `MOELINK_TEST_GPUS`). Collective.
+pub fn shares_gpu(buf: &Buffer) -> Result<bool> {
+    let here = buf.location().to_string();
+    let all = buf.group().all_gather(here.as_bytes())?;
+    Ok(all.iter().enumerate().any(|(r, l)| r != buf.rank() && l.as_slice() == here.as_bytes() && here != "cpu"))
+}
+
 /// Default options for tests: room for the sizes the tests use.
 pub fn test_options() -> BufferOptions {
     // MOELINK_TEST_TIMEOUT_MS shortens the kernels' deadline on the GPU machine, so a protocol bug costs
