@@ -3,7 +3,9 @@
 //!
 //! NVRTC missing: the test prints why and passes, unless `MOELINK_REQUIRE_NVRTC=1` (CI), where it fails.
 //! With `MOELINK_CUOBJDUMP=/path/to/cuobjdump` it also disassembles each CUBIN and checks that the intended
-//! instructions are there (`scripts/ci-nvrtc-env.sh` installs both tools).
+//! instructions are there (`scripts/ci-nvrtc-env.sh` installs both tools); with `MOELINK_SASS_DIR=dir` as well,
+//! it writes each variant's disassembly to `dir/<variant>.sass`, so that a refactor of a kernel can be
+//! checked to leave its machine code unchanged (`diff -r` of two such folders) before any GPU time is spent.
 
 use moelink_cuda::jit::{CompileRequest, JitCache};
 use moelink_cuda::Error;
@@ -114,6 +116,12 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
         Ok(o) => return vec![format!("cuobjdump failed: {}", String::from_utf8_lossy(&o.stderr))],
         Err(e) => return vec![format!("cannot run cuobjdump: {e}")],
     };
+    if let Some(dir) = std::env::var_os("MOELINK_SASS_DIR") {
+        let file = std::path::Path::new(&dir).join(format!("{}.sass", spec.variant));
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&file, &sass)) {
+            return vec![format!("cannot write {}: {e}", file.display())];
+        }
+    }
     let functions = split_functions(&sass);
     let expect: &[(&str, &[&str])] = match family {
         Family::Barrier => &[
