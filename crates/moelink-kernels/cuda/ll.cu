@@ -663,6 +663,99 @@ __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive
   return s;
 }
 
+// ============================================================================================ operation frame
+// ll_dispatch and ll_combine run one protocol on parallel LlCtrl fields (dispatch_* / combine_*). op_fields
+// picks one operation's fields of a control area, for the call's set, by the argument type, so that the
+// steps both kernels share are written once: ll_enter, ll_send_phase, ll_recv_end.
+struct LlOpFields {
+  u32* epoch;            // the operation's call counter
+  u32* send_done;        // grid-wide counters of the send and the receive phase
+  u32* recv_done;
+  u32* last_write;       // epoch of the area's rank's last send into the set
+  u32* consumed;         // [dst]
+  LlArriveLine* arrive;  // [src * LL_ARRIVE_LANES + lane]
+};
+__device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlDispatchArgs& a) {
+  return {&c->dispatch_epoch,          &c->dispatch_send_done,         &c->dispatch_recv_done,
+          &c->dispatch_last_write[a.set], c->dispatch_consumed[a.set], &c->dispatch_arrive[a.set][0][0]};
+}
+__device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlCombineArgs& a) {
+  return {&c->combine_epoch,          &c->combine_send_done,         &c->combine_recv_done,
+          &c->combine_last_write[a.set], c->combine_consumed[a.set], &c->combine_arrive[a.set][0][0]};
+}
+
+// Tells every source that this rank finished reading what it wrote into the set: consumed = epoch at each.
+template <typename Args>
+__device__ __forceinline__ void ll_hand_back(const Args& a, u32 epoch) {
+  for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(op_fields(ctrl_of(a.ctrl, p), a).consumed + a.rank, epoch);
+}
+
+// Kernel entry, every thread. A DRAIN launch (a receive phase that will never run: its hook was dropped)
+// only hands the set back, as of this rank's last send into it, and gets false. Otherwise sm.epoch is the
+// call's epoch: a send works as call e = epoch + 1; a receive-only launch belongs to the last send into its
+// set (with hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
+template <typename Args>
+__device__ __forceinline__ bool ll_enter(const Args& a, LlShared& sm, u64 entered) {
+  const LlOpFields own = op_fields(ctrl_of(a.ctrl, a.rank), a);
+  if (a.phases & LL_PHASE_DRAIN) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const u32 e = ptx::ld_relaxed_gpu(own.last_write);
+      ptx::fence_acq_rel_sys();
+      ll_hand_back(a, e);
+    }
+    return false;
+  }
+  if (threadIdx.x == 0) {
+    sm.prev_write = ptx::ld_relaxed_gpu(own.last_write);
+    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(own.epoch) + 1u : sm.prev_write;
+    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
+    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
+  }
+  __syncthreads();
+  return true;
+}
+
+// A send phase, every thread of every block: waits until the destinations consumed this set's previous use;
+// then block 0 runs `check()` (validation, metadata lines: always stores into peers) and blocks 1..G-1 (block
+// 0 too when G == 1) run `rows(first_warp, num_warps)` (true when the thread stored into peer memory) unless
+// the host found a problem; every block arrives at every rank (ll_send_arrive) and the last one records the
+// call: epoch = last_write[set] = e.
+template <typename Args, typename Check, typename Rows>
+__device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, LlShared& sm, u32 epoch, Check check, Rows rows) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const LlOpFields own = op_fields(me, a);
+  ll_wait_consumed(own.consumed, own.last_write, me->mask, a.num_ranks, d, (a.flags & LL_FLAG_SHRINK) != 0, sm);
+  ll_trace(sm, LL_TRACE_SEND_READY);
+  bool stored = false;
+  if (sm.abort == 0) {
+    if (blockIdx.x == 0) {
+      check();
+      stored = true;
+    }
+    if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
+      const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
+      const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
+      stored |= rows(block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+    }
+  }
+  ll_trace(sm, LL_TRACE_SEND_ISSUED);
+  const u32 lane_line = a.rank * LL_ARRIVE_LANES + blockIdx.x % LL_ARRIVE_LANES;
+  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
+                                   [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; });
+  if (last && threadIdx.x == 0) {
+    *own.epoch = epoch;
+    *own.last_write = epoch;
+  }
+  ll_trace(sm, LL_TRACE_SEND_DONE);
+}
+
+// End of a receive phase, every thread of every block: the last block hands the set back to every source
+// when every block of the phase succeeded.
+template <typename Args>
+__device__ __forceinline__ void ll_recv_end(const Args& a, LlShared& sm, u32 epoch) {
+  if (ll_last_block(op_fields(ctrl_of(a.ctrl, a.rank), a).recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0 && sm.phase_ok) ll_hand_back(a, epoch);
+}
+
 // ============================================================================================ dispatch: send
 // Block 0 of the send phase: validates this rank's top-k rows (ids outside [-1, E), repeats), keeps its
 // top-k ids/weights in the handle area (combine checks its inputs against them), writes each destination's
@@ -908,8 +1001,6 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
 }
 
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
-  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
   // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
   // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
@@ -921,28 +1012,8 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
         llptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
     }
   }
-  ll_wait_consumed(me->dispatch_consumed[a.set], &me->dispatch_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
-  ll_trace(sm, LL_TRACE_SEND_READY);
-  bool stored = false;
-  if (sm.abort == 0) {
-    if (blockIdx.x == 0) {
-      dispatch_check(a, sm);
-      stored = true;
-    }
-    if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
-      const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
-      const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
-      stored |= dispatch_rows(a, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
-    }
-  }
-  ll_trace(sm, LL_TRACE_SEND_ISSUED);
-  const bool last = ll_send_arrive(&me->dispatch_send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
-                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->dispatch_arrive[a.set][a.rank][blockIdx.x % LL_ARRIVE_LANES].word; });
-  if (last && threadIdx.x == 0) {
-    me->dispatch_epoch = epoch;
-    me->dispatch_last_write[a.set] = epoch;
-  }
-  ll_trace(sm, LL_TRACE_SEND_DONE);
+  ll_send_phase(a, d, sm, epoch, [&] { dispatch_check(a, sm); },
+                [&](u32 first_warp, u32 num_warps) { return dispatch_rows(a, first_warp, num_warps); });
 }
 
 // ============================================================================================ dispatch: receive
@@ -1003,7 +1074,6 @@ __device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, c
 }
 
 __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const u32 R = a.num_ranks, EL = a.num_local_experts, TM = a.max_tokens;
   const u32 rows = R * TM;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
@@ -1145,11 +1215,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     }
   }
 
-  if (ll_last_block(&me->dispatch_recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
-    if (sm.phase_ok) {
-      for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], epoch);
-    }
-  }
+  ll_recv_end(a, sm, epoch);
 }
 
 // ll_dispatch: low-latency dispatch, send and/or receive phase.
@@ -1177,24 +1243,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __
   __shared__ LlShared sm;
   const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_DISPATCH);
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
-  if (a.phases & LL_PHASE_DRAIN) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      const u32 e = ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
-      ptx::fence_acq_rel_sys();
-      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->dispatch_consumed[a.set][a.rank], e);
-    }
-    return;
-  }
-  // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
-  // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
-  if (threadIdx.x == 0) {
-    sm.prev_write = ptx::ld_relaxed_gpu(&me->dispatch_last_write[a.set]);
-    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->dispatch_epoch) + 1u : sm.prev_write;
-    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
-    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
-  }
-  __syncthreads();
+  if (!ll_enter(a, sm, entered)) return;
   const u32 epoch = sm.epoch;
   if (a.phases & LL_PHASE_SEND) dispatch_send(a, d, sm, epoch);
   if (a.phases & LL_PHASE_RECV) dispatch_recv(a, d, sm, epoch);
@@ -1372,32 +1421,11 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
 }
 
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
-  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  ll_wait_consumed(me->combine_consumed[a.set], &me->combine_last_write[a.set], me->mask, a.num_ranks, d, soft, sm);
-  ll_trace(sm, LL_TRACE_SEND_READY);
-  bool stored = false;
-  if (sm.abort == 0) {
-    if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
-    __syncthreads();
-    if (blockIdx.x == 0) {
-      combine_check(a, sm);
-      stored = true;
-    }
-    if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
-      const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
-      const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
-      stored |= combine_rows(a, sm, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
-    }
-  }
-  ll_trace(sm, LL_TRACE_SEND_ISSUED);
-  const bool last = ll_send_arrive(&me->combine_send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
-                                   [&](u32 p) { return &ctrl_of(a.ctrl, p)->combine_arrive[a.set][a.rank][blockIdx.x % LL_ARRIVE_LANES].word; });
-  if (last && threadIdx.x == 0) {
-    me->combine_epoch = epoch;
-    me->combine_last_write[a.set] = epoch;
-  }
-  ll_trace(sm, LL_TRACE_SEND_DONE);
+  // Tokens per home rank, from this rank's own dispatch handle: loaded before the hand-back wait (whose
+  // barriers publish them to the block), so that their latency hides behind it.
+  if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
+  ll_send_phase(a, d, sm, epoch, [&] { combine_check(a, sm); },
+                [&](u32 first_warp, u32 num_warps) { return combine_rows(a, sm, first_warp, num_warps); });
 }
 
 // Warp 0 of every block waits for every expert rank r (lane r); r's rows are used when its flag arrived
@@ -1437,7 +1465,6 @@ __device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, con
 }
 
 __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const u32 R = a.num_ranks, TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
   const u32 lane = lane_id();
   const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
@@ -1537,11 +1564,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
       }
     }
   }
-  if (ll_last_block(&me->combine_recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0) {
-    if (sm.phase_ok) {
-      for (u32 p = 0; p < R; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], epoch);
-    }
-  }
+  ll_recv_end(a, sm, epoch);
 }
 
 // ll_combine: low-latency combine, send and/or receive phase.
@@ -1563,24 +1586,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __g
   __shared__ LlShared sm;
   const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_COMBINE);
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
-  if (a.phases & LL_PHASE_DRAIN) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      const u32 e = ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
-      ptx::fence_acq_rel_sys();
-      for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(&ctrl_of(a.ctrl, p)->combine_consumed[a.set][a.rank], e);
-    }
-    return;
-  }
-  // A send works as call e = epoch + 1. A receive-only launch belongs to the last send into its set (with
-  // hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
-  if (threadIdx.x == 0) {
-    sm.prev_write = ptx::ld_relaxed_gpu(&me->combine_last_write[a.set]);
-    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(&me->combine_epoch) + 1u : sm.prev_write;
-    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
-    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
-  }
-  __syncthreads();
+  if (!ll_enter(a, sm, entered)) return;
   const u32 epoch = sm.epoch;
   if (a.phases & LL_PHASE_SEND) combine_send(a, d, sm, epoch);
   if (a.phases & LL_PHASE_RECV) combine_recv(a, d, sm, epoch);
