@@ -166,28 +166,62 @@ __device__ __forceinline__ u32* ht_ctrl_word(u64 ctrl, u32 byte_offset) {
   return reinterpret_cast<u32*>(ctrl + byte_offset);
 }
 
-// End of a dispatch or combine kernel, called by every thread of every block (after the block's last access
-// to shared slabs). The last block to arrive (block counter `done_offset`, acq_rel at GPU scope, so it sees
-// every other block's reads as done) resets it and the sender chunk counter (`chunk_offset`), then — after
-// one system-scope fence — tells every peer that this rank has consumed call `epoch` (consumed[rank] = epoch
-// in the peer's control region at `consumed_offset`), and stores the epoch (`epoch_offset`) for the next
-// call.
-__device__ __forceinline__ void ht_finish_op(const u64 (&ctrl)[MAX_RANKS], u32 rank, u32 num_ranks, u32 done_offset,
-                                             u32 chunk_offset, u32 consumed_offset, u32 epoch_offset, u32 epoch) {
-  __shared__ u32 s_is_last;
-  __syncthreads();
+// One operation's words in the control region (HT_CTRL_* byte offsets): its call counter, its blocks' done
+// counter, its sender chunk counter and its consumed flags.
+struct HtOpWords {
+  u32 epoch, done, chunk, consumed;
+};
+constexpr HtOpWords HT_DISPATCH_WORDS = {HT_CTRL_DISPATCH_EPOCH, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CHUNK, HT_CTRL_DISPATCH_CONSUMED};
+constexpr HtOpWords HT_COMBINE_WORDS = {HT_CTRL_COMBINE_EPOCH, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CHUNK, HT_CTRL_COMBINE_CONSUMED};
+
+// The frame of ht_dispatch and ht_combine, run by every thread of the grid (WARPS warps per block, trace
+// stamps TRACE_WORDS apart per block):
+//   - Nothing moves when the handle's routing status is non-zero (every rank saw the same notify messages,
+//     so every rank returns here; ht_notify reported why), nor when T_max (every rank's largest token count)
+//     exceeds slab_rows for this row size (a cached call of bigger rows; block 0 reports
+//     ERR_BUFFER_TOO_SMALL, details T_max and row_bytes << 32 | slab_rows). Either way the epoch does not
+//     advance, on any rank.
+//   - The call's epoch is the counter + 1. Blocks [0, num_send_blocks) run send(epoch, deadline, warp,
+//     warps), the others receive(...), each numbering its role's warps from 0.
+//   - End, after every block's last access to the slabs: the last block to arrive at the done counter
+//     (acq_rel at GPU scope, so it sees every other block's reads as done) resets it and the sender chunk
+//     counter, then — after one system-scope fence — tells every peer that this rank has consumed call
+//     `epoch` (consumed[rank] = epoch in the peer's control region) and stores the epoch for the next call.
+template <u32 WARPS, u32 TRACE_WORDS, typename Args, typename Send, typename Receive>
+__device__ __forceinline__ void ht_run_op(const Args& a, u32 phase, u32 num_ranks, u32 row_bytes, HtOpWords w, Send send,
+                                          Receive receive) {
+  __shared__ u32 s_epoch;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  if (routing[HT_RT_STATUS] != 0) return;
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, phase);
+  const u32 t_max = (u32)routing[HT_RT_T_MAX];
+  if (t_max > a.slab_rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(d, ERR_BUFFER_TOO_SMALL, NO_PEER, t_max, ((u64)row_bytes << 32) | a.slab_rows);
+    return;
+  }
+  const u32 warp = threadIdx.x / WARP_SIZE;
   if (threadIdx.x == 0) {
-    const u32 arrived = ptx::atom_add_acq_rel_gpu(ht_ctrl_word(ctrl[rank], done_offset), 1u);
-    s_is_last = arrived == gridDim.x - 1 ? 1u : 0u;
+    ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_START);
+    s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], w.epoch)) + 1;
   }
   __syncthreads();
-  if (s_is_last != 0u && threadIdx.x == 0) {
-    *ht_ctrl_word(ctrl[rank], done_offset) = 0u;
-    *ht_ctrl_word(ctrl[rank], chunk_offset) = 0u;  // every sender warp is done taking chunks
-    ptx::fence_acq_rel_sys();
-    for (u32 r = 0; r < num_ranks; r++)
-      if (r != rank) ptx::st_relaxed_sys(ht_ctrl_word(ctrl[r], consumed_offset) + rank, epoch);
-    *ht_ctrl_word(ctrl[rank], epoch_offset) = epoch;
+  const u32 epoch = s_epoch;
+  if (blockIdx.x < a.num_send_blocks)
+    send(epoch, d, blockIdx.x * WARPS + warp, a.num_send_blocks * WARPS);
+  else
+    receive(epoch, d, (blockIdx.x - a.num_send_blocks) * WARPS + warp, (gridDim.x - a.num_send_blocks) * WARPS);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
+    u32* done = ht_ctrl_word(a.ctrl[a.rank], w.done);
+    if (ptx::atom_add_acq_rel_gpu(done, 1u) == gridDim.x - 1) {
+      *done = 0u;
+      *ht_ctrl_word(a.ctrl[a.rank], w.chunk) = 0u;  // every sender warp is done taking chunks
+      ptx::fence_acq_rel_sys();
+      for (u32 r = 0; r < num_ranks; r++)
+        if (r != a.rank) ptx::st_relaxed_sys(ht_ctrl_word(a.ctrl[r], w.consumed) + a.rank, epoch);
+      *ht_ctrl_word(a.ctrl[a.rank], w.epoch) = epoch;
+    }
   }
 }
 

@@ -310,34 +310,15 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
 
 // ht_combine: grid num_sms blocks (persistent, one per SM), block THREADS.
 //   Blocks [0, num_send_blocks) send expert outputs back, the others reduce (see send and reduce above).
-//   Nothing moves when the handle's routing status is non-zero, or when T_max (every rank's largest token
-//   count, the same on every rank) exceeds slab_rows for this row size — then block 0 reports
-//   ERR_BUFFER_TOO_SMALL (details T_max, row bytes << 32 | slab_rows) and every rank returns.
+//   The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is non-zero or T_max
+//   exceeds slab_rows for this row size, and every rank returns.
 //   Flags: row flags (data region, [src][slot], value = combine epoch) from senders to reducers; the last
-//   block hands the combine slab back (consumed[me] = epoch in every peer's control region, ht_finish_op).
+//   block hands the combine slab back (consumed[me] = epoch in every peer's control region).
 //   reads: x, top-k weights, biases, routing, own combine slab and row flags;
 //   writes: peers' combine slabs and row flags, combined_x, combined_topk_weights, consumed flags.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_combine(const __grid_constant__ HtCombineArgs a) {
-  __shared__ u32 s_epoch;
-  const i32* routing = reinterpret_cast<const i32*>(a.routing);
-  if (routing[HT_RT_STATUS] != 0) return;
-  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_COMBINE);
-  const u32 t_max = (u32)routing[HT_RT_T_MAX];
-  if (t_max > a.slab_rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-      report_error(d, ERR_BUFFER_TOO_SMALL, NO_PEER, t_max, ((u64)ROW_BYTES << 32) | a.slab_rows);
-    return;
-  }
-  const u32 warp = threadIdx.x / WARP_SIZE;
-  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_START);
-  if (threadIdx.x == 0) s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_COMBINE_EPOCH)) + 1;
-  __syncthreads();
-  const u32 epoch = s_epoch;
-  if (blockIdx.x < a.num_send_blocks)
-    send(a, epoch, d, blockIdx.x * COMBINE_WARPS + warp, a.num_send_blocks * COMBINE_WARPS);
-  else
-    reduce(a, epoch, d, (blockIdx.x - a.num_send_blocks) * COMBINE_WARPS + warp, (gridDim.x - a.num_send_blocks) * COMBINE_WARPS);
-  __syncthreads();
-  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
-  ht_finish_op(a.ctrl, a.rank, NUM_RANKS, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CHUNK, HT_CTRL_COMBINE_CONSUMED, HT_CTRL_COMBINE_EPOCH, epoch);
+  ht_run_op<COMBINE_WARPS, TRACE_WORDS>(
+      a, PHASE_COMBINE, NUM_RANKS, ROW_BYTES, HT_COMBINE_WORDS,
+      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
+      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { reduce(a, epoch, d, warp_id, num_warps); });
 }

@@ -125,6 +125,33 @@ __device__ __forceinline__ u32 meta_for(const HtDispatchArgs& a, const MetaSourc
   return local >= 0 ? m.raw : 0u;
 }
 
+// One row's payload read by the warp in rounds of UNROLL 16-byte vectors per lane, all in flight before the
+// round's stores: store(round, v) writes round `round`, whose vector u is element (round * UNROLL + u) *
+// WARP_SIZE + lane (valid below PAYLOAD_VECS). READ_ONLY: src does not change during the kernel (x:
+// ld.global.nc); otherwise (the slab, which peers write during the kernel) plain loads.
+template <bool READ_ONLY, typename Store>
+__device__ __forceinline__ void load_payload(const u32x4* src, u32 lane, Store store) {
+#pragma unroll 1
+  for (u32 round = 0; round < ROUNDS; round++) {
+    u32x4 v[UNROLL];
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) v[u] = READ_ONLY ? ptx::ld_nc_na_v4(src + i) : ptx::ld_na_v4(src + i);
+    }
+    store(round, v);
+  }
+}
+
+// Stores one round of load_payload's vectors into the row at out.
+__device__ __forceinline__ void store_payload_round(u32x4* out, u32 round, const u32x4 (&v)[UNROLL], u32 lane) {
+#pragma unroll
+  for (u32 u = 0; u < UNROLL; u++) {
+    const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
+    if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
+  }
+}
+
 // Sends token t to every remote destination r it goes to: lane r < R holds p0 = prefix[t][r] and
 // p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0). The payload is read once
 // (ld.global.nc, UNROLL vectors per lane in flight) and stored into every such destination's slab row
@@ -143,26 +170,11 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, u32 t, i32 p
   for (u32 k = 0; k < META_ITERS; k++)
     if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
 
-  const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS;
-#pragma unroll 1
-  for (u32 round = 0; round < ROUNDS; round++) {
-    u32x4 v[UNROLL];
+  load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, [&](u32 round, const u32x4 (&v)[UNROLL]) {
 #pragma unroll
-    for (u32 u = 0; u < UNROLL; u++) {
-      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-      if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
-    }
-#pragma unroll
-    for (u32 r = 0; r < MAX_RANKS; r++) {
-      if (((mask >> r) & 1u) == 0u || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
-      u32x4* out = reinterpret_cast<u32x4*>(dst_of[r]);
-#pragma unroll
-      for (u32 u = 0; u < UNROLL; u++) {
-        const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-        if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
-      }
-    }
-  }
+    for (u32 r = 0; r < MAX_RANKS; r++)
+      if (((mask >> r) & 1u) != 0u && (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) == 0) store_payload_round(reinterpret_cast<u32x4*>(dst_of[r]), round, v, lane);
+  });
 
 #pragma unroll
   for (u32 k = 0; k < META_ITERS; k++) {
@@ -244,25 +256,10 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// One row's payload from src to out by the warp, UNROLL 16-byte vectors per lane in flight per round.
-// READ_ONLY: src does not change during the kernel (x: ld.global.nc); otherwise (the slab, which peers write
-// during the kernel) plain loads.
+// One row's payload from src to out by the warp (load_payload, store_payload_round).
 template <bool READ_ONLY>
 __device__ __forceinline__ void copy_payload(const u32x4* src, u32x4* out, u32 lane) {
-#pragma unroll 1
-  for (u32 round = 0; round < ROUNDS; round++) {
-    u32x4 v[UNROLL];
-#pragma unroll
-    for (u32 u = 0; u < UNROLL; u++) {
-      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-      if (i < PAYLOAD_VECS) v[u] = READ_ONLY ? ptx::ld_nc_na_v4(src + i) : ptx::ld_na_v4(src + i);
-    }
-#pragma unroll
-    for (u32 u = 0; u < UNROLL; u++) {
-      const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-      if (i < PAYLOAD_VECS) ptx::st_na_v4(out + i, v[u]);
-    }
-  }
+  load_payload<READ_ONLY>(src, lane, [&](u32 round, const u32x4 (&v)[UNROLL]) { store_payload_round(out, round, v, lane); });
 }
 
 // Receiver warp `warp_id` of `num_warps`, first: this rank's own rows, tokens [T * id / n, T * (id+1) / n):
@@ -387,39 +384,18 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
 
 // ht_dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
 //   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
-//   receive above). Nothing moves when the routing status of the handle is non-zero (every rank saw the same
-//   notify messages, so every rank returns here; ht_notify reported why), nor when T_max exceeds slab_rows
-//   for this row size (a cached dispatch of bigger rows; block 0 reports ERR_BUFFER_TOO_SMALL, details T_max
-//   and row bytes << 32 | slab_rows). Either way the epoch does not advance, on any rank.
+//   receive above). The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is
+//   non-zero or T_max exceeds slab_rows for this row size (a cached dispatch of bigger rows), and the epoch
+//   then does not advance, on any rank; the epoch is read at start (counter + 1) and stored by the last block.
 //   Flags: row flags (data region, [src][slot], value = dispatch epoch) from senders to receivers; at the end
-//   the last block hands the slab back: consumed[me] = epoch in every peer's control region (ht_finish_op),
-//   which the peers' senders of the next dispatch wait for. The epoch is read at start (counter + 1) and
-//   stored by the last block.
+//   the last block hands the slab back: consumed[me] = epoch in every peer's control region, which the
+//   peers' senders of the next dispatch wait for.
 //   reads: x, scales, top-k, routing, own slab and row flags;
 //   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
 //   remote rows from the slab), consumed flags.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __grid_constant__ HtDispatchArgs a) {
-  __shared__ u32 s_epoch;
-  const i32* routing = reinterpret_cast<const i32*>(a.routing);
-  if (routing[HT_RT_STATUS] != 0) return;
-  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_DISPATCH);
-  // A cached dispatch may move bigger rows than the fresh one did: the same capacity rule as ht_notify's.
-  const u32 t_max = (u32)routing[HT_RT_T_MAX];
-  if (t_max > a.slab_rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-      report_error(d, ERR_BUFFER_TOO_SMALL, NO_PEER, t_max, ((u64)ROW_BYTES << 32) | a.slab_rows);
-    return;
-  }
-  const u32 warp = threadIdx.x / WARP_SIZE;
-  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_START);
-  if (threadIdx.x == 0) s_epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_DISPATCH_EPOCH)) + 1;
-  __syncthreads();
-  const u32 epoch = s_epoch;
-  if (blockIdx.x < a.num_send_blocks)
-    send(a, epoch, d, blockIdx.x * DISPATCH_WARPS + warp, a.num_send_blocks * DISPATCH_WARPS);
-  else
-    receive(a, epoch, d, (blockIdx.x - a.num_send_blocks) * DISPATCH_WARPS + warp, (gridDim.x - a.num_send_blocks) * DISPATCH_WARPS);
-  __syncthreads();
-  if (threadIdx.x == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
-  ht_finish_op(a.ctrl, a.rank, a.num_ranks, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CHUNK, HT_CTRL_DISPATCH_CONSUMED, HT_CTRL_DISPATCH_EPOCH, epoch);
+  ht_run_op<DISPATCH_WARPS, TRACE_WORDS>(
+      a, PHASE_DISPATCH, a.num_ranks, ROW_BYTES, HT_DISPATCH_WORDS,
+      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
+      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { receive(a, epoch, d, warp_id, num_warps); });
 }
