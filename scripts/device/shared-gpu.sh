@@ -7,11 +7,15 @@
 #   tests    every GPU test executable at each rank count in RANKS (default "2 4")
 #   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
 #   soak     moelink soak with SOAK_RANKS ranks (default 4), HT and LL families, SOAK_S seconds each
+#   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried), in turn
+#            base, new, base, new, at each rank count of AB_RANKS (default "1 2"): HT at 24 SMs and LL at
+#            DeepEP's shapes. A no-regression check of kernel changes on this GPU (the spread between the two
+#            runs of one build is the noise); not the NVLink figures.
 # Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/device/steps.sh
-STEPS=${STEPS:-"base tests ep8 soak"}
+STEPS=${STEPS:-"base tests ep8 soak ab"}
 RANKS=${RANKS:-"2 4"}
 SOAK_RANKS=${SOAK_RANKS:-4}
 SOAK_S=${SOAK_S:-30}
@@ -47,6 +51,18 @@ for s in $STEPS; do
     ep8)
         test_bin "r8-ht" 8 moelink.test.ht --exact cuda::dispatch_eight_ranks
         test_bin "r8-ll" 8 moelink.test.ll_host --exact cuda::ep8_and_ep1 ;;
+    ab)
+        [ -x .device/base/moelink ] || { note "ab: no .device/base/moelink carried"; continue; }
+        cp .device/base/moelink /tmp/moelink-device/base && chmod +x /tmp/moelink-device/base
+        for r in ${AB_RANKS:-1 2}; do
+            for i in 1 2; do
+                for b in base new; do
+                    exe=/tmp/moelink-device/base; [ $b = new ] && exe=$BIN
+                    run "ab-r$r-$b$i" 120 "$exe" bench --ranks "$r" --num-sms 24 --reps 20 --json "$W/ab-r$r-$b$i.json"
+                    note "$(grep -E '^(ht|ll) +(uniform|skewed) ' "$W/ab-r$r-$b$i.log" | sed 's/  */ /g' | head -n 2 | tr '\n' '|')"
+                done
+            done
+        done ;;
     soak)
         for fam in ht,ht-cached ll,ll-prereduced,ll-hook; do
             run "soak-${fam%%,*}" $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families "$fam" --rounds 100000 \
