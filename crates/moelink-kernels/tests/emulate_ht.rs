@@ -1,6 +1,7 @@
 //! Runs the high-throughput kernels' real CUDA sources on the CPU and checks what they compute, on a machine
-//! without a GPU. `tests/emu/` holds the emulator (each block an OS thread, each CUDA thread a fiber, warp
-//! collectives as rendezvous, the `ptx` namespace of `ptx.cuh` as C++ atomics) and a harness that drives the
+//! without a GPU. `emu/` holds the emulator (`runtime.hpp`: each block an OS thread, each CUDA thread a
+//! fiber, warp collectives as rendezvous; `ptx_emu.hpp`: the `ptx` namespace of `ptx.cuh` as C++ atomics;
+//! shared with `ll_emulation.rs` through `common/`) and a harness (`ht_harness.cpp`) that drives the
 //! kernels like moelink's CUDA backend for R ranks in one process: layout, notify (CPU-sync and no-sync),
 //! dispatch, combine with biases (also with the timing trace on: every stamp present and ordered), cached
 //! dispatch, a second round in the same buffers (epochs, hand-back, changing row layouts), no-sync overflow,
@@ -11,7 +12,9 @@
 //! Needs `g++` (C++20). Without it the test prints why and passes, unless `MOELINK_REQUIRE_EMU=1`.
 //! It cannot check the GPU memory model's weak orderings, timing or register use (see `compile_all.rs`).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
 
 use moelink_kernels::ht::{combine_row_bytes, dispatch_row_bytes, HtCombineArgs, HtDispatchArgs, HtLayoutArgs, HtNotifyArgs};
@@ -39,19 +42,10 @@ struct EmuCase {
     dynamic_send: bool,
 }
 
-const PTX: &str = include_str!("../cuda/ptx.cuh");
 const HT: &str = include_str!("../cuda/ht.cuh");
 
 fn strip_header(src: &str) -> String {
     src.lines().filter(|l| !l.starts_with("#pragma once") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n")
-}
-
-/// ptx.cuh with its `namespace ptx { ... }` replaced by the emulated one.
-fn emulated_ptx(ptx_emu: &str) -> String {
-    let start = PTX.find("namespace ptx {").expect("ptx.cuh has a ptx namespace");
-    let end_marker = "}  // namespace ptx";
-    let end = PTX.find(end_marker).expect("ptx.cuh closes its ptx namespace") + end_marker.len();
-    strip_header(&format!("{}{}{}", &PTX[..start], ptx_emu, &PTX[end..]))
 }
 
 fn family(name: &str, defines: &[(&str, String)], source: &str, ptx: &str) -> String {
@@ -70,8 +64,8 @@ fn family(name: &str, defines: &[(&str, String)], source: &str, ptx: &str) -> St
     s
 }
 
-fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
-    let ptx = emulated_ptx(&std::fs::read_to_string(emu_dir.join("ptx_emu.hpp")).expect("ptx_emu.hpp"));
+fn assemble(c: &EmuCase) -> String {
+    let ptx = strip_header(&common::emulated_ptx());
     let warps = "2".to_string();
     let mut s = String::new();
     for (k, v) in [
@@ -92,7 +86,7 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
     ] {
         s += &format!("#define {k} {v}\n");
     }
-    s += "#include \"emu.hpp\"\n";
+    s += "#include \"runtime.hpp\"\n";
     s += &family("k_layout", &[], moelink_kernels::HT_LAYOUT_SOURCE, &ptx);
     s += &family("k_notify", &[], moelink_kernels::HT_NOTIFY_SOURCE, &ptx);
     let dispatch = |hidden: usize, fp8: bool, topk: usize| {
@@ -127,36 +121,17 @@ fn assemble(c: &EmuCase, emu_dir: &Path) -> String {
     };
     s += &family("k_comb", &combine(2), moelink_kernels::HT_COMBINE_SOURCE, &ptx);
     s += &family("k_comb0", &combine(0), moelink_kernels::HT_COMBINE_SOURCE, &ptx);
-    s += "#include \"harness.cpp\"\n";
+    s += "#include \"ht_harness.cpp\"\n";
     s
 }
 
-fn compiler() -> Option<String> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    match Command::new(&cxx).arg("--version").output() {
-        Ok(o) if o.status.success() => Some(cxx),
-        _ => None,
-    }
-}
-
 fn run_case(cxx: &str, c: &EmuCase, dir: &Path) -> Result<String, String> {
-    let emu_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/emu");
     let name = format!("r{}_h{}_k{}_{}", c.ranks, c.hidden, c.topk, if c.fp8 { "fp8" } else { "bf16" });
     let src = dir.join(format!("{name}.cpp"));
     let bin = dir.join(&name);
-    std::fs::write(&src, assemble(c, &emu_dir)).map_err(|e| e.to_string())?;
-    let out = Command::new(cxx)
-        .args(["-std=c++20", "-O1", "-g", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unused"])
-        .arg("-I")
-        .arg(&emu_dir)
-        .arg(&src)
-        .arg("-o")
-        .arg(&bin)
-        .output()
-        .map_err(|e| format!("cannot run {cxx}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("{name}: compile failed:\n{}", String::from_utf8_lossy(&out.stderr)));
-    }
+    std::fs::write(&src, assemble(c)).map_err(|e| e.to_string())?;
+    let flags = ["-std=c++20", "-O1", "-g", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unused"];
+    common::compile(cxx, flags, dir, &src, &bin).map_err(|e| format!("{name}: compile failed:\n{e}"))?;
     let run = Command::new(&bin).output().map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
     let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
     if run.status.success() {
@@ -168,10 +143,7 @@ fn run_case(cxx: &str, c: &EmuCase, dir: &Path) -> Result<String, String> {
 
 #[test]
 fn ht_kernels_run_on_the_cpu_emulator() {
-    let Some(cxx) = compiler() else {
-        if std::env::var("MOELINK_REQUIRE_EMU").as_deref() == Ok("1") {
-            panic!("MOELINK_REQUIRE_EMU=1 but no C++ compiler (g++ or $CXX) was found");
-        }
+    let Some(cxx) = common::compiler() else {
         eprintln!("skipping the CPU emulation of the HT kernels: no C++ compiler (g++ or $CXX)");
         return;
     };

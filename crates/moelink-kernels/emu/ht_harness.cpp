@@ -1,4 +1,4 @@
-// Drives the emulated HT kernels (see emu.hpp) the way moelink's CUDA backend does, for R ranks in one
+// Drives the emulated HT kernels (see runtime.hpp) the way moelink's CUDA backend does, for R ranks in one
 // process, and checks every output against a reference computed here. Included at the end of the translation
 // unit tests/emulate_ht.rs assembles, after the kernel namespaces:
 //   k_layout (ht_layout.cu), k_notify (ht_notify.cu), k_disp (ht_dispatch.cu for HIDDEN/FP8/TOPK),

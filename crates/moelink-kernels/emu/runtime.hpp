@@ -1,12 +1,18 @@
-// A CPU emulator for moelink's CUDA kernels, good enough to run the HT kernels' real sources on a machine
-// without a GPU: every block is an OS thread, every CUDA thread a cooperative fiber (ucontext) of it, warp
-// and block collectives are rendezvous between fibers, and the PTX primitives (ptx_emu.hpp) are C++ atomics
-// on host memory. Fibers yield at every flag load, timer read and collective, so spin-waits make progress.
+// A CPU emulator of CUDA, good enough to run moelink's real kernel sources (HT and LL) on a machine without a
+// GPU: every block is an OS thread, every CUDA thread a cooperative fiber (ucontext) of it, warp and block
+// collectives are rendezvous between fibers, and the PTX primitives (ptx_emu.hpp, spliced into cuda/ptx.cuh
+// in place of its inline-PTX `namespace ptx`) are C++ atomics on host memory. Fibers yield at every flag
+// load, timer read and collective, so spin-waits make progress.
 //
 // What it checks: index arithmetic, the flag protocol (no lost rows, no waits that never end), the warp
-// convergence discipline (a collective reached by only part of a warp deadlocks here, and would on a GPU),
-// and results against a reference. What it cannot check: the GPU memory model's weak orderings, timing,
-// register pressure. Not part of the library: tests/emulate_ht.rs assembles and compiles it with g++.
+// convergence discipline (a collective reached by only part of a warp deadlocks here, and would on a GPU;
+// a partial mask aborts), and results against a reference. What it cannot check: the GPU memory model's weak
+// orderings, timing, register pressure. Not part of the library: tests/emulate_ht.rs and
+// tests/ll_emulation.rs (through tests/common/mod.rs) assemble it with the kernels and compile it with g++
+// (C++17 or later).
+//
+// This header comes first in a translation unit: ptx.cuh, spliced, follows it (it defines u32, u32x4,
+// WARP_SIZE, ..., so nothing here uses those names).
 #pragma once
 #include <ucontext.h>
 
@@ -36,7 +42,7 @@ struct Uint3 {
 };
 
 constexpr unsigned kWarp = 32;
-constexpr size_t kStackBytes = 128 << 10;
+constexpr size_t kStackBytes = 256 << 10;
 
 struct WarpState {
   unsigned arrived = 0, generation = 0;
@@ -44,8 +50,6 @@ struct WarpState {
   unsigned source[kWarp];
   unsigned long long result[kWarp];
 };
-
-struct Block;
 
 struct Fiber {
   ucontext_t context;
@@ -74,7 +78,8 @@ inline thread_local Uint3 t_block_idx{0, 0, 0};
 inline thread_local Uint3 t_grid_dim{1, 1, 1};
 inline thread_local Uint3 t_block_dim{1, 1, 1};
 
-inline Uint3 thread_idx() { return Uint3{t_block->fibers[t_block->current].tid, 0, 0}; }
+inline unsigned current_tid() { return t_block->fibers[t_block->current].tid; }
+inline Uint3 thread_idx() { return Uint3{current_tid(), 0, 0}; }
 
 // Gives the other fibers of this block a turn.
 inline void yield() {
@@ -147,7 +152,7 @@ inline void check_full(unsigned mask) {
 template <typename Combine>
 inline unsigned long long warp_collective(unsigned long long value, unsigned source, Combine combine) {
   Block* b = t_block;
-  const unsigned tid = b->fibers[b->current].tid;
+  const unsigned tid = current_tid();
   WarpState& w = b->warps[tid / kWarp];
   const unsigned lane = tid % kWarp;
   if (b->fibers.size() % kWarp != 0) {
@@ -167,6 +172,17 @@ inline unsigned long long warp_collective(unsigned long long value, unsigned sou
   return w.result[lane];
 }
 
+// A full-warp reduction of one 32-bit value per lane: every lane gets op(...(op(v0, v1), ...), v31).
+template <typename Op>
+inline unsigned warp_reduce(unsigned mask, unsigned v, Op op) {
+  check_full(mask);
+  return (unsigned)warp_collective(v, 0, [op](WarpState& w) {
+    unsigned r = (unsigned)w.value[0];
+    for (unsigned l = 1; l < kWarp; l++) r = op(r, (unsigned)w.value[l]);
+    for (unsigned l = 0; l < kWarp; l++) w.result[l] = r;
+  });
+}
+
 inline void syncthreads_and_into(int pred, int& out) {
   Block* b = t_block;
   const unsigned generation = b->bar_generation;
@@ -180,6 +196,14 @@ inline void syncthreads_and_into(int pred, int& out) {
     while (b->bar_generation == generation) yield();
   }
   out = b->bar_and_result;
+}
+
+template <typename To, typename From>
+inline To bit_cast(From v) {
+  static_assert(sizeof(To) == sizeof(From), "same size");
+  To out;
+  std::memcpy(&out, &v, sizeof(To));
+  return out;
 }
 
 }  // namespace emu
@@ -219,6 +243,7 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
 inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
 inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == 0xffffffffu; }
 
+// Lane `src` (mod 32) of the warp; every lane names its own source.
 template <typename T>
 inline T __shfl_sync(unsigned mask, T v, int src) {
   emu::check_full(mask);
@@ -235,13 +260,30 @@ inline T __shfl_sync(unsigned mask, T v, int src) {
 
 template <typename T>
 inline T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
-  const unsigned lane = threadIdx.x % emu::kWarp;
+  const unsigned lane = emu::current_tid() % emu::kWarp;
   return __shfl_sync(mask, v, lane >= delta ? (int)(lane - delta) : (int)lane);
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  const unsigned lane = emu::current_tid() % emu::kWarp;
+  return __shfl_sync(mask, v, (int)(lane ^ (unsigned)lane_mask));
+}
+
+inline unsigned __reduce_or_sync(unsigned mask, unsigned v) {
+  return emu::warp_reduce(mask, v, [](unsigned a, unsigned b) { return a | b; });
+}
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+  return emu::warp_reduce(mask, v, [](unsigned a, unsigned b) { return a + b; });
 }
 
 inline int __ffs(int v) { return __builtin_ffs(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
+inline float __uint_as_float(unsigned v) { return emu::bit_cast<float>(v); }
+inline unsigned __float_as_uint(float f) { return emu::bit_cast<unsigned>(f); }
 
+// Atomic read-modify-writes (shared or global memory: blocks are OS threads that may share global words).
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
