@@ -1,11 +1,13 @@
 // Host emulation of the low-latency kernels (ll.cu) for tests/ll_emulation.rs: R ranks as threads, each
-// launch as one OS thread per block and one fiber per CUDA thread (emu/ptx.cuh), symmetric memory as
+// launch as one OS thread per block and one fiber per CUDA thread (runtime.hpp), symmetric memory as
 // host allocations. Every scenario compares what the kernels wrote with a reference computed here from the
 // documented semantics (crates/moelink/src/ll.rs, docs/oracle.md): recv_count, every valid row (bytes),
 // every scale, the combined output bit for bit, the reports and error records. Prints one line per
 // scenario and exits non-zero on the first mismatch.
 //
-// Built by the test with the variant's -D constants (LL_HIDDEN, LL_TOPK, LL_FP8, ...) and LL_THREADS=64.
+// Built by the test with the variant's -D constants (LL_HIDDEN, LL_TOPK, LL_FP8, ...), LL_THREADS=64 and
+// MOELINK_HOST_EMULATION, next to a copy of ll.cu and the emulated ptx.cuh (ptx_emu.hpp spliced in).
+#include "runtime.hpp"
 #include "ptx.cuh"
 #include "ll.cu"
 
@@ -20,58 +22,13 @@
 // ============================================================================================ launching
 namespace run {
 
-thread_local const void* t_args = nullptr;
-thread_local void (*t_entry)(const void*) = nullptr;
-
-void fiber_main() {
-  t_entry(t_args);
-  emu::g_block->fibers[emu::g_block->current].done = true;
-}
-
 void kernel_of(const LlDispatchArgs& a) { ll_dispatch(a); }
 void kernel_of(const LlCombineArgs& a) { ll_combine(a); }
-
-template <typename Args>
-void entry(const void* p) {
-  kernel_of(*reinterpret_cast<const Args*>(p));
-}
 
 // Runs the kernel for `args` on `grid` blocks of LL_THREADS threads; returns when every block finished.
 template <typename Args>
 void launch(const Args& args, u32 grid) {
-  std::vector<std::thread> blocks;
-  for (u32 b = 0; b < grid; b++) {
-    blocks.emplace_back([&args, b, grid] {
-      emu::Block blk;
-      blk.fibers.resize(LL_THREADS);
-      blk.warps.resize(LL_THREADS / WARP_SIZE);
-      blk.block_idx.x = b;
-      blk.grid_dim.x = grid;
-      emu::g_block = &blk;
-      t_args = &args;
-      t_entry = &entry<Args>;
-      for (auto& f : blk.fibers) {
-        f.stack.resize(256 << 10);
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack.data();
-        f.ctx.uc_stack.ss_size = f.stack.size();
-        f.ctx.uc_link = &blk.main;
-        makecontext(&f.ctx, fiber_main, 0);
-      }
-      u32 live = LL_THREADS;
-      while (live > 0) {
-        live = 0;
-        for (u32 i = 0; i < LL_THREADS; i++) {
-          if (blk.fibers[i].done) continue;
-          blk.current = i;
-          swapcontext(&blk.main, &blk.fibers[i].ctx);
-          if (!blk.fibers[i].done) live++;
-        }
-        std::this_thread::yield();
-      }
-    });
-  }
-  for (auto& t : blocks) t.join();
+  emu::launch(grid, LL_THREADS, [&args] { kernel_of(args); });
 }
 
 }  // namespace run
@@ -88,7 +45,7 @@ void launch(const Args& args, u32 grid) {
   } while (0)
 
 static float bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
-static u16 f32_to_bf16(float f) { return ptx::bf16_rn(f); }
+static u16 f32_to_bf16(float f) { return ptx::cvt_rn_bf16_f32(f); }
 static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 static float e4m3_to_f32(u8 b) {
