@@ -655,7 +655,8 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     let x_p = b.prim.upload(&x_h)?;
     let sc_p = sc_h.as_ref().map(|t| b.prim.upload(t)).transpose()?;
     let worst = if p.no_sync { s.ranks * s.t_max.max(1) } else { 0 };
-    let config = p.num_sms.map(Config::with_sms);
+    // At most what the GPU's buffer allows (ranks sharing a GPU get a share of its SMs), kept even.
+    let config = p.num_sms.map(|n| Config::with_sms(n.min(b.prim.max_num_sms() & !1).max(2)));
     let fresh = |x, lay, idx, w, worst| fresh_args(p, config, x, lay, idx, w, worst);
     let res_h = b.twin.dispatch(&fresh(payload(&x_h, &sc_h), &lay_h, idx_h.view(), w_h.view(), 0))?;
     let res_p = b.prim.dispatch(&fresh(payload(&x_p, &sc_p), &lay_p, idx_p.view(), w_p.view(), worst))?;

@@ -146,6 +146,12 @@ impl Buffer {
     pub fn default_num_sms(&self) -> usize {
         self.backend.default_num_sms()
     }
+    /// The most SMs a high-throughput call may use (`Config::num_sms`): on the CUDA backend this rank's
+    /// share of its GPU — all of its SMs, or an equal part when ranks of this process share the GPU (their
+    /// kernels wait for each other, so they must all be resident at once); `usize::MAX` on the host.
+    pub fn max_num_sms(&self) -> usize {
+        self.backend.max_num_sms()
+    }
     /// Why the buffer refuses work, if it does.
     pub fn poisoned(&self) -> Option<&str> {
         self.poisoned.as_deref()
@@ -168,6 +174,7 @@ impl Buffer {
             num_ranks: self.num_ranks(),
             location: self.backend.location(),
             default_num_sms: self.backend.default_num_sms(),
+            max_num_sms: self.backend.max_num_sms(),
         }
     }
 

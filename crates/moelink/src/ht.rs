@@ -242,12 +242,22 @@ pub(crate) struct BufferFacts {
     pub num_ranks: usize,
     pub location: Location,
     pub default_num_sms: usize,
+    pub max_num_sms: usize,
 }
 
 fn check_config(cfg: &Option<Config>, f: &BufferFacts) -> Result<usize> {
     let num_sms = cfg.map_or(f.default_num_sms, |c| c.num_sms);
     if num_sms < 2 || num_sms % 2 != 0 {
         return Err(Error::invalid("config.num_sms", f.rank, format!("{num_sms}: must be even and at least 2")));
+    }
+    if num_sms > f.max_num_sms {
+        // A persistent grid larger than the rank's share of a GPU it shares with other ranks cannot be
+        // resident together with theirs: its blocks would wait for peers' blocks that wait for SMs.
+        return Err(Error::invalid(
+            "config.num_sms",
+            f.rank,
+            format!("{num_sms}: more than the {} SMs this rank may use (Buffer::max_num_sms: its GPU's SMs, divided among the ranks that share that GPU)", f.max_num_sms),
+        ));
     }
     Ok(num_sms)
 }
@@ -513,4 +523,27 @@ pub(crate) fn validate_combine_outputs(s: &CombineSpec, o: &CombineOutputs<'_>, 
         (Some(_), _) => return Err(Error::invalid("combined_topk_weights", r, "combine without topk_weights has no such output")),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(max_num_sms: usize) -> BufferFacts {
+        BufferFacts { buffer_id: 1, rank: 3, num_ranks: 4, location: Location::Cuda(0), default_num_sms: 24, max_num_sms }
+    }
+
+    #[test]
+    fn num_sms_is_even_and_within_the_ranks_share() {
+        assert_eq!(check_config(&None, &facts(132)).unwrap(), 24);
+        assert_eq!(check_config(&Some(Config::with_sms(132)), &facts(132)).unwrap(), 132);
+        assert_eq!(check_config(&Some(Config::with_sms(32)), &facts(33)).unwrap(), 32);
+        for (sms, max) in [(34, 33), (64, 33), (3, 132), (0, 132)] {
+            let e = check_config(&Some(Config::with_sms(sms)), &facts(max)).unwrap_err();
+            assert_eq!(e.argument(), Some("config.num_sms"), "{sms} of {max}: {e}");
+            assert!(e.to_string().contains("rank 3"), "{e}");
+        }
+        let e = check_config(&Some(Config::with_sms(64)), &facts(33)).unwrap_err().to_string();
+        assert!(e.contains("more than the 33 SMs"), "{e}");
+    }
 }

@@ -40,6 +40,11 @@ pub(crate) trait Backend: Send {
     fn location(&self) -> Location;
     /// SMs a high-throughput kernel uses when the caller gives no config.
     fn default_num_sms(&self) -> usize;
+    /// The most SMs a high-throughput call may ask for (`config.num_sms`): the rank's share of its GPU,
+    /// whose kernels must run alongside the kernels of the ranks that share that GPU. Host backend: no limit.
+    fn max_num_sms(&self) -> usize {
+        usize::MAX
+    }
     /// Allocates an output tensor on this backend's location (contents unspecified).
     fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
     /// Copies a tensor to this backend's location (contiguous result).

@@ -494,6 +494,9 @@ impl Backend for CudaBackend {
     fn default_num_sms(&self) -> usize {
         ht::default_num_sms(self)
     }
+    fn max_num_sms(&self) -> usize {
+        self.num_rank_sms()
+    }
     fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let bytes: usize = shape.iter().product::<usize>() * dtype.size_bytes();
         Tensor::from_device(self.device_alloc(bytes)?, dtype, shape)
