@@ -324,7 +324,7 @@ __device__ __forceinline__ void ll_trace(const LlShared& sm, u32 point) { ll_tra
 
 // ============================================================================================ PTX helpers
 // (named after the instruction they emit; specific to this family). The host emulator of
-// tests/ll_emulation.rs (emu/ptx.cuh) provides C++ versions of these.
+// tests/ll_emulation.rs (emu/ptx_emu.hpp) provides C++ versions of these.
 #ifndef MOELINK_HOST_EMULATION
 namespace llptx {
 
