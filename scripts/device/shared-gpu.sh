@@ -6,11 +6,12 @@
 #            on GPU 0, with and without CUDA_MODULE_LOADING=EAGER (what the earlier build did there)
 #   tests    every GPU test executable at each rank count in RANKS (default "2 4")
 #   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
-#   soak     moelink soak with SOAK_RANKS ranks (default 4), HT and LL families, SOAK_S seconds each
+#   soak     moelink soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
+#            token count of SOAK_HT_T_MAX (default "32"), then the LL families
 #   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried), in turn
-#            base, new, base, new, at each rank count of AB_RANKS (default "1 2"): HT at 24 SMs and LL at
-#            DeepEP's shapes. A no-regression check of kernel changes on this GPU (the spread between the two
-#            runs of one build is the noise); not the NVLink figures.
+#            base, new, base, new, at each rank count of AB_RANKS (default "1"; the bench refuses more ranks
+#            than GPUs): HT at 24 SMs and LL at DeepEP's shapes. A no-regression check of kernel changes on
+#            this GPU (the spread between the two runs of one build is the noise); not the NVLink figures.
 # Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,7 +55,7 @@ for s in $STEPS; do
     ab)
         [ -x .device/base/moelink ] || { note "ab: no .device/base/moelink carried"; continue; }
         cp .device/base/moelink /tmp/moelink-device/base && chmod +x /tmp/moelink-device/base
-        for r in ${AB_RANKS:-1 2}; do
+        for r in ${AB_RANKS:-1}; do
             for i in 1 2; do
                 for b in base new; do
                     exe=/tmp/moelink-device/base; [ $b = new ] && exe=$BIN
@@ -64,10 +65,12 @@ for s in $STEPS; do
             done
         done ;;
     soak)
-        for fam in ht,ht-cached ll,ll-prereduced,ll-hook; do
-            run "soak-${fam%%,*}" $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families "$fam" --rounds 100000 \
-                --time-budget-s "$SOAK_S" --json "$W/soak-${fam%%,*}.json"
-        done ;;
+        for tm in ${SOAK_HT_T_MAX:-32}; do
+            run "soak-ht-t$tm" $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families ht,ht-cached --t-max "$tm" \
+                --rounds 100000 --time-budget-s "$SOAK_S" --json "$W/soak-ht-t$tm.json"
+        done
+        run soak-ll $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families ll,ll-prereduced,ll-hook --rounds 100000 \
+            --time-budget-s "$SOAK_S" --json "$W/soak-ll.json" ;;
     esac
     tar czf "$OUT/results.tgz" -C /tmp results  # after every step: a call cut short still returns the logs
 done
