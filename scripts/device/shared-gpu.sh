@@ -8,7 +8,8 @@
 #   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
 #   soak     moelink soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
 #            token count of SOAK_HT_T_MAX (default "32"), then the LL families
-#   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried), in turn
+#   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried, with its
+#            commit in .device/base/COMMIT), in turn
 #            base, new, base, new, at each rank count of AB_RANKS (default "1"; the bench refuses more ranks
 #            than GPUs): HT at 24 SMs and LL at DeepEP's shapes. A no-regression check of kernel changes on
 #            this GPU (the spread between the two runs of one build is the noise); not the NVLink figures.
@@ -58,8 +59,11 @@ for s in $STEPS; do
         for r in ${AB_RANKS:-1}; do
             for i in 1 2; do
                 for b in base new; do
-                    exe=/tmp/moelink-device/base; [ $b = new ] && exe=$BIN
-                    run "ab-r$r-$b$i" 120 "$exe" bench --ranks "$r" --num-sms 24 --reps 20 --json "$W/ab-r$r-$b$i.json"
+                    # Each build's records carry its own commit (.device/base/COMMIT, written when it is staged).
+                    exe=$BIN commit=$MOELINK_COMMIT
+                    [ $b = base ] && exe=/tmp/moelink-device/base commit=$(cat .device/base/COMMIT 2>/dev/null || echo base-unknown)
+                    run "ab-r$r-$b$i" 120 env MOELINK_COMMIT="$commit" "$exe" bench --ranks "$r" --num-sms 24 --reps 20 \
+                        --json "$W/ab-r$r-$b$i.json"
                     note "$(grep -E '^(ht|ll) +(uniform|skewed) ' "$W/ab-r$r-$b$i.log" | sed 's/  */ /g' | head -n 2 | tr '\n' '|')"
                 done
             done
