@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use moelink::{bf16, BackendKind, Buffer, CombineArgs, DispatchArgs, Fp8E4M3, Payload, Result, Routing, Tensor};
+use moelink::{bf16, BackendKind, Buffer, CombineArgs, Config, DispatchArgs, Fp8E4M3, Payload, Result, Routing, Tensor};
 
 /// Everything one rank feeds into a dispatch, regenerable by any rank from (seed, rank).
 struct Inputs {
@@ -262,6 +262,52 @@ backend_tests! {
     }
     fn timed_regions_keep_results_and_measure(kind: BackendKind) {
         timed_regions(kind, 4.min(max_ranks(kind)));
+    }
+    fn num_sms_up_to_the_ranks_share(kind: BackendKind) {
+        num_sms_limit(kind, 4.min(max_ranks(kind)));
+    }
+}
+
+/// `config.num_sms` up to `Buffer::max_num_sms` (CUDA: the rank's share of its GPU, all of it when the rank
+/// has the GPU alone) dispatches the same rows as the default; one more even count is refused naming the
+/// argument, before anything runs (the buffer stays usable). Host: no limit.
+fn num_sms_limit(kind: BackendKind, ranks: usize) {
+    let c = case(ranks, 64, 256, RoutingKind::Uniform);
+    let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
+    let runs = with_buffers(kind, c.ranks, test_options(), |buf| {
+        let me = buf.rank();
+        let t = c.tokens_of(me);
+        let x = on(buf, Tensor::from_vec(all[me].x.clone(), &[t, c.hidden])?);
+        let idx = on(buf, Tensor::from_vec(all[me].topk_idx.clone(), &[t, c.topk])?);
+        let w = on(buf, Tensor::from_vec(all[me].topk_w.clone(), &[t, c.topk])?);
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let args = |config| DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config,
+        };
+        let max = buf.max_num_sms();
+        let top = if max == usize::MAX { 64 } else { max & !1 };
+        let default_rows = buf.dispatch(&args(None))?.recv_x.to_host_bytes()?;
+        let top_rows = buf.dispatch(&args(Some(Config::with_sms(top))))?.recv_x.to_host_bytes()?;
+        let refused = (max != usize::MAX).then(|| buf.dispatch(&args(Some(Config::with_sms(top + 2)))).err());
+        let after = buf.dispatch(&args(None))?.recv_x.to_host_bytes()?;
+        Ok((max, default_rows, top_rows, refused, after))
+    });
+    for (me, (max, default_rows, top_rows, refused, after)) in runs.into_iter().enumerate() {
+        assert_eq!(default_rows.len(), expected_rows(&c, &all, me).len() * c.hidden * 2, "rank {me}: received rows");
+        assert_eq!(top_rows, default_rows, "rank {me}: dispatch with num_sms = {max} (even part)");
+        assert_eq!(after, default_rows, "rank {me}: dispatch after the refused call");
+        match (kind, refused) {
+            (BackendKind::Host, refused) => assert!(max == usize::MAX && refused.is_none(), "rank {me}: host limit {max}"),
+            (_, Some(Some(e))) => {
+                assert!((2..=1024).contains(&max), "rank {me}: limit {max}");
+                assert_eq!(e.argument(), Some("config.num_sms"), "rank {me}: {e}");
+            }
+            (_, other) => panic!("rank {me}: num_sms beyond {max} was not refused: {other:?}"),
+        }
     }
 }
 
