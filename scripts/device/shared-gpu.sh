@@ -7,7 +7,7 @@
 #   tests    every GPU test executable at each rank count in RANKS (default "2 4")
 #   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
 #   soak     moelink soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
-#            token count of SOAK_HT_T_MAX (default "32"), then the LL families
+#            token count of SOAK_HT_T_MAX (default "32"), then the LL families at LL T <= SOAK_LL_T_MAX (16)
 #   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried, with its
 #            commit in .device/base/COMMIT), in turn
 #            base, new, base, new, at each rank count of AB_RANKS (default "1"; the bench refuses more ranks
@@ -74,7 +74,7 @@ for s in $STEPS; do
                 --rounds 100000 --time-budget-s "$SOAK_S" --json "$W/soak-ht-t$tm.json"
         done
         run soak-ll $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families ll,ll-prereduced,ll-hook --rounds 100000 \
-            --time-budget-s "$SOAK_S" --json "$W/soak-ll.json" ;;
+            --ll-t-max "${SOAK_LL_T_MAX:-16}" --time-budget-s "$SOAK_S" --json "$W/soak-ll.json" ;;
     esac
     tar czf "$OUT/results.tgz" -C /tmp results  # after every step: a call cut short still returns the logs
 done
