@@ -50,6 +50,16 @@ impl Case {
 }
 
 /// The rows rank `me` must receive, in order: (source rank, source token).
+/// This rank's bf16 payload, top-k ids and top-k weights of `inp` on `buf`'s device.
+fn upload_inputs(buf: &Buffer, c: &Case, inp: &Inputs) -> Result<(Tensor, Tensor, Tensor)> {
+    let t = c.tokens_of(buf.rank());
+    Ok((
+        on(buf, Tensor::from_vec(inp.x.clone(), &[t, c.hidden])?),
+        on(buf, Tensor::from_vec(inp.topk_idx.clone(), &[t, c.topk])?),
+        on(buf, Tensor::from_vec(inp.topk_w.clone(), &[t, c.topk])?),
+    ))
+}
+
 fn expected_rows(c: &Case, all: &[Inputs], me: usize) -> Vec<(usize, usize)> {
     let mut rows = Vec::new();
     for (s, inp) in all.iter().enumerate() {
@@ -68,11 +78,9 @@ fn run_dispatch_case(kind: BackendKind, c: Case, fp8: bool, with_topk: bool, ali
         let me = buf.rank();
         let inp = &all[me];
         let t = c.tokens_of(me);
-        let x = on(buf, Tensor::from_vec(inp.x.clone(), &[t, c.hidden])?);
+        let (x, idx, w) = upload_inputs(buf, &c, inp)?;
         let x8 = on(buf, Tensor::from_vec(inp.x_fp8.clone(), &[t, c.hidden])?);
         let sc = on(buf, Tensor::from_vec(inp.scales.clone(), &[t, c.hidden / 128])?);
-        let idx = on(buf, Tensor::from_vec(inp.topk_idx.clone(), &[t, c.topk])?);
-        let w = on(buf, Tensor::from_vec(inp.topk_w.clone(), &[t, c.topk])?);
         let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
         let payload = if fp8 { Payload::Fp8 { x: x8.view(), scales: sc.view() } } else { Payload::Bf16(x.view()) };
         let args = DispatchArgs {
@@ -148,9 +156,7 @@ fn run_combine_case(kind: BackendKind, c: Case, num_bias: usize, worst: bool) {
         let me = buf.rank();
         let inp = &all[me];
         let t = c.tokens_of(me);
-        let x = on(buf, Tensor::from_vec(inp.x.clone(), &[t, c.hidden])?);
-        let idx = on(buf, Tensor::from_vec(inp.topk_idx.clone(), &[t, c.topk])?);
-        let w = on(buf, Tensor::from_vec(inp.topk_w.clone(), &[t, c.topk])?);
+        let (x, idx, w) = upload_inputs(buf, &c, inp)?;
         let bias: Vec<Tensor> = (0..num_bias)
             .map(|b| {
                 on(
@@ -276,10 +282,7 @@ fn num_sms_limit(kind: BackendKind, ranks: usize) {
     let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
     let runs = with_buffers(kind, c.ranks, test_options(), |buf| {
         let me = buf.rank();
-        let t = c.tokens_of(me);
-        let x = on(buf, Tensor::from_vec(all[me].x.clone(), &[t, c.hidden])?);
-        let idx = on(buf, Tensor::from_vec(all[me].topk_idx.clone(), &[t, c.topk])?);
-        let w = on(buf, Tensor::from_vec(all[me].topk_w.clone(), &[t, c.topk])?);
+        let (x, idx, w) = upload_inputs(buf, &c, &all[me])?;
         let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
         let args = |config| DispatchArgs {
             x: Payload::Bf16(x.view()),
@@ -320,10 +323,7 @@ fn timed_regions(kind: BackendKind, ranks: usize) {
     let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
     with_buffers(kind, c.ranks, test_options(), |buf| {
         let me = buf.rank();
-        let t = c.tokens_of(me);
-        let x = on(buf, Tensor::from_vec(all[me].x.clone(), &[t, c.hidden])?);
-        let idx = on(buf, Tensor::from_vec(all[me].topk_idx.clone(), &[t, c.topk])?);
-        let w = on(buf, Tensor::from_vec(all[me].topk_w.clone(), &[t, c.topk])?);
+        let (x, idx, w) = upload_inputs(buf, &c, &all[me])?;
         let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
         let args = DispatchArgs {
             x: Payload::Bf16(x.view()),
@@ -382,10 +382,7 @@ fn backward_pattern(kind: BackendKind, ranks: usize) {
     let all: Vec<Inputs> = (0..c.ranks).map(|r| c.inputs(r)).collect();
     let results = with_buffers(kind, c.ranks, test_options(), |buf: &mut Buffer| {
         let me = buf.rank();
-        let t = c.tokens_of(me);
-        let x = on(buf, Tensor::from_vec(all[me].x.clone(), &[t, c.hidden])?);
-        let idx = on(buf, Tensor::from_vec(all[me].topk_idx.clone(), &[t, c.topk])?);
-        let w = on(buf, Tensor::from_vec(all[me].topk_w.clone(), &[t, c.topk])?);
+        let (x, idx, w) = upload_inputs(buf, &c, &all[me])?;
         let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
         let fwd = buf.dispatch(&DispatchArgs {
             x: Payload::Bf16(x.view()),
