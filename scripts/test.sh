@@ -9,9 +9,11 @@ cd "$(dirname "$0")/.."
 
 # NVRTC 13.0.88 from PyPI (the version the GPU machine's driver accepts CUBINs from).
 if [ -f scripts/ci-nvrtc-env.sh ]; then
-    # Owned by the CUDA layer: installs if missing and exports LD_LIBRARY_PATH / MOELINK_REQUIRE_NVRTC.
-    # shellcheck source=/dev/null
-    source scripts/ci-nvrtc-env.sh
+    # Owned by the CUDA layer: installs NVRTC (and cuobjdump for the SASS checks) if missing and prints the
+    # export line that makes them visible. It prints, it does not export: sourcing it skipped the compile
+    # check silently until 2026-11-25.
+    eval "$(scripts/ci-nvrtc-env.sh)"
+    export MOELINK_REQUIRE_NVRTC=1
 else
     venv=.venv-nvrtc
     nvrtc_lib() { ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n1; }
