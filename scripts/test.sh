@@ -7,25 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# NVRTC 13.0.88 from PyPI (the version the GPU machine's driver accepts CUBINs from).
-if [ -f scripts/ci-nvrtc-env.sh ]; then
-    # Owned by the CUDA layer: installs NVRTC (and cuobjdump for the SASS checks) if missing and prints the
-    # export line that makes them visible. It prints, it does not export: sourcing it skipped the compile
-    # check silently until 2026-11-25.
-    eval "$(scripts/ci-nvrtc-env.sh)"
-    export MOELINK_REQUIRE_NVRTC=1
-else
-    venv=.venv-nvrtc
-    nvrtc_lib() { ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n1; }
-    if [ -z "$(nvrtc_lib)" ] || ! ls "$(nvrtc_lib)"/libnvrtc.so.13 >/dev/null 2>&1; then
-        echo "scripts/test.sh: installing nvidia-cuda-nvrtc==13.0.88 into $venv" >&2
-        python3 -m venv "$venv"
-        "$venv/bin/pip" install -q nvidia-cuda-nvrtc==13.0.88
-    fi
-    lib=$(cd "$(nvrtc_lib)" && pwd)
-    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export MOELINK_REQUIRE_NVRTC=1
-fi
+# NVRTC 13.0.88 from PyPI (the version the GPU machine's driver accepts CUBINs from) and cuobjdump for the
+# SASS checks: ci-nvrtc-env.sh installs them once and prints the export line that makes them visible (it
+# prints, it does not export: sourcing it instead left the compile check skipping itself until 2026-11-25).
+eval "$(scripts/ci-nvrtc-env.sh)"
+export MOELINK_REQUIRE_NVRTC=1
 
 # Release profile: on 2 cores it compiles about as fast as the test profile (opt-level 2 + debug info,
 # whose link step is slower) and runs the host backend at full speed.
