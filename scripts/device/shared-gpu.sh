@@ -9,10 +9,10 @@
 #   soak     moelink soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
 #            token count of SOAK_HT_T_MAX (default "32"), then the LL families at LL T <= SOAK_LL_T_MAX (16)
 #   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried, with its
-#            commit in .device/base/COMMIT), in turn
-#            base, new, base, new, at each rank count of AB_RANKS (default "1"; the bench refuses more ranks
-#            than GPUs): HT at 24 SMs and LL at DeepEP's shapes. A no-regression check of kernel changes on
-#            this GPU (the spread between the two runs of one build is the noise); not the NVLink figures.
+#            commit in .device/base/COMMIT) in turn base, new, base, new, at each rank count of AB_RANKS
+#            (default "1"; the bench refuses more ranks than GPUs): HT at 24 SMs and LL at DeepEP's shapes.
+#            A no-regression check of kernel changes on this GPU (the spread between the two runs of one
+#            build is the noise); not the NVLink figures.
 # Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

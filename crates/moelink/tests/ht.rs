@@ -49,7 +49,6 @@ impl Case {
     }
 }
 
-/// The rows rank `me` must receive, in order: (source rank, source token).
 /// This rank's bf16 payload, top-k ids and top-k weights of `inp` on `buf`'s device.
 fn upload_inputs(buf: &Buffer, c: &Case, inp: &Inputs) -> Result<(Tensor, Tensor, Tensor)> {
     let t = c.tokens_of(buf.rank());
@@ -60,6 +59,7 @@ fn upload_inputs(buf: &Buffer, c: &Case, inp: &Inputs) -> Result<(Tensor, Tensor
     ))
 }
 
+/// The rows rank `me` must receive, in order: (source rank, source token).
 fn expected_rows(c: &Case, all: &[Inputs], me: usize) -> Vec<(usize, usize)> {
     let mut rows = Vec::new();
     for (s, inp) in all.iter().enumerate() {
