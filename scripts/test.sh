@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 # prints, it does not export: sourcing it instead left the compile check skipping itself until 2026-11-25).
 eval "$(scripts/ci-nvrtc-env.sh)"
 export MOELINK_REQUIRE_NVRTC=1
+# The CPU emulations of the kernels need g++: here a missing compiler is a failure, not a skip.
+export MOELINK_REQUIRE_EMU=1
 
 # Release profile: on 2 cores it compiles about as fast as the test profile (opt-level 2 + debug info,
 # whose link step is slower) and runs the host backend at full speed.
