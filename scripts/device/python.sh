@@ -47,13 +47,13 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
 export PYTHONPATH=/tmp/site
 python3 -c "import moelink, torch; print('moelink', moelink.__version__, 'torch', torch.__version__); print(moelink._native.cuda_info()); print('is_sm90_compiled', moelink.Buffer.is_sm90_compiled())" >> "$OUT/setup.log" 2>&1
 
-# PY_STEPS picks steps (default: all): ci gpu2 gpu4 host example bench.
+# PY_STEPS picks steps (default: all but gpu1): ci gpu1 gpu2 gpu4 host example bench.
 PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
 want() { case " $PY_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 want ci && (cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
 tr=(torchrun --standalone --local-ranks-filter 0)
 suite=(-m pytest -q -p no:cacheprovider -rfEs --durations=15 python/tests/gpu)  # per-test times in the log
-for n in 2 4; do
+for n in 1 2 4; do  # gpu1 (one rank, not in the default steps): for a machine with one GPU
     if [ "$ngpu" -ge "$n" ] && want "gpu$n"; then
         step "gpu suite, $n ranks (cuda)" "$OUT/gpu-tests-$n.log" 120 "${tr[@]}" --nproc_per_node="$n" "${suite[@]}"
     fi
