@@ -185,9 +185,11 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An ``EventOverlap`` recorded on the current stream (event ``None`` without CUDA)."""
+        """An ``EventOverlap`` recorded on the current stream (event ``None`` without CUDA, or when
+        ``MOELINK_BACKEND=host`` makes buffers use the host backend, whose calls return no events)."""
         t = require_torch()
-        return EventOverlap(record_event() if t.cuda.is_available() else None)
+        on_cuda = t.cuda.is_available() and os.environ.get("MOELINK_BACKEND", "auto") != "host"
+        return EventOverlap(record_event() if on_cuda else None)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
