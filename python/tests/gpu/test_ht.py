@@ -166,7 +166,8 @@ def test_no_sync_worst_case_rows(env, ht_buffer):
     r, nr = env.rank, env.num_ranks
     e = HT_SMALL.num_experts(nr)
     inputs = all_inputs(HT_SMALL, nr, seed=4)
-    worst = sum(inp.x.shape[0] for inp in inputs)
+    # Every token of every rank, plus rows no rank can fill (with one rank every token arrives).
+    worst = sum(inp.x.shape[0] for inp in inputs) + 8
     recv_x, recv_idx, recv_w, counts, handle, _ = fresh(ht_buffer, env, inputs[r], e, num_worst_tokens=worst)
     want = ht_dispatch(inputs, r, e)
     n = want.num_rows
@@ -273,7 +274,8 @@ def test_argument_errors_name_the_argument(env, ht_buffer):
            num_tokens_per_expert=per_expert)
     raises(TypeError, "handle", ht_buffer.dispatch, env.to(inp.x), handle=("not", "a", "handle"))
     raises(TypeError, "handle", ht_buffer.combine, env.to(inp.x), handle=None)
-    raises(ValueError, "num_experts", ht_buffer.get_dispatch_layout, idx, e + 1)
+    if nr > 1:  # any expert count divides among one rank
+        raises(ValueError, "num_experts", ht_buffer.get_dispatch_layout, idx, e + 1)
     raises(ValueError, "expert_alignment", ht_buffer.dispatch, env.to(inp.x), **lay, expert_alignment=0)
     raises(TypeError, "x", ht_buffer.dispatch, "not a tensor", **lay)
     raises(ValueError, "x", ht_buffer.dispatch, (env.to(inp.x),), **lay)  # an FP8 tuple has two tensors
