@@ -303,6 +303,26 @@ void fill_common(Args& a, World& w, u32 me) {
   a.rank = me;
 }
 
+// The dispatch arguments of both dispatch builds (k_disp, k_disp0: one struct in two namespaces) besides the
+// payload and the outputs: the handle's routing, the slab of `row_bytes` rows, the shape, the work split.
+template <typename Args>
+void fill_dispatch(Args& a, World& w, u32 me, const RankInputs& in, const Handle& h, u32 rows, u32 row_bytes) {
+  fill_common(a, w, me);
+  a.routing = (u64)h.routing.data();
+  a.flags_offset = w.region.dispatch_flags();
+  a.slab_offset = w.region.dispatch_slab();
+  a.num_ranks = R;
+  a.num_tokens = in.t;
+  a.num_local_experts = EL;
+  a.num_out_rows = rows;
+  a.slab_rows = w.region.slab_rows(row_bytes);
+  a.flag_slots = w.region.flag_slots();
+  a.num_send_blocks = w.num_sms / 2;
+  a.send_chunk = EMU_SEND_CHUNK;
+  a.recv_chunk = EMU_RECV_CHUNK;
+  a.dynamic_send = EMU_DYNAMIC_SEND;
+}
+
 // Timing trace (MOELINK_HT_TRACE): scenario "trace" gives the dispatch and combine kernels a buffer per rank
 // and checks every block's and warp's stamps (ht.cuh, HT_TRACE_*) are present and ordered.
 bool g_trace_on = false;
@@ -337,7 +357,7 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o,
   o.w.assign((size_t)rows * K + 1, -2.0f);
   h.src_idx.assign(rows + 1, -9);
   k_disp::HtDispatchArgs a{};
-  fill_common(a, w, me);
+  fill_dispatch(a, w, me, in, h, rows, dispatch_row_bytes(H, F8, K));
   a.x = (u64)in.x.data();
   a.x_scales = F8 ? (u64)in.scales.data() : 0;
   a.scale_stride_token = 1;  // column-major scales
@@ -349,19 +369,6 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o,
   a.recv_topk_idx = K ? (u64)o.idx.data() : 0;
   a.recv_topk_weights = K ? (u64)o.w.data() : 0;
   a.recv_src_idx = (u64)h.src_idx.data();
-  a.routing = (u64)h.routing.data();
-  a.flags_offset = w.region.dispatch_flags();
-  a.slab_offset = w.region.dispatch_slab();
-  a.num_ranks = R;
-  a.num_tokens = in.t;
-  a.num_local_experts = EL;
-  a.num_out_rows = rows;
-  a.slab_rows = w.region.slab_rows(dispatch_row_bytes(H, F8, K));
-  a.flag_slots = w.region.flag_slots();
-  a.num_send_blocks = w.num_sms / 2;
-  a.send_chunk = EMU_SEND_CHUNK;
-  a.recv_chunk = EMU_RECV_CHUNK;
-  a.dynamic_send = EMU_DYNAMIC_SEND;
   a.trace = trace_buffer(0, me, w.num_sms, k_disp::TRACE_WORDS);
   emu::launch(w.num_sms, k_disp::THREADS, [&] { k_disp::ht_dispatch(a); });
   if (a.trace != 0) check_trace(0, me, w.num_sms, k_disp::TRACE_WORDS);
@@ -373,23 +380,10 @@ void run_cached(World& w, u32 me, const RankInputs& in, const Handle& h, std::ve
   out.assign((size_t)rows * H + 8, 0xdead);
   std::vector<i32> src_idx(rows + 1, -5);
   k_disp0::HtDispatchArgs a{};
-  fill_common(a, w, me);
+  fill_dispatch(a, w, me, in, h, rows, dispatch_row_bytes(H, false, 0));
   a.x = (u64)in.y.data();
   a.recv_x = (u64)out.data();
   a.recv_src_idx = (u64)src_idx.data();
-  a.routing = (u64)h.routing.data();
-  a.flags_offset = w.region.dispatch_flags();
-  a.slab_offset = w.region.dispatch_slab();
-  a.num_ranks = R;
-  a.num_tokens = in.t;
-  a.num_local_experts = EL;
-  a.num_out_rows = rows;
-  a.slab_rows = w.region.slab_rows(dispatch_row_bytes(H, false, 0));
-  a.flag_slots = w.region.flag_slots();
-  a.num_send_blocks = w.num_sms / 2;
-  a.send_chunk = EMU_SEND_CHUNK;
-  a.recv_chunk = EMU_RECV_CHUNK;
-  a.dynamic_send = EMU_DYNAMIC_SEND;
   emu::launch(w.num_sms, k_disp0::THREADS, [&] { k_disp0::ht_dispatch(a); });
   if (h.routing[k_notify::HT_RT_STATUS] == 0) {
     const u32 n = (u32)h.routing[k_notify::HT_RT_NUM_RECV];
