@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 # prints, it does not export: sourcing it instead left the compile check skipping itself until 2026-11-25).
 eval "$(scripts/ci-nvrtc-env.sh)"
 export MOELINK_REQUIRE_NVRTC=1
+# ... and the nvshmem transport's kernels link against NVSHMEM's device library (ci-nvrtc-env.sh installs it).
+export MOELINK_REQUIRE_NVSHMEM=1
 # The CPU emulations of the kernels need g++: here a missing compiler is a failure, not a skip.
 export MOELINK_REQUIRE_EMU=1
 

@@ -71,6 +71,30 @@ pub enum Error {
         log: String,
     },
 
+    /// nvJitLink (needed to link kernels against NVSHMEM's device library) could not be loaded.
+    #[error(
+        "nvJitLink not found: set LD_LIBRARY_PATH to the directory holding libnvJitLink.so.13 (e.g. /usr/local/cuda/lib64, \
+         or the nvidia/cu13/lib folder of `pip install nvidia-nvjitlink==13.0.88`){0}"
+    )]
+    NvJitLinkNotFound(String),
+
+    /// nvJitLink failed to link a kernel against a device library.
+    #[error("nvJitLink failed to link `{kernel}` ({call}, status {status}):\n{log}")]
+    Link {
+        /// The source's name (kernel family file).
+        kernel: String,
+        /// The nvJitLink function that failed.
+        call: &'static str,
+        /// Its `nvJitLinkResult`.
+        status: i32,
+        /// nvJitLink's error and info logs.
+        log: String,
+    },
+
+    /// NVSHMEM (needed for internode transport) is missing, the wrong version, or failed.
+    #[error("NVSHMEM: {0}")]
+    Nvshmem(String),
+
     /// A caller-supplied value is unusable (wrong size, mismatched device, bad launch shape...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -108,7 +132,14 @@ impl Error {
     /// True when the error means CUDA is not usable on this machine at all (no driver, no device, old
     /// driver), as opposed to a failure of one operation.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, Error::NoDriver(_) | Error::DriverTooOld { .. } | Error::NoDevice { .. } | Error::NvrtcNotFound(_))
+        matches!(
+            self,
+            Error::NoDriver(_)
+                | Error::DriverTooOld { .. }
+                | Error::NoDevice { .. }
+                | Error::NvrtcNotFound(_)
+                | Error::NvJitLinkNotFound(_)
+        )
     }
 
     pub(crate) fn invalid(msg: impl Into<String>) -> Error {

@@ -46,6 +46,11 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     nvrtc::ensure_loaded()
 }
 
+/// nvJitLink's version `(major, minor)`, or why it cannot be loaded (only internode kernels need it).
+pub fn nvjitlink_version() -> Result<(u32, u32)> {
+    crate::raw::nvjitlink::version()
+}
+
 /// The NVRTC architecture for a compute capability: `sm_90a` for 9.x and later (arch-specific features:
 /// `setmaxnreg`, `wgmma`), `sm_XY` before.
 pub fn arch_for(compute_capability: (i32, i32)) -> String {
@@ -85,6 +90,12 @@ pub struct CompileRequest {
     pub arch: String,
     /// Further NVRTC options, appended last.
     pub extra_options: Vec<String>,
+    /// Directories searched for `#include <...>` (`-I`): headers from outside moelink (NVSHMEM's and the
+    /// CUDA runtime's, for the `nvshmem` transport). Empty for every header-free kernel.
+    pub include_dirs: Vec<PathBuf>,
+    /// Device libraries (`.a`) to link with nvJitLink (NVSHMEM's `libnvshmem_device.a`). When non-empty the
+    /// source is compiled relocatable (`-rdc=true -default-device`) and then linked.
+    pub device_libraries: Vec<PathBuf>,
 }
 
 impl CompileRequest {
@@ -97,7 +108,21 @@ impl CompileRequest {
             defines: Vec::new(),
             arch: arch.into(),
             extra_options: Vec::new(),
+            include_dirs: Vec::new(),
+            device_libraries: Vec::new(),
         }
+    }
+
+    /// Adds an include directory (`-I`).
+    pub fn include_dir(mut self, dir: impl Into<PathBuf>) -> CompileRequest {
+        self.include_dirs.push(dir.into());
+        self
+    }
+
+    /// Links the result against device library `path` (relocatable compile + nvJitLink).
+    pub fn device_library(mut self, path: impl Into<PathBuf>) -> CompileRequest {
+        self.device_libraries.push(path.into());
+        self
     }
 
     /// Adds an in-memory header.
@@ -122,6 +147,11 @@ impl CompileRequest {
     pub fn options(&self) -> Vec<String> {
         let mut o = vec![format!("--gpu-architecture={}", self.arch), "-std=c++17".into(), "-lineinfo".into(), "--ptxas-options=-v".into()];
         o.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+        if !self.device_libraries.is_empty() {
+            o.push("-rdc=true".into());
+            o.push("-default-device".into());
+        }
+        o.extend(self.include_dirs.iter().map(|d| format!("-I{}", d.display())));
         o.extend(self.extra_options.iter().cloned());
         o
     }
@@ -149,6 +179,13 @@ impl CompileRequest {
         }
         field(format!("nvrtc {}.{}", nvrtc_version.0, nvrtc_version.1).as_bytes());
         field(self.arch.as_bytes());
+        // Linked kernels also depend on the libraries' contents: a file's identity is its path, length and
+        // modification time (a reinstall recompiles). Header-free requests hash exactly as before.
+        for lib in &self.device_libraries {
+            let meta = std::fs::metadata(lib).ok();
+            let modified = meta.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            field(format!("lib {} {:?} {:?}", lib.display(), meta.map(|m| m.len()), modified).as_bytes());
+        }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
@@ -456,10 +493,17 @@ fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
         let _ = nvrtc::destroy_program(&mut prog);
         result?
     };
-    let secs = t0.elapsed().as_secs_f64();
     if !ok {
         return Err(Error::Compile { kernel: req.name.clone(), arch: req.arch.clone(), log: log.trim().to_string() });
     }
+    let (cubin, log) = if req.device_libraries.is_empty() {
+        (cubin, log)
+    } else {
+        let libraries: Vec<&Path> = req.device_libraries.iter().map(PathBuf::as_path).collect();
+        let (linked, link_log) = crate::raw::nvjitlink::link(&req.name, &req.arch, &cubin, &libraries)?;
+        (linked, if link_log.is_empty() { log } else { format!("{log}\nnvJitLink: {link_log}") })
+    };
+    let secs = t0.elapsed().as_secs_f64();
     let resources = parse_ptxas_report(&log);
     if verbose() {
         eprintln!("[moelink jit] {} {} {}: compiled in {secs:.3} s, {} B cubin", req.name, req.arch, &key[..12], cubin.len());

@@ -8,7 +8,9 @@
 //!   [`HostMapped`], [`IpcMapping`], [`Module`]/[`Kernel`] (launch through `cuLaunchKernelEx`),
 //!   [`Graph`]/[`GraphExec`], and [`SymmetricBuffer`] (one buffer per rank, every rank's pointer on every
 //!   rank).
-//! - [`jit`]: NVRTC → CUBIN with disk and memory caches.
+//! - [`jit`]: NVRTC → CUBIN with disk and memory caches (and nvJitLink for kernels that link a device
+//!   library).
+//! - [`Nvshmem`]: the internode transport's engine, loaded only when an internode buffer asks for it.
 //!
 //! Libraries are loaded at run time. Nothing here panics when they are missing: the driver is checked
 //! before its first call ([`Error::NoDriver`]) and so is NVRTC ([`Error::NvrtcNotFound`]).
@@ -30,6 +32,7 @@ mod ipc;
 pub mod jit;
 mod memory;
 mod module;
+mod nvshmem;
 mod raw;
 mod stream;
 mod symmetric;
@@ -40,6 +43,7 @@ pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use memory::{DeviceBuffer, HostMapped};
 pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
+pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain};
 pub use stream::{Event, Stream};
 pub use symmetric::{AllGather, Exchange, PeerAccess, SymmetricBuffer};
 

@@ -103,6 +103,11 @@ impl Module {
     pub fn device(&self) -> &Device {
         &self.inner.device
     }
+
+    /// The raw `CUmodule` (for libraries that register modules, e.g. NVSHMEM).
+    pub(crate) fn raw_handle(&self) -> CUmodule {
+        self.inner.raw
+    }
 }
 
 /// Resource use of a loaded kernel as the driver reports it.

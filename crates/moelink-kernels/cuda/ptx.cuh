@@ -53,6 +53,7 @@ constexpr u32 PHASE_DISPATCH = 5;
 constexpr u32 PHASE_COMBINE = 6;
 constexpr u32 PHASE_LL_DISPATCH = 7;
 constexpr u32 PHASE_LL_COMBINE = 8;
+constexpr u32 PHASE_TRANSPORT = 9;
 constexpr u32 PHASE_OTHER = 15;
 
 // ErrorRecord::peer when no single peer is to blame.
@@ -129,6 +130,38 @@ __device__ __forceinline__ void red_add_relaxed_gpu_u64(u64* p, u64 v) {
 
 __device__ __forceinline__ void red_min_relaxed_gpu_u64(u64* p, u64 v) {
   asm volatile("red.relaxed.gpu.global.min.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// 64-bit signal words (the RDMA transport seam, transport.cuh).
+__device__ __forceinline__ u64 ld_acquire_sys_u64(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys_u64(u64* p, u64 v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// GPU scope: between blocks of one GPU (the emulated NIC's queues).
+__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(u32* p, u32 v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_gpu(u32* p, u32 v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // No ordering: for counters that hand out work, where an acq_rel atomic would first wait until every prior

@@ -24,6 +24,22 @@ __device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) { __atomic_store_n
 __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void red_add_release_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ u64 ld_acquire_sys_u64(const u64* p) {
+  emu::yield();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+__device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
+  emu::yield();
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+__device__ __forceinline__ void red_add_relaxed_sys_u64(u64* p, u64 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ void red_add_relaxed_gpu_u64(u64* p, u64 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
+  emu::yield();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+__device__ __forceinline__ void st_release_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+__device__ __forceinline__ void red_add_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ u32 atom_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 desired) {

@@ -58,6 +58,8 @@ pub mod phase {
     pub const LL_DISPATCH: u32 = 7;
     /// Low-latency combine.
     pub const LL_COMBINE: u32 = 8;
+    /// The RDMA transport seam's own kernels (conformance check, micro-benchmark).
+    pub const TRANSPORT: u32 = 9;
     /// Anything else.
     pub const OTHER: u32 = 15;
 }
@@ -179,6 +181,7 @@ mod tests {
             ("PHASE_COMBINE", phase::COMBINE as u64),
             ("PHASE_LL_DISPATCH", phase::LL_DISPATCH as u64),
             ("PHASE_LL_COMBINE", phase::LL_COMBINE as u64),
+            ("PHASE_TRANSPORT", phase::TRANSPORT as u64),
             ("PHASE_OTHER", phase::OTHER as u64),
         ];
         for &(name, rust) in pairs {

@@ -28,6 +28,7 @@ pub mod abi;
 pub mod ht;
 #[allow(missing_docs)]
 pub mod ll;
+pub mod transport;
 
 use moelink_cuda::jit::CompileRequest;
 
@@ -49,7 +50,15 @@ pub const HT_DISPATCH_SOURCE: &str = include_str!("../cuda/ht_dispatch.cu");
 pub const HT_COMBINE_SOURCE: &str = include_str!("../cuda/ht_combine.cu");
 
 /// Headers every family may include, as `(include name, contents)`.
-pub const HEADERS: &[(&str, &str)] = &[("ptx.cuh", PTX_HEADER), ("ht.cuh", HT_HEADER)];
+pub const HEADERS: &[(&str, &str)] = &[
+    ("ptx.cuh", PTX_HEADER),
+    ("ht.cuh", HT_HEADER),
+    ("transport.cuh", transport::TRANSPORT_HEADER),
+    ("transport_nvshmem.cuh", transport::TRANSPORT_NVSHMEM_HEADER),
+];
+
+/// The one header that may include headers from outside the tree (NVSHMEM's, for the `nvshmem` transport).
+pub const SYSTEM_INCLUDE_HEADER: &str = "transport_nvshmem.cuh";
 
 /// One kernel entry point of a family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +86,8 @@ pub enum Family {
     HtCombine,
     /// `ll.cu`: low-latency dispatch and combine ([`ll`]).
     Ll,
+    /// `transport.cu`: the RDMA transport seam's conformance check and micro-benchmark ([`transport`]).
+    Transport,
 }
 
 impl Family {
@@ -90,6 +101,7 @@ impl Family {
             Family::HtDispatch => "ht_dispatch.cu",
             Family::HtCombine => "ht_combine.cu",
             Family::Ll => "ll.cu",
+            Family::Transport => "transport.cu",
         }
     }
 
@@ -103,6 +115,7 @@ impl Family {
             Family::HtDispatch => HT_DISPATCH_SOURCE,
             Family::HtCombine => HT_COMBINE_SOURCE,
             Family::Ll => ll::LL_SOURCE,
+            Family::Transport => transport::TRANSPORT_SOURCE,
         }
     }
 
@@ -121,6 +134,7 @@ impl Family {
             Family::HtDispatch => &[KernelInfo { name: "ht_dispatch", hot: true }],
             Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
             Family::Ll => &[KernelInfo { name: "ll_dispatch", hot: true }, KernelInfo { name: "ll_combine", hot: true }],
+            Family::Transport => &[KernelInfo { name: "transport_check", hot: false }, KernelInfo { name: "transport_bench", hot: false }],
         }
     }
 }
@@ -251,6 +265,7 @@ pub fn all_variants() -> Vec<KernelSpec> {
     let mut v = vec![BarrierVariant.spec(), CopyVariant::default().spec()];
     v.extend(ht::variants());
     v.extend(ll::LlVariant::all().iter().map(ll::LlVariant::spec));
+    v.extend(transport::TransportVariant::all().iter().map(transport::TransportVariant::spec));
     v
 }
 
@@ -262,7 +277,8 @@ mod tests {
     fn sources_are_header_free_and_documented() {
         for spec in all_variants() {
             let src = spec.family.source();
-            for line in src.lines().chain(HEADERS.iter().flat_map(|(_, h)| h.lines())) {
+            let headers = HEADERS.iter().filter(|(name, _)| *name != SYSTEM_INCLUDE_HEADER);
+            for line in src.lines().chain(headers.flat_map(|(_, h)| h.lines())) {
                 let l = line.trim_start();
                 if l.starts_with("#include") {
                     let allowed = HEADERS.iter().any(|(name, _)| l == format!("#include \"{name}\""));

@@ -8,8 +8,9 @@
 //! checked to leave its machine code unchanged (`diff -r` of two such folders) before any GPU time is spent.
 
 use moelink_cuda::jit::{CompileRequest, JitCache};
-use moelink_cuda::Error;
-use moelink_kernels::{all_variants, Family};
+use moelink_cuda::{Error, NvshmemToolchain};
+use moelink_kernels::transport::Transport;
+use moelink_kernels::{all_variants, Family, KernelSpec};
 
 const ARCH: &str = "sm_90a";
 
@@ -26,6 +27,34 @@ fn skip_reason() -> Option<String> {
     }
 }
 
+/// NVSHMEM's files for the `nvshmem` transport variants (`NVSHMEM_HOME`, and `CUDA_HOME` for the CUDA
+/// runtime headers; `scripts/ci-nvrtc-env.sh` installs both from PyPI). `None` (those variants are skipped,
+/// saying so) when unset, unless `MOELINK_REQUIRE_NVSHMEM=1` (CI), where that fails.
+fn nvshmem_toolchain() -> Option<NvshmemToolchain> {
+    let required = std::env::var("MOELINK_REQUIRE_NVSHMEM").as_deref() == Ok("1");
+    let Some(home) = std::env::var_os("NVSHMEM_HOME") else {
+        assert!(!required, "MOELINK_REQUIRE_NVSHMEM=1 but NVSHMEM_HOME is not set");
+        return None;
+    };
+    let cuda = std::env::var_os("CUDA_HOME");
+    match NvshmemToolchain::locate(std::path::Path::new(&home), cuda.as_deref().map(std::path::Path::new)) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            assert!(!required, "MOELINK_REQUIRE_NVSHMEM=1 but {e}");
+            eprintln!("NVSHMEM toolchain not usable: {e}");
+            None
+        }
+    }
+}
+
+/// The request for `spec`: linked against NVSHMEM for the `nvshmem` transport (None: no toolchain).
+fn request(spec: &KernelSpec, nvshmem: Option<&NvshmemToolchain>) -> Option<CompileRequest> {
+    match Transport::of_spec(spec) {
+        Some(Transport::Nvshmem) => nvshmem.map(|t| t.apply(spec.compile_request(ARCH))),
+        _ => Some(spec.compile_request(ARCH)),
+    }
+}
+
 #[test]
 fn every_variant_compiles_without_spills() {
     if let Some(why) = skip_reason() {
@@ -33,9 +62,14 @@ fn every_variant_compiles_without_spills() {
         return;
     }
     let cache = JitCache::new(None);
+    let nvshmem = nvshmem_toolchain();
     let mut failures = Vec::new();
     for spec in all_variants() {
-        let compiled = match cache.compile(&spec.compile_request(ARCH)) {
+        let Some(req) = request(&spec, nvshmem.as_ref()) else {
+            eprintln!("{}: skipped (NVSHMEM_HOME not set: the nvshmem transport needs NVSHMEM's headers and device library)", spec.variant);
+            continue;
+        };
+        let compiled = match cache.compile(&req) {
             Ok(c) => c,
             Err(e) => {
                 failures.push(format!("{}: {e}", spec.variant));
@@ -171,6 +205,10 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
                 &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
             ),
         ],
+        // NVSHMEM's device code keeps a stack frame and calls into its transfer functions: nothing to expect.
+        Family::Transport if Transport::of_spec(spec) == Some(Transport::Nvshmem) => &[],
+        // Signals: a system fence before a 64-bit system-scope reduction or store into the peer's word.
+        Family::Transport => &[("transport_check", &["MEMBAR.ALL.SYS"]), ("transport_bench", &["MEMBAR.ALL.SYS"])],
         Family::Ll => &[
             ("ll_dispatch", &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS"]),
             (

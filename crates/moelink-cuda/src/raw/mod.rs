@@ -6,4 +6,6 @@
 //! because cudarc panics when a symbol's library is missing.
 
 pub(crate) mod driver;
+pub(crate) mod nvjitlink;
 pub(crate) mod nvrtc;
+pub(crate) mod nvshmem;

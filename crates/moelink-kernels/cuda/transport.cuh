@@ -1,0 +1,470 @@
+// moelink's transport seam for the RDMA domain: every byte an internode kernel moves to a rank of another
+// node goes through the functions of `namespace rdma` below, and nothing else in a kernel knows which engine
+// carries it. Peers inside a node (the NVLink domain) are reached with plain peer-pointer stores, as
+// intranode; this header is only about the RDMA domain.
+//
+// The engine is chosen at JIT time (MOELINK_TRANSPORT, from moelink_kernels::transport::Transport):
+//   MOELINK_TRANSPORT_PTR      peer pointers: a put is a warp's 16-byte stores into the peer's mapped
+//                              region, done when the call returns. For virtual nodes in one process (or one
+//                              host's processes through CUDA IPC) and for tests.
+//   MOELINK_TRANSPORT_EMU_NIC  an emulated NIC (tests only): a put becomes a descriptor in one of this rank's
+//                              queues (one per QP); the last `nic_blocks` blocks of the grid are the NIC and
+//                              execute the descriptors later: in order within a QP, out of order across QPs
+//                              (with `nic_reorder`, a seeded scheduler holds QPs back), each no earlier than
+//                              `nic_delay_ns` after it was posted, at most `nic_bytes_per_us`. A protocol that
+//                              relies on an order real RDMA does not give (a signal on one QP after data on
+//                              another, without a fence) fails here; over NVLink it would pass.
+//   MOELINK_TRANSPORT_NVSHMEM  NVSHMEM's device API (IBGDA or the proxy on a cluster, P2P between PEs of one
+//                              host). NVSHMEM 3.4.5 chooses the QP itself: the `qp` argument is a hint only.
+//
+// The contract every backend keeps (and every protocol may rely on, and nothing more):
+//   - Addresses are byte offsets into the RDMA region, which is symmetric: the same offset names the same
+//     object on every rank. A put's source lies in the caller's own region (RDMA reads it from registered
+//     memory) and must not change until the put has completed (`quiet`, or a signal from the receiver that
+//     implies it arrived).
+//   - put_signal: the signal is applied at the destination only after the put's data is visible there.
+//   - Two operations on the same QP from the same warp are delivered in issue order (emu-nic, and RC QPs on
+//     a NIC); with NVSHMEM 3.4.5 the QP is not ours to name, so protocols order data and signal either in one
+//     put_signal or with a fence.
+//   - fence(qp): operations the calling thread's rank issued before are delivered before any it issues after
+//     (NVSHMEM: nvshmem_fence; IBGDA implements it as a quiet). quiet(qp): every operation issued before has
+//     completed (its data is at the destination, its source may be reused).
+//   - Signals are u64 words in the RDMA region, changed only by signal operations (SET or ADD) and read by
+//     their owner with wait_signal_geq (acquire: once the value is seen, the data put before it is visible).
+//   - Every call that can wait (a full queue, quiet, a signal) has the caller's deadline; on expiry it records
+//     ERR_TIMEOUT and returns false. Nothing spins forever, nothing traps.
+//
+// Calling convention: `_warp` functions are called by all 32 lanes of a warp with the same arguments;
+// `_thread` functions by one thread.
+//
+// Frame of a kernel that uses the seam: its first statement is `if (rdma::nic_block(args.rdma, deadline))
+// return;` (with the emulated NIC the last blocks of the grid serve the queues there, and nothing else),
+// work is spread over `rdma::num_worker_blocks(args.rdma)` blocks, and every worker thread holds an
+// `rdma::WorkerScope` for its whole life (the NIC drains and exits once every worker thread has left).
+// Launch such kernels cooperatively: the NIC blocks must run alongside the workers.
+#pragma once
+#include "ptx.cuh"
+
+#define MOELINK_TRANSPORT_PTR 1
+#define MOELINK_TRANSPORT_EMU_NIC 2
+#define MOELINK_TRANSPORT_NVSHMEM 3
+#ifndef MOELINK_TRANSPORT
+#error "transport.cuh needs MOELINK_TRANSPORT (moelink_kernels::transport::Transport)"
+#endif
+#if MOELINK_TRANSPORT != MOELINK_TRANSPORT_PTR && MOELINK_TRANSPORT != MOELINK_TRANSPORT_EMU_NIC && \
+    MOELINK_TRANSPORT != MOELINK_TRANSPORT_NVSHMEM
+#error "MOELINK_TRANSPORT names no backend"
+#endif
+
+// QPs a rank may name per peer (RdmaArgs::num_qps <= RDMA_MAX_QPS).
+constexpr u32 RDMA_MAX_QPS = 32;
+// Descriptors per emulated QP: a poster waits (deadline) while its QP holds this many undelivered ones.
+constexpr u32 NIC_RING = 256;
+// `qp` value of quiet_thread / fence_thread that covers every QP.
+constexpr u32 RDMA_ALL_QPS = 0xffffffffu;
+
+// Signal operations.
+constexpr u32 SIGNAL_SET = 0;
+constexpr u32 SIGNAL_ADD = 1;
+
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_NVSHMEM
+#include "transport_nvshmem.cuh"
+#endif
+
+// What a kernel needs to reach the RDMA domain (moelink_kernels::transport::RdmaArgs; 64 bytes).
+struct RdmaArgs {
+  u64 local_base;      // this rank's RDMA region (device address)
+  u64 peer_bases;      // ptr / emu-nic: device address of u64[num_ranks], every rank's region mapped here
+  u64 nic_state;       // emu-nic: this rank's NicState (device memory); 0 otherwise
+  u64 nic_delay_ns;    // emu-nic: a descriptor runs no earlier than this long after it was posted
+  u32 nic_bytes_per_us;  // emu-nic: rate cap of this rank's NIC (0: none)
+  u32 nic_reorder;     // emu-nic: 1 = the scheduler holds QPs back at random (seeded)
+  u32 nic_blocks;      // emu-nic: blocks at the end of the grid that act as the NIC (0 otherwise)
+  u32 nic_seed;        // emu-nic: scheduler seed (mixed with the rank and a per-launch counter)
+  u32 rank;            // this rank in the RDMA domain (the world)
+  u32 num_ranks;
+  u32 num_qps;         // QPs per peer, 1..RDMA_MAX_QPS
+  u32 pad;
+};
+static_assert(sizeof(RdmaArgs) == 64, "RdmaArgs is 64 bytes (moelink_kernels::transport::RdmaArgs)");
+
+// ============================================================================================ emulated NIC
+// One work request (64 bytes). `ready` = ticket + 1 once the poster has written the rest (release).
+struct NicDesc {
+  u64 src_off, dst_off, sig_off, value, post_ns;
+  u32 bytes, pe, kind, ready;
+  u32 sig_op, pad;
+};
+static_assert(sizeof(NicDesc) == 48 + 16, "NicDesc is 64 bytes");
+
+constexpr u32 NIC_PUT = 1;
+constexpr u32 NIC_SIGNAL = 2;
+constexpr u32 NIC_PUT_SIGNAL = NIC_PUT | NIC_SIGNAL;
+
+// One QP: posters take tickets from `tail`; the NIC block serving the QP executes them in ticket order and
+// publishes `head` (executed so far) with release, which frees ring slots and completes quiets.
+struct alignas(128) NicQueue {
+  u32 tail;
+  u32 pad0[31];
+  u32 head;
+  u32 pad1[31];
+};
+
+// A rank's NIC (moelink_kernels::transport::NIC_STATE_BYTES), zeroed once when the buffer is created;
+// counters are monotonic across launches (ticket arithmetic is wrap-safe).
+struct NicState {
+  NicQueue queue[RDMA_MAX_QPS];
+  alignas(128) u32 workers_exited;  // worker threads of this launch that have finished
+  alignas(128) u32 nics_exited;     // NIC blocks of this launch that have finished
+  alignas(128) u32 launches;        // launches served (scheduler seed)
+  alignas(128) NicDesc ring[RDMA_MAX_QPS][NIC_RING];
+};
+
+namespace rdma {
+
+__device__ __forceinline__ NicState* nic_of(const RdmaArgs& a) { return reinterpret_cast<NicState*>(a.nic_state); }
+
+__device__ __forceinline__ u64 peer_base(const RdmaArgs& a, u32 pe) {
+  return reinterpret_cast<const u64*>(a.peer_bases)[pe];
+}
+
+// Blocks of the grid that do the kernel's own work (the rest, with the emulated NIC, are the NIC).
+__device__ __forceinline__ u32 num_worker_blocks(const RdmaArgs& a) {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  return gridDim.x - a.nic_blocks;
+#else
+  (void)a;
+  return gridDim.x;
+#endif
+}
+
+// Held by every worker thread for its whole life: its destructor tells the emulated NIC that this thread
+// posts nothing more. (A destructor, so that every early `return` of a kernel counts too.)
+struct WorkerScope {
+  const RdmaArgs& args;
+  __device__ explicit WorkerScope(const RdmaArgs& a) : args(a) {}
+  __device__ ~WorkerScope() {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+    // Release: every descriptor this thread posted is visible to the NIC before it sees the count.
+    ptx::red_add_release_gpu(&nic_of(args)->workers_exited, 1u);
+#endif
+  }
+};
+
+// 16-byte vectors then single bytes, spread over `lanes` threads starting at `lane`.
+__device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, u32 bytes, u32 lane, u32 lanes) {
+  const u32 vectors = bytes / 16;
+  const bool aligned = ((reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) & 15) == 0;
+  u32 done = 0;
+  if (aligned) {
+    for (u32 i = lane; i < vectors; i += lanes) {
+      ptx::st_na_v4(reinterpret_cast<u32x4*>(dst) + i, ptx::ld_v4(reinterpret_cast<const u32x4*>(src) + i));
+    }
+    done = vectors * 16;
+  }
+  for (u32 i = done + lane; i < bytes; i += lanes) dst[i] = src[i];
+}
+
+__device__ __forceinline__ void apply_signal_sys(u64* sig, u64 value, u32 op) {
+  if (op == SIGNAL_ADD) {
+    ptx::red_add_relaxed_sys_u64(sig, value);
+  } else {
+    ptx::st_relaxed_sys_u64(sig, value);
+  }
+}
+
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+// Posts one descriptor on `qp` (one thread). Waits (deadline) while the QP's ring is full.
+__device__ __forceinline__ bool nic_post(const RdmaArgs& a, u32 qp, const NicDesc& d, const Deadline& dl) {
+  NicState* nic = nic_of(a);
+  NicQueue& q = nic->queue[qp];
+  const u32 ticket = ptx::atom_add_relaxed_gpu(&q.tail, 1u);
+  const bool room = spin_until([&]() { return (i32)(ticket - ptx::ld_acquire_gpu(&q.head)) < (i32)NIC_RING; }, dl, d.pe);
+  if (!room) return false;
+  NicDesc* slot = &nic->ring[qp][ticket % NIC_RING];
+  slot->src_off = d.src_off;
+  slot->dst_off = d.dst_off;
+  slot->sig_off = d.sig_off;
+  slot->value = d.value;
+  slot->post_ns = ptx::globaltimer();
+  slot->bytes = d.bytes;
+  slot->pe = d.pe;
+  slot->kind = d.kind;
+  slot->sig_op = d.sig_op;
+  ptx::st_release_gpu(&slot->ready, ticket + 1);
+  return true;
+}
+
+// Waits until every descriptor posted on `qp` (or on every QP) so far has been executed.
+__device__ __forceinline__ bool nic_quiet(const RdmaArgs& a, u32 qp, const Deadline& dl) {
+  NicState* nic = nic_of(a);
+  for (u32 q = 0; q < a.num_qps; q++) {
+    if (qp != RDMA_ALL_QPS && q != qp) continue;
+    const u32 posted = ptx::ld_relaxed_gpu(&nic->queue[q].tail);
+    if (!spin_until([&]() { return (i32)(ptx::ld_acquire_gpu(&nic->queue[q].head) - posted) >= 0; }, dl, NO_PEER)) return false;
+  }
+  return true;
+}
+
+// xorshift32: the scheduler's dice.
+__device__ __forceinline__ u32 nic_rand(u32& s) {
+  s ^= s << 13;
+  s ^= s >> 17;
+  s ^= s << 5;
+  return s;
+}
+
+// The NIC: runs on the last `nic_blocks` blocks; block n serves the QPs q with q % nic_blocks == n. Thread
+// 0 picks the next descriptor (the scheduler), the whole block copies its bytes, every thread fences its
+// stores, thread 0 applies the signal and publishes the QP's head. Ends once every worker thread has left
+// and its QPs are drained — or, after a fatal error of this rank, once the workers have left (what is
+// still queued is dropped, like a link that went down; the peers' deadlines name this rank).
+__device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl) {
+  NicState* nic = nic_of(a);
+  const u32 me = blockIdx.x - (gridDim.x - a.nic_blocks);
+  const u32 expected_workers = (gridDim.x - a.nic_blocks) * blockDim.x;
+  __shared__ NicDesc s_desc;
+  __shared__ u32 s_action;  // 0: idle, 1: execute s_desc (QP s_qp), 2: exit
+  __shared__ u32 s_qp;
+  u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (me + 1);
+  if (rng == 0) rng = 1;
+  const u64 start_ns = ptx::globaltimer();
+  u64 sent_bytes = 0;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      u32 action = 0;
+      const u64 now = ptx::globaltimer();
+      const u32 first = nic_rand(rng) % a.num_qps;
+      for (u32 i = 0; i < a.num_qps && action == 0; i++) {
+        const u32 q = (first + i) % a.num_qps;
+        if (q % a.nic_blocks != me) continue;
+        if (a.nic_reorder != 0 && nic_rand(rng) % 4 != 0) continue;  // held back this round
+        NicQueue& queue = nic->queue[q];
+        const u32 next = ptx::ld_relaxed_gpu(&queue.head);
+        const NicDesc* d = &nic->ring[q][next % NIC_RING];
+        if (ptx::ld_acquire_gpu(&d->ready) != next + 1) continue;
+        if (now - d->post_ns < a.nic_delay_ns) continue;
+        if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0 &&
+            (sent_bytes + d->bytes) * 1000 > (now - start_ns) * (u64)a.nic_bytes_per_us) {
+          continue;
+        }
+        s_desc = *d;
+        s_qp = q;
+        action = 1;
+      }
+      if (action == 0) {
+        // Idle: done once every worker thread has left and every QP of this block is drained.
+        if (ptx::ld_acquire_gpu(&nic->workers_exited) == expected_workers) {
+          bool drained = true;
+          for (u32 q = me; q < a.num_qps; q += a.nic_blocks) {
+            drained = drained && ptx::ld_relaxed_gpu(&nic->queue[q].head) == ptx::ld_relaxed_gpu(&nic->queue[q].tail);
+          }
+          if (drained || error_raised(dl)) action = 2;
+        }
+      }
+      s_action = action;
+    }
+    __syncthreads();
+    const u32 action = s_action;
+    if (action == 2) break;
+    if (action == 1) {
+      const NicDesc d = s_desc;
+      if ((d.kind & NIC_PUT) != 0) {
+        copy_bytes(reinterpret_cast<u8*>(peer_base(a, d.pe) + d.dst_off), reinterpret_cast<const u8*>(a.local_base + d.src_off),
+                   d.bytes, threadIdx.x, blockDim.x);
+        ptx::fence_acq_rel_sys();  // each thread's own stores, before the signal and the head
+        if (threadIdx.x == 0) sent_bytes += d.bytes;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        if ((d.kind & NIC_SIGNAL) != 0) {
+          apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, d.pe) + d.sig_off), d.value, d.sig_op);
+          ptx::fence_acq_rel_sys();
+        }
+        ptx::st_release_gpu(&nic->queue[s_qp].head, ptx::ld_relaxed_gpu(&nic->queue[s_qp].head) + 1);
+      }
+    }
+    __syncthreads();
+  }
+  // The last NIC block out resets the launch counters for the next launch (stream-ordered after this one).
+  if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(&nic->nics_exited, 1u) + 1 == a.nic_blocks) {
+    ptx::st_release_gpu(&nic->workers_exited, 0u);
+    ptx::st_release_gpu(&nic->nics_exited, 0u);
+    ptx::st_release_gpu(&nic->launches, ptx::ld_relaxed_gpu(&nic->launches) + 1);
+  }
+}
+#endif
+
+// True on the blocks that acted as the emulated NIC (the kernel returns at once); false on worker blocks
+// and with the other backends.
+__device__ __forceinline__ bool nic_block(const RdmaArgs& a, const Deadline& dl) {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  if (blockIdx.x < gridDim.x - a.nic_blocks) return false;
+  nic_serve(a, dl);
+  return true;
+#else
+  (void)a;
+  (void)dl;
+  return false;
+#endif
+}
+
+// ============================================================================================ operations
+
+// Puts `bytes` from this rank's region at `src_off` to rank `pe`'s region at `dst_off` (non-blocking).
+// The warp's lanes may have written the source just before: the call orders their stores first.
+__device__ __forceinline__ bool put_warp(const RdmaArgs& a, u32 qp, u32 pe, u64 dst_off, u64 src_off, u32 bytes, const Deadline& dl) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
+  (void)qp;
+  (void)dl;
+  __syncwarp();
+  copy_bytes(reinterpret_cast<u8*>(peer_base(a, pe) + dst_off), reinterpret_cast<const u8*>(a.local_base + src_off), bytes, lane,
+             WARP_SIZE);
+  return true;
+#elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  ptx::fence_acq_rel_gpu();  // this lane's source stores, before the NIC block reads them
+  __syncwarp();
+  bool ok = true;
+  if (lane == 0) {
+    NicDesc d{};
+    d.src_off = src_off;
+    d.dst_off = dst_off;
+    d.bytes = bytes;
+    d.pe = pe;
+    d.kind = NIC_PUT;
+    ok = nic_post(a, qp % a.num_qps, d, dl);
+  }
+  return __shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) != 0;
+#else
+  (void)qp;
+  (void)dl;
+  (void)lane;
+  ptx::fence_acq_rel_sys();
+  __syncwarp();
+  nvshmem_seam::put_nbi_warp(a.local_base + dst_off, a.local_base + src_off, bytes, pe);
+  return true;
+#endif
+}
+
+// As put_warp, then `sig_op(value)` on the u64 signal at `sig_off` of rank `pe`, applied only once the
+// data is visible there.
+__device__ __forceinline__ bool put_signal_warp(const RdmaArgs& a, u32 qp, u32 pe, u64 dst_off, u64 src_off, u32 bytes, u64 sig_off,
+                                                u64 value, u32 sig_op, const Deadline& dl) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
+  (void)qp;
+  (void)dl;
+  __syncwarp();
+  const u64 peer = peer_base(a, pe);
+  copy_bytes(reinterpret_cast<u8*>(peer + dst_off), reinterpret_cast<const u8*>(a.local_base + src_off), bytes, lane, WARP_SIZE);
+  ptx::fence_acq_rel_sys();  // every lane: its own stores (one lane's fence does not cover the others')
+  __syncwarp();
+  if (lane == 0) apply_signal_sys(reinterpret_cast<u64*>(peer + sig_off), value, sig_op);
+  __syncwarp();
+  return true;
+#elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  ptx::fence_acq_rel_gpu();
+  __syncwarp();
+  bool ok = true;
+  if (lane == 0) {
+    NicDesc d{};
+    d.src_off = src_off;
+    d.dst_off = dst_off;
+    d.sig_off = sig_off;
+    d.value = value;
+    d.bytes = bytes;
+    d.pe = pe;
+    d.kind = NIC_PUT_SIGNAL;
+    d.sig_op = sig_op;
+    ok = nic_post(a, qp % a.num_qps, d, dl);
+  }
+  return __shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) != 0;
+#else
+  (void)qp;
+  (void)dl;
+  (void)lane;
+  ptx::fence_acq_rel_sys();
+  __syncwarp();
+  nvshmem_seam::put_signal_nbi_warp(a.local_base + dst_off, a.local_base + src_off, bytes, a.local_base + sig_off, value, sig_op, pe);
+  return true;
+#endif
+}
+
+// `sig_op(value)` on the u64 signal at `sig_off` of rank `pe`. Not ordered after earlier puts: fence first
+// when it announces them (or use put_signal).
+__device__ __forceinline__ bool signal_thread(const RdmaArgs& a, u32 qp, u32 pe, u64 sig_off, u64 value, u32 sig_op, const Deadline& dl) {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
+  (void)qp;
+  (void)dl;
+  apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, pe) + sig_off), value, sig_op);
+  return true;
+#elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  NicDesc d{};
+  d.sig_off = sig_off;
+  d.value = value;
+  d.pe = pe;
+  d.kind = NIC_SIGNAL;
+  d.sig_op = sig_op;
+  return nic_post(a, qp % a.num_qps, d, dl);
+#else
+  (void)qp;
+  (void)dl;
+  nvshmem_seam::signal_op(a.local_base + sig_off, value, sig_op, pe);
+  return true;
+#endif
+}
+
+// Operations issued before (by this rank) are delivered before operations this thread issues after.
+__device__ __forceinline__ bool fence_thread(const RdmaArgs& a, u32 qp, const Deadline& dl) {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
+  (void)a;
+  (void)qp;
+  (void)dl;
+  ptx::fence_acq_rel_sys();
+  return true;
+#elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  (void)qp;
+  // Across QPs only completion orders: the emulated NIC's fence is a quiet (as NVSHMEM's under IBGDA).
+  return nic_quiet(a, RDMA_ALL_QPS, dl);
+#else
+  (void)a;
+  (void)qp;
+  (void)dl;
+  nvshmem_seam::fence();
+  return true;
+#endif
+}
+
+// Operations issued before on `qp` (RDMA_ALL_QPS: on every QP) have completed.
+__device__ __forceinline__ bool quiet_thread(const RdmaArgs& a, u32 qp, const Deadline& dl) {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
+  (void)a;
+  (void)qp;
+  (void)dl;
+  ptx::fence_acq_rel_sys();
+  return true;
+#elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  return nic_quiet(a, qp == RDMA_ALL_QPS ? qp : qp % a.num_qps, dl);
+#else
+  (void)a;
+  (void)qp;
+  (void)dl;
+  nvshmem_seam::quiet();
+  return true;
+#endif
+}
+
+// This rank's u64 signal at `sig_off`, now (relaxed).
+__device__ __forceinline__ u64 read_signal(const RdmaArgs& a, u64 sig_off) {
+  return ptx::ld_relaxed_sys_u64(reinterpret_cast<const u64*>(a.local_base + sig_off));
+}
+
+// Waits until this rank's u64 signal at `sig_off` reaches `target` (wrap-safe); acquire, so that the data
+// put before the signal operations that reached it is visible. Deadline rules: spin_until (names `peer`).
+__device__ __forceinline__ bool wait_signal_geq(const RdmaArgs& a, u64 sig_off, u64 target, const Deadline& dl, u32 peer) {
+  const u64* sig = reinterpret_cast<const u64*>(a.local_base + sig_off);
+  return spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(sig) - target) >= 0; }, dl, peer);
+}
+
+}  // namespace rdma
