@@ -23,7 +23,7 @@
 
 pub mod abi;
 // The argument structs in `ht` and `ll` mirror, field for field, the structs documented in
-// `cuda/ht_*.cu` and `cuda/ll.cu` (size-checked on both sides); their fields are documented there.
+// `cuda/ht*.cu` and `cuda/ll*.cu` (size-checked on both sides); their fields are documented there.
 #[allow(missing_docs)]
 pub mod ht;
 #[allow(missing_docs)]
@@ -49,7 +49,7 @@ pub const HT_DISPATCH_SOURCE: &str = include_str!("../cuda/ht_dispatch.cu");
 pub const HT_COMBINE_SOURCE: &str = include_str!("../cuda/ht_combine.cu");
 
 /// Headers every family may include, as `(include name, contents)`.
-pub const HEADERS: &[(&str, &str)] = &[("ptx.cuh", PTX_HEADER), ("ht.cuh", HT_HEADER)];
+pub const HEADERS: &[(&str, &str)] = &[("ptx.cuh", PTX_HEADER), ("ht.cuh", HT_HEADER), ("ll.cuh", ll::LL_HEADER)];
 
 /// One kernel entry point of a family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,8 +75,10 @@ pub enum Family {
     HtDispatch,
     /// `ht_combine.cu`: high-throughput combine.
     HtCombine,
-    /// `ll.cu`: low-latency dispatch and combine ([`ll`]).
-    Ll,
+    /// `ll_dispatch.cu`: low-latency dispatch ([`ll`]).
+    LlDispatch,
+    /// `ll_combine.cu`: low-latency combine ([`ll`]).
+    LlCombine,
 }
 
 impl Family {
@@ -89,7 +91,8 @@ impl Family {
             Family::HtNotify => "ht_notify.cu",
             Family::HtDispatch => "ht_dispatch.cu",
             Family::HtCombine => "ht_combine.cu",
-            Family::Ll => "ll.cu",
+            Family::LlDispatch => "ll_dispatch.cu",
+            Family::LlCombine => "ll_combine.cu",
         }
     }
 
@@ -102,7 +105,17 @@ impl Family {
             Family::HtNotify => HT_NOTIFY_SOURCE,
             Family::HtDispatch => HT_DISPATCH_SOURCE,
             Family::HtCombine => HT_COMBINE_SOURCE,
-            Family::Ll => ll::LL_SOURCE,
+            Family::LlDispatch => ll::LL_DISPATCH_SOURCE,
+            Family::LlCombine => ll::LL_COMBINE_SOURCE,
+        }
+    }
+
+    /// The family's own header (`ht.cuh`, `ll.cuh`), which the source includes, if any.
+    pub fn header(self) -> Option<&'static str> {
+        match self {
+            Family::Barrier | Family::Copy => None,
+            Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => Some(HT_HEADER),
+            Family::LlDispatch | Family::LlCombine => Some(ll::LL_HEADER),
         }
     }
 
@@ -120,7 +133,8 @@ impl Family {
             Family::HtNotify => &[KernelInfo { name: "ht_notify", hot: true }],
             Family::HtDispatch => &[KernelInfo { name: "ht_dispatch", hot: true }],
             Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
-            Family::Ll => &[KernelInfo { name: "ll_dispatch", hot: true }, KernelInfo { name: "ll_combine", hot: true }],
+            Family::LlDispatch => &[KernelInfo { name: "ll_dispatch", hot: true }],
+            Family::LlCombine => &[KernelInfo { name: "ll_combine", hot: true }],
         }
     }
 }
@@ -250,7 +264,7 @@ impl CopyVariant {
 pub fn all_variants() -> Vec<KernelSpec> {
     let mut v = vec![BarrierVariant.spec(), CopyVariant::default().spec()];
     v.extend(ht::variants());
-    v.extend(ll::LlVariant::all().iter().map(ll::LlVariant::spec));
+    v.extend(ll::LlVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v
 }
 
@@ -287,8 +301,14 @@ mod tests {
     fn variants_define_every_constant_the_sources_require() {
         for spec in all_variants() {
             let src = spec.family.source();
+            let header = spec.family.header().unwrap_or("");
             for (k, _) in &spec.defines {
-                assert!(src.contains(k.as_str()), "{} defines {k} but {} never uses it", spec.variant, spec.family.file_name());
+                assert!(
+                    src.contains(k.as_str()) || header.contains(k.as_str()),
+                    "{} defines {k} but neither {} nor its header uses it",
+                    spec.variant,
+                    spec.family.file_name()
+                );
             }
         }
         let copy = CopyVariant::default();
