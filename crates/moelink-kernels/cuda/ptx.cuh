@@ -116,10 +116,15 @@ __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_gpu(u32* p, u32 v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void red_add_release_sys(u32* p, u32 v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// No return value, so the issuing thread does not wait for the (NVLink) round trip.
 __device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) {
   asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -229,6 +234,45 @@ __device__ __forceinline__ void st_v4(u32x4* p, const u32x4& v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// ============================================================================================ scalar and L2-only accesses
+
+// L2-only loads: data peers wrote into this GPU's memory during the kernel (coherent at L2).
+__device__ __forceinline__ u32x4 ld_cg_v4(const void* p) {
+  u32x4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_cg_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Non-coherent (read-only path) loads: only for data no kernel writes while this one runs.
+__device__ __forceinline__ u64 ld_nc_u64(const void* p) {
+  u64 v;
+  asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_nc_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_na_u32(void* p, u32 v) {
+  asm volatile("st.global.L1::no_allocate.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_na_u64(void* p, u64 v) {
+  asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Brings a line into L2 without waiting for it (loads issued before a wait, consumed after it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // ============================================================================================ time
 
 // Nanoseconds of the GPU's global timer (same clock on every SM).
@@ -327,6 +371,26 @@ __device__ __forceinline__ u32 cvt_rn_bf16x2_f32(float hi, float lo) {
 __device__ __forceinline__ float add_rn_f32(float a, float b) {
   float r;
   asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// IEEE single multiply and divide, round to nearest even, never contracted into an FMA.
+__device__ __forceinline__ float mul_rn_f32(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float div_rn_f32(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// max.f32: when one input is NaN the other is returned (like Rust's f32::max).
+__device__ __forceinline__ float max_f32(float a, float b) {
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
 

@@ -1,15 +1,16 @@
-// Host emulation of the low-latency kernels (ll.cu) for tests/ll_emulation.rs: R ranks as threads, each
+// Host emulation of the low-latency kernels (ll_dispatch.cu, ll_combine.cu) for tests/ll_emulation.rs: R ranks as threads, each
 // launch as one OS thread per block and one fiber per CUDA thread (runtime.hpp), symmetric memory as
 // host allocations. Every scenario compares what the kernels wrote with a reference computed here from the
 // documented semantics (crates/moelink/src/ll.rs, docs/oracle.md): recv_count, every valid row (bytes),
 // every scale, the combined output bit for bit, the reports and error records. Prints one line per
 // scenario and exits non-zero on the first mismatch.
 //
-// Built by the test with the variant's -D constants (LL_HIDDEN, LL_TOPK, LL_FP8, ...), LL_THREADS=64 and
-// MOELINK_HOST_EMULATION, next to a copy of ll.cu and the emulated ptx.cuh (ptx_emu.hpp spliced in).
+// Built by the test with the variant's -D constants (LL_HIDDEN, LL_TOPK, LL_FP8, ...) and LL_THREADS=64,
+// next to copies of ll.cuh, ll_dispatch.cu, ll_combine.cu and the emulated ptx.cuh (ptx_emu.hpp spliced in).
 #include "runtime.hpp"
 #include "ptx.cuh"
-#include "ll.cu"
+#include "ll_dispatch.cu"
+#include "ll_combine.cu"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,5 +1,4 @@
-// The `ptx` namespace of cuda/ptx.cuh, emulated on the host (see runtime.hpp), and the `llptx` namespace of
-// cuda/ll.cu. The test drivers (tests/common/mod.rs) splice this whole file in place of ptx.cuh's real
+// The `ptx` namespace of cuda/ptx.cuh, emulated on the host (see runtime.hpp). The test drivers (tests/common/mod.rs) splice this whole file in place of ptx.cuh's real
 // `namespace ptx { ... }` (inline PTX), keeping the rest of ptx.cuh (ABI constants, error records, deadline
 // waits) as written. Scopes map to C++ orders: relaxed -> relaxed, acquire/release -> acquire/release, the
 // fences -> seq_cst fences. Loads used in spin loops (flags, timer) let the other fibers of the block run.
@@ -22,6 +21,7 @@ __device__ __forceinline__ u32 ld_relaxed_gpu(const u32* p) {
 __device__ __forceinline__ void st_release_sys(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ void st_relaxed_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void red_add_release_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ u64 ld_acquire_sys_u64(const u64* p) {
@@ -59,6 +59,26 @@ __device__ __forceinline__ u32x4 ld_v4(const u32x4* p) { return ld_nc_na_v4(p); 
 __device__ __forceinline__ void st_na_v4(u32x4* p, const u32x4& v) { std::memcpy(p, &v, sizeof v); }
 __device__ __forceinline__ void st_v4(u32x4* p, const u32x4& v) { std::memcpy(p, &v, sizeof v); }
 
+__device__ __forceinline__ u32x4 ld_cg_v4(const void* p) {
+  u32x4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+__device__ __forceinline__ u32 ld_cg_u32(const void* p) { return __atomic_load_n(static_cast<const u32*>(p), __ATOMIC_RELAXED); }
+__device__ __forceinline__ u64 ld_nc_u64(const void* p) {
+  u64 v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+__device__ __forceinline__ u32 ld_nc_u32(const void* p) {
+  u32 v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+__device__ __forceinline__ void st_na_u32(void* p, u32 v) { std::memcpy(p, &v, 4); }
+__device__ __forceinline__ void st_na_u64(void* p, u64 v) { std::memcpy(p, &v, 8); }
+__device__ __forceinline__ void prefetch_l2(const void*) {}
+
 __device__ __forceinline__ u64 globaltimer() {
   emu::yield();
   return (u64)std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -71,6 +91,11 @@ __device__ __forceinline__ float add_rn_f32(float a, float b) {
   volatile float r = a + b;  // one IEEE single add, round to nearest even (SSE, no FTZ)
   return r;
 }
+// -ffp-contract=off: one rounding per operation, as mul.rn / div.rn.
+__device__ __forceinline__ float mul_rn_f32(float a, float b) { return a * b; }
+__device__ __forceinline__ float div_rn_f32(float a, float b) { return a / b; }
+// max.f32: when one input is NaN the other is returned.
+__device__ __forceinline__ float max_f32(float a, float b) { return std::fmax(a, b); }
 __device__ __forceinline__ float f32_from_bits(u32 v) { return emu::bit_cast<float>(v); }
 __device__ __forceinline__ u32 bits_from_f32(float f) { return emu::bit_cast<u32>(f); }
 
@@ -120,38 +145,3 @@ __device__ __forceinline__ u16 cvt_rn_satfinite_e4m3x2_f32(float hi, float lo) {
 }
 
 }  // namespace ptx
-
-// ll.cu's own PTX helpers: ll.cu compiles its inline-PTX `namespace llptx` only without
-// MOELINK_HOST_EMULATION, which tests/ll_emulation.rs defines so that these stand in for it.
-#ifdef MOELINK_HOST_EMULATION
-namespace llptx {
-__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) { return ptx::atom_add_acq_rel_gpu(p, v); }
-__device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) { ptx::red_add_relaxed_sys(p, v); }
-__device__ __forceinline__ void st_relaxed_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-__device__ __forceinline__ u32x4 ld_cg_v4(const void* p) {
-  u32x4 v;
-  std::memcpy(&v, p, 16);
-  return v;
-}
-__device__ __forceinline__ u32 ld_cg_u32(const void* p) { return __atomic_load_n(static_cast<const u32*>(p), __ATOMIC_RELAXED); }
-__device__ __forceinline__ u64 ld_nc_u64(const void* p) {
-  u64 v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-__device__ __forceinline__ u32 ld_nc_u32(const void* p) {
-  u32 v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-__device__ __forceinline__ void st_na_u32(void* p, u32 v) { std::memcpy(p, &v, 4); }
-__device__ __forceinline__ void st_na_u64(void* p, u64 v) { std::memcpy(p, &v, 8); }
-__device__ __forceinline__ void prefetch_l2(const void*) {}
-// -ffp-contract=off: one rounding per operation, as mul.rn / add.rn / div.rn.
-__device__ __forceinline__ float mul_rn(float a, float b) { return a * b; }
-__device__ __forceinline__ float add_rn(float a, float b) { return a + b; }
-__device__ __forceinline__ float div_rn(float a, float b) { return a / b; }
-// max.f32: when one input is NaN the other is returned.
-__device__ __forceinline__ float max_f32(float a, float b) { return std::fmax(a, b); }
-}  // namespace llptx
-#endif

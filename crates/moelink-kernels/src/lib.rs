@@ -23,7 +23,7 @@
 
 pub mod abi;
 // The argument structs in `ht` and `ll` mirror, field for field, the structs documented in
-// `cuda/ht_*.cu` and `cuda/ll.cu` (size-checked on both sides); their fields are documented there.
+// `cuda/ht*.cu` and `cuda/ll*.cu` (size-checked on both sides); their fields are documented there.
 #[allow(missing_docs)]
 pub mod ht;
 #[allow(missing_docs)]
@@ -53,6 +53,7 @@ pub const HT_COMBINE_SOURCE: &str = include_str!("../cuda/ht_combine.cu");
 pub const HEADERS: &[(&str, &str)] = &[
     ("ptx.cuh", PTX_HEADER),
     ("ht.cuh", HT_HEADER),
+    ("ll.cuh", ll::LL_HEADER),
     ("transport.cuh", transport::TRANSPORT_HEADER),
     ("transport_nvshmem.cuh", transport::TRANSPORT_NVSHMEM_HEADER),
 ];
@@ -84,8 +85,10 @@ pub enum Family {
     HtDispatch,
     /// `ht_combine.cu`: high-throughput combine.
     HtCombine,
-    /// `ll.cu`: low-latency dispatch and combine ([`ll`]).
-    Ll,
+    /// `ll_dispatch.cu`: low-latency dispatch ([`ll`]).
+    LlDispatch,
+    /// `ll_combine.cu`: low-latency combine ([`ll`]).
+    LlCombine,
     /// `transport.cu`: the RDMA transport seam's conformance check and micro-benchmark ([`transport`]).
     Transport,
 }
@@ -100,7 +103,8 @@ impl Family {
             Family::HtNotify => "ht_notify.cu",
             Family::HtDispatch => "ht_dispatch.cu",
             Family::HtCombine => "ht_combine.cu",
-            Family::Ll => "ll.cu",
+            Family::LlDispatch => "ll_dispatch.cu",
+            Family::LlCombine => "ll_combine.cu",
             Family::Transport => "transport.cu",
         }
     }
@@ -114,8 +118,19 @@ impl Family {
             Family::HtNotify => HT_NOTIFY_SOURCE,
             Family::HtDispatch => HT_DISPATCH_SOURCE,
             Family::HtCombine => HT_COMBINE_SOURCE,
-            Family::Ll => ll::LL_SOURCE,
+            Family::LlDispatch => ll::LL_DISPATCH_SOURCE,
+            Family::LlCombine => ll::LL_COMBINE_SOURCE,
             Family::Transport => transport::TRANSPORT_SOURCE,
+        }
+    }
+
+    /// The family's own header (`ht.cuh`, `ll.cuh`, `transport.cuh`), which the source includes, if any.
+    pub fn header(self) -> Option<&'static str> {
+        match self {
+            Family::Barrier | Family::Copy => None,
+            Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => Some(HT_HEADER),
+            Family::LlDispatch | Family::LlCombine => Some(ll::LL_HEADER),
+            Family::Transport => Some(transport::TRANSPORT_HEADER),
         }
     }
 
@@ -133,7 +148,8 @@ impl Family {
             Family::HtNotify => &[KernelInfo { name: "ht_notify", hot: true }],
             Family::HtDispatch => &[KernelInfo { name: "ht_dispatch", hot: true }],
             Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
-            Family::Ll => &[KernelInfo { name: "ll_dispatch", hot: true }, KernelInfo { name: "ll_combine", hot: true }],
+            Family::LlDispatch => &[KernelInfo { name: "ll_dispatch", hot: true }],
+            Family::LlCombine => &[KernelInfo { name: "ll_combine", hot: true }],
             Family::Transport => &[KernelInfo { name: "transport_check", hot: false }, KernelInfo { name: "transport_bench", hot: false }],
         }
     }
@@ -264,7 +280,7 @@ impl CopyVariant {
 pub fn all_variants() -> Vec<KernelSpec> {
     let mut v = vec![BarrierVariant.spec(), CopyVariant::default().spec()];
     v.extend(ht::variants());
-    v.extend(ll::LlVariant::all().iter().map(ll::LlVariant::spec));
+    v.extend(ll::LlVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v.extend(transport::TransportVariant::all().iter().map(transport::TransportVariant::spec));
     v
 }
@@ -303,8 +319,14 @@ mod tests {
     fn variants_define_every_constant_the_sources_require() {
         for spec in all_variants() {
             let src = spec.family.source();
+            let header = spec.family.header().unwrap_or("");
             for (k, _) in &spec.defines {
-                assert!(src.contains(k.as_str()), "{} defines {k} but {} never uses it", spec.variant, spec.family.file_name());
+                assert!(
+                    src.contains(k.as_str()) || header.contains(k.as_str()),
+                    "{} defines {k} but neither {} nor its header uses it",
+                    spec.variant,
+                    spec.family.file_name()
+                );
             }
         }
         let copy = CopyVariant::default();

@@ -1,4 +1,5 @@
-//! The low-latency family (`cuda/ll.cu`): its compile key ([`LlVariant`]), the Rust mirrors of the structs
+//! The low-latency families (`cuda/ll.cuh`, `cuda/ll_dispatch.cu`, `cuda/ll_combine.cu`): their compile key
+//! ([`LlVariant`]), the Rust mirrors of the structs
 //! the kernels share with the host ([`LlCtrl`], [`LlReport`], [`LlDispatchArgs`], [`LlCombineArgs`]), and the
 //! layout of the low-latency data region ([`LlLayout`]) — the one place where its offsets are computed; the
 //! kernels receive them as arguments.
@@ -12,8 +13,12 @@ use bytemuck::{Pod, Zeroable};
 use crate::abi::MAX_RANKS;
 use crate::{Family, KernelSpec};
 
-/// `cuda/ll.cu`.
-pub const LL_SOURCE: &str = include_str!("../cuda/ll.cu");
+/// `cuda/ll.cuh`: what the low-latency families share (constants, structs, the protocol's frame).
+pub const LL_HEADER: &str = include_str!("../cuda/ll.cuh");
+/// `cuda/ll_dispatch.cu`.
+pub const LL_DISPATCH_SOURCE: &str = include_str!("../cuda/ll_dispatch.cu");
+/// `cuda/ll_combine.cu`.
+pub const LL_COMBINE_SOURCE: &str = include_str!("../cuda/ll_combine.cu");
 
 /// Threads per block of both kernels.
 pub const LL_THREADS: u32 = 512;
@@ -31,7 +36,7 @@ pub const LL_SIG_WORDS: usize = 8;
 pub const LL_HINT_TOPK: usize = 16;
 
 /// Timing trace (`MOELINK_LL_TRACE`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
-/// `ll.cu`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
+/// `ll.cuh`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
 /// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
 pub const LL_TRACE_WORDS: usize = 10;
 pub const LL_TRACE_CALLS: usize = 16;
@@ -86,7 +91,8 @@ pub mod problem {
     pub const HANDLE: u32 = 16;
 }
 
-/// One compilable variant of `ll.cu`.
+/// The compile key of the low-latency families: both kernels of a variant are compiled with the same
+/// constants ([`LlVariant::dispatch_spec`], [`LlVariant::combine_spec`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LlVariant {
     /// Hidden size (bf16 channels per token).
@@ -98,11 +104,24 @@ pub struct LlVariant {
 }
 
 impl LlVariant {
-    /// The compile key.
-    pub fn spec(&self) -> KernelSpec {
+    /// The compile key of `ll_dispatch.cu`.
+    pub fn dispatch_spec(&self) -> KernelSpec {
+        self.spec(Family::LlDispatch)
+    }
+
+    /// The compile key of `ll_combine.cu`.
+    pub fn combine_spec(&self) -> KernelSpec {
+        self.spec(Family::LlCombine)
+    }
+
+    fn spec(&self, family: Family) -> KernelSpec {
+        let name = match family {
+            Family::LlCombine => "ll_combine",
+            _ => "ll_dispatch",
+        };
         KernelSpec {
-            family: Family::Ll,
-            variant: format!("ll[h{},k{},{}]", self.hidden, self.topk, if self.fp8 { "fp8" } else { "bf16" }),
+            family,
+            variant: format!("{name}[h{},k{},{}]", self.hidden, self.topk, if self.fp8 { "fp8" } else { "bf16" }),
             defines: vec![
                 ("MAX_RANKS".into(), MAX_RANKS.to_string()),
                 ("LL_HIDDEN".into(), self.hidden.to_string()),
@@ -138,7 +157,7 @@ impl LlVariant {
     }
 }
 
-/// Per-source metadata line (`LlMeta` in `ll.cu`).
+/// Per-source metadata line (`LlMeta` in `ll.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LlMeta {
@@ -150,10 +169,10 @@ pub struct LlMeta {
     pub pad: [u32; 4],
 }
 
-/// Arrival words per (buffer set, source), each on its own 128-byte line (`LL_ARRIVE_LANES` in `ll.cu`).
+/// Arrival words per (buffer set, source), each on its own 128-byte line (`LL_ARRIVE_LANES` in `ll.cuh`).
 pub const LL_ARRIVE_LANES: usize = 8;
 
-/// One arrival word and the rest of its line (`LlArriveLine` in `ll.cu`).
+/// One arrival word and the rest of its line (`LlArriveLine` in `ll.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct LlArriveLine {
@@ -161,7 +180,7 @@ pub struct LlArriveLine {
     pub pad: [u32; 31],
 }
 
-/// A rank's low-latency control area (`LlCtrl` in `ll.cu`), at `ctrl::LL` of its symmetric buffer.
+/// A rank's low-latency control area (`LlCtrl` in `ll.cuh`), at `ctrl::LL` of its symmetric buffer.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct LlCtrl {
@@ -192,7 +211,7 @@ impl LlCtrl {
     pub const MASK_OFFSET: usize = std::mem::offset_of!(LlCtrl, mask);
 }
 
-/// What a rank's kernels report to its host (`LlReport` in `ll.cu`, host-mapped).
+/// What a rank's kernels report to its host (`LlReport` in `ll.cuh`, host-mapped).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LlReport {
@@ -211,7 +230,7 @@ pub struct LlReport {
     pub mismatch_theirs: u64,
 }
 
-/// Argument of `ll_dispatch` (`LlDispatchArgs` in `ll.cu`).
+/// Argument of `ll_dispatch` (`LlDispatchArgs` in `ll.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LlDispatchArgs {
@@ -257,7 +276,7 @@ pub struct LlDispatchArgs {
     pub sig: [u32; LL_SIG_WORDS],
 }
 
-/// Argument of `ll_combine` (`LlCombineArgs` in `ll.cu`).
+/// Argument of `ll_combine` (`LlCombineArgs` in `ll.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LlCombineArgs {
@@ -553,19 +572,24 @@ mod tests {
         for (hidden, topk, fp8) in [(7168, 8, true), (7168, 8, false), (2048, 4, true), (2048, 1, false), (512, 6, true), (128, 2, false)] {
             assert!(all.contains(&LlVariant { hidden, topk, fp8 }), "{hidden} {topk} {fp8}");
         }
-        let spec = LlVariant { hidden: 7168, topk: 8, fp8: true }.spec();
-        assert_eq!(spec.variant, "ll[h7168,k8,fp8]");
+        let v = LlVariant { hidden: 7168, topk: 8, fp8: true };
+        let spec = v.dispatch_spec();
+        assert_eq!(spec.variant, "ll_dispatch[h7168,k8,fp8]");
+        assert_eq!(spec.family, Family::LlDispatch);
         assert_eq!(spec.define("LL_FP8"), Some("1"));
         assert_eq!(spec.define("MOELINK_SIZEOF_LL_CTRL"), Some(LlCtrl::BYTES.to_string().as_str()));
+        let combine = v.combine_spec();
+        assert_eq!((combine.family, combine.variant.as_str()), (Family::LlCombine, "ll_combine[h7168,k8,fp8]"));
+        assert_eq!(combine.defines, spec.defines, "both kernels see the same constants");
     }
 
-    /// The constants `ll.cu` shares with this module have the same values on both sides.
+    /// The constants `ll.cuh` shares with this module have the same values on both sides.
     #[test]
     fn constants_agree_with_the_source() {
         let value_of = |name: &str| -> u32 {
             let needle = format!("constexpr u32 {name} = ");
-            let start = LL_SOURCE.find(&needle).unwrap_or_else(|| panic!("{name} is not defined in ll.cu")) + needle.len();
-            let text: String = LL_SOURCE[start..].chars().take_while(|c| c.is_ascii_digit()).collect();
+            let start = LL_HEADER.find(&needle).unwrap_or_else(|| panic!("{name} is not defined in ll.cuh")) + needle.len();
+            let text: String = LL_HEADER[start..].chars().take_while(|c| c.is_ascii_digit()).collect();
             text.parse().unwrap()
         };
         let pairs: &[(&str, u32)] = &[

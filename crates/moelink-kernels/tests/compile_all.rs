@@ -189,33 +189,21 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
         )],
         // 16-byte streamed loads/stores, L2-coherent 16-byte loads of what peers wrote, system-scope fences;
         // FP8 dispatch converts with cvt.rn.satfinite.e4m3x2; combine rounds with cvt.rn.bf16x2.
-        Family::Ll if spec.define("LL_FP8") == Some("1") => &[
-            (
-                "ll_dispatch",
-                &[
-                    "STG.E.NA.128",
-                    "LDG.E.NA.LTC256B.128.CONSTANT",
-                    "LDG.E.128.STRONG.GPU",
-                    "MEMBAR.ALL.SYS",
-                    "F2FP.SATFINITE.E4M3.F32.PACK_AB",
-                ],
-            ),
-            (
-                "ll_combine",
-                &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
-            ),
-        ],
+        Family::LlDispatch if spec.define("LL_FP8") == Some("1") => &[(
+            "ll_dispatch",
+            &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.SATFINITE.E4M3.F32.PACK_AB"],
+        )],
+        Family::LlDispatch => {
+            &[("ll_dispatch", &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS"])]
+        }
+        Family::LlCombine => &[(
+            "ll_combine",
+            &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
+        )],
         // NVSHMEM's device code keeps a stack frame and calls into its transfer functions: nothing to expect.
         Family::Transport if Transport::of_spec(spec) == Some(Transport::Nvshmem) => &[],
         // Signals: a system fence before a 64-bit system-scope reduction or store into the peer's word.
         Family::Transport => &[("transport_check", &["MEMBAR.ALL.SYS"]), ("transport_bench", &["MEMBAR.ALL.SYS"])],
-        Family::Ll => &[
-            ("ll_dispatch", &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS"]),
-            (
-                "ll_combine",
-                &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
-            ),
-        ],
     };
     let mut failures = Vec::new();
     for (kernel, wanted) in expect {

@@ -1,4 +1,4 @@
-//! Runs the low-latency kernels (`cuda/ll.cu`) on the CPU: `emu/ll_emu.cpp` compiles them with the host C++
+//! Runs the low-latency kernels (`cuda/ll_dispatch.cu`, `cuda/ll_combine.cu`) on the CPU: `emu/ll_emu.cpp` compiles them with the host C++
 //! compiler on the emulator shared with `emulate_ht.rs` (`emu/runtime.hpp`: one OS thread per block, one
 //! fiber per CUDA thread; `emu/ptx_emu.hpp` spliced into the real `ptx.cuh`, see `common/`) and checks, rank
 //! by rank, what they write against references computed from the documented semantics: counts, every valid
@@ -14,36 +14,41 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use moelink_kernels::ll::{LlVariant, LL_SOURCE};
+use moelink_kernels::ll::{LlVariant, LL_COMBINE_SOURCE, LL_DISPATCH_SOURCE, LL_HEADER};
 
 /// Threads per block in the emulation (two warps: the "warp 0 waits, others work" split is exercised).
 const EMU_THREADS: u32 = 64;
 
 fn run_variant(cxx: &str, v: LlVariant) {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("moelink-ll-emu-{}-{}", std::process::id(), v.spec().variant.replace([',', '[', ']'], "_")));
+    let dir: PathBuf = std::env::temp_dir().join(format!(
+        "moelink-ll-emu-{}-{}",
+        std::process::id(),
+        v.dispatch_spec().variant.replace([',', '[', ']'], "_")
+    ));
     std::fs::create_dir_all(&dir).unwrap();
-    // ll.cu (and emu/ll_emu.cpp, through -I) include this folder's "ptx.cuh": the emulated one. ll.cu's
-    // `namespace llptx` (inline PTX) is compiled out by MOELINK_HOST_EMULATION; ptx_emu.hpp provides it.
-    std::fs::write(dir.join("ll.cu"), LL_SOURCE).unwrap();
+    // The sources (and emu/ll_emu.cpp, through -I) include this folder's "ptx.cuh": the emulated one.
+    std::fs::write(dir.join("ll.cuh"), LL_HEADER).unwrap();
+    std::fs::write(dir.join("ll_dispatch.cu"), LL_DISPATCH_SOURCE).unwrap();
+    std::fs::write(dir.join("ll_combine.cu"), LL_COMBINE_SOURCE).unwrap();
     std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
     let bin = dir.join("ll_emu");
-    let mut flags: Vec<String> =
-        ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DMOELINK_HOST_EMULATION"].map(String::from).into();
-    for (k, val) in &v.spec().defines {
+    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
+    let spec = v.dispatch_spec();
+    assert_eq!(spec.defines, v.combine_spec().defines, "one build holds both kernels");
+    for (k, val) in &spec.defines {
         let val = if k == "LL_THREADS" { EMU_THREADS.to_string() } else { val.clone() };
         flags.push(format!("-D{k}={val}"));
     }
     if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("ll_emu.cpp"), &bin) {
-        panic!("{}: compiling the emulator failed:\n{e}", v.spec().variant);
+        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
     }
     let run = Command::new(&bin).output().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("{}:\n{}", v.spec().variant, String::from_utf8_lossy(&run.stdout));
+    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&run.stdout));
     assert!(
         run.status.success(),
         "{}: the emulated kernels disagree with the reference:\n{}\n{}",
-        v.spec().variant,
+        spec.variant,
         String::from_utf8_lossy(&run.stdout),
         String::from_utf8_lossy(&run.stderr)
     );

@@ -1,6 +1,6 @@
 //! The CPU emulator of CUDA that `emulate_ht.rs` and `ll_emulation.rs` run the kernels' real sources on:
 //! `emu/runtime.hpp` (every block an OS thread, every CUDA thread a fiber, the CUDA built-ins) and
-//! `emu/ptx_emu.hpp` (the `ptx` and `llptx` namespaces as C++ atomics and IEEE arithmetic), spliced into the
+//! `emu/ptx_emu.hpp` (the `ptx` namespace as C++ atomics and IEEE arithmetic), spliced into the
 //! real `cuda/ptx.cuh` in place of its inline-PTX `namespace ptx`; and the compiler that builds it.
 
 use std::ffi::OsStr;

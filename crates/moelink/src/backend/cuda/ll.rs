@@ -1,4 +1,4 @@
-//! Low-latency dispatch/combine on GPUs: the host side of `moelink-kernels/cuda/ll.cu`. The protocol is in
+//! Low-latency dispatch/combine on GPUs: the host side of `moelink-kernels/cuda/ll_*.cu`. The protocol is in
 //! `docs/protocols.md` ("Low latency"); this module picks buffer sets, lays out the low-latency region
 //! ([`moelink_kernels::ll::LlLayout`]), fills the kernels' argument structs, launches them, and turns what
 //! the kernels report ([`LlReport`]) into typed errors.
@@ -35,7 +35,7 @@ use crate::tensor::{Location, TensorMut};
 pub const LL_SMS_ENV: &str = "MOELINK_LL_SMS";
 
 /// `MOELINK_LL_TRACE=1`: every low-latency launch stores `%globaltimer` stamps per block (`LL_TRACE_*` in
-/// `ll.cu`) into device memory, and [`crate::Buffer::kernel_trace`] summarises the last launch of a timed
+/// `ll.cuh`) into device memory, and [`crate::Buffer::kernel_trace`] summarises the last launch of a timed
 /// region: the kernel's span and when its blocks passed each point. Off by default. (Device memory, not
 /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
 /// exactly the points being measured.)
@@ -423,12 +423,12 @@ fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
                 match o.drain {
                     Drain::Dispatch(mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&o.variant.spec(), "ll_dispatch")?;
+                        let k = b.kernel(&o.variant.dispatch_spec(), "ll_dispatch")?;
                         b.launch(&k, &cfg, &a)?;
                     }
                     Drain::Combine(mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&o.variant.spec(), "ll_combine")?;
+                        let k = b.kernel(&o.variant.combine_spec(), "ll_combine")?;
                         b.launch(&k, &cfg, &a)?;
                     }
                 }
@@ -457,7 +457,7 @@ pub(crate) fn dispatch<'a>(
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
     let variant = variant_of(&s);
-    let kernel = b.kernel(&variant.spec(), "ll_dispatch")?;
+    let kernel = b.kernel(&variant.dispatch_spec(), "ll_dispatch")?;
     let set = (b.ll.dispatch_calls & 1) as usize;
     let generation = b.ll.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
@@ -528,7 +528,7 @@ pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Re
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
-    let kernel = b.kernel(&p.variant.spec(), "ll_dispatch")?;
+    let kernel = b.kernel(&p.variant.dispatch_spec(), "ll_dispatch")?;
     let grid = grid_size(b);
     b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
     b.finish(Phase::LowLatencyDispatch)?;
@@ -576,7 +576,7 @@ pub(crate) fn combine<'a>(
     };
 
     let variant = variant_of(&s);
-    let kernel = b.kernel(&variant.spec(), "ll_combine")?;
+    let kernel = b.kernel(&variant.combine_spec(), "ll_combine")?;
     let set = (b.ll.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
@@ -636,7 +636,7 @@ pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Resu
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
-    let kernel = b.kernel(&p.variant.spec(), "ll_combine")?;
+    let kernel = b.kernel(&p.variant.combine_spec(), "ll_combine")?;
     let grid = grid_size(b);
     b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
     b.finish(Phase::LowLatencyCombine)?;

@@ -1,0 +1,603 @@
+// moelink low-latency (LL) kernels: what the two families (ll_dispatch.cu, ll_combine.cu) share. Mirrored
+// in Rust by moelink_kernels::ll (a test parses this file).
+//
+// JIT constants (from moelink_kernels::ll::LlVariant, the same for both families):
+//   MAX_RANKS                        ranks the argument structs have room for (<= WARP_SIZE)
+//   LL_HIDDEN                        hidden size H (bf16 channels per token; multiple of 8, of 128 with FP8)
+//   LL_TOPK                          experts per token K (1..=WARP_SIZE)
+//   LL_FP8                           1: dispatch quantises rows to FP8 E4M3 per 128 channels; 0: bf16 rows
+//   LL_THREADS                       threads per block (whole warps)
+//   LL_SMEM_WORDS                    u32 words of shared scratch (per-expert counts / bases)
+//   MOELINK_SIZEOF_LL_DISPATCH_ARGS  sizeof(moelink_kernels::ll::LlDispatchArgs) on the Rust side
+//   MOELINK_SIZEOF_LL_COMBINE_ARGS   sizeof(moelink_kernels::ll::LlCombineArgs)
+//   MOELINK_SIZEOF_LL_CTRL           sizeof(moelink_kernels::ll::LlCtrl)
+//   MOELINK_SIZEOF_LL_REPORT         sizeof(moelink_kernels::ll::LlReport)
+//
+// Memory (docs/protocols.md, "Low latency"). Every rank has, at the same offsets of its symmetric buffer:
+//   LlCtrl (control area, ctrl::LL): epochs, block-completion counters, flags and per-source metadata;
+//   per buffer set s in {0, 1} (chosen by the host, identical on every rank for a given call):
+//     dispatch receive region  entries u32 [R][T_max][K]       per source token and live selection: expert id
+//                                                              (global) << 16 | the token's rank among the
+//                                                              source's tokens of that expert; ~0 for empty,
+//                                                              invalid and repeated slots; written to every
+//                                                              rank, routed there or not
+//                              weights f32 [R][T_max][K]       the dispatch-time top-k weights
+//                              counts u32 [R][E_local]         tokens each source sends each local expert
+//                              rows    [R][T_max][row_stride]  FP8 payload + f32 scale_inv per 128 channels,
+//                                                              or the bf16 row
+//     combine receive region   bf16 rows [R][T_max] (pre-reduced partials) or [T_max][K] (one per expert)
+//     handle area (local only) hrow i32 [R][T_max][K]          flat row (e * R*T_max + slot) of recv_x, or -1
+//                              hweight f32 [R][T_max][K], hmeta u32 [R][2] = {tokens, accepted},
+//                              home_idx i64 [T_max][K], home_weight f32 [T_max][K] (this rank's own call)
+//
+// Epochs, not resets: LlCtrl.dispatch_epoch counts dispatch calls on this GPU; a send kernel works as call
+// e = epoch + 1 and its last block stores e back. Flags carry e (arrival words LL_ARRIVE_UNIT * e), so
+// nothing is ever cleared, and CUDA-graph replays (which re-run the kernels, not the host code) advance the
+// epochs like direct calls. Every rank runs the same sequence of calls, so epochs agree across ranks.
+//
+// Flag protocol (both families; "send" writes into peers, "recv" reads its own receive region):
+//   send:  (0) wait until every unmasked destination d has consumed what this rank last wrote into set s:
+//              ctrl.X_consumed[s][d] >= ctrl.X_last_write[s] (local poll, deadline);
+//          (1) data/metadata stores into every destination's region (weak, 16-byte where possible);
+//          (2) every thread: fence.acq_rel.sys; __syncthreads; then the block arrives at every rank on its
+//              own: red.relaxed.sys.add of (e - e') * share into ctrl.X_arrive[s][me][b % 8] of every rank (itself
+//              included), e' = ctrl.X_last_write[s] = the epoch of this rank's previous call into set s, and
+//              the blocks' shares summing to LL_ARRIVE_UNIT (ll_arrive_share), so that after call e the word
+//              holds LL_ARRIVE_UNIT * e whatever the grid, and only once every block added. No block waits
+//              for the others before its flags go out (until the sixth session the last block of a
+//              grid-wide counter published, ~1.3 us after the median block). A grid counter (local) still
+//              finds the last block, which stores the epoch words for the next launch.
+//   recv:  lane p of warp 0 polls the sum of ctrl.X_arrive[s][p][*] >= LL_ARRIVE_UNIT * e (wrap-safe, relaxed .sys loads, deadline),
+//          then fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish
+//          stores e into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write
+//          set s again.
+//   Masked ranks (shrink mode) are not waited for and their data is dropped; with LL_FLAG_SHRINK a missed
+//   deadline masks the peer (decided once per call with a CAS on ctrl.decision, so every block agrees)
+//   instead of raising ERR_TIMEOUT. Without it a missed deadline writes the error record and the kernel
+//   winds down without publishing its flags, so peers time out too (no hang, no trap).
+// Argument problems found on the GPU (invalid top-k ids, combine inputs that differ from dispatch's) travel
+// in the metadata next to the flags: every rank finishes the protocol and reports them in LlReport, so the
+// call fails on every rank with an argument error and the buffer stays usable.
+#pragma once
+#include "ptx.cuh"
+
+#if !defined(MAX_RANKS) || !defined(LL_HIDDEN) || !defined(LL_TOPK) || !defined(LL_FP8) || !defined(LL_THREADS) || \
+    !defined(LL_SMEM_WORDS) || !defined(MOELINK_SIZEOF_LL_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_LL_COMBINE_ARGS) ||  \
+    !defined(MOELINK_SIZEOF_LL_CTRL) || !defined(MOELINK_SIZEOF_LL_REPORT)
+#error "the LL kernels need every JIT constant listed at the top of ll.cuh"
+#endif
+static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
+static_assert(LL_TOPK >= 1 && LL_TOPK <= WARP_SIZE, "one lane per top-k slot");
+static_assert(LL_HIDDEN % 8 == 0, "bf16 rows are moved in 16-byte vectors");
+static_assert(LL_FP8 == 0 || LL_HIDDEN % 128 == 0, "FP8 rows are quantised per 128 channels");
+static_assert(LL_THREADS % WARP_SIZE == 0 && LL_THREADS >= 2 * WARP_SIZE, "whole warps, at least two");
+// A dispatch entry packs an expert id (< E <= LL_SMEM_WORDS / 2, the host's limit) and a token rank
+// (< T_max <= 0xffff) into 16 bits each.
+static_assert(LL_SMEM_WORDS <= 0xffff, "expert ids fit 16 bits of an entry");
+
+// ============================================================================================ constants
+constexpr u32 LL_WARPS = LL_THREADS / WARP_SIZE;
+constexpr u32 LL_SIG_WORDS = 8;
+
+// Phases of one launch (LlXArgs::phases).
+constexpr u32 LL_PHASE_SEND = 1;
+constexpr u32 LL_PHASE_RECV = 2;
+constexpr u32 LL_PHASE_DRAIN = 4;
+
+// LlXArgs::flags.
+constexpr u32 LL_FLAG_ROUND_SCALE = 1;
+constexpr u32 LL_FLAG_UE8M0 = 2;
+constexpr u32 LL_FLAG_WEIGHTS = 4;
+constexpr u32 LL_FLAG_SHRINK = 8;
+// Timing experiment only (MOELINK_LL_EXPERIMENT=local_stores; results are wrong): the send phases' row
+// stores go to this rank's own region instead of the destination's, so NVLink's share of their time shows;
+// each destination's rows to their own slots there (slot [destination][token]: with every destination's
+// rows on slot [me][token], as until run 1 of the fifth session, the writes of 2-4 SMs met on one line).
+// Per-expert combine rows still share their slots.
+constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 65536;  // 1 << 16
+// Timing experiment only (MOELINK_LL_EXPERIMENT=no_loads; results are wrong): the send phases do not load
+// their payload rows (x, y) and send zeros, so the loads' share of their time shows.
+constexpr u32 LL_FLAG_EXP_NO_LOADS = 131072;  // 1 << 17
+// Timing experiment (MOELINK_LL_EXPERIMENT=last_arrives; results stay right): the send phases' arrivals
+// are made by the last block of the grid-wide counter, once for all blocks (after a system fence), instead
+// of by every block on its own (ll_send_arrive).
+constexpr u32 LL_FLAG_EXP_LAST_ARRIVES = 262144;  // 1 << 18
+
+// Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
+constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
+constexpr u32 LL_PROBLEM_TOPK_IDX_DIFFERS = 2;    // combine: topk_idx differs from dispatch's
+constexpr u32 LL_PROBLEM_WEIGHTS_DIFFER = 4;      // combine (pre-reduced): topk_weights differ from dispatch's
+constexpr u32 LL_PROBLEM_ZERO_COPY = 8;           // combine: no zero-copy buffer of this shape (host-detected)
+constexpr u32 LL_PROBLEM_HANDLE = 16;             // combine: expired handle / dispatch hook not run (host)
+
+// Shrink decisions per (kind, source).
+constexpr u32 LL_KIND_DISPATCH = 0;
+constexpr u32 LL_KIND_COMBINE = 1;
+
+// Timing trace (MOELINK_LL_TRACE on the host; `trace` is 0 otherwise): thread 0 of every block stores
+// %globaltimer into u64 words (device memory) as it passes these points, in a row per (launch slot, block):
+// slot = (epoch % LL_TRACE_CALLS) * 2 + (receive-only launch), so that back-to-back calls (a replayed graph
+// of many calls) each keep their own stamps. The host reads them after a timed region
+// (moelink::backend::cuda::ll, trace_summaries): each launch's span (first start to last end, what a
+// profiler's kernel duration measures) and when its blocks passed each point.
+constexpr u32 LL_TRACE_START = 0;        // block entry
+constexpr u32 LL_TRACE_SEND_READY = 1;   // send: hand-back wait done
+constexpr u32 LL_TRACE_SEND_ISSUED = 2;  // send: thread 0's warp has issued its stores (before the fence)
+constexpr u32 LL_TRACE_SEND_STORED = 3;  // send: every thread of the block fenced its stores
+constexpr u32 LL_TRACE_SEND_DONE = 4;    // send: arrived at every rank and counted
+constexpr u32 LL_TRACE_RECV_SEEN = 5;    // recv: every source's flag seen
+constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
+constexpr u32 LL_TRACE_END = 7;          // block exit
+constexpr u32 LL_TRACE_INDEX_CHECKED = 8;  // dispatch send, block 0 (dispatch_check): rows validated, handle copies
+constexpr u32 LL_TRACE_RECV_INDEXED = 9;  // dispatch receive: counts scanned into bases
+constexpr u32 LL_TRACE_WORDS = 10;
+constexpr u32 LL_TRACE_CALLS = 16;
+
+// The row of this launch and block (0 when tracing is off).
+__device__ __forceinline__ u64 ll_trace_row(u64 trace, u32 epoch, u32 phases) {
+  if (trace == 0) return 0;
+  const u32 slot = (epoch % LL_TRACE_CALLS) * 2 + ((phases & LL_PHASE_SEND) != 0 ? 0u : 1u);
+  return trace + ((u64)slot * gridDim.x + blockIdx.x) * LL_TRACE_WORDS * sizeof(u64);
+}
+
+__device__ __forceinline__ void ll_trace_at(u64 row, u32 point, u64 when) {
+  if (row != 0 && threadIdx.x == 0) reinterpret_cast<volatile u64*>(row)[point] = when;
+}
+
+// One warp moves 32 lanes x 16 bytes per instruction.
+constexpr u32 VEC_BYTES = 16;
+constexpr u32 CHUNK_BYTES = WARP_SIZE * VEC_BYTES;
+constexpr u32 ROW_BYTES_BF16 = 2 * LL_HIDDEN;  // bytes of a bf16 row
+
+// ============================================================================================ structs
+// Per-source metadata, written by the source before its flag (one 64-byte line).
+struct LlMeta {
+  u32 num_tokens;            // tokens the source dispatched in this call
+  u32 problem;               // LL_PROBLEM_* bits of the source's arguments
+  u32 accepted;              // combine: 1 when the source received this rank's dispatch (it was not masked)
+  u32 reserved;
+  u32 sig[LL_SIG_WORDS];     // dispatch: the call signature (hidden, topk, experts, T_max, quant, weights)
+  u32 pad[4];
+};
+static_assert(sizeof(LlMeta) == 64, "LlMeta is one 64-byte line");
+
+// Arrival words (ll_send_arrive): a source's blocks add to LL_ARRIVE_LANES words per (set, source), block b
+// to word b % LL_ARRIVE_LANES, each word alone on its 128-byte line; the receiver sums them. With one word
+// per (set, source) and the sources' words on one line, the 4 x 132 remote reductions of a call met on one
+// line of every GPU and every block's stores were acknowledged ~1 us later (sixth session, runs 2-3).
+constexpr u32 LL_ARRIVE_LANES = 8;
+struct LlArriveLine {
+  u32 word;
+  u32 pad[31];
+};
+static_assert(sizeof(LlArriveLine) == 128, "one arrival word per 128-byte line");
+
+// The control area of one rank (ctrl::LL). Fields above `dispatch_arrive` are written only by this rank's
+// kernels; the arrays from `dispatch_arrive` to `combine_meta` are written by peers; `mask` by this rank's
+// kernels (shrink) and the host. moelink_kernels::ll::LlCtrl mirrors it.
+struct LlCtrl {
+  u32 dispatch_epoch;
+  u32 combine_epoch;
+  u32 dispatch_send_done;
+  u32 dispatch_recv_done;
+  u32 combine_send_done;
+  u32 combine_recv_done;
+  u32 dispatch_last_write[2];
+  u32 combine_last_write[2];
+  u32 pad0[6];
+  u32 decision[2][MAX_RANKS];           // [kind][src] = (epoch << 1) | accepted, shrink mode only
+  // [set][src][lane]: the lanes' sum = LL_ARRIVE_UNIT * epoch of src's last dispatch into set
+  LlArriveLine dispatch_arrive[2][MAX_RANKS][LL_ARRIVE_LANES];
+  LlArriveLine combine_arrive[2][MAX_RANKS][LL_ARRIVE_LANES];
+  u32 dispatch_consumed[2][MAX_RANKS];  // [set][dst] = epoch dst last finished reading set from me
+  u32 combine_consumed[2][MAX_RANKS];
+  LlMeta dispatch_meta[2][MAX_RANKS];   // [set][src]
+  LlMeta combine_meta[2][MAX_RANKS];
+  u32 mask[MAX_RANKS];                  // 1 = rank masked (shrink); not cleared by clean_low_latency_buffer
+  u32 pad1[8];
+};
+static_assert(sizeof(LlCtrl) == MOELINK_SIZEOF_LL_CTRL, "LlCtrl differs from the Rust definition");  // offsets: ll.rs tests
+
+// What the host reads after a call (host-mapped). Each field has one writer per call.
+struct LlReport {
+  u32 own_problem;        // LL_PROBLEM_* of this rank's own arguments (send, block 0)
+  u32 mismatch_peer;      // 1 + first peer whose call signature differs (dispatch recv, block 0)
+  u32 mismatch_field;     // index into the signature
+  u32 peer_problem_peer;  // 1 + first peer that reported an argument problem (recv, block 0)
+  u32 peer_problem;       // that peer's LL_PROBLEM_* bits
+  u32 pad[3];
+  u64 mismatch_ours;
+  u64 mismatch_theirs;
+};
+static_assert(sizeof(LlReport) == MOELINK_SIZEOF_LL_REPORT, "LlReport differs from the Rust definition");
+
+// Kernel argument of ll_dispatch (by value). Must match moelink_kernels::ll::LlDispatchArgs byte for byte.
+struct LlDispatchArgs {
+  u64 ctrl[MAX_RANKS];   // LlCtrl of every rank, as addressable from this rank (own included)
+  u64 recv[MAX_RANKS];   // dispatch receive region of this call's set, on every rank
+  u64 x;                 // bf16 [T, H]
+  u64 topk_idx;          // i64 [T, K]
+  u64 topk_weights;      // f32 [T, K], or 0
+  u64 recv_x;            // [E_local, R*T_max, H] fp8 or bf16
+  u64 recv_scales;       // f32 [E_local][H/128][R*T_max] or i32 [E_local][H/512][R*T_max], or 0
+  u64 recv_count;        // i32 [E_local]
+  u64 cum_stats;         // i32 [E_local], or 0
+  u64 wait_stats;        // i64 [R], or 0
+  u64 hrow;              // handle area of this call's set (local)
+  u64 hweight;
+  u64 hmeta;
+  u64 home_idx;
+  u64 home_weight;
+  u64 error_claim;
+  u64 error_record;
+  u64 report;            // LlReport (host-mapped)
+  u64 timeout_ns;
+  u64 trace;             // host-mapped timing trace (LL_TRACE_*), or 0
+  u64 off_entries;       // offsets inside a dispatch receive region (entries at 0)
+  u64 off_weights;
+  u64 off_rows;
+  u64 off_counts;
+  u32 row_stride;        // bytes per row slot (16-byte multiple)
+  u32 rank;
+  u32 num_ranks;
+  u32 num_tokens;
+  u32 max_tokens;
+  u32 num_experts;
+  u32 num_local_experts;
+  u32 set;
+  u32 phases;            // LL_PHASE_*
+  u32 flags;             // LL_FLAG_*
+  u32 host_problem;      // LL_PROBLEM_* found by the host (sent to every peer; data is skipped)
+  u32 pad;
+  u32 sig[LL_SIG_WORDS];
+};
+static_assert(sizeof(LlDispatchArgs) == MOELINK_SIZEOF_LL_DISPATCH_ARGS, "LlDispatchArgs differs from the Rust definition");
+
+// Kernel argument of ll_combine (by value). Must match moelink_kernels::ll::LlCombineArgs byte for byte.
+struct LlCombineArgs {
+  u64 ctrl[MAX_RANKS];
+  u64 recv[MAX_RANKS];   // combine receive region of this call's set, on every rank
+  u64 y;                 // bf16 [E_local, R*T_max, H]: expert outputs (x, or the zero-copy buffer)
+  u64 topk_idx;          // i64 [T, K], combine-time
+  u64 topk_weights;      // f32 [T, K], combine-time
+  u64 out;               // bf16 [T, H]
+  u64 wait_stats;        // i64 [R], or 0
+  u64 hrow;              // handle area of the dispatch's set (local)
+  u64 hweight;
+  u64 hmeta;
+  u64 home_idx;
+  u64 home_weight;
+  u64 error_claim;
+  u64 error_record;
+  u64 report;
+  u64 timeout_ns;
+  u64 trace;             // host-mapped timing trace (LL_TRACE_*), or 0
+  u32 rank;
+  u32 num_ranks;
+  u32 num_tokens;
+  u32 max_tokens;
+  u32 num_experts;
+  u32 num_local_experts;
+  u32 set;
+  u32 phases;
+  u32 flags;
+  u32 host_problem;
+  u32 pad[2];
+};
+static_assert(sizeof(LlCombineArgs) == MOELINK_SIZEOF_LL_COMBINE_ARGS, "LlCombineArgs differs from the Rust definition");
+
+// Shared memory of one block.
+struct LlShared {
+  u32 words[LL_SMEM_WORDS];  // dispatch send, block 0: counts [E]; dispatch recv: bases [R][E_local]
+  u32 ok[MAX_RANKS];         // recv: source/expert rank p's data is used in this call
+  u32 ntok[MAX_RANKS];       // recv: tokens of source p / combine send: tokens of home p
+  u32 epoch;
+  u32 prev_write;            // send: this rank's previous epoch in the call's buffer set (X_last_write[set])
+  u32 abort;                 // a wait of this block failed: skip the data work
+  u32 problem;
+  u32 last;
+  u32 phase_ok;              // last block: no block of the phase failed
+  u64 trace_row;             // this launch's timing-trace row (ll_trace_row), or 0
+};
+
+__device__ __forceinline__ void ll_trace(const LlShared& sm, u32 point) { ll_trace_at(sm.trace_row, point, ptx::globaltimer()); }
+
+// ============================================================================================ small helpers
+__device__ __forceinline__ u32 lane_id() { return threadIdx.x % WARP_SIZE; }
+__device__ __forceinline__ u32 warp_id() { return threadIdx.x / WARP_SIZE; }
+
+__device__ __forceinline__ LlCtrl* ctrl_of(const u64* table, u32 r) { return reinterpret_cast<LlCtrl*>(table[r]); }
+
+__device__ __forceinline__ float bits_f32(u32 b) { return __uint_as_float(b); }
+__device__ __forceinline__ u32 f32_bits(float f) { return __float_as_uint(f); }
+
+// bf16 pair (low half = first element) to two floats, exactly.
+__device__ __forceinline__ float bf16_lo(u32 w) { return bits_f32(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return bits_f32(w & 0xffff0000u); }
+
+__device__ __forceinline__ u32 word_of(const u32x4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Destination order of one rank's stores: me + 1, me + 2, ..., me (mod R). Every rank walking its
+// destinations from the lowest rank up sent the first wave of every SM of every GPU to rank 0, then to rank
+// 1, ...: one GPU's ingress saturated while the others idled (the LL send phases ran at ~200 GB/s, half the
+// all-to-all ceiling; MOELINK_LL_TRACE, run 2 of the fourth session). Starting after oneself spreads each wave
+// over all destinations.
+__device__ __forceinline__ u32 first_dest(u32 rank, u32 num_ranks) { return rank + 1 == num_ranks ? 0 : rank + 1; }
+
+// ============================================================================================ waits
+enum : u32 { LL_WAIT_SEEN = 0, LL_WAIT_TIMEOUT = 1, LL_WAIT_FAILED = 2 };
+
+// Spins until read() >= target (wrap-safe; read() polls with relaxed .sys loads). Hard (soft == false): a
+// missed deadline records ERR_TIMEOUT naming `peer` and returns LL_WAIT_FAILED. Soft (shrink mode): a
+// missed deadline returns LL_WAIT_TIMEOUT without recording anything. Either way LL_WAIT_FAILED once
+// another thread of this rank has recorded an error. The caller acquires (fence or ld.acquire) after
+// LL_WAIT_SEEN.
+template <typename Read>
+__device__ __forceinline__ u32 ll_wait_geq(Read read, u32 target, const Deadline& d, u32 peer, bool soft) {
+  if ((i32)(read() - target) >= 0) return LL_WAIT_SEEN;
+  const u64 start = ptx::globaltimer();
+  u32 spins = 0;
+  while ((i32)(read() - target) < 0) {
+    if (++spins % DEADLINE_POLL_SPINS == 0) {
+      const u64 waited = ptx::globaltimer() - start;
+      if (waited > d.timeout_ns) {
+        if (soft) return LL_WAIT_TIMEOUT;
+        raise_error(d, ERR_TIMEOUT, peer, waited);
+        return LL_WAIT_FAILED;
+      }
+      if (error_raised(d)) return LL_WAIT_FAILED;
+    }
+  }
+  return LL_WAIT_SEEN;
+}
+
+// A source's arrivals in one (set, source) slot: the sum of its lanes (independent loads, one round trip).
+__device__ __forceinline__ u32 ll_arrivals(const LlArriveLine* lines) {
+  u32 w[LL_ARRIVE_LANES];
+#pragma unroll
+  for (u32 i = 0; i < LL_ARRIVE_LANES; i++) w[i] = ptx::ld_relaxed_sys(&lines[i].word);
+  u32 sum = 0;
+#pragma unroll
+  for (u32 i = 0; i < LL_ARRIVE_LANES; i++) sum += w[i];
+  return sum;
+}
+
+// Shrink mode: the one decision of this call about a peer, shared by every block. The first block to
+// resolve the peer (flag seen, or deadline missed) stores (epoch << 1 | seen) with a CAS; every other block
+// adopts it. Returns whether the peer's data is used.
+__device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
+  const u32 tag = epoch & 0x7fffffffu;
+  const u32 mine = (tag << 1) | (seen ? 1u : 0u);
+  u32 v = ptx::ld_relaxed_gpu(word);
+  while ((v >> 1) != tag) {
+    const u32 w = ptx::atom_cas_acq_rel_gpu(word, v, mine);
+    if (w == v) {
+      v = mine;
+      break;
+    }
+    v = w;
+  }
+  return (v & 1u) != 0;
+}
+
+// End of a receive phase, called by every thread of every block: the block counts itself in `done` (plus
+// LL_DONE_FAILED when its phase failed: sm.abort), and exactly one block — the last — gets true, with the
+// counter reset for the next launch and an acquire/release fence issued by its thread 0, the thread that
+// then publishes the consumed flags; sm.phase_ok tells it whether every block succeeded (a failure of
+// another phase or kernel does not count). What it publishes only orders the blocks' loads of the receive
+// region, which completed before their barriers; the outputs are ordered by the kernel boundary.
+constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
+// `point`: the trace point stamped once the block's threads are past their work.
+__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, u32 point) {
+  __syncthreads();
+  ll_trace(sm, point);
+  if (threadIdx.x == 0) {
+    const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
+    const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
+    const bool last = (old & (LL_DONE_FAILED - 1)) == gridDim.x - 1;
+    if (last) {
+      ptx::fence_acq_rel_sys();
+      ptx::st_relaxed_gpu(done, 0);
+    }
+    sm.last = last ? 1u : 0u;
+    sm.phase_ok = (old + mine) < LL_DONE_FAILED ? 1u : 0u;
+  }
+  __syncthreads();
+  return sm.last != 0;
+}
+
+// One call's arrivals from all of a source's blocks: block b's share is LL_ARRIVE_UNIT / G, block 0 adds the
+// remainder. Every share is positive (G <= 65536), so the word reaches its target only once every block
+// added, and a peer with another grid size (MOELINK_LL_SMS) still sums to the same unit.
+constexpr u32 LL_ARRIVE_UNIT = 65536;
+__device__ __forceinline__ u32 ll_arrive_share() {
+  const u32 share = LL_ARRIVE_UNIT / gridDim.x;
+  return blockIdx.x == 0 ? LL_ARRIVE_UNIT - share * (gridDim.x - 1) : share;
+}
+
+// End of a send phase, called by every thread of every block after its stores: a thread that wrote into
+// peer memory (`stored`) fences them at system scope; after the block's barrier it arrives at every rank on
+// its own (the arrival word of this rank in rank p's control area, `arrive_of(p)`, += epochs x its share,
+// a relaxed reduction by lane p of warp 1: the fences and the barrier order the block's stores before it)
+// unless its phase failed (sm.abort: the peers then time out naming this rank instead of reading garbage).
+// A local grid-wide counter (`done`) still finds the last block, which gets true with the counter reset for
+// the next launch; nothing waits for it. `epochs`: this call's epoch minus this rank's previous one in the
+// set. With LL_FLAG_EXP_LAST_ARRIVES the last block arrives for the whole grid instead (after a system
+// fence, only when no block failed), as every send did until the sixth session.
+template <typename ArriveOf>
+__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 flags, u32 epochs, ArriveOf arrive_of) {
+  const bool per_block = (flags & LL_FLAG_EXP_LAST_ARRIVES) == 0;
+  if (stored) ptx::fence_acq_rel_sys();
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_SEND_STORED);
+  // Warp 1, not thread 0: thread 0's counter atomic below then does not wait behind the reductions.
+  if (per_block && warp_id() == 1 && lane_id() < num_ranks && sm.abort == 0)
+    ptx::red_add_relaxed_sys(arrive_of(lane_id()), epochs * ll_arrive_share());
+  if (threadIdx.x == 0) {
+    const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
+    const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
+    const bool last = (old & (LL_DONE_FAILED - 1)) == gridDim.x - 1;
+    if (last) {
+      ptx::st_relaxed_gpu(done, 0);
+      if (!per_block && old + mine < LL_DONE_FAILED) {
+        ptx::fence_acq_rel_sys();
+        for (u32 p = 0; p < num_ranks; p++) ptx::red_add_relaxed_sys(arrive_of(p), epochs * LL_ARRIVE_UNIT);
+      }
+    }
+    sm.last = last ? 1u : 0u;
+  }
+  __syncthreads();
+  return sm.last != 0;
+}
+
+// Waits (warp 0, lane p < R) until every unmasked rank p has consumed what this rank last wrote into set
+// `set` of its region (consumed[p] >= last_write). Shrink mode: a rank that misses the deadline is masked.
+// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads.
+__device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32* last_write, u32* mask, u32 num_ranks,
+                                                 const Deadline& d, bool soft, LlShared& sm) {
+  if (threadIdx.x == 0) sm.abort = 0;
+  __syncthreads();
+  const u32 lane = lane_id();
+  if (warp_id() == 0 && lane < num_ranks) {
+    // The three words are loaded together (one round trip, not three); the wait polls only when the first
+    // look at the peer's consumed flag was not enough.
+    const u32 target = ptx::ld_relaxed_gpu(last_write);
+    const u32 masked = ptx::ld_relaxed_gpu(mask + lane);
+    const u32 seen = ptx::ld_relaxed_sys(consumed + lane);
+    if (masked == 0 && (i32)(seen - target) < 0) {
+      const u32 w = ll_wait_geq([&] { return ptx::ld_relaxed_sys(consumed + lane); }, target, d, lane, soft);
+      if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys(consumed + lane);
+      if (w == LL_WAIT_TIMEOUT) ptx::st_relaxed_gpu(mask + lane, 1);
+      if (w == LL_WAIT_FAILED) sm.abort = 1;
+    }
+  }
+  __syncthreads();
+}
+
+// Result of waiting for one source in a receive phase.
+struct SourceState {
+  bool used;      // flag seen (or decided seen) and not masked: the source's metadata/data may be read
+  u64 waited_ns;  // time spent waiting
+};
+
+// Waits for rank `p`'s arrivals of this call (lane p of warp 0; `arrive`: p's lines) to reach `target`
+// (LL_ARRIVE_UNIT * epoch: every block of p's send arrived), honouring its mask. Shrink mode: every block
+// resolves p through the call's decision word (ll_decide), so that all blocks use or drop p's data alike
+// even when they looked at different moments (p masked meanwhile, flag arriving late); a peer decided
+// absent is masked for later calls.
+__device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive, u32 epoch, u32 target, u32* mask, u32* decision, u32 p,
+                                                      const Deadline& d, bool soft, LlShared& sm) {
+  SourceState s = {false, 0};
+  const bool masked = ptx::ld_relaxed_gpu(mask + p) != 0;
+  u32 w = LL_WAIT_TIMEOUT;
+  if (!masked) {
+    const u64 start = ptx::globaltimer();
+    w = ll_wait_geq([&] { return ll_arrivals(arrive); }, target, d, p, soft);
+    s.waited_ns = ptx::globaltimer() - start;
+  }
+  if (w == LL_WAIT_FAILED) {
+    sm.abort = 1;
+    return s;
+  }
+  bool seen = w == LL_WAIT_SEEN;
+  if (soft) {
+    seen = ll_decide(decision + p, epoch, seen);
+    if (!seen && !masked) ptx::st_relaxed_gpu(mask + p, 1);
+  }
+  if (seen) ptx::fence_acq_rel_sys();
+  s.used = seen;
+  return s;
+}
+
+// ============================================================================================ operation frame
+// ll_dispatch and ll_combine run one protocol on parallel LlCtrl fields (dispatch_* / combine_*). op_fields
+// picks one operation's fields of a control area, for the call's set, by the argument type, so that the
+// steps both kernels share are written once: ll_enter, ll_send_phase, ll_recv_end.
+struct LlOpFields {
+  u32* epoch;            // the operation's call counter
+  u32* send_done;        // grid-wide counters of the send and the receive phase
+  u32* recv_done;
+  u32* last_write;       // epoch of the area's rank's last send into the set
+  u32* consumed;         // [dst]
+  LlArriveLine* arrive;  // [src * LL_ARRIVE_LANES + lane]
+};
+__device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlDispatchArgs& a) {
+  return {&c->dispatch_epoch,          &c->dispatch_send_done,         &c->dispatch_recv_done,
+          &c->dispatch_last_write[a.set], c->dispatch_consumed[a.set], &c->dispatch_arrive[a.set][0][0]};
+}
+__device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlCombineArgs& a) {
+  return {&c->combine_epoch,          &c->combine_send_done,         &c->combine_recv_done,
+          &c->combine_last_write[a.set], c->combine_consumed[a.set], &c->combine_arrive[a.set][0][0]};
+}
+
+// Tells every source that this rank finished reading what it wrote into the set: consumed = epoch at each.
+template <typename Args>
+__device__ __forceinline__ void ll_hand_back(const Args& a, u32 epoch) {
+  for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(op_fields(ctrl_of(a.ctrl, p), a).consumed + a.rank, epoch);
+}
+
+// Kernel entry, every thread. A DRAIN launch (a receive phase that will never run: its hook was dropped)
+// only hands the set back, as of this rank's last send into it, and gets false. Otherwise sm.epoch is the
+// call's epoch: a send works as call e = epoch + 1; a receive-only launch belongs to the last send into its
+// set (with hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
+template <typename Args>
+__device__ __forceinline__ bool ll_enter(const Args& a, LlShared& sm, u64 entered) {
+  const LlOpFields own = op_fields(ctrl_of(a.ctrl, a.rank), a);
+  if (a.phases & LL_PHASE_DRAIN) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const u32 e = ptx::ld_relaxed_gpu(own.last_write);
+      ptx::fence_acq_rel_sys();
+      ll_hand_back(a, e);
+    }
+    return false;
+  }
+  if (threadIdx.x == 0) {
+    sm.prev_write = ptx::ld_relaxed_gpu(own.last_write);
+    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(own.epoch) + 1u : sm.prev_write;
+    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
+    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
+  }
+  __syncthreads();
+  return true;
+}
+
+// A send phase, every thread of every block: waits until the destinations consumed this set's previous use;
+// then block 0 runs `check()` (validation, metadata lines: always stores into peers) and blocks 1..G-1 (block
+// 0 too when G == 1) run `rows(first_warp, num_warps)` (true when the thread stored into peer memory) unless
+// the host found a problem; every block arrives at every rank (ll_send_arrive) and the last one records the
+// call: epoch = last_write[set] = e.
+template <typename Args, typename Check, typename Rows>
+__device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, LlShared& sm, u32 epoch, Check check, Rows rows) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const LlOpFields own = op_fields(me, a);
+  ll_wait_consumed(own.consumed, own.last_write, me->mask, a.num_ranks, d, (a.flags & LL_FLAG_SHRINK) != 0, sm);
+  ll_trace(sm, LL_TRACE_SEND_READY);
+  bool stored = false;
+  if (sm.abort == 0) {
+    if (blockIdx.x == 0) {
+      check();
+      stored = true;
+    }
+    if (a.host_problem == 0 && (blockIdx.x != 0 || gridDim.x == 1)) {
+      const u32 data_blocks = gridDim.x == 1 ? 1 : gridDim.x - 1;
+      const u32 block = gridDim.x == 1 ? 0 : blockIdx.x - 1;
+      stored |= rows(block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+    }
+  }
+  ll_trace(sm, LL_TRACE_SEND_ISSUED);
+  const u32 lane_line = a.rank * LL_ARRIVE_LANES + blockIdx.x % LL_ARRIVE_LANES;
+  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
+                                   [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; });
+  if (last && threadIdx.x == 0) {
+    *own.epoch = epoch;
+    *own.last_write = epoch;
+  }
+  ll_trace(sm, LL_TRACE_SEND_DONE);
+}
+
+// End of a receive phase, every thread of every block: the last block hands the set back to every source
+// when every block of the phase succeeded.
+template <typename Args>
+__device__ __forceinline__ void ll_recv_end(const Args& a, LlShared& sm, u32 epoch) {
+  if (ll_last_block(op_fields(ctrl_of(a.ctrl, a.rank), a).recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0 && sm.phase_ok) ll_hand_back(a, epoch);
+}

@@ -1,0 +1,568 @@
+// moelink kernel family: low-latency dispatch (moelink_kernels::ll::LlVariant::dispatch_spec). What the
+// LL families share (JIT constants, memory, flag protocol, the operation frame) is in ll.cuh; the kernel
+// and its roles are described above its definition at the end of this file.
+#include "ll.cuh"
+
+// ============================================================================================ constants
+constexpr u32 FP8_GROUP = 128;
+constexpr u32 E4M3_MAX_BITS_F32 = 0x43e00000u;  // 448.0f
+constexpr u32 AMAX_FLOOR_BITS_F32 = 0x38d1b717u;  // 1e-4f
+constexpr u32 ABS_MASK = 0x7fffffffu;
+
+// Row payload in recv_x, scale groups, and the 512-byte chunks a warp moves per row (ll.cuh: ROW_BYTES_BF16,
+// CHUNK_BYTES).
+constexpr u32 PAYLOAD_BYTES = LL_FP8 ? LL_HIDDEN : ROW_BYTES_BF16;
+constexpr u32 SCALE_GROUPS = LL_HIDDEN / FP8_GROUP;
+constexpr u32 UE8M0_WORDS = SCALE_GROUPS / 4;
+// Register arrays of scales per lane (at least one element; UE8M0 needs H % 512 == 0, checked on the host).
+constexpr u32 SCALE_ITERS = SCALE_GROUPS > WARP_SIZE ? (SCALE_GROUPS + WARP_SIZE - 1) / WARP_SIZE : 1;
+constexpr u32 UE8M0_ITERS = UE8M0_WORDS > WARP_SIZE ? (UE8M0_WORDS + WARP_SIZE - 1) / WARP_SIZE : 1;
+// Dispatch send: FP8 lanes read 16 channels (32 bytes) and write 16 bytes; bf16 lanes move 16 bytes.
+constexpr u32 FP8_LANE_CHANNELS = 16;
+constexpr u32 FP8_CHUNK_CHANNELS = WARP_SIZE * FP8_LANE_CHANNELS;
+constexpr u32 FP8_GROUP_LANES = FP8_GROUP / FP8_LANE_CHANNELS;  // 8 lanes share one scale
+constexpr u32 SEND_CHUNKS = (PAYLOAD_BYTES + CHUNK_BYTES - 1) / CHUNK_BYTES;
+constexpr u32 RECV_CHUNKS = SEND_CHUNKS;
+static_assert(FP8_CHUNK_CHANNELS == CHUNK_BYTES, "an FP8 chunk is 512 channels = 512 output bytes");
+
+// ============================================================================================ helpers
+// `ranks` (bits < num_ranks) rotated right by `by` (< num_ranks): bit i of the result is rank (i + by) mod R.
+__device__ __forceinline__ u32 rotate_ranks(u32 ranks, u32 by, u32 num_ranks) {
+  if (by == 0) return ranks;
+  const u64 all = num_ranks >= 32 ? 0xffffffffull : ((1ull << num_ranks) - 1);
+  return (u32)((((u64)ranks >> by) | ((u64)ranks << (num_ranks - by))) & all);
+}
+
+// ceil(log2(x)) of a positive f32 from its bits (fp8::ceil_log2): exponent, +1 when any mantissa bit is set;
+// subnormals as m * 2^-149; +inf gives 128.
+__device__ __forceinline__ i32 ceil_log2_bits(u32 bits) {
+  const u32 biased = (bits >> 23) & 0xffu;
+  const u32 mantissa = bits & 0x7fffffu;
+  if (biased == 0) {
+    if (mantissa == 0) return -149;
+    return -149 + (i32)(32 - __clz(mantissa - 1));
+  }
+  return (i32)biased - 127 + (mantissa != 0 ? 1 : 0);
+}
+
+// 2^e as f32, exactly (fp8::exp2i): +inf above 2^127, subnormal below 2^-126, 0 below 2^-149.
+__device__ __forceinline__ float exp2i(i32 e) {
+  if (e > 127) return bits_f32(0x7f800000u);
+  if (e >= -126) return bits_f32((u32)(e + 127) << 23);
+  if (e >= -149) return bits_f32(1u << (u32)(e + 149));
+  return 0.0f;
+}
+
+// Loads one token's top-k row into registers and marks its live selections: live[k] when ids[k] is in
+// [0, E) and not selected earlier in the row (an id repeated later counts once, at its first slot).
+// Returns LL_PROBLEM_TOPK_IDX when the row holds an id outside [-1, E) or a repeat, else 0.
+__device__ __forceinline__ u32 load_topk_row(const i64* row, u32 num_experts, i64 (&ids)[LL_TOPK], bool (&live)[LL_TOPK]) {
+  u32 problem = 0;
+#pragma unroll
+  for (u32 k = 0; k < LL_TOPK; k++) ids[k] = (i64)ptx::ld_nc_u64(row + k);
+#pragma unroll
+  for (u32 k = 0; k < LL_TOPK; k++) {
+    const bool valid = ids[k] >= 0 && ids[k] < (i64)num_experts;
+    if (ids[k] < -1 || ids[k] >= (i64)num_experts) problem = LL_PROBLEM_TOPK_IDX;
+    bool repeat = false;
+#pragma unroll
+    for (u32 j = 0; j < k; j++) repeat |= ids[j] == ids[k];
+    if (valid && repeat) problem = LL_PROBLEM_TOPK_IDX;
+    live[k] = valid && !repeat;
+  }
+  return problem;
+}
+
+// ============================================================================================ dispatch: send
+// Block 0 of the send phase: validates this rank's top-k rows (ids outside [-1, E), repeats), keeps its
+// top-k ids/weights in the handle area (combine checks its inputs against them), writes each destination's
+// counts (tokens per local expert: shared-memory atomics over the live selections, sm.words cleared by
+// dispatch_send) into its receive region and the
+// metadata line (tokens, problems, signature) into its control area. The per-token routing travels with
+// the rows (dispatch_rows), so this block is never on the critical path (it used to build every
+// destination's entries and ended as late as the data: 10 us at 128 tokens, all of the critical path at
+// 1-16 tokens; run 11 of the fourth session).
+__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
+  const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const float* wts = reinterpret_cast<const float*>(a.topk_weights);
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+
+  if (threadIdx.x == 0) sm.problem = a.host_problem;
+  __syncthreads();
+  u32 problem = 0;
+  for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
+    i64 ids[LL_TOPK];
+    bool live[LL_TOPK];
+    problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+    u32 w[LL_TOPK];
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = w[k];
+      if (live[k]) atomicAdd(&sm.words[(u32)ids[k]], 1u);
+    }
+  }
+  if (problem != 0) atomicOr(&sm.problem, problem);
+  __syncthreads();
+  // Counts: expert e = d * E_local + el goes to counts [me][el] of rank d (local_stores: the own region's
+  // counts [d][el]).
+  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  const u32 EL = a.num_local_experts;
+  for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
+    const u32 n = sm.words[e];
+    const u32 dest = e / EL, el = e % EL;
+    u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : dest]);
+    ptx::st_na_u32(region + a.off_counts + ((u64)(local_stores ? dest : a.rank) * EL + el) * 4, n);
+  }
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_INDEX_CHECKED);
+
+  const u32 problem_all = sm.problem;
+  if (threadIdx.x < R) {
+    LlMeta* m = &ctrl_of(a.ctrl, threadIdx.x)->dispatch_meta[a.set][a.rank];
+    ptx::st_na_u32(&m->num_tokens, T);
+    ptx::st_na_u32(&m->problem, problem_all);
+#pragma unroll
+    for (u32 i = 0; i < LL_SIG_WORDS; i++) ptx::st_na_u32(&m->sig[i], a.sig[i]);
+  }
+  if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
+}
+
+// Quantises one lane's 16 channels (two 16-byte bf16 vectors) to FP8 with the scale of its 128-channel
+// group (8 lanes). Bitwise equal to fp8::quantize_token: amax = max(|x|) over the group, floored at 1e-4;
+// scale = 448 / amax and scale_inv = amax / 448 (IEEE divisions), or with round_scale scale_inv =
+// 2^ceil(log2(amax / 448)) from the quotient's bits and scale = its exact inverse; q = e4m3(x * scale) with
+// one f32 multiply and cvt.rn.satfinite. All 32 lanes must call it (shuffles); inactive lanes pass zeros.
+__device__ __forceinline__ u32x4 quantize16(const u32x4& v0, const u32x4& v1, bool round_scale, float& scale_inv) {
+  float f[16];
+#pragma unroll
+  for (u32 i = 0; i < 4; i++) {
+    f[2 * i] = bf16_lo(word_of(v0, i));
+    f[2 * i + 1] = bf16_hi(word_of(v0, i));
+    f[8 + 2 * i] = bf16_lo(word_of(v1, i));
+    f[8 + 2 * i + 1] = bf16_hi(word_of(v1, i));
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (u32 i = 0; i < 16; i++) amax = ptx::max_f32(amax, bits_f32(f32_bits(f[i]) & ABS_MASK));
+#pragma unroll
+  for (u32 m = FP8_GROUP_LANES / 2; m >= 1; m /= 2) amax = ptx::max_f32(amax, __shfl_xor_sync(FULL_WARP_MASK, amax, m));
+  amax = ptx::max_f32(amax, bits_f32(AMAX_FLOOR_BITS_F32));
+  const float e4m3_max = bits_f32(E4M3_MAX_BITS_F32);
+  float scale;
+  if (round_scale) {
+    const i32 e = ceil_log2_bits(f32_bits(ptx::div_rn_f32(amax, e4m3_max)));
+    scale = exp2i(-e);
+    scale_inv = exp2i(e);
+  } else {
+    scale = ptx::div_rn_f32(e4m3_max, amax);
+    scale_inv = ptx::div_rn_f32(amax, e4m3_max);
+  }
+  u32 q[4];
+#pragma unroll
+  for (u32 i = 0; i < 4; i++) {
+    const u16 lo = ptx::cvt_rn_satfinite_e4m3x2_f32(ptx::mul_rn_f32(f[4 * i + 1], scale), ptx::mul_rn_f32(f[4 * i], scale));
+    const u16 hi = ptx::cvt_rn_satfinite_e4m3x2_f32(ptx::mul_rn_f32(f[4 * i + 3], scale), ptx::mul_rn_f32(f[4 * i + 2], scale));
+    q[i] = (u32)lo | ((u32)hi << 16);
+  }
+  return u32x4{q[0], q[1], q[2], q[3]};
+}
+
+// Earlier tokens' top-k rows, which a chunk-0 warp counts to rank its token: lane l holds rows
+// base + l + 32 i (i < RANK_ROWS) below t, only the low 32 bits of each id (~0 for rows past t): valid ids
+// are < E < 2^16, and an id whose low word aliases a valid one lies outside [-1, E) and fails the call on
+// every rank anyway (LL_PROBLEM_TOPK_IDX).
+constexpr u32 RANK_ROWS = LL_TOPK <= 8 ? 4 : LL_TOPK <= 16 ? 2 : 1;
+struct PriorRows {
+  u32 id[RANK_ROWS][LL_TOPK];
+};
+
+__device__ __forceinline__ PriorRows load_prior_rows(const LlDispatchArgs& a, u32 t, u32 base) {
+  const u32* low = reinterpret_cast<const u32*>(a.topk_idx);  // i64 little endian: low word first
+  PriorRows r;
+#pragma unroll
+  for (u32 i = 0; i < RANK_ROWS; i++) {
+    const u32 row = base + lane_id() + i * WARP_SIZE;
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) r.id[i][k] = row < t ? ptx::ld_nc_u32(low + 2 * ((u64)row * LL_TOPK + k)) : 0xffffffffu;
+  }
+  return r;
+}
+
+// A token's routing, stored with its chunk-0 item into every rank (routed there or not, so that every slot
+// t < num_tokens of this source holds this call's): lane k < K writes, if the token's k-th id is live (in
+// [0, E), `id`, and not an earlier slot's id), id << 16 | the token's rank among this rank's tokens that
+// selected that expert, else ~0, into entries [me][t][k], and its weight bits into weights [me][t][k].
+// With the source's counts (dispatch_check) the receiver places the row without looking at any other
+// token (dispatch_recv). The rank is counted here, by the warp, over the earlier rows (`first`: rows 0 ..
+// 32 RANK_ROWS - 1, loaded with the item's payload; later passes load their own): no shared state, so no
+// block-wide step between the hand-back wait and the first stores (sender-side bitmaps built during that
+// wait delayed every block's stores by 0.8 us at 128 tokens: sixth session, run 1).
+__device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores, const PriorRows& first) {
+  const u32 lane = lane_id();
+  bool live = id != 0xffffffffu;
+#pragma unroll
+  for (u32 j = 0; j < LL_TOPK; j++) {
+    const u32 other = __shfl_sync(FULL_WARP_MASK, id, j);
+    if (j < lane && other == id) live = false;
+  }
+  u32 rank = 0;
+  auto count = [&](const PriorRows& r) {
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      const u32 e = __shfl_sync(FULL_WARP_MASK, id, k);
+      u32 rows_with_e = 0;
+#pragma unroll
+      for (u32 i = 0; i < RANK_ROWS; i++) {
+        bool hit = false;
+#pragma unroll
+        for (u32 j = 0; j < LL_TOPK; j++) hit |= r.id[i][j] == e;
+        rows_with_e += hit ? 1u : 0u;
+      }
+      rows_with_e = __reduce_add_sync(FULL_WARP_MASK, rows_with_e);
+      if (lane == k) rank += rows_with_e;
+    }
+  };
+  count(first);
+  for (u32 base = RANK_ROWS * WARP_SIZE; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(a, t, base));
+  if (lane >= LL_TOPK) return;
+  const u32 entry = live ? (id << 16) | rank : 0xffffffffu;
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u32 dest0 = first_dest(a.rank, a.num_ranks);
+  for (u32 i = 0; i < a.num_ranks; i++) {
+    const u32 p = dest0 + i >= a.num_ranks ? dest0 + i - a.num_ranks : dest0 + i;
+    u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]);
+    const u64 at = ((u64)(local_stores ? p : a.rank) * a.max_tokens + t) * LL_TOPK * 4 + lane * 4;
+    ptx::st_na_u32(region + a.off_entries + at, entry);
+    if (has_weights) ptx::st_na_u32(region + a.off_weights + at, wbits);
+  }
+}
+
+// Rows: work item = (token, 512-byte chunk of its payload), dealt over the data warps. The warp finds the
+// token's destination ranks from its top-k ids (valid ids only; each rank once), quantises the chunk once
+// (FP8) and stores it into slot [me][token] of every destination (16 bytes per lane; FP8 scale_inv as 4
+// bytes per 128-channel group after the payload); the chunk-0 item then also stores the token's routing
+// (dispatch_routing; the earlier rows it counts are loaded with the payload).
+// Returns whether this warp stored anything.
+__device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first_warp, u32 num_warps) {
+  const u32 lane = lane_id();
+  const u32 E = a.num_experts, EL = a.num_local_experts;
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const u32* wts = reinterpret_cast<const u32*>(a.topk_weights);
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u8* x = reinterpret_cast<const u8*>(a.x);
+  const u32 items = a.num_tokens * SEND_CHUNKS;
+  bool stored = false;
+  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  const bool loads = (a.flags & LL_FLAG_EXP_NO_LOADS) == 0;
+  const u32 dest0 = first_dest(a.rank, a.num_ranks);
+  for (u32 item = first_warp; item < items; item += num_warps) {
+    const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
+    // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
+    PriorRows prior;
+    if (c == 0) prior = load_prior_rows(a, t, 0);
+#if LL_FP8
+    const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
+    const bool active = ch < LL_HIDDEN;
+    u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
+    if (active && loads) {
+      const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
+      v0 = ptx::ld_nc_na_v4(src);
+      v1 = ptx::ld_nc_na_v4(src + 1);
+    }
+#else
+    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+    const bool active = off < PAYLOAD_BYTES;
+    u32x4 v = {0, 0, 0, 0};
+    if (active && loads) v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off));
+#endif
+    u32 ranks = 0, id = 0xffffffffu, wbits = 0;
+    if (lane < LL_TOPK) {
+      const i64 e = (i64)ptx::ld_nc_u64(idx + (u64)t * LL_TOPK + lane);
+      if (c == 0 && has_weights) wbits = ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane);
+      if (e >= 0 && e < (i64)E) {
+        ranks = 1u << ((u32)e / EL);
+        id = (u32)e;
+      }
+    }
+    ranks = __reduce_or_sync(FULL_WARP_MASK, ranks);
+    if (c == 0) stored = true;  // the routing, below
+    if (ranks != 0) stored = true;
+    // local_stores: into the own region's slot [p][token] (distinct per destination, like the real stores).
+    auto slot_of = [&](u32 p) { return a.off_rows + ((u64)(local_stores ? p : a.rank) * a.max_tokens + t) * a.row_stride; };
+#if LL_FP8
+    float scale_inv;
+    const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
+    for (u32 rot = rotate_ranks(ranks, dest0, a.num_ranks); rot != 0; rot &= rot - 1) {
+      const u32 i = __ffs(rot) - 1 + dest0;
+      const u32 p = i >= a.num_ranks ? i - a.num_ranks : i;
+      u8* row = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot_of(p);
+      if (active) {
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(row + ch), q);
+        if (lane % FP8_GROUP_LANES == 0) ptx::st_na_u32(row + LL_HIDDEN + (ch / FP8_GROUP) * 4, f32_bits(scale_inv));
+      }
+    }
+#else
+    for (u32 rot = rotate_ranks(ranks, dest0, a.num_ranks); rot != 0; rot &= rot - 1) {
+      const u32 i = __ffs(rot) - 1 + dest0;
+      const u32 p = i >= a.num_ranks ? i - a.num_ranks : i;
+      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]) + slot_of(p) + off), v);
+    }
+#endif
+    if (c == 0) dispatch_routing(a, t, id, wbits, local_stores, prior);
+  }
+  return stored;
+}
+
+__device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
+  // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
+  // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
+  // wait took 1.9 us instead of 1.0 and the warps issued their stores no earlier (runs 3-7).
+  if (blockIdx.x == 0) {
+    for (u32 e = threadIdx.x; e < a.num_experts; e += LL_THREADS) sm.words[e] = 0;  // dispatch_check's counts
+    if (warp_id() != 0) {
+      for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
+        ptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
+    }
+  }
+  ll_send_phase(a, d, sm, epoch, [&] { dispatch_check(a, sm); },
+                [&](u32 first_warp, u32 num_warps) { return dispatch_rows(a, first_warp, num_warps); });
+}
+
+// ============================================================================================ dispatch: receive
+// Warp 0 of every block waits for every source (lane p <-> source p) and checks its metadata: a source is
+// used when its flag arrived (shrink: the call's decision says so), its call signature equals ours and it
+// reported no argument problem. Block 0 records the wait times and reports mismatches/problems (lowest peer).
+__device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  const u32 lane = lane_id();
+  if (threadIdx.x == 0) sm.abort = 0;
+  __syncthreads();
+  if (warp_id() == 0) {
+    bool used = false;
+    u32 ntok = 0, mismatch_field = LL_SIG_WORDS, problem = 0;
+    u64 waited = 0;
+    if (lane < a.num_ranks) {
+      const SourceState s =
+          ll_wait_source(me->dispatch_arrive[a.set][lane], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
+      waited = s.waited_ns;
+      if (s.used) {
+        const LlMeta* m = &me->dispatch_meta[a.set][lane];
+        // Every word is loaded before any is compared: independent loads in flight together, not one L2
+        // round trip per word.
+        u32 sig[LL_SIG_WORDS];
+#pragma unroll
+        for (u32 i = 0; i < LL_SIG_WORDS; i++) sig[i] = ptx::ld_cg_u32(&m->sig[i]);
+        problem = ptx::ld_cg_u32(&m->problem);
+        const u32 n = ptx::ld_cg_u32(&m->num_tokens);
+#pragma unroll
+        for (u32 i = LL_SIG_WORDS; i-- > 0;)
+          if (sig[i] != a.sig[i]) mismatch_field = i;
+        ntok = n < a.max_tokens ? n : a.max_tokens;
+        used = mismatch_field == LL_SIG_WORDS && problem == 0;
+      }
+      sm.ok[lane] = used ? 1u : 0u;
+      sm.ntok[lane] = used ? ntok : 0u;
+    }
+    if (blockIdx.x == 0) {
+      if (lane < a.num_ranks && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[lane] += (i64)waited;
+      LlReport* rep = reinterpret_cast<LlReport*>(a.report);
+      const u32 mism = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && mismatch_field != LL_SIG_WORDS);
+      if (mism != 0 && lane == __ffs(mism) - 1) {
+        const LlMeta* m = &me->dispatch_meta[a.set][lane];
+        ptx::st_relaxed_sys_u64(&rep->mismatch_ours, a.sig[mismatch_field]);
+        ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, ptx::ld_cg_u32(&m->sig[mismatch_field]));
+        ptx::st_relaxed_sys(&rep->mismatch_field, mismatch_field);
+        ptx::st_relaxed_sys(&rep->mismatch_peer, lane + 1);
+      }
+      const u32 bad = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && lane != a.rank && problem != 0);
+      if (bad != 0 && lane == __ffs(bad) - 1) {
+        ptx::st_relaxed_sys(&rep->peer_problem, problem);
+        ptx::st_relaxed_sys(&rep->peer_problem_peer, lane + 1);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+  const u32 R = a.num_ranks, EL = a.num_local_experts, TM = a.max_tokens;
+  const u32 rows = R * TM;
+  const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
+  // Placement: the slot of (source p, token t) in expert el's rows is the tokens of el from the used
+  // sources before p (bases, from the counts each source's block 0 wrote) plus t's rank among p's tokens of
+  // el (in its entry): rows in (source, token) order, no atomics, nothing rebuilt here (until the sixth
+  // session every block rebuilt per-source token bitmaps from all received ids: 1.7-1.9 us after the flags).
+  const u32 first_expert = a.rank * EL;
+  u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
+  dispatch_wait_sources(a, d, sm, epoch);
+  ll_trace(sm, LL_TRACE_RECV_SEEN);
+
+  if (sm.abort == 0) {
+    // Expansion (below): work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
+    // Each item's payload chunk, entry and weight are loaded one item ahead: a warp's items were a chain
+    // of L2 round trips (~3.4 items per warp at 128 tokens x 4 ranks); now the next item's loads fly during
+    // this one's stores, and the first item's during the count loads.
+    const u32 lane = lane_id();
+    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    const u32 items = rows * RECV_CHUNKS;
+    const u32 stride = gridDim.x * LL_WARPS;
+    struct Ahead {
+      u32x4 v;
+      u32 entry;
+      u32 w;
+    };
+    auto load_ahead = [&](u32 item) {
+      Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
+      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
+      const u32 p = st / TM, t = st % TM;
+      if (item >= items || sm.ok[p] == 0 || t >= sm.ntok[p]) return l;
+      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      if (off < PAYLOAD_BYTES) l.v = ptx::ld_cg_v4(msg + off);
+      if (lane < LL_TOPK) {
+        const u64 at = (((u64)p * TM + t) * LL_TOPK + lane) * 4;
+        l.entry = ptx::ld_cg_u32(region + a.off_entries + at);
+        if (c == 0 && has_weights) l.w = ptx::ld_cg_u32(region + a.off_weights + at);
+      }
+      return l;
+    };
+    Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
+
+    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS)
+      bases[pe] = sm.ok[pe / EL] != 0 ? ptx::ld_cg_u32(region + a.off_counts + (u64)pe * 4) : 0u;
+    __syncthreads();
+    // Each expert's exclusive scan over sources.
+    for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
+      u32 run = 0;
+      for (u32 p = 0; p < R; p++) {
+        const u32 n = bases[p * EL + e];
+        bases[p * EL + e] = run;
+        run += n;
+      }
+      if (blockIdx.x == 0) {
+        reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
+        if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
+      }
+    }
+    if (blockIdx.x == 0 && threadIdx.x < R) {
+      reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x] = sm.ntok[threadIdx.x];
+      reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
+    }
+    __syncthreads();
+    ll_trace(sm, LL_TRACE_RECV_INDEXED);
+
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
+      const Ahead cur = next;
+      next = load_ahead(item + stride);
+      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
+      const u32 p = st / TM, t = st % TM;
+      if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
+      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      const bool active = off < PAYLOAD_BYTES;
+      const u32x4 v = cur.v;
+      const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
+      i32 row = -1;
+      if (lane < LL_TOPK) {
+        const u32 el = (cur.entry >> 16) - first_expert;  // other ranks' experts wrap past EL
+        if (cur.entry != 0xffffffffu && el < EL) {
+          const u32 slot = bases[p * EL + el] + (cur.entry & 0xffffu);
+          if (slot < rows) row = (i32)(el * rows + slot);
+        }
+        if (c == 0) {
+          reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
+          if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = cur.w;
+        }
+      }
+      const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
+      if (valid == 0) continue;
+      u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
+      for (u32 m = valid; m != 0; m &= m - 1) {
+        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+        if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), v);
+      }
+#if LL_FP8
+      // Scales (column-major [E_local][cols][rows]) with the chunk-0 item of the row.
+      if (c == 0) {
+        if ((a.flags & LL_FLAG_UE8M0) == 0) {
+          u32 s[SCALE_ITERS];
+#pragma unroll
+          for (u32 i = 0; i < SCALE_ITERS; i++) {
+            const u32 g = lane + i * WARP_SIZE;
+            s[i] = g < SCALE_GROUPS ? ptx::ld_cg_u32(msg + LL_HIDDEN + 4 * g) : 0u;
+          }
+          for (u32 m = valid; m != 0; m &= m - 1) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
+#pragma unroll
+            for (u32 i = 0; i < SCALE_ITERS; i++) {
+              const u32 g = lane + i * WARP_SIZE;
+              if (g < SCALE_GROUPS) col0[(u64)g * rows] = s[i];
+            }
+          }
+        } else {
+          u32 s[UE8M0_ITERS];
+#pragma unroll
+          for (u32 i = 0; i < UE8M0_ITERS; i++) {
+            const u32 j = lane + i * WARP_SIZE;
+            s[i] = 0;
+            if (j < UE8M0_WORDS) {
+              const u32x4 f = ptx::ld_cg_v4(msg + LL_HIDDEN + 16 * j);
+              s[i] = ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+            }
+          }
+          for (u32 m = valid; m != 0; m &= m - 1) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
+#pragma unroll
+            for (u32 i = 0; i < UE8M0_ITERS; i++) {
+              const u32 j = lane + i * WARP_SIZE;
+              if (j < UE8M0_WORDS) col0[(u64)j * rows] = s[i];
+            }
+          }
+        }
+      }
+#endif
+    }
+  }
+
+  ll_recv_end(a, sm, epoch);
+}
+
+// ll_dispatch: low-latency dispatch, send and/or receive phase.
+//   grid: G blocks (one per SM; cooperative when both phases run in one launch), block: LL_THREADS.
+//   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use;
+//         block 0 = checks (dispatch_check: top-k validation, handle copies, counts and metadata lines);
+//         blocks 1..G-1 (block 0 too when G == 1) = rows: work item (token, 512-byte chunk) per warp, FP8
+//         quantisation in registers, 16-byte stores into every destination rank's slot [me][token]; chunk 0
+//         then stores the token's entries (expert id, rank counted over the earlier rows) and weights into
+//         every rank (dispatch_routing).
+//         Every block then arrives at every rank (ll_send_arrive); the last one stores dispatch_epoch =
+//         last_write[set] = e.
+//   RECV  warp 0 of every block waits for every source's arrivals (deadline) and checks its metadata; every
+//         block scans the received counts into bases per (source, local expert) in shared memory; work item
+//         (source, token, chunk) per warp:
+//         one 16-byte load, one store per selected local expert into recv_x[e][slot] (slots in (source,
+//         token) order: base + the token's rank among the source's tokens of e), scales column-major,
+//         handle rows/weights; block 0: recv_count, cumulative stats, wait stats, handle metadata, report.
+//         Last block: consumed flags to every source.
+//   DRAIN a receive phase that will never run (its hook was dropped): only the consumed flags.
+//   reads:  x, topk_idx, topk_weights; own receive region of the set; own LlCtrl.
+//   writes: every rank's receive region of the set (send) and LlCtrl flags/metadata; recv_x, recv_scales,
+//           recv_count, stats, handle area (recv); LlReport; error record on timeout.
+extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __grid_constant__ LlDispatchArgs a) {
+  __shared__ LlShared sm;
+  const u64 entered = ptx::globaltimer();
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_DISPATCH);
+  if (!ll_enter(a, sm, entered)) return;
+  const u32 epoch = sm.epoch;
+  if (a.phases & LL_PHASE_SEND) dispatch_send(a, d, sm, epoch);
+  if (a.phases & LL_PHASE_RECV) dispatch_recv(a, d, sm, epoch);
+  ll_trace(sm, LL_TRACE_END);
+}
