@@ -2,6 +2,7 @@
 //!
 //! - `moelink bench` — dispatch/combine timings at DeepEP's shapes, correctness checked before timing.
 //! - `moelink bench nvlink` — NVLink copy bandwidth, barrier latency, JIT times (GPU diagnostics).
+//! - `moelink bench transport` — the RDMA transport seam's latency and bandwidth per backend and QP count.
 //! - `moelink selftest [--process]` — group and GPU self-checks, in threads or as a torchrun rank.
 //! - `moelink info` — GPUs, driver, peer access, NVRTC, and the backend `auto` picks.
 //! - `moelink soak` — randomized rounds of every kernel family checked against the host backend.
@@ -54,6 +55,7 @@ fn main() -> ExitCode {
     let result = match &cli.cmd {
         Cmd::Bench(b) => match &b.probe {
             Some(bench::BenchSub::Nvlink(a)) => bench::nvlink::run(a),
+            Some(bench::BenchSub::Transport(a)) => bench::transport::run(a),
             None => bench::run(&b.args),
         },
         Cmd::Selftest(a) => selftest::run(a),

@@ -77,6 +77,15 @@ pub struct Record {
     /// Why the measurement is not `ok`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Nodes the ranks were split into (internode runs; virtual nodes when they share a host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<usize>,
+    /// Ranks per node (internode runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks_per_node: Option<usize>,
+    /// The RDMA transport under internode traffic: `"nvshmem"`, `"ptr"` or `"emu-nic"` (internode runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<String>,
     /// Timed repetitions (after warm-up).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reps: Option<usize>,
@@ -142,6 +151,9 @@ impl Record {
             correct: None,
             status: Status::Unavailable,
             error: None,
+            nodes: None,
+            ranks_per_node: None,
+            transport: None,
             reps: None,
             warmup: None,
             timer: None,

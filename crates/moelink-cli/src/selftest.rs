@@ -35,6 +35,11 @@ pub struct SelftestArgs {
     /// Count skipped (unavailable) checks as failures.
     #[arg(long)]
     pub strict: bool,
+    /// RDMA transport backends whose conformance is checked (every byte of random messages on random QPs
+    /// before its signal; with emu-nic also that a missing fence is caught); nvshmem needs --process and
+    /// NVSHMEM_HOME. Empty (`--transport ''`) skips them.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ptr,emu-nic")]
+    pub transport: Vec<crate::bench::transport::TransportSel>,
 }
 
 /// Verdict of one check on one rank.
@@ -96,6 +101,9 @@ pub fn run_checks(g: &dyn Group, device: usize, a: &SelftestArgs) -> Vec<CheckRe
         Ok(us) => result("barrier-latency", me, Verdict::Fail, format!("implausible latency {us}")),
         Err(e) => from_error("barrier-latency", me, e),
     });
+    for &t in &a.transport {
+        out.push(transport_check(g, device, t));
+    }
     let skip_rank = g.size() - 1;
     out.push(if g.size() < 2 {
         result("deadline", me, Verdict::Skip, "needs at least 2 ranks")
@@ -106,6 +114,48 @@ pub fn run_checks(g: &dyn Group, device: usize, a: &SelftestArgs) -> Vec<CheckRe
         }
     });
     out
+}
+
+/// The transport seam's conformance on backend `t`: 0 wrong bytes with put_signal and with put + fence +
+/// signal; with emu-nic also wrong bytes for the planted bug (a signal on another QP without a fence), which
+/// proves the check can fail.
+fn transport_check(g: &dyn Group, device: usize, t: crate::bench::transport::TransportSel) -> CheckResult {
+    use moelink::rdma_probe::{check, CheckMode, CheckOptions};
+    let me = g.rank();
+    let rdma = crate::bench::transport::rdma_options(t, 4, moelink::EmuNicOptions::default());
+    let name = format!("transport-{}", rdma.transport.name());
+    let run = |mode| check(g, device, &CheckOptions { rdma: rdma.clone(), mode, ..CheckOptions::default() });
+    let mut received = 0;
+    for mode in [CheckMode::PutSignal, CheckMode::PutFenceSignal] {
+        match run(mode) {
+            Ok(r) if r.wrong_bytes == 0 => received += r.messages_received,
+            Ok(r) => {
+                return result(
+                    &name,
+                    me,
+                    Verdict::Fail,
+                    format!("{mode:?}: {} bytes wrong of {} messages", r.wrong_bytes, r.messages_received),
+                )
+            }
+            Err(e) => return from_error(&name, me, e),
+        }
+    }
+    let mut detail = format!("{received} messages received intact (put_signal; put, fence, signal)");
+    if matches!(rdma.transport, moelink::Transport::EmuNic(_)) {
+        match run(CheckMode::PlantedBug) {
+            Ok(r) => {
+                // Caught on some rank: every rank's wrong bytes are summed so that all ranks agree.
+                let caught = g.all_gather(&r.wrong_bytes.to_le_bytes()).map(|all| all.iter().any(|b| b.iter().any(|x| *x != 0)));
+                match caught {
+                    Ok(true) => detail += "; a signal on another QP without a fence was caught",
+                    Ok(false) => return result(&name, me, Verdict::Fail, "the emulated NIC let a signal overtake its data unnoticed"),
+                    Err(e) => return from_error(&name, me, e),
+                }
+            }
+            Err(e) => return from_error(&name, me, e),
+        }
+    }
+    result(&name, me, Verdict::Pass, detail)
 }
 
 /// A rank that skipped the barrier must see no error; every other rank a timeout naming it, within the
@@ -197,7 +247,13 @@ fn run_process(a: &SelftestArgs) -> Result<(), CliError> {
     if me == 0 {
         println!("moelink selftest | process mode | {n} ranks over TCP | commit {}", sys::commit());
     }
-    let mine = run_checks(&g, g.local_rank(), a);
+    let gpus = sys::gpu_count().max(1);
+    let mine = run_checks(&g, g.local_rank() % gpus, a);
+    // Each rank prints its own failures at once: torchrun ends every rank as soon as one exits non-zero,
+    // so a report left to rank 0 alone can be cut off before it names the failing rank's check.
+    for r in mine.iter().filter(|r| r.verdict == Verdict::Fail) {
+        eprintln!("rank {me}: FAIL {} {}", r.name, r.detail);
+    }
     let payload = serde_json::to_vec(&mine).map_err(|e| CliError(format!("cannot encode results: {e}")))?;
     match g.all_gather(&payload) {
         Ok(all) => {
@@ -208,12 +264,11 @@ fn run_process(a: &SelftestArgs) -> Result<(), CliError> {
                     Err(e) => merged.push(result("rank", rank, Verdict::Fail, format!("sent unreadable results: {e}"))),
                 }
             }
-            // Every rank reaches the same verdict; only rank 0 prints the report.
-            if me == 0 {
-                report(&merged, a.strict)
-            } else {
-                verdict(&merged, a.strict).map(|_| ())
-            }
+            // Every rank reaches the same verdict; only rank 0 prints the report, and nobody exits before it
+            // has (see above).
+            let outcome = if me == 0 { report(&merged, a.strict) } else { verdict(&merged, a.strict).map(|_| ()) };
+            let _ = g.barrier();
+            outcome
         }
         Err(e) => {
             // The group broke: each rank reports what it saw itself.

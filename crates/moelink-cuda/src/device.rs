@@ -162,6 +162,18 @@ impl Device {
         }
     }
 
+    /// SMs this process's kernels may run on: the device's, or fewer under CUDA MPS with an active-thread
+    /// percentage (the context's execution affinity). Ranks that share the GPU divide this, not the device's.
+    pub fn available_sms(&self) -> usize {
+        let all = self.inner.info.multiprocessors;
+        let Ok(_g) = self.bind_scoped() else { return all };
+        // SAFETY: the device's context is current; the call only reads its affinity.
+        match unsafe { drv::ctx_exec_affinity_sm_count() } {
+            Some(n) if n > 0 && (n as usize) < all => n as usize,
+            _ => all,
+        }
+    }
+
     /// Waits until all work on this device has finished.
     pub fn synchronize(&self) -> Result<()> {
         let _g = self.bind_scoped()?;

@@ -301,6 +301,15 @@ impl NvshmemHeap {
         self.len
     }
 
+    /// Fills this PE's copy with zeros (on a private stream; done when it returns).
+    pub fn zero(&self, device: &Device) -> Result<()> {
+        let stream = crate::stream::Stream::new(device)?;
+        let _g = device.bind_scoped()?;
+        // SAFETY: `[ptr, ptr + len)` is this PE's heap allocation on `device`, alive while `self` is.
+        unsafe { crate::raw::driver::memset_d8_async(self.ptr, 0, self.len, stream.raw())? };
+        stream.synchronize()
+    }
+
     /// Keeps the memory when dropped (a peer may still write into it, or a collective free could wait for a
     /// dead PE).
     pub fn leak(&mut self) {

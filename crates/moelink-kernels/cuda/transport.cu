@@ -1,5 +1,6 @@
-// moelink kernel family: the RDMA transport seam's own kernels — a conformance check that every backend
-// keeps the contract of transport.cuh, and a micro-benchmark of put / put+signal.
+// moelink kernel family: the RDMA transport seam's own kernels — a barrier of every rank of the RDMA domain
+// (internode buffers' barrier), a conformance check that every backend keeps the contract of
+// transport.cuh, and a micro-benchmark of put / put+signal.
 //
 // JIT constants (from moelink_kernels::transport::TransportVariant):
 //   MOELINK_TRANSPORT                  the backend (transport.cuh)
@@ -7,6 +8,7 @@
 //   MOELINK_SIZEOF_TRANSPORT_CHECK_ARGS  sizeof(moelink_kernels::transport::TransportCheckArgs)
 //   MOELINK_SIZEOF_TRANSPORT_BENCH_ARGS  sizeof(moelink_kernels::transport::TransportBenchArgs)
 //   MOELINK_SIZEOF_NIC_STATE           moelink_kernels::transport::NIC_STATE_BYTES
+//   MOELINK_SIZEOF_TRANSPORT_BARRIER_ARGS  sizeof(moelink_kernels::transport::TransportBarrierArgs)
 //
 // RDMA region of every rank (offsets from moelink_kernels::transport::CheckLayout / BenchLayout):
 //   [0, TRANSPORT_SIGNAL_BYTES)   u64 signals: check — one counter per source rank; bench — ping-pong word
@@ -17,7 +19,7 @@
 #include "transport.cuh"
 
 #if !defined(TRANSPORT_THREADS) || !defined(MOELINK_SIZEOF_TRANSPORT_CHECK_ARGS) || !defined(MOELINK_SIZEOF_TRANSPORT_BENCH_ARGS) || \
-    !defined(MOELINK_SIZEOF_NIC_STATE)
+    !defined(MOELINK_SIZEOF_NIC_STATE) || !defined(MOELINK_SIZEOF_TRANSPORT_BARRIER_ARGS)
 #error "transport.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(sizeof(NicState) == MOELINK_SIZEOF_NIC_STATE, "NicState mirrors moelink_kernels::transport::NIC_STATE_BYTES");
@@ -25,6 +27,37 @@ static_assert(TRANSPORT_THREADS % WARP_SIZE == 0, "whole warps");
 
 constexpr u32 TRANSPORT_WARPS = TRANSPORT_THREADS / WARP_SIZE;
 constexpr u64 TRANSPORT_SIGNAL_BYTES = 4096;
+
+struct TransportBarrierArgs {
+  RdmaArgs rdma;
+  u64 error_claim, error_record, timeout_ns;
+  u64 counter;     // device u64 (local): barriers this rank has entered, incremented here (graph replays too)
+  u64 signal_off;  // RDMA-region offset of u64[num_ranks]: barrier words, [p] set by rank p
+};
+static_assert(sizeof(TransportBarrierArgs) == MOELINK_SIZEOF_TRANSPORT_BARRIER_ARGS, "TransportBarrierArgs mirrors Rust");
+
+// transport_barrier: one worker block (+ the emulated NIC's), TRANSPORT_THREADS threads, cooperative.
+// Thread 0 takes the next barrier number e (counter + 1, stored back), sets word [me] of every rank to e
+// (signal SET on QP p % num_qps), then waits until its own word [p] reached e for every rank p (deadline,
+// naming p). Every rank counts its barriers the same way, so the numbers agree; a word only grows.
+extern "C" __global__ void __launch_bounds__(TRANSPORT_THREADS, 1) transport_barrier(const __grid_constant__ TransportBarrierArgs a) {
+  const Deadline dl = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_BARRIER);
+  if (rdma::nic_block(a.rdma, dl)) return;
+  rdma::WorkerScope scope(a.rdma);
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  u64* counter = reinterpret_cast<u64*>(a.counter);
+  const u64 e = *counter + 1;
+  *counter = e;
+  const u32 me = a.rdma.rank, n = a.rdma.num_ranks;
+  for (u32 i = 0; i < n; i++) {
+    const u32 p = (me + i) % n;
+    if (!rdma::signal_thread(a.rdma, p % a.rdma.num_qps, p, a.signal_off + 8ull * me, e, SIGNAL_SET, dl)) return;
+  }
+  for (u32 i = 0; i < n; i++) {
+    const u32 p = (me + i) % n;
+    if (!rdma::wait_signal_geq(a.rdma, a.signal_off + 8ull * p, e, dl, p)) return;
+  }
+}
 
 // TransportCheckArgs::mode.
 constexpr u32 CHECK_PUT_SIGNAL = 0;        // put_signal: the signal rides with the data

@@ -218,6 +218,31 @@ int main() {
     std::printf("silent peer: ranks 0 and 1 timed out naming rank 2, every launch ended\n");
   }
 
+  // The barrier: three in a row at 3 ranks; every word ends at 3, and a rank that never comes is named.
+  {
+    World w(3, 2, TRANSPORT_SIGNAL_BYTES, NicOptions{0, 0, 1, 1});
+    std::vector<u64> counter(3, 0);
+    auto barrier = [&](u32 me, u64 timeout_ns) {
+      TransportBarrierArgs a{};
+      a.rdma = w.rdma(me, 5);
+      a.error_claim = reinterpret_cast<u64>(&w.claim[me]);
+      a.error_record = reinterpret_cast<u64>(&w.record[me]);
+      a.timeout_ns = timeout_ns;
+      a.counter = reinterpret_cast<u64>(&counter[me]);
+      a.signal_off = 0;
+      emu::launch(1 + (kEmuNic ? w.nic_opts.blocks : 0), TRANSPORT_THREADS, [&a] { transport_barrier(a); });
+    };
+    for (int i = 0; i < 3; i++) w.run([&](u32 me) { barrier(me, 20'000'000'000ull); });
+    expect_clean(w, "barrier");
+    for (u32 me = 0; me < 3; me++)
+      for (u32 p = 0; p < 3; p++) CHECK(reinterpret_cast<const u64*>(w.region[me]->p)[p] == 3, "barrier word [%u] of rank %u", p, me);
+    w.run([&](u32 me) { barrier(me, 100'000'000ull); }, {0, 2});
+    for (u32 p : {0u, 2u})
+      CHECK(w.record[p].code == ERR_TIMEOUT && w.record[p].peer == 1 && w.record[p].phase == PHASE_BARRIER, "barrier: rank %u recorded %u naming %u",
+            p, w.record[p].code, w.record[p].peer);
+    std::printf("barrier: 3 rounds at 3 ranks, then rank 1 missing is named by ranks 0 and 2\n");
+  }
+
   // The micro-benchmark: both modes complete and report what they moved.
   for (u32 mode : {BENCH_LATENCY, BENCH_BANDWIDTH}) {
     const u32 ranks = 2, bytes = 512, msgs = 32;

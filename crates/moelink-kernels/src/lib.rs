@@ -150,7 +150,11 @@ impl Family {
             Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
             Family::LlDispatch => &[KernelInfo { name: "ll_dispatch", hot: true }],
             Family::LlCombine => &[KernelInfo { name: "ll_combine", hot: true }],
-            Family::Transport => &[KernelInfo { name: "transport_check", hot: false }, KernelInfo { name: "transport_bench", hot: false }],
+            Family::Transport => &[
+                KernelInfo { name: "transport_barrier", hot: false },
+                KernelInfo { name: "transport_check", hot: false },
+                KernelInfo { name: "transport_bench", hot: false },
+            ],
         }
     }
 }

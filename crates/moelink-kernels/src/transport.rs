@@ -95,6 +95,24 @@ pub struct RdmaArgs {
     pub pad: u32,
 }
 
+/// Arguments of `transport_barrier` (`TransportBarrierArgs` in `transport.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TransportBarrierArgs {
+    /// The domain.
+    pub rdma: RdmaArgs,
+    /// Error claim word (device).
+    pub error_claim: u64,
+    /// Error record (host-mapped).
+    pub error_record: u64,
+    /// Deadline of every wait.
+    pub timeout_ns: u64,
+    /// Device `u64`: barriers this rank has entered (the kernel increments it).
+    pub counter: u64,
+    /// RDMA-region offset of the `u64[num_ranks]` barrier words.
+    pub signal_off: u64,
+}
+
 /// `TransportCheckArgs::mode`: put_signal.
 pub const CHECK_PUT_SIGNAL: u32 = 0;
 /// `TransportCheckArgs::mode`: put, fence, signal on another QP.
@@ -199,6 +217,7 @@ impl TransportVariant {
                 ("MOELINK_SIZEOF_TRANSPORT_CHECK_ARGS".into(), std::mem::size_of::<TransportCheckArgs>().to_string()),
                 ("MOELINK_SIZEOF_TRANSPORT_BENCH_ARGS".into(), std::mem::size_of::<TransportBenchArgs>().to_string()),
                 ("MOELINK_SIZEOF_NIC_STATE".into(), NIC_STATE_BYTES.to_string()),
+                ("MOELINK_SIZEOF_TRANSPORT_BARRIER_ARGS".into(), std::mem::size_of::<TransportBarrierArgs>().to_string()),
             ],
         }
     }
@@ -218,6 +237,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<RdmaArgs>(), 64);
         assert_eq!(std::mem::size_of::<TransportCheckArgs>(), 64 + 5 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<TransportBenchArgs>(), 64 + 6 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<TransportBarrierArgs>(), 64 + 5 * 8);
         assert!(TRANSPORT_HEADER.contains("static_assert(sizeof(RdmaArgs) == 64"));
         assert!(TRANSPORT_HEADER.contains(&format!("constexpr u32 RDMA_MAX_QPS = {RDMA_MAX_QPS};")));
         assert!(TRANSPORT_HEADER.contains(&format!("constexpr u32 NIC_RING = {NIC_RING};")));

@@ -203,7 +203,11 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
         // NVSHMEM's device code keeps a stack frame and calls into its transfer functions: nothing to expect.
         Family::Transport if Transport::of_spec(spec) == Some(Transport::Nvshmem) => &[],
         // Signals: a system fence before a 64-bit system-scope reduction or store into the peer's word.
-        Family::Transport => &[("transport_check", &["MEMBAR.ALL.SYS"]), ("transport_bench", &["MEMBAR.ALL.SYS"])],
+        Family::Transport => &[
+            ("transport_barrier", &["STG.E.64.STRONG.SYS", "LDG.E.64.STRONG.SYS"]),
+            ("transport_check", &["MEMBAR.ALL.SYS"]),
+            ("transport_bench", &["MEMBAR.ALL.SYS"]),
+        ],
     };
     let mut failures = Vec::new();
     for (kernel, wanted) in expect {

@@ -253,7 +253,16 @@ impl PyBuffer {
             "cuda" => BackendKind::Cuda,
             other => return Err(invalid(py, "backend", rank, format!("{other:?}: expected \"auto\", \"host\" or \"cuda\""))),
         };
-        let options = BufferOptions { backend: kind, num_nvl_bytes, num_rdma_bytes, low_latency_mode, timeout_ms, device, enable_shrink };
+        let options = BufferOptions {
+            backend: kind,
+            num_nvl_bytes,
+            num_rdma_bytes,
+            low_latency_mode,
+            timeout_ms,
+            device,
+            enable_shrink,
+            ..BufferOptions::default()
+        };
         let dyn_group: Arc<dyn Group> = group.clone();
         let buf = py.detach(|| Buffer::new(dyn_group, options)).map_err(|e| to_pyerr(py, e, group.take_error()))?;
         let device = match buf.location() {

@@ -11,6 +11,7 @@ use crate::group::Group;
 use crate::ht::{
     self, BufferFacts, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Routing,
 };
+use crate::internode::Topology;
 use crate::ll::{self, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 
@@ -110,6 +111,16 @@ impl Buffer {
         if options.timeout_ms == 0 {
             return Err(Error::invalid("timeout_ms", rank, "must be positive"));
         }
+        // Which node each rank is on: given, or the launcher's layout (collective: every rank detects).
+        let topology = match options.topology {
+            Some(t) => t,
+            None => Topology::detect(group.as_ref())?,
+        };
+        topology.validate(group.size(), rank)?;
+        if topology.is_internode() {
+            options.rdma.validate(rank)?;
+        }
+        let options = BufferOptions { topology: Some(topology), ..options };
         let backend: Box<dyn Backend> = match options.backend {
             BackendKind::Host => Box::new(backend::host::HostBackend::new(group.clone(), &options)?),
             BackendKind::Cuda => Box::new(backend::cuda::CudaBackend::new(group.clone(), &options)?),
@@ -133,6 +144,10 @@ impl Buffer {
     }
     pub fn options(&self) -> &BufferOptions {
         &self.options
+    }
+    /// How the ranks map onto nodes (given in the options, or detected from the hosts the ranks run on).
+    pub fn topology(&self) -> Topology {
+        self.options.topology.unwrap_or_else(|| Topology::single_node(self.num_ranks()))
     }
     /// `"host"` or `"cuda"`.
     pub fn backend_name(&self) -> &'static str {

@@ -107,6 +107,11 @@ pub struct BufferOptions {
     pub device: Option<usize>,
     /// Low-latency fault tolerance: a rank that misses its deadline is masked instead of failing the call.
     pub enable_shrink: bool,
+    /// How the ranks map onto nodes. `None`: the launcher's layout (ranks grouped by host,
+    /// [`crate::Topology::detect`]); set it to split one host into virtual nodes.
+    pub topology: Option<crate::Topology>,
+    /// How ranks of different nodes reach each other (used only when the topology has several nodes).
+    pub rdma: crate::RdmaOptions,
 }
 
 impl Default for BufferOptions {
@@ -119,6 +124,8 @@ impl Default for BufferOptions {
             timeout_ms: 10_000,
             device: None,
             enable_shrink: false,
+            topology: None,
+            rdma: crate::RdmaOptions::default(),
         }
     }
 }

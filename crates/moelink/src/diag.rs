@@ -228,6 +228,7 @@ pub(crate) fn phase_of(code: u32) -> Phase {
         abi::phase::COMBINE => Phase::Combine,
         abi::phase::LL_DISPATCH => Phase::LowLatencyDispatch,
         abi::phase::LL_COMBINE => Phase::LowLatencyCombine,
+        abi::phase::TRANSPORT => Phase::Transport,
         _ => Phase::Other,
     }
 }

@@ -16,6 +16,8 @@ pub enum Phase {
     Combine,
     LowLatencyDispatch,
     LowLatencyCombine,
+    /// The RDMA transport seam's own kernels (conformance check, micro-benchmark).
+    Transport,
     Group,
     Other,
 }
@@ -30,6 +32,7 @@ impl fmt::Display for Phase {
             Phase::Combine => "combine",
             Phase::LowLatencyDispatch => "low-latency dispatch",
             Phase::LowLatencyCombine => "low-latency combine",
+            Phase::Transport => "RDMA transport",
             Phase::Group => "group collective",
             Phase::Other => "collective",
         };

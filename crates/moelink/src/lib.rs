@@ -42,8 +42,10 @@ pub mod error;
 pub mod fp8;
 pub mod group;
 pub mod ht;
+pub mod internode;
 pub mod layout;
 pub mod ll;
+pub mod rdma_probe;
 pub mod tensor;
 pub(crate) mod validate;
 
@@ -54,6 +56,7 @@ pub use dtype::{DType, Element, Fp8E4M3};
 pub use error::{Error, Phase, Result};
 pub use group::{Group, TcpGroup, ThreadGroup};
 pub use ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Payload, Routing};
+pub use internode::{EmuNicOptions, RdmaOptions, Topology, Transport};
 pub use ll::{LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant};
 pub use tensor::{Layout, Location, Tensor, TensorMut, TensorRef};
 

@@ -29,6 +29,7 @@ mod ht;
 pub mod inputs;
 mod ll;
 pub mod nvlink;
+pub mod transport;
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -62,6 +63,9 @@ pub struct BenchCmd {
 pub enum BenchSub {
     /// NVLink copy bandwidth, cross-GPU barrier latency and JIT compile times (GPU diagnostics).
     Nvlink(nvlink::NvlinkArgs),
+    /// The RDMA transport seam: put+signal latency and put bandwidth per backend (ptr, emu-nic, nvshmem),
+    /// message size and QP count, each after a conformance check (not network figures without a NIC).
+    Transport(transport::TransportArgs),
 }
 
 /// Which regime to measure.

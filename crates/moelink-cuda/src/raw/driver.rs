@@ -185,6 +185,14 @@ pub(crate) unsafe fn ctx_set_current(ctx: CUcontext) -> Result<()> {
     drv!(cuCtxSetCurrent(ctx))
 }
 
+/// SMs the current context may use (`cuCtxGetExecAffinity`): less than the device's under CUDA MPS with
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`. `None` when the driver does not say.
+pub(crate) unsafe fn ctx_exec_affinity_sm_count() -> Option<u32> {
+    let mut p: sys::CUexecAffinityParam = std::mem::zeroed();
+    let r = sys::cuCtxGetExecAffinity(&mut p, sys::CUexecAffinityType::CU_EXEC_AFFINITY_TYPE_SM_COUNT);
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(p.param.smCount.val)
+}
+
 pub(crate) unsafe fn ctx_synchronize() -> Result<()> {
     drv!(cuCtxSynchronize())
 }

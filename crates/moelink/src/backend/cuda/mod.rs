@@ -8,7 +8,9 @@
 //! at the next call.
 
 pub(crate) mod ht;
+pub(crate) mod internode;
 pub(crate) mod ll;
+pub(crate) mod rdma;
 
 use std::any::Any;
 use std::cell::Cell;
@@ -29,6 +31,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
+use crate::internode::Topology;
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 
@@ -107,6 +110,12 @@ pub(crate) struct CudaBackend {
     pub(crate) ll: ManuallyDrop<ll::LlState>,
     /// Set when the buffer was poisoned (a collective failed): peers may still write into `sym`.
     poisoned: bool,
+    /// SMs this process may use (`Device::available_sms`: fewer under CUDA MPS), read once.
+    available_sms: usize,
+    /// Ranks of this process on this GPU (they divide its SMs).
+    ranks_sharing_gpu: usize,
+    /// Set when the ranks span several nodes: the topology and the RDMA domain.
+    pub(crate) internode: Option<internode::Internode>,
 }
 
 impl CudaBackend {
@@ -124,8 +133,13 @@ impl CudaBackend {
         Self::available()?;
         let rank = group.rank();
         let num_ranks = group.size();
-        if num_ranks > abi::MAX_RANKS {
-            return Err(Error::invalid("group", rank, format!("{num_ranks} ranks; the NVLink kernels support at most {}", abi::MAX_RANKS)));
+        let topology = options.topology.unwrap_or_else(|| Topology::single_node(num_ranks));
+        if topology.ranks_per_node > abi::MAX_RANKS {
+            return Err(Error::invalid(
+                "topology",
+                rank,
+                format!("{topology}: the NVLink kernels support at most {} ranks per node", abi::MAX_RANKS),
+            ));
         }
         let count = Device::count()?;
         let ordinal = options.device.unwrap_or(group.local_rank() % count);
@@ -135,9 +149,22 @@ impl CudaBackend {
         let device = Device::new(ordinal)?;
         device.bind_to_thread()?;
         let stream = Stream::new(&device)?;
-        let len = CTRL_BYTES + options.num_nvl_bytes.next_multiple_of(4096) + options.num_rdma_bytes.next_multiple_of(4096);
-        let gather = |bytes: &[u8]| group.all_gather(bytes);
-        let ex = Exchange { rank, num_ranks, process_key: group.process_key(), all_gather: &gather };
+        // Ranks of this process on this GPU (of every node: virtual nodes may share a GPU) divide its SMs.
+        let here = format!("{}/{}", group.process_key(), device.info().pci_bus_id);
+        let ranks_sharing_gpu = group.all_gather(here.as_bytes())?.iter().filter(|k| k.as_slice() == here.as_bytes()).count().max(1);
+        // The symmetric buffer spans the NVLink domain: this rank's node. Across nodes the low-latency region
+        // (num_rdma_bytes) lives in the RDMA domain instead.
+        let internode = topology.is_internode();
+        let ll_bytes = if internode { 0 } else { options.num_rdma_bytes.next_multiple_of(4096) };
+        let len = CTRL_BYTES + options.num_nvl_bytes.next_multiple_of(4096) + ll_bytes;
+        let node_ranks = topology.ranks_of_node(topology.node_of(rank));
+        let gather = |bytes: &[u8]| -> Result<Vec<Vec<u8>>> { Ok(group.all_gather(bytes)?[node_ranks.clone()].to_vec()) };
+        let ex = Exchange {
+            rank: topology.local_rank_of(rank),
+            num_ranks: topology.ranks_per_node,
+            process_key: group.process_key(),
+            all_gather: &gather,
+        };
         let mut sym = SymmetricBuffer::new(&device, len, &ex)?;
         // Flags and epochs start at zero on every rank; a barrier makes sure no peer writes before that.
         sym.local_mut().memset_u8(0)?;
@@ -145,7 +172,7 @@ impl CudaBackend {
         error_claim.memset_u8(0)?;
         let error_record = HostMapped::new(&device, 1)?;
         group.barrier()?;
-        Ok(CudaBackend {
+        let mut backend = CudaBackend {
             group: group.clone(),
             rank,
             num_ranks,
@@ -160,12 +187,19 @@ impl CudaBackend {
             ht: ManuallyDrop::new(ht::HtState::default()),
             ll: ManuallyDrop::new(ll::LlState::new(&device, options.enable_shrink)?),
             poisoned: false,
+            available_sms: device.available_sms(),
+            ranks_sharing_gpu,
+            internode: None,
             mode: StreamMode::Own,
             capture: None,
             timer: None,
             stream,
             device,
-        })
+        };
+        if internode {
+            backend.internode = Some(internode::Internode::new(&backend, topology, &options.rdma, options.num_rdma_bytes)?);
+        }
+        Ok(backend)
     }
 
     /// Runs later operations on `stream` (raw `CUstream`, asynchronously) or, with `None`, on the buffer's
@@ -223,8 +257,16 @@ impl CudaBackend {
             Some(m) => m.clone(),
             None => {
                 let arch = moelink_cuda::jit::arch_for(self.device.info().compute_capability);
-                let compiled = moelink_cuda::jit::JitCache::global().compile(&spec.compile_request(&arch))?;
+                // Internode kernels of the nvshmem transport compile against NVSHMEM and register with it.
+                let request = match &self.internode {
+                    Some(i) => i.rdma.compile_request(spec, &arch)?,
+                    None => spec.compile_request(&arch),
+                };
+                let compiled = moelink_cuda::jit::JitCache::global().compile(&request)?;
                 let m = Arc::new(compiled.load_shared(&self.device)?);
+                if let Some(i) = &self.internode {
+                    i.rdma.register(&m)?;
+                }
                 self.modules.insert(spec.variant.clone(), m.clone());
                 m
             }
@@ -329,6 +371,9 @@ impl CudaBackend {
     /// Launches the cross-GPU barrier kernel on the operation stream without waiting for it (collective);
     /// an error it records surfaces at the next operation's `finish`.
     pub(crate) fn enqueue_barrier(&mut self) -> Result<()> {
+        if self.internode.is_some() {
+            return internode::enqueue_barrier(self);
+        }
         let k = self.kernel(&moelink_kernels::BarrierVariant.spec(), "gpu_barrier")?;
         let (error_claim, error_record) = self.error_sink();
         let args = abi::BarrierArgs {
@@ -409,15 +454,26 @@ impl CudaBackend {
         Ok(t.start.elapsed_ms(&t.end)? as f64 * 1e3)
     }
 
-    /// The SM count of this GPU.
+    /// Refuses an operation whose kernels exist only for one node, on a buffer whose ranks span several.
+    pub(crate) fn single_node_only(&self, what: &str) -> Result<()> {
+        match &self.internode {
+            Some(i) => Err(Error::Unavailable(format!(
+                "{what} across nodes ({}) is not implemented on the CUDA backend yet; use one node per buffer",
+                i.topology
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The SMs this process may use on its GPU: all of them, or its share under CUDA MPS.
     pub(crate) fn num_device_sms(&self) -> usize {
-        self.device.info().multiprocessors
+        self.available_sms
     }
 
     /// This rank's share of its GPU's SMs: all of them, or an equal part when ranks share the GPU (their
     /// kernels wait for each other, so they must be resident together).
     pub(crate) fn num_rank_sms(&self) -> usize {
-        (self.num_device_sms() / self.sym.ranks_on_device()).max(1)
+        (self.num_device_sms() / self.ranks_sharing_gpu).max(1)
     }
 }
 
@@ -455,6 +511,9 @@ impl Drop for CudaBackend {
         if !idle {
             std::mem::forget(std::mem::take(&mut self.modules));
             std::mem::forget(std::mem::take(&mut self.kernels));
+            if let Some(i) = self.internode.take() {
+                i.leak();
+            }
             return;
         }
         // SAFETY: every ManuallyDrop field is dropped at most once, here, and `self` is not used afterwards;
@@ -466,6 +525,11 @@ impl Drop for CudaBackend {
             ManuallyDrop::drop(&mut self.error_record);
             if !self.poisoned {
                 ManuallyDrop::drop(&mut self.sym);
+            }
+        }
+        if let Some(i) = self.internode.take() {
+            if self.poisoned {
+                i.leak();
             }
         }
     }
@@ -480,6 +544,7 @@ fn phase_of(code: u32) -> Phase {
         abi::phase::COMBINE => Phase::Combine,
         abi::phase::LL_DISPATCH => Phase::LowLatencyDispatch,
         abi::phase::LL_COMBINE => Phase::LowLatencyCombine,
+        abi::phase::TRANSPORT => Phase::Transport,
         _ => Phase::Other,
     }
 }
@@ -577,12 +642,14 @@ impl Backend for CudaBackend {
         ht::dispatch_layout(self, topk_idx, num_experts, out)
     }
     fn prepare_dispatch(&mut self, spec: HtSpec, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+        self.single_node_only("high-throughput dispatch")?;
         ht::prepare_dispatch(self, spec, args)
     }
     fn dispatch(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
         ht::dispatch(self, plan, args, out)
     }
     fn combine(&mut self, spec: CombineSpec, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+        self.single_node_only("high-throughput combine")?;
         ht::combine(self, spec, args, out)
     }
     fn ll_dispatch<'a>(
@@ -591,6 +658,7 @@ impl Backend for CudaBackend {
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
     ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
+        self.single_node_only("low-latency dispatch")?;
         ll::dispatch(self, spec, args, out)
     }
     fn ll_combine<'a>(
@@ -599,6 +667,7 @@ impl Backend for CudaBackend {
         args: &LlCombineArgs<'_>,
         out: LlCombineOutputs<'a>,
     ) -> Result<Option<AnyPending<'a>>> {
+        self.single_node_only("low-latency combine")?;
         ll::combine(self, spec, args, out)
     }
     fn run_recv(&mut self, pending: AnyPending<'_>) -> Result<()> {
@@ -612,6 +681,7 @@ impl Backend for CudaBackend {
         ll::next_combine_buffer(self, spec)
     }
     fn clean_ll_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()> {
+        self.single_node_only("clean_low_latency_buffer")?;
         ll::clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
     }
     fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
@@ -624,6 +694,12 @@ impl Backend for CudaBackend {
         ll::clear_mask(self)
     }
     fn local_buffer(&mut self, use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
+        if let (true, Some(i)) = (use_rdma_buffer, &self.internode) {
+            let addr = i.rdma.local_base() + internode::RDMA_CTRL_BYTES as u64;
+            // SAFETY: the RDMA region holds RDMA_CTRL_BYTES + num_rdma_bytes bytes (Internode::new) and lives as
+            // long as `self`; the view borrows `self` mutably.
+            return unsafe { TensorMut::from_raw_parts(addr, self.location(), DType::U8, &[self.num_rdma_bytes], &[1]) };
+        }
         // The layout `new` allocates: [CTRL_BYTES | HT (num_nvl_bytes, 4 KiB-rounded) | LL (num_rdma_bytes)].
         let (offset, len) = if use_rdma_buffer {
             (HT_DATA + self.num_nvl_bytes.next_multiple_of(4096), self.num_rdma_bytes)

@@ -1,0 +1,303 @@
+//! `moelink bench transport`: the RDMA transport seam on this machine — put+signal latency (ping-pong between
+//! rank pairs) and put / put+signal bandwidth (every rank streams into the next), per backend, message size
+//! and QP count, each after a conformance check of the same backend (`moelink::rdma_probe`).
+//!
+//! Records use mode `"probe"`, op `"put_signal"` (latency) or `"put"` / `"put_signal"` (bandwidth, extra
+//! `pattern`), and carry `transport`, `nodes`, `ranks_per_node`. Without a NIC (ptr, emu-nic, or NVSHMEM over
+//! P2P) and above all with ranks sharing a GPU these are not network figures: the table and the records
+//! (`shared_gpu`) say so.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use moelink::rdma_probe::{self, BenchMode, BenchOptions, BenchPoint, CheckMode, CheckOptions};
+use moelink::{EmuNicOptions, Group, RdmaOptions, TcpGroup, Topology, Transport};
+
+use crate::record::{self, Record, RunFacts, Status};
+use crate::table::{num, Table};
+use crate::{sys, CliError};
+
+/// A transport backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TransportSel {
+    /// Peer pointers (one host).
+    Ptr,
+    /// The emulated NIC (in order per QP, out of order across QPs; delay and rate cap below).
+    EmuNic,
+    /// NVSHMEM (process mode: one process per rank).
+    Nvshmem,
+}
+
+/// What to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProbeSel {
+    /// put_signal ping-pong between ranks r and r ^ 1.
+    Latency,
+    /// Every rank streams puts into rank r + 1.
+    Bandwidth,
+}
+
+/// Options of `moelink bench transport`.
+#[derive(Args, Debug, Clone)]
+pub struct TransportArgs {
+    /// Backends, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ptr,emu-nic")]
+    pub transport: Vec<TransportSel>,
+    /// Thread mode: ranks in this process (default: the GPU count, at least 2); ranks beyond the GPUs share
+    /// them round-robin (correctness only: such times are not network figures).
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Process mode: this process is one rank of a torchrun launch (needed for nvshmem).
+    #[arg(long)]
+    pub process: bool,
+    /// Nodes x ranks per node written into the records (e.g. 2x2); default 1 x ranks.
+    #[arg(long)]
+    pub topology: Option<String>,
+    /// Measurements, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "latency,bandwidth")]
+    pub mode: Vec<ProbeSel>,
+    /// Message sizes in bytes (multiples of 16), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,4096,65536,1048576")]
+    pub sizes: Vec<usize>,
+    /// QPs per peer to sweep, comma-separated (1..=32).
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub qps: Vec<usize>,
+    /// Bytes each rank sends per bandwidth measurement.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub bandwidth_bytes: usize,
+    /// Round trips per latency measurement.
+    #[arg(long, default_value_t = 100)]
+    pub round_trips: u32,
+    /// Timed repetitions per point (median kept; one more as warm-up).
+    #[arg(long, default_value_t = 5)]
+    pub reps: u32,
+    /// Worker blocks of the bandwidth kernel.
+    #[arg(long, default_value_t = 16)]
+    pub blocks: u32,
+    /// Bandwidth with plain puts and one fence + signal per warp (default: every message a put_signal).
+    #[arg(long)]
+    pub no_signal: bool,
+    /// emu-nic: rate cap per rank in GB/s (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub emu_rate_gbps: f64,
+    /// emu-nic: a put runs no earlier than this after it was posted, microseconds.
+    #[arg(long, default_value_t = 0)]
+    pub emu_delay_us: u64,
+    /// Skip the conformance check before timing.
+    #[arg(long)]
+    pub no_check: bool,
+    /// Write one JSON record per measurement to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Seconds a rank waits for the others before giving up.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_s: u64,
+}
+
+/// The RDMA options of one backend and QP count, NVSHMEM's paths from `NVSHMEM_HOME` / `CUDA_HOME`.
+pub fn rdma_options(t: TransportSel, qps: usize, emu: EmuNicOptions) -> RdmaOptions {
+    RdmaOptions {
+        transport: match t {
+            TransportSel::Ptr => Transport::Ptr,
+            TransportSel::EmuNic => Transport::EmuNic(emu),
+            TransportSel::Nvshmem => Transport::Nvshmem,
+        },
+        num_qps_per_rank: qps,
+        nvshmem_home: std::env::var_os("NVSHMEM_HOME").map(PathBuf::from),
+        cuda_home: std::env::var_os("CUDA_HOME").map(PathBuf::from),
+        ..RdmaOptions::default()
+    }
+}
+
+/// One rank's results for one (transport, QPs): the check's wrong bytes, then each mode's points.
+type RankOutcome = (Option<u64>, Vec<(ProbeSel, moelink::Result<Vec<BenchPoint>>)>);
+
+fn run_rank(g: &dyn Group, device: usize, a: &TransportArgs, rdma: &RdmaOptions) -> moelink::Result<RankOutcome> {
+    let timeout_ms = a.timeout_s.saturating_mul(1000) / 4;
+    let wrong = if a.no_check {
+        None
+    } else {
+        let o = CheckOptions { rdma: rdma.clone(), mode: CheckMode::PutSignal, rounds: 2, timeout_ms, ..CheckOptions::default() };
+        Some(rdma_probe::check(g, device, &o)?.wrong_bytes)
+    };
+    let mut out = Vec::new();
+    for &m in &a.mode {
+        if m == ProbeSel::Latency && g.size() < 2 {
+            out.push((m, Err(moelink::Error::Unavailable("the latency probe pairs ranks: it needs at least 2".into()))));
+            continue;
+        }
+        let o = BenchOptions {
+            rdma: rdma.clone(),
+            mode: if m == ProbeSel::Latency { BenchMode::Latency } else { BenchMode::Bandwidth },
+            sizes: a.sizes.clone(),
+            bandwidth_bytes: a.bandwidth_bytes,
+            latency_round_trips: a.round_trips,
+            use_signal: !a.no_signal,
+            blocks: a.blocks,
+            repetitions: a.reps,
+            timeout_ms,
+        };
+        out.push((m, rdma_probe::bench(g, device, &o)));
+    }
+    Ok((wrong, out))
+}
+
+/// Runs `moelink bench transport`.
+pub fn run(a: &TransportArgs) -> Result<(), CliError> {
+    let gpus = sys::gpu_count();
+    let (group, thread_ranks): (Option<TcpGroup>, usize) = if a.process {
+        (Some(TcpGroup::from_env().map_err(|e| CliError(format!("cannot join the process group: {e}")))?), 0)
+    } else {
+        (None, a.ranks.unwrap_or(gpus.max(2)))
+    };
+    let ranks = group.as_ref().map_or(thread_ranks, |g| g.size());
+    if ranks == 0 {
+        return Err(CliError("--ranks must be at least 1".into()));
+    }
+    if a.transport.contains(&TransportSel::Nvshmem) && !a.process {
+        return Err(CliError("--transport nvshmem needs --process (NVSHMEM has one PE per process; launch with torchrun)".into()));
+    }
+    let topology = match &a.topology {
+        Some(t) => t.parse::<Topology>().map_err(|e| CliError(format!("--topology: {e}")))?,
+        None => Topology::single_node(ranks),
+    };
+    if topology.num_ranks() != ranks {
+        return Err(CliError(format!("--topology {topology} is not {ranks} ranks")));
+    }
+    let me = group.as_ref().map_or(0, |g| g.rank());
+    // Ranks on this host: all of them in thread mode, torchrun's LOCAL_WORLD_SIZE in process mode.
+    let local_ranks = if a.process { std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(ranks) } else { ranks };
+    let shared_gpu = gpus == 0 || local_ranks > gpus;
+    let facts = RunFacts {
+        system: "moelink".into(),
+        backend: "cuda".into(),
+        device: sys::device_name(moelink::BackendKind::Cuda),
+        gpus: gpus.min(ranks),
+        date: sys::utc_now(),
+        commit: sys::commit(),
+    };
+    if me == 0 {
+        println!(
+            "moelink bench transport | {ranks} ranks ({topology}) on {} | {} | commit {} | {}",
+            facts.device,
+            if a.process { "process mode" } else { "thread mode" },
+            facts.commit,
+            facts.date
+        );
+        println!(
+            "not a network figure: no RDMA NIC takes part here{}",
+            if shared_gpu { ", and the ranks share a GPU (they exchange through its own memory)" } else { "" }
+        );
+    }
+    let emu = EmuNicOptions { delay_us: a.emu_delay_us, rate_gbps: a.emu_rate_gbps, ..EmuNicOptions::default() };
+    let mut records = Vec::new();
+    for &t in &a.transport {
+        for &qps in &a.qps {
+            let rdma = rdma_options(t, qps, emu);
+            let outcome = match &group {
+                Some(g) => run_rank(g, g.local_rank() % gpus.max(1), a, &rdma),
+                None => {
+                    let per = crate::ranks::run_threads(ranks, Duration::from_secs(a.timeout_s.max(1)), |g| {
+                        run_rank(&g, g.rank() % gpus.max(1), a, &rdma)
+                    });
+                    per.into_iter().next().unwrap_or_else(|| Err(moelink::Error::Unavailable("no ranks ran".into())))
+                }
+            };
+            let base = {
+                let mut r = Record::new(&facts, "probe", "put_signal", ranks);
+                r.nodes = Some(topology.num_nodes);
+                r.ranks_per_node = Some(topology.ranks_per_node);
+                r.transport = Some(rdma.transport.name().into());
+                r.extra.insert("qps".into(), serde_json::json!(qps));
+                r.extra.insert("shared_gpu".into(), serde_json::json!(shared_gpu));
+                if let Transport::EmuNic(o) = rdma.transport {
+                    r.extra.insert("emu_rate_gbps".into(), serde_json::json!(o.rate_gbps));
+                    r.extra.insert("emu_delay_us".into(), serde_json::json!(o.delay_us));
+                }
+                r
+            };
+            match outcome {
+                Err(e) => records.push(failed(base, e)),
+                Ok((wrong, modes)) => {
+                    for (m, points) in modes {
+                        let mut r = base.clone();
+                        r.op = if m == ProbeSel::Bandwidth && a.no_signal { "put".into() } else { "put_signal".into() };
+                        r.extra.insert("pattern".into(), serde_json::json!(if m == ProbeSel::Latency { "ping-pong" } else { "stream" }));
+                        match points {
+                            Err(e) => records.push(failed(r, e)),
+                            Ok(points) => records.extend(points.into_iter().map(|p| point_record(&r, &p, m, wrong, a.reps))),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if me != 0 {
+        return Ok(());
+    }
+    println!("{}", render(&records));
+    if let Some(path) = &a.json {
+        record::write_json(path, &records).map_err(CliError)?;
+        println!("wrote {} records to {}", records.len(), path.display());
+    }
+    let bad = records.iter().filter(|r| matches!(r.status, Status::Error | Status::Incorrect)).count();
+    if bad > 0 {
+        return Err(CliError(format!("{bad} of {} transport measurements failed", records.len())));
+    }
+    Ok(())
+}
+
+fn point_record(base: &Record, p: &BenchPoint, m: ProbeSel, wrong: Option<u64>, reps: u32) -> Record {
+    let mut r = base.clone();
+    r.time_us = Some(p.us);
+    if m == ProbeSel::Bandwidth {
+        r.logical_gbps = Some(p.gbps);
+        r.wire_gbps = Some(p.gbps);
+    }
+    r.correct = wrong.map(|w| w == 0);
+    r.status = if wrong.unwrap_or(0) == 0 { Status::Ok } else { Status::Incorrect };
+    if let Some(w) = wrong.filter(|w| *w > 0) {
+        r.error = Some(format!("the conformance check found {w} wrong bytes"));
+    }
+    r.reps = Some(reps as usize);
+    r.warmup = Some(1);
+    r.timer = Some("globaltimer".into());
+    r.extra.insert("bytes".into(), serde_json::json!(p.bytes));
+    r.extra.insert("messages".into(), serde_json::json!(p.messages));
+    r
+}
+
+fn failed(mut r: Record, e: moelink::Error) -> Record {
+    r.status = if matches!(e, moelink::Error::Unavailable(_)) { Status::Unavailable } else { Status::Error };
+    r.error = Some(match e {
+        moelink::Error::Unavailable(why) => why,
+        e => e.to_string(),
+    });
+    r
+}
+
+fn render(records: &[Record]) -> String {
+    let mut t = Table::new(&["transport", "QPs", "what", "bytes", "µs", "GB/s", "checked"], &[false, true, false, true, true, true, false]);
+    let extra = |r: &Record, k: &str| r.extra.get(k).map(|v| v.as_str().map_or_else(|| v.to_string(), String::from)).unwrap_or_default();
+    for r in records {
+        let lead = vec![r.transport.clone().unwrap_or_default(), extra(r, "qps"), format!("{} {}", r.op, extra(r, "pattern"))];
+        match r.status {
+            Status::Unavailable => t.note(lead, format!("unavailable: {}", r.error.as_deref().unwrap_or("?"))),
+            Status::Error => t.note(lead, format!("error: {}", r.error.as_deref().unwrap_or("?"))),
+            _ => {
+                let mut cells = lead;
+                cells.push(extra(r, "bytes"));
+                cells.push(r.time_us.map_or("-".into(), num));
+                cells.push(r.logical_gbps.map_or("-".into(), num));
+                cells.push(match r.correct {
+                    Some(true) => "yes".into(),
+                    Some(false) => "NO".into(),
+                    None => "-".into(),
+                });
+                t.row(cells);
+            }
+        }
+    }
+    t.render()
+}

@@ -1,0 +1,70 @@
+//! What a CUDA buffer adds when its ranks span several nodes: the topology, the RDMA domain (region of
+//! `num_rdma_bytes` behind the transport seam) and a barrier of every rank through that seam.
+//!
+//! Region of every rank, at the same offsets (`RDMA_CTRL_BYTES` of control first):
+//! `[barrier words u64[R] | ...control... ][operation data: num_rdma_bytes]`.
+
+use moelink_cuda::{DeviceBuffer, LaunchConfig};
+use moelink_kernels::transport::{TransportBarrierArgs, TransportVariant, TRANSPORT_THREADS};
+
+use super::rdma::RdmaDomain;
+use super::CudaBackend;
+use crate::error::{Error, Result};
+use crate::internode::Topology;
+
+/// Bytes at the start of the RDMA region for control words (barrier words: `u64[R]`, R <= 4096).
+pub(crate) const RDMA_CTRL_BYTES: usize = 64 << 10;
+/// Offset of the barrier words in the RDMA region.
+const BARRIER_WORDS: usize = 0;
+
+/// The internode part of a [`CudaBackend`].
+pub(crate) struct Internode {
+    pub(crate) topology: Topology,
+    pub(crate) rdma: RdmaDomain,
+    /// Barriers this rank has entered (`u64`, device; the barrier kernel counts).
+    barrier_counter: DeviceBuffer,
+}
+
+impl Internode {
+    /// Sets up the RDMA domain of `num_rdma_bytes` (plus control) on every rank (collective).
+    pub(crate) fn new(b: &CudaBackend, topology: Topology, options: &crate::RdmaOptions, num_rdma_bytes: usize) -> Result<Internode> {
+        if topology.num_ranks() * 8 > RDMA_CTRL_BYTES {
+            return Err(Error::invalid(
+                "topology",
+                b.rank,
+                format!("{topology}: the RDMA domain holds at most {} ranks", RDMA_CTRL_BYTES / 8),
+            ));
+        }
+        let rdma = RdmaDomain::new(&b.device, b.group.as_ref(), options, RDMA_CTRL_BYTES + num_rdma_bytes)?;
+        Ok(Internode { topology, rdma, barrier_counter: DeviceBuffer::zeroed(&b.device, 8)? })
+    }
+
+    /// Keeps the RDMA region when dropped (a peer may still put into it after a failure).
+    pub(crate) fn leak(self) {
+        self.rdma.leak();
+        std::mem::forget(self.barrier_counter);
+    }
+}
+
+/// Launches a barrier of every rank of the RDMA domain on the operation stream (collective); an error it
+/// records surfaces at the next `finish`.
+pub(crate) fn enqueue_barrier(b: &mut CudaBackend) -> Result<()> {
+    let transport = match &b.internode {
+        Some(i) => i.rdma.transport(),
+        None => return Err(Error::invalid("topology", b.rank, "a transport barrier needs an internode buffer")),
+    };
+    let spec = TransportVariant { transport: transport.kernel_transport() }.spec();
+    let k = b.kernel(&spec, "transport_barrier")?;
+    let (error_claim, error_record) = b.error_sink();
+    let inter = b.internode.as_ref().expect("checked above");
+    let args = TransportBarrierArgs {
+        rdma: inter.rdma.args(),
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        counter: inter.barrier_counter.device_ptr(),
+        signal_off: BARRIER_WORDS as u64,
+    };
+    let cfg = LaunchConfig::linear(1 + inter.rdma.nic_blocks(), TRANSPORT_THREADS).with_cooperative();
+    b.launch(&k, &cfg, &args)
+}

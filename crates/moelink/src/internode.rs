@@ -1,0 +1,395 @@
+//! Across nodes: how the ranks map onto nodes ([`Topology`]), which engine carries bytes between nodes
+//! ([`Transport`]) and the RDMA settings handed to it ([`RdmaOptions`]).
+//!
+//! A node is an NVLink domain: its ranks reach each other with peer pointers, as in single-node use. Ranks
+//! of different nodes exchange through the RDMA transport seam (`moelink-kernels/cuda/transport.cuh`). A
+//! buffer whose topology has one node needs none of this (and never loads NVSHMEM).
+//!
+//! Virtual nodes: [`BufferOptions::topology`](crate::BufferOptions::topology) can split the ranks of one host
+//! into several nodes (4 ranks as 2 × 2), so that the internode protocols run — over `ptr` or `emu-nic` —
+//! on a machine without a NIC, or with fewer GPUs than ranks.
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+
+/// Ranks per node the NVLink kernels support (`moelink_kernels::abi::MAX_RANKS`).
+pub const MAX_RANKS_PER_NODE: usize = moelink_kernels::abi::MAX_RANKS;
+
+/// `num_nodes × ranks_per_node`: rank `r` is local rank `r % ranks_per_node` of node `r / ranks_per_node`
+/// (ranks are numbered node by node, as torchrun does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Topology {
+    /// Nodes (NVLink domains).
+    pub num_nodes: usize,
+    /// Ranks of each node.
+    pub ranks_per_node: usize,
+}
+
+impl Topology {
+    /// One node holding every rank.
+    pub fn single_node(num_ranks: usize) -> Topology {
+        Topology { num_nodes: 1, ranks_per_node: num_ranks }
+    }
+
+    /// Ranks in all.
+    pub fn num_ranks(&self) -> usize {
+        self.num_nodes * self.ranks_per_node
+    }
+
+    /// True when ranks of several nodes take part (the RDMA transport is needed).
+    pub fn is_internode(&self) -> bool {
+        self.num_nodes > 1
+    }
+
+    /// The node of rank `r`.
+    pub fn node_of(&self, r: usize) -> usize {
+        r / self.ranks_per_node
+    }
+
+    /// Rank `r`'s index inside its node.
+    pub fn local_rank_of(&self, r: usize) -> usize {
+        r % self.ranks_per_node
+    }
+
+    /// The ranks of `node`, in order.
+    pub fn ranks_of_node(&self, node: usize) -> std::ops::Range<usize> {
+        node * self.ranks_per_node..(node + 1) * self.ranks_per_node
+    }
+
+    /// Checks the topology against a group of `num_ranks` (this is `rank`): every rank on exactly one
+    /// node, at most [`MAX_RANKS_PER_NODE`] per node. The error names `topology`.
+    pub fn validate(&self, num_ranks: usize, rank: usize) -> Result<()> {
+        if self.num_nodes == 0 || self.ranks_per_node == 0 {
+            return Err(Error::invalid("topology", rank, format!("{self}: nodes and ranks per node must be positive")));
+        }
+        if self.num_nodes.checked_mul(self.ranks_per_node) != Some(num_ranks) {
+            return Err(Error::invalid("topology", rank, format!("{self} is not the group's {num_ranks} ranks")));
+        }
+        if self.ranks_per_node > MAX_RANKS_PER_NODE {
+            return Err(Error::invalid(
+                "topology",
+                rank,
+                format!("{self}: a node (NVLink domain) holds at most {MAX_RANKS_PER_NODE} ranks"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The launcher's layout: ranks grouped by the host they run on (an all-gather of host names;
+    /// collective). Ranks of one host must be consecutive and every host must hold as many ranks, as
+    /// torchrun places them; otherwise the error asks for an explicit topology.
+    pub fn detect(group: &dyn Group) -> Result<Topology> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let hosts = group.all_gather(host.trim().as_bytes())?;
+        Topology::from_hosts(&hosts, group.rank())
+    }
+
+    /// [`Topology::detect`] on gathered host names (indexed by rank).
+    pub fn from_hosts(hosts: &[Vec<u8>], rank: usize) -> Result<Topology> {
+        let n = hosts.len();
+        let per_node = hosts.iter().take_while(|h| **h == hosts[0]).count().max(1);
+        let detected = Topology { num_nodes: n / per_node, ranks_per_node: per_node };
+        let consistent = n % per_node == 0
+            && hosts.chunks(per_node).all(|c| c.iter().all(|h| *h == c[0]))
+            && hosts.chunks(per_node).enumerate().all(|(i, c)| hosts.chunks(per_node).skip(i + 1).all(|d| d[0] != c[0]));
+        if !consistent {
+            return Err(Error::invalid(
+                "topology",
+                rank,
+                "the ranks are not grouped by host (consecutive ranks per host, as many on each); set BufferOptions::topology \
+                 (Python: the MOELINK_TOPOLOGY variable, e.g. 2x4)"
+                    .to_string(),
+            ));
+        }
+        Ok(detected)
+    }
+}
+
+impl std::fmt::Display for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} node(s) x {} rank(s)", self.num_nodes, self.ranks_per_node)
+    }
+}
+
+impl std::str::FromStr for Topology {
+    type Err = String;
+    /// `NODESxRANKS`, e.g. `2x4`.
+    fn from_str(s: &str) -> std::result::Result<Topology, String> {
+        let (a, b) = s.trim().split_once(['x', 'X']).ok_or_else(|| format!("{s:?} is not NODESxRANKS_PER_NODE (e.g. 2x4)"))?;
+        let num = |t: &str| t.trim().parse::<usize>().map_err(|_| format!("{s:?} is not NODESxRANKS_PER_NODE (e.g. 2x4)"));
+        Ok(Topology { num_nodes: num(a)?, ranks_per_node: num(b)? })
+    }
+}
+
+/// Settings of the emulated NIC (tests only; see `transport.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EmuNicOptions {
+    /// A put runs no earlier than this long after it was posted.
+    pub delay_us: u64,
+    /// Rate cap per rank, GB/s (0: none).
+    pub rate_gbps: f64,
+    /// Hold QPs back at random, so that operations on different QPs are delivered out of order.
+    pub reorder: bool,
+    /// Seed of that reordering.
+    pub seed: u32,
+    /// Blocks of each internode launch that act as the NIC (1..=8).
+    pub nic_blocks: u32,
+}
+
+impl Default for EmuNicOptions {
+    fn default() -> Self {
+        EmuNicOptions { delay_us: 0, rate_gbps: 0.0, reorder: true, seed: 1, nic_blocks: 1 }
+    }
+}
+
+/// The engine under the RDMA transport seam.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum Transport {
+    /// NVSHMEM's device API: IBGDA (GPU-initiated RDMA) or its proxy on a cluster, P2P between PEs of one
+    /// host. One process per rank.
+    #[default]
+    Nvshmem,
+    /// Peer pointers: virtual nodes of one host (one process, or processes through CUDA IPC). No NIC.
+    Ptr,
+    /// The emulated NIC (tests): in order per QP, out of order across QPs, delays, a rate cap.
+    EmuNic(EmuNicOptions),
+}
+
+impl Transport {
+    /// The kernels' JIT key.
+    pub fn kernel_transport(&self) -> moelink_kernels::transport::Transport {
+        match self {
+            Transport::Nvshmem => moelink_kernels::transport::Transport::Nvshmem,
+            Transport::Ptr => moelink_kernels::transport::Transport::Ptr,
+            Transport::EmuNic(_) => moelink_kernels::transport::Transport::EmuNic,
+        }
+    }
+
+    /// `nvshmem`, `ptr` or `emu-nic`.
+    pub fn name(&self) -> &'static str {
+        self.kernel_transport().name()
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    /// `nvshmem`, `ptr`, `emu-nic` (default settings: reordering on).
+    fn from_str(s: &str) -> std::result::Result<Transport, String> {
+        match s.trim() {
+            "nvshmem" => Ok(Transport::Nvshmem),
+            "ptr" => Ok(Transport::Ptr),
+            "emu-nic" => Ok(Transport::EmuNic(EmuNicOptions::default())),
+            other => Err(format!("unknown transport {other:?}: expected nvshmem, ptr or emu-nic")),
+        }
+    }
+}
+
+/// RDMA settings (DeepEP's names where it has them). The NIC ones are handed to NVSHMEM before it
+/// initialises (as the `NVSHMEM_*` variables in [`RdmaOptions::nvshmem_env`]); `None` leaves NVSHMEM's
+/// default (or what the environment already says).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RdmaOptions {
+    /// The engine. Default: NVSHMEM.
+    pub transport: Transport,
+    /// QPs per peer (DeepEP's `num_qps_per_rank`): the kernels spread their operations over this many
+    /// (1..=32); with NVSHMEM it also sets `NVSHMEM_IBGDA_NUM_RC_PER_PE`.
+    pub num_qps_per_rank: usize,
+    /// Low-latency kernels reach peers of their own node over NVLink (DeepEP's
+    /// `allow_nvlink_for_low_latency_mode`); otherwise every peer goes through the RDMA transport.
+    pub allow_nvlink_for_low_latency_mode: bool,
+    /// GPU-initiated RDMA (`NVSHMEM_IB_ENABLE_IBGDA`).
+    pub ibgda: Option<bool>,
+    /// Both ports of a dual-port NIC (`NVSHMEM_IBGDA_ENABLE_MULTI_PORT`).
+    pub multi_port: Option<bool>,
+    /// RoCE/IB traffic class (`NVSHMEM_IB_TRAFFIC_CLASS`).
+    pub traffic_class: Option<u32>,
+    /// IB service level (`NVSHMEM_IB_SL`).
+    pub service_level: Option<u32>,
+    /// RoCE GID index (`NVSHMEM_IB_GID_INDEX`).
+    pub gid_index: Option<u32>,
+    /// RoCE address family, `AF_INET` or `AF_INET6` (`NVSHMEM_IB_ADDR_FAMILY`).
+    pub address_family: Option<String>,
+    /// Send-queue depth per QP (`NVSHMEM_QP_DEPTH`).
+    pub qp_depth: Option<u32>,
+    /// NICs to use, e.g. `mlx5_0:1,mlx5_1:1` (`NVSHMEM_HCA_LIST`).
+    pub hca_list: Option<String>,
+    /// NIC per PE, e.g. `mlx5_0:1:2,mlx5_1:1:2` (`NVSHMEM_HCA_PE_MAPPING`).
+    pub hca_pe_mapping: Option<String>,
+    /// NVSHMEM's installation (`include/`, `lib/`), e.g. the `nvidia/nvshmem` folder of the
+    /// `nvidia-nvshmem-cu13` wheel. Needed for the `nvshmem` transport.
+    pub nvshmem_home: Option<PathBuf>,
+    /// The CUDA toolkit (its `include/` with the runtime and libcu++ headers), for compiling the `nvshmem`
+    /// kernels; default: `/usr/local/cuda`, or beside a pip-installed NVSHMEM.
+    pub cuda_home: Option<PathBuf>,
+}
+
+impl Default for RdmaOptions {
+    fn default() -> Self {
+        RdmaOptions {
+            transport: Transport::default(),
+            num_qps_per_rank: 24,
+            allow_nvlink_for_low_latency_mode: true,
+            ibgda: None,
+            multi_port: None,
+            traffic_class: None,
+            service_level: None,
+            gid_index: None,
+            address_family: None,
+            qp_depth: None,
+            hca_list: None,
+            hca_pe_mapping: None,
+            nvshmem_home: None,
+            cuda_home: None,
+        }
+    }
+}
+
+impl RdmaOptions {
+    /// Checks the settings (this is `rank`); the error names the field.
+    pub fn validate(&self, rank: usize) -> Result<()> {
+        let max_qps = moelink_kernels::transport::RDMA_MAX_QPS;
+        if self.num_qps_per_rank == 0 || self.num_qps_per_rank > max_qps {
+            return Err(Error::invalid("num_qps_per_rank", rank, format!("{} (must be 1..={max_qps})", self.num_qps_per_rank)));
+        }
+        if let Some(af) = &self.address_family {
+            if af != "AF_INET" && af != "AF_INET6" {
+                return Err(Error::invalid("address_family", rank, format!("{af:?} (expected AF_INET or AF_INET6)")));
+            }
+        }
+        if let Transport::EmuNic(n) = &self.transport {
+            if n.nic_blocks == 0 || n.nic_blocks > 8 {
+                return Err(Error::invalid("emu_nic.nic_blocks", rank, format!("{} (must be 1..=8)", n.nic_blocks)));
+            }
+            if !(n.rate_gbps >= 0.0 && n.rate_gbps.is_finite()) {
+                return Err(Error::invalid("emu_nic.rate_gbps", rank, format!("{} (must be finite and >= 0)", n.rate_gbps)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `NVSHMEM_*` variables these settings stand for, set just before NVSHMEM initialises. Always
+    /// `NVSHMEM_DISABLE_NVLS=1` (moelink uses no NVLink multicast); `NVSHMEM_DISABLE_P2P=1` when low-latency
+    /// peers of a node must go through the NIC too.
+    pub fn nvshmem_env(&self) -> Vec<(String, String)> {
+        let mut env = vec![("NVSHMEM_DISABLE_NVLS".to_string(), "1".to_string())];
+        let mut set = |k: &str, v: String| env.push((k.to_string(), v));
+        let flag = |b: bool| if b { "1".to_string() } else { "0".to_string() };
+        set("NVSHMEM_IBGDA_NUM_RC_PER_PE", self.num_qps_per_rank.to_string());
+        if !self.allow_nvlink_for_low_latency_mode {
+            set("NVSHMEM_DISABLE_P2P", "1".into());
+        }
+        if let Some(v) = self.ibgda {
+            set("NVSHMEM_IB_ENABLE_IBGDA", flag(v));
+            if v {
+                set("NVSHMEM_IBGDA_NIC_HANDLER", "gpu".into());
+            }
+        }
+        if let Some(v) = self.multi_port {
+            set("NVSHMEM_IBGDA_ENABLE_MULTI_PORT", flag(v));
+        }
+        if let Some(v) = self.traffic_class {
+            set("NVSHMEM_IB_TRAFFIC_CLASS", v.to_string());
+        }
+        if let Some(v) = self.service_level {
+            set("NVSHMEM_IB_SL", v.to_string());
+        }
+        if let Some(v) = self.gid_index {
+            set("NVSHMEM_IB_GID_INDEX", v.to_string());
+        }
+        if let Some(v) = &self.address_family {
+            set("NVSHMEM_IB_ADDR_FAMILY", v.clone());
+        }
+        if let Some(v) = self.qp_depth {
+            set("NVSHMEM_QP_DEPTH", v.to_string());
+        }
+        if let Some(v) = &self.hca_list {
+            set("NVSHMEM_HCA_LIST", v.clone());
+        }
+        if let Some(v) = &self.hca_pe_mapping {
+            set("NVSHMEM_HCA_PE_MAPPING", v.clone());
+        }
+        env
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topology_arithmetic_and_checks() {
+        let t = Topology { num_nodes: 2, ranks_per_node: 4 };
+        assert_eq!((t.num_ranks(), t.node_of(5), t.local_rank_of(5), t.ranks_of_node(1)), (8, 1, 1, 4..8));
+        assert!(t.is_internode() && !Topology::single_node(8).is_internode());
+        t.validate(8, 0).unwrap();
+        let e = t.validate(6, 3).unwrap_err();
+        assert_eq!(e.argument(), Some("topology"));
+        assert!(e.to_string().contains("rank 3") && e.to_string().contains("6 ranks"), "{e}");
+        let e = Topology { num_nodes: 1, ranks_per_node: 16 }.validate(16, 0).unwrap_err().to_string();
+        assert!(e.contains("at most 8"), "{e}");
+        assert!(Topology { num_nodes: 0, ranks_per_node: 4 }.validate(0, 0).is_err());
+        assert_eq!("2x4".parse::<Topology>(), Ok(t));
+        assert_eq!(" 4X2 ".parse::<Topology>(), Ok(Topology { num_nodes: 4, ranks_per_node: 2 }));
+        assert!("8".parse::<Topology>().is_err() && "ax2".parse::<Topology>().is_err());
+    }
+
+    #[test]
+    fn detection_groups_ranks_by_host() {
+        let h = |v: &[&str]| v.iter().map(|s| s.as_bytes().to_vec()).collect::<Vec<_>>();
+        assert_eq!(Topology::from_hosts(&h(&["a", "a", "b", "b"]), 0).unwrap(), Topology { num_nodes: 2, ranks_per_node: 2 });
+        assert_eq!(Topology::from_hosts(&h(&["a", "a", "a"]), 0).unwrap(), Topology::single_node(3));
+        for bad in [&["a", "b", "a", "b"][..], &["a", "a", "b"], &["a", "b", "b", "a"]] {
+            let e = Topology::from_hosts(&h(bad), 1).unwrap_err();
+            assert_eq!(e.argument(), Some("topology"), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn detection_through_a_thread_group_is_one_node() {
+        let out = crate::group::run_ranks(3, |g| Topology::detect(&g));
+        assert!(out.iter().all(|t| matches!(t, Ok(t) if *t == Topology::single_node(3))), "{out:?}");
+    }
+
+    #[test]
+    fn rdma_options_map_to_nvshmem_variables() {
+        let o = RdmaOptions {
+            num_qps_per_rank: 4,
+            allow_nvlink_for_low_latency_mode: false,
+            ibgda: Some(true),
+            traffic_class: Some(106),
+            gid_index: Some(3),
+            address_family: Some("AF_INET6".into()),
+            hca_list: Some("mlx5_0:1".into()),
+            ..RdmaOptions::default()
+        };
+        o.validate(0).unwrap();
+        let env = o.nvshmem_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("NVSHMEM_DISABLE_NVLS"), Some("1"));
+        assert_eq!(get("NVSHMEM_IBGDA_NUM_RC_PER_PE"), Some("4"));
+        assert_eq!(get("NVSHMEM_DISABLE_P2P"), Some("1"));
+        assert_eq!(get("NVSHMEM_IB_ENABLE_IBGDA"), Some("1"));
+        assert_eq!(get("NVSHMEM_IBGDA_NIC_HANDLER"), Some("gpu"));
+        assert_eq!(get("NVSHMEM_IB_TRAFFIC_CLASS"), Some("106"));
+        assert_eq!(get("NVSHMEM_IB_GID_INDEX"), Some("3"));
+        assert_eq!(get("NVSHMEM_IB_ADDR_FAMILY"), Some("AF_INET6"));
+        assert_eq!(get("NVSHMEM_HCA_LIST"), Some("mlx5_0:1"));
+        assert_eq!(get("NVSHMEM_IB_SL"), None);
+        assert_eq!(
+            RdmaOptions { num_qps_per_rank: 0, ..RdmaOptions::default() }.validate(2).unwrap_err().argument(),
+            Some("num_qps_per_rank")
+        );
+        assert_eq!(
+            RdmaOptions { num_qps_per_rank: 33, ..RdmaOptions::default() }.validate(2).unwrap_err().argument(),
+            Some("num_qps_per_rank")
+        );
+        assert_eq!(
+            RdmaOptions { address_family: Some("inet".into()), ..RdmaOptions::default() }.validate(0).unwrap_err().argument(),
+            Some("address_family")
+        );
+        assert_eq!("emu-nic".parse::<Transport>().map(|t| t.name()), Ok("emu-nic"));
+        assert!("rdma".parse::<Transport>().is_err());
+    }
+}
