@@ -5,7 +5,8 @@
 //! Nothing here runs unless an internode buffer asks for the `nvshmem` transport; single-node use never loads
 //! NVSHMEM. Facts the design rests on (NVSHMEM 3.4.5, the version torch 2.11 pins):
 //! - `nvshmemx_hostlib_init_attr` can return 0 without having initialised the device side: success is
-//!   `nvshmemx_init_status() == 2`, checked after every init.
+//!   `nvshmemx_init_status()` of 2 (3 or 4 when PEs share a GPU, without or with CUDA MPS), checked after
+//!   every init.
 //! - One PE per process, for the life of the process: NVSHMEM is initialised once and never finalised here
 //!   (it registers its own `atexit` teardown); a later buffer must use the same ranks.
 //! - NVSHMEM reads its configuration (transport, QPs, NIC selection, ...) from `NVSHMEM_*` environment
@@ -182,12 +183,13 @@ impl Nvshmem {
         let rc = unsafe { (api.hostlib_init_attr)(sys::INIT_WITH_UNIQUEID, &mut *attr) };
         // SAFETY: plain queries of the library's state.
         let status = unsafe { (api.init_status)() };
-        if rc != 0 || status != sys::STATUS_IS_INITIALIZED {
+        if rc != 0 || !(sys::STATUS_IS_INITIALIZED..=sys::STATUS_FULL_MPG).contains(&status) {
             return Err(Error::Nvshmem(format!(
-                "initialisation failed on rank {} (nvshmemx_hostlib_init_attr returned {rc}, init status {status}, expected {}); \
+                "initialisation failed on rank {} (nvshmemx_hostlib_init_attr returned {rc}, init status {status}, expected {} to {}); \
                  NVSHMEM's own messages above say why (NVSHMEM_DEBUG=INFO for more). Several PEs on one GPU need CUDA MPS",
                 ex.rank,
-                sys::STATUS_IS_INITIALIZED
+                sys::STATUS_IS_INITIALIZED,
+                sys::STATUS_FULL_MPG
             ))
             .into());
         }

@@ -105,8 +105,12 @@ impl InitAttr {
 
 /// `NVSHMEMX_INIT_WITH_UNIQUEID` (host/nvshmemx_api.h).
 pub(crate) const INIT_WITH_UNIQUEID: c_uint = 1 << 3;
-/// `nvshmemx_init_status()` once the device side is initialised (`NVSHMEM_STATUS_IS_INITIALIZED`).
+/// `nvshmemx_init_status()` once the device side is initialised (`NVSHMEM_STATUS_IS_INITIALIZED`); with
+/// several PEs on one GPU it reports `NVSHMEM_STATUS_LIMITED_MPG` (3: no CUDA MPS, PEs time-slice; team
+/// split is unavailable) or `NVSHMEM_STATUS_FULL_MPG` (4: under MPS), both initialised too.
 pub(crate) const STATUS_IS_INITIALIZED: c_int = 2;
+/// `NVSHMEM_STATUS_FULL_MPG`: the last initialised state.
+pub(crate) const STATUS_FULL_MPG: c_int = 4;
 
 /// The host entry points moelink uses.
 pub(crate) struct Api {

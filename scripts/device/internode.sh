@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Runs THERE, on any GPU machine (one GPU is enough; carry [".device"] from scripts/device/build.sh): the
+# internode work on virtual nodes, with ranks sharing the GPU(s). Correctness and the transport seam only:
+# there is no RDMA NIC, and ranks on one GPU exchange through its own memory, so nothing here is a network
+# or NVLink figure.
+#   seam      thread mode: the internode GPU tests (transport conformance on ptr / emu-nic, buffers over
+#             2x2, 2x4, 4x2 virtual nodes, a missing rank named), moelink selftest with the transport checks,
+#             moelink bench transport at 4 ranks as 2x2 (ptr, emu-nic)
+#   nomps     process mode without CUDA MPS: moelink selftest --process with 2 processes on one GPU (each rank
+#             prints its own failures)
+#   mps       CUDA MPS started as an ordinary daemon (pipe and log folders under /tmp, compute mode untouched,
+#             CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / processes), quit at the end: moelink selftest --process
+#             with the nvshmem transport at 2 and 4 processes, and moelink bench transport --process (nvshmem,
+#             ptr, emu-nic) at 4 processes as 2x2
+#   mpsthread thread mode under MPS: the HT test that timed out there (cuda::timed_regions_keep_results_and_measure)
+#             at 4 ranks, with the process at 100% and at 25% of the GPU
+# NVSHMEM is torch's (nvidia-nvshmem-cu13 3.4.5) unless NVSHMEM_HOME says otherwise; single-host settings:
+# NVSHMEM_REMOTE_TRANSPORT=none, the unique-id bootstrap on lo.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/device/steps.sh
+STEPS=${STEPS:-"seam nomps mps mpsthread"}
+export MOELINK_TEST_CUDA=1 MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
+nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
+export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1
+note "ranks share GPUs: $(nvidia-smi -L | wc -l) GPU(s); NVSHMEM_HOME=$NVSHMEM_HOME"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+mps_on=0
+mps_start() {
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && mps_on=1 && note "MPS daemon started"
+}
+mps_stop() {
+    if [ "$mps_on" = 1 ]; then
+        echo quit | nvidia-cuda-mps-control
+        mps_on=0
+        note "MPS daemon quit"
+    fi
+}
+trap mps_stop EXIT
+test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]
+    local name=$1 ranks=$2 exe=$3
+    shift 3
+    local crate=${exe%%.*}
+    cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
+    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_GPUS="$ranks" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --test-threads=1 "$@"
+}
+trun() {  # trun NAME PROCESSES LIMIT ARGS...: moelink ARGS under torchrun, one process per rank
+    local name=$1 n=$2 limit=$3
+    shift 3
+    run "$name" "$limit" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) \
+        torchrun --standalone --nproc_per_node="$n" --no-python "$BIN" "$@"
+}
+for s in $STEPS; do
+    case $s in
+    seam)
+        test_bin internode-tests 4 moelink.test.internode_gpu
+        run selftest-threads 180 "$BIN" selftest --ranks 4 --transport ptr,emu-nic --bytes-per-peer $((8 << 20)) --barrier-iters 200
+        run bench-threads 240 "$BIN" bench transport --ranks 4 --topology 2x2 --transport ptr,emu-nic --qps 1,4 \
+            --sizes 16,4096,65536,1048576 --json "$W/transport-threads-2x2.json"
+        ;;
+    nomps)
+        trun selftest-p2-nomps 2 180 selftest --process --transport ptr,emu-nic --bytes-per-peer $((8 << 20)) --barrier-iters 100
+        ;;
+    mps)
+        mps_start
+        trun selftest-p2-mps 2 240 selftest --process --transport ptr,emu-nic,nvshmem --bytes-per-peer $((8 << 20)) --barrier-iters 200
+        trun selftest-p4-mps 4 240 selftest --process --transport ptr,emu-nic,nvshmem --bytes-per-peer $((8 << 20)) --barrier-iters 200
+        trun bench-p4-mps 4 240 bench transport --process --topology 2x2 --transport nvshmem,ptr,emu-nic --qps 1,4 \
+            --sizes 16,4096,65536,1048576 --json "$W/transport-process-2x2.json"
+        mps_stop
+        ;;
+    mpsthread)
+        mps_start
+        for pct in 100 25; do
+            cp .device/tests/moelink.test.ht /tmp/moelink-device/ht && chmod +x /tmp/moelink-device/ht
+            run "mps-thread-$pct" 120 env -C crates/moelink CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct MOELINK_TEST_GPUS=4 \
+                MOELINK_TEST_RANKS=4 /tmp/moelink-device/ht --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
+        done
+        mps_stop
+        ;;
+    esac
+    tar czf "$OUT/results.tgz" -C /tmp results
+done
+echo "== summary"
+cat "$summary"
