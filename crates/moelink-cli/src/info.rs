@@ -16,8 +16,8 @@ pub fn run() -> Result<(), CliError> {
             println!("GPUs: {}", info.devices.len());
             if !info.devices.is_empty() {
                 let mut t = crate::table::Table::new(
-                    &["#", "name", "SMs", "memory", "compute", "smem/block (opt-in)"],
-                    &[true, false, true, true, false, true],
+                    &["#", "name", "SMs", "memory", "compute", "smem/block (opt-in)", "MPS"],
+                    &[true, false, true, true, false, true, false],
                 );
                 for d in &info.devices {
                     t.row(vec![
@@ -27,6 +27,7 @@ pub fn run() -> Result<(), CliError> {
                         format!("{:.1} GiB", d.total_memory_bytes as f64 / (1u64 << 30) as f64),
                         format!("sm_{}{}", d.compute_capability.0, d.compute_capability.1),
                         format!("{} KiB", d.max_shared_memory_per_block_optin >> 10),
+                        if d.mps_enabled { "client".into() } else { "-".into() },
                     ]);
                 }
                 print!("{}", indent(&t.render()));

@@ -230,7 +230,8 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
     }
     // The deadline check holds ranks back on purpose: give the group room beyond it.
     let timeout = Duration::from_millis(a.deadline_ms.saturating_mul(4).max(60_000));
-    let per_rank = crate::ranks::run_threads(ranks, timeout, |g| Ok(run_checks(&g, g.rank(), a)));
+    // Ranks beyond the GPU count share them round-robin.
+    let per_rank = crate::ranks::run_threads(ranks, timeout, |g| Ok(run_checks(&g, g.rank() % gpus.max(1), a)));
     let mut all = Vec::new();
     for (rank, r) in per_rank.into_iter().enumerate() {
         match r {

@@ -28,6 +28,8 @@ pub struct DeviceInfo {
     pub max_threads_per_block: usize,
     /// Cooperative launches are supported.
     pub cooperative_launch: bool,
+    /// Contexts on this device are clients of a CUDA MPS server (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`).
+    pub mps_enabled: bool,
 }
 
 impl DeviceInfo {
@@ -49,6 +51,8 @@ impl DeviceInfo {
                 l2_cache_bytes: attr(DeviceAttr::L2CacheSize)? as usize,
                 max_threads_per_block: attr(DeviceAttr::MaxThreadsPerBlock)? as usize,
                 cooperative_launch: attr(DeviceAttr::CooperativeLaunch)? != 0,
+                // Older drivers do not know the attribute: no MPS as far as moelink can tell.
+                mps_enabled: attr(DeviceAttr::MpsEnabled).unwrap_or(0) != 0,
             })
         }
     }

@@ -9,11 +9,15 @@
 //                              host's processes through CUDA IPC) and for tests.
 //   MOELINK_TRANSPORT_EMU_NIC  an emulated NIC (tests only): a put becomes a descriptor in one of this rank's
 //                              queues (one per QP); the last `nic_blocks` blocks of the grid are the NIC and
-//                              execute the descriptors later: in order within a QP, out of order across QPs
-//                              (with `nic_reorder`, a seeded scheduler holds QPs back), each no earlier than
-//                              `nic_delay_ns` after it was posted, at most `nic_bytes_per_us`. A protocol that
-//                              relies on an order real RDMA does not give (a signal on one QP after data on
-//                              another, without a fence) fails here; over NVLink it would pass.
+//                              execute the descriptors later: in order within a QP, out of order across QPs,
+//                              each no earlier than `nic_delay_ns` after it was posted, at most
+//                              `nic_bytes_per_us`. With a reorder window (`nic_reorder_us`) the QPs are served
+//                              in a seeded random order and every descriptor carrying data waits a further
+//                              seeded random time below twice the window, while bare signals go at once: a
+//                              signal posted on one QP after data on another overtakes it, as on a real
+//                              NIC's independent QPs. A protocol that relies on an order real RDMA does not
+//                              give (a signal on one QP after data on another, without a fence) fails here;
+//                              over NVLink it would pass.
 //   MOELINK_TRANSPORT_NVSHMEM  NVSHMEM's device API (IBGDA or the proxy on a cluster, P2P between PEs of one
 //                              host). NVSHMEM 3.4.5 chooses the QP itself: the `qp` argument is a hint only.
 //
@@ -78,7 +82,7 @@ struct RdmaArgs {
   u64 nic_state;       // emu-nic: this rank's NicState (device memory); 0 otherwise
   u64 nic_delay_ns;    // emu-nic: a descriptor runs no earlier than this long after it was posted
   u32 nic_bytes_per_us;  // emu-nic: rate cap of this rank's NIC (0: none)
-  u32 nic_reorder;     // emu-nic: 1 = the scheduler holds QPs back at random (seeded)
+  u32 nic_reorder_us;  // emu-nic: reorder window in microseconds (0: QPs served in turn, no extra waits)
   u32 nic_blocks;      // emu-nic: blocks at the end of the grid that act as the NIC (0 otherwise)
   u32 nic_seed;        // emu-nic: scheduler seed (mixed with the rank and a per-launch counter)
   u32 rank;            // this rank in the RDMA domain (the world)
@@ -234,16 +238,22 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
     if (threadIdx.x == 0) {
       u32 action = 0;
       const u64 now = ptx::globaltimer();
-      const u32 first = nic_rand(rng) % a.num_qps;
+      const u32 first = a.nic_reorder_us != 0 ? nic_rand(rng) % a.num_qps : 0;
       for (u32 i = 0; i < a.num_qps && action == 0; i++) {
         const u32 q = (first + i) % a.num_qps;
         if (q % a.nic_blocks != me) continue;
-        if (a.nic_reorder != 0 && nic_rand(rng) % 4 != 0) continue;  // held back this round
         NicQueue& queue = nic->queue[q];
         const u32 next = ptx::ld_relaxed_gpu(&queue.head);
         const NicDesc* d = &nic->ring[q][next % NIC_RING];
         if (ptx::ld_acquire_gpu(&d->ready) != next + 1) continue;
-        if (now - d->post_ns < a.nic_delay_ns) continue;
+        // Data waits a seeded random part of the reorder window (a function of the seed, QP and ticket, so
+        // the wait is fixed once posted); bare signals do not.
+        u64 hold = 0;
+        if (a.nic_reorder_us != 0 && (d->kind & NIC_PUT) != 0) {
+          const u32 h = (a.nic_seed * 0x9E3779B1u) ^ (q * 0x85EBCA77u) ^ (next * 0xC2B2AE3Du) ^ 0x27d4eb2fu;
+          hold = (u64)((h ^ (h >> 15)) * 0x2c1b3c6du % (2u * a.nic_reorder_us)) * 1000;
+        }
+        if (now - d->post_ns < a.nic_delay_ns + hold) continue;
         if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0 &&
             (sent_bytes + d->bytes) * 1000 > (now - start_ns) * (u64)a.nic_bytes_per_us) {
           continue;

@@ -50,7 +50,7 @@ struct Aligned {
 struct NicOptions {
   u64 delay_ns = 0;
   u32 bytes_per_us = 0;
-  u32 reorder = 0;
+  u32 reorder_us = 0;
   u32 blocks = 1;
 };
 
@@ -82,7 +82,7 @@ struct World {
     a.nic_state = kEmuNic ? nic[me]->addr() : 0;
     a.nic_delay_ns = nic_opts.delay_ns;
     a.nic_bytes_per_us = nic_opts.bytes_per_us;
-    a.nic_reorder = nic_opts.reorder;
+    a.nic_reorder_us = nic_opts.reorder_us;
     a.nic_blocks = kEmuNic ? nic_opts.blocks : 0;
     a.nic_seed = seed;
     a.rank = me;
@@ -161,14 +161,14 @@ int main() {
   conformance(2, 1, {}, "in order");
   conformance(4, 3, {}, "in order");
   if (kEmuNic) {
-    conformance(4, 3, NicOptions{0, 0, 1, 1}, "reordering across QPs");
-    conformance(3, 4, NicOptions{20'000, 0, 1, 2}, "reorder + 20 us delay, 2 NICs");
+    conformance(4, 3, NicOptions{0, 0, 50, 1}, "reordering across QPs");
+    conformance(3, 4, NicOptions{20'000, 0, 50, 2}, "reorder + 20 us delay, 2 NICs");
 
     // The planted bug: data on one QP, its signal on another, no fence. The NIC holds QPs back at random,
     // so some signals overtake their data; the receiver, trusting the count, reads stale bytes.
     {
       const u32 messages = 64, max_bytes = 256;
-      World w(4, 4, check_bytes(4, messages, max_bytes), NicOptions{0, 0, 1, 1});
+      World w(4, 4, check_bytes(4, messages, max_bytes), NicOptions{0, 0, 200, 1});
       const u64 wrong = check_rounds(w, CHECK_PLANTED_BUG, 4, messages, max_bytes);
       expect_clean(w, "planted bug");
       CHECK(wrong > 0, "the emulated NIC did not catch a signal sent on another QP than its data without a fence");
@@ -209,7 +209,7 @@ int main() {
   // A rank that never launches: every other rank times out naming it, and every launch ends.
   {
     const u32 messages = 16, max_bytes = 64;
-    World w(3, 2, check_bytes(3, messages, max_bytes), NicOptions{0, 0, kEmuNic ? 1u : 0u, 1});
+    World w(3, 2, check_bytes(3, messages, max_bytes), NicOptions{0, 0, kEmuNic ? 50u : 0u, 1});
     check_rounds(w, CHECK_PUT_SIGNAL, 1, messages, max_bytes, 200'000'000ull, {0, 1});
     for (u32 p : {0u, 1u}) {
       CHECK(w.record[p].code == ERR_TIMEOUT && w.record[p].peer == 2 && w.record[p].phase == PHASE_TRANSPORT,
@@ -220,7 +220,7 @@ int main() {
 
   // The barrier: three in a row at 3 ranks; every word ends at 3, and a rank that never comes is named.
   {
-    World w(3, 2, TRANSPORT_SIGNAL_BYTES, NicOptions{0, 0, 1, 1});
+    World w(3, 2, TRANSPORT_SIGNAL_BYTES, NicOptions{0, 0, 50, 1});
     std::vector<u64> counter(3, 0);
     auto barrier = [&](u32 me, u64 timeout_ns) {
       TransportBarrierArgs a{};
@@ -246,7 +246,7 @@ int main() {
   // The micro-benchmark: both modes complete and report what they moved.
   for (u32 mode : {BENCH_LATENCY, BENCH_BANDWIDTH}) {
     const u32 ranks = 2, bytes = 512, msgs = 32;
-    World w(ranks, 2, TRANSPORT_SIGNAL_BYTES + 2 * (size_t)msgs * bytes, NicOptions{0, 0, 1, 1});
+    World w(ranks, 2, TRANSPORT_SIGNAL_BYTES + 2 * (size_t)msgs * bytes, NicOptions{0, 0, 50, 1});
     std::vector<u64> result(2 * ranks, 0);
     for (u32 use_signal : {1u, 0u}) {
       for (u32 epoch = 1; epoch <= 2; epoch++) {

@@ -79,8 +79,8 @@ pub struct RdmaArgs {
     pub nic_delay_ns: u64,
     /// `emu-nic`: rate cap in bytes per microsecond (= MB/s); 0: none.
     pub nic_bytes_per_us: u32,
-    /// `emu-nic`: 1 = hold QPs back at random (cross-QP reordering).
-    pub nic_reorder: u32,
+    /// `emu-nic`: reorder window in microseconds (0: in turn, no extra waits).
+    pub nic_reorder_us: u32,
     /// `emu-nic`: blocks at the end of the grid that act as the NIC.
     pub nic_blocks: u32,
     /// `emu-nic`: scheduler seed.

@@ -130,8 +130,10 @@ pub struct EmuNicOptions {
     pub delay_us: u64,
     /// Rate cap per rank, GB/s (0: none).
     pub rate_gbps: f64,
-    /// Hold QPs back at random, so that operations on different QPs are delivered out of order.
-    pub reorder: bool,
+    /// Reorder window in microseconds: QPs are served in a random order and every put waits a random time
+    /// below twice this after it was posted, while bare signals go at once, so that operations on
+    /// different QPs are delivered out of order (0: in turn, no extra wait).
+    pub reorder_window_us: u32,
     /// Seed of that reordering.
     pub seed: u32,
     /// Blocks of each internode launch that act as the NIC (1..=8).
@@ -140,7 +142,7 @@ pub struct EmuNicOptions {
 
 impl Default for EmuNicOptions {
     fn default() -> Self {
-        EmuNicOptions { delay_us: 0, rate_gbps: 0.0, reorder: true, seed: 1, nic_blocks: 1 }
+        EmuNicOptions { delay_us: 0, rate_gbps: 0.0, reorder_window_us: 20, seed: 1, nic_blocks: 1 }
     }
 }
 

@@ -128,6 +128,7 @@ pub(crate) enum DeviceAttr {
     L2CacheSize,
     MaxThreadsPerBlock,
     CooperativeLaunch,
+    MpsEnabled,
 }
 
 impl DeviceAttr {
@@ -141,6 +142,7 @@ impl DeviceAttr {
             DeviceAttr::L2CacheSize => A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
             DeviceAttr::MaxThreadsPerBlock => A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
             DeviceAttr::CooperativeLaunch => A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH,
+            DeviceAttr::MpsEnabled => A::CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
         }
     }
 }

@@ -129,7 +129,7 @@ impl RdmaDomain {
             a.nic_delay_ns = o.delay_us.saturating_mul(1000);
             // GB/s = 1000 bytes per microsecond.
             a.nic_bytes_per_us = (o.rate_gbps * 1000.0).round().clamp(0.0, u32::MAX as f64) as u32;
-            a.nic_reorder = u32::from(o.reorder);
+            a.nic_reorder_us = o.reorder_window_us;
             a.nic_blocks = o.nic_blocks;
             a.nic_seed = o.seed;
         }
