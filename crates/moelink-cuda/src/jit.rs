@@ -3,6 +3,10 @@
 //!
 //! - Target: `--gpu-architecture=sm_90a` on Hopper ([`arch_for`]); always a CUBIN, never PTX (a newer
 //!   NVRTC's PTX can be too new for the installed driver).
+//! - Kernel names: a kernel with a C++ name (`moelink::low_latency::dispatch`, in a namespace, as a profiler
+//!   shows it) is named to NVRTC as a name expression ([`CompileRequest::name_expression`]); the compile
+//!   keeps each expression's lowered (mangled) symbol ([`Compiled::lowered_name`]), and a module loaded from
+//!   the result finds the kernel by its expression ([`Module::kernel`]).
 //! - Options: `-std=c++17 -lineinfo --ptxas-options=-v` plus the request's `-D` constants. The ptxas
 //!   report is requested on every compile (it does not change the CUBIN) so that the register/spill report
 //!   ([`KernelResources`]) is always available and is cached with the CUBIN.
@@ -96,6 +100,8 @@ pub struct CompileRequest {
     /// Device libraries (`.a`) to link with nvJitLink (NVSHMEM's `libnvshmem_device.a`). When non-empty the
     /// source is compiled relocatable (`-rdc=true -default-device`) and then linked.
     pub device_libraries: Vec<PathBuf>,
+    /// C++ names of kernels (`ns::kernel`) whose lowered symbol the compile must report.
+    pub name_expressions: Vec<String>,
 }
 
 impl CompileRequest {
@@ -110,6 +116,7 @@ impl CompileRequest {
             extra_options: Vec::new(),
             include_dirs: Vec::new(),
             device_libraries: Vec::new(),
+            name_expressions: Vec::new(),
         }
     }
 
@@ -137,6 +144,13 @@ impl CompileRequest {
         self
     }
 
+    /// Names a kernel by its C++ name (`ns::kernel`), so that the compiled result knows its lowered symbol
+    /// ([`Compiled::lowered_name`]).
+    pub fn name_expression(mut self, expression: impl Into<String>) -> CompileRequest {
+        self.name_expressions.push(expression.into());
+        self
+    }
+
     /// Adds a raw NVRTC option.
     pub fn option(mut self, option: impl Into<String>) -> CompileRequest {
         self.extra_options.push(option.into());
@@ -157,14 +171,15 @@ impl CompileRequest {
     }
 
     /// Hex sha256 over everything the CUBIN depends on: source, headers, options (which include the
-    /// architecture and constants) and the NVRTC version.
+    /// architecture and constants), the name expressions (the cache keeps their lowered names) and the
+    /// NVRTC version.
     pub fn cache_key(&self, nvrtc_version: (i32, i32)) -> String {
         let mut h = Sha256::new();
         let mut field = |b: &[u8]| {
             h.update((b.len() as u64).to_le_bytes());
             h.update(b);
         };
-        field(b"moelink-jit-key-v1");
+        field(b"moelink-jit-key-v2");
         field(self.name.as_bytes());
         field(self.source.as_bytes());
         field(&(self.headers.len() as u64).to_le_bytes());
@@ -176,6 +191,10 @@ impl CompileRequest {
         field(&(opts.len() as u64).to_le_bytes());
         for o in &opts {
             field(o.as_bytes());
+        }
+        field(&(self.name_expressions.len() as u64).to_le_bytes());
+        for e in &self.name_expressions {
+            field(e.as_bytes());
         }
         field(format!("nvrtc {}.{}", nvrtc_version.0, nvrtc_version.1).as_bytes());
         field(self.arch.as_bytes());
@@ -193,7 +212,7 @@ impl CompileRequest {
 /// Register, stack and spill use of one function, from ptxas's report.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KernelResources {
-    /// Function name (unmangled for `extern "C"` kernels).
+    /// Function name as ptxas reports it: the symbol (lowered, i.e. mangled, for kernels with a C++ name).
     pub kernel: String,
     /// A `__global__` entry point (as opposed to a non-inlined device function).
     pub is_entry: bool,
@@ -299,24 +318,32 @@ pub struct Compiled {
     pub log: String,
     /// Parsed register/spill report, one entry per function.
     pub resources: Vec<KernelResources>,
+    /// `(name expression, lowered symbol)` of every name expression of the request.
+    pub lowered_names: Vec<(String, String)>,
     /// Seconds the NVRTC compile took when this CUBIN was built (possibly in an earlier process).
     pub compile_seconds: f64,
 }
 
 impl Compiled {
-    /// Loads the CUBIN on `device`.
+    /// Loads the CUBIN on `device`; its kernels are found by name expression or symbol.
     pub fn load(&self, device: &Device) -> Result<Module> {
-        Module::load(device, &self.cubin)
+        Ok(Module::load(device, &self.cubin)?.with_names(&self.lowered_names))
     }
 
     /// Loads the CUBIN on `device` once per process ([`Module::load_shared`], keyed by [`Compiled::key`]).
     pub fn load_shared(&self, device: &Device) -> Result<Module> {
-        Module::load_shared(device, &self.key, &self.cubin)
+        Module::load_shared(device, &self.key, &self.cubin, &self.lowered_names)
     }
 
-    /// The report entry of function `kernel`.
+    /// The lowered symbol of name expression `expression`, if the request named it.
+    pub fn lowered_name(&self, expression: &str) -> Option<&str> {
+        self.lowered_names.iter().find(|(e, _)| e == expression).map(|(_, l)| l.as_str())
+    }
+
+    /// The report entry of function `kernel`: a name expression of the request, or a symbol.
     pub fn resources_of(&self, kernel: &str) -> Option<&KernelResources> {
-        self.resources.iter().find(|r| r.kernel == kernel)
+        let symbol = self.lowered_name(kernel).unwrap_or(kernel);
+        self.resources.iter().find(|r| r.kernel == symbol)
     }
 }
 
@@ -342,7 +369,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// NVRTC programs are compiled one at a time per process.
 static NVRTC_LOCK: Mutex<()> = Mutex::new(());
 
-const FILE_MAGIC: &[u8; 8] = b"MLCUBIN1";
+const FILE_MAGIC: &[u8; 8] = b"MLCUBIN2";
 
 impl JitCache {
     /// The process-wide cache at [`default_cache_dir`].
@@ -401,7 +428,11 @@ impl JitCache {
 
     fn read_disk(&self, req: &CompileRequest, key: &str) -> Option<Compiled> {
         let bytes = std::fs::read(self.file_for(&req.name, key)?).ok()?;
-        let (log, cubin, compile_seconds) = decode_cache_file(&bytes, key)?;
+        let CacheFile { log, cubin, compile_seconds, lowered_names } = decode_cache_file(&bytes, key)?;
+        // A file whose names do not cover the request's expressions is not this request's result.
+        if !req.name_expressions.iter().all(|e| lowered_names.iter().any(|(n, _)| n == e)) {
+            return None;
+        }
         Some(Compiled {
             name: req.name.clone(),
             arch: req.arch.clone(),
@@ -410,6 +441,7 @@ impl JitCache {
             log,
             cubin,
             compile_seconds,
+            lowered_names,
         })
     }
 
@@ -419,7 +451,7 @@ impl JitCache {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("creating the JIT cache directory", dir, e))?;
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let tmp = path.with_extension(format!("tmp-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
-        let body = encode_cache_file(&c.key, &c.log, &c.cubin, c.compile_seconds);
+        let body = encode_cache_file(&c.key, &c.log, &c.cubin, c.compile_seconds, &c.lowered_names);
         let write = || -> std::io::Result<()> {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&body)?;
@@ -433,42 +465,69 @@ impl JitCache {
     }
 }
 
-fn encode_cache_file(key: &str, log: &str, cubin: &[u8], compile_seconds: f64) -> Vec<u8> {
-    let mut b = Vec::with_capacity(96 + log.len() + cubin.len());
+/// What a cache file holds besides its key.
+#[derive(Debug, PartialEq)]
+struct CacheFile {
+    log: String,
+    cubin: Vec<u8>,
+    compile_seconds: f64,
+    lowered_names: Vec<(String, String)>,
+}
+
+/// `expression \t symbol` lines (neither contains a tab or a newline: C++ names and their symbols).
+fn encode_names(names: &[(String, String)]) -> String {
+    names.iter().map(|(e, l)| format!("{e}\t{l}\n")).collect()
+}
+
+fn decode_names(text: &str) -> Option<Vec<(String, String)>> {
+    text.lines().map(|l| l.split_once('\t').map(|(e, s)| (e.to_string(), s.to_string()))).collect()
+}
+
+fn encode_cache_file(key: &str, log: &str, cubin: &[u8], compile_seconds: f64, lowered_names: &[(String, String)]) -> Vec<u8> {
+    let names = encode_names(lowered_names);
+    let mut b = Vec::with_capacity(96 + log.len() + names.len() + cubin.len());
     b.extend_from_slice(FILE_MAGIC);
     b.extend_from_slice(&(log.len() as u64).to_le_bytes());
     b.extend_from_slice(&(cubin.len() as u64).to_le_bytes());
     b.extend_from_slice(&compile_seconds.to_le_bytes());
     b.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    b.extend_from_slice(&(names.len() as u64).to_le_bytes());
     b.extend_from_slice(key.as_bytes());
     b.extend_from_slice(log.as_bytes());
+    b.extend_from_slice(names.as_bytes());
     b.extend_from_slice(cubin);
     b
 }
 
-/// `(log, cubin, compile_seconds)` when `b` is a complete cache file for `key`.
-fn decode_cache_file(b: &[u8], key: &str) -> Option<(String, Vec<u8>, f64)> {
+/// The contents when `b` is a complete cache file for `key`.
+fn decode_cache_file(b: &[u8], key: &str) -> Option<CacheFile> {
     let u64_at = |o: usize| -> Option<u64> { Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?)) };
     if b.get(..8)? != FILE_MAGIC {
         return None;
     }
     let log_len = u64_at(8)? as usize;
     let cubin_len = u64_at(16)? as usize;
-    let secs = f64::from_le_bytes(b.get(24..32)?.try_into().ok()?);
+    let compile_seconds = f64::from_le_bytes(b.get(24..32)?.try_into().ok()?);
     let key_len = u64_at(32)? as usize;
-    let mut o = 40;
-    if b.get(o..o + key_len)? != key.as_bytes() {
+    let names_len = u64_at(40)? as usize;
+    let mut o: usize = 48;
+    if b.get(o..o.checked_add(key_len)?)? != key.as_bytes() {
         return None;
     }
     o += key_len;
-    let log = std::str::from_utf8(b.get(o..o + log_len)?).ok()?.to_string();
+    let log = std::str::from_utf8(b.get(o..o.checked_add(log_len)?)?).ok()?.to_string();
     o += log_len;
-    let cubin = b.get(o..o + cubin_len)?.to_vec();
+    let lowered_names = decode_names(std::str::from_utf8(b.get(o..o.checked_add(names_len)?)?).ok()?)?;
+    o += names_len;
+    let cubin = b.get(o..o.checked_add(cubin_len)?)?.to_vec();
     if o + cubin_len != b.len() || cubin.get(..4)? != [0x7f, b'E', b'L', b'F'] {
         return None;
     }
-    Some((log, cubin, secs))
+    Some(CacheFile { log, cubin, compile_seconds, lowered_names })
 }
+
+/// `(name expression, lowered symbol)` pairs.
+type LoweredNames = Vec<(String, String)>;
 
 /// Runs NVRTC (no caches).
 fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
@@ -476,9 +535,12 @@ fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
     let _serial = lock(&NVRTC_LOCK);
     let t0 = Instant::now();
     // SAFETY: NVRTC was loaded by the caller (ensure_loaded); the program is destroyed on every path below.
-    let (ok, log, cubin) = unsafe {
+    let (ok, log, cubin, lowered_names) = unsafe {
         let mut prog = nvrtc::create_program(&req.source, &req.name, &req.headers)?;
-        let result = (|| -> Result<(bool, String, Vec<u8>)> {
+        let result = (|| -> Result<(bool, String, Vec<u8>, LoweredNames)> {
+            for e in &req.name_expressions {
+                nvrtc::add_name_expression(prog, e)?;
+            }
             let status = nvrtc::compile_program(prog, &options);
             let log = nvrtc::program_log(prog).unwrap_or_default();
             let ok = match status {
@@ -487,8 +549,11 @@ fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
                 Err(Error::Nvrtc { call, name, .. }) => return Err(Error::Nvrtc { call, name, log: log.trim().to_string() }),
                 Err(e) => return Err(e),
             };
-            let cubin = if ok { nvrtc::program_cubin(prog)? } else { Vec::new() };
-            Ok((ok, log, cubin))
+            if !ok {
+                return Ok((false, log, Vec::new(), Vec::new()));
+            }
+            let names = req.name_expressions.iter().map(|e| Ok((e.clone(), nvrtc::lowered_name(prog, e)?))).collect::<Result<_>>()?;
+            Ok((true, log, nvrtc::program_cubin(prog)?, names))
         })();
         let _ = nvrtc::destroy_program(&mut prog);
         result?
@@ -512,7 +577,7 @@ fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
             eprintln!("[moelink jit]   {r}");
         }
     }
-    Ok(Compiled { name: req.name.clone(), arch: req.arch.clone(), key, cubin, log, resources, compile_seconds: secs })
+    Ok(Compiled { name: req.name.clone(), arch: req.arch.clone(), key, cubin, log, resources, compile_seconds: secs, lowered_names })
 }
 
 #[cfg(test)]
@@ -530,7 +595,7 @@ mod tests {
         let base = req().cache_key((13, 0));
         // Pinned: a change here means every user's cache is invalidated; bump deliberately.
         assert_eq!(base.len(), 64);
-        assert_eq!(base, "597ca6424d35a97b27c5fa34b9bfa0b1eef68bdeb610450a8d67358eaf70fabe");
+        assert_eq!(base, "75900930ff58aedbb42d4cd037a572d46d57ab02d26d2e45a59d2fec2747ba32");
         assert_eq!(base, req().cache_key((13, 0)));
         let variants = [
             req().define("X", 1).cache_key((13, 0)),
@@ -538,6 +603,7 @@ mod tests {
             CompileRequest { headers: vec![("ptx.cuh".into(), "// other".into())], ..req() }.cache_key((13, 0)),
             CompileRequest { arch: "sm_100a".into(), ..req() }.cache_key((13, 0)),
             req().option("-G").cache_key((13, 0)),
+            req().name_expression("ns::k").cache_key((13, 0)),
             req().cache_key((13, 2)),
             CompileRequest { defines: vec![("MAX_RANKS".into(), "4".into())], ..req() }.cache_key((13, 0)),
         ];
@@ -596,8 +662,12 @@ ptxas info    : Used 24 registers, used 0 barriers, 1408 bytes cumulative stack 
     #[test]
     fn cache_file_round_trips_and_rejects_damage() {
         let cubin = [0x7f, b'E', b'L', b'F', 1, 2, 3];
-        let f = encode_cache_file("abc", "log text", &cubin, 0.25);
-        assert_eq!(decode_cache_file(&f, "abc"), Some(("log text".to_string(), cubin.to_vec(), 0.25)));
+        let names = vec![("ns::k".to_string(), "_ZN2ns1kEv".to_string()), ("k2".to_string(), "k2".to_string())];
+        let f = encode_cache_file("abc", "log text", &cubin, 0.25, &names);
+        let want = CacheFile { log: "log text".into(), cubin: cubin.to_vec(), compile_seconds: 0.25, lowered_names: names };
+        assert_eq!(decode_cache_file(&f, "abc"), Some(want));
+        let none = encode_cache_file("abc", "", &cubin, 0.0, &[]);
+        assert_eq!(decode_cache_file(&none, "abc").map(|c| c.lowered_names), Some(vec![]));
         assert_eq!(decode_cache_file(&f, "abd"), None);
         assert_eq!(decode_cache_file(&f[..f.len() - 1], "abc"), None);
         let mut longer = f.clone();

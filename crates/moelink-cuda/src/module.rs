@@ -35,6 +35,8 @@ impl Drop for ModuleInner {
 #[derive(Clone)]
 pub struct Module {
     inner: Arc<ModuleInner>,
+    /// `(name expression, symbol)` of kernels with a C++ name ([`crate::jit::Compiled::lowered_names`]).
+    names: Arc<Vec<(String, String)>>,
 }
 
 impl std::fmt::Debug for Module {
@@ -54,7 +56,7 @@ impl Module {
         let _g = device.bind_scoped()?;
         // SAFETY: context current; `cubin` is a complete ELF image that the driver parses and copies.
         let raw = unsafe { drv::module_load_data(cubin)? };
-        let module = Module { inner: Arc::new(ModuleInner { device: device.clone(), raw }) };
+        let module = Module { inner: Arc::new(ModuleInner { device: device.clone(), raw }), names: Arc::default() };
         // SAFETY: live module (unloaded by `module`'s drop if this fails).
         unsafe { drv::module_load_functions(raw)? };
         Ok(module)
@@ -69,7 +71,8 @@ impl Module {
     /// loaded its own copy of the module at that moment would wait for that kernel, and both would wait out
     /// their deadline. With one module per process, only the first rank to reach a kernel variant loads it
     /// (before its own launch), and [`Module::load`] loads every function with the module, so no launch does.
-    pub fn load_shared(device: &Device, key: &str, cubin: &[u8]) -> Result<Module> {
+    /// `names` as in [`Module::with_names`].
+    pub fn load_shared(device: &Device, key: &str, cubin: &[u8], names: &[(String, String)]) -> Result<Module> {
         type Loaded = Mutex<HashMap<(usize, String), Module>>;
         static LOADED: std::sync::OnceLock<Loaded> = std::sync::OnceLock::new();
         let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
@@ -77,17 +80,25 @@ impl Module {
         if let Some(m) = loaded.get(&slot) {
             return Ok(m.clone());
         }
-        let m = Module::load(device, cubin)?;
+        let m = Module::load(device, cubin)?.with_names(names);
         loaded.insert(slot, m.clone());
         Ok(m)
     }
 
-    /// The kernel named `name` (an `extern "C"` function of the source).
+    /// The same module, finding kernels also by the C++ names in `names` (`(name expression, symbol)`, as
+    /// [`crate::jit::Compiled::lowered_names`] gives them).
+    pub fn with_names(self, names: &[(String, String)]) -> Module {
+        Module { inner: self.inner, names: Arc::new(names.to_vec()) }
+    }
+
+    /// The kernel named `name`: a name expression the module was given (`ns::kernel`), or a symbol (an
+    /// `extern "C"` function's name).
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        let symbol = self.names.iter().find(|(e, _)| e == name).map_or(name, |(_, s)| s.as_str());
         let _g = self.inner.device.bind_scoped()?;
         // SAFETY: live module; function handles stay valid while the module (held by the Kernel) is loaded.
         let (raw, param_sizes, max_dynamic_smem) = unsafe {
-            let f = drv::module_get_function(self.inner.raw, name)?;
+            let f = drv::module_get_function(self.inner.raw, symbol)?;
             (f, drv::func_param_sizes(f)?, drv::func_get_attribute(f, FuncAttr::MaxDynamicSharedSizeBytes)?)
         };
         Ok(Kernel {

@@ -73,23 +73,24 @@ __device__ __forceinline__ void store_epoch(const BarrierArgs& a, u32 epoch) {
   if (threadIdx.x == 0) reinterpret_cast<u32*>(a.regions[a.rank])[BARRIER_EPOCH_INDEX] = epoch;
 }
 
-// gpu_barrier: every rank launches it once per barrier; it returns when all ranks have launched it.
+namespace moelink::barrier {
+// moelink::barrier::gpu_barrier: every rank launches it once per barrier; it returns when all ranks have launched it.
 //   grid 1 block, block BARRIER_THREADS (one warp; lane p <-> peer p)
 //   reads:  own region arrive[*], epoch;   writes: arrive[rank] of every peer region, own epoch
 //   on timeout: error record {ERR_TIMEOUT, rank, first peer that did not arrive, PHASE_BARRIER}
-extern "C" __global__ void __launch_bounds__(BARRIER_THREADS, 1) gpu_barrier(const __grid_constant__ BarrierArgs a) {
+__global__ void __launch_bounds__(BARRIER_THREADS, 1) gpu_barrier(const __grid_constant__ BarrierArgs a) {
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_BARRIER);
   const u32 epoch = load_epoch(a) + 1;
   warp_barrier(a, d, epoch);
   store_epoch(a, epoch);
 }
 
-// gpu_barrier_latency: `iters` barriers back to back, timed on the GPU.
+// moelink::barrier::gpu_barrier_latency: `iters` barriers back to back, timed on the GPU.
 //   grid 1 block, block BARRIER_THREADS
 //   one untimed barrier first (absorbs the launch skew between ranks), then `iters` timed ones;
 //   writes out_ns[0] = %globaltimer ns for the timed barriers (lane 0), or ~0 after a failure.
 //   flags/regions as gpu_barrier.
-extern "C" __global__ void __launch_bounds__(BARRIER_THREADS, 1)
+__global__ void __launch_bounds__(BARRIER_THREADS, 1)
     gpu_barrier_latency(const __grid_constant__ BarrierArgs a, u32 iters, u64* out_ns) {
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_BARRIER);
   u32 epoch = load_epoch(a) + 1;
@@ -103,3 +104,4 @@ extern "C" __global__ void __launch_bounds__(BARRIER_THREADS, 1)
   store_epoch(a, epoch);
   if (threadIdx.x == 0) out_ns[0] = ok ? t1 - t0 : ~0ull;
 }
+}  // namespace moelink::barrier

@@ -44,7 +44,8 @@ struct CopyArgs {
 };
 static_assert(sizeof(CopyArgs) == MOELINK_SIZEOF_COPY_ARGS, "CopyArgs differs from the Rust definition");
 
-// copy_sm: SM loads and 16-byte stores.
+namespace moelink::copy {
+// moelink::copy::copy_sm: SM loads and 16-byte stores.
 //   grid: any (the benchmark uses 1 block per SM), block: COPY_SM_THREADS
 //   work unit: COPY_SM_UNIT_VECS vectors of one destination (64 KiB at 512 threads x 8); units are dealt
 //   round-robin over destinations, so every block writes to every peer (spreads the NVLink traffic).
@@ -52,7 +53,7 @@ static_assert(sizeof(CopyArgs) == MOELINK_SIZEOF_COPY_ARGS, "CopyArgs differs fr
 //   (st.global.L1::no_allocate): 128 bytes in flight per thread at 8.
 //   reads src[i][0, bytes_per_peer), writes dst[i][0, bytes_per_peer); a tail shorter than a unit is copied
 //   by a grid-stride loop.
-extern "C" __global__ void __launch_bounds__(COPY_SM_THREADS, 1) copy_sm(const __grid_constant__ CopyArgs a) {
+__global__ void __launch_bounds__(COPY_SM_THREADS, 1) copy_sm(const __grid_constant__ CopyArgs a) {
   const u64 vecs_per_peer = a.bytes_per_peer / VEC_BYTES;
   const u32 units_per_peer = (u32)(vecs_per_peer / COPY_SM_UNIT_VECS);
   const u32 num_units = units_per_peer * a.num_peers;
@@ -76,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(COPY_SM_THREADS, 1) copy_sm(const _
   }
 }
 
-// copy_tma: TMA bulk copies through shared memory.
+// moelink::copy::copy_tma: TMA bulk copies through shared memory.
 //   grid: any (1 block per SM), block: TMA_WARPS warps; dynamic smem: see TMA_BARRIER_REGION above.
 //   Roles: one elected lane per warp runs a private pipeline (the other lanes exit at once). Pipeline j of
 //   P = gridDim.x * TMA_WARPS takes chunks j, j + P, ... of the list of (destination, chunk) units dealt
@@ -86,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(COPY_SM_THREADS, 1) copy_sm(const _
 //   store has completed (wait_group 0).
 //   reads src[i][0, bytes_per_peer), writes dst[i][0, bytes_per_peer).
 //   on timeout: error record {ERR_TIMEOUT, rank, dst_rank of the chunk, PHASE_COPY}; the lane stops.
-extern "C" __global__ void __launch_bounds__(TMA_WARPS * WARP_SIZE, 1) copy_tma(const __grid_constant__ CopyArgs a) {
+__global__ void __launch_bounds__(TMA_WARPS * WARP_SIZE, 1) copy_tma(const __grid_constant__ CopyArgs a) {
   extern __shared__ __attribute__((aligned(TMA_SMEM_ALIGN))) u8 smem[];
   if (!ptx::elect_sync()) return;
   const u32 warp = threadIdx.x / WARP_SIZE;
@@ -134,6 +135,7 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * WARP_SIZE, 1) copy_tma(
   }
   ptx::cp_async_bulk_wait_group<0>();
 }
+}  // namespace moelink::copy
 
 // The pattern: word w of a buffer filled with `seed` (a hash, so shifted or swapped data is caught).
 __device__ __forceinline__ u32 pattern_word(u64 w, u32 seed) {
@@ -156,18 +158,19 @@ __device__ __forceinline__ u32x4 pattern_vec(u64 first_word, u32 seed) {
   return v;
 }
 
-// fill_pattern: dst[i] = pattern vector of words (first_word + 4i ...), for i < num_vecs.
+namespace moelink::copy {
+// moelink::copy::fill_pattern: dst[i] = pattern vector of words (first_word + 4i ...), for i < num_vecs.
 //   grid: any, block: PATTERN_THREADS; grid-stride loop; dst may be peer memory (remote 16-byte stores).
-extern "C" __global__ void __launch_bounds__(PATTERN_THREADS) fill_pattern(u64 dst, u64 num_vecs, u32 seed, u64 first_word) {
+__global__ void __launch_bounds__(PATTERN_THREADS) fill_pattern(u64 dst, u64 num_vecs, u32 seed, u64 first_word) {
   u32x4* out = reinterpret_cast<u32x4*>(dst);
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < num_vecs; i += (u64)gridDim.x * blockDim.x)
     ptx::st_v4(out + i, pattern_vec(first_word + 4 * i, seed));
 }
 
-// verify_pattern: counts the 32-bit words of src[0, num_vecs) that differ from fill_pattern's.
+// moelink::copy::verify_pattern: counts the 32-bit words of src[0, num_vecs) that differ from fill_pattern's.
 //   grid: any, block: PATTERN_THREADS; result[0] += mismatching words, result[1] = min(index of a
 //   mismatching word) (the host sets result to {0, ~0} first).
-extern "C" __global__ void __launch_bounds__(PATTERN_THREADS)
+__global__ void __launch_bounds__(PATTERN_THREADS)
     verify_pattern(u64 src, u64 num_vecs, u32 seed, u64 first_word, u64 result) {
   const u32x4* in = reinterpret_cast<const u32x4*>(src);
   u64* out = reinterpret_cast<u64*>(result);
@@ -184,3 +187,4 @@ extern "C" __global__ void __launch_bounds__(PATTERN_THREADS)
     ptx::red_min_relaxed_gpu_u64(out + 1, first_bad);
   }
 }
+}  // namespace moelink::copy

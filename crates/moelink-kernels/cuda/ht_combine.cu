@@ -308,7 +308,8 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// ht_combine: grid num_sms blocks (persistent, one per SM), block THREADS.
+namespace moelink::intranode {
+// moelink::intranode::combine: grid num_sms blocks (persistent, one per SM), block THREADS.
 //   Blocks [0, num_send_blocks) send expert outputs back, the others reduce (see send and reduce above).
 //   The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is non-zero or T_max
 //   exceeds slab_rows for this row size, and every rank returns.
@@ -316,9 +317,10 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
 //   block hands the combine slab back (consumed[me] = epoch in every peer's control region).
 //   reads: x, top-k weights, biases, routing, own combine slab and row flags;
 //   writes: peers' combine slabs and row flags, combined_x, combined_topk_weights, consumed flags.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_combine(const __grid_constant__ HtCombineArgs a) {
+__global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ HtCombineArgs a) {
   ht_run_op<COMBINE_WARPS, TRACE_WORDS>(
       a, PHASE_COMBINE, NUM_RANKS, ROW_BYTES, HT_COMBINE_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { reduce(a, epoch, d, warp_id, num_warps); });
 }
+}  // namespace moelink::intranode

@@ -382,7 +382,8 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// ht_dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
+namespace moelink::intranode {
+// moelink::intranode::dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
 //   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
 //   receive above). The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is
 //   non-zero or T_max exceeds slab_rows for this row size (a cached dispatch of bigger rows), and the epoch
@@ -393,9 +394,10 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
 //   reads: x, scales, top-k, routing, own slab and row flags;
 //   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
 //   remote rows from the slab), consumed flags.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) ht_dispatch(const __grid_constant__ HtDispatchArgs a) {
+__global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtDispatchArgs a) {
   ht_run_op<DISPATCH_WARPS, TRACE_WORDS>(
       a, PHASE_DISPATCH, a.num_ranks, ROW_BYTES, HT_DISPATCH_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { receive(a, epoch, d, warp_id, num_warps); });
 }
+}  // namespace moelink::intranode

@@ -32,7 +32,8 @@ struct HtLayoutArgs {
 };
 static_assert(sizeof(HtLayoutArgs) == MOELINK_SIZEOF_HT_LAYOUT_ARGS, "HtLayoutArgs differs from the Rust definition");
 
-// ht_layout: counts per rank and per expert, and is_token_in_rank.
+namespace moelink::intranode {
+// moelink::intranode::layout: counts per rank and per expert, and is_token_in_rank.
 //   grid: any (the host uses ceil(T / LAYOUT_THREADS), capped), block: LAYOUT_THREADS; one thread per token
 //   (grid-stride loop).
 //   Per token: expert e counts once per row; rank e / (E / R) is marked in is_token_in_rank and counted once
@@ -40,7 +41,7 @@ static_assert(sizeof(HtLayoutArgs) == MOELINK_SIZEOF_HT_LAYOUT_ARGS, "HtLayoutAr
 //   details: t << 32 | k, the value) and counts as -1, so nothing is indexed out of bounds.
 //   Counts accumulate in shared memory, then one global atomicAdd per non-zero counter and block.
 //   reads: topk_idx; writes: the three outputs. No flags, no waits.
-extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ht_layout(const __grid_constant__ HtLayoutArgs a) {
+__global__ void __launch_bounds__(LAYOUT_THREADS) layout(const __grid_constant__ HtLayoutArgs a) {
   __shared__ u32 s_rank_count[MAX_RANKS];
   __shared__ u32 s_expert_count[LAYOUT_SMEM_EXPERTS];
   const bool experts_in_smem = a.num_experts <= LAYOUT_SMEM_EXPERTS;
@@ -91,3 +92,4 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ht_layout(const __g
     for (u32 e = threadIdx.x; e < a.num_experts; e += LAYOUT_THREADS)
       if (s_expert_count[e] != 0u) atomicAdd(&expert_count[e], s_expert_count[e]);
 }
+}  // namespace moelink::intranode

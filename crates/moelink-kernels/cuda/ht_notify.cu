@@ -43,7 +43,8 @@ __device__ __forceinline__ u32* notify_msg(u64 ctrl, u32 parity, u32 src) {
   return ht_ctrl_word(ctrl, HT_CTRL_NOTIFY_MSGS) + ((u64)parity * MAX_RANKS + src) * HT_MSG_WORDS;
 }
 
-// ht_notify: one block of NOTIFY_THREADS.
+namespace moelink::intranode {
+// moelink::intranode::notify: one block of NOTIFY_THREADS.
 //   1. Prefix: thread i scans a contiguous chunk of tokens; a block-wide exclusive scan per destination gives
 //      routing.prefix[t][r] (tokens before t that go to r; t's send slot at r when it goes there) for
 //      t = 0..T, and send_count[r] = prefix[T][r]. send_count differing from num_tokens_per_rank marks this
@@ -64,7 +65,7 @@ __device__ __forceinline__ u32* notify_msg(u64 ctrl, u32 parity, u32 src) {
 //   writes: routing, host_out, peers' notify flags/messages, own epoch.
 //   on timeout: error record {ERR_TIMEOUT, rank, peer, PHASE_NOTIFY}; the routing status becomes FAILED so a
 //   dispatch launched behind this kernel returns at once.
-extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1) ht_notify(const __grid_constant__ HtNotifyArgs a) {
+__global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constant__ HtNotifyArgs a) {
   __shared__ u32 s_epoch;
   __shared__ u32 s_local_status;
   __shared__ u32 s_warp_total[NOTIFY_WARPS][MAX_RANKS];
@@ -236,3 +237,4 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1) ht_notify(const 
     *ht_ctrl_word(ctrl_me, HT_CTRL_NOTIFY_EPOCH) = epoch;
   }
 }
+}  // namespace moelink::intranode

@@ -325,7 +325,8 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
   ll_recv_end(a, sm, epoch);
 }
 
-// ll_combine: low-latency combine, send and/or receive phase.
+namespace moelink::low_latency {
+// moelink::low_latency::combine: low-latency combine, send and/or receive phase.
 //   grid: G blocks (cooperative when both phases run in one launch), block: LL_THREADS.
 //   SEND  every block waits (warp 0) until the home ranks consumed this set's previous use; block 0 checks
 //         the combine-time topk_idx/weights against the dispatch's and writes the metadata lines; blocks
@@ -340,7 +341,7 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
 //   DRAIN consumed flags only (a dropped hook).
 //   reads:  y, topk_idx, topk_weights, handle area; own combine region; own LlCtrl.
 //   writes: every home rank's combine region and LlCtrl flags/metadata (send); out, stats, LlReport (recv).
-extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __grid_constant__ LlCombineArgs a) {
+__global__ void __launch_bounds__(LL_THREADS, 1) combine(const __grid_constant__ LlCombineArgs a) {
   __shared__ LlShared sm;
   const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_COMBINE);
@@ -350,3 +351,4 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine(const __g
   if (a.phases & LL_PHASE_RECV) combine_recv(a, d, sm, epoch);
   ll_trace(sm, LL_TRACE_END);
 }
+}  // namespace moelink::low_latency

@@ -535,7 +535,8 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   ll_recv_end(a, sm, epoch);
 }
 
-// ll_dispatch: low-latency dispatch, send and/or receive phase.
+namespace moelink::low_latency {
+// moelink::low_latency::dispatch: low-latency dispatch, send and/or receive phase.
 //   grid: G blocks (one per SM; cooperative when both phases run in one launch), block: LL_THREADS.
 //   SEND  roles: every block first waits (warp 0) until the destinations consumed this set's previous use;
 //         block 0 = checks (dispatch_check: top-k validation, handle copies, counts and metadata lines);
@@ -556,7 +557,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 //   reads:  x, topk_idx, topk_weights; own receive region of the set; own LlCtrl.
 //   writes: every rank's receive region of the set (send) and LlCtrl flags/metadata; recv_x, recv_scales,
 //           recv_count, stats, handle area (recv); LlReport; error record on timeout.
-extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __grid_constant__ LlDispatchArgs a) {
+__global__ void __launch_bounds__(LL_THREADS, 1) dispatch(const __grid_constant__ LlDispatchArgs a) {
   __shared__ LlShared sm;
   const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_LL_DISPATCH);
@@ -566,3 +567,4 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch(const __
   if (a.phases & LL_PHASE_RECV) dispatch_recv(a, d, sm, epoch);
   ll_trace(sm, LL_TRACE_END);
 }
+}  // namespace moelink::low_latency

@@ -240,7 +240,7 @@ Layout run_layout(World& w, u32 me, const RankInputs& in) {
   a.num_ranks = R;
   a.rank = me;
   const u32 grid = in.t == 0 ? 1 : (in.t + LAYOUT_THREADS - 1) / LAYOUT_THREADS;
-  emu::launch(grid < 4 ? grid : 4, LAYOUT_THREADS, [&] { k_layout::ht_layout(a); });
+  emu::launch(grid < 4 ? grid : 4, LAYOUT_THREADS, [&] { k_layout::moelink::intranode::layout(a); });
   return l;
 }
 
@@ -272,7 +272,7 @@ bool run_notify(World& w, u32 me, const RankInputs& in, const Layout& l, Handle&
   a.slab_rows = w.region.slab_rows(slab_row);
   a.slab_row_bytes = (u32)slab_row;
   a.host_seq = seq;
-  emu::launch(1, NOTIFY_THREADS, [&] { k_notify::ht_notify(a); });
+  emu::launch(1, NOTIFY_THREADS, [&] { k_notify::moelink::intranode::notify(a); });
   if (sync) {
     // The kernel has finished (launch joins): READY must hold the sequence number.
     CHECK(__atomic_load_n(&w.ranks[me].host_notify[0], __ATOMIC_ACQUIRE) == seq, "rank %u: host READY %u != %u", me,
@@ -370,7 +370,7 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o,
   a.recv_topk_weights = K ? (u64)o.w.data() : 0;
   a.recv_src_idx = (u64)h.src_idx.data();
   a.trace = trace_buffer(0, me, w.num_sms, k_disp::TRACE_WORDS);
-  emu::launch(w.num_sms, k_disp::THREADS, [&] { k_disp::ht_dispatch(a); });
+  emu::launch(w.num_sms, k_disp::THREADS, [&] { k_disp::moelink::intranode::dispatch(a); });
   if (a.trace != 0) check_trace(0, me, w.num_sms, k_disp::TRACE_WORDS);
 }
 
@@ -384,7 +384,7 @@ void run_cached(World& w, u32 me, const RankInputs& in, const Handle& h, std::ve
   a.x = (u64)in.y.data();
   a.recv_x = (u64)out.data();
   a.recv_src_idx = (u64)src_idx.data();
-  emu::launch(w.num_sms, k_disp0::THREADS, [&] { k_disp0::ht_dispatch(a); });
+  emu::launch(w.num_sms, k_disp0::THREADS, [&] { k_disp0::moelink::intranode::dispatch(a); });
   if (h.routing[k_notify::HT_RT_STATUS] == 0) {
     const u32 n = (u32)h.routing[k_notify::HT_RT_NUM_RECV];
     for (u32 i = 0; i < rows && i < n; i++)
@@ -421,12 +421,12 @@ void run_combine(World& w, u32 me, u32 tokens, const Handle& h, const std::vecto
   // NUM_BIASES is a JIT constant: k_comb adds two biases, k_comb0 none (same argument layout).
   CHECK((bias0 == nullptr) == (bias1 == nullptr), "the harness passes both biases or none");
   if (bias0 != nullptr) {
-    emu::launch(w.num_sms, k_comb::THREADS, [&] { k_comb::ht_combine(a); });
+    emu::launch(w.num_sms, k_comb::THREADS, [&] { k_comb::moelink::intranode::combine(a); });
   } else {
     static_assert(sizeof(k_comb0::HtCombineArgs) == sizeof(k_comb::HtCombineArgs), "one argument layout");
     k_comb0::HtCombineArgs a0;
     std::memcpy(&a0, &a, sizeof a);
-    emu::launch(w.num_sms, k_comb0::THREADS, [&] { k_comb0::ht_combine(a0); });
+    emu::launch(w.num_sms, k_comb0::THREADS, [&] { k_comb0::moelink::intranode::combine(a0); });
   }
   if (a.trace != 0) check_trace(1, me, w.num_sms, k_comb::TRACE_WORDS);
 }

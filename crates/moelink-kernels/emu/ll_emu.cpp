@@ -23,8 +23,8 @@
 // ============================================================================================ launching
 namespace run {
 
-void kernel_of(const LlDispatchArgs& a) { ll_dispatch(a); }
-void kernel_of(const LlCombineArgs& a) { ll_combine(a); }
+void kernel_of(const LlDispatchArgs& a) { moelink::low_latency::dispatch(a); }
+void kernel_of(const LlCombineArgs& a) { moelink::low_latency::combine(a); }
 
 // Runs the kernel for `args` on `grid` blocks of LL_THREADS threads; returns when every block finished.
 template <typename Args>

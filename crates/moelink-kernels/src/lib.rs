@@ -17,6 +17,7 @@
 //! let req = all_variants().into_iter().find(|v| v.family == Family::Copy).unwrap().compile_request("sm_90a");
 //! assert!(req.options().contains(&"--gpu-architecture=sm_90a".to_string()));
 //! assert!(req.defines.iter().any(|(k, _)| k == "TMA_CHUNK_BYTES"));
+//! assert!(req.name_expressions.contains(&moelink_kernels::kernel_name::COPY_TMA.to_string()));
 //! ```
 
 #![warn(missing_docs)]
@@ -61,10 +62,44 @@ pub const HEADERS: &[(&str, &str)] = &[
 /// The one header that may include headers from outside the tree (NVSHMEM's, for the `nvshmem` transport).
 pub const SYSTEM_INCLUDE_HEADER: &str = "transport_nvshmem.cuh";
 
+/// The kernels' C++ names. Every kernel lives in a namespace, `moelink::<area>::<kernel>`, so that a profiler
+/// shows it as DeepEP's are shown (`deep_ep::intranode::dispatch<...>(...)`): tools that time DeepEP look
+/// for the one kernel row containing `dispatch` / `combine` in a kineto table, or for `::dispatch` /
+/// `::combine` in a chrome trace's event names. Each mode has exactly one kernel whose name contains
+/// `dispatch` and one containing `combine` (`tests/compile_all.rs` checks the demangled symbols); the HT
+/// layout and notify kernels contain neither. The JIT finds each kernel by this name (an NVRTC name
+/// expression, [`KernelSpec::compile_request`]).
+pub mod kernel_name {
+    /// `barrier.cu`: one cross-GPU barrier.
+    pub const BARRIER: &str = "moelink::barrier::gpu_barrier";
+    /// `barrier.cu`: a timed loop of barriers.
+    pub const BARRIER_LATENCY: &str = "moelink::barrier::gpu_barrier_latency";
+    /// `copy.cu`: SM copy into peers.
+    pub const COPY_SM: &str = "moelink::copy::copy_sm";
+    /// `copy.cu`: TMA copy into peers.
+    pub const COPY_TMA: &str = "moelink::copy::copy_tma";
+    /// `copy.cu`: pattern fill.
+    pub const FILL_PATTERN: &str = "moelink::copy::fill_pattern";
+    /// `copy.cu`: pattern check.
+    pub const VERIFY_PATTERN: &str = "moelink::copy::verify_pattern";
+    /// `ht_layout.cu`: `get_dispatch_layout`.
+    pub const HT_LAYOUT: &str = "moelink::intranode::layout";
+    /// `ht_notify.cu`: the count exchange before a fresh high-throughput dispatch.
+    pub const HT_NOTIFY: &str = "moelink::intranode::notify";
+    /// `ht_dispatch.cu`: high-throughput dispatch.
+    pub const HT_DISPATCH: &str = "moelink::intranode::dispatch";
+    /// `ht_combine.cu`: high-throughput combine.
+    pub const HT_COMBINE: &str = "moelink::intranode::combine";
+    /// `ll_dispatch.cu`: low-latency dispatch.
+    pub const LL_DISPATCH: &str = "moelink::low_latency::dispatch";
+    /// `ll_combine.cu`: low-latency combine.
+    pub const LL_COMBINE: &str = "moelink::low_latency::combine";
+}
+
 /// One kernel entry point of a family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelInfo {
-    /// `extern "C"` name.
+    /// C++ name ([`kernel_name`]), without the parameter list.
     pub name: &'static str,
     /// On a performance-critical path: must compile without stack frame or spills.
     pub hot: bool,
@@ -137,19 +172,21 @@ impl Family {
     /// The entry points the file defines.
     pub fn kernels(self) -> &'static [KernelInfo] {
         match self {
-            Family::Barrier => &[KernelInfo { name: "gpu_barrier", hot: true }, KernelInfo { name: "gpu_barrier_latency", hot: true }],
+            Family::Barrier => {
+                &[KernelInfo { name: kernel_name::BARRIER, hot: true }, KernelInfo { name: kernel_name::BARRIER_LATENCY, hot: true }]
+            }
             Family::Copy => &[
-                KernelInfo { name: "copy_sm", hot: true },
-                KernelInfo { name: "copy_tma", hot: true },
-                KernelInfo { name: "fill_pattern", hot: true },
-                KernelInfo { name: "verify_pattern", hot: true },
+                KernelInfo { name: kernel_name::COPY_SM, hot: true },
+                KernelInfo { name: kernel_name::COPY_TMA, hot: true },
+                KernelInfo { name: kernel_name::FILL_PATTERN, hot: true },
+                KernelInfo { name: kernel_name::VERIFY_PATTERN, hot: true },
             ],
-            Family::HtLayout => &[KernelInfo { name: "ht_layout", hot: true }],
-            Family::HtNotify => &[KernelInfo { name: "ht_notify", hot: true }],
-            Family::HtDispatch => &[KernelInfo { name: "ht_dispatch", hot: true }],
-            Family::HtCombine => &[KernelInfo { name: "ht_combine", hot: true }],
-            Family::LlDispatch => &[KernelInfo { name: "ll_dispatch", hot: true }],
-            Family::LlCombine => &[KernelInfo { name: "ll_combine", hot: true }],
+            Family::HtLayout => &[KernelInfo { name: kernel_name::HT_LAYOUT, hot: true }],
+            Family::HtNotify => &[KernelInfo { name: kernel_name::HT_NOTIFY, hot: true }],
+            Family::HtDispatch => &[KernelInfo { name: kernel_name::HT_DISPATCH, hot: true }],
+            Family::HtCombine => &[KernelInfo { name: kernel_name::HT_COMBINE, hot: true }],
+            Family::LlDispatch => &[KernelInfo { name: kernel_name::LL_DISPATCH, hot: true }],
+            Family::LlCombine => &[KernelInfo { name: kernel_name::LL_COMBINE, hot: true }],
             Family::Transport => &[
                 KernelInfo { name: "transport_barrier", hot: false },
                 KernelInfo { name: "transport_check", hot: false },
@@ -181,9 +218,14 @@ impl KernelSpec {
         self.family.kernels()
     }
 
-    /// What to hand to [`moelink_cuda::jit::JitCache::compile`] for target `arch` (e.g. `sm_90a`).
+    /// What to hand to [`moelink_cuda::jit::JitCache::compile`] for target `arch` (e.g. `sm_90a`): the
+    /// source, the headers, the constants, and each namespaced kernel's C++ name as a name expression (a
+    /// name without `::`, such as the transport check's, is an `extern "C"` symbol and needs none).
     pub fn compile_request(&self, arch: &str) -> CompileRequest {
         let mut req = CompileRequest::new(self.family.file_name(), self.family.source(), arch);
+        for k in self.kernels().iter().filter(|k| k.name.contains("::")) {
+            req = req.name_expression(k.name);
+        }
         for (name, contents) in HEADERS {
             req = req.header(*name, *contents);
         }
@@ -307,7 +349,15 @@ mod tests {
                 assert!(!l.contains("trap;"), "{}: kernels must never trap", spec.family.file_name());
             }
             for k in spec.kernels() {
-                let decl = format!(" {}(", k.name);
+                // Namespaced (kernel_name): defined in its namespace; else an `extern "C"` test kernel.
+                let function = match k.name.rsplit_once("::") {
+                    Some((namespace, function)) => {
+                        assert!(src.contains(&format!("namespace {namespace} {{")), "{} must be in namespace {namespace}", k.name);
+                        function
+                    }
+                    None => k.name,
+                };
+                let decl = format!(" {function}(");
                 let at = src.find(&decl).unwrap_or_else(|| panic!("{} is not defined in {}", k.name, spec.family.file_name()));
                 let before = &src[..at];
                 assert!(

@@ -7,10 +7,10 @@
 //! it writes each variant's disassembly to `dir/<variant>.sass`, so that a refactor of a kernel can be
 //! checked to leave its machine code unchanged (`diff -r` of two such folders) before any GPU time is spent.
 
-use moelink_cuda::jit::{CompileRequest, JitCache};
+use moelink_cuda::jit::{CompileRequest, Compiled, JitCache};
 use moelink_cuda::{Error, NvshmemToolchain};
 use moelink_kernels::transport::Transport;
-use moelink_kernels::{all_variants, Family, KernelSpec};
+use moelink_kernels::{all_variants, kernel_name, Family, KernelSpec};
 
 const ARCH: &str = "sm_90a";
 
@@ -92,7 +92,7 @@ fn every_variant_compiles_without_spills() {
             }
         }
         if let Some(tool) = std::env::var_os("MOELINK_CUOBJDUMP") {
-            failures.extend(check_sass(&tool, &spec, &compiled.cubin).into_iter().map(|f| format!("{}: {f}", spec.variant)));
+            failures.extend(check_sass(&tool, &spec, &compiled).into_iter().map(|f| format!("{}: {f}", spec.variant)));
         }
     }
     assert!(failures.is_empty(), "kernel compile check failed:\n{}", failures.join("\n"));
@@ -136,9 +136,115 @@ fn disk_cache_hits_after_a_cold_compile() {
     assert!(std::sync::Arc::ptr_eq(&warm, &again));
 }
 
+/// The names a profiler shows for moelink's kernels: the demangled symbols (`c++filt` of NVRTC's lowered
+/// names, which are the cubin's symbols). Each must be the kernel's C++ name with its parameter list, and
+/// the tools that time DeepEP must find exactly one dispatch and one combine kernel per mode the way
+/// DeepEP's `bench_kineto` does: one row of the kineto table containing `dispatch` / `combine` (the table
+/// cuts names at 100 characters), and the chrome-trace events whose name contains `::dispatch` /
+/// `::combine`. A profile of one mode holds that mode's kernels and the barrier (which `Buffer` drop and
+/// `clean_low_latency_buffer` launch).
+#[test]
+fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping the kernel-name check: {why}");
+        return;
+    }
+    let params = |name: &str| -> &str {
+        match name {
+            kernel_name::BARRIER => "(BarrierArgs)",
+            kernel_name::BARRIER_LATENCY => "(BarrierArgs, unsigned int, unsigned long long*)",
+            kernel_name::COPY_SM | kernel_name::COPY_TMA => "(CopyArgs)",
+            kernel_name::FILL_PATTERN => "(unsigned long long, unsigned long long, unsigned int, unsigned long long)",
+            kernel_name::VERIFY_PATTERN => "(unsigned long long, unsigned long long, unsigned int, unsigned long long, unsigned long long)",
+            kernel_name::HT_LAYOUT => "(HtLayoutArgs)",
+            kernel_name::HT_NOTIFY => "(HtNotifyArgs)",
+            kernel_name::HT_DISPATCH => "(HtDispatchArgs)",
+            kernel_name::HT_COMBINE => "(HtCombineArgs)",
+            kernel_name::LL_DISPATCH => "(LlDispatchArgs)",
+            kernel_name::LL_COMBINE => "(LlCombineArgs)",
+            other => panic!("{other}: add its parameter list here"),
+        }
+    };
+    // One variant per family: the names do not depend on the constants.
+    let cache = JitCache::new(None);
+    let mut symbols: Vec<(&'static str, String)> = Vec::new();
+    let mut families: Vec<Family> = Vec::new();
+    for spec in all_variants() {
+        // The transport family's check and benchmark kernels are test kernels with `extern "C"` names.
+        if families.contains(&spec.family) || spec.family == Family::Transport {
+            continue;
+        }
+        families.push(spec.family);
+        let compiled = cache.compile(&spec.compile_request(ARCH)).unwrap_or_else(|e| panic!("{}: {e}", spec.variant));
+        for k in spec.kernels() {
+            let symbol = compiled.lowered_name(k.name).unwrap_or_else(|| panic!("{}: no lowered name", k.name)).to_string();
+            let in_cubin =
+                compiled.cubin.windows(symbol.len() + 1).any(|w| w[..symbol.len()] == *symbol.as_bytes() && w[symbol.len()] == 0);
+            assert!(in_cubin, "{}: symbol {symbol} is not in the cubin's string table", k.name);
+            symbols.push((k.name, symbol));
+        }
+    }
+    let Some(shown) = demangle(&symbols.iter().map(|(_, s)| s.as_str()).collect::<Vec<_>>()) else { return };
+    let shown: Vec<(&str, String)> = symbols.iter().map(|(n, _)| *n).zip(shown).collect();
+    for (name, demangled) in &shown {
+        assert_eq!(*demangled, format!("{name}{}", params(name)), "what a profiler shows for {name}");
+    }
+    let barrier = [kernel_name::BARRIER, kernel_name::BARRIER_LATENCY];
+    let modes: [(&str, Vec<&str>, [&str; 2]); 2] = [
+        (
+            "high-throughput",
+            [kernel_name::HT_LAYOUT, kernel_name::HT_NOTIFY, kernel_name::HT_DISPATCH, kernel_name::HT_COMBINE]
+                .into_iter()
+                .chain(barrier)
+                .collect(),
+            [kernel_name::HT_DISPATCH, kernel_name::HT_COMBINE],
+        ),
+        (
+            "low-latency",
+            [kernel_name::LL_DISPATCH, kernel_name::LL_COMBINE].into_iter().chain(barrier).collect(),
+            [kernel_name::LL_DISPATCH, kernel_name::LL_COMBINE],
+        ),
+    ];
+    for (mode, kernels, [dispatch, combine]) in modes {
+        let profile: Vec<&(&str, String)> = shown.iter().filter(|(n, _)| kernels.contains(n)).collect();
+        assert_eq!(profile.len(), kernels.len());
+        for (_, demangled) in &profile {
+            assert!(demangled.len() <= 100, "{demangled}: longer than the kineto table's name column");
+        }
+        for (word, want) in [("dispatch", dispatch), ("combine", combine)] {
+            let rows: Vec<&str> = profile.iter().filter(|(_, d)| d.contains(word)).map(|(n, _)| *n).collect();
+            assert_eq!(rows, [want], "{mode}: kernel-table rows containing `{word}`");
+            let events: Vec<&str> = profile.iter().filter(|(_, d)| d.contains(&format!("::{word}"))).map(|(n, _)| *n).collect();
+            assert_eq!(events, [want], "{mode}: chrome-trace events containing `::{word}`");
+        }
+    }
+}
+
+/// `c++filt` of each symbol, in order; None (the test then skips, saying why) when c++filt does not run,
+/// unless `MOELINK_REQUIRE_NVRTC=1`, where that is a failure.
+fn demangle(symbols: &[&str]) -> Option<Vec<String>> {
+    use std::io::Write;
+    let child = std::process::Command::new("c++filt").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            assert!(std::env::var("MOELINK_REQUIRE_NVRTC").as_deref() != Ok("1"), "c++filt does not run: {e}");
+            eprintln!("skipping the demangled-name check: c++filt does not run: {e}");
+            return None;
+        }
+    };
+    child.stdin.take().expect("piped").write_all(symbols.join("\n").as_bytes()).expect("c++filt reads its input");
+    let out = child.wait_with_output().expect("c++filt runs");
+    assert!(out.status.success(), "c++filt failed");
+    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), symbols.len(), "c++filt printed one line per symbol");
+    Some(lines)
+}
+
 /// Instructions each family must contain (substrings of cuobjdump -sass lines), and ones no kernel may.
-fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin: &[u8]) -> Vec<String> {
+fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, compiled: &Compiled) -> Vec<String> {
     let family = spec.family;
+    let cubin = &compiled.cubin;
     let path = std::env::temp_dir().join(format!("moelink-sass-{}-{}.cubin", std::process::id(), family.file_name()));
     if let Err(e) = std::fs::write(&path, cubin) {
         return vec![format!("cannot write {}: {e}", path.display())];
@@ -159,25 +265,25 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
     let functions = split_functions(&sass);
     let expect: &[(&str, &[&str])] = match family {
         Family::Barrier => &[
-            ("gpu_barrier", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS", "CCTL.IVALL"]),
-            ("gpu_barrier_latency", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"]),
+            (kernel_name::BARRIER, &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS", "CCTL.IVALL"]),
+            (kernel_name::BARRIER_LATENCY, &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"]),
         ],
         Family::Copy => &[
-            ("copy_sm", &["LDG.E.NA.LTC256B.128.CONSTANT", "STG.E.NA.128"]),
-            ("copy_tma", &["UBLKCP.S.G", "UBLKCP.G.S", "SYNCS"]),
-            ("fill_pattern", &["STG.E.128"]),
-            ("verify_pattern", &["LDG.E.128"]),
+            (kernel_name::COPY_SM, &["LDG.E.NA.LTC256B.128.CONSTANT", "STG.E.NA.128"]),
+            (kernel_name::COPY_TMA, &["UBLKCP.S.G", "UBLKCP.G.S", "SYNCS"]),
+            (kernel_name::FILL_PATTERN, &["STG.E.128"]),
+            (kernel_name::VERIFY_PATTERN, &["LDG.E.128"]),
         ],
-        Family::HtLayout => &[("ht_layout", &["ATOMS"])],
-        Family::HtNotify => &[("ht_notify", &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"])],
+        Family::HtLayout => &[(kernel_name::HT_LAYOUT, &["ATOMS"])],
+        Family::HtNotify => &[(kernel_name::HT_NOTIFY, &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "LDG.E.STRONG.SYS"])],
         // Senders: streamed 16-byte loads of the inputs, 16-byte stores into peers' slabs, fence + flag;
         // receivers: weak 16-byte loads of the slab after an acquire (LDG.STRONG.SYS + CCTL.IVALL).
         Family::HtDispatch => &[(
-            "ht_dispatch",
+            kernel_name::HT_DISPATCH,
             &["LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.NA.128", "STG.E.NA.128", "MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "CCTL.IVALL"],
         )],
         Family::HtCombine => &[(
-            "ht_combine",
+            kernel_name::HT_COMBINE,
             &[
                 "LDG.E.NA.LTC256B.128.CONSTANT",
                 "LDG.E.NA.128",
@@ -190,14 +296,14 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
         // 16-byte streamed loads/stores, L2-coherent 16-byte loads of what peers wrote, system-scope fences;
         // FP8 dispatch converts with cvt.rn.satfinite.e4m3x2; combine rounds with cvt.rn.bf16x2.
         Family::LlDispatch if spec.define("LL_FP8") == Some("1") => &[(
-            "ll_dispatch",
+            kernel_name::LL_DISPATCH,
             &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.SATFINITE.E4M3.F32.PACK_AB"],
         )],
         Family::LlDispatch => {
-            &[("ll_dispatch", &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS"])]
+            &[(kernel_name::LL_DISPATCH, &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS"])]
         }
         Family::LlCombine => &[(
-            "ll_combine",
+            kernel_name::LL_COMBINE,
             &["STG.E.NA.128", "LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.128.STRONG.GPU", "MEMBAR.ALL.SYS", "F2FP.BF16.F32.PACK_AB"],
         )],
         // NVSHMEM's device code keeps a stack frame and calls into its transfer functions: nothing to expect.
@@ -211,7 +317,9 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
     };
     let mut failures = Vec::new();
     for (kernel, wanted) in expect {
-        let Some(body) = functions.iter().find(|(n, _)| n == kernel).map(|(_, b)| b) else {
+        // Namespaced kernels by their lowered symbol; `extern "C"` ones (transport) by their name.
+        let symbol = compiled.lowered_name(kernel).unwrap_or(kernel);
+        let Some(body) = functions.iter().find(|(n, _)| n == symbol).map(|(_, b)| b) else {
             failures.push(format!("{kernel}: not found in the SASS"));
             continue;
         };
@@ -226,7 +334,7 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, cubin:
             }
         }
         // The combine sums must round every product before the add: no fused multiply-add anywhere in it.
-        if *kernel == "ll_combine" && body.lines().any(|l| l.split_whitespace().any(|t| t.starts_with("FFMA"))) {
+        if *kernel == kernel_name::LL_COMBINE && body.lines().any(|l| l.split_whitespace().any(|t| t.starts_with("FFMA"))) {
             failures.push(format!("{kernel}: SASS contains FFMA (a contracted w * y + acc)"));
         }
     }

@@ -53,11 +53,7 @@ fn family(name: &str, defines: &[(&str, String)], source: &str, ptx: &str) -> St
     for (k, v) in defines {
         s += &format!("#define {k} {v}\n");
     }
-    s += &format!(
-        "namespace {name} {{\n{ptx}\n{}\n{}\n}}  // namespace {name}\n",
-        strip_header(HT),
-        strip_header(&source.replace("extern \"C\" __global__", "__global__"))
-    );
+    s += &format!("namespace {name} {{\n{ptx}\n{}\n{}\n}}  // namespace {name}\n", strip_header(HT), strip_header(source));
     for (k, _) in defines {
         s += &format!("#undef {k}\n");
     }

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use moelink_cuda::jit::JitCache;
-use moelink_cuda::{Device, DeviceBuffer, Kernel, KernelArgs, LaunchConfig, Module, Stream};
+use moelink_cuda::{Device, DeviceBuffer, Kernel, KernelArgs, LaunchConfig, Stream};
 use moelink_kernels::transport::{
     TransportBenchArgs, TransportCheckArgs, TransportVariant, BENCH_BANDWIDTH, BENCH_LATENCY, CHECK_PLANTED_BUG, CHECK_PUT_FENCE_SIGNAL,
     CHECK_PUT_SIGNAL, TRANSPORT_SIGNAL_BYTES, TRANSPORT_THREADS,
@@ -111,7 +111,7 @@ impl Probe {
         let domain = RdmaDomain::new(&device, group, rdma, region_bytes)?;
         let spec = TransportVariant { transport: rdma.transport.kernel_transport() }.spec();
         let compiled = JitCache::global().compile(&domain.compile_request(&spec, &device.info().arch())?)?;
-        let module = Module::load_shared(&device, &compiled.key, &compiled.cubin)?;
+        let module = compiled.load_shared(&device)?;
         domain.register(&module)?;
         Ok(Probe {
             check: module.kernel("transport_check")?,

@@ -65,6 +65,25 @@ pub(crate) unsafe fn create_program(source: &str, name: &str, headers: &[(String
     Ok(prog)
 }
 
+/// Asks NVRTC to keep the lowered (mangled) name of `expression` (a C++ name such as `ns::kernel`) for
+/// [`lowered_name`]; before [`compile_program`].
+pub(crate) unsafe fn add_name_expression(prog: nvrtcProgram, expression: &str) -> Result<()> {
+    let expr = cstring(expression, "name expression")?;
+    check(sys::nvrtcAddNameExpression(prog, expr.as_ptr()), "nvrtcAddNameExpression")
+}
+
+/// The lowered name of an expression added with [`add_name_expression`]; after a successful compile.
+pub(crate) unsafe fn lowered_name(prog: nvrtcProgram, expression: &str) -> Result<String> {
+    let expr = cstring(expression, "name expression")?;
+    let mut lowered: *const c_char = std::ptr::null();
+    check(sys::nvrtcGetLoweredName(prog, expr.as_ptr(), &mut lowered), "nvrtcGetLoweredName")?;
+    if lowered.is_null() {
+        return Err(Error::Nvrtc { call: "nvrtcGetLoweredName", name: "null name".into(), log: expression.to_string() });
+    }
+    // The string is owned by the program and valid until it is destroyed; copied here.
+    Ok(std::ffi::CStr::from_ptr(lowered).to_string_lossy().into_owned())
+}
+
 /// Compiles; `Ok(false)` when the source was rejected (the log says why), `Err` for other failures.
 pub(crate) unsafe fn compile_program(prog: nvrtcProgram, options: &[String]) -> Result<bool> {
     let opts: Vec<CString> = options.iter().map(|o| cstring(o, "compile option")).collect::<Result<_>>()?;

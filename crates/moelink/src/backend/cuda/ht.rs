@@ -23,6 +23,7 @@ use moelink_kernels::ht::{
     self as kht, host_notify, routing, CallSignature, HtCombineArgs, HtCombineVariant, HtDispatchArgs, HtDispatchVariant, HtLayoutArgs,
     HtLayoutVariant, HtNotifyArgs, HtNotifyVariant, HtRegion,
 };
+use moelink_kernels::kernel_name;
 
 use super::{ctrl, CudaBackend, HT_DATA};
 use crate::backend::{HtDispatched, LayoutOutputs};
@@ -470,7 +471,7 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
     let num_tokens_per_expert = out.num_tokens_per_expert.addr();
     check_aligned(num_tokens_per_rank, 4, "num_tokens_per_rank", rank)?;
     check_aligned(num_tokens_per_expert, 4, "num_tokens_per_expert", rank)?;
-    let kernel = b.kernel(&HtLayoutVariant.spec(), "ht_layout")?;
+    let kernel = b.kernel(&HtLayoutVariant.spec(), kernel_name::HT_LAYOUT)?;
     // SAFETY: both outputs were validated as contiguous int32 tensors of this device with R and E elements.
     unsafe {
         b.op_stream().memset_d32_async(num_tokens_per_rank, 0, b.num_ranks)?;
@@ -579,7 +580,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                 has_topk: s.has_topk,
                 no_sync: !sync,
             });
-            let kernel = b.kernel(&HtNotifyVariant.spec(), "ht_notify")?;
+            let kernel = b.kernel(&HtNotifyVariant.spec(), kernel_name::HT_NOTIFY)?;
             let (error_claim, error_record) = b.error_sink();
             let args = HtNotifyArgs {
                 is_token_in_rank: layout.is_token_in_rank.addr(),
@@ -743,7 +744,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
     };
-    let kernel = b.kernel(&variant.spec(), "ht_dispatch")?;
+    let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     finish(b, Phase::Dispatch)?;
     if args.trace != 0 {
@@ -828,7 +829,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
     };
-    let kernel = b.kernel(&variant.spec(), "ht_combine")?;
+    let kernel = b.kernel(&variant.spec(), kernel_name::HT_COMBINE)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     finish(b, Phase::Combine)?;
     if args.trace != 0 {

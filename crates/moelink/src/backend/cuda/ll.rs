@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
+use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
     LL_TRACE_CALLS, LL_TRACE_POINTS, LL_TRACE_WORDS, SIG_FIELDS,
@@ -423,12 +424,12 @@ fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
                 match o.drain {
                     Drain::Dispatch(mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&o.variant.dispatch_spec(), "ll_dispatch")?;
+                        let k = b.kernel(&o.variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
                         b.launch(&k, &cfg, &a)?;
                     }
                     Drain::Combine(mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&o.variant.combine_spec(), "ll_combine")?;
+                        let k = b.kernel(&o.variant.combine_spec(), kernel_name::LL_COMBINE)?;
                         b.launch(&k, &cfg, &a)?;
                     }
                 }
@@ -457,7 +458,7 @@ pub(crate) fn dispatch<'a>(
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
     let variant = variant_of(&s);
-    let kernel = b.kernel(&variant.dispatch_spec(), "ll_dispatch")?;
+    let kernel = b.kernel(&variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
     let set = (b.ll.dispatch_calls & 1) as usize;
     let generation = b.ll.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
@@ -528,7 +529,7 @@ pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Re
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
-    let kernel = b.kernel(&p.variant.dispatch_spec(), "ll_dispatch")?;
+    let kernel = b.kernel(&p.variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
     let grid = grid_size(b);
     b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
     b.finish(Phase::LowLatencyDispatch)?;
@@ -576,7 +577,7 @@ pub(crate) fn combine<'a>(
     };
 
     let variant = variant_of(&s);
-    let kernel = b.kernel(&variant.combine_spec(), "ll_combine")?;
+    let kernel = b.kernel(&variant.combine_spec(), kernel_name::LL_COMBINE)?;
     let set = (b.ll.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
@@ -636,7 +637,7 @@ pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Resu
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
-    let kernel = b.kernel(&p.variant.combine_spec(), "ll_combine")?;
+    let kernel = b.kernel(&p.variant.combine_spec(), kernel_name::LL_COMBINE)?;
     let grid = grid_size(b);
     b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
     b.finish(Phase::LowLatencyCombine)?;

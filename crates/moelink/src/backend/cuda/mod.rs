@@ -374,7 +374,7 @@ impl CudaBackend {
         if self.internode.is_some() {
             return internode::enqueue_barrier(self);
         }
-        let k = self.kernel(&moelink_kernels::BarrierVariant.spec(), "gpu_barrier")?;
+        let k = self.kernel(&moelink_kernels::BarrierVariant.spec(), moelink_kernels::kernel_name::BARRIER)?;
         let (error_claim, error_record) = self.error_sink();
         let args = abi::BarrierArgs {
             regions: self.peer_table(ctrl::BARRIER),
