@@ -15,7 +15,11 @@ phase runs on the current stream and ``hook()`` runs the receive phase on the st
 called. On the host backend (CPU tensors) every call is synchronous and events are ``None``.
 
 Environment: ``MOELINK_BACKEND`` (``auto`` | ``host`` | ``cuda``, default ``auto``: CUDA when torch sees a GPU
-and the driver and NVRTC are usable), ``MOELINK_TIMEOUT_MS`` (deadline of every wait, default 10000).
+and the driver and NVRTC are usable), ``MOELINK_TIMEOUT_MS`` (deadline of every wait, default 10000). For
+measurements, as with the ``moelink`` command: ``MOELINK_LL_TRACE=1`` / ``MOELINK_HT_TRACE=1`` (kernel timing
+traces), the tuning and timing-experiment variables (``MOELINK_LL_SMS``, ``MOELINK_LL_EXPERIMENT``,
+``MOELINK_HT_*``; an unknown value raises ``ValueError`` when a buffer is created), and ``MOELINK_CACHE_DIR`` /
+``MOELINK_JIT_VERBOSE=1`` (the kernel cache; read when the module is imported).
 """
 
 from __future__ import annotations

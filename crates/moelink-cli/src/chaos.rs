@@ -460,7 +460,7 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
         num_rdma_bytes: Buffer::ll_bytes_needed(sh.tokens, sh.hidden, world, sh.experts),
         timeout_ms: a.timeout_ms,
         enable_shrink: a.shrink,
-        ..Default::default()
+        ..crate::env::buffer_options()
     };
     let group: Arc<dyn Group> = Arc::new(g);
     let mut buf = Buffer::new(group.clone(), opts)?;
@@ -639,7 +639,8 @@ fn rebuild(a: &ChaosArgs, cfg: &moelink::group::TcpConfig, backend: BackendKind,
         rep.reasons.push(format!("the timeout chain does not lead to rank {} (named {:?}, root {:?})", a.victim, rep.peer_named, at));
     }
     let (nvl, rdma) = soak::verify_buffer_bytes(new_world);
-    let opts = BufferOptions { backend, num_nvl_bytes: nvl, num_rdma_bytes: rdma, timeout_ms: a.timeout_ms, ..Default::default() };
+    let opts =
+        BufferOptions { backend, num_nvl_bytes: nvl, num_rdma_bytes: rdma, timeout_ms: a.timeout_ms, ..crate::env::buffer_options() };
     let group: Arc<dyn Group> = Arc::new(g);
     let mut prim = Buffer::new(group.clone(), opts.clone())?;
     let mut twin = Buffer::new(group, BufferOptions { backend: BackendKind::Host, ..opts })?;

@@ -7,9 +7,11 @@
 //! - [`soak`] — `moelink soak` (randomized rounds checked against the host backend).
 //! - [`chaos`] — `moelink chaos` (a rank killed mid-collective, process mode).
 //! - [`record`] — one measurement as written to `--json FILE`.
+//! - [`env`] — the environment variables the command reads, turned into typed options at start-up.
 
 pub mod bench;
 pub mod chaos;
+pub mod env;
 pub mod info;
 pub mod ranks;
 pub mod record;

@@ -8,7 +8,7 @@
 //! - `moelink soak` — randomized rounds of every kernel family checked against the host backend.
 //! - `moelink chaos` — kill a rank mid-collective (process mode); survivors must time out and rebuild.
 //!
-//! Errors print as `error: <message>` and exit with status 1.
+//! Errors print as `error: <message>` and exit with status 1. Environment variables: `moelink_cli::env`.
 
 use std::process::ExitCode;
 
@@ -52,6 +52,11 @@ fn main() -> ExitCode {
             return if e.use_stderr() { ExitCode::from(1) } else { ExitCode::SUCCESS };
         }
     };
+    // The environment's tracing, tuning and JIT variables become typed options before anything runs.
+    if let Err(e) = moelink_cli::env::init() {
+        eprintln!("error: {e}");
+        return ExitCode::from(1);
+    }
     let result = match &cli.cmd {
         Cmd::Bench(b) => match &b.probe {
             Some(bench::BenchSub::Nvlink(a)) => bench::nvlink::run(a),

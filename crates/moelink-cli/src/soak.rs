@@ -1280,7 +1280,7 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
         num_nvl_bytes: s.num_nvl_bytes,
         num_rdma_bytes: s.num_rdma_bytes,
         timeout_ms: s.timeout_ms,
-        ..Default::default()
+        ..crate::env::buffer_options()
     };
     let mut prim = Buffer::new(group.clone(), opts.clone())?;
     let mut twin = Buffer::new(group.clone(), BufferOptions { backend: BackendKind::Host, ..opts })?;

@@ -10,12 +10,15 @@
 //! - Options: `-std=c++17 -lineinfo --ptxas-options=-v` plus the request's `-D` constants. The ptxas
 //!   report is requested on every compile (it does not change the CUBIN) so that the register/spill report
 //!   ([`KernelResources`]) is always available and is cached with the CUBIN.
-//! - Disk cache: `$MOELINK_CACHE_DIR`, default `<user cache dir>/moelink/kernels`, one file per key; the key
+//! - Disk cache: [`JitSettings::cache_dir`], default `<user cache dir>/moelink/kernels`, one file per key; the key
 //!   is a sha256 over the source, headers, options, NVRTC version and architecture. Writes go to a temporary
 //!   file that is renamed into place, so readers never see a partial file.
 //! - In-process memo: a second request for the same key in the same [`JitCache`] returns the same CUBIN
 //!   without touching the disk; concurrent requests for one key compile it once.
-//! - `MOELINK_JIT_VERBOSE=1` prints the options, the compile time and the register/spill report.
+//! - Settings ([`JitSettings`]: the disk cache directory, where compile reports go) are process-wide, set by
+//!   the program with [`configure`] before its first compile; the library reads no environment variable
+//!   (the `moelink` command and the Python package map `MOELINK_CACHE_DIR` / `MOELINK_JIT_VERBOSE` onto
+//!   them with [`JitSettings::from_vars`]).
 //!
 //! ```no_run
 //! use moelink_cuda::jit::{CompileRequest, JitCache};
@@ -40,10 +43,48 @@ use crate::error::{Error, Result};
 use crate::module::Module;
 use crate::raw::nvrtc;
 
-/// Environment variable naming the disk cache directory.
-pub const CACHE_DIR_ENV: &str = "MOELINK_CACHE_DIR";
-/// Environment variable that turns on compile reports (`1`).
-pub const VERBOSE_ENV: &str = "MOELINK_JIT_VERBOSE";
+/// Process-wide JIT settings ([`configure`]).
+#[derive(Clone, Debug, Default)]
+pub struct JitSettings {
+    /// Disk cache directory of [`JitCache::global`]; `None`: [`default_cache_dir`].
+    pub cache_dir: Option<PathBuf>,
+    /// Receives a compile report, line by line, after every compile and disk-cache hit: the options, the
+    /// compile time and each kernel's register/spill line. `None`: no reports.
+    pub report: Option<fn(&str)>,
+}
+
+impl JitSettings {
+    /// The programs' environment variables, read through `get`: `MOELINK_CACHE_DIR` (the disk cache
+    /// directory) and `MOELINK_JIT_VERBOSE=1` (reports go to `report`). The library never reads the
+    /// environment itself: the `moelink` command, the Python package and the test harnesses call this with
+    /// `|k| std::env::var(k).ok()`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>, report: fn(&str)) -> JitSettings {
+        JitSettings {
+            cache_dir: get("MOELINK_CACHE_DIR").filter(|d| !d.is_empty()).map(PathBuf::from),
+            report: (get("MOELINK_JIT_VERBOSE").as_deref().map(str::trim) == Some("1")).then_some(report),
+        }
+    }
+}
+
+static SETTINGS: OnceLock<JitSettings> = OnceLock::new();
+
+/// Sets this process's JIT settings. Call it before the first compile; `Err` once settings are in effect
+/// (an earlier `configure`, or a compile that took the defaults).
+pub fn configure(settings: JitSettings) -> Result<()> {
+    SETTINGS.set(settings).map_err(|_| Error::invalid("the JIT settings are already in effect (configure before the first compile)"))
+}
+
+/// The settings in effect (the defaults unless [`configure`] ran first).
+pub fn settings() -> &'static JitSettings {
+    SETTINGS.get_or_init(JitSettings::default)
+}
+
+/// Passes one report line to [`JitSettings::report`], if any.
+fn report(line: impl FnOnce() -> String) {
+    if let Some(f) = settings().report {
+        f(&line());
+    }
+}
 
 /// NVRTC's version `(major, minor)`, or why NVRTC cannot be loaded.
 pub fn nvrtc_version() -> Result<(i32, i32)> {
@@ -66,17 +107,9 @@ pub fn arch_for(compute_capability: (i32, i32)) -> String {
     }
 }
 
-/// `$MOELINK_CACHE_DIR`, else `<user cache dir>/moelink/kernels`, else none (no disk cache).
+/// `<user cache dir>/moelink/kernels`, or none (no disk cache) where the platform has no cache dir.
 pub fn default_cache_dir() -> Option<PathBuf> {
-    match std::env::var_os(CACHE_DIR_ENV) {
-        Some(d) if !d.is_empty() => Some(PathBuf::from(d)),
-        _ => dirs::cache_dir().map(|d| d.join("moelink").join("kernels")),
-    }
-}
-
-/// True when `MOELINK_JIT_VERBOSE=1`.
-pub fn verbose() -> bool {
-    std::env::var(VERBOSE_ENV).map(|v| v == "1").unwrap_or(false)
+    dirs::cache_dir().map(|d| d.join("moelink").join("kernels"))
 }
 
 /// One compilation unit: a source with its headers, `-D` constants and target.
@@ -372,10 +405,10 @@ static NVRTC_LOCK: Mutex<()> = Mutex::new(());
 const FILE_MAGIC: &[u8; 8] = b"MLCUBIN2";
 
 impl JitCache {
-    /// The process-wide cache at [`default_cache_dir`].
+    /// The process-wide cache, at [`JitSettings::cache_dir`] (else [`default_cache_dir`]).
     pub fn global() -> &'static JitCache {
         static GLOBAL: OnceLock<JitCache> = OnceLock::new();
-        GLOBAL.get_or_init(|| JitCache::new(default_cache_dir()))
+        GLOBAL.get_or_init(|| JitCache::new(settings().cache_dir.clone().or_else(default_cache_dir)))
     }
 
     /// A cache at `dir` (created on first write), or memory-only when `None`.
@@ -404,18 +437,16 @@ impl JitCache {
         }
         let t0 = Instant::now();
         if let Some(c) = self.read_disk(req, &key) {
-            if verbose() {
-                eprintln!("[moelink jit] {} {} {}: disk cache hit in {:.4} s", req.name, req.arch, &key[..12], t0.elapsed().as_secs_f64());
-            }
+            report(|| {
+                format!("[moelink jit] {} {} {}: disk cache hit in {:.4} s", req.name, req.arch, &key[..12], t0.elapsed().as_secs_f64())
+            });
             let c = Arc::new(c);
             *slot = Some(c.clone());
             return Ok((c, CacheSource::Disk));
         }
         let c = Arc::new(compile_uncached(req, key)?);
         if let Err(e) = self.write_disk(&c) {
-            if verbose() {
-                eprintln!("[moelink jit] could not write the disk cache: {e}");
-            }
+            report(|| format!("[moelink jit] could not write the disk cache: {e}"));
         }
         *slot = Some(c.clone());
         Ok((c, CacheSource::Compiled))
@@ -570,12 +601,10 @@ fn compile_uncached(req: &CompileRequest, key: String) -> Result<Compiled> {
     };
     let secs = t0.elapsed().as_secs_f64();
     let resources = parse_ptxas_report(&log);
-    if verbose() {
-        eprintln!("[moelink jit] {} {} {}: compiled in {secs:.3} s, {} B cubin", req.name, req.arch, &key[..12], cubin.len());
-        eprintln!("[moelink jit]   options: {}", options.join(" "));
-        for r in resources.iter().filter(|r| r.is_entry) {
-            eprintln!("[moelink jit]   {r}");
-        }
+    report(|| format!("[moelink jit] {} {} {}: compiled in {secs:.3} s, {} B cubin", req.name, req.arch, &key[..12], cubin.len()));
+    report(|| format!("[moelink jit]   options: {}", options.join(" ")));
+    for r in resources.iter().filter(|r| r.is_entry) {
+        report(|| format!("[moelink jit]   {r}"));
     }
     Ok(Compiled { name: req.name.clone(), arch: req.arch.clone(), key, cubin, log, resources, compile_seconds: secs, lowered_names })
 }
@@ -614,6 +643,20 @@ mod tests {
         let a = CompileRequest::new("ab", "c", "sm_90a").cache_key((13, 0));
         let b = CompileRequest::new("a", "bc", "sm_90a").cache_key((13, 0));
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn settings_from_variables() {
+        fn sink(_: &str) {}
+        let vars =
+            |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        let none = JitSettings::from_vars(vars(&[]), sink);
+        assert_eq!((none.cache_dir, none.report.is_some()), (None, false));
+        let s = JitSettings::from_vars(vars(&[("MOELINK_CACHE_DIR", "/tmp/x"), ("MOELINK_JIT_VERBOSE", "1")]), sink);
+        assert_eq!(s.cache_dir, Some(PathBuf::from("/tmp/x")));
+        assert!(s.report.is_some());
+        let s = JitSettings::from_vars(vars(&[("MOELINK_CACHE_DIR", ""), ("MOELINK_JIT_VERBOSE", "0")]), sink);
+        assert_eq!((s.cache_dir, s.report.is_some()), (None, false), "empty directory: the default; 0: no reports");
     }
 
     #[test]

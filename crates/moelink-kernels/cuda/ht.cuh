@@ -29,7 +29,7 @@ static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
 constexpr u32 HT_EXP_NO_COPY_OUT = 1;         // receivers/reducers wait for the flags but move no payload
 constexpr u32 HT_EXP_NO_REMOTE_PAYLOAD = 2;   // senders store meta words and flags but no remote payload
 
-// Timing trace (MOELINK_HT_TRACE on the host; the argument `trace` is 0 in every other call): %globaltimer
+// Timing trace (moelink::KernelTracing::high_throughput on the host; the argument `trace` is 0 in every other call): %globaltimer
 // stamps into host-mapped u64 words, per block HT_TRACE_BLOCK_WORDS(warps) of them: block start, block end,
 // then per warp the start and the end of its work (sender: after the hand-back wait, until its last flag;
 // receiver: after this rank's own rows, until its last row). moelink::backend::cuda::ht::trace mirrors it.

@@ -8,6 +8,7 @@
 //   LL_FP8                           1: dispatch quantises rows to FP8 E4M3 per 128 channels; 0: bf16 rows
 //   LL_THREADS                       threads per block (whole warps)
 //   LL_SMEM_WORDS                    u32 words of shared scratch (per-expert counts / bases)
+//   LL_EXPERIMENT                    0; timing experiments only: LL_EXP_* bits (below)
 //   MOELINK_SIZEOF_LL_DISPATCH_ARGS  sizeof(moelink_kernels::ll::LlDispatchArgs) on the Rust side
 //   MOELINK_SIZEOF_LL_COMBINE_ARGS   sizeof(moelink_kernels::ll::LlCombineArgs)
 //   MOELINK_SIZEOF_LL_CTRL           sizeof(moelink_kernels::ll::LlCtrl)
@@ -63,7 +64,7 @@
 
 #if !defined(MAX_RANKS) || !defined(LL_HIDDEN) || !defined(LL_TOPK) || !defined(LL_FP8) || !defined(LL_THREADS) || \
     !defined(LL_SMEM_WORDS) || !defined(MOELINK_SIZEOF_LL_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_LL_COMBINE_ARGS) ||  \
-    !defined(MOELINK_SIZEOF_LL_CTRL) || !defined(MOELINK_SIZEOF_LL_REPORT)
+    !defined(MOELINK_SIZEOF_LL_CTRL) || !defined(MOELINK_SIZEOF_LL_REPORT) || !defined(LL_EXPERIMENT)
 #error "the LL kernels need every JIT constant listed at the top of ll.cuh"
 #endif
 static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
@@ -89,19 +90,24 @@ constexpr u32 LL_FLAG_ROUND_SCALE = 1;
 constexpr u32 LL_FLAG_UE8M0 = 2;
 constexpr u32 LL_FLAG_WEIGHTS = 4;
 constexpr u32 LL_FLAG_SHRINK = 8;
-// Timing experiment only (MOELINK_LL_EXPERIMENT=local_stores; results are wrong): the send phases' row
-// stores go to this rank's own region instead of the destination's, so NVLink's share of their time shows;
-// each destination's rows to their own slots there (slot [destination][token]: with every destination's
-// rows on slot [me][token], as until run 1 of the fifth session, the writes of 2-4 SMs met on one line).
-// Per-expert combine rows still share their slots.
-constexpr u32 LL_FLAG_EXP_LOCAL_STORES = 65536;  // 1 << 16
-// Timing experiment only (MOELINK_LL_EXPERIMENT=no_loads; results are wrong): the send phases do not load
-// their payload rows (x, y) and send zeros, so the loads' share of their time shows.
-constexpr u32 LL_FLAG_EXP_NO_LOADS = 131072;  // 1 << 17
-// Timing experiment (MOELINK_LL_EXPERIMENT=last_arrives; results stay right): the send phases' arrivals
-// are made by the last block of the grid-wide counter, once for all blocks (after a system fence), instead
-// of by every block on its own (ll_send_arrive).
-constexpr u32 LL_FLAG_EXP_LAST_ARRIVES = 262144;  // 1 << 18
+
+// Timing experiments (JIT constant LL_EXPERIMENT, moelink_kernels::ll::experiment; 0 in every real call):
+// each bit changes what the send phases do so that one cost can be measured apart.
+// local_stores (results are wrong): the send phases' row stores go to this rank's own region instead of the
+// destination's, so NVLink's share of their time shows; each destination's rows to their own slots there
+// (slot [destination][token]: with every destination's rows on slot [me][token] the writes of 2-4 SMs met
+// on one line). Per-expert combine rows still share their slots.
+constexpr u32 LL_EXP_LOCAL_STORES = 1;
+// no_loads (results are wrong): the send phases do not load their payload rows (x, y) and send zeros, so
+// the loads' share of their time shows.
+constexpr u32 LL_EXP_NO_LOADS = 2;
+// last_arrives (results stay right): the send phases' arrivals are made by the last block of the grid-wide
+// counter, once for all blocks (after a system fence), instead of by every block on its own
+// (ll_send_arrive).
+constexpr u32 LL_EXP_LAST_ARRIVES = 4;
+constexpr bool LL_LOCAL_STORES = (LL_EXPERIMENT & LL_EXP_LOCAL_STORES) != 0;
+constexpr bool LL_NO_LOADS = (LL_EXPERIMENT & LL_EXP_NO_LOADS) != 0;
+constexpr bool LL_LAST_ARRIVES = (LL_EXPERIMENT & LL_EXP_LAST_ARRIVES) != 0;
 
 // Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
 constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
@@ -114,7 +120,7 @@ constexpr u32 LL_PROBLEM_HANDLE = 16;             // combine: expired handle / d
 constexpr u32 LL_KIND_DISPATCH = 0;
 constexpr u32 LL_KIND_COMBINE = 1;
 
-// Timing trace (MOELINK_LL_TRACE on the host; `trace` is 0 otherwise): thread 0 of every block stores
+// Timing trace (moelink::KernelTracing::low_latency on the host; `trace` is 0 otherwise): thread 0 of every block stores
 // %globaltimer into u64 words (device memory) as it passes these points, in a row per (launch slot, block):
 // slot = (epoch % LL_TRACE_CALLS) * 2 + (receive-only launch), so that back-to-back calls (a replayed graph
 // of many calls) each keep their own stamps. The host reads them after a timed region
@@ -408,7 +414,7 @@ __device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, u32 point
 
 // One call's arrivals from all of a source's blocks: block b's share is LL_ARRIVE_UNIT / G, block 0 adds the
 // remainder. Every share is positive (G <= 65536), so the word reaches its target only once every block
-// added, and a peer with another grid size (MOELINK_LL_SMS) still sums to the same unit.
+// added, and a peer with another grid size (moelink's Tuning::ll_sms) still sums to the same unit.
 constexpr u32 LL_ARRIVE_UNIT = 65536;
 __device__ __forceinline__ u32 ll_arrive_share() {
   const u32 share = LL_ARRIVE_UNIT / gridDim.x;
@@ -422,11 +428,11 @@ __device__ __forceinline__ u32 ll_arrive_share() {
 // unless its phase failed (sm.abort: the peers then time out naming this rank instead of reading garbage).
 // A local grid-wide counter (`done`) still finds the last block, which gets true with the counter reset for
 // the next launch; nothing waits for it. `epochs`: this call's epoch minus this rank's previous one in the
-// set. With LL_FLAG_EXP_LAST_ARRIVES the last block arrives for the whole grid instead (after a system
-// fence, only when no block failed), as every send did until the sixth session.
+// set. With the last_arrives experiment (LL_LAST_ARRIVES) the last block arrives for the whole grid instead
+// (after a system fence, only when no block failed).
 template <typename ArriveOf>
-__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 flags, u32 epochs, ArriveOf arrive_of) {
-  const bool per_block = (flags & LL_FLAG_EXP_LAST_ARRIVES) == 0;
+__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 epochs, ArriveOf arrive_of) {
+  constexpr bool per_block = !LL_LAST_ARRIVES;
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
   ll_trace(sm, LL_TRACE_SEND_STORED);
@@ -586,7 +592,7 @@ __device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, 
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
   const u32 lane_line = a.rank * LL_ARRIVE_LANES + blockIdx.x % LL_ARRIVE_LANES;
-  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, a.flags, epoch - sm.prev_write,
+  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, epoch - sm.prev_write,
                                    [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; });
   if (last && threadIdx.x == 0) {
     *own.epoch = epoch;

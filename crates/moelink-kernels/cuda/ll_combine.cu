@@ -57,8 +57,8 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   const u8* y = reinterpret_cast<const u8*>(a.y);
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
-  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
-  const bool loads = (a.flags & LL_FLAG_EXP_NO_LOADS) == 0;
+  constexpr bool local_stores = LL_LOCAL_STORES;
+  constexpr bool loads = !LL_NO_LOADS;
   // Rows in (token, home) order, homes starting after this rank (first_dest): consecutive items, and so
   // every wave of stores, spread over all homes instead of filling one home's region after the other.
   const u32 dest0 = first_dest(a.rank, R);

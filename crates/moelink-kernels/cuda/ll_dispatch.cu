@@ -109,7 +109,7 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
   __syncthreads();
   // Counts: expert e = d * E_local + el goes to counts [me][el] of rank d (local_stores: the own region's
   // counts [d][el]).
-  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
+  constexpr bool local_stores = LL_LOCAL_STORES;
   const u32 EL = a.num_local_experts;
   for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
     const u32 n = sm.words[e];
@@ -256,8 +256,8 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
   const u8* x = reinterpret_cast<const u8*>(a.x);
   const u32 items = a.num_tokens * SEND_CHUNKS;
   bool stored = false;
-  const bool local_stores = (a.flags & LL_FLAG_EXP_LOCAL_STORES) != 0;
-  const bool loads = (a.flags & LL_FLAG_EXP_NO_LOADS) == 0;
+  constexpr bool local_stores = LL_LOCAL_STORES;
+  constexpr bool loads = !LL_NO_LOADS;
   const u32 dest0 = first_dest(a.rank, a.num_ranks);
   for (u32 item = first_warp; item < items; item += num_warps) {
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;

@@ -151,7 +151,6 @@ struct World {
   Layout L;
   Quant q;
   u32 grid = 3;
-  u32 extra_flags = 0;  // LL_FLAG_EXP_LAST_ARRIVES: the send phases' other arrival mode
   u64 timeout_ns = 20ull * 1000 * 1000 * 1000;
   std::vector<RankState> r;
   explicit World(Shape shape, Quant quant) : s(shape), L(shape), q(quant), r(shape.ranks) {
@@ -174,7 +173,7 @@ struct World {
 
   u32 flags(bool weights, bool shrink) const {
     return (q.round_scale ? LL_FLAG_ROUND_SCALE : 0) | (q.ue8m0 ? LL_FLAG_UE8M0 : 0) | (weights ? LL_FLAG_WEIGHTS : 0) |
-           (shrink ? LL_FLAG_SHRINK : 0) | extra_flags;
+           (shrink ? LL_FLAG_SHRINK : 0);
   }
   u32 quant_code() const { return q.fp8 ? (1u | (q.round_scale ? 2u : 0u) | (q.ue8m0 ? 4u : 0u)) : 0u; }
 
@@ -545,12 +544,10 @@ int main() {
         ro.hook = i == 2;
         ro.seed = 10 + i;
         w.grid = 1 + i % 3;
-        // Both arrival modes add the same total per call, so they may alternate on one world.
-        w.extra_flags = i == 1 || i == 2 ? LL_FLAG_EXP_LAST_ARRIVES : 0;
         round_trip(w, ro, (qn + " rounds").c_str());
       }
-      w.extra_flags = 0;
-      std::printf("%s: 4 rounds (fused/hooked, pre-reduced/per-expert, 1..3 blocks, both arrival modes) ok\n", qn.c_str());
+      std::printf("%s: 4 rounds (fused/hooked, pre-reduced/per-expert, 1..3 blocks, %s arrivals) ok\n", qn.c_str(),
+                  LL_LAST_ARRIVES ? "last-block" : "per-block");
       for (bool weights : {true, false}) {
         RoundOpts ro;
         ro.weights = weights;

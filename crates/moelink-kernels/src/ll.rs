@@ -35,7 +35,7 @@ pub const LL_SIG_WORDS: usize = 8;
 /// Top-k assumed by [`LlLayout::bytes_hint`] (DeepEP's size hint has no top-k argument).
 pub const LL_HINT_TOPK: usize = 16;
 
-/// Timing trace (`MOELINK_LL_TRACE`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
+/// Timing trace (`moelink::KernelTracing::low_latency`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
 /// `ll.cuh`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
 /// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
 pub const LL_TRACE_WORDS: usize = 10;
@@ -45,6 +45,28 @@ pub const LL_TRACE_POINTS: [&str; 10] =
 
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
 pub const SIG_FIELDS: [&str; 6] = ["hidden", "topk", "num_experts", "num_max_dispatch_tokens_per_rank", "quant", "topk_weights"];
+
+/// Timing experiments, the bits of [`LlVariant::experiment`] (JIT constant `LL_EXPERIMENT`; 0 in every real
+/// call). A variant with any bit set is a different build, so an experiment can never slip into a real run
+/// unseen; [`experiment::WRONG_RESULTS`] bits also make the results wrong.
+pub mod experiment {
+    /// The send phases store their rows into the sender's own region (what NVLink adds shows).
+    pub const LOCAL_STORES: u32 = 1;
+    /// The send phases do not load their payload rows (x, y) and send zeros (what the loads take shows).
+    pub const NO_LOADS: u32 = 2;
+    /// The last block of a send phase arrives at every rank for the whole grid, instead of every block on
+    /// its own (results stay right).
+    pub const LAST_ARRIVES: u32 = 4;
+    /// Experiments whose results are wrong by design.
+    pub const WRONG_RESULTS: u32 = LOCAL_STORES | NO_LOADS;
+    /// Every experiment by name (`MOELINK_LL_EXPERIMENT`'s words).
+    pub const NAMES: [(&str, u32); 3] = [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES)];
+
+    /// The comma-separated names of `bits` (`""` for none).
+    pub fn names(bits: u32) -> String {
+        NAMES.iter().filter(|(_, b)| bits & b != 0).map(|(n, _)| *n).collect::<Vec<_>>().join(",")
+    }
+}
 
 /// `LlXArgs::phases`.
 pub mod phase {
@@ -66,15 +88,6 @@ pub mod flag {
     pub const WEIGHTS: u32 = 4;
     /// Shrink mode: a peer that misses the deadline is masked instead of failing the call.
     pub const SHRINK: u32 = 8;
-    /// Timing experiment only (`MOELINK_LL_EXPERIMENT=local_stores`; results are wrong): row stores go to
-    /// the sender's own region.
-    pub const EXP_LOCAL_STORES: u32 = 1 << 16;
-    /// Timing experiment only (`MOELINK_LL_EXPERIMENT=no_loads`; results are wrong): the send phases do not
-    /// load their payload rows (x, y) and send zeros.
-    pub const EXP_NO_LOADS: u32 = 1 << 17;
-    /// Timing experiment (`MOELINK_LL_EXPERIMENT=last_arrives`; results stay right): the last block of the
-    /// send phase arrives at every rank for the whole grid, instead of every block on its own.
-    pub const EXP_LAST_ARRIVES: u32 = 1 << 18;
 }
 
 /// Argument problems (`LlReport`, `LlMeta::problem`).
@@ -101,9 +114,16 @@ pub struct LlVariant {
     pub topk: u32,
     /// Dispatch quantises to FP8 (else bf16 rows).
     pub fp8: bool,
+    /// Timing experiments ([`experiment`] bits); 0 in every real call.
+    pub experiment: u32,
 }
 
 impl LlVariant {
+    /// The variant of a real call (no experiment).
+    pub fn new(hidden: u32, topk: u32, fp8: bool) -> LlVariant {
+        LlVariant { hidden, topk, fp8, experiment: 0 }
+    }
+
     /// The compile key of `ll_dispatch.cu`.
     pub fn dispatch_spec(&self) -> KernelSpec {
         self.spec(Family::LlDispatch)
@@ -121,7 +141,7 @@ impl LlVariant {
         };
         KernelSpec {
             family,
-            variant: format!("{name}[h{},k{},{}]", self.hidden, self.topk, if self.fp8 { "fp8" } else { "bf16" }),
+            variant: format!("{name}[h{},k{},{},x{}]", self.hidden, self.topk, if self.fp8 { "fp8" } else { "bf16" }, self.experiment),
             defines: vec![
                 ("MAX_RANKS".into(), MAX_RANKS.to_string()),
                 ("LL_HIDDEN".into(), self.hidden.to_string()),
@@ -129,6 +149,7 @@ impl LlVariant {
                 ("LL_FP8".into(), u32::from(self.fp8).to_string()),
                 ("LL_THREADS".into(), LL_THREADS.to_string()),
                 ("LL_SMEM_WORDS".into(), LL_SMEM_WORDS.to_string()),
+                ("LL_EXPERIMENT".into(), self.experiment.to_string()),
                 ("MOELINK_SIZEOF_LL_DISPATCH_ARGS".into(), std::mem::size_of::<LlDispatchArgs>().to_string()),
                 ("MOELINK_SIZEOF_LL_COMBINE_ARGS".into(), std::mem::size_of::<LlCombineArgs>().to_string()),
                 ("MOELINK_SIZEOF_LL_CTRL".into(), std::mem::size_of::<LlCtrl>().to_string()),
@@ -144,14 +165,18 @@ impl LlVariant {
         for hidden in [2048, 7168] {
             for topk in 1..=8 {
                 for fp8 in [false, true] {
-                    v.push(LlVariant { hidden, topk, fp8 });
+                    v.push(LlVariant::new(hidden, topk, fp8));
                 }
             }
         }
         for (hidden, topk) in [(128, 2), (256, 2), (256, 4), (512, 4), (512, 6), (1024, 4), (1024, 8)] {
             for fp8 in [false, true] {
-                v.push(LlVariant { hidden, topk, fp8 });
+                v.push(LlVariant::new(hidden, topk, fp8));
             }
+        }
+        // Every experiment compiles (at DeepEP's benchmark shape, where they are used).
+        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES] {
+            v.push(LlVariant { experiment: bits, ..LlVariant::new(7168, 8, true) });
         }
         v
     }
@@ -570,17 +595,22 @@ mod tests {
     fn variants_cover_the_test_and_bench_shapes() {
         let all = LlVariant::all();
         for (hidden, topk, fp8) in [(7168, 8, true), (7168, 8, false), (2048, 4, true), (2048, 1, false), (512, 6, true), (128, 2, false)] {
-            assert!(all.contains(&LlVariant { hidden, topk, fp8 }), "{hidden} {topk} {fp8}");
+            assert!(all.contains(&LlVariant::new(hidden, topk, fp8)), "{hidden} {topk} {fp8}");
         }
-        let v = LlVariant { hidden: 7168, topk: 8, fp8: true };
+        let v = LlVariant::new(7168, 8, true);
         let spec = v.dispatch_spec();
-        assert_eq!(spec.variant, "ll_dispatch[h7168,k8,fp8]");
+        assert_eq!(spec.variant, "ll_dispatch[h7168,k8,fp8,x0]");
+        assert_eq!(spec.define("LL_EXPERIMENT"), Some("0"));
         assert_eq!(spec.family, Family::LlDispatch);
         assert_eq!(spec.define("LL_FP8"), Some("1"));
         assert_eq!(spec.define("MOELINK_SIZEOF_LL_CTRL"), Some(LlCtrl::BYTES.to_string().as_str()));
         let combine = v.combine_spec();
-        assert_eq!((combine.family, combine.variant.as_str()), (Family::LlCombine, "ll_combine[h7168,k8,fp8]"));
+        assert_eq!((combine.family, combine.variant.as_str()), (Family::LlCombine, "ll_combine[h7168,k8,fp8,x0]"));
         assert_eq!(combine.defines, spec.defines, "both kernels see the same constants");
+        let exp = LlVariant { experiment: experiment::LOCAL_STORES | experiment::LAST_ARRIVES, ..v }.dispatch_spec();
+        assert_eq!((exp.variant.as_str(), exp.define("LL_EXPERIMENT")), ("ll_dispatch[h7168,k8,fp8,x5]", Some("5")));
+        assert_eq!(experiment::names(5), "local_stores,last_arrives");
+        assert_eq!(experiment::names(0), "");
     }
 
     /// The constants `ll.cuh` shares with this module have the same values on both sides.
@@ -604,9 +634,9 @@ mod tests {
             ("LL_FLAG_UE8M0", flag::UE8M0),
             ("LL_FLAG_WEIGHTS", flag::WEIGHTS),
             ("LL_FLAG_SHRINK", flag::SHRINK),
-            ("LL_FLAG_EXP_LOCAL_STORES", flag::EXP_LOCAL_STORES),
-            ("LL_FLAG_EXP_NO_LOADS", flag::EXP_NO_LOADS),
-            ("LL_FLAG_EXP_LAST_ARRIVES", flag::EXP_LAST_ARRIVES),
+            ("LL_EXP_LOCAL_STORES", experiment::LOCAL_STORES),
+            ("LL_EXP_NO_LOADS", experiment::NO_LOADS),
+            ("LL_EXP_LAST_ARRIVES", experiment::LAST_ARRIVES),
             ("LL_PROBLEM_TOPK_IDX", problem::TOPK_IDX),
             ("LL_PROBLEM_TOPK_IDX_DIFFERS", problem::TOPK_IDX_DIFFERS),
             ("LL_PROBLEM_WEIGHTS_DIFFER", problem::WEIGHTS_DIFFER),

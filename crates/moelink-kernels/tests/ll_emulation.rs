@@ -14,7 +14,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use moelink_kernels::ll::{LlVariant, LL_COMBINE_SOURCE, LL_DISPATCH_SOURCE, LL_HEADER};
+use moelink_kernels::ll::{experiment, LlVariant, LL_COMBINE_SOURCE, LL_DISPATCH_SOURCE, LL_HEADER};
 
 /// Threads per block in the emulation (two warps: the "warp 0 waits, others work" split is exercised).
 const EMU_THREADS: u32 = 64;
@@ -55,21 +55,23 @@ fn run_variant(cxx: &str, v: LlVariant) {
 }
 
 macro_rules! emulate {
-    ($($name:ident: $hidden:expr, $topk:expr, $fp8:expr;)*) => {$(
+    ($($name:ident: $hidden:expr, $topk:expr, $fp8:expr, $experiment:expr;)*) => {$(
         #[test]
         fn $name() {
             let Some(cxx) = common::compiler() else {
                 eprintln!("skipping the LL emulation: no C++ compiler");
                 return;
             };
-            run_variant(&cxx, LlVariant { hidden: $hidden, topk: $topk, fp8: $fp8 });
+            run_variant(&cxx, LlVariant { hidden: $hidden, topk: $topk, fp8: $fp8, experiment: $experiment });
         }
     )*};
 }
 
+// The last_arrives timing experiment keeps results right: its build (a JIT constant) runs every scenario too.
 emulate! {
-    fp8_hidden_1024_top4: 1024, 4, true;
-    fp8_hidden_640_top3: 640, 3, true;
-    bf16_hidden_264_top2: 264, 2, false;
-    bf16_hidden_512_top8: 512, 8, false;
+    fp8_hidden_1024_top4: 1024, 4, true, 0;
+    fp8_hidden_640_top3: 640, 3, true, 0;
+    bf16_hidden_264_top2: 264, 2, false, 0;
+    bf16_hidden_512_top8: 512, 8, false, 0;
+    last_arrives_bf16_hidden_264_top2: 264, 2, false, experiment::LAST_ARRIVES;
 }

@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 
 use moelink::{
     BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan, Error, Group,
-    HtHandle, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant, Location,
-    Payload, RecvHook, Routing, TensorRef,
+    HtHandle, KernelTracing, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle,
+    LlQuant, Location, Payload, RecvHook, Routing, TensorRef, Tuning,
 };
 
 use crate::errors::to_pyerr;
@@ -253,6 +253,11 @@ impl PyBuffer {
             "cuda" => BackendKind::Cuda,
             other => return Err(invalid(py, "backend", rank, format!("{other:?}: expected \"auto\", \"host\" or \"cuda\""))),
         };
+        // Tracing and tuning come from the environment (the variables of the `moelink` command); the
+        // library itself reads none.
+        let env = |k: &str| std::env::var(k).ok();
+        let kernel_tracing = KernelTracing::from_vars(env).map_err(pyo3::exceptions::PyValueError::new_err)?;
+        let tuning = Tuning::from_vars(env).map_err(pyo3::exceptions::PyValueError::new_err)?;
         let options = BufferOptions {
             backend: kind,
             num_nvl_bytes,
@@ -261,6 +266,8 @@ impl PyBuffer {
             timeout_ms,
             device,
             enable_shrink,
+            kernel_tracing,
+            tuning,
             ..BufferOptions::default()
         };
         let dyn_group: Arc<dyn Group> = group.clone();

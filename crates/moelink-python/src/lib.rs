@@ -106,8 +106,16 @@ fn dtype_names() -> Vec<&'static str> {
     [Bool, U8, I32, I64, F32, BF16, Fp8E4M3].iter().map(|d| d.name()).collect()
 }
 
+/// Where compile reports go when `MOELINK_JIT_VERBOSE=1`.
+fn print_jit_report(line: &str) {
+    eprintln!("{line}");
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The JIT's settings from the environment (`MOELINK_CACHE_DIR`, `MOELINK_JIT_VERBOSE`), before any
+    // compile; the library reads none. Already set only when this process configured the JIT otherwise.
+    let _ = moelink_cuda::jit::configure(moelink_cuda::jit::JitSettings::from_vars(|k| std::env::var(k).ok(), print_jit_report));
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TimeoutError", m.py().get_type::<errors::TimeoutError>())?;
     m.add_class::<buffer::PyBuffer>()?;

@@ -310,11 +310,12 @@ impl Buffer {
         self.backend.timer_name()
     }
 
-    /// With `MOELINK_LL_TRACE=1` on the CUDA backend: the `%globaltimer` traces of the low-latency kernel
-    /// launches of the last [`Buffer::timed`] region (up to 16 calls of each kind), in start order: each
-    /// launch's span — what a profiler reports as the kernel's duration, without the launch — and when its
-    /// blocks passed each point. Empty otherwise.
-    pub fn kernel_traces(&self) -> Vec<crate::diag::KernelTrace> {
+    /// The kernel timing traces this buffer recorded ([`BufferOptions::kernel_tracing`](crate::BufferOptions),
+    /// CUDA backend) since its last [`Buffer::timed`] region opened, in start order: each launch's span —
+    /// what a profiler reports as the kernel's duration, without the launch — and when its blocks (or the
+    /// high-throughput roles' warps) passed each point. Low-latency: up to 16 calls of each kind;
+    /// high-throughput: synchronous calls, the last 256. Empty when tracing is off and on the host backend.
+    pub fn kernel_traces(&self) -> Vec<crate::trace::KernelTrace> {
         self.backend.kernel_traces()
     }
 

@@ -112,6 +112,12 @@ pub struct BufferOptions {
     pub topology: Option<crate::Topology>,
     /// How ranks of different nodes reach each other (used only when the topology has several nodes).
     pub rdma: crate::RdmaOptions,
+    /// Which kernels record timing traces ([`crate::Buffer::kernel_traces`]); off by default.
+    pub kernel_tracing: KernelTracing,
+    /// Tuning overrides and timing experiments of the CUDA kernels, for measurements (`moelink bench`);
+    /// the default is what every real run uses.
+    #[doc(hidden)]
+    pub tuning: Tuning,
 }
 
 impl Default for BufferOptions {
@@ -126,6 +132,216 @@ impl Default for BufferOptions {
             enable_shrink: false,
             topology: None,
             rdma: crate::RdmaOptions::default(),
+            kernel_tracing: KernelTracing::default(),
+            tuning: Tuning::default(),
+        }
+    }
+}
+
+/// Reads `name` through `get` as a number; `Err` names the variable and the value.
+fn number<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<T>, String> {
+    match get(name) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => v.trim().parse::<T>().map(Some).map_err(|_| format!("{name}={v:?} is not a number")),
+    }
+}
+
+/// `0`/`1` (unset or empty: `false`).
+fn switch(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<bool, String> {
+    match get(name).as_deref().map(str::trim) {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(format!("{name}={v:?}: expected 0 or 1")),
+    }
+}
+
+/// Which kernels stamp `%globaltimer` at each protocol step, for [`crate::Buffer::kernel_traces`] (CUDA
+/// backend; the host backend has no kernels to trace). Tracing costs a few stores per block and step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelTracing {
+    /// High-throughput dispatch and combine: per block and warp, when each role started and finished its
+    /// work (host-mapped stamps, read after each synchronous call; not in asynchronous calls or graph
+    /// captures).
+    pub high_throughput: bool,
+    /// Low-latency dispatch and combine: per block, when it passed each step of the protocol (device
+    /// memory, every launch, also in CUDA graphs; read when [`crate::Buffer::kernel_traces`] is called).
+    pub low_latency: bool,
+}
+
+impl KernelTracing {
+    /// The programs' environment variables `MOELINK_HT_TRACE` and `MOELINK_LL_TRACE` (`1`: on), read
+    /// through `get`. The library never reads the environment: the `moelink` command, the Python package
+    /// and the test harnesses call this with `|k| std::env::var(k).ok()`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<KernelTracing, String> {
+        Ok(KernelTracing { high_throughput: switch(&get, "MOELINK_HT_TRACE")?, low_latency: switch(&get, "MOELINK_LL_TRACE")? })
+    }
+}
+
+/// Tuning overrides and timing experiments of the CUDA kernels: what `moelink bench` and the device
+/// scripts vary to find where time goes. `None` / 0 everywhere is the default every real run uses; the
+/// host backend ignores all of it. Timing experiments ([`Tuning::experiments`]) are separate kernel builds
+/// (JIT constants), and [`Tuning::wrong_results`] says when they make the results wrong.
+#[doc(hidden)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tuning {
+    /// HT dispatch sender blocks (clamped to `[1, num_sms - 1]`).
+    pub ht_dispatch_send_blocks: Option<usize>,
+    /// HT combine sender blocks (clamped to `[1, num_sms - 1]`).
+    pub ht_combine_send_blocks: Option<usize>,
+    /// Rows an HT sender warp releases per fence (clamped to 1..=64).
+    pub ht_release_batch: Option<u32>,
+    /// HT combine reducers' 16-byte loads in flight (clamped to 1..=64).
+    pub ht_reduce_load_vecs: Option<u32>,
+    /// HT sender work chunk (0: one contiguous part per warp; else rounded up to whole release batches).
+    pub ht_send_chunk: Option<u32>,
+    /// HT receiver work chunk (0: one contiguous part per warp).
+    pub ht_recv_chunk: Option<u32>,
+    /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
+    pub ht_dynamic_send: Option<bool>,
+    /// HT timing experiment bits (`ht.cuh`'s `HT_EXP_*`: 1 no copy-out, 2 no remote payload); results are
+    /// wrong with any bit set.
+    pub ht_timing_experiment: u32,
+    /// Blocks per low-latency launch (default: this rank's share of the GPU's SMs; at most that).
+    pub ll_sms: Option<usize>,
+    /// Low-latency timing experiment bits (`moelink_kernels::ll::experiment`).
+    pub ll_experiment: u32,
+}
+
+impl Tuning {
+    /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
+    /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
+    /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=3), `MOELINK_LL_SMS`,
+    /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
+    /// variable whose value is not what it takes.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
+        let get: &dyn Fn(&str) -> Option<String> = &get;
+        let ht_timing_experiment = number::<u32>(get, "MOELINK_HT_TIMING_EXPERIMENT")?.unwrap_or(0);
+        if ht_timing_experiment > 3 {
+            return Err(format!("MOELINK_HT_TIMING_EXPERIMENT={ht_timing_experiment}: the experiments are bits 1 and 2 (0..=3)"));
+        }
+        let mut ll_experiment = 0;
+        for word in get("MOELINK_LL_EXPERIMENT").unwrap_or_default().split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            let Some((_, bit)) = moelink_kernels::ll::experiment::NAMES.iter().find(|(n, _)| *n == word) else {
+                let known: Vec<&str> = moelink_kernels::ll::experiment::NAMES.iter().map(|(n, _)| *n).collect();
+                return Err(format!("MOELINK_LL_EXPERIMENT: unknown experiment {word:?} (known: {})", known.join(", ")));
+            };
+            ll_experiment |= bit;
+        }
+        let ll_sms = number::<usize>(get, "MOELINK_LL_SMS")?;
+        if ll_sms == Some(0) {
+            return Err("MOELINK_LL_SMS=0: a low-latency launch needs at least one block".into());
+        }
+        Ok(Tuning {
+            ht_dispatch_send_blocks: number(get, "MOELINK_HT_DISPATCH_SEND_BLOCKS")?,
+            ht_combine_send_blocks: number(get, "MOELINK_HT_COMBINE_SEND_BLOCKS")?,
+            ht_release_batch: number(get, "MOELINK_HT_RELEASE_BATCH")?,
+            ht_reduce_load_vecs: number(get, "MOELINK_HT_REDUCE_LOAD_VECS")?,
+            ht_send_chunk: number(get, "MOELINK_HT_SEND_CHUNK")?,
+            ht_recv_chunk: number(get, "MOELINK_HT_RECV_CHUNK")?,
+            ht_dynamic_send: match get("MOELINK_HT_DYNAMIC_SEND") {
+                None => None,
+                Some(_) => Some(switch(get, "MOELINK_HT_DYNAMIC_SEND")?),
+            },
+            ht_timing_experiment,
+            ll_sms,
+            ll_experiment,
+        })
+    }
+
+    /// The timing experiments set, as `ht:<bits>` / `ll:<names>` joined by spaces (`None` when none is):
+    /// what a measurement must carry along so that nobody takes it for a real run.
+    pub fn experiments(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if self.ht_timing_experiment != 0 {
+            parts.push(format!("ht:{}", self.ht_timing_experiment));
+        }
+        if self.ll_experiment != 0 {
+            parts.push(format!("ll:{}", moelink_kernels::ll::experiment::names(self.ll_experiment)));
+        }
+        (!parts.is_empty()).then(|| parts.join(" "))
+    }
+
+    /// True when an experiment makes the results of its mode wrong by design (every HT one; LL's
+    /// `local_stores` and `no_loads`).
+    pub fn wrong_results(&self) -> bool {
+        self.ht_timing_experiment != 0 || self.ll_experiment & moelink_kernels::ll::experiment::WRONG_RESULTS != 0
+    }
+
+    /// The overrides set, `name=value` joined by spaces (`None` when none is): for records.
+    pub fn overrides(&self) -> Option<String> {
+        fn show<T: std::fmt::Display>(name: &str, v: Option<T>) -> Option<String> {
+            v.map(|v| format!("{name}={v}"))
+        }
+        let parts: Vec<String> = [
+            show("ht_dispatch_send_blocks", self.ht_dispatch_send_blocks),
+            show("ht_combine_send_blocks", self.ht_combine_send_blocks),
+            show("ht_release_batch", self.ht_release_batch),
+            show("ht_reduce_load_vecs", self.ht_reduce_load_vecs),
+            show("ht_send_chunk", self.ht_send_chunk),
+            show("ht_recv_chunk", self.ht_recv_chunk),
+            show("ht_dynamic_send", self.ht_dynamic_send),
+            show("ll_sms", self.ll_sms),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        (!parts.is_empty()).then(|| parts.join(" "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn tracing_and_tuning_from_variables() {
+        assert_eq!(KernelTracing::from_vars(vars(&[])), Ok(KernelTracing::default()));
+        let t = KernelTracing::from_vars(vars(&[("MOELINK_LL_TRACE", "1"), ("MOELINK_HT_TRACE", "0")])).unwrap();
+        assert_eq!(t, KernelTracing { high_throughput: false, low_latency: true });
+        assert!(KernelTracing::from_vars(vars(&[("MOELINK_HT_TRACE", "yes")])).unwrap_err().contains("MOELINK_HT_TRACE"));
+
+        let none = Tuning::from_vars(vars(&[])).unwrap();
+        assert_eq!(none, Tuning::default());
+        assert_eq!((none.experiments(), none.wrong_results(), none.overrides()), (None, false, None));
+        let t = Tuning::from_vars(vars(&[
+            ("MOELINK_HT_DISPATCH_SEND_BLOCKS", "10"),
+            ("MOELINK_HT_RELEASE_BATCH", " 4 "),
+            ("MOELINK_HT_DYNAMIC_SEND", "0"),
+            ("MOELINK_HT_SEND_CHUNK", "0"),
+            ("MOELINK_LL_SMS", "64"),
+            ("MOELINK_LL_EXPERIMENT", "last_arrives"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (t.ht_dispatch_send_blocks, t.ht_release_batch, t.ht_dynamic_send, t.ht_send_chunk, t.ll_sms),
+            (Some(10), Some(4), Some(false), Some(0), Some(64))
+        );
+        assert_eq!(t.experiments().as_deref(), Some("ll:last_arrives"));
+        assert!(!t.wrong_results(), "last_arrives keeps results right");
+        assert_eq!(
+            t.overrides().as_deref(),
+            Some("ht_dispatch_send_blocks=10 ht_release_batch=4 ht_send_chunk=0 ht_dynamic_send=false ll_sms=64")
+        );
+        let x =
+            Tuning::from_vars(vars(&[("MOELINK_HT_TIMING_EXPERIMENT", "2"), ("MOELINK_LL_EXPERIMENT", "no_loads,local_stores")])).unwrap();
+        assert_eq!((x.ht_timing_experiment, x.ll_experiment), (2, 3));
+        assert_eq!(x.experiments().as_deref(), Some("ht:2 ll:local_stores,no_loads"));
+        assert!(x.wrong_results());
+        for (name, value) in [
+            ("MOELINK_LL_EXPERIMENT", "local_store"),
+            ("MOELINK_HT_TIMING_EXPERIMENT", "4"),
+            ("MOELINK_HT_RELEASE_BATCH", "four"),
+            ("MOELINK_LL_SMS", "0"),
+            ("MOELINK_HT_DYNAMIC_SEND", "2"),
+        ] {
+            let e = Tuning::from_vars(vars(&[(name, value)])).unwrap_err();
+            assert!(e.contains(name), "{e}");
         }
     }
 }

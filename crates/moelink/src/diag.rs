@@ -20,6 +20,8 @@ use moelink_kernels::{all_variants, BarrierVariant, CopyVariant, KernelSpec};
 
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;
+/// The kernel trace types, at their former place (`crate::trace` holds them).
+pub use crate::trace::{KernelTrace, TracePoint};
 
 /// How the copy primitive moves bytes into peers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -727,36 +729,4 @@ mod tests {
         }
         assert!(matches!(jit_timings(0), Err(Error::Unavailable(_))));
     }
-}
-
-/// When the blocks of one kernel launch passed one traced point (`MOELINK_LL_TRACE`), in µs after the
-/// first block started.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TracePoint {
-    /// The point (`LL_TRACE_POINTS`: `start`, `send_ready`, `send_issued`, `send_stored`, `send_done`,
-    /// `recv_seen`, `recv_stored`, `end`; block 0 of a dispatch send: `index_checked`; a dispatch receive:
-    /// `recv_indexed`, the counts scanned into bases).
-    pub name: &'static str,
-    /// Blocks that stamped it.
-    pub blocks: usize,
-    pub min_us: f64,
-    pub median_us: f64,
-    pub max_us: f64,
-    /// Block 0's stamp (the send phases' index/check block), when it passed the point.
-    pub block0_us: Option<f64>,
-}
-
-/// The `%globaltimer` trace of one low-latency kernel launch ([`crate::Buffer::kernel_traces`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct KernelTrace {
-    /// `"dispatch"` or `"combine"`.
-    pub kernel: &'static str,
-    /// `"send+recv"` (one launch), `"send"` or `"recv"` (receive-hook mode).
-    pub phases: &'static str,
-    /// The first block's start, GPU `%globaltimer` nanoseconds (orders launches of one GPU).
-    pub start_ns: u64,
-    /// First block's start to last block's end: the kernel duration a profiler reports, without the launch.
-    pub span_us: f64,
-    /// The points the launch passed, in kernel order.
-    pub points: Vec<TracePoint>,
 }

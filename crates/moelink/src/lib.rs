@@ -47,11 +47,14 @@ pub mod layout;
 pub mod ll;
 pub mod rdma_probe;
 pub mod tensor;
+pub mod trace;
 pub(crate) mod validate;
 
 pub use backend::LayoutOutputs;
 pub use buffer::{fresh, Buffer, CapturedGraph, CombineResult, DispatchLayout, DispatchResult, LlDispatchResult, RecvHook};
-pub use config::{BackendKind, BufferOptions, Config};
+#[doc(hidden)]
+pub use config::Tuning;
+pub use config::{BackendKind, BufferOptions, Config, KernelTracing};
 pub use dtype::{DType, Element, Fp8E4M3};
 pub use error::{Error, Phase, Result};
 pub use group::{Group, TcpGroup, ThreadGroup};

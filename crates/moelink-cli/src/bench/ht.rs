@@ -125,7 +125,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<V
     let inputs = job.inputs;
     let s = inputs.shape;
     let mut outs: Vec<RankOutcome> = job.cases.iter().map(|_| RankOutcome::default()).collect();
-    let opts = BufferOptions { backend: job.backend, num_nvl_bytes, ..Default::default() };
+    let opts = BufferOptions { backend: job.backend, num_nvl_bytes, ..job.base.clone() };
     let mut buf = match Buffer::new(group.clone(), opts) {
         Ok(b) => b,
         Err(moelink::Error::Unavailable(why)) => {

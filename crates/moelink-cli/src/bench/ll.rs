@@ -102,7 +102,7 @@ fn timer_of(buf: &Buffer) -> &'static str {
     }
 }
 
-/// Event times of timed repetitions and, with `MOELINK_LL_TRACE=1`, the kernel trace of each.
+/// Event times of timed repetitions and, with low-latency tracing on, the kernel trace of each.
 #[derive(Default)]
 struct Timed {
     us: Vec<f64>,
@@ -168,7 +168,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
     let inputs = job.inputs;
     let s = inputs.shape;
     let mut outs: Vec<RankOutcome> = job.cases.iter().map(|_| RankOutcome::default()).collect();
-    let ll_opts = |backend| BufferOptions { backend, num_rdma_bytes, low_latency_mode: true, ..Default::default() };
+    let ll_opts = |backend| BufferOptions { backend, num_rdma_bytes, low_latency_mode: true, ..job.base.clone() };
     let mut buf = match Buffer::new(group.clone(), ll_opts(job.backend)) {
         Ok(b) => b,
         Err(moelink::Error::Unavailable(why)) => {
@@ -302,7 +302,7 @@ const LOOP_CALLS: usize = 8;
 /// DeepEP's way of timing (its test_low_latency: kernel durations from a profiler over dispatch + combine
 /// called back to back, no barrier or L2 flush between calls): one graph holding a dispatch and the combine
 /// of its rows, LOOP_CALLS replays per timed region, each kernel's duration from the trace
-/// (`MOELINK_LL_TRACE=1`). Returns [dispatch spans, combine spans, event µs per pair] (the pair time includes
+/// (low-latency tracing on). Returns [dispatch spans, combine spans, event µs per pair] (the pair time includes
 /// the launches between replays) and the traces themselves, [dispatch, combine].
 type LoopTimes = ([Vec<f64>; 3], [Vec<moelink::diag::KernelTrace>; 2]);
 fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Tensor, t: &LlTensors, s: &Shape) -> Result<LoopTimes> {
@@ -346,7 +346,7 @@ fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> 
             continue; // warm-up region
         }
         for tr in buf.kernel_traces() {
-            let k = usize::from(tr.kernel == "combine");
+            let k = usize::from(tr.op == "combine");
             out[k].push(tr.span_us);
             traces[k].push(tr);
         }

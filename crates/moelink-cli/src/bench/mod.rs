@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use moelink::{BackendKind, Buffer, Result};
+use moelink::{BackendKind, Buffer, BufferOptions, Result};
 
 use crate::record::{self, Record, RunFacts, Status};
 use crate::rng::RoutingKind;
@@ -187,7 +187,7 @@ pub struct BenchArgs {
     /// `send_us` and `recv_us`).
     #[arg(long)]
     pub hook: bool,
-    /// LL on CUDA: stamp the kernels (`MOELINK_LL_TRACE=1`) and also report each kernel's span (records get
+    /// LL on CUDA: stamp the kernels (as `MOELINK_LL_TRACE=1`) and also report each kernel's span (records get
     /// `kernel_us` and the trace points) and DeepEP's way of timing — dispatch + combine back to back, no
     /// barrier or L2 flush between calls, kernel durations (`loop_dispatch_kernel_us`,
     /// `loop_combine_kernel_us`).
@@ -322,6 +322,8 @@ pub struct Job<'a> {
     pub hook: bool,
     /// Ticked once per repetition by rank 0.
     pub progress: &'a ProgressBar,
+    /// What every buffer starts from (backend and sizes are set per buffer): tracing and tuning.
+    pub base: &'a BufferOptions,
 }
 
 impl Job<'_> {
@@ -340,6 +342,9 @@ impl Job<'_> {
         let mut times = Vec::with_capacity(self.reps);
         for i in 0..self.warmup + self.reps {
             let ((), us) = buf.timed(&mut op)?;
+            if self.base.kernel_tracing.high_throughput {
+                print_ht_traces(buf);
+            }
             if i >= self.warmup {
                 times.push(us);
             }
@@ -362,6 +367,29 @@ impl Job<'_> {
         if rank == 0 {
             self.progress.inc((self.warmup + self.reps) as u64);
         }
+    }
+}
+
+/// One stderr line per high-throughput kernel trace of the last timed region (`MOELINK_HT_TRACE=1`): when
+/// the blocks started and ended and each role's warps started and finished their work, in µs after the
+/// kernel's first block (min / median / max).
+fn print_ht_traces(buf: &Buffer) {
+    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::intranode::")) {
+        let at = |name: &str| t.point(name).map_or("-".to_string(), |p| format!("+{:.1}/+{:.1}/+{:.1}", p.min_us, p.median_us, p.max_us));
+        eprintln!(
+            "moelink trace: rank {} {} ({}): span {:.1} us; block start {}, senders start {} end {}, receivers start {} end {}, \
+             block end {} (us, min/median/max)",
+            buf.rank(),
+            t.op,
+            t.kernel,
+            t.span_us,
+            at("start"),
+            at("send_start"),
+            at("send_end"),
+            at("recv_start"),
+            at("recv_end"),
+            at("end")
+        );
     }
 }
 
@@ -683,11 +711,9 @@ fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::diag::Kern
 
 /// Runs `moelink bench`.
 pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
-    if a.ll_trace {
-        // Read once by the CUDA backend at its first low-latency call; set before any buffer exists (this
-        // thread alone runs yet: the rank threads start below).
-        std::env::set_var("MOELINK_LL_TRACE", "1");
-    }
+    // Every buffer of the run starts from these: the environment's tracing and tuning, and --ll-trace.
+    let mut base = crate::env::buffer_options();
+    base.kernel_tracing.low_latency |= a.ll_trace;
     let p = plan(a)?;
     let facts = RunFacts {
         system: "moelink".into(),
@@ -725,13 +751,20 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
             reps: p.reps,
             hook: a.hook,
             progress: &progress,
+            base: &base,
         };
         let timeout = Duration::from_secs(a.timeout_s.max(1));
         let results = crate::ranks::run_threads(p.ranks, timeout, |g| match batch.mode {
             Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes),
             Mode::Ll => ll::run_rank(g, &job, num_rdma_bytes),
         });
-        let new = summarize(case_list, &inputs, &results, &facts, &p, a);
+        let mut new = summarize(case_list, &inputs, &results, &facts, &p, a);
+        // Tuning and experiments act on the CUDA kernels only (the host backend ignores them).
+        if p.backend == BackendKind::Cuda {
+            for r in &mut new {
+                r.extra.extend(crate::env::record_fields(&base.tuning).into_iter().map(|(k, v)| (k.to_string(), v)));
+            }
+        }
         let failed = new.iter().filter(|r| !matches!(r.status, Status::Ok | Status::Unavailable)).count();
         let line = format!(
             "batch {}/{}: {what}, {} cases{} in {:.1} s (total {:.1} s)",

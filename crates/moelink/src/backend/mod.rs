@@ -94,8 +94,8 @@ pub(crate) trait Backend: Send {
     fn timer_name(&self) -> &'static str {
         "wall"
     }
-    /// The low-latency kernel traces of the last timed region (`MOELINK_LL_TRACE`), in start order.
-    fn kernel_traces(&self) -> Vec<crate::diag::KernelTrace> {
+    /// The kernel traces ([`crate::KernelTracing`]) since the last timed region opened, in start order.
+    fn kernel_traces(&self) -> Vec<crate::trace::KernelTrace> {
         Vec::new()
     }
 

@@ -75,12 +75,28 @@ pub fn shares_gpu(buf: &Buffer) -> Result<bool> {
     Ok(all.iter().enumerate().any(|(r, l)| r != buf.rank() && l.as_slice() == here.as_bytes() && here != "cpu"))
 }
 
-/// Default options for tests: room for the sizes the tests use.
+/// Default options for tests: room for the sizes the tests use, and what the environment asks for (the
+/// harness is an edge: the library reads no variable) — the `moelink` command's tracing and tuning
+/// variables (`MOELINK_LL_SMS=64` on the GPU machine, for instance) and the JIT's `MOELINK_CACHE_DIR` /
+/// `MOELINK_JIT_VERBOSE`.
 pub fn test_options() -> BufferOptions {
+    let env = |k: &str| std::env::var(k).ok();
+    fn print_report(line: &str) {
+        eprintln!("{line}");
+    }
+    // The first call in a test binary sets the JIT's settings; later calls find them set.
+    let _ = moelink_cuda::jit::configure(moelink_cuda::jit::JitSettings::from_vars(env, print_report));
     // MOELINK_TEST_TIMEOUT_MS shortens the kernels' deadline on the GPU machine, so a protocol bug costs
     // seconds of the lease, not minutes.
     let timeout_ms = std::env::var("MOELINK_TEST_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
-    BufferOptions { num_nvl_bytes: 1 << 30, num_rdma_bytes: 1 << 30, timeout_ms, ..Default::default() }
+    BufferOptions {
+        num_nvl_bytes: 1 << 30,
+        num_rdma_bytes: 1 << 30,
+        timeout_ms,
+        kernel_tracing: moelink::KernelTracing::from_vars(env).expect("the tracing variables"),
+        tuning: moelink::Tuning::from_vars(env).expect("the tuning variables"),
+        ..Default::default()
+    }
 }
 
 /// A small, seeded generator (splitmix64) so every rank and backend sees the same inputs.

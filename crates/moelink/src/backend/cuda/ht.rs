@@ -27,6 +27,7 @@ use moelink_kernels::kernel_name;
 
 use super::{ctrl, CudaBackend, HT_DATA};
 use crate::backend::{HtDispatched, LayoutOutputs};
+use crate::config::Tuning;
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::layout::align_up;
@@ -58,11 +59,6 @@ fn default_num_sms_for(device_sms: usize) -> usize {
     (2 * per_role).min(device_sms / 2 * 2).max(2)
 }
 
-/// Tuning override of a role split: `name=<blocks>` in the environment, clamped to `[1, num_sms - 1]`.
-fn send_blocks_override(name: &str, num_sms: usize) -> Option<usize> {
-    env_override(name, 1, num_sms - 1)
-}
-
 /// SMs that carry the NVLink egress: `ceil(356 / 46)` = 8.
 fn link_sms() -> usize {
     (NVLINK_INGRESS_GBPS / SM_COPY_GBPS).ceil() as usize
@@ -76,32 +72,35 @@ fn default_send_blocks(num_sms: usize) -> usize {
     (num_sms / 3).max(link_sms().min(num_sms / 2)).clamp(1, num_sms - 1)
 }
 
-/// Dispatch senders (override: `MOELINK_HT_DISPATCH_SEND_BLOCKS`): the link SMs (at most half), at every
-/// SM count. The dispatch is bound by its senders' NVLink stores, and more sender SMs land in the
-/// all-to-all dip between 10 and 28 SMs (DESIGN.md §3): measured on 4xH200 (EP4, 4096 tokens, H 7168, BF16
-/// dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643; 48 SMs 8/16: 585/597;
-/// 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps, -run23). The
-/// receivers copy this rank's own rows and the arriving rows out.
-fn dispatch_send_blocks(num_sms: usize) -> usize {
-    send_blocks_override("MOELINK_HT_DISPATCH_SEND_BLOCKS", num_sms).unwrap_or_else(|| link_sms().min(num_sms / 2).clamp(1, num_sms - 1))
+/// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides, clamped to `[1, num_sms - 1]`): the link
+/// SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and more
+/// sender SMs land in the all-to-all dip between 10 and 28 SMs (DESIGN.md §3): measured on 4xH200 (EP4,
+/// 4096 tokens, H 7168, BF16 dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643;
+/// 48 SMs 8/16: 585/597; 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps,
+/// -run23). The receivers copy this rank's own rows and the arriving rows out.
+fn dispatch_send_blocks(t: &Tuning, num_sms: usize) -> usize {
+    match t.ht_dispatch_send_blocks {
+        Some(n) => n.clamp(1, num_sms - 1),
+        None => link_sms().min(num_sms / 2).clamp(1, num_sms - 1),
+    }
 }
 
-/// Combine senders (override: `MOELINK_HT_COMBINE_SEND_BLOCKS`).
-fn combine_send_blocks(num_sms: usize) -> usize {
-    send_blocks_override("MOELINK_HT_COMBINE_SEND_BLOCKS", num_sms).unwrap_or_else(|| default_send_blocks(num_sms))
+/// Combine senders (`Tuning::ht_combine_send_blocks` overrides, clamped to `[1, num_sms - 1]`).
+fn combine_send_blocks(t: &Tuning, num_sms: usize) -> usize {
+    t.ht_combine_send_blocks.map_or_else(|| default_send_blocks(num_sms), |n| n.clamp(1, num_sms - 1))
 }
 
-/// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`). Tuning override:
-/// `MOELINK_HT_RELEASE_BATCH=<rows>` in the environment (1..=64).
-fn release_batch() -> u32 {
-    env_override("MOELINK_HT_RELEASE_BATCH", 1, 64).unwrap_or(kht::DEFAULT_RELEASE_BATCH)
+/// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`;
+/// `Tuning::ht_release_batch` overrides, clamped to 1..=64).
+fn release_batch(t: &Tuning) -> u32 {
+    t.ht_release_batch.map_or(kht::DEFAULT_RELEASE_BATCH, |n| n.clamp(1, 64))
 }
 
 /// Sender work chunk of both HT kernels (`moelink_kernels::ht::HtDispatchArgs::send_chunk`): one release
-/// batch. Tuning override: `MOELINK_HT_SEND_CHUNK=<n>` (0: one contiguous part per warp, the assignment
-/// before interleaving; else rounded up to whole release batches).
-fn send_chunk(release_batch: u32) -> u32 {
-    match env_override("MOELINK_HT_SEND_CHUNK", 0u32, 1 << 20) {
+/// batch. `Tuning::ht_send_chunk` overrides (0: one contiguous part per warp, the assignment before
+/// interleaving; else rounded up to whole release batches).
+fn send_chunk(t: &Tuning, release_batch: u32) -> u32 {
+    match t.ht_send_chunk.map(|n| n.min(1 << 20)) {
         Some(0) => 0,
         Some(n) => n.div_ceil(release_batch) * release_batch,
         None => release_batch,
@@ -109,49 +108,38 @@ fn send_chunk(release_batch: u32) -> u32 {
 }
 
 /// Whether sender warps take their chunks of `send_chunk` items from the call's counter (1) or a fixed
-/// interleaved share (0): dynamic unless `MOELINK_HT_DYNAMIC_SEND=0` or the chunks are contiguous parts (0).
-fn dynamic_send(send_chunk: u32) -> u32 {
-    (send_chunk > 0 && env_override("MOELINK_HT_DYNAMIC_SEND", 0u32, 1).unwrap_or(1) == 1) as u32
+/// interleaved share (0): dynamic unless `Tuning::ht_dynamic_send` is false or the chunks are contiguous
+/// parts (0).
+fn dynamic_send(t: &Tuning, send_chunk: u32) -> u32 {
+    (send_chunk > 0 && t.ht_dynamic_send.unwrap_or(true)) as u32
 }
 
 /// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
-/// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). Tuning override: `MOELINK_HT_RECV_CHUNK=<n>` (0: one
-/// contiguous part per warp).
-fn recv_chunk() -> u32 {
-    env_override("MOELINK_HT_RECV_CHUNK", 0u32, 1 << 20).unwrap_or(kht::DEFAULT_RECV_CHUNK)
+/// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). `Tuning::ht_recv_chunk` overrides (0: one contiguous part
+/// per warp).
+fn recv_chunk(t: &Tuning) -> u32 {
+    t.ht_recv_chunk.map_or(kht::DEFAULT_RECV_CHUNK, |n| n.min(1 << 20))
 }
 
-/// A tuning override from the environment, clamped to `[min, max]`; `None` when unset or not a number.
-/// `MOELINK_HT_REDUCE_LOAD_VECS` sets the combine reducers' loads in flight
-/// (`HtCombineVariant::REDUCE_LOAD_VECS`).
-fn env_override<T: std::str::FromStr + Ord>(name: &str, min: T, max: T) -> Option<T> {
-    std::env::var(name).ok()?.trim().parse::<T>().ok().map(|n| n.clamp(min, max))
+/// The combine reducers' loads in flight (`HtCombineVariant::REDUCE_LOAD_VECS`; `Tuning::ht_reduce_load_vecs`
+/// overrides, clamped to 1..=64).
+fn reduce_load_vecs(t: &Tuning) -> u32 {
+    t.ht_reduce_load_vecs.map_or(HtCombineVariant::REDUCE_LOAD_VECS, |n| n.clamp(1, 64))
 }
 
-/// `MOELINK_HT_TIMING_EXPERIMENT=<bits>` (ht.cuh's `HT_EXP_*`): removes one role's data movement so that the
-/// other role can be timed alone (`moelink bench --no-host-check`). The results are wrong; a warning says so
-/// once per process.
-fn timing_experiment() -> u32 {
-    let bits = env_override("MOELINK_HT_TIMING_EXPERIMENT", 0u32, u32::MAX).unwrap_or(0) & 3;
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    if bits != 0 {
-        WARNED.call_once(|| eprintln!("moelink: MOELINK_HT_TIMING_EXPERIMENT={bits}: HT results are WRONG (timing experiment)"));
-    }
-    bits
+/// `Tuning::ht_timing_experiment` (ht.cuh's `HT_EXP_*`, a JIT constant): removes one role's data movement
+/// so that the other role can be timed alone; the results are wrong (the caller says so: `moelink bench`
+/// warns and marks its records).
+fn timing_experiment(t: &Tuning) -> u32 {
+    t.ht_timing_experiment & 3
 }
 
-/// `MOELINK_HT_TRACE=1`: every synchronous HT dispatch and combine records `%globaltimer` stamps (ht.cuh,
-/// `HT_TRACE_*`) and prints one line per call to stderr — when each role's warps started and finished their
-/// work, relative to the kernel's first block — to find where a kernel's time goes. Off (and the argument 0)
-/// otherwise, and in asynchronous calls and graph captures.
-fn trace_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MOELINK_HT_TRACE").is_ok_and(|v| v.trim() == "1"))
-}
-
-/// The trace words for a launch of `blocks` blocks of `warps` warps, zeroed; 0 when tracing is off.
+/// With `KernelTracing::high_throughput`, every synchronous HT dispatch and combine records `%globaltimer`
+/// stamps (ht.cuh, `HT_TRACE_*`): when each role's warps started and finished their work. Off (and the
+/// argument 0) in asynchronous calls and graph captures, whose kernels finish after the call returns. The
+/// trace words for a launch of `blocks` blocks of `warps` warps, zeroed; 0 when not tracing.
 fn trace_begin(b: &mut CudaBackend, blocks: usize, warps: u32) -> Result<u64> {
-    if !trace_enabled() || b.is_async() || b.is_capturing() {
+    if !b.tracing.high_throughput || b.is_async() || b.is_capturing() {
         return Ok(0);
     }
     let words = blocks * kht::trace_words_per_block(warps);
@@ -163,56 +151,20 @@ fn trace_begin(b: &mut CudaBackend, blocks: usize, warps: u32) -> Result<u64> {
     Ok(t.device_ptr())
 }
 
-/// Prints the trace of the call that just finished (see [`trace_enabled`]).
-fn trace_report(b: &CudaBackend, op: &str, blocks: usize, warps: u32, send_blocks: usize) {
+/// Most high-throughput traces kept between two timed regions (the oldest go first).
+const HT_TRACES_KEPT: usize = 256;
+
+/// Keeps the trace of the call that just finished (its kernel completed: synchronous mode) for
+/// `Buffer::kernel_traces`.
+fn trace_keep(b: &mut CudaBackend, kernel: &'static str, op: &'static str, blocks: usize, warps: u32, send_blocks: usize) {
     let Some(t) = b.ht.trace.as_ref() else { return };
-    let per_block = kht::trace_words_per_block(warps);
-    let words: Vec<u64> = (0..blocks * per_block).map(|i| t.read(i)).collect();
-    let t0 = (0..blocks).map(|k| words[k * per_block]).filter(|&v| v != 0).min().unwrap_or(0);
-    let us = |v: u64| (v.saturating_sub(t0)) as f64 / 1e3;
-    // Per role: when its last warp started, when its warps ended (min / median / max), and whether the
-    // spread is between SMs (range of the blocks' median end) or inside them (mean max - min per block).
-    let role = |range: std::ops::Range<usize>| {
-        let (mut starts, mut ends) = (Vec::new(), Vec::new());
-        let (mut block_medians, mut block_spreads) = (Vec::new(), Vec::new());
-        for k in range {
-            let mut block_ends = Vec::new();
-            for w in 0..warps as usize {
-                let (s, e) = (words[k * per_block + 2 + 2 * w], words[k * per_block + 3 + 2 * w]);
-                if s != 0 {
-                    starts.push(us(s));
-                }
-                if e != 0 {
-                    block_ends.push(us(e));
-                }
-            }
-            block_ends.sort_by(f64::total_cmp);
-            if let (Some(a), Some(z)) = (block_ends.first(), block_ends.last()) {
-                block_medians.push(block_ends[block_ends.len() / 2]);
-                block_spreads.push(z - a);
-            }
-            ends.extend(block_ends);
+    let words: Vec<u64> = (0..blocks * kht::trace_words_per_block(warps)).map(|i| t.read(i)).collect();
+    if let Some(trace) = crate::trace::ht_launch(&words, blocks, warps as usize, send_blocks, kernel, op) {
+        if b.ht.traces.len() == HT_TRACES_KEPT {
+            b.ht.traces.remove(0);
         }
-        ends.sort_by(f64::total_cmp);
-        block_medians.sort_by(f64::total_cmp);
-        let last_start = starts.iter().copied().fold(0.0, f64::max);
-        let in_block = block_spreads.iter().sum::<f64>() / block_spreads.len().max(1) as f64;
-        match (ends.first(), ends.get(ends.len() / 2), ends.last(), block_medians.first(), block_medians.last()) {
-            (Some(a), Some(m), Some(z), Some(b0), Some(b1)) => format!(
-                "started by +{last_start:.1}, done +{a:.1} / +{m:.1} / +{z:.1} (block medians +{b0:.1}..+{b1:.1}, \
-                 in-block spread {in_block:.1})"
-            ),
-            _ => "no stamps".to_string(),
-        }
-    };
-    let last_block_start = (0..blocks).map(|k| us(words[k * per_block])).fold(0.0, f64::max);
-    let end = (0..blocks).map(|k| us(words[k * per_block + 1])).fold(0.0, f64::max);
-    eprintln!(
-        "moelink trace: rank {} {op}, {blocks} blocks: last block start +{last_block_start:.1} us; senders {}; receivers {}          (min / median / max over warps); blocks end by +{end:.1} us",
-        b.rank,
-        role(0..send_blocks),
-        role(send_blocks..blocks)
-    );
+        b.ht.traces.push(trace);
+    }
 }
 
 // ------------------------------------------------------------------------------------------ state
@@ -225,8 +177,11 @@ pub(crate) struct HtState {
     host_notify: Option<HostMapped<u32>>,
     notify_seq: u32,
     region_agreed: bool,
-    /// Host-mapped words of the timing trace (`MOELINK_HT_TRACE`), grown to the largest kernel traced.
+    /// Host-mapped words of the timing trace (`KernelTracing::high_throughput`), grown to the largest kernel
+    /// traced.
     trace: Option<HostMapped<u64>>,
+    /// The traces of the calls since the last timed region opened (at most `HT_TRACES_KEPT`).
+    pub(crate) traces: Vec<crate::trace::KernelTrace>,
 }
 
 /// Device buffers for handles, recycled by size class: a dispatch never frees (`cuMemFree` synchronises the
@@ -680,8 +635,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
     let region = region(b);
     let variant = HtDispatchVariant {
-        release_batch: release_batch(),
-        experiment: timing_experiment(),
+        release_batch: release_batch(&b.tuning),
+        experiment: timing_experiment(&b.tuning),
         ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk)
     };
     let slab_rows = region.slab_rows(variant.row_bytes());
@@ -709,7 +664,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     };
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
-    let sender_chunk = send_chunk(variant.release_batch);
+    let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
     let args = HtDispatchArgs {
         x: b.addr_of(a.x.x()),
         x_scales,
@@ -737,10 +692,10 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks: dispatch_send_blocks(s.num_sms) as u32,
+        num_send_blocks: dispatch_send_blocks(&b.tuning, s.num_sms) as u32,
         send_chunk: sender_chunk,
-        recv_chunk: recv_chunk(),
-        dynamic_send: dynamic_send(sender_chunk),
+        recv_chunk: recv_chunk(&b.tuning),
+        dynamic_send: dynamic_send(&b.tuning, sender_chunk),
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
     };
@@ -749,7 +704,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     finish(b, Phase::Dispatch)?;
     if args.trace != 0 {
         let op = if recv_src_idx == 0 { "cached dispatch" } else { "dispatch" };
-        trace_report(b, op, s.num_sms, HtDispatchVariant::WARPS, args.num_send_blocks as usize);
+        trace_keep(b, kernel_name::HT_DISPATCH, op, s.num_sms, HtDispatchVariant::WARPS, args.num_send_blocks as usize);
     }
 
     // No-sync mode, but this call waited for the kernels: the counts are on the device, read them back.
@@ -777,9 +732,9 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
     let variant = HtCombineVariant {
         num_biases: biases.len() as u32,
-        release_batch: release_batch(),
-        experiment: timing_experiment(),
-        reduce_load_vecs: env_override("MOELINK_HT_REDUCE_LOAD_VECS", 1, 64).unwrap_or(HtCombineVariant::REDUCE_LOAD_VECS),
+        release_batch: release_batch(&b.tuning),
+        experiment: timing_experiment(&b.tuning),
+        reduce_load_vecs: reduce_load_vecs(&b.tuning),
         ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
     };
     let region = region(b);
@@ -801,7 +756,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     check_aligned(combined_topk_weights, 4, "combined_topk_weights", rank)?;
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
-    let sender_chunk = send_chunk(variant.release_batch);
+    let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
     let args = HtCombineArgs {
         x: b.addr_of(&a.x),
         topk_weights,
@@ -822,10 +777,10 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         num_x_rows: to_u32(s.num_recv_rows, "x", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks: combine_send_blocks(s.num_sms) as u32,
+        num_send_blocks: combine_send_blocks(&b.tuning, s.num_sms) as u32,
         send_chunk: sender_chunk,
-        recv_chunk: recv_chunk(),
-        dynamic_send: dynamic_send(sender_chunk),
+        recv_chunk: recv_chunk(&b.tuning),
+        dynamic_send: dynamic_send(&b.tuning, sender_chunk),
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
     };
@@ -833,7 +788,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     finish(b, Phase::Combine)?;
     if args.trace != 0 {
-        trace_report(b, "combine", s.num_sms, HtCombineVariant::WARPS, args.num_send_blocks as usize);
+        trace_keep(b, kernel_name::HT_COMBINE, "combine", s.num_sms, HtCombineVariant::WARPS, args.num_send_blocks as usize);
     }
     Ok(())
 }
@@ -848,13 +803,38 @@ mod tests {
         assert_eq!(default_num_sms_for(16), 16);
         assert_eq!(default_num_sms_for(17), 16);
         assert_eq!(default_num_sms_for(1), 2);
+        let d = Tuning::default();
         for sms in (2..=132).step_by(2) {
-            assert!(dispatch_send_blocks(sms) >= 1 && dispatch_send_blocks(sms) < sms);
-            assert!(combine_send_blocks(sms) >= 1 && combine_send_blocks(sms) < sms);
+            assert!(dispatch_send_blocks(&d, sms) >= 1 && dispatch_send_blocks(&d, sms) < sms);
+            assert!(combine_send_blocks(&d, sms) >= 1 && combine_send_blocks(&d, sms) < sms);
         }
-        assert_eq!((dispatch_send_blocks(24), combine_send_blocks(24)), (8, 8));
-        assert_eq!([2, 8, 16, 64, 132].map(dispatch_send_blocks), [1, 4, 8, 8, 8]);
+        assert_eq!((dispatch_send_blocks(&d, 24), combine_send_blocks(&d, 24)), (8, 8));
+        assert_eq!([2, 8, 16, 64, 132].map(|n| dispatch_send_blocks(&d, n)), [1, 4, 8, 8, 8]);
         assert_eq!([8, 16, 64].map(default_send_blocks), [4, 8, 21]);
+    }
+
+    #[test]
+    fn tuning_overrides_are_clamped_where_they_are_used() {
+        let d = Tuning::default();
+        assert_eq!(
+            (release_batch(&d), recv_chunk(&d), reduce_load_vecs(&d)),
+            (kht::DEFAULT_RELEASE_BATCH, kht::DEFAULT_RECV_CHUNK, HtCombineVariant::REDUCE_LOAD_VECS)
+        );
+        assert_eq!((send_chunk(&d, 4), dynamic_send(&d, 4), timing_experiment(&d)), (4, 1, 0));
+        let t = Tuning {
+            ht_dispatch_send_blocks: Some(99),
+            ht_combine_send_blocks: Some(0),
+            ht_release_batch: Some(100),
+            ht_send_chunk: Some(5),
+            ht_dynamic_send: Some(false),
+            ht_reduce_load_vecs: Some(0),
+            ht_timing_experiment: 7,
+            ..d
+        };
+        assert_eq!((dispatch_send_blocks(&t, 24), combine_send_blocks(&t, 24)), (23, 1));
+        assert_eq!((release_batch(&t), send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
+        assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 3));
+        assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
-    LL_TRACE_CALLS, LL_TRACE_POINTS, LL_TRACE_WORDS, SIG_FIELDS,
+    LL_TRACE_CALLS, LL_TRACE_WORDS, SIG_FIELDS,
 };
 
 use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
@@ -31,21 +31,6 @@ use crate::ll::{
     LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlQuant, LlSpec,
 };
 use crate::tensor::{Location, TensorMut};
-
-/// Environment variable overriding the number of blocks (SMs) the low-latency kernels use.
-pub const LL_SMS_ENV: &str = "MOELINK_LL_SMS";
-
-/// `MOELINK_LL_TRACE=1`: every low-latency launch stores `%globaltimer` stamps per block (`LL_TRACE_*` in
-/// `ll.cuh`) into device memory, and [`crate::Buffer::kernel_trace`] summarises the last launch of a timed
-/// region: the kernel's span and when its blocks passed each point. Off by default. (Device memory, not
-/// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
-/// exactly the points being measured.)
-pub const LL_TRACE_ENV: &str = "MOELINK_LL_TRACE";
-
-fn trace_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(LL_TRACE_ENV).is_ok_and(|v| v.trim() == "1"))
-}
 
 const HOOK_PENDING: u8 = 0;
 const HOOK_RAN: u8 = 1;
@@ -78,8 +63,10 @@ pub(crate) struct LlState {
     outstanding: Vec<Outstanding>,
     /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
     staging: Option<[usize; 3]>,
-    /// Timing trace words (`MOELINK_LL_TRACE`, device memory), one row of u64 per SM; allocated on the first
-    /// traced call and never moved (captured graphs keep its address).
+    /// Timing trace words (`KernelTracing::low_latency`), one row of u64 per SM and launch slot; allocated on
+    /// the first traced call and never moved (captured graphs keep its address). Device memory, not
+    /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
+    /// exactly the points being measured.
     trace: Option<DeviceBuffer>,
 }
 
@@ -136,8 +123,14 @@ fn ll_data_offset(b: &CudaBackend) -> usize {
     CTRL_BYTES + b.num_nvl_bytes.next_multiple_of(4096)
 }
 
-fn variant_of(s: &LlSpec) -> LlVariant {
-    LlVariant { hidden: s.hidden as u32, topk: s.topk as u32, fp8: s.quant.is_fp8() }
+/// The kernels for `s`, with the buffer's timing experiment (`Tuning::ll_experiment`, a JIT constant: 0 in
+/// every real call).
+fn variant_of(b: &CudaBackend, s: &LlSpec) -> LlVariant {
+    variant_key(s, b.tuning.ll_experiment)
+}
+
+fn variant_key(s: &LlSpec, experiment: u32) -> LlVariant {
+    LlVariant { experiment, ..LlVariant::new(s.hidden as u32, s.topk as u32, s.quant.is_fp8()) }
 }
 
 /// The layout for `s`, after checking the kernels' limits and that the region holds it (`with_staging`:
@@ -179,13 +172,11 @@ pub(crate) fn bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usiz
     LlLayout::bytes_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).unwrap_or(usize::MAX)
 }
 
-/// Blocks per low-latency launch: one per SM of this rank's share of the GPU, or `MOELINK_LL_SMS`.
+/// Blocks per low-latency launch: one per SM of this rank's share of the GPU, or `Tuning::ll_sms` (at most
+/// that).
 fn grid_size(b: &CudaBackend) -> u32 {
-    let sms = b.num_rank_sms() as u32;
-    match std::env::var(LL_SMS_ENV).ok().and_then(|v| v.parse::<u32>().ok()) {
-        Some(n) if n >= 1 => n.min(sms),
-        _ => sms,
-    }
+    let sms = b.num_rank_sms();
+    b.tuning.ll_sms.map_or(sms, |n| n.clamp(1, sms)) as u32
 }
 
 fn quant_code(q: LlQuant) -> u32 {
@@ -220,27 +211,7 @@ fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
     if b.ll.enable_shrink {
         f |= flag::SHRINK;
     }
-    f | experiment_flags()
-}
-
-/// `MOELINK_LL_EXPERIMENT`, a comma-separated list of timing experiments (wrong results; never in a real
-/// run): `local_stores` — the send phases store their rows into the sender's own region, so the time NVLink
-/// adds shows; `no_loads` — the send phases do not load their payload (x, y) and send zeros, so the time the
-/// loads take shows; `last_arrives` (results stay right) — the last block of a send phase arrives at every
-/// rank for the whole grid instead of every block on its own.
-fn experiment_flags() -> u32 {
-    static FLAGS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *FLAGS.get_or_init(|| {
-        let list = std::env::var("MOELINK_LL_EXPERIMENT").unwrap_or_default();
-        list.split(',')
-            .map(|e| match e.trim() {
-                "local_stores" => flag::EXP_LOCAL_STORES,
-                "no_loads" => flag::EXP_NO_LOADS,
-                "last_arrives" => flag::EXP_LAST_ARRIVES,
-                _ => 0,
-            })
-            .fold(0, |a, b| a | b)
-    })
+    f
 }
 
 /// Addresses shared by both argument structs: every rank's `LlCtrl`, and every rank's copy of the region
@@ -270,7 +241,7 @@ fn trace_family_words(b: &CudaBackend) -> usize {
 /// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch (allocating the words on
 /// first use), or 0 when tracing is off.
 fn trace_ptr(b: &mut CudaBackend, family: usize) -> Result<u64> {
-    if !trace_enabled() {
+    if !b.tracing.low_latency {
         return Ok(0);
     }
     let words = trace_family_words(b);
@@ -290,58 +261,19 @@ pub(crate) fn trace_clear(b: &mut CudaBackend) -> Result<()> {
     Ok(())
 }
 
-/// The traces of every low-latency launch since the trace was last cleared, in start order (empty when
-/// tracing is off). Called once the timed region's work has completed.
-pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::diag::KernelTrace> {
+/// The traces of every low-latency launch since the trace was last cleared (empty when tracing is off).
+/// Called once the timed region's work has completed.
+pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::trace::KernelTrace> {
     let Some(t) = b.ll.trace.as_ref() else { return Vec::new() };
     let mut bytes = vec![0u8; t.len_bytes()];
     if t.copy_to_host(&mut bytes).is_err() {
         return Vec::new();
     }
     let words: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-    let blocks = grid_size(b) as usize;
     let family = trace_family_words(b);
-    let mut out = Vec::new();
-    for (f, kernel) in ["dispatch", "combine"].into_iter().enumerate() {
-        for slot in 0..2 * LL_TRACE_CALLS {
-            let base = f * family + slot * blocks * LL_TRACE_WORDS;
-            let stamp = |k: usize, w: usize| words[base + k * LL_TRACE_WORDS + w];
-            let Some(t0) = (0..blocks).map(|k| stamp(k, 0)).filter(|&v| v != 0).min() else { continue };
-            let points: Vec<crate::diag::TracePoint> = LL_TRACE_POINTS
-                .iter()
-                .enumerate()
-                .filter_map(|(w, name)| {
-                    let mut us: Vec<f64> = (0..blocks).map(|k| stamp(k, w)).filter(|&v| v >= t0).map(|v| (v - t0) as f64 / 1e3).collect();
-                    if us.is_empty() {
-                        return None;
-                    }
-                    us.sort_by(f64::total_cmp);
-                    let b0 = stamp(0, w);
-                    let block0_us = (b0 >= t0).then(|| (b0 - t0) as f64 / 1e3);
-                    Some(crate::diag::TracePoint {
-                        name,
-                        blocks: us.len(),
-                        min_us: us[0],
-                        median_us: us[us.len() / 2],
-                        max_us: us[us.len() - 1],
-                        block0_us,
-                    })
-                })
-                .collect();
-            let Some(span_us) = points.iter().find(|p| p.name == "end").map(|p| p.max_us) else { continue };
-            let recv_only = slot % 2 == 1;
-            let sends = points.iter().any(|p| p.name == "send_ready");
-            let phases = if recv_only {
-                "recv"
-            } else if points.iter().any(|p| p.name == "recv_seen") && sends {
-                "send+recv"
-            } else {
-                "send"
-            };
-            out.push(crate::diag::KernelTrace { kernel, phases, start_ns: t0, span_us, points });
-        }
-    }
-    out.sort_by_key(|t| t.start_ns);
+    let blocks = grid_size(b) as usize;
+    let mut out = crate::trace::ll_launches(&words[..family], blocks, kernel_name::LL_DISPATCH, "dispatch");
+    out.extend(crate::trace::ll_launches(&words[family..], blocks, kernel_name::LL_COMBINE, "combine"));
     out
 }
 
@@ -457,7 +389,7 @@ pub(crate) fn dispatch<'a>(
 ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
-    let variant = variant_of(&s);
+    let variant = variant_of(b, &s);
     let kernel = b.kernel(&variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
     let set = (b.ll.dispatch_calls & 1) as usize;
     let generation = b.ll.dispatch_calls;
@@ -576,7 +508,7 @@ pub(crate) fn combine<'a>(
         a.x.addr()
     };
 
-    let variant = variant_of(&s);
+    let variant = variant_of(b, &s);
     let kernel = b.kernel(&variant.combine_spec(), kernel_name::LL_COMBINE)?;
     let set = (b.ll.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
@@ -780,9 +712,11 @@ mod tests {
 
     #[test]
     fn variant_follows_the_spec() {
-        let v = variant_of(&spec(LlQuant::Fp8 { round_scale: false, use_ue8m0: false }, false));
-        assert_eq!(v, LlVariant { hidden: 7168, topk: 8, fp8: true });
-        assert!(!variant_of(&spec(LlQuant::Bf16, true)).fp8);
+        let v = LlVariant::new(7168, 8, true);
+        assert_eq!(v.experiment, 0);
+        assert_eq!(variant_key(&spec(LlQuant::Fp8 { round_scale: false, use_ue8m0: false }, false), 0), v);
+        assert!(!variant_key(&spec(LlQuant::Bf16, true), 0).fp8);
+        assert_eq!(variant_key(&spec(LlQuant::Bf16, true), 4).experiment, 4, "the experiment is part of the key");
     }
 
     #[test]

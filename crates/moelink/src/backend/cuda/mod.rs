@@ -104,6 +104,10 @@ pub(crate) struct CudaBackend {
     error_claim: ManuallyDrop<DeviceBuffer>,
     error_record: ManuallyDrop<HostMapped<ErrorRecord>>,
     pub(crate) timeout_ns: u64,
+    /// Which kernels record timing traces (`BufferOptions::kernel_tracing`).
+    pub(crate) tracing: crate::config::KernelTracing,
+    /// Tuning overrides and timing experiments (`BufferOptions::tuning`).
+    pub(crate) tuning: crate::config::Tuning,
     modules: HashMap<String, Arc<Module>>,
     kernels: HashMap<(String, &'static str), Kernel>,
     pub(crate) ht: ManuallyDrop<ht::HtState>,
@@ -182,6 +186,8 @@ impl CudaBackend {
             error_claim: ManuallyDrop::new(error_claim),
             error_record: ManuallyDrop::new(error_record),
             timeout_ns: options.timeout_ms.saturating_mul(1_000_000),
+            tracing: options.kernel_tracing,
+            tuning: options.tuning.clone(),
             modules: HashMap::new(),
             kernels: HashMap::new(),
             ht: ManuallyDrop::new(ht::HtState::default()),
@@ -409,6 +415,7 @@ impl CudaBackend {
             });
         }
         ll::trace_clear(self)?;
+        self.ht.traces.clear();
         self.enqueue_barrier()?;
         let t = self.timer.as_mut().expect("created above");
         let stream = match &self.mode {
@@ -635,8 +642,11 @@ impl Backend for CudaBackend {
     fn timer_name(&self) -> &'static str {
         "cuda-events"
     }
-    fn kernel_traces(&self) -> Vec<crate::diag::KernelTrace> {
-        ll::trace_summaries(self)
+    fn kernel_traces(&self) -> Vec<crate::trace::KernelTrace> {
+        let mut all = ll::trace_summaries(self);
+        all.extend(self.ht.traces.iter().cloned());
+        all.sort_by_key(|t| t.start_ns);
+        all
     }
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
         ht::dispatch_layout(self, topk_idx, num_experts, out)
