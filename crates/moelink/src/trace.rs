@@ -55,7 +55,7 @@ impl KernelTrace {
     }
 }
 
-/// Summary of the stamps at or after `t0` (0 = not reached never counts, since `t0 > 0`).
+/// Summary of the stamps at or after `t0` (a 0 word, a point not reached, never counts: `t0 > 0`).
 fn point(name: &'static str, stamps: impl Iterator<Item = u64>, t0: u64, block0: Option<u64>) -> Option<TracePoint> {
     let us = |v: u64| (v - t0) as f64 / 1e3;
     let mut v: Vec<f64> = stamps.filter(|&s| s >= t0 && s != 0).map(us).collect();
