@@ -3,74 +3,12 @@
 // and its roles are described above its definition at the end of this file.
 #include "ll.cuh"
 
-// ============================================================================================ constants
-constexpr u32 FP8_GROUP = 128;
-constexpr u32 E4M3_MAX_BITS_F32 = 0x43e00000u;  // 448.0f
-constexpr u32 AMAX_FLOOR_BITS_F32 = 0x38d1b717u;  // 1e-4f
-constexpr u32 ABS_MASK = 0x7fffffffu;
-
-// Row payload in recv_x, scale groups, and the 512-byte chunks a warp moves per row (ll.cuh: ROW_BYTES_BF16,
-// CHUNK_BYTES).
-constexpr u32 PAYLOAD_BYTES = LL_FP8 ? LL_HIDDEN : ROW_BYTES_BF16;
-constexpr u32 SCALE_GROUPS = LL_HIDDEN / FP8_GROUP;
-constexpr u32 UE8M0_WORDS = SCALE_GROUPS / 4;
-// Register arrays of scales per lane (at least one element; UE8M0 needs H % 512 == 0, checked on the host).
-constexpr u32 SCALE_ITERS = SCALE_GROUPS > WARP_SIZE ? (SCALE_GROUPS + WARP_SIZE - 1) / WARP_SIZE : 1;
-constexpr u32 UE8M0_ITERS = UE8M0_WORDS > WARP_SIZE ? (UE8M0_WORDS + WARP_SIZE - 1) / WARP_SIZE : 1;
-// Dispatch send: FP8 lanes read 16 channels (32 bytes) and write 16 bytes; bf16 lanes move 16 bytes.
-constexpr u32 FP8_LANE_CHANNELS = 16;
-constexpr u32 FP8_CHUNK_CHANNELS = WARP_SIZE * FP8_LANE_CHANNELS;
-constexpr u32 FP8_GROUP_LANES = FP8_GROUP / FP8_LANE_CHANNELS;  // 8 lanes share one scale
-constexpr u32 SEND_CHUNKS = (PAYLOAD_BYTES + CHUNK_BYTES - 1) / CHUNK_BYTES;
-constexpr u32 RECV_CHUNKS = SEND_CHUNKS;
-static_assert(FP8_CHUNK_CHANNELS == CHUNK_BYTES, "an FP8 chunk is 512 channels = 512 output bytes");
-
 // ============================================================================================ helpers
 // `ranks` (bits < num_ranks) rotated right by `by` (< num_ranks): bit i of the result is rank (i + by) mod R.
 __device__ __forceinline__ u32 rotate_ranks(u32 ranks, u32 by, u32 num_ranks) {
   if (by == 0) return ranks;
   const u64 all = num_ranks >= 32 ? 0xffffffffull : ((1ull << num_ranks) - 1);
   return (u32)((((u64)ranks >> by) | ((u64)ranks << (num_ranks - by))) & all);
-}
-
-// ceil(log2(x)) of a positive f32 from its bits (fp8::ceil_log2): exponent, +1 when any mantissa bit is set;
-// subnormals as m * 2^-149; +inf gives 128.
-__device__ __forceinline__ i32 ceil_log2_bits(u32 bits) {
-  const u32 biased = (bits >> 23) & 0xffu;
-  const u32 mantissa = bits & 0x7fffffu;
-  if (biased == 0) {
-    if (mantissa == 0) return -149;
-    return -149 + (i32)(32 - __clz(mantissa - 1));
-  }
-  return (i32)biased - 127 + (mantissa != 0 ? 1 : 0);
-}
-
-// 2^e as f32, exactly (fp8::exp2i): +inf above 2^127, subnormal below 2^-126, 0 below 2^-149.
-__device__ __forceinline__ float exp2i(i32 e) {
-  if (e > 127) return bits_f32(0x7f800000u);
-  if (e >= -126) return bits_f32((u32)(e + 127) << 23);
-  if (e >= -149) return bits_f32(1u << (u32)(e + 149));
-  return 0.0f;
-}
-
-// Loads one token's top-k row into registers and marks its live selections: live[k] when ids[k] is in
-// [0, E) and not selected earlier in the row (an id repeated later counts once, at its first slot).
-// Returns LL_PROBLEM_TOPK_IDX when the row holds an id outside [-1, E) or a repeat, else 0.
-__device__ __forceinline__ u32 load_topk_row(const i64* row, u32 num_experts, i64 (&ids)[LL_TOPK], bool (&live)[LL_TOPK]) {
-  u32 problem = 0;
-#pragma unroll
-  for (u32 k = 0; k < LL_TOPK; k++) ids[k] = (i64)ptx::ld_nc_u64(row + k);
-#pragma unroll
-  for (u32 k = 0; k < LL_TOPK; k++) {
-    const bool valid = ids[k] >= 0 && ids[k] < (i64)num_experts;
-    if (ids[k] < -1 || ids[k] >= (i64)num_experts) problem = LL_PROBLEM_TOPK_IDX;
-    bool repeat = false;
-#pragma unroll
-    for (u32 j = 0; j < k; j++) repeat |= ids[j] == ids[k];
-    if (valid && repeat) problem = LL_PROBLEM_TOPK_IDX;
-    live[k] = valid && !repeat;
-  }
-  return problem;
 }
 
 // ============================================================================================ dispatch: send
@@ -131,67 +69,6 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
   if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
 }
 
-// Quantises one lane's 16 channels (two 16-byte bf16 vectors) to FP8 with the scale of its 128-channel
-// group (8 lanes). Bitwise equal to fp8::quantize_token: amax = max(|x|) over the group, floored at 1e-4;
-// scale = 448 / amax and scale_inv = amax / 448 (IEEE divisions), or with round_scale scale_inv =
-// 2^ceil(log2(amax / 448)) from the quotient's bits and scale = its exact inverse; q = e4m3(x * scale) with
-// one f32 multiply and cvt.rn.satfinite. All 32 lanes must call it (shuffles); inactive lanes pass zeros.
-__device__ __forceinline__ u32x4 quantize16(const u32x4& v0, const u32x4& v1, bool round_scale, float& scale_inv) {
-  float f[16];
-#pragma unroll
-  for (u32 i = 0; i < 4; i++) {
-    f[2 * i] = bf16_lo(word_of(v0, i));
-    f[2 * i + 1] = bf16_hi(word_of(v0, i));
-    f[8 + 2 * i] = bf16_lo(word_of(v1, i));
-    f[8 + 2 * i + 1] = bf16_hi(word_of(v1, i));
-  }
-  float amax = 0.0f;
-#pragma unroll
-  for (u32 i = 0; i < 16; i++) amax = ptx::max_f32(amax, bits_f32(f32_bits(f[i]) & ABS_MASK));
-#pragma unroll
-  for (u32 m = FP8_GROUP_LANES / 2; m >= 1; m /= 2) amax = ptx::max_f32(amax, __shfl_xor_sync(FULL_WARP_MASK, amax, m));
-  amax = ptx::max_f32(amax, bits_f32(AMAX_FLOOR_BITS_F32));
-  const float e4m3_max = bits_f32(E4M3_MAX_BITS_F32);
-  float scale;
-  if (round_scale) {
-    const i32 e = ceil_log2_bits(f32_bits(ptx::div_rn_f32(amax, e4m3_max)));
-    scale = exp2i(-e);
-    scale_inv = exp2i(e);
-  } else {
-    scale = ptx::div_rn_f32(e4m3_max, amax);
-    scale_inv = ptx::div_rn_f32(amax, e4m3_max);
-  }
-  u32 q[4];
-#pragma unroll
-  for (u32 i = 0; i < 4; i++) {
-    const u16 lo = ptx::cvt_rn_satfinite_e4m3x2_f32(ptx::mul_rn_f32(f[4 * i + 1], scale), ptx::mul_rn_f32(f[4 * i], scale));
-    const u16 hi = ptx::cvt_rn_satfinite_e4m3x2_f32(ptx::mul_rn_f32(f[4 * i + 3], scale), ptx::mul_rn_f32(f[4 * i + 2], scale));
-    q[i] = (u32)lo | ((u32)hi << 16);
-  }
-  return u32x4{q[0], q[1], q[2], q[3]};
-}
-
-// Earlier tokens' top-k rows, which a chunk-0 warp counts to rank its token: lane l holds rows
-// base + l + 32 i (i < RANK_ROWS) below t, only the low 32 bits of each id (~0 for rows past t): valid ids
-// are < E < 2^16, and an id whose low word aliases a valid one lies outside [-1, E) and fails the call on
-// every rank anyway (LL_PROBLEM_TOPK_IDX).
-constexpr u32 RANK_ROWS = LL_TOPK <= 8 ? 4 : LL_TOPK <= 16 ? 2 : 1;
-struct PriorRows {
-  u32 id[RANK_ROWS][LL_TOPK];
-};
-
-__device__ __forceinline__ PriorRows load_prior_rows(const LlDispatchArgs& a, u32 t, u32 base) {
-  const u32* low = reinterpret_cast<const u32*>(a.topk_idx);  // i64 little endian: low word first
-  PriorRows r;
-#pragma unroll
-  for (u32 i = 0; i < RANK_ROWS; i++) {
-    const u32 row = base + lane_id() + i * WARP_SIZE;
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) r.id[i][k] = row < t ? ptx::ld_nc_u32(low + 2 * ((u64)row * LL_TOPK + k)) : 0xffffffffu;
-  }
-  return r;
-}
-
 // A token's routing, stored with its chunk-0 item into every rank (routed there or not, so that every slot
 // t < num_tokens of this source holds this call's): lane k < K writes, if the token's k-th id is live (in
 // [0, E), `id`, and not an earlier slot's id), id << 16 | the token's rank among this rank's tokens that
@@ -227,7 +104,7 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
     }
   };
   count(first);
-  for (u32 base = RANK_ROWS * WARP_SIZE; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(a, t, base));
+  for (u32 base = RANK_ROWS * WARP_SIZE; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(a.topk_idx, t, base));
   if (lane >= LL_TOPK) return;
   const u32 entry = live ? (id << 16) | rank : 0xffffffffu;
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
@@ -263,7 +140,7 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
     const u32 t = item / SEND_CHUNKS, c = item % SEND_CHUNKS;
     // The row chunk is loaded together with the top-k ids (independent loads in flight at once).
     PriorRows prior;
-    if (c == 0) prior = load_prior_rows(a, t, 0);
+    if (c == 0) prior = load_prior_rows(a.topk_idx, t, 0);
 #if LL_FP8
     const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
     const bool active = ch < LL_HIDDEN;

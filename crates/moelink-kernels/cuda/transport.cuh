@@ -88,7 +88,8 @@ struct RdmaArgs {
   u32 rank;            // this rank in the RDMA domain (the world)
   u32 num_ranks;
   u32 num_qps;         // QPs per peer, 1..RDMA_MAX_QPS
-  u32 pad;
+  u32 nvlink_ranks_per_node;  // emu-nic: peers of this rank's node (ranks / this) go over NVLink, as pointer
+                              // stores (0: every peer through the NIC); the other backends ignore it
 };
 static_assert(sizeof(RdmaArgs) == 64, "RdmaArgs is 64 bytes (moelink_kernels::transport::RdmaArgs)");
 
@@ -319,24 +320,47 @@ __device__ __forceinline__ bool nic_block(const RdmaArgs& a, const Deadline& dl)
 #endif
 }
 
+// Peer-pointer operations (the ptr backend, and NVLink peers with the emulated NIC): a warp's stores, then
+// every lane's system fence and one lane's signal.
+__device__ __forceinline__ void ptr_put_warp(const RdmaArgs& a, u32 pe, u64 dst_off, u64 src_off, u32 bytes) {
+  __syncwarp();
+  copy_bytes(reinterpret_cast<u8*>(peer_base(a, pe) + dst_off), reinterpret_cast<const u8*>(a.local_base + src_off), bytes,
+             threadIdx.x % WARP_SIZE, WARP_SIZE);
+}
+
+__device__ __forceinline__ void ptr_put_signal_warp(const RdmaArgs& a, u32 pe, u64 dst_off, u64 src_off, u32 bytes, u64 sig_off, u64 value,
+                                                    u32 sig_op) {
+  ptr_put_warp(a, pe, dst_off, src_off, bytes);
+  ptx::fence_acq_rel_sys();  // every lane: its own stores (one lane's fence does not cover the others')
+  __syncwarp();
+  if (threadIdx.x % WARP_SIZE == 0) apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, pe) + sig_off), value, sig_op);
+  __syncwarp();
+}
+
+// Whether `pe` is reached over NVLink instead of the emulated NIC.
+__device__ __forceinline__ bool over_nvlink(const RdmaArgs& a, u32 pe) {
+  return a.nvlink_ranks_per_node != 0 && pe / a.nvlink_ranks_per_node == a.rank / a.nvlink_ranks_per_node;
+}
+
 // ============================================================================================ operations
 
 // Puts `bytes` from this rank's region at `src_off` to rank `pe`'s region at `dst_off` (non-blocking).
 // The warp's lanes may have written the source just before: the call orders their stores first.
 __device__ __forceinline__ bool put_warp(const RdmaArgs& a, u32 qp, u32 pe, u64 dst_off, u64 src_off, u32 bytes, const Deadline& dl) {
-  const u32 lane = threadIdx.x % WARP_SIZE;
 #if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
   (void)qp;
   (void)dl;
-  __syncwarp();
-  copy_bytes(reinterpret_cast<u8*>(peer_base(a, pe) + dst_off), reinterpret_cast<const u8*>(a.local_base + src_off), bytes, lane,
-             WARP_SIZE);
+  ptr_put_warp(a, pe, dst_off, src_off, bytes);
   return true;
 #elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  if (over_nvlink(a, pe)) {
+    ptr_put_warp(a, pe, dst_off, src_off, bytes);
+    return true;
+  }
   ptx::fence_acq_rel_gpu();  // this lane's source stores, before the NIC block reads them
   __syncwarp();
   bool ok = true;
-  if (lane == 0) {
+  if (threadIdx.x % WARP_SIZE == 0) {
     NicDesc d{};
     d.src_off = src_off;
     d.dst_off = dst_off;
@@ -349,7 +373,6 @@ __device__ __forceinline__ bool put_warp(const RdmaArgs& a, u32 qp, u32 pe, u64 
 #else
   (void)qp;
   (void)dl;
-  (void)lane;
   ptx::fence_acq_rel_sys();
   __syncwarp();
   nvshmem_seam::put_nbi_warp(a.local_base + dst_off, a.local_base + src_off, bytes, pe);
@@ -361,23 +384,20 @@ __device__ __forceinline__ bool put_warp(const RdmaArgs& a, u32 qp, u32 pe, u64 
 // data is visible there.
 __device__ __forceinline__ bool put_signal_warp(const RdmaArgs& a, u32 qp, u32 pe, u64 dst_off, u64 src_off, u32 bytes, u64 sig_off,
                                                 u64 value, u32 sig_op, const Deadline& dl) {
-  const u32 lane = threadIdx.x % WARP_SIZE;
 #if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
   (void)qp;
   (void)dl;
-  __syncwarp();
-  const u64 peer = peer_base(a, pe);
-  copy_bytes(reinterpret_cast<u8*>(peer + dst_off), reinterpret_cast<const u8*>(a.local_base + src_off), bytes, lane, WARP_SIZE);
-  ptx::fence_acq_rel_sys();  // every lane: its own stores (one lane's fence does not cover the others')
-  __syncwarp();
-  if (lane == 0) apply_signal_sys(reinterpret_cast<u64*>(peer + sig_off), value, sig_op);
-  __syncwarp();
+  ptr_put_signal_warp(a, pe, dst_off, src_off, bytes, sig_off, value, sig_op);
   return true;
 #elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  if (over_nvlink(a, pe)) {
+    ptr_put_signal_warp(a, pe, dst_off, src_off, bytes, sig_off, value, sig_op);
+    return true;
+  }
   ptx::fence_acq_rel_gpu();
   __syncwarp();
   bool ok = true;
-  if (lane == 0) {
+  if (threadIdx.x % WARP_SIZE == 0) {
     NicDesc d{};
     d.src_off = src_off;
     d.dst_off = dst_off;
@@ -393,7 +413,6 @@ __device__ __forceinline__ bool put_signal_warp(const RdmaArgs& a, u32 qp, u32 p
 #else
   (void)qp;
   (void)dl;
-  (void)lane;
   ptx::fence_acq_rel_sys();
   __syncwarp();
   nvshmem_seam::put_signal_nbi_warp(a.local_base + dst_off, a.local_base + src_off, bytes, a.local_base + sig_off, value, sig_op, pe);
@@ -410,6 +429,10 @@ __device__ __forceinline__ bool signal_thread(const RdmaArgs& a, u32 qp, u32 pe,
   apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, pe) + sig_off), value, sig_op);
   return true;
 #elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  if (over_nvlink(a, pe)) {
+    apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, pe) + sig_off), value, sig_op);
+    return true;
+  }
   NicDesc d{};
   d.sig_off = sig_off;
   d.value = value;
@@ -435,7 +458,9 @@ __device__ __forceinline__ bool fence_thread(const RdmaArgs& a, u32 qp, const De
   return true;
 #elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
   (void)qp;
-  // Across QPs only completion orders: the emulated NIC's fence is a quiet (as NVSHMEM's under IBGDA).
+  // Across QPs only completion orders: the emulated NIC's fence is a quiet (as NVSHMEM's under IBGDA); the
+  // system fence orders this thread's NVLink stores.
+  ptx::fence_acq_rel_sys();
   return nic_quiet(a, RDMA_ALL_QPS, dl);
 #else
   (void)a;
@@ -455,6 +480,7 @@ __device__ __forceinline__ bool quiet_thread(const RdmaArgs& a, u32 qp, const De
   ptx::fence_acq_rel_sys();
   return true;
 #elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  ptx::fence_acq_rel_sys();
   return nic_quiet(a, qp == RDMA_ALL_QPS ? qp : qp % a.num_qps, dl);
 #else
   (void)a;

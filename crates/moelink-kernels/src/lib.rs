@@ -29,6 +29,8 @@ pub mod abi;
 pub mod ht;
 #[allow(missing_docs)]
 pub mod ll;
+#[allow(missing_docs)]
+pub mod ll_internode;
 pub mod transport;
 
 use moelink_cuda::jit::CompileRequest;
@@ -94,6 +96,10 @@ pub mod kernel_name {
     pub const LL_DISPATCH: &str = "moelink::low_latency::dispatch";
     /// `ll_combine.cu`: low-latency combine.
     pub const LL_COMBINE: &str = "moelink::low_latency::combine";
+    /// `ll_internode.cu`: low-latency dispatch across nodes.
+    pub const LLI_DISPATCH: &str = "moelink::internode_ll::dispatch";
+    /// `ll_internode.cu`: low-latency combine across nodes.
+    pub const LLI_COMBINE: &str = "moelink::internode_ll::combine";
 }
 
 /// One kernel entry point of a family.
@@ -126,6 +132,8 @@ pub enum Family {
     LlCombine,
     /// `transport.cu`: the RDMA transport seam's conformance check and micro-benchmark ([`transport`]).
     Transport,
+    /// `ll_internode.cu`: low-latency dispatch and combine across nodes ([`ll_internode`]).
+    LlInternode,
 }
 
 impl Family {
@@ -141,6 +149,7 @@ impl Family {
             Family::LlDispatch => "ll_dispatch.cu",
             Family::LlCombine => "ll_combine.cu",
             Family::Transport => "transport.cu",
+            Family::LlInternode => "ll_internode.cu",
         }
     }
 
@@ -156,6 +165,7 @@ impl Family {
             Family::LlDispatch => ll::LL_DISPATCH_SOURCE,
             Family::LlCombine => ll::LL_COMBINE_SOURCE,
             Family::Transport => transport::TRANSPORT_SOURCE,
+            Family::LlInternode => ll_internode::LLI_SOURCE,
         }
     }
 
@@ -164,7 +174,7 @@ impl Family {
         match self {
             Family::Barrier | Family::Copy => None,
             Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => Some(HT_HEADER),
-            Family::LlDispatch | Family::LlCombine => Some(ll::LL_HEADER),
+            Family::LlDispatch | Family::LlCombine | Family::LlInternode => Some(ll::LL_HEADER),
             Family::Transport => Some(transport::TRANSPORT_HEADER),
         }
     }
@@ -192,6 +202,10 @@ impl Family {
                 KernelInfo { name: "transport_check", hot: false },
                 KernelInfo { name: "transport_bench", hot: false },
             ],
+            // Not hot: the nvshmem variants call into NVSHMEM's transfer functions, which keep a stack frame.
+            Family::LlInternode => {
+                &[KernelInfo { name: kernel_name::LLI_DISPATCH, hot: false }, KernelInfo { name: kernel_name::LLI_COMBINE, hot: false }]
+            }
         }
     }
 }
@@ -328,6 +342,7 @@ pub fn all_variants() -> Vec<KernelSpec> {
     v.extend(ht::variants());
     v.extend(ll::LlVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v.extend(transport::TransportVariant::all().iter().map(transport::TransportVariant::spec));
+    v.extend(ll_internode::LliVariant::all().iter().map(ll_internode::LliVariant::spec));
     v
 }
 

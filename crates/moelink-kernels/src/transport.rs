@@ -91,8 +91,8 @@ pub struct RdmaArgs {
     pub num_ranks: u32,
     /// QPs per peer (1..=[`RDMA_MAX_QPS`]).
     pub num_qps: u32,
-    /// Padding.
-    pub pad: u32,
+    /// `emu-nic`: ranks per node whose peers go over NVLink (pointer stores) instead of the NIC; 0: none.
+    pub nvlink_ranks_per_node: u32,
 }
 
 /// Arguments of `transport_barrier` (`TransportBarrierArgs` in `transport.cu`).

@@ -339,15 +339,18 @@ impl Buffer {
     }
 
     /// Bytes of `num_rdma_bytes` that low-latency calls of this shape need on the CUDA backend, zero-copy
-    /// combine included, for top-k up to 16 (DeepEP's `get_low_latency_rdma_size_hint`). A call that does
-    /// not fit fails with [`Error::BufferTooSmall`] before any launch.
+    /// combine included, for top-k up to 16 (DeepEP's `get_low_latency_rdma_size_hint`), whether the ranks
+    /// share one node or span several (the larger of the two layouts). A call that does not fit fails with
+    /// [`Error::BufferTooSmall`] before any launch.
     ///
     /// ```
     /// let bytes = moelink::Buffer::ll_bytes_needed(128, 7168, 4, 288);
     /// assert!(bytes > 128 * 7168 * 2 * 4 && bytes < 1 << 30);
     /// ```
     pub fn ll_bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_ranks: usize, num_experts: usize) -> usize {
-        backend::cuda::ll::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        let single = backend::cuda::ll::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+        let across = backend::cuda::ll_internode::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+        single.max(across)
     }
 
     // ------------------------------------------------------------------ high-throughput

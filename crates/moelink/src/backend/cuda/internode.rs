@@ -23,6 +23,10 @@ pub(crate) struct Internode {
     pub(crate) rdma: RdmaDomain,
     /// Barriers this rank has entered (`u64`, device; the barrier kernel counts).
     barrier_counter: DeviceBuffer,
+    /// Low-latency state across nodes (local state words, handle areas).
+    pub(crate) lli: super::ll_internode::LliState,
+    /// Ranks per node the transport reaches over NVLink (`allow_nvlink_for_low_latency_mode`), or 0.
+    nvlink_ranks_per_node: u32,
 }
 
 impl Internode {
@@ -36,7 +40,24 @@ impl Internode {
             ));
         }
         let rdma = RdmaDomain::new(&b.device, b.group.as_ref(), options, RDMA_CTRL_BYTES + num_rdma_bytes)?;
-        Ok(Internode { topology, rdma, barrier_counter: DeviceBuffer::zeroed(&b.device, 8)? })
+        // Same-node peers over NVLink: the seam's pointer path for the peer-pointer transports (NVSHMEM
+        // takes its own P2P path, or not, from NVSHMEM_DISABLE_P2P).
+        let nvlink_ranks_per_node = match options.transport {
+            crate::Transport::EmuNic(_) if options.allow_nvlink_for_low_latency_mode => topology.ranks_per_node as u32,
+            _ => 0,
+        };
+        Ok(Internode {
+            topology,
+            rdma,
+            barrier_counter: DeviceBuffer::zeroed(&b.device, 8)?,
+            lli: super::ll_internode::LliState::new(b)?,
+            nvlink_ranks_per_node,
+        })
+    }
+
+    /// The seam's argument block for this buffer's kernels.
+    pub(crate) fn rdma_args(&self) -> moelink_kernels::transport::RdmaArgs {
+        moelink_kernels::transport::RdmaArgs { nvlink_ranks_per_node: self.nvlink_ranks_per_node, ..self.rdma.args() }
     }
 
     /// Keeps the RDMA region when dropped (a peer may still put into it after a failure).
@@ -58,7 +79,7 @@ pub(crate) fn enqueue_barrier(b: &mut CudaBackend) -> Result<()> {
     let (error_claim, error_record) = b.error_sink();
     let inter = b.internode.as_ref().expect("checked above");
     let args = TransportBarrierArgs {
-        rdma: inter.rdma.args(),
+        rdma: inter.rdma_args(),
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,

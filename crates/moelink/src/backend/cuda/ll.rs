@@ -18,6 +18,7 @@ use std::sync::Arc;
 use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
+use moelink_kernels::ll_internode::{LliCombineArgs, LliDispatchArgs, LliVariant};
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
     LL_TRACE_CALLS, LL_TRACE_WORDS, SIG_FIELDS,
@@ -32,37 +33,45 @@ use crate::ll::{
 };
 use crate::tensor::{Location, TensorMut};
 
-const HOOK_PENDING: u8 = 0;
-const HOOK_RAN: u8 = 1;
+pub(super) const HOOK_PENDING: u8 = 0;
+pub(super) const HOOK_RAN: u8 = 1;
 const HOOK_DROPPED: u8 = 2;
 
 /// State of one receive phase handed out as a hook: pending, ran, or dropped without running.
-type HookMarker = Arc<AtomicU8>;
+pub(super) type HookMarker = Arc<AtomicU8>;
 
 /// A receive phase handed out as a hook; if it is dropped unrun, the next call drains it (publishes its
 /// consumed flags) so that the peers can reuse that buffer set.
-struct Outstanding {
+pub(super) struct Outstanding {
     marker: HookMarker,
-    variant: LlVariant,
     drain: Drain,
 }
 
-enum Drain {
-    Dispatch(LlDispatchArgs),
-    Combine(LlCombineArgs),
+impl Outstanding {
+    pub(super) fn new(marker: HookMarker, drain: Drain) -> Outstanding {
+        Outstanding { marker, drain }
+    }
+}
+
+/// The receive launch a dropped hook stands for, with its kernel key: single-node or across nodes.
+pub(super) enum Drain {
+    Dispatch(LlVariant, LlDispatchArgs),
+    Combine(LlVariant, LlCombineArgs),
+    InternodeDispatch(LliVariant, LliDispatchArgs),
+    InternodeCombine(LliVariant, LliCombineArgs),
 }
 
 /// Per-buffer low-latency state.
 pub(crate) struct LlState {
     enable_shrink: bool,
     /// What the kernels report (argument problems, signature mismatches), host-mapped.
-    report: HostMapped<LlReport>,
+    pub(super) report: HostMapped<LlReport>,
     /// Calls issued so far; the buffer set of the next call is `calls & 1`.
-    dispatch_calls: u64,
-    combine_calls: u64,
-    outstanding: Vec<Outstanding>,
+    pub(super) dispatch_calls: u64,
+    pub(super) combine_calls: u64,
+    pub(super) outstanding: Vec<Outstanding>,
     /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
-    staging: Option<[usize; 3]>,
+    pub(super) staging: Option<[usize; 3]>,
     /// Timing trace words (`KernelTracing::low_latency`), one row of u64 per SM and launch slot; allocated on
     /// the first traced call and never moved (captured graphs keep its address). Device memory, not
     /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
@@ -87,29 +96,35 @@ impl LlState {
 /// Handle data of a CUDA low-latency dispatch.
 pub(crate) struct CudaLlRouting {
     /// Buffer set (and handle area) the dispatch used.
-    set: usize,
+    pub(super) set: usize,
     /// Index of the dispatch among this buffer's dispatches (the handle area is reused two calls later).
-    generation: u64,
+    pub(super) generation: u64,
     /// The dispatch's receive phase (ran at once without a hook).
-    recv: HookMarker,
+    pub(super) recv: HookMarker,
 }
 
 /// A dispatch whose receive phase has not run yet (`return_recv_hook`). Boxed: the argument struct is large.
-pub(crate) struct PendingDispatch<'a>(Box<Pending<LlDispatchArgs, LlDispatchOutputs<'a>>>);
+pub(crate) struct PendingDispatch<'a>(Box<Pending<LlDispatchArgs, LlDispatchOutputs<'a>, LlVariant>>);
 
 /// A combine whose receive phase has not run yet (`return_recv_hook`).
-pub(crate) struct PendingCombine<'a>(Box<Pending<LlCombineArgs, LlCombineOutputs<'a>>>);
+pub(crate) struct PendingCombine<'a>(Box<Pending<LlCombineArgs, LlCombineOutputs<'a>, LlVariant>>);
 
-struct Pending<A, O> {
-    /// The receive launch's argument.
-    args: A,
-    variant: LlVariant,
-    marker: HookMarker,
-    /// The outputs the receive kernel writes, borrowed until it has run.
+/// A receive phase not run yet: its launch argument `A`, the outputs `O` it writes (borrowed until it has
+/// run) and its kernel key `V`.
+pub(super) struct Pending<A, O, V> {
+    pub(super) args: A,
+    pub(super) variant: V,
+    pub(super) marker: HookMarker,
     _out: O,
 }
 
-impl<A, O> Drop for Pending<A, O> {
+impl<A, O, V> Pending<A, O, V> {
+    pub(super) fn new(args: A, variant: V, marker: HookMarker, out: O) -> Self {
+        Pending { args, variant, marker, _out: out }
+    }
+}
+
+impl<A, O, V> Drop for Pending<A, O, V> {
     fn drop(&mut self) {
         let _ = self.marker.compare_exchange(HOOK_PENDING, HOOK_DROPPED, Ordering::AcqRel, Ordering::Acquire);
     }
@@ -187,7 +202,7 @@ fn quant_code(q: LlQuant) -> u32 {
 }
 
 /// The call signature every rank must share, in [`SIG_FIELDS`] order.
-fn signature(s: &LlSpec) -> [u32; LL_SIG_WORDS] {
+pub(super) fn signature(s: &LlSpec) -> [u32; LL_SIG_WORDS] {
     let mut sig = [0u32; LL_SIG_WORDS];
     let words =
         [s.hidden as u32, s.topk as u32, s.num_experts as u32, s.num_max_tokens as u32, quant_code(s.quant), u32::from(s.has_weights)];
@@ -195,7 +210,7 @@ fn signature(s: &LlSpec) -> [u32; LL_SIG_WORDS] {
     sig
 }
 
-fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
+pub(super) fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
     let mut f = 0;
     if let LlQuant::Fp8 { round_scale, use_ue8m0 } = s.quant {
         if round_scale {
@@ -227,7 +242,7 @@ fn handle_area(b: &CudaBackend, layout: &LlLayout, set: usize) -> [u64; 5] {
     [base, base + h.hweight as u64, base + h.hmeta as u64, base + h.home_idx as u64, base + h.home_weight as u64]
 }
 
-fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
+pub(super) fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
     t.map_or(0, |t| t.addr())
 }
 
@@ -280,7 +295,7 @@ pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::trace::KernelTrace>
 // ------------------------------------------------------------------ reports, drains
 
 /// The argument a problem bit names, and why (for the rank whose argument it is).
-fn problem_reason(bits: u32) -> (&'static str, &'static str) {
+pub(super) fn problem_reason(bits: u32) -> (&'static str, &'static str) {
     if bits & problem::TOPK_IDX != 0 {
         ("topk_idx", "contains an expert id outside [-1, num_experts) or selects an expert twice in a row (checked on the GPU)")
     } else if bits & problem::TOPK_IDX_DIFFERS != 0 {
@@ -332,7 +347,7 @@ fn report_error(rep: &LlReport, me: usize, local: Option<(&'static str, String)>
 }
 
 /// Reads and clears what the kernels reported; `local` as in [`report_error`].
-fn take_report(b: &mut CudaBackend, local: Option<(&'static str, String)>) -> Result<()> {
+pub(super) fn take_report(b: &mut CudaBackend, local: Option<(&'static str, String)>) -> Result<()> {
     let rep = b.ll.report.read(0);
     if rep == LlReport::default() {
         return Ok(());
@@ -346,7 +361,7 @@ fn take_report(b: &mut CudaBackend, local: Option<(&'static str, String)>) -> Re
 
 /// Publishes the consumed flags of receive phases whose hooks were dropped unrun, so that the peers may
 /// write those buffer sets again.
-fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
+pub(super) fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
     let outstanding = std::mem::take(&mut b.ll.outstanding);
     for o in outstanding {
         match o.marker.load(Ordering::Acquire) {
@@ -354,16 +369,17 @@ fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
             HOOK_DROPPED => {
                 let cfg = LaunchConfig::linear(1, LL_THREADS);
                 match o.drain {
-                    Drain::Dispatch(mut a) => {
+                    Drain::Dispatch(v, mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&o.variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
+                        let k = b.kernel(&v.dispatch_spec(), kernel_name::LL_DISPATCH)?;
                         b.launch(&k, &cfg, &a)?;
                     }
-                    Drain::Combine(mut a) => {
+                    Drain::Combine(v, mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&o.variant.combine_spec(), kernel_name::LL_COMBINE)?;
+                        let k = b.kernel(&v.combine_spec(), kernel_name::LL_COMBINE)?;
                         b.launch(&k, &cfg, &a)?;
                     }
+                    ref internode => super::ll_internode::drain(b, internode)?,
                 }
             }
             _ => {}
@@ -374,9 +390,22 @@ fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
 
 /// What every low-latency call does first: drain dropped hooks, surface a report left by an earlier
 /// asynchronous call.
-fn begin_call(b: &mut CudaBackend) -> Result<()> {
+pub(super) fn begin_call(b: &mut CudaBackend) -> Result<()> {
     drain_abandoned(b)?;
     take_report(b, None)
+}
+
+/// Problems of a combine's handle that only this rank can see (they travel with the call, so that every rank
+/// fails it): `(problem bits, (argument, reason))`.
+pub(super) fn handle_problems(b: &CudaBackend, routing: &CudaLlRouting) -> (u32, Option<(&'static str, String)>) {
+    if b.ll.dispatch_calls > routing.generation + 2 {
+        let why = "expired: its buffer set was reused by a later dispatch (at most two low-latency dispatches are usable at once)";
+        (problem::HANDLE, Some(("handle", why.to_string())))
+    } else if routing.recv.load(Ordering::Acquire) != HOOK_RAN {
+        (problem::HANDLE, Some(("handle", "the dispatch's receive hook has not run; run it before combining".to_string())))
+    } else {
+        (0, None)
+    }
 }
 
 // ------------------------------------------------------------------ dispatch
@@ -442,8 +471,8 @@ pub(crate) fn dispatch<'a>(
     if s.return_recv_hook {
         let send = LlDispatchArgs { phases: phase::SEND, ..args };
         let recv = LlDispatchArgs { phases: phase::RECV, ..args };
-        b.ll.outstanding.push(Outstanding { marker: marker.clone(), variant, drain: Drain::Dispatch(recv) });
-        let pending = PendingDispatch(Box::new(Pending { args: recv, variant, marker, _out: out }));
+        b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::Dispatch(variant, recv)));
+        let pending = PendingDispatch(Box::new(Pending::new(recv, variant, marker, out)));
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
         b.finish(Phase::LowLatencyDispatch)?;
         take_report(b, None)?;
@@ -482,19 +511,7 @@ pub(crate) fn combine<'a>(
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
 
-    // Problems only this rank can see travel with the call, so that every rank fails it.
-    let mut host_problem = 0;
-    let mut local: Option<(&'static str, String)> = None;
-    if b.ll.dispatch_calls > routing.generation + 2 {
-        host_problem |= problem::HANDLE;
-        local = Some((
-            "handle",
-            "expired: its buffer set was reused by a later dispatch (at most two low-latency dispatches are usable at once)".to_string(),
-        ));
-    } else if routing.recv.load(Ordering::Acquire) != HOOK_RAN {
-        host_problem |= problem::HANDLE;
-        local = Some(("handle", "the dispatch's receive hook has not run; run it before combining".to_string()));
-    }
+    let (mut host_problem, mut local) = handle_problems(b, routing);
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
     let y = if cs.zero_copy {
         if b.ll.staging != Some(shape) || layout_for(b, &s, true).is_err() {
@@ -550,8 +567,8 @@ pub(crate) fn combine<'a>(
         let send = LlCombineArgs { phases: phase::SEND, ..args };
         let recv = LlCombineArgs { phases: phase::RECV, ..args };
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
-        b.ll.outstanding.push(Outstanding { marker: marker.clone(), variant, drain: Drain::Combine(recv) });
-        let pending = PendingCombine(Box::new(Pending { args: recv, variant, marker, _out: out }));
+        b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::Combine(variant, recv)));
+        let pending = PendingCombine(Box::new(Pending::new(recv, variant, marker, out)));
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
         b.finish(Phase::LowLatencyCombine)?;
         take_report(b, local)?;

@@ -10,6 +10,7 @@
 pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
+pub(crate) mod ll_internode;
 pub(crate) mod rdma;
 
 use std::any::Any;
@@ -57,6 +58,8 @@ pub(crate) const HT_DATA: usize = CTRL_BYTES;
 pub(crate) enum PendingRecv<'a> {
     LlDispatch(ll::PendingDispatch<'a>),
     LlCombine(ll::PendingCombine<'a>),
+    LliDispatch(ll_internode::PendingDispatch<'a>),
+    LliCombine(ll_internode::PendingCombine<'a>),
 }
 
 /// Bytes a timed region overwrites before its start event: more than twice the L2 cache of an H100/H200
@@ -668,7 +671,9 @@ impl Backend for CudaBackend {
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
     ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
-        self.single_node_only("low-latency dispatch")?;
+        if self.internode.is_some() {
+            return ll_internode::dispatch(self, spec, args, out);
+        }
         ll::dispatch(self, spec, args, out)
     }
     fn ll_combine<'a>(
@@ -677,30 +682,48 @@ impl Backend for CudaBackend {
         args: &LlCombineArgs<'_>,
         out: LlCombineOutputs<'a>,
     ) -> Result<Option<AnyPending<'a>>> {
-        self.single_node_only("low-latency combine")?;
+        if self.internode.is_some() {
+            return ll_internode::combine(self, spec, args, out);
+        }
         ll::combine(self, spec, args, out)
     }
     fn run_recv(&mut self, pending: AnyPending<'_>) -> Result<()> {
         match pending {
             AnyPending::Cuda(PendingRecv::LlDispatch(p)) => ll::finish_dispatch(self, p),
             AnyPending::Cuda(PendingRecv::LlCombine(p)) => ll::finish_combine(self, p),
+            AnyPending::Cuda(PendingRecv::LliDispatch(p)) => ll_internode::finish_dispatch(self, p),
+            AnyPending::Cuda(PendingRecv::LliCombine(p)) => ll_internode::finish_combine(self, p),
             _ => Err(Error::invalid("hook", self.rank, "a host hook cannot run on the CUDA backend")),
         }
     }
     fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>> {
+        if self.internode.is_some() {
+            return ll_internode::next_combine_buffer(self, spec);
+        }
         ll::next_combine_buffer(self, spec)
     }
     fn clean_ll_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()> {
-        self.single_node_only("clean_low_latency_buffer")?;
+        if self.internode.is_some() {
+            return ll_internode::clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts);
+        }
         ll::clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
     }
     fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        if self.internode.is_some() {
+            return ll_internode::set_mask(self, rank, masked);
+        }
         ll::set_mask(self, rank, masked)
     }
     fn ll_mask(&mut self) -> Result<Vec<bool>> {
+        if self.internode.is_some() {
+            return ll_internode::mask(self);
+        }
         ll::mask(self)
     }
     fn ll_clear_mask(&mut self) -> Result<()> {
+        if self.internode.is_some() {
+            return ll_internode::clear_mask(self);
+        }
         ll::clear_mask(self)
     }
     fn local_buffer(&mut self, use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
