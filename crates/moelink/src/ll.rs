@@ -83,6 +83,13 @@ pub struct LlDispatchOutputs<'a> {
     pub cumulative_local_expert_recv_stats: Option<TensorMut<'a>>,
     /// `int64 [R]`, incremented by the time (ns) spent waiting for each source rank.
     pub dispatch_wait_recv_cost_stats: Option<TensorMut<'a>>,
+    /// DeepEP's handle, written by the receive phase with the rows (no host synchronisation):
+    /// `int32 [E_local, R*T_max]`, `src_info[e][n]` = the source rank's index of the token in row `n` of
+    /// local expert `e` (rows past `recv_count[e]` are left as they are).
+    pub src_info: Option<TensorMut<'a>>,
+    /// `int64 [E_local, R]`: `layout_range[e][j] = begin << 32 | count`, the rows `begin .. begin + count` of
+    /// local expert `e` came from rank `j` (`begin` = the rows of lower ranks; masked ranks count 0).
+    pub layout_range: Option<TensorMut<'a>>,
 }
 
 /// Validated low-latency dispatch.
@@ -295,6 +302,21 @@ pub(crate) fn validate_ll_dispatch_outputs(s: &LlSpec, o: &LlDispatchOutputs<'_>
             location: loc,
             dtypes: &[DType::I64],
             shape: &[Some(s.num_ranks)],
+            contiguous: true,
+        }
+        .view_mut(t)?;
+    }
+    if let Some(t) = &o.src_info {
+        Expect { arg: "src_info", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(el), Some(rows)], contiguous: true }
+            .view_mut(t)?;
+    }
+    if let Some(t) = &o.layout_range {
+        Expect {
+            arg: "layout_range",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::I64],
+            shape: &[Some(el), Some(s.num_ranks)],
             contiguous: true,
         }
         .view_mut(t)?;

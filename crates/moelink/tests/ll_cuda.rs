@@ -200,6 +200,8 @@ impl Fixed {
             recv_count: self.count.view_mut(),
             cumulative_local_expert_recv_stats: None,
             dispatch_wait_recv_cost_stats: None,
+            src_info: None,
+            layout_range: None,
         };
         let (handle, hook) = buf.low_latency_dispatch_into(&args, out)?;
         if let Some(hook) = hook {
