@@ -290,27 +290,29 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
         """A ``dtype`` view of this rank's communication buffer (the high-throughput region, or the
-        low-latency one with ``use_rdma_buffer``), starting ``offset`` elements in, shaped ``size`` (default:
-        all of it, 1-D)."""
+        low-latency one with ``use_rdma_buffer``), starting ``offset`` bytes in (as DeepEP's, whose ``offset``
+        moves the start by bytes; a multiple of the element size here), shaped ``size`` (default: the rest of
+        the region, 1-D)."""
         t = require_torch()
         if not isinstance(dtype, t.dtype):
             raise _invalid(TypeError, "dtype", self.rank, f"expected a torch.dtype, got {type(dtype).__name__}")
         offset = _count(offset, "offset", self.rank)
         ptr, num_bytes, device = self._native.local_buffer(bool(use_rdma_buffer))
         item = t.empty((), dtype=dtype).element_size()
-        total = num_bytes // item
-        if offset > total:
-            raise _invalid(ValueError, "offset", self.rank, f"{offset} elements is past the buffer's {total}")
-        numel = total - offset
+        if offset > num_bytes or offset % item != 0:
+            raise _invalid(ValueError, "offset", self.rank,
+                           f"{offset} bytes: must be a multiple of {item} (the {dtype} element size) and at most the "
+                           f"buffer's {num_bytes} bytes")
+        numel = (num_bytes - offset) // item
         shape = (numel,) if size is None else tuple(t.Size(size))
         want = 1
         for d in shape:
             want *= d
         if want > numel:
             raise _invalid(ValueError, "size", self.rank,
-                           f"{shape} needs {want} elements, {numel} remain after offset {offset}")
+                           f"{shape} needs {want} elements, {numel} remain after offset {offset} bytes")
         contiguous = tuple(int(s) for s in t.empty(shape, device="meta").stride())
-        return self._wrap_view((ptr + offset * item, str(dtype).removeprefix("torch."), shape, contiguous, device))
+        return self._wrap_view((ptr + offset, str(dtype).removeprefix("torch."), shape, contiguous, device))
 
     # ------------------------------------------------------------------ tensors and streams
 

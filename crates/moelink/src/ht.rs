@@ -9,6 +9,8 @@
 //!   `expert_alignment`.
 //! - With `num_worst_tokens > 0` the outputs have exactly that many rows; rows past the received count have
 //!   `recv_topk_idx = -1`, weight 0, and unspecified payload; the per-expert list is empty.
+//! - DeepEP's handle parts (optional outputs, [`DispatchOutputs`]): `rank_prefix_matrix[i][j]` = tokens rank
+//!   `j` receives from ranks `0..=i`; `recv_src_idx[n]` = row `n`'s token index on its source rank.
 //! - Combine sums, for each original token, the rows returned by every rank it was sent to, in fp32, in
 //!   ascending rank order starting from +0.0, then adds `bias[0]` and `bias[1]` (in that order, each
 //!   converted to fp32), and rounds to bf16 (round-to-nearest-even). `combined_topk_weights` is the same

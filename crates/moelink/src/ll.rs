@@ -4,6 +4,8 @@
 //! - Dispatch: every token goes once to each rank hosting one of its experts; there it is expanded into the
 //!   packed per-expert layout `recv_x[e_local, slot, :]`. Within local expert `e_local`, rows are ordered
 //!   by source rank, then by source token index; `recv_count[e_local]` rows are valid; the rest is unspecified.
+//!   DeepEP's handle parts (optional outputs, [`LlDispatchOutputs`]): `src_info[e_local][n]` = row `n`'s
+//!   token index on its source; `layout_range[e_local][j] = begin << 32 | count`, the rows from rank `j`.
 //! - FP8 (`use_fp8`): per token and 128-channel group, `amax = max(max |x|, 1e-4)` in fp32; without
 //!   `round_scale`: `scale = 448 / amax`, `scale_inv = amax / 448` (IEEE fp32 division); with `round_scale`:
 //!   `scale_inv = 2^ceil(log2(amax / 448))` (exact, from the bits of the fp32 quotient) and `scale = 1 /
