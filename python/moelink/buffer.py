@@ -24,6 +24,7 @@ traces), the tuning and timing-experiment variables (``MOELINK_LL_SMS``, ``MOELI
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
@@ -49,39 +50,107 @@ def _event_of(previous_event: Any) -> Any:
     return getattr(previous_event, "event", previous_event)
 
 
-class DispatchHandle:
-    """The routing of one high-throughput dispatch; pass it to ``combine`` or to a cached ``dispatch``.
+# The attribute a handle's first tensor carries: the native routing, so that a handle copied into a plain
+# tuple (``tuple(handle)``, or unpacked and packed again) still works with combine and cached dispatch.
+_NATIVE_ATTR = "_moelink_routing"
 
-    Opaque: its attributes are informative only.
+
+class DispatchHandle(tuple):
+    """DeepEP's intranode dispatch handle: a tuple ``(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``; pass it to ``combine`` or to a
+    cached ``dispatch``.
+
+    As DeepEP's (exact):
+
+    - ``rank_prefix_matrix int32 [R, R]``: ``[i][j]`` = tokens rank ``j`` receives from ranks ``0..=i``, so
+      this rank's rows from source ``i`` are ``recv_x[rank_prefix_matrix[i-1][rank] : rank_prefix_matrix[i][rank]]``
+      (from 0 for ``i = 0``).
+    - ``recv_src_idx int32 [N]``: the source rank's index of the token in each received row (``N`` rows:
+      ``num_worst_tokens`` in no-sync mode, where rows past the received count are unspecified).
+    - ``is_token_in_rank bool [T, R]``: the tensor the dispatch was given.
+
+    The channel elements have DeepEP's shapes (``C = config.num_sms // 2`` channels) and moelink's meaning.
+    moelink sends each (source, destination) pair's tokens as one ordered stream, not in channels; in
+    DeepEP's terms that is one channel per pair holding every token, reported as the last channel (index
+    ``C - 1``) with channels ``0 .. C-2`` empty:
+
+    - ``channel_prefix_matrix int32 [R, C]``: ``[r][c]`` = this rank's tokens in channels ``0..=c`` that go to
+      rank ``r``: 0 for ``c < C - 1``, ``num_tokens_per_rank[r]`` for ``c = C - 1``.
+    - ``recv_channel_prefix_matrix int32 [R, C]``: where channel ``c`` of source ``s`` starts among the rows
+      from ``s``: 0 everywhere.
+    - ``send_head int32 [T, R]``: token ``t``'s position among the rows this rank sends to rank ``r`` (so it
+      lands at row ``rank_prefix_matrix[rank-1][r] + send_head[t][r]`` of rank ``r``'s ``recv_x``), ``-1`` where
+      ``is_token_in_rank[t][r]`` is False.
+
+    Attributes (informative): ``native`` (the routing moelink's combine uses), ``num_tokens``,
+    ``num_recv_tokens`` (None when unknown on the host, e.g. in no-sync mode), ``num_experts``.
     """
 
-    __slots__ = ("native", "num_tokens", "num_recv_tokens", "num_experts")
+    native: Any
+    num_tokens: int
+    num_recv_tokens: Optional[int]
+    num_experts: int
 
-    def __init__(self, native: Any) -> None:
-        self.native = native
-        self.num_tokens: int = native.num_tokens
-        self.num_recv_tokens: Optional[int] = native.num_recv_tokens
-        self.num_experts: int = native.num_experts
+    def __new__(cls, elements: Sequence[Any] = (), native: Any = None) -> "DispatchHandle":
+        handle = super().__new__(cls, tuple(elements))
+        handle.native = native
+        handle.num_tokens = native.num_tokens if native is not None else 0
+        handle.num_recv_tokens = native.num_recv_tokens if native is not None else None
+        handle.num_experts = native.num_experts if native is not None else 0
+        return handle
 
-    def __repr__(self) -> str:
-        return f"<moelink dispatch handle: {self.num_tokens} tokens sent, {self.num_recv_tokens} received>"
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency dispatch handle: a tuple ``(src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)``; pass it to ``low_latency_combine``.
+
+    - ``src_info int32 [E_local, R * T_max]``: ``src_info[e][n]`` = the source rank's index of the token in
+      row ``n`` of local expert ``e`` (rows past ``recv_count[e]`` are unspecified).
+    - ``layout_range int64 [E_local, R]``: ``layout_range[e][j] = begin << 32 | count``: the rows of local
+      expert ``e`` that came from rank ``j`` are ``begin .. begin + count`` (moelink orders them by source rank,
+      so ``begin`` is the rows from lower ranks; counts sum to ``recv_count[e]``; a masked rank counts 0).
+
+    With ``return_recv_hook=True`` both are written when ``hook()`` runs, as the received rows are.
+    Attributes (informative): ``native``, ``num_tokens``, ``hidden``, ``num_max_dispatch_tokens_per_rank``,
+    ``num_experts``.
+    """
+
+    native: Any
+    num_tokens: int
+    hidden: int
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+
+    def __new__(cls, elements: Sequence[Any] = (), native: Any = None) -> "LowLatencyHandle":
+        handle = super().__new__(cls, tuple(elements))
+        handle.native = native
+        handle.num_tokens = native.num_tokens if native is not None else 0
+        handle.hidden = native.hidden if native is not None else 0
+        handle.num_max_dispatch_tokens_per_rank = native.num_max_dispatch_tokens_per_rank if native is not None else 0
+        handle.num_experts = native.num_experts if native is not None else 0
+        return handle
 
 
-class LowLatencyHandle:
-    """The routing of one low-latency dispatch; pass it to ``low_latency_combine`` (opaque)."""
+def _native_of(handle: Any, kind: type, size: int, first: str, rank: int, what: str) -> Any:
+    """The native routing of a handle ``kind`` returned, or of a plain tuple/list of its ``size`` elements
+    whose first tensor (``first``) came from such a handle; else a ``TypeError`` naming ``handle``."""
+    if isinstance(handle, kind) and getattr(handle, "native", None) is not None:
+        return handle.native
+    if isinstance(handle, (tuple, list)) and len(handle) == size:
+        native = getattr(handle[0], _NATIVE_ATTR, None)
+        if native is not None:
+            return native
+        raise _invalid(TypeError, "handle", rank,
+                       f"a {len(handle)}-element {type(handle).__name__} whose {first} was not made by moelink's "
+                       f"{what}: pass the handle {what} returned (or a tuple of its elements)")
+    raise _invalid(TypeError, "handle", rank, f"expected the handle {what} returned, got {type(handle).__name__}")
 
-    __slots__ = ("native", "num_tokens", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts")
 
-    def __init__(self, native: Any) -> None:
-        self.native = native
-        self.num_tokens: int = native.num_tokens
-        self.hidden: int = native.hidden
-        self.num_max_dispatch_tokens_per_rank: int = native.num_max_dispatch_tokens_per_rank
-        self.num_experts: int = native.num_experts
-
-    def __repr__(self) -> str:
-        return (f"<moelink low-latency handle: {self.num_tokens} tokens, hidden {self.hidden}, "
-                f"T_max {self.num_max_dispatch_tokens_per_rank}, {self.num_experts} experts>")
+def _send_head(in_rank: Tensor, out: Tensor) -> Tensor:
+    """``out[t][r]`` = token ``t``'s position among the tokens sent to ``r``, -1 where it is not sent."""
+    t = require_torch()
+    t.cumsum(in_rank, 0, dtype=t.int32, out=out)
+    return out.sub_(1).masked_fill_(in_rank.logical_not(), -1)
 
 
 class _CudaMemory:
@@ -225,27 +294,29 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
         """A ``dtype`` view of this rank's communication buffer (the high-throughput region, or the
-        low-latency one with ``use_rdma_buffer``), starting ``offset`` elements in, shaped ``size`` (default:
-        all of it, 1-D)."""
+        low-latency one with ``use_rdma_buffer``), starting ``offset`` bytes in (as DeepEP's, whose ``offset``
+        moves the start by bytes; a multiple of the element size here), shaped ``size`` (default: the rest of
+        the region, 1-D)."""
         t = require_torch()
         if not isinstance(dtype, t.dtype):
             raise _invalid(TypeError, "dtype", self.rank, f"expected a torch.dtype, got {type(dtype).__name__}")
         offset = _count(offset, "offset", self.rank)
         ptr, num_bytes, device = self._native.local_buffer(bool(use_rdma_buffer))
         item = t.empty((), dtype=dtype).element_size()
-        total = num_bytes // item
-        if offset > total:
-            raise _invalid(ValueError, "offset", self.rank, f"{offset} elements is past the buffer's {total}")
-        numel = total - offset
+        if offset > num_bytes or offset % item != 0:
+            raise _invalid(ValueError, "offset", self.rank,
+                           f"{offset} bytes: must be a multiple of {item} (the {dtype} element size) and at most the "
+                           f"buffer's {num_bytes} bytes")
+        numel = (num_bytes - offset) // item
         shape = (numel,) if size is None else tuple(t.Size(size))
         want = 1
         for d in shape:
             want *= d
         if want > numel:
             raise _invalid(ValueError, "size", self.rank,
-                           f"{shape} needs {want} elements, {numel} remain after offset {offset}")
+                           f"{shape} needs {want} elements, {numel} remain after offset {offset} bytes")
         contiguous = tuple(int(s) for s in t.empty(shape, device="meta").stride())
-        return self._wrap_view((ptr + offset * item, str(dtype).removeprefix("torch."), shape, contiguous, device))
+        return self._wrap_view((ptr + offset, str(dtype).removeprefix("torch."), shape, contiguous, device))
 
     # ------------------------------------------------------------------ tensors and streams
 
@@ -378,15 +449,16 @@ class Buffer:
 
         ``x``: ``bf16 [T, H]`` or ``(float8_e4m3fn [T, H], float32 scales [T, H/128] of any strides)``.
         Fresh dispatch: the layout tensors from ``get_dispatch_layout`` and (forward) ``topk_idx`` /
-        ``topk_weights``. Cached dispatch: ``handle`` from an earlier dispatch and no top-k.
+        ``topk_weights``. Cached dispatch: ``handle`` from an earlier dispatch (or a tuple of its elements) and
+        no top-k.
         ``num_tokens_per_rdma_rank`` is ignored (intranode). ``num_worst_tokens > 0``: no CPU
         synchronisation, outputs have that many rows (rows past the real count have ``recv_topk_idx = -1``)
         and the per-expert list is empty.
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event)``; ``recv_x`` has the tuple-ness of ``x``; ``recv_topk_idx`` holds local expert ids (-1 for
-        experts elsewhere, with weight 0). A cached dispatch returns ``(recv_x, None, None, None, None,
-        event)``.
+        experts elsewhere, with weight 0); ``handle`` is DeepEP's 6-tuple (``DispatchHandle`` says what each
+        element holds). A cached dispatch returns ``(recv_x, None, None, None, None, event)``.
         """
         t = require_torch()
         if isinstance(x, tuple):
@@ -395,12 +467,11 @@ class Buffer:
             x_data, x_scales = x
         else:
             x_data, x_scales = x, None
-        if handle is not None and not isinstance(handle, DispatchHandle):
-            raise _invalid(TypeError, "handle", self.rank, f"expected the handle dispatch returned, got {type(handle).__name__}")
+        native_handle = None if handle is None else _native_of(handle, DispatchHandle, 6, "rank_prefix_matrix", self.rank,
+                                                                "dispatch")
         config_tuple = self._config(config, self.get_dispatch_config)
         args = dict(
-            x=self._tensor(x_data, "x"), x_scales=self._opt(x_scales, "x_scales"),
-            handle=handle.native if handle is not None else None,
+            x=self._tensor(x_data, "x"), x_scales=self._opt(x_scales, "x_scales"), handle=native_handle,
             num_tokens_per_rank=self._opt(num_tokens_per_rank, "num_tokens_per_rank"),
             num_tokens_per_expert=self._opt(num_tokens_per_expert, "num_tokens_per_expert"),
             is_token_in_rank=self._opt(is_token_in_rank, "is_token_in_rank"),
@@ -415,18 +486,37 @@ class Buffer:
             recv_scales = self._empty((n, plan.hidden // 128), t.float32) if plan.is_fp8 else None
             recv_idx = self._empty((n, plan.topk), t.int64) if plan.has_topk else None
             recv_w = self._empty((n, plan.topk), t.float32) if plan.has_topk else None
+            # DeepEP's handle (a fresh dispatch returns one): the exact parts come from the native call, the
+            # channel parts (moelink's meaning, DispatchHandle) from is_token_in_rank on the same stream.
+            fresh = handle is None
+            r, channels = self.group_size, config_tuple[0] // 2
+            rank_prefix = self._empty((r, r), t.int32) if fresh else None
+            recv_src_idx = self._empty((n,), t.int32) if fresh else None
+            channel_parts = [self._empty((r, channels), t.int32), self._empty((r, channels), t.int32),
+                             self._empty(tuple(is_token_in_rank.shape), t.int32)] if fresh else []
             native_handle = self._native.dispatch_into(
                 plan, self._tensor(recv_x, "recv_x"), self._opt(recv_scales, "recv_x_scales"),
                 self._opt(recv_idx, "recv_topk_idx"), self._opt(recv_w, "recv_topk_weights"),
-                stream=self._launch_stream())
+                rank_prefix_matrix=self._opt(rank_prefix, "rank_prefix_matrix"),
+                recv_src_idx=self._opt(recv_src_idx, "recv_src_idx"), stream=self._launch_stream())
+            if fresh:
+                channel_prefix, recv_channel_prefix, send_head = channel_parts
+                with t.cuda.stream(self._comm_stream) if self._cuda else contextlib.nullcontext():
+                    channel_prefix.zero_()[:, channels - 1].copy_(num_tokens_per_rank)
+                    recv_channel_prefix.zero_()
+                    _send_head(is_token_in_rank, send_head)
         finally:
             self._leave(compute, allocate_on_comm_stream)
         inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights]
-        event = self._finish(compute, async_finish, allocate_on_comm_stream, inputs, [recv_x, recv_scales, recv_idx, recv_w])
+        outputs = [recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *channel_parts]
+        event = self._finish(compute, async_finish, allocate_on_comm_stream, inputs, outputs)
         out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
         if handle is not None:
             return out_x, None, None, None, None, event
-        return out_x, recv_idx, recv_w, list(plan.num_recv_tokens_per_expert), DispatchHandle(native_handle), event
+        setattr(rank_prefix, _NATIVE_ATTR, native_handle)
+        dispatch_handle = DispatchHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
+                                          send_head), native_handle)
+        return out_x, recv_idx, recv_w, list(plan.num_recv_tokens_per_expert), dispatch_handle, event
 
     def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None,
                 bias: Union[Tensor, Tuple[Tensor, Tensor], None] = None, config: Optional[Config] = None,
@@ -434,14 +524,13 @@ class Buffer:
                 allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
         """Sums expert outputs back onto each token's home rank (collective).
 
-        ``x``: ``bf16 [N, H]``, one row per received token (gating weights already applied). Returns
-        ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``: the fp32 sum over
+        ``x``: ``bf16 [N, H]``, one row per received token (gating weights already applied); ``handle``: what
+        the dispatch returned (or a tuple of its elements). Returns ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``: the fp32 sum over
         the ranks each token was sent to, plus ``bias`` (a tensor or a 2-tuple of ``[T, H]`` bf16 tensors),
         rounded to bf16; ``combined_topk_weights`` sums ``topk_weights`` the same way.
         """
         t = require_torch()
-        if not isinstance(handle, DispatchHandle):
-            raise _invalid(TypeError, "handle", self.rank, f"expected the handle dispatch returned, got {type(handle).__name__}")
+        native_handle = _native_of(handle, DispatchHandle, 6, "rank_prefix_matrix", self.rank, "dispatch")
         if bias is None or isinstance(bias, tuple) and len(bias) == 0:
             bias_0, bias_1 = None, None
         elif isinstance(bias, tuple):
@@ -456,11 +545,12 @@ class Buffer:
         hidden = x_arg[2][-1] if x_arg[2] else 0
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
-            combined_x = self._empty((handle.num_tokens, hidden), t.bfloat16)
+            num_tokens = native_handle.num_tokens
+            combined_x = self._empty((num_tokens, hidden), t.bfloat16)
             combined_w = None
             if w_arg is not None:
-                combined_w = self._empty((handle.num_tokens, w_arg[2][-1] if w_arg[2] else 0), t.float32)
-            self._native.combine_into(x_arg, handle.native, self._tensor(combined_x, "combined_x"), topk_weights=w_arg,
+                combined_w = self._empty((num_tokens, w_arg[2][-1] if w_arg[2] else 0), t.float32)
+            self._native.combine_into(x_arg, native_handle, self._tensor(combined_x, "combined_x"), topk_weights=w_arg,
                                       combined_topk_weights=self._opt(combined_w, "combined_topk_weights"),
                                       bias_0=self._opt(bias_0, "bias"), bias_1=self._opt(bias_1, "bias"),
                                       config=config_tuple, stream=self._launch_stream())
@@ -528,7 +618,9 @@ class Buffer:
         """Low-latency dispatch (collective; no CPU synchronisation, CUDA-graph capturable).
 
         ``x``: ``bf16 [T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` (the same on every rank).
-        Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``bf16 [E_local, R*T_max, H]``,
+        Returns ``(recv_x, recv_count, handle, event, hook)``: ``handle`` is DeepEP's 5-tuple
+        ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``
+        (``LowLatencyHandle``); ``recv_x`` is ``bf16 [E_local, R*T_max, H]``,
         or with ``use_fp8`` a tuple ``(float8_e4m3fn [E_local, R*T_max, H], scales)`` with ``float32
         [E_local, R*T_max, H/128]`` scales (``use_ue8m0``: ``int32 [..., H/512]``, four exponent bytes each;
         requires ``round_scale``), column-major in the last two dims. ``recv_count int32 [E_local]`` counts
@@ -555,16 +647,22 @@ class Buffer:
             packs = hidden // 512 if use_ue8m0 else hidden // 128
             recv_scales = self._empty((e_local, packs, rows), t.int32 if use_ue8m0 else t.float32).transpose(1, 2)
         recv_count = self._empty((e_local,), t.int32)
+        src_info = self._empty((e_local, rows), t.int32)
+        layout_range = self._empty((e_local, self.group_size), t.int64)
         native_handle, native_hook = self._native.low_latency_dispatch_into(
             x_arg, idx_arg, t_max, num_experts, self._tensor(recv_x, "recv_x"), self._tensor(recv_count, "recv_count"),
             topk_weights=w_arg, recv_x_scales=self._opt(recv_scales, "recv_x_scales"), use_fp8=use_fp8,
             round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0), return_recv_hook=bool(return_recv_hook),
-            cumulative_local_expert_recv_stats=cum_arg, dispatch_wait_recv_cost_stats=wait_arg, stream=stream)
+            cumulative_local_expert_recv_stats=cum_arg, dispatch_wait_recv_cost_stats=wait_arg,
+            src_info=self._tensor(src_info, "src_info"), layout_range=self._tensor(layout_range, "layout_range"),
+            stream=stream)
         tensors = [x, topk_idx, topk_weights, recv_x, recv_scales, recv_count, cumulative_local_expert_recv_stats,
-                   dispatch_wait_recv_cost_stats]
+                   dispatch_wait_recv_cost_stats, src_info, layout_range]
         event = self._ll_finish(compute, async_finish, bool(return_recv_hook), tensors)
         out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
-        return out_x, recv_count, LowLatencyHandle(native_handle), event, self._hook(native_hook, tensors)
+        setattr(src_info, _NATIVE_ATTR, native_handle)
+        ll_handle = LowLatencyHandle((src_info, layout_range, t_max, hidden, num_experts), native_handle)
+        return out_x, recv_count, ll_handle, event, self._hook(native_hook, tensors)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -582,18 +680,16 @@ class Buffer:
         t = require_torch()
         if use_logfmt:
             raise _invalid(ValueError, "use_logfmt", self.rank, "LogFMT is not supported by moelink (combine sends bf16)")
-        if not isinstance(handle, LowLatencyHandle):
-            raise _invalid(TypeError, "handle", self.rank,
-                           f"expected the handle low_latency_dispatch returned, got {type(handle).__name__}")
+        native_handle = _native_of(handle, LowLatencyHandle, 5, "src_info", self.rank, "low_latency_dispatch")
         x_arg, idx_arg, w_arg = self._tensor(x, "x"), self._tensor(topk_idx, "topk_idx"), self._tensor(topk_weights, "topk_weights")
         wait_arg = self._opt(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
         out_arg = self._opt(out, "out")
         compute, stream = self._ll_streams(async_finish, return_recv_hook, "return_recv_hook")
         if out is None:
-            out = self._empty((handle.num_tokens, handle.hidden), t.bfloat16)
+            out = self._empty((native_handle.num_tokens, native_handle.hidden), t.bfloat16)
             out_arg = self._tensor(out, "out")
         native_hook = self._native.low_latency_combine_into(
-            x_arg, idx_arg, w_arg, handle.native, out_arg, zero_copy=bool(zero_copy),
+            x_arg, idx_arg, w_arg, native_handle, out_arg, zero_copy=bool(zero_copy),
             return_recv_hook=bool(return_recv_hook), combine_wait_recv_cost_stats=wait_arg, stream=stream)
         tensors = [x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats]
         event = self._ll_finish(compute, async_finish, bool(return_recv_hook), tensors)
@@ -604,10 +700,8 @@ class Buffer:
         there and call ``low_latency_combine(..., zero_copy=True)`` to skip a copy. The view belongs to the
         buffer; it stays valid until a low-latency call with other sizes, ``clean_low_latency_buffer`` or
         ``destroy``."""
-        if not isinstance(handle, LowLatencyHandle):
-            raise _invalid(TypeError, "handle", self.rank,
-                           f"expected the handle low_latency_dispatch returned, got {type(handle).__name__}")
-        return self._wrap_view(self._native.get_next_low_latency_combine_buffer(handle.native))
+        native_handle = _native_of(handle, LowLatencyHandle, 5, "src_info", self.rank, "low_latency_dispatch")
+        return self._wrap_view(self._native.get_next_low_latency_combine_buffer(native_handle))
 
     def low_latency_update_mask_buffer(self, rank: int, mask: bool = False) -> None:
         """Shrink mode (``enable_shrink=True``): masks ``rank`` (``mask=True``: treated as failed, neither

@@ -805,6 +805,8 @@ impl HtGraph {
                 recv_scales: None,
                 recv_topk_idx: Some(self.recv_idx.view_mut()),
                 recv_topk_weights: Some(self.recv_w.view_mut()),
+                rank_prefix_matrix: None,
+                recv_src_idx: None,
             },
         )?;
         buf.combine_into(
@@ -957,6 +959,8 @@ impl LlTensors {
             recv_count: self.count.view_mut(),
             cumulative_local_expert_recv_stats: None,
             dispatch_wait_recv_cost_stats: None,
+            src_info: None,
+            layout_range: None,
         })
     }
 

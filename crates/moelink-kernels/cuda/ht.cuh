@@ -60,7 +60,8 @@ constexpr u32 HT_CTRL_DISPATCH_CHUNK = 768;        // u32: next sender chunk of 
 constexpr u32 HT_CTRL_COMBINE_CHUNK = 896;         // u32: next sender chunk of the running ht_combine (0 between calls)
 constexpr u32 HT_CTRL_NOTIFY_MSGS = 1024;          // u32[2][MAX_RANKS][HT_MSG_WORDS]
 constexpr u32 HT_MAX_LOCAL_EXPERTS = 8192;         // experts per rank a notify message has room for
-constexpr u32 HT_MSG_HEADER_WORDS = 8;
+constexpr u32 HT_MSG_ROW = 8;                      // first word of the source's tokens per rank (below)
+constexpr u32 HT_MSG_HEADER_WORDS = HT_MSG_ROW + MAX_RANKS;
 constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;
 constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
@@ -73,6 +74,8 @@ constexpr u32 HT_MSG_NUM_TOKENS = 1;   // the source's token count T
 constexpr u32 HT_MSG_STATUS = 2;       // HT_STATUS_BAD_LAYOUT when the source's layout tensors disagree
 constexpr u32 HT_MSG_SIG_LO = 3;       // the source's call signature (must equal everyone's)
 constexpr u32 HT_MSG_SIG_HI = 4;
+// HT_MSG_ROW + r (r < MAX_RANKS): tokens the source sends to rank r (its num_tokens_per_rank, as counted from
+// is_token_in_rank; 0 past num_ranks): every rank learns the whole count matrix, for rank_prefix_matrix.
 // then HT_MSG_HEADER_WORDS + e: tokens the source sends to the destination's local expert e
 
 // ------------------------------------------------------------------------------------ routing (handle)
@@ -84,7 +87,11 @@ constexpr u32 HT_RT_T_MAX = 3;                               // largest token co
 constexpr u32 HT_RT_RECV_OFFSET = 8;                         // [MAX_RANKS] first receive position of each source
 constexpr u32 HT_RT_RECV_COUNT = HT_RT_RECV_OFFSET + MAX_RANKS;  // [MAX_RANKS] rows from each source
 constexpr u32 HT_RT_SEND_COUNT = HT_RT_RECV_COUNT + MAX_RANKS;   // [MAX_RANKS] rows this rank sends each rank
-constexpr u32 HT_RT_PREFIX = HT_RT_SEND_COUNT + MAX_RANKS;       // [(T + 1) * R]: prefix[t][r] = tokens < t sent to r
+constexpr u32 HT_RT_RANK_PREFIX = HT_RT_SEND_COUNT + MAX_RANKS;  // [R * R] DeepEP's rank_prefix_matrix (below)
+constexpr u32 HT_RT_PREFIX = HT_RT_RANK_PREFIX + MAX_RANKS * MAX_RANKS;  // [(T + 1) * R]: prefix[t][r] = tokens < t sent to r
+// HT_RT_RANK_PREFIX + i * R + j (i, j < R, row-major over the call's R ranks): tokens rank j receives from
+// ranks 0..=i (DeepEP's rank_prefix_matrix; rank j's rows from source i are [[i-1][j], [i][j]) of its
+// outputs); 0 when the exchange failed.
 static_assert(HT_RT_PREFIX % 4 == 0, "prefix rows start 16-byte aligned");
 
 // Status bits (agreed by every rank: derived from every rank's notify message).

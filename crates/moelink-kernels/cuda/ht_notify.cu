@@ -50,12 +50,15 @@ namespace moelink::intranode {
 //      t = 0..T, and send_count[r] = prefix[T][r]. send_count differing from num_tokens_per_rank marks this
 //      rank's message HT_STATUS_BAD_LAYOUT.
 //   2. Message to every rank r (itself included) at notify_msg(r's ctrl, parity, me), parity = epoch & 1:
-//      {send_count[r], T, status, signature, num_tokens_per_expert[r's experts]}.
+//      {send_count[r], T, status, signature, send_count[0..R), num_tokens_per_expert[r's experts]}: the
+//      whole send_count row goes to every rank, so that every rank knows every rank's counts.
 //   3. Flags: threads r < R: one fence.acq_rel.sys, then st.relaxed.sys epoch into notify_flag(r, parity, me).
 //      Threads s < R wait (deadline) until notify_flag(own, parity, s) >= epoch, then ld.acquire it.
 //      Parity double-buffering is enough: a rank writes call e's message only after its call e-1 saw every
 //      peer's call e-1 message, which each peer sent after finishing its call e-2 (stream order).
-//   4. recv_count[s], recv_offset[s] (exclusive scan over sources), N, T_max = max T_s, and the agreed status:
+//   4. rank_prefix_matrix[i][j] = sum over sources s <= i of their send_count[j] (0 after a failed
+//      exchange), recv_count[s], recv_offset[s] (exclusive scan over sources), N, T_max = max T_s, and the
+//      agreed status:
 //      any source's BAD_LAYOUT, else any signature != ours (MISMATCH), else T_max > slab_rows (TOO_SMALL);
 //      a non-zero status is also reported (ERR_INVALID_LAYOUT / ERR_RANK_MISMATCH / ERR_BUFFER_TOO_SMALL).
 //      Written to the routing header; with host_out, also N, T_max, status (+ peer), recv counts and the received
@@ -148,6 +151,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
     const u32 r = i / words, w = i % words;
     u32 v = 0;
     if (w >= HT_MSG_HEADER_WORDS) v = (u32)per_expert[(u64)r * el + (w - HT_MSG_HEADER_WORDS)];
+    else if (w >= HT_MSG_ROW) v = w - HT_MSG_ROW < num_ranks ? s_total[w - HT_MSG_ROW] : 0u;
     else if (w == HT_MSG_COUNT) v = s_total[r];
     else if (w == HT_MSG_NUM_TOKENS) v = num_tokens;
     else if (w == HT_MSG_STATUS) v = s_local_status;
@@ -170,7 +174,15 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
   }
   const bool all_ok = __syncthreads_and(ok) != 0;
 
-  // 4. What this rank receives.
+  // 4. The count matrix as DeepEP's rank_prefix_matrix (column j: a scan over the sources' rows), then what
+  //    this rank receives.
+  if (tid < num_ranks) {
+    u32 received = 0;
+    for (u32 s = 0; s < num_ranks; s++) {
+      if (all_ok) received += notify_msg(ctrl_me, parity, s)[HT_MSG_ROW + tid];
+      routing[HT_RT_RANK_PREFIX + s * num_ranks + tid] = (i32)received;
+    }
+  }
   if (all_ok) {
     if (tid < num_ranks) {
       const u32* msg = notify_msg(ctrl_me, parity, tid);

@@ -229,6 +229,8 @@ struct LlDispatchArgs {
   u64 recv_count;        // i32 [E_local]
   u64 cum_stats;         // i32 [E_local], or 0
   u64 wait_stats;        // i64 [R], or 0
+  u64 src_info;          // i32 [E_local, R*T_max]: DeepEP's handle, the source token of each row; or 0
+  u64 layout_range;      // i64 [E_local, R]: DeepEP's handle, begin << 32 | count per source rank; or 0
   u64 hrow;              // handle area of this call's set (local)
   u64 hweight;
   u64 hmeta;

@@ -314,12 +314,15 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS)
       bases[pe] = sm.ok[pe / EL] != 0 ? ptx::ld_cg_u32(region + a.off_counts + (u64)pe * 4) : 0u;
     __syncthreads();
-    // Each expert's exclusive scan over sources.
+    // Each expert's exclusive scan over sources; block 0 also writes DeepEP's layout_range from it (a source
+    // not used, e.g. masked, counts 0).
+    i64* layout_range = blockIdx.x == 0 ? reinterpret_cast<i64*>(a.layout_range) : nullptr;
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
       u32 run = 0;
       for (u32 p = 0; p < R; p++) {
         const u32 n = bases[p * EL + e];
         bases[p * EL + e] = run;
+        if (layout_range != nullptr) layout_range[(u64)e * R + p] = (i64)(((u64)run << 32) | n);
         run += n;
       }
       if (blockIdx.x == 0) {
@@ -355,6 +358,8 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
         if (c == 0) {
           reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
           if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = cur.w;
+          // DeepEP's src_info [E_local][R*T_max] is indexed like the rows: the row's source token.
+          if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[row] = (i32)t;
         }
       }
       const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
@@ -428,12 +433,13 @@ namespace moelink::low_latency {
 //         (source, token, chunk) per warp:
 //         one 16-byte load, one store per selected local expert into recv_x[e][slot] (slots in (source,
 //         token) order: base + the token's rank among the source's tokens of e), scales column-major,
-//         handle rows/weights; block 0: recv_count, cumulative stats, wait stats, handle metadata, report.
+//         handle rows/weights and DeepEP's src_info (chunk 0); block 0: recv_count, cumulative stats, wait
+//         stats, DeepEP's layout_range, handle metadata, report.
 //         Last block: consumed flags to every source.
 //   DRAIN a receive phase that will never run (its hook was dropped): only the consumed flags.
 //   reads:  x, topk_idx, topk_weights; own receive region of the set; own LlCtrl.
 //   writes: every rank's receive region of the set (send) and LlCtrl flags/metadata; recv_x, recv_scales,
-//           recv_count, stats, handle area (recv); LlReport; error record on timeout.
+//           recv_count, stats, src_info, layout_range, handle area (recv); LlReport; error record on timeout.
 __global__ void __launch_bounds__(LL_THREADS, 1) dispatch(const __grid_constant__ LlDispatchArgs a) {
   __shared__ LlShared sm;
   const u64 entered = ptx::globaltimer();

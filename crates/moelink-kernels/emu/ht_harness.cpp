@@ -476,6 +476,15 @@ void check_dispatch(const std::vector<RankInputs>& all, u32 me, const Handle& h,
     CHECK((u32)h.routing[k_notify::HT_RT_RECV_COUNT + s] == e.recv_count[s], "rank %u: recv_count[%u]", me, s);
     off += e.recv_count[s];
   }
+  // DeepEP's rank_prefix_matrix: [i][j] = tokens rank j receives from ranks 0..=i, from every rank's routing.
+  for (u32 j = 0; j < R; j++) {
+    u32 received = 0;
+    for (u32 i = 0; i < R; i++) {
+      for (u32 t = 0; t < all[i].t; t++) received += hits(all[i], t, j) ? 1u : 0u;
+      const i32 got = h.routing[k_notify::HT_RT_RANK_PREFIX + i * R + j];
+      CHECK(got == (i32)received, "rank %u: rank_prefix_matrix[%u][%u] = %d, want %u", me, i, j, got, received);
+    }
+  }
   const u32 rb = H * (F8 ? 1 : 2);
   for (u32 i = 0; i < n && i < o.rows; i++) {
     const auto [s, t] = e.rows[i];
@@ -736,6 +745,8 @@ void scenario_timeout() {
     CHECK(w.ranks[me].record->code == 1 && w.ranks[me].record->peer == R - 1, "rank %u: timeout record code %u peer %u", me,
           w.ranks[me].record->code, w.ranks[me].record->peer);
     CHECK(handles[me].routing[0] == 8, "rank %u: status %d, want FAILED", me, handles[me].routing[0]);
+    for (u32 i = 0; i < R * R; i++)
+      CHECK(handles[me].routing[k_notify::HT_RT_RANK_PREFIX + i] == 0, "rank %u: rank_prefix_matrix word %u after a failed exchange", me, i);
   }
   CHECK(secs < 10.0, "timeouts took %.1f s", secs);
 }

@@ -139,6 +139,8 @@ struct DispatchOut {
   std::vector<u32> scales;
   std::vector<i32> count, cum;
   std::vector<i64> wait;
+  std::vector<i32> src_info;      // DeepEP's handle: [E_local][rows]
+  std::vector<i64> layout_range;  // [E_local][R]
   u32 set = 0;
 };
 
@@ -188,6 +190,8 @@ struct World {
     o.recv_x.assign((size_t)s.el() * s.rows() * row_bytes(), 0xee);
     o.scales.assign((size_t)s.el() * std::max(cols(), 1u) * s.rows(), 0xeeeeeeeeu);
     o.count.assign(s.el(), -7);
+    o.src_info.assign((size_t)s.el() * s.rows(), -7);
+    o.layout_range.assign((size_t)s.el() * s.ranks, -7);
     if (o.cum.empty()) o.cum.assign(s.el(), 0);
     if (o.wait.empty()) o.wait.assign(s.ranks, 0);
     LlDispatchArgs a{};
@@ -203,6 +207,8 @@ struct World {
     a.recv_count = (u64)o.count.data();
     a.cum_stats = (u64)o.cum.data();
     a.wait_stats = (u64)o.wait.data();
+    a.src_info = (u64)o.src_info.data();
+    a.layout_range = (u64)o.layout_range.data();
     u64 h[5];
     handle_area(me, set, h);
     a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4];
@@ -341,8 +347,20 @@ static std::vector<std::vector<std::pair<u32, u32>>> check_dispatch(const World&
       }
     }
     CHECK(o.count[el] == (i32)rows[el].size(), "%s: rank %u expert %u recv_count %d, expected %zu", what, me, el, o.count[el], rows[el].size());
+    // DeepEP's layout_range: begin << 32 | count of each source's rows (dropped sources count 0).
+    u64 begin = 0;
+    for (u32 src = 0; src < w.s.ranks; src++) {
+      u64 n = 0;
+      for (const auto& row : rows[el]) n += row.first == src ? 1u : 0u;
+      const i64 want = (i64)((begin << 32) | n);
+      CHECK(o.layout_range[(size_t)el * w.s.ranks + src] == want, "%s: rank %u layout_range[%u][%u] = %#llx, expected %#llx", what, me, el,
+            src, (unsigned long long)o.layout_range[(size_t)el * w.s.ranks + src], (unsigned long long)want);
+      begin += n;
+    }
     for (u32 slot = 0; slot < rows[el].size(); slot++) {
       const auto [src, t] = rows[el][slot];
+      CHECK(o.src_info[(size_t)el * w.s.rows() + slot] == (i32)t, "%s: rank %u src_info[%u][%u] = %d, expected token %u", what, me, el, slot,
+            o.src_info[(size_t)el * w.s.rows() + slot], t);
       const Sent s = sent_row(w, all[src], t);
       const u8* got = o.recv_x.data() + ((size_t)el * w.s.rows() + slot) * w.row_bytes();
       CHECK(std::memcmp(got, s.bytes.data(), s.bytes.size()) == 0, "%s: rank %u expert %u row %u should be token %u of rank %u", what, me,

@@ -50,8 +50,10 @@ pub mod ctrl {
     pub const NOTIFY_MSGS: usize = 1024;
     /// Local experts a notify message has room for.
     pub const MAX_LOCAL_EXPERTS: usize = 8192;
+    /// First word of a notify message's row: the tokens its source sends to each rank (`[MAX_RANKS]`).
+    pub const MSG_ROW: usize = 8;
     /// Header words of a notify message.
-    pub const MSG_HEADER_WORDS: usize = 8;
+    pub const MSG_HEADER_WORDS: usize = MSG_ROW + super::MAX_RANKS;
     /// Words of a notify message.
     pub const MSG_WORDS: usize = MSG_HEADER_WORDS + MAX_LOCAL_EXPERTS;
     /// Bytes of the whole control region.
@@ -77,8 +79,11 @@ pub mod routing {
     pub const RECV_COUNT: usize = RECV_OFFSET + MAX_RANKS;
     /// `[MAX_RANKS]`: rows sent to each rank.
     pub const SEND_COUNT: usize = RECV_COUNT + MAX_RANKS;
+    /// `[R * R]`, row-major over the call's ranks: DeepEP's `rank_prefix_matrix`, `[i][j]` = tokens rank `j`
+    /// receives from ranks `0..=i` (0 after a failed exchange).
+    pub const RANK_PREFIX: usize = SEND_COUNT + MAX_RANKS;
     /// `[(T + 1) * R]`: tokens before `t` sent to `r`.
-    pub const PREFIX: usize = SEND_COUNT + MAX_RANKS;
+    pub const PREFIX: usize = RANK_PREFIX + MAX_RANKS * MAX_RANKS;
 
     /// Bytes of the routing buffer of a rank with `num_tokens` tokens among `num_ranks`.
     pub fn bytes(num_tokens: usize, num_ranks: usize) -> usize {
@@ -684,7 +689,7 @@ mod tests {
             ("HT_CTRL_COMBINE_CHUNK", ctrl::COMBINE_CHUNK),
             ("HT_CTRL_NOTIFY_MSGS", ctrl::NOTIFY_MSGS),
             ("HT_MAX_LOCAL_EXPERTS", ctrl::MAX_LOCAL_EXPERTS),
-            ("HT_MSG_HEADER_WORDS", ctrl::MSG_HEADER_WORDS),
+            ("HT_MSG_ROW", ctrl::MSG_ROW),
             ("HT_RT_STATUS", routing::STATUS),
             ("HT_RT_STATUS_PEER", routing::STATUS_PEER),
             ("HT_RT_NUM_RECV", routing::NUM_RECV),
@@ -707,7 +712,9 @@ mod tests {
         let h = crate::HT_HEADER;
         assert!(h.contains("constexpr u32 HT_RT_RECV_COUNT = HT_RT_RECV_OFFSET + MAX_RANKS;"));
         assert!(h.contains("constexpr u32 HT_RT_SEND_COUNT = HT_RT_RECV_COUNT + MAX_RANKS;"));
-        assert!(h.contains("constexpr u32 HT_RT_PREFIX = HT_RT_SEND_COUNT + MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_RT_RANK_PREFIX = HT_RT_SEND_COUNT + MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_RT_PREFIX = HT_RT_RANK_PREFIX + MAX_RANKS * MAX_RANKS;"));
+        assert!(h.contains("constexpr u32 HT_MSG_HEADER_WORDS = HT_MSG_ROW + MAX_RANKS;"));
         assert!(h.contains("constexpr u32 HT_HN_PER_EXPERT = HT_HN_RECV_COUNT + MAX_RANKS;"));
         assert!(h.contains("constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;"));
         assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;"));

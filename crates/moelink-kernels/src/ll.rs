@@ -271,6 +271,10 @@ pub struct LlDispatchArgs {
     pub recv_count: u64,
     pub cum_stats: u64,
     pub wait_stats: u64,
+    /// `i32 [E_local, R*T_max]`: DeepEP's `src_info` (the source token of each row), or 0.
+    pub src_info: u64,
+    /// `i64 [E_local, R]`: DeepEP's `layout_range` (`begin << 32 | count` per source rank), or 0.
+    pub layout_range: u64,
     pub hrow: u64,
     pub hweight: u64,
     pub hmeta: u64,
@@ -515,7 +519,7 @@ mod tests {
         assert_eq!(std::mem::offset_of!(LlCtrl, combine_arrive) % 128, 0);
         assert_eq!(LlCtrl::MASK_OFFSET, LlCtrl::BYTES - 4 * MAX_RANKS - 32);
         assert_eq!(std::mem::size_of::<LlReport>(), 48);
-        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 22 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
+        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 24 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
         assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 15 * 8 + 12 * 4);
     }
 

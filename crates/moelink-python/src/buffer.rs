@@ -453,8 +453,11 @@ impl PyBuffer {
         })
     }
 
-    /// Moves the tokens of a prepared dispatch into the outputs (collective); returns the handle.
-    #[pyo3(signature = (plan, recv_x, recv_x_scales=None, recv_topk_idx=None, recv_topk_weights=None, stream=None))]
+    /// Moves the tokens of a prepared dispatch into the outputs (collective); returns the handle. The
+    /// optional handle outputs (DeepEP's): `rank_prefix_matrix` (`int32 [R, R]`, `[i][j]` = tokens rank `j`
+    /// receives from ranks `0..=i`) and `recv_src_idx` (`int32 [num_recv_rows]`, the source rank's token
+    /// index of each received row).
+    #[pyo3(signature = (plan, recv_x, recv_x_scales=None, recv_topk_idx=None, recv_topk_weights=None, rank_prefix_matrix=None, recv_src_idx=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch_into(
         &self,
@@ -464,6 +467,8 @@ impl PyBuffer {
         recv_x_scales: Option<TensorArg>,
         recv_topk_idx: Option<TensorArg>,
         recv_topk_weights: Option<TensorArg>,
+        rank_prefix_matrix: Option<TensorArg>,
+        recv_src_idx: Option<TensorArg>,
         stream: Option<u64>,
     ) -> PyResult<PyHtHandle> {
         let r = self.rank;
@@ -473,6 +478,8 @@ impl PyBuffer {
             recv_scales: opt_view_mut(py, &recv_x_scales, "recv_x_scales", r)?,
             recv_topk_idx: opt_view_mut(py, &recv_topk_idx, "recv_topk_idx", r)?,
             recv_topk_weights: opt_view_mut(py, &recv_topk_weights, "recv_topk_weights", r)?,
+            rank_prefix_matrix: opt_view_mut(py, &rank_prefix_matrix, "rank_prefix_matrix", r)?,
+            recv_src_idx: opt_view_mut(py, &recv_src_idx, "recv_src_idx", r)?,
         };
         let taken = plan.state.lock().ok().and_then(|mut s| s.take());
         let (p, call) = taken.ok_or_else(|| invalid(py, "plan", r, "was already used by dispatch_into"))?;
@@ -512,8 +519,11 @@ impl PyBuffer {
     }
 
     /// Low-latency dispatch into caller-allocated outputs (collective). Returns `(handle, hook)`; `hook`
-    /// is None unless `return_recv_hook`, in which case only the send phase has run.
-    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, recv_x, recv_count, topk_weights=None, recv_x_scales=None, use_fp8=true, round_scale=false, use_ue8m0=false, return_recv_hook=false, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, stream=None))]
+    /// is None unless `return_recv_hook`, in which case only the send phase has run. The optional handle
+    /// outputs (DeepEP's, written by the receive phase): `src_info` (`int32 [E_local, R*T_max]`, the source
+    /// token index of each row) and `layout_range` (`int64 [E_local, R]`, `begin << 32 | count` of the rows
+    /// from each rank).
+    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, recv_x, recv_count, topk_weights=None, recv_x_scales=None, use_fp8=true, round_scale=false, use_ue8m0=false, return_recv_hook=false, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, src_info=None, layout_range=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn low_latency_dispatch_into(
         &self,
@@ -532,6 +542,8 @@ impl PyBuffer {
         return_recv_hook: bool,
         cumulative_local_expert_recv_stats: Option<TensorArg>,
         dispatch_wait_recv_cost_stats: Option<TensorArg>,
+        src_info: Option<TensorArg>,
+        layout_range: Option<TensorArg>,
         stream: Option<u64>,
     ) -> PyResult<(PyLlHandle, Option<PyRecvHook>)> {
         let r = self.rank;
@@ -556,6 +568,8 @@ impl PyBuffer {
                 r,
             )?,
             dispatch_wait_recv_cost_stats: opt_view_mut(py, &dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", r)?,
+            src_info: opt_view_mut(py, &src_info, "src_info", r)?,
+            layout_range: opt_view_mut(py, &layout_range, "layout_range", r)?,
         };
         let (handle, hook) = self.run(py, Some(stream), move |b| b.low_latency_dispatch_into(&args, out))?;
         Ok((PyLlHandle { inner: handle, buffer_uid: self.uid }, self.hook(hook)))

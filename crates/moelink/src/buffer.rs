@@ -48,6 +48,10 @@ pub struct DispatchResult {
     pub recv_topk_weights: Option<Tensor>,
     /// Received tokens per local expert, rounded up to `expert_alignment` (empty in no-sync mode).
     pub num_recv_tokens_per_expert: Vec<usize>,
+    /// `int32 [R, R]`: DeepEP's `rank_prefix_matrix` ([`DispatchOutputs`]).
+    pub rank_prefix_matrix: Tensor,
+    /// `int32 [N]`: the source rank's token index of each received row ([`DispatchOutputs`]).
+    pub recv_src_idx: Tensor,
     pub handle: HtHandle,
 }
 
@@ -66,6 +70,10 @@ pub struct LlDispatchResult {
     pub recv_x_scales: Option<Tensor>,
     /// `int32 [E_local]`.
     pub recv_count: Tensor,
+    /// `int32 [E_local, R*T_max]`: DeepEP's `src_info` ([`LlDispatchOutputs`]).
+    pub src_info: Tensor,
+    /// `int64 [E_local, R]`: DeepEP's `layout_range` ([`LlDispatchOutputs`]).
+    pub layout_range: Tensor,
     pub handle: LlHandle,
 }
 
@@ -433,11 +441,15 @@ impl Buffer {
             (None, None)
         };
         let per_expert = plan.num_recv_tokens_per_expert.clone();
+        let mut rank_prefix_matrix = self.alloc(DType::I32, &[s.num_ranks, s.num_ranks])?;
+        let mut recv_src_idx = self.alloc(DType::I32, &[n])?;
         let out = DispatchOutputs {
             recv_x: recv_x.view_mut(),
             recv_scales: recv_x_scales.as_mut().map(|t| t.view_mut()),
             recv_topk_idx: idx.as_mut().map(|t| t.view_mut()),
             recv_topk_weights: w.as_mut().map(|t| t.view_mut()),
+            rank_prefix_matrix: Some(rank_prefix_matrix.view_mut()),
+            recv_src_idx: Some(recv_src_idx.view_mut()),
         };
         let handle = self.dispatch_into(plan, args, out)?;
         Ok(DispatchResult {
@@ -446,6 +458,8 @@ impl Buffer {
             recv_topk_idx: idx,
             recv_topk_weights: w,
             num_recv_tokens_per_expert: per_expert,
+            rank_prefix_matrix,
+            recv_src_idx,
             handle,
         })
     }
@@ -500,6 +514,8 @@ impl Buffer {
             ll::LlQuant::Fp8 { use_ue8m0, .. } => Some(self.alloc(if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?),
         };
         let mut recv_count = self.alloc(DType::I32, &[el])?;
+        let mut src_info = self.alloc(DType::I32, &[el, rows])?;
+        let mut layout_range = self.alloc(DType::I64, &[el, spec.num_ranks])?;
         let out = LlDispatchOutputs {
             recv_x: recv_x.view_mut(),
             recv_scales: match scales.as_mut() {
@@ -509,9 +525,11 @@ impl Buffer {
             recv_count: recv_count.view_mut(),
             cumulative_local_expert_recv_stats: None,
             dispatch_wait_recv_cost_stats: None,
+            src_info: Some(src_info.view_mut()),
+            layout_range: Some(layout_range.view_mut()),
         };
         let (handle, _) = self.low_latency_dispatch_into(args, out)?;
-        Ok(LlDispatchResult { recv_x, recv_x_scales: scales, recv_count, handle })
+        Ok(LlDispatchResult { recv_x, recv_x_scales: scales, recv_count, src_info, layout_range, handle })
     }
 
     /// Low-latency combine into caller-provided outputs (collective).

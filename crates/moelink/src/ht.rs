@@ -9,6 +9,8 @@
 //!   `expert_alignment`.
 //! - With `num_worst_tokens > 0` the outputs have exactly that many rows; rows past the received count have
 //!   `recv_topk_idx = -1`, weight 0, and unspecified payload; the per-expert list is empty.
+//! - DeepEP's handle parts (optional outputs, [`DispatchOutputs`]): `rank_prefix_matrix[i][j]` = tokens rank
+//!   `j` receives from ranks `0..=i`; `recv_src_idx[n]` = row `n`'s token index on its source rank.
 //! - Combine sums, for each original token, the rows returned by every rank it was sent to, in fp32, in
 //!   ascending rank order starting from +0.0, then adds `bias[0]` and `bias[1]` (in that order, each
 //!   converted to fp32), and rounds to bf16 (round-to-nearest-even). `combined_topk_weights` is the same
@@ -88,11 +90,20 @@ pub struct DispatchArgs<'a> {
 /// Where a dispatch writes. Shapes: `recv_x [N, H]` (dtype of `x`), `recv_scales float32 [N, H/128]`
 /// (FP8 only, contiguous), `recv_topk_idx int64 [N, K]`, `recv_topk_weights float32 [N, K]` (fresh dispatch
 /// with top-k only); `N` is [`DispatchPlan::num_recv_rows`].
+///
+/// The two optional handle outputs are the parts of DeepEP's dispatch handle that callers read; every
+/// contiguous tensor of the stated shape works, written in stream order (no host synchronisation):
+/// - `rank_prefix_matrix int32 [R, R]`: `[i][j]` = tokens rank `j` receives from ranks `0..=i`, so this
+///   rank's rows from source `i` are `[i-1][rank] .. [i][rank]` of the outputs (from 0 for `i = 0`).
+/// - `recv_src_idx int32 [N]`: the source rank's index of the token in each received row; rows past the
+///   received count (no-sync mode) are left as they are.
 pub struct DispatchOutputs<'a> {
     pub recv_x: TensorMut<'a>,
     pub recv_scales: Option<TensorMut<'a>>,
     pub recv_topk_idx: Option<TensorMut<'a>>,
     pub recv_topk_weights: Option<TensorMut<'a>>,
+    pub rank_prefix_matrix: Option<TensorMut<'a>>,
+    pub recv_src_idx: Option<TensorMut<'a>>,
 }
 
 /// A validated dispatch: sizes the caller needs to allocate outputs, and backend state between the count
@@ -456,6 +467,14 @@ pub(crate) fn validate_dispatch_outputs(p: &DispatchPlan, o: &DispatchOutputs<'_
             (Some(_), false) => return Err(Error::invalid(arg, r, "a dispatch without top-k has no such output")),
             (None, false) => {}
         }
+    }
+    let nr = s.num_ranks;
+    if let Some(t) = &o.rank_prefix_matrix {
+        Expect { arg: "rank_prefix_matrix", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(nr), Some(nr)], contiguous: true }
+            .view_mut(t)?;
+    }
+    if let Some(t) = &o.recv_src_idx {
+        Expect { arg: "recv_src_idx", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(n)], contiguous: true }.view_mut(t)?;
     }
     Ok(())
 }

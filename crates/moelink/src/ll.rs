@@ -4,6 +4,8 @@
 //! - Dispatch: every token goes once to each rank hosting one of its experts; there it is expanded into the
 //!   packed per-expert layout `recv_x[e_local, slot, :]`. Within local expert `e_local`, rows are ordered
 //!   by source rank, then by source token index; `recv_count[e_local]` rows are valid; the rest is unspecified.
+//!   DeepEP's handle parts (optional outputs, [`LlDispatchOutputs`]): `src_info[e_local][n]` = row `n`'s
+//!   token index on its source; `layout_range[e_local][j] = begin << 32 | count`, the rows from rank `j`.
 //! - FP8 (`use_fp8`): per token and 128-channel group, `amax = max(max |x|, 1e-4)` in fp32; without
 //!   `round_scale`: `scale = 448 / amax`, `scale_inv = amax / 448` (IEEE fp32 division); with `round_scale`:
 //!   `scale_inv = 2^ceil(log2(amax / 448))` (exact, from the bits of the fp32 quotient) and `scale = 1 /
@@ -83,6 +85,13 @@ pub struct LlDispatchOutputs<'a> {
     pub cumulative_local_expert_recv_stats: Option<TensorMut<'a>>,
     /// `int64 [R]`, incremented by the time (ns) spent waiting for each source rank.
     pub dispatch_wait_recv_cost_stats: Option<TensorMut<'a>>,
+    /// DeepEP's handle, written by the receive phase with the rows (no host synchronisation):
+    /// `int32 [E_local, R*T_max]`, `src_info[e][n]` = the source rank's index of the token in row `n` of
+    /// local expert `e` (rows past `recv_count[e]` are left as they are).
+    pub src_info: Option<TensorMut<'a>>,
+    /// `int64 [E_local, R]`: `layout_range[e][j] = begin << 32 | count`, the rows `begin .. begin + count` of
+    /// local expert `e` came from rank `j` (`begin` = the rows of lower ranks; masked ranks count 0).
+    pub layout_range: Option<TensorMut<'a>>,
 }
 
 /// Validated low-latency dispatch.
@@ -295,6 +304,21 @@ pub(crate) fn validate_ll_dispatch_outputs(s: &LlSpec, o: &LlDispatchOutputs<'_>
             location: loc,
             dtypes: &[DType::I64],
             shape: &[Some(s.num_ranks)],
+            contiguous: true,
+        }
+        .view_mut(t)?;
+    }
+    if let Some(t) = &o.src_info {
+        Expect { arg: "src_info", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(el), Some(rows)], contiguous: true }
+            .view_mut(t)?;
+    }
+    if let Some(t) = &o.layout_range {
+        Expect {
+            arg: "layout_range",
+            rank: r,
+            location: loc,
+            dtypes: &[DType::I64],
+            shape: &[Some(el), Some(s.num_ranks)],
             contiguous: true,
         }
         .view_mut(t)?;

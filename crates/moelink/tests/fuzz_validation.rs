@@ -483,6 +483,8 @@ proptest! {
                 recv_scales: ms.as_mut().and_then(|m| m.view_mut()),
                 recv_topk_idx: mi.as_mut().and_then(|m| m.view_mut()),
                 recv_topk_weights: mw.as_mut().and_then(|m| m.view_mut()),
+                rank_prefix_matrix: None,
+                recv_src_idx: None,
             };
             let handle = buf.dispatch_into(plan, &args, out)?;
             let rows = buf.alloc(DType::BF16, &[handle.num_recv_rows(), HID])?;
@@ -553,6 +555,8 @@ proptest! {
                         recv_count: rc.view_mut(),
                         cumulative_local_expert_recv_stats: None,
                         dispatch_wait_recv_cost_stats: None,
+                        src_info: None,
+                        layout_range: None,
                     };
                     let (_, hook) = other.low_latency_dispatch_into(&LlDispatchArgs { return_recv_hook: true, ..ll_args }, out)?;
                     // The other buffer's peers got their exchange in the send phase already: refusing the hook
@@ -643,6 +647,8 @@ proptest! {
                     recv_count: rcv,
                     cumulative_local_expert_recv_stats: s0.as_mut().and_then(|m| m.view_mut()),
                     dispatch_wait_recv_cost_stats: s1.as_mut().and_then(|m| m.view_mut()),
+                    src_info: None,
+                    layout_range: None,
                 };
                 let (h, pending) = buf.low_latency_dispatch_into(&args, out)?;
                 if let Some(p) = pending {

@@ -95,10 +95,14 @@ fn run_dispatch_case(kind: BackendKind, c: Case, fp8: bool, with_topk: bool, ali
             config: None,
         };
         let out = buf.dispatch(&args)?;
-        // Cached dispatch with the same routing must give the same rows.
+        // Cached dispatch with the same routing must give the same rows (and handle parts).
         let cached = buf.dispatch(&DispatchArgs { routing: Routing::Cached(&out.handle), ..args })?;
-        let same = cached.recv_x.to_host_bytes()? == out.recv_x.to_host_bytes()?;
+        let same = cached.recv_x.to_host_bytes()? == out.recv_x.to_host_bytes()?
+            && cached.rank_prefix_matrix.to_vec::<i32>()? == out.rank_prefix_matrix.to_vec::<i32>()?
+            && cached.recv_src_idx.to_vec::<i32>()? == out.recv_src_idx.to_vec::<i32>()?;
+        let handle_parts = (out.rank_prefix_matrix.to_vec::<i32>()?, out.recv_src_idx.to_vec::<i32>()?);
         Ok((
+            handle_parts,
             out.recv_x.to_host_bytes()?,
             out.recv_x_scales.map(|s| s.to_vec::<f32>()).transpose()?,
             out.recv_topk_idx.map(|s| s.to_vec::<i64>()).transpose()?,
@@ -108,8 +112,9 @@ fn run_dispatch_case(kind: BackendKind, c: Case, fp8: bool, with_topk: bool, ali
             same,
         ))
     });
-    for (me, (rx, rs, ri, rw, per_expert, per_rank, cached_same)) in results.into_iter().enumerate() {
+    for (me, ((rank_prefix, src_idx), rx, rs, ri, rw, per_expert, per_rank, cached_same)) in results.into_iter().enumerate() {
         let rows = expected_rows(&c, &all, me);
+        check_handle_parts(&c, &all, me, &rank_prefix, &src_idx);
         let rb = c.hidden * if fp8 { 1 } else { 2 };
         assert_eq!(rx.len(), rows.len() * rb, "rank {me}: received row count");
         assert!(cached_same, "rank {me}: cached dispatch differs from fresh");
@@ -180,6 +185,7 @@ fn run_combine_case(kind: BackendKind, c: Case, num_bias: usize, worst: bool) {
             assert!(out.num_recv_tokens_per_expert.is_empty());
         }
         let tails_ok = check_tails(&out, worst)?;
+        let handle_parts = (out.rank_prefix_matrix.to_vec::<i32>()?, out.recv_src_idx.to_vec::<i32>()?);
         let comb = buf.combine(&CombineArgs {
             x: out.recv_x.view(),
             handle: &out.handle,
@@ -187,9 +193,10 @@ fn run_combine_case(kind: BackendKind, c: Case, num_bias: usize, worst: bool) {
             bias: [bias.first().map(|b| b.view()), bias.get(1).map(|b| b.view())],
             config: None,
         })?;
-        Ok((comb.combined_x.to_vec::<bf16>()?, comb.combined_topk_weights.map(|t| t.to_vec::<f32>()).transpose()?, tails_ok))
+        Ok((comb.combined_x.to_vec::<bf16>()?, comb.combined_topk_weights.map(|t| t.to_vec::<f32>()).transpose()?, tails_ok, handle_parts))
     });
-    for (me, (cx, cw, tails_ok)) in results.into_iter().enumerate() {
+    for (me, (cx, cw, tails_ok, (rank_prefix, src_idx))) in results.into_iter().enumerate() {
+        check_handle_parts(&c, &all, me, &rank_prefix, &src_idx);
         assert!(tails_ok, "rank {me}: rows past the received count must carry topk_idx -1 / weight 0");
         let inp = &all[me];
         for t in 0..c.tokens_of(me) {
@@ -206,6 +213,28 @@ fn run_combine_case(kind: BackendKind, c: Case, num_bias: usize, worst: bool) {
                 assert_eq!(cw[t * c.topk + k], want, "rank {me}: combined weight of token {t} slot {k}");
             }
         }
+    }
+}
+
+/// DeepEP's `rank_prefix_matrix` (`[i][j]` = tokens rank `j` receives from ranks `0..=i`, from every rank's
+/// routing) and `recv_src_idx` (the source token of each received row; only the received rows are compared).
+fn check_handle_parts(c: &Case, all: &[Inputs], me: usize, rank_prefix: &[i32], src_idx: &[i32]) {
+    let mut want = vec![0i32; c.ranks * c.ranks];
+    for i in 0..c.ranks {
+        for j in 0..c.ranks {
+            let from_i = (0..c.tokens_of(i)).filter(|&t| c.hits(&all[i], t, j)).count() as i32;
+            want[i * c.ranks + j] = from_i + if i > 0 { want[(i - 1) * c.ranks + j] } else { 0 };
+        }
+    }
+    assert_eq!(rank_prefix, &want[..], "rank {me}: rank_prefix_matrix");
+    let rows = expected_rows(c, all, me);
+    let want_src: Vec<i32> = rows.iter().map(|&(_, t)| t as i32).collect();
+    assert!(src_idx.len() >= rows.len(), "rank {me}: recv_src_idx has {} rows, {} received", src_idx.len(), rows.len());
+    assert_eq!(&src_idx[..rows.len()], &want_src[..], "rank {me}: recv_src_idx");
+    // Rows between consecutive boundaries of column `me` came from that source.
+    for (n, &(s, _)) in rows.iter().enumerate() {
+        let begin = if s == 0 { 0 } else { rank_prefix[(s - 1) * c.ranks + me] as usize };
+        assert!(begin <= n && n < rank_prefix[s * c.ranks + me] as usize, "rank {me}: row {n} from rank {s} outside its range");
     }
 }
 
@@ -343,6 +372,8 @@ fn timed_regions(kind: BackendKind, ranks: usize) {
                     recv_scales: None,
                     recv_topk_idx: d.recv_topk_idx.as_mut().map(|t| t.view_mut()),
                     recv_topk_weights: d.recv_topk_weights.as_mut().map(|t| t.view_mut()),
+                    rank_prefix_matrix: None,
+                    recv_src_idx: None,
                 };
                 b.dispatch_into(plan, &args, out)
             })?;
@@ -461,6 +492,10 @@ struct NoSyncRun {
     recv_topk_weights: Vec<i32>,
     combined_x: Vec<u16>,
     combined_topk_weights: Vec<i32>,
+    /// DeepEP's handle parts: written on the device in the graph too (no host synchronisation).
+    rank_prefix_matrix: Vec<i32>,
+    /// Source token index per received row (the host reference keeps only the received ones).
+    recv_src_idx: Vec<i32>,
 }
 
 /// The host backend's answer for `c`'s inputs (no-sync mode, `worst` rows).
@@ -497,6 +532,8 @@ fn host_no_sync_reference(c: Case, worst: usize) -> Vec<NoSyncRun> {
             recv_topk_weights: out.recv_topk_weights.expect("topk").to_vec()?,
             combined_x: comb.combined_x.to_vec::<bf16>()?.iter().map(|v| v.to_bits()).collect(),
             combined_topk_weights: comb.combined_topk_weights.expect("weights").to_vec()?,
+            rank_prefix_matrix: out.rank_prefix_matrix.to_vec()?,
+            recv_src_idx: out.recv_src_idx.to_vec::<i32>()?[..n].to_vec(),
         })
     })
 }
@@ -541,8 +578,9 @@ fn cuda_graph_of_no_sync_dispatch_and_combine_replays() {
         let want = host_no_sync_reference(case_of(i), worst);
         for (me, runs) in results.iter().enumerate() {
             let mut got = runs[i].clone();
-            // Payload rows past the received count are unspecified.
+            // Payload rows and source indices past the received count are unspecified.
             got.recv_x.truncate(want[me].recv_x.len());
+            got.recv_src_idx.truncate(want[me].recv_src_idx.len());
             assert_eq!(got, want[me], "replay {i}, rank {me}");
         }
     }
@@ -561,6 +599,8 @@ struct GraphTensors {
     recv_w: Tensor,
     cx: Tensor,
     cw: Tensor,
+    rank_prefix: Tensor,
+    src_idx: Tensor,
     experts: usize,
     worst: usize,
 }
@@ -581,6 +621,8 @@ impl GraphTensors {
             recv_w: buf.alloc(DType::F32, &[worst, k])?,
             cx: buf.alloc(DType::BF16, &[t, h])?,
             cw: buf.alloc(DType::F32, &[t, k])?,
+            rank_prefix: buf.alloc(DType::I32, &[r, r])?,
+            src_idx: buf.alloc(DType::I32, &[worst])?,
             experts,
             worst,
         })
@@ -624,6 +666,8 @@ impl GraphTensors {
                 recv_scales: None,
                 recv_topk_idx: Some(self.recv_idx.view_mut()),
                 recv_topk_weights: Some(self.recv_w.view_mut()),
+                rank_prefix_matrix: Some(self.rank_prefix.view_mut()),
+                recv_src_idx: Some(self.src_idx.view_mut()),
             },
         )?;
         buf.combine_into(
@@ -649,6 +693,8 @@ impl GraphTensors {
             recv_topk_weights: self.recv_w.to_vec()?,
             combined_x: self.cx.to_vec::<bf16>()?.iter().map(|v| v.to_bits()).collect(),
             combined_topk_weights: self.cw.to_vec()?,
+            rank_prefix_matrix: self.rank_prefix.to_vec()?,
+            recv_src_idx: self.src_idx.to_vec()?,
         })
     }
 }

@@ -90,6 +90,15 @@ struct Seen {
     rows: Vec<u8>,
     scales: Vec<u8>,
     combined: Vec<u16>,
+    /// DeepEP's handle: `src_info` of the valid rows (expert by expert) and `layout_range`.
+    src_info: Vec<i32>,
+    layout_range: Vec<i64>,
+}
+
+/// The valid rows of `src_info [E_local, rows]`, expert by expert.
+fn valid_src_info(sh: &Shape, src_info: &[i32], count: &[i32]) -> Vec<i32> {
+    let rows = sh.rows();
+    count.iter().enumerate().flat_map(|(e, &n)| src_info[e * rows..e * rows + (n.max(0) as usize).min(rows)].to_vec()).collect()
 }
 
 fn valid_part(sh: &Shape, recv_x: &[u8], scales: &[u8], count: &[i32]) -> (Vec<u8>, Vec<u8>) {
@@ -148,6 +157,8 @@ struct Fixed {
     recv_x: Tensor,
     scales: Option<Tensor>,
     count: Tensor,
+    src_info: Tensor,
+    layout_range: Tensor,
     y: Tensor,
     out: Tensor,
 }
@@ -166,6 +177,8 @@ impl Fixed {
             recv_x: buf.alloc(if sh.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, sh.hidden])?,
             scales,
             count: buf.alloc(DType::I32, &[el])?,
+            src_info: buf.alloc(DType::I32, &[el, rows])?,
+            layout_range: buf.alloc(DType::I64, &[el, sh.ranks])?,
             y: buf.alloc(DType::BF16, &[el, rows, sh.hidden])?,
             out: buf.alloc(DType::BF16, &[t, sh.hidden])?,
         })
@@ -200,6 +213,8 @@ impl Fixed {
             recv_count: self.count.view_mut(),
             cumulative_local_expert_recv_stats: None,
             dispatch_wait_recv_cost_stats: None,
+            src_info: Some(self.src_info.view_mut()),
+            layout_range: Some(self.layout_range.view_mut()),
         };
         let (handle, hook) = buf.low_latency_dispatch_into(&args, out)?;
         if let Some(hook) = hook {
@@ -276,7 +291,8 @@ fn host_reference(sh: &Shape, steps: &[Vec<Step>], identity: bool) -> Vec<Vec<Se
             };
             let out = buf.low_latency_combine(&cargs)?;
             let (rows, sc) = valid_part(sh, &recv_x, &scales, &count);
-            seen.push(Seen { count, rows, scales: sc, combined: bits(&out)? });
+            let src_info = valid_src_info(sh, &d.src_info.to_vec()?, &count);
+            seen.push(Seen { count, rows, scales: sc, combined: bits(&out)?, src_info, layout_range: d.layout_range.to_vec()? });
         }
         Ok(seen)
     })
@@ -326,7 +342,8 @@ fn cuda_replays(sh: &Shape, steps: &[Vec<Step>], identity: bool) -> Vec<Vec<Seen
                 unsafe { buf.replay(g)? };
             }
             let (rows, sc) = valid_part(sh, &recv_x, &scales, &count);
-            seen.push(Seen { count, rows, scales: sc, combined: bits(&f.out)? });
+            let src_info = valid_src_info(sh, &f.src_info.to_vec()?, &count);
+            seen.push(Seen { count, rows, scales: sc, combined: bits(&f.out)?, src_info, layout_range: f.layout_range.to_vec()? });
         }
         buf.barrier()?;
         Ok(seen)
@@ -343,6 +360,8 @@ fn check_replays(sh: &Shape, replays: usize, identity: bool) {
             assert_eq!(g.count, w.count, "rank {me} replay {r}: recv_count ({sh:?})");
             assert!(g.rows == w.rows, "rank {me} replay {r}: valid rows differ from the host backend ({sh:?})");
             assert!(g.scales == w.scales, "rank {me} replay {r}: scales differ from the host backend ({sh:?})");
+            assert_eq!(g.src_info, w.src_info, "rank {me} replay {r}: src_info ({sh:?})");
+            assert_eq!(g.layout_range, w.layout_range, "rank {me} replay {r}: layout_range ({sh:?})");
             if let Some(i) = g.combined.iter().zip(&w.combined).position(|(a, b)| a != b) {
                 panic!(
                     "rank {me} replay {r}: combined[{}, {}] = {:#06x}, host {:#06x} ({sh:?})",
@@ -423,7 +442,8 @@ fn a_silent_peer_times_out_or_is_masked() {
                     )?)?;
                     f.combine(&mut buf, &sh, &h, false)?;
                     let (rows, sc) = valid_part(&sh, &recv_x, &scales, &count);
-                    Ok(Seen { count, rows, scales: sc, combined: bits(&f.out)? })
+                    let src_info = valid_src_info(&sh, &f.src_info.to_vec()?, &count);
+                    Ok(Seen { count, rows, scales: sc, combined: bits(&f.out)?, src_info, layout_range: f.layout_range.to_vec()? })
                 })();
                 let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
                 Some((seen, mask))
@@ -467,7 +487,8 @@ fn a_silent_peer_times_out_or_is_masked() {
                     return_recv_hook: false,
                 })?;
                 let (rows, sc) = valid_part(&sh, &recv_x, &scales, &count);
-                Ok(Seen { count, rows, scales: sc, combined: bits(&out)? })
+                let src_info = valid_src_info(&sh, &d.src_info.to_vec()?, &count);
+                Ok(Seen { count, rows, scales: sc, combined: bits(&out)?, src_info, layout_range: d.layout_range.to_vec()? })
             }))
         } else {
             None

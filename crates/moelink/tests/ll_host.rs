@@ -142,6 +142,9 @@ struct Received {
     recv_x: Vec<u8>,
     scales: Option<Vec<u8>>,
     count: Vec<i32>,
+    /// DeepEP's handle tensors, where the call wrote them: `src_info [E_local, R*T_max]`,
+    /// `layout_range [E_local, R]`.
+    handle: Option<(Vec<i32>, Vec<i64>)>,
 }
 
 impl Received {
@@ -197,6 +200,8 @@ struct DispatchBufs {
     recv_x: Tensor,
     scales: Option<Tensor>,
     count: Tensor,
+    src_info: Tensor,
+    layout_range: Tensor,
 }
 
 impl DispatchBufs {
@@ -206,7 +211,13 @@ impl DispatchBufs {
             LlQuant::Bf16 => None,
             LlQuant::Fp8 { use_ue8m0, .. } => Some(buf.alloc(if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?),
         };
-        Ok(DispatchBufs { recv_x: buf.alloc(quant_dtype(c), &[el, rows, c.hidden])?, scales, count: buf.alloc(DType::I32, &[el])? })
+        Ok(DispatchBufs {
+            recv_x: buf.alloc(quant_dtype(c), &[el, rows, c.hidden])?,
+            scales,
+            count: buf.alloc(DType::I32, &[el])?,
+            src_info: buf.alloc(DType::I32, &[el, rows])?,
+            layout_range: buf.alloc(DType::I64, &[el, c.ranks])?,
+        })
     }
     fn outputs<'a>(&'a mut self, c: &Case, cum: Option<&'a mut Tensor>, wait: Option<&'a mut Tensor>) -> Result<LlDispatchOutputs<'a>> {
         let (el, rows, cols) = (c.local_experts(), c.rows(), c.scale_cols());
@@ -220,6 +231,8 @@ impl DispatchBufs {
             recv_count: self.count.view_mut(),
             cumulative_local_expert_recv_stats: cum.map(|t| t.view_mut()),
             dispatch_wait_recv_cost_stats: wait.map(|t| t.view_mut()),
+            src_info: Some(self.src_info.view_mut()),
+            layout_range: Some(self.layout_range.view_mut()),
         })
     }
     fn received(&self) -> Result<Received> {
@@ -227,6 +240,7 @@ impl DispatchBufs {
             recv_x: self.recv_x.to_host_bytes()?,
             scales: self.scales.as_ref().map(|t| t.to_host_bytes()).transpose()?,
             count: self.count.to_vec()?,
+            handle: Some((self.src_info.to_vec()?, self.layout_range.to_vec()?)),
         })
     }
 }
@@ -282,6 +296,7 @@ fn round_trip(buf: &mut Buffer, c: &Case, all: &[Inputs]) -> Result<RankRun> {
         recv_x: d.recv_x.to_host_bytes()?,
         scales: d.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose()?,
         count: d.recv_count.to_vec()?,
+        handle: Some((d.src_info.to_vec()?, d.layout_range.to_vec()?)),
     };
     let y = on(buf, Tensor::from_vec(received.expert_outputs(c, me), &[c.local_experts(), c.rows(), c.hidden])?);
     let out = buf.low_latency_combine(&combine_args(&u, y.view(), &d.handle, false, false))?;
@@ -293,6 +308,22 @@ fn check_dispatch(c: &Case, me: usize, all: &[Inputs], masked: &[bool], got: &Re
     let expect = expected_rows(c, me, all, masked);
     let counts: Vec<i32> = expect.iter().map(|r| r.len() as i32).collect();
     assert_eq!(got.count, counts, "rank {me}: recv_count ({c:?})");
+    if let Some((src_info, layout_range)) = &got.handle {
+        // DeepEP's handle: the source token of each valid row, and per (expert, source rank) the range of its
+        // rows as begin << 32 | count, begins ascending with the rank (masked ranks: count 0).
+        for (el, rows) in expect.iter().enumerate() {
+            let info: Vec<i32> = rows.iter().map(|&(_, t)| t as i32).collect();
+            assert_eq!(&src_info[el * c.rows()..el * c.rows() + rows.len()], &info[..], "rank {me}: src_info of expert {el} ({c:?})");
+            let mut begin = 0i64;
+            for j in 0..c.ranks {
+                let count = rows.iter().filter(|&&(src, _)| src == j).count() as i64;
+                assert_eq!(layout_range[el * c.ranks + j], begin << 32 | count, "rank {me}: layout_range[{el}][{j}] ({c:?})");
+                let range = begin as usize..(begin + count) as usize;
+                assert!(rows[range].iter().all(|&(src, _)| src == j), "rank {me}: rows of rank {j} in expert {el}");
+                begin += count;
+            }
+        }
+    }
     let pb = c.payload_bytes();
     for (el, rows) in expect.iter().enumerate() {
         for (slot, &(src, t)) in rows.iter().enumerate() {
@@ -572,6 +603,7 @@ backend_tests! {
                     recv_x: d.recv_x.to_host_bytes()?,
                     scales: d.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose()?,
                     count: d.recv_count.to_vec()?,
+                    handle: None,
                 };
                 let y_host = received.expert_outputs(&c, me);
                 let y = on(buf, Tensor::from_vec(y_host.clone(), &[c.local_experts(), c.rows(), c.hidden])?);
@@ -888,6 +920,7 @@ mod props {
                 recv_x: d.recv_x.to_host_bytes()?,
                 scales: d.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose()?,
                 count: d.recv_count.to_vec()?,
+                handle: Some((d.src_info.to_vec()?, d.layout_range.to_vec()?)),
             };
             let mut y = vec![bf16::NAN; c.local_experts() * c.rows() * c.hidden];
             for el in 0..c.local_experts() {

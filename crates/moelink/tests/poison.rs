@@ -260,6 +260,8 @@ fn dropping_a_buffer_with_a_pending_hook_is_safe() {
             recv_count: count.view_mut(),
             cumulative_local_expert_recv_stats: None,
             dispatch_wait_recv_cost_stats: None,
+            src_info: None,
+            layout_range: None,
         };
         let (handle, hook) = buf.low_latency_dispatch_into(&ll_args(&inp, 2, true), out)?;
         assert!(hook.is_some());

@@ -270,6 +270,48 @@ fn dispatch_rejects_bad_knobs() {
     );
 }
 
+/// The optional handle outputs of `dispatch_into` (DeepEP's `rank_prefix_matrix` and `recv_src_idx`) must
+/// be contiguous int32 tensors of their shapes, checked before anything moves.
+#[test]
+fn dispatch_rejects_bad_handle_outputs() {
+    for (arg, shape, dtype) in [
+        ("rank_prefix_matrix", vec![1, 2], DType::I32),
+        ("rank_prefix_matrix", vec![1, 1], DType::I64),
+        ("recv_src_idx", vec![3], DType::I32),
+        ("recv_src_idx", vec![2], DType::F32),
+    ] {
+        let e = err_of(|b| {
+            let x = x_bf16(2, 128);
+            let idx = topk(2, vec![0, 1, 2, 3]);
+            let layout = b.get_dispatch_layout(idx.view(), 4)?;
+            let args = DispatchArgs {
+                x: Payload::Bf16(x.view()),
+                routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+                expert_alignment: 1,
+                num_worst_tokens: 0,
+                config: None,
+            };
+            let plan = b.prepare_dispatch(&args)?;
+            assert_eq!(plan.num_recv_rows(), 2);
+            let mut recv_x = b.alloc(DType::BF16, &[2, 128])?;
+            let mut bad = b.alloc(dtype, &shape)?;
+            let (mut rank_prefix, mut src_idx) = (b.alloc(DType::I32, &[1, 1])?, b.alloc(DType::I32, &[2])?);
+            let (rank_prefix, src_idx) =
+                if arg == "rank_prefix_matrix" { (bad.view_mut(), src_idx.view_mut()) } else { (rank_prefix.view_mut(), bad.view_mut()) };
+            let out = moelink::DispatchOutputs {
+                recv_x: recv_x.view_mut(),
+                recv_scales: None,
+                recv_topk_idx: None,
+                recv_topk_weights: None,
+                rank_prefix_matrix: Some(rank_prefix),
+                recv_src_idx: Some(src_idx),
+            };
+            b.dispatch_into(plan, &args, out).map(|_| ())
+        });
+        assert_arg(e, arg);
+    }
+}
+
 #[test]
 fn handles_from_another_buffer_are_rejected() {
     let e = err_of(|b| {

@@ -295,12 +295,16 @@ def test_local_buffer_tensor(env, ht_buffer):
         return
     whole = ht_buffer.get_local_buffer_tensor(torch.uint8)
     assert whole.numel() == ht_buffer.num_nvl_bytes and whole.device == env.device
-    part = ht_buffer.get_local_buffer_tensor(torch.int32, torch.Size([4, 4]), offset=8)
+    part = ht_buffer.get_local_buffer_tensor(torch.int32, torch.Size([4, 4]), offset=32)  # bytes, as DeepEP's
     part.fill_(env.rank + 1)
     assert int(whole[32:96].view(torch.int32).sum()) == 16 * (env.rank + 1)
+    assert ht_buffer.get_local_buffer_tensor(torch.int32, offset=32).numel() == (ht_buffer.num_nvl_bytes - 32) // 4
     with pytest.raises(ValueError) as err:
         ht_buffer.get_local_buffer_tensor(torch.int32, torch.Size([ht_buffer.num_nvl_bytes]))
     assert err.value.argument == "size"
+    with pytest.raises(ValueError) as err:
+        ht_buffer.get_local_buffer_tensor(torch.int32, offset=6)  # not a whole element
+    assert err.value.argument == "offset"
 
 
 def test_no_sync_cuda_graph_capture_replay(env, ht_buffer):

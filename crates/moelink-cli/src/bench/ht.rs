@@ -109,6 +109,8 @@ fn outputs_of(res: &mut DispatchResult) -> DispatchOutputs<'_> {
         recv_scales: res.recv_x_scales.as_mut().map(|t| t.view_mut()),
         recv_topk_idx: res.recv_topk_idx.as_mut().map(|t| t.view_mut()),
         recv_topk_weights: res.recv_topk_weights.as_mut().map(|t| t.view_mut()),
+        rank_prefix_matrix: None,
+        recv_src_idx: None,
     }
 }
 

@@ -82,6 +82,8 @@ fn outputs_of<'a>(res: &'a mut LlDispatchResult, s: &Shape) -> Result<LlDispatch
         recv_count: res.recv_count.view_mut(),
         cumulative_local_expert_recv_stats: None,
         dispatch_wait_recv_cost_stats: None,
+        src_info: None,
+        layout_range: None,
     })
 }
 

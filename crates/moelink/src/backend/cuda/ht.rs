@@ -249,13 +249,11 @@ struct HostRouting {
     per_expert_raw: Option<Vec<usize>>,
 }
 
-/// Handle data of a CUDA dispatch: the routing buffer ht_notify wrote (status, counts, offsets, T_max and
-/// the token prefix per destination) and the source index of every received row.
+/// Handle data of a CUDA dispatch: the routing buffer ht_notify wrote (status, counts, offsets, T_max,
+/// DeepEP's rank_prefix_matrix and the token prefix per destination). The source index of each received row
+/// goes to the caller's `recv_src_idx` output, when given: combine finds rows by send slot.
 pub(crate) struct CudaHtRouting {
     routing: PooledBuffer,
-    /// `i32 [rows]`: source token index of each received row (rows of the dispatch outputs), as DeepEP's
-    /// handle carries it. moelink's combine does not need it (it finds rows by send slot).
-    recv_src_idx: PooledBuffer,
     host: Option<HostRouting>,
 }
 
@@ -633,6 +631,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     check_aligned(out_addr(&out.recv_scales), 4, "recv_x_scales", rank)?;
     check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
     check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
+    let recv_src_idx = out_addr(&out.recv_src_idx);
+    check_aligned(recv_src_idx, 4, "recv_src_idx", rank)?;
     let region = region(b);
     let variant = HtDispatchVariant {
         release_batch: release_batch(&b.tuning),
@@ -641,17 +641,14 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     };
     let slab_rows = region.slab_rows(variant.row_bytes());
 
-    // The handle: a fresh dispatch builds it (routing from notify, a new recv_src_idx); a cached one re-uses.
+    // The handle: a fresh dispatch builds it (routing from notify); a cached one re-uses it.
     let handle = match *state {
-        CudaPlan::Fresh { routing, host } => {
-            let recv_src_idx = b.ht.pool.clone().take(b, 4 * num_out_rows.max(1))?;
-            HandleData::New(CudaHtRouting { routing, recv_src_idx, host })
-        }
+        CudaPlan::Fresh { routing, host } => HandleData::New(CudaHtRouting { routing, host }),
         CudaPlan::Cached(data) => HandleData::Existing(data),
     };
-    let (r, recv_src_idx) = match &handle {
-        HandleData::New(r) => (r, r.recv_src_idx.ptr()),
-        HandleData::Existing(data) => (routing_of(data, rank)?, 0),
+    let r = match &handle {
+        HandleData::New(r) => r,
+        HandleData::Existing(data) => routing_of(data, rank)?,
     };
 
     let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
@@ -701,9 +698,17 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     };
     let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    if let Some(t) = &out.rank_prefix_matrix {
+        // SAFETY: the output was validated as a contiguous int32 [R, R] tensor of this device, and the routing
+        // buffer (alive with the handle) holds R * R words at RANK_PREFIX, written by ht_notify earlier on
+        // this stream.
+        unsafe {
+            b.op_stream().memcpy_dtod_async(t.addr(), r.routing.ptr() + 4 * routing::RANK_PREFIX as u64, 4 * s.num_ranks * s.num_ranks)?;
+        }
+    }
     finish(b, Phase::Dispatch)?;
     if args.trace != 0 {
-        let op = if recv_src_idx == 0 { "cached dispatch" } else { "dispatch" };
+        let op = if matches!(handle, HandleData::Existing(_)) { "cached dispatch" } else { "dispatch" };
         trace_keep(b, kernel_name::HT_DISPATCH, op, s.num_sms, HtDispatchVariant::WARPS, args.num_send_blocks as usize);
     }
 

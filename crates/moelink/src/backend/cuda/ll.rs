@@ -436,6 +436,8 @@ pub(crate) fn dispatch<'a>(
         recv_count: out.recv_count.addr(),
         cum_stats: opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
         wait_stats: opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
+        src_info: opt_addr(out.src_info.as_ref()),
+        layout_range: opt_addr(out.layout_range.as_ref()),
         hrow,
         hweight,
         hmeta,

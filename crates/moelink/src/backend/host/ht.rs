@@ -27,6 +27,8 @@ pub(crate) struct HostHtRouting {
     pub recv_src_idx: Vec<i32>,
     /// Unaligned per-local-expert receive counts (for cached dispatch).
     pub num_recv_tokens_per_expert_raw: Vec<usize>,
+    /// `[R * R]`: DeepEP's `rank_prefix_matrix`, `[i][j]` = tokens rank `j` receives from ranks `0..=i`.
+    pub rank_prefix_matrix: Vec<i32>,
 }
 
 /// State between `prepare_dispatch` and `dispatch`.
@@ -80,6 +82,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 num_recv_tokens: r.num_recv_tokens,
                 recv_src_idx: r.recv_src_idx.clone(),
                 num_recv_tokens_per_expert_raw: r.num_recv_tokens_per_expert_raw.clone(),
+                rank_prefix_matrix: r.rank_prefix_matrix.clone(),
             }
         }
         Routing::Fresh { layout: l, .. } => {
@@ -102,11 +105,14 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                     ));
                 }
             }
-            // Notify: send each rank its count and its experts' counts.
+            // Notify: send each rank this rank's whole count row (every rank learns every rank's counts, for
+            // rank_prefix_matrix) and the counts of its experts.
             let msgs: Vec<Vec<u8>> = (0..nr)
                 .map(|r| {
-                    let mut m = Vec::with_capacity(4 * (1 + el));
-                    m.extend_from_slice(&per_rank[r].to_le_bytes());
+                    let mut m = Vec::with_capacity(4 * (nr + el));
+                    for c in &per_rank {
+                        m.extend_from_slice(&c.to_le_bytes());
+                    }
                     for e in &per_expert[r * el..(r + 1) * el] {
                         m.extend_from_slice(&e.to_le_bytes());
                     }
@@ -116,13 +122,18 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
             let recv = b.group.all_to_all(msgs)?;
             let mut recv_counts = vec![0usize; nr];
             let mut per_local_expert = vec![0usize; el];
+            let mut rank_prefix_matrix = vec![0i32; nr * nr];
             for (src, m) in recv.iter().enumerate() {
                 let ints: Vec<i32> = m.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-                if ints.len() != 1 + el {
+                if ints.len() != nr + el {
                     return Err(Error::Group { rank, reason: format!("rank {src} sent a malformed count message") });
                 }
-                recv_counts[src] = ints[0] as usize;
-                for (e, c) in ints[1..].iter().enumerate() {
+                recv_counts[src] = ints[rank] as usize;
+                for j in 0..nr {
+                    let below = if src == 0 { 0 } else { rank_prefix_matrix[(src - 1) * nr + j] };
+                    rank_prefix_matrix[src * nr + j] = below.wrapping_add(ints[j]);
+                }
+                for (e, c) in ints[nr..].iter().enumerate() {
                     per_local_expert[e] += *c as usize;
                 }
             }
@@ -141,6 +152,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 num_recv_tokens: acc,
                 recv_src_idx: Vec::new(),
                 num_recv_tokens_per_expert_raw: per_local_expert,
+                rank_prefix_matrix,
             }
         }
     };
@@ -291,6 +303,12 @@ pub(crate) fn dispatch(
                 }
             }
         }
+    }
+    if let Some(t) = out.rank_prefix_matrix.as_mut() {
+        super::output_bytes(t, "rank_prefix_matrix", rank)?.copy_from_slice(bytemuck::cast_slice(&routing.rank_prefix_matrix));
+    }
+    if let Some(t) = out.recv_src_idx.as_mut() {
+        super::output_bytes(t, "recv_src_idx", rank)?[..4 * n].copy_from_slice(bytemuck::cast_slice(&recv_src_idx));
     }
     routing.recv_src_idx = recv_src_idx;
     Ok(HtDispatched { data: Arc::new(routing), num_recv_tokens: Some(n) })

@@ -372,6 +372,32 @@ pub(crate) fn finish_dispatch(_b: &mut HostBackend, p: PendingDispatch<'_>) -> R
     if let Some(t) = out.dispatch_wait_recv_cost_stats.as_mut() {
         add_wait(output_bytes(t, "dispatch_wait_recv_cost_stats", rank)?, &mask, waited_ns);
     }
+    if let Some(t) = out.src_info.as_mut() {
+        let info = output_bytes(t, "src_info", rank)?;
+        for tok in routing.recv_tokens.iter().flatten() {
+            for term in &tok.terms {
+                let at = 4 * (term.local_expert as usize * rows + term.slot as usize);
+                info[at..at + 4].copy_from_slice(&(tok.token as i32).to_le_bytes());
+            }
+        }
+    }
+    if let Some(t) = out.layout_range.as_mut() {
+        // Rows of each expert are ordered by source rank: source j's begin is the rows of sources below it.
+        let nr = s.num_ranks;
+        let mut ranges = vec![0i64; s.num_local_experts() * nr];
+        let mut filled = vec![0i64; s.num_local_experts()];
+        for (src, toks) in routing.recv_tokens.iter().enumerate() {
+            let mut count = vec![0i64; filled.len()];
+            for term in toks.iter().flat_map(|tok| &tok.terms) {
+                count[term.local_expert as usize] += 1;
+            }
+            for (e, c) in count.iter().enumerate() {
+                ranges[e * nr + src] = filled[e] << 32 | c;
+                filled[e] += c;
+            }
+        }
+        output_bytes(t, "layout_range", rank)?.copy_from_slice(bytemuck::cast_slice(&ranges));
+    }
     Ok(())
 }
 
