@@ -1,0 +1,70 @@
+//! Runs the low-latency kernels across nodes (`cuda/ll_internode.cu`) on the CPU emulator shared with the
+//! other kernel tests (`emu/`, see `common/`): `emu/lli_emu.cpp` drives R ranks over the RDMA transport seam
+//! — peer pointers, or the emulated NIC reordering across QPs — as 2 × 2 and 3 × 1 virtual nodes (with and
+//! without NVLink inside a node), and checks every output against `emu/ll_reference.hpp`, the documented
+//! semantics the single-node harness is checked against too: rows, scales, counts, src_info, layout_range,
+//! the combined output bit for bit; hooks, zero-copy, shrink masks, a silent rank (timeout / masked).
+//!
+//! Index math and protocol only (not the GPU memory model or timing). Skips (printing why) without a C++17
+//! compiler unless `MOELINK_REQUIRE_EMU=1`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use moelink_kernels::ll::{LlVariant, LL_HEADER};
+use moelink_kernels::ll_internode::{LliVariant, LLI_SOURCE};
+use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
+
+/// Threads per block in the emulation (two warps).
+const EMU_THREADS: u32 = 64;
+
+fn run_variant(cxx: &str, v: LliVariant) {
+    let spec = v.spec();
+    let dir: PathBuf = std::env::temp_dir().join(format!("moelink-lli-emu-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("ll.cuh"), LL_HEADER).unwrap();
+    std::fs::write(dir.join("ll_internode.cu"), LLI_SOURCE).unwrap();
+    std::fs::write(dir.join("transport.cuh"), TRANSPORT_HEADER).unwrap();
+    std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
+    let bin = dir.join("lli_emu");
+    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
+    for (k, val) in &spec.defines {
+        let val = if k == "LL_THREADS" { EMU_THREADS.to_string() } else { val.clone() };
+        flags.push(format!("-D{k}={val}"));
+    }
+    if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("lli_emu.cpp"), &bin) {
+        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
+    }
+    let run = Command::new(&bin).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&run.stdout));
+    assert!(
+        run.status.success(),
+        "{}: the emulated kernels disagree with the reference:\n{}\n{}",
+        spec.variant,
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+macro_rules! emulate {
+    ($($name:ident: $hidden:expr, $topk:expr, $fp8:expr, $transport:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            let Some(cxx) = common::compiler() else {
+                eprintln!("skipping the internode LL emulation: no C++ compiler");
+                return;
+            };
+            run_variant(&cxx, LliVariant { ll: LlVariant::new($hidden, $topk, $fp8), transport: $transport });
+        }
+    )*};
+}
+
+emulate! {
+    emu_nic_fp8_hidden_1024_top4: 1024, 4, true, Transport::EmuNic;
+    ptr_fp8_hidden_640_top3: 640, 3, true, Transport::Ptr;
+    emu_nic_bf16_hidden_264_top2: 264, 2, false, Transport::EmuNic;
+    ptr_bf16_hidden_512_top8: 512, 8, false, Transport::Ptr;
+}
