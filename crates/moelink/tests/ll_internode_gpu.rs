@@ -1,0 +1,523 @@
+//! Low-latency dispatch and combine across virtual nodes on the GPU (thread mode: the ranks share the
+//! visible GPUs round-robin, so one GPU is enough), checked bit for bit against the host backend on the same
+//! inputs: received rows, scales, counts, DeepEP's `src_info` / `layout_range`, and the combined output.
+//! Every transport a thread group can use (`ptr`, and `emu-nic`, which delivers out of order across QPs),
+//! with and without NVLink inside a node, over 2x2, 2x4 and 4x2 nodes; random, holed, skewed and empty-rank
+//! routing, ranks with zero tokens, every dispatch format, hooks, CUDA graphs, a silent peer on another node.
+//! Skips (prints why, passes) unless `MOELINK_TEST_CUDA=1`; the NVSHMEM transport needs one process per rank
+//! and runs from `scripts/device/internode.sh`.
+//!
+//! Rank closures only make calls and return what they saw; assertions run on the test thread.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{random_weights, routing, test_options, with_buffers, Rng, RoutingKind};
+use moelink::group::run_ranks;
+use moelink::{
+    bf16, fp8, BackendKind, Buffer, BufferOptions, DType, EmuNicOptions, Error, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
+    LlDispatchOutputs, LlQuant, RdmaOptions, Result, Tensor, ThreadGroup, Topology, Transport,
+};
+
+const PLAIN: LlQuant = LlQuant::Fp8 { round_scale: false, use_ue8m0: false };
+const ROUND: LlQuant = LlQuant::Fp8 { round_scale: true, use_ue8m0: false };
+const UE8M0: LlQuant = LlQuant::Fp8 { round_scale: true, use_ue8m0: true };
+const HIDDEN: usize = 2048;
+const T_MAX: usize = 16;
+const TOPK: usize = 4;
+
+fn skip_reason() -> Option<String> {
+    if let Some(why) = common::cuda_skip_reason() {
+        return Some(why);
+    }
+    match moelink_cuda::Device::count() {
+        Ok(0) => Some("no GPU visible".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// Where the ranks are and how bytes cross between nodes.
+#[derive(Clone, Copy, Debug)]
+struct Net {
+    topology: Topology,
+    transport: Transport,
+    nvlink_in_node: bool,
+}
+
+impl Net {
+    fn ranks(&self) -> usize {
+        self.topology.num_ranks()
+    }
+    fn experts(&self) -> usize {
+        4 * self.ranks()
+    }
+    fn options(&self, base: BufferOptions) -> BufferOptions {
+        BufferOptions {
+            backend: BackendKind::Cuda,
+            num_nvl_bytes: 1 << 20,
+            num_rdma_bytes: Buffer::ll_bytes_needed(T_MAX, HIDDEN, self.ranks(), self.experts()),
+            topology: Some(self.topology),
+            rdma: RdmaOptions {
+                transport: self.transport,
+                num_qps_per_rank: 4,
+                allow_nvlink_for_low_latency_mode: self.nvlink_in_node,
+                ..RdmaOptions::default()
+            },
+            ..base
+        }
+    }
+}
+
+/// One call of every rank: its format and the routing each rank draws.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    quant: LlQuant,
+    weights: bool,
+    hook: bool,
+    route: RoutingKind,
+}
+
+/// The calls each buffer makes in turn (the buffer sets alternate; every format and routing shows up).
+fn calls() -> Vec<Call> {
+    vec![
+        Call { quant: PLAIN, weights: true, hook: false, route: RoutingKind::Uniform },
+        Call { quant: LlQuant::Bf16, weights: false, hook: true, route: RoutingKind::WithHoles },
+        Call { quant: UE8M0, weights: true, hook: true, route: RoutingKind::Skewed },
+        Call { quant: ROUND, weights: false, hook: false, route: RoutingKind::EmptyRank(1) },
+        Call { quant: LlQuant::Bf16, weights: true, hook: false, route: RoutingKind::Uniform },
+    ]
+}
+
+/// One rank's inputs of one call.
+#[derive(Clone)]
+struct Inputs {
+    tokens: usize,
+    x: Vec<bf16>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+}
+
+fn inputs(net: &Net, call: &Call, call_no: usize, rank: usize) -> Inputs {
+    let mut rng = Rng::new(0x11_0de5 ^ ((call_no as u64) << 12) ^ rank as u64);
+    // Rank 2 sends nothing in every other call; the others vary up to T_MAX.
+    let tokens = if rank == 2 && call_no % 2 == 0 { 0 } else { [T_MAX, 5, 11, 1, 16, 9, 3, 13][(rank + call_no) % 8] };
+    let idx = routing(&mut rng, call.route, tokens, TOPK, net.experts(), net.ranks());
+    let x = (0..tokens * HIDDEN).map(|i| bf16::from_f64(rng.normal() * 2f64.powi(((i / 128 + call_no) % 9) as i32 - 4))).collect();
+    Inputs { tokens, x, idx, w: random_weights(&mut rng, tokens * TOPK) }
+}
+
+/// What a rank saw in one call.
+#[derive(Clone, Debug, PartialEq)]
+struct Seen {
+    count: Vec<i32>,
+    rows: Vec<u8>,
+    scales: Vec<u8>,
+    src_info: Vec<i32>,
+    layout_range: Vec<i64>,
+    combined: Vec<u16>,
+}
+
+fn scale_cols(quant: LlQuant) -> usize {
+    match quant {
+        LlQuant::Bf16 => 0,
+        LlQuant::Fp8 { use_ue8m0: false, .. } => HIDDEN / 128,
+        LlQuant::Fp8 { use_ue8m0: true, .. } => HIDDEN / 512,
+    }
+}
+
+/// The valid rows (bytes), their scales and `src_info`, expert by expert.
+fn valid_part(net: &Net, quant: LlQuant, recv_x: &[u8], scales: &[u8], src_info: &[i32], count: &[i32]) -> (Vec<u8>, Vec<u8>, Vec<i32>) {
+    let rows = net.ranks() * T_MAX;
+    let (rb, cols) = (if quant.is_fp8() { HIDDEN } else { 2 * HIDDEN }, scale_cols(quant));
+    let (mut r, mut s, mut si) = (Vec::new(), Vec::new(), Vec::new());
+    for (e, &n) in count.iter().enumerate() {
+        let n = (n.max(0) as usize).min(rows);
+        r.extend_from_slice(&recv_x[e * rows * rb..(e * rows + n) * rb]);
+        si.extend_from_slice(&src_info[e * rows..e * rows + n]);
+        for col in 0..cols {
+            for slot in 0..n {
+                let at = 4 * ((e * cols + col) * rows + slot);
+                s.extend_from_slice(&scales[at..at + 4]);
+            }
+        }
+    }
+    (r, s, si)
+}
+
+/// The test's experts: local expert `el` of rank `me` scales its dequantised input by a small factor.
+fn expert_outputs(net: &Net, quant: LlQuant, me: usize, recv_x: &[u8], scales: &[u8], count: &[i32]) -> Vec<bf16> {
+    let (el_n, rows, cols) = (net.experts() / net.ranks(), net.ranks() * T_MAX, scale_cols(quant));
+    let mut y = vec![bf16::ZERO; el_n * rows * HIDDEN];
+    for (el, &n) in count.iter().enumerate() {
+        let f = ((me * el_n + el) % 5) as f32 * 0.5 - 1.0;
+        for slot in 0..(n.max(0) as usize).min(rows) {
+            for i in 0..HIDDEN {
+                let v = match quant {
+                    LlQuant::Bf16 => {
+                        let at = 2 * ((el * rows + slot) * HIDDEN + i);
+                        bf16::from_le_bytes([recv_x[at], recv_x[at + 1]]).to_f32()
+                    }
+                    LlQuant::Fp8 { use_ue8m0, .. } => {
+                        let col = if use_ue8m0 { i / 512 } else { i / 128 };
+                        let at = 4 * ((el * cols + col) * rows + slot);
+                        let w = [scales[at], scales[at + 1], scales[at + 2], scales[at + 3]];
+                        let inv = if use_ue8m0 { fp8::ue8m0_to_f32(w[(i / 128) % 4]) } else { f32::from_le_bytes(w) };
+                        fp8::e4m3_to_f32(recv_x[(el * rows + slot) * HIDDEN + i]) * inv
+                    }
+                };
+                y[(el * rows + slot) * HIDDEN + i] = bf16::from_f32(v * f);
+            }
+        }
+    }
+    y
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u16>> {
+    Ok(t.to_vec::<bf16>()?.into_iter().map(|v| v.to_bits()).collect())
+}
+
+/// One dispatch + combine of rank `buf.rank()` on any backend: outputs allocated by the test (so hooks can
+/// be used), the experts computed on the host between the two calls.
+fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Seen> {
+    let me = buf.rank();
+    let (t, el, rows, cols) = (inp.tokens, net.experts() / net.ranks(), net.ranks() * T_MAX, scale_cols(call.quant));
+    let x = buf.upload(&Tensor::from_vec(inp.x.clone(), &[t, HIDDEN])?)?;
+    let idx = buf.upload(&Tensor::from_vec(inp.idx.clone(), &[t, TOPK])?)?;
+    let w = buf.upload(&Tensor::from_vec(inp.w.clone(), &[t, TOPK])?)?;
+    let mut recv_x = buf.alloc(if call.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, HIDDEN])?;
+    let mut scales = match call.quant {
+        LlQuant::Bf16 => None,
+        LlQuant::Fp8 { use_ue8m0, .. } => Some(buf.alloc(if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?),
+    };
+    let mut count = buf.alloc(DType::I32, &[el])?;
+    let mut src_info = buf.alloc(DType::I32, &[el, rows])?;
+    let mut layout_range = buf.alloc(DType::I64, &[el, net.ranks()])?;
+    let args = LlDispatchArgs {
+        x: x.view(),
+        topk_idx: idx.view(),
+        topk_weights: call.weights.then(|| w.view()),
+        num_max_dispatch_tokens_per_rank: T_MAX,
+        num_experts: net.experts(),
+        quant: call.quant,
+        return_recv_hook: call.hook,
+    };
+    let recv_scales = match scales.as_mut() {
+        Some(s) => Some(s.view_mut_strided(&[el, rows, cols], &[(cols * rows) as isize, 1, rows as isize])?),
+        None => None,
+    };
+    let out = LlDispatchOutputs {
+        recv_x: recv_x.view_mut(),
+        recv_scales,
+        recv_count: count.view_mut(),
+        cumulative_local_expert_recv_stats: None,
+        dispatch_wait_recv_cost_stats: None,
+        src_info: Some(src_info.view_mut()),
+        layout_range: Some(layout_range.view_mut()),
+    };
+    let handle = match buf.low_latency_dispatch_into(&args, out)? {
+        (handle, Some(hook)) => {
+            buf.run_hook(hook)?;
+            handle
+        }
+        (handle, None) => handle,
+    };
+    let recv_bytes = recv_x.to_host_bytes()?;
+    let scale_bytes = scales.as_ref().map(|s| s.to_host_bytes()).transpose()?.unwrap_or_default();
+    let count: Vec<i32> = count.to_vec()?;
+    let y = buf.upload(&Tensor::from_vec(expert_outputs(net, call.quant, me, &recv_bytes, &scale_bytes, &count), &[el, rows, HIDDEN])?)?;
+    let mut combined = buf.alloc(DType::BF16, &[t, HIDDEN])?;
+    let cargs = LlCombineArgs {
+        x: y.view(),
+        topk_idx: idx.view(),
+        topk_weights: w.view(),
+        handle: &handle,
+        zero_copy: false,
+        return_recv_hook: call.hook,
+    };
+    if let Some(hook) =
+        buf.low_latency_combine_into(&cargs, LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None })?
+    {
+        buf.run_hook(hook)?;
+    }
+    let (rows, scales, src_info) = valid_part(net, call.quant, &recv_bytes, &scale_bytes, &src_info.to_vec()?, &count);
+    Ok(Seen { count, rows, scales, src_info, layout_range: layout_range.to_vec()?, combined: bits(&combined)? })
+}
+
+/// Every call of [`calls`] on the host backend (the oracle) and on CUDA over `net`; panics naming the first
+/// difference.
+fn check_net(net: Net) {
+    let ranks = net.ranks();
+    let calls = calls();
+    let all: Vec<Vec<Inputs>> = calls.iter().enumerate().map(|(n, c)| (0..ranks).map(|r| inputs(&net, c, n, r)).collect()).collect();
+    let body = |buf: &mut Buffer| -> Result<Vec<Seen>> {
+        let me = buf.rank();
+        calls.iter().zip(&all).map(|(c, inp)| run_call(buf, &net, c, &inp[me])).collect()
+    };
+    let want = with_buffers(BackendKind::Host, ranks, test_options(), body);
+    let got = with_buffers(BackendKind::Cuda, ranks, net.options(test_options()), body);
+    for me in 0..ranks {
+        for (n, call) in calls.iter().enumerate() {
+            let (g, w) = (&got[me][n], &want[me][n]);
+            let what =
+                format!("{} {} nvlink-in-node {}: rank {me} call {n} {call:?}", net.topology, net.transport.name(), net.nvlink_in_node);
+            assert_eq!(g.count, w.count, "{what}: recv_count");
+            assert!(g.rows == w.rows, "{what}: received rows differ from the host backend");
+            assert!(g.scales == w.scales, "{what}: scales differ from the host backend");
+            assert_eq!(g.src_info, w.src_info, "{what}: src_info");
+            assert_eq!(g.layout_range, w.layout_range, "{what}: layout_range");
+            if let Some(i) = g.combined.iter().zip(&w.combined).position(|(a, b)| a != b) {
+                panic!("{what}: combined[{}, {}] = {:#06x}, host {:#06x}", i / HIDDEN, i % HIDDEN, g.combined[i], w.combined[i]);
+            }
+        }
+        eprintln!(
+            "{} {} nvlink-in-node {}: rank {me}: {} calls match the host backend",
+            net.topology,
+            net.transport.name(),
+            net.nvlink_in_node,
+            calls.len()
+        );
+    }
+}
+
+fn emu_nic() -> Transport {
+    Transport::EmuNic(EmuNicOptions::default())
+}
+
+fn topo(num_nodes: usize, ranks_per_node: usize) -> Topology {
+    Topology { num_nodes, ranks_per_node }
+}
+
+#[test]
+fn ll_across_two_nodes_of_two_matches_the_host_backend() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let slow_nic = Transport::EmuNic(EmuNicOptions { delay_us: 15, nic_blocks: 2, seed: 9, ..EmuNicOptions::default() });
+    for (transport, nvlink_in_node) in [(Transport::Ptr, true), (emu_nic(), false), (emu_nic(), true), (slow_nic, false)] {
+        check_net(Net { topology: topo(2, 2), transport, nvlink_in_node });
+    }
+}
+
+#[test]
+fn ll_across_two_nodes_of_four_and_four_nodes_of_two_matches_the_host_backend() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    check_net(Net { topology: topo(2, 4), transport: emu_nic(), nvlink_in_node: true });
+    check_net(Net { topology: topo(4, 2), transport: emu_nic(), nvlink_in_node: false });
+    check_net(Net { topology: topo(2, 4), transport: Transport::Ptr, nvlink_in_node: false });
+}
+
+/// Dispatch and combine captured in one CUDA graph over 2x2 nodes on the emulated NIC and replayed with new
+/// inputs each time (bf16, the experts being the identity: `y = recv_x`).
+#[test]
+fn ll_across_nodes_replays_in_a_cuda_graph() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let net = Net { topology: topo(2, 2), transport: emu_nic(), nvlink_in_node: true };
+    let ranks = net.ranks();
+    // A graph's tensors have fixed shapes: every replay keeps each rank's token count (rank 2 sends none).
+    let fixed_tokens = [T_MAX, 7, 0, 12];
+    let replays: Vec<Vec<Inputs>> = (0..6)
+        .map(|n| {
+            (0..ranks)
+                .map(|r| {
+                    let t = fixed_tokens[r];
+                    let mut rng = Rng::new(0x9a9 ^ ((n as u64) << 8) ^ r as u64);
+                    let route = if n % 2 == 0 { RoutingKind::Uniform } else { RoutingKind::WithHoles };
+                    let idx = routing(&mut rng, route, t, TOPK, net.experts(), ranks);
+                    let x = (0..t * HIDDEN).map(|_| bf16::from_f64(rng.normal())).collect();
+                    Inputs { tokens: t, x, idx, w: random_weights(&mut rng, t * TOPK) }
+                })
+                .collect()
+        })
+        .collect();
+
+    // The host backend: dispatch, identity experts, combine.
+    let want = with_buffers(BackendKind::Host, ranks, test_options(), |buf| {
+        let me = buf.rank();
+        replays
+            .iter()
+            .map(|inp| {
+                let i = &inp[me];
+                let x = Tensor::from_vec(i.x.clone(), &[i.tokens, HIDDEN])?;
+                let idx = Tensor::from_vec(i.idx.clone(), &[i.tokens, TOPK])?;
+                let w = Tensor::from_vec(i.w.clone(), &[i.tokens, TOPK])?;
+                let d = buf.low_latency_dispatch(&LlDispatchArgs {
+                    x: x.view(),
+                    topk_idx: idx.view(),
+                    topk_weights: Some(w.view()),
+                    num_max_dispatch_tokens_per_rank: T_MAX,
+                    num_experts: net.experts(),
+                    quant: LlQuant::Bf16,
+                    return_recv_hook: false,
+                })?;
+                let y = d.recv_x.to_host()?;
+                let out = buf.low_latency_combine(&LlCombineArgs {
+                    x: y.view(),
+                    topk_idx: idx.view(),
+                    topk_weights: w.view(),
+                    handle: &d.handle,
+                    zero_copy: false,
+                    return_recv_hook: false,
+                })?;
+                Ok((d.recv_count.to_vec::<i32>()?, bits(&out)?))
+            })
+            .collect::<Result<Vec<_>>>()
+    });
+
+    let got = with_buffers(BackendKind::Cuda, ranks, net.options(test_options()), |buf| {
+        let me = buf.rank();
+        let mut g = GraphTensors::new(buf, &net, fixed_tokens[me])?;
+        g.load(&replays[0][me])?;
+        // Warm-up outside the capture: compiles and loads the kernels.
+        g.round(buf, &net)?;
+        buf.barrier()?;
+        let (graph, ()) = buf.capture(|b| g.round(b, &net))?;
+        let mut seen = Vec::new();
+        for inp in &replays {
+            g.load(&inp[me])?;
+            // SAFETY: every tensor the graph uses (`g`'s) lives until the end of this closure.
+            unsafe { buf.replay(&graph)? };
+            seen.push((g.count.to_vec::<i32>()?, bits(&g.out)?));
+        }
+        buf.barrier()?;
+        Ok(seen)
+    });
+    for me in 0..ranks {
+        for (n, (g, w)) in got[me].iter().zip(&want[me]).enumerate() {
+            assert_eq!(g.0, w.0, "rank {me} replay {n}: recv_count");
+            assert!(g.1 == w.1, "rank {me} replay {n}: combined output differs from the host backend");
+        }
+    }
+}
+
+/// The tensors a captured bf16 dispatch + identity-expert combine uses, at fixed addresses.
+struct GraphTensors {
+    tokens: usize,
+    x: Tensor,
+    idx: Tensor,
+    w: Tensor,
+    recv_x: Tensor,
+    count: Tensor,
+    out: Tensor,
+}
+
+impl GraphTensors {
+    fn new(buf: &Buffer, net: &Net, tokens: usize) -> Result<GraphTensors> {
+        let (el, rows) = (net.experts() / net.ranks(), net.ranks() * T_MAX);
+        Ok(GraphTensors {
+            tokens,
+            x: buf.alloc(DType::BF16, &[tokens, HIDDEN])?,
+            idx: buf.alloc(DType::I64, &[tokens, TOPK])?,
+            w: buf.alloc(DType::F32, &[tokens, TOPK])?,
+            recv_x: buf.alloc(DType::BF16, &[el, rows, HIDDEN])?,
+            count: buf.alloc(DType::I32, &[el])?,
+            out: buf.alloc(DType::BF16, &[tokens, HIDDEN])?,
+        })
+    }
+
+    fn load(&mut self, i: &Inputs) -> Result<()> {
+        let t = self.tokens;
+        self.x.copy_from(&Tensor::from_vec(i.x.clone(), &[t, HIDDEN])?)?;
+        self.idx.copy_from(&Tensor::from_vec(i.idx.clone(), &[t, TOPK])?)?;
+        self.w.copy_from(&Tensor::from_vec(i.w.clone(), &[t, TOPK])?)
+    }
+
+    fn round(&mut self, buf: &mut Buffer, net: &Net) -> Result<()> {
+        let args = LlDispatchArgs {
+            x: self.x.view(),
+            topk_idx: self.idx.view(),
+            topk_weights: Some(self.w.view()),
+            num_max_dispatch_tokens_per_rank: T_MAX,
+            num_experts: net.experts(),
+            quant: LlQuant::Bf16,
+            return_recv_hook: false,
+        };
+        let out = LlDispatchOutputs {
+            recv_x: self.recv_x.view_mut(),
+            recv_scales: None,
+            recv_count: self.count.view_mut(),
+            cumulative_local_expert_recv_stats: None,
+            dispatch_wait_recv_cost_stats: None,
+            src_info: None,
+            layout_range: None,
+        };
+        let (handle, _) = buf.low_latency_dispatch_into(&args, out)?;
+        let cargs = LlCombineArgs {
+            x: self.recv_x.view(),
+            topk_idx: self.idx.view(),
+            topk_weights: self.w.view(),
+            handle: &handle,
+            zero_copy: false,
+            return_recv_hook: false,
+        };
+        buf.low_latency_combine_into(&cargs, LlCombineOutputs { combined_x: self.out.view_mut(), combine_wait_recv_cost_stats: None })?;
+        Ok(())
+    }
+}
+
+/// Rank 3 (on node 1) never calls: the ranks of both nodes fail with a timeout naming it, or with shrink
+/// mode mask it and finish with what the others sent (the host backend with the same mask agrees).
+#[test]
+fn a_silent_peer_on_another_node_times_out_or_is_masked() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let net = Net { topology: topo(2, 2), transport: emu_nic(), nvlink_in_node: true };
+    let (ranks, silent) = (net.ranks(), 3);
+    let call = Call { quant: PLAIN, weights: true, hook: false, route: RoutingKind::Uniform };
+    let inp: Vec<Inputs> = (0..ranks).map(|r| inputs(&net, &call, 1, r)).collect();
+    for shrink in [false, true] {
+        let opts = net.options(BufferOptions { timeout_ms: 1500, enable_shrink: shrink, ..test_options() });
+        let gpus = common::cuda_lock();
+        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
+            let group: Arc<ThreadGroup> = Arc::new(g);
+            let mut buf = Buffer::new(group.clone(), opts.clone())?;
+            let me = buf.rank();
+            let r = if me == silent {
+                None
+            } else {
+                let seen = run_call(&mut buf, &net, &call, &inp[me]);
+                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
+                Some((seen, mask))
+            };
+            // Nobody frees its buffer while another rank's kernels may still write into it.
+            group.barrier()?;
+            Ok(r)
+        });
+        drop(gpus);
+        let want = shrink.then(|| {
+            with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
+                buf.low_latency_update_mask_buffer(silent, true)?;
+                let me = buf.rank();
+                run_call(buf, &net, &call, &inp[me])
+            })
+        });
+        for (me, r) in results.into_iter().enumerate() {
+            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
+            let Some((seen, mask)) = r else { continue };
+            if shrink {
+                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
+                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
+                assert_eq!(
+                    seen,
+                    want.as_ref().unwrap()[me],
+                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
+                );
+            } else {
+                match seen {
+                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
+                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
+                }
+            }
+        }
+    }
+}
