@@ -222,7 +222,15 @@ pub struct LliHandle {
 
 impl LliLayout {
     /// The layout, or `None` when a size overflows.
-    pub fn new(base: usize, num_ranks: usize, max_tokens: usize, hidden: usize, topk: usize, num_experts: usize, fp8: bool) -> Option<LliLayout> {
+    pub fn new(
+        base: usize,
+        num_ranks: usize,
+        max_tokens: usize,
+        hidden: usize,
+        topk: usize,
+        num_experts: usize,
+        fp8: bool,
+    ) -> Option<LliLayout> {
         let (r, tm, k) = (num_ranks, max_tokens, topk);
         let el = num_experts / num_ranks.max(1);
         let msg = msg_bytes(hidden, topk, fp8);

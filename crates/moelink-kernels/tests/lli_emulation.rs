@@ -22,7 +22,8 @@ const EMU_THREADS: u32 = 64;
 
 fn run_variant(cxx: &str, v: LliVariant) {
     let spec = v.spec();
-    let dir: PathBuf = std::env::temp_dir().join(format!("moelink-lli-emu-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("moelink-lli-emu-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("ll.cuh"), LL_HEADER).unwrap();
     std::fs::write(dir.join("ll_internode.cu"), LLI_SOURCE).unwrap();

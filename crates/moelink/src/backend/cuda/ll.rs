@@ -18,11 +18,11 @@ use std::sync::Arc;
 use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
-use moelink_kernels::ll_internode::{LliCombineArgs, LliDispatchArgs, LliVariant};
 use moelink_kernels::ll::{
     flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
     LL_TRACE_CALLS, LL_TRACE_WORDS, SIG_FIELDS,
 };
+use moelink_kernels::ll_internode::{LliCombineArgs, LliDispatchArgs, LliVariant};
 
 use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
 use crate::backend::PendingRecv as AnyPending;

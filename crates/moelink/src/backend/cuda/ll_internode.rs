@@ -37,9 +37,11 @@ impl LliState {
 }
 
 fn variant(b: &CudaBackend, s: &LlSpec) -> Result<LliVariant> {
-    let transport = b.internode.as_ref().map(|i| i.rdma.transport().kernel_transport()).ok_or_else(|| {
-        Error::invalid("topology", s.rank, "an internode low-latency call on a single-node buffer")
-    })?;
+    let transport = b
+        .internode
+        .as_ref()
+        .map(|i| i.rdma.transport().kernel_transport())
+        .ok_or_else(|| Error::invalid("topology", s.rank, "an internode low-latency call on a single-node buffer"))?;
     Ok(LliVariant { ll: LlVariant::new(s.hidden as u32, s.topk as u32, s.quant.is_fp8()), transport })
 }
 
@@ -47,7 +49,9 @@ fn variant(b: &CudaBackend, s: &LlSpec) -> Result<LliVariant> {
 fn layout_for(b: &CudaBackend, s: &LlSpec) -> Result<LliLayout> {
     check_limits(s.num_ranks, s.num_max_tokens, s.topk, s.num_experts).map_err(|(arg, why)| Error::invalid(arg, s.rank, why))?;
     let layout = LliLayout::new(RDMA_CTRL_BYTES, s.num_ranks, s.num_max_tokens, s.hidden, s.topk, s.num_experts, s.quant.is_fp8())
-        .ok_or_else(|| Error::invalid("num_max_dispatch_tokens_per_rank", s.rank, "the low-latency buffer size overflows for this shape"))?;
+        .ok_or_else(|| {
+            Error::invalid("num_max_dispatch_tokens_per_rank", s.rank, "the low-latency buffer size overflows for this shape")
+        })?;
     let needed = layout.end - RDMA_CTRL_BYTES;
     if needed > b.num_rdma_bytes {
         return Err(Error::BufferTooSmall {
@@ -211,11 +215,8 @@ pub(crate) fn combine<'a>(
 ) -> Result<Option<AnyPending<'a>>> {
     let s = cs.ll;
     let me = s.rank;
-    let routing = a
-        .handle
-        .data
-        .downcast_ref::<single::CudaLlRouting>()
-        .ok_or_else(|| Error::invalid("handle", me, "not a CUDA-backend handle"))?;
+    let routing =
+        a.handle.data.downcast_ref::<single::CudaLlRouting>().ok_or_else(|| Error::invalid("handle", me, "not a CUDA-backend handle"))?;
     let layout = layout_for(b, &s)?;
     single::begin_call(b)?;
     let (mut host_problem, mut local) = single::handle_problems(b, routing);
@@ -321,8 +322,9 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Res
 /// region and the local state (masks kept), a barrier.
 pub(crate) fn clean(b: &mut CudaBackend, t: usize, h: usize, e: usize) -> Result<()> {
     let topk = moelink_kernels::ll::LL_HINT_TOPK;
-    let layout = LliLayout::new(RDMA_CTRL_BYTES, b.num_ranks, t, h, topk, e, false)
-        .ok_or_else(|| Error::invalid("num_max_dispatch_tokens_per_rank", b.rank, "the low-latency buffer size overflows for this shape"))?;
+    let layout = LliLayout::new(RDMA_CTRL_BYTES, b.num_ranks, t, h, topk, e, false).ok_or_else(|| {
+        Error::invalid("num_max_dispatch_tokens_per_rank", b.rank, "the low-latency buffer size overflows for this shape")
+    })?;
     b.gpu_barrier()?;
     let inter = b.internode.as_ref().expect("internode buffer");
     let sig_addr = inter.rdma.local_base() + layout.signals as u64;
