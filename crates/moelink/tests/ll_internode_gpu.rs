@@ -116,6 +116,10 @@ struct Seen {
     scales: Vec<u8>,
     src_info: Vec<i32>,
     layout_range: Vec<i64>,
+    /// `cumulative_local_expert_recv_stats` after the call (zero before it).
+    cumulative_recv: Vec<i32>,
+    /// Every entry of `dispatch_wait_recv_cost_stats` and `combine_wait_recv_cost_stats` is a time >= 0.
+    wait_costs_valid: bool,
     combined: Vec<u16>,
 }
 
@@ -194,6 +198,10 @@ fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Se
     let mut count = buf.alloc(DType::I32, &[el])?;
     let mut src_info = buf.alloc(DType::I32, &[el, rows])?;
     let mut layout_range = buf.alloc(DType::I64, &[el, net.ranks()])?;
+    // The statistics are added to: they start at zero.
+    let mut cumulative_recv = buf.upload(&Tensor::zeros(DType::I32, &[el])?)?;
+    let mut dispatch_wait = buf.upload(&Tensor::zeros(DType::I64, &[net.ranks()])?)?;
+    let mut combine_wait = buf.upload(&Tensor::zeros(DType::I64, &[net.ranks()])?)?;
     let args = LlDispatchArgs {
         x: x.view(),
         topk_idx: idx.view(),
@@ -211,8 +219,8 @@ fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Se
         recv_x: recv_x.view_mut(),
         recv_scales,
         recv_count: count.view_mut(),
-        cumulative_local_expert_recv_stats: None,
-        dispatch_wait_recv_cost_stats: None,
+        cumulative_local_expert_recv_stats: Some(cumulative_recv.view_mut()),
+        dispatch_wait_recv_cost_stats: Some(dispatch_wait.view_mut()),
         src_info: Some(src_info.view_mut()),
         layout_range: Some(layout_range.view_mut()),
     };
@@ -236,13 +244,24 @@ fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Se
         zero_copy: false,
         return_recv_hook: call.hook,
     };
-    if let Some(hook) =
-        buf.low_latency_combine_into(&cargs, LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None })?
-    {
+    if let Some(hook) = buf.low_latency_combine_into(
+        &cargs,
+        LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: Some(combine_wait.view_mut()) },
+    )? {
         buf.run_hook(hook)?;
     }
     let (rows, scales, src_info) = valid_part(net, call.quant, &recv_bytes, &scale_bytes, &src_info.to_vec()?, &count);
-    Ok(Seen { count, rows, scales, src_info, layout_range: layout_range.to_vec()?, combined: bits(&combined)? })
+    let waits: Vec<i64> = dispatch_wait.to_vec::<i64>()?.into_iter().chain(combine_wait.to_vec::<i64>()?).collect();
+    Ok(Seen {
+        count,
+        rows,
+        scales,
+        src_info,
+        layout_range: layout_range.to_vec()?,
+        cumulative_recv: cumulative_recv.to_vec()?,
+        wait_costs_valid: waits.iter().all(|&ns| ns >= 0),
+        combined: bits(&combined)?,
+    })
 }
 
 /// Every call of [`calls`] on the host backend (the oracle) and on CUDA over `net`; panics naming the first
@@ -253,7 +272,15 @@ fn check_net(net: Net) {
     let all: Vec<Vec<Inputs>> = calls.iter().enumerate().map(|(n, c)| (0..ranks).map(|r| inputs(&net, c, n, r)).collect()).collect();
     let body = |buf: &mut Buffer| -> Result<Vec<Seen>> {
         let me = buf.rank();
-        calls.iter().zip(&all).map(|(c, inp)| run_call(buf, &net, c, &inp[me])).collect()
+        let mut seen = Vec::new();
+        for (n, (c, inp)) in calls.iter().zip(&all).enumerate() {
+            if n == 3 {
+                // Clearing the buffers between calls (collective) leaves later calls correct.
+                buf.clean_low_latency_buffer(T_MAX, HIDDEN, net.experts())?;
+            }
+            seen.push(run_call(buf, &net, c, &inp[me])?);
+        }
+        Ok(seen)
     };
     let want = with_buffers(BackendKind::Host, ranks, test_options(), body);
     let got = with_buffers(BackendKind::Cuda, ranks, net.options(test_options()), body);
@@ -267,6 +294,8 @@ fn check_net(net: Net) {
             assert!(g.scales == w.scales, "{what}: scales differ from the host backend");
             assert_eq!(g.src_info, w.src_info, "{what}: src_info");
             assert_eq!(g.layout_range, w.layout_range, "{what}: layout_range");
+            assert_eq!(g.cumulative_recv, g.count, "{what}: cumulative_local_expert_recv_stats is not the received counts");
+            assert!(g.wait_costs_valid, "{what}: a negative wait cost");
             if let Some(i) = g.combined.iter().zip(&w.combined).position(|(a, b)| a != b) {
                 panic!("{what}: combined[{}, {}] = {:#06x}, host {:#06x}", i / HIDDEN, i % HIDDEN, g.combined[i], w.combined[i]);
             }
