@@ -98,6 +98,8 @@ pub struct Buffer {
     options: BufferOptions,
     backend: Box<dyn Backend>,
     poisoned: Option<String>,
+    /// Collective calls started so far ([`Buffer::begin_call`]).
+    calls: u64,
 }
 
 impl Buffer {
@@ -138,7 +140,7 @@ impl Buffer {
             },
         };
         let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed) ^ (crate::group::process_key() << 20);
-        Ok(Buffer { group, id, options, backend, poisoned: None })
+        Ok(Buffer { group, id, options, backend, poisoned: None, calls: 0 })
     }
 
     pub fn rank(&self) -> usize {
@@ -198,7 +200,21 @@ impl Buffer {
             location: self.backend.location(),
             default_num_sms: self.backend.default_num_sms(),
             max_num_sms: self.backend.max_num_sms(),
+            num_rdma_bytes: self.options.num_rdma_bytes,
+            low_latency_mode: self.options.low_latency_mode,
         }
+    }
+
+    /// Marks the start of a collective call. Every collective method of this type calls it once, first, so
+    /// that a call one rank refuses (its own bad input) still counts there: the host backend tags its
+    /// exchanges with the count, and the peers of a rank that went on to its next call then time out naming
+    /// it instead of pairing that call's exchanges with the current ones. A layer above this API that can
+    /// refuse a call before reaching the buffer (the Python package) calls it at the start of each of its
+    /// collective operations as well; the count only has to advance the same way on every rank when no
+    /// rank fails.
+    pub fn begin_call(&mut self) {
+        self.calls += 1;
+        self.backend.begin_call(self.calls);
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -266,6 +282,7 @@ impl Buffer {
     /// The captured kernels run again with the captured pointers: every tensor the captured operations read
     /// or wrote (inputs, outputs, handles) must still be alive, with the same shapes.
     pub unsafe fn replay(&mut self, graph: &CapturedGraph) -> Result<()> {
+        self.begin_call();
         if graph.buffer_id != self.id {
             return Err(Error::invalid("graph", self.rank(), "the graph was captured on another buffer"));
         }
@@ -298,6 +315,7 @@ impl Buffer {
     /// assert!(out.iter().all(|r| matches!(r, Ok((_, true, "wall")))));
     /// ```
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<(T, f64)> {
+        self.begin_call();
         let device = self.step(|b| b.timer_begin())?;
         let t0 = std::time::Instant::now();
         let value = match f(self) {
@@ -343,6 +361,7 @@ impl Buffer {
 
     /// Waits for every rank (collective).
     pub fn barrier(&mut self) -> Result<()> {
+        self.begin_call();
         self.step(|b| b.barrier())
     }
 
@@ -408,12 +427,14 @@ impl Buffer {
     /// Validates a dispatch and exchanges counts with the other ranks (collective). In CPU-sync mode the
     /// plan knows the output sizes; allocate outputs with them and call [`Buffer::dispatch_into`].
     pub fn prepare_dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+        self.begin_call();
         let spec = ht::validate_dispatch(args, &self.facts())?;
         self.step(|b| b.prepare_dispatch(spec, args))
     }
 
     /// Moves the tokens (collective). `args` must be the ones the plan was prepared with.
     pub fn dispatch_into(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtHandle> {
+        self.begin_call();
         ht::validate_dispatch_outputs(&plan, &out, self.location())?;
         let spec = plan.spec;
         let done = self.step(|b| b.dispatch(plan, args, out))?;
@@ -466,6 +487,11 @@ impl Buffer {
 
     /// Sums expert outputs back onto the tokens' home ranks (collective).
     pub fn combine_into(&mut self, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+        self.begin_call();
+        self.combine_into_counted(args, out)
+    }
+
+    fn combine_into_counted(&mut self, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
         let spec = ht::validate_combine(args, &self.facts())?;
         ht::validate_combine_outputs(&spec, &out, self.location())?;
         self.step(|b| b.combine(spec, args, out))
@@ -473,11 +499,12 @@ impl Buffer {
 
     /// Combine with outputs allocated by moelink (collective).
     pub fn combine(&mut self, args: &CombineArgs<'_>) -> Result<CombineResult> {
+        self.begin_call();
         let spec = ht::validate_combine(args, &self.facts())?;
         let mut combined_x = self.alloc(DType::BF16, &[spec.num_tokens, spec.hidden])?;
         let mut w = if spec.topk > 0 { Some(self.alloc(DType::F32, &[spec.num_tokens, spec.topk])?) } else { None };
         let out = CombineOutputs { combined_x: combined_x.view_mut(), combined_topk_weights: w.as_mut().map(|t| t.view_mut()) };
-        self.combine_into(args, out)?;
+        self.combine_into_counted(args, out)?;
         Ok(CombineResult { combined_x, combined_topk_weights: w })
     }
 
@@ -486,6 +513,15 @@ impl Buffer {
     /// Low-latency dispatch into caller-provided outputs (collective). With `return_recv_hook`, only the
     /// send phase runs; the returned hook runs the receive phase.
     pub fn low_latency_dispatch_into<'a>(
+        &mut self,
+        args: &LlDispatchArgs<'_>,
+        out: LlDispatchOutputs<'a>,
+    ) -> Result<(LlHandle, Option<RecvHook<'a>>)> {
+        self.begin_call();
+        self.low_latency_dispatch_into_counted(args, out)
+    }
+
+    fn low_latency_dispatch_into_counted<'a>(
         &mut self,
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
@@ -499,6 +535,7 @@ impl Buffer {
 
     /// Low-latency dispatch with outputs allocated by moelink (collective; no receive hook).
     pub fn low_latency_dispatch(&mut self, args: &LlDispatchArgs<'_>) -> Result<LlDispatchResult> {
+        self.begin_call();
         let spec = ll::validate_ll_dispatch(args, &self.facts())?;
         if args.return_recv_hook {
             return Err(Error::invalid(
@@ -528,12 +565,21 @@ impl Buffer {
             src_info: Some(src_info.view_mut()),
             layout_range: Some(layout_range.view_mut()),
         };
-        let (handle, _) = self.low_latency_dispatch_into(args, out)?;
+        let (handle, _) = self.low_latency_dispatch_into_counted(args, out)?;
         Ok(LlDispatchResult { recv_x, recv_x_scales: scales, recv_count, src_info, layout_range, handle })
     }
 
     /// Low-latency combine into caller-provided outputs (collective).
     pub fn low_latency_combine_into<'a>(&mut self, args: &LlCombineArgs<'_>, out: LlCombineOutputs<'a>) -> Result<Option<RecvHook<'a>>> {
+        self.begin_call();
+        self.low_latency_combine_into_counted(args, out)
+    }
+
+    fn low_latency_combine_into_counted<'a>(
+        &mut self,
+        args: &LlCombineArgs<'_>,
+        out: LlCombineOutputs<'a>,
+    ) -> Result<Option<RecvHook<'a>>> {
         let spec = ll::validate_ll_combine(args, &self.facts())?;
         ll::validate_ll_combine_outputs(&spec, &out, self.location())?;
         let id = self.id;
@@ -543,6 +589,7 @@ impl Buffer {
 
     /// Low-latency combine with the output allocated by moelink (collective; no receive hook).
     pub fn low_latency_combine(&mut self, args: &LlCombineArgs<'_>) -> Result<Tensor> {
+        self.begin_call();
         let spec = ll::validate_ll_combine(args, &self.facts())?;
         if args.return_recv_hook {
             return Err(Error::invalid(
@@ -552,12 +599,13 @@ impl Buffer {
             ));
         }
         let mut out = self.alloc(DType::BF16, &[spec.ll.num_tokens, spec.ll.hidden])?;
-        self.low_latency_combine_into(args, LlCombineOutputs { combined_x: out.view_mut(), combine_wait_recv_cost_stats: None })?;
+        self.low_latency_combine_into_counted(args, LlCombineOutputs { combined_x: out.view_mut(), combine_wait_recv_cost_stats: None })?;
         Ok(out)
     }
 
     /// Runs the receive phase of a call made with `return_recv_hook`.
     pub fn run_hook(&mut self, hook: RecvHook<'_>) -> Result<()> {
+        self.begin_call();
         if hook.buffer_id != self.id {
             return Err(Error::invalid("hook", self.rank(), "the hook comes from another buffer"));
         }
@@ -572,13 +620,16 @@ impl Buffer {
         }
         self.check_usable()?;
         let spec = handle.spec;
+        ll::check_ll_buffer(&self.facts(), &spec, true)?;
         self.backend.ll_next_combine_buffer(&spec)
     }
 
     /// Clears the low-latency buffers (collective), e.g. after switching between high-throughput and
     /// low-latency use of the same memory.
     pub fn clean_low_latency_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()> {
+        self.begin_call();
         ht::check_num_experts(num_experts, &self.facts())?;
+        ll::check_low_latency_mode(&self.facts())?;
         self.step(|b| b.clean_ll_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts))
     }
 

@@ -254,6 +254,51 @@ pub(crate) struct BufferFacts {
     pub location: Location,
     pub default_num_sms: usize,
     pub max_num_sms: usize,
+    /// The buffer's options that decide which low-latency calls fit it ([`BufferOptions`](crate::BufferOptions));
+    /// the high-throughput capacity depends on every rank's tokens and is checked after the count exchange.
+    pub num_rdma_bytes: usize,
+    pub low_latency_mode: bool,
+}
+
+/// The [`Error::BufferTooSmall`] of a high-throughput call whose largest rank has `t_max` tokens in slab rows
+/// of `row_bytes` (`what`: which slab), on a buffer of `num_nvl_bytes` per rank over `num_ranks` ranks.
+pub(crate) fn ht_too_small(
+    rank: usize,
+    num_ranks: usize,
+    num_nvl_bytes: usize,
+    what: &'static str,
+    t_max: usize,
+    row_bytes: usize,
+) -> Error {
+    let needed = moelink_kernels::ht::bytes_needed(t_max, num_ranks, &[row_bytes]);
+    Error::BufferTooSmall {
+        rank,
+        what,
+        needed,
+        available: num_nvl_bytes,
+        hint: format!(
+            "a rank has {t_max} tokens in {row_bytes}-byte rows; create the Buffer with num_nvl_bytes >= \
+             Buffer::ht_bytes_needed(max tokens per rank, hidden, topk, {num_ranks}, fp8)"
+        ),
+    }
+}
+
+/// The capacity rule of every backend's high-throughput calls: a call fits when the rank with the most
+/// tokens (`t_max`, a value every rank learns in the count exchange, so every rank decides alike) fits a
+/// receive slab of the buffer's region ([`moelink_kernels::ht::HtRegion`], the layout the CUDA kernels use).
+pub(crate) fn check_ht_capacity(
+    rank: usize,
+    num_ranks: usize,
+    num_nvl_bytes: usize,
+    what: &'static str,
+    t_max: usize,
+    row_bytes: usize,
+) -> Result<()> {
+    let region = moelink_kernels::ht::HtRegion { num_nvl_bytes, num_ranks };
+    if t_max > region.slab_rows(row_bytes) {
+        return Err(ht_too_small(rank, num_ranks, num_nvl_bytes, what, t_max, row_bytes));
+    }
+    Ok(())
 }
 
 fn check_config(cfg: &Option<Config>, f: &BufferFacts) -> Result<usize> {
@@ -549,7 +594,16 @@ mod tests {
     use super::*;
 
     fn facts(max_num_sms: usize) -> BufferFacts {
-        BufferFacts { buffer_id: 1, rank: 3, num_ranks: 4, location: Location::Cuda(0), default_num_sms: 24, max_num_sms }
+        BufferFacts {
+            buffer_id: 1,
+            rank: 3,
+            num_ranks: 4,
+            location: Location::Cuda(0),
+            default_num_sms: 24,
+            max_num_sms,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+        }
     }
 
     #[test]

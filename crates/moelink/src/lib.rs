@@ -15,8 +15,13 @@
 //!
 //! let results = run_ranks(2, |group| {
 //!     let rank = group.rank();
-//!     let mut buf = Buffer::new(Arc::new(group), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
-//!     // 3 tokens of hidden size 8, top-2 of 4 experts (2 per rank).
+//!     // 3 tokens of hidden size 8, top-2 of 4 experts (2 per rank); the buffer sized for them, as on a GPU.
+//!     let options = BufferOptions {
+//!         backend: BackendKind::Host,
+//!         num_nvl_bytes: Buffer::ht_bytes_needed(3, 8, 2, 2, false),
+//!         ..Default::default()
+//!     };
+//!     let mut buf = Buffer::new(Arc::new(group), options)?;
 //!     let x = Tensor::from_vec(vec![bf16::from_f32(rank as f32); 3 * 8], &[3, 8])?;
 //!     let topk = Tensor::from_vec(vec![0i64, 3, 1, -1, 2, 3], &[3, 2])?;
 //!     let layout = buf.get_dispatch_layout(topk.view(), 4)?;

@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::ht::{BufferFacts, FP8_BLOCK};
 use crate::tensor::{Location, TensorMut, TensorRef};
 use crate::validate::{check_at_most, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN};
+use moelink_kernels::ll::{LlLayout, LlLimits};
 
 /// UE8M0 scales pack this many 128-channel groups into one int32.
 pub const UE8M0_PER_INT: usize = 4;
@@ -214,12 +215,7 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
             .view(&a.topk_idx)?[1];
     // The kernels' limits (tokens, top-k, experts x tokens in shared memory) hold for every backend, so the
     // host oracle accepts exactly what the GPUs do — and no size argument can ask for an absurd allocation.
-    let limits = moelink_kernels::ll::LlLimits {
-        num_ranks: f.num_ranks,
-        max_tokens: a.num_max_dispatch_tokens_per_rank,
-        topk,
-        num_experts: a.num_experts,
-    };
+    let limits = LlLimits { num_ranks: f.num_ranks, max_tokens: a.num_max_dispatch_tokens_per_rank, topk, num_experts: a.num_experts };
     limits.check().map_err(|(arg, why)| Error::invalid(arg, r, why))?;
     if let Some(w) = &a.topk_weights {
         Expect {
@@ -235,7 +231,7 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
     if let Some(v) = read_i64_matrix(&a.topk_idx) {
         check_topk_values(&v, topk, a.num_experts, "topk_idx", r)?;
     }
-    Ok(LlSpec {
+    let spec = LlSpec {
         rank: r,
         num_ranks: f.num_ranks,
         num_tokens,
@@ -246,7 +242,59 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
         quant: a.quant,
         has_weights: a.topk_weights.is_some(),
         return_recv_hook: a.return_recv_hook,
-    })
+    };
+    check_ll_buffer(f, &spec, false)?;
+    Ok(spec)
+}
+
+/// The low-latency buffer rules of every backend: the buffer serves low-latency calls (`low_latency_mode`,
+/// as DeepEP requires) and its `num_rdma_bytes` hold this shape's region (the zero-copy combine buffer too
+/// with `with_staging`), laid out as the CUDA kernels use it.
+pub(crate) fn check_ll_buffer(f: &BufferFacts, s: &LlSpec, with_staging: bool) -> Result<()> {
+    check_low_latency_mode(f)?;
+    checked_layout(f.num_rdma_bytes, s, with_staging).map(|_| ())
+}
+
+/// `Err` unless the buffer was created for low-latency calls.
+pub(crate) fn check_low_latency_mode(f: &BufferFacts) -> Result<()> {
+    if !f.low_latency_mode {
+        return Err(Error::invalid(
+            "low_latency_mode",
+            f.rank,
+            "low-latency calls need a Buffer created with low_latency_mode = true and num_rdma_bytes >= \
+             Buffer::ll_bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)",
+        ));
+    }
+    Ok(())
+}
+
+/// The layout of the low-latency region for `s`, after checking the kernels' limits and that a region of
+/// `num_rdma_bytes` holds it (`with_staging`: the zero-copy combine buffer too).
+pub(crate) fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
+    let limits = LlLimits { num_ranks: s.num_ranks, max_tokens: s.num_max_tokens, topk: s.topk, num_experts: s.num_experts };
+    limits.check().map_err(|(arg, why)| Error::invalid(arg, s.rank, why))?;
+    let layout = LlLayout::new(s.num_ranks, s.num_max_tokens, s.hidden, s.topk, s.num_experts).ok_or_else(|| {
+        Error::invalid("num_max_dispatch_tokens_per_rank", s.rank, "the low-latency buffer size overflows for this shape")
+    })?;
+    let needed = if with_staging { layout.bytes } else { layout.bytes_without_staging };
+    if needed > num_rdma_bytes {
+        let hint = LlLayout::bytes_hint(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).unwrap_or(needed).max(needed);
+        return Err(Error::BufferTooSmall {
+            rank: s.rank,
+            what: if with_staging {
+                "low-latency region with the zero-copy combine buffer (num_rdma_bytes)"
+            } else {
+                "low-latency region (num_rdma_bytes)"
+            },
+            needed,
+            available: num_rdma_bytes,
+            hint: format!(
+                "create the Buffer with num_rdma_bytes >= Buffer::ll_bytes_needed({}, {}, {}, {}) = {hint}",
+                s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts
+            ),
+        });
+    }
+    Ok(layout)
 }
 
 pub(crate) fn validate_ll_dispatch_outputs(s: &LlSpec, o: &LlDispatchOutputs<'_>, loc: Location) -> Result<()> {
@@ -358,6 +406,7 @@ pub(crate) fn validate_ll_combine(a: &LlCombineArgs<'_>, f: &BufferFacts) -> Res
     if let Some(v) = read_i64_matrix(&a.topk_idx) {
         check_topk_values(&v, s.topk, s.num_experts, "topk_idx", r)?;
     }
+    check_ll_buffer(f, &s, a.zero_copy)?;
     Ok(LlCombineSpec { ll: s, zero_copy: a.zero_copy, return_recv_hook: a.return_recv_hook })
 }
 

@@ -238,7 +238,7 @@ fn check_ranks(ranks: usize, allowed: &[&str], f: impl Fn(&mut Buffer) -> moelin
             .map(|g| {
                 let f = &f;
                 s.spawn(move || {
-                    let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+                    let mut buf = Buffer::new(Arc::new(g), host_options())?;
                     f(&mut buf)
                 })
             })
@@ -266,6 +266,19 @@ fn check_ranks(ranks: usize, allowed: &[&str], f: impl Fn(&mut Buffer) -> moelin
 /// True when `mine` is true on every rank (a group exchange; every rank must call it).
 fn all_ranks(buf: &Buffer, mine: bool) -> moelink::Result<bool> {
     Ok(buf.group().all_gather(&[u8::from(mine)])?.iter().all(|m| m.first() == Some(&1)))
+}
+
+/// Host buffers with room for the tests' shapes (the capacity rules apply on the host too: a case that does
+/// not fit is `BufferTooSmall`) and a deadline short enough that a rank left waiting fails the case quickly.
+fn host_options() -> BufferOptions {
+    BufferOptions {
+        backend: BackendKind::Host,
+        num_nvl_bytes: 1 << 30,
+        num_rdma_bytes: 1 << 30,
+        low_latency_mode: true,
+        timeout_ms: 2_000,
+        ..Default::default()
+    }
 }
 
 fn check_error(e: &Error, allowed: &[&str]) -> Result<(), String> {
@@ -504,7 +517,7 @@ proptest! {
     fn foreign_handles_and_hooks(r in ranks(), which in 0usize..5, cached_x in tensor_near(DType::BF16, vec![T, HID])) {
         check_ranks(r, &["handle", "hook", "x"], |buf| {
             let e = 4 * buf.num_ranks();
-            let mut other = Buffer::new(buf.group().clone(), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+            let mut other = Buffer::new(buf.group().clone(), host_options())?;
             let idx = Tensor::from_vec(good_idx(buf.rank(), buf.num_ranks()), &[T, K])?;
             let w = Tensor::from_vec(vec![0.5f32; T * K], &[T, K])?;
             let x = Tensor::from_vec(vec![moelink::bf16::ONE; T * HID], &[T, HID])?;
@@ -689,7 +702,7 @@ proptest! {
         check_ranks(r, &["num_experts", "enable_shrink", "rank", "timeout_ms"], |buf| {
             let _ = Buffer::ht_bytes_needed(t, h, 8, buf.num_ranks(), masked);
             let _ = Buffer::ll_bytes_needed(t, h, buf.num_ranks(), e);
-            let opts = BufferOptions { backend: BackendKind::Host, timeout_ms: timeout, enable_shrink: shrink, ..Default::default() };
+            let opts = BufferOptions { timeout_ms: timeout, enable_shrink: shrink, ..host_options() };
             let mut nb = Buffer::new(buf.group().clone(), opts)?;
             nb.clean_low_latency_buffer(t, h, e)?;
             nb.low_latency_update_mask_buffer(rank, masked)?;
@@ -827,7 +840,7 @@ mod regressions {
     #[test]
     fn a_rank_local_overflow_fails_every_rank() {
         let out = moelink::group::run_ranks(2, |g| {
-            let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+            let mut buf = Buffer::new(Arc::new(g), host_options())?;
             // Every token of both ranks goes to rank 0 (experts 0, 1): rank 0 receives 4 rows, rank 1 none.
             let idx = Tensor::from_vec(vec![0i64, 1, 1, 0], &[2, 2])?;
             let x = Tensor::from_vec(vec![moelink::bf16::ONE; 2 * 128], &[2, 128])?;

@@ -20,7 +20,13 @@ const H: usize = 256;
 const K: usize = 2;
 
 fn host_opts() -> BufferOptions {
-    BufferOptions { backend: BackendKind::Host, ..Default::default() }
+    BufferOptions {
+        backend: BackendKind::Host,
+        num_nvl_bytes: 64 << 20,
+        num_rdma_bytes: 256 << 20,
+        low_latency_mode: true,
+        ..Default::default()
+    }
 }
 
 /// Tokens of `rank` (3 tokens, top-2 of `2 * ranks` experts, a -1 hole).
@@ -154,7 +160,7 @@ fn every_later_call_is_refused(buf: &mut Buffer, inp: &Inputs, handle: &moelink:
     assert_eq!(buf.poisoned(), Some(cause));
 }
 
-/// Host: one rank never joins a dispatch; the others time out (group deadline) naming it; their buffers are
+/// Host: one rank never joins a dispatch; the others time out (the buffer's deadline) naming it; their buffers are
 /// poisoned and refuse every later call with the first error as the cause; a new buffer works.
 #[test]
 fn a_failed_collective_poisons_until_the_buffer_is_rebuilt() {
@@ -166,7 +172,7 @@ fn a_failed_collective_poisons_until_the_buffer_is_rebuilt() {
             .into_iter()
             .map(|g| {
                 s.spawn(move || -> Result<Option<String>> {
-                    let mut buf = Buffer::new(Arc::new(g), host_opts())?;
+                    let mut buf = Buffer::new(Arc::new(g), BufferOptions { timeout_ms: 400, ..host_opts() })?;
                     let me = buf.rank();
                     let inp = inputs(&buf)?;
                     // One healthy round first: a handle from before the failure.

@@ -8,8 +8,19 @@ use moelink::{
     Payload, Routing, Tensor, TensorRef,
 };
 
+/// A host buffer with room for every call of these tests (the capacity rules apply on the host too).
+fn host_options() -> BufferOptions {
+    BufferOptions {
+        backend: BackendKind::Host,
+        num_nvl_bytes: 1 << 30,
+        num_rdma_bytes: 1 << 30,
+        low_latency_mode: true,
+        ..Default::default()
+    }
+}
+
 fn host_buffer(g: moelink::ThreadGroup) -> moelink::Result<Buffer> {
-    Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })
+    Buffer::new(Arc::new(g), host_options())
 }
 
 /// Runs `f` on a single host rank and returns its error.
@@ -315,7 +326,7 @@ fn dispatch_rejects_bad_handle_outputs() {
 #[test]
 fn handles_from_another_buffer_are_rejected() {
     let e = err_of(|b| {
-        let mut other = Buffer::new(b.group().clone(), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+        let mut other = Buffer::new(b.group().clone(), host_options())?;
         let x = x_bf16(2, 128);
         let idx = topk(2, vec![0, 1, 2, 3]);
         let layout = other.get_dispatch_layout(idx.view(), 4)?;

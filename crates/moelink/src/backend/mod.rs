@@ -50,6 +50,11 @@ pub(crate) trait Backend: Send {
     /// Copies a tensor to this backend's location (contiguous result).
     fn upload(&self, t: &Tensor) -> Result<Tensor>;
     fn barrier(&mut self) -> Result<()>;
+    /// Told by the buffer before each of its collective calls, with the call's number (1, 2, ...), whether or
+    /// not the call gets past validation: the host backend tags its exchanges with it, so that a rank that
+    /// failed a call on its own and went on cannot pair its next call's exchanges with its peers' current
+    /// ones. The CUDA kernels keep their own epochs.
+    fn begin_call(&mut self, _call: u64) {}
     /// Before this rank's resources are freed: waits until no rank's kernels can still touch them
     /// (collective). Host backend: nothing to wait for.
     fn quiesce(&mut self) -> Result<()> {

@@ -13,6 +13,8 @@ mod thread;
 pub use tcp::{TcpConfig, TcpGroup};
 pub use thread::{run_ranks, ThreadGroup};
 
+use std::time::Duration;
+
 use crate::error::{Error, Result};
 
 /// Default deadline for group collectives.
@@ -61,6 +63,20 @@ pub trait Group: Send + Sync {
     fn barrier(&self) -> Result<()> {
         self.all_gather(&[]).map(|_| ())
     }
+    /// [`Group::all_gather`] that waits at most `timeout` for the other ranks: a rank that does not arrive
+    /// in time is [`Error::Timeout`] naming it. The host backend exchanges through this with the buffer's
+    /// `timeout_ms`. The default ignores `timeout` and keeps the group's own deadline; the groups of this
+    /// crate and of the Python package honour it.
+    fn all_gather_within(&self, bytes: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let _ = timeout;
+        self.all_gather(bytes)
+    }
+    /// [`Group::all_to_all`] that waits at most `timeout` for the other ranks (see
+    /// [`Group::all_gather_within`]).
+    fn all_to_all_within(&self, send: Vec<Vec<u8>>, timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let _ = timeout;
+        self.all_to_all(send)
+    }
 }
 
 fn unpack_nth(p: &[u8], n: usize) -> Option<Vec<u8>> {
@@ -90,9 +106,17 @@ pub fn process_key() -> u64 {
 /// Checks that every rank holds the same values for `items` (name, value). Returns the first disagreement
 /// as [`Error::RankMismatch`] naming the peer.
 pub fn check_agreement(group: &dyn Group, items: &[(&'static str, u64)]) -> Result<()> {
+    check_agreement_with(group.rank(), items, |mine| group.all_gather(mine))
+}
+
+/// [`check_agreement`] over `gather` (an all-gather of this rank's bytes, e.g. one with a deadline).
+pub(crate) fn check_agreement_with(
+    me: usize,
+    items: &[(&'static str, u64)],
+    gather: impl FnOnce(&[u8]) -> Result<Vec<Vec<u8>>>,
+) -> Result<()> {
     let mine: Vec<u8> = items.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
-    let all = group.all_gather(&mine)?;
-    let me = group.rank();
+    let all = gather(&mine)?;
     for (peer, theirs) in all.iter().enumerate() {
         if theirs.len() != mine.len() {
             return Err(Error::Group {

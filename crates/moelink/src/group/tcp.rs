@@ -616,7 +616,15 @@ impl TcpGroup {
 
     /// One collective. `up` is this rank's contribution (already packed); rank 0 turns the contributions
     /// into each rank's answer with `route(contributions) -> answers`, both indexed by rank.
-    fn collective(&self, kind: Kind, up: Vec<u8>, route: impl FnOnce(Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+    /// `timeout` is the deadline of this collective (the group's own, or a caller's through the `_within`
+    /// methods).
+    fn collective(
+        &self,
+        kind: Kind,
+        up: Vec<u8>,
+        timeout: Duration,
+        route: impl FnOnce(Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>,
+    ) -> Result<Vec<u8>> {
         let me = self.rank;
         let mut inner =
             self.inner.lock().map_err(|_| Error::Group { rank: me, reason: "group state poisoned by a panicking thread".into() })?;
@@ -626,10 +634,10 @@ impl TcpGroup {
         inner.seq += 1;
         let seq = inner.seq;
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let deadline = start + timeout;
         let result = match &mut inner.links {
             Links::Alone => route(vec![up]).map(|mut v| v.pop().unwrap_or_default()),
-            Links::Client(s) => Self::client_round(s, me, kind, seq, &up, start, deadline + client_grace(self.timeout)),
+            Links::Client(s) => Self::client_round(s, me, kind, seq, &up, start, deadline + client_grace(timeout)),
             Links::Root(peers) => Self::root_round(peers, self.size, kind, seq, up, route, start, deadline),
         };
         if let Err(e) = &result {
@@ -780,19 +788,25 @@ impl Group for TcpGroup {
         self.local_rank
     }
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.all_gather_within(bytes, self.timeout)
+    }
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        self.all_to_all_within(send, self.timeout)
+    }
+    fn all_gather_within(&self, bytes: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let n = self.size;
-        let down = self.collective(Kind::AllGather, bytes.to_vec(), |all| {
+        let down = self.collective(Kind::AllGather, bytes.to_vec(), timeout, |all| {
             let packed = pack(&all);
             Ok(vec![packed; n])
         })?;
         unpack(&down, n).ok_or_else(|| Error::Group { rank: self.rank, reason: "malformed all_gather answer from rank 0".into() })
     }
-    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+    fn all_to_all_within(&self, send: Vec<Vec<u8>>, timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let n = self.size;
         if send.len() != n {
             return Err(Error::invalid("send", self.rank, format!("{} messages for {n} ranks", send.len())));
         }
-        let down = self.collective(Kind::AllToAll, pack(&send), |ups| {
+        let down = self.collective(Kind::AllToAll, pack(&send), timeout, |ups| {
             // ups[src] = src's n messages; answer[dst] = the messages addressed to dst, by source.
             let mut by_src = Vec::with_capacity(n);
             for (src, up) in ups.iter().enumerate() {
@@ -807,7 +821,7 @@ impl Group for TcpGroup {
     }
     fn barrier(&self) -> Result<()> {
         let n = self.size;
-        self.collective(Kind::Barrier, Vec::new(), |_| Ok(vec![Vec::new(); n])).map(|_| ())
+        self.collective(Kind::Barrier, Vec::new(), self.timeout, |_| Ok(vec![Vec::new(); n])).map(|_| ())
     }
 }
 

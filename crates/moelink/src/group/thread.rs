@@ -17,7 +17,13 @@ struct State {
     /// Result of the last completed round; each rank takes its column.
     finished: Option<Arc<Mutex<Matrix>>>,
     /// Set when a rank gave up (timeout): the group cannot be trusted any more.
-    broken: Option<String>,
+    broken: Option<Broken>,
+}
+
+struct Broken {
+    reason: String,
+    /// The rank the first rank to give up was waiting for: every rank waiting in that round reports it.
+    missing: usize,
 }
 
 struct Shared {
@@ -58,16 +64,17 @@ impl ThreadGroup {
         (0..size).map(|rank| ThreadGroup { rank, shared: shared.clone() }).collect()
     }
 
-    /// One exchange round: deposit `row` (messages to each rank), wait for everyone, take column `rank`.
-    fn exchange(&self, row: Vec<Option<Vec<u8>>>) -> Result<Vec<Vec<u8>>> {
+    /// One exchange round: deposit `row` (messages to each rank), wait at most `timeout` for everyone,
+    /// take column `rank`.
+    fn exchange(&self, row: Vec<Option<Vec<u8>>>, timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let sh = &*self.shared;
         let me = self.rank;
         fn lock_err<T>(me: usize) -> impl Fn(T) -> Error {
             move |_| Error::Group { rank: me, reason: "group state poisoned by a panicking rank".into() }
         }
         let mut st = sh.state.lock().map_err(lock_err(me))?;
-        if let Some(why) = &st.broken {
-            return Err(Error::Group { rank: me, reason: format!("group is broken: {why}") });
+        if let Some(b) = &st.broken {
+            return Err(Error::Group { rank: me, reason: format!("group is broken: {}", b.reason) });
         }
         let generation = st.generation;
         st.pending[me] = row;
@@ -83,18 +90,24 @@ impl ThreadGroup {
         } else {
             let start = Instant::now();
             loop {
-                let left = sh.timeout.saturating_sub(start.elapsed());
+                let left = timeout.saturating_sub(start.elapsed());
                 let (guard, _) = sh.cv.wait_timeout(st, left).map_err(lock_err(me))?;
                 st = guard;
                 if st.generation != generation {
                     break st.finished.clone().expect("a finished round leaves its result");
                 }
-                if let Some(why) = &st.broken {
-                    return Err(Error::Group { rank: me, reason: format!("group is broken: {why}") });
+                if let Some(b) = &st.broken {
+                    // A rank of this round gave up on a missing one: so does this rank, naming the same one.
+                    return Err(Error::Timeout {
+                        rank: me,
+                        peer: b.missing,
+                        phase: Phase::Group,
+                        waited_ms: start.elapsed().as_millis() as u64,
+                    });
                 }
-                if start.elapsed() >= sh.timeout {
+                if start.elapsed() >= timeout {
                     let peer = st.arrived.iter().position(|a| !a).unwrap_or(me);
-                    st.broken = Some(format!("rank {me} timed out waiting for rank {peer}"));
+                    st.broken = Some(Broken { reason: format!("rank {me} timed out waiting for rank {peer}"), missing: peer });
                     sh.cv.notify_all();
                     return Err(Error::Timeout { rank: me, peer, phase: Phase::Group, waited_ms: start.elapsed().as_millis() as u64 });
                 }
@@ -114,13 +127,19 @@ impl Group for ThreadGroup {
         self.shared.size
     }
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.exchange(vec![Some(bytes.to_vec()); self.shared.size])
+        self.all_gather_within(bytes, self.shared.timeout)
     }
     fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        self.all_to_all_within(send, self.shared.timeout)
+    }
+    fn all_gather_within(&self, bytes: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.exchange(vec![Some(bytes.to_vec()); self.shared.size], timeout)
+    }
+    fn all_to_all_within(&self, send: Vec<Vec<u8>>, timeout: Duration) -> Result<Vec<Vec<u8>>> {
         if send.len() != self.shared.size {
             return Err(Error::invalid("send", self.rank, format!("{} messages for {} ranks", send.len(), self.shared.size)));
         }
-        self.exchange(send.into_iter().map(Some).collect())
+        self.exchange(send.into_iter().map(Some).collect(), timeout)
     }
 }
 
@@ -187,15 +206,9 @@ mod tests {
             let hs: Vec<_> = groups.into_iter().map(|g| s.spawn(move || if g.rank() == 2 { Ok(()) } else { g.barrier() })).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let mut saw_timeout = false;
         for r in &out[..2] {
-            match r {
-                Err(Error::Timeout { peer: 2, .. }) => saw_timeout = true,
-                Err(Error::Group { .. }) => {}
-                other => panic!("expected a timeout naming rank 2, got {other:?}"),
-            }
+            assert!(matches!(r, Err(Error::Timeout { peer: 2, .. })), "every waiting rank names rank 2: {r:?}");
         }
-        assert!(saw_timeout);
         assert!(out[2].is_ok());
     }
 }

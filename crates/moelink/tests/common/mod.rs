@@ -92,6 +92,7 @@ pub fn test_options() -> BufferOptions {
     BufferOptions {
         num_nvl_bytes: 1 << 30,
         num_rdma_bytes: 1 << 30,
+        low_latency_mode: true,
         timeout_ms,
         kernel_tracing: moelink::KernelTracing::from_vars(env).expect("the tracing variables"),
         tuning: moelink::Tuning::from_vars(env).expect("the tuning variables"),

@@ -319,18 +319,7 @@ fn too_small(b: &CudaBackend, what: &'static str, t_max: usize, row_bytes: usize
 }
 
 fn too_small_for(b: BufferShape, what: &'static str, t_max: usize, row_bytes: usize) -> Error {
-    let needed = kht::bytes_needed(t_max, b.num_ranks, &[row_bytes]);
-    Error::BufferTooSmall {
-        rank: b.rank,
-        what,
-        needed,
-        available: b.num_nvl_bytes,
-        hint: format!(
-            "a rank has {t_max} tokens in {row_bytes}-byte rows; create the Buffer with num_nvl_bytes >= \
-             Buffer::ht_bytes_needed(max tokens per rank, hidden, topk, {}, fp8)",
-            b.num_ranks
-        ),
-    }
+    crate::ht::ht_too_small(b.rank, b.num_ranks, b.num_nvl_bytes, what, t_max, row_bytes)
 }
 
 /// The error an argument-error record (anything but a timeout) stands for.

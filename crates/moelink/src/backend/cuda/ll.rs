@@ -19,8 +19,8 @@ use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{
-    flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlLimits, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS,
-    LL_TRACE_CALLS, LL_TRACE_WORDS, SIG_FIELDS,
+    flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS, LL_TRACE_CALLS,
+    LL_TRACE_WORDS, SIG_FIELDS,
 };
 use moelink_kernels::ll_internode::{LliCombineArgs, LliDispatchArgs, LliVariant};
 
@@ -28,6 +28,7 @@ use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
 use crate::backend::PendingRecv as AnyPending;
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
+use crate::ll::checked_layout;
 use crate::ll::{
     LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlQuant, LlSpec,
 };
@@ -152,34 +153,6 @@ fn variant_key(s: &LlSpec, experiment: u32) -> LlVariant {
 /// the zero-copy buffer too).
 fn layout_for(b: &CudaBackend, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
     checked_layout(b.num_rdma_bytes, s, with_staging)
-}
-
-/// [`layout_for`] against a region of `num_rdma_bytes`.
-fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
-    let limits = LlLimits { num_ranks: s.num_ranks, max_tokens: s.num_max_tokens, topk: s.topk, num_experts: s.num_experts };
-    limits.check().map_err(|(arg, why)| Error::invalid(arg, s.rank, why))?;
-    let layout = LlLayout::new(s.num_ranks, s.num_max_tokens, s.hidden, s.topk, s.num_experts).ok_or_else(|| {
-        Error::invalid("num_max_dispatch_tokens_per_rank", s.rank, "the low-latency buffer size overflows for this shape")
-    })?;
-    let needed = if with_staging { layout.bytes } else { layout.bytes_without_staging };
-    if needed > num_rdma_bytes {
-        let hint = LlLayout::bytes_hint(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).unwrap_or(needed).max(needed);
-        return Err(Error::BufferTooSmall {
-            rank: s.rank,
-            what: if with_staging {
-                "low-latency region with the zero-copy combine buffer (num_rdma_bytes)"
-            } else {
-                "low-latency region (num_rdma_bytes)"
-            },
-            needed,
-            available: num_rdma_bytes,
-            hint: format!(
-                "create the Buffer with num_rdma_bytes >= Buffer::ll_bytes_needed({}, {}, {}, {}) = {hint}",
-                s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts
-            ),
-        });
-    }
-    Ok(layout)
 }
 
 /// `num_rdma_bytes` a buffer needs for low-latency calls of this shape (see [`LlLayout::bytes_hint`]).

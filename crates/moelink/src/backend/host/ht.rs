@@ -5,8 +5,7 @@ use std::sync::Arc;
 
 use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
 use crate::backend::{HtDispatched, LayoutOutputs};
-use crate::error::{Error, Result};
-use crate::group::check_agreement;
+use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::layout::{self, align_up, to_local_expert};
 use crate::tensor::TensorRef;
@@ -29,6 +28,8 @@ pub(crate) struct HostHtRouting {
     pub num_recv_tokens_per_expert_raw: Vec<usize>,
     /// `[R * R]`: DeepEP's `rank_prefix_matrix`, `[i][j]` = tokens rank `j` receives from ranks `0..=i`.
     pub rank_prefix_matrix: Vec<i32>,
+    /// The most tokens any rank dispatched (what the buffer's receive slabs must hold).
+    pub t_max: usize,
 }
 
 /// State between `prepare_dispatch` and `dispatch`.
@@ -50,8 +51,8 @@ pub(crate) fn dispatch_layout(b: &mut HostBackend, topk_idx: &TensorRef<'_>, num
 
 /// Values every rank must agree on for a dispatch.
 fn agree(b: &HostBackend, s: &HtSpec, cached: bool) -> Result<()> {
-    check_agreement(
-        b.group.as_ref(),
+    b.check_agreement(
+        Phase::Notify,
         &[
             ("hidden", s.hidden as u64),
             ("fp8", s.fp8 as u64),
@@ -83,6 +84,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 recv_src_idx: r.recv_src_idx.clone(),
                 num_recv_tokens_per_expert_raw: r.num_recv_tokens_per_expert_raw.clone(),
                 rank_prefix_matrix: r.rank_prefix_matrix.clone(),
+                t_max: r.t_max,
             }
         }
         Routing::Fresh { layout: l, .. } => {
@@ -106,26 +108,29 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 }
             }
             // Notify: send each rank this rank's whole count row (every rank learns every rank's counts, for
-            // rank_prefix_matrix) and the counts of its experts.
+            // rank_prefix_matrix), the counts of its experts and this rank's token count (T_max).
+            let num_tokens = i32::try_from(s.num_tokens).unwrap_or(i32::MAX);
             let msgs: Vec<Vec<u8>> = (0..nr)
                 .map(|r| {
-                    let mut m = Vec::with_capacity(4 * (nr + el));
+                    let mut m = Vec::with_capacity(4 * (nr + el + 1));
                     for c in &per_rank {
                         m.extend_from_slice(&c.to_le_bytes());
                     }
                     for e in &per_expert[r * el..(r + 1) * el] {
                         m.extend_from_slice(&e.to_le_bytes());
                     }
+                    m.extend_from_slice(&num_tokens.to_le_bytes());
                     m
                 })
                 .collect();
-            let recv = b.group.all_to_all(msgs)?;
+            let recv = b.all_to_all(Phase::Notify, msgs)?;
             let mut recv_counts = vec![0usize; nr];
             let mut per_local_expert = vec![0usize; el];
             let mut rank_prefix_matrix = vec![0i32; nr * nr];
+            let mut t_max = 0usize;
             for (src, m) in recv.iter().enumerate() {
                 let ints: Vec<i32> = m.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-                if ints.len() != nr + el {
+                if ints.len() != nr + el + 1 {
                     return Err(Error::Group { rank, reason: format!("rank {src} sent a malformed count message") });
                 }
                 recv_counts[src] = ints[rank] as usize;
@@ -133,9 +138,10 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                     let below = if src == 0 { 0 } else { rank_prefix_matrix[(src - 1) * nr + j] };
                     rank_prefix_matrix[src * nr + j] = below.wrapping_add(ints[j]);
                 }
-                for (e, c) in ints[nr..].iter().enumerate() {
+                for (e, c) in ints[nr..nr + el].iter().enumerate() {
                     per_local_expert[e] += *c as usize;
                 }
+                t_max = t_max.max(ints[nr + el] as usize);
             }
             let mut recv_offsets = vec![0usize; nr];
             let mut acc = 0usize;
@@ -153,6 +159,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 recv_src_idx: Vec::new(),
                 num_recv_tokens_per_expert_raw: per_local_expert,
                 rank_prefix_matrix,
+                t_max,
             }
         }
     };
@@ -163,6 +170,8 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
     if fresh {
         agree_on_problems(b, problem)?;
     }
+    // The buffer's capacity, decided on T_max, which every rank has: all ranks refuse the call together.
+    b.check_ht_capacity("HT dispatch receive slab", routing.t_max, moelink_kernels::ht::dispatch_row_bytes(s.hidden, s.fp8, s.topk))?;
     let per_expert_aligned: Vec<usize> = if s.num_worst_tokens > 0 {
         Vec::new()
     } else {
@@ -185,7 +194,7 @@ fn agree_on_problems(b: &HostBackend, problem: Option<Error>) -> Result<()> {
         Some(e) if e.argument() == Some("num_tokens_per_rank") => 1,
         Some(_) => 2,
     };
-    let all = b.group.all_gather(&[code])?;
+    let all = b.all_gather(Phase::Notify, &[code])?;
     if let Some(e) = problem {
         return Err(e);
     }
@@ -252,7 +261,7 @@ pub(crate) fn dispatch(
             m.extend_from_slice(&(t as i32).to_le_bytes());
         }
     }
-    let recv = b.group.all_to_all(msgs)?;
+    let recv = b.all_to_all(Phase::Dispatch, msgs)?;
 
     // Unpack at recv_offset[src] + slot.
     let n = routing.num_recv_tokens;
@@ -319,7 +328,8 @@ pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     let nr = s.num_ranks;
     let routing =
         a.handle.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
-    check_agreement(b.group.as_ref(), &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
+    b.check_agreement(Phase::Combine, &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
+    b.check_ht_capacity("HT combine receive slab", routing.t_max, moelink_kernels::ht::combine_row_bytes(s.hidden, s.topk))?;
     let x = input_bytes(&a.x, "x", rank)?;
     let w: Option<Vec<f32>> = a.topk_weights.as_ref().and_then(read_matrix);
     let (h, k) = (s.hidden, s.topk);
@@ -342,7 +352,7 @@ pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, 
             m
         })
         .collect();
-    let recv = b.group.all_to_all(msgs)?;
+    let recv = b.all_to_all(Phase::Combine, msgs)?;
     for (r, m) in recv.iter().enumerate() {
         let expect = (0..s.num_tokens).filter(|&t| routing.is_token_in_rank[t * nr + r]).count() * row;
         if m.len() != expect {

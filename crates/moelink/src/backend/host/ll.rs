@@ -20,7 +20,7 @@ use half::bf16;
 use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
 use crate::backend::PendingRecv;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Phase, Result};
 use crate::fp8::{pack_ue8m0, quantize_token, ue8m0_byte, GROUP, UE8M0_PER_INT};
 use crate::layout::{rank_of_expert, to_local_expert};
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlQuant, LlSpec};
@@ -129,12 +129,12 @@ fn shared_values(s: &LlSpec) -> [(&'static str, u64); 6] {
 /// failures, so that a bad argument on one rank fails the call everywhere instead of leaving the other
 /// ranks waiting in the data exchange. The failing rank gets its own `InvalidArgument`; the others get
 /// `RankMismatch` (shared values) or an `InvalidArgument` naming the rank at fault.
-fn collective_check(b: &HostBackend, shared: &[(&'static str, u64)], local: &[(&'static str, Option<String>)]) -> Result<()> {
+fn collective_check(b: &HostBackend, phase: Phase, shared: &[(&'static str, u64)], local: &[(&'static str, Option<String>)]) -> Result<()> {
     let me = b.rank();
     let failed = local.iter().enumerate().fold(0u64, |m, (i, (_, why))| m | (u64::from(why.is_some()) << i));
     let mut msg: Vec<u8> = shared.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
     msg.extend_from_slice(&failed.to_le_bytes());
-    let all = b.group.all_gather(&msg)?;
+    let all = b.all_gather(phase, &msg)?;
     if let Some((arg, Some(why))) = local.iter().find(|(_, why)| why.is_some()) {
         return Err(Error::invalid(arg, me, why.clone()));
     }
@@ -207,7 +207,7 @@ pub(crate) fn dispatch<'a>(
     out: LlDispatchOutputs<'a>,
 ) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
     let (rank, nr) = (s.rank, s.num_ranks);
-    collective_check(b, &shared_values(&s), &[])?;
+    collective_check(b, Phase::LowLatencyDispatch, &shared_values(&s), &[])?;
 
     let x = input_bytes(&a.x, "x", rank)?;
     let topk_idx = read_i64_matrix(&a.topk_idx).ok_or_else(|| Error::invalid("topk_idx", rank, "the host backend needs host tensors"))?;
@@ -261,7 +261,7 @@ pub(crate) fn dispatch<'a>(
         }
     }
     let started = Instant::now();
-    let recv = b.group.all_to_all(msgs)?;
+    let recv = b.all_to_all(Phase::LowLatencyDispatch, msgs)?;
     let waited_ns = i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX);
 
     // Assign slots now (the handle must exist when the call returns); rows are written by the receive phase.
@@ -451,6 +451,7 @@ pub(crate) fn combine<'a>(
     });
     collective_check(
         b,
+        Phase::LowLatencyCombine,
         &shared_values(&s),
         &[("topk_idx", idx_problem), ("topk_weights", weights_problem), ("zero_copy", staging_problem)],
     )?;
@@ -503,7 +504,7 @@ pub(crate) fn combine<'a>(
         })
         .collect();
     let started = Instant::now();
-    let recv = b.group.all_to_all(msgs)?;
+    let recv = b.all_to_all(Phase::LowLatencyCombine, msgs)?;
     let waited_ns = i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX);
 
     let pending = PendingCombine(Box::new(CombineState { spec: s, topk_idx, topk_weights, recv, mask: b.ll.mask.clone(), waited_ns, out }));

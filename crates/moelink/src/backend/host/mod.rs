@@ -1,17 +1,25 @@
 //! The host backend: every operation on CPU threads, one per rank, exchanging rows through the
 //! [`Group`](crate::group::Group). It is the oracle for the GPU kernels: deterministic, with the exact
 //! reduction orders and FP8 rounding documented in [`crate::ht`] and [`crate::ll`].
+//!
+//! Deadlines: every exchange waits at most the buffer's `timeout_ms` ([`Group::all_gather_within`]), and
+//! every message carries the buffer's call number and the exchange's index in the call. A rank that does
+//! not arrive, or arrives in another call (it failed an earlier call on its own input and went on), is a
+//! [`Error::Timeout`] naming it on every other rank, which poisons the buffer as a kernel deadline does on
+//! the GPU; the ranks never pair the exchanges of different calls.
 
 pub(crate) mod ht;
 pub(crate) mod ll;
 
 use std::any::Any;
+use std::cell::Cell;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::{Backend, HtDispatched, LayoutOutputs, PendingRecv};
 use crate::config::BufferOptions;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Phase, Result};
 use crate::group::Group;
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
@@ -20,17 +28,134 @@ use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 pub(crate) struct HostBackend {
     pub(crate) group: Arc<dyn Group>,
     pub(crate) ll: ll::LlState,
+    /// The deadline of every exchange (`BufferOptions::timeout_ms`).
+    timeout: Duration,
+    /// `BufferOptions::num_nvl_bytes`: the high-throughput capacity, checked as on the GPU
+    /// ([`crate::ht::check_ht_capacity`]).
+    pub(crate) num_nvl_bytes: usize,
+    /// The buffer's number of the call in progress ([`crate::backend::Backend::begin_call`]; 0 while the
+    /// buffer is created) and the exchanges made in it so far.
+    call: u64,
+    step: Cell<u32>,
+}
+
+/// Bytes of the tag in front of every exchanged message: call number (u64), exchange index (u32), phase (u32).
+const TAG_BYTES: usize = 16;
+
+fn phase_code(phase: Phase) -> u32 {
+    match phase {
+        Phase::Barrier => 1,
+        Phase::Layout => 2,
+        Phase::Notify => 3,
+        Phase::Dispatch => 4,
+        Phase::Combine => 5,
+        Phase::LowLatencyDispatch => 6,
+        Phase::LowLatencyCombine => 7,
+        Phase::Group => 8,
+        Phase::Other => 9,
+        Phase::Transport => 10,
+    }
 }
 
 impl HostBackend {
     pub(crate) fn new(group: Arc<dyn Group>, options: &BufferOptions) -> Result<HostBackend> {
         let n = group.size();
-        // Buffer creation is collective: make sure every rank is here (and agrees on the shrink mode).
-        crate::group::check_agreement(group.as_ref(), &[("enable_shrink", options.enable_shrink as u64)])?;
-        Ok(HostBackend { group, ll: ll::LlState::new(n) })
+        let b = HostBackend {
+            group,
+            ll: ll::LlState::new(n),
+            timeout: Duration::from_millis(options.timeout_ms),
+            num_nvl_bytes: options.num_nvl_bytes,
+            call: 0,
+            step: Cell::new(0),
+        };
+        // Buffer creation is collective: make sure every rank is here (and agrees on the options that must
+        // match, as the CUDA backend's symmetric memory requires).
+        b.check_agreement(
+            Phase::Group,
+            &[
+                ("enable_shrink", options.enable_shrink as u64),
+                ("num_nvl_bytes", options.num_nvl_bytes as u64),
+                ("num_rdma_bytes", options.num_rdma_bytes as u64),
+                ("low_latency_mode", options.low_latency_mode as u64),
+            ],
+        )?;
+        Ok(b)
     }
     pub(crate) fn rank(&self) -> usize {
         self.group.rank()
+    }
+
+    /// [`crate::ht::check_ht_capacity`] on this buffer.
+    pub(crate) fn check_ht_capacity(&self, what: &'static str, t_max: usize, row_bytes: usize) -> Result<()> {
+        crate::ht::check_ht_capacity(self.rank(), self.group.size(), self.num_nvl_bytes, what, t_max, row_bytes)
+    }
+
+    /// The tag of the next exchange of this call.
+    fn next_tag(&self, phase: Phase) -> [u8; TAG_BYTES] {
+        let step = self.step.get();
+        self.step.set(step.wrapping_add(1));
+        let mut tag = [0u8; TAG_BYTES];
+        tag[..8].copy_from_slice(&self.call.to_le_bytes());
+        tag[8..12].copy_from_slice(&step.to_le_bytes());
+        tag[12..].copy_from_slice(&phase_code(phase).to_le_bytes());
+        tag
+    }
+
+    /// A group error in terms of this operation: the group's timeouts name the phase that was running.
+    fn in_phase(e: Error, phase: Phase) -> Error {
+        match e {
+            Error::Timeout { rank, peer, phase: Phase::Group, waited_ms } => Error::Timeout { rank, peer, phase, waited_ms },
+            other => other,
+        }
+    }
+
+    /// Strips the tags of one exchange's messages; a message with another tag comes from a rank that is not
+    /// in this exchange of this call, which for this rank is a rank that did not arrive.
+    fn untag(&self, all: Vec<Vec<u8>>, tag: &[u8; TAG_BYTES], phase: Phase, start: Instant) -> Result<Vec<Vec<u8>>> {
+        let me = self.rank();
+        if let Some(peer) = all.iter().position(|m| m.get(..TAG_BYTES) != Some(&tag[..])) {
+            return Err(Error::Timeout { rank: me, peer, phase, waited_ms: start.elapsed().as_millis() as u64 });
+        }
+        Ok(all
+            .into_iter()
+            .map(|mut m| {
+                m.drain(..TAG_BYTES);
+                m
+            })
+            .collect())
+    }
+
+    /// Every rank's `bytes`, by rank, within the deadline (see the module docs).
+    pub(crate) fn all_gather(&self, phase: Phase, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let tag = self.next_tag(phase);
+        let mut msg = Vec::with_capacity(TAG_BYTES + bytes.len());
+        msg.extend_from_slice(&tag);
+        msg.extend_from_slice(bytes);
+        let start = Instant::now();
+        let all = self.group.all_gather_within(&msg, self.timeout).map_err(|e| Self::in_phase(e, phase))?;
+        self.untag(all, &tag, phase, start)
+    }
+
+    /// `send[r]` to rank `r`; what each rank sent here, by source, within the deadline.
+    pub(crate) fn all_to_all(&self, phase: Phase, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let tag = self.next_tag(phase);
+        let send = send
+            .into_iter()
+            .map(|m| {
+                let mut t = Vec::with_capacity(TAG_BYTES + m.len());
+                t.extend_from_slice(&tag);
+                t.extend_from_slice(&m);
+                t
+            })
+            .collect();
+        let start = Instant::now();
+        let all = self.group.all_to_all_within(send, self.timeout).map_err(|e| Self::in_phase(e, phase))?;
+        self.untag(all, &tag, phase, start)
+    }
+
+    /// [`crate::group::check_agreement`] within the deadline.
+    pub(crate) fn check_agreement(&self, phase: Phase, items: &[(&'static str, u64)]) -> Result<()> {
+        crate::group::check_agreement_with(self.rank(), items, |mine| self.all_gather(phase, mine))
     }
 }
 
@@ -71,7 +196,11 @@ impl Backend for HostBackend {
         t.to_host()
     }
     fn barrier(&mut self) -> Result<()> {
-        self.group.barrier()
+        self.all_gather(Phase::Barrier, &[]).map(|_| ())
+    }
+    fn begin_call(&mut self, call: u64) {
+        self.call = call;
+        self.step.set(0);
     }
 
     fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
@@ -116,7 +245,7 @@ impl Backend for HostBackend {
     fn clean_ll_buffer(&mut self, _num_max_dispatch_tokens_per_rank: usize, _hidden: usize, _num_experts: usize) -> Result<()> {
         // Nothing persists between host low-latency calls except the zero-copy staging buffer.
         self.ll.combine_staging = None;
-        self.group.barrier()
+        self.all_gather(Phase::Barrier, &[]).map(|_| ())
     }
     fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.ll.mask[rank] = masked;
