@@ -288,7 +288,14 @@ fn reference(sh: &Shape, ll: bool, seed: u64, me: usize, masked: Option<usize>) 
             .map(|g| {
                 s.spawn(move || -> Result<[Out; 2]> {
                     let r = g.rank();
-                    let opts = BufferOptions { backend: BackendKind::Host, enable_shrink: masked.is_some(), ..Default::default() };
+                    let opts = BufferOptions {
+                        backend: BackendKind::Host,
+                        num_nvl_bytes: Buffer::ht_bytes_needed(sh.tokens, sh.hidden, sh.topk, sh.ranks, false),
+                        num_rdma_bytes: Buffer::ll_bytes_needed(sh.tokens, sh.hidden, sh.ranks, sh.experts),
+                        low_latency_mode: true,
+                        enable_shrink: masked.is_some(),
+                        ..Default::default()
+                    };
                     let mut buf = Buffer::new(Arc::new(g), opts)?;
                     if let Some(m) = masked {
                         buf.low_latency_update_mask_buffer(m, true)?;
@@ -458,6 +465,7 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
         backend,
         num_nvl_bytes: Buffer::ht_bytes_needed(sh.tokens, sh.hidden, sh.topk, world, false),
         num_rdma_bytes: Buffer::ll_bytes_needed(sh.tokens, sh.hidden, world, sh.experts),
+        low_latency_mode: true,
         timeout_ms: a.timeout_ms,
         enable_shrink: a.shrink,
         ..crate::env::buffer_options()
@@ -639,8 +647,14 @@ fn rebuild(a: &ChaosArgs, cfg: &moelink::group::TcpConfig, backend: BackendKind,
         rep.reasons.push(format!("the timeout chain does not lead to rank {} (named {:?}, root {:?})", a.victim, rep.peer_named, at));
     }
     let (nvl, rdma) = soak::verify_buffer_bytes(new_world);
-    let opts =
-        BufferOptions { backend, num_nvl_bytes: nvl, num_rdma_bytes: rdma, timeout_ms: a.timeout_ms, ..crate::env::buffer_options() };
+    let opts = BufferOptions {
+        backend,
+        num_nvl_bytes: nvl,
+        num_rdma_bytes: rdma,
+        low_latency_mode: true,
+        timeout_ms: a.timeout_ms,
+        ..crate::env::buffer_options()
+    };
     let group: Arc<dyn Group> = Arc::new(g);
     let mut prim = Buffer::new(group.clone(), opts.clone())?;
     let mut twin = Buffer::new(group, BufferOptions { backend: BackendKind::Host, ..opts })?;

@@ -1283,6 +1283,7 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
         backend: s.kind,
         num_nvl_bytes: s.num_nvl_bytes,
         num_rdma_bytes: s.num_rdma_bytes,
+        low_latency_mode: true,
         timeout_ms: s.timeout_ms,
         ..crate::env::buffer_options()
     };

@@ -128,7 +128,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<V
     let s = inputs.shape;
     let mut outs: Vec<RankOutcome> = job.cases.iter().map(|_| RankOutcome::default()).collect();
     let opts = BufferOptions { backend: job.backend, num_nvl_bytes, ..job.base.clone() };
-    let mut buf = match Buffer::new(group.clone(), opts) {
+    let mut buf = match Buffer::new(group.clone(), opts.clone()) {
         Ok(b) => b,
         Err(moelink::Error::Unavailable(why)) => {
             for o in &mut outs {
@@ -142,7 +142,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<V
     let host_tensors = HtTensors::host(inputs, me)?;
     let tensors = if job.backend == BackendKind::Host { None } else { Some(host_tensors.upload(&buf)?) };
     let mut twin = if job.host_check {
-        let mut hb = Buffer::new(group.clone(), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+        let mut hb = Buffer::new(group.clone(), BufferOptions { backend: BackendKind::Host, ..opts.clone() })?;
         let layout = hb.get_dispatch_layout(host_tensors.topk.view(), s.experts)?;
         Some(HostTwin { buf: hb, tensors: HtTensors::host(inputs, me)?, layout, dispatched: HashMap::new(), combined: None })
     } else {
@@ -418,7 +418,8 @@ mod tests {
         let other = Inputs::generate(shape, RoutingKind::Uniform, 2, true);
         let out = moelink::group::run_ranks(2, |g| {
             let me = g.rank();
-            let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, ..Default::default() })?;
+            let num_nvl_bytes = Buffer::ht_bytes_needed(shape.tokens, shape.hidden, shape.topk, shape.ranks, false);
+            let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, num_nvl_bytes, ..Default::default() })?;
             let t = HtTensors::host(&good, me)?;
             let layout = buf.get_dispatch_layout(t.topk.view(), shape.experts)?;
             let mut pairs = vec![(check_layout(&layout, &good, me)?, check_layout(&layout, &other, me)?)];

@@ -588,7 +588,8 @@ mod tests {
         let other = Inputs::generate(shape, RoutingKind::Uniform, 2, false);
         let out = moelink::group::run_ranks(2, |g| {
             let me = g.rank();
-            let opts = BufferOptions { backend: BackendKind::Host, low_latency_mode: true, ..Default::default() };
+            let num_rdma_bytes = Buffer::ll_bytes_needed(shape.tokens, shape.hidden, shape.ranks, shape.experts);
+            let opts = BufferOptions { backend: BackendKind::Host, num_rdma_bytes, low_latency_mode: true, ..Default::default() };
             let mut buf = Buffer::new(Arc::new(g), opts)?;
             let t = LlTensors::host(&good, me)?;
             let mut pairs = Vec::new();

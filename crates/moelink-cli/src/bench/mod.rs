@@ -423,7 +423,8 @@ struct Batch {
 /// Communication buffer sizes of a run, `(num_nvl_bytes, num_rdma_bytes)`: what the largest batch of each
 /// mode needs on the CUDA backend ([`Buffer::ht_bytes_needed`] over the dispatch types measured, bf16
 /// always since combine dispatches bf16; [`Buffer::ll_bytes_needed`]). Every batch of a mode gets the same
-/// size, so the points of a curve differ only in what they measure. The host backend ignores them.
+/// size, so the points of a curve differ only in what they measure. The host backend applies the same
+/// capacity rules, so it gets the same sizes.
 fn buffer_bytes(batches: &[Batch]) -> (usize, usize) {
     let (mut nvl, mut rdma) = (0, 0);
     for b in batches {
