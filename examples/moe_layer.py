@@ -132,7 +132,10 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, rank: int, rtol: flo
 
 
 def main() -> int:
-    use_cuda = torch.cuda.is_available() and os.environ.get("MOELINK_BACKEND", "auto") != "host"
+    backend = os.environ.get("MOELINK_BACKEND", "auto")
+    if backend not in ("auto", "host", "cuda"):
+        raise SystemExit(f"MOELINK_BACKEND={backend!r}: expected auto, host or cuda")
+    use_cuda = backend != "host" and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:

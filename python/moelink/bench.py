@@ -37,6 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _env
+
 
 # ---------------------------------------------------------------------------------------------------- setup
 
@@ -46,7 +48,8 @@ class Ctx:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.cuda = torch.cuda.is_available() and os.environ.get("MOELINK_BACKEND", "auto") != "host"
+        # Checked first: a typo in MOELINK_BACKEND gets moelink's message, not a CUDA error.
+        self.cuda = _env.backend() != "host" and torch.cuda.is_available()
         if not self.cuda:
             os.environ["MOELINK_BACKEND"] = "host"
         if self.cuda:

@@ -15,7 +15,9 @@ phase runs on the current stream and ``hook()`` runs the receive phase on the st
 called. On the host backend (CPU tensors) every call is synchronous and events are ``None``.
 
 Environment: ``MOELINK_BACKEND`` (``auto`` | ``host`` | ``cuda``, default ``auto``: CUDA when torch sees a GPU
-and the driver and NVRTC are usable), ``MOELINK_TIMEOUT_MS`` (deadline of every wait, default 10000). For
+and the driver and NVRTC are usable; any other value raises ``ValueError`` naming it before CUDA is touched),
+``MOELINK_TIMEOUT_MS`` (deadline of every wait, default 10000; on the host backend every exchange too, through
+the torch group's store: see ``moelink.group.TorchStoreGroup``). For
 measurements, as with the ``moelink`` command: ``MOELINK_LL_TRACE=1`` / ``MOELINK_HT_TRACE=1`` (kernel timing
 traces), the tuning and timing-experiment variables (``MOELINK_LL_SMS``, ``MOELINK_LL_EXPERIMENT``,
 ``MOELINK_HT_*``; an unknown value raises ``ValueError`` when a buffer is created), and ``MOELINK_CACHE_DIR`` /
@@ -26,16 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
+import functools
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union
 
-from . import _native
+from . import _env, _native
 from ._args import count as _count
 from ._args import invalid as _invalid
 from ._torch import require_torch, torch
 from .config import Config
 from .event import EventOverlap, record_event
-from .group import MpiGroup, TorchGroup
+from .group import MpiGroup, torch_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -43,6 +45,22 @@ else:
     Tensor = Any
 
 _TensorTuple = Tuple[int, str, Tuple[int, ...], Tuple[int, ...], int]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _collective(method: _F) -> _F:
+    """Marks a collective operation: the native buffer counts the call before this layer can refuse it, so a
+    rank that raised on its own input and went on cannot pair its next call with its peers' current one (they
+    time out naming it instead; see ``moelink._native.Buffer.begin_call``)."""
+
+    @functools.wraps(method)
+    def counted(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
+        self._native.begin_call()
+        return method(self, *args, **kwargs)
+
+    return counted  # type: ignore[return-value]
 
 
 def _event_of(previous_event: Any) -> Any:
@@ -201,8 +219,10 @@ class Buffer:
             comm: an ``mpi4py.MPI.Comm`` to use when ``group`` is None.
         """
         t = require_torch()
+        backend = _env.backend()  # before anything touches CUDA: a typo gets moelink's message, not torch's
+        timeout_ms = _env.timeout_ms()
         if group is not None:
-            bytes_group: Any = TorchGroup(group)
+            bytes_group: Any = torch_group(group)
         elif comm is not None:
             bytes_group = MpiGroup(comm)
         else:
@@ -220,10 +240,8 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
 
-        backend = os.environ.get("MOELINK_BACKEND", "auto")
         if backend == "auto" and not t.cuda.is_available():
             backend = "host"  # the driver may be there, but torch cannot hand us CUDA tensors
-        timeout_ms = int(os.environ.get("MOELINK_TIMEOUT_MS", "10000"))
         device = t.cuda.current_device() if backend != "host" else None
         self._native = _native.Buffer(bytes_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
                                       backend=backend, timeout_ms=timeout_ms, device=device,
@@ -261,7 +279,7 @@ class Buffer:
         """An ``EventOverlap`` recorded on the current stream (event ``None`` without CUDA, or when
         ``MOELINK_BACKEND=host`` makes buffers use the host backend, whose calls return no events)."""
         t = require_torch()
-        on_cuda = t.cuda.is_available() and os.environ.get("MOELINK_BACKEND", "auto") != "host"
+        on_cuda = _env.backend() != "host" and t.cuda.is_available()
         return EventOverlap(record_event() if on_cuda else None)
 
     @staticmethod
@@ -436,6 +454,7 @@ class Buffer:
         event = self._finish(compute, async_finish, allocate_on_comm_stream, [topk_idx], [per_rank, per_expert, in_rank])
         return per_rank, None, per_expert, in_rank, event
 
+    @_collective
     def dispatch(self, x: Union[Tensor, Tuple[Tensor, Tensor]], handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
                  is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
@@ -518,6 +537,7 @@ class Buffer:
                                           send_head), native_handle)
         return out_x, recv_idx, recv_w, list(plan.num_recv_tokens_per_expert), dispatch_handle, event
 
+    @_collective
     def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None,
                 bias: Union[Tensor, Tuple[Tensor, Tensor], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -568,6 +588,7 @@ class Buffer:
         fn(self._launch_stream())
         self._finish(compute, False, False, [], [])
 
+    @_collective
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Clears the low-latency buffers (collective), e.g. after high-throughput use of the buffer."""
         args = (_count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", self.rank),
@@ -608,6 +629,7 @@ class Buffer:
 
         return hook
 
+    @_collective
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
@@ -664,6 +686,7 @@ class Buffer:
         ll_handle = LowLatencyHandle((src_info, layout_range, t_max, hidden, num_experts), native_handle)
         return out_x, recv_count, ll_handle, event, self._hook(native_hook, tensors)
 
+    @_collective
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[Tensor] = None,

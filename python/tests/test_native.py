@@ -35,7 +35,10 @@ def in_rank(idx: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
 
 
 def new_buffer(group: ThreadGroup, **kw) -> "_native.Buffer":
-    return _native.Buffer(group, 1 << 20, 1 << 20, backend="host", **kw)
+    """A host buffer with room for the small shapes of these tests (the host backend applies the CUDA
+    backend's capacity rules: 64 MiB of each region is more than any of them needs)."""
+    kw.setdefault("low_latency_mode", True)
+    return _native.Buffer(group, 64 << 20, 64 << 20, backend="host", **kw)
 
 
 def ht_dispatch(buf, inp, num_experts: int, *, fresh: bool = True, handle=None, worst: int = 0, alignment: int = 1):
@@ -330,3 +333,38 @@ def test_module_metadata():
     assert _native.low_latency_rdma_size_hint(128, 7168, 4, 288) > 2 * 128 * 4 * 7168 * 2
     assert _native.nvl_buffer_size_hint((20, 6, 256, 6, 128), 7168 * 2, 4) > 0
     assert _native.rdma_buffer_size_hint((20, 6, 256, 6, 128), 7168 * 2, 4) == 0
+
+
+@pytest.mark.parametrize("value", ["cpu", "HOST", "gpu", "", "cuda "])
+def test_a_backend_typo_gets_moelinks_message(monkeypatch, value):
+    from moelink import _env
+
+    monkeypatch.setenv("MOELINK_BACKEND", value)
+    with pytest.raises(ValueError) as info:
+        _env.backend()
+    assert info.value.argument == "MOELINK_BACKEND"
+    assert all(name in str(info.value) for name in ("auto", "host", "cuda")), str(info.value)
+    assert repr(value) in str(info.value) or f'"{value}"' in str(info.value), str(info.value)
+
+
+def test_backend_and_timeout_from_the_environment(monkeypatch):
+    from moelink import _env
+
+    monkeypatch.delenv("MOELINK_BACKEND", raising=False)
+    monkeypatch.delenv("MOELINK_TIMEOUT_MS", raising=False)
+    assert (_env.backend(), _env.timeout_ms()) == ("auto", 10_000)
+    for name in ("auto", "host", "cuda"):
+        monkeypatch.setenv("MOELINK_BACKEND", name)
+        assert _env.backend() == name
+    for bad in ("10s", "0", "-5"):
+        monkeypatch.setenv("MOELINK_TIMEOUT_MS", bad)
+        with pytest.raises(ValueError) as info:
+            _env.timeout_ms()
+        assert info.value.argument == "MOELINK_TIMEOUT_MS"
+
+
+def test_size_hints_are_the_rust_apis():
+    # One formula: what the buffers require (Buffer::ll_bytes_needed / ht_bytes_needed).
+    ll = _native.low_latency_rdma_size_hint(128, 7168, 4, 288)
+    assert ll > 2 * 128 * 4 * 7168 * 2 and ll % 4096 == 0
+    assert _native.ht_bytes_needed(4096, 7168, 8, 4, False) > 4 * 4096 * 7168 * 2 * 2

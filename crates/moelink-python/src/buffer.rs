@@ -247,12 +247,8 @@ impl PyBuffer {
     ) -> PyResult<PyBuffer> {
         let group = Arc::new(PyGroup::new(group)?);
         let rank = group.rank();
-        let kind = match backend {
-            "auto" => BackendKind::Auto,
-            "host" => BackendKind::Host,
-            "cuda" => BackendKind::Cuda,
-            other => return Err(invalid(py, "backend", rank, format!("{other:?}: expected \"auto\", \"host\" or \"cuda\""))),
-        };
+        let kind =
+            BackendKind::from_name(backend).ok_or_else(|| crate::errors::invalid_name(py, "backend", backend, BackendKind::NAMES))?;
         // Tracing and tuning come from the environment (the variables of the `moelink` command); the
         // library itself reads none.
         let env = |k: &str| std::env::var(k).ok();
@@ -341,6 +337,19 @@ impl PyBuffer {
     /// None on the buffer's own stream (returning when they finish). No effect on the host backend.
     fn set_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
         self.run(py, Some(stream), |_| Ok(()))
+    }
+
+    /// Marks the start of one of the package's collective operations (`moelink::Buffer::begin_call`): a call
+    /// the Python layer refuses before reaching this buffer still counts on this rank, so that its next call
+    /// cannot pair its exchanges with the peers' current one. Not collective; never fails.
+    fn begin_call(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Ok(mut guard) = self.inner.lock() {
+                if let Some(buf) = guard.as_mut() {
+                    buf.begin_call();
+                }
+            }
+        })
     }
 
     /// Waits for every rank (collective).

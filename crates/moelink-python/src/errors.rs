@@ -67,6 +67,17 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: Error, group_cause: Option<PyErr>) -> 
     err
 }
 
+/// A `ValueError` for a name that is not one of `names` (an environment variable's value, a backend name),
+/// with `argument` set to `source` and `rank` to -1: nothing has a rank yet.
+pub(crate) fn invalid_name(py: Python<'_>, source: &str, value: &str, names: &[&str]) -> PyErr {
+    let err = PyValueError::new_err(format!("invalid argument `{source}`: {value:?} is not one of {}", names.join(", ")));
+    let none = || py.None().into_bound(py);
+    let name = source.into_pyobject(py).map(|o| o.into_any()).unwrap_or_else(|_| none());
+    let rank = (-1i64).into_pyobject(py).map(|o| o.into_any()).unwrap_or_else(|_| none());
+    annotate(py, &err, &[("argument", name), ("rank", rank)]);
+    err
+}
+
 /// An argument error raised before the core sees the call (e.g. a dtype the core does not know).
 pub(crate) fn type_error(py: Python<'_>, arg: &str, rank: usize, reason: String) -> PyErr {
     let err = PyTypeError::new_err(format!("invalid argument `{arg}` on rank {rank}: {reason}"));

@@ -43,19 +43,29 @@ fn rdma_buffer_size_hint(config: ConfigTuple, hidden_bytes: usize, num_ranks: us
     config_from(config).get_rdma_buffer_size_hint(hidden_bytes, num_ranks)
 }
 
-/// Low-latency buffer bytes (`num_rdma_bytes`) for these sizes: an upper bound of what moelink's
-/// low-latency protocol keeps per rank, for two alternating buffer sets. Each set holds the dispatch
-/// receive slots (one per source rank and token: a bf16 row, top-k ids and weights, 16 bytes of metadata),
-/// the zero-copy combine source `[E_local, R*T_max, H]` bf16 and the combine receive rows (at most
-/// `max(R, K)` per token; K is bounded by the number of experts here).
+/// Low-latency buffer bytes (`num_rdma_bytes`) for these sizes: what every backend requires of a buffer
+/// for low-latency calls of this shape, zero-copy combine included (`moelink::Buffer::ll_bytes_needed`).
 #[pyfunction]
 fn low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_ranks: usize, num_experts: usize) -> usize {
-    let (t, h, r) = (num_max_dispatch_tokens_per_rank, hidden, num_ranks.max(1));
-    let e_local = num_experts.div_ceil(r);
-    let max_topk = num_experts.clamp(1, 32);
-    let dispatch_msg = 2 * h + max_topk * 12 + 16;
-    let per_set = r * t * dispatch_msg + e_local * r * t * 2 * h + r.max(max_topk) * t * 2 * h;
-    (2 * per_set).next_multiple_of(4096)
+    moelink::Buffer::ll_bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+}
+
+/// `num_nvl_bytes` for high-throughput calls of up to `num_tokens` tokens per rank
+/// (`moelink::Buffer::ht_bytes_needed`).
+#[pyfunction]
+fn ht_bytes_needed(num_tokens: usize, hidden: usize, topk: usize, num_ranks: usize, fp8: bool) -> usize {
+    moelink::Buffer::ht_bytes_needed(num_tokens, hidden, topk, num_ranks, fp8)
+}
+
+/// The backend a name selects (`"auto"`, `"host"` or `"cuda"`, exactly), checked before anything touches
+/// CUDA; a `ValueError` naming `source` (e.g. `MOELINK_BACKEND`) and listing the names otherwise.
+#[pyfunction]
+#[pyo3(signature = (name, source="backend"))]
+fn check_backend(py: Python<'_>, name: &str, source: &str) -> PyResult<&'static str> {
+    match moelink::BackendKind::from_name(name) {
+        Some(kind) => Ok(kind.name()),
+        None => Err(errors::invalid_name(py, source, name, moelink::BackendKind::NAMES)),
+    }
 }
 
 /// What the CUDA layer finds on this machine, without creating a context: a dict with `available`
@@ -126,6 +136,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvl_buffer_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(rdma_buffer_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(low_latency_rdma_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(ht_bytes_needed, m)?)?;
+    m.add_function(wrap_pyfunction!(check_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
     Ok(())

@@ -72,6 +72,35 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// The names [`BackendKind::from_name`] accepts, in the order the messages list them.
+    pub const NAMES: &'static [&'static str] = &["auto", "host", "cuda"];
+
+    /// The backend a name selects: exactly `"auto"`, `"host"` or `"cuda"` (what `MOELINK_BACKEND` and the
+    /// CLI's `--backend` take); `None` otherwise, for the edge to report with [`BackendKind::NAMES`].
+    ///
+    /// ```
+    /// use moelink::BackendKind;
+    /// assert_eq!(BackendKind::from_name("host"), Some(BackendKind::Host));
+    /// assert_eq!(BackendKind::from_name("cpu"), None);
+    /// ```
+    pub fn from_name(name: &str) -> Option<BackendKind> {
+        match name {
+            "auto" => Some(BackendKind::Auto),
+            "host" => Some(BackendKind::Host),
+            "cuda" => Some(BackendKind::Cuda),
+            _ => None,
+        }
+    }
+
+    /// The name [`BackendKind::from_name`] reads back.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
     /// `Ok` when this backend can run on this machine; for [`BackendKind::Cuda`] the error says why not
     /// (no driver, no GPU, no NVRTC, not built). `Host` and `Auto` always can.
     pub fn check_available(self) -> crate::Result<()> {
