@@ -44,6 +44,15 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // Checked before anything else (argument parsing reads it as `bench --backend`'s default): a typo gets
+    // moelink's message naming the variable, not clap's about `--backend`, nor a CUDA error later.
+    if let Some(value) = std::env::var_os("MOELINK_BACKEND") {
+        let value = value.to_string_lossy();
+        if moelink::BackendKind::from_name(&value).is_none() {
+            eprintln!("error: MOELINK_BACKEND={value:?} is not a backend: expected one of {}", moelink::BackendKind::NAMES.join(", "));
+            return ExitCode::from(1);
+        }
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

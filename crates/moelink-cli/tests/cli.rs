@@ -237,3 +237,19 @@ fn a_host_ll_soak_frees_everything_it_allocates() {
     }
     assert!(v["host_heap_held"]["max"].as_u64().unwrap() > v["host_heap_in_use"]["max"].as_u64().unwrap());
 }
+
+#[test]
+fn a_backend_typo_in_the_environment_gets_moelinks_message() {
+    for value in ["cpu", "HOST", "gpu"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_moelink"))
+            .args(["bench", "--quick"])
+            .env("MOELINK_BACKEND", value)
+            .output()
+            .expect("the moelink binary runs");
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
+        assert!(err.contains("MOELINK_BACKEND") && err.contains(value), "{err}");
+        assert!(["auto", "host", "cuda"].iter().all(|n| err.contains(n)), "{err}");
+        assert!(out.is_empty(), "nothing runs: {out}");
+    }
+}

@@ -162,7 +162,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub warmup: Option<usize>,
     /// Backend: auto, host or cuda.
-    #[arg(long, value_enum, default_value_t = BackendSel::Auto)]
+    /// (Default: `MOELINK_BACKEND`, else auto.)
+    #[arg(long, value_enum, env = "MOELINK_BACKEND", default_value_t = BackendSel::Auto)]
     pub backend: BackendSel,
     /// Write one JSON record per measurement to FILE (a JSON list), rewritten after every batch of
     /// measurements so that a run cut short keeps what it measured.
