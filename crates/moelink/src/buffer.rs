@@ -187,6 +187,15 @@ impl Buffer {
         self.backend.alloc(dtype, shape)
     }
 
+    /// [`Buffer::alloc`] for an output whose size comes from argument `arg`: a size the machine cannot hold
+    /// is an error naming `arg` and the bytes needed, before anything is allocated.
+    fn alloc_for(&self, arg: &'static str, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        self.alloc(dtype, shape).map_err(|e| match e {
+            Error::InvalidArgument { arg: "shape", reason, .. } => Error::invalid(arg, self.rank(), format!("the output {reason}")),
+            other => other,
+        })
+    }
+
     /// Copies `t` to this buffer's location (e.g. host inputs to the buffer's GPU).
     pub fn upload(&self, t: &Tensor) -> Result<Tensor> {
         self.backend.upload(t)
@@ -389,8 +398,8 @@ impl Buffer {
         let r = self.num_ranks();
         let mut out = DispatchLayout {
             num_tokens_per_rank: self.alloc(DType::I32, &[r])?,
-            num_tokens_per_expert: self.alloc(DType::I32, &[num_experts])?,
-            is_token_in_rank: self.alloc(DType::Bool, &[t, r])?,
+            num_tokens_per_expert: self.alloc_for("num_experts", DType::I32, &[num_experts])?,
+            is_token_in_rank: self.alloc_for("topk_idx", DType::Bool, &[t, r])?,
         };
         let views = LayoutOutputs {
             num_tokens_per_rank: out.num_tokens_per_rank.view_mut(),
@@ -454,10 +463,12 @@ impl Buffer {
         let plan = self.prepare_dispatch(args)?;
         let n = plan.num_recv_rows();
         let s = plan.spec;
-        let mut recv_x = self.alloc(if s.fp8 { DType::Fp8E4M3 } else { DType::BF16 }, &[n, s.hidden])?;
-        let mut recv_x_scales = if s.fp8 { Some(self.alloc(DType::F32, &[n, s.num_scales()])?) } else { None };
+        // The rows: num_worst_tokens in no-sync mode, else what the ranks' `x` send here.
+        let arg = if s.num_worst_tokens > 0 { "num_worst_tokens" } else { "x" };
+        let mut recv_x = self.alloc_for(arg, if s.fp8 { DType::Fp8E4M3 } else { DType::BF16 }, &[n, s.hidden])?;
+        let mut recv_x_scales = if s.fp8 { Some(self.alloc_for(arg, DType::F32, &[n, s.num_scales()])?) } else { None };
         let (mut idx, mut w) = if s.has_topk {
-            (Some(self.alloc(DType::I64, &[n, s.topk])?), Some(self.alloc(DType::F32, &[n, s.topk])?))
+            (Some(self.alloc_for(arg, DType::I64, &[n, s.topk])?), Some(self.alloc_for(arg, DType::F32, &[n, s.topk])?))
         } else {
             (None, None)
         };
@@ -545,10 +556,13 @@ impl Buffer {
             ));
         }
         let (el, rows, cols) = (spec.num_local_experts(), spec.rows_per_expert(), spec.num_scale_cols());
-        let mut recv_x = self.alloc(if spec.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, spec.hidden])?;
+        let arg = "num_max_dispatch_tokens_per_rank";
+        let mut recv_x = self.alloc_for(arg, if spec.quant.is_fp8() { DType::Fp8E4M3 } else { DType::BF16 }, &[el, rows, spec.hidden])?;
         let mut scales = match spec.quant {
             ll::LlQuant::Bf16 => None,
-            ll::LlQuant::Fp8 { use_ue8m0, .. } => Some(self.alloc(if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?),
+            ll::LlQuant::Fp8 { use_ue8m0, .. } => {
+                Some(self.alloc_for(arg, if use_ue8m0 { DType::I32 } else { DType::F32 }, &[el, cols, rows])?)
+            }
         };
         let mut recv_count = self.alloc(DType::I32, &[el])?;
         let mut src_info = self.alloc(DType::I32, &[el, rows])?;

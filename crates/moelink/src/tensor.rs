@@ -338,10 +338,20 @@ pub struct Tensor {
 
 impl Tensor {
     /// A zero-filled host tensor.
+    ///
+    /// A shape whose bytes overflow or that this machine cannot allocate is an [`Error::InvalidArgument`]
+    /// about `shape` saying how many bytes it needs (never an abort); [`crate::Buffer`]'s allocating calls
+    /// name the argument the shape came from instead.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let layout = Layout::contiguous(shape)?;
-        let bytes = layout.numel() * dtype.size_bytes();
-        Ok(Tensor { storage: Storage::Host(vec![0u128; bytes.div_ceil(16)]), dtype, layout })
+        let too_big = |bytes: String| {
+            Error::invalid("shape", 0, format!("{dtype:?} {shape:?} needs {bytes} bytes, more than this machine can allocate"))
+        };
+        let bytes = layout.numel().checked_mul(dtype.size_bytes()).ok_or_else(|| too_big(format!("more than {}", usize::MAX)))?;
+        let mut words: Vec<u128> = Vec::new();
+        words.try_reserve_exact(bytes.div_ceil(16)).map_err(|_| too_big(bytes.to_string()))?;
+        words.resize(bytes.div_ceil(16), 0);
+        Ok(Tensor { storage: Storage::Host(words), dtype, layout })
     }
 
     /// A host tensor holding `data` (row-major, `shape.iter().product() == data.len()`).

@@ -420,3 +420,31 @@ fn unsafe_leak_ref(v: TensorRef<'_>) -> TensorRef<'static> {
     // after all ranks have joined.
     unsafe { TensorRef::from_raw_parts(v.addr(), v.location(), v.dtype(), v.shape(), v.strides()).unwrap() }
 }
+
+/// Sizes the machine cannot hold are refused before allocation with an error naming the argument they came
+/// from and the bytes needed, never an abort.
+#[test]
+fn sizes_the_machine_cannot_hold_are_errors_naming_the_argument() {
+    // A tensor: the bytes overflow, or are far beyond any machine's memory.
+    let e = Tensor::zeros(DType::BF16, &[usize::MAX / 2, 4]).expect_err("overflows");
+    assert_eq!(e.argument(), Some("shape"), "{e}");
+    let e = Tensor::zeros(DType::BF16, &[1 << 40, 1 << 10]).expect_err("cannot be allocated");
+    assert_eq!(e.argument(), Some("shape"), "{e}");
+    assert!(e.to_string().contains(&format!("{} bytes", 1usize << 51)), "{e}");
+    // A no-sync dispatch whose worst-case rows cannot be allocated names num_worst_tokens.
+    let e = err_of(|b| {
+        let idx = Tensor::from_vec(vec![0i64, 1, 1, 0], &[2, 2])?;
+        let x = Tensor::from_vec(vec![bf16::ONE; 2 * 7168], &[2, 7168])?;
+        let layout = b.get_dispatch_layout(idx.view(), 2)?;
+        b.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+            expert_alignment: 1,
+            num_worst_tokens: i32::MAX as usize,
+            config: None,
+        })
+        .map(|_| ())
+    });
+    assert_eq!(e.argument(), Some("num_worst_tokens"), "{e}");
+    assert!(e.to_string().contains(&format!("{} bytes", i32::MAX as usize * 7168 * 2)), "{e}");
+}
