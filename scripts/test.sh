@@ -25,3 +25,10 @@ cargo test --workspace --release "$@"
 if [ $# -eq 0 ]; then
     scripts/test-python.sh
 fi
+
+# The candle example (examples/candle-moe, its own workspace so that candle stays out of the one above):
+# its MoE layer over moelink's host backend at 2 and 4 thread ranks against the dense layer. Its own target
+# directory; the first build of candle takes a few minutes on two cores, later runs reuse it.
+if [ $# -eq 0 ]; then
+    CARGO_TARGET_DIR=target/candle-moe cargo test --release --manifest-path examples/candle-moe/Cargo.toml
+fi
