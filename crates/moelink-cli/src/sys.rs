@@ -29,6 +29,14 @@ pub fn cpu_model() -> String {
 }
 
 /// Logical CPUs available to this process.
+/// This machine's memory in bytes (`MemTotal` of `/proc/meminfo`), or `None` where it cannot be read.
+pub fn host_memory_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 pub fn cpu_count() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

@@ -253,3 +253,14 @@ fn a_backend_typo_in_the_environment_gets_moelinks_message() {
         assert!(out.is_empty(), "nothing runs: {out}");
     }
 }
+
+#[test]
+fn a_size_the_machine_cannot_hold_is_an_error_naming_the_flag() {
+    for (flag, value) in [("--tokens", "99999999999"), ("--ll-tokens", "99999999999"), ("--tokens", "18446744073709551615")] {
+        let o = moelink(&["bench", "--quick", "--backend", "host", flag, value]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}: stdout:\n{out}\nstderr:\n{err}");
+        assert!(err.starts_with("error: ") && err.contains(&format!("{flag} {value}")) && err.contains("bytes"), "{err}");
+        assert!(!err.contains("memory allocation of"), "an abort, not an error: {err}");
+    }
+}

@@ -508,6 +508,7 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
         let mode_batches = if a.suite { suite_batches(mode, base, a.quick) } else { flag_batches(mode, base, a) };
         for b in &mode_batches {
             check_shape(mode, &b.shape, &b.dtypes)?;
+            check_fits_memory(mode, &b.shape, sys::host_memory_bytes(), !a.ll_tokens.is_empty())?;
         }
         batches.extend(mode_batches);
     }
@@ -605,6 +606,29 @@ fn check_shape(mode: Mode, s: &Shape, dtypes: &[Dtype]) -> std::result::Result<(
         return err(format!("--hidden {} must be a multiple of 128 for FP8 (one scale per 128 channels)", s.hidden));
     }
     Ok(())
+}
+
+/// Refuses a shape whose inputs cannot fit this machine's memory (`memory`: bytes, when known) before
+/// anything is allocated: the bench generates every rank's bf16 tokens on the host, `ranks x tokens x hidden x
+/// 2` bytes at least (checked arithmetic: an overflow is "more than any machine"). The error names the token
+/// flag (`ll_flag`: the LL sizes came from `--ll-tokens`) and the bytes needed.
+fn check_fits_memory(mode: Mode, s: &Shape, memory: Option<usize>, ll_flag: bool) -> std::result::Result<(), CliError> {
+    let flag = if mode == Mode::Ll && ll_flag { "--ll-tokens" } else { "--tokens" };
+    let needed = s.ranks.checked_mul(s.tokens).and_then(|n| n.checked_mul(s.hidden)).and_then(|n| n.checked_mul(2));
+    let what = format!(
+        "{}: {flag} {} needs at least {} bytes of host memory for the inputs alone ({} ranks x {} tokens x hidden {} x 2 bytes)",
+        mode.name(),
+        s.tokens,
+        needed.map_or_else(|| format!("more than {}", usize::MAX), |n| n.to_string()),
+        s.ranks,
+        s.tokens,
+        s.hidden
+    );
+    match (needed, memory) {
+        (None, _) => Err(CliError(format!("{what}; no machine has that much"))),
+        (Some(n), Some(m)) if n > m => Err(CliError(format!("{what}; this machine has {m} bytes"))),
+        _ => Ok(()),
+    }
 }
 
 /// Cases of one batch, in the order the rank workers run them.
@@ -1149,6 +1173,17 @@ fn status_name(s: Status) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn shapes_beyond_memory_are_refused_naming_the_flag() {
+        let s = Shape { ranks: 4, tokens: 256, hidden: 1024, topk: 8, experts: 64 };
+        assert!(check_fits_memory(Mode::Ht, &s, Some(1 << 30), false).is_ok());
+        let e = check_fits_memory(Mode::Ht, &Shape { tokens: 1 << 20, ..s }, Some(1 << 30), false).unwrap_err().0;
+        assert!(e.contains("--tokens 1048576") && e.contains(&format!("{} bytes", 4usize << 31)), "{e}");
+        let e = check_fits_memory(Mode::Ll, &Shape { tokens: usize::MAX / 2, ..s }, None, true).unwrap_err().0;
+        assert!(e.contains("--ll-tokens") && e.contains("no machine"), "{e}");
+    }
+
     use super::*;
     use clap::Parser;
 
