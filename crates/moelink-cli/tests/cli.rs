@@ -264,3 +264,22 @@ fn a_size_the_machine_cannot_hold_is_an_error_naming_the_flag() {
         assert!(!err.contains("memory allocation of"), "an abort, not an error: {err}");
     }
 }
+
+#[test]
+fn bench_plot_writes_a_png_of_the_expected_size() {
+    let png = tmp("bench.png");
+    let o =
+        moelink(&["bench", "--quick", "--backend", "host", "--tokens", "32,64", "--ll-tokens", "8,16", "--plot", png.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("wrote the plot to"), "{out}");
+    let bytes = std::fs::read(&png).expect("the plot was written");
+    // PNG signature, then the IHDR chunk: width and height (big-endian) at bytes 16..24.
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(&bytes[12..16], b"IHDR");
+    let width = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
+    let height = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
+    assert_eq!((width, height), (1280, 720));
+    // Lines, labels and two panels compress to far more than a blank picture's few hundred bytes.
+    assert!(bytes.len() > 20_000, "{} bytes", bytes.len());
+}

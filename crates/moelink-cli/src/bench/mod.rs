@@ -29,6 +29,7 @@ mod ht;
 pub mod inputs;
 mod ll;
 pub mod nvlink;
+pub mod plot;
 pub mod transport;
 
 use std::collections::HashMap;
@@ -194,6 +195,18 @@ pub struct BenchArgs {
     /// `loop_combine_kernel_us`).
     #[arg(long)]
     pub ll_trace: bool,
+    /// Draw what was measured into FILE (PNG, 1280x720): time or GB/s (`--plot-metric`) against what was
+    /// swept (tokens, SMs, or ranks across `--plot-with` files), one line per operation and payload type, a
+    /// baseline's lines dashed.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<PathBuf>,
+    /// What the plot's y axis shows.
+    #[arg(long, value_enum, default_value_t = plot::Metric::Time)]
+    pub plot_metric: plot::Metric,
+    /// Records of other runs to draw with this one's (repeatable): a baseline's (`python -m moelink.bench
+    /// --json`: NCCL, DeepEP), or moelink's at other rank counts (`--json` of earlier runs).
+    #[arg(long, value_name = "FILE.json")]
+    pub plot_with: Vec<PathBuf>,
 }
 
 /// SMs of the HT kernels in `--suite` outside its SM sweep: DESIGN.md's target budget (and the CUDA
@@ -818,6 +831,14 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         println!("wrote {} records to {}", records.len(), path.display());
     }
     println!("{}", render_summary(&records, &p));
+    if let Some(path) = &a.plot {
+        let mut all = records.clone();
+        for extra in &a.plot_with {
+            all.extend(record::read_json(extra).map_err(CliError)?);
+        }
+        plot::draw(path, &all, a.plot_metric).map_err(CliError)?;
+        println!("wrote the plot to {}", path.display());
+    }
     let bad: Vec<&Record> = records.iter().filter(|r| matches!(r.status, Status::Incorrect | Status::Error)).collect();
     if !bad.is_empty() {
         return Err(CliError(format!(
