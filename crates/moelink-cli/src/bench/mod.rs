@@ -834,7 +834,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     if let Some(path) = &a.plot {
         let mut all = records.clone();
         for extra in &a.plot_with {
-            all.extend(record::read_json(extra).map_err(CliError)?);
+            all.extend(plot::other_run(extra, record::read_json(extra).map_err(CliError)?));
         }
         plot::draw(path, &all, a.plot_metric).map_err(CliError)?;
         println!("wrote the plot to {}", path.display());

@@ -20,6 +20,27 @@ use crate::record::{Record, Status};
 /// Width and height of the picture in pixels.
 pub const SIZE: (u32, u32) = (1280, 720);
 
+/// The record field that names the file a `--plot-with` record came from, when it is drawn apart.
+const SOURCE: &str = "plot_source";
+
+/// Records of another run (`--plot-with path`): `moelink bench` records of moelink (they carry
+/// `time_us_min`) join this run's lines — other rank counts make a ranks sweep; any other harness's records
+/// (a baseline, or the Python package's moelink timings) are drawn as their own dashed lines, labelled with
+/// the file's name.
+pub fn other_run(path: &Path, mut records: Vec<Record>) -> Vec<Record> {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    for r in &mut records {
+        if !(r.system == "moelink" && r.extra.contains_key("time_us_min")) {
+            r.extra.insert(SOURCE.into(), serde_json::json!(stem));
+        }
+    }
+    records
+}
+
+fn source(r: &Record) -> String {
+    r.extra.get(SOURCE).and_then(|v| v.as_str()).unwrap_or_default().to_string()
+}
+
 /// What the y axis shows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Metric {
@@ -79,8 +100,14 @@ struct Series {
     points: Vec<(f64, f64)>,
 }
 
-/// A line: (is a baseline, system, operation, payload type); moelink's lines sort first.
-type LineKey = (bool, String, String, String);
+/// A line: (is a baseline, its source file or "" for this run, system, operation, payload type); this
+/// run's moelink lines sort first.
+type LineKey = (bool, String, String, String, String);
+
+fn line_key(r: &Record) -> LineKey {
+    let src = source(r);
+    (r.system != "moelink" || !src.is_empty(), src, r.system.clone(), r.op.clone(), r.dtype.clone().unwrap_or_default())
+}
 
 /// One panel: a regime and its lines.
 struct Panel {
@@ -89,13 +116,14 @@ struct Panel {
     series: Vec<Series>,
 }
 
-/// The first of tokens, SMs and ranks that takes more than one value in `records` (tokens when none does).
+/// The first of tokens, SMs and ranks that takes more than one value along some line of `records` (tokens
+/// when none does).
 fn swept_axis(records: &[&Record]) -> Axis {
     for axis in [Axis::Tokens, Axis::Sms, Axis::Ranks] {
-        let mut values: Vec<f64> = records.iter().filter_map(|r| axis.of(r)).collect();
-        values.sort_by(f64::total_cmp);
+        let mut values: Vec<(LineKey, u64)> = records.iter().filter_map(|r| Some((line_key(r), axis.of(r)?.to_bits()))).collect();
+        values.sort();
         values.dedup();
-        if values.len() > 1 {
+        if values.windows(2).any(|w| w[0].0 == w[1].0) {
             return axis;
         }
     }
@@ -121,11 +149,11 @@ fn panels(records: &[Record], metric: Metric) -> Vec<Panel> {
             let dtype = r.dtype.clone().unwrap_or_default();
             let n = colours.len();
             colours.entry((r.op.clone(), dtype.clone())).or_insert(n);
-            lines.entry((r.system != "moelink", r.system.clone(), r.op.clone(), dtype)).or_default().push((x, y));
+            lines.entry(line_key(r)).or_default().push((x, y));
         }
         let series = lines
             .into_iter()
-            .map(|((baseline, system, op, dtype), mut pts)| {
+            .map(|((baseline, src, system, op, dtype), mut pts)| {
                 pts.sort_by(|a, b| a.0.total_cmp(&b.0));
                 let mut merged: Vec<(f64, f64)> = Vec::new();
                 let mut i = 0;
@@ -136,7 +164,11 @@ fn panels(records: &[Record], metric: Metric) -> Vec<Panel> {
                     i += ys.len();
                 }
                 let colour = colours[&(op.clone(), dtype.clone())];
-                let label = if baseline { format!("{system} {op} {dtype} (dashed)") } else { format!("{op} {dtype}") };
+                let label = match (baseline, src.is_empty()) {
+                    (false, _) => format!("{op} {dtype}"),
+                    (true, true) => format!("{system} {op} {dtype} (dashed)"),
+                    (true, false) => format!("{system} {op} {dtype} ({src}, dashed)"),
+                };
                 Series { label, baseline, colour, points: merged }
             })
             .collect();
@@ -267,5 +299,23 @@ mod tests {
         let sms =
             vec![rec("moelink", "ht", "dispatch", "bf16", 128, Some(8), 9.0), rec("moelink", "ht", "dispatch", "bf16", 128, Some(16), 7.0)];
         assert_eq!(panels(&sms, Metric::Time)[0].axis, Axis::Sms);
+        // Another harness's moelink records at another SM count do not make an SM sweep of this run's line.
+        let mut python = rec("moelink", "ht", "dispatch", "bf16", 128, Some(24), 9.0);
+        python.extra.clear();
+        let mut mixed = vec![rec("moelink", "ht", "dispatch", "bf16", 128, Some(20), 7.0)];
+        mixed[0].extra.insert("time_us_min".into(), serde_json::json!(6.0));
+        mixed.extend(other_run(Path::new("/tmp/py.json"), vec![python]));
+        let p = panels(&mixed, Metric::Time);
+        assert_eq!(p[0].axis, Axis::Tokens);
+        assert_eq!(p[0].series[1].label, "moelink dispatch bf16 (py, dashed)");
+        // Other rank counts of `moelink bench` join this run's line: a ranks sweep.
+        let mut two = rec("moelink", "ht", "dispatch", "bf16", 128, Some(20), 5.0);
+        two.ranks = 2;
+        two.extra.insert("time_us_min".into(), serde_json::json!(4.0));
+        mixed.truncate(1);
+        mixed.extend(other_run(Path::new("r2.json"), vec![two]));
+        let p = panels(&mixed, Metric::Time);
+        assert_eq!((p[0].axis, p[0].series.len()), (Axis::Ranks, 1));
+        assert_eq!(p[0].series[0].points, [(2.0, 5.0), (4.0, 7.0)]);
     }
 }
