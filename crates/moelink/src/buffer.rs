@@ -124,7 +124,7 @@ impl Buffer {
         // Which node each rank is on: given, or the launcher's layout (collective: every rank detects).
         let topology = match options.topology {
             Some(t) => t,
-            None => Topology::detect(group.as_ref())?,
+            None => Topology::detect_within(group.as_ref(), std::time::Duration::from_millis(options.timeout_ms))?,
         };
         topology.validate(group.size(), rank)?;
         if topology.is_internode() {

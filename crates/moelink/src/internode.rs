@@ -86,6 +86,14 @@ impl Topology {
         Topology::from_hosts(&hosts, group.rank())
     }
 
+    /// [`Topology::detect`] waiting at most `timeout` for the other ranks ([`Group::all_gather_within`]):
+    /// what [`crate::Buffer::new`] uses, with the buffer's `timeout_ms`.
+    pub fn detect_within(group: &dyn Group, timeout: std::time::Duration) -> Result<Topology> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let hosts = group.all_gather_within(host.trim().as_bytes(), timeout)?;
+        Topology::from_hosts(&hosts, group.rank())
+    }
+
     /// [`Topology::detect`] on gathered host names (indexed by rank).
     pub fn from_hosts(hosts: &[Vec<u8>], rank: usize) -> Result<Topology> {
         let n = hosts.len();
