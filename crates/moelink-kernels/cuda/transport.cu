@@ -111,13 +111,45 @@ __device__ __forceinline__ u64 check_send_off(const TransportCheckArgs& a, u32 m
   return TRANSPORT_SIGNAL_BYTES + ((u64)a.rdma.num_ranks * a.messages + m) * a.slot_bytes;
 }
 
+// The receive of transport_check (block 0): counts first (every source's messages of this round that name
+// this rank), then every byte received this round against the pattern.
+__device__ __forceinline__ void check_receive(const TransportCheckArgs& a, const Deadline& dl) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+  const u32 warp = threadIdx.x / WARP_SIZE;
+  const u32 me = a.rdma.rank;
+  u64* expected = reinterpret_cast<u64*>(a.expected);
+  if (warp == 0) {
+    for (u32 s = lane; s < a.rdma.num_ranks; s += WARP_SIZE) {
+      u64 count = 0;
+      for (u32 m = 0; m < a.messages; m++) count += check_message(a, s, m).pe == me ? 1 : 0;
+      const u64 target = expected[s] + count;
+      expected[s] = target;
+      rdma::wait_signal_geq(a.rdma, (u64)s * sizeof(u64), target, dl, s);
+    }
+  }
+  __syncthreads();
+  if (error_raised(dl)) return;
+  u64 wrong = 0;
+  for (u32 item = threadIdx.x; item < a.rdma.num_ranks * a.messages; item += blockDim.x) {
+    const u32 s = item / a.messages, m = item % a.messages;
+    const CheckMessage msg = check_message(a, s, m);
+    if (msg.pe != me) continue;
+    const u8* got = reinterpret_cast<const u8*>(a.rdma.local_base + check_recv_off(a, s, m));
+    for (u32 i = 0; i < msg.bytes; i++) {
+      const u8 want = (u8)(check_word(msg.hash, i / 4) >> (8 * (i % 4)));
+      wrong += got[i] != want ? 1 : 0;
+    }
+  }
+  if (wrong != 0) ptx::red_add_relaxed_gpu_u64(reinterpret_cast<u64*>(a.mismatches), wrong);
+}
+
 // transport_check: grid = worker blocks (+ the emulated NIC's), TRANSPORT_THREADS threads, cooperative.
 // Roles: every worker warp sends messages g, g + W, ... (W = worker warps): writes the pattern into its send
 // slot, then per `mode` puts it into slot [me][m] of the destination and adds 1 to the destination's
-// counter for this rank; then quiets. Warp 0 of block 0 afterwards waits, per source s (lane s), until its
-// counter reaches the messages expected from s so far (every rank derives every rank's messages from the
-// seed), and block 0 compares every byte received this round with the pattern. Wrong bytes are added to
-// `mismatches`; a correct backend and protocol leave it at 0.
+// counter for this rank. Warp 0 of block 0 then waits, per source s (lane s), until its counter reaches the
+// messages expected from s so far (every rank derives every rank's messages from the seed), and block 0
+// compares every byte received this round with the pattern; every warp quiets last. Wrong bytes are added
+// to `mismatches`; a correct backend and protocol leave it at 0.
 extern "C" __global__ void __launch_bounds__(TRANSPORT_THREADS, 1) transport_check(const __grid_constant__ TransportCheckArgs a) {
   const Deadline dl = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_TRANSPORT);
   if (rdma::nic_block(a.rdma, dl)) return;
@@ -145,35 +177,12 @@ extern "C" __global__ void __launch_bounds__(TRANSPORT_THREADS, 1) transport_che
       __syncwarp();
     }
   }
+  if (blockIdx.x == 0) check_receive(a, dl);
+  // Every warp's operations complete before the launch ends — after the receive, so that block 0 looks at
+  // the bytes as soon as its counts arrive (with its own puts possibly still in flight): data that a
+  // protocol lets land after its signal is caught there, not hidden by this rank's own quiet.
   if (lane == 0) rdma::quiet_thread(a.rdma, RDMA_ALL_QPS, dl);
   __syncwarp();
-  if (blockIdx.x != 0) return;
-
-  // Receive: counts first (every source's messages of this round that name this rank).
-  u64* expected = reinterpret_cast<u64*>(a.expected);
-  if (warp == 0) {
-    for (u32 s = lane; s < a.rdma.num_ranks; s += WARP_SIZE) {
-      u64 count = 0;
-      for (u32 m = 0; m < a.messages; m++) count += check_message(a, s, m).pe == me ? 1 : 0;
-      const u64 target = expected[s] + count;
-      expected[s] = target;
-      rdma::wait_signal_geq(a.rdma, (u64)s * sizeof(u64), target, dl, s);
-    }
-  }
-  __syncthreads();
-  if (error_raised(dl)) return;
-  u64 wrong = 0;
-  for (u32 item = threadIdx.x; item < a.rdma.num_ranks * a.messages; item += blockDim.x) {
-    const u32 s = item / a.messages, m = item % a.messages;
-    const CheckMessage msg = check_message(a, s, m);
-    if (msg.pe != me) continue;
-    const u8* got = reinterpret_cast<const u8*>(a.rdma.local_base + check_recv_off(a, s, m));
-    for (u32 i = 0; i < msg.bytes; i++) {
-      const u8 want = (u8)(check_word(msg.hash, i / 4) >> (8 * (i % 4)));
-      wrong += got[i] != want ? 1 : 0;
-    }
-  }
-  if (wrong != 0) ptx::red_add_relaxed_gpu_u64(reinterpret_cast<u64*>(a.mismatches), wrong);
 }
 
 // TransportBenchArgs::mode.

@@ -320,19 +320,21 @@ __device__ __forceinline__ bool nic_block(const RdmaArgs& a, const Deadline& dl)
 #endif
 }
 
-// Peer-pointer operations (the ptr backend, and NVLink peers with the emulated NIC): a warp's stores, then
-// every lane's system fence and one lane's signal.
+// Peer-pointer operations (the ptr backend, and NVLink peers with the emulated NIC): a warp's stores, every
+// lane's system fence (one lane's fence does not cover the others' stores) and a warp rendezvous, so that
+// the put is complete when the call returns and any later operation of the warp — a signal from one lane
+// included — is ordered after all of it.
 __device__ __forceinline__ void ptr_put_warp(const RdmaArgs& a, u32 pe, u64 dst_off, u64 src_off, u32 bytes) {
   __syncwarp();
   copy_bytes(reinterpret_cast<u8*>(peer_base(a, pe) + dst_off), reinterpret_cast<const u8*>(a.local_base + src_off), bytes,
              threadIdx.x % WARP_SIZE, WARP_SIZE);
+  ptx::fence_acq_rel_sys();
+  __syncwarp();
 }
 
 __device__ __forceinline__ void ptr_put_signal_warp(const RdmaArgs& a, u32 pe, u64 dst_off, u64 src_off, u32 bytes, u64 sig_off, u64 value,
                                                     u32 sig_op) {
   ptr_put_warp(a, pe, dst_off, src_off, bytes);
-  ptx::fence_acq_rel_sys();  // every lane: its own stores (one lane's fence does not cover the others')
-  __syncwarp();
   if (threadIdx.x % WARP_SIZE == 0) apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, pe) + sig_off), value, sig_op);
   __syncwarp();
 }
