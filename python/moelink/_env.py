@@ -29,3 +29,40 @@ def timeout_ms() -> int:
     if value <= 0:
         raise invalid(ValueError, "MOELINK_TIMEOUT_MS", -1, f"{value} must be positive")
     return value
+
+
+def topology() -> str | None:
+    """``MOELINK_TOPOLOGY`` (default: unset, ranks grouped by host): ``NODESxRANKS_PER_NODE``, e.g. ``2x4``
+    for virtual nodes on one host. Checked by the buffer, whose error names the variable's value."""
+    raw = os.environ.get("MOELINK_TOPOLOGY")
+    return raw.strip() if raw and raw.strip() else None
+
+
+def transport() -> str | None:
+    """``MOELINK_TRANSPORT`` (default: unset, NVSHMEM): ``nvshmem``, ``ptr`` or ``emu-nic``, the engine that
+    carries bytes between nodes."""
+    raw = os.environ.get("MOELINK_TRANSPORT")
+    return raw.strip() if raw and raw.strip() else None
+
+
+def nvshmem_home() -> str | None:
+    """``NVSHMEM_HOME``, else the ``nvidia/nvshmem`` folder of the ``nvidia-nvshmem-cu13`` wheel when it is
+    installed (torch pulls it in), else None (only buffers whose ranks span nodes need NVSHMEM)."""
+    home = os.environ.get("NVSHMEM_HOME")
+    if home:
+        return home
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(list(spec.submodule_search_locations)[0])
+
+
+def cuda_home() -> str | None:
+    """``CUDA_HOME`` (the CUDA headers the NVSHMEM kernels are compiled with), else None (the library looks
+    in ``/usr/local/cuda`` and beside NVSHMEM)."""
+    return os.environ.get("CUDA_HOME") or None

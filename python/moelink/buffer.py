@@ -17,7 +17,10 @@ called. On the host backend (CPU tensors) every call is synchronous and events a
 Environment: ``MOELINK_BACKEND`` (``auto`` | ``host`` | ``cuda``, default ``auto``: CUDA when torch sees a GPU
 and the driver and NVRTC are usable; any other value raises ``ValueError`` naming it before CUDA is touched),
 ``MOELINK_TIMEOUT_MS`` (deadline of every wait, default 10000; on the host backend every exchange too, through
-the torch group's store: see ``moelink.group.TorchStoreGroup``). For
+the torch group's store: see ``moelink.group.TorchStoreGroup``). Across nodes: ``MOELINK_TOPOLOGY``
+(``NODESxRANKS_PER_NODE``, e.g. ``2x4``: virtual nodes on one host; default: ranks grouped by host),
+``MOELINK_TRANSPORT`` (``nvshmem``, the default, ``ptr`` or ``emu-nic``), ``NVSHMEM_HOME`` (default: the
+``nvidia-nvshmem-cu13`` wheel torch installs) and ``CUDA_HOME``; see docs/internode.md. For
 measurements, as with the ``moelink`` command: ``MOELINK_LL_TRACE=1`` / ``MOELINK_HT_TRACE=1`` (kernel timing
 traces), the tuning and timing-experiment variables (``MOELINK_LL_SMS``, ``MOELINK_LL_EXPERIMENT``,
 ``MOELINK_HT_*``; an unknown value raises ``ValueError`` when a buffer is created), and ``MOELINK_CACHE_DIR`` /
@@ -211,8 +214,11 @@ class Buffer:
             num_nvl_bytes: per-rank buffer bytes for high-throughput (NVLink) communication.
             num_rdma_bytes: per-rank buffer bytes for low-latency communication.
             low_latency_mode: whether the buffer serves the low-latency API.
-            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for
-                DeepEP compatibility; moelink's intranode transport has no use for them.
+            num_qps_per_rank: queue pairs per peer when the ranks span nodes (1..32; NVSHMEM's
+                ``NVSHMEM_IBGDA_NUM_RC_PER_PE``); unused inside a node.
+            allow_nvlink_for_low_latency_mode: across nodes, low-latency kernels reach the ranks of their
+                own node over NVLink (otherwise through the RDMA transport too).
+            allow_mnnvl, use_fabric: accepted for DeepEP compatibility; moelink has no use for them.
             explicitly_destroy: call ``destroy()`` to release resources at a known point; without it they
                 are released when the buffer is garbage-collected (``destroy()`` works either way).
             enable_shrink: low-latency fault tolerance (``low_latency_*_mask_buffer``).
@@ -245,7 +251,12 @@ class Buffer:
         device = t.cuda.current_device() if backend != "host" else None
         self._native = _native.Buffer(bytes_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
                                       backend=backend, timeout_ms=timeout_ms, device=device,
-                                      enable_shrink=self.enable_shrink)
+                                      enable_shrink=self.enable_shrink, num_qps_per_rank=self.num_qps_per_rank,
+                                      allow_nvlink_for_low_latency_mode=self.allow_nvlink_for_low_latency_mode,
+                                      topology=_env.topology(), transport=_env.transport(),
+                                      nvshmem_home=_env.nvshmem_home(), cuda_home=_env.cuda_home())
+        #: ``(num_nodes, ranks_per_node)``: how the buffer's ranks are spread over nodes.
+        self.topology: tuple = tuple(self._native.topology)
         self.backend: str = self._native.backend
         self._cuda = self.backend == "cuda"
         self._device = t.device("cuda", self._native.device) if self._cuda else t.device("cpu")

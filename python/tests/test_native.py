@@ -292,6 +292,23 @@ def test_shrink_masks_through_the_native_module():
     assert all(run_ranks(2, rank_fn))
 
 
+def test_topology_and_rdma_options_reach_the_buffer():
+    """Virtual nodes and the RDMA settings go through the native constructor; bad values name the argument."""
+
+    def rank_fn(g: ThreadGroup):
+        buf = new_buffer(g, topology="2x2", transport="emu-nic", num_qps_per_rank=4, allow_nvlink_for_low_latency_mode=False)
+        assert buf.topology == (2, 2)
+        assert new_buffer(g).topology == (1, 4)  # one host: one node
+        for kw, name in [({"topology": "3x2"}, "topology"), ({"topology": "two"}, "topology"),
+                         ({"transport": "carrier-pigeon"}, "transport"), ({"num_qps_per_rank": 0}, "num_qps_per_rank")]:
+            with pytest.raises(ValueError) as info:
+                new_buffer(g, **kw)
+            assert info.value.argument == name, repr(info.value)
+        return True
+
+    assert all(run_ranks(4, rank_fn))
+
+
 class FailingGroup:
     """A group whose all_gather raises (or returns too few messages)."""
 

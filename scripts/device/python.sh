@@ -47,7 +47,7 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
 export PYTHONPATH=/tmp/site
 python3 -c "import moelink, torch; print('moelink', moelink.__version__, 'torch', torch.__version__); print(moelink._native.cuda_info()); print('is_sm90_compiled', moelink.Buffer.is_sm90_compiled())" >> "$OUT/setup.log" 2>&1
 
-# PY_STEPS picks steps (default: all but gpu1): ci gpu1 gpu2 gpu4 host example bench.
+# PY_STEPS picks steps (default: all but gpu1, shared and nodes): ci gpu1 gpu2 gpu4 host shared nodes example bench.
 PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
 want() { case " $PY_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 want ci && (cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
@@ -60,6 +60,27 @@ for n in 1 2 4; do  # gpu1 (one rank, not in the default steps): for a machine w
 done
 want host && MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 120 \
     "${tr[@]}" --nproc_per_node=4 "${suite[@]}"
+# shared / nodes: 4 processes on ONE GPU under CUDA MPS (started as an ordinary daemon, pipe and log under /tmp,
+# quit at the end; compute mode untouched), a gloo group: the whole suite intranode, then the low-latency tests
+# on 2x2 virtual nodes over each transport. Ranks share the GPU: no figure here is an NVLink or network one.
+if want shared || want nodes; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/setup.log"
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
+    shared_env=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 NVSHMEM_HOME="${NVSHMEM_HOME:-$nv}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+        NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1)
+    want shared && step "suite, 4 ranks on 1 GPU (mps)" "$OUT/shared-tests.log" 300 \
+        "${shared_env[@]}" "${tr[@]}" --nproc_per_node=4 "${suite[@]}"
+    for transport in ${NODE_TRANSPORTS:-emu-nic ptr nvshmem}; do
+        want nodes && step "ll 2x2 $transport (mps)" "$OUT/nodes-$transport.log" 240 \
+            "${shared_env[@]}" MOELINK_TOPOLOGY=2x2 MOELINK_TRANSPORT="$transport" "${tr[@]}" --nproc_per_node=4 \
+            -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu/test_ll.py
+    done
+    echo quit | nvidia-cuda-mps-control
+    trap - EXIT
+fi
 want example && step "examples/moe_layer.py, $ranks ranks" "$OUT/moe_layer.log" 120 "${tr[@]}" --nproc_per_node="$ranks" examples/moe_layer.py
 bench_args=()
 [ "$ngpu" -eq 0 ] && bench_args=(--tokens 256 --hidden 512 --experts 16 --ll-tokens 16 --ll-experts 16 --reps 3 --warmup 1)

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use moelink::{
     BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan, Error, Group,
     HtHandle, KernelTracing, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle,
-    LlQuant, Location, Payload, RecvHook, Routing, TensorRef, Tuning,
+    LlQuant, Location, Payload, RdmaOptions, RecvHook, Routing, TensorRef, Topology, Transport, Tuning,
 };
 
 use crate::errors::to_pyerr;
@@ -37,6 +37,7 @@ pub(crate) struct PyBuffer {
     backend: &'static str,
     device: i64,
     default_num_sms: usize,
+    topology: Topology,
 }
 
 /// The arguments of a dispatch, kept between `prepare_dispatch` and `dispatch_into`.
@@ -231,8 +232,12 @@ impl PyBuffer {
     /// Creates this rank's buffer (collective). `group` implements `rank()`, `size()`,
     /// `all_gather(bytes) -> list[bytes]` and optionally `local_rank()`, `process_key()`.
     /// `backend`: `"auto"` (CUDA when usable, else host), `"host"` or `"cuda"`.
+    /// Across nodes: `topology` (`"NODESxRANKS_PER_NODE"`, e.g. `"2x4"`; default: ranks grouped by host),
+    /// `transport` (`"nvshmem"`, `"ptr"` or `"emu-nic"`; default `nvshmem`), `num_qps_per_rank`,
+    /// `allow_nvlink_for_low_latency_mode`, and where NVSHMEM (`nvshmem_home`) and the CUDA headers
+    /// (`cuda_home`) are.
     #[new]
-    #[pyo3(signature = (group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=false, backend="auto", timeout_ms=10_000, device=None, enable_shrink=false))]
+    #[pyo3(signature = (group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=false, backend="auto", timeout_ms=10_000, device=None, enable_shrink=false, num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=true, topology=None, transport=None, nvshmem_home=None, cuda_home=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -244,11 +249,33 @@ impl PyBuffer {
         timeout_ms: u64,
         device: Option<usize>,
         enable_shrink: bool,
+        num_qps_per_rank: usize,
+        allow_nvlink_for_low_latency_mode: bool,
+        topology: Option<&str>,
+        transport: Option<&str>,
+        nvshmem_home: Option<std::path::PathBuf>,
+        cuda_home: Option<std::path::PathBuf>,
     ) -> PyResult<PyBuffer> {
         let group = Arc::new(PyGroup::new(group)?);
         let rank = group.rank();
         let kind =
             BackendKind::from_name(backend).ok_or_else(|| crate::errors::invalid_name(py, "backend", backend, BackendKind::NAMES))?;
+        let topology = match topology {
+            Some(t) => Some(t.parse::<Topology>().map_err(|e| invalid(py, "topology", rank, e))?),
+            None => None,
+        };
+        let transport = match transport {
+            Some(t) => t.parse::<Transport>().map_err(|e| invalid(py, "transport", rank, e))?,
+            None => Transport::default(),
+        };
+        let rdma = RdmaOptions {
+            transport,
+            num_qps_per_rank,
+            allow_nvlink_for_low_latency_mode,
+            nvshmem_home,
+            cuda_home,
+            ..RdmaOptions::default()
+        };
         // Tracing and tuning come from the environment (the variables of the `moelink` command); the
         // library itself reads none.
         let env = |k: &str| std::env::var(k).ok();
@@ -264,6 +291,8 @@ impl PyBuffer {
             enable_shrink,
             kernel_tracing,
             tuning,
+            topology,
+            rdma,
             ..BufferOptions::default()
         };
         let dyn_group: Arc<dyn Group> = group.clone();
@@ -277,6 +306,7 @@ impl PyBuffer {
             num_ranks: buf.num_ranks(),
             backend: buf.backend_name(),
             default_num_sms: buf.default_num_sms(),
+            topology: buf.topology(),
             device,
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
             group,
@@ -296,6 +326,11 @@ impl PyBuffer {
     #[getter]
     fn backend(&self) -> &'static str {
         self.backend
+    }
+    /// `(num_nodes, ranks_per_node)` of the buffer's ranks.
+    #[getter]
+    fn topology(&self) -> (usize, usize) {
+        (self.topology.num_nodes, self.topology.ranks_per_node)
     }
     /// The CUDA device index tensors must live on, or -1 for host memory.
     #[getter]

@@ -127,9 +127,8 @@ impl Buffer {
             None => Topology::detect_within(group.as_ref(), std::time::Duration::from_millis(options.timeout_ms))?,
         };
         topology.validate(group.size(), rank)?;
-        if topology.is_internode() {
-            options.rdma.validate(rank)?;
-        }
+        // Checked on one node too (where they are unused), so a bad value fails before a job spans nodes.
+        options.rdma.validate(rank)?;
         let options = BufferOptions { topology: Some(topology), ..options };
         let backend: Box<dyn Backend> = match options.backend {
             BackendKind::Host => Box::new(backend::host::HostBackend::new(group.clone(), &options)?),

@@ -2,7 +2,9 @@
 
     torchrun --nproc_per_node=4 --local-ranks-filter 0 -m pytest -x -q python/tests/gpu
 
-On a GPU machine every rank uses ``cuda:LOCAL_RANK`` with an NCCL group and moelink's CUDA backend. With
+On a GPU machine every rank uses ``cuda:LOCAL_RANK`` with an NCCL group and moelink's CUDA backend; with more
+ranks than GPUs (processes sharing a GPU under CUDA MPS) the ranks share GPUs round-robin over a gloo group.
+``MOELINK_TOPOLOGY=2x2`` (and ``MOELINK_TRANSPORT``) runs the low-latency tests on virtual nodes. With
 ``MOELINK_BACKEND=host`` (or without a GPU) the same tests run on CPU tensors over gloo on the host backend,
 which checks the Python layer anywhere.
 
@@ -37,9 +39,12 @@ def _init() -> None:
     if "RANK" not in os.environ:
         pytest.exit("python/tests/gpu runs under torchrun (e.g. torchrun --nproc_per_node=2 -m pytest python/tests/gpu)", 2)
     use_cuda = torch.cuda.is_available() and os.environ.get("MOELINK_BACKEND", "auto") != "host"
+    # More ranks than GPUs (several processes on one GPU, under CUDA MPS): ranks share GPUs round-robin and
+    # the group is gloo, since NCCL refuses two ranks on one GPU.
+    shared = use_cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if use_cuda and not shared else "gloo", timeout=datetime.timedelta(seconds=300))
     if not use_cuda:
         os.environ["MOELINK_BACKEND"] = "host"
 
