@@ -1,5 +1,6 @@
 //! Streams and events.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::device::{same_device, Device};
@@ -7,22 +8,28 @@ use crate::error::{Error, Result};
 use crate::raw::driver::{self as drv, CUevent, CUstream};
 
 /// A CUDA stream. [`Stream::new`] creates a non-blocking stream (it does not synchronise with the legacy
-/// default stream) that is destroyed on drop; [`Stream::borrow_raw`] wraps someone else's stream (torch's
-/// current stream) without owning it.
+/// default stream) that is destroyed when its last clone is dropped; [`Stream::borrow_raw`] wraps someone
+/// else's stream (torch's current stream) without owning it. Clones share one handle.
+#[derive(Clone)]
 pub struct Stream {
+    inner: Arc<StreamHandle>,
+}
+
+/// The handle every clone of a [`Stream`] shares; an owned stream is destroyed when this drops.
+struct StreamHandle {
     device: Device,
     raw: CUstream,
     owned: bool,
 }
 
 // SAFETY: a CUstream handle may be used from any thread; the driver serialises submissions.
-unsafe impl Send for Stream {}
+unsafe impl Send for StreamHandle {}
 // SAFETY: as above; no method hands out interior mutability beyond driver calls.
-unsafe impl Sync for Stream {}
+unsafe impl Sync for StreamHandle {}
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Stream(GPU {}, {:#x})", self.device.ordinal(), self.raw_handle())
+        write!(f, "Stream(GPU {}, {:#x})", self.device().ordinal(), self.raw_handle())
     }
 }
 
@@ -32,7 +39,7 @@ impl Stream {
         let _g = device.bind_scoped()?;
         // SAFETY: the device's context is current; the stream is destroyed in Drop.
         let raw = unsafe { drv::stream_create_non_blocking()? };
-        Ok(Stream { device: device.clone(), raw, owned: true })
+        Ok(Stream { inner: Arc::new(StreamHandle { device: device.clone(), raw, owned: true }) })
     }
 
     /// Wraps an existing stream handle (e.g. `torch.cuda.current_stream().cuda_stream`) without taking
@@ -40,37 +47,37 @@ impl Stream {
     ///
     /// # Safety
     /// `handle` must be a stream of `device`'s primary context (or 0) that stays alive while the returned
-    /// value is used.
+    /// value or any of its clones is used.
     pub unsafe fn borrow_raw(device: &Device, handle: u64) -> Stream {
-        Stream { device: device.clone(), raw: handle as usize as CUstream, owned: false }
+        Stream { inner: Arc::new(StreamHandle { device: device.clone(), raw: handle as usize as CUstream, owned: false }) }
     }
 
     /// The raw `CUstream` as an integer (what torch calls `cuda_stream`).
     pub fn raw_handle(&self) -> u64 {
-        self.raw as usize as u64
+        self.inner.raw as usize as u64
     }
 
     pub(crate) fn raw(&self) -> CUstream {
-        self.raw
+        self.inner.raw
     }
 
     /// The device the stream belongs to.
     pub fn device(&self) -> &Device {
-        &self.device
+        &self.inner.device
     }
 
     /// Blocks until all work submitted so far has completed.
     pub fn synchronize(&self) -> Result<()> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: live stream of the current context.
-        unsafe { drv::stream_synchronize(self.raw) }
+        unsafe { drv::stream_synchronize(self.raw()) }
     }
 
     /// True when all work submitted so far has completed.
     pub fn query(&self) -> Result<bool> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: live stream of the current context.
-        unsafe { drv::stream_query(self.raw) }
+        unsafe { drv::stream_query(self.raw()) }
     }
 
     /// Polls until the stream is idle or `timeout` passes; `Ok(false)` on timeout. Unlike
@@ -90,9 +97,9 @@ impl Stream {
 
     /// Makes later work on this stream wait for `event` (recorded on any device).
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: both handles are live; cross-device event waits are allowed.
-        unsafe { drv::stream_wait_event(self.raw, event.raw) }
+        unsafe { drv::stream_wait_event(self.raw(), event.raw) }
     }
 
     /// Makes later work on this stream wait for a raw event handle (e.g. from torch).
@@ -100,13 +107,13 @@ impl Stream {
     /// # Safety
     /// `event` must be a live `CUevent` handle.
     pub unsafe fn wait_raw_event(&self, event: u64) -> Result<()> {
-        let _g = self.device.bind_scoped()?;
-        drv::stream_wait_event(self.raw, event as usize as CUevent)
+        let _g = self.device().bind_scoped()?;
+        drv::stream_wait_event(self.raw(), event as usize as CUevent)
     }
 
     /// Records a new event on this stream and returns it.
     pub fn record_event(&self) -> Result<Event> {
-        let e = Event::new(&self.device, false)?;
+        let e = Event::new(self.device(), false)?;
         e.record(self)?;
         Ok(e)
     }
@@ -119,8 +126,8 @@ impl Stream {
         if bytes == 0 {
             return Ok(());
         }
-        let _g = self.device.bind_scoped()?;
-        drv::memcpy_dtod_async(dst, src, bytes, self.raw)
+        let _g = self.device().bind_scoped()?;
+        drv::memcpy_dtod_async(dst, src, bytes, self.raw())
     }
 
     /// Fills `count` 32-bit words at `dst` with `value` in stream order.
@@ -131,8 +138,8 @@ impl Stream {
         if count == 0 {
             return Ok(());
         }
-        let _g = self.device.bind_scoped()?;
-        drv::memset_d32_async(dst, value, count, self.raw)
+        let _g = self.device().bind_scoped()?;
+        drv::memset_d32_async(dst, value, count, self.raw())
     }
 
     /// Fills `count` bytes at `dst` with `value` in stream order.
@@ -143,24 +150,24 @@ impl Stream {
         if count == 0 {
             return Ok(());
         }
-        let _g = self.device.bind_scoped()?;
-        drv::memset_d8_async(dst, value, count, self.raw)
+        let _g = self.device().bind_scoped()?;
+        drv::memset_d8_async(dst, value, count, self.raw())
     }
 
     /// Starts capturing this stream's work into a graph instead of running it (thread-local capture mode:
     /// other threads' CUDA calls are unaffected). End with [`Stream::end_capture`].
     pub fn begin_capture(&self) -> Result<()> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: live stream of the current context.
-        unsafe { drv::stream_begin_capture(self.raw) }
+        unsafe { drv::stream_begin_capture(self.raw()) }
     }
 
     /// Ends a capture started with [`Stream::begin_capture`] and returns the captured graph.
     pub fn end_capture(&self) -> Result<crate::graph::Graph> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: live stream of the current context; the graph is owned by the returned value.
-        let raw = unsafe { drv::stream_end_capture(self.raw)? };
-        Ok(crate::graph::Graph::from_raw(&self.device, raw))
+        let raw = unsafe { drv::stream_end_capture(self.raw())? };
+        Ok(crate::graph::Graph::from_raw(self.device(), raw))
     }
 
     /// Captures what `f` submits to this stream into a graph. The capture is ended even when `f` fails,
@@ -177,7 +184,7 @@ impl Stream {
     }
 }
 
-impl Drop for Stream {
+impl Drop for StreamHandle {
     fn drop(&mut self) {
         if !self.owned {
             return;
@@ -219,21 +226,21 @@ impl Event {
     /// Records the event at the current end of `stream` (which must be on the same device).
     pub fn record(&self, stream: &Stream) -> Result<()> {
         same_device("Event::record", &self.device, stream.device())?;
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: both handles live and of the same context.
         unsafe { drv::event_record(self.raw, stream.raw()) }
     }
 
     /// Blocks until the recorded work has completed.
     pub fn synchronize(&self) -> Result<()> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: live event.
         unsafe { drv::event_synchronize(self.raw) }
     }
 
     /// True when the recorded work has completed (or the event was never recorded).
     pub fn query(&self) -> Result<bool> {
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: live event.
         unsafe { drv::event_query(self.raw) }
     }
@@ -243,7 +250,7 @@ impl Event {
         if !self.timing || !end.timing {
             return Err(Error::invalid("Event::elapsed_ms needs two events created with timing = true"));
         }
-        let _g = self.device.bind_scoped()?;
+        let _g = self.device().bind_scoped()?;
         // SAFETY: both events live.
         unsafe { drv::event_elapsed_ms(self.raw, end.raw) }
     }
@@ -261,7 +268,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if let Ok(_g) = self.device.bind_scoped() {
+        if let Ok(_g) = self.device().bind_scoped() {
             // SAFETY: we created the event and destroy it once.
             let _ = unsafe { drv::event_destroy(self.raw) };
         }
