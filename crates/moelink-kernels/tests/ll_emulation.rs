@@ -6,8 +6,7 @@
 //! and hard timeouts, argument problems and signature mismatches reported on every rank.
 //!
 //! This checks index math and the flag protocol without a GPU; it is not a memory-model or timing test.
-//! Skips (printing why) without a C++17 compiler (`g++`, or `$CXX`), unless `MOELINK_REQUIRE_EMU=1` (or
-//! `MOELINK_REQUIRE_EMULATION=1`).
+//! Skips (printing why) without a C++17 compiler (`g++`, or `$CXX`), unless `MOELINK_REQUIRE_EMU=1`.
 
 mod common;
 

@@ -25,13 +25,13 @@ pub fn emulated_ptx() -> String {
 }
 
 /// The C++ compiler (`$CXX`, else `g++`), or None when it does not run (the caller skips, saying why) —
-/// unless `MOELINK_REQUIRE_EMU=1` (or `MOELINK_REQUIRE_EMULATION=1`), which makes that a failure.
+/// unless `MOELINK_REQUIRE_EMU=1`, which makes that a failure.
 pub fn compiler() -> Option<String> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     match Command::new(&cxx).arg("--version").output() {
         Ok(o) if o.status.success() => Some(cxx),
         _ => {
-            let required = ["MOELINK_REQUIRE_EMU", "MOELINK_REQUIRE_EMULATION"].iter().any(|k| std::env::var(k).as_deref() == Ok("1"));
+            let required = std::env::var("MOELINK_REQUIRE_EMU").as_deref() == Ok("1");
             assert!(!required, "MOELINK_REQUIRE_EMU=1 but no C++ compiler ({cxx}, or $CXX) runs");
             None
         }
