@@ -5,15 +5,15 @@
 //! - `moelink bench transport` — the RDMA transport seam's latency and bandwidth per backend and QP count.
 //! - `moelink selftest [--process]` — group and GPU self-checks, in threads or as a torchrun rank.
 //! - `moelink info` — GPUs, driver, peer access, NVRTC, and the backend `auto` picks.
-//! - `moelink soak` — randomized rounds of every kernel family checked against the host backend.
-//! - `moelink chaos` — kill a rank mid-collective (process mode); survivors must time out and rebuild.
+//!
+//! The soak and chaos runs are the `moelink-stress` binary's.
 //!
 //! Errors print as `error: <message>` and exit with status 1. Environment variables: `moelink_cli::env`.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use moelink_cli::{bench, chaos, info, selftest, soak};
+use moelink_cli::{bench, info, selftest};
 
 /// moelink: expert-parallel MoE dispatch/combine over NVLink.
 #[derive(Parser, Debug)]
@@ -35,12 +35,6 @@ enum Cmd {
     Selftest(selftest::SelftestArgs),
     /// Show GPUs, driver, peer access, NVRTC, and which backend `auto` picks. Works without a GPU.
     Info,
-    /// Randomized rounds of every kernel family, each checked bit for bit against the host backend, with
-    /// device and host memory sampled (thread mode; `--backend host` runs without a GPU).
-    Soak(soak::SoakArgs),
-    /// Process mode: one rank SIGKILLs itself in the middle of a collective; the survivors must get a
-    /// timeout naming it, stay alive and rebuild over the remaining ranks (or, with --shrink, mask it).
-    Chaos(chaos::ChaosArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,20 +47,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    let cli = match Cli::try_parse() {
-        Ok(c) => c,
-        Err(e) => {
-            // clap prints "error: ..." with usage for bad arguments, and the text for --help/--version.
-            let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(1) } else { ExitCode::SUCCESS };
-        }
-    };
-    // The environment's tracing, tuning and JIT variables become typed options before anything runs.
-    if let Err(e) = moelink_cli::env::init() {
-        eprintln!("error: {e}");
-        return ExitCode::from(1);
-    }
-    let result = match &cli.cmd {
+    moelink_cli::main_of(|cli: Cli| match &cli.cmd {
         Cmd::Bench(b) => match &b.probe {
             Some(bench::BenchSub::Nvlink(a)) => bench::nvlink::run(a),
             Some(bench::BenchSub::Transport(a)) => bench::transport::run(a),
@@ -74,14 +55,5 @@ fn main() -> ExitCode {
         },
         Cmd::Selftest(a) => selftest::run(a),
         Cmd::Info => info::run(),
-        Cmd::Soak(a) => soak::run(a),
-        Cmd::Chaos(a) => chaos::run(a),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    })
 }

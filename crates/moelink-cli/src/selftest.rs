@@ -240,7 +240,7 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
     // The deadline check holds ranks back on purpose: give the group room beyond it.
     let timeout = Duration::from_millis(a.deadline_ms.saturating_mul(4).max(60_000));
     // Ranks beyond the GPU count share them round-robin.
-    let per_rank = crate::ranks::run_threads(ranks, timeout, |g| Ok(run_checks(&g, g.rank() % gpus.max(1), a)));
+    let per_rank = moelink::group::run_ranks_with_timeout(ranks, timeout, |g| Ok(run_checks(&g, g.rank() % gpus.max(1), a)));
     let mut all = Vec::new();
     for (rank, r) in per_rank.into_iter().enumerate() {
         match r {
@@ -386,7 +386,7 @@ mod tests {
 
     #[test]
     fn the_group_check_passes_on_threads() {
-        let out = crate::ranks::run_threads(3, Duration::from_secs(10), |g| Ok(group_check(&g)));
+        let out = moelink::group::run_ranks_with_timeout(3, Duration::from_secs(10), |g| Ok(group_check(&g)));
         for r in out {
             assert_eq!(r.map(|c| c.verdict).ok(), Some(Verdict::Pass));
         }

@@ -1,8 +1,8 @@
-//! GPU tests of the CUDA layer. They skip (print why, pass) unless `MOELINK_TEST_CUDA=1` and a driver and
-//! a GPU are present; NVRTC must be loadable (`LD_LIBRARY_PATH=/usr/local/cuda/lib64` on the GPU box).
+//! GPU tests of the CUDA layer. Ignored unless included (`--include-ignored`, on a machine with a driver and
+//! a GPU); NVRTC must be loadable (`LD_LIBRARY_PATH=/usr/local/cuda/lib64` on the GPU box).
 //!
 //! ```text
-//! MOELINK_TEST_CUDA=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64 cargo test -p moelink-cuda --test gpu -- --test-threads 1
+//! LD_LIBRARY_PATH=/usr/local/cuda/lib64 cargo test -p moelink-cuda --test gpu -- --include-ignored --test-threads 1
 //! ```
 
 use std::sync::{Arc, Mutex};
@@ -14,19 +14,9 @@ use moelink_cuda::{
     PeerAccess, Stream, SymmetricBuffer,
 };
 
-/// The device to test on, or `None` (after saying why) when GPU tests must skip.
-fn gpu(test: &str) -> Option<Device> {
-    if std::env::var("MOELINK_TEST_CUDA").as_deref() != Ok("1") {
-        eprintln!("skipping {test}: set MOELINK_TEST_CUDA=1 to run GPU tests (needs a CUDA GPU)");
-        return None;
-    }
-    match Device::new(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("skipping {test}: {e}");
-            None
-        }
-    }
+/// The device to test on (the tests that call this were included to run on a GPU: no GPU is a failure).
+fn gpu() -> Device {
+    Device::new(0).unwrap_or_else(|e| panic!("this test runs on a GPU machine: {e}"))
 }
 
 const TEST_KERNELS: &str = r#"
@@ -90,8 +80,9 @@ fn words_of(bytes: &[u8]) -> Vec<u32> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn alloc_copy_round_trip() {
-    let Some(dev) = gpu("alloc_copy_round_trip") else { return };
+    let dev = gpu();
     let n = 1 << 18;
     let data: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2654435761)).collect();
     let mut a = DeviceBuffer::from_host(&dev, &bytes_of(&data)).unwrap();
@@ -134,8 +125,9 @@ fn alloc_copy_round_trip() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn host_mapped_memory_is_written_by_kernels() {
-    let Some(dev) = gpu("host_mapped_memory_is_written_by_kernels") else { return };
+    let dev = gpu();
     let module = test_module(&dev);
     let k = module.kernel("write_host").unwrap();
     let mut hm = HostMapped::<u32>::new(&dev, 1000).unwrap();
@@ -151,8 +143,9 @@ fn host_mapped_memory_is_written_by_kernels() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn module_load_launch_and_argument_checks() {
-    let Some(dev) = gpu("module_load_launch_and_argument_checks") else { return };
+    let dev = gpu();
     let module = test_module(&dev);
     let k: Kernel = module.kernel("add_one").unwrap();
     assert_eq!(k.param_sizes(), &[8, 4]);
@@ -185,8 +178,9 @@ fn module_load_launch_and_argument_checks() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn cooperative_and_cluster_launches() {
-    let Some(dev) = gpu("cooperative_and_cluster_launches") else { return };
+    let dev = gpu();
     let module = test_module(&dev);
     let stream = Stream::new(&dev).unwrap();
 
@@ -218,8 +212,9 @@ fn cooperative_and_cluster_launches() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn graph_capture_and_replay() {
-    let Some(dev) = gpu("graph_capture_and_replay") else { return };
+    let dev = gpu();
     let module = test_module(&dev);
     let k = module.kernel("add_one").unwrap();
     let n = 4096u32;
@@ -251,8 +246,9 @@ fn graph_capture_and_replay() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn events_order_streams_and_time_work() {
-    let Some(dev) = gpu("events_order_streams_and_time_work") else { return };
+    let dev = gpu();
     let module = test_module(&dev);
     let k = module.kernel("add_one").unwrap();
     let n = 1 << 20;
@@ -278,8 +274,9 @@ fn events_order_streams_and_time_work() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn jit_cache_hits() {
-    let Some(dev) = gpu("jit_cache_hits") else { return };
+    let dev = gpu();
     let dir = std::env::temp_dir().join(format!("moelink-gpu-jit-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let req = CompileRequest::new("gpu_test_kernels.cu", TEST_KERNELS, dev.info().arch()).define("UNUSED_CONSTANT", 1);
@@ -339,8 +336,9 @@ impl ThreadGather {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn symmetric_memory_over_all_gpus_in_thread_mode() {
-    let Some(_) = gpu("symmetric_memory_over_all_gpus_in_thread_mode") else { return };
+    gpu();
     let n = Device::count().unwrap();
     let bytes_per_peer = 1 << 20;
     let gather = ThreadGather::new(n);
@@ -408,8 +406,9 @@ fn symmetric_memory_over_all_gpus_in_thread_mode() {
 /// runs would wait for that kernel, and the peer would wait out its deadline. `load_shared` gives the second
 /// rank the module the first one loaded (functions included), so nothing is loaded while the kernel spins.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn ranks_sharing_a_gpu_load_each_module_once() {
-    let Some(dev) = gpu("ranks_sharing_a_gpu_load_each_module_once") else { return };
+    let dev = gpu();
     let req = CompileRequest::new("gpu_test_kernels.cu", TEST_KERNELS, dev.info().arch()).define("SHARED_MODULE_TEST", 1);
     let compiled = JitCache::new(None).compile(&req).unwrap();
     let flag = DeviceBuffer::zeroed(&dev, 4).unwrap();
@@ -448,8 +447,9 @@ fn ranks_sharing_a_gpu_load_each_module_once() {
 /// same GPU (that kernel may be waiting for this rank): each operation runs while a kernel on another
 /// stream spins until a flag that is set only after the operation returned.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn host_operations_do_not_wait_for_other_streams() {
-    let Some(dev) = gpu("host_operations_do_not_wait_for_other_streams") else { return };
+    let dev = gpu();
     let module = test_module(&dev);
     let (wait, set) = (module.kernel("wait_for_flag").unwrap(), module.kernel("set_flag").unwrap());
     let (spinner, setter) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
@@ -487,8 +487,9 @@ fn host_operations_do_not_wait_for_other_streams() {
 
 /// Two ranks of one process on the same GPU: each reaches the other's buffer by its plain pointer.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn symmetric_memory_of_ranks_sharing_a_gpu() {
-    let Some(dev) = gpu("symmetric_memory_of_ranks_sharing_a_gpu") else { return };
+    let dev = gpu();
     let gather = ThreadGather::new(2);
     std::thread::scope(|s| {
         for rank in 0..2 {
@@ -522,8 +523,9 @@ const IPC_BYTES: usize = 64 << 20;
 /// Parent side: exports a buffer, lets a child process (this test binary, re-executed) map it over IPC,
 /// check the first half and write the second half.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn ipc_across_processes() {
-    let Some(dev) = gpu("ipc_across_processes") else { return };
+    let dev = gpu();
     let half = IPC_BYTES / 2;
     let first: Vec<u8> = (0..half).map(|i| (i % 251) as u8).collect();
     assert!(DeviceBuffer::zeroed(&dev, IPC_BYTES).unwrap().ipc_handle().is_err(), "pool memory is not exportable");

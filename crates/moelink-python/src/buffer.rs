@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 
 use moelink::{
-    BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan, Error, Group,
-    HtHandle, KernelTracing, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle,
-    LlQuant, Location, Payload, RdmaOptions, RecvHook, Routing, TensorRef, Topology, Transport, Tuning,
+    BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan, Error,
+    ForeignStream, Group, HtHandle, KernelTracing, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
+    LlDispatchOutputs, LlHandle, LlQuant, Location, Payload, RdmaOptions, RecvHook, Routing, TensorRef, Topology, Transport, Tuning,
 };
 
 use crate::errors::to_pyerr;
@@ -191,7 +191,8 @@ fn required<T>(py: Python<'_>, v: Option<T>, arg: &'static str, rank: usize, why
 }
 
 impl PyBuffer {
-    /// Runs `f` on the buffer with the GIL released; `stream` (if the call has one) is set first.
+    /// Runs `f` on the buffer with the GIL released; on the raw stream `stream` (returning once enqueued) when
+    /// the call has one, else on the buffer's own stream (returning when done).
     fn run<T: Send>(
         &self,
         py: Python<'_>,
@@ -203,14 +204,18 @@ impl PyBuffer {
         let r = py.detach(|| {
             let mut guard = self.inner.lock().map_err(|_| Error::Poisoned { rank, cause: "a previous call panicked".into() })?;
             let buf = guard.as_mut().ok_or_else(|| Error::Unavailable(format!("the buffer on rank {rank} was destroyed")))?;
-            if let Some(stream) = stream {
-                // SAFETY: the package passes the handle of a live torch stream on this buffer's device
-                // (`torch.cuda.Stream.cuda_stream`) and sets it again before every operation, so a stale
-                // handle is never used; it keeps every tensor of an asynchronous operation alive until the
-                // stream work completes (EventOverlap's extra tensors, `record_stream`).
-                unsafe { buf.set_stream(stream) };
+            match stream.flatten() {
+                Some(raw) => {
+                    // SAFETY: the package passes the handle of a live torch stream of this buffer's device
+                    // (`torch.cuda.Stream.cuda_stream`: the comm stream the Python Buffer keeps, or the
+                    // current stream), which outlives the buffer's use of it; it keeps every tensor of an
+                    // asynchronous operation alive until the stream work completes (EventOverlap's extra
+                    // tensors, `record_stream`).
+                    let foreign = unsafe { ForeignStream::from_raw(raw) };
+                    buf.on_foreign_stream(&foreign, f)
+                }
+                None => f(buf),
             }
-            f(buf)
         });
         r.map_err(|e| to_pyerr(py, e, self.group.take_error()))
     }
@@ -366,12 +371,6 @@ impl PyBuffer {
             drop(guard.take());
         });
         Ok(())
-    }
-
-    /// Runs later operations on the raw CUDA stream `stream` (returning once they are enqueued), or with
-    /// None on the buffer's own stream (returning when they finish). No effect on the host backend.
-    fn set_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
-        self.run(py, Some(stream), |_| Ok(()))
     }
 
     /// Marks the start of one of the package's collective operations (`moelink::Buffer::begin_call`): a call

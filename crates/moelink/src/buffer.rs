@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{self, Backend, LayoutOutputs, PendingRecv};
+use crate::backend::{self, Backend, BoundStream, LayoutOutputs, PendingRecv};
 use crate::config::{BackendKind, BufferOptions};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -13,6 +13,7 @@ use crate::ht::{
 };
 use crate::internode::Topology;
 use crate::ll::{self, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle};
+use crate::stream::{ForeignStream, StreamScope};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
@@ -77,8 +78,9 @@ pub struct LlDispatchResult {
     pub handle: LlHandle,
 }
 
-/// A CUDA graph of buffer operations, from [`Buffer::capture`]; run it with [`Buffer::replay`].
-pub struct CapturedGraph {
+/// A CUDA graph of buffer operations, captured and replayed by the pipelines of [`crate::graph`], which own
+/// everything it uses.
+pub(crate) struct CapturedGraph {
     buffer_id: u64,
     exec: moelink_cuda::GraphExec,
 }
@@ -245,57 +247,79 @@ impl Buffer {
         r
     }
 
-    /// CUDA backend: run later operations on the caller's stream `stream` (a raw `CUstream`) and return as
-    /// soon as they are enqueued, or with `None` on the buffer's own stream, returning when they finish.
-    /// Kernel errors of an asynchronous operation surface at a later call. Host backend: no effect.
+    /// CUDA backend: runs the operations `f` issues on `stream` (a stream of this buffer's GPU) instead of
+    /// the buffer's own, each returning as soon as it is enqueued, and waits for all of them (bounded by the
+    /// buffer's deadline) before returning `f`'s result; a kernel error of any of them is the result then.
+    /// Host backend: `f` runs as usual (every operation completes before it returns).
     ///
-    /// # Safety
-    /// `stream` must be a live stream of this buffer's device for as long as it is set, and every tensor
-    /// an asynchronous operation reads or writes must stay alive until that stream work has completed.
-    pub unsafe fn set_stream(&mut self, stream: Option<u64>) {
-        self.backend.set_stream(stream)
-    }
-
-    /// CUDA backend: records the operations `f` enqueues on this buffer into a CUDA graph instead of running
-    /// them, and returns the graph with `f`'s result. Only work that never waits on the host can be
-    /// captured: [`Buffer::get_dispatch_layout_into`], no-sync dispatch (`num_worst_tokens > 0`) through
-    /// [`Buffer::prepare_dispatch`] + [`Buffer::dispatch_into`], cached dispatch, [`Buffer::combine_into`] —
-    /// with every output allocated before the capture. Run the same operations once before capturing (that
-    /// compiles the kernels and warms the handle pool; drop that run's handle), since nothing may allocate
-    /// device memory while a capture runs. Collective: every rank captures the same operations.
+    /// The scope lets work overlap with the host and with other streams without giving up safety: the
+    /// tensors, handles and pipelines an operation in the scope uses are borrowed for the whole call
+    /// (`'env`), so none of them can be dropped, written or reused while the GPU may still use it.
+    /// Results a call allocates (`dispatch`, `combine`, ...) are not available in the scope: allocate
+    /// outputs before and use the `_into` forms. One stream at a time: scopes do not nest.
     ///
     /// ```no_run
-    /// # fn demo(buf: &mut moelink::Buffer) -> moelink::Result<()> {
-    /// let (graph, ()) = buf.capture(|buf| {
-    ///     // buf.get_dispatch_layout_into(..)?; buf.prepare_dispatch(..)?; buf.dispatch_into(..)?; ...
-    ///     Ok(())
-    /// })?;
-    /// // SAFETY: every tensor the captured calls use is still alive.
-    /// unsafe { buf.replay(&graph)? };
+    /// # fn demo(buf: &mut moelink::Buffer, stream: &moelink_cuda::Stream, pipeline: &moelink::graph::LlGraph) -> moelink::Result<()> {
+    /// buf.on_stream(stream, |scope| {
+    ///     scope.replay(pipeline)?; // enqueued on `stream`; the host goes on at once
+    ///     scope.replay(pipeline)
+    /// })?; // both replays have finished here
     /// # Ok(()) }
     /// ```
-    pub fn capture<T>(&mut self, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<(CapturedGraph, T)> {
+    pub fn on_stream<'env, T>(
+        &mut self,
+        stream: &moelink_cuda::Stream,
+        f: impl for<'b> FnOnce(&mut StreamScope<'b, 'env>) -> Result<T>,
+    ) -> Result<T> {
         self.check_usable()?;
-        self.backend.begin_capture()?;
-        let result = f(self);
-        let exec = self.backend.end_capture();
-        let value = result?;
-        Ok((CapturedGraph { buffer_id: self.id, exec: exec? }, value))
+        self.backend.bind_stream(BoundStream::Owned(stream.clone()))?;
+        // The stream's work is waited for however `f` ends, a panic included: the borrows it uses end here.
+        let value = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut StreamScope::new(self))));
+        let waited = self.backend.unbind_stream(true);
+        if let Err(e) = &waited {
+            if e.poisons_buffer() && self.poisoned.is_none() {
+                self.poisoned = Some(e.to_string());
+                self.backend.poison();
+            }
+        }
+        let value = value.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+        waited?;
+        Ok(value)
     }
 
-    /// Runs a graph from [`Buffer::capture`] (collective: every rank replays its graph). In the default
-    /// synchronous mode it returns when the graph has finished, with any kernel error.
-    ///
-    /// # Safety
-    /// The captured kernels run again with the captured pointers: every tensor the captured operations read
-    /// or wrote (inputs, outputs, handles) must still be alive, with the same shapes.
-    pub unsafe fn replay(&mut self, graph: &CapturedGraph) -> Result<()> {
+    /// As [`Buffer::on_stream`] for a stream from outside Rust (torch's current stream, from the Python
+    /// layer), whose work the caller keeps alive ([`ForeignStream::from_raw`]): `f` gets the whole buffer,
+    /// every operation returns once enqueued, and nothing waits for them; a kernel error surfaces at a later
+    /// call. Host backend: `f` runs as usual.
+    pub fn on_foreign_stream<T>(&mut self, stream: &ForeignStream, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<T> {
+        self.check_usable()?;
+        self.backend.bind_stream(BoundStream::Foreign(stream.handle()))?;
+        let value = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self)));
+        self.backend.unbind_stream(false)?;
+        value.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    }
+
+    /// Starts recording this buffer's operations into a CUDA graph (CUDA backend; see [`crate::graph`]).
+    pub(crate) fn begin_capture(&mut self) -> Result<()> {
+        self.check_usable()?;
+        self.backend.begin_capture()
+    }
+
+    /// Ends the recording [`Buffer::begin_capture`] started and instantiates the graph.
+    pub(crate) fn end_capture(&mut self) -> Result<CapturedGraph> {
+        let exec = self.backend.end_capture()?;
+        Ok(CapturedGraph { buffer_id: self.id, exec })
+    }
+
+    /// Runs a captured graph (collective: every rank replays its graph); in the default synchronous mode it
+    /// returns when the graph has finished, with any kernel error. Only the pipelines of [`crate::graph`]
+    /// call it: they own everything their graphs use.
+    pub(crate) fn replay_graph(&mut self, graph: &CapturedGraph) -> Result<()> {
         self.begin_call();
         if graph.buffer_id != self.id {
             return Err(Error::invalid("graph", self.rank(), "the graph was captured on another buffer"));
         }
-        // SAFETY: forwarded contract.
-        self.step(|b| unsafe { b.replay(&graph.exec) })
+        self.step(|b| b.replay(&graph.exec))
     }
 
     /// Runs `f` and measures how long the operations it issues on this buffer take; returns `f`'s result and
@@ -323,19 +347,7 @@ impl Buffer {
     /// assert!(out.iter().all(|r| matches!(r, Ok((_, true, "wall")))));
     /// ```
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<(T, f64)> {
-        self.begin_call();
-        let device = self.step(|b| b.timer_begin())?;
-        let t0 = std::time::Instant::now();
-        let value = match f(self) {
-            Ok(v) => v,
-            Err(e) => {
-                self.backend.timer_cancel();
-                return Err(e);
-            }
-        };
-        let wall_us = t0.elapsed().as_secs_f64() * 1e6;
-        let us = if device { self.step(|b| b.timer_end())? } else { wall_us };
-        Ok((value, us))
+        timed_region(self, |b| b, f)
     }
 
     /// What [`Buffer::timed`] measures on this buffer: `"cuda-events"` (device time between CUDA events) or
@@ -692,6 +704,23 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         let _ = self.backend.quiesce();
     }
+}
+
+/// [`Buffer::timed`] over any context that reaches the buffer (the buffer itself, or a [`StreamScope`]).
+pub(crate) fn timed_region<C, T>(ctx: &mut C, buf: fn(&mut C) -> &mut Buffer, f: impl FnOnce(&mut C) -> Result<T>) -> Result<(T, f64)> {
+    buf(ctx).begin_call();
+    let device = buf(ctx).step(|b| b.timer_begin())?;
+    let t0 = std::time::Instant::now();
+    let value = match f(ctx) {
+        Ok(v) => v,
+        Err(e) => {
+            buf(ctx).backend.timer_cancel();
+            return Err(e);
+        }
+    };
+    let wall_us = t0.elapsed().as_secs_f64() * 1e6;
+    let us = if device { buf(ctx).step(|b| b.timer_end())? } else { wall_us };
+    Ok((value, us))
 }
 
 /// Shorthand for a fresh dispatch's routing.

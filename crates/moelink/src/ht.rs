@@ -16,7 +16,6 @@
 //!   converted to fp32), and rounds to bf16 (round-to-nearest-even). `combined_topk_weights` is the same
 //!   ascending-rank fp32 sum of the `topk_weights` rows.
 
-use std::any::Any;
 use std::sync::Arc;
 
 use crate::config::Config;
@@ -112,7 +111,7 @@ pub struct DispatchPlan {
     pub(crate) spec: HtSpec,
     pub(crate) num_recv_tokens: Option<usize>,
     pub(crate) num_recv_tokens_per_expert: Vec<usize>,
-    pub(crate) state: Box<dyn Any + Send>,
+    pub(crate) state: crate::backend::PlanState,
 }
 
 impl DispatchPlan {
@@ -189,7 +188,7 @@ pub struct HtHandle {
     pub(crate) num_experts: usize,
     pub(crate) num_recv_tokens: Option<usize>,
     pub(crate) num_worst_tokens: usize,
-    pub(crate) data: Arc<dyn Any + Send + Sync>,
+    pub(crate) data: Arc<crate::backend::HtRouting>,
 }
 
 impl HtHandle {

@@ -45,27 +45,31 @@ pub mod diag;
 pub mod dtype;
 pub mod error;
 pub mod fp8;
+pub mod graph;
 pub mod group;
 pub mod ht;
 pub mod internode;
 pub mod layout;
 pub mod ll;
 pub mod rdma_probe;
+pub mod stream;
 pub mod tensor;
 pub mod trace;
 pub(crate) mod validate;
 
 pub use backend::LayoutOutputs;
-pub use buffer::{fresh, Buffer, CapturedGraph, CombineResult, DispatchLayout, DispatchResult, LlDispatchResult, RecvHook};
+pub use buffer::{fresh, Buffer, CombineResult, DispatchLayout, DispatchResult, LlDispatchResult, RecvHook};
 #[doc(hidden)]
 pub use config::Tuning;
 pub use config::{BackendKind, BufferOptions, Config, KernelTracing};
 pub use dtype::{DType, Element, Fp8E4M3};
 pub use error::{Error, Phase, Result};
+pub use graph::{HtGraph, HtGraphSpec, LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
 pub use group::{Group, TcpGroup, ThreadGroup};
 pub use ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Payload, Routing};
 pub use internode::{EmuNicOptions, RdmaOptions, Topology, Transport};
 pub use ll::{LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant};
+pub use stream::{ForeignStream, StreamScope};
 pub use tensor::{Layout, Location, Tensor, TensorMut, TensorRef};
 
 /// Re-export of the bf16 type used for hidden states.

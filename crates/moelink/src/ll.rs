@@ -20,7 +20,6 @@
 //!   sums the partials in fp32 in ascending rank order and rounds to bf16. The two forms differ by at most
 //!   one bf16 rounding of each partial; the oracle implements both exactly.
 
-use std::any::Any;
 use std::sync::Arc;
 
 use crate::dtype::DType;
@@ -54,6 +53,15 @@ impl LlQuant {
     }
     pub fn is_fp8(&self) -> bool {
         matches!(self, LlQuant::Fp8 { .. })
+    }
+    /// Columns of the scale tensor for rows of `hidden` channels: none (BF16), `hidden/128` (FP8 with
+    /// `float32` scales) or `hidden/512` (UE8M0: four exponent bytes per `int32`).
+    pub fn num_scale_cols(&self, hidden: usize) -> usize {
+        match self {
+            LlQuant::Bf16 => 0,
+            LlQuant::Fp8 { use_ue8m0: false, .. } => hidden / FP8_BLOCK,
+            LlQuant::Fp8 { use_ue8m0: true, .. } => hidden / FP8_BLOCK / UE8M0_PER_INT,
+        }
     }
 }
 
@@ -120,11 +128,7 @@ impl LlSpec {
     }
     /// Columns of the scale tensor (`H/128`, or `H/512` for UE8M0).
     pub fn num_scale_cols(&self) -> usize {
-        match self.quant {
-            LlQuant::Bf16 => 0,
-            LlQuant::Fp8 { use_ue8m0: false, .. } => self.hidden / FP8_BLOCK,
-            LlQuant::Fp8 { use_ue8m0: true, .. } => self.hidden / FP8_BLOCK / UE8M0_PER_INT,
-        }
+        self.quant.num_scale_cols(self.hidden)
     }
 }
 
@@ -133,7 +137,7 @@ impl LlSpec {
 pub struct LlHandle {
     pub(crate) buffer_id: u64,
     pub(crate) spec: LlSpec,
-    pub(crate) data: Arc<dyn Any + Send + Sync>,
+    pub(crate) data: Arc<crate::backend::LlRouting>,
 }
 
 impl LlHandle {

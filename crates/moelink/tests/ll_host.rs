@@ -6,13 +6,13 @@
 //! Rank closures only make collective calls and return what they saw; assertions run afterwards on the
 //! test thread, so a failing check cannot leave other ranks waiting in a collective.
 
-mod common;
-
-use common::{on, random_weights, routing, shares_gpu, test_options, with_buffers, Rng, RoutingKind};
 use moelink::{
     bf16, fp8, BackendKind, Buffer, BufferOptions, DType, Error, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
     LlHandle, LlQuant, Result, Tensor, TensorRef,
 };
+use moelink_testkit::harness::{available_ranks, on, ranks, shares_gpu, test_options, with_buffers};
+use moelink_testkit::values::random_weights;
+use moelink_testkit::{backend_tests, route, Rng, RouteKind};
 
 const PLAIN: LlQuant = LlQuant::Fp8 { round_scale: false, use_ue8m0: false };
 const ROUND: LlQuant = LlQuant::Fp8 { round_scale: true, use_ue8m0: false };
@@ -28,7 +28,7 @@ struct Case {
     t_max: usize,
     /// Tokens on each rank (`tokens[r]`, every entry <= `t_max`).
     tokens: Vec<usize>,
-    routing: RoutingKind,
+    routing: RouteKind,
     quant: LlQuant,
     /// Pass `topk_weights` to dispatch (pre-reduced combine).
     weights: bool,
@@ -43,11 +43,7 @@ impl Case {
         self.ranks * self.t_max
     }
     fn scale_cols(&self) -> usize {
-        match self.quant {
-            LlQuant::Bf16 => 0,
-            LlQuant::Fp8 { use_ue8m0: false, .. } => self.hidden / 128,
-            LlQuant::Fp8 { use_ue8m0: true, .. } => self.hidden / 512,
-        }
+        self.quant.num_scale_cols(self.hidden)
     }
     fn rank_of(&self, e: i64) -> usize {
         e as usize / self.local_experts()
@@ -73,7 +69,7 @@ struct Inputs {
 fn inputs(c: &Case, r: usize) -> Inputs {
     let mut rng = Rng::new(c.seed.wrapping_mul(7919).wrapping_add(r as u64));
     let t = c.tokens[r];
-    let topk_idx = routing(&mut rng, c.routing, t, c.topk, c.experts, c.ranks);
+    let topk_idx = route(&mut rng, c.routing, t, c.topk, c.experts, c.ranks);
     let x = (0..t * c.hidden)
         .map(|i| {
             let (tok, g) = (i / c.hidden, (i % c.hidden) / 128);
@@ -438,8 +434,7 @@ fn run_case(kind: BackendKind, c: &Case) {
 }
 
 fn run_with_inputs(kind: BackendKind, c: &Case, all: &[Inputs]) {
-    if c.ranks > common::max_ranks(kind) {
-        eprintln!("skipping {c:?}: needs {} ranks", c.ranks);
+    if ranks(kind, c.ranks).is_none() {
         return;
     }
     let runs = with_buffers(kind, c.ranks, test_options(), |buf| round_trip(buf, c, all));
@@ -458,14 +453,14 @@ fn case(ranks: usize, experts: usize, topk: usize, hidden: usize, t_max: usize, 
         hidden,
         t_max,
         tokens: tokens.to_vec(),
-        routing: RoutingKind::Uniform,
+        routing: RouteKind::Uniform,
         quant: LlQuant::Bf16,
         weights: false,
         seed: 1,
     }
 }
 
-fn with(c: Case, routing: RoutingKind, quant: LlQuant, weights: bool, seed: u64) -> Case {
+fn with(c: Case, routing: RouteKind, quant: LlQuant, weights: bool, seed: u64) -> Case {
     Case { routing, quant, weights, seed, ..c }
 }
 
@@ -479,19 +474,19 @@ backend_tests! {
         let base = case(2, 8, 4, 2048, 8, &[8, 5]);
         let modes = [(LlQuant::Bf16, false), (LlQuant::Bf16, true), (PLAIN, false), (PLAIN, true), (ROUND, true), (UE8M0, false)];
         for (quant, weights) in modes {
-            run_case(kind, &with(base.clone(), RoutingKind::Uniform, quant, weights, 11));
+            run_case(kind, &with(base.clone(), RouteKind::Uniform, quant, weights, 11));
         }
     }
 
     fn ep4_hidden_7168_tokens_0_1_tmax(kind: BackendKind) {
         let base = case(4, 16, 4, 7168, 4, &[4, 1, 0, 3]);
-        run_case(kind, &with(base.clone(), RoutingKind::Uniform, UE8M0, true, 21));
-        run_case(kind, &with(base, RoutingKind::Uniform, PLAIN, false, 22));
+        run_case(kind, &with(base.clone(), RouteKind::Uniform, UE8M0, true, 21));
+        run_case(kind, &with(base, RouteKind::Uniform, PLAIN, false, 22));
     }
 
     fn ep4_skewed_holes_and_empty_rank(kind: BackendKind) {
         let base = case(4, 16, 6, 512, 6, &[6, 6, 2, 5]);
-        for (i, routing) in [RoutingKind::Skewed, RoutingKind::WithHoles, RoutingKind::EmptyRank(2)].into_iter().enumerate() {
+        for (i, routing) in [RouteKind::Skewed, RouteKind::WithHoles, RouteKind::EmptyRank(2)].into_iter().enumerate() {
             for (quant, weights) in [(LlQuant::Bf16, false), (ROUND, true), (UE8M0, false), (PLAIN, true)] {
                 run_case(kind, &with(base.clone(), routing, quant, weights, 30 + i as u64));
             }
@@ -500,7 +495,7 @@ backend_tests! {
 
     fn ep4_every_token_without_experts(kind: BackendKind) {
         // Every slot -1 on rank 1: nothing is sent, its combine output is +0.0.
-        let mut c = with(case(4, 8, 2, 256, 3, &[3, 3, 3, 3]), RoutingKind::Uniform, PLAIN, true, 5);
+        let mut c = with(case(4, 8, 2, 256, 3, &[3, 3, 3, 3]), RouteKind::Uniform, PLAIN, true, 5);
         let mut all: Vec<Inputs> = (0..4).map(|r| inputs(&c, r)).collect();
         all[1].topk_idx.iter_mut().for_each(|e| *e = -1);
         let runs = with_buffers(kind, 4, test_options(), |buf| round_trip(buf, &c, &all));
@@ -526,7 +521,7 @@ backend_tests! {
         for (ranks, experts, picks, tiny) in scenarios {
             for (quant, weights) in [(LlQuant::Bf16, false), (LlQuant::Bf16, true), (PLAIN, false), (PLAIN, true)] {
                 let tokens = [8, 7, 8, 6];
-                let c = with(case(ranks, experts, 4, 512, 8, &tokens[..ranks]), RoutingKind::Uniform, quant, weights, 100);
+                let c = with(case(ranks, experts, 4, 512, 8, &tokens[..ranks]), RouteKind::Uniform, quant, weights, 100);
                 let mut all: Vec<Inputs> = (0..c.ranks).map(|r| inputs(&c, r)).collect();
                 for (r, inp) in all.iter_mut().enumerate() {
                     for t in 0..c.tokens[r] {
@@ -543,14 +538,14 @@ backend_tests! {
     }
 
     fn ep8_and_ep1(kind: BackendKind) {
-        run_case(kind, &with(case(8, 32, 8, 2048, 4, &[4, 0, 1, 2, 3, 4, 4, 1]), RoutingKind::Uniform, UE8M0, true, 81));
-        run_case(kind, &with(case(8, 32, 8, 1024, 3, &[3, 3, 0, 3, 1, 3, 2, 3]), RoutingKind::WithHoles, LlQuant::Bf16, false, 82));
-        run_case(kind, &with(case(1, 4, 2, 256, 4, &[4]), RoutingKind::Uniform, ROUND, true, 83));
+        run_case(kind, &with(case(8, 32, 8, 2048, 4, &[4, 0, 1, 2, 3, 4, 4, 1]), RouteKind::Uniform, UE8M0, true, 81));
+        run_case(kind, &with(case(8, 32, 8, 1024, 3, &[3, 3, 0, 3, 1, 3, 2, 3]), RouteKind::WithHoles, LlQuant::Bf16, false, 82));
+        run_case(kind, &with(case(1, 4, 2, 256, 4, &[4]), RouteKind::Uniform, ROUND, true, 83));
     }
 
     fn hooks_equal_direct_calls(kind: BackendKind) {
         for (quant, weights) in [(UE8M0, true), (LlQuant::Bf16, false), (PLAIN, true)] {
-            let c = with(case(4, 16, 4, 1024, 5, &[5, 2, 0, 4]), RoutingKind::WithHoles, quant, weights, 40);
+            let c = with(case(4, 16, 4, 1024, 5, &[5, 2, 0, 4]), RouteKind::WithHoles, quant, weights, 40);
             let all: Vec<Inputs> = (0..c.ranks).map(|r| inputs(&c, r)).collect();
             let runs = with_buffers(kind, c.ranks, test_options(), |buf| {
                 let me = buf.rank();
@@ -593,7 +588,7 @@ backend_tests! {
             return;
         }
         for weights in [false, true] {
-            let c = with(case(2, 8, 3, 512, 4, &[4, 3]), RoutingKind::Uniform, ROUND, weights, 50);
+            let c = with(case(2, 8, 3, 512, 4, &[4, 3]), RouteKind::Uniform, ROUND, weights, 50);
             let all: Vec<Inputs> = (0..c.ranks).map(|r| inputs(&c, r)).collect();
             let runs = with_buffers(kind, c.ranks, test_options(), |buf| {
                 let me = buf.rank();
@@ -626,7 +621,7 @@ backend_tests! {
     }
 
     fn statistics_accumulate(kind: BackendKind) {
-        let c = with(case(4, 16, 4, 256, 4, &[4, 3, 2, 4]), RoutingKind::Skewed, PLAIN, true, 60);
+        let c = with(case(4, 16, 4, 256, 4, &[4, 3, 2, 4]), RouteKind::Skewed, PLAIN, true, 60);
         let all: Vec<Inputs> = (0..c.ranks).map(|r| inputs(&c, r)).collect();
         let runs = with_buffers(kind, c.ranks, test_options(), |buf| {
             let me = buf.rank();
@@ -666,7 +661,7 @@ backend_tests! {
     fn shrink_mask_drops_a_rank(kind: BackendKind) {
         let opts = BufferOptions { enable_shrink: true, ..test_options() };
         for (quant, weights) in [(LlQuant::Bf16, false), (UE8M0, true)] {
-            let c = with(case(4, 16, 4, 512, 4, &[4, 3, 4, 2]), RoutingKind::Uniform, quant, weights, 70);
+            let c = with(case(4, 16, 4, 512, 4, &[4, 3, 4, 2]), RouteKind::Uniform, quant, weights, 70);
             let all: Vec<Inputs> = (0..c.ranks).map(|r| inputs(&c, r)).collect();
             let runs = with_buffers(kind, c.ranks, opts.clone(), |buf| {
                 buf.low_latency_update_mask_buffer(1, true)?;
@@ -720,7 +715,7 @@ backend_tests! {
     }
 
     fn pre_reduced_combine_rejects_changed_weights(kind: BackendKind) {
-        let c = with(case(2, 4, 2, 128, 3, &[3, 2]), RoutingKind::Uniform, PLAIN, true, 90);
+        let c = with(case(2, 4, 2, 128, 3, &[3, 2]), RouteKind::Uniform, PLAIN, true, 90);
         let all: Vec<Inputs> = (0..2).map(|r| inputs(&c, r)).collect();
         let runs = with_buffers(kind, 2, test_options(), |buf| {
             let me = buf.rank();
@@ -770,7 +765,7 @@ fn validation_failures(kind: BackendKind, buf: &mut Buffer) -> Result<Vec<String
             }
         };
     }
-    let c = with(case(2, 4, 2, 256, 3, &[3, 3]), RoutingKind::Uniform, PLAIN, true, 99);
+    let c = with(case(2, 4, 2, 256, 3, &[3, 3]), RouteKind::Uniform, PLAIN, true, 99);
     let inp = inputs(&c, me);
     let u = upload(buf, &c, &inp)?;
     let base = dispatch_args(&c, &u, false);
@@ -844,7 +839,7 @@ fn validation_failures(kind: BackendKind, buf: &mut Buffer) -> Result<Vec<String
     let mut wait = buf.alloc(DType::I32, &[2])?;
     let o = d.outputs(&c, None, Some(&mut wait))?;
     expect!("wait stats int32", "dispatch_wait_recv_cost_stats", into(buf, o));
-    let cb = with(c.clone(), RoutingKind::Uniform, LlQuant::Bf16, false, 99);
+    let cb = with(c.clone(), RouteKind::Uniform, LlQuant::Bf16, false, 99);
     let mut db = DispatchBufs::new(buf, &cb)?;
     let mut extra = buf.alloc(DType::F32, &[el, 2, rows])?;
     let view = extra.view_mut_strided(&[el, rows, 2], &[(2 * rows) as isize, 1, rows as isize])?;
@@ -976,7 +971,7 @@ mod props {
                     hidden: 512 * h512,
                     t_max,
                     tokens: tokens.iter().take(ranks).map(|&t| t.min(t_max)).collect(),
-                    routing: [RoutingKind::Uniform, RoutingKind::WithHoles, RoutingKind::Skewed][routing],
+                    routing: [RouteKind::Uniform, RouteKind::WithHoles, RouteKind::Skewed][routing],
                     quant: [LlQuant::Bf16, PLAIN, ROUND, UE8M0][q],
                     weights,
                     seed,
@@ -993,8 +988,9 @@ mod props {
         }
 
         #[test]
+        #[ignore = "needs a CUDA GPU: run with --include-ignored"]
         fn cuda_identity_experts_and_exactly_once(c in scenario()) {
-            if common::cuda_skip_reason().is_none() && c.ranks <= common::max_ranks(BackendKind::Cuda) {
+            if c.ranks <= available_ranks(BackendKind::Cuda) {
                 identity_round_trip(BackendKind::Cuda, &c);
             }
         }

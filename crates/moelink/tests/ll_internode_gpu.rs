@@ -4,21 +4,22 @@
 //! Every transport a thread group can use (`ptr`, and `emu-nic`, which delivers out of order across QPs),
 //! with and without NVLink inside a node, over 2x2, 2x4 and 4x2 nodes; random, holed, skewed and empty-rank
 //! routing, ranks with zero tokens, every dispatch format, hooks, CUDA graphs, a silent peer on another node.
-//! Skips (prints why, passes) unless `MOELINK_TEST_CUDA=1`; the NVSHMEM transport needs one process per rank
-//! and runs from `scripts/device/internode.sh`.
+//! Ignored unless included (`--include-ignored`, on a machine with a GPU); the NVSHMEM transport needs one
+//! process per rank and runs from `scripts/device/internode.sh`.
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{random_weights, routing, test_options, with_buffers, Rng, RoutingKind};
+use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
 use moelink::group::run_ranks;
 use moelink::{
     bf16, fp8, BackendKind, Buffer, BufferOptions, DType, EmuNicOptions, Error, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
     LlDispatchOutputs, LlQuant, RdmaOptions, Result, Tensor, ThreadGroup, Topology, Transport,
 };
+use moelink_testkit::harness::{cuda_lock, test_options, with_buffers};
+use moelink_testkit::values::random_weights;
+use moelink_testkit::{route, Rng, RouteKind};
 
 const PLAIN: LlQuant = LlQuant::Fp8 { round_scale: false, use_ue8m0: false };
 const ROUND: LlQuant = LlQuant::Fp8 { round_scale: true, use_ue8m0: false };
@@ -26,17 +27,6 @@ const UE8M0: LlQuant = LlQuant::Fp8 { round_scale: true, use_ue8m0: true };
 const HIDDEN: usize = 2048;
 const T_MAX: usize = 16;
 const TOPK: usize = 4;
-
-fn skip_reason() -> Option<String> {
-    if let Some(why) = common::cuda_skip_reason() {
-        return Some(why);
-    }
-    match moelink_cuda::Device::count() {
-        Ok(0) => Some("no GPU visible".into()),
-        Ok(_) => None,
-        Err(e) => Some(e.to_string()),
-    }
-}
 
 /// Where the ranks are and how bytes cross between nodes.
 #[derive(Clone, Copy, Debug)]
@@ -76,17 +66,17 @@ struct Call {
     quant: LlQuant,
     weights: bool,
     hook: bool,
-    route: RoutingKind,
+    route: RouteKind,
 }
 
 /// The calls each buffer makes in turn (the buffer sets alternate; every format and routing shows up).
 fn calls() -> Vec<Call> {
     vec![
-        Call { quant: PLAIN, weights: true, hook: false, route: RoutingKind::Uniform },
-        Call { quant: LlQuant::Bf16, weights: false, hook: true, route: RoutingKind::WithHoles },
-        Call { quant: UE8M0, weights: true, hook: true, route: RoutingKind::Skewed },
-        Call { quant: ROUND, weights: false, hook: false, route: RoutingKind::EmptyRank(1) },
-        Call { quant: LlQuant::Bf16, weights: true, hook: false, route: RoutingKind::Uniform },
+        Call { quant: PLAIN, weights: true, hook: false, route: RouteKind::Uniform },
+        Call { quant: LlQuant::Bf16, weights: false, hook: true, route: RouteKind::WithHoles },
+        Call { quant: UE8M0, weights: true, hook: true, route: RouteKind::Skewed },
+        Call { quant: ROUND, weights: false, hook: false, route: RouteKind::EmptyRank(1) },
+        Call { quant: LlQuant::Bf16, weights: true, hook: false, route: RouteKind::Uniform },
     ]
 }
 
@@ -103,7 +93,7 @@ fn inputs(net: &Net, call: &Call, call_no: usize, rank: usize) -> Inputs {
     let mut rng = Rng::new(0x11_0de5 ^ ((call_no as u64) << 12) ^ rank as u64);
     // Rank 2 sends nothing in every other call; the others vary up to T_MAX.
     let tokens = if rank == 2 && call_no % 2 == 0 { 0 } else { [T_MAX, 5, 11, 1, 16, 9, 3, 13][(rank + call_no) % 8] };
-    let idx = routing(&mut rng, call.route, tokens, TOPK, net.experts(), net.ranks());
+    let idx = route(&mut rng, call.route, tokens, TOPK, net.experts(), net.ranks());
     let x = (0..tokens * HIDDEN).map(|i| bf16::from_f64(rng.normal() * 2f64.powi(((i / 128 + call_no) % 9) as i32 - 4))).collect();
     Inputs { tokens, x, idx, w: random_weights(&mut rng, tokens * TOPK) }
 }
@@ -319,11 +309,8 @@ fn topo(num_nodes: usize, ranks_per_node: usize) -> Topology {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn ll_across_two_nodes_of_two_matches_the_host_backend() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
-        return;
-    }
     let slow_nic = Transport::EmuNic(EmuNicOptions { delay_us: 15, nic_blocks: 2, seed: 9, ..EmuNicOptions::default() });
     for (transport, nvlink_in_node) in [(Transport::Ptr, true), (emu_nic(), false), (emu_nic(), true), (slow_nic, false)] {
         check_net(Net { topology: topo(2, 2), transport, nvlink_in_node });
@@ -331,24 +318,18 @@ fn ll_across_two_nodes_of_two_matches_the_host_backend() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn ll_across_two_nodes_of_four_and_four_nodes_of_two_matches_the_host_backend() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
-        return;
-    }
     check_net(Net { topology: topo(2, 4), transport: emu_nic(), nvlink_in_node: true });
     check_net(Net { topology: topo(4, 2), transport: emu_nic(), nvlink_in_node: false });
     check_net(Net { topology: topo(2, 4), transport: Transport::Ptr, nvlink_in_node: false });
 }
 
-/// Dispatch and combine captured in one CUDA graph over 2x2 nodes on the emulated NIC and replayed with new
-/// inputs each time (bf16, the experts being the identity: `y = recv_x`).
+/// Dispatch and combine captured in one CUDA graph (the library's [`LlGraph`]) over 2x2 nodes on the emulated
+/// NIC and replayed with new inputs each time (bf16, the experts being the identity: `y = recv_x`).
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn ll_across_nodes_replays_in_a_cuda_graph() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
-        return;
-    }
     let net = Net { topology: topo(2, 2), transport: emu_nic(), nvlink_in_node: true };
     let ranks = net.ranks();
     // A graph's tensors have fixed shapes: every replay keeps each rank's token count (rank 2 sends none).
@@ -359,8 +340,8 @@ fn ll_across_nodes_replays_in_a_cuda_graph() {
                 .map(|r| {
                     let t = fixed_tokens[r];
                     let mut rng = Rng::new(0x9a9 ^ ((n as u64) << 8) ^ r as u64);
-                    let route = if n % 2 == 0 { RoutingKind::Uniform } else { RoutingKind::WithHoles };
-                    let idx = routing(&mut rng, route, t, TOPK, net.experts(), ranks);
+                    let kind = if n % 2 == 0 { RouteKind::Uniform } else { RouteKind::WithHoles };
+                    let idx = route(&mut rng, kind, t, TOPK, net.experts(), ranks);
                     let x = (0..t * HIDDEN).map(|_| bf16::from_f64(rng.normal())).collect();
                     Inputs { tokens: t, x, idx, w: random_weights(&mut rng, t * TOPK) }
                 })
@@ -403,18 +384,26 @@ fn ll_across_nodes_replays_in_a_cuda_graph() {
 
     let got = with_buffers(BackendKind::Cuda, ranks, net.options(test_options()), |buf| {
         let me = buf.rank();
-        let mut g = GraphTensors::new(buf, &net, fixed_tokens[me])?;
-        g.load(&replays[0][me])?;
-        // Warm-up outside the capture: compiles and loads the kernels.
-        g.round(buf, &net)?;
-        buf.barrier()?;
-        let (graph, ()) = buf.capture(|b| g.round(b, &net))?;
+        let spec = LlGraphSpec {
+            num_tokens: fixed_tokens[me],
+            num_max_dispatch_tokens_per_rank: T_MAX,
+            hidden: HIDDEN,
+            topk: TOPK,
+            num_experts: net.experts(),
+            quant: LlQuant::Bf16,
+            dispatch_weights: true,
+            return_recv_hook: false,
+            combine: LlGraphCombine::ReceivedRows,
+            graphs: LlGraphSplit::One,
+        };
+        let mut g = LlGraph::new(buf, spec)?;
         let mut seen = Vec::new();
         for inp in &replays {
-            g.load(&inp[me])?;
-            // SAFETY: every tensor the graph uses (`g`'s) lives until the end of this closure.
-            unsafe { buf.replay(&graph)? };
-            seen.push((g.count.to_vec::<i32>()?, bits(&g.out)?));
+            let i = &inp[me];
+            g.write_inputs(&i.x, &i.idx, &i.w)?;
+            g.replay(buf)?;
+            let combined = g.combined_x().map(bits).transpose()?.unwrap_or_default();
+            seen.push((g.recv_count().to_vec::<i32>()?, combined));
         }
         buf.barrier()?;
         Ok(seen)
@@ -427,86 +416,18 @@ fn ll_across_nodes_replays_in_a_cuda_graph() {
     }
 }
 
-/// The tensors a captured bf16 dispatch + identity-expert combine uses, at fixed addresses.
-struct GraphTensors {
-    tokens: usize,
-    x: Tensor,
-    idx: Tensor,
-    w: Tensor,
-    recv_x: Tensor,
-    count: Tensor,
-    out: Tensor,
-}
-
-impl GraphTensors {
-    fn new(buf: &Buffer, net: &Net, tokens: usize) -> Result<GraphTensors> {
-        let (el, rows) = (net.experts() / net.ranks(), net.ranks() * T_MAX);
-        Ok(GraphTensors {
-            tokens,
-            x: buf.alloc(DType::BF16, &[tokens, HIDDEN])?,
-            idx: buf.alloc(DType::I64, &[tokens, TOPK])?,
-            w: buf.alloc(DType::F32, &[tokens, TOPK])?,
-            recv_x: buf.alloc(DType::BF16, &[el, rows, HIDDEN])?,
-            count: buf.alloc(DType::I32, &[el])?,
-            out: buf.alloc(DType::BF16, &[tokens, HIDDEN])?,
-        })
-    }
-
-    fn load(&mut self, i: &Inputs) -> Result<()> {
-        let t = self.tokens;
-        self.x.copy_from(&Tensor::from_vec(i.x.clone(), &[t, HIDDEN])?)?;
-        self.idx.copy_from(&Tensor::from_vec(i.idx.clone(), &[t, TOPK])?)?;
-        self.w.copy_from(&Tensor::from_vec(i.w.clone(), &[t, TOPK])?)
-    }
-
-    fn round(&mut self, buf: &mut Buffer, net: &Net) -> Result<()> {
-        let args = LlDispatchArgs {
-            x: self.x.view(),
-            topk_idx: self.idx.view(),
-            topk_weights: Some(self.w.view()),
-            num_max_dispatch_tokens_per_rank: T_MAX,
-            num_experts: net.experts(),
-            quant: LlQuant::Bf16,
-            return_recv_hook: false,
-        };
-        let out = LlDispatchOutputs {
-            recv_x: self.recv_x.view_mut(),
-            recv_scales: None,
-            recv_count: self.count.view_mut(),
-            cumulative_local_expert_recv_stats: None,
-            dispatch_wait_recv_cost_stats: None,
-            src_info: None,
-            layout_range: None,
-        };
-        let (handle, _) = buf.low_latency_dispatch_into(&args, out)?;
-        let cargs = LlCombineArgs {
-            x: self.recv_x.view(),
-            topk_idx: self.idx.view(),
-            topk_weights: self.w.view(),
-            handle: &handle,
-            zero_copy: false,
-            return_recv_hook: false,
-        };
-        buf.low_latency_combine_into(&cargs, LlCombineOutputs { combined_x: self.out.view_mut(), combine_wait_recv_cost_stats: None })?;
-        Ok(())
-    }
-}
-
 /// Rank 3 (on node 1) never calls: the ranks of both nodes fail with a timeout naming it, or with shrink
 /// mode mask it and finish with what the others sent (the host backend with the same mask agrees).
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
 fn a_silent_peer_on_another_node_times_out_or_is_masked() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
-        return;
-    }
     let net = Net { topology: topo(2, 2), transport: emu_nic(), nvlink_in_node: true };
     let (ranks, silent) = (net.ranks(), 3);
-    let call = Call { quant: PLAIN, weights: true, hook: false, route: RoutingKind::Uniform };
+    let call = Call { quant: PLAIN, weights: true, hook: false, route: RouteKind::Uniform };
     let inp: Vec<Inputs> = (0..ranks).map(|r| inputs(&net, &call, 1, r)).collect();
     for shrink in [false, true] {
         let opts = net.options(BufferOptions { timeout_ms: 1500, enable_shrink: shrink, ..test_options() });
-        let gpus = common::cuda_lock();
+        let gpus = cuda_lock();
         let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
             let group: Arc<ThreadGroup> = Arc::new(g);
             let mut buf = Buffer::new(group.clone(), opts.clone())?;

@@ -4,13 +4,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::{settle, Dtype, Job, Op, RankOutcome};
 use moelink::{
     bf16, fresh, BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchLayout, DispatchOutputs,
-    DispatchResult, Fp8E4M3, Group, Payload, Result, Routing, Tensor, ThreadGroup,
+    DispatchResult, Group, Payload, Result, Routing, Tensor, ThreadGroup,
 };
-
-use super::inputs::{Inputs, Shape};
-use super::{settle, Dtype, Job, Op, RankOutcome};
+use moelink_testkit::differ::{compare_dispatch, Diffs, SeenDispatch};
+use moelink_testkit::inputs::{Inputs, Shape};
 
 /// One rank's input tensors (on the host, or uploaded to the buffer's device).
 pub(super) struct HtTensors {
@@ -30,7 +30,7 @@ impl HtTensors {
             topk: Tensor::from_vec(r.topk_idx.clone(), &[s.tokens, s.topk])?,
             weights: Tensor::from_vec(r.topk_weights.clone(), &[s.tokens, s.topk])?,
             x: Tensor::from_vec(r.x.clone(), &[s.tokens, s.hidden])?,
-            x_fp8: if fp8 { Some(Tensor::from_vec(r.x_fp8.iter().map(|&b| Fp8E4M3(b)).collect(), &[s.tokens, s.hidden])?) } else { None },
+            x_fp8: if fp8 { Some(Tensor::from_vec(r.x_fp8.clone(), &[s.tokens, s.hidden])?) } else { None },
             scales: if fp8 { Some(Tensor::from_vec(r.scales.clone(), &[s.tokens, s.scale_cols()])?) } else { None },
         })
     }
@@ -174,9 +174,9 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<V
                 };
                 out.failures.extend(check_dispatch(&res, inputs, me, case.dtype)?);
                 if let Some(tw) = twin.as_mut() {
-                    let diffs = compare_dispatch(&res, tw.dispatch(case.dtype)?)?;
+                    let diffs = compare_to_host(&res, tw.dispatch(case.dtype)?, s.topk)?;
                     out.matches_host = Some(diffs.is_empty());
-                    out.failures.extend(diffs.into_iter().map(|d| format!("{d} differs from the host backend")));
+                    out.failures.extend(diffs.0.into_iter().map(|d| format!("differs from the host backend: {d}")));
                 }
                 let timed = job.time(&mut buf, |b| {
                     let plan = b.prepare_dispatch(&args)?;
@@ -282,7 +282,7 @@ fn check_dispatch(res: &DispatchResult, inputs: &Inputs, me: usize, dtype: Dtype
         let r = &inputs.ranks[src];
         match dtype {
             Dtype::Bf16 => &bytemuck::cast_slice::<bf16, u8>(&r.x)[t * rb..(t + 1) * rb],
-            Dtype::Fp8 => &r.x_fp8[t * rb..(t + 1) * rb],
+            Dtype::Fp8 => &bytemuck::cast_slice(&r.x_fp8)[t * rb..(t + 1) * rb],
         }
     };
     let bad: Vec<usize> = (0..n).filter(|&i| got[i * rb..(i + 1) * rb] != *source(rows[i].0 as usize, rows[i].1 as usize)).collect();
@@ -341,29 +341,14 @@ fn check_dispatch(res: &DispatchResult, inputs: &Inputs, me: usize, dtype: Dtype
     Ok(f)
 }
 
-/// Which outputs of two dispatches differ (bitwise).
-fn compare_dispatch(a: &DispatchResult, b: &DispatchResult) -> Result<Vec<String>> {
-    let mut d = Vec::new();
-    let bytes = |t: &Option<Tensor>| t.as_ref().map(|t| t.to_host_bytes()).transpose();
-    if a.recv_x.to_host_bytes()? != b.recv_x.to_host_bytes()? {
-        d.push("recv_x".to_string());
-    }
-    if bytes(&a.recv_x_scales)? != bytes(&b.recv_x_scales)? {
-        d.push("recv_x_scales".into());
-    }
-    if bytes(&a.recv_topk_idx)? != bytes(&b.recv_topk_idx)? {
-        d.push("recv_topk_idx".into());
-    }
-    if bytes(&a.recv_topk_weights)? != bytes(&b.recv_topk_weights)? {
-        d.push("recv_topk_weights".into());
-    }
-    if a.num_recv_tokens_per_expert != b.num_recv_tokens_per_expert {
-        d.push("num_recv_tokens_per_expert".into());
-    }
+/// How a dispatch differs from the host backend's on the same inputs (bitwise, every output).
+fn compare_to_host(res: &DispatchResult, host: &DispatchResult, topk: usize) -> Result<Diffs> {
+    let mut d = Diffs::default();
+    compare_dispatch(&mut d, "dispatch", &SeenDispatch::of(host)?, &SeenDispatch::of(res)?, 0, topk);
+    d.eq("num_recv_tokens_per_expert", &host.num_recv_tokens_per_expert, &res.num_recv_tokens_per_expert);
     Ok(d)
 }
 
-/// Combine of identity experts returns `x × (ranks the token went to)`, exactly (small integers).
 /// A cached dispatch of the same payload must reproduce the fresh dispatch's rows (and scales) bit for bit.
 fn compare_cached(cached: &DispatchResult, fresh: &DispatchResult) -> Result<Vec<String>> {
     let mut diffs = Vec::new();
@@ -377,6 +362,7 @@ fn compare_cached(cached: &DispatchResult, fresh: &DispatchResult) -> Result<Vec
     Ok(diffs)
 }
 
+/// Combine of identity experts returns `x × (ranks the token went to)`, exactly (small integers).
 fn check_combine(combined: &Tensor, inputs: &Inputs, me: usize) -> Result<Vec<String>> {
     let s = &inputs.shape;
     if combined.shape() != [s.tokens, s.hidden] {
@@ -408,18 +394,13 @@ fn check_combine(combined: &Tensor, inputs: &Inputs, me: usize) -> Result<Vec<St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::RoutingKind;
-
     /// The checks accept the host backend's results and reject results for other inputs.
     #[test]
     fn checks_pass_on_the_truth_and_catch_wrong_results() {
         let shape = Shape { ranks: 2, tokens: 32, hidden: 256, topk: 4, experts: 8 };
-        let good = Inputs::generate(shape, RoutingKind::Uniform, 1, true);
-        let other = Inputs::generate(shape, RoutingKind::Uniform, 2, true);
-        let out = moelink::group::run_ranks(2, |g| {
-            let me = g.rank();
-            let num_nvl_bytes = Buffer::ht_bytes_needed(shape.tokens, shape.hidden, shape.topk, shape.ranks, false);
-            let mut buf = Buffer::new(Arc::new(g), BufferOptions { backend: BackendKind::Host, num_nvl_bytes, ..Default::default() })?;
+        let (good, other) = super::super::tests::good_and_other(shape, true);
+        let num_nvl_bytes = Buffer::ht_bytes_needed(shape.tokens, shape.hidden, shape.topk, shape.ranks, false);
+        super::super::tests::assert_checks_on_host(BufferOptions { num_nvl_bytes, ..Default::default() }, |buf, me| {
             let t = HtTensors::host(&good, me)?;
             let layout = buf.get_dispatch_layout(t.topk.view(), shape.experts)?;
             let mut pairs = vec![(check_layout(&layout, &good, me)?, check_layout(&layout, &other, me)?)];
@@ -428,16 +409,10 @@ mod tests {
                 pairs.push((check_dispatch(&d, &good, me, dtype)?, check_dispatch(&d, &other, me, dtype)?));
             }
             let d = buf.dispatch(&t.dispatch_args(&layout, Dtype::Bf16, None)?)?;
-            let c =
-                buf.combine(&CombineArgs { x: d.recv_x.view(), handle: &d.handle, topk_weights: None, bias: [None, None], config: None })?;
+            let cargs = CombineArgs { x: d.recv_x.view(), handle: &d.handle, topk_weights: None, bias: [None, None], config: None };
+            let c = buf.combine(&cargs)?;
             pairs.push((check_combine(&c.combined_x, &good, me)?, check_combine(&c.combined_x, &other, me)?));
             Ok(pairs)
         });
-        for r in out {
-            for (i, (truth, wrong)) in r.unwrap().into_iter().enumerate() {
-                assert!(truth.is_empty(), "check {i}: {truth:?}");
-                assert!(!wrong.is_empty(), "check {i} accepted results for other inputs");
-            }
-        }
     }
 }

@@ -1,5 +1,6 @@
-//! One rank of the low-latency bench: per case a checked call, then the timed repetitions into its outputs
-//! (CUDA-graph replays on CUDA).
+//! One rank of the low-latency bench: per case a checked call, then the timed repetitions (on CUDA,
+//! replays of a pipeline captured into CUDA graphs, [`moelink::graph::LlGraph`]; on the host backend the
+//! calls, into the checked call's outputs).
 //!
 //! Dispatch carries the top-k weights (moelink's extension), so combine may pre-reduce on the expert side.
 //! The "experts" are the identity: they return their (dequantised) received rows, so combine must give
@@ -7,16 +8,25 @@
 
 use std::sync::Arc;
 
+use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
 use moelink::{
-    bf16, BackendKind, Buffer, BufferOptions, CapturedGraph, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
-    LlDispatchResult, LlHandle, LlQuant, Result, Tensor, ThreadGroup,
+    bf16, BackendKind, Buffer, BufferOptions, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlDispatchResult,
+    LlHandle, LlQuant, Result, Tensor, ThreadGroup,
 };
+use moelink_testkit::differ::{ll_valid_part, Diffs};
+use moelink_testkit::inputs::{Inputs, Shape};
 
-use super::inputs::{e4m3_to_f32, Inputs, Shape};
 use super::{settle, Dtype, Job, Op, RankOutcome};
 
 /// Relative error FP8 E4M3 quantisation may add (3 mantissa bits: half an ulp is 2^-4), with slack.
 const FP8_REL: f32 = 0.0625 * 1.01;
+
+fn quant_of(dtype: Dtype) -> LlQuant {
+    match dtype {
+        Dtype::Bf16 => LlQuant::Bf16,
+        Dtype::Fp8 => LlQuant::Fp8 { round_scale: false, use_ue8m0: false },
+    }
+}
 
 struct LlTensors {
     topk: Tensor,
@@ -46,16 +56,11 @@ impl LlTensors {
             topk_weights: Some(self.weights.view()),
             num_max_dispatch_tokens_per_rank: s.tokens,
             num_experts: s.experts,
-            quant: match dtype {
-                Dtype::Bf16 => LlQuant::Bf16,
-                Dtype::Fp8 => LlQuant::Fp8 { round_scale: false, use_ue8m0: false },
-            },
+            quant: quant_of(dtype),
             return_recv_hook: false,
         }
     }
-}
 
-impl LlTensors {
     /// Combine of the expert outputs `y` of the dispatch behind `handle`, with this rank's routing and weights.
     fn combine_args<'a>(&'a self, y: &'a Tensor, handle: &'a LlHandle) -> LlCombineArgs<'a> {
         LlCombineArgs {
@@ -104,6 +109,31 @@ fn timer_of(buf: &Buffer) -> &'static str {
     }
 }
 
+/// The pipeline a timing replays: this rank's inputs of `inputs`, dispatched as `dtype`; with a combine of
+/// the expert outputs `y` (`bf16 [E_local, R*T_max, H]`, written before the first replay) when given.
+fn pipeline(buf: &mut Buffer, inputs: &Inputs, dtype: Dtype, hook: bool, y: Option<&[bf16]>, graphs: LlGraphSplit) -> Result<LlGraph> {
+    let s = &inputs.shape;
+    let spec = LlGraphSpec {
+        num_tokens: s.tokens,
+        num_max_dispatch_tokens_per_rank: s.tokens,
+        hidden: s.hidden,
+        topk: s.topk,
+        num_experts: s.experts,
+        quant: quant_of(dtype),
+        dispatch_weights: true,
+        return_recv_hook: hook,
+        combine: if y.is_some() { LlGraphCombine::ExpertOutputs } else { LlGraphCombine::None },
+        graphs,
+    };
+    let mut p = LlGraph::new(buf, spec)?;
+    let r = &inputs.ranks[buf.rank()];
+    p.write_inputs(&r.x, &r.topk_idx, &r.topk_weights)?;
+    if let Some(y) = y {
+        p.write_expert_outputs(y)?;
+    }
+    Ok(p)
+}
+
 /// Event times of timed repetitions and, with low-latency tracing on, the kernel trace of each.
 #[derive(Default)]
 struct Timed {
@@ -119,16 +149,12 @@ impl Timed {
     }
 }
 
-/// Times replays of `graph`, each in its own timed region.
-///
-/// # Safety
-/// As [`Buffer::replay`]: every tensor the graph was captured with (inputs, outputs, the handle) is alive,
-/// with the same shapes.
-unsafe fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<Timed> {
+/// Times replays of graph `index` of `p`, each in its own timed region (every earlier graph ran once first).
+fn time_replays(buf: &mut Buffer, job: &Job<'_>, p: &LlGraph, index: usize) -> Result<Timed> {
+    (0..index).try_for_each(|i| p.replay_graph(buf, i))?;
     let mut t = Timed::default();
     for i in 0..job.warmup + job.reps {
-        // SAFETY: forwarded contract.
-        let ((), us) = buf.timed(|b| unsafe { b.replay(graph) })?;
+        let ((), us) = buf.timed(|b| p.replay_graph(b, index))?;
         if i >= job.warmup {
             t.push(buf, us);
         }
@@ -137,20 +163,17 @@ unsafe fn time_replays(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -
     Ok(t)
 }
 
-/// Times send-graph replays and receive-graph replays alternately, each in its own timed region.
-///
-/// # Safety
-/// As [`time_replays`], for both graphs.
-unsafe fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGraph, recv: &CapturedGraph) -> Result<(Timed, Timed)> {
+/// Times replays of the send graph `index` and the receive graph `index + 1` of `p` alternately, each in its
+/// own timed region (every earlier graph ran once first).
+fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, p: &LlGraph, index: usize) -> Result<(Timed, Timed)> {
+    (0..index).try_for_each(|i| p.replay_graph(buf, i))?;
     let (mut send_t, mut recv_t) = (Timed::default(), Timed::default());
     for i in 0..job.warmup + job.reps {
-        // SAFETY: forwarded contract.
-        let ((), s) = buf.timed(|b| unsafe { b.replay(send) })?;
+        let ((), s) = buf.timed(|b| p.replay_graph(b, index))?;
         if i >= job.warmup {
             send_t.push(buf, s);
         }
-        // SAFETY: forwarded contract.
-        let ((), r) = buf.timed(|b| unsafe { b.replay(recv) })?;
+        let ((), r) = buf.timed(|b| p.replay_graph(b, index + 1))?;
         if i >= job.warmup {
             recv_t.push(buf, r);
         }
@@ -161,9 +184,9 @@ unsafe fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, send: &CapturedGra
 /// Runs every case of `job` on this rank; the outcomes line up with `job.cases`.
 ///
 /// Per case: one call with outputs allocated by moelink, checked (and on CUDA compared with the host
-/// backend); then the timed repetitions write into that call's outputs: on CUDA one call captured into a
-/// graph and replayed (the combine graph is captured after the checked dispatch, whose handle it uses), on
-/// the host backend the calls themselves.
+/// backend); then the timed repetitions: on CUDA replays of the same call captured in a pipeline (the
+/// combine's pipeline replays its dispatch once, then times the combine graph), on the host backend the
+/// calls themselves, into the checked call's outputs.
 pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
     let me = g.rank();
     let group: Arc<dyn Group> = Arc::new(g);
@@ -203,7 +226,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                         Ok(host_res) => {
                             let diffs = compare_dispatch(&res, &host_res, &s, case.dtype)?;
                             out.matches_host = Some(diffs.is_empty());
-                            out.failures.extend(diffs.into_iter().map(|d| format!("{d} differs from the host backend")));
+                            out.failures.extend(diffs.0.into_iter().map(|d| format!("differs from the host backend: {d}")));
                         }
                         // No host reference to compare with (yet): the invariant checks above still ran.
                         Err(moelink::Error::Unavailable(_)) => {}
@@ -211,11 +234,8 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     }
                 }
                 let timed = if uses_graphs(&buf) {
-                    let outputs = outputs_of(&mut res, &s)?;
-                    buf.capture(|b| b.low_latency_dispatch_into(&args, outputs).map(drop)).and_then(|(graph, ())| {
-                        // SAFETY: the graph reads `t`'s inputs and writes `res`; both outlive it (dropped here).
-                        unsafe { time_replays(&mut buf, job, &graph) }
-                    })
+                    pipeline(&mut buf, inputs, case.dtype, false, None, LlGraphSplit::PerCall)
+                        .and_then(|p| time_replays(&mut buf, job, &p, 0))
                 } else {
                     job.time(&mut buf, |b| b.low_latency_dispatch_into(&args, outputs_of(&mut res, &s)?).map(drop))
                         .map(|us| Timed { us, traces: Vec::new() })
@@ -225,7 +245,7 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
-                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, &args, &mut res, &s), out) {
+                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, inputs, &args, &mut res), out) {
                         (out.send_us, out.traces[1]) = (send.us, send.traces);
                         (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
@@ -237,7 +257,8 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     job.skip(me);
                     continue;
                 };
-                let y_host = Tensor::from_vec(expert_outputs(&d, &s, combine_dtype)?, &[s.local_experts(), s.ranks * s.tokens, s.hidden])?;
+                let y_values = expert_outputs(&d, &s, combine_dtype)?;
+                let y_host = Tensor::from_vec(y_values.clone(), &[s.local_experts(), s.ranks * s.tokens, s.hidden])?;
                 let y = if job.backend == BackendKind::Host { y_host } else { buf.upload(&y_host)? };
                 let cargs = t.combine_args(&y, &d.handle);
                 let Some(mut c) = settle(buf.low_latency_combine(&cargs), out) else {
@@ -261,12 +282,10 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                         Err(e) => out.failures.push(format!("host backend comparison failed: {e}")),
                     }
                 }
-                let timed = if uses_graphs(&buf) {
-                    let outputs = combine_outputs(&mut c);
-                    buf.capture(|b| b.low_latency_combine_into(&cargs, outputs).map(drop)).and_then(|(graph, ())| {
-                        // SAFETY: the graph reads `y`, `t`'s routing and `d`'s handle and writes `c`; all outlive it.
-                        unsafe { time_replays(&mut buf, job, &graph) }
-                    })
+                let graphs = uses_graphs(&buf);
+                let timed = if graphs {
+                    pipeline(&mut buf, inputs, combine_dtype, false, Some(&y_values), LlGraphSplit::PerCall)
+                        .and_then(|p| time_replays(&mut buf, job, &p, 1))
                 } else {
                     job.time(&mut buf, |b| b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop))
                         .map(|us| Timed { us, traces: Vec::new() })
@@ -276,18 +295,26 @@ pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<
                     out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
-                    if let Some((send, recv)) = settle(time_hook_combine(&mut buf, job, &cargs, &mut c), out) {
+                    let hooked = if graphs {
+                        pipeline(&mut buf, inputs, combine_dtype, true, Some(&y_values), LlGraphSplit::PerPhase)
+                            .and_then(|p| time_split_replays(&mut buf, job, &p, 2))
+                    } else {
+                        time_hook_combine(&mut buf, job, &cargs, &mut c)
+                    };
+                    if let Some((send, recv)) = settle(hooked, out) {
                         (out.send_us, out.traces[1]) = (send.us, send.traces);
                         (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
                 }
-                if uses_graphs(&buf)
+                if graphs
                     && out.error.is_none()
                     && out.unavailable.is_none()
                     // The timed replays came back with kernel traces: the backend is tracing.
                     && !out.traces[0].is_empty()
                 {
-                    if let Some((times, traces)) = settle(time_loop(&mut buf, job, &args, &y, t, &s), out) {
+                    let looped = pipeline(&mut buf, inputs, combine_dtype, false, Some(&y_values), LlGraphSplit::One)
+                        .and_then(|p| time_loop(&mut buf, job, &p));
+                    if let Some((times, traces)) = settle(looped, out) {
                         out.loop_times = times;
                         out.loop_traces = traces;
                     }
@@ -307,14 +334,7 @@ const LOOP_CALLS: usize = 8;
 /// (low-latency tracing on). Returns [dispatch spans, combine spans, event µs per pair] (the pair time includes
 /// the launches between replays) and the traces themselves, [dispatch, combine].
 type LoopTimes = ([Vec<f64>; 3], [Vec<moelink::diag::KernelTrace>; 2]);
-fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Tensor, t: &LlTensors, s: &Shape) -> Result<LoopTimes> {
-    let mut d = buf.low_latency_dispatch(args)?;
-    let mut c = buf.low_latency_combine(&t.combine_args(y, &d.handle))?;
-    let (graph, ()) = buf.capture(|b| {
-        let (handle, _) = b.low_latency_dispatch_into(args, outputs_of(&mut d, s)?)?;
-        let cargs = t.combine_args(y, &handle);
-        b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop)
-    })?;
+fn time_loop(buf: &mut Buffer, job: &Job<'_>, pipeline: &LlGraph) -> Result<LoopTimes> {
     // The replays are enqueued asynchronously on a stream of ours, as a model's calls are (and as DeepEP's
     // test launches them): synchronous replays kept the ranks apart by a host round trip per call, and each
     // dispatch kernel then waited for its peers' launches.
@@ -322,28 +342,10 @@ fn time_loop(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, y: &Ten
         return Err(moelink::Error::invalid("backend", buf.rank(), "the back-to-back timing needs a CUDA buffer"));
     };
     let stream = moelink_cuda::Stream::new(&moelink_cuda::Device::new(ordinal)?)?;
-    // SAFETY: `stream` outlives its use (set back to None below, after the timed regions waited for their
-    // work); every tensor the replays touch lives until the end of this function.
-    unsafe { buf.set_stream(Some(stream.raw_handle())) };
-    let timed = time_loop_regions(buf, job, &graph);
-    // SAFETY: back to the buffer's own stream; the regions above waited for everything enqueued on `stream`.
-    unsafe { buf.set_stream(None) };
-    timed
-}
-
-/// The timed regions of [`time_loop`].
-fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> Result<LoopTimes> {
     let mut out: [Vec<f64>; 3] = Default::default();
     let mut traces: [Vec<moelink::diag::KernelTrace>; 2] = Default::default();
     for i in 0..(job.reps / 4).max(1) + 1 {
-        let ((), us) = buf.timed(|b| {
-            for _ in 0..LOOP_CALLS {
-                // SAFETY: the graph reads the inputs and `y` and writes `d` and `c` of time_loop, all alive
-                // until time_loop returns, after these regions.
-                unsafe { b.replay(graph)? };
-            }
-            Ok(())
-        })?;
+        let ((), us) = buf.on_stream(&stream, |scope| scope.timed(|scope| (0..LOOP_CALLS).try_for_each(|_| scope.replay(pipeline))))?;
         if i == 0 {
             continue; // warm-up region
         }
@@ -360,31 +362,36 @@ fn time_loop_regions(buf: &mut Buffer, job: &Job<'_>, graph: &CapturedGraph) -> 
 /// Receive-hook mode: times the send phase (the call returns without waiting for data) and the receive
 /// phase (`run_hook`) apart, each in its own timed region (so the receive phase starts with the data
 /// already sent, as when compute overlaps the wait). CUDA: the two phases captured as two graphs and
-/// replayed alternately; host: the calls. Returns (send µs, receive µs) per rep.
+/// replayed alternately; host: the calls into `res`. Returns (send µs, receive µs) per rep.
 fn time_hook_dispatch(
     buf: &mut Buffer,
     job: &Job<'_>,
+    inputs: &Inputs,
     args: &LlDispatchArgs<'_>,
     res: &mut LlDispatchResult,
-    s: &Shape,
 ) -> Result<(Timed, Timed)> {
+    if uses_graphs(buf) {
+        let dtype = if args.quant.is_fp8() { Dtype::Fp8 } else { Dtype::Bf16 };
+        let p = pipeline(buf, inputs, dtype, true, None, LlGraphSplit::PerPhase)?;
+        return time_split_replays(buf, job, &p, 0);
+    }
     let hook_args = LlDispatchArgs { return_recv_hook: true, ..*args };
     let rank = buf.rank();
     let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the dispatch returned no receive hook");
-    if uses_graphs(buf) {
-        let outputs = outputs_of(res, s)?;
-        let (send, (_handle, hook)) = buf.capture(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
-        let hook = hook.ok_or_else(no_hook)?;
-        let (recv, ()) = buf.capture(|b| b.run_hook(hook))?;
-        // SAFETY: the graphs read the caller's inputs (`args`) and write `res`, all of which outlive them.
-        return unsafe { time_split_replays(buf, job, &send, &recv) };
-    }
-    let (mut send, mut recv) = (Timed::default(), Timed::default());
-    for i in 0..job.warmup + job.reps {
-        let outputs = outputs_of(res, s)?;
+    time_host_hooks(buf, job, |buf| {
+        let outputs = outputs_of(res, &inputs.shape)?;
         let ((_handle, hook), send_us) = buf.timed(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
+        Ok((send_us, recv_us))
+    })
+}
+
+/// The host backend's hook timing: `rep` times one send phase and one receive phase; warm-up + reps of it.
+fn time_host_hooks(buf: &mut Buffer, job: &Job<'_>, mut rep: impl FnMut(&mut Buffer) -> Result<(f64, f64)>) -> Result<(Timed, Timed)> {
+    let (mut send, mut recv) = (Timed::default(), Timed::default());
+    for i in 0..job.warmup + job.reps {
+        let (send_us, recv_us) = rep(buf)?;
         if i >= job.warmup {
             send.push(buf, send_us);
             recv.push(buf, recv_us);
@@ -393,32 +400,19 @@ fn time_hook_dispatch(
     Ok((send, recv))
 }
 
-/// As [`time_hook_dispatch`], for combine (into `combined`, with the checked dispatch's handle).
+/// As [`time_hook_dispatch`] for combine on the host backend (into `combined`, with the checked dispatch's
+/// handle).
 fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, combined: &mut Tensor) -> Result<(Timed, Timed)> {
     let hook_args = LlCombineArgs { return_recv_hook: true, ..*args };
     let rank = buf.rank();
     let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the combine returned no receive hook");
-    if uses_graphs(buf) {
-        let outputs = combine_outputs(combined);
-        let (send, hook) = buf.capture(|b| b.low_latency_combine_into(&hook_args, outputs))?;
-        let hook = hook.ok_or_else(no_hook)?;
-        let (recv, ()) = buf.capture(|b| b.run_hook(hook))?;
-        // SAFETY: the graphs read the caller's inputs and handle (`args`) and write `combined`, all of which
-        // outlive them.
-        return unsafe { time_split_replays(buf, job, &send, &recv) };
-    }
-    let (mut send, mut recv) = (Timed::default(), Timed::default());
-    for i in 0..job.warmup + job.reps {
+    time_host_hooks(buf, job, |buf| {
         let outputs = combine_outputs(combined);
         let (hook, send_us) = buf.timed(|b| b.low_latency_combine_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
-        if i >= job.warmup {
-            send.push(buf, send_us);
-            recv.push(buf, recv_us);
-        }
-    }
-    Ok((send, recv))
+        Ok((send_us, recv_us))
+    })
 }
 
 /// The host backend's dispatch + identity experts + combine on the same inputs.
@@ -461,7 +455,7 @@ fn expert_outputs(d: &LlDispatchResult, s: &Shape, dtype: Dtype) -> Result<Vec<b
                         // Scales are stored [E_local, H/128, R*T] (column-major in the logical view).
                         let scale = scales.get((e * cols + c / 128) * rows + slot).copied().unwrap_or(f32::NAN);
                         let i = (e * rows + slot) * h + c;
-                        y[i] = bf16::from_f32(e4m3_to_f32(q[i]) * scale);
+                        y[i] = bf16::from_f32(moelink::fp8::e4m3_to_f32(q[i]) * scale);
                     }
                 }
             }
@@ -512,33 +506,23 @@ fn check_dispatch(d: &LlDispatchResult, inputs: &Inputs, me: usize, dtype: Dtype
     Ok(f)
 }
 
-/// Which valid outputs of two dispatches differ (bitwise; rows past the counts are unspecified).
-fn compare_dispatch(a: &LlDispatchResult, b: &LlDispatchResult, s: &Shape, dtype: Dtype) -> Result<Vec<String>> {
-    let mut d = Vec::new();
-    let (ca, cb) = (counts(a, s)?, counts(b, s)?);
-    if ca != cb {
-        d.push("recv_count".to_string());
-        return Ok(d);
-    }
-    let (el, rows, h) = (s.local_experts(), s.ranks * s.tokens, s.hidden);
-    let row = h * if dtype == Dtype::Fp8 { 1 } else { 2 };
-    let (xa, xb) = (a.recv_x.to_host_bytes()?, b.recv_x.to_host_bytes()?);
-    if (0..el).any(|e| xa[e * rows * row..(e * rows + ca[e]) * row] != xb[e * rows * row..(e * rows + ca[e]) * row]) {
-        d.push("recv_x".into());
-    }
-    if let (Some(sa), Some(sb)) = (&a.recv_x_scales, &b.recv_x_scales) {
-        let (sa, sb): (Vec<f32>, Vec<f32>) = (sa.to_vec()?, sb.to_vec()?);
-        let cols = s.scale_cols();
-        let differs = (0..el).any(|e| {
-            (0..cols).any(|c| {
-                let r = (e * cols + c) * rows..(e * cols + c) * rows + ca[e];
-                sa.get(r.clone()).map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-                    != sb.get(r).map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-            })
-        });
-        if differs {
-            d.push("recv_x_scales".into());
-        }
+/// How a dispatch differs from the host backend's (bitwise, over the valid rows and their scales: rows past
+/// the counts are unspecified).
+fn compare_dispatch(res: &LlDispatchResult, host: &LlDispatchResult, s: &Shape, dtype: Dtype) -> Result<Diffs> {
+    let mut d = Diffs::default();
+    let (rows, row_bytes, cols) = (s.ranks * s.tokens, s.hidden * if dtype == Dtype::Fp8 { 1 } else { 2 }, s.scale_cols());
+    let valid = |r: &LlDispatchResult| -> Result<(Vec<i32>, Vec<u8>, Vec<u8>)> {
+        let count: Vec<i32> = r.recv_count.to_vec()?;
+        let scales = r.recv_x_scales.as_ref().map(|t| t.to_host_bytes()).transpose()?.unwrap_or_default();
+        let cols = if scales.is_empty() { 0 } else { cols };
+        let (x, sc) = ll_valid_part(&count, &r.recv_x.to_host_bytes()?, &scales, rows, row_bytes, cols);
+        Ok((count, x, sc))
+    };
+    let (want, got) = (valid(host)?, valid(res)?);
+    d.eq("recv_count", &want.0, &got.0);
+    if d.is_empty() {
+        d.bytes("recv_x (valid rows)", &want.1, &got.1);
+        d.bytes("recv_x_scales (valid rows)", &want.2, &got.2);
     }
     Ok(d)
 }
@@ -577,45 +561,27 @@ fn check_combine(got: &[bf16], inputs: &Inputs, me: usize, dtype: Dtype) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::RoutingKind;
-
-    /// The checks accept the host backend's results and reject results for other inputs (skips while the
-    /// host low-latency backend reports unavailable).
+    /// The checks accept the host backend's results and reject results for other inputs.
     #[test]
     fn checks_pass_on_the_truth_and_catch_wrong_results() {
         let shape = Shape { ranks: 2, tokens: 16, hidden: 256, topk: 4, experts: 8 };
-        let good = Inputs::generate(shape, RoutingKind::Uniform, 1, false);
-        let other = Inputs::generate(shape, RoutingKind::Uniform, 2, false);
-        let out = moelink::group::run_ranks(2, |g| {
-            let me = g.rank();
-            let num_rdma_bytes = Buffer::ll_bytes_needed(shape.tokens, shape.hidden, shape.ranks, shape.experts);
-            let opts = BufferOptions { backend: BackendKind::Host, num_rdma_bytes, low_latency_mode: true, ..Default::default() };
-            let mut buf = Buffer::new(Arc::new(g), opts)?;
-            let t = LlTensors::host(&good, me)?;
-            let mut pairs = Vec::new();
-            for dtype in [Dtype::Bf16, Dtype::Fp8] {
-                let d = match buf.low_latency_dispatch(&t.dispatch_args(&shape, dtype)) {
-                    Err(moelink::Error::Unavailable(why)) => return Ok(Err(why)),
-                    r => r?,
-                };
-                pairs.push((check_dispatch(&d, &good, me, dtype)?, check_dispatch(&d, &other, me, dtype)?));
-                let y = Tensor::from_vec(expert_outputs(&d, &shape, dtype)?, &[4, 2 * 16, 256])?;
-                let c = buf.low_latency_combine(&t.combine_args(&y, &d.handle))?;
-                let got: Vec<bf16> = c.to_vec()?;
-                pairs.push((check_combine(&got, &good, me, dtype), check_combine(&got, &other, me, dtype)));
-            }
-            Ok(Ok(pairs))
-        });
-        for r in out {
-            match r.unwrap() {
-                Err(why) => eprintln!("skipping: {why}"),
-                Ok(pairs) => {
-                    for (i, (truth, wrong)) in pairs.into_iter().enumerate() {
-                        assert!(truth.is_empty(), "check {i}: {truth:?}");
-                        assert!(!wrong.is_empty(), "check {i} accepted results for other inputs");
-                    }
+        let (good, other) = super::super::tests::good_and_other(shape, false);
+        let num_rdma_bytes = Buffer::ll_bytes_needed(shape.tokens, shape.hidden, shape.ranks, shape.experts);
+        super::super::tests::assert_checks_on_host(
+            BufferOptions { num_rdma_bytes, low_latency_mode: true, ..Default::default() },
+            |buf, me| {
+                let t = LlTensors::host(&good, me)?;
+                let mut pairs = Vec::new();
+                for dtype in [Dtype::Bf16, Dtype::Fp8] {
+                    let d = buf.low_latency_dispatch(&t.dispatch_args(&shape, dtype))?;
+                    pairs.push((check_dispatch(&d, &good, me, dtype)?, check_dispatch(&d, &other, me, dtype)?));
+                    let y = Tensor::from_vec(expert_outputs(&d, &shape, dtype)?, &[4, 2 * 16, 256])?;
+                    let c = buf.low_latency_combine(&t.combine_args(&y, &d.handle))?;
+                    let got: Vec<bf16> = c.to_vec()?;
+                    pairs.push((check_combine(&got, &good, me, dtype), check_combine(&got, &other, me, dtype)));
                 }
-            }
-        }
+                Ok(pairs)
+            },
+        );
     }
 }

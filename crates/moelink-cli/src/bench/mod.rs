@@ -2,7 +2,7 @@
 //!
 //! Every rank is a thread of this process (one GPU each on CUDA). A run is a list of batches, one per
 //! (mode, shape, routing); for each, the inputs of all ranks are generated once from the seed together with
-//! the results they must produce ([`inputs`]); each rank then creates its buffer (sized once per run for the
+//! the results they must produce ([`moelink_testkit::inputs`]); each rank then creates its buffer (sized once per run for the
 //! largest shape of its mode) and, case by case, runs the operation once and checks it (always against
 //! those backend-independent expectations, on CUDA also bit for bit against the host backend on the same
 //! inputs), then times warm-up + repetitions, each in its own [`moelink::Buffer::timed`] region (a barrier
@@ -26,7 +26,6 @@
 //! any rank, then the median of those.
 
 mod ht;
-pub mod inputs;
 mod ll;
 pub mod nvlink;
 pub mod plot;
@@ -42,10 +41,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use moelink::{BackendKind, Buffer, BufferOptions, Result};
 
 use crate::record::{self, Record, RunFacts, Status};
-use crate::rng::RoutingKind;
 use crate::table::{num, Table};
 use crate::{sys, CliError};
-use inputs::{Inputs, Shape};
+use moelink_testkit::inputs::{Inputs, Shape};
+use moelink_testkit::RouteKind;
 
 /// `moelink bench [OPTIONS]` or `moelink bench nvlink [OPTIONS]`.
 #[derive(Args, Debug)]
@@ -67,6 +66,29 @@ pub enum BenchSub {
     /// The RDMA transport seam: put+signal latency and put bandwidth per backend (ptr, emu-nic, nvshmem),
     /// message size and QP count, each after a conformance check (not network figures without a NIC).
     Transport(transport::TransportArgs),
+}
+
+/// How the bench's tokens pick experts (`--routing`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RoutingKind {
+    /// Scores |randn| + 1, top-k (DeepEP's benchmark routing).
+    Uniform,
+    /// 90% of tokens pick experts 0..k: the first rank receives nearly everything.
+    Skewed,
+}
+
+impl RoutingKind {
+    /// Name used in tables and JSON.
+    pub fn name(self) -> &'static str {
+        self.kind().name()
+    }
+    /// The generator's routing.
+    pub fn kind(self) -> RouteKind {
+        match self {
+            RoutingKind::Uniform => RouteKind::Uniform,
+            RoutingKind::Skewed => RouteKind::Skewed,
+        }
+    }
 }
 
 /// Which regime to measure.
@@ -405,6 +427,13 @@ fn print_ht_traces(buf: &Buffer) {
             at("end")
         );
     }
+}
+
+/// The most telling error among ranks: a rank's own failure rather than the timeouts it caused elsewhere.
+fn first_cause(errors: &[&moelink::Error]) -> Option<String> {
+    use moelink::Error;
+    let secondary = |e: &Error| matches!(e, Error::Timeout { .. } | Error::Group { .. } | Error::Poisoned { .. });
+    errors.iter().find(|e| !secondary(e)).or_else(|| errors.first()).map(|e| e.to_string())
 }
 
 /// Turns an operation's result into either a value or a finished outcome (unavailable / failed).
@@ -779,7 +808,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         let what = format!("{} {} tokens {}", batch.mode.name(), batch.shape.tokens, batch.routing.name());
         progress.set_message(format!("{what}: inputs"));
         let want_fp8_payload = batch.mode == Mode::Ht && batch.dtypes.contains(&Dtype::Fp8);
-        let inputs = Inputs::generate(batch.shape, batch.routing, a.seed, want_fp8_payload);
+        let inputs = Inputs::generate(batch.shape, batch.routing.kind(), a.seed, want_fp8_payload);
         progress.set_message(what.clone());
         let job = Job {
             inputs: &inputs,
@@ -793,7 +822,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
             base: &base,
         };
         let timeout = Duration::from_secs(a.timeout_s.max(1));
-        let results = crate::ranks::run_threads(p.ranks, timeout, |g| match batch.mode {
+        let results = moelink::group::run_ranks_with_timeout(p.ranks, timeout, |g| match batch.mode {
             Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes),
             Mode::Ll => ll::run_rank(g, &job, num_rdma_bytes),
         });
@@ -902,7 +931,7 @@ fn summarize(
 ) -> Vec<Record> {
     let s = &inputs.shape;
     let rank_errors: Vec<&moelink::Error> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    let whole_run_error = crate::ranks::first_cause(&rank_errors);
+    let whole_run_error = first_cause(&rank_errors);
     cases
         .iter()
         .enumerate()
@@ -1208,6 +1237,31 @@ mod tests {
     use super::*;
     use clap::Parser;
 
+    /// Inputs the result checks must accept (seed 1) and inputs of the same shape they must reject (seed 2).
+    pub(super) fn good_and_other(shape: Shape, fp8: bool) -> (Inputs, Inputs) {
+        (Inputs::generate(shape, RouteKind::Uniform, 1, fp8), Inputs::generate(shape, RouteKind::Uniform, 2, fp8))
+    }
+
+    /// Runs `checks` on both ranks of a host-backend group (buffers of `opts`) and asserts the (check on the
+    /// truth, check on other inputs) pairs it returns: the first finds nothing, the second finds something.
+    pub(super) fn assert_checks_on_host<F>(opts: moelink::BufferOptions, checks: F)
+    where
+        F: Fn(&mut Buffer, usize) -> moelink::Result<Vec<(Vec<String>, Vec<String>)>> + Sync,
+    {
+        let per_rank = moelink::group::run_ranks(2, |g| {
+            let me = moelink::Group::rank(&g);
+            let mut buf = Buffer::new(std::sync::Arc::new(g), moelink::BufferOptions { backend: BackendKind::Host, ..opts.clone() })?;
+            checks(&mut buf, me)
+        });
+        for (rank, r) in per_rank.into_iter().enumerate() {
+            let pairs = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            for (i, (truth, wrong)) in pairs.into_iter().enumerate() {
+                assert!(truth.is_empty(), "rank {rank} check {i}: {truth:?}");
+                assert!(!wrong.is_empty(), "rank {rank} check {i} accepted results for other inputs");
+            }
+        }
+    }
+
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -1231,7 +1285,7 @@ mod tests {
     #[test]
     fn ht_bytes_follow_deepep_accounting() {
         let shape = Shape { ranks: 2, tokens: 16, hidden: 256, topk: 2, experts: 4 };
-        let inputs = Inputs::generate(shape, RoutingKind::Uniform, 1, false);
+        let inputs = Inputs::generate(shape, RouteKind::Uniform, 1, false);
         let recv: usize = inputs.reference.recv_rows.iter().map(|v| v.len()).sum();
         let c = Case { mode: Mode::Ht, op: Op::Dispatch, dtype: Dtype::Fp8, routing: RoutingKind::Uniform, num_sms: None };
         let (logical, wire) = bytes_moved(&c, &inputs);

@@ -100,12 +100,13 @@ pub fn run(a: &NvlinkArgs) -> Result<(), CliError> {
         println!("no GPU found ({why}): the probes will report unavailable");
     }
 
-    let per_rank = crate::ranks::run_threads(ranks, Duration::from_secs(a.timeout_s.max(1)), |g| -> moelink::Result<RankResult> {
-        let device = g.rank();
-        let bw = diag::nvlink_bandwidth(&g, device, &sms, &methods, &patterns);
-        let bar = diag::barrier_latency_us(&g, device, a.barrier_iters);
-        Ok((bw, bar))
-    });
+    let per_rank =
+        moelink::group::run_ranks_with_timeout(ranks, Duration::from_secs(a.timeout_s.max(1)), |g| -> moelink::Result<RankResult> {
+            let device = g.rank();
+            let bw = diag::nvlink_bandwidth(&g, device, &sms, &methods, &patterns);
+            let bar = diag::barrier_latency_us(&g, device, a.barrier_iters);
+            Ok((bw, bar))
+        });
     // The diagnostics report the slowest rank on every rank: rank 0's copy is the result.
     let (bw, bar): RankResult = match per_rank.into_iter().next() {
         Some(Ok(r)) => r,

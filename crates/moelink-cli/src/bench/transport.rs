@@ -198,7 +198,7 @@ pub fn run(a: &TransportArgs) -> Result<(), CliError> {
             let outcome = match &group {
                 Some(g) => run_rank(g, g.local_rank() % gpus.max(1), a, &rdma),
                 None => {
-                    let per = crate::ranks::run_threads(ranks, Duration::from_secs(a.timeout_s.max(1)), |g| {
+                    let per = moelink::group::run_ranks_with_timeout(ranks, Duration::from_secs(a.timeout_s.max(1)), |g| {
                         run_rank(&g, g.rank() % gpus.max(1), a, &rdma)
                     });
                     per.into_iter().next().unwrap_or_else(|| Err(moelink::Error::Unavailable("no ranks ran".into())))

@@ -4,11 +4,10 @@
 pub(crate) mod cuda;
 pub(crate) mod host;
 
-use std::any::Any;
 use std::sync::Arc;
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
@@ -20,17 +19,95 @@ pub struct LayoutOutputs<'a> {
     pub is_token_in_rank: TensorMut<'a>,
 }
 
+// Per-backend data that travels through the backend-independent core (handles, plans, pending receive
+// phases) is one enum per kind, with a variant per backend; a backend takes its own variant out with the
+// accessors below and refuses the other's.
+
+/// The routing a high-throughput dispatch leaves in its [`crate::HtHandle`].
+pub(crate) enum HtRouting {
+    Host(host::ht::HostHtRouting),
+    Cuda(cuda::ht::CudaHtRouting),
+}
+
+/// The routing a low-latency dispatch leaves in its [`crate::LlHandle`].
+pub(crate) enum LlRouting {
+    Host(host::ll::HostLlRouting),
+    Cuda(cuda::ll::CudaLlRouting),
+}
+
+/// Backend state between `prepare_dispatch` and `dispatch` ([`crate::DispatchPlan`]).
+pub(crate) enum PlanState {
+    Host(host::ht::HostPlan),
+    Cuda(cuda::ht::CudaPlan),
+}
+
 /// A receive phase that has not run yet (`return_recv_hook`). Holds the output views it will write.
 pub(crate) enum PendingRecv<'a> {
-    HostLlDispatch(host::ll::PendingDispatch<'a>),
-    HostLlCombine(host::ll::PendingCombine<'a>),
+    Host(host::ll::PendingRecv<'a>),
     Cuda(cuda::PendingRecv<'a>),
+}
+
+fn other_backend(arg: &'static str, rank: usize, want: &str) -> Error {
+    Error::invalid(arg, rank, format!("comes from another backend than this {want} buffer"))
+}
+
+impl HtRouting {
+    pub(crate) fn host(&self, rank: usize) -> Result<&host::ht::HostHtRouting> {
+        match self {
+            HtRouting::Host(r) => Ok(r),
+            HtRouting::Cuda(_) => Err(other_backend("handle", rank, "host")),
+        }
+    }
+    pub(crate) fn cuda(&self, rank: usize) -> Result<&cuda::ht::CudaHtRouting> {
+        match self {
+            HtRouting::Cuda(r) => Ok(r),
+            HtRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
+        }
+    }
+}
+
+impl LlRouting {
+    pub(crate) fn host(&self, rank: usize) -> Result<&host::ll::HostLlRouting> {
+        match self {
+            LlRouting::Host(r) => Ok(r),
+            LlRouting::Cuda(_) => Err(other_backend("handle", rank, "host")),
+        }
+    }
+    pub(crate) fn cuda(&self, rank: usize) -> Result<&cuda::ll::CudaLlRouting> {
+        match self {
+            LlRouting::Cuda(r) => Ok(r),
+            LlRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
+        }
+    }
+}
+
+impl PlanState {
+    pub(crate) fn into_host(self, rank: usize) -> Result<host::ht::HostPlan> {
+        match self {
+            PlanState::Host(p) => Ok(p),
+            PlanState::Cuda(_) => Err(other_backend("plan", rank, "host")),
+        }
+    }
+    pub(crate) fn into_cuda(self, rank: usize) -> Result<cuda::ht::CudaPlan> {
+        match self {
+            PlanState::Cuda(p) => Ok(p),
+            PlanState::Host(_) => Err(other_backend("plan", rank, "CUDA")),
+        }
+    }
 }
 
 /// What a backend returns from a dispatch: handle data plus the host-known received count.
 pub(crate) struct HtDispatched {
-    pub data: Arc<dyn Any + Send + Sync>,
+    pub data: Arc<HtRouting>,
     pub num_recv_tokens: Option<usize>,
+}
+
+/// A stream a [`crate::Buffer`] enqueues on for a while, instead of its own.
+pub(crate) enum BoundStream {
+    /// A stream of this process ([`crate::Buffer::on_stream`]).
+    Owned(moelink_cuda::Stream),
+    /// A raw handle from outside ([`crate::ForeignStream`]), valid under that type's contract.
+    Foreign(u64),
 }
 
 pub(crate) trait Backend: Send {
@@ -60,9 +137,16 @@ pub(crate) trait Backend: Send {
     fn quiesce(&mut self) -> Result<()> {
         Ok(())
     }
-    /// Runs later operations on a caller's raw stream (asynchronously), or with `None` on the backend's
-    /// own stream with the host waiting. Host backend: ignored (always synchronous).
-    fn set_stream(&mut self, _stream: Option<u64>) {}
+    /// Enqueues later operations on `stream` and returns once they are enqueued, until `unbind_stream`.
+    /// Host backend: ignored (always synchronous).
+    fn bind_stream(&mut self, _stream: BoundStream) -> Result<()> {
+        Ok(())
+    }
+    /// Back to the backend's own stream, the host waiting for every operation. With `wait`, first waits
+    /// (bounded by the deadline) for the work enqueued on the bound stream and reports its kernels' errors.
+    fn unbind_stream(&mut self, _wait: bool) -> Result<()> {
+        Ok(())
+    }
     /// Told once when a collective failed and the buffer is poisoned (the CUDA backend then keeps its
     /// symmetric memory alive on drop: peers may still write into it).
     fn poison(&mut self) {}
@@ -74,11 +158,9 @@ pub(crate) trait Backend: Send {
     fn end_capture(&mut self) -> Result<moelink_cuda::GraphExec> {
         Err(crate::Error::Unavailable(format!("the {} backend cannot capture CUDA graphs", self.name())))
     }
-    /// Replays a captured graph; synchronous mode waits for it and reports kernel errors.
-    ///
-    /// # Safety
-    /// As [`crate::Buffer::replay`].
-    unsafe fn replay(&mut self, _graph: &moelink_cuda::GraphExec) -> Result<()> {
+    /// Replays a captured graph; synchronous mode waits for it and reports kernel errors. Called only by
+    /// the pipelines of [`crate::graph`], which own every tensor and handle their graphs use.
+    fn replay(&mut self, _graph: &moelink_cuda::GraphExec) -> Result<()> {
         Err(crate::Error::Unavailable(format!("the {} backend cannot replay CUDA graphs", self.name())))
     }
     /// Opens a timed region (collective; [`crate::Buffer::timed`]): lines the ranks up and marks the start.
@@ -116,7 +198,7 @@ pub(crate) trait Backend: Send {
         spec: LlSpec,
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
-    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)>;
+    ) -> Result<(Arc<LlRouting>, Option<PendingRecv<'a>>)>;
     fn ll_combine<'a>(
         &mut self,
         spec: LlCombineSpec,
@@ -137,3 +219,85 @@ pub(crate) trait Backend: Send {
         Err(crate::error::Error::Unavailable(format!("the {} backend has no communication buffer to view", self.name())))
     }
 }
+
+/// The high-throughput `Backend` methods every backend implements as functions of the same name in its `ht`
+/// module (taking the backend first): expanded inside each `impl Backend`, where that module is in scope.
+macro_rules! forward_ht_operations {
+    () => {
+        fn dispatch_layout(
+            &mut self,
+            topk_idx: &$crate::tensor::TensorRef<'_>,
+            num_experts: usize,
+            out: $crate::backend::LayoutOutputs<'_>,
+        ) -> $crate::Result<()> {
+            ht::dispatch_layout(self, topk_idx, num_experts, out)
+        }
+        fn prepare_dispatch(
+            &mut self,
+            spec: $crate::ht::HtSpec,
+            args: &$crate::ht::DispatchArgs<'_>,
+        ) -> $crate::Result<$crate::ht::DispatchPlan> {
+            ht::prepare_dispatch(self, spec, args)
+        }
+        fn dispatch(
+            &mut self,
+            plan: $crate::ht::DispatchPlan,
+            args: &$crate::ht::DispatchArgs<'_>,
+            out: $crate::ht::DispatchOutputs<'_>,
+        ) -> $crate::Result<$crate::backend::HtDispatched> {
+            ht::dispatch(self, plan, args, out)
+        }
+        fn combine(
+            &mut self,
+            spec: $crate::ht::CombineSpec,
+            args: &$crate::ht::CombineArgs<'_>,
+            out: $crate::ht::CombineOutputs<'_>,
+        ) -> $crate::Result<()> {
+            ht::combine(self, spec, args, out)
+        }
+    };
+}
+pub(crate) use forward_ht_operations;
+
+/// The low-latency `Backend` methods, forwarded to the functions of the same name in the backend's `ll`
+/// module, for a backend with one low-latency implementation (the CUDA backend chooses between its
+/// intranode and internode kernels instead).
+macro_rules! forward_ll_operations {
+    () => {
+        fn ll_dispatch<'a>(
+            &mut self,
+            spec: $crate::ll::LlSpec,
+            args: &$crate::ll::LlDispatchArgs<'_>,
+            out: $crate::ll::LlDispatchOutputs<'a>,
+        ) -> $crate::Result<(std::sync::Arc<$crate::backend::LlRouting>, Option<$crate::backend::PendingRecv<'a>>)> {
+            ll::dispatch(self, spec, args, out)
+        }
+        fn ll_combine<'a>(
+            &mut self,
+            spec: $crate::ll::LlCombineSpec,
+            args: &$crate::ll::LlCombineArgs<'_>,
+            out: $crate::ll::LlCombineOutputs<'a>,
+        ) -> $crate::Result<Option<$crate::backend::PendingRecv<'a>>> {
+            ll::combine(self, spec, args, out)
+        }
+        fn run_recv(&mut self, pending: $crate::backend::PendingRecv<'_>) -> $crate::Result<()> {
+            ll::run_recv(self, pending)
+        }
+        fn ll_next_combine_buffer(&mut self, spec: &$crate::ll::LlSpec) -> $crate::Result<$crate::tensor::TensorMut<'_>> {
+            ll::next_combine_buffer(self, spec)
+        }
+        fn clean_ll_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> $crate::Result<()> {
+            ll::clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        }
+        fn ll_set_mask(&mut self, rank: usize, masked: bool) -> $crate::Result<()> {
+            ll::set_mask(self, rank, masked)
+        }
+        fn ll_mask(&mut self) -> $crate::Result<Vec<bool>> {
+            ll::mask(self)
+        }
+        fn ll_clear_mask(&mut self) -> $crate::Result<()> {
+            ll::clear_mask(self)
+        }
+    };
+}
+pub(crate) use forward_ll_operations;

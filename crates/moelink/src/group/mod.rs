@@ -11,7 +11,7 @@ mod tcp;
 mod thread;
 
 pub use tcp::{TcpConfig, TcpGroup};
-pub use thread::{run_ranks, ThreadGroup};
+pub use thread::{run_ranks, run_ranks_with_timeout, ThreadGroup};
 
 use std::time::Duration;
 

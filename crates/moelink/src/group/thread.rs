@@ -150,7 +150,16 @@ where
     T: Send,
     F: Fn(ThreadGroup) -> Result<T> + Sync,
 {
-    let groups = ThreadGroup::new(size);
+    run_ranks_with_timeout(size, Duration::from_millis(DEFAULT_GROUP_TIMEOUT_MS), f)
+}
+
+/// [`run_ranks`] with a group whose collectives wait at most `timeout` for the other ranks.
+pub fn run_ranks_with_timeout<T, F>(size: usize, timeout: Duration, f: F) -> Vec<Result<T>>
+where
+    T: Send,
+    F: Fn(ThreadGroup) -> Result<T> + Sync,
+{
+    let groups = ThreadGroup::with_timeout(size, timeout);
     std::thread::scope(|s| {
         let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(|| f(g))).collect();
         handles

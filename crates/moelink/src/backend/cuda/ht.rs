@@ -13,7 +13,6 @@
 //! same call and the epochs stay in step; where the host already knows those values (CPU-sync handles) it
 //! returns [`Error::BufferTooSmall`] before launching, which is the same decision taken earlier.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,7 +25,7 @@ use moelink_kernels::ht::{
 use moelink_kernels::kernel_name;
 
 use super::{ctrl, CudaBackend, HT_DATA};
-use crate::backend::{HtDispatched, LayoutOutputs};
+use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
 use crate::config::Tuning;
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
@@ -218,7 +217,7 @@ impl BufferPool {
 }
 
 /// A device buffer that returns to its pool when dropped.
-struct PooledBuffer {
+pub(crate) struct PooledBuffer {
     buf: Option<DeviceBuffer>,
     pool: Arc<BufferPool>,
 }
@@ -242,7 +241,7 @@ impl Drop for PooledBuffer {
 
 /// What the host knows about a dispatch's routing (CPU-sync mode, or read back after a synchronous call).
 #[derive(Clone, Debug)]
-struct HostRouting {
+pub(crate) struct HostRouting {
     num_recv_tokens: usize,
     t_max: usize,
     /// Received tokens per local expert, unaligned (CPU-sync mode only).
@@ -260,17 +259,17 @@ pub(crate) struct CudaHtRouting {
 /// The handle data a dispatch returns: built by a fresh dispatch, shared by a cached one.
 enum HandleData {
     New(CudaHtRouting),
-    Existing(Arc<dyn Any + Send + Sync>),
+    Existing(Arc<HtRouting>),
 }
 
 /// State between `prepare_dispatch` and `dispatch`.
-enum CudaPlan {
+pub(crate) enum CudaPlan {
     Fresh { routing: PooledBuffer, host: Option<HostRouting> },
-    Cached(Arc<dyn Any + Send + Sync>),
+    Cached(Arc<HtRouting>),
 }
 
-fn routing_of(data: &Arc<dyn Any + Send + Sync>, rank: usize) -> Result<&CudaHtRouting> {
-    data.downcast_ref::<CudaHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a CUDA-backend handle"))
+fn routing_of(data: &HtRouting, rank: usize) -> Result<&CudaHtRouting> {
+    data.cuda(rank)
 }
 
 // ------------------------------------------------------------------------------------------ helpers
@@ -454,6 +453,7 @@ fn per_expert_aligned(host: &Option<HostRouting>, s: &HtSpec) -> Vec<usize> {
 }
 
 pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+    b.single_node_only("high-throughput dispatch")?;
     let rank = s.rank;
     ensure_region_agreed(b)?;
     if s.num_worst_tokens == 0 && b.is_capturing() {
@@ -483,7 +483,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
                 num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
-                state: Box::new(CudaPlan::Cached(data)),
+                state: PlanState::Cuda(CudaPlan::Cached(data)),
             })
         }
         Routing::Fresh { layout, topk_idx, topk_weights } => {
@@ -550,7 +550,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
                 num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
-                state: Box::new(CudaPlan::Fresh { routing: routing_buf, host }),
+                state: PlanState::Cuda(CudaPlan::Fresh { routing: routing_buf, host }),
             })
         }
     }
@@ -615,7 +615,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let s = plan.spec;
     let rank = s.rank;
     let num_out_rows = plan.num_recv_rows();
-    let state = plan.state.downcast::<CudaPlan>().map_err(|_| Error::invalid("plan", rank, "not a CUDA-backend plan"))?;
+    let state = plan.state.into_cuda(rank)?;
     check_aligned(out.recv_x.addr(), 16, "recv_x", rank)?;
     check_aligned(out_addr(&out.recv_scales), 4, "recv_x_scales", rank)?;
     check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
@@ -631,7 +631,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let slab_rows = region.slab_rows(variant.row_bytes());
 
     // The handle: a fresh dispatch builds it (routing from notify); a cached one re-uses it.
-    let handle = match *state {
+    let handle = match state {
         CudaPlan::Fresh { routing, host } => HandleData::New(CudaHtRouting { routing, host }),
         CudaPlan::Cached(data) => HandleData::Existing(data),
     };
@@ -709,7 +709,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
             if r.host.is_none() {
                 r.host = read_back;
             }
-            Arc::new(r) as Arc<dyn Any + Send + Sync>
+            Arc::new(HtRouting::Cuda(r))
         }
         HandleData::Existing(data) => data,
     };
@@ -719,6 +719,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
 // ------------------------------------------------------------------------------------------ combine
 
 pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+    b.single_node_only("high-throughput combine")?;
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
     // The biases given, in order (the kernel adds bias0 then bias1; a lone second bias takes the first slot,

@@ -11,7 +11,6 @@
 //!   call-signature mismatches between ranks come back through [`LlReport`] after the kernels ran the
 //!   protocol to its end: every rank fails the call with an argument error and the buffer stays usable.
 
-use std::any::Any;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -25,7 +24,7 @@ use moelink_kernels::ll::{
 use moelink_kernels::ll_internode::{LliCombineArgs, LliDispatchArgs, LliVariant};
 
 use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
-use crate::backend::PendingRecv as AnyPending;
+use crate::backend::{LlRouting, PendingRecv as AnyPending};
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::ll::checked_layout;
@@ -388,7 +387,8 @@ pub(crate) fn dispatch<'a>(
     s: LlSpec,
     a: &DispatchArgs<'_>,
     out: LlDispatchOutputs<'a>,
-) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
+) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
+    b.single_node_only("low-latency dispatch")?;
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
     let variant = variant_of(b, &s);
@@ -442,7 +442,7 @@ pub(crate) fn dispatch<'a>(
     let grid = grid_size(b);
     b.ll.dispatch_calls += 1;
     let marker: HookMarker = Arc::new(AtomicU8::new(if s.return_recv_hook { HOOK_PENDING } else { HOOK_RAN }));
-    let routing: Arc<dyn Any + Send + Sync> = Arc::new(CudaLlRouting { set, generation, recv: marker.clone() });
+    let routing = Arc::new(LlRouting::Cuda(CudaLlRouting { set, generation, recv: marker.clone() }));
     if s.return_recv_hook {
         let send = LlDispatchArgs { phases: phase::SEND, ..args };
         let recv = LlDispatchArgs { phases: phase::RECV, ..args };
@@ -480,9 +480,10 @@ pub(crate) fn combine<'a>(
     a: &CombineArgs<'_>,
     out: LlCombineOutputs<'a>,
 ) -> Result<Option<AnyPending<'a>>> {
+    b.single_node_only("low-latency combine")?;
     let s = cs.ll;
     let me = s.rank;
-    let routing = a.handle.data.downcast_ref::<CudaLlRouting>().ok_or_else(|| Error::invalid("handle", me, "not a CUDA-backend handle"))?;
+    let routing = a.handle.data.cuda(me)?;
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
 
@@ -588,6 +589,7 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Res
 /// `clean_low_latency_buffer`: resets the low-latency control area on every rank (collective): a barrier
 /// (no call in flight anywhere), zero the epochs, counters, flags and metadata (not the masks), a barrier.
 pub(crate) fn clean(b: &mut CudaBackend, _t: usize, _h: usize, _e: usize) -> Result<()> {
+    b.single_node_only("clean_low_latency_buffer")?;
     b.gpu_barrier()?;
     let addr = b.peer_addr(b.rank, ctrl::LL);
     // SAFETY: [ctrl::LL, ctrl::LL + MASK_OFFSET) is inside this rank's control area; the barrier above

@@ -4,7 +4,6 @@
 //! ([`LliLayout`], after the internode control words), a local state and handle area in device memory —
 //! and the launch, which adds the emulated NIC's blocks when the transport is `emu-nic`.
 
-use std::any::Any;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -15,7 +14,7 @@ use moelink_kernels::ll_internode::{check_limits, LliCombineArgs, LliDispatchArg
 use super::internode::RDMA_CTRL_BYTES;
 use super::ll::{self as single, Drain, HookMarker, Outstanding, HOOK_PENDING, HOOK_RAN};
 use super::{CudaBackend, PendingRecv};
-use crate::backend::PendingRecv as AnyPending;
+use crate::backend::{LlRouting, PendingRecv as AnyPending};
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::ll::{LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlSpec};
@@ -125,7 +124,7 @@ pub(crate) fn dispatch<'a>(
     s: LlSpec,
     a: &DispatchArgs<'_>,
     out: LlDispatchOutputs<'a>,
-) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
+) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
     let layout = layout_for(b, &s)?;
     single::begin_call(b)?;
     let v = variant(b, &s)?;
@@ -180,7 +179,7 @@ pub(crate) fn dispatch<'a>(
     };
     b.ll.dispatch_calls += 1;
     let marker: HookMarker = Arc::new(AtomicU8::new(if s.return_recv_hook { HOOK_PENDING } else { HOOK_RAN }));
-    let routing: Arc<dyn Any + Send + Sync> = Arc::new(single::CudaLlRouting { set, generation, recv: marker.clone() });
+    let routing = Arc::new(LlRouting::Cuda(single::CudaLlRouting { set, generation, recv: marker.clone() }));
     if s.return_recv_hook {
         let send = LliDispatchArgs { phases: phase::SEND, ..args };
         let recv = LliDispatchArgs { phases: phase::RECV, ..args };
@@ -215,8 +214,7 @@ pub(crate) fn combine<'a>(
 ) -> Result<Option<AnyPending<'a>>> {
     let s = cs.ll;
     let me = s.rank;
-    let routing =
-        a.handle.data.downcast_ref::<single::CudaLlRouting>().ok_or_else(|| Error::invalid("handle", me, "not a CUDA-backend handle"))?;
+    let routing = a.handle.data.cuda(me)?;
     let layout = layout_for(b, &s)?;
     single::begin_call(b)?;
     let (mut host_problem, mut local) = single::handle_problems(b, routing);

@@ -2,10 +2,10 @@
 //! symmetric buffer. Everything CUDA goes through `moelink_cuda`; this module only decides what to launch.
 //!
 //! Execution model: every operation runs on the buffer's communication stream. By default a call returns
-//! once its kernels have finished (the host waits with the buffer's deadline). With
-//! [`crate::Buffer::set_stream`] an operation is enqueued on a caller-provided stream and returns at once
-//! (the Python layer uses this for DeepEP's event semantics); errors recorded by the kernels then surface
-//! at the next call.
+//! once its kernels have finished (the host waits with the buffer's deadline). Inside
+//! [`crate::Buffer::on_stream`] or [`crate::Buffer::on_foreign_stream`] an operation is enqueued on the
+//! caller's stream and returns at once (the Python layer uses this for DeepEP's event semantics); errors
+//! recorded by the kernels then surface when the scope waits, or at the next call.
 
 pub(crate) mod ht;
 pub(crate) mod internode;
@@ -13,7 +13,6 @@ pub(crate) mod ll;
 pub(crate) mod ll_internode;
 pub(crate) mod rdma;
 
-use std::any::Any;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
@@ -26,12 +25,11 @@ use moelink_cuda::{
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::KernelSpec;
 
-use super::{Backend, HtDispatched, LayoutOutputs, PendingRecv as AnyPending};
+use super::{Backend, BoundStream, LlRouting, PendingRecv as AnyPending};
 use crate::config::BufferOptions;
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;
-use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
 use crate::internode::Topology;
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
@@ -95,6 +93,9 @@ pub(crate) struct CudaBackend {
     pub(crate) device: Device,
     stream: Stream,
     mode: StreamMode,
+    /// The last foreign stream (`on_foreign_stream`) operations were enqueued on: nothing waited for that
+    /// work, so dropping the buffer waits for this stream too.
+    last_foreign: Option<Stream>,
     /// While a graph capture runs (on `stream`): the mode to restore afterwards.
     capture: Option<StreamMode>,
     /// Events of timed regions (`None` until the first one).
@@ -200,6 +201,7 @@ impl CudaBackend {
             ranks_sharing_gpu,
             internode: None,
             mode: StreamMode::Own,
+            last_foreign: None,
             capture: None,
             timer: None,
             stream,
@@ -211,17 +213,49 @@ impl CudaBackend {
         Ok(backend)
     }
 
-    /// Runs later operations on `stream` (raw `CUstream`, asynchronously) or, with `None`, on the buffer's
-    /// own stream with the host waiting for completion.
-    ///
-    /// # Safety
-    /// `stream` must be a live stream of this buffer's device for as long as it is set.
-    pub(crate) unsafe fn set_stream(&mut self, stream: Option<u64>) {
-        self.mode = match stream {
-            // SAFETY: the caller guarantees the handle is a live stream of this device.
-            Some(raw) => StreamMode::External(unsafe { Stream::borrow_raw(&self.device, raw) }),
-            None => StreamMode::Own,
+    /// Enqueues later operations on `stream` (returning once they are enqueued) until `unbind_stream`.
+    fn bind(&mut self, stream: BoundStream) -> Result<()> {
+        if self.capture.is_some() || !matches!(self.mode, StreamMode::Own) {
+            return Err(Error::invalid("stream", self.rank, "another stream is already bound to this buffer (or a capture runs)"));
+        }
+        let stream = match stream {
+            BoundStream::Owned(s) => {
+                if s.device().ordinal() != self.device.ordinal() {
+                    let what = format!("is a stream of GPU {}, this buffer's GPU is {}", s.device().ordinal(), self.device.ordinal());
+                    return Err(Error::invalid("stream", self.rank, what));
+                }
+                s
+            }
+            BoundStream::Foreign(handle) => {
+                // SAFETY: `ForeignStream::from_raw`'s contract: the handle is a live stream of this buffer's
+                // device until the buffer is dropped or enqueues on another foreign stream.
+                let s = unsafe { Stream::borrow_raw(&self.device, handle) };
+                self.last_foreign = Some(s.clone());
+                s
+            }
         };
+        self.mode = StreamMode::External(stream);
+        Ok(())
+    }
+
+    /// Back to the buffer's own stream; with `wait`, first waits (deadline + slack) for the work enqueued on
+    /// the bound stream and reports what its kernels recorded.
+    fn unbind(&mut self, wait: bool) -> Result<()> {
+        let StreamMode::External(stream) = std::mem::replace(&mut self.mode, StreamMode::Own) else {
+            return Ok(());
+        };
+        if !wait {
+            return Ok(());
+        }
+        let slack = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
+        let done = stream.synchronize_timeout(slack);
+        if let Some(e) = self.recorded_error() {
+            return Err(e);
+        }
+        if !done? {
+            return Err(Error::Timeout { rank: self.rank, peer: usize::MAX, phase: Phase::Other, waited_ms: slack.as_millis() as u64 });
+        }
+        Ok(())
     }
 
     /// The stream operations are enqueued on.
@@ -489,13 +523,14 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// Waits (bounded) until every kernel this buffer enqueued has finished: on its own stream and, with
-    /// [`crate::Buffer::set_stream`], on the caller's stream. Every wait inside a kernel has the buffer's
+    /// a stream scope ([`crate::Buffer::on_stream`]), on the caller's stream. Every wait inside a kernel has the buffer's
     /// deadline, so the kernels end within it; a `false` means they did not (or the context is broken).
     fn wait_idle(&self) -> bool {
         let limit = Duration::from_nanos(self.timeout_ns) + Duration::from_secs(5);
         let own = matches!(self.stream.synchronize_timeout(limit), Ok(true));
-        let external = match &self.mode {
-            StreamMode::External(s) if self.capture.is_none() => matches!(s.synchronize_timeout(limit), Ok(true)),
+        let external = match (&self.mode, &self.last_foreign) {
+            (StreamMode::External(s), _) if self.capture.is_none() => matches!(s.synchronize_timeout(limit), Ok(true)),
+            (_, Some(s)) if self.capture.is_none() => matches!(s.synchronize_timeout(limit), Ok(true)),
             _ => true,
         };
         own && external
@@ -504,7 +539,7 @@ impl CudaBackend {
 
 /// Dropping a buffer never frees memory a kernel may still use:
 /// - it first waits (bounded by the deadline + 5 s) for this buffer's own kernels, on its stream and on a
-///   caller's stream set with `set_stream`;
+///   caller's stream bound by a stream scope;
 /// - if they did not finish (a wedged GPU, a broken context), nothing they touch is freed: the symmetric
 ///   memory, the error records, the handle pool and the modules are leaked;
 /// - if the buffer was poisoned (a collective failed), a peer may still be inside that collective, or start a
@@ -590,8 +625,8 @@ impl Backend for CudaBackend {
         // every rank to have done the same: after that nobody writes here any more.
         // Stream errors (a poisoned context) must not skip the barrier: the other ranks are waiting in it.
         let own = self.stream.synchronize();
-        let external = match &self.mode {
-            StreamMode::External(s) => s.synchronize(),
+        let external = match (&self.mode, &self.last_foreign) {
+            (StreamMode::External(s), _) | (_, Some(s)) => s.synchronize(),
             _ => Ok(()),
         };
         self.group.barrier()?;
@@ -601,17 +636,17 @@ impl Backend for CudaBackend {
     fn poison(&mut self) {
         self.poisoned = true;
     }
-    fn set_stream(&mut self, stream: Option<u64>) {
-        // SAFETY: forwarded from `Buffer::set_stream`, whose contract requires a live stream of this device.
-        unsafe { CudaBackend::set_stream(self, stream) }
+    fn bind_stream(&mut self, stream: BoundStream) -> Result<()> {
+        self.bind(stream)
+    }
+    fn unbind_stream(&mut self, wait: bool) -> Result<()> {
+        self.unbind(wait)
     }
     fn begin_capture(&mut self) -> Result<()> {
         if self.capture.is_some() {
             return Err(Error::invalid("capture", self.rank, "a capture is already running on this buffer"));
         }
-        // SAFETY: `self.stream` is owned by this backend and outlives the borrowed handle, which lives in
-        // `self.mode` only until `end_capture` restores the previous mode.
-        let capturing = unsafe { Stream::borrow_raw(&self.device, self.stream.raw_handle()) };
+        let capturing = self.stream.clone();
         capturing.begin_capture()?;
         self.capture = Some(std::mem::replace(&mut self.mode, StreamMode::External(capturing)));
         Ok(())
@@ -622,11 +657,13 @@ impl Backend for CudaBackend {
         self.mode = previous;
         Ok(graph?.instantiate()?)
     }
-    unsafe fn replay(&mut self, graph: &GraphExec) -> Result<()> {
+    fn replay(&mut self, graph: &GraphExec) -> Result<()> {
         if self.capture.is_some() {
             return Err(Error::invalid("graph", self.rank, "cannot replay a graph while capturing"));
         }
-        // SAFETY: the caller guarantees (Buffer::replay) that everything the captured kernels touch is alive.
+        // SAFETY: only the pipelines of `crate::graph` replay, and each owns every tensor and handle its
+        // graphs were captured with (inputs, outputs, routing) for as long as it can be replayed; a replay
+        // inside `on_stream` borrows the pipeline until the scope has waited for the work.
         unsafe { graph.launch(self.op_stream())? };
         self.finish(Phase::Other)
     }
@@ -651,26 +688,14 @@ impl Backend for CudaBackend {
         all.sort_by_key(|t| t.start_ns);
         all
     }
-    fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
-        ht::dispatch_layout(self, topk_idx, num_experts, out)
-    }
-    fn prepare_dispatch(&mut self, spec: HtSpec, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
-        self.single_node_only("high-throughput dispatch")?;
-        ht::prepare_dispatch(self, spec, args)
-    }
-    fn dispatch(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
-        ht::dispatch(self, plan, args, out)
-    }
-    fn combine(&mut self, spec: CombineSpec, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
-        self.single_node_only("high-throughput combine")?;
-        ht::combine(self, spec, args, out)
-    }
+    super::forward_ht_operations!();
+    // The low-latency operations choose the intranode or the internode kernels.
     fn ll_dispatch<'a>(
         &mut self,
         spec: LlSpec,
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
-    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<AnyPending<'a>>)> {
+    ) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
         if self.internode.is_some() {
             return ll_internode::dispatch(self, spec, args, out);
         }
@@ -693,7 +718,7 @@ impl Backend for CudaBackend {
             AnyPending::Cuda(PendingRecv::LlCombine(p)) => ll::finish_combine(self, p),
             AnyPending::Cuda(PendingRecv::LliDispatch(p)) => ll_internode::finish_dispatch(self, p),
             AnyPending::Cuda(PendingRecv::LliCombine(p)) => ll_internode::finish_combine(self, p),
-            _ => Err(Error::invalid("hook", self.rank, "a host hook cannot run on the CUDA backend")),
+            AnyPending::Host(_) => Err(Error::invalid("hook", self.rank, "a host hook cannot run on the CUDA backend")),
         }
     }
     fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>> {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
-use crate::backend::{HtDispatched, LayoutOutputs};
+use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::layout::{self, align_up, to_local_expert};
@@ -33,8 +33,8 @@ pub(crate) struct HostHtRouting {
 }
 
 /// State between `prepare_dispatch` and `dispatch`.
-struct HostPlan {
-    routing: HostHtRouting,
+pub(crate) struct HostPlan {
+    pub(crate) routing: HostHtRouting,
 }
 
 pub(crate) fn dispatch_layout(b: &mut HostBackend, topk_idx: &TensorRef<'_>, num_experts: usize, mut out: LayoutOutputs<'_>) -> Result<()> {
@@ -73,7 +73,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
     let routing = match a.routing {
         Routing::Cached(h) => {
             agree(b, &s, true)?;
-            let r = h.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
+            let r = h.data.host(rank)?;
             HostHtRouting {
                 num_tokens: r.num_tokens,
                 is_token_in_rank: r.is_token_in_rank.clone(),
@@ -181,7 +181,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
         spec: s,
         num_recv_tokens: Some(n),
         num_recv_tokens_per_expert: per_expert_aligned,
-        state: Box::new(HostPlan { routing }),
+        state: PlanState::Host(HostPlan { routing }),
     })
 }
 
@@ -220,7 +220,7 @@ pub(crate) fn dispatch(
     let rank = s.rank;
     let nr = s.num_ranks;
     let el = s.num_local_experts();
-    let mut routing = plan.state.downcast::<HostPlan>().map_err(|_| Error::invalid("plan", rank, "not a host-backend plan"))?.routing;
+    let mut routing = plan.state.into_host(rank)?.routing;
     let x = input_bytes(a.x.x(), "x", rank)?;
     let scales: Option<Vec<f32>> = match a.x {
         Payload::Fp8 { scales, .. } => Some(read_matrix(&scales).ok_or_else(|| Error::invalid("x_scales", rank, "needs a host tensor"))?),
@@ -320,14 +320,13 @@ pub(crate) fn dispatch(
         super::output_bytes(t, "recv_src_idx", rank)?[..4 * n].copy_from_slice(bytemuck::cast_slice(&recv_src_idx));
     }
     routing.recv_src_idx = recv_src_idx;
-    Ok(HtDispatched { data: Arc::new(routing), num_recv_tokens: Some(n) })
+    Ok(HtDispatched { data: Arc::new(HtRouting::Host(routing)), num_recv_tokens: Some(n) })
 }
 
 pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, mut out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
     let nr = s.num_ranks;
-    let routing =
-        a.handle.data.downcast_ref::<HostHtRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
+    let routing = a.handle.data.host(rank)?;
     b.check_agreement(Phase::Combine, &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
     b.check_ht_capacity("HT combine receive slab", routing.t_max, moelink_kernels::ht::combine_row_bytes(s.hidden, s.topk))?;
     let x = input_bytes(&a.x, "x", rank)?;

@@ -11,14 +11,13 @@
 //! - Shrink masks are applied by each rank as a receiver: dispatch drops what masked ranks sent, combine
 //!   drops what masked ranks returned. Every thread still takes part in every exchange.
 
-use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
 
 use half::bf16;
 
 use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
-use crate::backend::PendingRecv;
+use crate::backend::{LlRouting, PendingRecv as AnyPending};
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::fp8::{pack_ue8m0, quantize_token, ue8m0_byte, GROUP, UE8M0_PER_INT};
@@ -76,12 +75,19 @@ pub(crate) struct HostLlRouting {
     recv_count: Vec<usize>,
 }
 
+/// A receive phase of the host backend that has not run yet.
+pub(crate) enum PendingRecv<'a> {
+    Dispatch(PendingDispatch<'a>),
+    Combine(PendingCombine<'a>),
+}
+
 /// A dispatch whose receive phase has not run yet (boxed: it holds five output views).
 pub(crate) struct PendingDispatch<'a>(Box<DispatchState<'a>>);
 
 struct DispatchState<'a> {
     spec: LlSpec,
-    routing: Arc<HostLlRouting>,
+    /// The handle's routing ([`LlRouting::Host`]).
+    routing: Arc<LlRouting>,
     /// Messages received from each source rank.
     recv: Vec<Vec<u8>>,
     mask: Vec<bool>,
@@ -205,7 +211,7 @@ pub(crate) fn dispatch<'a>(
     s: LlSpec,
     a: &LlDispatchArgs<'_>,
     out: LlDispatchOutputs<'a>,
-) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
+) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
     let (rank, nr) = (s.rank, s.num_ranks);
     collective_check(b, Phase::LowLatencyDispatch, &shared_values(&s), &[])?;
 
@@ -298,10 +304,10 @@ pub(crate) fn dispatch<'a>(
             recv_tokens[src].push(RecvToken { token, offset, terms });
         }
     }
-    let routing = Arc::new(HostLlRouting { topk_idx, topk_weights, recv_tokens, recv_count });
+    let routing = Arc::new(LlRouting::Host(HostLlRouting { topk_idx, topk_weights, recv_tokens, recv_count }));
     let pending = PendingDispatch(Box::new(DispatchState { spec: s, routing: routing.clone(), recv, mask, waited_ns, out }));
     if s.return_recv_hook {
-        Ok((routing, Some(PendingRecv::HostLlDispatch(pending))))
+        Ok((routing, Some(AnyPending::Host(PendingRecv::Dispatch(pending)))))
     } else {
         finish_dispatch(b, pending)?;
         Ok((routing, None))
@@ -309,9 +315,10 @@ pub(crate) fn dispatch<'a>(
 }
 
 /// The receive phase of a dispatch: expands the received tokens into the outputs.
-pub(crate) fn finish_dispatch(_b: &mut HostBackend, p: PendingDispatch<'_>) -> Result<()> {
+fn finish_dispatch(_b: &mut HostBackend, p: PendingDispatch<'_>) -> Result<()> {
     let DispatchState { spec: s, routing, recv, mask, waited_ns, mut out } = *p.0;
     let rank = s.rank;
+    let routing = routing.host(rank)?;
     let rec = DispatchRecord::new(&s);
     let (rows, groups) = (s.rows_per_expert(), s.hidden / GROUP);
     let row_bytes = rec.payload;
@@ -426,11 +433,10 @@ pub(crate) fn combine<'a>(
     cs: LlCombineSpec,
     a: &LlCombineArgs<'_>,
     out: LlCombineOutputs<'a>,
-) -> Result<Option<PendingRecv<'a>>> {
+) -> Result<Option<AnyPending<'a>>> {
     let s = cs.ll;
     let (rank, h) = (s.rank, s.hidden);
-    let routing =
-        a.handle.data.downcast_ref::<HostLlRouting>().ok_or_else(|| Error::invalid("handle", rank, "not a host-backend handle"))?;
+    let routing = a.handle.data.host(rank)?;
     let topk_idx = read_i64_matrix(&a.topk_idx).ok_or_else(|| Error::invalid("topk_idx", rank, "the host backend needs host tensors"))?;
     let topk_weights: Vec<f32> =
         read_matrix(&a.topk_weights).ok_or_else(|| Error::invalid("topk_weights", rank, "the host backend needs host tensors"))?;
@@ -509,7 +515,7 @@ pub(crate) fn combine<'a>(
 
     let pending = PendingCombine(Box::new(CombineState { spec: s, topk_idx, topk_weights, recv, mask: b.ll.mask.clone(), waited_ns, out }));
     if cs.return_recv_hook {
-        Ok(Some(PendingRecv::HostLlCombine(pending)))
+        Ok(Some(AnyPending::Host(PendingRecv::Combine(pending))))
     } else {
         finish_combine(b, pending)?;
         Ok(None)
@@ -517,7 +523,7 @@ pub(crate) fn combine<'a>(
 }
 
 /// The receive phase of a combine: sums what came back, in the documented order.
-pub(crate) fn finish_combine(_b: &mut HostBackend, p: PendingCombine<'_>) -> Result<()> {
+fn finish_combine(_b: &mut HostBackend, p: PendingCombine<'_>) -> Result<()> {
     let CombineState { spec: s, topk_idx, topk_weights, recv, mask, waited_ns, mut out } = *p.0;
     let (rank, nr, h, k, t_count) = (s.rank, s.num_ranks, s.hidden, s.topk, s.num_tokens);
     let rec_bytes = combine_record_bytes(h);
@@ -595,4 +601,36 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut HostBackend, s: &LlSpec) -> Res
         Some(t) => Ok(t.view_mut()),
         None => Err(Error::invalid("handle", s.rank, "no combine buffer")),
     }
+}
+
+/// Runs a receive phase left by [`dispatch`] or [`combine`] with `return_recv_hook`.
+pub(crate) fn run_recv(b: &mut HostBackend, pending: AnyPending<'_>) -> Result<()> {
+    match pending {
+        AnyPending::Host(PendingRecv::Dispatch(p)) => finish_dispatch(b, p),
+        AnyPending::Host(PendingRecv::Combine(p)) => finish_combine(b, p),
+        AnyPending::Cuda(_) => Err(Error::invalid("hook", b.rank(), "a CUDA hook cannot run on the host backend")),
+    }
+}
+
+/// Nothing persists between host low-latency calls except the zero-copy staging buffer (collective).
+pub(crate) fn clean(b: &mut HostBackend, _num_max_dispatch_tokens_per_rank: usize, _hidden: usize, _num_experts: usize) -> Result<()> {
+    b.ll.combine_staging = None;
+    b.all_gather(Phase::Barrier, &[]).map(|_| ())
+}
+
+/// Shrink mode: marks `rank` as failed or healthy.
+pub(crate) fn set_mask(b: &mut HostBackend, rank: usize, masked: bool) -> Result<()> {
+    b.ll.mask[rank] = masked;
+    Ok(())
+}
+
+/// Shrink mode: the mask.
+pub(crate) fn mask(b: &mut HostBackend) -> Result<Vec<bool>> {
+    Ok(b.ll.mask.clone())
+}
+
+/// Shrink mode: unmasks every rank.
+pub(crate) fn clear_mask(b: &mut HostBackend) -> Result<()> {
+    b.ll.mask.iter_mut().for_each(|m| *m = false);
+    Ok(())
 }

@@ -11,18 +11,15 @@
 pub(crate) mod ht;
 pub(crate) mod ll;
 
-use std::any::Any;
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Backend, HtDispatched, LayoutOutputs, PendingRecv};
+use super::Backend;
 use crate::config::BufferOptions;
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;
-use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
-use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 
 pub(crate) struct HostBackend {
@@ -203,61 +200,8 @@ impl Backend for HostBackend {
         self.step.set(0);
     }
 
-    fn dispatch_layout(&mut self, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
-        ht::dispatch_layout(self, topk_idx, num_experts, out)
-    }
-    fn prepare_dispatch(&mut self, spec: HtSpec, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
-        ht::prepare_dispatch(self, spec, args)
-    }
-    fn dispatch(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
-        ht::dispatch(self, plan, args, out)
-    }
-    fn combine(&mut self, spec: CombineSpec, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
-        ht::combine(self, spec, args, out)
-    }
-
-    fn ll_dispatch<'a>(
-        &mut self,
-        spec: LlSpec,
-        args: &LlDispatchArgs<'_>,
-        out: LlDispatchOutputs<'a>,
-    ) -> Result<(Arc<dyn Any + Send + Sync>, Option<PendingRecv<'a>>)> {
-        ll::dispatch(self, spec, args, out)
-    }
-    fn ll_combine<'a>(
-        &mut self,
-        spec: LlCombineSpec,
-        args: &LlCombineArgs<'_>,
-        out: LlCombineOutputs<'a>,
-    ) -> Result<Option<PendingRecv<'a>>> {
-        ll::combine(self, spec, args, out)
-    }
-    fn run_recv(&mut self, pending: PendingRecv<'_>) -> Result<()> {
-        match pending {
-            PendingRecv::HostLlDispatch(p) => ll::finish_dispatch(self, p),
-            PendingRecv::HostLlCombine(p) => ll::finish_combine(self, p),
-            PendingRecv::Cuda(_) => Err(Error::invalid("hook", self.rank(), "a CUDA hook cannot run on the host backend")),
-        }
-    }
-    fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>> {
-        ll::next_combine_buffer(self, spec)
-    }
-    fn clean_ll_buffer(&mut self, _num_max_dispatch_tokens_per_rank: usize, _hidden: usize, _num_experts: usize) -> Result<()> {
-        // Nothing persists between host low-latency calls except the zero-copy staging buffer.
-        self.ll.combine_staging = None;
-        self.all_gather(Phase::Barrier, &[]).map(|_| ())
-    }
-    fn ll_set_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
-        self.ll.mask[rank] = masked;
-        Ok(())
-    }
-    fn ll_mask(&mut self) -> Result<Vec<bool>> {
-        Ok(self.ll.mask.clone())
-    }
-    fn ll_clear_mask(&mut self) -> Result<()> {
-        self.ll.mask.iter_mut().for_each(|m| *m = false);
-        Ok(())
-    }
+    super::forward_ht_operations!();
+    super::forward_ll_operations!();
 }
 
 pub(crate) use {host_bytes as input_bytes, host_bytes_mut as output_bytes};

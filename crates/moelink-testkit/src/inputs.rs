@@ -1,12 +1,15 @@
-//! Bench inputs (seeded) and the reference results every backend must reproduce, computed here from the
-//! routing alone so the check does not trust any backend.
+//! The bench's inputs (seeded) and the results every backend must reproduce, computed here from the routing
+//! alone so that the check trusts no backend.
 //!
 //! Token values are small integers (|x| ≤ 8, fewer for more than 32 ranks): bf16 holds them exactly, and so
 //! does every sum combine forms (`x × ranks hit` stays below 256), so the HT combine check is exact.
 
 use half::bf16;
+use moelink::Fp8E4M3;
 
-use crate::rng::{routing, Rng, RoutingKind};
+use crate::rng::Rng;
+use crate::routing::{route, RouteKind};
+use crate::values::{random_fp8, random_weights};
 
 /// The problem size of one mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,9 +45,9 @@ pub struct RankInputs {
     pub topk_weights: Vec<f32>,
     /// `bf16 [T, H]`, small integers.
     pub x: Vec<bf16>,
-    /// `fp8 e4m3 [T, H]` raw bytes (HT FP8 dispatch is a copy, so any non-NaN bytes do); empty unless FP8
-    /// HT dispatch is measured.
-    pub x_fp8: Vec<u8>,
+    /// `fp8 e4m3 [T, H]` (HT FP8 dispatch is a copy, so any non-NaN values do); empty unless FP8 HT
+    /// dispatch is measured.
+    pub x_fp8: Vec<Fp8E4M3>,
     /// `float32 [T, H/128]` scales that travel with `x_fp8`.
     pub scales: Vec<f32>,
 }
@@ -93,16 +96,16 @@ pub fn amplitude(ranks: usize) -> i32 {
 
 impl Inputs {
     /// Inputs for every rank from `seed` (the same on every backend and run).
-    pub fn generate(shape: Shape, kind: RoutingKind, seed: u64, with_fp8_payload: bool) -> Inputs {
+    pub fn generate(shape: Shape, kind: RouteKind, seed: u64, with_fp8_payload: bool) -> Inputs {
         let Shape { ranks, tokens, hidden, topk, experts } = shape;
         let amp = amplitude(ranks);
         let span = (2 * amp + 1) as u64;
         // One thread per rank: at 16384 tokens of 7168 channels this is ~1 GB of payload per run.
         let one_rank = |r: usize| {
-            let salt = seed.wrapping_mul(0x100_0000_01B3) ^ ((r as u64) << 40) ^ ((kind as u64) << 56);
+            let salt = seed.wrapping_mul(0x100_0000_01B3) ^ ((r as u64) << 40) ^ (kind.code() << 56);
             let mut rng = Rng::new(salt);
-            let topk_idx = routing(&mut rng, kind, tokens, topk, experts);
-            let topk_weights = (0..tokens * topk).map(|_| rng.uniform() as f32 + 0.01).collect();
+            let topk_idx = route(&mut rng, kind, tokens, topk, experts, ranks);
+            let topk_weights = random_weights(&mut rng, tokens * topk);
             // Eight values per draw: generating 10^8 values one draw each would dominate the bench.
             let mut x = Vec::with_capacity(tokens * hidden);
             while x.len() < tokens * hidden {
@@ -114,18 +117,9 @@ impl Inputs {
                 }
             }
             let (x_fp8, scales) = if with_fp8_payload {
-                let mut bytes = Vec::with_capacity(tokens * hidden);
-                while bytes.len() < tokens * hidden {
-                    for b in rng.next_u64().to_le_bytes() {
-                        // 0x7f / 0xff are E4M3's NaNs: keep the payload finite so it prints sanely.
-                        let b = if b & 0x7f == 0x7f { b & 0xfe } else { b };
-                        if bytes.len() < tokens * hidden {
-                            bytes.push(b);
-                        }
-                    }
-                }
+                let values = random_fp8(&mut rng, tokens * hidden);
                 let scales = (0..tokens * (hidden / 128)).map(|_| 0.5 + rng.uniform() as f32).collect();
-                (bytes, scales)
+                (values, scales)
             } else {
                 (Vec::new(), Vec::new())
             };
@@ -178,21 +172,6 @@ fn reference(s: &Shape, inputs: &[RankInputs]) -> Reference {
     r
 }
 
-/// FP8 E4M3 ("fn": no infinities, 0x7f/0xff are NaN) to f32, exactly.
-pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((b >> 3) & 0x0f) as i32;
-    let man = (b & 0x07) as f32;
-    if exp == 0x0f && b & 0x07 == 0x07 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        sign * man * (2.0f32).powi(-9)
-    } else {
-        sign * (1.0 + man / 8.0) * (2.0f32).powi(exp - 7)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,7 +179,7 @@ mod tests {
     #[test]
     fn reference_counts_agree_with_each_other() {
         let shape = Shape { ranks: 4, tokens: 64, hidden: 256, topk: 4, experts: 16 };
-        let inp = Inputs::generate(shape, RoutingKind::Uniform, 3, true);
+        let inp = Inputs::generate(shape, RouteKind::Uniform, 3, true);
         let r = &inp.reference;
         for dst in 0..4 {
             let from_layout: i32 = (0..4).map(|src| r.tokens_per_rank[src][dst]).sum();
@@ -218,17 +197,7 @@ mod tests {
         assert_eq!(r.selections.iter().sum::<usize>(), 4 * 64 * 4);
         assert!(inp.ranks[0].x.iter().all(|v| v.to_f32().abs() <= 8.0 && v.to_f32().fract() == 0.0));
         assert_eq!(inp.ranks[0].x_fp8.len(), 64 * 256);
-        assert!(inp.ranks[0].x_fp8.iter().all(|b| b & 0x7f != 0x7f));
-    }
-
-    #[test]
-    fn e4m3_decodes_known_values() {
-        assert_eq!(e4m3_to_f32(0x38), 1.0);
-        assert_eq!(e4m3_to_f32(0x7e), 448.0);
-        assert_eq!(e4m3_to_f32(0xfe), -448.0);
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
-        assert_eq!(e4m3_to_f32(0x00), 0.0);
-        assert!(e4m3_to_f32(0x7f).is_nan());
+        assert!(inp.ranks[0].x_fp8.iter().all(|b| b.0 & 0x7f != 0x7f));
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `moelink chaos`: one rank of a process-mode group SIGKILLs itself in the middle of a collective; the
+//! `moelink-stress chaos`: one rank of a process-mode group SIGKILLs itself in the middle of a collective; the
 //! survivors must notice within the deadline, stay alive and carry on.
 //!
 //! Launch one process per GPU with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `LOCAL_RANK` set
@@ -6,8 +6,8 @@
 //! a CUDA buffer with a short deadline (`--timeout-ms`), warms the phase up, then loops it: each iteration is
 //! a full round trip (HT: layout → dispatch → identity combine; LL: dispatch → identity combine), checked
 //! against a host-backend simulation of all ranks on the same seeded inputs. At iteration `--kill-at`
-//! (default: drawn from the seed, the same on every rank) the victim enqueues the phase's kernel
-//! asynchronously (`set_stream`), spins a few microseconds so that the kernel is in flight, prints
+//! (default: drawn from the seed, the same on every rank) the victim enqueues the phase's kernel on a
+//! stream of its own (`Buffer::on_stream`), spins a few microseconds so that the kernel is in flight, prints
 //! `CHAOS_KILL {json}` with the time and sends itself SIGKILL.
 //!
 //! Survivors, default mode: the loop must end with `Error::Timeout` naming the victim within the deadline
@@ -39,14 +39,17 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, ValueEnum};
 use moelink::{
-    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, DispatchArgs, Error, Group, LlCombineArgs, LlDispatchArgs, LlQuant, Payload,
+    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, DType, DispatchArgs, DispatchLayout, DispatchOutputs,
+    DispatchResult, Error, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlDispatchResult, LlQuant, Payload,
     Result, Routing, TcpGroup, Tensor, ThreadGroup,
 };
+use moelink_cli::CliError;
+use moelink_testkit::rng::Rng;
+use moelink_testkit::routing::{route, RouteKind};
+use moelink_testkit::values::{random_bf16, random_weights};
 use serde::Serialize;
 
-use crate::rng::Rng;
-use crate::soak::{self, random_bf16, random_weights, route, Family, RouteKind};
-use crate::CliError;
+use crate::soak::{self, Family};
 
 /// Where the victim dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -85,7 +88,7 @@ pub enum ChaosBackend {
     Host,
 }
 
-/// Options of `moelink chaos`.
+/// Options of `moelink-stress chaos`.
 #[derive(Args, Debug, Clone)]
 pub struct ChaosArgs {
     /// The collective the victim dies in.
@@ -152,7 +155,7 @@ struct Inputs {
 
 fn inputs(sh: &Shape, seed: u64, rank: usize, set: usize) -> Inputs {
     let mut rng = Rng::new(seed ^ 0xc4a0_5000 ^ ((rank as u64) << 20) ^ ((set as u64) << 40));
-    let kind = if set == 0 { RouteKind::Uniform } else { RouteKind::Holes };
+    let kind = if set == 0 { RouteKind::Uniform } else { RouteKind::WithHoles };
     Inputs {
         idx: route(&mut rng, kind, sh.tokens, sh.topk, sh.experts, sh.ranks),
         x: random_bf16(&mut rng, sh.tokens * sh.hidden),
@@ -183,55 +186,62 @@ fn load(buf: &Buffer, sh: &Shape, inp: &Inputs) -> Result<Loaded> {
     })
 }
 
-/// Where an iteration stops to let the victim die: right after the named kernel was enqueued.
+/// Where the victim dies: right after the named kernel was enqueued.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Stop {
-    None,
     BeforeDispatch,
     BeforeCombine,
 }
 
-/// One iteration (HT: layout → dispatch → identity combine; LL: dispatch → identity combine). With a stop
-/// point, the buffer is switched to `stream` (asynchronous) just before that call and the function returns
-/// `Ok(None)` right after enqueuing it.
-fn iteration(buf: &mut Buffer, sh: &Shape, ll: bool, inp: &Loaded, stop: Stop, stream: Option<u64>) -> Result<Option<Out>> {
-    let go_async = |buf: &mut Buffer| {
-        // SAFETY: `stream` is a live stream of this buffer's device (created by the caller, never destroyed:
-        // the process dies right after), and every tensor the enqueued kernel touches stays alive.
-        unsafe { buf.set_stream(stream) };
-    };
+fn ll_args<'a>(sh: &Shape, inp: &'a Loaded) -> LlDispatchArgs<'a> {
+    LlDispatchArgs {
+        x: inp.x.view(),
+        topk_idx: inp.idx.view(),
+        topk_weights: None,
+        num_max_dispatch_tokens_per_rank: sh.tokens,
+        num_experts: sh.experts,
+        quant: LlQuant::Bf16,
+        return_recv_hook: false,
+    }
+}
+
+fn ll_combine_args<'a>(d: &'a LlDispatchResult, inp: &'a Loaded) -> LlCombineArgs<'a> {
+    LlCombineArgs {
+        x: d.recv_x.view(),
+        topk_idx: inp.idx.view(),
+        topk_weights: inp.w.view(),
+        handle: &d.handle,
+        zero_copy: false,
+        return_recv_hook: false,
+    }
+}
+
+fn ht_args<'a>(layout: &'a DispatchLayout, inp: &'a Loaded) -> DispatchArgs<'a> {
+    DispatchArgs {
+        x: Payload::Bf16(inp.x.view()),
+        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(inp.idx.view()), topk_weights: Some(inp.w.view()) },
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        config: None,
+    }
+}
+
+/// Identity experts: the received rows go back as they are, with the received weights.
+fn ht_combine_args(d: &DispatchResult) -> CombineArgs<'_> {
+    CombineArgs {
+        x: d.recv_x.view(),
+        handle: &d.handle,
+        topk_weights: d.recv_topk_weights.as_ref().map(|t| t.view()),
+        bias: [None, None],
+        config: None,
+    }
+}
+
+/// One iteration (HT: layout → dispatch → identity combine; LL: dispatch → identity combine).
+fn iteration(buf: &mut Buffer, sh: &Shape, ll: bool, inp: &Loaded) -> Result<Out> {
     if ll {
-        let args = LlDispatchArgs {
-            x: inp.x.view(),
-            topk_idx: inp.idx.view(),
-            topk_weights: None,
-            num_max_dispatch_tokens_per_rank: sh.tokens,
-            num_experts: sh.experts,
-            quant: LlQuant::Bf16,
-            return_recv_hook: false,
-        };
-        if stop == Stop::BeforeDispatch {
-            go_async(buf);
-            let d = buf.low_latency_dispatch(&args)?;
-            std::mem::forget(d); // its memory stays valid for the in-flight kernel
-            return Ok(None);
-        }
-        let d = buf.low_latency_dispatch(&args)?;
-        let cargs = LlCombineArgs {
-            x: d.recv_x.view(),
-            topk_idx: inp.idx.view(),
-            topk_weights: inp.w.view(),
-            handle: &d.handle,
-            zero_copy: false,
-            return_recv_hook: false,
-        };
-        if stop == Stop::BeforeCombine {
-            go_async(buf);
-            let c = buf.low_latency_combine(&cargs)?;
-            std::mem::forget(c);
-            std::mem::forget(d);
-            return Ok(None);
-        }
+        let d = buf.low_latency_dispatch(&ll_args(sh, inp))?;
+        let cargs = ll_combine_args(&d, inp);
         let combined = buf.low_latency_combine(&cargs)?;
         let count: Vec<i32> = d.recv_count.to_vec()?;
         let bytes = d.recv_x.to_host_bytes()?;
@@ -241,41 +251,108 @@ fn iteration(buf: &mut Buffer, sh: &Shape, ll: bool, inp: &Loaded, stop: Stop, s
             let n = (n.max(0) as usize).min(rows);
             recv.extend_from_slice(&bytes[e * rows * rb..(e * rows + n) * rb]);
         }
-        return Ok(Some(Out { recv, combined: combined.to_host_bytes()? }));
+        return Ok(Out { recv, combined: combined.to_host_bytes()? });
     }
     let layout = buf.get_dispatch_layout(inp.idx.view(), sh.experts)?;
-    let args = DispatchArgs {
-        x: Payload::Bf16(inp.x.view()),
-        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(inp.idx.view()), topk_weights: Some(inp.w.view()) },
-        expert_alignment: 1,
-        num_worst_tokens: 0,
-        config: None,
+    let args = ht_args(&layout, inp);
+    let d = buf.dispatch(&args)?;
+    let cargs = ht_combine_args(&d);
+    let c = buf.combine(&cargs)?;
+    Ok(Out { recv: d.recv_x.to_host_bytes()?, combined: c.combined_x.to_host_bytes()? })
+}
+
+/// The victim's death: where, and what it prints.
+#[derive(Clone, Copy)]
+struct Victim {
+    rank: usize,
+    phase: ChaosPhase,
+    iteration: usize,
+    seed: u64,
+}
+
+impl Victim {
+    fn die(self) -> ! {
+        die(self.rank, self.phase, self.iteration, self.seed)
+    }
+}
+
+/// The victim's last iteration: runs it up to `stop`, enqueues that call on `stream` and dies while the
+/// kernel is in flight (the outputs are allocated first; nothing is dropped, the process ends). On the host
+/// backend, which has no stream to leave a kernel on, the victim runs the whole iteration, then dies.
+fn die_in(
+    buf: &mut Buffer,
+    sh: &Shape,
+    ll: bool,
+    inp: &Loaded,
+    stop: Stop,
+    stream: Option<&moelink_cuda::Stream>,
+    victim: Victim,
+) -> Result<()> {
+    let die = || victim.die();
+    let Some(stream) = stream else {
+        iteration(buf, sh, ll, inp)?;
+        die()
     };
+    let (el, t, h, k) = (sh.experts / sh.ranks, sh.tokens, sh.hidden, sh.topk);
+    if ll {
+        let args = ll_args(sh, inp);
+        if stop == Stop::BeforeDispatch {
+            // The outputs the survivors' calls write (low_latency_dispatch allocates the same).
+            let (mut recv_x, mut count) = (buf.alloc(DType::BF16, &[el, sh.rows(), h])?, buf.alloc(DType::I32, &[el])?);
+            let (mut src_info, mut layout_range) = (buf.alloc(DType::I32, &[el, sh.rows()])?, buf.alloc(DType::I64, &[el, sh.ranks])?);
+            let out = LlDispatchOutputs {
+                recv_x: recv_x.view_mut(),
+                recv_scales: None,
+                recv_count: count.view_mut(),
+                cumulative_local_expert_recv_stats: None,
+                dispatch_wait_recv_cost_stats: None,
+                src_info: Some(src_info.view_mut()),
+                layout_range: Some(layout_range.view_mut()),
+            };
+            return buf.on_stream(stream, |s| {
+                s.low_latency_dispatch_into(&args, out)?;
+                die()
+            });
+        }
+        let d = buf.low_latency_dispatch(&args)?;
+        let cargs = ll_combine_args(&d, inp);
+        let mut combined = buf.alloc(DType::BF16, &[t, h])?;
+        let out = LlCombineOutputs { combined_x: combined.view_mut(), combine_wait_recv_cost_stats: None };
+        return buf.on_stream(stream, |s| {
+            s.low_latency_combine_into(&cargs, out)?;
+            die()
+        });
+    }
+    let layout = buf.get_dispatch_layout(inp.idx.view(), sh.experts)?;
+    let args = ht_args(&layout, inp);
     if stop == Stop::BeforeDispatch {
-        go_async(buf);
-        let d = buf.dispatch(&args)?;
-        std::mem::forget(d);
-        std::mem::forget(layout);
-        return Ok(None);
+        let plan = buf.prepare_dispatch(&args)?;
+        let n = plan.num_recv_rows();
+        let mut recv_x = buf.alloc(DType::BF16, &[n, h])?;
+        let mut recv_idx = buf.alloc(DType::I64, &[n, k])?;
+        let mut recv_w = buf.alloc(DType::F32, &[n, k])?;
+        let (mut rank_prefix, mut src_idx) = (buf.alloc(DType::I32, &[sh.ranks, sh.ranks])?, buf.alloc(DType::I32, &[n])?);
+        let out = DispatchOutputs {
+            recv_x: recv_x.view_mut(),
+            recv_scales: None,
+            recv_topk_idx: Some(recv_idx.view_mut()),
+            recv_topk_weights: Some(recv_w.view_mut()),
+            rank_prefix_matrix: Some(rank_prefix.view_mut()),
+            recv_src_idx: Some(src_idx.view_mut()),
+        };
+        return buf.on_stream(stream, |s| {
+            s.dispatch_into(plan, &args, out)?;
+            die()
+        });
     }
     let d = buf.dispatch(&args)?;
-    let cargs = CombineArgs {
-        x: d.recv_x.view(),
-        handle: &d.handle,
-        topk_weights: d.recv_topk_weights.as_ref().map(|t| t.view()),
-        bias: [None, None],
-        config: None,
-    };
-    if stop == Stop::BeforeCombine {
-        go_async(buf);
-        let c = buf.combine(&cargs)?;
-        std::mem::forget(c);
-        std::mem::forget(d);
-        std::mem::forget(layout);
-        return Ok(None);
-    }
-    let c = buf.combine(&cargs)?;
-    Ok(Some(Out { recv: d.recv_x.to_host_bytes()?, combined: c.combined_x.to_host_bytes()? }))
+    let cargs = ht_combine_args(&d);
+    let (mut cx, mut cw) = (buf.alloc(DType::BF16, &[t, h])?, buf.alloc(DType::F32, &[t, k])?);
+    let out = CombineOutputs { combined_x: cx.view_mut(), combined_topk_weights: Some(cw.view_mut()) };
+    buf.on_stream(stream, |s| {
+        s.combine_into(&cargs, out)?;
+        die()
+    })
 }
 
 /// The host backend's outputs for rank `me`, both input sets, simulating every rank in threads of this
@@ -303,7 +380,7 @@ fn reference(sh: &Shape, ll: bool, seed: u64, me: usize, masked: Option<usize>) 
                     let mut outs = Vec::new();
                     for set in 0..2 {
                         let l = load(&buf, sh, &inputs(sh, seed, r, set))?;
-                        outs.push(iteration(&mut buf, sh, ll, &l, Stop::None, None)?.expect("no stop"));
+                        outs.push(iteration(&mut buf, sh, ll, &l)?);
                     }
                     let b = outs.pop().expect("two");
                     let a = outs.pop().expect("two");
@@ -412,7 +489,7 @@ fn kind_of(e: &Error) -> &'static str {
     }
 }
 
-/// Runs `moelink chaos` on this rank.
+/// Runs `moelink-stress chaos` on this rank.
 pub fn run(a: &ChaosArgs) -> std::result::Result<(), CliError> {
     if a.shrink && !a.phase.is_ll() {
         return Err(CliError("--shrink applies to the low-latency phases (ll-dispatch, ll-combine)".into()));
@@ -468,7 +545,7 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
         low_latency_mode: true,
         timeout_ms: a.timeout_ms,
         enable_shrink: a.shrink,
-        ..crate::env::buffer_options()
+        ..moelink_cli::env::buffer_options()
     };
     let group: Arc<dyn Group> = Arc::new(g);
     let mut buf = Buffer::new(group.clone(), opts)?;
@@ -485,7 +562,7 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
     };
     // Warm-up (kernels compiled, handle pools filled) and a group barrier, so the loop starts together.
     for (i, set) in sets.iter().enumerate() {
-        let out = iteration(&mut buf, &sh, ll, set, Stop::None, None)?.expect("no stop");
+        let out = iteration(&mut buf, &sh, ll, set)?;
         if out != healthy[i] {
             rep.mismatching_iterations += 1;
             rep.mismatches.push(format!("warm-up {i} differs from the host backend"));
@@ -504,16 +581,16 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
         }
         let set = &sets[it % 2];
         if me == a.victim && it == kill_at {
-            let raw = stream.as_ref().map(|s| s.raw_handle());
-            let _ = iteration(&mut buf, &sh, ll, set, stop_at, raw);
-            die(me, a.phase, it, a.seed);
+            let victim = Victim { rank: me, phase: a.phase, iteration: it, seed: a.seed };
+            let _ = die_in(&mut buf, &sh, ll, set, stop_at, stream.as_ref(), victim);
+            victim.die();
         }
         let t0 = Instant::now();
-        let r = iteration(&mut buf, &sh, ll, set, Stop::None, None);
+        let r = iteration(&mut buf, &sh, ll, set);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         rep.slowest_call_ms = rep.slowest_call_ms.max(ms);
         match r {
-            Ok(Some(out)) => {
+            Ok(out) => {
                 rep.iterations_done = it + 1;
                 // The kill iteration itself may or may not include the victim's rows: not checked.
                 let want = match &masked {
@@ -528,7 +605,6 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
                     }
                 }
             }
-            Ok(None) => unreachable!("no stop point on survivors"),
             Err(e) => {
                 failure = Some((e, ms));
                 break;
@@ -547,7 +623,7 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
     };
     judge_error(&err, ms, a, rep);
     // The buffer must refuse further work.
-    let after = iteration(&mut buf, &sh, ll, &sets[0], Stop::None, None);
+    let after = iteration(&mut buf, &sh, ll, &sets[0]);
     match after {
         Err(e @ Error::Poisoned { .. }) => {
             rep.poisoned_afterwards = buf.poisoned().is_some();
@@ -653,7 +729,7 @@ fn rebuild(a: &ChaosArgs, cfg: &moelink::group::TcpConfig, backend: BackendKind,
         num_rdma_bytes: rdma,
         low_latency_mode: true,
         timeout_ms: a.timeout_ms,
-        ..crate::env::buffer_options()
+        ..moelink_cli::env::buffer_options()
     };
     let group: Arc<dyn Group> = Arc::new(g);
     let mut prim = Buffer::new(group.clone(), opts.clone())?;

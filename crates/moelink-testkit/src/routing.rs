@@ -1,0 +1,128 @@
+//! Routings: which experts each token picks, drawn from an [`Rng`].
+
+use crate::rng::Rng;
+
+/// How tokens pick experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteKind {
+    /// Scores `|randn| + 1`, top-k (DeepEP's benchmark routing).
+    Uniform,
+    /// 90% of tokens pick experts `0..k`: the first rank receives nearly everything.
+    Skewed,
+    /// Uniform, then each slot is `-1` with probability 1/4.
+    WithHoles,
+    /// Uniform over the experts of every rank but this one, which receives nothing.
+    EmptyRank(usize),
+}
+
+impl RouteKind {
+    /// A kind drawn for a round of `ranks` ranks: uniform 3/8, skewed 2/8, with holes 2/8, an empty rank 1/8.
+    pub fn draw(rng: &mut Rng, ranks: usize) -> RouteKind {
+        match rng.below(8) {
+            0..=2 => RouteKind::Uniform,
+            3 | 4 => RouteKind::Skewed,
+            5 | 6 => RouteKind::WithHoles,
+            _ => RouteKind::EmptyRank(rng.below(ranks)),
+        }
+    }
+
+    /// Name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouteKind::Uniform => "uniform",
+            RouteKind::Skewed => "skewed",
+            RouteKind::WithHoles => "holes",
+            RouteKind::EmptyRank(_) => "empty-rank",
+        }
+    }
+
+    /// A small number per kind, for seeds.
+    pub fn code(self) -> u64 {
+        match self {
+            RouteKind::Uniform => 0,
+            RouteKind::Skewed => 1,
+            RouteKind::WithHoles => 2,
+            RouteKind::EmptyRank(_) => 3,
+        }
+    }
+}
+
+/// `topk_idx [tokens, topk]` row-major for one rank of `ranks`: per token the `topk` best of `experts`
+/// scores (ties by expert id), as distinct expert ids or `-1` (a hole, an expert of the empty rank, or a
+/// slot past the number of experts).
+pub fn route(rng: &mut Rng, kind: RouteKind, tokens: usize, topk: usize, experts: usize, ranks: usize) -> Vec<i64> {
+    let per_rank = (experts / ranks.max(1)).max(1);
+    let mut out = Vec::with_capacity(tokens * topk);
+    let mut scores: Vec<(f64, usize)> = Vec::with_capacity(experts);
+    for _ in 0..tokens {
+        scores.clear();
+        scores.extend((0..experts).map(|e| (rng.normal().abs() + 1.0, e)));
+        match kind {
+            RouteKind::Skewed if rng.uniform() < 0.9 => scores.iter_mut().filter(|(_, e)| *e < topk).for_each(|(s, _)| *s += 100.0),
+            RouteKind::EmptyRank(r) => scores.iter_mut().filter(|(_, e)| *e / per_rank == r).for_each(|(s, _)| *s = -1.0),
+            _ => {}
+        }
+        // Only the top k are needed: partition, then order those k.
+        let by_score = |a: &(f64, usize), b: &(f64, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        if topk < scores.len() {
+            scores.select_nth_unstable_by(topk, by_score);
+        }
+        let best = &mut scores[..topk.min(experts)];
+        best.sort_by(by_score);
+        for &(s, e) in best.iter() {
+            let hole = kind == RouteKind::WithHoles && rng.below(4) == 0;
+            out.push(if s < 0.0 || hole { -1 } else { e as i64 });
+        }
+        out.extend(std::iter::repeat_n(-1, topk.saturating_sub(experts)));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_are_distinct_and_honour_holes_and_empty_ranks() {
+        let mut r = Rng::new(3);
+        for kind in [RouteKind::Uniform, RouteKind::Skewed, RouteKind::WithHoles, RouteKind::EmptyRank(1)] {
+            let idx = route(&mut r, kind, 50, 8, 32, 4);
+            assert_eq!(idx.len(), 400);
+            for row in idx.chunks(8) {
+                let live: Vec<i64> = row.iter().copied().filter(|&e| e >= 0).collect();
+                let mut d = live.clone();
+                d.sort();
+                d.dedup();
+                assert_eq!(d.len(), live.len(), "{kind:?}: {row:?}");
+                assert!(live.iter().all(|&e| e < 32));
+                if kind == RouteKind::EmptyRank(1) {
+                    assert!(live.iter().all(|&e| e / 8 != 1), "{row:?}");
+                }
+            }
+            if kind == RouteKind::WithHoles {
+                let holes = idx.iter().filter(|&&e| e == -1).count();
+                assert!((50..150).contains(&holes), "{holes} holes of 400");
+            }
+        }
+        // Fewer experts than k: the rest is -1.
+        assert_eq!(route(&mut r, RouteKind::Uniform, 1, 4, 2, 2).iter().filter(|&&e| e == -1).count(), 2);
+    }
+
+    #[test]
+    fn skew_concentrates_on_the_first_experts() {
+        let mut rng = Rng::new(7);
+        let skewed = route(&mut rng, RouteKind::Skewed, 200, 8, 64, 8);
+        let low = skewed.iter().filter(|&&e| (0..8).contains(&e)).count();
+        assert!(low > 1200, "{low}");
+    }
+
+    #[test]
+    fn drawn_kinds_name_a_rank_of_the_group() {
+        let mut rng = Rng::new(5);
+        for _ in 0..200 {
+            if let RouteKind::EmptyRank(r) = RouteKind::draw(&mut rng, 3) {
+                assert!(r < 3);
+            }
+        }
+    }
+}
