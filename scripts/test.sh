@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README): every test of the workspace, with NVRTC present so that the JIT compiles
-# kernels here too (no GPU needed for that). GPU tests skip themselves unless MOELINK_TEST_CUDA=1.
+# kernels here too (no GPU needed for that). GPU tests are ignored here (`cargo test` lists them as ignored);
+# on a GPU machine `cargo test -- --include-ignored` runs them, with MOELINK_TEST_RANKS ranks.
 #
 #   scripts/test.sh                 # all tests: the Rust workspace, then the Python package
 #   scripts/test.sh -p moelink tcp  # extra arguments go to `cargo test` (the Python tests are skipped)

@@ -2,6 +2,7 @@
 # Runs HERE (no GPU needed): builds what the GPU machine runs into the git-ignored .device/ folder.
 #
 #   .device/moelink          the release binary (bench, selftest, info)
+#   .device/moelink-stress   the stress binary (soak, chaos)
 #   .device/tests/<crate>.<kind>.<target>   the workspace's test executables, under stable names
 #   .device/manifest.txt     commit, build date, toolchain, and every file with its size and sha256
 #
@@ -13,11 +14,13 @@ out=.device
 rm -rf "$out"
 mkdir -p "$out/tests"
 
-cargo build --release -p moelink-cli --bin moelink
+cargo build --release -p moelink-cli --bin moelink -p moelink-stress --bin moelink-stress
 cp target/release/moelink "$out/moelink"
+cp target/release/moelink-stress "$out/moelink-stress"
 
-# Test executables: cargo describes every artifact as one JSON line; keep those of test targets. The CLI's
-# own tests are left out: they run the binary at the absolute path it had here, which the GPU machine lacks.
+# Test executables: cargo describes every artifact as one JSON line; keep those of test targets. Left out:
+# the two binaries' crates' own tests (they run the binary at the absolute path it had here, which the GPU
+# machine lacks) and the test kit's (host-only checks of the generators; they would only take carry space).
 messages=$(mktemp)
 trap 'rm -f "$messages"' EXIT
 cargo test --workspace --release --no-run --message-format=json >"$messages"
@@ -33,7 +36,7 @@ for line in open(messages):
     if m.get("reason") != "compiler-artifact" or not m.get("profile", {}).get("test") or not m.get("executable"):
         continue
     crate = os.path.basename(os.path.dirname(m["manifest_path"]))
-    if crate == "moelink-cli":
+    if crate in ("moelink-cli", "moelink-stress", "moelink-testkit"):
         continue
     t = m["target"]
     name = f"{crate}.{t['kind'][0]}.{t['name']}"

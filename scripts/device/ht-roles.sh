@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs THERE (carry [".device"]): where the HT time goes, measured by taking one role's data movement away.
-#   1. (optional, SOAK_BINS) a short soak at T <= 1024 with each listed binary/batch, to tell a regression
-#      from an older fault: "path:batch ..." (e.g. ".device/moelink:4 .device/moelink-old:1");
+#   1. (optional, SOAK_BINS) a short soak at T <= 1024 with each listed stress binary/batch, to tell a
+#      regression from an older fault: "path:batch ..." (e.g. ".device/moelink-stress:4 .device/moelink-old:1";
+#      a build from before the stress binary existed soaks with its `moelink soak`: name that binary);
 #   2. EP4, 4096 tokens, hidden 7168, top-8 of 256, 24 SMs, BF16 + FP8 dispatch and combine, for each
 #      MOELINK_HT_TIMING_EXPERIMENT in EXPERIMENTS (0: real; 1: receivers/reducers move no payload;
 #      2: senders store no remote payload; 3: both, i.e. protocol only) and each split in SPLITS
@@ -33,6 +34,7 @@ for spec in ${SOAK_BINS:-}; do
     path=${spec%%:*} batch=${spec##*:}
     cp "$path" "/tmp/moelink-device/soak$i" && chmod +x "/tmp/moelink-device/soak$i"
     start=$SECONDS
+    # Either binary takes the same soak options.
     MOELINK_HT_RELEASE_BATCH=$batch timeout --kill-after=10 $((SOAK_S + 60)) "/tmp/moelink-device/soak$i" soak --backend cuda \
         --families ht,ht-cached --t-max 1024 --rounds 100000 --time-budget-s "$SOAK_S" --json "$OUT/soak-$i.json" >> "$LOG" 2>&1
     rc=$?

@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/device/steps.sh
 STEPS=${STEPS:-"seam nomps mps mpsthread"}
-export MOELINK_TEST_CUDA=1 MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
+export MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
 nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
 export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1
@@ -44,7 +44,7 @@ test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]
     shift 3
     local crate=${exe%%.*}
     cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
-    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_GPUS="$ranks" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --test-threads=1 "$@"
+    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --include-ignored --test-threads=1 "$@"
 }
 trun() {  # trun NAME PROCESSES LIMIT ARGS...: moelink ARGS under torchrun, one process per rank
     local name=$1 n=$2 limit=$3
@@ -75,8 +75,8 @@ for s in $STEPS; do
         mps_start
         for pct in 100 25; do
             cp .device/tests/moelink.test.ht /tmp/moelink-device/ht && chmod +x /tmp/moelink-device/ht
-            run "mps-thread-$pct" 120 env -C crates/moelink CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct MOELINK_TEST_GPUS=4 \
-                MOELINK_TEST_RANKS=4 /tmp/moelink-device/ht --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
+            run "mps-thread-$pct" 120 env -C crates/moelink CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct MOELINK_TEST_RANKS=4 \
+                /tmp/moelink-device/ht --include-ignored --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
         done
         mps_stop
         ;;

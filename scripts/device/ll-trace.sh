@@ -12,7 +12,7 @@
 #          flagged incorrect — per RANKS
 #   (points print as median/last over blocks, /b0 = block 0: the dispatch send's check block)
 # Everything lands in $OUT/results.tgz plus $OUT/summary.txt, printed last.
-# Knobs: STEPS ("tests trace plain local"), LL_TOKENS ("1,128"), RANKS ("4 2"), REPS (20), TEST_GPUS (4),
+# Knobs: STEPS ("tests trace plain local"), LL_TOKENS ("1,128"), RANKS ("4 2"), REPS (20), TEST_RANKS (4),
 # EXPERIMENTS ("local_stores").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,7 +25,8 @@ EXPERIMENTS=${EXPERIMENTS:-local_stores}
 for s in $STEPS; do
     case $s in
     tests)
-        run test-ll_cuda 150 env -C crates/moelink MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=${TEST_GPUS:-4} ../../.device/tests/moelink.test.ll_cuda ;;
+        run test-ll_cuda 150 env -C crates/moelink MOELINK_TEST_RANKS=${TEST_RANKS:-4} ../../.device/tests/moelink.test.ll_cuda \
+            --include-ignored ;;
     trace|plain|base)
         for r in $RANKS; do
             if [ "$s" = plain ]; then e=(MOELINK_LL_TRACE=0); else e=(MOELINK_LL_TRACE=1); fi

@@ -4,15 +4,15 @@
 #
 # Steps (each under `timeout`; the whole run under BUDGET_S, default 360 s; a step that no longer fits is
 # skipped, and the soak gets what is left):
-#   chaos   `moelink chaos` in process mode, one process per GPU launched directly (torchrun would kill
+#   chaos   `moelink-stress chaos` in process mode, one process per GPU launched directly (torchrun would kill
 #           every worker once one dies): rank VICTIM (default 3) SIGKILLs itself in the middle of an HT
 #           dispatch, an HT combine, an LL dispatch and an LL combine (survivors must time out naming it,
 #           stay alive, rebuild over the survivors and pass a checked round trip), then LL dispatch and
 #           combine again with --shrink (survivors mask it and keep serving, checked against the host
 #           backend). Every rank prints one CHAOS_* line; they are collected into reliability.json.
-#   poison  the poison test executable (tests/poison.rs) with MOELINK_TEST_CUDA=1: a kernel timeout poisons
+#   poison  the poison test executable (tests/poison.rs), GPU tests included: a kernel timeout poisons
 #           every entry point until rebuilt; dropping a buffer with kernels in flight waits for them.
-#   soak    `moelink soak --backend cuda` (thread mode, one rank per GPU): up to SOAK_ROUNDS (10000) rounds
+#   soak    `moelink-stress soak --backend cuda` (thread mode, one rank per GPU): up to SOAK_ROUNDS (10000) rounds
 #           of each family checked bit for bit against the host backend, memory sampled, stopping at the
 #           time left (at most SOAK_S seconds) with honest counts.
 #
@@ -32,15 +32,15 @@ START=$(date +%s)
 OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"
 DEV=$ROOT/.device
-if [ ! -f "$DEV/moelink" ]; then
-    echo "error: $DEV/moelink is missing: run scripts/device/build.sh on the build machine and carry .device"
+if [ ! -f "$DEV/moelink-stress" ]; then
+    echo "error: $DEV/moelink-stress is missing: run scripts/device/build.sh on the build machine and carry .device"
     exit 1
 fi
 BIN_DIR=/tmp/moelink-rel
 rm -rf "$BIN_DIR" && mkdir -p "$BIN_DIR/tests"
-cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
+cp "$DEV/moelink-stress" "$BIN_DIR/moelink-stress" && chmod +x "$BIN_DIR/moelink-stress"
 cp "$DEV"/tests/moelink.test.poison "$BIN_DIR/tests/" 2>/dev/null && chmod +x "$BIN_DIR"/tests/*
-BIN=$BIN_DIR/moelink
+STRESS=$BIN_DIR/moelink-stress
 
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -88,7 +88,7 @@ chaos_run() {
     local t0; t0=$(date +%s%N)
     for ((r = 0; r < NGPU; r++)); do
         RANK=$r WORLD_SIZE=$NGPU LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port MOELINK_GROUP_TIMEOUT_MS=60000 \
-            timeout --kill-after=5 "$t" "$BIN" chaos --phase "$phase" --victim "$VICTIM" --timeout-ms "$CHAOS_TIMEOUT_MS" \
+            timeout --kill-after=5 "$t" "$STRESS" chaos --phase "$phase" --victim "$VICTIM" --timeout-ms "$CHAOS_TIMEOUT_MS" \
             --seed $((idx + 1)) $extra $CHAOS_ARGS >"/tmp/$tag-r$r.log" 2>&1 &
         pids[r]=$!
     done
@@ -124,7 +124,7 @@ step_poison() {
     local b=$BIN_DIR/tests/moelink.test.poison t
     [ -x "$b" ] || { echo "no poison test executable carried (.device/tests/moelink.test.poison)"; return 1; }
     t=$(( $(left) - 10 )); [ "$t" -gt 120 ] && t=120
-    (cd "$ROOT/crates/moelink" && MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=$NGPU timeout --kill-after=10 "$t" "$b" --test-threads=1 2>&1) \
+    (cd "$ROOT/crates/moelink" && MOELINK_TEST_RANKS=$NGPU timeout --kill-after=10 "$t" "$b" --include-ignored --test-threads=1 2>&1) \
         | tee "$OUT/poison-log.txt"
     return "${PIPESTATUS[0]}"
 }
@@ -134,7 +134,7 @@ step_soak() {
     [ "$t" -gt "$SOAK_S" ] && t=$SOAK_S
     if [ "$t" -lt 20 ]; then echo "soak skipped: ${t}s left"; return 1; fi
     # The soak stops itself at the budget; the outer timeout only guards against a hang.
-    timeout --kill-after=10 $((t + 60)) "$BIN" soak --backend cuda --rounds "$SOAK_ROUNDS" --time-budget-s "$t" \
+    timeout --kill-after=10 $((t + 60)) "$STRESS" soak --backend cuda --rounds "$SOAK_ROUNDS" --time-budget-s "$t" \
         --json "$OUT/soak.json" --progress-s 20 $SOAK_ARGS 2>&1 | tee "$OUT/soak-log.txt"
     return "${PIPESTATUS[0]}"
 }

@@ -25,11 +25,11 @@ for s in $STEPS; do
     case $s in
     tests)
         for t in ht ll_cuda; do
-            run "test-$t" 150 env -C crates/moelink MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=4 ../../.device/tests/moelink.test.$t
+            run "test-$t" 150 env -C crates/moelink MOELINK_TEST_RANKS=4 ../../.device/tests/moelink.test.$t --include-ignored
         done ;;
     soak)
         for tm in 32 1024; do
-            run "soak-ht-t$tm" $((SOAK_S + 60)) "$BIN" soak --backend cuda --families ht,ht-cached --t-max $tm --rounds 100000 \
+            run "soak-ht-t$tm" $((SOAK_S + 60)) "$STRESS" soak --backend cuda --families ht,ht-cached --t-max $tm --rounds 100000 \
                 --time-budget-s "$SOAK_S" --json "$W/soak-ht-t$tm.json"
         done ;;
     tune)

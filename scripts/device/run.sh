@@ -5,14 +5,14 @@
 # Steps (each under `timeout`, its exit status and seconds recorded, output appended to $OUT/log.txt):
 #   info      moelink info
 #   tests     every carried test executable, or those named in TEST_BINS, each under T_TEST_EACH seconds
-#             (thread mode, MOELINK_TEST_CUDA=1)
+#             (thread mode, GPU tests included, MOELINK_TEST_RANKS = the GPUs)
 #   selftest  moelink selftest --strict                          (thread mode, one rank per GPU)
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
 #   bench     moelink bench $BENCH_ARGS --json $OUT/bench.json
 #
 # Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps;
-# BENCH_ARGS, NVLINK_ARGS, TEST_ARGS (default --test-threads=1) pass options; T_<STEP> sets a step's
+# BENCH_ARGS, NVLINK_ARGS, TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP> sets a step's
 # timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits is skipped.
 #
 # Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
@@ -48,14 +48,14 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
-export MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=$NGPU
+export MOELINK_TEST_RANKS=$NGPU
 MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
 export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 export PYTHONUNBUFFERED=1
 
 STEPS=${STEPS:-"info tests selftest process nvlink bench"}
 BUDGET_S=${BUDGET_S:-570}
-TEST_ARGS=${TEST_ARGS:---test-threads=1}
+TEST_ARGS=${TEST_ARGS:---include-ignored --test-threads=1}
 BENCH_ARGS=${BENCH_ARGS:-}
 NVLINK_ARGS=${NVLINK_ARGS:-}
 

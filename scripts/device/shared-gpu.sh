@@ -4,9 +4,10 @@
 # exchange through its own memory, not NVLink, so nothing here is a performance figure.
 #   base     the binaries in .device/base/ (an earlier build, if carried): one HT and one LL test at 2 ranks
 #            on GPU 0, with and without CUDA_MODULE_LOADING=EAGER (what the earlier build did there)
-#   tests    every GPU test executable at each rank count in RANKS (default "2 4")
+#   tests    every GPU test executable at each rank count in RANKS (default "2 4"), ignored (GPU) tests
+#            included; a test that needs more ranks than it is given says it skips
 #   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
-#   soak     moelink soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
+#   soak     moelink-stress soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
 #            token count of SOAK_HT_T_MAX (default "32"), then the LL families at LL T <= SOAK_LL_T_MAX (16)
 #   ab       moelink bench of this build and of .device/base/moelink (an earlier build, if carried, with its
 #            commit in .device/base/COMMIT) in turn base, new, base, new, at each rank count of AB_RANKS
@@ -21,14 +22,14 @@ STEPS=${STEPS:-"base tests ep8 soak ab"}
 RANKS=${RANKS:-"2 4"}
 SOAK_RANKS=${SOAK_RANKS:-4}
 SOAK_S=${SOAK_S:-30}
-export MOELINK_TEST_CUDA=1 MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
+export MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
 note "ranks share GPUs: $(nvidia-smi -L | wc -l) GPU(s)"
 test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]: one test executable, from its crate's folder
     local name=$1 ranks=$2 exe=$3
     shift 3
     local crate=${exe%%.*}
     cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
-    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_GPUS="$ranks" "/tmp/moelink-device/$exe" --test-threads=1 "$@"
+    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --include-ignored --test-threads=1 "$@"
 }
 for s in $STEPS; do
     case $s in
@@ -39,8 +40,11 @@ for s in $STEPS; do
             for t in "ht cuda::dispatch_uniform_bf16_ep2" "ll_host cuda::ep2_bf16_and_fp8_hidden_2048"; do
                 set -- $t
                 cp ".device/base/moelink.test.$1" "/tmp/moelink-device/base.$1" && chmod +x "/tmp/moelink-device/base.$1"
-                run "base-$mode-$1" 60 env -C crates/moelink "${loading[@]}" MOELINK_LL_SMS=64 \
-                    MOELINK_TEST_GPUS=2 MOELINK_TEST_TIMEOUT_MS=3000 "/tmp/moelink-device/base.$1" --test-threads=1 --exact "$2"
+                # An earlier build reads MOELINK_TEST_CUDA/MOELINK_TEST_GPUS (before they became
+                # --include-ignored/MOELINK_TEST_RANKS): both are given, for builds from either side.
+                run "base-$mode-$1" 60 env -C crates/moelink "${loading[@]}" MOELINK_LL_SMS=64 MOELINK_TEST_RANKS=2 \
+                    MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=2 MOELINK_TEST_TIMEOUT_MS=3000 "/tmp/moelink-device/base.$1" --include-ignored \
+                    --test-threads=1 --exact "$2"
             done
         done ;;
     tests)
@@ -70,10 +74,10 @@ for s in $STEPS; do
         done ;;
     soak)
         for tm in ${SOAK_HT_T_MAX:-32}; do
-            run "soak-ht-t$tm" $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families ht,ht-cached --t-max "$tm" \
+            run "soak-ht-t$tm" $((SOAK_S + 120)) "$STRESS" soak --backend cuda --ranks "$SOAK_RANKS" --families ht,ht-cached --t-max "$tm" \
                 --rounds 100000 --time-budget-s "$SOAK_S" --json "$W/soak-ht-t$tm.json"
         done
-        run soak-ll $((SOAK_S + 120)) "$BIN" soak --backend cuda --ranks "$SOAK_RANKS" --families ll,ll-prereduced,ll-hook --rounds 100000 \
+        run soak-ll $((SOAK_S + 120)) "$STRESS" soak --backend cuda --ranks "$SOAK_RANKS" --families ll,ll-prereduced,ll-hook --rounds 100000 \
             --ll-t-max "${SOAK_LL_T_MAX:-16}" --time-budget-s "$SOAK_S" --json "$W/soak-ll.json" ;;
     esac
     tar czf "$OUT/results.tgz" -C /tmp results  # after every step: a call cut short still returns the logs

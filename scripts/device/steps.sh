@@ -1,5 +1,5 @@
 # Sourced by the device step scripts (results.sh, ll-trace.sh, shared-gpu.sh) after `cd` to the repository
-# root: the binary under /tmp, the environment every GPU run keeps (NVLS off), the work folder $W, the summary
+# root: the binaries under /tmp ($BIN: moelink, $STRESS: moelink-stress), the environment every GPU run keeps (NVLS off), the work folder $W, the summary
 # file ($OUT/summary.txt, started with the commit and the GPUs) and `run` / `note`. BUDGET_S (default 570)
 # bounds the whole call: `run` shortens a step's limit to what is left and skips a step that no longer fits,
 # so the summary always comes back inside the device tool's 600 s.
@@ -9,6 +9,8 @@ W=/tmp/results
 rm -rf "$W" && mkdir -p "$W" /tmp/moelink-device
 BIN=/tmp/moelink-device/moelink
 cp .device/moelink "$BIN" && chmod +x "$BIN"
+STRESS=/tmp/moelink-device/moelink-stress
+cp .device/moelink-stress "$STRESS" && chmod +x "$STRESS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
