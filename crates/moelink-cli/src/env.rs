@@ -1,5 +1,5 @@
-//! The environment variables of the `moelink` command, turned into typed options once at start-up: the
-//! library reads none of them.
+//! The environment variables of the `moelink` command (and of `moelink-stress`, which starts through the
+//! same [`crate::main_of`]), turned into typed options once at start-up: the library reads none of them.
 //!
 //! | variable | becomes |
 //! |---|---|
