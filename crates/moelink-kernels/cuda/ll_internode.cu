@@ -678,6 +678,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
   }
 }
 
+namespace moelink::internode_ll {
 // moelink::internode_ll::dispatch: low-latency dispatch across nodes, send and/or receive phase.
 //   grid: W worker blocks (+ the emulated NIC's, transport.cuh), LL_THREADS threads; cooperative when both
 //         phases run in one launch.
@@ -689,7 +690,6 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
 //         recv_x[e][slot] (slots in (source, token) order), scales column-major; chunk 0 writes the handle
 //         and src_info. Block 0: recv_count, layout_range, statistics, report. The last block hands back.
 //   DRAIN only the hand-back (a receive phase that will never run).
-namespace moelink::internode_ll {
 __global__ void __launch_bounds__(LL_THREADS, 1) dispatch(const __grid_constant__ LliDispatchArgs a) {
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_LL_DISPATCH);
   if (rdma::nic_block(a.rdma, d)) return;
@@ -963,6 +963,7 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
   }
 }
 
+namespace moelink::internode_ll {
 // moelink::internode_ll::combine: low-latency combine across nodes, send and/or receive phase.
 //   grid, phases: as moelink::internode_ll::dispatch.
 //   SEND  every block waits until the homes handed the combine set back; block 0 checks the combine-time
@@ -971,7 +972,6 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
 //   RECV  every block waits for every rank's meta and, when it used this rank's dispatch, its rows; work
 //         item (token, 256 channels) per warp: the fixed-order f32 sum, rounded to bf16 into out. The last
 //         block hands the set back.
-namespace moelink::internode_ll {
 __global__ void __launch_bounds__(LL_THREADS, 1) combine(const __grid_constant__ LliCombineArgs a) {
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_LL_COMBINE);
   if (rdma::nic_block(a.rdma, d)) return;
