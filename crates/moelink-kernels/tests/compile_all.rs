@@ -165,6 +165,8 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
             kernel_name::HT_COMBINE => "(HtCombineArgs)",
             kernel_name::LL_DISPATCH => "(LlDispatchArgs)",
             kernel_name::LL_COMBINE => "(LlCombineArgs)",
+            kernel_name::LLI_DISPATCH => "(LliDispatchArgs)",
+            kernel_name::LLI_COMBINE => "(LliCombineArgs)",
             other => panic!("{other}: add its parameter list here"),
         }
     };
@@ -193,7 +195,7 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
         assert_eq!(*demangled, format!("{name}{}", params(name)), "what a profiler shows for {name}");
     }
     let barrier = [kernel_name::BARRIER, kernel_name::BARRIER_LATENCY];
-    let modes: [(&str, Vec<&str>, [&str; 2]); 2] = [
+    let modes: [(&str, Vec<&str>, [&str; 2]); 3] = [
         (
             "high-throughput",
             [kernel_name::HT_LAYOUT, kernel_name::HT_NOTIFY, kernel_name::HT_DISPATCH, kernel_name::HT_COMBINE]
@@ -206,6 +208,11 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
             "low-latency",
             [kernel_name::LL_DISPATCH, kernel_name::LL_COMBINE].into_iter().chain(barrier).collect(),
             [kernel_name::LL_DISPATCH, kernel_name::LL_COMBINE],
+        ),
+        (
+            "low-latency across nodes",
+            [kernel_name::LLI_DISPATCH, kernel_name::LLI_COMBINE].into_iter().chain(barrier).collect(),
+            [kernel_name::LLI_DISPATCH, kernel_name::LLI_COMBINE],
         ),
     ];
     for (mode, kernels, [dispatch, combine]) in modes {
