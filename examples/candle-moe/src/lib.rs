@@ -204,6 +204,8 @@ impl MoeLayer {
                         recv_scales: None,
                         recv_topk_idx: Some(TensorMut::from_slice(&mut ri, &[n, k])?),
                         recv_topk_weights: Some(TensorMut::from_slice(&mut rw, &[n, k])?),
+                        rank_prefix_matrix: None,
+                        recv_src_idx: None,
                     };
                     let handle = buf.dispatch_into(plan, &args, out)?;
                     Ok((rx, ri, rw, handle))
