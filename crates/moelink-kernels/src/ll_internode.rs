@@ -158,10 +158,15 @@ fn align(n: usize, a: usize) -> Option<usize> {
 }
 
 /// Bytes of one message (`LLI_MSG_BYTES`): header, routing (entries and weights, 16-byte aligned), the row.
+/// Panics when the size overflows `usize` ([`LliLayout::new`] says `None` instead).
 pub fn msg_bytes(hidden: usize, topk: usize, fp8: bool) -> usize {
-    let route = (8 * topk).div_ceil(16) * 16;
-    let row = if fp8 { hidden + 4 * (hidden / 128) } else { 2 * hidden };
-    16 + route + row.div_ceil(16) * 16
+    checked_msg_bytes(hidden, topk, fp8).expect("the message size overflows usize")
+}
+
+fn checked_msg_bytes(hidden: usize, topk: usize, fp8: bool) -> Option<usize> {
+    let route = align(topk.checked_mul(8)?, 16)?;
+    let row = if fp8 { hidden.checked_add((hidden / 128).checked_mul(4)?)? } else { hidden.checked_mul(2)? };
+    align(row, 16)?.checked_add(16 + route)
 }
 
 /// The per-set regions of one operation.
@@ -233,9 +238,9 @@ impl LliLayout {
     ) -> Option<LliLayout> {
         let (r, tm, k) = (num_ranks, max_tokens, topk);
         let el = num_experts / num_ranks.max(1);
-        let msg = msg_bytes(hidden, topk, fp8);
-        let meta = LLI_META_BYTES + align(4 * el, 16)?;
-        let row = 2 * hidden;
+        let msg = checked_msg_bytes(hidden, topk, fp8)?;
+        let meta = align(el.checked_mul(4)?, 16)?.checked_add(LLI_META_BYTES)?;
+        let row = hidden.checked_mul(2)?;
         let mut at = align(base, 256)?;
         let mut take = |bytes: usize| -> Option<usize> {
             let o = at;
@@ -243,7 +248,7 @@ impl LliLayout {
             Some(o)
         };
         // Signals: six arrays (meta, data, consumed; dispatch then combine) of [2 sets][R] u64.
-        let signals = take(6 * 2 * r * 8)?;
+        let signals = take(r.checked_mul(6 * 2 * 8)?)?;
         let sig = |array: usize, set: usize| signals + ((array * 2 + set) * r) * 8;
         let mut dispatch = [LliSet { meta_sig: 0, data_sig: 0, consumed: 0, meta: 0, data: 0, send_meta: 0, send_data: 0 }; 2];
         let mut combine = dispatch;
@@ -278,11 +283,11 @@ impl LliLayout {
         };
         let rt = r.checked_mul(tm)?;
         let handle = LliHandle {
-            htoken: hand(4 * rt)?,
-            hj: hand(4 * rt)?,
+            htoken: hand(rt.checked_mul(4)?)?,
+            hj: hand(rt.checked_mul(4)?)?,
             hrow: hand(rt.checked_mul(k)?.checked_mul(4)?)?,
             hweight: hand(rt.checked_mul(k)?.checked_mul(4)?)?,
-            hmeta: hand(8 * r)?,
+            hmeta: hand(r.checked_mul(8)?)?,
             home_idx: hand(tm.checked_mul(k)?.checked_mul(8)?)?,
             home_weight: hand(tm.checked_mul(k)?.checked_mul(4)?)?,
             bytes: 0,
@@ -350,6 +355,11 @@ mod tests {
         assert_eq!(msg_bytes(7168, 8, true), 16 + 64 + 7392);
         assert_eq!(msg_bytes(7168, 8, false), 16 + 64 + 14336);
         assert_eq!(msg_bytes(128, 3, true), 16 + 32 + 144);
+        // A size past usize is no layout, not an overflow panic (Buffer::ll_bytes_needed asks with any hidden).
+        for fp8 in [false, true] {
+            assert!(LliLayout::new(0, 1, 4, usize::MAX, 8, 8, fp8).is_none());
+            assert!(LliLayout::new(0, usize::MAX, 4, 128, 8, 8, fp8).is_none());
+        }
     }
 
     #[test]

@@ -118,7 +118,11 @@ impl Layout {
             if self.shape[i] != 1 && self.strides[i] != expect {
                 return false;
             }
-            expect *= self.shape[i] as isize;
+            // Past isize (an empty tensor's huge other dimension): no stride can match any more.
+            match isize::try_from(self.shape[i]).ok().and_then(|n| expect.checked_mul(n)) {
+                Some(e) => expect = e,
+                None => return self.shape[..i].iter().all(|&n| n == 1),
+            }
         }
         true
     }

@@ -107,6 +107,11 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                     ));
                 }
             }
+            if let Some((e, c)) = per_expert.iter().enumerate().find(|(_, &c)| c < 0) {
+                if problem.is_none() {
+                    problem = Some(Error::invalid("num_tokens_per_expert", rank, format!("says {c} tokens go to expert {e}")));
+                }
+            }
             // Notify: send each rank this rank's whole count row (every rank learns every rank's counts, for
             // rank_prefix_matrix), the counts of its experts and this rank's token count (T_max).
             let num_tokens = i32::try_from(s.num_tokens).unwrap_or(i32::MAX);
@@ -133,13 +138,14 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 if ints.len() != nr + el + 1 {
                     return Err(Error::Group { rank, reason: format!("rank {src} sent a malformed count message") });
                 }
-                recv_counts[src] = ints[rank] as usize;
+                // A negative count is an argument problem its rank reports below; it counts as 0 here.
+                recv_counts[src] = ints[rank].max(0) as usize;
                 for j in 0..nr {
                     let below = if src == 0 { 0 } else { rank_prefix_matrix[(src - 1) * nr + j] };
                     rank_prefix_matrix[src * nr + j] = below.wrapping_add(ints[j]);
                 }
                 for (e, c) in ints[nr..nr + el].iter().enumerate() {
-                    per_local_expert[e] += *c as usize;
+                    per_local_expert[e] += (*c).max(0) as usize;
                 }
                 t_max = t_max.max(ints[nr + el] as usize);
             }
@@ -192,6 +198,7 @@ fn agree_on_problems(b: &HostBackend, problem: Option<Error>) -> Result<()> {
     let code = match &problem {
         None => 0u8,
         Some(e) if e.argument() == Some("num_tokens_per_rank") => 1,
+        Some(e) if e.argument() == Some("num_tokens_per_expert") => 3,
         Some(_) => 2,
     };
     let all = b.all_gather(Phase::Notify, &[code])?;
@@ -199,7 +206,11 @@ fn agree_on_problems(b: &HostBackend, problem: Option<Error>) -> Result<()> {
         return Err(e);
     }
     if let Some((peer, c)) = all.iter().enumerate().find_map(|(p, m)| m.first().filter(|&&c| c != 0).map(|&c| (p, c))) {
-        let arg = if c == 1 { "num_tokens_per_rank" } else { "num_worst_tokens" };
+        let arg = match c {
+            1 => "num_tokens_per_rank",
+            3 => "num_tokens_per_expert",
+            _ => "num_worst_tokens",
+        };
         return Err(Error::invalid(arg, rank, format!("rank {peer} passed an invalid `{arg}`; the call is abandoned on every rank")));
     }
     Ok(())
