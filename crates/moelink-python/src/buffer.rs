@@ -286,6 +286,8 @@ impl PyBuffer {
         let env = |k: &str| std::env::var(k).ok();
         let kernel_tracing = KernelTracing::from_vars(env).map_err(pyo3::exceptions::PyValueError::new_err)?;
         let tuning = Tuning::from_vars(env).map_err(pyo3::exceptions::PyValueError::new_err)?;
+        // Every field is named today; the update keeps options added later at their defaults.
+        #[allow(clippy::needless_update)]
         let options = BufferOptions {
             backend: kind,
             num_nvl_bytes,
