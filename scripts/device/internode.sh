@@ -13,13 +13,17 @@
 #             with the nvshmem transport at 2 and 4 processes, and moelink bench transport --process (nvshmem,
 #             ptr, emu-nic) at 4 processes as 2x2
 #   mpsthread thread mode under MPS: the HT test that timed out there (cuda::timed_regions_keep_results_and_measure)
-#             at 4 ranks, with the process at 100% and at 25% of the GPU
+#             at 4 ranks, with CUDA's default hardware work queues and with CUDA_DEVICE_MAX_CONNECTIONS=32
+#   ll        thread mode: low-latency dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
+#             emu-nic against the host backend (tests/ll_internode_gpu.rs)
+#   soak      thread mode: moelink-stress soak of the LL families on 2x2 virtual nodes over emu-nic (reordering
+#             across QPs), SOAK_S seconds (default 300), up to SOAK_ROUNDS rounds per family (default 5000)
 # NVSHMEM is torch's (nvidia-nvshmem-cu13 3.4.5) unless NVSHMEM_HOME says otherwise; single-host settings:
 # NVSHMEM_REMOTE_TRANSPORT=none, the unique-id bootstrap on lo.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/device/steps.sh
-STEPS=${STEPS:-"seam nomps mps mpsthread"}
+STEPS=${STEPS:-"seam nomps mps mpsthread ll soak"}
 export MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
 nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
 export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -73,12 +77,21 @@ for s in $STEPS; do
         ;;
     mpsthread)
         mps_start
-        for pct in 100 25; do
-            cp .device/tests/moelink.test.ht /tmp/moelink-device/ht && chmod +x /tmp/moelink-device/ht
-            run "mps-thread-$pct" 120 env -C crates/moelink CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct MOELINK_TEST_RANKS=4 \
+        cp .device/tests/moelink.test.ht /tmp/moelink-device/ht && chmod +x /tmp/moelink-device/ht
+        for conn in default 32; do
+            connections=(); [ $conn != default ] && connections=(CUDA_DEVICE_MAX_CONNECTIONS=$conn)
+            run "mps-thread-conn-$conn" 60 env -C crates/moelink "${connections[@]}" MOELINK_TEST_RANKS=4 \
                 /tmp/moelink-device/ht --include-ignored --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
         done
         mps_stop
+        ;;
+    ll)
+        test_bin ll-internode-tests 8 moelink.test.ll_internode_gpu
+        ;;
+    soak)
+        run soak-ll-2x2-emu-nic $((${SOAK_S:-300} + 120)) "$STRESS" soak --backend cuda --ranks 4 --topology 2x2 --transport emu-nic \
+            --families ll,ll-prereduced,ll-hook --rounds "${SOAK_ROUNDS:-5000}" --time-budget-s "${SOAK_S:-300}" \
+            --json "$W/soak-ll-2x2-emu-nic.json"
         ;;
     esac
     tar czf "$OUT/results.tgz" -C /tmp results

@@ -50,7 +50,7 @@ for s in $STEPS; do
     tests)
         test_bin "cuda-gpu" 1 moelink-cuda.test.gpu
         for r in $RANKS; do
-            for t in ht ll_host ll_cuda poison diag_gpu; do
+            for t in ht ll_host ll_cuda poison diag_gpu capacity; do
                 test_bin "r$r-$t" "$r" "moelink.test.$t"
             done
         done ;;

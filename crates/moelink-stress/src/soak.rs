@@ -157,6 +157,19 @@ pub struct SoakArgs {
     /// Print progress every this many seconds (0: never).
     #[arg(long, default_value_t = 15.0)]
     pub progress_s: f64,
+    /// Spread the ranks over nodes, NODESxRANKS_PER_NODE (e.g. 2x2: virtual nodes on this host). The
+    /// low-latency families then run the internode kernels; the high-throughput ones are not built across
+    /// nodes yet and are refused.
+    #[arg(long, value_name = "NODESxRANKS")]
+    pub topology: Option<String>,
+    /// The RDMA transport between nodes with --topology: ptr, or emu-nic (the emulated NIC, reordering across
+    /// QPs; default). One process holds every rank, so NVSHMEM cannot be used here.
+    #[arg(long, default_value = "emu-nic")]
+    pub transport: String,
+    /// With --topology: low-latency kernels reach the ranks of their own node through the RDMA transport too
+    /// (DeepEP's allow_nvlink_for_low_latency_mode = False).
+    #[arg(long)]
+    pub no_nvlink_in_node: bool,
 }
 
 // ================================================================================================ settings
@@ -198,8 +211,18 @@ pub struct Settings {
     pub num_nvl_bytes: usize,
     /// Bytes of each buffer's LL region.
     pub num_rdma_bytes: usize,
+    /// Nodes the ranks are spread over.
+    pub nodes: usize,
+    /// Ranks per node.
+    pub ranks_per_node: usize,
+    /// The RDMA transport between nodes (`null` on one node).
+    pub transport: Option<String>,
     #[serde(skip)]
     kind: BackendKind,
+    #[serde(skip)]
+    topology: Option<moelink::Topology>,
+    #[serde(skip)]
+    rdma: moelink::RdmaOptions,
 }
 
 impl Settings {
@@ -925,6 +948,8 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
         num_rdma_bytes: s.num_rdma_bytes,
         low_latency_mode: true,
         timeout_ms: s.timeout_ms,
+        topology: s.topology,
+        rdma: s.rdma.clone(),
         ..moelink_cli::env::buffer_options()
     };
     let mut prim = Buffer::new(group.clone(), opts.clone())?;
@@ -1071,7 +1096,12 @@ pub fn verify_rounds(prim: &mut Buffer, twin: &mut Buffer, families: &[Family], 
         timeout_ms: prim.options().timeout_ms,
         num_nvl_bytes: prim.options().num_nvl_bytes,
         num_rdma_bytes: prim.options().num_rdma_bytes,
+        nodes: prim.topology().num_nodes,
+        ranks_per_node: prim.topology().ranks_per_node,
+        transport: prim.topology().is_internode().then(|| prim.options().rdma.transport.name().to_string()),
         kind,
+        topology: Some(prim.topology()),
+        rdma: prim.options().rdma.clone(),
     };
     let mut st = RankState::new(families.len());
     let mut out = Vec::new();
@@ -1212,10 +1242,33 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
     if a.topk.iter().any(|&k| k == 0 || k > 16) || a.t_max == 0 || a.ll_t_max == 0 {
         return Err(CliError("--topk must be in 1..=16, --t-max and --ll-t-max at least 1".into()));
     }
+    let topology = match &a.topology {
+        Some(t) => {
+            let t = t.parse::<moelink::Topology>().map_err(|e| CliError(format!("--topology: {e}")))?;
+            if t.num_ranks() != ranks {
+                return Err(CliError(format!("--topology {t} is {} ranks, not --ranks {ranks}", t.num_ranks())));
+            }
+            Some(t)
+        }
+        None => None,
+    };
+    let internode = topology.is_some_and(|t| t.is_internode());
+    if let Some(f) = a.families.iter().find(|f| internode && matches!(f, Family::Ht | Family::HtCached)) {
+        return Err(CliError(format!(
+            "--families {}: high-throughput kernels across nodes are not built yet; use --families ll,ll-prereduced,ll-hook with --topology",
+            f.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
+        )));
+    }
+    let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
+    if transport == moelink::Transport::Nvshmem {
+        return Err(CliError("--transport nvshmem needs one process per rank; the soak runs its ranks as threads".into()));
+    }
+    let rdma =
+        moelink::RdmaOptions { transport, allow_nvlink_for_low_latency_mode: !a.no_nvlink_in_node, ..moelink::RdmaOptions::default() };
     let max_h = *a.hidden.iter().max().expect("non-empty");
     let max_k = *a.topk.iter().max().expect("non-empty");
     let nvl = Buffer::ht_bytes_needed(a.t_max, max_h, max_k, ranks, false).max(Buffer::ht_bytes_needed(a.t_max, max_h, max_k, ranks, true));
-    let rdma = Buffer::ll_bytes_needed(a.ll_t_max, max_h, ranks, (ranks * 8).max(max_k.div_ceil(ranks) * ranks));
+    let rdma_bytes = Buffer::ll_bytes_needed(a.ll_t_max, max_h, ranks, (ranks * 8).max(max_k.div_ceil(ranks) * ranks));
     let s = Settings {
         backend: sys::backend_name(kind).into(),
         ranks,
@@ -1233,12 +1286,21 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         malloc_trim: a.malloc_trim,
         timeout_ms: a.timeout_ms,
         num_nvl_bytes: nvl,
-        num_rdma_bytes: rdma,
+        num_rdma_bytes: rdma_bytes,
+        nodes: topology.map_or(1, |t| t.num_nodes),
+        ranks_per_node: topology.map_or(ranks, |t| t.ranks_per_node),
+        transport: internode.then(|| rdma.transport.name().to_string()),
         kind,
+        topology,
+        rdma,
     };
     println!(
-        "moelink-stress soak | {} vs host | {ranks} ranks | {} rounds x {} families | T<={} LL T<={} | hidden {:?} | seed {} | commit {}",
+        "moelink-stress soak | {} vs host | {ranks} ranks{} | {} rounds x {} families | T<={} LL T<={} | hidden {:?} | seed {} | commit {}",
         s.backend,
+        match &s.transport {
+            Some(t) => format!(" as {} nodes x {} over {t}", s.nodes, s.ranks_per_node),
+            None => String::new(),
+        },
         s.rounds,
         s.families.len(),
         s.t_max,
