@@ -1481,6 +1481,48 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_low_latency_families_soak_across_virtual_nodes_and_the_others_are_refused() {
+        let json = std::env::temp_dir().join(format!("moelink-soak-nodes-test-{}.json", std::process::id()));
+        let mut a = SoakArgs {
+            backend: SoakBackend::Host,
+            ranks: Some(4),
+            rounds: 4,
+            families: vec![Family::Ll, Family::LlPrereduced, Family::LlHook],
+            t_max: 8,
+            ll_t_max: 4,
+            hidden: vec![256],
+            topk: vec![2],
+            graph_fraction: 0.0,
+            ll_block: 2,
+            seed: 3,
+            time_budget_s: None,
+            mem_every: 2,
+            malloc_trim: false,
+            timeout_ms: 10_000,
+            json: Some(json.clone()),
+            progress_s: 0.0,
+            topology: Some("2x2".into()),
+            transport: "emu-nic".into(),
+            no_nvlink_in_node: true,
+        };
+        run(&a).expect("host against host must agree across virtual nodes");
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&json);
+        assert_eq!(
+            (v["verdict"].as_str(), v["settings"]["nodes"].as_u64(), v["settings"]["transport"].as_str()),
+            (Some("pass"), Some(2), Some("emu-nic"))
+        );
+        a.families = vec![Family::Ll, Family::Ht];
+        let e = run(&a).unwrap_err();
+        assert!(e.0.contains("--families ht"), "{}", e.0);
+        a.families = vec![Family::Ll];
+        a.transport = "nvshmem".into();
+        assert!(run(&a).unwrap_err().0.contains("one process per rank"));
+        a.topology = Some("3x2".into());
+        assert!(run(&a).unwrap_err().0.contains("--topology"));
+    }
+
+    #[test]
     fn a_short_host_soak_passes_and_writes_its_summary() {
         let json = std::env::temp_dir().join(format!("moelink-soak-test-{}.json", std::process::id()));
         let a = SoakArgs {
@@ -1501,6 +1543,9 @@ mod tests {
             timeout_ms: 10_000,
             json: Some(json.clone()),
             progress_s: 0.0,
+            topology: None,
+            transport: "emu-nic".into(),
+            no_nvlink_in_node: false,
         };
         run(&a).expect("host against host must agree");
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
