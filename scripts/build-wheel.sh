@@ -15,12 +15,14 @@ venv=${MOELINK_PY_VENV:-.venv-py}
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
+# Absolute: the zig linker wrapper runs `python -m ziglang` from cargo's working directories.
+venv=$(cd "$venv" && pwd)
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin==1.16.0" "ziglang==0.13.0" "auditwheel==6.1.0"
 
 mkdir -p .device
 rm -f .device/moelink-*.whl
 # maturin finds zig as `python -m ziglang` of the python on PATH: the venv's.
-(cd python && PATH="../$venv/bin:$PATH" "../$venv/bin/maturin" build --release --quiet --zig --compatibility manylinux_2_28 -o ../.device)
+(cd python && PATH="$venv/bin:$PATH" "$venv/bin/maturin" build --release --quiet --zig --compatibility manylinux_2_28 -o ../.device)
 wheel=$(ls .device/moelink-*.whl)
 report=$("$venv/bin/auditwheel" show "$wheel")
 if ! grep -q 'consistent with[[:space:]]*the following platform tag: "manylinux_2_28_x86_64"' <<< "$(tr '\n' ' ' <<< "$report")"; then
