@@ -13,7 +13,8 @@
 #             with the nvshmem transport at 2 and 4 processes, and moelink bench transport --process (nvshmem,
 #             ptr, emu-nic) at 4 processes as 2x2
 #   mpsthread thread mode under MPS: the HT test that timed out there (cuda::timed_regions_keep_results_and_measure)
-#             at 4 ranks, with CUDA's default hardware work queues and with CUDA_DEVICE_MAX_CONNECTIONS=32
+#             at 4 ranks: refused with CUDA's default hardware work queues (the error says why), run with
+#             CUDA_DEVICE_MAX_CONNECTIONS=32
 #   ll        thread mode: low-latency dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
 #             emu-nic against the host backend (tests/ll_internode_gpu.rs)
 #   soak      thread mode: moelink-stress soak of the LL families on 2x2 virtual nodes over emu-nic (reordering

@@ -134,9 +134,15 @@ fn transport_check(g: &dyn Group, device: usize, t: crate::bench::transport::Tra
         }
         check(g, device, &CheckOptions { rdma, mode: CheckMode::PlantedBug, ..CheckOptions::default() })
     };
+    // Every rank runs every mode whatever an earlier one found, so that the ranks' collectives stay in step.
+    let outcomes: Vec<_> = [CheckMode::PutSignal, CheckMode::PutFenceSignal].into_iter().map(|mode| (mode, run(mode))).collect();
+    // Caught on some rank: every rank's wrong bytes are gathered so that all ranks agree.
+    let planted_caught = matches!(rdma.transport, moelink::Transport::EmuNic(_)).then(|| {
+        planted().and_then(|r| g.all_gather(&r.wrong_bytes.to_le_bytes())).map(|all| all.iter().any(|b| b.iter().any(|x| *x != 0)))
+    });
     let mut received = 0;
-    for mode in [CheckMode::PutSignal, CheckMode::PutFenceSignal] {
-        match run(mode) {
+    for (mode, outcome) in outcomes {
+        match outcome {
             Ok(r) if r.wrong_bytes == 0 => received += r.messages_received,
             Ok(r) => {
                 return result(
@@ -150,19 +156,11 @@ fn transport_check(g: &dyn Group, device: usize, t: crate::bench::transport::Tra
         }
     }
     let mut detail = format!("{received} messages received intact (put_signal; put, fence, signal)");
-    if matches!(rdma.transport, moelink::Transport::EmuNic(_)) {
-        match planted() {
-            Ok(r) => {
-                // Caught on some rank: every rank's wrong bytes are summed so that all ranks agree.
-                let caught = g.all_gather(&r.wrong_bytes.to_le_bytes()).map(|all| all.iter().any(|b| b.iter().any(|x| *x != 0)));
-                match caught {
-                    Ok(true) => detail += "; a signal on another QP without a fence was caught",
-                    Ok(false) => return result(&name, me, Verdict::Fail, "the emulated NIC let a signal overtake its data unnoticed"),
-                    Err(e) => return from_error(&name, me, e),
-                }
-            }
-            Err(e) => return from_error(&name, me, e),
-        }
+    match planted_caught {
+        Some(Ok(true)) => detail += "; a signal on another QP without a fence was caught",
+        Some(Ok(false)) => return result(&name, me, Verdict::Fail, "the emulated NIC let a signal overtake its data unnoticed"),
+        Some(Err(e)) => return from_error(&name, me, e),
+        None => {}
     }
     result(&name, me, Verdict::Pass, detail)
 }

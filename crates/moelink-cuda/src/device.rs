@@ -30,6 +30,10 @@ pub struct DeviceInfo {
     pub cooperative_launch: bool,
     /// Contexts on this device are clients of a CUDA MPS server (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`).
     pub mps_enabled: bool,
+    /// Hardware work queues a context gets: the driver's `CUDA_DEVICE_MAX_CONNECTIONS`, read as the driver
+    /// reads it when it creates the context (8 when unset). Streams beyond them share queues, and a kernel
+    /// waits for the one ahead of it in its queue.
+    pub max_connections: usize,
 }
 
 impl DeviceInfo {
@@ -53,6 +57,10 @@ impl DeviceInfo {
                 cooperative_launch: attr(DeviceAttr::CooperativeLaunch)? != 0,
                 // Older drivers do not know the attribute: no MPS as far as moelink can tell.
                 mps_enabled: attr(DeviceAttr::MpsEnabled).unwrap_or(0) != 0,
+                max_connections: std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+                    .ok()
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .map_or(8, |n| n.clamp(1, 32)),
             })
         }
     }

@@ -169,10 +169,15 @@ extern "C" __global__ void __launch_bounds__(TRANSPORT_THREADS, 1) transport_che
     if (a.mode == CHECK_PUT_SIGNAL) {
       rdma::put_signal_warp(a.rdma, msg.qp, msg.pe, dst_off, src_off, msg.bytes, sig_off, 1, SIGNAL_ADD, dl);
     } else {
-      rdma::put_warp(a.rdma, msg.qp, msg.pe, dst_off, src_off, msg.bytes, dl);
+      // The planted bug keeps the last QP for signals (with 2+ QPs), so that no signal queues behind data
+      // and a missing fence shows however the emulated NIC orders its queues.
+      const bool bug = a.mode == CHECK_PLANTED_BUG && a.rdma.num_qps > 1;
+      const u32 data_qp = bug ? msg.qp % (a.rdma.num_qps - 1) : msg.qp;
+      const u32 signal_qp = bug ? a.rdma.num_qps - 1 : (msg.qp + 1) % a.rdma.num_qps;
+      rdma::put_warp(a.rdma, data_qp, msg.pe, dst_off, src_off, msg.bytes, dl);
       if (lane == 0) {
-        if (a.mode == CHECK_PUT_FENCE_SIGNAL) rdma::fence_thread(a.rdma, msg.qp, dl);
-        rdma::signal_thread(a.rdma, (msg.qp + 1) % a.rdma.num_qps, msg.pe, sig_off, 1, SIGNAL_ADD, dl);
+        if (a.mode == CHECK_PUT_FENCE_SIGNAL) rdma::fence_thread(a.rdma, data_qp, dl);
+        rdma::signal_thread(a.rdma, signal_qp, msg.pe, sig_off, 1, SIGNAL_ADD, dl);
       }
       __syncwarp();
     }

@@ -201,6 +201,9 @@ pub fn check(group: &dyn Group, device: usize, o: &CheckOptions) -> Result<Check
                 mode: o.mode.code(),
             };
             probe.run(&probe.check, o.blocks, &args)?;
+            // A rank one round ahead would put the next round's messages into slots its peers may still
+            // be checking.
+            group.barrier()?;
         }
         let wrong_bytes = Probe::read_u64s(&mismatches, 1)?[0];
         let messages_received = Probe::read_u64s(&expected, n)?.iter().sum();

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use moelink_cuda::{DeviceBuffer, LaunchConfig};
+use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{phase, problem, LlVariant};
 use moelink_kernels::ll_internode::{check_limits, LliCombineArgs, LliDispatchArgs, LliLayout, LliVariant, LLI_THREADS};
 
@@ -108,8 +109,8 @@ fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &LliVariant, name: &'static 
 /// Launches the drain of a dropped internode receive phase (only the hand-back runs).
 pub(super) fn drain(b: &mut CudaBackend, d: &Drain) -> Result<()> {
     match d {
-        Drain::InternodeDispatch(v, a) => launch(b, v, "ll_internode_dispatch", &LliDispatchArgs { phases: phase::DRAIN, ..*a }, false),
-        Drain::InternodeCombine(v, a) => launch(b, v, "ll_internode_combine", &LliCombineArgs { phases: phase::DRAIN, ..*a }, false),
+        Drain::InternodeDispatch(v, a) => launch(b, v, kernel_name::LLI_DISPATCH, &LliDispatchArgs { phases: phase::DRAIN, ..*a }, false),
+        Drain::InternodeCombine(v, a) => launch(b, v, kernel_name::LLI_COMBINE, &LliCombineArgs { phases: phase::DRAIN, ..*a }, false),
         _ => Ok(()),
     }
 }
@@ -185,12 +186,12 @@ pub(crate) fn dispatch<'a>(
         let recv = LliDispatchArgs { phases: phase::RECV, ..args };
         b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::InternodeDispatch(v, recv)));
         let pending = PendingDispatch(Box::new(single::Pending::new(recv, v, marker, out)));
-        launch(b, &v, "ll_internode_dispatch", &send, false)?;
+        launch(b, &v, kernel_name::LLI_DISPATCH, &send, false)?;
         b.finish(Phase::LowLatencyDispatch)?;
         single::take_report(b, None)?;
         Ok((routing, Some(AnyPending::Cuda(PendingRecv::LliDispatch(pending)))))
     } else {
-        launch(b, &v, "ll_internode_dispatch", &args, true)?;
+        launch(b, &v, kernel_name::LLI_DISPATCH, &args, true)?;
         b.finish(Phase::LowLatencyDispatch)?;
         single::take_report(b, None)?;
         Ok((routing, None))
@@ -201,7 +202,7 @@ pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Re
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     single::drain_abandoned(b)?;
-    launch(b, &p.variant, "ll_internode_dispatch", &p.args, false)?;
+    launch(b, &p.variant, kernel_name::LLI_DISPATCH, &p.args, false)?;
     b.finish(Phase::LowLatencyDispatch)?;
     single::take_report(b, None)
 }
@@ -282,12 +283,12 @@ pub(crate) fn combine<'a>(
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
         b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::InternodeCombine(v, recv)));
         let pending = PendingCombine(Box::new(single::Pending::new(recv, v, marker, out)));
-        launch(b, &v, "ll_internode_combine", &send, false)?;
+        launch(b, &v, kernel_name::LLI_COMBINE, &send, false)?;
         b.finish(Phase::LowLatencyCombine)?;
         single::take_report(b, local)?;
         Ok(Some(AnyPending::Cuda(PendingRecv::LliCombine(pending))))
     } else {
-        launch(b, &v, "ll_internode_combine", &args, true)?;
+        launch(b, &v, kernel_name::LLI_COMBINE, &args, true)?;
         b.finish(Phase::LowLatencyCombine)?;
         single::take_report(b, local)?;
         Ok(None)
@@ -298,7 +299,7 @@ pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Resu
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     single::drain_abandoned(b)?;
-    launch(b, &p.variant, "ll_internode_combine", &p.args, false)?;
+    launch(b, &p.variant, kernel_name::LLI_COMBINE, &p.args, false)?;
     b.finish(Phase::LowLatencyCombine)?;
     single::take_report(b, None)
 }

@@ -160,6 +160,24 @@ impl CudaBackend {
         // Ranks of this process on this GPU (of every node: virtual nodes may share a GPU) divide its SMs.
         let here = format!("{}/{}", group.process_key(), device.info().pci_bus_id);
         let ranks_sharing_gpu = group.all_gather(here.as_bytes())?.iter().filter(|k| k.as_slice() == here.as_bytes()).count().max(1);
+        // Under CUDA MPS one process's streams get few hardware queues unless CUDA_DEVICE_MAX_CONNECTIONS
+        // raises them: ranks of this process on this GPU then queue their collective kernels behind each
+        // other, and each waits for a peer kernel queued behind itself until the deadline. 32 queues let 4
+        // such ranks run together (1xH100, 2026-11-25).
+        let info = device.info();
+        let queues_needed = (8 * ranks_sharing_gpu).min(32);
+        if ranks_sharing_gpu > 1 && info.mps_enabled && info.max_connections < queues_needed {
+            return Err(Error::invalid(
+                "device",
+                rank,
+                format!(
+                    "{ranks_sharing_gpu} ranks of this process share GPU {ordinal} under CUDA MPS with {} hardware queues, so their \
+                     collective kernels would wait for each other until the deadline; set CUDA_DEVICE_MAX_CONNECTIONS={queues_needed} \
+                     (or more, up to 32) before CUDA starts, or run one process per rank",
+                    info.max_connections
+                ),
+            ));
+        }
         // The symmetric buffer spans the NVLink domain: this rank's node. Across nodes the low-latency region
         // (num_rdma_bytes) lives in the RDMA domain instead.
         let internode = topology.is_internode();
