@@ -120,8 +120,9 @@ pub(crate) struct CudaBackend {
     poisoned: bool,
     /// SMs this process may use (`Device::available_sms`: fewer under CUDA MPS), read once.
     available_sms: usize,
-    /// Ranks of this process on this GPU (they divide its SMs).
-    ranks_sharing_gpu: usize,
+    /// Ranks that divide `available_sms`: this process's on this GPU, and other processes' too when MPS
+    /// did not already limit this one.
+    ranks_dividing_sms: usize,
     /// Set when the ranks span several nodes: the topology and the RDMA domain.
     pub(crate) internode: Option<internode::Internode>,
 }
@@ -157,9 +158,21 @@ impl CudaBackend {
         let device = Device::new(ordinal)?;
         device.bind_to_thread()?;
         let stream = Stream::new(&device)?;
-        // Ranks of this process on this GPU (of every node: virtual nodes may share a GPU) divide its SMs.
-        let here = format!("{}/{}", group.process_key(), device.info().pci_bus_id);
-        let ranks_sharing_gpu = group.all_gather(here.as_bytes())?.iter().filter(|k| k.as_slice() == here.as_bytes()).count().max(1);
+        // Ranks on this GPU (of every node: virtual nodes may share a GPU) divide its SMs, since their
+        // collective kernels wait for each other and must be resident together. Ranks of other processes
+        // count too, unless CUDA MPS already gave this process its part (an execution affinity below the
+        // device's SMs).
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let gpu = format!("{}/{}", host.trim(), device.info().pci_bus_id);
+        let here = format!("{gpu}/{}", group.process_key());
+        let keys = group.all_gather(here.as_bytes())?;
+        let ranks_sharing_gpu = keys.iter().filter(|k| k.as_slice() == here.as_bytes()).count().max(1);
+        let processes_share = device.available_sms() >= device.info().multiprocessors;
+        let ranks_dividing_sms = if processes_share {
+            keys.iter().filter(|k| k.starts_with(gpu.as_bytes()) && k.get(gpu.len()) == Some(&b'/')).count().max(1)
+        } else {
+            ranks_sharing_gpu
+        };
         // Under CUDA MPS one process's streams get few hardware queues unless CUDA_DEVICE_MAX_CONNECTIONS
         // raises them: ranks of this process on this GPU then queue their collective kernels behind each
         // other, and each waits for a peer kernel queued behind itself until the deadline. 32 queues let 4
@@ -216,7 +229,7 @@ impl CudaBackend {
             ll: ManuallyDrop::new(ll::LlState::new(&device, options.enable_shrink)?),
             poisoned: false,
             available_sms: device.available_sms(),
-            ranks_sharing_gpu,
+            ranks_dividing_sms,
             internode: None,
             mode: StreamMode::Own,
             last_foreign: None,
@@ -535,7 +548,7 @@ impl CudaBackend {
     /// This rank's share of its GPU's SMs: all of them, or an equal part when ranks share the GPU (their
     /// kernels wait for each other, so they must be resident together).
     pub(crate) fn num_rank_sms(&self) -> usize {
-        (self.num_device_sms() / self.ranks_sharing_gpu).max(1)
+        (self.num_device_sms() / self.ranks_dividing_sms).max(1)
     }
 }
 
