@@ -12,10 +12,10 @@ use std::sync::Arc;
 
 use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
 use moelink::{
-    bf16, fp8, group::run_ranks, BackendKind, Buffer, BufferOptions, Error, LlCombineArgs, LlDispatchArgs, LlQuant, Result, Tensor,
-    ThreadGroup,
+    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, Error, LlCombineArgs, LlDispatchArgs, LlQuant, Result, Tensor, ThreadGroup,
 };
 use moelink_testkit::differ::ll_valid_part;
+use moelink_testkit::experts::{bf16_bits as bits, scaled_expert_outputs};
 use moelink_testkit::harness::{cuda_lock, on, ranks_up_to, skip, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{route, Rng, RouteKind};
@@ -95,36 +95,9 @@ fn valid_part(sh: &Shape, recv_x: &[u8], scales: &[u8], count: &[i32]) -> (Vec<u
     ll_valid_part(count, recv_x, scales, sh.rows(), sh.row_bytes(), sh.cols())
 }
 
-/// The test's experts: global expert `e` multiplies its dequantised input by a small factor.
+/// The test's experts ([`scaled_expert_outputs`]) on this rank's received rows.
 fn expert_outputs(sh: &Shape, me: usize, recv_x: &[u8], scales: &[u8], count: &[i32]) -> Vec<bf16> {
-    let (rows, cols, h) = (sh.rows(), sh.cols(), sh.hidden);
-    let mut y = vec![bf16::ZERO; sh.local_experts() * rows * h];
-    for (el, &n) in count.iter().enumerate() {
-        let f = ((me * sh.local_experts() + el) % 5) as f32 * 0.5 - 1.0;
-        for slot in 0..(n.max(0) as usize).min(rows) {
-            for i in 0..h {
-                let v = match sh.quant {
-                    LlQuant::Bf16 => {
-                        let at = 2 * ((el * rows + slot) * h + i);
-                        bf16::from_le_bytes([recv_x[at], recv_x[at + 1]]).to_f32()
-                    }
-                    LlQuant::Fp8 { use_ue8m0, .. } => {
-                        let col = if use_ue8m0 { i / 512 } else { i / 128 };
-                        let at = 4 * ((el * cols + col) * rows + slot);
-                        let w = [scales[at], scales[at + 1], scales[at + 2], scales[at + 3]];
-                        let inv = if use_ue8m0 { fp8::ue8m0_to_f32(w[(i / 128) % 4]) } else { f32::from_le_bytes(w) };
-                        fp8::e4m3_to_f32(recv_x[(el * rows + slot) * h + i]) * inv
-                    }
-                };
-                y[(el * rows + slot) * h + i] = bf16::from_f32(v * f);
-            }
-        }
-    }
-    y
-}
-
-fn bits(t: &Tensor) -> Result<Vec<u16>> {
-    Ok(t.to_vec::<bf16>()?.into_iter().map(|v| v.to_bits()).collect())
+    scaled_expert_outputs(me, sh.local_experts(), sh.rows(), sh.hidden, sh.quant, recv_x, scales, count)
 }
 
 /// One eager round on `buf` (any backend): dispatch this rank's `step`, the experts (the identity, or
