@@ -8,15 +8,11 @@
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 
-use std::sync::Arc;
-
 use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
-use moelink::{
-    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, Error, LlCombineArgs, LlDispatchArgs, LlQuant, Result, Tensor, ThreadGroup,
-};
+use moelink::{bf16, BackendKind, Buffer, BufferOptions, LlCombineArgs, LlDispatchArgs, LlQuant, Result, Tensor};
 use moelink_testkit::differ::ll_valid_part;
 use moelink_testkit::experts::{bf16_bits as bits, scaled_expert_outputs};
-use moelink_testkit::harness::{cuda_lock, on, ranks_up_to, skip, test_options, with_buffers};
+use moelink_testkit::harness::{check_silent_peer, on, ranks_up_to, skip, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{route, Rng, RouteKind};
 
@@ -263,52 +259,9 @@ fn a_silent_peer_times_out_or_is_masked() {
     let sh = Shape { hook: false, ..shape(ranks, PLAIN, true, false) };
     let steps: Vec<Step> = (0..ranks).map(|me| step_inputs(&sh, me, 0)).collect();
 
-    for shrink in [false, true] {
-        let opts = BufferOptions { backend: BackendKind::Cuda, timeout_ms: 1500, enable_shrink: shrink, ..test_options() };
-        let gpus = cuda_lock();
-        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
-            let group: Arc<ThreadGroup> = Arc::new(g);
-            let mut buf = Buffer::new(group.clone(), opts.clone())?;
-            let me = buf.rank();
-            let r = if me == silent {
-                None
-            } else {
-                let seen = eager_round(&mut buf, &sh, &steps[me], false);
-                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
-                Some((seen, mask))
-            };
-            // Nobody frees its buffer while another rank's kernels may still write into it.
-            moelink::Group::barrier(group.as_ref())?;
-            Ok(r)
-        });
-        drop(gpus);
-        let want = if shrink {
-            // The host backend with the silent rank masked everywhere (it still takes part there).
-            Some(with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
-                buf.low_latency_update_mask_buffer(silent, true)?;
-                let me = buf.rank();
-                eager_round(buf, &sh, &steps[me], false)
-            }))
-        } else {
-            None
-        };
-        for (me, r) in results.into_iter().enumerate() {
-            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
-            let Some((seen, mask)) = r else { continue };
-            if shrink {
-                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
-                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
-                assert_eq!(
-                    seen,
-                    want.as_ref().unwrap()[me],
-                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
-                );
-            } else {
-                match seen {
-                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
-                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
-                }
-            }
-        }
-    }
+    let opts = BufferOptions { backend: BackendKind::Cuda, timeout_ms: 1500, ..test_options() };
+    check_silent_peer(ranks, silent, &opts, |buf| {
+        let me = buf.rank();
+        eager_round(buf, &sh, &steps[me], false)
+    });
 }

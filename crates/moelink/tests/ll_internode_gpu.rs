@@ -9,16 +9,13 @@
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 
-use std::sync::Arc;
-
 use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
-use moelink::group::run_ranks;
 use moelink::{
-    bf16, BackendKind, Buffer, BufferOptions, DType, EmuNicOptions, Error, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
-    LlDispatchOutputs, LlQuant, RdmaOptions, Result, Tensor, ThreadGroup, Topology, Transport,
+    bf16, BackendKind, Buffer, BufferOptions, DType, EmuNicOptions, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
+    LlQuant, RdmaOptions, Result, Tensor, Topology, Transport,
 };
 use moelink_testkit::experts::{bf16_bits as bits, scaled_expert_outputs};
-use moelink_testkit::harness::{cuda_lock, test_options, with_buffers};
+use moelink_testkit::harness::{check_silent_peer, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{route, Rng, RouteKind};
 
@@ -399,49 +396,9 @@ fn a_silent_peer_on_another_node_times_out_or_is_masked() {
     let (ranks, silent) = (net.ranks(), 3);
     let call = Call { quant: PLAIN, weights: true, hook: false, route: RouteKind::Uniform };
     let inp: Vec<Inputs> = (0..ranks).map(|r| inputs(&net, &call, 1, r)).collect();
-    for shrink in [false, true] {
-        let opts = net.options(BufferOptions { timeout_ms: 1500, enable_shrink: shrink, ..test_options() });
-        let gpus = cuda_lock();
-        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
-            let group: Arc<ThreadGroup> = Arc::new(g);
-            let mut buf = Buffer::new(group.clone(), opts.clone())?;
-            let me = buf.rank();
-            let r = if me == silent {
-                None
-            } else {
-                let seen = run_call(&mut buf, &net, &call, &inp[me]);
-                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
-                Some((seen, mask))
-            };
-            // Nobody frees its buffer while another rank's kernels may still write into it.
-            group.barrier()?;
-            Ok(r)
-        });
-        drop(gpus);
-        let want = shrink.then(|| {
-            with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
-                buf.low_latency_update_mask_buffer(silent, true)?;
-                let me = buf.rank();
-                run_call(buf, &net, &call, &inp[me])
-            })
-        });
-        for (me, r) in results.into_iter().enumerate() {
-            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
-            let Some((seen, mask)) = r else { continue };
-            if shrink {
-                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
-                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
-                assert_eq!(
-                    seen,
-                    want.as_ref().unwrap()[me],
-                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
-                );
-            } else {
-                match seen {
-                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
-                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
-                }
-            }
-        }
-    }
+    let opts = net.options(BufferOptions { timeout_ms: 1500, ..test_options() });
+    check_silent_peer(ranks, silent, &opts, |buf| {
+        let me = buf.rank();
+        run_call(buf, &net, &call, &inp[me])
+    });
 }
