@@ -15,7 +15,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use moelink::{group::run_ranks, BackendKind, Buffer, BufferOptions, Result, Tensor, ThreadGroup};
+use moelink::{group::run_ranks, BackendKind, Buffer, BufferOptions, Error, Result, Tensor, ThreadGroup};
 
 /// Expands `fn name(kind: BackendKind) { ... }` bodies into `host::name` (always runs) and `cuda::name`
 /// (ignored unless included: `--include-ignored` on a GPU machine).
@@ -97,6 +97,59 @@ pub fn with_buffers<T: Send>(
         f(&mut buf)
     });
     out.into_iter().enumerate().map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect()
+}
+
+/// A peer that never calls, without and with shrink mode: on `ranks` buffers of `opts` (its backend, its
+/// deadline) every rank but `silent` runs `round`. Without shrink mode each must fail with a timeout naming
+/// `silent`; with it, each must mask `silent`, finish, and get what the host backend gets with the same mask
+/// (`round` on host buffers of [`test_options`]). Every rank waits for the others before freeing its buffer,
+/// as a rank's kernels may still write into a peer's.
+pub fn check_silent_peer<T>(ranks: usize, silent: usize, opts: &BufferOptions, round: impl Fn(&mut Buffer) -> Result<T> + Sync)
+where
+    T: PartialEq + std::fmt::Debug + Send,
+{
+    for shrink in [false, true] {
+        let opts = BufferOptions { enable_shrink: shrink, ..opts.clone() };
+        let gpus = cuda_lock();
+        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<T>, Vec<bool>)>> {
+            let group: Arc<ThreadGroup> = Arc::new(g);
+            let mut buf = Buffer::new(group.clone(), opts.clone())?;
+            let r = if buf.rank() == silent {
+                None
+            } else {
+                let seen = round(&mut buf);
+                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
+                Some((seen, mask))
+            };
+            moelink::Group::barrier(group.as_ref())?;
+            Ok(r)
+        });
+        drop(gpus);
+        let want = shrink.then(|| {
+            with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
+                buf.low_latency_update_mask_buffer(silent, true)?;
+                round(buf)
+            })
+        });
+        for (me, r) in results.into_iter().enumerate() {
+            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
+            let Some((seen, mask)) = r else { continue };
+            if shrink {
+                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
+                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
+                assert_eq!(
+                    seen,
+                    want.as_ref().expect("the host run")[me],
+                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
+                );
+            } else {
+                match seen {
+                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
+                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
+                }
+            }
+        }
+    }
 }
 
 /// Whether another rank of `buf`'s group has its buffer on the same GPU (ranks sharing a GPU: more ranks

@@ -9,6 +9,7 @@
 //! Not published: it depends on `moelink`, and `moelink`'s own tests depend on it (a dev-dependency).
 
 pub mod differ;
+pub mod experts;
 pub mod harness;
 pub mod inputs;
 pub mod rng;

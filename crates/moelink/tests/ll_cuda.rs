@@ -8,15 +8,11 @@
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 
-use std::sync::Arc;
-
 use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
-use moelink::{
-    bf16, fp8, group::run_ranks, BackendKind, Buffer, BufferOptions, Error, LlCombineArgs, LlDispatchArgs, LlQuant, Result, Tensor,
-    ThreadGroup,
-};
+use moelink::{bf16, BackendKind, Buffer, BufferOptions, LlCombineArgs, LlDispatchArgs, LlQuant, Result, Tensor};
 use moelink_testkit::differ::ll_valid_part;
-use moelink_testkit::harness::{cuda_lock, on, ranks_up_to, skip, test_options, with_buffers};
+use moelink_testkit::experts::{bf16_bits as bits, scaled_expert_outputs};
+use moelink_testkit::harness::{check_silent_peer, on, ranks_up_to, skip, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{route, Rng, RouteKind};
 
@@ -95,36 +91,9 @@ fn valid_part(sh: &Shape, recv_x: &[u8], scales: &[u8], count: &[i32]) -> (Vec<u
     ll_valid_part(count, recv_x, scales, sh.rows(), sh.row_bytes(), sh.cols())
 }
 
-/// The test's experts: global expert `e` multiplies its dequantised input by a small factor.
+/// The test's experts ([`scaled_expert_outputs`]) on this rank's received rows.
 fn expert_outputs(sh: &Shape, me: usize, recv_x: &[u8], scales: &[u8], count: &[i32]) -> Vec<bf16> {
-    let (rows, cols, h) = (sh.rows(), sh.cols(), sh.hidden);
-    let mut y = vec![bf16::ZERO; sh.local_experts() * rows * h];
-    for (el, &n) in count.iter().enumerate() {
-        let f = ((me * sh.local_experts() + el) % 5) as f32 * 0.5 - 1.0;
-        for slot in 0..(n.max(0) as usize).min(rows) {
-            for i in 0..h {
-                let v = match sh.quant {
-                    LlQuant::Bf16 => {
-                        let at = 2 * ((el * rows + slot) * h + i);
-                        bf16::from_le_bytes([recv_x[at], recv_x[at + 1]]).to_f32()
-                    }
-                    LlQuant::Fp8 { use_ue8m0, .. } => {
-                        let col = if use_ue8m0 { i / 512 } else { i / 128 };
-                        let at = 4 * ((el * cols + col) * rows + slot);
-                        let w = [scales[at], scales[at + 1], scales[at + 2], scales[at + 3]];
-                        let inv = if use_ue8m0 { fp8::ue8m0_to_f32(w[(i / 128) % 4]) } else { f32::from_le_bytes(w) };
-                        fp8::e4m3_to_f32(recv_x[(el * rows + slot) * h + i]) * inv
-                    }
-                };
-                y[(el * rows + slot) * h + i] = bf16::from_f32(v * f);
-            }
-        }
-    }
-    y
-}
-
-fn bits(t: &Tensor) -> Result<Vec<u16>> {
-    Ok(t.to_vec::<bf16>()?.into_iter().map(|v| v.to_bits()).collect())
+    scaled_expert_outputs(me, sh.local_experts(), sh.rows(), sh.hidden, sh.quant, recv_x, scales, count)
 }
 
 /// One eager round on `buf` (any backend): dispatch this rank's `step`, the experts (the identity, or
@@ -290,52 +259,9 @@ fn a_silent_peer_times_out_or_is_masked() {
     let sh = Shape { hook: false, ..shape(ranks, PLAIN, true, false) };
     let steps: Vec<Step> = (0..ranks).map(|me| step_inputs(&sh, me, 0)).collect();
 
-    for shrink in [false, true] {
-        let opts = BufferOptions { backend: BackendKind::Cuda, timeout_ms: 1500, enable_shrink: shrink, ..test_options() };
-        let gpus = cuda_lock();
-        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
-            let group: Arc<ThreadGroup> = Arc::new(g);
-            let mut buf = Buffer::new(group.clone(), opts.clone())?;
-            let me = buf.rank();
-            let r = if me == silent {
-                None
-            } else {
-                let seen = eager_round(&mut buf, &sh, &steps[me], false);
-                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
-                Some((seen, mask))
-            };
-            // Nobody frees its buffer while another rank's kernels may still write into it.
-            moelink::Group::barrier(group.as_ref())?;
-            Ok(r)
-        });
-        drop(gpus);
-        let want = if shrink {
-            // The host backend with the silent rank masked everywhere (it still takes part there).
-            Some(with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
-                buf.low_latency_update_mask_buffer(silent, true)?;
-                let me = buf.rank();
-                eager_round(buf, &sh, &steps[me], false)
-            }))
-        } else {
-            None
-        };
-        for (me, r) in results.into_iter().enumerate() {
-            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
-            let Some((seen, mask)) = r else { continue };
-            if shrink {
-                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
-                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
-                assert_eq!(
-                    seen,
-                    want.as_ref().unwrap()[me],
-                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
-                );
-            } else {
-                match seen {
-                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
-                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
-                }
-            }
-        }
-    }
+    let opts = BufferOptions { backend: BackendKind::Cuda, timeout_ms: 1500, ..test_options() };
+    check_silent_peer(ranks, silent, &opts, |buf| {
+        let me = buf.rank();
+        eager_round(buf, &sh, &steps[me], false)
+    });
 }

@@ -10,6 +10,7 @@ use moelink::{
     bf16, fp8, BackendKind, Buffer, BufferOptions, DType, Error, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
     LlHandle, LlQuant, Result, Tensor, TensorRef,
 };
+use moelink_testkit::experts::bf16_bits as bits;
 use moelink_testkit::harness::{available_ranks, on, ranks, shares_gpu, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{backend_tests, route, Rng, RouteKind};
@@ -277,10 +278,6 @@ fn combine_args<'a>(u: &'a Uploaded, y: TensorRef<'a>, handle: &'a LlHandle, zer
 struct RankRun {
     received: Received,
     combined: Vec<u16>,
-}
-
-fn bits(t: &Tensor) -> Result<Vec<u16>> {
-    Ok(t.to_vec::<bf16>()?.into_iter().map(|v| v.to_bits()).collect())
 }
 
 /// Dispatch, run the test's experts, combine (allocating API).

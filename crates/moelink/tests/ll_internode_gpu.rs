@@ -9,15 +9,13 @@
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 
-use std::sync::Arc;
-
 use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
-use moelink::group::run_ranks;
 use moelink::{
-    bf16, fp8, BackendKind, Buffer, BufferOptions, DType, EmuNicOptions, Error, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
-    LlDispatchOutputs, LlQuant, RdmaOptions, Result, Tensor, ThreadGroup, Topology, Transport,
+    bf16, BackendKind, Buffer, BufferOptions, DType, EmuNicOptions, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs,
+    LlQuant, RdmaOptions, Result, Tensor, Topology, Transport,
 };
-use moelink_testkit::harness::{cuda_lock, test_options, with_buffers};
+use moelink_testkit::experts::{bf16_bits as bits, scaled_expert_outputs};
+use moelink_testkit::harness::{check_silent_peer, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{route, Rng, RouteKind};
 
@@ -140,36 +138,9 @@ fn valid_part(net: &Net, quant: LlQuant, recv_x: &[u8], scales: &[u8], src_info:
     (r, s, si)
 }
 
-/// The test's experts: local expert `el` of rank `me` scales its dequantised input by a small factor.
+/// The test's experts ([`scaled_expert_outputs`]) on rank `me`'s received rows.
 fn expert_outputs(net: &Net, quant: LlQuant, me: usize, recv_x: &[u8], scales: &[u8], count: &[i32]) -> Vec<bf16> {
-    let (el_n, rows, cols) = (net.experts() / net.ranks(), net.ranks() * T_MAX, scale_cols(quant));
-    let mut y = vec![bf16::ZERO; el_n * rows * HIDDEN];
-    for (el, &n) in count.iter().enumerate() {
-        let f = ((me * el_n + el) % 5) as f32 * 0.5 - 1.0;
-        for slot in 0..(n.max(0) as usize).min(rows) {
-            for i in 0..HIDDEN {
-                let v = match quant {
-                    LlQuant::Bf16 => {
-                        let at = 2 * ((el * rows + slot) * HIDDEN + i);
-                        bf16::from_le_bytes([recv_x[at], recv_x[at + 1]]).to_f32()
-                    }
-                    LlQuant::Fp8 { use_ue8m0, .. } => {
-                        let col = if use_ue8m0 { i / 512 } else { i / 128 };
-                        let at = 4 * ((el * cols + col) * rows + slot);
-                        let w = [scales[at], scales[at + 1], scales[at + 2], scales[at + 3]];
-                        let inv = if use_ue8m0 { fp8::ue8m0_to_f32(w[(i / 128) % 4]) } else { f32::from_le_bytes(w) };
-                        fp8::e4m3_to_f32(recv_x[(el * rows + slot) * HIDDEN + i]) * inv
-                    }
-                };
-                y[(el * rows + slot) * HIDDEN + i] = bf16::from_f32(v * f);
-            }
-        }
-    }
-    y
-}
-
-fn bits(t: &Tensor) -> Result<Vec<u16>> {
-    Ok(t.to_vec::<bf16>()?.into_iter().map(|v| v.to_bits()).collect())
+    scaled_expert_outputs(me, net.experts() / net.ranks(), net.ranks() * T_MAX, HIDDEN, quant, recv_x, scales, count)
 }
 
 /// One dispatch + combine of rank `buf.rank()` on any backend: outputs allocated by the test (so hooks can
@@ -425,49 +396,9 @@ fn a_silent_peer_on_another_node_times_out_or_is_masked() {
     let (ranks, silent) = (net.ranks(), 3);
     let call = Call { quant: PLAIN, weights: true, hook: false, route: RouteKind::Uniform };
     let inp: Vec<Inputs> = (0..ranks).map(|r| inputs(&net, &call, 1, r)).collect();
-    for shrink in [false, true] {
-        let opts = net.options(BufferOptions { timeout_ms: 1500, enable_shrink: shrink, ..test_options() });
-        let gpus = cuda_lock();
-        let results = run_ranks(ranks, |g: ThreadGroup| -> Result<Option<(Result<Seen>, Vec<bool>)>> {
-            let group: Arc<ThreadGroup> = Arc::new(g);
-            let mut buf = Buffer::new(group.clone(), opts.clone())?;
-            let me = buf.rank();
-            let r = if me == silent {
-                None
-            } else {
-                let seen = run_call(&mut buf, &net, &call, &inp[me]);
-                let mask = if shrink { buf.low_latency_query_mask_buffer()? } else { Vec::new() };
-                Some((seen, mask))
-            };
-            // Nobody frees its buffer while another rank's kernels may still write into it.
-            group.barrier()?;
-            Ok(r)
-        });
-        drop(gpus);
-        let want = shrink.then(|| {
-            with_buffers(BackendKind::Host, ranks, BufferOptions { enable_shrink: true, ..test_options() }, |buf| {
-                buf.low_latency_update_mask_buffer(silent, true)?;
-                let me = buf.rank();
-                run_call(buf, &net, &call, &inp[me])
-            })
-        });
-        for (me, r) in results.into_iter().enumerate() {
-            let r = r.unwrap_or_else(|e| panic!("rank {me}: {e}"));
-            let Some((seen, mask)) = r else { continue };
-            if shrink {
-                let seen = seen.unwrap_or_else(|e| panic!("rank {me}: shrink mode should finish the call, got {e}"));
-                assert_eq!(mask, (0..ranks).map(|r| r == silent).collect::<Vec<_>>(), "rank {me}: mask");
-                assert_eq!(
-                    seen,
-                    want.as_ref().unwrap()[me],
-                    "rank {me}: shrink-mode results differ from the host backend with the same mask"
-                );
-            } else {
-                match seen {
-                    Err(Error::Timeout { peer, .. }) => assert_eq!(peer, silent, "rank {me}: the timeout should name rank {silent}"),
-                    other => panic!("rank {me}: expected a timeout naming rank {silent}, got {other:?}"),
-                }
-            }
-        }
-    }
+    let opts = net.options(BufferOptions { timeout_ms: 1500, ..test_options() });
+    check_silent_peer(ranks, silent, &opts, |buf| {
+        let me = buf.rank();
+        run_call(buf, &net, &call, &inp[me])
+    });
 }
