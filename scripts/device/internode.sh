@@ -17,6 +17,9 @@
 #             CUDA_DEVICE_MAX_CONNECTIONS=32
 #   ll        thread mode: low-latency dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
 #             emu-nic against the host backend (tests/ll_internode_gpu.rs)
+#   bench     thread mode: moelink bench --mode ll --hook (DeepEP's LL shape) at 4 ranks as 1x4 (the intranode
+#             kernels), 2x2 over ptr and emu-nic, and 2x2 over ptr without NVLink inside a node; records with the
+#             byte model's RDMA and NVLink bytes. Four ranks share one GPU: not network latency
 #   soak      thread mode: moelink-stress soak of the LL families on 2x2 virtual nodes over emu-nic (reordering
 #             across QPs), SOAK_S seconds (default 300), up to SOAK_ROUNDS rounds per family (default 5000)
 # NVSHMEM is torch's (nvidia-nvshmem-cu13 3.4.5) unless NVSHMEM_HOME says otherwise; single-host settings:
@@ -24,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/device/steps.sh
-STEPS=${STEPS:-"seam nomps mps mpsthread ll soak"}
+STEPS=${STEPS:-"seam nomps mps mpsthread ll bench soak"}
 export MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
 nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
 export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -88,6 +91,14 @@ for s in $STEPS; do
         ;;
     ll)
         test_bin ll-internode-tests 8 moelink.test.ll_internode_gpu
+        ;;
+    bench)
+        for v in "1x4 ptr" "2x2 ptr" "2x2 emu-nic" "2x2 ptr --no-nvlink-in-node"; do
+            set -- $v
+            name="bench-ll-$1-$2${3:+-no-nvlink}"
+            run "$name" 240 "$BIN" bench --backend cuda --mode ll --hook --ranks 4 --topology "$1" --transport "$2" ${3:-} \
+                --reps "${BENCH_REPS:-30}" --json "$W/$name.json"
+        done
         ;;
     soak)
         run soak-ll-2x2-emu-nic $((${SOAK_S:-300} + 120)) "$STRESS" soak --backend cuda --ranks 4 --topology 2x2 --transport emu-nic \

@@ -69,7 +69,9 @@ if want shared || want nodes; then
     nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/setup.log"
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
     nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
-    shared_env=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 NVSHMEM_HOME="${NVSHMEM_HOME:-$nv}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+    # MPS_THREAD_PERCENTAGE (unset by default) limits each process: moelink still divides what a process sees
+    # among all the ranks on the GPU, so a limit leaves each rank less.
+    shared_env=(env ${MPS_THREAD_PERCENTAGE:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE} NVSHMEM_HOME="${NVSHMEM_HOME:-$nv}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
         NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1)
     want shared && step "suite, 4 ranks on 1 GPU (mps)" "$OUT/shared-tests.log" 300 \
         "${shared_env[@]}" "${tr[@]}" --nproc_per_node=4 "${suite[@]}"

@@ -154,6 +154,18 @@ impl Default for EmuNicOptions {
     }
 }
 
+/// Bytes of one low-latency dispatch message between nodes: a header, the token's top-k routing (expert
+/// entries and weights, 16-byte aligned) and its row (FP8 with its scales, or bf16). One goes to each
+/// distinct destination rank of a token; combine returns one bf16 row (`2 * hidden` bytes) per such message
+/// when dispatch carried the weights. The unit of the byte model in `docs/internode.md`.
+///
+/// ```
+/// assert_eq!(moelink::internode::ll_message_bytes(7168, 8, true), 7472);
+/// ```
+pub fn ll_message_bytes(hidden: usize, topk: usize, fp8: bool) -> usize {
+    moelink_kernels::ll_internode::msg_bytes(hidden, topk, fp8)
+}
+
 /// The engine under the RDMA transport seam.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub enum Transport {

@@ -217,6 +217,20 @@ pub struct BenchArgs {
     /// `loop_combine_kernel_us`).
     #[arg(long)]
     pub ll_trace: bool,
+    /// LL across nodes: the ranks as NODESxRANKS_PER_NODE, e.g. `2x2` for 4 ranks. On one host these are
+    /// virtual nodes, and on CUDA the ranks may then outnumber the GPUs (they share them: the times are not
+    /// network or NVLink figures). Records get `nodes`, `ranks_per_node`, `transport` and the bytes each rank
+    /// sends over each path (`rdma_bytes`, `nvlink_bytes`: the byte model of docs/internode.md).
+    #[arg(long, value_name = "NODESxRANKS")]
+    pub topology: Option<String>,
+    /// With --topology: the RDMA transport between nodes, ptr or emu-nic (nvshmem needs one process per
+    /// rank; the bench runs its ranks as threads).
+    #[arg(long, default_value = "ptr")]
+    pub transport: String,
+    /// With --topology: the LL kernels reach the ranks of their own node through the RDMA transport too
+    /// (DeepEP's `allow_nvlink_for_low_latency_mode=False`).
+    #[arg(long)]
+    pub no_nvlink_in_node: bool,
     /// Draw what was measured into FILE (PNG, 1280x720): time or GB/s (`--plot-metric`) against what was
     /// swept (tokens, SMs, or ranks across `--plot-with` files), one line per operation and payload type, a
     /// baseline's lines dashed.
@@ -490,6 +504,10 @@ struct Plan {
     backend: BackendKind,
     fallback_reason: Option<String>,
     ranks: usize,
+    /// Up to how many ranks share a GPU, when they do (`--topology` on fewer GPUs than ranks).
+    gpus_shared_by: Option<usize>,
+    /// `--topology` across nodes, with its RDMA settings; `None` on one node.
+    internode: Option<(moelink::Topology, moelink::RdmaOptions)>,
     reps: usize,
     warmup: usize,
     batches: Vec<Batch>,
@@ -507,8 +525,11 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
     if ranks == 0 {
         return Err(CliError("--ranks must be at least 1".into()));
     }
-    if backend == BackendKind::Cuda && gpus > 0 && ranks > gpus {
-        return Err(CliError(format!("--ranks {ranks} needs {ranks} GPUs, this machine has {gpus}")));
+    let internode = internode_plan(a, ranks)?;
+    // With --topology (virtual nodes) ranks may share GPUs; otherwise one rank per GPU.
+    let gpus_shared_by = (backend == BackendKind::Cuda && gpus > 0 && ranks > gpus).then(|| ranks.div_ceil(gpus));
+    if gpus_shared_by.is_some() && a.topology.is_none() {
+        return Err(CliError(format!("--ranks {ranks} needs {ranks} GPUs, this machine has {gpus} (--topology lets ranks share them)")));
     }
     let cuda = backend == BackendKind::Cuda;
     let reps = a.reps.unwrap_or(if a.quick {
@@ -562,7 +583,33 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
         };
         batches.sort_by_key(|b| !deepep(b));
     }
-    Ok(Plan { backend, fallback_reason, ranks, reps, warmup, batches })
+    Ok(Plan { backend, fallback_reason, ranks, gpus_shared_by, internode, reps, warmup, batches })
+}
+
+/// The topology and RDMA settings of `--topology`/`--transport`/`--no-nvlink-in-node`; `None` for one node.
+fn internode_plan(a: &BenchArgs, ranks: usize) -> std::result::Result<Option<(moelink::Topology, moelink::RdmaOptions)>, CliError> {
+    let Some(t) = &a.topology else {
+        if a.no_nvlink_in_node {
+            return Err(CliError("--no-nvlink-in-node needs --topology".into()));
+        }
+        return Ok(None);
+    };
+    let topology = t.parse::<moelink::Topology>().map_err(|e| CliError(format!("--topology: {e}")))?;
+    if topology.num_ranks() != ranks {
+        return Err(CliError(format!("--topology {topology} is {} ranks, not --ranks {ranks}", topology.num_ranks())));
+    }
+    if !topology.is_internode() {
+        return Ok(None);
+    }
+    if a.mode != ModeSel::Ll {
+        return Err(CliError(format!("--topology {topology}: across nodes only the low-latency kernels are built; pass --mode ll")));
+    }
+    let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
+    if transport == moelink::Transport::Nvshmem {
+        return Err(CliError("--transport nvshmem needs one process per rank; the bench runs its ranks as threads".into()));
+    }
+    let rdma = moelink::RdmaOptions { transport, allow_nvlink_for_low_latency_mode: !a.no_nvlink_in_node, ..Default::default() };
+    Ok(Some((topology, rdma)))
 }
 
 /// Batches of one mode from the flags: every combination of token count and routing, each with every SM
@@ -724,6 +771,44 @@ fn bytes_moved(case: &Case, inputs: &Inputs) -> (f64, f64) {
     }
 }
 
+/// Bytes each rank sends over each path in one low-latency call across nodes.
+struct PathBytes {
+    rdma: Vec<usize>,
+    nvlink: Vec<usize>,
+}
+
+/// The internode byte model (`docs/internode.md`) on these inputs: one message per (token, distinct
+/// destination rank); dispatch sends [`moelink::internode::ll_message_bytes`] from the token's rank, combine
+/// a bf16 row back from the destination (pre-reduced: dispatch carries the weights). A message to a rank of
+/// the sender's own node goes over NVLink when `nvlink_in_node`, over RDMA otherwise; one to itself nowhere.
+/// Meta blocks (a few hundred bytes per peer) are not counted.
+fn ll_path_bytes(case: &Case, inputs: &Inputs, topology: &moelink::Topology, nvlink_in_node: bool) -> PathBytes {
+    let s = &inputs.shape;
+    let mut paths = PathBytes { rdma: vec![0; s.ranks], nvlink: vec![0; s.ranks] };
+    let msg = match case.op {
+        Op::Dispatch => moelink::internode::ll_message_bytes(s.hidden, s.topk, case.dtype == Dtype::Fp8),
+        Op::Combine => 2 * s.hidden,
+    };
+    let experts_per_rank = s.local_experts().max(1);
+    for (src, r) in inputs.ranks.iter().enumerate() {
+        for token in r.topk_idx.chunks(s.topk.max(1)) {
+            let mut dests: Vec<usize> = token.iter().filter(|&&e| e >= 0).map(|&e| e as usize / experts_per_rank).collect();
+            dests.sort_unstable();
+            dests.dedup();
+            for dst in dests.into_iter().filter(|&d| d != src && d < s.ranks) {
+                let sender = if case.op == Op::Dispatch { src } else { dst };
+                let receiver = if case.op == Op::Dispatch { dst } else { src };
+                if nvlink_in_node && topology.node_of(sender) == topology.node_of(receiver) {
+                    paths.nvlink[sender] += msg;
+                } else {
+                    paths.rdma[sender] += msg;
+                }
+            }
+        }
+    }
+    paths
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -783,6 +868,10 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     let mut base = crate::env::buffer_options();
     base.kernel_tracing.low_latency |= a.ll_trace;
     let p = plan(a)?;
+    if let Some((topology, rdma)) = &p.internode {
+        base.topology = Some(*topology);
+        base.rdma = rdma.clone();
+    }
     let facts = RunFacts {
         system: "moelink".into(),
         backend: sys::backend_name(p.backend).into(),
@@ -860,6 +949,9 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         println!("wrote {} records to {}", records.len(), path.display());
     }
     println!("{}", render_summary(&records, &p));
+    if p.internode.is_some() {
+        println!("{}", render_paths(&records));
+    }
     if let Some(path) = &a.plot {
         let mut all = records.clone();
         for extra in &a.plot_with {
@@ -905,8 +997,29 @@ fn header(p: &Plan, f: &RunFacts, nvl: usize, rdma: usize) -> String {
         (_, None) => format!("host (CPU threads on {}) -- these times measure the CPU reference, not GPU performance", f.device),
     };
     let mib = |b: usize| b.div_ceil(1 << 20);
+    let nodes = match &p.internode {
+        Some((t, rdma)) => format!(
+            "\n  nodes {t} ({} transport, peers of a node over {}){}",
+            rdma.transport.name(),
+            if rdma.allow_nvlink_for_low_latency_mode { "NVLink" } else { "the transport" },
+            if p.backend == BackendKind::Cuda {
+                " -- virtual nodes on this machine: no NIC is crossed, so the times are not network latency \
+                 (rdma_bytes and rdma_floor_us_400g give the byte model's figures)"
+            } else {
+                ""
+            }
+        ),
+        None => String::new(),
+    };
+    let shared = match p.gpus_shared_by {
+        Some(n) => format!(
+            "\n  up to {n} ranks share each GPU (thread mode): they exchange through its memory, so no time here is an \
+             NVLink or network figure"
+        ),
+        None => String::new(),
+    };
     format!(
-        "moelink bench | backend: {backend}\n  ranks {} | reps {} (+{} warm-up) | {} batches | buffers: HT {} MiB, LL {} MiB | commit {} | {}\n  \
+        "moelink bench | backend: {backend}{nodes}{shared}\n  ranks {} | reps {} (+{} warm-up) | {} batches | buffers: HT {} MiB, LL {} MiB | commit {} | {}\n  \
          timer: {}\n  time = median over reps of the slowest rank (per rep the max over ranks)",
         p.ranks,
         p.reps,
@@ -944,6 +1057,19 @@ fn summarize(
             rec.experts = Some(s.experts);
             rec.routing = Some(c.routing.name().into());
             rec.num_sms = c.num_sms;
+            if let Some((topology, rdma)) = &p.internode {
+                rec.nodes = Some(topology.num_nodes);
+                rec.ranks_per_node = Some(topology.ranks_per_node);
+                rec.transport = Some(rdma.transport.name().into());
+                let paths = ll_path_bytes(c, inputs, topology, rdma.allow_nvlink_for_low_latency_mode);
+                let mean = |v: &[usize]| v.iter().sum::<usize>() as f64 / v.len().max(1) as f64;
+                let max_rdma = paths.rdma.iter().copied().max().unwrap_or(0);
+                rec.extra.insert("rdma_bytes".into(), serde_json::json!(mean(&paths.rdma)));
+                rec.extra.insert("rdma_bytes_max".into(), serde_json::json!(max_rdma));
+                rec.extra.insert("nvlink_bytes".into(), serde_json::json!(mean(&paths.nvlink)));
+                // The floor one 400 Gb/s NIC per GPU (50 GB/s) would set: the busiest rank's RDMA bytes.
+                rec.extra.insert("rdma_floor_us_400g".into(), serde_json::json!(max_rdma as f64 / 50e3));
+            }
             let outs: Vec<&RankOutcome> = results.iter().filter_map(|r| r.as_ref().ok()).filter_map(|v| v.get(i)).collect();
             if let Some(err) = &whole_run_error {
                 rec.status = Status::Error;
@@ -1031,6 +1157,32 @@ fn summarize(
             rec
         })
         .collect()
+}
+
+/// Across nodes: what each record's call sends over each path per rank (the byte model), and the time the
+/// busiest rank's RDMA bytes would take on one 400 Gb/s NIC.
+fn render_paths(records: &[Record]) -> String {
+    let mut t = Table::new(
+        &["op", "dtype", "tokens", "nodes", "transport", "RDMA KB/rank", "max", "NVLink KB/rank", "400G floor µs", "measured µs"],
+        &[false, false, true, false, false, true, true, true, true, true],
+    );
+    for r in records {
+        let f = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
+        let kb = |k: &str| f(k).map_or("-".to_string(), |b| format!("{:.1}", b / 1e3));
+        t.row(vec![
+            r.op.clone(),
+            r.dtype.clone().unwrap_or_else(|| "-".into()),
+            r.tokens.map_or("-".into(), |n| n.to_string()),
+            format!("{}x{}", r.nodes.unwrap_or(1), r.ranks_per_node.unwrap_or(r.ranks)),
+            r.transport.clone().unwrap_or_else(|| "-".into()),
+            kb("rdma_bytes"),
+            kb("rdma_bytes_max"),
+            kb("nvlink_bytes"),
+            f("rdma_floor_us_400g").map_or("-".into(), |v| format!("{v:.1}")),
+            r.time_us.map_or("-".into(), |v| format!("{v:.1}")),
+        ]);
+    }
+    format!("bytes per rank across nodes (byte model, docs/internode.md; meta blocks not counted):\n{}", t.render())
 }
 
 fn render(records: &[Record]) -> String {
@@ -1272,6 +1424,42 @@ mod tests {
         let mut argv = vec!["bench", "--backend", "host"];
         argv.extend_from_slice(flags);
         Cli::try_parse_from(argv).expect("valid flags").args
+    }
+
+    #[test]
+    fn across_nodes_the_bytes_split_by_path_and_bad_flags_are_refused() {
+        // 4 ranks as 2x2, one expert per rank; token 0 of rank 0 picks experts 0 (itself), 1 (its node) and
+        // 2, 3 (the other node); token 1 picks expert 3 twice and a -1 slot.
+        let shape = Shape { ranks: 4, tokens: 2, hidden: 256, topk: 4, experts: 4 };
+        let mut inputs = Inputs::generate(shape, RouteKind::Uniform, 1, false);
+        for (r, rank) in inputs.ranks.iter_mut().enumerate() {
+            rank.topk_idx = if r == 0 { vec![0, 1, 2, 3, 3, 3, -1, -1] } else { vec![-1; 8] };
+        }
+        let topology: moelink::Topology = "2x2".parse().unwrap();
+        let case = |op, dtype| Case { mode: Mode::Ll, op, dtype, routing: RoutingKind::Uniform, num_sms: None };
+        let msg = moelink::internode::ll_message_bytes(256, 4, true);
+        let d = ll_path_bytes(&case(Op::Dispatch, Dtype::Fp8), &inputs, &topology, true);
+        assert_eq!((d.rdma, d.nvlink), (vec![3 * msg, 0, 0, 0], vec![msg, 0, 0, 0]));
+        let d = ll_path_bytes(&case(Op::Dispatch, Dtype::Fp8), &inputs, &topology, false);
+        assert_eq!((d.rdma, d.nvlink), (vec![4 * msg, 0, 0, 0], vec![0; 4]));
+        // Combine: each destination returns one bf16 row per message it received.
+        let c = ll_path_bytes(&case(Op::Combine, Dtype::Bf16), &inputs, &topology, true);
+        assert_eq!((c.rdma, c.nvlink), (vec![0, 0, 512, 1024], vec![0, 512, 0, 0]));
+
+        let p = plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "emu-nic"])).unwrap();
+        let (t, rdma) = p.internode.expect("2x2 spans nodes");
+        assert_eq!((t.num_nodes, t.ranks_per_node, rdma.transport.name()), (2, 2, "emu-nic"));
+        assert!(plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "1x4"])).unwrap().internode.is_none());
+        for (flags, says) in [
+            (&["--ranks", "4", "--topology", "2x2"][..], "--mode ll"),
+            (&["--mode", "ll", "--ranks", "4", "--topology", "2x3"][..], "--topology"),
+            (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "nvshmem"][..], "one process per rank"),
+            (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "tcp"][..], "--transport"),
+            (&["--mode", "ll", "--no-nvlink-in-node"][..], "--topology"),
+        ] {
+            let e = plan(&args(flags)).err().expect("refused").0;
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
     }
 
     #[test]

@@ -120,8 +120,8 @@ pub(crate) struct CudaBackend {
     poisoned: bool,
     /// SMs this process may use (`Device::available_sms`: fewer under CUDA MPS), read once.
     available_sms: usize,
-    /// Ranks that divide `available_sms`: this process's on this GPU, and other processes' too when MPS
-    /// did not already limit this one.
+    /// Ranks that divide `available_sms`: this process's on this GPU, and other processes' too unless this
+    /// context has an execution affinity of its own.
     ranks_dividing_sms: usize,
     /// Set when the ranks span several nodes: the topology and the RDMA domain.
     pub(crate) internode: Option<internode::Internode>,
@@ -160,8 +160,10 @@ impl CudaBackend {
         let stream = Stream::new(&device)?;
         // Ranks on this GPU (of every node: virtual nodes may share a GPU) divide its SMs, since their
         // collective kernels wait for each other and must be resident together. Ranks of other processes
-        // count too, unless CUDA MPS already gave this process its part (an execution affinity below the
-        // device's SMs).
+        // count too, unless this context has an execution affinity of its own (fewer SMs than the device
+        // reports). An MPS active thread percentage is no such partition: the driver then reports the
+        // limited count as the device's, and the clients' limits together may cover every SM, which leaves
+        // no room for blocks that do not pack perfectly; so its SMs are still divided among all the ranks.
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let gpu = format!("{}/{}", host.trim(), device.info().pci_bus_id);
         let here = format!("{gpu}/{}", group.process_key());
