@@ -156,8 +156,17 @@ pub struct JitTiming {
     pub cubin_bytes: usize,
 }
 
-/// Compiles every kernel variant the tests and the bench use, cold and from cache, for `device`, and loads
-/// each CUBIN on it. Uses a fresh temporary cache directory (removed afterwards), not the user's cache.
+/// The kernel variants [`jit_timings`] compiles: every one the tests and the bench use, except those of the
+/// `nvshmem` transport (they compile against an NVSHMEM installation and the CUDA headers, which a machine
+/// without NVSHMEM lacks; `moelink-kernels`' `compile_all` covers them where they exist).
+fn jit_timed_variants() -> Vec<KernelSpec> {
+    use moelink_kernels::transport::Transport;
+    all_variants().into_iter().filter(|spec| Transport::of_spec(spec) != Some(Transport::Nvshmem)).collect()
+}
+
+/// Compiles every kernel variant the tests and the bench use (but the `nvshmem` transport's, which need an
+/// NVSHMEM installation), cold and from cache, for `device`, and loads each CUBIN on it. Uses a fresh
+/// temporary cache directory (removed afterwards), not the user's cache.
 pub fn jit_timings(device: usize) -> Result<Vec<JitTiming>> {
     let dev = Device::new(device)?;
     let arch = dev.info().arch();
@@ -165,7 +174,7 @@ pub fn jit_timings(device: usize) -> Result<Vec<JitTiming>> {
     let dir = std::env::temp_dir().join(format!("moelink-jit-timings-{}-{stamp}", std::process::id()));
     let result = (|| -> Result<Vec<JitTiming>> {
         let mut out = Vec::new();
-        for spec in all_variants() {
+        for spec in jit_timed_variants() {
             let req = spec.compile_request(&arch);
             let t0 = Instant::now();
             let (cold, src) = JitCache::new(Some(dir.clone())).compile_traced(&req)?;

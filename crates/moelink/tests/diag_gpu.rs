@@ -97,7 +97,10 @@ fn nvlink_bandwidth_is_measured_and_verified() {
 fn jit_timings_cold_then_cached() {
     let Some(_) = ranks("jit_timings_cold_then_cached", 1) else { return };
     let timings = jit_timings(0).unwrap();
-    assert_eq!(timings.len(), moelink_kernels::all_variants().len());
+    // Every variant but the nvshmem transport's (those compile only against an NVSHMEM installation).
+    use moelink_kernels::transport::Transport;
+    let variants = moelink_kernels::all_variants().into_iter().filter(|s| Transport::of_spec(s) != Some(Transport::Nvshmem)).count();
+    assert_eq!(timings.len(), variants);
     for t in &timings {
         eprintln!("{}: cold {:.3} s, cached {:.4} s, {} B", t.kernel, t.cold_s, t.cached_s, t.cubin_bytes);
         assert!(t.cubin_bytes > 0);

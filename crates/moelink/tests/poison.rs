@@ -282,7 +282,14 @@ fn dropping_a_buffer_with_a_pending_hook_is_safe() {
 }
 
 fn cuda_opts(timeout_ms: u64) -> BufferOptions {
-    BufferOptions { backend: BackendKind::Cuda, num_nvl_bytes: 64 << 20, num_rdma_bytes: 256 << 20, timeout_ms, ..Default::default() }
+    BufferOptions {
+        backend: BackendKind::Cuda,
+        num_nvl_bytes: 64 << 20,
+        num_rdma_bytes: 256 << 20,
+        low_latency_mode: true,
+        timeout_ms,
+        ..Default::default()
+    }
 }
 
 /// Up to 4 ranks of `MOELINK_TEST_RANKS`, at least 2 (else the test is skipped, saying so).
