@@ -453,6 +453,8 @@ fn expert_rows(buf: &Buffer, recv: &Tensor, lut: &[u16; 256]) -> Result<Option<T
 struct Pair<'b> {
     prim: &'b mut Buffer,
     twin: &'b mut Buffer,
+    /// The HT call under way, for an error's message.
+    step: &'static str,
 }
 
 /// One `ht` / `ht-cached` round (not a graph round).
@@ -463,6 +465,7 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     let idx_p = b.prim.upload(&idx_h)?;
     let w_h = Tensor::from_vec(inp.w.clone(), &[t, k])?;
     let w_p = b.prim.upload(&w_h)?;
+    b.step = "layout";
     let lay_h = b.twin.get_dispatch_layout(idx_h.view(), e)?;
     let lay_p = b.prim.get_dispatch_layout(idx_p.view(), e)?;
     compare_layout(&mut d, "", &SeenLayout::of(&lay_h)?, &SeenLayout::of(&lay_p)?);
@@ -474,6 +477,7 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     // At most what the GPU's buffer allows (ranks sharing a GPU get a share of its SMs), kept even.
     let config = p.num_sms.map(|n| Config::with_sms(n.min(b.prim.max_num_sms() & !1).max(2)));
     let fresh = |x, lay, idx, w, worst| fresh_args(p, config, x, lay, idx, w, worst);
+    b.step = "dispatch";
     let res_h = b.twin.dispatch(&fresh(payload(&x_h, &sc_h), &lay_h, idx_h.view(), w_h.view(), 0))?;
     let res_p = b.prim.dispatch(&fresh(payload(&x_p, &sc_p), &lay_p, idx_p.view(), w_p.view(), worst))?;
     let k_out = if p.with_topk { k } else { 0 };
@@ -491,6 +495,7 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
         let sc2_p = sc2_h.as_ref().map(|t| b.prim.upload(t)).transpose()?;
         let cached_args =
             |x, handle| DispatchArgs { x, routing: Routing::Cached(handle), expert_alignment: 1, num_worst_tokens: 0, config };
+        b.step = "cached dispatch";
         let c_h = b.twin.dispatch(&cached_args(payload(&x2_h, &sc2_h), &res_h.handle))?;
         let c_p = b.prim.dispatch(&cached_args(payload(&x2_p, &sc2_p), &res_p.handle))?;
         compare_dispatch(&mut d, "cached dispatch", &SeenDispatch::of(&c_h)?, &SeenDispatch::of(&c_p)?, worst, 0);
@@ -509,6 +514,7 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     fn bias(v: &[Tensor]) -> [Option<TensorRef<'_>>; 2] {
         [v.first().map(|t| t.view()), v.get(1).map(|t| t.view())]
     }
+    b.step = "combine";
     let comb_h = b.twin.combine(&CombineArgs {
         x: y_h.as_ref().unwrap_or(rows_h).view(),
         handle: hd_h,
@@ -596,6 +602,7 @@ fn ht_graph_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, sets: &[HtInputs])
         num_worst_tokens: worst,
         config: None,
     };
+    b.step = "graph";
     let mut g = HtGraph::new(b.prim, spec)?;
     let mut replays = 0;
     for (i, inp) in sets.iter().enumerate() {
@@ -1018,7 +1025,7 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
                 stop_reason = Some("a rank failed".into());
                 break 'outer;
             }
-            let mut pair = Pair { prim: &mut prim, twin: &mut twin };
+            let mut pair = Pair { prim: &mut prim, twin: &mut twin, step: "" };
             let fi = s.families.iter().position(|f| *f == fam).expect("family listed");
             match run_family(&mut pair, s, &mut st, fam, round) {
                 Ok((d, plan)) => {
@@ -1033,7 +1040,14 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
                 }
                 Err(e) => {
                     sh.abort.store(true, Ordering::Relaxed);
-                    st.error = Some(format!("{} round {round}: {e}", fam.name()));
+                    // The HT plan is a function of (seed, family, round): the failing round can be told apart.
+                    let during = match fam.is_ll() {
+                        false if !pair.step.is_empty() => {
+                            format!(" (during {}; plan {:?})", pair.step, HtPlan::draw(s, fam, round, s.kind == BackendKind::Cuda))
+                        }
+                        _ => String::new(),
+                    };
+                    st.error = Some(format!("{} round {round}: {e}{during}", fam.name()));
                     stop_reason = Some(format!("error on rank {me}"));
                     break 'outer;
                 }
@@ -1107,7 +1121,7 @@ pub fn verify_rounds(prim: &mut Buffer, twin: &mut Buffer, families: &[Family], 
     let mut out = Vec::new();
     for round in 0..rounds {
         for &fam in families {
-            let (d, plan) = run_family(&mut Pair { prim, twin }, &s, &mut st, fam, round)?;
+            let (d, plan) = run_family(&mut Pair { prim, twin, step: "" }, &s, &mut st, fam, round)?;
             out.extend(d.0.into_iter().map(|x| format!("{} round {round}: {x} [{plan}]", fam.name())));
         }
     }
