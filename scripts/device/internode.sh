@@ -14,7 +14,7 @@
 #             ptr, emu-nic) at 4 processes as 2x2
 #   mpsthread thread mode under MPS: the HT test that timed out there (cuda::timed_regions_keep_results_and_measure)
 #             at 4 ranks: refused with CUDA's default hardware work queues (the error says why), run with
-#             CUDA_DEVICE_MAX_CONNECTIONS=32
+#             CUDA_DEVICE_MAX_CONNECTIONS=32 (what steps.sh gives every other step)
 #   ll        thread mode: low-latency dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
 #             emu-nic against the host backend (tests/ll_internode_gpu.rs)
 #   bench     thread mode: moelink bench --mode ll --hook (DeepEP's LL shape) at 4 ranks as 1x4 (the intranode
@@ -83,7 +83,7 @@ for s in $STEPS; do
         mps_start
         cp .device/tests/moelink.test.ht /tmp/moelink-device/ht && chmod +x /tmp/moelink-device/ht
         for conn in default 32; do
-            connections=(); [ $conn != default ] && connections=(CUDA_DEVICE_MAX_CONNECTIONS=$conn)
+            connections=(-u CUDA_DEVICE_MAX_CONNECTIONS); [ $conn != default ] && connections=(CUDA_DEVICE_MAX_CONNECTIONS=$conn)
             run "mps-thread-conn-$conn" 60 env -C crates/moelink "${connections[@]}" MOELINK_TEST_RANKS=4 \
                 /tmp/moelink-device/ht --include-ignored --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
         done

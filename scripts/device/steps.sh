@@ -12,6 +12,9 @@ cp .device/moelink "$BIN" && chmod +x "$BIN"
 STRESS=/tmp/moelink-device/moelink-stress
 cp .device/moelink-stress "$STRESS" && chmod +x "$STRESS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# Ranks of one process sharing a GPU need hardware queues apart (moelink refuses fewer than 8 per rank, up to
+# 32): every step gets 32 unless the caller says otherwise.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MOELINK_COMMIT=$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)
 export MOELINK_CACHE_DIR=/tmp/moelink-jit

@@ -175,19 +175,20 @@ impl CudaBackend {
         } else {
             ranks_sharing_gpu
         };
-        // Under CUDA MPS one process's streams get few hardware queues unless CUDA_DEVICE_MAX_CONNECTIONS
-        // raises them: ranks of this process on this GPU then queue their collective kernels behind each
-        // other, and each waits for a peer kernel queued behind itself until the deadline. 32 queues let 4
-        // such ranks run together (1xH100, 2026-11-25).
+        // A context's streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default), and work
+        // waits for whatever is ahead of it in its queue. Ranks of one process on one GPU share a context: a
+        // rank's kernel or copy queued behind a peer's collective kernel, which waits for that very rank,
+        // holds both until the deadline. Enough queues keep them apart: with 4 such ranks the default stalls
+        // (an HT soak, twice, and thread mode under MPS) and 32 passes (1xH100, 2026-11-25).
         let info = device.info();
         let queues_needed = (8 * ranks_sharing_gpu).min(32);
-        if ranks_sharing_gpu > 1 && info.mps_enabled && info.max_connections < queues_needed {
+        if ranks_sharing_gpu > 1 && info.max_connections < queues_needed {
             return Err(Error::invalid(
                 "device",
                 rank,
                 format!(
-                    "{ranks_sharing_gpu} ranks of this process share GPU {ordinal} under CUDA MPS with {} hardware queues, so their \
-                     collective kernels would wait for each other until the deadline; set CUDA_DEVICE_MAX_CONNECTIONS={queues_needed} \
+                    "{ranks_sharing_gpu} ranks of this process share GPU {ordinal} with {} hardware queues, so one rank's work can \
+                     queue behind a peer's kernel that waits for it, until the deadline; set CUDA_DEVICE_MAX_CONNECTIONS={queues_needed} \
                      (or more, up to 32) before CUDA starts, or run one process per rank",
                     info.max_connections
                 ),
