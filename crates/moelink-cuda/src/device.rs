@@ -1,6 +1,6 @@
 //! Devices and their primary contexts.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::raw::driver::{self as drv, CUcontext, CUdevice, DeviceAttr};
@@ -77,7 +77,14 @@ pub(crate) struct DeviceInner {
     pub(crate) cu_device: CUdevice,
     pub(crate) ctx: CUcontext,
     pub(crate) info: DeviceInfo,
+    /// The stream of this handle's synchronous helpers ([`Device::side_stream`]), created on first use.
+    side_stream: Mutex<Option<SideStream>>,
 }
+
+/// A stream handle owned by [`DeviceInner`] (destroyed before the context is released).
+struct SideStream(crate::raw::driver::CUstream);
+// SAFETY: a CUstream handle may be used from any thread; the driver serialises submissions.
+unsafe impl Send for SideStream {}
 
 // SAFETY: a CUcontext is a driver handle that may be used from any thread (the driver serialises what needs
 // it); DeviceInner never hands out the raw pointer mutably.
@@ -87,6 +94,19 @@ unsafe impl Sync for DeviceInner {}
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
+        let side = self.side_stream.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(SideStream(raw)) = side {
+            // SAFETY: the stream was created in this context and is destroyed once, with the context current
+            // (the thread's previous context restored after); pending work still completes.
+            unsafe {
+                if let Ok(prev) = drv::ctx_get_current() {
+                    if drv::ctx_set_current(self.ctx).is_ok() {
+                        let _ = drv::stream_destroy(raw);
+                        let _ = drv::ctx_set_current(prev);
+                    }
+                }
+            }
+        }
         // SAFETY: the primary context was retained once in Device::new; this is the matching release.
         let _ = unsafe { drv::primary_ctx_release(self.cu_device) };
     }
@@ -140,7 +160,7 @@ impl Device {
             let dev = drv::device_get(ordinal)?;
             (dev, drv::primary_ctx_retain(dev)?)
         };
-        Ok(Device { inner: Arc::new(DeviceInner { ordinal, cu_device, ctx, info }) })
+        Ok(Device { inner: Arc::new(DeviceInner { ordinal, cu_device, ctx, info, side_stream: Mutex::new(None) }) })
     }
 
     /// Driver ordinal.
@@ -172,6 +192,26 @@ impl Device {
             drv::ctx_set_current(self.inner.ctx)?;
             Ok(CtxGuard { prev: Some(prev) })
         }
+    }
+
+    /// The stream this handle's synchronous copies, memsets, pool allocations and frees run on (each waits
+    /// for its own work only). One per handle, made once: ranks of a process that share a GPU share its
+    /// hardware queues, and a stream made per call would sooner or later land in the queue of a peer's
+    /// kernel that waits for this rank. Clones of a [`Device`] share it; [`Device::new`] makes another.
+    pub(crate) fn side_stream(&self) -> Result<crate::stream::Stream> {
+        let mut side = self.inner.side_stream.lock().unwrap_or_else(|e| e.into_inner());
+        let raw = match side.as_ref() {
+            Some(s) => s.0,
+            None => {
+                let _g = self.bind_scoped()?;
+                // SAFETY: the context is current; DeviceInner destroys the stream before releasing it.
+                let raw = unsafe { drv::stream_create_non_blocking()? };
+                *side = Some(SideStream(raw));
+                raw
+            }
+        };
+        // SAFETY: the stream lives as long as `self.inner`, which the returned value holds (a Device clone).
+        Ok(unsafe { crate::stream::Stream::borrow_raw(self, raw as usize as u64) })
     }
 
     /// SMs this process's kernels may run on: the device's, or fewer under CUDA MPS with an active-thread

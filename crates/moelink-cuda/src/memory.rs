@@ -55,7 +55,7 @@ impl DeviceBuffer {
         let ptr = if len_bytes == 0 {
             0
         } else {
-            let stream = Stream::new(device)?;
+            let stream = device.side_stream()?;
             let _g = device.bind_scoped()?;
             // SAFETY: context current, live stream; freed exactly once in Drop. The stream is synchronised
             // so that any stream may use the memory on return.
@@ -124,7 +124,7 @@ impl DeviceBuffer {
         if dst.is_empty() {
             return Ok(());
         }
-        let stream = Stream::new(self.device())?;
+        let stream = self.device().side_stream()?;
         // SAFETY: `dst` is neither dropped nor read before the stream has run the copy (synchronised here).
         unsafe { self.copy_to_host_async(offset, dst, &stream)? };
         stream.synchronize()
@@ -132,7 +132,7 @@ impl DeviceBuffer {
 
     /// Copies `src` into the buffer at byte `offset`; returns when the data is in device memory.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        let stream = Stream::new(self.device())?;
+        let stream = self.device().side_stream()?;
         // SAFETY: `src` outlives the copy (synchronised here). Waiting for the stream also covers pageable
         // memory, where the call can return once the data is staged, before it is in device memory (seen on
         // 4xH200: a copy-engine read right after `from_host` saw stale bytes).
@@ -143,7 +143,7 @@ impl DeviceBuffer {
     /// Copies `bytes` from `src[src_offset..]` into `self[dst_offset..]` (same or peer device); returns when the
     /// copy is done.
     pub fn copy_from_device(&mut self, dst_offset: usize, src: &DeviceBuffer, src_offset: usize, bytes: usize) -> Result<()> {
-        let stream = Stream::new(self.device())?;
+        let stream = self.device().side_stream()?;
         self.copy_from_device_async(dst_offset, src, src_offset, bytes, &stream)?;
         stream.synchronize()
     }
@@ -196,7 +196,7 @@ impl DeviceBuffer {
 
     /// Sets every byte to `value` (completed before returning).
     pub fn memset_u8(&mut self, value: u8) -> Result<()> {
-        let stream = Stream::new(self.device())?;
+        let stream = self.device().side_stream()?;
         self.memset_u8_async(value, &stream)?;
         stream.synchronize()
     }
@@ -206,7 +206,7 @@ impl DeviceBuffer {
         if self.len % 4 != 0 {
             return Err(Error::invalid(format!("memset_u32 on a {}-byte buffer (not a multiple of 4)", self.len)));
         }
-        let stream = Stream::new(self.device())?;
+        let stream = self.device().side_stream()?;
         self.memset_u32_async(value, &stream)?;
         stream.synchronize()
     }
@@ -253,7 +253,7 @@ impl Drop for DeviceBuffer {
                         // that uses it.
                         let _ = unsafe { drv::mem_free(self.ptr) };
                     }
-                } else if let Ok(stream) = Stream::new(&device) {
+                } else if let Ok(stream) = device.side_stream() {
                     if let Ok(_g) = device.bind_scoped() {
                         // SAFETY: pool memory we allocated, freed once; no work uses it any more (the
                         // contract of `alloc`), so the free needs no ordering after other streams.
