@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 # NVRTC 13.0.88 from PyPI (the version the GPU machine's driver accepts CUBINs from) and cuobjdump for the
 # SASS checks: ci-nvrtc-env.sh installs them once and prints the export line that makes them visible (it
-# prints, it does not export: sourcing it instead left the compile check skipping itself until 2026-11-25).
+# prints, it does not export: sourced instead, it leaves the compile check skipping itself).
 eval "$(scripts/ci-nvrtc-env.sh)"
 export MOELINK_REQUIRE_NVRTC=1
 # ... and the nvshmem transport's kernels link against NVSHMEM's device library (ci-nvrtc-env.sh installs it).

@@ -45,9 +45,10 @@
 //              included), e' = ctrl.X_last_write[s] = the epoch of this rank's previous call into set s, and
 //              the blocks' shares summing to LL_ARRIVE_UNIT (ll_arrive_share), so that after call e the word
 //              holds LL_ARRIVE_UNIT * e whatever the grid, and only once every block added. No block waits
-//              for the others before its flags go out (until the sixth session the last block of a
-//              grid-wide counter published, ~1.3 us after the median block). A grid counter (local) still
-//              finds the last block, which stores the epoch words for the next launch.
+//              for the others before its flags go out (a last block of a grid-wide counter publishing for
+//              all goes out ~1.3 us after the median block: bench/results/2026-11-21-4xnvidia-h200-0a5e7b6).
+//              A grid counter (local) still finds the last block, which stores the epoch words for the next
+//              launch.
 //   recv:  lane p of warp 0 polls the sum of ctrl.X_arrive[s][p][*] >= LL_ARRIVE_UNIT * e (wrap-safe, relaxed .sys loads, deadline),
 //          then fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish
 //          stores e into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write
@@ -169,8 +170,9 @@ static_assert(sizeof(LlMeta) == 64, "LlMeta is one 64-byte line");
 
 // Arrival words (ll_send_arrive): a source's blocks add to LL_ARRIVE_LANES words per (set, source), block b
 // to word b % LL_ARRIVE_LANES, each word alone on its 128-byte line; the receiver sums them. With one word
-// per (set, source) and the sources' words on one line, the 4 x 132 remote reductions of a call met on one
-// line of every GPU and every block's stores were acknowledged ~1 us later (sixth session, runs 2-3).
+// per (set, source) and the sources' words on one line, the 4 x 132 remote reductions of a call meet on one
+// line of every GPU and every block's stores are acknowledged 0.7-0.8 us later (EP4, 128 tokens, 4xH200; the
+// A/B is in commit f055f94's message).
 constexpr u32 LL_ARRIVE_LANES = 8;
 struct LlArriveLine {
   u32 word;
@@ -325,11 +327,11 @@ __device__ __forceinline__ float bf16_hi(u32 w) { return bits_f32(w & 0xffff0000
 
 __device__ __forceinline__ u32 word_of(const u32x4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// Destination order of one rank's stores: me + 1, me + 2, ..., me (mod R). Every rank walking its
-// destinations from the lowest rank up sent the first wave of every SM of every GPU to rank 0, then to rank
-// 1, ...: one GPU's ingress saturated while the others idled (the LL send phases ran at ~200 GB/s, half the
-// all-to-all ceiling; MOELINK_LL_TRACE, run 2 of the fourth session). Starting after oneself spreads each wave
-// over all destinations.
+// Destination order of one rank's stores: me + 1, me + 2, ..., me (mod R). With every rank walking its
+// destinations from the lowest rank up, the first wave of every SM of every GPU goes to rank 0, then to rank
+// 1, ...: one GPU's ingress saturates while the others idle (the LL send phases ran at ~200 GB/s, half the
+// all-to-all ceiling; MOELINK_LL_TRACE, bench/results/2026-11-21-4xnvidia-h200-ll-trace). Starting after
+// oneself spreads each wave over all destinations.
 __device__ __forceinline__ u32 first_dest(u32 rank, u32 num_ranks) { return rank + 1 == num_ranks ? 0 : rank + 1; }
 
 // ============================================================================================ waits

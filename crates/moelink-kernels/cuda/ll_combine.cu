@@ -45,7 +45,8 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // A warp takes items first_warp + i * num_warps, COMBINE_ITEMS of them per round with every expert-row load
 // of the round in flight together: an item has only ~K/R rows here, so one item per round left each warp a
 // chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost;
-// with two items per round the send still took ~11 us without NVLink, run 2's local_stores experiment).
+// with two items per round the send still takes ~11 us without NVLink: MOELINK_LL_EXPERIMENT=local_stores,
+// bench/results/2026-11-21-4xnvidia-h200-ll-trace).
 // Returns whether this warp stored anything.
 constexpr u32 COMBINE_ITEMS = 3;
 // Expert rows loaded per item and batch (pre-reduced): with top-8 over 4 ranks an item has ~2.2 of them.

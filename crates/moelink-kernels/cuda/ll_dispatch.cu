@@ -17,9 +17,9 @@ __device__ __forceinline__ u32 rotate_ranks(u32 ranks, u32 by, u32 num_ranks) {
 // counts (tokens per local expert: shared-memory atomics over the live selections, sm.words cleared by
 // dispatch_send) into its receive region and the
 // metadata line (tokens, problems, signature) into its control area. The per-token routing travels with
-// the rows (dispatch_rows), so this block is never on the critical path (it used to build every
-// destination's entries and ended as late as the data: 10 us at 128 tokens, all of the critical path at
-// 1-16 tokens; run 11 of the fourth session).
+// the rows (dispatch_rows), so this block is never on the critical path (a block 0 that builds every
+// destination's entries ends as late as the data, 10 us at 128 tokens, and is all of the critical path at
+// 1-16 tokens: MOELINK_LL_TRACE, bench/results/2026-11-21-4xnvidia-h200-bf7279e).
 __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
   const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
@@ -77,7 +77,7 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
 // token (dispatch_recv). The rank is counted here, by the warp, over the earlier rows (`first`: rows 0 ..
 // 32 RANK_ROWS - 1, loaded with the item's payload; later passes load their own): no shared state, so no
 // block-wide step between the hand-back wait and the first stores (sender-side bitmaps built during that
-// wait delayed every block's stores by 0.8 us at 128 tokens: sixth session, run 1).
+// wait delay every block's stores by 0.8 us at 128 tokens on 4xH200; the A/B is in commit a40da02's message).
 __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t, u32 id, u32 wbits, bool local_stores, const PriorRows& first) {
   const u32 lane = lane_id();
   bool live = id != 0xffffffffu;
@@ -198,7 +198,8 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
   // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
   // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
   // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
-  // wait took 1.9 us instead of 1.0 and the warps issued their stores no earlier (runs 3-7).
+  // wait takes 1.9 us instead of 1.0 and the warps issue their stores no earlier (EP4, 4xH200, MOELINK_LL_TRACE;
+  // bench/results/2026-11-21-4xnvidia-h200-ll-trace, runs 3-7).
   if (blockIdx.x == 0) {
     for (u32 e = threadIdx.x; e < a.num_experts; e += LL_THREADS) sm.words[e] = 0;  // dispatch_check's counts
     if (warp_id() != 0) {
@@ -273,8 +274,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
   // Placement: the slot of (source p, token t) in expert el's rows is the tokens of el from the used
   // sources before p (bases, from the counts each source's block 0 wrote) plus t's rank among p's tokens of
-  // el (in its entry): rows in (source, token) order, no atomics, nothing rebuilt here (until the sixth
-  // session every block rebuilt per-source token bitmaps from all received ids: 1.7-1.9 us after the flags).
+  // el (in its entry): rows in (source, token) order, no atomics, nothing rebuilt here (rebuilding per-source
+  // token bitmaps from all received ids takes every block 1.7-1.9 us after the flags at EP4, 128 tokens:
+  // bench/results/2026-11-21-4xnvidia-h200-0a5e7b6).
   const u32 first_expert = a.rank * EL;
   u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
   dispatch_wait_sources(a, d, sm, epoch);
@@ -282,8 +284,8 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
 
   if (sm.abort == 0) {
     // Expansion (below): work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
-    // Each item's payload chunk, entry and weight are loaded one item ahead: a warp's items were a chain
-    // of L2 round trips (~3.4 items per warp at 128 tokens x 4 ranks); now the next item's loads fly during
+    // Each item's payload chunk, entry and weight are loaded one item ahead, so that a warp's items (~3.4
+    // per warp at 128 tokens x 4 ranks) are not a chain of L2 round trips: the next item's loads fly during
     // this one's stores, and the first item's during the count loads.
     const u32 lane = lane_id();
     const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;

@@ -497,8 +497,8 @@ pub const DEFAULT_RELEASE_BATCH: u32 = 4;
 /// combine: tokens): one, so that the last rows that land are copied by many warps, not a few (a receiver
 /// warp copies ~3.5 GB/s). Measured on 4xH200 (EP4, 4096 tokens, H 7168, 24 SMs, dynamic sender chunks;
 /// bench/results/2026-11-21-4xnvidia-h200-1a4aa1b/recvchunk): 1 / 2 / 4 items: BF16 dispatch 564 / 564 /
-/// 576 µs, FP8 341 / 342 / 347, combine 521 / 528 / 544; earlier (…-192c69d-chunks) 4 / 8 / 16 rows and
-/// contiguous parts: 596 / 605 / 619 / 663 µs BF16.
+/// 576 µs, FP8 341 / 342 / 347, combine 521 / 528 / 544; with fixed sender shares (…-192c69d-chunks) 4 / 8 /
+/// 16 rows and contiguous parts: 596 / 605 / 619 / 663 µs BF16.
 pub const DEFAULT_RECV_CHUNK: u32 = 1;
 
 impl HtDispatchVariant {

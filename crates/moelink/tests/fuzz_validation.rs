@@ -800,7 +800,7 @@ mod regressions {
 
     #[test]
     fn huge_sizes_are_argument_errors_not_allocations() {
-        // Each of these used to reach an allocation of terabytes (an abort), or an infinite loop.
+        // Unchecked, each of these reaches an allocation of terabytes (an abort), or an infinite loop.
         one_rank(
             |buf| {
                 let idx = Tensor::from_vec(vec![0i64, 1], &[1, 2])?;
@@ -910,7 +910,7 @@ mod regressions {
         // Empty tensors with a huge other dimension are fine (nothing to count or hold).
         assert_eq!(Tensor::zeros(DType::F32, &[usize::MAX, 0]).unwrap().numel(), 0);
         assert_eq!(Tensor::zeros(DType::F32, &[2, usize::MAX, 0]).unwrap().numel(), 0);
-        // ... and have a contiguity answer, not a panic (the expected strides past isize used to overflow).
+        // ... and have a contiguity answer, not a panic (the expected strides past isize must not overflow).
         let empty = Tensor::zeros(DType::I64, &[0, 8, 1 << 20, 1 << 40]).unwrap();
         let _ = empty.view().is_contiguous();
         let wide = Tensor::zeros(DType::F32, &[usize::MAX - 1, usize::MAX - 2, 0]).unwrap();

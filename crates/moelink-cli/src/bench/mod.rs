@@ -245,8 +245,8 @@ pub struct BenchArgs {
     pub plot_with: Vec<PathBuf>,
 }
 
-/// SMs of the HT kernels in `--suite` outside its SM sweep: DESIGN.md's target budget (and the CUDA
-/// backend's default on H200).
+/// SMs of the HT kernels in `--suite` outside its SM sweep: the SM budget of the HT targets (≤ 24 SMs,
+/// docs/perf-notes.md) and the CUDA backend's default on H200.
 pub const SUITE_SMS: usize = 24;
 /// `--suite`'s HT SM sweep.
 const SUITE_SM_SWEEP: [usize; 6] = [8, 16, 24, 32, 48, 64];

@@ -36,14 +36,16 @@ const _: () = assert!(kht::ctrl::BYTES <= ctrl::LL - ctrl::HT, "the HT control r
 
 // ------------------------------------------------------------------------------------------ SM budget
 
-/// Measured NVLink ingress ceiling per GPU in an all-to-all on 4xH200 (DESIGN.md §3), GB/s.
+/// Measured NVLink ingress ceiling per GPU in an all-to-all on 4xH200, GB/s: `moelink bench nvlink`, SM
+/// stores at 132 SMs (bench/results/2026-11-21-4xnvidia-h200-2d0b9a7/nvlink.json).
 const NVLINK_INGRESS_GBPS: f64 = 356.0;
-/// What one SM adds with 16-byte stores and 64 KiB of loads in flight (DESIGN.md §3), GB/s. The dispatch
+/// What one SM adds with 16-byte stores and 64 KiB of loads in flight, GB/s (no file in bench/results records
+/// this per-SM rate; the 8 SMs it implies reach 349 of the 356 GB/s in the all-to-all above). The dispatch
 /// sender reads a token once and stores it to every destination, so this bounds its loads; the receivers'
 /// copy-out and the combine senders move each byte once, so it bounds them directly.
 const SM_COPY_GBPS: f64 = 46.0;
-/// Headroom over the bandwidth quotient: all-to-all dips between 10 and 28 SMs (DESIGN.md §3), and the
-/// copy-out of the receivers competes with NVLink ingress for HBM.
+/// Headroom over the bandwidth quotient: all-to-all dips between 10 and 28 SMs (328–343 GB/s at 16–32 SMs in
+/// the same nvlink.json), and the copy-out of the receivers competes with NVLink ingress for HBM.
 const SM_HEADROOM: f64 = 1.5;
 
 /// SMs a high-throughput kernel uses by default: senders to keep NVLink ingress busy
@@ -73,7 +75,7 @@ fn default_send_blocks(num_sms: usize) -> usize {
 
 /// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides, clamped to `[1, num_sms - 1]`): the link
 /// SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and more
-/// sender SMs land in the all-to-all dip between 10 and 28 SMs (DESIGN.md §3): measured on 4xH200 (EP4,
+/// sender SMs land in the all-to-all dip between 10 and 28 SMs (`SM_HEADROOM`): measured on 4xH200 (EP4,
 /// 4096 tokens, H 7168, BF16 dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643;
 /// 48 SMs 8/16: 585/597; 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps,
 /// -run23). The receivers copy this rank's own rows and the arriving rows out.
