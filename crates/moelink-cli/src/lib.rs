@@ -6,7 +6,7 @@
 //! - [`info`] — `moelink info`.
 //! - [`record`] — one measurement as written to `--json FILE`.
 //! - [`sys`] — what machine and code a result comes from.
-//! - [`env`] — the environment variables the command reads, turned into typed options at start-up.
+//! - [`env`](mod@env) — the environment variables the command reads, turned into typed options at start-up.
 //!
 //! The stress tools (`moelink-stress soak`, `moelink-stress chaos`) live in the `moelink-stress` crate, on
 //! this library.

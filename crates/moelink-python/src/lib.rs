@@ -4,7 +4,7 @@
 //! strides in elements, device index or -1 for CPU)` tuples, allocates every output with torch and hands
 //! raw stream handles over as integers; this module turns them into [`moelink::TensorRef`]s, runs the
 //! Rust call with the GIL released, and turns [`moelink::Error`]s into Python exceptions that name the
-//! argument. The process group is a Python object (see [`group::PyGroup`]).
+//! argument. The process group is a Python object (see `group::PyGroup`).
 //!
 //! The two-phase shape of the Rust API is kept: `prepare_dispatch` returns the sizes, Python allocates,
 //! `dispatch_into` moves the data.

@@ -1164,7 +1164,7 @@ fn series(rank: Option<usize>, v: &[Sample]) -> Option<MemSeries> {
     })
 }
 
-/// Per family over all ranks: the ranks' [`FamilyCount`]s merged by [`FamilySummary::add_rank`] (JSON: the
+/// Per family over all ranks: the ranks' [`FamilyCount`]s merged by `FamilySummary::add_rank` (JSON: the
 /// family, then the counts' fields).
 #[derive(Clone, Debug, Serialize)]
 pub struct FamilySummary {

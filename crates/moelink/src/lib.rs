@@ -5,7 +5,7 @@
 //! high-throughput form for training/prefill and a low-latency form for decoding.
 //!
 //! Layers: [`moelink_cuda`] (the only `unsafe` CUDA code) → this crate's validating core ([`ht`], [`ll`],
-//! [`validate`](crate::validate)) → [`Buffer`], the safe public API, running on a backend: `host` (CPU
+//! `validate`) → [`Buffer`], the safe public API, running on a backend: `host` (CPU
 //! threads, the reference every GPU kernel is tested against) or `cuda`.
 //!
 //! ```

@@ -1,6 +1,6 @@
 //! Diagnostics of the RDMA transport seam on this machine's GPUs: the conformance check ([`check`]: every
 //! byte of random messages between random peers on random QPs arrives before its signal) and the
-//! micro-benchmark ([`bench`]: put+signal latency, put / put+signal bandwidth). Both are collective and run
+//! micro-benchmark ([`bench()`]: put+signal latency, put / put+signal bandwidth). Both are collective and run
 //! the kernels of `moelink-kernels/cuda/transport.cu` on a fresh RDMA domain; `moelink selftest` and
 //! `moelink bench transport` call them, as do the GPU tests.
 //!
@@ -212,7 +212,7 @@ pub fn check(group: &dyn Group, device: usize, o: &CheckOptions) -> Result<Check
     probe.finish(group, body)
 }
 
-/// What [`bench`] measures.
+/// What [`bench()`] measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BenchMode {
     /// put_signal ping-pong between ranks `r` and `r ^ 1`; reports one-way latency.
@@ -221,7 +221,7 @@ pub enum BenchMode {
     Bandwidth,
 }
 
-/// What [`bench`] runs.
+/// What [`bench()`] runs.
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
     /// The transport and its settings.
@@ -261,7 +261,7 @@ impl Default for BenchOptions {
     }
 }
 
-/// One measured point of [`bench`] (the slowest rank's median).
+/// One measured point of [`bench()`] (the slowest rank's median).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchPoint {
     /// Message size, bytes.
