@@ -51,6 +51,7 @@ fn main() -> ExitCode {
         Cmd::Bench(b) => match &b.probe {
             Some(bench::BenchSub::Nvlink(a)) => bench::nvlink::run(a),
             Some(bench::BenchSub::Transport(a)) => bench::transport::run(a),
+            Some(bench::BenchSub::Bytes(a)) => bench::bytes::run(a),
             None => bench::run(&b.args),
         },
         Cmd::Selftest(a) => selftest::run(a),

@@ -13,6 +13,10 @@ pub enum RouteKind {
     WithHoles,
     /// Uniform over the experts of every rank but this one, which receives nothing.
     EmptyRank(usize),
+    /// DeepSeek-V3's group-limited gating with one group per node: the experts split into `nodes` equal
+    /// groups, each scored by the sum of its two best experts' scores; a token picks its top k experts among
+    /// the `max_nodes` best groups only, so it reaches at most `max_nodes` nodes.
+    NodeLimited { nodes: usize, max_nodes: usize },
 }
 
 impl RouteKind {
@@ -33,6 +37,7 @@ impl RouteKind {
             RouteKind::Skewed => "skewed",
             RouteKind::WithHoles => "holes",
             RouteKind::EmptyRank(_) => "empty-rank",
+            RouteKind::NodeLimited { .. } => "node-limited",
         }
     }
 
@@ -43,6 +48,7 @@ impl RouteKind {
             RouteKind::Skewed => 1,
             RouteKind::WithHoles => 2,
             RouteKind::EmptyRank(_) => 3,
+            RouteKind::NodeLimited { .. } => 4,
         }
     }
 }
@@ -60,6 +66,7 @@ pub fn route(rng: &mut Rng, kind: RouteKind, tokens: usize, topk: usize, experts
         match kind {
             RouteKind::Skewed if rng.uniform() < 0.9 => scores.iter_mut().filter(|(_, e)| *e < topk).for_each(|(s, _)| *s += 100.0),
             RouteKind::EmptyRank(r) => scores.iter_mut().filter(|(_, e)| *e / per_rank == r).for_each(|(s, _)| *s = -1.0),
+            RouteKind::NodeLimited { nodes, max_nodes } if nodes > max_nodes => limit_to_best_groups(&mut scores, nodes, max_nodes),
             _ => {}
         }
         // Only the top k are needed: partition, then order those k.
@@ -76,6 +83,41 @@ pub fn route(rng: &mut Rng, kind: RouteKind, tokens: usize, topk: usize, experts
         out.extend(std::iter::repeat_n(-1, topk.saturating_sub(experts)));
     }
     out
+}
+
+/// Scores of every group but the `max_groups` best (by the sum of each group's two best scores, ties by
+/// group id) drop below every live score, so that the top k come from those groups while they have k experts.
+/// Experts past `groups` equal groups (a remainder) belong to no group and drop too.
+fn limit_to_best_groups(scores: &mut [(f64, usize)], groups: usize, max_groups: usize) {
+    let per_group = scores.len() / groups.max(1);
+    if per_group == 0 {
+        return;
+    }
+    let mut group_scores: Vec<(f64, usize)> = (0..groups)
+        .map(|g| {
+            let mut best = [f64::NEG_INFINITY; 2];
+            for &(s, _) in &scores[g * per_group..(g + 1) * per_group] {
+                if s > best[0] {
+                    best = [s, best[0]];
+                } else if s > best[1] {
+                    best[1] = s;
+                }
+            }
+            (best[0] + best[1].max(0.0), g)
+        })
+        .collect();
+    group_scores.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut chosen = vec![false; groups];
+    for &(_, g) in &group_scores[..max_groups.min(groups)] {
+        chosen[g] = true;
+    }
+    for (s, e) in scores.iter_mut() {
+        if !chosen.get(*e / per_group).copied().unwrap_or(false) {
+            // Below every live score (those are >= 1) but above a masked slot's -1: picked only when the
+            // chosen groups have fewer than k experts, and then turned into -1 like any negative score.
+            *s = -0.5;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -106,6 +148,35 @@ mod tests {
         }
         // Fewer experts than k: the rest is -1.
         assert_eq!(route(&mut r, RouteKind::Uniform, 1, 4, 2, 2).iter().filter(|&&e| e == -1).count(), 2);
+    }
+
+    #[test]
+    fn node_limited_tokens_reach_at_most_max_nodes() {
+        let mut rng = Rng::new(11);
+        // 256 experts on 8 nodes (32 per node), top-8 within at most 4 nodes: DeepSeek-V3's gating.
+        let kind = RouteKind::NodeLimited { nodes: 8, max_nodes: 4 };
+        let idx = route(&mut rng, kind, 300, 8, 256, 64);
+        let mut reached = [0usize; 9];
+        for row in idx.chunks(8) {
+            assert!(row.iter().all(|&e| (0..256).contains(&e)), "{row:?}");
+            let mut nodes: Vec<i64> = row.iter().map(|&e| e / 32).collect();
+            nodes.sort();
+            nodes.dedup();
+            assert!(nodes.len() <= 4, "{row:?}");
+            reached[nodes.len()] += 1;
+        }
+        // Mostly 3 or 4 nodes (the best groups hold most of a token's best experts), never all 8.
+        assert!(reached[3] + reached[4] > 200, "{reached:?}");
+        // Groups that cannot hold k experts: the rest of the slots are -1, never an expert elsewhere.
+        let few = route(&mut rng, RouteKind::NodeLimited { nodes: 4, max_nodes: 1 }, 20, 8, 16, 4);
+        for row in few.chunks(8) {
+            let live: Vec<i64> = row.iter().copied().filter(|&e| e >= 0).collect();
+            assert_eq!(live.len(), 4, "{row:?}");
+            assert!(live.iter().all(|&e| e / 4 == live[0] / 4), "{row:?}");
+        }
+        // As many groups allowed as there are: plain uniform routing.
+        let all = route(&mut Rng::new(2), RouteKind::NodeLimited { nodes: 2, max_nodes: 4 }, 5, 4, 16, 2);
+        assert_eq!(all, route(&mut Rng::new(2), RouteKind::Uniform, 5, 4, 16, 2));
     }
 
     #[test]

@@ -25,6 +25,7 @@
 //! The reported time is the median over repetitions of the slowest rank: per repetition the largest time of
 //! any rank, then the median of those.
 
+pub mod bytes;
 mod ht;
 mod ll;
 pub mod nvlink;
@@ -66,6 +67,9 @@ pub enum BenchSub {
     /// The RDMA transport seam: put+signal latency and put bandwidth per backend (ptr, emu-nic, nvshmem),
     /// message size and QP count, each after a conformance check (not network figures without a NIC).
     Transport(transport::TransportArgs),
+    /// The byte model across nodes, from routing alone: RDMA and NVLink bytes per rank for the
+    /// high-throughput (hierarchical) and low-latency designs, and the busiest NIC's floor (computed, no GPU).
+    Bytes(bytes::BytesArgs),
 }
 
 /// How the bench's tokens pick experts (`--routing`).
@@ -75,18 +79,22 @@ pub enum RoutingKind {
     Uniform,
     /// 90% of tokens pick experts 0..k: the first rank receives nearly everything.
     Skewed,
+    /// With --topology across nodes: DeepSeek-V3's group-limited gating, each token's experts on at most
+    /// --max-nodes nodes.
+    NodeLimited,
 }
 
 impl RoutingKind {
     /// Name used in tables and JSON.
     pub fn name(self) -> &'static str {
-        self.kind().name()
+        self.kind(1, 1).name()
     }
-    /// The generator's routing.
-    pub fn kind(self) -> RouteKind {
+    /// The generator's routing on `nodes` nodes (node-limited: at most `max_nodes` of them per token).
+    pub fn kind(self, nodes: usize, max_nodes: usize) -> RouteKind {
         match self {
             RoutingKind::Uniform => RouteKind::Uniform,
             RoutingKind::Skewed => RouteKind::Skewed,
+            RoutingKind::NodeLimited => RouteKind::NodeLimited { nodes, max_nodes },
         }
     }
 }
@@ -223,6 +231,9 @@ pub struct BenchArgs {
     /// sends over each path (`rdma_bytes`, `nvlink_bytes`: the byte model of docs/internode.md).
     #[arg(long, value_name = "NODESxRANKS")]
     pub topology: Option<String>,
+    /// With --routing node-limited: the most nodes a token's experts may be on (DeepSeek-V3: 4).
+    #[arg(long, default_value_t = 4)]
+    pub max_nodes: usize,
     /// With --topology: the RDMA transport between nodes, ptr or emu-nic (nvshmem needs one process per
     /// rank; the bench runs its ranks as threads).
     #[arg(long, default_value = "ptr")]
@@ -526,6 +537,12 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
         return Err(CliError("--ranks must be at least 1".into()));
     }
     let internode = internode_plan(a, ranks)?;
+    if a.routing.contains(&RoutingKind::NodeLimited) && internode.is_none() {
+        return Err(CliError("--routing node-limited needs --topology across nodes (e.g. 2x2)".into()));
+    }
+    if a.max_nodes == 0 {
+        return Err(CliError("--max-nodes must be at least 1".into()));
+    }
     // With --topology (virtual nodes) ranks may share GPUs; otherwise one rank per GPU.
     let gpus_shared_by = (backend == BackendKind::Cuda && gpus > 0 && ranks > gpus).then(|| ranks.div_ceil(gpus));
     if gpus_shared_by.is_some() && a.topology.is_none() {
@@ -897,7 +914,8 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         let what = format!("{} {} tokens {}", batch.mode.name(), batch.shape.tokens, batch.routing.name());
         progress.set_message(format!("{what}: inputs"));
         let want_fp8_payload = batch.mode == Mode::Ht && batch.dtypes.contains(&Dtype::Fp8);
-        let inputs = Inputs::generate(batch.shape, batch.routing.kind(), a.seed, want_fp8_payload);
+        let nodes = p.internode.as_ref().map_or(1, |(t, _)| t.num_nodes);
+        let inputs = Inputs::generate(batch.shape, batch.routing.kind(nodes, a.max_nodes), a.seed, want_fp8_payload);
         progress.set_message(what.clone());
         let job = Job {
             inputs: &inputs,
@@ -1056,6 +1074,9 @@ fn summarize(
             rec.topk = Some(s.topk);
             rec.experts = Some(s.experts);
             rec.routing = Some(c.routing.name().into());
+            if c.routing == RoutingKind::NodeLimited {
+                rec.extra.insert("max_nodes".into(), serde_json::json!(a.max_nodes));
+            }
             rec.num_sms = c.num_sms;
             if let Some((topology, rdma)) = &p.internode {
                 rec.nodes = Some(topology.num_nodes);
@@ -1163,8 +1184,20 @@ fn summarize(
 /// busiest rank's RDMA bytes would take on one 400 Gb/s NIC.
 fn render_paths(records: &[Record]) -> String {
     let mut t = Table::new(
-        &["op", "dtype", "tokens", "nodes", "transport", "RDMA KB/rank", "max", "NVLink KB/rank", "400G floor µs", "measured µs"],
-        &[false, false, true, false, false, true, true, true, true, true],
+        &[
+            "op",
+            "dtype",
+            "tokens",
+            "routing",
+            "nodes",
+            "transport",
+            "RDMA KB/rank",
+            "max",
+            "NVLink KB/rank",
+            "400G floor µs",
+            "measured µs",
+        ],
+        &[false, false, true, false, false, false, true, true, true, true, true],
     );
     for r in records {
         let f = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
@@ -1173,6 +1206,7 @@ fn render_paths(records: &[Record]) -> String {
             r.op.clone(),
             r.dtype.clone().unwrap_or_else(|| "-".into()),
             r.tokens.map_or("-".into(), |n| n.to_string()),
+            r.routing.clone().unwrap_or_else(|| "-".into()),
             format!("{}x{}", r.nodes.unwrap_or(1), r.ranks_per_node.unwrap_or(r.ranks)),
             r.transport.clone().unwrap_or_else(|| "-".into()),
             kb("rdma_bytes"),
@@ -1456,6 +1490,7 @@ mod tests {
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "nvshmem"][..], "one process per rank"),
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "tcp"][..], "--transport"),
             (&["--mode", "ll", "--no-nvlink-in-node"][..], "--topology"),
+            (&["--mode", "ll", "--routing", "node-limited"][..], "--topology across nodes"),
         ] {
             let e = plan(&args(flags)).err().expect("refused").0;
             assert!(e.contains(says), "{flags:?}: {e}");
