@@ -16,7 +16,8 @@
 #           of each family checked bit for bit against the host backend, memory sampled, stopping at the
 #           time left (at most SOAK_S seconds) with honest counts.
 #
-# Knobs: STEPS="chaos poison soak", BUDGET_S, SOAK_S (default 200), SOAK_ROUNDS, SOAK_ARGS, VICTIM,
+# Knobs: STEPS="chaos poison soak", RANKS (chaos processes, default one per GPU; more share the GPUs under
+# MPS), BUDGET_S, SOAK_S (default 200), SOAK_ROUNDS, SOAK_ARGS, VICTIM,
 # CHAOS_TIMEOUT_MS (the buffers' deadline, default 3000), CHAOS_RUNS (default
 # "ht-dispatch ht-combine ll-dispatch ll-combine ll-dispatch:shrink ll-combine:shrink"), CHAOS_ARGS (extra
 # options; `--backend host` checks this script's plumbing on a machine without GPU: NGPU=4 STEPS=chaos).
@@ -50,6 +51,9 @@ MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
 export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
+# Chaos processes: one per GPU, or RANKS of them sharing the GPUs (rank r on GPU r mod NGPU) under CUDA MPS,
+# started here as an ordinary daemon (pipe and log under /tmp, compute mode untouched) and quit after.
+RANKS=${RANKS:-$NGPU}
 
 STEPS=${STEPS:-"chaos poison soak"}
 BUDGET_S=${BUDGET_S:-360}
@@ -67,7 +71,7 @@ CHAOS_LOG=$OUT/reliability-log.txt
     echo "== date"; date -u +%Y-%m-%dT%H:%M:%SZ
     echo "== host"; hostname; uname -srm
     echo "== manifest"; cat "$DEV/manifest.txt"
-    echo "== settings"; echo "STEPS=$STEPS NGPU=$NGPU BUDGET_S=$BUDGET_S SOAK_S=$SOAK_S SOAK_ROUNDS=$SOAK_ROUNDS VICTIM=$VICTIM CHAOS_TIMEOUT_MS=$CHAOS_TIMEOUT_MS"
+    echo "== settings"; echo "STEPS=$STEPS NGPU=$NGPU RANKS=$RANKS BUDGET_S=$BUDGET_S SOAK_S=$SOAK_S SOAK_ROUNDS=$SOAK_ROUNDS VICTIM=$VICTIM CHAOS_TIMEOUT_MS=$CHAOS_TIMEOUT_MS"
     echo "CHAOS_RUNS=$CHAOS_RUNS CHAOS_ARGS=$CHAOS_ARGS SOAK_ARGS=$SOAK_ARGS"
     echo "== nvidia-smi"; nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv
     echo "== ulimit -c"; ulimit -c
@@ -77,7 +81,7 @@ elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( BUDGET_S - $(elapsed) )); }
 declare -a ROWS=()
 
-# One chaos run: NGPU processes with torchrun's variables, each under its own timeout; the victim's exit
+# One chaos run: RANKS processes with torchrun's variables, each under its own timeout; the victim's exit
 # status is 137 (SIGKILL), the survivors' 0 when their checks passed.
 chaos_run() {
     local idx=$1 spec=$2 phase=${2%%:*} extra="" port=$((29400 + 20 * $1)) t=45 r
@@ -86,19 +90,19 @@ chaos_run() {
     local -a pids=()
     echo "===== $tag (victim $VICTIM, deadline ${CHAOS_TIMEOUT_MS} ms, port $port)" | tee -a "$CHAOS_LOG"
     local t0; t0=$(date +%s%N)
-    for ((r = 0; r < NGPU; r++)); do
-        RANK=$r WORLD_SIZE=$NGPU LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port MOELINK_GROUP_TIMEOUT_MS=60000 \
+    for ((r = 0; r < RANKS; r++)); do
+        RANK=$r WORLD_SIZE=$RANKS LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port MOELINK_GROUP_TIMEOUT_MS=60000 \
             timeout --kill-after=5 "$t" "$STRESS" chaos --phase "$phase" --victim "$VICTIM" --timeout-ms "$CHAOS_TIMEOUT_MS" \
             --seed $((idx + 1)) $extra $CHAOS_ARGS >"/tmp/$tag-r$r.log" 2>&1 &
         pids[r]=$!
     done
     local rcs=""
-    for ((r = 0; r < NGPU; r++)); do
+    for ((r = 0; r < RANKS; r++)); do
         wait "${pids[r]}"
         rcs="$rcs $?"
     done
     local secs=$(( ($(date +%s%N) - t0) / 1000000 ))
-    for ((r = 0; r < NGPU; r++)); do
+    for ((r = 0; r < RANKS; r++)); do
         sed "s/^/[$tag r$r] /" "/tmp/$tag-r$r.log" >>"$CHAOS_LOG"
     done
     echo "RUN $tag phase=$phase shrink=${extra:+1} victim=$VICTIM rcs=${rcs# } wall_ms=$secs" | tee -a "$CHAOS_LOG"
@@ -106,9 +110,15 @@ chaos_run() {
 
 step_chaos() {
     local i=0 spec
-    if [ "$NGPU" -lt 2 ] || [ "$VICTIM" -ge "$NGPU" ]; then
-        echo "chaos needs at least 2 GPUs and VICTIM < NGPU ($NGPU GPUs)" | tee -a "$CHAOS_LOG"
+    if [ "$RANKS" -lt 2 ] || [ "$VICTIM" -ge "$RANKS" ]; then
+        echo "chaos needs at least 2 ranks and VICTIM < RANKS ($RANKS ranks on $NGPU GPUs)" | tee -a "$CHAOS_LOG"
         return 1
+    fi
+    local mps=0
+    if [ "$RANKS" -gt "$NGPU" ] && [ "${CHAOS_ARGS#*--backend host}" = "$CHAOS_ARGS" ]; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && mps=1 && echo "MPS daemon started ($RANKS ranks on $NGPU GPUs)" | tee -a "$CHAOS_LOG"
     fi
     for spec in $CHAOS_RUNS; do
         if [ "$(left)" -lt 60 ]; then
@@ -118,6 +128,7 @@ step_chaos() {
         fi
         i=$((i + 1))
     done
+    if [ "$mps" = 1 ]; then echo quit | nvidia-cuda-mps-control; echo "MPS daemon quit" | tee -a "$CHAOS_LOG"; fi
 }
 
 step_poison() {

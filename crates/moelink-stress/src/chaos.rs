@@ -125,6 +125,37 @@ pub struct ChaosArgs {
     /// Backend: cuda (default) or host (harness check without a GPU; no shrink mode).
     #[arg(long, value_enum, default_value_t = ChaosBackend::Cuda)]
     pub backend: ChaosBackend,
+    /// The ranks as NODESxRANKS_PER_NODE (virtual nodes on one host, e.g. 2x2): the victim dies in a
+    /// low-latency call across nodes. The survivors' rebuilt buffer spans one node.
+    #[arg(long, value_name = "NODESxRANKS")]
+    pub topology: Option<String>,
+    /// With --topology: the RDMA transport between nodes, ptr, emu-nic or nvshmem.
+    #[arg(long, default_value = "emu-nic")]
+    pub transport: String,
+}
+
+/// The topology and RDMA settings of `--topology` / `--transport` for `world` ranks; `None` on one node.
+fn chaos_topology(a: &ChaosArgs, world: usize) -> std::result::Result<Option<(moelink::Topology, moelink::RdmaOptions)>, CliError> {
+    let Some(spec) = &a.topology else { return Ok(None) };
+    let topology = spec.parse::<moelink::Topology>().map_err(|e| CliError(format!("--topology: {e}")))?;
+    if topology.num_ranks() != world {
+        return Err(CliError(format!("--topology {topology} is {} ranks, not WORLD_SIZE {world}", topology.num_ranks())));
+    }
+    if !topology.is_internode() {
+        return Ok(None);
+    }
+    if !a.phase.is_ll() {
+        return Err(CliError(format!("--topology {topology}: across nodes only the low-latency phases run (ll-dispatch, ll-combine)")));
+    }
+    let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
+    let rdma = moelink::RdmaOptions {
+        transport,
+        // NVSHMEM's installation and the CUDA headers, as `moelink bench transport` finds them.
+        nvshmem_home: std::env::var_os("NVSHMEM_HOME").map(std::path::PathBuf::from),
+        cuda_home: std::env::var_os("CUDA_HOME").map(std::path::PathBuf::from),
+        ..Default::default()
+    };
+    Ok(Some((topology, rdma)))
 }
 
 /// Problem size of the loop (small: the point is the failure, not the bandwidth).
@@ -434,6 +465,9 @@ fn die(rank: usize, phase: ChaosPhase, iteration: usize, seed: u64) -> ! {
 struct Report {
     rank: usize,
     world: usize,
+    /// Nodes of the buffer the victim dies in (virtual nodes with --topology), and their RDMA transport.
+    nodes: usize,
+    transport: Option<String>,
     victim: usize,
     phase: String,
     shrink: bool,
@@ -502,6 +536,7 @@ pub fn run(a: &ChaosArgs) -> std::result::Result<(), CliError> {
     if world < 2 || a.victim >= world {
         return Err(CliError(format!("--victim {} needs a group of at least 2 ranks containing it (WORLD_SIZE {world})", a.victim)));
     }
+    let internode = chaos_topology(a, world)?;
     let g = TcpGroup::connect(&cfg.addr, cfg.port, me, world, cfg.local_rank, cfg.timeout)
         .map_err(|e| CliError(format!("cannot join the process group: {e}")))?;
     let kill_at = kill_iteration(a);
@@ -514,9 +549,11 @@ pub fn run(a: &ChaosArgs) -> std::result::Result<(), CliError> {
         backend: format!("{:?}", a.backend).to_lowercase(),
         timeout_ms: a.timeout_ms,
         kill_at,
+        nodes: internode.as_ref().map_or(1, |(t, _)| t.num_nodes),
+        transport: internode.as_ref().map(|(_, r)| r.transport.name().to_string()),
         ..Default::default()
     };
-    let outcome = survive(a, g, &cfg, kill_at, &mut rep);
+    let outcome = survive(a, g, &cfg, internode, kill_at, &mut rep);
     if let Err(e) = outcome {
         rep.reasons.push(format!("harness error: {e}"));
     }
@@ -531,7 +568,14 @@ pub fn run(a: &ChaosArgs) -> std::result::Result<(), CliError> {
 }
 
 /// Everything after the rendezvous. Returns only on survivors (the victim dies inside).
-fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at: usize, rep: &mut Report) -> Result<()> {
+fn survive(
+    a: &ChaosArgs,
+    g: TcpGroup,
+    cfg: &moelink::group::TcpConfig,
+    internode: Option<(moelink::Topology, moelink::RdmaOptions)>,
+    kill_at: usize,
+    rep: &mut Report,
+) -> Result<()> {
     let (me, world, ll) = (g.rank(), g.size(), a.phase.is_ll());
     let sh = Shape::new(world, ll);
     let backend = match a.backend {
@@ -545,6 +589,8 @@ fn survive(a: &ChaosArgs, g: TcpGroup, cfg: &moelink::group::TcpConfig, kill_at:
         low_latency_mode: true,
         timeout_ms: a.timeout_ms,
         enable_shrink: a.shrink,
+        topology: internode.as_ref().map(|(t, _)| *t),
+        rdma: internode.map(|(_, r)| r).unwrap_or_default(),
         ..moelink_cli::env::buffer_options()
     };
     let group: Arc<dyn Group> = Arc::new(g);
@@ -772,11 +818,43 @@ mod tests {
             limit_s: 60.0,
             seed: 7,
             backend: ChaosBackend::Host,
+            topology: None,
+            transport: "emu-nic".into(),
         };
         let k = kill_iteration(&a);
         assert_eq!(k, kill_iteration(&a));
         assert!((24..60).contains(&k), "{k}");
         assert_eq!(kill_iteration(&ChaosArgs { kill_at: Some(5), ..a }), 5);
+    }
+
+    #[test]
+    fn virtual_nodes_take_the_low_latency_phases_only() {
+        let a = ChaosArgs {
+            phase: ChaosPhase::LlCombine,
+            victim: 3,
+            shrink: true,
+            timeout_ms: 3000,
+            iterations: 120,
+            kill_at: None,
+            recover_port: None,
+            verify_rounds: 3,
+            limit_s: 60.0,
+            seed: 7,
+            backend: ChaosBackend::Cuda,
+            topology: Some("2x2".into()),
+            transport: "ptr".into(),
+        };
+        let (t, rdma) = chaos_topology(&a, 4).unwrap().expect("2x2 spans nodes");
+        assert_eq!((t.num_nodes, rdma.transport.name()), (2, "ptr"));
+        assert!(chaos_topology(&ChaosArgs { topology: Some("1x4".into()), ..a.clone() }, 4).unwrap().is_none());
+        for (b, says) in [
+            (ChaosArgs { phase: ChaosPhase::HtDispatch, ..a.clone() }, "low-latency"),
+            (ChaosArgs { topology: Some("3x2".into()), ..a.clone() }, "WORLD_SIZE"),
+            (ChaosArgs { transport: "tcp".into(), ..a.clone() }, "--transport"),
+        ] {
+            let e = chaos_topology(&b, 4).err().expect("refused").0;
+            assert!(e.contains(says), "{e}");
+        }
     }
 
     #[test]
