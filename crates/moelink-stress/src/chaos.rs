@@ -852,7 +852,7 @@ mod tests {
             (ChaosArgs { topology: Some("3x2".into()), ..a.clone() }, "WORLD_SIZE"),
             (ChaosArgs { transport: "tcp".into(), ..a.clone() }, "--transport"),
         ] {
-            let e = chaos_topology(&b, 4).err().expect("refused").0;
+            let e = chaos_topology(&b, 4).expect_err("refused").0;
             assert!(e.contains(says), "{e}");
         }
     }
