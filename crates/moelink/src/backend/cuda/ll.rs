@@ -63,7 +63,7 @@ pub(super) enum Drain {
 
 /// Per-buffer low-latency state.
 pub(crate) struct LlState {
-    enable_shrink: bool,
+    pub(super) enable_shrink: bool,
     /// What the kernels report (argument problems, signature mismatches), host-mapped.
     pub(super) report: HostMapped<LlReport>,
     /// Calls issued so far; the buffer set of the next call is `calls & 1`.

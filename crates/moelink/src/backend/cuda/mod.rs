@@ -580,7 +580,9 @@ impl CudaBackend {
 /// - if the buffer was poisoned (a collective failed), a peer may still be inside that collective, or start a
 ///   later one, and write into this rank's symmetric memory: that memory (and the mappings of the peers'
 ///   memory) is leaked — the price of rebuilding after a failure, instead of a peer's late store landing in
-///   someone else's allocation.
+///   someone else's allocation;
+/// - across nodes in shrink mode with a rank masked, the RDMA domain's memory is leaked too: freeing it is
+///   collective, and the masked rank may never take part.
 ///
 /// A healthy buffer's memory is freed. Peers of a healthy buffer may still publish the last call's hand-back
 /// flags into it for a few microseconds after this rank's call returned: drop buffers collectively, after a
@@ -596,6 +598,11 @@ impl Drop for CudaBackend {
             }
             return;
         }
+        // A rank masked in shrink mode (dead, or too slow) will not join the RDMA domain's collective free
+        // (NVSHMEM's free waits for every PE): its memory is kept, as after a failure. Unreadable masks
+        // count as masked.
+        let rank_masked =
+            self.internode.is_some() && self.ll.enable_shrink && ll_internode::mask(self).map_or(true, |m| m.iter().any(|&x| x));
         // SAFETY: every ManuallyDrop field is dropped at most once, here, and `self` is not used afterwards;
         // the kernels that wrote them have finished (`wait_idle`).
         unsafe {
@@ -608,7 +615,7 @@ impl Drop for CudaBackend {
             }
         }
         if let Some(i) = self.internode.take() {
-            if self.poisoned {
+            if self.poisoned || rank_masked {
                 i.leak();
             }
         }
