@@ -804,9 +804,9 @@ fn rebuild(a: &ChaosArgs, cfg: &moelink::group::TcpConfig, backend: BackendKind,
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_kill_iteration_is_agreed_and_in_range() {
-        let a = ChaosArgs {
+    /// The options of a 4-rank run that kills rank 3 in an LL dispatch on the host backend.
+    fn args() -> ChaosArgs {
+        ChaosArgs {
             phase: ChaosPhase::LlDispatch,
             victim: 3,
             shrink: false,
@@ -820,7 +820,12 @@ mod tests {
             backend: ChaosBackend::Host,
             topology: None,
             transport: "emu-nic".into(),
-        };
+        }
+    }
+
+    #[test]
+    fn the_kill_iteration_is_agreed_and_in_range() {
+        let a = args();
         let k = kill_iteration(&a);
         assert_eq!(k, kill_iteration(&a));
         assert!((24..60).contains(&k), "{k}");
@@ -831,18 +836,11 @@ mod tests {
     fn virtual_nodes_take_the_low_latency_phases_only() {
         let a = ChaosArgs {
             phase: ChaosPhase::LlCombine,
-            victim: 3,
             shrink: true,
-            timeout_ms: 3000,
-            iterations: 120,
-            kill_at: None,
-            recover_port: None,
-            verify_rounds: 3,
-            limit_s: 60.0,
-            seed: 7,
             backend: ChaosBackend::Cuda,
             topology: Some("2x2".into()),
             transport: "ptr".into(),
+            ..args()
         };
         let (t, rdma) = chaos_topology(&a, 4).unwrap().expect("2x2 spans nodes");
         assert_eq!((t.num_nodes, rdma.transport.name()), (2, "ptr"));

@@ -180,29 +180,22 @@ fn lines(a: &BytesArgs, ht: &Counts, ll: &Counts) -> Vec<Line> {
         nic_recv_max: row * max(if combine { &ht.ht_nic_send } else { &ht.ht_nic_recv }),
         nvl_bytes: mean(&ht.ht_recv_rows) * row as f64,
     };
-    let msg = moelink::internode::ll_message_bytes(h, a.topk, true);
+    // LL combine returns one bf16 row per dispatch message, so it runs the counts backwards too.
+    let ll_line = |op, dtype, unit: usize, combine: bool| Line {
+        op,
+        dtype,
+        tokens: a.ll_tokens,
+        rdma_bytes: None,
+        nic_send_max: unit * max(if combine { &ll.ll_nic_recv } else { &ll.ll_nic_send }),
+        nic_recv_max: unit * max(if combine { &ll.ll_nic_send } else { &ll.ll_nic_recv }),
+        nvl_bytes: mean(&ll.ll_nvl_send) * unit as f64,
+    };
     vec![
         ht_line("dispatch", "bf16", bf16_row, false),
         ht_line("dispatch", "fp8", fp8_row, false),
         ht_line("combine", "bf16", bf16_row, true),
-        Line {
-            op: "ll dispatch",
-            dtype: "fp8",
-            tokens: a.ll_tokens,
-            rdma_bytes: None,
-            nic_send_max: msg * max(&ll.ll_nic_send),
-            nic_recv_max: msg * max(&ll.ll_nic_recv),
-            nvl_bytes: mean(&ll.ll_nvl_send) * msg as f64,
-        },
-        Line {
-            op: "ll combine",
-            dtype: "bf16",
-            tokens: a.ll_tokens,
-            rdma_bytes: None,
-            nic_send_max: bf16_row * max(&ll.ll_nic_recv),
-            nic_recv_max: bf16_row * max(&ll.ll_nic_send),
-            nvl_bytes: mean(&ll.ll_nvl_send) * bf16_row as f64,
-        },
+        ll_line("ll dispatch", "fp8", moelink::internode::ll_message_bytes(h, a.topk, true), false),
+        ll_line("ll combine", "bf16", bf16_row, true),
     ]
 }
 
