@@ -52,6 +52,22 @@ for line in open(messages):
     print(f"test executable: {name}")
 PY
 
+# The candle example's test executable (its own workspace): its CUDA-backend test runs on the GPU machine.
+if [ -f examples/candle-moe/Cargo.toml ]; then
+    cargo test --release --manifest-path examples/candle-moe/Cargo.toml --no-run --message-format=json >"$messages"
+    python3 - "$messages" "$out/tests" <<'PY'
+import json, shutil, sys, os
+for line in open(sys.argv[1]):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "ep_matches_dense":
+        shutil.copy2(m["executable"], os.path.join(sys.argv[2], "candle-moe.test.ep_matches_dense"))
+        print("test executable: candle-moe.test.ep_matches_dense")
+PY
+fi
+
 # The Python wheel (abi3, for the GPU machine's Python 3.12), for scripts/device/python.sh.
 if [ -f python/pyproject.toml ]; then
     scripts/build-wheel.sh

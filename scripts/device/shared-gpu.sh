@@ -5,7 +5,8 @@
 #   base     the binaries in .device/base/ (an earlier build, if carried): one HT and one LL test at 2 ranks
 #            on GPU 0, with and without CUDA_MODULE_LOADING=EAGER (what the earlier build did there)
 #   tests    every GPU test executable at each rank count in RANKS (default "2 4"), ignored (GPU) tests
-#            included; a test that needs more ranks than it is given says it skips
+#            included (the candle example's too: its layer on the CUDA backend against the dense one); a test
+#            that needs more ranks than it is given says it skips
 #   ep8      the 8-rank HT and LL tests (8 ranks on the machine's GPUs)
 #   soak     moelink-stress soak with SOAK_RANKS ranks (default 4), SOAK_S seconds each: the HT families at each largest
 #            token count of SOAK_HT_T_MAX (default "32"), then the LL families at LL T <= SOAK_LL_T_MAX (16)
@@ -27,9 +28,10 @@ note "ranks share GPUs: $(nvidia-smi -L | wc -l) GPU(s)"
 test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]: one test executable, from its crate's folder
     local name=$1 ranks=$2 exe=$3
     shift 3
-    local crate=${exe%%.*}
+    local crate=${exe%%.*} dir
+    dir=crates/$crate; [ -d "$dir" ] || dir=examples/$crate  # the candle example is its own workspace
     cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
-    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --include-ignored --test-threads=1 "$@"
+    run "$name" 300 env -C "$dir" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --include-ignored --test-threads=1 "$@"
 }
 for s in $STEPS; do
     case $s in
@@ -53,6 +55,7 @@ for s in $STEPS; do
             for t in ht ll_host ll_cuda poison diag_gpu capacity; do
                 test_bin "r$r-$t" "$r" "moelink.test.$t"
             done
+            [ -f .device/tests/candle-moe.test.ep_matches_dense ] && test_bin "r$r-candle" "$r" candle-moe.test.ep_matches_dense
         done ;;
     ep8)
         test_bin "r8-ht" 8 moelink.test.ht --exact cuda::dispatch_eight_ranks

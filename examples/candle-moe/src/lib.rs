@@ -5,7 +5,12 @@
 //! [`MoeLayer::forward_dense`] computes the same layer on one rank without moelink, which the tests compare
 //! against.
 //!
-//! Where candle's tensors and moelink's meet, without copies (see README.md for the GPU):
+//! On moelink's CUDA backend ([`MoeLayer::forward_expert_parallel_on_gpu`]) the same layer runs with the
+//! tokens moved by moelink's GPU kernels while candle, built here without its `cuda` feature, keeps its
+//! tensors on the CPU: they cross by copies at the boundary (README.md says how candle's own CUDA tensors
+//! would meet moelink's without them).
+//!
+//! Where candle's tensors and moelink's meet on the host backend, without copies:
 //! - Into moelink: [`with_host_view`] borrows a contiguous CPU tensor's storage as a [`moelink::TensorRef`]
 //!   (the tokens, their top-k ids and weights, the expert outputs).
 //! - Out of moelink: the two-phase calls (`prepare_dispatch` says how many rows arrive, then
@@ -170,13 +175,66 @@ impl MoeLayer {
         self.run_experts(&x.to_dtype(DType::BF16)?, &assignments, 0)
     }
 
+    /// Per received row: its local experts and gate weights, from the received top-k ids (`-1`: an expert
+    /// of another rank) and weights, `[N, K]` each.
+    fn assignments(&self, recv_idx: &[i64], recv_w: &[f32]) -> Vec<(u32, usize, f32)> {
+        let k = self.config.topk;
+        let mut out = Vec::new();
+        for row in 0..recv_idx.len() / k {
+            for j in 0..k {
+                if recv_idx[row * k + j] >= 0 {
+                    out.push((row as u32, recv_idx[row * k + j] as usize, recv_w[row * k + j]));
+                }
+            }
+        }
+        out
+    }
+
+    /// [`MoeLayer::forward_expert_parallel`] on moelink's CUDA backend with candle on the CPU: the routed
+    /// tokens, ids and weights go up to the GPU, moelink's kernels dispatch them, the received rows come down
+    /// for candle's experts, their outputs go up, moelink's kernels combine them, and the result comes down.
+    /// Four host↔device copies each way per layer, which candle's CUDA tensors would avoid (README.md).
+    pub fn forward_expert_parallel_on_gpu(&self, buf: &mut Buffer, x: &Tensor) -> Result<Tensor> {
+        if !matches!(buf.location(), Location::Cuda(_)) || !x.device().is_cpu() {
+            return Err(Error::Unsupported("this path takes CPU candle tensors and a CUDA-backend buffer".into()));
+        }
+        let (t, h) = x.dims2()?;
+        let (e, k) = (self.config.num_experts, self.config.topk);
+        let (idx, w) = self.route(x)?;
+        let up = |data: moelink::Tensor| buf.upload(&data);
+        let x_dev = up(moelink::Tensor::from_vec(x.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?, &[t, h])?)?;
+        let idx_dev = up(moelink::Tensor::from_vec(idx.flatten_all()?.to_vec1::<i64>()?, &[t, k])?)?;
+        let w_dev = up(moelink::Tensor::from_vec(w.flatten_all()?.to_vec1::<f32>()?, &[t, k])?)?;
+        let layout = buf.get_dispatch_layout(idx_dev.view(), e)?;
+        let args = DispatchArgs {
+            x: Payload::Bf16(x_dev.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx_dev.view()), topk_weights: Some(w_dev.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        };
+        let d = buf.dispatch(&args)?;
+        let n = d.recv_x.shape()[0];
+        let missing = || Error::Unsupported("the dispatch returned no top-k outputs".into());
+        let recv_idx: Vec<i64> = d.recv_topk_idx.as_ref().ok_or_else(missing)?.to_vec()?;
+        let recv_w: Vec<f32> = d.recv_topk_weights.as_ref().ok_or_else(missing)?.to_vec()?;
+        let recv_x = Tensor::from_vec(d.recv_x.to_vec::<bf16>()?, (n, h), &Device::Cpu)?;
+        let first = self.local_experts(buf.rank(), buf.num_ranks()).start;
+        let y = self.run_experts(&recv_x, &self.assignments(&recv_idx, &recv_w), first)?.to_dtype(DType::BF16)?;
+        let y_dev = buf.upload(&moelink::Tensor::from_vec(y.flatten_all()?.to_vec1::<half::bf16>()?, &[n, h])?)?;
+        let args = CombineArgs { x: y_dev.view(), handle: &d.handle, topk_weights: None, bias: [None, None], config: None };
+        let combined = buf.combine(&args)?.combined_x.to_vec::<bf16>()?;
+        Ok(Tensor::from_vec(combined, (t, h), &Device::Cpu)?)
+    }
+
     /// The layer with experts spread over `buf`'s ranks (collective: every rank calls it with its own
     /// tokens): route, dispatch the bf16 tokens with their top-k ids and weights, run the local experts on
     /// the received rows (each output scaled by its gate weight), combine back. Returns `[T, H]` bf16.
+    /// Host backend, CPU tensors, no copies; [`MoeLayer::forward_expert_parallel_on_gpu`] for the CUDA one.
     pub fn forward_expert_parallel(&self, buf: &mut Buffer, x: &Tensor) -> Result<Tensor> {
         if buf.location() != Location::Host || !x.device().is_cpu() {
             return Err(Error::Unsupported(
-                "this example moves CPU tensors (moelink's host backend); README.md says how candle's CUDA tensors meet moelink's".into(),
+                "this path moves CPU tensors on moelink's host backend; forward_expert_parallel_on_gpu takes a CUDA-backend buffer".into(),
             ));
         }
         let (t, h) = x.dims2()?;
@@ -212,16 +270,8 @@ impl MoeLayer {
                 })
             })
         })?;
-        // Per received row: its local experts and gate weights (-1: an expert of another rank).
         let n = recv_idx.len() / k;
-        let mut assignments = Vec::new();
-        for row in 0..n {
-            for j in 0..k {
-                if recv_idx[row * k + j] >= 0 {
-                    assignments.push((row as u32, recv_idx[row * k + j] as usize, recv_w[row * k + j]));
-                }
-            }
-        }
+        let assignments = self.assignments(&recv_idx, &recv_w);
         let recv_x = wrap_cpu(CpuStorage::BF16(recv_x), (n, h));
         let first = self.local_experts(buf.rank(), buf.num_ranks()).start;
         let y = self.run_experts(&recv_x, &assignments, first)?.to_dtype(DType::BF16)?.contiguous()?;
