@@ -234,6 +234,33 @@ __device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 wor
   return sm.last != 0;
 }
 
+// The end of a receive phase (every thread of every worker block): the last block adds this call's
+// messages per source (sm.first) to what the next call on this set expects, then hands the set back.
+template <typename Args>
+__device__ __forceinline__ void lli_recv_end(const Args& a, LliShared& sm, u64* expected, u32 epoch, u32 workers,
+                                             const Deadline& d) {
+  if (lli_last_block(lli_op(a).recv_done, sm, workers) && sm.phase_ok) {
+    for (u32 p = threadIdx.x; p < a.rdma.num_ranks; p += LL_THREADS) expected[p] += sm.first[p];
+    ptx::fence_acq_rel_sys();
+    __syncthreads();
+    lli_hand_back(a, epoch, d);
+  }
+}
+
+// The frame of both kernels: the emulated NIC's blocks run the NIC, the worker blocks enter (lli_enter),
+// then run the send and/or the receive phase as `a.phases` says: send(d, sm, epoch, workers), likewise recv.
+template <typename Args, typename Send, typename Recv>
+__device__ __forceinline__ void lli_run(const Args& a, u32 phase, Send send, Recv recv) {
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, phase);
+  if (rdma::nic_block(a.rdma, d)) return;
+  rdma::WorkerScope scope(a.rdma);
+  __shared__ LliShared sm;
+  if (!lli_enter(a, sm, d)) return;
+  const u32 epoch = sm.epoch, workers = rdma::num_worker_blocks(a.rdma);
+  if (a.phases & LL_PHASE_SEND) send(d, sm, epoch, workers);
+  if (a.phases & LL_PHASE_RECV) recv(d, sm, epoch, workers);
+}
+
 // Send phase start, every thread: waits until every unmasked destination handed the set back (consumed
 // word >= this rank's last write into the set). Shrink: a destination that misses the deadline is masked.
 template <typename Args>
@@ -670,12 +697,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
 #endif
     }
   }
-  if (lli_last_block(lli_op(a).recv_done, sm, workers) && sm.phase_ok) {
-    for (u32 p = threadIdx.x; p < R; p += LL_THREADS) expected[p] += sm.first[p];
-    ptx::fence_acq_rel_sys();
-    __syncthreads();
-    lli_hand_back(a, epoch, d);
-  }
+  lli_recv_end(a, sm, expected, epoch, workers, d);
 }
 
 namespace moelink::internode_ll {
@@ -691,14 +713,10 @@ namespace moelink::internode_ll {
 //         and src_info. Block 0: recv_count, layout_range, statistics, report. The last block hands back.
 //   DRAIN only the hand-back (a receive phase that will never run).
 __global__ void __launch_bounds__(LL_THREADS, 1) dispatch(const __grid_constant__ LliDispatchArgs a) {
-  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_LL_DISPATCH);
-  if (rdma::nic_block(a.rdma, d)) return;
-  rdma::WorkerScope scope(a.rdma);
-  __shared__ LliShared sm;
-  if (!lli_enter(a, sm, d)) return;
-  const u32 epoch = sm.epoch, workers = rdma::num_worker_blocks(a.rdma);
-  if (a.phases & LL_PHASE_SEND) lli_dispatch_send(a, d, sm, epoch, workers);
-  if (a.phases & LL_PHASE_RECV) lli_dispatch_recv(a, d, sm, epoch, workers);
+  lli_run(
+      a, PHASE_LL_DISPATCH,
+      [&](const Deadline& d, LliShared& sm, u32 epoch, u32 workers) { lli_dispatch_send(a, d, sm, epoch, workers); },
+      [&](const Deadline& d, LliShared& sm, u32 epoch, u32 workers) { lli_dispatch_recv(a, d, sm, epoch, workers); });
 }
 }  // namespace moelink::internode_ll
 
@@ -955,12 +973,7 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
       }
     }
   }
-  if (lli_last_block(lli_op(a).recv_done, sm, workers) && sm.phase_ok) {
-    for (u32 p = threadIdx.x; p < R; p += LL_THREADS) expected[p] += sm.first[p];
-    ptx::fence_acq_rel_sys();
-    __syncthreads();
-    lli_hand_back(a, epoch, d);
-  }
+  lli_recv_end(a, sm, expected, epoch, workers, d);
 }
 
 namespace moelink::internode_ll {
@@ -973,13 +986,9 @@ namespace moelink::internode_ll {
 //         item (token, 256 channels) per warp: the fixed-order f32 sum, rounded to bf16 into out. The last
 //         block hands the set back.
 __global__ void __launch_bounds__(LL_THREADS, 1) combine(const __grid_constant__ LliCombineArgs a) {
-  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_LL_COMBINE);
-  if (rdma::nic_block(a.rdma, d)) return;
-  rdma::WorkerScope scope(a.rdma);
-  __shared__ LliShared sm;
-  if (!lli_enter(a, sm, d)) return;
-  const u32 epoch = sm.epoch, workers = rdma::num_worker_blocks(a.rdma);
-  if (a.phases & LL_PHASE_SEND) lli_combine_send(a, d, sm, epoch, workers);
-  if (a.phases & LL_PHASE_RECV) lli_combine_recv(a, d, sm, epoch, workers);
+  lli_run(
+      a, PHASE_LL_COMBINE,
+      [&](const Deadline& d, LliShared& sm, u32 epoch, u32 workers) { lli_combine_send(a, d, sm, epoch, workers); },
+      [&](const Deadline& d, LliShared& sm, u32 epoch, u32 workers) { lli_combine_recv(a, d, sm, epoch, workers); });
 }
 }  // namespace moelink::internode_ll
