@@ -29,6 +29,8 @@ pub mod abi;
 #[allow(missing_docs)]
 pub mod ht;
 #[allow(missing_docs)]
+pub mod ht_internode;
+#[allow(missing_docs)]
 pub mod ll;
 #[allow(missing_docs)]
 pub mod ll_internode;
@@ -101,6 +103,14 @@ pub mod kernel_name {
     pub const LLI_DISPATCH: &str = "moelink::internode_ll::dispatch";
     /// `ll_internode.cu`: low-latency combine across nodes.
     pub const LLI_COMBINE: &str = "moelink::internode_ll::combine";
+    /// `ht_internode.cu`: `get_dispatch_layout` across nodes.
+    pub const HTI_LAYOUT: &str = "moelink::internode::layout";
+    /// `ht_internode.cu`: the count exchange before a fresh high-throughput dispatch across nodes.
+    pub const HTI_NOTIFY: &str = "moelink::internode::notify";
+    /// `ht_internode.cu`: high-throughput dispatch across nodes.
+    pub const HTI_DISPATCH: &str = "moelink::internode::dispatch";
+    /// `ht_internode.cu`: high-throughput combine across nodes.
+    pub const HTI_COMBINE: &str = "moelink::internode::combine";
 }
 
 /// One kernel entry point of a family.
@@ -135,6 +145,8 @@ pub enum Family {
     Transport,
     /// `ll_internode.cu`: low-latency dispatch and combine across nodes ([`ll_internode`]).
     LlInternode,
+    /// `ht_internode.cu`: high-throughput layout, notify, dispatch and combine across nodes ([`ht_internode`]).
+    HtInternode,
 }
 
 impl Family {
@@ -151,6 +163,7 @@ impl Family {
             Family::LlCombine => "ll_combine.cu",
             Family::Transport => "transport.cu",
             Family::LlInternode => "ll_internode.cu",
+            Family::HtInternode => "ht_internode.cu",
         }
     }
 
@@ -167,6 +180,7 @@ impl Family {
             Family::LlCombine => ll::LL_COMBINE_SOURCE,
             Family::Transport => transport::TRANSPORT_SOURCE,
             Family::LlInternode => ll_internode::LLI_SOURCE,
+            Family::HtInternode => ht_internode::HTI_SOURCE,
         }
     }
 
@@ -176,7 +190,7 @@ impl Family {
             Family::Barrier | Family::Copy => None,
             Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => Some(HT_HEADER),
             Family::LlDispatch | Family::LlCombine | Family::LlInternode => Some(ll::LL_HEADER),
-            Family::Transport => Some(transport::TRANSPORT_HEADER),
+            Family::Transport | Family::HtInternode => Some(transport::TRANSPORT_HEADER),
         }
     }
 
@@ -207,6 +221,13 @@ impl Family {
             Family::LlInternode => {
                 &[KernelInfo { name: kernel_name::LLI_DISPATCH, hot: false }, KernelInfo { name: kernel_name::LLI_COMBINE, hot: false }]
             }
+            // Not hot, for the same reason.
+            Family::HtInternode => &[
+                KernelInfo { name: kernel_name::HTI_LAYOUT, hot: false },
+                KernelInfo { name: kernel_name::HTI_NOTIFY, hot: false },
+                KernelInfo { name: kernel_name::HTI_DISPATCH, hot: false },
+                KernelInfo { name: kernel_name::HTI_COMBINE, hot: false },
+            ],
         }
     }
 }
@@ -345,6 +366,7 @@ pub fn all_variants() -> Vec<KernelSpec> {
     v.extend(ll::LlVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v.extend(transport::TransportVariant::all().iter().map(transport::TransportVariant::spec));
     v.extend(ll_internode::LliVariant::all().iter().map(ll_internode::LliVariant::spec));
+    v.extend(ht_internode::HtiVariant::all().iter().map(ht_internode::HtiVariant::spec));
     v
 }
 

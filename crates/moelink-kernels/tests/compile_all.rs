@@ -167,6 +167,10 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
             kernel_name::LL_COMBINE => "(LlCombineArgs)",
             kernel_name::LLI_DISPATCH => "(LliDispatchArgs)",
             kernel_name::LLI_COMBINE => "(LliCombineArgs)",
+            kernel_name::HTI_LAYOUT => "(HtiLayoutArgs)",
+            kernel_name::HTI_NOTIFY => "(HtiNotifyArgs)",
+            kernel_name::HTI_DISPATCH => "(HtiDispatchArgs)",
+            kernel_name::HTI_COMBINE => "(HtiCombineArgs)",
             other => panic!("{other}: add its parameter list here"),
         }
     };
@@ -195,7 +199,7 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
         assert_eq!(*demangled, format!("{name}{}", params(name)), "what a profiler shows for {name}");
     }
     let barrier = [kernel_name::BARRIER, kernel_name::BARRIER_LATENCY];
-    let modes: [(&str, Vec<&str>, [&str; 2]); 3] = [
+    let modes: [(&str, Vec<&str>, [&str; 2]); 4] = [
         (
             "high-throughput",
             [kernel_name::HT_LAYOUT, kernel_name::HT_NOTIFY, kernel_name::HT_DISPATCH, kernel_name::HT_COMBINE]
@@ -213,6 +217,14 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
             "low-latency across nodes",
             [kernel_name::LLI_DISPATCH, kernel_name::LLI_COMBINE].into_iter().chain(barrier).collect(),
             [kernel_name::LLI_DISPATCH, kernel_name::LLI_COMBINE],
+        ),
+        (
+            "high-throughput across nodes",
+            [kernel_name::HTI_LAYOUT, kernel_name::HTI_NOTIFY, kernel_name::HTI_DISPATCH, kernel_name::HTI_COMBINE]
+                .into_iter()
+                .chain(barrier)
+                .collect(),
+            [kernel_name::HTI_DISPATCH, kernel_name::HTI_COMBINE],
         ),
     ];
     for (mode, kernels, [dispatch, combine]) in modes {
@@ -318,7 +330,7 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, compil
         )],
         // NVSHMEM's device code keeps a stack frame and calls into its transfer functions: nothing to expect.
         Family::Transport if Transport::of_spec(spec) == Some(Transport::Nvshmem) => &[],
-        Family::LlInternode => &[],
+        Family::LlInternode | Family::HtInternode => &[],
         // Signals: a system fence before a 64-bit system-scope reduction or store into the peer's word.
         Family::Transport => &[
             ("transport_barrier", &["STG.E.64.STRONG.SYS", "LDG.E.64.STRONG.SYS"]),

@@ -1,0 +1,515 @@
+//! High-throughput dispatch/combine across nodes (`cuda/ht_internode.cu`): the variant key, the argument
+//! structs, the row sizes, the routing buffer's layout, and where everything lives in the RDMA region and in
+//! the node's symmetric (NVLink) buffer. Every offset the kernels use is computed here, once; the protocol
+//! is described at the top of the source.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::transport::{RdmaArgs, Transport};
+use crate::{Family, KernelSpec};
+
+/// `cuda/ht_internode.cu`.
+pub const HTI_SOURCE: &str = include_str!("../cuda/ht_internode.cu");
+/// Ranks the kernels' shared arrays have room for (`HTI_MAX_RANKS`).
+pub const HTI_MAX_RANKS: usize = 256;
+/// Nodes (`HTI_MAX_NODES`: one lane per node).
+pub const HTI_MAX_NODES: usize = 32;
+/// Chunk signal words per peer node and round (`HTI_MAX_CHUNKS`): a round has at most this many chunks.
+pub const HTI_MAX_CHUNKS: usize = 128;
+/// Top-k entries (dispatch) and weights (combine) a row carries at most: one lane each.
+pub const HTI_MAX_TOPK: usize = 32;
+/// Experts per rank a notify message has room for.
+pub const HTI_MAX_LOCAL_EXPERTS: usize = 1024;
+/// Most tokens per round (flag slots per part).
+pub const HTI_MAX_ROUND_TOKENS: usize = 16384;
+/// Warps per block (`HTI_WARPS`).
+pub const HTI_WARPS: u32 = 16;
+/// Threads per block.
+pub const HTI_THREADS: u32 = HTI_WARPS * 32;
+/// Sender chunk (tokens per put) when the config names none: DeepEP's `num_max_rdma_chunked_send_tokens`.
+pub const DEFAULT_CHUNK_TOKENS: usize = 32;
+/// Words of a notify message before the count row (`MSG_W_ROW`).
+pub const NOTIFY_HEADER_WORDS: usize = 8;
+
+/// Phases the internode kernels record (ptx.cuh's `PHASE_*` numbering continued in `ht_internode.cu`).
+pub mod phase {
+    /// The count exchange.
+    pub const NOTIFY: u32 = 10;
+    /// Dispatch, waiting in the RDMA domain.
+    pub const DISPATCH_RDMA: u32 = 11;
+    /// Dispatch, waiting in the NVLink domain.
+    pub const DISPATCH_NVLINK: u32 = 12;
+    /// Combine, waiting in the RDMA domain.
+    pub const COMBINE_RDMA: u32 = 13;
+    /// Combine, waiting in the NVLink domain.
+    pub const COMBINE_NVLINK: u32 = 14;
+}
+
+/// The routing status bits (`HTI_STATUS_*`).
+pub mod status {
+    /// Some rank's `num_tokens_per_rank` disagrees with its `is_token_in_rank`.
+    pub const BAD_LAYOUT: u32 = 1;
+    /// Call signatures differ.
+    pub const MISMATCH: u32 = 2;
+    /// The exchange itself failed (timeout).
+    pub const FAILED: u32 = 8;
+}
+
+/// Host-mapped words of notify in CPU-synchronised mode (`HN_*`).
+pub mod host_notify {
+    pub const READY: usize = 0;
+    pub const NUM_RECV: usize = 1;
+    pub const T_MAX: usize = 2;
+    pub const STATUS: usize = 3;
+    pub const STATUS_PEER: usize = 4;
+    pub const NUM_FWD: usize = 5;
+    pub const PER_EXPERT: usize = 8;
+    /// Words for `num_local_experts`.
+    pub fn words(num_local_experts: usize) -> usize {
+        PER_EXPERT + num_local_experts
+    }
+}
+
+fn align(n: usize, a: usize) -> usize {
+    n.div_ceil(a) * a
+}
+
+/// Bytes of the rows the kernels move, for one call shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSizes {
+    /// An RDMA dispatch message (`MSG_BYTES`).
+    pub msg: usize,
+    /// A dispatch row in an NVLink part (`ROW_BYTES`).
+    pub row: usize,
+    /// A combine row going to the forwarder (`CROW_BYTES`).
+    pub crow: usize,
+    /// A combine partial going home (`CMSG_BYTES`).
+    pub cmsg: usize,
+}
+
+impl RowSizes {
+    /// The sizes for hidden `h`, FP8 or bf16, `topk` entries per dispatch row and `combine_topk` weights per
+    /// combine row.
+    pub fn new(h: usize, fp8: bool, topk: usize, combine_topk: usize) -> RowSizes {
+        let payload = if fp8 { h } else { 2 * h };
+        let scales = if fp8 { h / 128 } else { 0 };
+        let msg = align(48 + 8 * topk + 4 * scales, 16) + payload;
+        let row = payload + align(4 * (3 * topk + scales + 3), 16);
+        let crow = 2 * h + align(4 * combine_topk, 16);
+        let cmsg = 4 * h + align(4 * combine_topk, 16);
+        RowSizes { msg, row, crow, cmsg }
+    }
+}
+
+/// One compilable variant of `ht_internode.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HtiVariant {
+    pub hidden: usize,
+    pub fp8: bool,
+    /// Dispatch: top-k entries per row (0: none); combine: weights per row (0: none).
+    pub topk: usize,
+    pub num_biases: usize,
+    pub num_nodes: usize,
+    pub ranks_per_node: usize,
+    pub transport: Transport,
+}
+
+impl HtiVariant {
+    /// The variant layout and notify are launched from (they depend only on the topology and transport).
+    pub fn control(num_nodes: usize, ranks_per_node: usize, transport: Transport) -> HtiVariant {
+        HtiVariant { hidden: 128, fp8: false, topk: 0, num_biases: 0, num_nodes, ranks_per_node, transport }
+    }
+
+    pub fn rows(&self) -> RowSizes {
+        RowSizes::new(self.hidden, self.fp8, self.topk, self.topk)
+    }
+
+    /// The compile key.
+    pub fn spec(&self) -> KernelSpec {
+        let rows = self.rows();
+        let d = |k: &str, v: String| (k.to_string(), v);
+        KernelSpec {
+            family: Family::HtInternode,
+            variant: format!(
+                "ht_internode[{}x{},h{},{},k{},b{},{}]",
+                self.num_nodes,
+                self.ranks_per_node,
+                self.hidden,
+                if self.fp8 { "fp8" } else { "bf16" },
+                self.topk,
+                self.num_biases,
+                self.transport.name()
+            ),
+            defines: vec![
+                d("MOELINK_TRANSPORT", self.transport.code().to_string()),
+                d("HTI_MAX_RANKS", HTI_MAX_RANKS.to_string()),
+                d("HTI_MAX_NODES", HTI_MAX_NODES.to_string()),
+                d("HTI_MAX_CHUNKS", HTI_MAX_CHUNKS.to_string()),
+                d("RANKS_PER_NODE", self.ranks_per_node.to_string()),
+                d("NUM_NODES", self.num_nodes.to_string()),
+                d("HIDDEN", self.hidden.to_string()),
+                d("FP8", u32::from(self.fp8).to_string()),
+                d("TOPK", self.topk.to_string()),
+                d("NUM_BIASES", self.num_biases.to_string()),
+                d("HTI_WARPS", HTI_WARPS.to_string()),
+                d("HTI_MSG_BYTES", rows.msg.to_string()),
+                d("HTI_ROW_BYTES", rows.row.to_string()),
+                d("HTI_CROW_BYTES", rows.crow.to_string()),
+                d("HTI_CMSG_BYTES", rows.cmsg.to_string()),
+                d("MOELINK_SIZEOF_HTI_LAYOUT_ARGS", std::mem::size_of::<HtiLayoutArgs>().to_string()),
+                d("MOELINK_SIZEOF_HTI_NOTIFY_ARGS", std::mem::size_of::<HtiNotifyArgs>().to_string()),
+                d("MOELINK_SIZEOF_HTI_DISPATCH_ARGS", std::mem::size_of::<HtiDispatchArgs>().to_string()),
+                d("MOELINK_SIZEOF_HTI_COMBINE_ARGS", std::mem::size_of::<HtiCombineArgs>().to_string()),
+            ],
+        }
+    }
+
+    /// The variants the compile check covers: DeepEP's shapes (FP8 and bf16 dispatch with top-8, a cached
+    /// dispatch, combine with weights and two biases) at 2 x 8 and 4 x 8, and the test topologies, on every
+    /// backend.
+    pub fn all() -> Vec<HtiVariant> {
+        let mut v = Vec::new();
+        for transport in Transport::ALL {
+            for (nodes, rpn) in [(2, 8), (4, 8), (2, 2)] {
+                for (hidden, fp8, topk, num_biases) in [(7168, true, 8, 0), (7168, false, 8, 0), (7168, false, 0, 0), (7168, false, 8, 2)] {
+                    v.push(HtiVariant { hidden, fp8, topk, num_biases, num_nodes: nodes, ranks_per_node: rpn, transport });
+                }
+            }
+            v.push(HtiVariant { hidden: 256, fp8: true, topk: 4, num_biases: 1, num_nodes: 4, ranks_per_node: 2, transport });
+        }
+        v
+    }
+}
+
+/// The RDMA region's offsets (`RdmaAt`), from the region's base.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct RdmaAt {
+    pub off_notify_sig: u64,
+    pub off_dchunk: u64,
+    pub off_dconsumed: u64,
+    pub off_cchunk: u64,
+    pub off_cconsumed: u64,
+    pub off_notify: u64,
+    pub off_notify_send: u64,
+    pub off_drecv: u64,
+    pub off_dsend: u64,
+    pub off_crecv: u64,
+    pub off_csend: u64,
+    pub part_bytes: u64,
+    pub msg_words: u32,
+    pub pad: u32,
+}
+
+/// The node's symmetric buffers (`NvlArgs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct NvlArgs {
+    pub base: [u64; 8],
+    pub off_done: u64,
+    pub off_consumed: u64,
+    pub off_cconsumed: u64,
+    pub off_dflags: u64,
+    pub off_cflags: u64,
+    pub off_dparts: u64,
+    pub off_cparts: u64,
+    pub part_bytes: u64,
+    pub flag_slots: u32,
+    pub pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtiLayoutArgs {
+    pub topk_idx: u64,
+    pub topk_stride_token: i64,
+    pub topk_stride_k: i64,
+    pub num_tokens_per_rank: u64,
+    pub num_tokens_per_rdma_rank: u64,
+    pub num_tokens_per_expert: u64,
+    pub is_token_in_rank: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub num_tokens: u32,
+    pub topk: u32,
+    pub num_experts: u32,
+    pub rank: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtiNotifyArgs {
+    pub rdma: RdmaArgs,
+    pub at: RdmaAt,
+    pub is_token_in_rank: u64,
+    pub num_tokens_per_rank: u64,
+    pub num_tokens_per_expert: u64,
+    pub routing: u64,
+    pub host_out: u64,
+    pub state: u64,
+    pub signature: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    pub num_tokens: u32,
+    pub num_local_experts: u32,
+    pub round_tokens: u32,
+    pub host_seq: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtiDispatchArgs {
+    pub rdma: RdmaArgs,
+    pub at: RdmaAt,
+    pub nvl: NvlArgs,
+    pub x: u64,
+    pub x_scales: u64,
+    pub scale_stride_token: i64,
+    pub scale_stride_group: i64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_topk_idx: u64,
+    pub recv_topk_weights: u64,
+    pub recv_src_idx: u64,
+    pub routing: u64,
+    pub fwd_entries: u64,
+    pub recv_route: u64,
+    pub state: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    pub num_tokens: u32,
+    pub num_out_rows: u32,
+    pub fwd_capacity: u32,
+    pub num_local_experts: u32,
+    pub chunk_tokens: u32,
+    pub num_send_blocks: u32,
+    pub num_fwd_blocks: u32,
+    pub pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtiCombineArgs {
+    pub rdma: RdmaArgs,
+    pub at: RdmaAt,
+    pub nvl: NvlArgs,
+    pub x: u64,
+    pub topk_weights: u64,
+    pub bias0: u64,
+    pub bias1: u64,
+    pub combined_x: u64,
+    pub combined_topk_weights: u64,
+    pub routing: u64,
+    pub fwd_entries: u64,
+    pub recv_route: u64,
+    pub state: u64,
+    pub error_claim: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    pub num_tokens: u32,
+    pub num_x_rows: u32,
+    pub chunk_tokens: u32,
+    pub num_send_blocks: u32,
+    pub num_fwd_blocks: u32,
+    pub pad: u32,
+}
+
+/// Bytes of the local state (`HtiState`).
+pub const HTI_STATE_BYTES: usize = 64;
+
+/// The routing buffer's word offsets (`RoutingAt` and the `RT_*` header) for `R` ranks over `N` nodes and
+/// `T` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoutingLayout {
+    pub recv_offset: usize,
+    pub recv_count: usize,
+    pub tokens_of: usize,
+    pub fwd_offset: usize,
+    pub fwd_count: usize,
+    pub rank_prefix: usize,
+    pub prefix: usize,
+    pub node_prefix: usize,
+    /// Words in all.
+    pub words: usize,
+}
+
+/// Header words of the routing buffer (`RT_*`).
+pub mod routing {
+    pub const STATUS: usize = 0;
+    pub const STATUS_PEER: usize = 1;
+    pub const NUM_RECV: usize = 2;
+    pub const T_MAX: usize = 3;
+    pub const NUM_ROUNDS: usize = 4;
+    pub const ROUND_TOKENS: usize = 5;
+    pub const NUM_FWD: usize = 6;
+    pub const HEADER: usize = 8;
+}
+
+impl RoutingLayout {
+    pub fn new(num_ranks: usize, num_nodes: usize, num_tokens: usize) -> RoutingLayout {
+        let (r, n) = (num_ranks, num_nodes);
+        let recv_offset = routing::HEADER;
+        let recv_count = recv_offset + r;
+        let tokens_of = recv_count + r;
+        let fwd_offset = tokens_of + r;
+        let fwd_count = fwd_offset + n;
+        let rank_prefix = fwd_count + n;
+        let prefix = align(rank_prefix + r * r, 4);
+        let node_prefix = prefix + (num_tokens + 1) * r;
+        let words = node_prefix + (num_tokens + 1) * n;
+        RoutingLayout { recv_offset, recv_count, tokens_of, fwd_offset, fwd_count, rank_prefix, prefix, node_prefix, words }
+    }
+}
+
+/// Where the internode HT kernels' signal words sit in the RDMA control area (offsets from the region's
+/// base), and how many bytes they take from `base`.
+pub fn signal_offsets(base: usize) -> (RdmaAt, usize) {
+    let mut at = base;
+    let mut take = |bytes: usize| {
+        let o = at;
+        at = align(at + bytes, 256);
+        o as u64
+    };
+    let r = RdmaAt {
+        off_notify_sig: take(2 * HTI_MAX_RANKS * 8),
+        off_dchunk: take(HTI_MAX_NODES * HTI_MAX_CHUNKS * 8),
+        off_dconsumed: take(HTI_MAX_NODES * 8),
+        off_cchunk: take(HTI_MAX_NODES * HTI_MAX_CHUNKS * 8),
+        off_cconsumed: take(HTI_MAX_NODES * 8),
+        ..RdmaAt::default()
+    };
+    (r, at - base)
+}
+
+/// The RDMA region's layout for `num_rdma_bytes` of data from `data_base`, `R` ranks over `N` nodes: the
+/// signal words at `signal_base` (inside the control area), the notify area, then four equal areas (dispatch
+/// receive and send, combine receive and send) of `N` parts each. `None` when the notify area does not fit.
+pub fn rdma_layout(signal_base: usize, data_base: usize, num_rdma_bytes: usize, num_ranks: usize, num_nodes: usize) -> Option<RdmaAt> {
+    let (mut at, _) = signal_offsets(signal_base);
+    let msg_words = NOTIFY_HEADER_WORDS + num_ranks + HTI_MAX_LOCAL_EXPERTS;
+    let notify = align(2 * num_ranks * msg_words * 4, 256);
+    let notify_send = align(num_ranks * msg_words * 4, 256);
+    let rest = num_rdma_bytes.checked_sub(notify + notify_send)?;
+    let part = rest / 4 / num_nodes / 256 * 256;
+    at.off_notify = data_base as u64;
+    at.off_notify_send = (data_base + notify) as u64;
+    let parts = data_base + notify + notify_send;
+    at.off_drecv = parts as u64;
+    at.off_dsend = (parts + num_nodes * part) as u64;
+    at.off_crecv = (parts + 2 * num_nodes * part) as u64;
+    at.off_csend = (parts + 3 * num_nodes * part) as u64;
+    at.part_bytes = part as u64;
+    at.msg_words = msg_words as u32;
+    Some(at)
+}
+
+/// `num_rdma_bytes` the RDMA layout needs for rounds of `round_tokens` tokens of this shape.
+pub fn rdma_bytes_needed(num_ranks: usize, num_nodes: usize, round_tokens: usize, rows: RowSizes) -> usize {
+    let msg_words = NOTIFY_HEADER_WORDS + num_ranks + HTI_MAX_LOCAL_EXPERTS;
+    let notify = align(2 * num_ranks * msg_words * 4, 256) + align(num_ranks * msg_words * 4, 256);
+    let part = align(round_tokens * rows.msg.max(rows.cmsg), 256);
+    notify + 4 * num_nodes * part
+}
+
+/// Where the internode HT kernels' words sit in the node's symmetric buffer: words at `ctrl_base` (in the
+/// HT control area), flags and parts in the data region at `data_base` (`num_nvl_bytes`). Flag slots:
+/// enough for the rounds the parts can hold of rows of at least 256 bytes, at most HTI_MAX_ROUND_TOKENS.
+pub fn nvl_layout(ctrl_base: usize, data_base: usize, num_nvl_bytes: usize, num_ranks: usize, num_nodes: usize) -> NvlArgs {
+    let rpn = num_ranks / num_nodes.max(1);
+    let flag_slots = (num_nvl_bytes / (2 * num_ranks * (4 + 256))).clamp(1, HTI_MAX_ROUND_TOKENS);
+    let flags = align(num_ranks * flag_slots * 4, 256);
+    let part = num_nvl_bytes.saturating_sub(2 * flags) / (2 * num_ranks) / 128 * 128;
+    let words = align(num_ranks * 8, 256);
+    let pairs = align(rpn * num_nodes * 8, 256);
+    NvlArgs {
+        base: [0; 8],
+        off_done: ctrl_base as u64,
+        off_consumed: (ctrl_base + words) as u64,
+        off_cconsumed: (ctrl_base + words + pairs) as u64,
+        off_dflags: data_base as u64,
+        off_cflags: (data_base + flags) as u64,
+        off_dparts: (data_base + 2 * flags) as u64,
+        off_cparts: (data_base + 2 * flags + num_ranks * part) as u64,
+        part_bytes: part as u64,
+        flag_slots: flag_slots as u32,
+        pad: 0,
+    }
+}
+
+/// Bytes of the HT control words `nvl_layout` puts at `ctrl_base`.
+pub fn nvl_ctrl_bytes(num_ranks: usize, num_nodes: usize) -> usize {
+    let rpn = num_ranks / num_nodes.max(1);
+    align(num_ranks * 8, 256) + 2 * align(rpn * num_nodes * 8, 256)
+}
+
+/// `num_nvl_bytes` the NVLink layout needs for rounds of `round_tokens` tokens of this shape.
+pub fn nvl_bytes_needed(num_ranks: usize, round_tokens: usize, rows: RowSizes) -> usize {
+    let per_part = align(round_tokens * rows.row.max(rows.crow), 128);
+    // Flag slots follow num_nvl_bytes / (2 R (4 + 256)); the parts then hold round_tokens rows.
+    let flags = align(num_ranks * round_tokens * 4, 256);
+    (2 * num_ranks * per_part + 2 * flags).max(2 * num_ranks * (4 + 256) * round_tokens)
+}
+
+/// Tokens per round (M) and per chunk (Q) for a call of `rows` on these layouts, with `chunk_tokens` asked
+/// for: the most every part holds, rounded down to whole chunks, with at most HTI_MAX_CHUNKS chunks a
+/// round. `None` when not even one token fits.
+pub fn round_shape(rdma: &RdmaAt, nvl: &NvlArgs, rows: RowSizes, chunk_tokens: usize) -> Option<(usize, usize)> {
+    let rdma_part = rdma.part_bytes as usize;
+    let nvl_part = nvl.part_bytes as usize;
+    let m = (rdma_part / rows.msg.max(rows.cmsg)).min(nvl_part / rows.row.max(rows.crow)).min(nvl.flag_slots as usize);
+    if m == 0 {
+        return None;
+    }
+    let q = chunk_tokens.clamp(1, m).max(m.div_ceil(HTI_MAX_CHUNKS));
+    let m = m / q * q;
+    Some((m, q))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_follow_the_kernel_formulas() {
+        let r = RowSizes::new(7168, true, 8, 8);
+        assert_eq!(r.msg, align(48 + 64 + 4 * 56, 16) + 7168);
+        assert_eq!(r.row, 7168 + align(4 * (24 + 56 + 3), 16));
+        assert_eq!(r.crow, 14336 + 32);
+        assert_eq!(r.cmsg, 28672 + 32);
+        let b = RowSizes::new(256, false, 0, 0);
+        assert_eq!((b.msg, b.row, b.crow, b.cmsg), (48 + 512, 512 + 16, 512, 1024));
+    }
+
+    #[test]
+    fn layouts_fit_their_regions_and_rounds_are_whole_chunks() {
+        let (sig, sig_bytes) = signal_offsets(64 << 10);
+        assert!(sig.off_cconsumed as usize + 8 * HTI_MAX_NODES <= (64 << 10) + sig_bytes);
+        let rdma = rdma_layout(64 << 10, 256 << 10, 1 << 30, 16, 2).unwrap();
+        assert!(rdma.off_csend as usize + 2 * rdma.part_bytes as usize <= (256 << 10) + (1 << 30));
+        let nvl = nvl_layout(1 << 20, 4 << 20, 1 << 30, 16, 2);
+        assert!(nvl.off_cparts as usize + 16 * nvl.part_bytes as usize <= (4 << 20) + (1 << 30));
+        let rows = RowSizes::new(7168, true, 8, HTI_MAX_TOPK);
+        let (m, q) = round_shape(&rdma, &nvl, rows, 32).unwrap();
+        assert!(m >= 1024 && m % q == 0 && m / q <= HTI_MAX_CHUNKS, "{m} {q}");
+        // The sizes the helpers say are needed give at least those rounds back.
+        let need_rdma = rdma_bytes_needed(16, 2, 512, rows);
+        let need_nvl = nvl_bytes_needed(16, 512, rows);
+        let rdma = rdma_layout(64 << 10, 256 << 10, need_rdma, 16, 2).unwrap();
+        let nvl = nvl_layout(1 << 20, 4 << 20, need_nvl, 16, 2);
+        assert!(round_shape(&rdma, &nvl, rows, 32).unwrap().0 >= 512 - 32);
+        // Too small: no round at all.
+        let tiny = rdma_layout(64 << 10, 256 << 10, rdma_bytes_needed(16, 2, 0, rows) + 1024, 16, 2).unwrap();
+        assert!(round_shape(&tiny, &nvl, rows, 32).is_none());
+    }
+
+    #[test]
+    fn routing_layout_is_aligned() {
+        let l = RoutingLayout::new(16, 2, 4096);
+        assert_eq!(l.prefix % 4, 0);
+        assert_eq!(l.words, l.node_prefix + 4097 * 2);
+    }
+}

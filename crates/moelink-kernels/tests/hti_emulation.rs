@@ -1,0 +1,75 @@
+//! Runs the high-throughput kernels across nodes (`cuda/ht_internode.cu`) on the CPU emulator shared with the
+//! other kernel tests (`emu/`, see `common/`): `emu/hti_emu.cpp` drives R ranks as virtual nodes over the
+//! RDMA transport seam — peer pointers, or the emulated NIC reordering across QPs — with rounds of a few
+//! tokens (so that every call runs several rounds of several chunks), and checks every output against a
+//! reference written from the documented semantics: the layout, received rows, scales, top-k ids and
+//! weights, recv_src_idx, rank_prefix_matrix, per-expert counts, a cached dispatch, and the combined output
+//! and weights bit for bit (the hierarchical fp32 tree); zero tokens, one token, skewed and node-limited
+//! routing; a silent rank (a timeout naming a peer and a domain, no hang).
+//!
+//! Index math and protocol only (not the GPU memory model or timing). Skips (printing why) without a C++17
+//! compiler unless `MOELINK_REQUIRE_EMU=1`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use moelink_kernels::ht_internode::{HtiVariant, HTI_SOURCE};
+use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
+
+/// Warps per block in the emulation.
+const EMU_WARPS: u32 = 2;
+
+fn run_variant(cxx: &str, v: HtiVariant) {
+    let spec = v.spec();
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("moelink-hti-emu-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("ht_internode.cu"), HTI_SOURCE).unwrap();
+    std::fs::write(dir.join("transport.cuh"), TRANSPORT_HEADER).unwrap();
+    std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
+    let bin = dir.join("hti_emu");
+    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
+    for (k, val) in &spec.defines {
+        let val = if k == "HTI_WARPS" { EMU_WARPS.to_string() } else { val.clone() };
+        flags.push(format!("-D{k}={val}"));
+    }
+    if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("hti_emu.cpp"), &bin) {
+        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
+    }
+    let run = Command::new(&bin).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&run.stdout));
+    assert!(
+        run.status.success(),
+        "{}: the emulated kernels disagree with the reference:\n{}\n{}",
+        spec.variant,
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+macro_rules! emulate {
+    ($($name:ident: $nodes:expr, $rpn:expr, $hidden:expr, $fp8:expr, $topk:expr, $biases:expr, $transport:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            let Some(cxx) = common::compiler() else {
+                eprintln!("skipping the internode HT emulation: no C++ compiler");
+                return;
+            };
+            run_variant(&cxx, HtiVariant {
+                hidden: $hidden, fp8: $fp8, topk: $topk, num_biases: $biases, num_nodes: $nodes, ranks_per_node: $rpn,
+                transport: $transport,
+            });
+        }
+    )*};
+}
+
+emulate! {
+    emu_nic_2x2_fp8_hidden_256_top4: 2, 2, 256, true, 4, 1, Transport::EmuNic;
+    ptr_2x2_bf16_hidden_128_top3: 2, 2, 128, false, 3, 2, Transport::Ptr;
+    emu_nic_4x2_bf16_hidden_64_top8: 4, 2, 64, false, 8, 0, Transport::EmuNic;
+    ptr_2x4_fp8_hidden_128_top6: 2, 4, 128, true, 6, 2, Transport::Ptr;
+    emu_nic_3x1_bf16_hidden_32_top2: 3, 1, 32, false, 2, 0, Transport::EmuNic;
+}
