@@ -1,9 +1,10 @@
 """``Buffer``: DeepEP's ``deep_ep.Buffer`` surface over moelink's native module.
 
 Division of labour: this module does what is torch-specific (turning tensors into
-``(data_ptr, dtype, shape, strides, device)`` tuples, allocating every output with torch, streams, events,
-keeping tensors alive); the native module validates everything else and moves the data. Errors name the
-argument (``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
+``(data_ptr, dtype, shape, strides, device)`` tuples, allocating every output with torch — after checking that
+the device can hold what a size argument asks for, as the Rust API does before it allocates — streams,
+events, keeping tensors alive); the native module validates everything else and moves the data. Errors name
+the argument (``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
 
 Streams (CUDA backend), as in DeepEP: high-throughput operations run on the buffer's communication
 stream (``get_comm_stream()``), which first waits for ``previous_event`` or else the current stream.
@@ -35,7 +36,9 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import _env, _native
+from ._args import check_fits as _check_fits
 from ._args import count as _count
+from ._args import host_memory_bytes as _host_memory_bytes
 from ._args import invalid as _invalid
 from ._torch import require_torch, torch
 from .config import Config
@@ -261,6 +264,10 @@ class Buffer:
         self._cuda = self.backend == "cuda"
         self._device = t.device("cuda", self._native.device) if self._cuda else t.device("cpu")
         self._comm_stream: Any = t.cuda.Stream(device=self._device) if self._cuda else None
+        # The most the outputs of one call may take (``_alloc``): the GPU's memory, or this machine's.
+        self._memory: Tuple[Optional[int], str] = (
+            (t.cuda.get_device_properties(self._device).total_memory, f"memory of {self._device}") if self._cuda
+            else (_host_memory_bytes(), "memory on this machine"))
 
     # ------------------------------------------------------------------ static / utility
 
@@ -368,6 +375,15 @@ class Buffer:
     def _empty(self, shape: Sequence[int], dtype: Any) -> Tensor:
         return require_torch().empty(tuple(shape), dtype=dtype, device=self._device)
 
+    def _alloc(self, arg: str, *outputs: Optional[Tuple[str, Sequence[int], Any]]) -> List[Optional[Tensor]]:
+        """Allocates outputs ``(name, shape, torch dtype)`` (None: not wanted) whose sizes come from argument
+        ``arg``, after checking that this device can hold them all: else a ``ValueError`` naming ``arg`` and the
+        bytes needed, before anything is allocated."""
+        wanted = [(name, tuple(shape), str(dtype).removeprefix("torch."), dtype.itemsize)
+                  for name, shape, dtype in filter(None, outputs)]
+        _check_fits(arg, self.rank, wanted, *self._memory)
+        return [None if o is None else self._empty(o[1], o[2]) for o in outputs]
+
     def _launch_stream(self) -> Optional[int]:
         return self._comm_stream.cuda_stream if self._comm_stream is not None else None
 
@@ -454,7 +470,7 @@ class Buffer:
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
             per_rank = self._empty((self.group_size,), t.int32)
-            per_expert = self._empty((num_experts,), t.int32)
+            [per_expert] = self._alloc("num_experts", ("num_tokens_per_expert", (num_experts,), t.int32))
             in_rank = self._empty((num_tokens, self.group_size), t.bool)
             self._native.get_dispatch_layout_into(idx, num_experts, self._tensor(per_rank, "num_tokens_per_rank"),
                                                   self._tensor(per_expert, "num_tokens_per_expert"),
@@ -512,17 +528,21 @@ class Buffer:
         try:
             plan = self._native.prepare_dispatch(**args, stream=self._launch_stream())
             n = plan.num_recv_rows
-            recv_x = self._empty((n, plan.hidden), x_data.dtype)
-            recv_scales = self._empty((n, plan.hidden // 128), t.float32) if plan.is_fp8 else None
-            recv_idx = self._empty((n, plan.topk), t.int64) if plan.has_topk else None
-            recv_w = self._empty((n, plan.topk), t.float32) if plan.has_topk else None
             # DeepEP's handle (a fresh dispatch returns one): the exact parts come from the native call, the
             # channel parts (moelink's meaning, DispatchHandle) from is_token_in_rank on the same stream.
             fresh = handle is None
             r, channels = self.group_size, config_tuple[0] // 2
+            # The rows: num_worst_tokens in no-sync mode, else what the ranks' `x` send here.
+            recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = self._alloc(
+                "num_worst_tokens" if args["num_worst_tokens"] > 0 else "x",
+                ("recv_x", (n, plan.hidden), x_data.dtype),
+                ("recv_x_scales", (n, plan.hidden // 128), t.float32) if plan.is_fp8 else None,
+                ("recv_topk_idx", (n, plan.topk), t.int64) if plan.has_topk else None,
+                ("recv_topk_weights", (n, plan.topk), t.float32) if plan.has_topk else None,
+                ("recv_src_idx", (n,), t.int32) if fresh else None)
             rank_prefix = self._empty((r, r), t.int32) if fresh else None
-            recv_src_idx = self._empty((n,), t.int32) if fresh else None
-            channel_parts = [self._empty((r, channels), t.int32), self._empty((r, channels), t.int32),
+            channel_parts = [*self._alloc("config.num_sms", ("channel_prefix_matrix", (r, channels), t.int32),
+                                          ("recv_channel_prefix_matrix", (r, channels), t.int32)),
                              self._empty(tuple(is_token_in_rank.shape), t.int32)] if fresh else []
             native_handle = self._native.dispatch_into(
                 plan, self._tensor(recv_x, "recv_x"), self._opt(recv_scales, "recv_x_scales"),
@@ -674,14 +694,16 @@ class Buffer:
         hidden = x_arg[2][-1] if x_arg[2] else 0
         e_local, rows = num_experts // self.group_size, self.group_size * t_max
         use_fp8 = bool(use_fp8)
-        recv_x = self._empty((e_local, rows, hidden), t.float8_e4m3fn if use_fp8 else t.bfloat16)
-        recv_scales = None
-        if use_fp8:
-            packs = hidden // 512 if use_ue8m0 else hidden // 128
-            recv_scales = self._empty((e_local, packs, rows), t.int32 if use_ue8m0 else t.float32).transpose(1, 2)
-        recv_count = self._empty((e_local,), t.int32)
-        src_info = self._empty((e_local, rows), t.int32)
-        layout_range = self._empty((e_local, self.group_size), t.int64)
+        packs = hidden // 512 if use_ue8m0 else hidden // 128
+        recv_count, layout_range = self._alloc("num_experts", ("recv_count", (e_local,), t.int32),
+                                               ("layout_range", (e_local, self.group_size), t.int64))
+        recv_x, recv_scales, src_info = self._alloc(
+            "num_max_dispatch_tokens_per_rank",
+            ("recv_x", (e_local, rows, hidden), t.float8_e4m3fn if use_fp8 else t.bfloat16),
+            ("recv_x_scales", (e_local, packs, rows), t.int32 if use_ue8m0 else t.float32) if use_fp8 else None,
+            ("src_info", (e_local, rows), t.int32))
+        if recv_scales is not None:
+            recv_scales = recv_scales.transpose(1, 2)
         native_handle, native_hook = self._native.low_latency_dispatch_into(
             x_arg, idx_arg, t_max, num_experts, self._tensor(recv_x, "recv_x"), self._tensor(recv_count, "recv_count"),
             topk_weights=w_arg, recv_x_scales=self._opt(recv_scales, "recv_x_scales"), use_fp8=use_fp8,

@@ -28,7 +28,6 @@ pub fn cpu_model() -> String {
     format!("unknown {} CPU", std::env::consts::ARCH)
 }
 
-/// Logical CPUs available to this process.
 /// This machine's memory in bytes (`MemTotal` of `/proc/meminfo`), or `None` where it cannot be read.
 pub fn host_memory_bytes() -> Option<usize> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -37,6 +36,7 @@ pub fn host_memory_bytes() -> Option<usize> {
     kib.checked_mul(1024)
 }
 
+/// Logical CPUs available to this process.
 pub fn cpu_count() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

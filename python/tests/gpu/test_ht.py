@@ -288,6 +288,33 @@ def test_argument_errors_name_the_argument(env, ht_buffer):
     assert recv_x.shape[1] == HT_SMALL.hidden
 
 
+def test_sizes_the_device_cannot_hold_name_the_argument(env, ht_buffer):
+    """Outputs that an argument sizes beyond the device's memory are refused before torch allocates them,
+    naming the argument and the bytes needed (torch's out-of-memory error names no argument)."""
+    r, nr = env.rank, env.num_ranks
+    e = HT_REAL.num_experts(nr)
+    inp = make_inputs(r, 8, HT_REAL.hidden, e, HT_REAL.topk, 9)
+    idx = env.to(inp.topk_idx)
+    per_rank, _, per_expert, in_rank, _ = ht_buffer.get_dispatch_layout(idx, e)
+    lay = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+               topk_weights=env.to(inp.topk_weights))
+    worst = (1 << 31) - 1  # the most the native layer accepts: 30 TB of rows at hidden 7168
+    with pytest.raises(ValueError) as err:
+        ht_buffer.dispatch(env.to(inp.x), **lay, num_worst_tokens=worst)
+    need = worst * (HT_REAL.hidden * 2 + HT_REAL.topk * (8 + 4) + 4)
+    assert err.value.argument == "num_worst_tokens" and f"need {need} bytes" in str(err.value), str(err.value)
+    with pytest.raises(ValueError) as err:
+        ht_buffer.get_dispatch_layout(idx, 1 << 42)
+    assert err.value.argument == "num_experts"
+    # 2^40 SMs: the CUDA backend refuses more than its GPU has; the host's DeepEP-shaped channel outputs
+    # ([ranks, num_sms / 2] each) are what no machine holds.
+    with pytest.raises(ValueError) as err:
+        ht_buffer.dispatch(env.to(inp.x), **lay, config=moelink.Config(num_sms=1 << 40))
+    assert err.value.argument == "config.num_sms"
+    recv_x, *_ = ht_buffer.dispatch(env.to(inp.x), **lay)  # the buffer still works
+    assert recv_x.shape[1] == HT_REAL.hidden
+
+
 def test_local_buffer_tensor(env, ht_buffer):
     if not env.cuda:
         with pytest.raises(RuntimeError):

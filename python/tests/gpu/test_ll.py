@@ -199,6 +199,13 @@ def test_ll_errors_name_the_argument(env, ll_buffer):
     with pytest.raises(TypeError) as err:
         ll_buffer.low_latency_combine(env.to(inp.x[:4]), env.to(inp.topk_idx[:4]), env.to(inp.topk_weights[:4]), "handle")
     assert err.value.argument == "handle"
+    # Outputs no device holds are refused before torch allocates them, naming the argument that sizes them.
+    with pytest.raises(ValueError) as err:
+        ll_buffer.low_latency_dispatch(env.to(inp.x[:4]), env.to(inp.topk_idx[:4]), 1 << 40, e)
+    assert err.value.argument == "num_max_dispatch_tokens_per_rank" and "bytes" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        ll_buffer.low_latency_dispatch(env.to(inp.x[:4]), env.to(inp.topk_idx[:4]), T_MAX, env.num_ranks << 42)
+    assert err.value.argument == "num_experts" and "bytes" in str(err.value)
 
 
 def test_clean_low_latency_buffer(env, ll_buffer):
