@@ -242,9 +242,10 @@ pub struct BenchArgs {
     /// (DeepEP's `allow_nvlink_for_low_latency_mode=False`).
     #[arg(long)]
     pub no_nvlink_in_node: bool,
-    /// Draw what was measured into FILE (PNG, 1280x720): time or GB/s (`--plot-metric`) against what was
-    /// swept (tokens, SMs, or ranks across `--plot-with` files), one line per operation and payload type, a
-    /// baseline's lines dashed.
+    /// Draw what was measured into FILE (PNG, 1280x720; 560 pixels taller per further row of two panels):
+    /// time or GB/s (`--plot-metric`) against what was swept (tokens, SMs, or ranks across `--plot-with`
+    /// files), one panel per regime and sweep, one line per operation and payload type, a baseline's lines
+    /// dashed; a header names the backend and commit.
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
     /// What the plot's y axis shows.
