@@ -95,6 +95,26 @@ pub enum Error {
     #[error("NVSHMEM: {0}")]
     Nvshmem(String),
 
+    /// The NVSHMEM host library is another version than the one the internode kernels are compiled and
+    /// linked for (the headers and `libnvshmem_device.a` of the NVSHMEM installation they were built
+    /// against): its device state would not match theirs.
+    #[error(
+        "NVSHMEM version mismatch: {library} is NVSHMEM {library_version}, but the internode kernels are compiled against the \
+         headers and linked with the device library of {home}, NVSHMEM {kernel_version}; use one NVSHMEM for both: \
+         `pip install nvidia-nvshmem-cu13=={kernel_version}` and point RdmaOptions::nvshmem_home (NVSHMEM_HOME for the moelink \
+         command, moelink-stress and the Python package) at its nvidia/nvshmem folder"
+    )]
+    NvshmemVersion {
+        /// The host library that reported `library_version`.
+        library: String,
+        /// What it reports (`nvshmemx_vendor_get_version_info`), `major.minor.patch`.
+        library_version: String,
+        /// The installation the kernels compile against.
+        home: String,
+        /// Its version (`include/non_abi/nvshmem_version.h`), `major.minor.patch`.
+        kernel_version: String,
+    },
+
     /// A caller-supplied value is unusable (wrong size, mismatched device, bad launch shape...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -43,7 +43,7 @@ pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use memory::{DeviceBuffer, HostMapped};
 pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
-pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain};
+pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};
 pub use stream::{Event, Stream};
 pub use symmetric::{AllGather, Exchange, PeerAccess, SymmetricBuffer};
 

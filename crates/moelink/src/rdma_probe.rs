@@ -150,14 +150,11 @@ impl Probe {
     }
 
     /// Ends a collective probe: on success a group barrier (no rank frees its region while a peer may still
-    /// put into it) and the value; on failure the region is leaked instead (a peer may still be inside the
-    /// launch that failed here).
+    /// put into it) and the value; on failure, of the body or of that barrier, the region is leaked instead
+    /// (a peer may still be inside the launch that failed here, or gone: its collective free would wait).
     fn finish<T>(self, group: &dyn Group, body: Result<T>) -> Result<T> {
-        match body {
-            Ok(v) => {
-                group.barrier()?;
-                Ok(v)
-            }
+        match body.and_then(|v| group.barrier().map(|()| v)) {
+            Ok(v) => Ok(v),
             Err(e) => {
                 self.domain.leak();
                 std::mem::forget(self.sink);

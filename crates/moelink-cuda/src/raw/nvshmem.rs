@@ -4,9 +4,11 @@
 //!
 //! Only exported, ABI-stable entry points are used. The header's `nvshmem_init`/`nvshmemx_init_attr` are
 //! inline functions calling into the device library, so a `dlopen` user initialises with
-//! `nvshmemx_hostlib_init_attr` and the unique-id bootstrap. The library is opened `RTLD_NOW | RTLD_GLOBAL`
-//! (its bootstrap and transport plugins, which it `dlopen`s itself, must see this one instance) and never
-//! closed (it registers `atexit` handlers).
+//! `nvshmemx_hostlib_init_attr` and the unique-id bootstrap, and finalises with its pair
+//! `nvshmemx_hostlib_finalize` (the header's inline `nvshmem_finalize` ends in the same teardown, through the
+//! device library). The library is opened `RTLD_NOW | RTLD_GLOBAL` (its bootstrap and transport plugins,
+//! which it `dlopen`s itself, must see this one instance) and never closed: each initialisation registers an
+//! `atexit` handler of its own (the bootstrap's teardown) that must find the library loaded.
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::path::Path;
@@ -117,6 +119,7 @@ pub(crate) struct Api {
     pub get_uniqueid: unsafe extern "C" fn(*mut UniqueId) -> c_int,
     pub set_attr_uniqueid_args: unsafe extern "C" fn(c_int, c_int, *const UniqueId, *mut InitAttr) -> c_int,
     pub hostlib_init_attr: unsafe extern "C" fn(c_uint, *mut InitAttr) -> c_int,
+    pub hostlib_finalize: unsafe extern "C" fn(),
     pub init_status: unsafe extern "C" fn() -> c_int,
     pub my_pe: unsafe extern "C" fn() -> c_int,
     pub n_pes: unsafe extern "C" fn() -> c_int,
@@ -125,6 +128,8 @@ pub(crate) struct Api {
     pub ptr: unsafe extern "C" fn(*const c_void, c_int) -> *mut c_void,
     pub barrier_all: unsafe extern "C" fn(),
     pub cumodule_init: unsafe extern "C" fn(*mut c_void) -> c_int,
+    pub cumodule_finalize: unsafe extern "C" fn(*mut c_void) -> c_int,
+    /// `nvshmemx_vendor_get_version_info`: the library's own version, compiled in; callable before init.
     pub vendor_version: unsafe extern "C" fn(*mut c_int, *mut c_int, *mut c_int),
     /// The library stays loaded for the process.
     _lib: std::mem::ManuallyDrop<Library>,
@@ -152,6 +157,7 @@ pub(crate) fn open(path: &Path) -> Result<Api> {
         get_uniqueid: sym!("nvshmemx_get_uniqueid"),
         set_attr_uniqueid_args: sym!("nvshmemx_set_attr_uniqueid_args"),
         hostlib_init_attr: sym!("nvshmemx_hostlib_init_attr"),
+        hostlib_finalize: sym!("nvshmemx_hostlib_finalize"),
         init_status: sym!("nvshmemx_init_status"),
         my_pe: sym!("nvshmem_my_pe"),
         n_pes: sym!("nvshmem_n_pes"),
@@ -160,6 +166,7 @@ pub(crate) fn open(path: &Path) -> Result<Api> {
         ptr: sym!("nvshmem_ptr"),
         barrier_all: sym!("nvshmem_barrier_all"),
         cumodule_init: sym!("nvshmemx_cumodule_init"),
+        cumodule_finalize: sym!("nvshmemx_cumodule_finalize"),
         vendor_version: sym!("nvshmemx_vendor_get_version_info"),
         _lib: std::mem::ManuallyDrop::new(lib),
     })

@@ -582,7 +582,12 @@ impl CudaBackend {
 ///   memory) is leaked — the price of rebuilding after a failure, instead of a peer's late store landing in
 ///   someone else's allocation;
 /// - across nodes in shrink mode with a rank masked, the RDMA domain's memory is leaked too: freeing it is
-///   collective, and the masked rank may never take part.
+///   collective, and the masked rank may never take part;
+/// - when the group barrier of the collective drop fails (`quiesce`), the buffer counts as
+///   poisoned: a peer may be gone.
+///
+/// With NVSHMEM, leaking the RDMA domain pins the runtime (never finalised in this process: its finalize
+/// waits for every PE); a healthy drop of the last internode buffer finalises it.
 ///
 /// A healthy buffer's memory is freed. Peers of a healthy buffer may still publish the last call's hand-back
 /// flags into it for a few microseconds after this rank's call returned: drop buffers collectively, after a
@@ -671,7 +676,13 @@ impl Backend for CudaBackend {
             (StreamMode::External(s), _) | (_, Some(s)) => s.synchronize(),
             _ => Ok(()),
         };
-        self.group.barrier()?;
+        if let Err(e) = self.group.barrier() {
+            // Not every rank is known to be done (a peer is gone or late): it may still write here, and a
+            // collective free of the RDMA domain (NVSHMEM's free and finalize wait for every PE) could wait
+            // for it forever. Keep the memory, as after a failed collective.
+            self.poisoned = true;
+            return Err(e);
+        }
         own?;
         Ok(external?)
     }

@@ -27,7 +27,9 @@ pub(crate) struct RdmaDomain {
     /// The emulated NIC's queues (zeroed once).
     nic: Option<DeviceBuffer>,
     toolchain: Option<NvshmemToolchain>,
-    nvshmem: Option<&'static Nvshmem>,
+    /// This domain's handle to the process's NVSHMEM runtime (the heap holds another): the runtime is
+    /// finalised once the last handle of the last domain is dropped, unless a leak pinned it.
+    nvshmem: Option<Nvshmem>,
     rank: usize,
     num_ranks: usize,
     num_qps: usize,
@@ -66,11 +68,12 @@ impl RdmaDomain {
             }
             Transport::Nvshmem => {
                 let home = options.nvshmem_home.as_deref().ok_or_else(|| {
-                    Error::Unavailable(
-                        "the nvshmem transport needs NVSHMEM: `pip install nvidia-nvshmem-cu13==3.4.5` and set NVSHMEM_HOME (or \
-                         RdmaOptions::nvshmem_home) to its nvidia/nvshmem folder"
-                            .into(),
-                    )
+                    Error::Unavailable(format!(
+                        "the nvshmem transport needs NVSHMEM: `pip install nvidia-nvshmem-cu13=={}` and set RdmaOptions::nvshmem_home \
+                         to its nvidia/nvshmem folder (the moelink command, moelink-stress and the Python package set it from \
+                         NVSHMEM_HOME)",
+                        moelink_cuda::NvshmemVersion::TESTED
+                    ))
                 })?;
                 if !one_rank_per_process(group)? {
                     return Err(Error::invalid(
@@ -82,13 +85,33 @@ impl RdmaDomain {
                 }
                 let toolchain = NvshmemToolchain::locate(home, options.cuda_home.as_deref())?;
                 let rt = Nvshmem::init(&toolchain, device, &options.nvshmem_env(), &ex)?;
-                let heap = rt.alloc(region_bytes.max(4096))?;
-                heap.zero(device)?;
+                // nvshmem_malloc fails alike on every PE (same size, same heap): dropping `rt` then finalises
+                // on all of them, and a retry (with a larger NVSHMEM_SYMMETRIC_SIZE) initialises afresh.
+                let mut heap = rt.alloc(region_bytes.max(4096))?;
+                if let Err(e) = heap.zero(device) {
+                    // A failure of this GPU alone: the other PEs may never join a collective free.
+                    heap.leak();
+                    return Err(e.into());
+                }
                 (Region::Heap(heap), None, Some(toolchain), Some(rt))
             }
         };
-        group.barrier()?;
-        Ok(RdmaDomain { transport: options.transport, region, nic, toolchain, nvshmem, rank, num_ranks, num_qps: options.num_qps_per_rank })
+        let domain = RdmaDomain {
+            transport: options.transport,
+            region,
+            nic,
+            toolchain,
+            nvshmem,
+            rank,
+            num_ranks,
+            num_qps: options.num_qps_per_rank,
+        };
+        if let Err(e) = group.barrier() {
+            // A peer that missed the barrier may be gone: nothing collective is waited for on its behalf.
+            domain.leak();
+            return Err(e);
+        }
+        Ok(domain)
     }
 
     /// The engine.
@@ -150,13 +173,15 @@ impl RdmaDomain {
 
     /// Registers a loaded module with NVSHMEM (its kernels use the device API); nothing otherwise.
     pub(crate) fn register(&self, module: &Module) -> Result<()> {
-        if let Some(rt) = self.nvshmem {
+        if let Some(rt) = &self.nvshmem {
             rt.register(module)?;
         }
         Ok(())
     }
 
-    /// Keeps the region when dropped (a peer may still put into it).
+    /// Keeps the region when dropped (a peer may still put into it, or may never join its collective
+    /// free); with NVSHMEM this pins the runtime for the rest of the process (its finalize would wait for
+    /// every PE too).
     pub(crate) fn leak(self) {
         match self.region {
             Region::Peers(s) => std::mem::forget(s),
