@@ -209,8 +209,10 @@ impl std::str::FromStr for Transport {
 }
 
 /// RDMA settings (DeepEP's names where it has them). The NIC ones are handed to NVSHMEM before it
-/// initialises (as the `NVSHMEM_*` variables in [`RdmaOptions::nvshmem_env`]); `None` leaves NVSHMEM's
-/// default (or what the environment already says).
+/// initialises (as the `NVSHMEM_*` variables in [`RdmaOptions::nvshmem_env`], overriding the environment);
+/// an optional one left `None` leaves NVSHMEM's default, or what the environment already says.
+/// `num_qps_per_rank` is not optional: it always sets `NVSHMEM_IBGDA_NUM_RC_PER_PE` (as DeepEP's `Buffer`
+/// does), and `NVSHMEM_DISABLE_NVLS=1` is always set.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RdmaOptions {
     /// The engine. Default: NVSHMEM.
@@ -235,9 +237,13 @@ pub struct RdmaOptions {
     pub address_family: Option<String>,
     /// Send-queue depth per QP (`NVSHMEM_QP_DEPTH`).
     pub qp_depth: Option<u32>,
-    /// NICs to use, e.g. `mlx5_0:1,mlx5_1:1` (`NVSHMEM_HCA_LIST`).
+    /// NICs to use, e.g. `mlx5_0:1,mlx5_1:1` (`^` first excludes them instead): `NVSHMEM_HCA_LIST`. Each
+    /// PE takes the nearest listed NIC (with `NVSHMEM_ENABLE_NIC_PE_MAPPING=1` in the environment: local PE
+    /// `i` the `i % n`-th).
     pub hca_list: Option<String>,
-    /// NIC per PE, e.g. `mlx5_0:1:2,mlx5_1:1:2` (`NVSHMEM_HCA_PE_MAPPING`).
+    /// NIC per PE of a node, `hca:port:count` in PE order, e.g. `mlx5_0:1:2,mlx5_1:1:2` (local PEs 0, 1 on
+    /// mlx5_0, 2, 3 on mlx5_1): `NVSHMEM_HCA_PE_MAPPING`, with `NVSHMEM_ENABLE_NIC_PE_MAPPING=1`, without
+    /// which NVSHMEM ignores it. Ignored by NVSHMEM when `hca_list` is set too.
     pub hca_pe_mapping: Option<String>,
     /// NVSHMEM's installation (`include/`, `lib/`), e.g. the `nvidia/nvshmem` folder of the
     /// `nvidia-nvshmem-cu13` wheel. Needed for the `nvshmem` transport.
@@ -269,9 +275,12 @@ impl Default for RdmaOptions {
 }
 
 impl RdmaOptions {
+    /// The most QPs per peer a buffer may ask for (`num_qps_per_rank`).
+    pub const MAX_QPS_PER_RANK: usize = moelink_kernels::transport::RDMA_MAX_QPS;
+
     /// Checks the settings (this is `rank`); the error names the field.
     pub fn validate(&self, rank: usize) -> Result<()> {
-        let max_qps = moelink_kernels::transport::RDMA_MAX_QPS;
+        let max_qps = Self::MAX_QPS_PER_RANK;
         if self.num_qps_per_rank == 0 || self.num_qps_per_rank > max_qps {
             return Err(Error::invalid("num_qps_per_rank", rank, format!("{} (must be 1..={max_qps})", self.num_qps_per_rank)));
         }
@@ -331,6 +340,8 @@ impl RdmaOptions {
         }
         if let Some(v) = &self.hca_pe_mapping {
             set("NVSHMEM_HCA_PE_MAPPING", v.clone());
+            // NVSHMEM applies the mapping only with this set (otherwise each PE takes the nearest NIC).
+            set("NVSHMEM_ENABLE_NIC_PE_MAPPING", "1".into());
         }
         env
     }
@@ -399,6 +410,12 @@ mod tests {
         assert_eq!(get("NVSHMEM_IB_ADDR_FAMILY"), Some("AF_INET6"));
         assert_eq!(get("NVSHMEM_HCA_LIST"), Some("mlx5_0:1"));
         assert_eq!(get("NVSHMEM_IB_SL"), None);
+        assert_eq!((get("NVSHMEM_HCA_PE_MAPPING"), get("NVSHMEM_ENABLE_NIC_PE_MAPPING")), (None, None));
+        let mapped = RdmaOptions { hca_pe_mapping: Some("mlx5_0:1:2,mlx5_1:1:2".into()), ..RdmaOptions::default() }.nvshmem_env();
+        let get = |k: &str| mapped.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!((get("NVSHMEM_HCA_PE_MAPPING"), get("NVSHMEM_ENABLE_NIC_PE_MAPPING")), (Some("mlx5_0:1:2,mlx5_1:1:2"), Some("1")));
+        // Always set, whatever the environment says: QPs per peer and no NVLink multicast.
+        assert_eq!((get("NVSHMEM_IBGDA_NUM_RC_PER_PE"), get("NVSHMEM_DISABLE_NVLS")), (Some("24"), Some("1")));
         assert_eq!(
             RdmaOptions { num_qps_per_rank: 0, ..RdmaOptions::default() }.validate(2).unwrap_err().argument(),
             Some("num_qps_per_rank")
