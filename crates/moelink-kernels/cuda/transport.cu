@@ -1,6 +1,6 @@
 // moelink kernel family: the RDMA transport seam's own kernels — a barrier of every rank of the RDMA domain
 // (internode buffers' barrier), a conformance check that every backend keeps the contract of
-// transport.cuh, and a micro-benchmark of put / put+signal.
+// transport.cuh, and a micro-benchmark of put and put+signal (latency and bandwidth).
 //
 // JIT constants (from moelink_kernels::transport::TransportVariant):
 //   MOELINK_TRANSPORT                  the backend (transport.cuh)
@@ -191,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(TRANSPORT_THREADS, 1) transport_che
 }
 
 // TransportBenchArgs::mode.
-constexpr u32 BENCH_LATENCY = 0;    // ping-pong of put_signal between rank pairs (r, r ^ 1)
+constexpr u32 BENCH_LATENCY = 0;    // ping-pong between rank pairs (r, r ^ 1): put_signal, or put + fence + signal
 constexpr u32 BENCH_BANDWIDTH = 1;  // every rank streams `messages` puts of `bytes` to rank (r + 1) % R
 
 struct TransportBenchArgs {
@@ -203,16 +203,20 @@ struct TransportBenchArgs {
   u32 mode;
   u32 bytes;       // per message (multiple of 16)
   u32 messages;    // latency: round trips; bandwidth: messages per rank
-  u32 use_signal;  // bandwidth: 1 = every message is a put_signal, 0 = puts, then one fence + signal per warp
+  u32 use_signal;  // 1 = every message is a put_signal; 0 = plain puts (latency: each followed by a fence and
+                   // a signal; bandwidth: one fence + signal per warp after its puts)
 };
 static_assert(sizeof(TransportBenchArgs) == MOELINK_SIZEOF_TRANSPORT_BENCH_ARGS, "TransportBenchArgs mirrors Rust");
 
 // transport_bench: grid = worker blocks (+ the emulated NIC's), TRANSPORT_THREADS threads, cooperative.
 // Start: thread 0 of block 0 sets start word [me] of every rank to `epoch` and waits for every rank's, so
 // all ranks start together; __syncthreads spreads that to block 0, a grid-wide signal to the others.
-//   latency:   warp 0 of block 0 of ranks r and r ^ 1: the even one puts `bytes` with signal SET i on the
-//              odd one's ping-pong word and waits for SET i back, `messages` times; result = ns per
-//              round trip × messages (the host halves it).
+//   latency:   warp 0 of block 0 of ranks r and r ^ 1: the even one puts `bytes` to the odd one and sets
+//              its ping-pong word to i, then waits for the same back, `messages` times; result = ns per
+//              round trip × messages (the host halves it). Round i uses QP i % num_qps. With use_signal the
+//              put and its signal are one put_signal; without, they are a plain put, a fence and a signal
+//              (SET) on the same QP — what a protocol pays when it cannot carry its signal with the data
+//              (NVSHMEM's own put ping-pong test orders them the same way).
 //   bandwidth: every worker warp puts its share of `messages` messages of `bytes` into rank (me+1) % R,
 //              each with a signal ADD 1 (use_signal) or as plain puts followed by one fence and a signal
 //              ADD (its message count); rank me waits until its counter reached signal_base + messages;
@@ -255,13 +259,23 @@ extern "C" __global__ void __launch_bounds__(TRANSPORT_THREADS, 1) transport_ben
     if (blockIdx.x != 0 || warp != 0 || partner >= n) return;
     const bool leader = (me & 1) == 0;
     const u64 base = a.signal_base;  // the ping-pong word only grows: values of earlier launches are below
+    // One message of round i to the partner: the data, then its ping-pong word set to base + i.
+    auto send = [&](u32 i) -> bool {
+      const u32 qp = i % a.rdma.num_qps;
+      if (a.use_signal != 0) {
+        return rdma::put_signal_warp(a.rdma, qp, partner, recv_off, send_off, a.bytes, pingpong_off, base + i, SIGNAL_SET, dl);
+      }
+      bool ok = rdma::put_warp(a.rdma, qp, partner, recv_off, send_off, a.bytes, dl);
+      if (lane == 0 && ok) {
+        ok = rdma::fence_thread(a.rdma, qp, dl) && rdma::signal_thread(a.rdma, qp, partner, pingpong_off, base + i, SIGNAL_SET, dl);
+      }
+      return __shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) != 0;
+    };
     for (u32 i = 1; i <= a.messages; i++) {
       if (leader) {
-        rdma::put_signal_warp(a.rdma, 0, partner, recv_off, send_off, a.bytes, pingpong_off, base + i, SIGNAL_SET, dl);
-        if (!rdma::wait_signal_geq(a.rdma, pingpong_off, base + i, dl, partner)) return;
+        if (!send(i) || !rdma::wait_signal_geq(a.rdma, pingpong_off, base + i, dl, partner)) return;
       } else {
-        if (!rdma::wait_signal_geq(a.rdma, pingpong_off, base + i, dl, partner)) return;
-        rdma::put_signal_warp(a.rdma, 0, partner, recv_off, send_off, a.bytes, pingpong_off, base + i, SIGNAL_SET, dl);
+        if (!rdma::wait_signal_geq(a.rdma, pingpong_off, base + i, dl, partner) || !send(i)) return;
       }
     }
     if (lane == 0) {

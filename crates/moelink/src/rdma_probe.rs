@@ -1,8 +1,8 @@
 //! Diagnostics of the RDMA transport seam on this machine's GPUs: the conformance check ([`check`]: every
 //! byte of random messages between random peers on random QPs arrives before its signal) and the
-//! micro-benchmark ([`bench()`]: put+signal latency, put / put+signal bandwidth). Both are collective and run
-//! the kernels of `moelink-kernels/cuda/transport.cu` on a fresh RDMA domain; `moelink selftest` and
-//! `moelink bench transport` call them, as do the GPU tests.
+//! micro-benchmark ([`bench()`]: put and put+signal latency, put and put+signal bandwidth). Both are
+//! collective and run the kernels of `moelink-kernels/cuda/transport.cu` on a fresh RDMA domain; `moelink
+//! selftest` and `moelink bench transport` call them, as do the GPU tests.
 //!
 //! Ranks that share a GPU (thread mode, or processes under CUDA MPS) measure the GPU's own memory, not a
 //! network: such figures say that the seam works, not how fast a NIC is.
@@ -212,7 +212,8 @@ pub fn check(group: &dyn Group, device: usize, o: &CheckOptions) -> Result<Check
 /// What [`bench()`] measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BenchMode {
-    /// put_signal ping-pong between ranks `r` and `r ^ 1`; reports one-way latency.
+    /// Ping-pong between ranks `r` and `r ^ 1` (a put_signal, or a put, a fence and a signal: see
+    /// [`BenchOptions::use_signal`]), round `i` on QP `i % num_qps_per_rank`; reports one-way latency.
     Latency,
     /// Every rank streams puts into rank `r + 1`; reports what each rank received per second.
     Bandwidth,
@@ -232,7 +233,9 @@ pub struct BenchOptions {
     pub bandwidth_bytes: usize,
     /// Round trips per latency measurement.
     pub latency_round_trips: u32,
-    /// Bandwidth: every message a put_signal (else puts, then one fence and signal per warp).
+    /// Every message a put_signal. Otherwise plain puts: latency — each put followed by a fence and a signal
+    /// (what a protocol pays when its signal cannot ride with the data); bandwidth — a warp's puts, then one
+    /// fence and one signal.
     pub use_signal: bool,
     /// Worker blocks (bandwidth).
     pub blocks: u32,

@@ -1,11 +1,13 @@
-//! `moelink bench transport`: the RDMA transport seam on this machine — put+signal latency (ping-pong between
-//! rank pairs) and put / put+signal bandwidth (every rank streams into the next), per backend, message size
-//! and QP count, each after a conformance check of the same backend (`moelink::rdma_probe`).
+//! `moelink bench transport`: the RDMA transport seam on this machine — latency (ping-pong between rank
+//! pairs) and bandwidth (every rank streams into the next) of plain puts and of put_signal, per backend,
+//! message size and QP count (a sweep 1, 2, 4, ... up to `--max-qps`), each after a conformance check of the
+//! same backend (`moelink::rdma_probe`).
 //!
-//! Records use mode `"probe"`, op `"put_signal"` (latency) or `"put"` / `"put_signal"` (bandwidth, extra
-//! `pattern`), and carry `transport`, `nodes`, `ranks_per_node`. Without a NIC (ptr, emu-nic, or NVSHMEM over
-//! P2P) and above all with ranks sharing a GPU these are not network figures: the table and the records
-//! (`shared_gpu`) say so.
+//! Records use mode `"probe"`, op `"put"` or `"put_signal"`, extra `pattern` (`"ping-pong"` or `"stream"`),
+//! `ordering` (how the receiver learns of the data: `"put_signal"`, or `"fence+signal"` after the plain
+//! puts) and `qps`, and carry `transport`, `nodes`, `ranks_per_node`. Without a NIC (ptr, emu-nic, or
+//! NVSHMEM over P2P) and above all with ranks sharing a GPU these are not network figures: the table and the
+//! records (`shared_gpu`) say so.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -32,10 +34,38 @@ pub enum TransportSel {
 /// What to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProbeSel {
-    /// put_signal ping-pong between ranks r and r ^ 1.
+    /// Ping-pong between ranks r and r ^ 1 (one-way latency: half a round trip).
     Latency,
     /// Every rank streams puts into rank r + 1.
     Bandwidth,
+}
+
+/// Which operation carries the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OpSel {
+    /// Plain puts; the receiver learns of them from a signal issued after a fence (latency: put, fence,
+    /// signal per message; bandwidth: a warp's puts, then one fence and one signal).
+    Put,
+    /// put_signal: the signal rides with the data, applied once the data is visible.
+    PutSignal,
+}
+
+impl OpSel {
+    /// The record's `op`.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpSel::Put => "put",
+            OpSel::PutSignal => "put_signal",
+        }
+    }
+
+    /// The record's `ordering`: how the receiver learns the data arrived.
+    fn ordering(self) -> &'static str {
+        match self {
+            OpSel::Put => "fence+signal",
+            OpSel::PutSignal => "put_signal",
+        }
+    }
 }
 
 /// Options of `moelink bench transport`.
@@ -57,12 +87,19 @@ pub struct TransportArgs {
     /// Measurements, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "latency,bandwidth")]
     pub mode: Vec<ProbeSel>,
+    /// Operations, comma-separated: each measurement runs once per operation.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "put,put-signal")]
+    pub ops: Vec<OpSel>,
     /// Message sizes in bytes (multiples of 16), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "16,4096,65536,1048576")]
     pub sizes: Vec<usize>,
-    /// QPs per peer to sweep, comma-separated (1..=32).
-    #[arg(long, value_delimiter = ',', default_value = "1,4")]
-    pub qps: Vec<usize>,
+    /// QPs per peer (a buffer's num_qps_per_rank) of the largest point: the sweep is 1, 2, 4, ... below it,
+    /// then it (8: 1,2,4,8; DeepEP's low-latency default 24: 1,2,4,8,16,24). At most 32.
+    #[arg(long, default_value_t = 8)]
+    pub max_qps: usize,
+    /// QPs per peer to measure instead of the sweep, comma-separated (1..=32).
+    #[arg(long, value_delimiter = ',')]
+    pub qps: Option<Vec<usize>>,
     /// Bytes each rank sends per bandwidth measurement.
     #[arg(long, default_value_t = 64 << 20)]
     pub bandwidth_bytes: usize,
@@ -75,9 +112,6 @@ pub struct TransportArgs {
     /// Worker blocks of the bandwidth kernel.
     #[arg(long, default_value_t = 16)]
     pub blocks: u32,
-    /// Bandwidth with plain puts and one fence + signal per warp (default: every message a put_signal).
-    #[arg(long)]
-    pub no_signal: bool,
     /// emu-nic: rate cap per rank in GB/s (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub emu_rate_gbps: f64,
@@ -110,8 +144,29 @@ pub fn rdma_options(t: TransportSel, qps: usize, emu: EmuNicOptions) -> RdmaOpti
     }
 }
 
-/// One rank's results for one (transport, QPs): the check's wrong bytes, then each mode's points.
-type RankOutcome = (Option<u64>, Vec<(ProbeSel, moelink::Result<Vec<BenchPoint>>)>);
+/// The QP counts to measure: `--qps` as given, or the sweep 1, 2, 4, ... up to `--max-qps`.
+pub fn qp_counts(a: &TransportArgs) -> Result<Vec<usize>, CliError> {
+    let max = RdmaOptions::MAX_QPS_PER_RANK;
+    let counts = match &a.qps {
+        Some(list) => list.clone(),
+        None => {
+            let top = a.max_qps;
+            let mut v: Vec<usize> = std::iter::successors(Some(1usize), |q| Some(q * 2)).take_while(|&q| q < top).collect();
+            v.push(top);
+            v
+        }
+    };
+    if let Some(bad) = counts.iter().find(|&&q| q == 0 || q > max) {
+        return Err(CliError(format!("{bad} QPs per peer: must be 1..={max} (--qps, --max-qps)")));
+    }
+    if counts.is_empty() {
+        return Err(CliError("--qps names no QP count".into()));
+    }
+    Ok(counts)
+}
+
+/// One rank's results for one (transport, QPs): the check's wrong bytes, then each (mode, op)'s points.
+type RankOutcome = (Option<u64>, Vec<(ProbeSel, OpSel, moelink::Result<Vec<BenchPoint>>)>);
 
 fn run_rank(g: &dyn Group, device: usize, a: &TransportArgs, rdma: &RdmaOptions) -> moelink::Result<RankOutcome> {
     let timeout_ms = a.timeout_s.saturating_mul(1000) / 4;
@@ -123,22 +178,24 @@ fn run_rank(g: &dyn Group, device: usize, a: &TransportArgs, rdma: &RdmaOptions)
     };
     let mut out = Vec::new();
     for &m in &a.mode {
-        if m == ProbeSel::Latency && g.size() < 2 {
-            out.push((m, Err(moelink::Error::Unavailable("the latency probe pairs ranks: it needs at least 2".into()))));
-            continue;
+        for &op in &a.ops {
+            if m == ProbeSel::Latency && g.size() < 2 {
+                out.push((m, op, Err(moelink::Error::Unavailable("the latency probe pairs ranks: it needs at least 2".into()))));
+                continue;
+            }
+            let o = BenchOptions {
+                rdma: rdma.clone(),
+                mode: if m == ProbeSel::Latency { BenchMode::Latency } else { BenchMode::Bandwidth },
+                sizes: a.sizes.clone(),
+                bandwidth_bytes: a.bandwidth_bytes,
+                latency_round_trips: a.round_trips,
+                use_signal: op == OpSel::PutSignal,
+                blocks: a.blocks,
+                repetitions: a.reps,
+                timeout_ms,
+            };
+            out.push((m, op, rdma_probe::bench(g, device, &o)));
         }
-        let o = BenchOptions {
-            rdma: rdma.clone(),
-            mode: if m == ProbeSel::Latency { BenchMode::Latency } else { BenchMode::Bandwidth },
-            sizes: a.sizes.clone(),
-            bandwidth_bytes: a.bandwidth_bytes,
-            latency_round_trips: a.round_trips,
-            use_signal: !a.no_signal,
-            blocks: a.blocks,
-            repetitions: a.reps,
-            timeout_ms,
-        };
-        out.push((m, rdma_probe::bench(g, device, &o)));
     }
     Ok((wrong, out))
 }
@@ -165,6 +222,7 @@ pub fn run(a: &TransportArgs) -> Result<(), CliError> {
     if topology.num_ranks() != ranks {
         return Err(CliError(format!("--topology {topology} is not {ranks} ranks")));
     }
+    let qp_counts = qp_counts(a)?;
     let me = group.as_ref().map_or(0, |g| g.rank());
     // Ranks on this host: all of them in thread mode, torchrun's LOCAL_WORLD_SIZE in process mode.
     let local_ranks = if a.process { std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(ranks) } else { ranks };
@@ -189,11 +247,15 @@ pub fn run(a: &TransportArgs) -> Result<(), CliError> {
             "not a network figure: no RDMA NIC takes part here{}",
             if shared_gpu { ", and the ranks share a GPU (they exchange through its own memory)" } else { "" }
         );
+        println!(
+            "put: plain puts, then a fence and a signal (latency: per message; bandwidth: per warp); put_signal: the signal \
+             rides with the data | QPs {qp_counts:?}"
+        );
     }
     let emu = EmuNicOptions { delay_us: a.emu_delay_us, rate_gbps: a.emu_rate_gbps, ..EmuNicOptions::default() };
     let mut records = Vec::new();
     for &t in &a.transport {
-        for &qps in &a.qps {
+        for &qps in &qp_counts {
             let rdma = rdma_options(t, qps, emu);
             let outcome = match &group {
                 Some(g) => run_rank(g, g.local_rank() % gpus.max(1), a, &rdma),
@@ -205,7 +267,8 @@ pub fn run(a: &TransportArgs) -> Result<(), CliError> {
                 }
             };
             let base = {
-                let mut r = Record::new(&facts, "probe", "put_signal", ranks);
+                // A failure before any measurement (domain, conformance check) is reported as the check's.
+                let mut r = Record::new(&facts, "probe", "check", ranks);
                 r.nodes = Some(topology.num_nodes);
                 r.ranks_per_node = Some(topology.ranks_per_node);
                 r.transport = Some(rdma.transport.name().into());
@@ -220,10 +283,11 @@ pub fn run(a: &TransportArgs) -> Result<(), CliError> {
             match outcome {
                 Err(e) => records.push(failed(base, e)),
                 Ok((wrong, modes)) => {
-                    for (m, points) in modes {
+                    for (m, op, points) in modes {
                         let mut r = base.clone();
-                        r.op = if m == ProbeSel::Bandwidth && a.no_signal { "put".into() } else { "put_signal".into() };
+                        r.op = op.name().into();
                         r.extra.insert("pattern".into(), serde_json::json!(if m == ProbeSel::Latency { "ping-pong" } else { "stream" }));
+                        r.extra.insert("ordering".into(), serde_json::json!(op.ordering()));
                         match points {
                             Err(e) => records.push(failed(r, e)),
                             Ok(points) => records.extend(points.into_iter().map(|p| point_record(&r, &p, m, wrong, a.reps))),
@@ -300,4 +364,81 @@ fn render(records: &[Record]) -> String {
         }
     }
     t.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TransportArgs,
+    }
+
+    fn args(flags: &[&str]) -> TransportArgs {
+        let mut argv = vec!["transport"];
+        argv.extend_from_slice(flags);
+        Cli::try_parse_from(argv).expect("valid flags").args
+    }
+
+    #[test]
+    fn by_default_both_operations_are_measured_over_a_qp_sweep() {
+        let a = args(&[]);
+        assert_eq!(a.ops, vec![OpSel::Put, OpSel::PutSignal]);
+        assert_eq!(a.mode, vec![ProbeSel::Latency, ProbeSel::Bandwidth]);
+        assert_eq!(qp_counts(&a).unwrap(), vec![1, 2, 4, 8]);
+        assert_eq!(qp_counts(&args(&["--max-qps", "24"])).unwrap(), vec![1, 2, 4, 8, 16, 24]);
+        assert_eq!(qp_counts(&args(&["--max-qps", "1"])).unwrap(), vec![1]);
+        assert_eq!(qp_counts(&args(&["--max-qps", "32"])).unwrap(), vec![1, 2, 4, 8, 16, 32]);
+        // An explicit list wins over the sweep.
+        assert_eq!(qp_counts(&args(&["--qps", "3,1", "--max-qps", "16"])).unwrap(), vec![3, 1]);
+        for bad in [&["--max-qps", "0"][..], &["--max-qps", "33"], &["--qps", "1,40"]] {
+            let e = qp_counts(&args(bad)).unwrap_err().0;
+            assert!(e.contains("1..=32"), "{bad:?}: {e}");
+        }
+        assert_eq!(args(&["--ops", "put-signal"]).ops, vec![OpSel::PutSignal]);
+        assert_eq!((OpSel::Put.name(), OpSel::Put.ordering()), ("put", "fence+signal"));
+        assert_eq!((OpSel::PutSignal.name(), OpSel::PutSignal.ordering()), ("put_signal", "put_signal"));
+    }
+
+    #[test]
+    fn records_of_both_operations_keep_the_topology_fields_and_render() {
+        let facts = RunFacts {
+            system: "moelink".into(),
+            backend: "cuda".into(),
+            device: "test".into(),
+            gpus: 1,
+            date: "2026-01-01".into(),
+            commit: "abc".into(),
+        };
+        let mut base = Record::new(&facts, "probe", "check", 4);
+        base.nodes = Some(2);
+        base.ranks_per_node = Some(2);
+        base.transport = Some("emu-nic".into());
+        base.extra.insert("qps".into(), serde_json::json!(2));
+        let records: Vec<Record> = [OpSel::Put, OpSel::PutSignal]
+            .into_iter()
+            .map(|op| {
+                let mut r = base.clone();
+                r.op = op.name().into();
+                r.extra.insert("pattern".into(), serde_json::json!("ping-pong"));
+                r.extra.insert("ordering".into(), serde_json::json!(op.ordering()));
+                point_record(&r, &BenchPoint { bytes: 4096, messages: 100, us: 3.5, gbps: 0.0 }, ProbeSel::Latency, Some(0), 5)
+            })
+            .collect();
+        for (r, op) in records.iter().zip(["put", "put_signal"]) {
+            let j = serde_json::to_value(r).unwrap();
+            assert_eq!((j["op"].as_str(), j["nodes"].as_u64(), j["ranks_per_node"].as_u64()), (Some(op), Some(2), Some(2)), "{j}");
+            assert_eq!(
+                (j["transport"].as_str(), j["pattern"].as_str(), j["bytes"].as_u64()),
+                (Some("emu-nic"), Some("ping-pong"), Some(4096)),
+                "{j}"
+            );
+            assert_eq!(r.status, Status::Ok);
+        }
+        let table = render(&records);
+        assert!(table.contains("put ping-pong") && table.contains("put_signal ping-pong"), "{table}");
+    }
 }
