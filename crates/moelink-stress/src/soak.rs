@@ -250,6 +250,8 @@ pub struct FamilyCount {
     pub fp8_rounds: usize,
     /// Rounds where this rank dispatched no token.
     pub empty_rank_rounds: usize,
+    /// Rounds with node-limited routing (drawn only across nodes: each token's experts on few nodes).
+    pub node_limited_rounds: usize,
 }
 
 /// One recorded problem.
@@ -753,7 +755,8 @@ impl LlPlan {
             Family::LlHook => r.chance(0.5),
             _ => graph && r.chance(0.5),
         };
-        LlPlan { quant, weights, hook: fam == Family::LlHook, route: RouteKind::draw(&mut r, s.ranks), graph }
+        // Across nodes node-limited routing joins the draw (DeepSeek-V3's gating: a token's experts on few nodes).
+        LlPlan { quant, weights, hook: fam == Family::LlHook, route: RouteKind::draw_on(&mut r, s.ranks, s.nodes), graph }
     }
 }
 
@@ -926,6 +929,7 @@ fn run_family(b: &mut Pair<'_>, s: &Settings, st: &mut RankState, fam: Family, r
     let p = LlPlan::draw(s, fam, round, blk, graphs);
     let desc = format!("{p:?} hidden={} topk={} experts={} t_max={}", blk.hidden, blk.topk, blk.experts, blk.t_max);
     let c = &mut st.counts[fi];
+    c.node_limited_rounds += usize::from(matches!(p.route, RouteKind::NodeLimited { .. }));
     if p.graph {
         let t = tokens(&mut rng, blk.t_max).max(1);
         let sets: Vec<LlInputs> = (0..3).map(|_| ll_inputs(blk, &p, &mut rng, t, s.ranks)).collect();
@@ -1171,8 +1175,8 @@ pub struct FamilySummary {
     /// Family.
     pub family: Family,
     /// `rounds`: every rank ran each round (the least of the ranks'); `mismatches`, `empty_rank_rounds`:
-    /// summed over ranks (a round differing on two ranks counts twice); graph, no-sync and FP8 rounds: rank
-    /// 0's (the same on every rank).
+    /// summed over ranks (a round differing on two ranks counts twice); graph, no-sync, FP8 and node-limited
+    /// rounds: rank 0's (the same on every rank).
     #[serde(flatten)]
     pub counts: FamilyCount,
 }
@@ -1192,6 +1196,7 @@ impl FamilySummary {
             s.graph_replays = c.graph_replays;
             s.no_sync_rounds = c.no_sync_rounds;
             s.fp8_rounds = c.fp8_rounds;
+            s.node_limited_rounds = c.node_limited_rounds;
         }
     }
 }
@@ -1432,10 +1437,10 @@ fn mib(b: u64) -> String {
 }
 
 fn print_summary(s: &Summary) {
-    println!("family          rounds  mismatches  graph(rounds/replays)  no-sync  fp8  empty-rank");
+    println!("family          rounds  mismatches  graph(rounds/replays)  no-sync  fp8  empty-rank  node-limited");
     for FamilySummary { family, counts: f } in &s.families {
         println!(
-            "{:<15} {:>6}  {:>10}  {:>10}/{:<10}  {:>7}  {:>4}  {:>10}",
+            "{:<15} {:>6}  {:>10}  {:>10}/{:<10}  {:>7}  {:>4}  {:>10}  {:>12}",
             family.name(),
             f.rounds,
             f.mismatches,
@@ -1443,7 +1448,8 @@ fn print_summary(s: &Summary) {
             f.graph_replays,
             f.no_sync_rounds,
             f.fp8_rounds,
-            f.empty_rank_rounds
+            f.empty_rank_rounds,
+            f.node_limited_rounds
         );
     }
     for m in &s.device_memory {
@@ -1526,6 +1532,9 @@ mod tests {
             (v["verdict"].as_str(), v["settings"]["nodes"].as_u64(), v["settings"]["transport"].as_str()),
             (Some("pass"), Some(2), Some("emu-nic"))
         );
+        // Across nodes the draw includes node-limited routing, and those rounds agree too.
+        let node_limited: u64 = v["families"].as_array().unwrap().iter().map(|f| f["node_limited_rounds"].as_u64().unwrap()).sum();
+        assert!(node_limited > 0, "no node-limited round in {}", v["families"]);
         a.families = vec![Family::Ll, Family::Ht];
         let e = run(&a).unwrap_err();
         assert!(e.0.contains("--families ht"), "{}", e.0);
@@ -1568,6 +1577,8 @@ mod tests {
         assert_eq!(v["rounds_done"], 6);
         assert_eq!(v["families"].as_array().unwrap().len(), 5);
         assert!(v["families"].as_array().unwrap().iter().all(|f| f["rounds"] == 6 && f["mismatches"] == 0));
+        // One node: no node-limited routing is drawn.
+        assert!(v["families"].as_array().unwrap().iter().all(|f| f["node_limited_rounds"] == 0));
         assert!(v["host_rss"]["max"].as_u64().unwrap() > 0);
         // A sample at rounds 0, 2, 4 and the end (6) of every host series.
         for key in ["host_rss", "host_heap_in_use", "host_heap_held", "host_rss_after_trim"] {

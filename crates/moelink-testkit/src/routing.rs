@@ -30,6 +30,17 @@ impl RouteKind {
         }
     }
 
+    /// A kind drawn for a round of `ranks` ranks on `nodes` nodes: on one node exactly [`RouteKind::draw`]
+    /// (the same kinds from the same generator state); across nodes, node-limited routing 1/4 of the time
+    /// (each token's experts on at most `max_nodes` nodes, drawn in `1..nodes` so that the limit bites),
+    /// [`RouteKind::draw`]'s kinds otherwise.
+    pub fn draw_on(rng: &mut Rng, ranks: usize, nodes: usize) -> RouteKind {
+        if nodes > 1 && rng.below(4) == 0 {
+            return RouteKind::NodeLimited { nodes, max_nodes: 1 + rng.below(nodes - 1) };
+        }
+        RouteKind::draw(rng, ranks)
+    }
+
     /// Name in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
@@ -185,6 +196,30 @@ mod tests {
         let skewed = route(&mut rng, RouteKind::Skewed, 200, 8, 64, 8);
         let low = skewed.iter().filter(|&&e| (0..8).contains(&e)).count();
         assert!(low > 1200, "{low}");
+    }
+
+    #[test]
+    fn draws_across_nodes_add_node_limited_routing_and_keep_single_node_draws() {
+        // One node: the very same sequence as `draw`.
+        let (mut a, mut b) = (Rng::new(9), Rng::new(9));
+        for _ in 0..100 {
+            assert_eq!(RouteKind::draw_on(&mut a, 4, 1), RouteKind::draw(&mut b, 4));
+        }
+        // Several nodes: node-limited about a quarter of the time, always with a limit below the node count.
+        let mut rng = Rng::new(4);
+        let mut limited = 0;
+        for _ in 0..400 {
+            match RouteKind::draw_on(&mut rng, 8, 4) {
+                RouteKind::NodeLimited { nodes, max_nodes } => {
+                    assert_eq!(nodes, 4);
+                    assert!((1..4).contains(&max_nodes), "{max_nodes}");
+                    limited += 1;
+                }
+                RouteKind::EmptyRank(r) => assert!(r < 8),
+                _ => {}
+            }
+        }
+        assert!((60..140).contains(&limited), "{limited} of 400 node-limited");
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! visible GPUs round-robin, so one GPU is enough), checked bit for bit against the host backend on the same
 //! inputs: received rows, scales, counts, DeepEP's `src_info` / `layout_range`, and the combined output.
 //! Every transport a thread group can use (`ptr`, and `emu-nic`, which delivers out of order across QPs),
-//! with and without NVLink inside a node, over 2x2, 2x4 and 4x2 nodes; random, holed, skewed and empty-rank
-//! routing, ranks with zero tokens, every dispatch format, hooks, CUDA graphs, a silent peer on another node.
+//! with and without NVLink inside a node, over 2x2, 2x4 and 4x2 nodes; random, holed, skewed, empty-rank and
+//! node-limited routing (DeepSeek-V3's gating: each token's experts on at most half the nodes), ranks with
+//! zero tokens, every dispatch format, hooks, CUDA graphs, a silent peer on another node.
 //! Ignored unless included (`--include-ignored`, on a machine with a GPU); the NVSHMEM transport needs one
 //! process per rank and runs from `scripts/device/internode.sh`.
 //!
@@ -67,14 +68,20 @@ struct Call {
     route: RouteKind,
 }
 
-/// The calls each buffer makes in turn (the buffer sets alternate; every format and routing shows up).
-fn calls() -> Vec<Call> {
+/// The calls each buffer makes in turn over `net` (the buffer sets alternate; every format and routing shows
+/// up). The node-limited calls put each token's experts on at most half the nodes (one node of two): many
+/// tokens then reach no other node, or only the other one.
+fn calls(net: &Net) -> Vec<Call> {
+    let nodes = net.topology.num_nodes;
+    let node_limited = RouteKind::NodeLimited { nodes, max_nodes: (nodes / 2).max(1) };
     vec![
         Call { quant: PLAIN, weights: true, hook: false, route: RouteKind::Uniform },
         Call { quant: LlQuant::Bf16, weights: false, hook: true, route: RouteKind::WithHoles },
         Call { quant: UE8M0, weights: true, hook: true, route: RouteKind::Skewed },
         Call { quant: ROUND, weights: false, hook: false, route: RouteKind::EmptyRank(1) },
         Call { quant: LlQuant::Bf16, weights: true, hook: false, route: RouteKind::Uniform },
+        Call { quant: PLAIN, weights: true, hook: true, route: node_limited },
+        Call { quant: LlQuant::Bf16, weights: false, hook: false, route: node_limited },
     ]
 }
 
@@ -229,7 +236,7 @@ fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Se
 /// difference.
 fn check_net(net: Net) {
     let ranks = net.ranks();
-    let calls = calls();
+    let calls = calls(&net);
     let all: Vec<Vec<Inputs>> = calls.iter().enumerate().map(|(n, c)| (0..ranks).map(|r| inputs(&net, c, n, r)).collect()).collect();
     let body = |buf: &mut Buffer| -> Result<Vec<Seen>> {
         let me = buf.rank();
@@ -268,6 +275,33 @@ fn check_net(net: Net) {
             net.nvlink_in_node,
             calls.len()
         );
+    }
+}
+
+/// The node-limited calls' routing (checked without a GPU): every token's experts lie on at most half the
+/// nodes, and tokens still reach other nodes, so the limit shapes the traffic across them.
+#[test]
+fn node_limited_calls_keep_each_token_on_few_nodes() {
+    for topology in [topo(2, 2), topo(2, 4), topo(4, 2)] {
+        let net = Net { topology, transport: Transport::Ptr, nvlink_in_node: true };
+        let experts_per_node = net.experts() / topology.num_nodes;
+        let (mut remote, mut tokens) = (0, 0);
+        for (n, call) in calls(&net).iter().enumerate() {
+            let RouteKind::NodeLimited { max_nodes, .. } = call.route else { continue };
+            assert_eq!(max_nodes, (topology.num_nodes / 2).max(1));
+            for rank in 0..net.ranks() {
+                let inp = inputs(&net, call, n, rank);
+                for row in inp.idx.chunks(TOPK) {
+                    let mut nodes: Vec<i64> = row.iter().filter(|&&e| e >= 0).map(|&e| e / experts_per_node as i64).collect();
+                    nodes.sort();
+                    nodes.dedup();
+                    assert!(nodes.len() <= max_nodes, "{topology} call {n} rank {rank}: {row:?}");
+                    tokens += 1;
+                    remote += usize::from(nodes.iter().any(|&node| node as usize != topology.node_of(rank)));
+                }
+            }
+        }
+        assert!(tokens > 0 && remote > 0, "{topology}: {remote} of {tokens} tokens leave their node");
     }
 }
 
