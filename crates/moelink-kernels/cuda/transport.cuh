@@ -27,16 +27,21 @@
 //     memory) and must not change until the put has completed (`quiet`, or a signal from the receiver that
 //     implies it arrived).
 //   - put_signal: the signal is applied at the destination only after the put's data is visible there.
-//   - Two operations on the same QP from the same warp are delivered in issue order (emu-nic, and RC QPs on
-//     a NIC); with NVSHMEM 3.4.5 the QP is not ours to name, so protocols order data and signal either in one
-//     put_signal or with a fence.
+//   - Two operations on the same QP from the same warp are delivered in issue order on emu-nic and on an RC
+//     QP of a NIC — but NOT with the nvshmem backend on NVSHMEM 3.4.5, which picks the QP of every operation
+//     itself (`qp` is a hint it ignores), so two operations named for one QP may travel on different ones.
+//     Portable protocols order data and signal either in one put_signal or with a fence.
 //   - fence(qp): operations the calling thread's rank issued before are delivered before any it issues after
 //     (NVSHMEM: nvshmem_fence; IBGDA implements it as a quiet). quiet(qp): every operation issued before has
 //     completed (its data is at the destination, its source may be reused).
 //   - Signals are u64 words in the RDMA region, changed only by signal operations (SET or ADD) and read by
 //     their owner with wait_signal_geq (acquire: once the value is seen, the data put before it is visible).
-//   - Every call that can wait (a full queue, quiet, a signal) has the caller's deadline; on expiry it records
-//     ERR_TIMEOUT and returns false. Nothing spins forever, nothing traps.
+//   - wait_signal_geq has the caller's deadline on every backend; on expiry it records ERR_TIMEOUT and returns
+//     false. On ptr and emu-nic every other call that can wait (a full emulated queue, fence, quiet) has it
+//     too. The nvshmem backend ignores the deadline in put, put_signal, signal, fence and quiet: those are
+//     NVSHMEM device calls that wait inside the library as long as it takes (a full send queue; quiet, and
+//     fence under IBGDA, until the NIC reports completions), so a peer or link that stops completing RDMA
+//     work can hold the kernel there; the host's bounded stream wait then reports it. Nothing traps.
 //
 // Calling convention: `_warp` functions are called by all 32 lanes of a warp with the same arguments;
 // `_thread` functions by one thread.
