@@ -365,6 +365,9 @@ impl RoutingLayout {
     }
 }
 
+/// Bytes of the signal words [`signal_offsets`] lays out.
+pub const HT_SIGNAL_BYTES: usize = 2 * HTI_MAX_RANKS * 8 + 2 * (HTI_MAX_NODES * HTI_MAX_CHUNKS * 8) + 2 * 256;
+
 /// Where the internode HT kernels' signal words sit in the RDMA control area (offsets from the region's
 /// base), and how many bytes they take from `base`.
 pub fn signal_offsets(base: usize) -> (RdmaAt, usize) {
@@ -488,6 +491,7 @@ mod tests {
     fn layouts_fit_their_regions_and_rounds_are_whole_chunks() {
         let (sig, sig_bytes) = signal_offsets(64 << 10);
         assert!(sig.off_cconsumed as usize + 8 * HTI_MAX_NODES <= (64 << 10) + sig_bytes);
+        assert_eq!(sig_bytes, HT_SIGNAL_BYTES);
         let rdma = rdma_layout(64 << 10, 256 << 10, 1 << 30, 16, 2).unwrap();
         assert!(rdma.off_csend as usize + 2 * rdma.part_bytes as usize <= (256 << 10) + (1 << 30));
         let nvl = nvl_layout(1 << 20, 4 << 20, 1 << 30, 16, 2);

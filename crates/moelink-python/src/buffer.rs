@@ -410,6 +410,7 @@ impl PyBuffer {
         let r = self.rank;
         let topk_idx = topk_idx.view(py, "topk_idx", r)?;
         let out = LayoutOutputs {
+            num_tokens_per_rdma_rank: None,
             num_tokens_per_rank: num_tokens_per_rank.view_mut(py, "num_tokens_per_rank", r)?,
             num_tokens_per_expert: num_tokens_per_expert.view_mut(py, "num_tokens_per_expert", r)?,
             is_token_in_rank: is_token_in_rank.view_mut(py, "is_token_in_rank", r)?,

@@ -27,6 +27,9 @@ pub struct DispatchLayout {
     pub num_tokens_per_expert: Tensor,
     /// `bool [T, R]`.
     pub is_token_in_rank: Tensor,
+    /// `int32 [num_nodes]`: tokens per destination node (DeepEP's `num_tokens_per_rdma_rank`), on a buffer
+    /// whose ranks span nodes; `None` on one node, as DeepEP's intranode layout.
+    pub num_tokens_per_rdma_rank: Option<Tensor>,
 }
 
 impl DispatchLayout {
@@ -102,6 +105,9 @@ pub struct Buffer {
     poisoned: Option<String>,
     /// Collective calls started so far ([`Buffer::begin_call`]).
     calls: u64,
+    /// Across nodes, high-throughput calls have written the RDMA region the low-latency calls use (DeepEP's
+    /// rule: the two share `num_rdma_bytes`) since the last `clean_low_latency_buffer`.
+    ll_region_dirty: bool,
 }
 
 impl Buffer {
@@ -141,7 +147,7 @@ impl Buffer {
             },
         };
         let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed) ^ (crate::group::process_key() << 20);
-        Ok(Buffer { group, id, options, backend, poisoned: None, calls: 0 })
+        Ok(Buffer { group, id, options, backend, poisoned: None, calls: 0, ll_region_dirty: false })
     }
 
     pub fn rank(&self) -> usize {
@@ -411,8 +417,13 @@ impl Buffer {
             num_tokens_per_rank: self.alloc(DType::I32, &[r])?,
             num_tokens_per_expert: self.alloc_for("num_experts", DType::I32, &[num_experts])?,
             is_token_in_rank: self.alloc_for("topk_idx", DType::Bool, &[t, r])?,
+            num_tokens_per_rdma_rank: match self.topology() {
+                t if t.is_internode() => Some(self.alloc(DType::I32, &[t.num_nodes])?),
+                _ => None,
+            },
         };
         let views = LayoutOutputs {
+            num_tokens_per_rdma_rank: out.num_tokens_per_rdma_rank.as_mut().map(|t| t.view_mut()),
             num_tokens_per_rank: out.num_tokens_per_rank.view_mut(),
             num_tokens_per_expert: out.num_tokens_per_expert.view_mut(),
             is_token_in_rank: out.is_token_in_rank.view_mut(),
@@ -441,6 +452,9 @@ impl Buffer {
         expect("num_tokens_per_rank", DType::I32, &[r], &out.num_tokens_per_rank)?;
         expect("num_tokens_per_expert", DType::I32, &[num_experts], &out.num_tokens_per_expert)?;
         expect("is_token_in_rank", DType::Bool, &[t, r], &out.is_token_in_rank)?;
+        if let Some(v) = &out.num_tokens_per_rdma_rank {
+            expect("num_tokens_per_rdma_rank", DType::I32, &[self.topology().num_nodes], v)?;
+        }
         self.step(|b| b.dispatch_layout(&topk_idx, num_experts, out))
     }
 
@@ -449,6 +463,7 @@ impl Buffer {
     pub fn prepare_dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchPlan> {
         self.begin_call();
         let spec = ht::validate_dispatch(args, &self.facts())?;
+        self.ht_uses_rdma_region();
         self.step(|b| b.prepare_dispatch(spec, args))
     }
 
@@ -516,6 +531,7 @@ impl Buffer {
     fn combine_into_counted(&mut self, args: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
         let spec = ht::validate_combine(args, &self.facts())?;
         ht::validate_combine_outputs(&spec, &out, self.location())?;
+        self.ht_uses_rdma_region();
         self.step(|b| b.combine(spec, args, out))
     }
 
@@ -548,6 +564,7 @@ impl Buffer {
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
     ) -> Result<(LlHandle, Option<RecvHook<'a>>)> {
+        self.check_ll_region_clean()?;
         let spec = ll::validate_ll_dispatch(args, &self.facts())?;
         ll::validate_ll_dispatch_outputs(&spec, &out, self.location())?;
         let id = self.id;
@@ -607,6 +624,7 @@ impl Buffer {
     ) -> Result<Option<RecvHook<'a>>> {
         let spec = ll::validate_ll_combine(args, &self.facts())?;
         ll::validate_ll_combine_outputs(&spec, &out, self.location())?;
+        self.check_ll_region_clean()?;
         let id = self.id;
         let pending = self.step(|b| b.ll_combine(spec, args, out))?;
         Ok(pending.map(|pending| RecvHook { buffer_id: id, pending }))
@@ -655,7 +673,30 @@ impl Buffer {
         self.begin_call();
         ht::check_num_experts(num_experts, &self.facts())?;
         ll::check_low_latency_mode(&self.facts())?;
-        self.step(|b| b.clean_ll_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts))
+        self.step(|b| b.clean_ll_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts))?;
+        self.ll_region_dirty = false;
+        Ok(())
+    }
+
+    /// Across nodes the high-throughput and low-latency calls share the RDMA region (`num_rdma_bytes`), as
+    /// in DeepEP: a high-throughput call leaves it unfit for low-latency calls until
+    /// `clean_low_latency_buffer`. Every rank makes the same calls, so every rank refuses alike.
+    fn ht_uses_rdma_region(&mut self) {
+        if self.topology().is_internode() {
+            self.ll_region_dirty = true;
+        }
+    }
+
+    fn check_ll_region_clean(&self) -> Result<()> {
+        if self.ll_region_dirty {
+            return Err(Error::invalid(
+                "buffer",
+                self.rank(),
+                "high-throughput calls across nodes used the RDMA region the low-latency calls share (num_rdma_bytes); call \
+                 clean_low_latency_buffer before low-latency calls (DeepEP requires the same)",
+            ));
+        }
+        Ok(())
     }
 
     /// Shrink mode: marks `rank` as failed (`masked = true`) or healthy again.

@@ -18,6 +18,14 @@ pub enum Phase {
     LowLatencyCombine,
     /// The RDMA transport seam's own kernels (conformance check, micro-benchmark).
     Transport,
+    /// High-throughput dispatch across nodes, waiting for a peer in the RDMA domain (another node).
+    DispatchRdma,
+    /// High-throughput dispatch across nodes, waiting for a peer of this node (NVLink domain).
+    DispatchNvlink,
+    /// High-throughput combine across nodes, waiting for a peer in the RDMA domain (another node).
+    CombineRdma,
+    /// High-throughput combine across nodes, waiting for a peer of this node (NVLink domain).
+    CombineNvlink,
     Group,
     Other,
 }
@@ -33,6 +41,10 @@ impl fmt::Display for Phase {
             Phase::LowLatencyDispatch => "low-latency dispatch",
             Phase::LowLatencyCombine => "low-latency combine",
             Phase::Transport => "RDMA transport",
+            Phase::DispatchRdma => "dispatch (RDMA domain)",
+            Phase::DispatchNvlink => "dispatch (NVLink domain)",
+            Phase::CombineRdma => "combine (RDMA domain)",
+            Phase::CombineNvlink => "combine (NVLink domain)",
             Phase::Group => "group collective",
             Phase::Other => "collective",
         };

@@ -202,6 +202,7 @@ impl HtGraph {
     /// The captured operations: layout → no-sync dispatch → combine (outputs into the tensors).
     fn run(buf: &mut Buffer, t: &mut HtTensors, spec: &HtGraphSpec) -> Result<HtHandle> {
         let layout_out = LayoutOutputs {
+            num_tokens_per_rdma_rank: None,
             num_tokens_per_rank: t.num_tokens_per_rank.view_mut(),
             num_tokens_per_expert: t.num_tokens_per_expert.view_mut(),
             is_token_in_rank: t.is_token_in_rank.view_mut(),

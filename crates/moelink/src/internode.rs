@@ -179,6 +179,66 @@ pub enum Transport {
     EmuNic(EmuNicOptions),
 }
 
+/// Buffer sizes for the high-throughput kernels across nodes: what [`crate::BufferOptions::num_nvl_bytes`]
+/// and [`crate::BufferOptions::num_rdma_bytes`] must be for rounds of `round_tokens` tokens per rank (a call
+/// of more tokens runs several rounds; fewer bytes mean smaller rounds, and at least one token per round must
+/// fit). For dispatch rows of `hidden` channels (FP8 or bf16) with `topk` entries, and combine rows with up to
+/// 32 weights.
+///
+/// ```
+/// use moelink::internode::{ht_bytes_needed, Topology};
+/// let t: Topology = "2x8".parse().unwrap();
+/// let need = ht_bytes_needed(t, 4096, 7168, 8, true);
+/// assert!(need.num_nvl_bytes > 0 && need.num_rdma_bytes > 0);
+/// ```
+pub fn ht_bytes_needed(topology: Topology, round_tokens: usize, hidden: usize, topk: usize, fp8: bool) -> HtBytes {
+    use moelink_kernels::ht_internode as khti;
+    let rows = khti::RowSizes::new(hidden, fp8, topk, khti::HTI_MAX_TOPK);
+    HtBytes {
+        num_nvl_bytes: khti::nvl_bytes_needed(topology.num_ranks(), round_tokens, rows),
+        num_rdma_bytes: khti::rdma_bytes_needed(topology.num_ranks(), topology.num_nodes, round_tokens, rows),
+    }
+}
+
+/// What [`ht_bytes_needed`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtBytes {
+    pub num_nvl_bytes: usize,
+    pub num_rdma_bytes: usize,
+}
+
+/// The round shape of a high-throughput call across nodes, `(tokens per round, tokens per chunk)`, on a
+/// buffer of these sizes — or the `BufferTooSmall` error every backend gives when not even one token per
+/// round fits (the capacity rule of the internode high-throughput calls: any token count fits in rounds).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ht_round_shape(
+    rank: usize,
+    topology: Topology,
+    num_nvl_bytes: usize,
+    num_rdma_bytes: usize,
+    hidden: usize,
+    fp8: bool,
+    topk: usize,
+    chunk_tokens: usize,
+) -> crate::Result<(usize, usize)> {
+    use moelink_kernels::ht_internode as khti;
+    let (r, n) = (topology.num_ranks(), topology.num_nodes);
+    let rows = khti::RowSizes::new(hidden, fp8, topk, khti::HTI_MAX_TOPK);
+    let hint = format!(
+        "not even one token per round fits; create the Buffer with sizes from moelink::internode::ht_bytes_needed({topology}, tokens per round, {hidden}, {topk}, {fp8})"
+    );
+    let too_small = |what, needed, available| Error::BufferTooSmall { rank, what, needed, available, hint: hint.clone() };
+    let nvl = khti::nvl_layout(0, 0, num_nvl_bytes, r, n);
+    if (nvl.part_bytes as usize) < rows.row.max(rows.crow) {
+        return Err(too_small("internode high-throughput NVLink parts (num_nvl_bytes)", khti::nvl_bytes_needed(r, 1, rows), num_nvl_bytes));
+    }
+    let rdma_needed = khti::rdma_bytes_needed(r, n, 1, rows);
+    let rdma = khti::rdma_layout(0, 0, num_rdma_bytes, r, n)
+        .ok_or_else(|| too_small("internode high-throughput RDMA parts (num_rdma_bytes)", rdma_needed, num_rdma_bytes))?;
+    khti::round_shape(&rdma, &nvl, rows, chunk_tokens)
+        .ok_or_else(|| too_small("internode high-throughput RDMA parts (num_rdma_bytes)", rdma_needed, num_rdma_bytes))
+}
+
 impl Transport {
     /// The kernels' JIT key.
     pub fn kernel_transport(&self) -> moelink_kernels::transport::Transport {

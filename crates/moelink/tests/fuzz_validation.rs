@@ -380,7 +380,7 @@ proptest! {
             }
             let (mut a, mut b, mut c) = (Made::new(&outs.0, e), Made::new(&outs.1, e), Made::new(&outs.2, e));
             let (Some(a), Some(b), Some(c)) = (a.view_mut(), b.view_mut(), c.view_mut()) else { return Ok(()) };
-            buf.get_dispatch_layout_into(v, e, LayoutOutputs { num_tokens_per_rank: a, num_tokens_per_expert: b, is_token_in_rank: c })
+            buf.get_dispatch_layout_into(v, e, LayoutOutputs { num_tokens_per_rank: a, num_tokens_per_expert: b, is_token_in_rank: c, num_tokens_per_rdma_rank: None })
         })?;
     }
 

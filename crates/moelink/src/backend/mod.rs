@@ -15,6 +15,9 @@ use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 /// Outputs of `get_dispatch_layout`: `int32 [R]`, `int32 [E]`, `bool [T, R]`.
 pub struct LayoutOutputs<'a> {
     pub num_tokens_per_rank: TensorMut<'a>,
+    /// `int32 [num_nodes]`: tokens per destination node (DeepEP's `num_tokens_per_rdma_rank`); written when
+    /// given (a buffer across nodes returns it from `get_dispatch_layout`).
+    pub num_tokens_per_rdma_rank: Option<TensorMut<'a>>,
     pub num_tokens_per_expert: TensorMut<'a>,
     pub is_token_in_rank: TensorMut<'a>,
 }
@@ -27,6 +30,7 @@ pub struct LayoutOutputs<'a> {
 pub(crate) enum HtRouting {
     Host(host::ht::HostHtRouting),
     Cuda(cuda::ht::CudaHtRouting),
+    CudaInternode(cuda::ht_internode::HtiRouting),
 }
 
 /// The routing a low-latency dispatch leaves in its [`crate::LlHandle`].
@@ -39,6 +43,7 @@ pub(crate) enum LlRouting {
 pub(crate) enum PlanState {
     Host(host::ht::HostPlan),
     Cuda(cuda::ht::CudaPlan),
+    CudaInternode(cuda::ht_internode::HtiPlan),
 }
 
 /// A receive phase that has not run yet (`return_recv_hook`). Holds the output views it will write.
@@ -55,13 +60,21 @@ impl HtRouting {
     pub(crate) fn host(&self, rank: usize) -> Result<&host::ht::HostHtRouting> {
         match self {
             HtRouting::Host(r) => Ok(r),
-            HtRouting::Cuda(_) => Err(other_backend("handle", rank, "host")),
+            HtRouting::Cuda(_) | HtRouting::CudaInternode(_) => Err(other_backend("handle", rank, "host")),
         }
     }
     pub(crate) fn cuda(&self, rank: usize) -> Result<&cuda::ht::CudaHtRouting> {
         match self {
             HtRouting::Cuda(r) => Ok(r),
             HtRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
+            HtRouting::CudaInternode(_) => Err(Error::invalid("handle", rank, "comes from a buffer across nodes")),
+        }
+    }
+    pub(crate) fn cuda_internode(&self, rank: usize) -> Result<&cuda::ht_internode::HtiRouting> {
+        match self {
+            HtRouting::CudaInternode(r) => Ok(r),
+            HtRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
+            HtRouting::Cuda(_) => Err(Error::invalid("handle", rank, "comes from a single-node buffer")),
         }
     }
 }
@@ -85,13 +98,21 @@ impl PlanState {
     pub(crate) fn into_host(self, rank: usize) -> Result<host::ht::HostPlan> {
         match self {
             PlanState::Host(p) => Ok(p),
-            PlanState::Cuda(_) => Err(other_backend("plan", rank, "host")),
+            PlanState::Cuda(_) | PlanState::CudaInternode(_) => Err(other_backend("plan", rank, "host")),
         }
     }
     pub(crate) fn into_cuda(self, rank: usize) -> Result<cuda::ht::CudaPlan> {
         match self {
             PlanState::Cuda(p) => Ok(p),
             PlanState::Host(_) => Err(other_backend("plan", rank, "CUDA")),
+            PlanState::CudaInternode(_) => Err(Error::invalid("plan", rank, "comes from a buffer across nodes")),
+        }
+    }
+    pub(crate) fn into_cuda_internode(self, rank: usize) -> Result<cuda::ht_internode::HtiPlan> {
+        match self {
+            PlanState::CudaInternode(p) => Ok(p),
+            PlanState::Host(_) => Err(other_backend("plan", rank, "CUDA")),
+            PlanState::Cuda(_) => Err(Error::invalid("plan", rank, "comes from a single-node buffer")),
         }
     }
 }

@@ -225,12 +225,17 @@ pub(crate) struct PooledBuffer {
 }
 
 impl PooledBuffer {
-    fn buffer(&self) -> &DeviceBuffer {
+    pub(crate) fn buffer(&self) -> &DeviceBuffer {
         self.buf.as_ref().expect("a PooledBuffer holds its buffer until dropped")
     }
-    fn ptr(&self) -> u64 {
+    pub(crate) fn ptr(&self) -> u64 {
         self.buffer().device_ptr()
     }
+}
+
+/// A handle buffer of at least `bytes` from the buffer's pool (see `BufferPool`).
+pub(crate) fn pool_take(b: &CudaBackend, bytes: usize) -> Result<PooledBuffer> {
+    b.ht.pool.clone().take(b, bytes)
 }
 
 impl Drop for PooledBuffer {
@@ -289,14 +294,14 @@ fn ensure_region_agreed(b: &mut CudaBackend) -> Result<()> {
     Ok(())
 }
 
-fn check_aligned(addr: u64, align: u64, arg: &'static str, rank: usize) -> Result<()> {
+pub(crate) fn check_aligned(addr: u64, align: u64, arg: &'static str, rank: usize) -> Result<()> {
     if addr % align != 0 {
         return Err(Error::invalid(arg, rank, format!("address {addr:#x} must be {align}-byte aligned for the CUDA kernels")));
     }
     Ok(())
 }
 
-fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
+pub(crate) fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::invalid(what, rank, format!("{v} does not fit the kernels' 32-bit counters")))
 }
 
@@ -375,9 +380,14 @@ fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
     }
 }
 
+/// The error of a routing status that blames `peer`'s layout (this rank's own, or a peer's).
+pub(crate) fn layout_error(b: &CudaBackend, rank: usize, peer: usize) -> Error {
+    argument_error(b, &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() })
+}
+
 /// An argument error leaves the protocol intact: forget the record (once the stream is idle) so that the
 /// buffer stays usable, and pass the error on. Fatal errors stay recorded (they poison the buffer).
-fn settle(b: &mut CudaBackend, e: Error) -> Error {
+pub(crate) fn settle(b: &mut CudaBackend, e: Error) -> Error {
     if !e.poisons_buffer() {
         if let Err(clear) = b.clear_argument_error() {
             return clear;
@@ -386,7 +396,7 @@ fn settle(b: &mut CudaBackend, e: Error) -> Error {
     e
 }
 
-fn finish(b: &mut CudaBackend, phase: Phase) -> Result<()> {
+pub(crate) fn finish(b: &mut CudaBackend, phase: Phase) -> Result<()> {
     b.finish(phase).map_err(|e| settle(b, e))
 }
 
@@ -407,6 +417,9 @@ fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
 // ------------------------------------------------------------------------------------------ layout
 
 pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+    if b.internode.is_some() {
+        return super::ht_internode::dispatch_layout(b, topk_idx, num_experts, out);
+    }
     let rank = b.rank;
     let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
@@ -455,7 +468,9 @@ fn per_expert_aligned(host: &Option<HostRouting>, s: &HtSpec) -> Vec<usize> {
 }
 
 pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
-    b.single_node_only("high-throughput dispatch")?;
+    if b.internode.is_some() {
+        return super::ht_internode::prepare_dispatch(b, s, a);
+    }
     let rank = s.rank;
     ensure_region_agreed(b)?;
     if s.num_worst_tokens == 0 && b.is_capturing() {
@@ -614,6 +629,9 @@ fn out_addr(t: &Option<TensorMut<'_>>) -> u64 {
 }
 
 pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+    if b.internode.is_some() {
+        return super::ht_internode::dispatch(b, plan, a, out);
+    }
     let s = plan.spec;
     let rank = s.rank;
     let num_out_rows = plan.num_recv_rows();
@@ -721,7 +739,9 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
 // ------------------------------------------------------------------------------------------ combine
 
 pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
-    b.single_node_only("high-throughput combine")?;
+    if b.internode.is_some() {
+        return super::ht_internode::combine(b, s, a, out);
+    }
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
     // The biases given, in order (the kernel adds bias0 then bias1; a lone second bias takes the first slot,

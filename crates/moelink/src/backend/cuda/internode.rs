@@ -12,10 +12,15 @@ use super::CudaBackend;
 use crate::error::{Error, Result};
 use crate::internode::Topology;
 
-/// Bytes at the start of the RDMA region for control words (barrier words: `u64[R]`, R <= 4096).
-pub(crate) const RDMA_CTRL_BYTES: usize = 64 << 10;
+/// Bytes at the start of the RDMA region for control words: the barrier's `u64[R]` (R <= 8192), then the
+/// internode high-throughput signals (`moelink_kernels::ht_internode::signal_offsets`).
+pub(crate) const RDMA_CTRL_BYTES: usize = 256 << 10;
 /// Offset of the barrier words in the RDMA region.
 const BARRIER_WORDS: usize = 0;
+/// Offset of the internode high-throughput signal words in the RDMA region.
+pub(crate) const HT_SIGNALS: usize = 64 << 10;
+const _: () =
+    assert!(HT_SIGNALS + moelink_kernels::ht_internode::HT_SIGNAL_BYTES <= RDMA_CTRL_BYTES, "the HT signals overflow the control area");
 
 /// The internode part of a [`CudaBackend`].
 pub(crate) struct Internode {
@@ -25,6 +30,8 @@ pub(crate) struct Internode {
     barrier_counter: DeviceBuffer,
     /// Low-latency state across nodes (local state words, handle areas).
     pub(crate) lli: super::ll_internode::LliState,
+    /// High-throughput state across nodes (local state words, host-mapped notify results).
+    pub(crate) hti: super::ht_internode::HtiState,
     /// Ranks per node the transport reaches over NVLink (`allow_nvlink_for_low_latency_mode`), or 0.
     nvlink_ranks_per_node: u32,
 }
@@ -32,12 +39,8 @@ pub(crate) struct Internode {
 impl Internode {
     /// Sets up the RDMA domain of `num_rdma_bytes` (plus control) on every rank (collective).
     pub(crate) fn new(b: &CudaBackend, topology: Topology, options: &crate::RdmaOptions, num_rdma_bytes: usize) -> Result<Internode> {
-        if topology.num_ranks() * 8 > RDMA_CTRL_BYTES {
-            return Err(Error::invalid(
-                "topology",
-                b.rank,
-                format!("{topology}: the RDMA domain holds at most {} ranks", RDMA_CTRL_BYTES / 8),
-            ));
+        if topology.num_ranks() * 8 > HT_SIGNALS {
+            return Err(Error::invalid("topology", b.rank, format!("{topology}: the RDMA domain holds at most {} ranks", HT_SIGNALS / 8)));
         }
         let rdma = RdmaDomain::new(&b.device, b.group.as_ref(), options, RDMA_CTRL_BYTES + num_rdma_bytes)?;
         // Same-node peers over NVLink: the seam's pointer path for the peer-pointer transports (NVSHMEM
@@ -51,6 +54,7 @@ impl Internode {
             rdma,
             barrier_counter: DeviceBuffer::zeroed(&b.device, 8)?,
             lli: super::ll_internode::LliState::new(b)?,
+            hti: super::ht_internode::HtiState::new(b)?,
             nvlink_ranks_per_node,
         })
     }

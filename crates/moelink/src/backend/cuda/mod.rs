@@ -8,6 +8,7 @@
 //! recorded by the kernels then surface when the scope waits, or at the next call.
 
 pub(crate) mod ht;
+pub(crate) mod ht_internode;
 pub(crate) mod internode;
 pub(crate) mod ll;
 pub(crate) mod ll_internode;
@@ -637,6 +638,11 @@ fn phase_of(code: u32) -> Phase {
         abi::phase::LL_DISPATCH => Phase::LowLatencyDispatch,
         abi::phase::LL_COMBINE => Phase::LowLatencyCombine,
         abi::phase::TRANSPORT => Phase::Transport,
+        moelink_kernels::ht_internode::phase::NOTIFY => Phase::Notify,
+        moelink_kernels::ht_internode::phase::DISPATCH_RDMA => Phase::DispatchRdma,
+        moelink_kernels::ht_internode::phase::DISPATCH_NVLINK => Phase::DispatchNvlink,
+        moelink_kernels::ht_internode::phase::COMBINE_RDMA => Phase::CombineRdma,
+        moelink_kernels::ht_internode::phase::COMBINE_NVLINK => Phase::CombineNvlink,
         _ => Phase::Other,
     }
 }

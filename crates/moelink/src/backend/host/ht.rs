@@ -46,6 +46,15 @@ pub(crate) fn dispatch_layout(b: &mut HostBackend, topk_idx: &TensorRef<'_>, num
     output_bytes(&mut out.num_tokens_per_expert, "num_tokens_per_expert", rank)?
         .copy_from_slice(bytemuck::cast_slice(&l.num_tokens_per_expert));
     output_bytes(&mut out.is_token_in_rank, "is_token_in_rank", rank)?.copy_from_slice(bytemuck::cast_slice(&l.is_token_in_rank));
+    if let Some(v) = out.num_tokens_per_rdma_rank.as_mut() {
+        // Nodes are consecutive groups of ranks (the output has one entry per node).
+        let (nr, nodes) = (b.group.size(), v.shape()[0]);
+        let per_node = nr / nodes.max(1);
+        let counts: Vec<i32> = (0..nodes)
+            .map(|n| (0..t).filter(|&tok| (n * per_node..(n + 1) * per_node).any(|r| l.is_token_in_rank[tok * nr + r])).count() as i32)
+            .collect();
+        output_bytes(v, "num_tokens_per_rdma_rank", rank)?.copy_from_slice(bytemuck::cast_slice(&counts));
+    }
     Ok(())
 }
 
@@ -177,7 +186,12 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
         agree_on_problems(b, problem)?;
     }
     // The buffer's capacity, decided on T_max, which every rank has: all ranks refuse the call together.
-    b.check_ht_capacity("HT dispatch receive slab", routing.t_max, moelink_kernels::ht::dispatch_row_bytes(s.hidden, s.fp8, s.topk))?;
+    b.check_ht_capacity(
+        "HT dispatch receive slab",
+        routing.t_max,
+        moelink_kernels::ht::dispatch_row_bytes(s.hidden, s.fp8, s.topk),
+        Some((s.hidden, s.fp8, s.topk)),
+    )?;
     let per_expert_aligned: Vec<usize> = if s.num_worst_tokens > 0 {
         Vec::new()
     } else {
@@ -339,7 +353,7 @@ pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     let nr = s.num_ranks;
     let routing = a.handle.data.host(rank)?;
     b.check_agreement(Phase::Combine, &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
-    b.check_ht_capacity("HT combine receive slab", routing.t_max, moelink_kernels::ht::combine_row_bytes(s.hidden, s.topk))?;
+    b.check_ht_capacity("HT combine receive slab", routing.t_max, moelink_kernels::ht::combine_row_bytes(s.hidden, s.topk), None)?;
     let x = input_bytes(&a.x, "x", rank)?;
     let w: Option<Vec<f32>> = a.topk_weights.as_ref().and_then(read_matrix);
     let (h, k) = (s.hidden, s.topk);

@@ -30,6 +30,10 @@ pub(crate) struct HostBackend {
     /// `BufferOptions::num_nvl_bytes`: the high-throughput capacity, checked as on the GPU
     /// ([`crate::ht::check_ht_capacity`]).
     pub(crate) num_nvl_bytes: usize,
+    /// `BufferOptions::num_rdma_bytes` and the topology: across nodes the high-throughput capacity rule is
+    /// the internode kernels' ([`crate::internode::ht_round_shape`]).
+    num_rdma_bytes: usize,
+    topology: crate::internode::Topology,
     /// The buffer's number of the call in progress ([`crate::backend::Backend::begin_call`]; 0 while the
     /// buffer is created) and the exchanges made in it so far.
     call: u64,
@@ -51,6 +55,10 @@ fn phase_code(phase: Phase) -> u32 {
         Phase::Group => 8,
         Phase::Other => 9,
         Phase::Transport => 10,
+        Phase::DispatchRdma => 11,
+        Phase::DispatchNvlink => 12,
+        Phase::CombineRdma => 13,
+        Phase::CombineNvlink => 14,
     }
 }
 
@@ -62,6 +70,8 @@ impl HostBackend {
             ll: ll::LlState::new(n),
             timeout: Duration::from_millis(options.timeout_ms),
             num_nvl_bytes: options.num_nvl_bytes,
+            num_rdma_bytes: options.num_rdma_bytes,
+            topology: options.topology.unwrap_or_else(|| crate::internode::Topology::single_node(n)),
             call: 0,
             step: Cell::new(0),
         };
@@ -82,8 +92,33 @@ impl HostBackend {
         self.group.rank()
     }
 
-    /// [`crate::ht::check_ht_capacity`] on this buffer.
-    pub(crate) fn check_ht_capacity(&self, what: &'static str, t_max: usize, row_bytes: usize) -> Result<()> {
+    /// The high-throughput capacity rule of the CUDA backend on this buffer: on one node
+    /// [`crate::ht::check_ht_capacity`] (the slab holds `t_max` rows of `row_bytes`); across nodes
+    /// [`crate::internode::ht_round_shape`] for the dispatch's rows (any token count fits in rounds; a
+    /// combine re-uses its dispatch's rounds, `dispatch_shape` None).
+    pub(crate) fn check_ht_capacity(
+        &self,
+        what: &'static str,
+        t_max: usize,
+        row_bytes: usize,
+        dispatch_shape: Option<(usize, bool, usize)>,
+    ) -> Result<()> {
+        if self.topology.is_internode() {
+            return match dispatch_shape {
+                Some((hidden, fp8, topk)) => crate::internode::ht_round_shape(
+                    self.rank(),
+                    self.topology,
+                    self.num_nvl_bytes,
+                    self.num_rdma_bytes,
+                    hidden,
+                    fp8,
+                    topk,
+                    moelink_kernels::ht_internode::DEFAULT_CHUNK_TOKENS,
+                )
+                .map(|_| ()),
+                None => Ok(()),
+            };
+        }
         crate::ht::check_ht_capacity(self.rank(), self.group.size(), self.num_nvl_bytes, what, t_max, row_bytes)
     }
 

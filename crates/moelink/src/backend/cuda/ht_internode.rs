@@ -1,0 +1,592 @@
+//! High-throughput dispatch/combine when the ranks span nodes: the host side of
+//! `moelink-kernels/cuda/ht_internode.cu` (its header comment is the protocol). The calls and their modes
+//! are the single-node ones (`super::ht`): CPU-synchronised or `num_worst_tokens`, cached dispatch from a
+//! handle, combine with weights and biases; what differs is where the data lives — rounds of `M` tokens in
+//! parts of the RDMA region (after the internode control words) and of the node's symmetric buffer — and the
+//! launch, cooperative, with the emulated NIC's blocks when the transport is `emu-nic`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use moelink_cuda::{HostMapped, LaunchConfig};
+use moelink_kernels::ht::{call_signature, CallSignature};
+use moelink_kernels::ht_internode::{
+    self as khti, host_notify, nvl_layout, rdma_layout, routing, HtiCombineArgs, HtiDispatchArgs, HtiLayoutArgs, HtiNotifyArgs, HtiVariant,
+    NvlArgs, RdmaAt, RoutingLayout, RowSizes, HTI_MAX_LOCAL_EXPERTS, HTI_MAX_NODES, HTI_MAX_RANKS, HTI_MAX_TOPK, HTI_THREADS, HTI_WARPS,
+};
+use moelink_kernels::kernel_name;
+
+use super::ht::{self as single, PooledBuffer};
+use super::internode::{HT_SIGNALS, RDMA_CTRL_BYTES};
+use super::{ctrl, CudaBackend, HT_DATA};
+use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
+use crate::error::{Error, Phase, Result};
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
+use crate::internode::Topology;
+use crate::layout::align_up;
+use crate::tensor::TensorRef;
+
+/// Offset of the internode HT words in the HT control area of the node's symmetric buffer (after the
+/// single-node HT words, which an internode buffer never uses).
+const NVL_CTRL: usize = ctrl::HT + (1 << 20);
+const _: () = assert!(moelink_kernels::ht::ctrl::BYTES <= 1 << 20, "the internode HT words overlap the single-node ones");
+
+/// The internode high-throughput state of a buffer: its local state words and the host-mapped notify results.
+pub(crate) struct HtiState {
+    state: moelink_cuda::DeviceBuffer,
+    host_notify: Option<HostMapped<u32>>,
+    notify_seq: u32,
+}
+
+impl HtiState {
+    pub(crate) fn new(b: &CudaBackend) -> Result<HtiState> {
+        Ok(HtiState { state: moelink_cuda::DeviceBuffer::zeroed(&b.device, khti::HTI_STATE_BYTES)?, host_notify: None, notify_seq: 0 })
+    }
+}
+
+/// What the host knows about an internode dispatch (CPU-sync, or read back after a synchronous call).
+#[derive(Clone, Debug)]
+pub(crate) struct HostRouting {
+    num_recv_tokens: usize,
+    /// Received tokens per local expert, unaligned (CPU-sync mode only).
+    per_expert_raw: Option<Vec<usize>>,
+}
+
+/// Handle data of an internode dispatch: the routing buffer notify wrote, the forwarder's record of what it
+/// forwarded (`fwd_entries`) and the receiver's (round, message) of every received row (`recv_route`), which
+/// combine retraces; the round shape every rank agreed on.
+pub(crate) struct HtiRouting {
+    routing: PooledBuffer,
+    fwd_entries: PooledBuffer,
+    fwd_capacity: usize,
+    recv_route: PooledBuffer,
+    route_rows: usize,
+    host: Option<HostRouting>,
+    num_tokens: usize,
+    round_tokens: usize,
+    chunk_tokens: usize,
+}
+
+/// State between `prepare_dispatch` and `dispatch`.
+pub(crate) enum HtiPlan {
+    Fresh { routing: PooledBuffer, host: Option<HostRouting>, num_fwd: Option<usize>, round_tokens: usize, chunk_tokens: usize },
+    Cached(Arc<HtRouting>),
+}
+
+fn topology(b: &CudaBackend) -> Topology {
+    b.internode.as_ref().expect("an internode buffer").topology
+}
+
+fn variant(b: &CudaBackend, hidden: usize, fp8: bool, topk: usize, num_biases: usize) -> HtiVariant {
+    let t = topology(b);
+    let transport = b.internode.as_ref().expect("an internode buffer").rdma.transport().kernel_transport();
+    HtiVariant { hidden, fp8, topk, num_biases, num_nodes: t.num_nodes, ranks_per_node: t.ranks_per_node, transport }
+}
+
+fn rdma_at(b: &CudaBackend) -> Result<RdmaAt> {
+    let t = topology(b);
+    rdma_layout(HT_SIGNALS, RDMA_CTRL_BYTES, b.num_rdma_bytes, t.num_ranks(), t.num_nodes).ok_or_else(|| Error::BufferTooSmall {
+        rank: b.rank,
+        what: "internode high-throughput region (num_rdma_bytes)",
+        needed: khti::rdma_bytes_needed(t.num_ranks(), t.num_nodes, 1, RowSizes::new(128, false, 0, 0)),
+        available: b.num_rdma_bytes,
+        hint: "create the Buffer with num_rdma_bytes >= moelink::internode::ht_bytes_needed(..).num_rdma_bytes".into(),
+    })
+}
+
+fn nvl_args(b: &CudaBackend) -> NvlArgs {
+    let t = topology(b);
+    let mut n = nvl_layout(NVL_CTRL, HT_DATA, b.num_nvl_bytes, t.num_ranks(), t.num_nodes);
+    for (j, base) in n.base.iter_mut().enumerate().take(t.ranks_per_node) {
+        *base = b.sym.peer_ptr(j);
+    }
+    n
+}
+
+/// The launch: `blocks` worker blocks plus the emulated NIC's, cooperative (every role of every block waits
+/// for the others).
+fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static str, args: &A, blocks: u32) -> Result<()> {
+    let k = b.kernel(&v.spec(), name)?;
+    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks());
+    b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
+}
+
+/// Blocks of each role for `num_sms` worker blocks: one forwarder warp per source node, receiver warps for
+/// one source each (up to R), the rest send. `config.num_sms` too small for that is refused.
+fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32)> {
+    let warps = HTI_WARPS as usize;
+    let fwd = t.num_nodes.div_ceil(warps);
+    let recv_min = t.num_ranks().div_ceil(32 * warps).max(1);
+    if num_sms < fwd + recv_min + 1 {
+        return Err(Error::invalid(
+            "config.num_sms",
+            rank,
+            format!(
+                "{num_sms}: the internode kernels need at least {} blocks for {t} (senders, forwarders, receivers)",
+                fwd + recv_min + 1
+            ),
+        ));
+    }
+    let recv = t.num_ranks().div_ceil(warps).clamp(recv_min, (num_sms - fwd - 1).max(recv_min));
+    let send = num_sms - fwd - recv;
+    Ok((send as u32, fwd as u32))
+}
+
+/// The limits of the internode kernels, checked before anything runs (every rank refuses alike).
+fn check_limits(b: &CudaBackend, rank: usize, topk: usize, num_local_experts: usize) -> Result<()> {
+    let t = topology(b);
+    if t.num_ranks() > HTI_MAX_RANKS || t.num_nodes > HTI_MAX_NODES {
+        return Err(Error::invalid(
+            "topology",
+            rank,
+            format!("{t}: the internode high-throughput kernels support at most {HTI_MAX_RANKS} ranks on {HTI_MAX_NODES} nodes"),
+        ));
+    }
+    if topk > HTI_MAX_TOPK {
+        return Err(Error::invalid("topk_idx", rank, format!("top-{topk}: the internode kernels carry at most {HTI_MAX_TOPK} entries")));
+    }
+    if num_local_experts > HTI_MAX_LOCAL_EXPERTS {
+        return Err(Error::invalid(
+            "num_experts",
+            rank,
+            format!("{num_local_experts} experts per rank; the internode kernels support at most {HTI_MAX_LOCAL_EXPERTS}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Tokens per round and per chunk for a call of `hidden` / `fp8` / `topk` on this buffer: the core's rule
+/// (`crate::internode::ht_round_shape`, which the host backend applies too), with the chunk from
+/// `Tuning::ht_send_chunk`.
+fn round_of(b: &CudaBackend, hidden: usize, fp8: bool, topk: usize) -> Result<(usize, usize)> {
+    let chunk = b.tuning.ht_send_chunk.filter(|&c| c > 0).map_or(khti::DEFAULT_CHUNK_TOKENS, |c| c as usize);
+    crate::internode::ht_round_shape(b.rank, topology(b), b.num_nvl_bytes, b.num_rdma_bytes, hidden, fp8, topk, chunk)
+}
+
+// ------------------------------------------------------------------------------------------ layout
+
+pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+    let rank = b.rank;
+    let t = topology(b);
+    let (n, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
+    check_limits(b, rank, k, num_experts / t.num_ranks())?;
+    single::check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
+    let per_rank = out.num_tokens_per_rank.addr();
+    let per_expert = out.num_tokens_per_expert.addr();
+    let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(0, |v| v.addr());
+    let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
+    let kernel = b.kernel(&v.spec(), kernel_name::HTI_LAYOUT)?;
+    // SAFETY: the outputs were validated as contiguous int32 tensors of this device with R, E and N elements.
+    unsafe {
+        b.op_stream().memset_d32_async(per_rank, 0, t.num_ranks())?;
+        b.op_stream().memset_d32_async(per_expert, 0, num_experts)?;
+        if per_node != 0 {
+            b.op_stream().memset_d32_async(per_node, 0, t.num_nodes)?;
+        }
+    }
+    let (error_claim, error_record) = b.error_sink();
+    let strides = topk_idx.strides();
+    let args = HtiLayoutArgs {
+        topk_idx: b.addr_of(topk_idx),
+        topk_stride_token: strides[0] as i64,
+        topk_stride_k: strides[1] as i64,
+        num_tokens_per_rank: per_rank,
+        num_tokens_per_rdma_rank: per_node,
+        num_tokens_per_expert: per_expert,
+        is_token_in_rank: out.is_token_in_rank.addr(),
+        error_claim,
+        error_record,
+        num_tokens: single::to_u32(n, "topk_idx", rank)?,
+        topk: single::to_u32(k, "topk_idx", rank)?,
+        num_experts: single::to_u32(num_experts, "num_experts", rank)?,
+        rank: rank as u32,
+    };
+    let grid = (n.div_ceil(HTI_THREADS as usize) as u32).clamp(1, 1024);
+    b.launch(&kernel, &LaunchConfig::linear(grid, HTI_THREADS), &args)?;
+    single::finish(b, Phase::Layout)
+}
+
+// ------------------------------------------------------------------------------------------ dispatch
+
+fn per_expert_aligned(host: &Option<HostRouting>, s: &HtSpec) -> Vec<usize> {
+    if s.num_worst_tokens > 0 {
+        return Vec::new();
+    }
+    match host.as_ref().and_then(|h| h.per_expert_raw.as_ref()) {
+        Some(raw) => raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect(),
+        None => Vec::new(),
+    }
+}
+
+pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+    let rank = s.rank;
+    let t = topology(b);
+    check_limits(b, rank, s.topk, s.num_local_experts())?;
+    roles(rank, t, s.num_sms)?;
+    if s.num_worst_tokens == 0 && b.is_capturing() {
+        return Err(Error::invalid(
+            "num_worst_tokens",
+            rank,
+            "a CPU-synchronised dispatch waits for the count exchange on the host and cannot be captured into a CUDA graph; \
+             pass num_worst_tokens > 0",
+        ));
+    }
+    single::check_aligned(b.addr_of(a.x.x()), 16, "x", rank)?;
+    if let Payload::Fp8 { scales, .. } = a.x {
+        single::check_aligned(scales.addr(), 4, "x_scales", rank)?;
+    }
+    let layout = match a.routing {
+        Routing::Cached(h) => {
+            let data = h.data.clone();
+            let r = data.cuda_internode(rank)?;
+            let host = r.host.clone();
+            return Ok(DispatchPlan {
+                spec: s,
+                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
+                num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+                state: PlanState::CudaInternode(HtiPlan::Cached(data)),
+            });
+        }
+        Routing::Fresh { layout, topk_idx, topk_weights } => {
+            if let (Some(i), Some(w)) = (topk_idx, topk_weights) {
+                single::check_aligned(i.addr(), 8, "topk_idx", rank)?;
+                single::check_aligned(w.addr(), 4, "topk_weights", rank)?;
+            }
+            layout
+        }
+    };
+    single::check_aligned(layout.num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
+    single::check_aligned(layout.num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
+    let (round_tokens, chunk_tokens) = round_of(b, s.hidden, s.fp8, s.topk)?;
+    let el = s.num_local_experts();
+    let routing_buf = single::pool_take(b, 4 * RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).words)?;
+    let sync = s.num_worst_tokens == 0;
+    let hti = &mut b.internode.as_mut().expect("an internode buffer").hti;
+    let (host_out, host_seq) = if sync {
+        let words = host_notify::words(el);
+        if hti.host_notify.as_ref().is_none_or(|m| m.len() < words) {
+            hti.host_notify = Some(HostMapped::new(&b.device, words.max(host_notify::words(256)))?);
+        }
+        hti.notify_seq = hti.notify_seq.wrapping_add(1).max(1);
+        (hti.host_notify.as_ref().map_or(0, |m| m.device_ptr()), hti.notify_seq)
+    } else {
+        (0, 0)
+    };
+    let state = hti.state.device_ptr();
+    let signature = call_signature(CallSignature {
+        hidden: s.hidden,
+        num_experts: s.num_experts,
+        topk: s.topk,
+        fp8: s.fp8,
+        has_topk: s.has_topk,
+        no_sync: !sync,
+    });
+    let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
+    let (error_claim, error_record) = b.error_sink();
+    let inter = b.internode.as_ref().expect("an internode buffer");
+    let args = HtiNotifyArgs {
+        rdma: inter.rdma_args(),
+        at: rdma_at(b)?,
+        is_token_in_rank: layout.is_token_in_rank.addr(),
+        num_tokens_per_rank: layout.num_tokens_per_rank.addr(),
+        num_tokens_per_expert: layout.num_tokens_per_expert.addr(),
+        routing: routing_buf.ptr(),
+        host_out,
+        state,
+        signature,
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        num_tokens: single::to_u32(s.num_tokens, "x", rank)?,
+        num_local_experts: el as u32,
+        round_tokens: round_tokens as u32,
+        host_seq,
+    };
+    launch(b, &v, kernel_name::HTI_NOTIFY, &args, 1)?;
+    let (host, num_fwd) = if sync {
+        let (h, f) = read_notify(b, host_seq, &s)?;
+        (Some(h), Some(f))
+    } else {
+        (None, None)
+    };
+    Ok(DispatchPlan {
+        spec: s,
+        num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
+        num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+        state: PlanState::CudaInternode(HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
+    })
+}
+
+/// CPU-sync mode: waits (deadline) for notify's host-mapped results of call `seq`; a non-zero status is the
+/// error every rank sees alike.
+fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting, usize)> {
+    let rank = s.rank;
+    let start = Instant::now();
+    let limit = Duration::from_nanos(b.timeout_ns) + Duration::from_secs(5);
+    loop {
+        let m = b.internode.as_ref().and_then(|i| i.hti.host_notify.as_ref()).expect("allocated by prepare_dispatch");
+        if m.read(host_notify::READY) == seq {
+            break;
+        }
+        if let Some(e) = b.recorded_error() {
+            if e.poisons_buffer() {
+                return Err(e);
+            }
+        }
+        if start.elapsed() > limit {
+            return Err(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 });
+        }
+        std::hint::spin_loop();
+    }
+    let m = b.internode.as_ref().and_then(|i| i.hti.host_notify.as_ref()).expect("allocated by prepare_dispatch");
+    let status = m.read(host_notify::STATUS);
+    let host = HostRouting {
+        num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
+        per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+    };
+    let num_fwd = m.read(host_notify::NUM_FWD) as usize;
+    let peer = m.read(host_notify::STATUS_PEER) as usize;
+    if status == 0 {
+        return Ok((host, num_fwd));
+    }
+    let recorded = b.recorded_error();
+    let e = if status & khti::status::FAILED != 0 {
+        recorded.unwrap_or(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 })
+    } else if status & khti::status::BAD_LAYOUT != 0 {
+        single::layout_error(b, rank, peer)
+    } else {
+        match recorded {
+            Some(e @ Error::RankMismatch { .. }) => e,
+            _ => Error::RankMismatch {
+                what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
+                rank,
+                peer,
+                ours: format!("hidden {}, {} experts, top-{}, fp8 {}", s.hidden, s.num_experts, s.topk, s.fp8),
+                theirs: "something else".into(),
+            },
+        }
+    };
+    Err(single::settle(b, e))
+}
+
+fn out_addr(t: &Option<crate::tensor::TensorMut<'_>>) -> u64 {
+    t.as_ref().map_or(0, |t| t.addr())
+}
+
+pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+    let s = plan.spec;
+    let rank = s.rank;
+    let t = topology(b);
+    let num_out_rows = plan.num_recv_rows();
+    let state = plan.state.into_cuda_internode(rank)?;
+    single::check_aligned(out.recv_x.addr(), 16, "recv_x", rank)?;
+    single::check_aligned(out_addr(&out.recv_scales), 4, "recv_x_scales", rank)?;
+    single::check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
+    single::check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
+    let recv_src_idx = out_addr(&out.recv_src_idx);
+    single::check_aligned(recv_src_idx, 4, "recv_src_idx", rank)?;
+    let (send_blocks, fwd_blocks) = roles(rank, t, s.num_sms)?;
+
+    // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
+    // kernel rewrites with the same values).
+    let (fresh, existing) = match state {
+        HtiPlan::Fresh { routing, host, num_fwd, round_tokens, chunk_tokens } => {
+            let fwd_capacity = num_fwd.unwrap_or(s.num_worst_tokens).max(1);
+            let route_rows = num_out_rows.max(1);
+            let fwd_entries = single::pool_take(b, 4 * fwd_capacity)?;
+            let recv_route = single::pool_take(b, 8 * route_rows)?;
+            let r = HtiRouting {
+                routing,
+                fwd_entries,
+                fwd_capacity,
+                recv_route,
+                route_rows,
+                host,
+                num_tokens: s.num_tokens,
+                round_tokens,
+                chunk_tokens,
+            };
+            (Some(r), None)
+        }
+        HtiPlan::Cached(data) => (None, Some(data)),
+    };
+    let r: &HtiRouting = match (&fresh, &existing) {
+        (Some(r), _) => r,
+        (None, Some(d)) => d.cuda_internode(rank)?,
+        (None, None) => unreachable!("a plan is fresh or cached"),
+    };
+    if num_out_rows > r.route_rows {
+        return Err(Error::invalid(
+            "num_worst_tokens",
+            rank,
+            format!("{num_out_rows} output rows, more than the {} of the dispatch that made the handle", r.route_rows),
+        ));
+    }
+    // The call's round shape is the handle's (a cached dispatch of other rows is refused when they do not fit).
+    let (round_tokens, _) = round_of(b, s.hidden, s.fp8, s.topk)?;
+    if round_tokens < r.round_tokens {
+        return Err(Error::invalid(
+            "x",
+            rank,
+            format!(
+                "rows of this cached dispatch fit {round_tokens} tokens per round, the handle's dispatch ran rounds of {}",
+                r.round_tokens
+            ),
+        ));
+    }
+    let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
+        Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
+        Payload::Bf16(_) => (0, 0, 0),
+    };
+    let (topk_idx, topk_weights) = match a.routing {
+        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } if s.has_topk => (i.addr(), w.addr()),
+        _ => (0, 0),
+    };
+    let v = variant(b, s.hidden, s.fp8, if topk_idx != 0 { s.topk } else { 0 }, 0);
+    let (error_claim, error_record) = b.error_sink();
+    let inter = b.internode.as_ref().expect("an internode buffer");
+    let args = HtiDispatchArgs {
+        rdma: inter.rdma_args(),
+        at: rdma_at(b)?,
+        nvl: nvl_args(b),
+        x: b.addr_of(a.x.x()),
+        x_scales,
+        scale_stride_token,
+        scale_stride_group,
+        topk_idx,
+        topk_weights,
+        recv_x: out.recv_x.addr(),
+        recv_scales: out_addr(&out.recv_scales),
+        recv_topk_idx: out_addr(&out.recv_topk_idx),
+        recv_topk_weights: out_addr(&out.recv_topk_weights),
+        recv_src_idx,
+        routing: r.routing.ptr(),
+        fwd_entries: r.fwd_entries.ptr(),
+        recv_route: r.recv_route.ptr(),
+        state: inter.hti.state.device_ptr(),
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        num_tokens: single::to_u32(s.num_tokens, "x", rank)?,
+        num_out_rows: single::to_u32(num_out_rows, "num_worst_tokens", rank)?,
+        fwd_capacity: single::to_u32(r.fwd_capacity, "num_worst_tokens", rank)?,
+        num_local_experts: s.num_local_experts() as u32,
+        chunk_tokens: r.chunk_tokens as u32,
+        num_send_blocks: send_blocks,
+        num_fwd_blocks: fwd_blocks,
+        pad: 0,
+    };
+    let routing_ptr = r.routing.ptr();
+    launch(b, &v, kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
+    if let Some(m) = &out.rank_prefix_matrix {
+        let at = RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).rank_prefix;
+        // SAFETY: the output was validated as a contiguous int32 [R, R] tensor of this device, and the routing
+        // buffer (alive with the handle) holds R * R words at rank_prefix, written by notify earlier on this
+        // stream.
+        unsafe { b.op_stream().memcpy_dtod_async(m.addr(), routing_ptr + 4 * at as u64, 4 * t.num_ranks() * t.num_ranks())? };
+    }
+    single::finish(b, Phase::Dispatch)?;
+    // No-sync mode, but this call waited for the kernels: the received count is on the device.
+    let read_back = match (&fresh, &existing) {
+        (Some(r), _) if r.host.is_none() && !b.is_async() => Some(read_back(r)?),
+        _ => None,
+    };
+    let data = match (fresh, existing) {
+        (Some(mut r), _) => {
+            if r.host.is_none() {
+                r.host = read_back;
+            }
+            let n = r.host.as_ref().map(|h| h.num_recv_tokens);
+            return Ok(HtDispatched { data: Arc::new(HtRouting::CudaInternode(r)), num_recv_tokens: n });
+        }
+        (None, Some(d)) => d,
+        (None, None) => unreachable!("a plan is fresh or cached"),
+    };
+    let n = data.cuda_internode(rank)?.host.as_ref().map(|h| h.num_recv_tokens);
+    Ok(HtDispatched { data, num_recv_tokens: n })
+}
+
+fn read_back(r: &HtiRouting) -> Result<HostRouting> {
+    let mut word = [0u8; 4];
+    r.routing.buffer().copy_to_host_at(4 * routing::NUM_RECV, &mut word)?;
+    Ok(HostRouting { num_recv_tokens: u32::from_le_bytes(word) as usize, per_expert_raw: None })
+}
+
+// ------------------------------------------------------------------------------------------ combine
+
+pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+    let rank = s.rank;
+    let t = topology(b);
+    let r = a.handle.data.cuda_internode(rank)?;
+    if s.topk > HTI_MAX_TOPK {
+        return Err(Error::invalid(
+            "topk_weights",
+            rank,
+            format!("{} weights per row; the internode kernels carry at most {HTI_MAX_TOPK}", s.topk),
+        ));
+    }
+    let (send_blocks, fwd_blocks) = roles(rank, t, s.num_sms)?;
+    let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
+    single::check_aligned(b.addr_of(&a.x), 16, "x", rank)?;
+    let topk_weights = a.topk_weights.as_ref().map_or(0, |w| w.addr());
+    single::check_aligned(topk_weights, 4, "topk_weights", rank)?;
+    let bias0 = biases.first().copied().unwrap_or(0);
+    let bias1 = biases.get(1).copied().unwrap_or(0);
+    single::check_aligned(bias0, 16, "bias", rank)?;
+    single::check_aligned(bias1, 16, "bias", rank)?;
+    single::check_aligned(out.combined_x.addr(), 16, "combined_x", rank)?;
+    let combined_topk_weights = out_addr(&out.combined_topk_weights);
+    single::check_aligned(combined_topk_weights, 4, "combined_topk_weights", rank)?;
+    if s.num_recv_rows > r.route_rows {
+        return Err(Error::invalid(
+            "x",
+            rank,
+            format!("{} rows, more than the {} the handle's dispatch received into", s.num_recv_rows, r.route_rows),
+        ));
+    }
+    let v = variant(b, s.hidden, false, s.topk, biases.len());
+    let (error_claim, error_record) = b.error_sink();
+    let inter = b.internode.as_ref().expect("an internode buffer");
+    let args = HtiCombineArgs {
+        rdma: inter.rdma_args(),
+        at: rdma_at(b)?,
+        nvl: nvl_args(b),
+        x: b.addr_of(&a.x),
+        topk_weights,
+        bias0,
+        bias1,
+        combined_x: out.combined_x.addr(),
+        combined_topk_weights,
+        routing: r.routing.ptr(),
+        fwd_entries: r.fwd_entries.ptr(),
+        recv_route: r.recv_route.ptr(),
+        state: inter.hti.state.device_ptr(),
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        num_tokens: single::to_u32(r.num_tokens, "x", rank)?,
+        num_x_rows: single::to_u32(s.num_recv_rows, "x", rank)?,
+        chunk_tokens: r.chunk_tokens as u32,
+        num_send_blocks: send_blocks,
+        num_fwd_blocks: fwd_blocks,
+        pad: 0,
+    };
+    launch(b, &v, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
+    single::finish(b, Phase::Combine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_cover_every_source_and_node() {
+        let t = Topology { num_nodes: 2, ranks_per_node: 2 };
+        assert_eq!(roles(0, t, 24).unwrap(), (22, 1));
+        let t = Topology { num_nodes: 32, ranks_per_node: 8 };
+        let (send, fwd) = roles(0, t, 24).unwrap();
+        assert_eq!(fwd, 2);
+        assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
+        assert!(matches!(roles(3, t, 3), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
+    }
+}

@@ -1,0 +1,283 @@
+//! High-throughput dispatch and combine across virtual nodes on the GPU (thread mode: the ranks share the
+//! visible GPUs round-robin, so one GPU is enough), checked bit for bit against the host backend on ONE node
+//! (1 x R) for the same inputs: the hierarchical path must give the single-node answers (1x4 = 2x2,
+//! 1x8 = 2x4 = 4x2). Every output: received rows, FP8 scales, top-k ids and weights, the per-expert counts,
+//! DeepEP's rank_prefix_matrix and recv_src_idx, the combined rows and weights; CPU-synchronised and no-sync
+//! (num_worst_tokens) dispatch, a cached dispatch from a handle, combine with two biases; uniform, holed,
+//! skewed, empty-rank and node-limited routing, ranks with zero tokens; buffers small enough that every call
+//! runs several rounds. On `ptr` and on `emu-nic` (which delivers out of order across QPs). A silent rank
+//! on another node ends every other rank's call with a timeout naming a peer and a domain.
+//! Ignored unless included (`--include-ignored`, on a machine with a GPU); the NVSHMEM transport needs one
+//! process per rank and runs from `scripts/device/internode.sh`.
+//!
+//! Rank closures only make calls and return what they saw; assertions run on the test thread.
+
+use moelink::internode::ht_bytes_needed;
+use moelink::{
+    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, DispatchArgs, EmuNicOptions, Error, Fp8E4M3, Payload, Phase, RdmaOptions,
+    Result, Routing, Tensor, Topology, Transport,
+};
+use moelink_testkit::harness::{test_options, with_buffers};
+use moelink_testkit::values::random_weights;
+use moelink_testkit::{route, Rng, RouteKind};
+
+const HIDDEN: usize = 1024;
+const TOPK: usize = 4;
+/// Tokens per round the buffers are sized for: calls of up to 3x this many tokens run several rounds.
+const ROUND_TOKENS: usize = 40;
+
+#[derive(Clone, Copy, Debug)]
+struct Net {
+    topology: Topology,
+    transport: Transport,
+}
+
+impl Net {
+    fn ranks(&self) -> usize {
+        self.topology.num_ranks()
+    }
+    fn experts(&self) -> usize {
+        4 * self.ranks()
+    }
+    fn options(&self, base: BufferOptions) -> BufferOptions {
+        let need = ht_bytes_needed(self.topology, ROUND_TOKENS, HIDDEN, TOPK, false);
+        BufferOptions {
+            backend: BackendKind::Cuda,
+            num_nvl_bytes: need.num_nvl_bytes,
+            num_rdma_bytes: need.num_rdma_bytes,
+            low_latency_mode: false,
+            topology: Some(self.topology),
+            rdma: RdmaOptions { transport: self.transport, num_qps_per_rank: 4, ..RdmaOptions::default() },
+            ..base
+        }
+    }
+}
+
+/// One call of every rank.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    fp8: bool,
+    /// 0: CPU-synchronised.
+    num_worst_tokens: usize,
+    /// Dispatch again from the handle (no routing) and combine that one.
+    cached: bool,
+    biases: usize,
+    route: RouteKind,
+}
+
+fn calls(net: &Net) -> Vec<Call> {
+    let nodes = net.topology.num_nodes;
+    let node_limited = RouteKind::NodeLimited { nodes, max_nodes: (nodes / 2).max(1) };
+    let worst = 3 * ROUND_TOKENS * net.ranks();
+    vec![
+        Call { fp8: false, num_worst_tokens: 0, cached: true, biases: 2, route: RouteKind::Uniform },
+        Call { fp8: true, num_worst_tokens: 0, cached: false, biases: 0, route: RouteKind::Skewed },
+        Call { fp8: false, num_worst_tokens: worst, cached: false, biases: 1, route: RouteKind::WithHoles },
+        Call { fp8: true, num_worst_tokens: 0, cached: true, biases: 0, route: node_limited },
+        Call { fp8: false, num_worst_tokens: 0, cached: false, biases: 0, route: RouteKind::EmptyRank(1) },
+        Call { fp8: false, num_worst_tokens: worst, cached: false, biases: 2, route: node_limited },
+    ]
+}
+
+#[derive(Clone)]
+struct Inputs {
+    tokens: usize,
+    x: Vec<bf16>,
+    fp8: Vec<Fp8E4M3>,
+    scales: Vec<f32>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+    y_seed: u64,
+}
+
+fn inputs(net: &Net, call: &Call, call_no: usize, rank: usize) -> Inputs {
+    let mut rng = Rng::new(0x47_1a7e ^ ((call_no as u64) << 16) ^ rank as u64);
+    // Rank 1 sends nothing in every other call; the others send up to 3 rounds' worth.
+    let tokens = if rank == 1 && call_no % 2 == 1 { 0 } else { [3 * ROUND_TOKENS, 7, 55, 1, 90, 0, 33, 120][(rank + call_no) % 8] };
+    let idx = route(&mut rng, call.route, tokens, TOPK, net.experts(), net.ranks());
+    let x = (0..tokens * HIDDEN).map(|_| bf16::from_f64(rng.normal())).collect();
+    // FP8 payload: any byte but the two NaN patterns, with positive scales.
+    let fp8 = (0..tokens * HIDDEN).map(|_| Fp8E4M3((rng.next_u64() as u8) & 0xfe)).collect();
+    let scales = (0..tokens * HIDDEN / 128).map(|_| 0.001 + rng.uniform() as f32).collect();
+    Inputs { tokens, x, fp8, scales, idx, w: random_weights(&mut rng, tokens * TOPK), y_seed: rng.next_u64() }
+}
+
+/// What a rank saw in one call.
+#[derive(Clone, Debug, PartialEq)]
+struct Seen {
+    recv: Vec<u8>,
+    scales: Vec<u8>,
+    idx: Vec<i64>,
+    w: Vec<f32>,
+    per_expert: Vec<usize>,
+    rank_prefix: Vec<i32>,
+    src_idx: Vec<i32>,
+    combined: Vec<u8>,
+    combined_w: Vec<u8>,
+}
+
+/// The rows that matter: the received ones (no-sync outputs are num_worst_tokens long).
+fn first_rows<T: Clone>(v: Vec<T>, rows: usize, per_row: usize) -> Vec<T> {
+    v[..(rows * per_row).min(v.len())].to_vec()
+}
+
+fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Seen> {
+    let t = inp.tokens;
+    let idx = buf.upload(&Tensor::from_vec(inp.idx.clone(), &[t, TOPK])?)?;
+    let w = buf.upload(&Tensor::from_vec(inp.w.clone(), &[t, TOPK])?)?;
+    let x_bf16 = buf.upload(&Tensor::from_vec(inp.x.clone(), &[t, HIDDEN])?)?;
+    let x_fp8 = buf.upload(&Tensor::from_vec(inp.fp8.clone(), &[t, HIDDEN])?)?;
+    let scales = buf.upload(&Tensor::from_vec(inp.scales.clone(), &[t, HIDDEN / 128])?)?;
+    let payload = if call.fp8 { Payload::Fp8 { x: x_fp8.view(), scales: scales.view() } } else { Payload::Bf16(x_bf16.view()) };
+    let layout = buf.get_dispatch_layout(idx.view(), net.experts())?;
+    let args = DispatchArgs {
+        x: payload,
+        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+        expert_alignment: 1,
+        num_worst_tokens: call.num_worst_tokens,
+        config: None,
+    };
+    let mut d = buf.dispatch(&args)?;
+    if call.cached {
+        let again = DispatchArgs { routing: Routing::Cached(&d.handle), ..args };
+        let c = buf.dispatch(&again)?;
+        if c.recv_x.to_host_bytes()? != d.recv_x.to_host_bytes()? {
+            return Err(Error::invalid("x", buf.rank(), "the cached dispatch received other rows than the fresh one"));
+        }
+        d.recv_x = c.recv_x;
+    }
+    let n = d.handle.num_recv_tokens().unwrap_or(0);
+    let rows = if call.num_worst_tokens > 0 { call.num_worst_tokens } else { n };
+    // The experts: a deterministic bf16 value per received row and channel (from the row's bytes), so that
+    // every rank's combine input depends on what it received.
+    let recv = d.recv_x.to_host_bytes()?;
+    let rb = if call.fp8 { HIDDEN } else { 2 * HIDDEN };
+    let y: Vec<bf16> = (0..rows * HIDDEN)
+        .map(|i| {
+            let (r, c) = (i / HIDDEN, i % HIDDEN);
+            let b = if r < n { recv[r * rb + c * rb / HIDDEN] } else { 0 };
+            let v = ((b as f64) - 128.0) / 16.0 * if (c + inp.y_seed as usize) % 7 == 0 { 64.0 } else { 1.0 };
+            bf16::from_f64(if b == 0x80 { -0.0 } else { v })
+        })
+        .collect();
+    let y = buf.upload(&Tensor::from_vec(y, &[rows, HIDDEN])?)?;
+    let bias: Vec<Tensor> = (0..2)
+        .map(|k| {
+            let mut rng = Rng::new(inp.y_seed ^ k);
+            buf.upload(&Tensor::from_vec((0..t * HIDDEN).map(|_| bf16::from_f64(rng.normal() * 4.0)).collect::<Vec<_>>(), &[t, HIDDEN])?)
+        })
+        .collect::<Result<_>>()?;
+    let recv_w = d.recv_topk_weights.as_ref().expect("top-k travelled");
+    let c = buf.combine(&CombineArgs {
+        x: y.view(),
+        handle: &d.handle,
+        topk_weights: Some(recv_w.view()),
+        bias: [(call.biases >= 1).then(|| bias[0].view()), (call.biases >= 2).then(|| bias[1].view())],
+        config: None,
+    })?;
+    Ok(Seen {
+        recv: first_rows(recv, n, rb),
+        scales: d
+            .recv_x_scales
+            .as_ref()
+            .map(|s| s.to_host_bytes())
+            .transpose()?
+            .map(|s| first_rows(s, n, 4 * HIDDEN / 128))
+            .unwrap_or_default(),
+        idx: first_rows(d.recv_topk_idx.as_ref().expect("top-k").to_vec()?, n, TOPK),
+        w: first_rows(recv_w.to_vec()?, n, TOPK),
+        per_expert: d.num_recv_tokens_per_expert.clone(),
+        rank_prefix: d.rank_prefix_matrix.to_vec()?,
+        src_idx: first_rows(d.recv_src_idx.to_vec()?, n, 1),
+        combined: c.combined_x.to_host_bytes()?,
+        combined_w: c.combined_topk_weights.as_ref().map(|t| t.to_host_bytes()).transpose()?.unwrap_or_default(),
+    })
+}
+
+/// Every call on the host backend over ONE node of all the ranks, and on CUDA over `net`.
+fn check_net(net: Net) {
+    let ranks = net.ranks();
+    let calls = calls(&net);
+    let all: Vec<Vec<Inputs>> = calls.iter().enumerate().map(|(n, c)| (0..ranks).map(|r| inputs(&net, c, n, r)).collect()).collect();
+    let body = |buf: &mut Buffer| -> Result<Vec<Seen>> {
+        let me = buf.rank();
+        calls.iter().zip(&all).map(|(c, inp)| run_call(buf, &net, c, &inp[me])).collect()
+    };
+    let one_node = BufferOptions { topology: Some(Topology::single_node(ranks)), ..test_options() };
+    let want = with_buffers(BackendKind::Host, ranks, one_node, body);
+    let got = with_buffers(BackendKind::Cuda, ranks, net.options(test_options()), body);
+    for me in 0..ranks {
+        for (n, call) in calls.iter().enumerate() {
+            let (g, w) = (&got[me][n], &want[me][n]);
+            let what = format!("{} {}: rank {me} call {n} {call:?}", net.topology, net.transport.name());
+            assert_eq!(g.rank_prefix, w.rank_prefix, "{what}: rank_prefix_matrix");
+            assert_eq!(g.per_expert, w.per_expert, "{what}: num_recv_tokens_per_expert");
+            assert!(g.recv == w.recv, "{what}: received rows differ from one node's");
+            assert!(g.scales == w.scales, "{what}: scales differ from one node's");
+            assert_eq!(g.idx, w.idx, "{what}: recv_topk_idx");
+            assert_eq!(g.w, w.w, "{what}: recv_topk_weights");
+            assert_eq!(g.src_idx, w.src_idx, "{what}: recv_src_idx");
+            if let Some(i) = g.combined.chunks(2).zip(w.combined.chunks(2)).position(|(a, b)| a != b) {
+                panic!("{what}: combined[{}, {}] differs from one node's", i / HIDDEN, i % HIDDEN);
+            }
+            assert!(g.combined_w == w.combined_w, "{what}: combined_topk_weights");
+        }
+        eprintln!("{} {}: rank {me}: {} calls match one node's answers", net.topology, net.transport.name(), calls.len());
+    }
+}
+
+fn topo(num_nodes: usize, ranks_per_node: usize) -> Topology {
+    Topology { num_nodes, ranks_per_node }
+}
+
+fn emu_nic() -> Transport {
+    Transport::EmuNic(EmuNicOptions::default())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
+fn ht_across_two_nodes_of_two_matches_one_node() {
+    for transport in [Transport::Ptr, emu_nic()] {
+        check_net(Net { topology: topo(2, 2), transport });
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
+fn ht_across_two_nodes_of_four_and_four_nodes_of_two_matches_one_node() {
+    check_net(Net { topology: topo(2, 4), transport: emu_nic() });
+    check_net(Net { topology: topo(4, 2), transport: Transport::Ptr });
+    check_net(Net { topology: topo(4, 2), transport: emu_nic() });
+}
+
+/// Rank 3 (node 1) never calls: every other rank's dispatch ends with a timeout naming a peer, in a phase
+/// that says the domain; nothing hangs.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored"]
+fn a_silent_rank_across_nodes_is_a_timeout_naming_the_domain() {
+    let net = Net { topology: topo(2, 2), transport: emu_nic() };
+    let opts = BufferOptions { timeout_ms: 2000, ..net.options(test_options()) };
+    let inp: Vec<Inputs> = (0..4).map(|r| inputs(&net, &calls(&net)[0], 0, r)).collect();
+    let results = moelink::group::run_ranks(4, |g| -> Result<Option<Result<Seen>>> {
+        let group = std::sync::Arc::new(g);
+        let mut buf = Buffer::new(group.clone(), opts.clone())?;
+        let me = buf.rank();
+        let r = if me == 3 { None } else { Some(run_call(&mut buf, &net, &calls(&net)[0], &inp[me])) };
+        moelink::Group::barrier(group.as_ref())?;
+        Ok(r)
+    });
+    for (me, r) in results.into_iter().enumerate() {
+        let Some(seen) = r.unwrap_or_else(|e| panic!("rank {me}: {e}")) else { continue };
+        match seen {
+            Err(Error::Timeout { peer, phase, .. }) => {
+                assert!(peer < 4 && peer != me, "rank {me}: the timeout names rank {peer}");
+                assert!(phase != Phase::Notify || peer == 3, "rank {me}: the count exchange should name rank 3, named {peer}");
+                assert!(
+                    matches!(phase, Phase::Notify | Phase::DispatchRdma | Phase::DispatchNvlink),
+                    "rank {me}: the timeout should say its domain, got {phase}"
+                );
+            }
+            other => panic!("rank {me}: expected a timeout, got {other:?}"),
+        }
+    }
+}
