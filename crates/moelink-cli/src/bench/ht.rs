@@ -121,13 +121,18 @@ fn outputs_of(res: &mut DispatchResult) -> DispatchOutputs<'_> {
 /// `prepare_dispatch` + `dispatch_into` (CPU-sync mode: the count exchange and the host's wait for it are
 /// part of the call), then the cached dispatch with that call's handle (what DeepEP's benchmark times);
 /// combine times `combine_into` with the checked dispatch's handle.
-pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize) -> Result<Vec<RankOutcome>> {
+pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
     let me = g.rank();
     let group: Arc<dyn Group> = Arc::new(g);
     let inputs = job.inputs;
     let s = inputs.shape;
     let mut outs: Vec<RankOutcome> = job.cases.iter().map(|_| RankOutcome::default()).collect();
-    let opts = BufferOptions { backend: job.backend, num_nvl_bytes, ..job.base.clone() };
+    let opts = BufferOptions {
+        backend: job.backend,
+        num_nvl_bytes,
+        num_rdma_bytes: num_rdma_bytes.max(job.base.num_rdma_bytes),
+        ..job.base.clone()
+    };
     let mut buf = match Buffer::new(group.clone(), opts.clone()) {
         Ok(b) => b,
         Err(moelink::Error::Unavailable(why)) => {

@@ -494,11 +494,20 @@ struct Batch {
 /// always since combine dispatches bf16; [`Buffer::ll_bytes_needed`]). Every batch of a mode gets the same
 /// size, so the points of a curve differ only in what they measure. The host backend applies the same
 /// capacity rules, so it gets the same sizes.
-fn buffer_bytes(batches: &[Batch]) -> (usize, usize) {
+fn buffer_bytes(batches: &[Batch], internode: Option<moelink::Topology>) -> (usize, usize) {
     let (mut nvl, mut rdma) = (0, 0);
     for b in batches {
         let s = &b.shape;
         match b.mode {
+            // Across nodes: one round holds every token (the kernels' rounds are then DeepEP's one pass).
+            Mode::Ht if internode.is_some() => {
+                let t = internode.expect("checked");
+                for use_fp8 in [false, b.dtypes.contains(&Dtype::Fp8)] {
+                    let need = moelink::internode::ht_bytes_needed(t, s.tokens.max(1), s.hidden, s.topk, use_fp8);
+                    nvl = nvl.max(need.num_nvl_bytes);
+                    rdma = rdma.max(need.num_rdma_bytes);
+                }
+            }
             Mode::Ht => {
                 let fp8 = b.dtypes.contains(&Dtype::Fp8);
                 for use_fp8 in [false, fp8] {
@@ -618,9 +627,6 @@ fn internode_plan(a: &BenchArgs, ranks: usize) -> std::result::Result<Option<(mo
     }
     if !topology.is_internode() {
         return Ok(None);
-    }
-    if a.mode != ModeSel::Ll {
-        return Err(CliError(format!("--topology {topology}: across nodes only the low-latency kernels are built; pass --mode ll")));
     }
     let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
     if transport == moelink::Transport::Nvshmem {
@@ -827,6 +833,35 @@ fn ll_path_bytes(case: &Case, inputs: &Inputs, topology: &moelink::Topology, nvl
     paths
 }
 
+/// DeepEP's internode accounting for the high-throughput calls (its `test_internode.py`), per rank: RDMA
+/// bytes = the rank's tokens times their distinct destination nodes (its own node included) times the row;
+/// NVLink bytes = the rows the rank receives times the row. Rows: FP8 `H + 4 H / 128`, bf16 `2 H`; combine
+/// moves bf16 rows back the same ways. What crosses a NIC is less (a token's own node is not); `moelink
+/// bench bytes` counts both.
+fn ht_path_bytes(case: &Case, inputs: &Inputs, topology: &moelink::Topology) -> PathBytes {
+    let s = &inputs.shape;
+    let row = match (case.op, case.dtype) {
+        (Op::Dispatch, Dtype::Fp8) => s.hidden + 4 * s.hidden / 128,
+        _ => 2 * s.hidden,
+    };
+    let mut paths = PathBytes { rdma: vec![0; s.ranks], nvlink: vec![0; s.ranks] };
+    let experts_per_rank = s.local_experts().max(1);
+    for (src, r) in inputs.ranks.iter().enumerate() {
+        for token in r.topk_idx.chunks(s.topk.max(1)) {
+            let mut ranks: Vec<usize> = token.iter().filter(|&&e| e >= 0).map(|&e| e as usize / experts_per_rank).collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            let mut nodes: Vec<usize> = ranks.iter().map(|&d| topology.node_of(d)).collect();
+            nodes.dedup();
+            paths.rdma[src] += nodes.len() * row;
+            for d in ranks.into_iter().filter(|&d| d < s.ranks) {
+                paths.nvlink[d] += row;
+            }
+        }
+    }
+    paths
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -898,7 +933,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         date: sys::utc_now(),
         commit: sys::commit(),
     };
-    let (num_nvl_bytes, num_rdma_bytes) = buffer_bytes(&p.batches);
+    let (num_nvl_bytes, num_rdma_bytes) = buffer_bytes(&p.batches, p.internode.as_ref().map(|(t, _)| *t));
     println!("{}", header(&p, &facts, num_nvl_bytes, num_rdma_bytes));
     let all_cases: Vec<Vec<Case>> = p.batches.iter().map(cases).collect();
     let total = (all_cases.iter().map(Vec::len).sum::<usize>() * (p.warmup + p.reps)) as u64;
@@ -931,7 +966,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         };
         let timeout = Duration::from_secs(a.timeout_s.max(1));
         let results = moelink::group::run_ranks_with_timeout(p.ranks, timeout, |g| match batch.mode {
-            Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes),
+            Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes, num_rdma_bytes),
             Mode::Ll => ll::run_rank(g, &job, num_rdma_bytes),
         });
         let mut new = summarize(case_list, &inputs, &results, &facts, &p, a);
@@ -1083,12 +1118,16 @@ fn summarize(
                 rec.nodes = Some(topology.num_nodes);
                 rec.ranks_per_node = Some(topology.ranks_per_node);
                 rec.transport = Some(rdma.transport.name().into());
-                let paths = ll_path_bytes(c, inputs, topology, rdma.allow_nvlink_for_low_latency_mode);
+                let paths = match c.mode {
+                    Mode::Ll => ll_path_bytes(c, inputs, topology, rdma.allow_nvlink_for_low_latency_mode),
+                    Mode::Ht => ht_path_bytes(c, inputs, topology),
+                };
                 let mean = |v: &[usize]| v.iter().sum::<usize>() as f64 / v.len().max(1) as f64;
                 let max_rdma = paths.rdma.iter().copied().max().unwrap_or(0);
                 rec.extra.insert("rdma_bytes".into(), serde_json::json!(mean(&paths.rdma)));
                 rec.extra.insert("rdma_bytes_max".into(), serde_json::json!(max_rdma));
                 rec.extra.insert("nvlink_bytes".into(), serde_json::json!(mean(&paths.nvlink)));
+                rec.extra.insert("nvl_bytes".into(), serde_json::json!(mean(&paths.nvlink)));
                 // The floor one 400 Gb/s NIC per GPU (50 GB/s) would set: the busiest rank's RDMA bytes.
                 rec.extra.insert("rdma_floor_us_400g".into(), serde_json::json!(max_rdma as f64 / 50e3));
             }
@@ -1117,6 +1156,13 @@ fn summarize(
             let (logical, wire) = bytes_moved(c, inputs);
             rec.time_us = Some(t);
             rec.logical_gbps = Some(logical / (t * 1e3));
+            // Across nodes, the byte model's bytes per rank over the slowest rank's time (DeepEP's "RDMA" and
+            // "NVL" GB/s).
+            for (bytes, gbps) in [("rdma_bytes", "rdma_gbps"), ("nvl_bytes", "nvl_gbps")] {
+                if let Some(b) = rec.extra.get(bytes).and_then(|v| v.as_f64()) {
+                    rec.extra.insert(gbps.into(), serde_json::json!(b / (t * 1e3)));
+                }
+            }
             rec.wire_gbps = Some(wire / (t * 1e3));
             rec.reps = Some(p.reps);
             rec.warmup = Some(p.warmup);
@@ -1186,6 +1232,7 @@ fn summarize(
 fn render_paths(records: &[Record]) -> String {
     let mut t = Table::new(
         &[
+            "mode",
             "op",
             "dtype",
             "tokens",
@@ -1197,13 +1244,17 @@ fn render_paths(records: &[Record]) -> String {
             "NVLink KB/rank",
             "400G floor µs",
             "measured µs",
+            "RDMA GB/s",
+            "NVL GB/s",
         ],
-        &[false, false, true, false, false, false, true, true, true, true, true],
+        &[false, false, false, true, false, false, false, true, true, true, true, true, true, true],
     );
     for r in records {
         let f = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
         let kb = |k: &str| f(k).map_or("-".to_string(), |b| format!("{:.1}", b / 1e3));
+        let gbps = |k: &str| f(k).map_or("-".to_string(), |v| format!("{v:.1}"));
         t.row(vec![
+            r.mode.clone(),
             r.op.clone(),
             r.dtype.clone().unwrap_or_else(|| "-".into()),
             r.tokens.map_or("-".into(), |n| n.to_string()),
@@ -1215,9 +1266,16 @@ fn render_paths(records: &[Record]) -> String {
             kb("nvlink_bytes"),
             f("rdma_floor_us_400g").map_or("-".into(), |v| format!("{v:.1}")),
             r.time_us.map_or("-".into(), |v| format!("{v:.1}")),
+            gbps("rdma_gbps"),
+            gbps("nvl_gbps"),
         ]);
     }
-    format!("bytes per rank across nodes (byte model, docs/internode.md; meta blocks not counted):\n{}", t.render())
+    format!(
+        "bytes per rank across nodes (byte model, docs/internode.md; HT as DeepEP's internode test counts them, LL per \
+         destination rank; meta blocks not counted). Ranks sharing one GPU or the emulated NIC measure no network: \
+         these GB/s are not NIC or NVLink figures:\n{}",
+        t.render()
+    )
 }
 
 fn render(records: &[Record]) -> String {
@@ -1546,13 +1604,13 @@ mod tests {
     #[test]
     fn buffers_fit_the_largest_shape_of_each_mode() {
         let p = plan(&args(&["--tokens", "512,16384", "--ll-tokens", "1,256"])).unwrap();
-        let (nvl, rdma) = buffer_bytes(&p.batches);
+        let (nvl, rdma) = buffer_bytes(&p.batches, None);
         for fp8 in [false, true] {
             assert!(nvl >= Buffer::ht_bytes_needed(16384, 7168, 8, 4, fp8));
         }
         assert_eq!(rdma, Buffer::ll_bytes_needed(256, 7168, 4, 288));
         // DeepEP's shapes: what the CUDA backend asks for (the old rows-based guess was too small).
-        let (nvl, rdma) = buffer_bytes(&plan(&args(&[])).unwrap().batches);
+        let (nvl, rdma) = buffer_bytes(&plan(&args(&[])).unwrap().batches, None);
         assert_eq!(nvl, Buffer::ht_bytes_needed(4096, 7168, 8, 4, false).max(Buffer::ht_bytes_needed(4096, 7168, 8, 4, true)));
         assert_eq!(rdma, Buffer::ll_bytes_needed(128, 7168, 4, 288));
     }
