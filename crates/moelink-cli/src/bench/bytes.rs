@@ -170,7 +170,8 @@ fn lines(a: &BytesArgs, ht: &Counts, ll: &Counts) -> Vec<Line> {
     let h = a.hidden;
     let bf16_row = 2 * h;
     let fp8_row = h + 4 * h.div_ceil(128);
-    let ht_line = |op, dtype, row: usize, combine: bool| Line {
+    // `row` crosses the RDMA domain, `nvl_row` NVLink.
+    let ht_line = |op, dtype, row: usize, nvl_row: usize, combine: bool| Line {
         op,
         dtype,
         tokens: a.tokens,
@@ -178,7 +179,7 @@ fn lines(a: &BytesArgs, ht: &Counts, ll: &Counts) -> Vec<Line> {
         // Combine runs the dispatch backwards: a rank's NIC sends what it received as the rail peer.
         nic_send_max: row * max(if combine { &ht.ht_nic_recv } else { &ht.ht_nic_send }),
         nic_recv_max: row * max(if combine { &ht.ht_nic_send } else { &ht.ht_nic_recv }),
-        nvl_bytes: mean(&ht.ht_recv_rows) * row as f64,
+        nvl_bytes: mean(&ht.ht_recv_rows) * nvl_row as f64,
     };
     // LL combine returns one bf16 row per dispatch message, so it runs the counts backwards too.
     let ll_line = |op, dtype, unit: usize, combine: bool| Line {
@@ -191,9 +192,12 @@ fn lines(a: &BytesArgs, ht: &Counts, ll: &Counts) -> Vec<Line> {
         nvl_bytes: mean(&ll.ll_nvl_send) * unit as f64,
     };
     vec![
-        ht_line("dispatch", "bf16", bf16_row, false),
-        ht_line("dispatch", "fp8", fp8_row, false),
-        ht_line("combine", "bf16", bf16_row, true),
+        ht_line("dispatch", "bf16", bf16_row, bf16_row, false),
+        ht_line("dispatch", "fp8", fp8_row, fp8_row, false),
+        // DeepEP sends a node's partial home as bf16; moelink as fp32, so that the sum is the one-node sum
+        // bit for bit (docs/oracle.md): twice the RDMA bytes of combine.
+        ht_line("combine", "bf16", bf16_row, bf16_row, true),
+        ht_line("combine (moelink)", "fp32 partials", 4 * h, bf16_row, true),
         ll_line("ll dispatch", "fp8", moelink::internode::ll_message_bytes(h, a.topk, true), false),
         ll_line("ll combine", "bf16", bf16_row, true),
     ]
