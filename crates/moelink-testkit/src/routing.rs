@@ -17,6 +17,12 @@ pub enum RouteKind {
     /// groups, each scored by the sum of its two best experts' scores; a token picks its top k experts among
     /// the `max_nodes` best groups only, so it reaches at most `max_nodes` nodes.
     NodeLimited { nodes: usize, max_nodes: usize },
+    /// Uniform over the experts of every node but `node` (of `nodes` equal groups of ranks), which receives
+    /// nothing: an empty node (slots that only its experts could fill are `-1`).
+    EmptyNode { node: usize, nodes: usize },
+    /// 90% of tokens pick their experts among those of `node` (of `nodes` equal groups of ranks) while it has
+    /// k of them: nearly everything goes to one node.
+    NodeSkewed { node: usize, nodes: usize },
 }
 
 impl RouteKind {
@@ -41,6 +47,22 @@ impl RouteKind {
         RouteKind::draw(rng, ranks)
     }
 
+    /// A kind drawn for a round of `ranks` ranks on `nodes` nodes with the node-level cases (for the
+    /// high-throughput kernels across nodes, whose traffic is per node): on one node exactly
+    /// [`RouteKind::draw`]; across nodes node-limited routing 1/4 of the time (as [`RouteKind::draw_on`]), an
+    /// empty node 1/8, a skew to one node 1/8, [`RouteKind::draw`]'s kinds otherwise.
+    pub fn draw_nodes(rng: &mut Rng, ranks: usize, nodes: usize) -> RouteKind {
+        if nodes <= 1 {
+            return RouteKind::draw(rng, ranks);
+        }
+        match rng.below(8) {
+            0 | 1 => RouteKind::NodeLimited { nodes, max_nodes: 1 + rng.below(nodes - 1) },
+            2 => RouteKind::EmptyNode { node: rng.below(nodes), nodes },
+            3 => RouteKind::NodeSkewed { node: rng.below(nodes), nodes },
+            _ => RouteKind::draw(rng, ranks),
+        }
+    }
+
     /// Name in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
@@ -49,6 +71,8 @@ impl RouteKind {
             RouteKind::WithHoles => "holes",
             RouteKind::EmptyRank(_) => "empty-rank",
             RouteKind::NodeLimited { .. } => "node-limited",
+            RouteKind::EmptyNode { .. } => "empty-node",
+            RouteKind::NodeSkewed { .. } => "node-skewed",
         }
     }
 
@@ -60,6 +84,8 @@ impl RouteKind {
             RouteKind::WithHoles => 2,
             RouteKind::EmptyRank(_) => 3,
             RouteKind::NodeLimited { .. } => 4,
+            RouteKind::EmptyNode { .. } => 5,
+            RouteKind::NodeSkewed { .. } => 6,
         }
     }
 }
@@ -69,6 +95,8 @@ impl RouteKind {
 /// slot past the number of experts).
 pub fn route(rng: &mut Rng, kind: RouteKind, tokens: usize, topk: usize, experts: usize, ranks: usize) -> Vec<i64> {
     let per_rank = (experts / ranks.max(1)).max(1);
+    // The node of an expert when the ranks form `nodes` equal groups.
+    let node_of = |e: usize, nodes: usize| e / per_rank / (ranks / nodes.max(1)).max(1);
     let mut out = Vec::with_capacity(tokens * topk);
     let mut scores: Vec<(f64, usize)> = Vec::with_capacity(experts);
     for _ in 0..tokens {
@@ -78,6 +106,12 @@ pub fn route(rng: &mut Rng, kind: RouteKind, tokens: usize, topk: usize, experts
             RouteKind::Skewed if rng.uniform() < 0.9 => scores.iter_mut().filter(|(_, e)| *e < topk).for_each(|(s, _)| *s += 100.0),
             RouteKind::EmptyRank(r) => scores.iter_mut().filter(|(_, e)| *e / per_rank == r).for_each(|(s, _)| *s = -1.0),
             RouteKind::NodeLimited { nodes, max_nodes } if nodes > max_nodes => limit_to_best_groups(&mut scores, nodes, max_nodes),
+            RouteKind::EmptyNode { node, nodes } => {
+                scores.iter_mut().filter(|(_, e)| node_of(*e, nodes) == node).for_each(|(s, _)| *s = -1.0)
+            }
+            RouteKind::NodeSkewed { node, nodes } if rng.uniform() < 0.9 => {
+                scores.iter_mut().filter(|(_, e)| node_of(*e, nodes) == node).for_each(|(s, _)| *s += 100.0)
+            }
             _ => {}
         }
         // Only the top k are needed: partition, then order those k.
@@ -220,6 +254,43 @@ mod tests {
             }
         }
         assert!((60..140).contains(&limited), "{limited} of 400 node-limited");
+    }
+
+    #[test]
+    fn empty_and_skewed_nodes_route_as_named() {
+        // 32 experts on 8 ranks as 2 nodes of 4: node 1 holds experts 16..32.
+        let mut rng = Rng::new(13);
+        let empty = route(&mut rng, RouteKind::EmptyNode { node: 1, nodes: 2 }, 100, 8, 32, 8);
+        assert!(empty.iter().all(|&e| (0..16).contains(&e)), "an expert of the empty node was picked");
+        let skewed = route(&mut rng, RouteKind::NodeSkewed { node: 1, nodes: 2 }, 200, 8, 32, 8);
+        let on_node: usize = skewed.chunks(8).filter(|row| row.iter().all(|&e| e >= 16)).count();
+        assert!((160..200).contains(&on_node), "{on_node} of 200 tokens entirely on node 1");
+        // Fewer experts outside the empty node than k: the rest of the slots are -1.
+        let few = route(&mut rng, RouteKind::EmptyNode { node: 0, nodes: 2 }, 10, 8, 8, 2);
+        for row in few.chunks(8) {
+            assert_eq!(row.iter().filter(|&&e| e >= 4).count(), 4, "{row:?}");
+            assert_eq!(row.iter().filter(|&&e| e == -1).count(), 4, "{row:?}");
+        }
+    }
+
+    #[test]
+    fn node_draws_cover_the_node_kinds_and_keep_single_node_draws() {
+        let (mut a, mut b) = (Rng::new(9), Rng::new(9));
+        for _ in 0..100 {
+            assert_eq!(RouteKind::draw_nodes(&mut a, 4, 1), RouteKind::draw(&mut b, 4));
+        }
+        let mut rng = Rng::new(6);
+        let mut seen = [0usize; 7];
+        for _ in 0..800 {
+            let k = RouteKind::draw_nodes(&mut rng, 8, 2);
+            match k {
+                RouteKind::NodeLimited { nodes, max_nodes } => assert_eq!((nodes, max_nodes), (2, 1)),
+                RouteKind::EmptyNode { node, nodes } | RouteKind::NodeSkewed { node, nodes } => assert!(node < nodes && nodes == 2),
+                _ => {}
+            }
+            seen[k.code() as usize] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 30), "{seen:?}");
     }
 
     #[test]
