@@ -946,7 +946,6 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
   // This lane's source may write its part here again: after round `k` (the last: base + K).
   auto hand_back = [&](u64 value) {
     u64* consumed = reinterpret_cast<u64*>(a.nvl.base[local_of(s)] + a.nvl.off_consumed) + (u64)f.me_local * NUM_NODES + node_of(s);
-    ptx::fence_acq_rel_sys();
     ptx::st_relaxed_sys_u64(consumed, value);
   };
   if (mine && rounds == 0) hand_back((u64)f.base + f.rounds);
@@ -984,6 +983,12 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
       }
       const bool complete = end != UNKNOWN && q + ready == end;
       if (ready > 0 || complete) progressed = true;
+      // The round's rows are read by every lane: every lane's fence before the part goes back.
+      if (complete) {
+        __syncwarp();
+        ptx::fence_acq_rel_sys();
+        __syncwarp();
+      }
       if (lane == i) {
         next = q + ready;
         round_end = end;

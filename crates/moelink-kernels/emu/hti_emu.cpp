@@ -178,11 +178,18 @@ struct World {
     for (u32 j = 0; j < L; j++) n.base[j] = r[node * L + j].nvl->addr();
     return n;
   }
+  // A rank whose last block (a receiver / reducer) sleeps now and then (runtime.hpp's t_slow_us), so that
+  // the others run ahead into its parts: what the hand-backs must survive.
+  u32 slow_rank = ~0u, slow_us = 0;
   void ranks(const std::function<void(u32)>& body, std::vector<u32> who = {}) {
     if (who.empty())
       for (u32 p = 0; p < R; p++) who.push_back(p);
     std::vector<std::thread> t;
-    for (u32 p : who) t.emplace_back(body, p);
+    for (u32 p : who)
+      t.emplace_back([&, p] {
+        emu::t_slow_us = p == slow_rank ? slow_us : 0;
+        body(p);
+      });
     for (auto& x : t) x.join();
   }
   void launch(u32 grid, const std::function<void()>& body) { emu::launch(grid, THREADS, body); }
@@ -568,6 +575,13 @@ int main() {
     zero[R - 1] = 1;
     round_trip(w, zero, 5, Route::Uniform, NUM_BIASES, false, "one token");
     std::printf("zero tokens, one token: ok\n");
+    // A slow rank: its receivers and reducers lag; every part is reused only after it handed it back.
+    w.slow_rank = R - 1;
+    w.slow_us = 200;
+    for (u32 p = 0; p < R; p++) t[p] = 9 + (p * 5) % 20;
+    round_trip(w, t, 7, Route::Uniform, NUM_BIASES, true, "slow rank");
+    w.slow_rank = ~0u;
+    std::printf("a slow rank: ok\n");
   }
   {
     // One round holds every token: a round of 64, chunks of 64.
