@@ -35,6 +35,18 @@
 //! outside the heap, the RSS after the trim); free chunks the allocator keeps grow only the RSS and the held
 //! bytes. `--time-budget-s` stops early (at an agreed round) with honest counts. Exit status 1 on any
 //! mismatch or error.
+//!
+//! Across nodes (`--topology NxL`, virtual nodes on `ptr` or `emu-nic`) every family runs the internode
+//! kernels against a host-backend twin of the same topology. The high-throughput families then run in
+//! rounds: the buffers are sized with [`moelink::internode::ht_bytes_needed`] for rounds of
+//! `--ht-round-tokens` tokens (default `T_max / 4`) at the largest hidden size, so a call of more tokens
+//! runs several rounds (counted as `multi_round_rounds`), of `--ht-chunk-tokens` tokens per chunk. Their
+//! routing adds the node-level cases ([`RouteKind::draw_nodes`]: node-limited, an empty node, a skew to one
+//! node) and, now and then, a node whose ranks (or all ranks) send no token; `config.num_sms` stays within
+//! what the internode kernels need (4) and the rank's share of the GPU less the emulated NIC's blocks.
+//! One buffer pair runs every family: across nodes an HT call writes the RDMA region the LL calls share
+//! (DeepEP's rule; the buffer refuses LL calls until `clean_low_latency_buffer`), so the first LL round
+//! after HT rounds cleans it first, with its block's shape.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -157,11 +169,19 @@ pub struct SoakArgs {
     /// Print progress every this many seconds (0: never).
     #[arg(long, default_value_t = 15.0)]
     pub progress_s: f64,
-    /// Spread the ranks over nodes, NODESxRANKS_PER_NODE (e.g. 2x2: virtual nodes on this host). The
-    /// low-latency families then run the internode kernels; the high-throughput ones are not built across
-    /// nodes yet and are refused.
+    /// Spread the ranks over nodes, NODESxRANKS_PER_NODE (e.g. 2x2: virtual nodes on this host). Every
+    /// family then runs the internode kernels (the high-throughput ones in rounds, see --ht-round-tokens).
     #[arg(long, value_name = "NODESxRANKS")]
     pub topology: Option<String>,
+    /// With --topology: size the buffers for high-throughput rounds of this many tokens per rank at the
+    /// largest --hidden (smaller rows fit more), so that calls of more tokens run several rounds. Default:
+    /// T_MAX / 4.
+    #[arg(long, value_name = "TOKENS")]
+    pub ht_round_tokens: Option<usize>,
+    /// With --topology: tokens per chunk (one RDMA put with its signal) of the high-throughput kernels
+    /// across nodes. Default: MOELINK_HT_SEND_CHUNK if set, else 4 (several chunks per round).
+    #[arg(long, value_name = "TOKENS")]
+    pub ht_chunk_tokens: Option<usize>,
     /// The RDMA transport between nodes with --topology: ptr, or emu-nic (the emulated NIC, reordering across
     /// QPs; default). One process holds every rank, so NVSHMEM cannot be used here.
     #[arg(long, default_value = "emu-nic")]
@@ -217,6 +237,14 @@ pub struct Settings {
     pub ranks_per_node: usize,
     /// The RDMA transport between nodes (`null` on one node).
     pub transport: Option<String>,
+    /// Across nodes, with a high-throughput family: the HT round the buffers are sized for (tokens per rank
+    /// at the largest hidden size).
+    pub ht_round_tokens: Option<usize>,
+    /// Across nodes: tokens per chunk of the internode HT kernels.
+    pub ht_chunk_tokens: Option<usize>,
+    /// Blocks the emulated NIC adds to every internode launch (0 for other transports).
+    #[serde(skip)]
+    nic_blocks: usize,
     #[serde(skip)]
     kind: BackendKind,
     #[serde(skip)]
@@ -228,6 +256,14 @@ pub struct Settings {
 impl Settings {
     fn largest_experts(&self) -> usize {
         self.ranks * 8
+    }
+}
+
+/// Blocks the transport's emulated NIC adds to every internode launch.
+fn nic_blocks(t: &moelink::Transport) -> usize {
+    match t {
+        moelink::Transport::EmuNic(o) => o.nic_blocks as usize,
+        _ => 0,
     }
 }
 
@@ -252,6 +288,17 @@ pub struct FamilyCount {
     pub empty_rank_rounds: usize,
     /// Rounds with node-limited routing (drawn only across nodes: each token's experts on few nodes).
     pub node_limited_rounds: usize,
+    /// HT rounds across nodes whose routing left a node without any token ([`RouteKind::EmptyNode`]).
+    pub empty_node_rounds: usize,
+    /// HT rounds across nodes with nearly every token going to one node ([`RouteKind::NodeSkewed`]).
+    pub node_skewed_rounds: usize,
+    /// HT rounds across nodes where every rank of a node (or every rank) had no token.
+    pub silent_node_rounds: usize,
+    /// HT calls across nodes that ran in two or more rounds (the largest token count of any rank above the
+    /// buffer's tokens per round).
+    pub multi_round_rounds: usize,
+    /// The most rounds one HT call across nodes ran.
+    pub most_rounds_per_call: usize,
 }
 
 /// One recorded problem.
@@ -279,6 +326,8 @@ struct RankState {
     device_mem: Vec<Sample>,
     host: HostSamples,
     ll: Option<LlBlock>,
+    /// Across nodes: an HT call ran since the LL region was last cleaned (see the module docs).
+    ll_dirty: bool,
     lut: [u16; 256],
 }
 
@@ -291,6 +340,7 @@ impl RankState {
             device_mem: Vec::new(),
             host: HostSamples::default(),
             ll: None,
+            ll_dirty: false,
             lut: fp8_to_bf16_table(),
         }
     }
@@ -371,6 +421,8 @@ struct HtPlan {
     cached_fp8: bool,
     combine_cached: bool,
     graph: bool,
+    /// Across nodes: the node whose ranks send no token this round (`nodes`: every rank), not in graph rounds.
+    silent: Option<usize>,
 }
 
 impl HtPlan {
@@ -389,7 +441,8 @@ impl HtPlan {
             experts,
             fp8: fp8 && !graph,
             with_topk,
-            route: RouteKind::draw(&mut r, s.ranks),
+            // Across nodes the node-level kinds join the draw (the HT kernels' traffic is per node).
+            route: if s.nodes > 1 { RouteKind::draw_nodes(&mut r, s.ranks, s.nodes) } else { RouteKind::draw(&mut r, s.ranks) },
             align: r.pick(&[1, 1, 1, 4, 128]),
             num_sms: r.pick(&[None, None, Some(2), Some(8), Some(24), Some(64)]),
             no_sync: fam == Family::Ht && r.chance(0.15),
@@ -398,8 +451,44 @@ impl HtPlan {
             cached_fp8: hidden % 128 == 0 && r.chance(0.4),
             combine_cached: r.chance(0.5),
             graph,
+            silent: (s.nodes > 1 && !graph && r.chance(0.08)).then(|| r.below(s.nodes + 1)),
         }
     }
+
+    /// Whether `rank` sends no token in this round (its node, or every node, is silent).
+    fn silences(&self, s: &Settings, rank: usize) -> bool {
+        self.silent.is_some_and(|n| n >= s.nodes || rank / s.ranks_per_node == n)
+    }
+}
+
+/// Tokens of `rank` in an HT round of `fam` under plan `p`: its generator's first draw (as `run_family`
+/// draws it), 0 when its node is silent. Every rank can compute every rank's count.
+fn ht_tokens(s: &Settings, fam: Family, round: usize, p: &HtPlan, rank: usize) -> usize {
+    let mut rng = Rng::new(seed_of(s.seed, fam.code() << 8, round, rank));
+    let t = tokens(&mut rng, s.t_max);
+    if p.graph {
+        t.max(1)
+    } else if p.silences(s, rank) {
+        0
+    } else {
+        t
+    }
+}
+
+/// Across nodes: the rounds the internode HT kernels run for this round's dispatch (`ceil(T_max / M)`, M
+/// from the buffers' sizes and the row size as the backend computes it); `None` on one node.
+fn ht_rounds_per_call(s: &Settings, fam: Family, round: usize, p: &HtPlan) -> Option<usize> {
+    use moelink_kernels::ht_internode as khti;
+    if s.nodes <= 1 {
+        return None;
+    }
+    let t_max = (0..s.ranks).map(|r| ht_tokens(s, fam, round, p, r)).max().unwrap_or(0);
+    let topk = if p.with_topk { p.topk } else { 0 };
+    let rows = khti::RowSizes::new(p.hidden, p.fp8, topk, khti::HTI_MAX_TOPK);
+    let rdma = khti::rdma_layout(0, 0, s.num_rdma_bytes, s.ranks, s.nodes)?;
+    let nvl = khti::nvl_layout(0, 0, s.num_nvl_bytes, s.ranks, s.nodes);
+    let (m, _) = khti::round_shape(&rdma, &nvl, rows, s.ht_chunk_tokens.unwrap_or(khti::DEFAULT_CHUNK_TOKENS))?;
+    Some(t_max.div_ceil(m))
 }
 
 /// One rank's HT inputs.
@@ -476,8 +565,11 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     let x_p = b.prim.upload(&x_h)?;
     let sc_p = sc_h.as_ref().map(|t| b.prim.upload(t)).transpose()?;
     let worst = if p.no_sync { s.ranks * s.t_max.max(1) } else { 0 };
-    // At most what the GPU's buffer allows (ranks sharing a GPU get a share of its SMs), kept even.
-    let config = p.num_sms.map(|n| Config::with_sms(n.min(b.prim.max_num_sms() & !1).max(2)));
+    // At most what the GPU's buffer allows (ranks sharing a GPU get a share of its SMs; across nodes less the
+    // emulated NIC's blocks, which every launch adds), kept even; across nodes at least the 4 blocks the
+    // internode kernels need (a sender, a forwarder, a receiver, for up to 32 nodes of 256 ranks).
+    let (least, nic) = if s.nodes > 1 { (4, s.nic_blocks) } else { (2, 0) };
+    let config = p.num_sms.map(|n| Config::with_sms(n.min(b.prim.max_num_sms().saturating_sub(nic) & !1).max(least)));
     let fresh = |x, lay, idx, w, worst| fresh_args(p, config, x, lay, idx, w, worst);
     b.step = "dispatch";
     let res_h = b.twin.dispatch(&fresh(payload(&x_h, &sc_h), &lay_h, idx_h.view(), w_h.view(), 0))?;
@@ -902,7 +994,17 @@ fn run_family(b: &mut Pair<'_>, s: &Settings, st: &mut RankState, fam: Family, r
     let mut rng = Rng::new(seed_of(s.seed, fam.code() << 8, round, me));
     if !fam.is_ll() {
         let p = HtPlan::draw(s, fam, round, graphs);
+        // Across nodes this HT call writes the RDMA region the LL calls share: the next LL round cleans it.
+        st.ll_dirty |= s.nodes > 1;
         let c = &mut st.counts[fi];
+        c.node_limited_rounds += usize::from(matches!(p.route, RouteKind::NodeLimited { .. }));
+        c.empty_node_rounds += usize::from(matches!(p.route, RouteKind::EmptyNode { .. }));
+        c.node_skewed_rounds += usize::from(matches!(p.route, RouteKind::NodeSkewed { .. }));
+        c.silent_node_rounds += usize::from(p.silent.is_some());
+        if let Some(k) = ht_rounds_per_call(s, fam, round, &p) {
+            c.multi_round_rounds += usize::from(k >= 2);
+            c.most_rounds_per_call = c.most_rounds_per_call.max(k);
+        }
         if p.graph {
             let t = tokens(&mut rng, s.t_max).max(1);
             let sets: Vec<HtInputs> = (0..3).map(|_| ht_inputs(&p, &mut rng, t, s.ranks, false)).collect();
@@ -912,6 +1014,8 @@ fn run_family(b: &mut Pair<'_>, s: &Settings, st: &mut RankState, fam: Family, r
             return Ok((d, format!("{p:?} t={t}")));
         }
         let t = tokens(&mut rng, s.t_max);
+        // A silent node's ranks draw as the others do (the same generator states), then send nothing.
+        let t = if p.silences(s, me) { 0 } else { t };
         let inp = ht_inputs(&p, &mut rng, t, s.ranks, p.fp8);
         let inp2 = (fam == Family::HtCached).then(|| ht_inputs(&p, &mut rng, t, s.ranks, p.cached_fp8));
         c.no_sync_rounds += usize::from(p.no_sync);
@@ -923,9 +1027,18 @@ fn run_family(b: &mut Pair<'_>, s: &Settings, st: &mut RankState, fam: Family, r
     let block = round / s.ll_block.max(1);
     if st.ll.as_ref().is_none_or(|blk| blk.id != block) {
         st.ll = None; // free the old block's tensors first
-        st.ll = Some(LlBlock::new(b, s, block)?);
+        st.ll = Some(LlBlock::new(b, s, block)?); // cleans the LL region of both buffers
+        st.ll_dirty = false;
     }
     let blk = st.ll.as_mut().expect("block");
+    // One buffer pair runs both kinds: across nodes the HT calls since the last clean wrote the RDMA region
+    // the LL calls share, and the buffers refuse LL calls until it is cleaned (DeepEP's rule). LL calls need
+    // nothing the other way: the HT kernels' signals live in the control area, their data is rewritten.
+    if st.ll_dirty {
+        b.prim.clean_low_latency_buffer(blk.t_max, blk.hidden, blk.experts)?;
+        b.twin.clean_low_latency_buffer(blk.t_max, blk.hidden, blk.experts)?;
+        st.ll_dirty = false;
+    }
     let p = LlPlan::draw(s, fam, round, blk, graphs);
     let desc = format!("{p:?} hidden={} topk={} experts={} t_max={}", blk.hidden, blk.topk, blk.experts, blk.t_max);
     let c = &mut st.counts[fi];
@@ -953,6 +1066,11 @@ const VOTE_EVERY: usize = 8;
 fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
     let me = g.rank();
     let group: Arc<dyn Group> = Arc::new(g);
+    let mut tuning = moelink_cli::env::buffer_options().tuning;
+    if s.nodes > 1 {
+        // Across nodes only the internode HT kernels read it: tokens per chunk.
+        tuning.ht_send_chunk = s.ht_chunk_tokens.map(|c| c as u32);
+    }
     let opts = BufferOptions {
         backend: s.kind,
         num_nvl_bytes: s.num_nvl_bytes,
@@ -961,6 +1079,7 @@ fn rank_main(g: ThreadGroup, s: &Settings, sh: &Shared) -> Result<RankReport> {
         timeout_ms: s.timeout_ms,
         topology: s.topology,
         rdma: s.rdma.clone(),
+        tuning,
         ..moelink_cli::env::buffer_options()
     };
     let mut prim = Buffer::new(group.clone(), opts.clone())?;
@@ -1117,6 +1236,9 @@ pub fn verify_rounds(prim: &mut Buffer, twin: &mut Buffer, families: &[Family], 
         nodes: prim.topology().num_nodes,
         ranks_per_node: prim.topology().ranks_per_node,
         transport: prim.topology().is_internode().then(|| prim.options().rdma.transport.name().to_string()),
+        ht_round_tokens: None,
+        ht_chunk_tokens: prim.options().tuning.ht_send_chunk.map(|c| c as usize).filter(|&c| c > 0),
+        nic_blocks: nic_blocks(&prim.options().rdma.transport),
         kind,
         topology: Some(prim.topology()),
         rdma: prim.options().rdma.clone(),
@@ -1175,8 +1297,8 @@ pub struct FamilySummary {
     /// Family.
     pub family: Family,
     /// `rounds`: every rank ran each round (the least of the ranks'); `mismatches`, `empty_rank_rounds`:
-    /// summed over ranks (a round differing on two ranks counts twice); graph, no-sync, FP8 and node-limited
-    /// rounds: rank 0's (the same on every rank).
+    /// summed over ranks (a round differing on two ranks counts twice); graph, no-sync, FP8, node-level
+    /// routing and multi-round counts: rank 0's (the same on every rank).
     #[serde(flatten)]
     pub counts: FamilyCount,
 }
@@ -1197,6 +1319,11 @@ impl FamilySummary {
             s.no_sync_rounds = c.no_sync_rounds;
             s.fp8_rounds = c.fp8_rounds;
             s.node_limited_rounds = c.node_limited_rounds;
+            s.empty_node_rounds = c.empty_node_rounds;
+            s.node_skewed_rounds = c.node_skewed_rounds;
+            s.silent_node_rounds = c.silent_node_rounds;
+            s.multi_round_rounds = c.multi_round_rounds;
+            s.most_rounds_per_call = c.most_rounds_per_call;
         }
     }
 }
@@ -1272,11 +1399,8 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         None => None,
     };
     let internode = topology.is_some_and(|t| t.is_internode());
-    if let Some(f) = a.families.iter().find(|f| internode && matches!(f, Family::Ht | Family::HtCached)) {
-        return Err(CliError(format!(
-            "--families {}: high-throughput kernels across nodes are not built yet; use --families ll,ll-prereduced,ll-hook with --topology",
-            f.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
-        )));
+    if a.ht_round_tokens == Some(0) || a.ht_chunk_tokens == Some(0) {
+        return Err(CliError("--ht-round-tokens and --ht-chunk-tokens must be at least 1".into()));
     }
     let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
     if transport == moelink::Transport::Nvshmem {
@@ -1288,6 +1412,23 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
     let max_k = *a.topk.iter().max().expect("non-empty");
     let nvl = Buffer::ht_bytes_needed(a.t_max, max_h, max_k, ranks, false).max(Buffer::ht_bytes_needed(a.t_max, max_h, max_k, ranks, true));
     let rdma_bytes = Buffer::ll_bytes_needed(a.ll_t_max, max_h, ranks, (ranks * 8).max(max_k.div_ceil(ranks) * ranks));
+    // Across nodes with an HT family: both regions sized for rounds of `ht_round_tokens` tokens at the largest
+    // rows (bf16 or FP8, whichever needs more), smaller than most rounds' token counts so that calls run in
+    // several rounds; the RDMA region holds the LL calls' needs too (the two share it, as in DeepEP).
+    let ht_across = internode && a.families.iter().any(|f| !f.is_ll());
+    let ht_round_tokens = ht_across.then(|| a.ht_round_tokens.unwrap_or(a.t_max / 4).max(1));
+    let (nvl, rdma_bytes) = match (topology, ht_round_tokens) {
+        (Some(t), Some(m)) => {
+            let (b, f) = (
+                moelink::internode::ht_bytes_needed(t, m, max_h, max_k, false),
+                moelink::internode::ht_bytes_needed(t, m, max_h, max_k, true),
+            );
+            (b.num_nvl_bytes.max(f.num_nvl_bytes), b.num_rdma_bytes.max(f.num_rdma_bytes).max(rdma_bytes))
+        }
+        _ => (nvl, rdma_bytes),
+    };
+    let env_chunk = moelink_cli::env::buffer_options().tuning.ht_send_chunk.map(|c| c as usize).filter(|&c| c > 0);
+    let ht_chunk_tokens = internode.then(|| a.ht_chunk_tokens.or(env_chunk).unwrap_or(4));
     let s = Settings {
         backend: sys::backend_name(kind).into(),
         ranks,
@@ -1309,6 +1450,9 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
         nodes: topology.map_or(1, |t| t.num_nodes),
         ranks_per_node: topology.map_or(ranks, |t| t.ranks_per_node),
         transport: internode.then(|| rdma.transport.name().to_string()),
+        ht_round_tokens,
+        ht_chunk_tokens,
+        nic_blocks: nic_blocks(&rdma.transport),
         kind,
         topology,
         rdma,
@@ -1316,9 +1460,15 @@ pub fn run(a: &SoakArgs) -> Result<(), CliError> {
     println!(
         "moelink-stress soak | {} vs host | {ranks} ranks{} | {} rounds x {} families | T<={} LL T<={} | hidden {:?} | seed {} | commit {}",
         s.backend,
-        match &s.transport {
-            Some(t) => format!(" as {} nodes x {} over {t}", s.nodes, s.ranks_per_node),
-            None => String::new(),
+        match (&s.transport, s.ht_round_tokens) {
+            (Some(t), Some(m)) => format!(
+                " as {} nodes x {} over {t}, buffers for HT rounds of {m} tokens at hidden {max_h}, chunks of {}",
+                s.nodes,
+                s.ranks_per_node,
+                s.ht_chunk_tokens.unwrap_or(0)
+            ),
+            (Some(t), None) => format!(" as {} nodes x {} over {t}", s.nodes, s.ranks_per_node),
+            _ => String::new(),
         },
         s.rounds,
         s.families.len(),
@@ -1437,10 +1587,13 @@ fn mib(b: u64) -> String {
 }
 
 fn print_summary(s: &Summary) {
-    println!("family          rounds  mismatches  graph(rounds/replays)  no-sync  fp8  empty-rank  node-limited");
+    println!(
+        "family          rounds  mismatches  graph(rounds/replays)  no-sync  fp8  empty-rank  node-limited  empty-node  node-skewed  \
+         silent-node  multi-round (most)"
+    );
     for FamilySummary { family, counts: f } in &s.families {
         println!(
-            "{:<15} {:>6}  {:>10}  {:>10}/{:<10}  {:>7}  {:>4}  {:>10}  {:>12}",
+            "{:<15} {:>6}  {:>10}  {:>10}/{:<10}  {:>7}  {:>4}  {:>10}  {:>12}  {:>10}  {:>11}  {:>11}  {:>11} ({})",
             family.name(),
             f.rounds,
             f.mismatches,
@@ -1449,7 +1602,12 @@ fn print_summary(s: &Summary) {
             f.no_sync_rounds,
             f.fp8_rounds,
             f.empty_rank_rounds,
-            f.node_limited_rounds
+            f.node_limited_rounds,
+            f.empty_node_rounds,
+            f.node_skewed_rounds,
+            f.silent_node_rounds,
+            f.multi_round_rounds,
+            f.most_rounds_per_call
         );
     }
     for m in &s.device_memory {
@@ -1500,14 +1658,13 @@ fn print_summary(s: &Summary) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_low_latency_families_soak_across_virtual_nodes_and_the_others_are_refused() {
-        let json = std::env::temp_dir().join(format!("moelink-soak-nodes-test-{}.json", std::process::id()));
-        let mut a = SoakArgs {
+    /// The options of a short host-against-host soak across 2x2 virtual nodes on emu-nic.
+    fn across_nodes(families: Vec<Family>, json: &std::path::Path) -> SoakArgs {
+        SoakArgs {
             backend: SoakBackend::Host,
             ranks: Some(4),
             rounds: 4,
-            families: vec![Family::Ll, Family::LlPrereduced, Family::LlHook],
+            families,
             t_max: 8,
             ll_t_max: 4,
             hidden: vec![256],
@@ -1519,30 +1676,86 @@ mod tests {
             mem_every: 2,
             malloc_trim: false,
             timeout_ms: 10_000,
-            json: Some(json.clone()),
+            json: Some(json.to_path_buf()),
             progress_s: 0.0,
             topology: Some("2x2".into()),
+            ht_round_tokens: None,
+            ht_chunk_tokens: None,
             transport: "emu-nic".into(),
             no_nvlink_in_node: true,
-        };
+        }
+    }
+
+    fn summary(json: &std::path::Path) -> serde_json::Value {
+        let v = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        let _ = std::fs::remove_file(json);
+        v
+    }
+
+    fn sum(v: &serde_json::Value, key: &str) -> u64 {
+        v["families"].as_array().unwrap().iter().map(|f| f[key].as_u64().unwrap()).sum()
+    }
+
+    #[test]
+    fn every_family_soaks_across_virtual_nodes_on_one_buffer_pair_and_bad_settings_are_refused() {
+        let json = std::env::temp_dir().join(format!("moelink-soak-nodes-test-{}.json", std::process::id()));
+        let mut a = across_nodes(vec![Family::Ll, Family::LlPrereduced, Family::LlHook], &json);
         run(&a).expect("host against host must agree across virtual nodes");
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-        let _ = std::fs::remove_file(&json);
+        let v = summary(&json);
         assert_eq!(
             (v["verdict"].as_str(), v["settings"]["nodes"].as_u64(), v["settings"]["transport"].as_str()),
             (Some("pass"), Some(2), Some("emu-nic"))
         );
+        // LL only: no HT round size.
+        assert!(v["settings"]["ht_round_tokens"].is_null());
         // Across nodes the draw includes node-limited routing, and those rounds agree too.
-        let node_limited: u64 = v["families"].as_array().unwrap().iter().map(|f| f["node_limited_rounds"].as_u64().unwrap()).sum();
-        assert!(node_limited > 0, "no node-limited round in {}", v["families"]);
-        a.families = vec![Family::Ll, Family::Ht];
-        let e = run(&a).unwrap_err();
-        assert!(e.0.contains("--families ht"), "{}", e.0);
+        assert!(sum(&v, "node_limited_rounds") > 0, "no node-limited round in {}", v["families"]);
+        // HT and LL families on one buffer pair: every LL round after HT rounds cleans the shared RDMA region
+        // first (the buffers refuse LL calls otherwise), in and between LL blocks.
+        a.families = vec![Family::Ht, Family::Ll, Family::HtCached, Family::LlHook];
+        run(&a).expect("HT then LL rounds across nodes on one buffer pair");
+        let v = summary(&json);
+        assert_eq!(v["verdict"], "pass");
+        assert_eq!(v["settings"]["ht_round_tokens"], 2, "T_MAX / 4 by default");
+        assert_eq!(v["settings"]["ht_chunk_tokens"], 4);
         a.families = vec![Family::Ll];
         a.transport = "nvshmem".into();
         assert!(run(&a).unwrap_err().0.contains("one process per rank"));
+        a.transport = "emu-nic".into();
+        a.ht_round_tokens = Some(0);
+        assert!(run(&a).unwrap_err().0.contains("--ht-round-tokens"));
+        a.ht_round_tokens = None;
         a.topology = Some("3x2".into());
         assert!(run(&a).unwrap_err().0.contains("--topology"));
+    }
+
+    #[test]
+    fn high_throughput_rounds_across_two_by_two_virtual_nodes_agree_with_the_twin() {
+        let json = std::env::temp_dir().join(format!("moelink-soak-ht-nodes-test-{}.json", std::process::id()));
+        let a = SoakArgs {
+            rounds: 16,
+            t_max: 12,
+            hidden: vec![256, 512],
+            topk: vec![2, 4],
+            graph_fraction: 0.5,
+            ht_round_tokens: Some(2),
+            ht_chunk_tokens: Some(1),
+            seed: 11,
+            ..across_nodes(vec![Family::Ht, Family::HtCached], &json)
+        };
+        run(&a).expect("HT across 2x2 virtual nodes, host against host");
+        let v = summary(&json);
+        assert_eq!(v["verdict"], "pass", "{v}");
+        assert!(v["families"].as_array().unwrap().iter().all(|f| f["rounds"] == 16 && f["mismatches"] == 0));
+        // Buffers for 2 tokens per round at hidden 512: most calls run several rounds.
+        assert!(sum(&v, "multi_round_rounds") >= 16, "{}", v["families"]);
+        assert!(v["families"][0]["most_rounds_per_call"].as_u64().unwrap() >= 3);
+        // The node-level cases are drawn: node-limited, an empty node, a skew to one node, a silent node.
+        for key in ["node_limited_rounds", "empty_node_rounds", "node_skewed_rounds", "silent_node_rounds", "empty_rank_rounds"] {
+            assert!(sum(&v, key) > 0, "no {key} in {}", v["families"]);
+        }
+        // The host backend has no CUDA graph: none drawn.
+        assert_eq!(sum(&v, "graph_rounds"), 0);
     }
 
     #[test]
@@ -1567,6 +1780,8 @@ mod tests {
             json: Some(json.clone()),
             progress_s: 0.0,
             topology: None,
+            ht_round_tokens: None,
+            ht_chunk_tokens: None,
             transport: "emu-nic".into(),
             no_nvlink_in_node: false,
         };
