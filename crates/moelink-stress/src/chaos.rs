@@ -31,6 +31,31 @@
 //! low-latency kernels keep writing flags and rows to the masked rank (receivers drop them) — the GPU run
 //! tells whether that stays harmless.
 //!
+//! Across nodes (`--topology 2x2`, virtual nodes: 4 processes under CUDA MPS on one GPU, transport `ptr`,
+//! `emu-nic` or `nvshmem`) every phase runs the internode kernels. The high-throughput buffers are sized for
+//! rounds of a quarter of the call's tokens ([`moelink::internode::ht_bytes_needed`]), so each call runs
+//! several rounds and its waits include the per-round hand-backs. What a survivor of an HT kill can assert
+//! follows from `ht_internode.cu`: every wait has its own deadline (from when it starts) and names the peer it
+//! waits for and the domain, and a kernel that timed out winds down without handing back, so its own waiters
+//! time out too; each rank records only its first timeout. Hence, per survivor:
+//! - the call ends with `Error::Timeout` within the deadline (+ 2 s), in a phase of the internode HT domains
+//!   that fits where the victim died: its dispatch kernel → `DispatchRdma`, `DispatchNvlink`, or (when the
+//!   victim's part of the dispatch was done) `CombineRdma` / `CombineNvlink` of the same iteration; its combine
+//!   kernel → `CombineRdma`, `CombineNvlink`, or `Notify` of the next iteration;
+//! - the peer named is one the survivor waits for in that domain: over NVLink a rank of its own node (a
+//!   forwarder, or a local receiver the forwarder writes to — the forwarder on the survivor's node that waits
+//!   for the victim is named, not the victim); over RDMA a rank on its rail (the same local index: rail peers
+//!   exchange every RDMA message, its own forwarder included); in notify any rank. No peer at all is accepted
+//!   (a reducer waiting for its own rank's previous round, an emulated NIC's queue) and reported.
+//!
+//! The named peer need not be the victim, nor lead to it: a survivor can name a survivor whose own first
+//! timeout named it back (independent warps: the sender waits for a rail peer's forwarder while that rank's
+//! receiver waits for rows the sender never sent), or itself (a sender waits for its own forwarder, which waits
+//! for the victim). So across nodes the chain is traced and reported (`chain`: victim, cycle or unnamed) but
+//! only one thing is asserted of the group: at least one survivor names the victim — the victim's rail peer
+//! on the other node waits for it directly from the start of either kernel (the forwarder for its chunks, the
+//! reducer for its partials). On one node, and for the low-latency phases, every chain must lead to the victim.
+//!
 //! Each surviving rank prints one line `CHAOS_RESULT {json}` and exits 0 when its checks passed.
 
 use std::io::Write;
@@ -41,7 +66,7 @@ use clap::{Args, ValueEnum};
 use moelink::{
     bf16, BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, DType, DispatchArgs, DispatchLayout, DispatchOutputs,
     DispatchResult, Error, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlDispatchResult, LlQuant, Payload,
-    Result, Routing, TcpGroup, Tensor, ThreadGroup,
+    Phase, Result, Routing, TcpGroup, Tensor, ThreadGroup,
 };
 use moelink_cli::CliError;
 use moelink_testkit::rng::Rng;
@@ -125,8 +150,9 @@ pub struct ChaosArgs {
     /// Backend: cuda (default) or host (harness check without a GPU; no shrink mode).
     #[arg(long, value_enum, default_value_t = ChaosBackend::Cuda)]
     pub backend: ChaosBackend,
-    /// The ranks as NODESxRANKS_PER_NODE (virtual nodes on one host, e.g. 2x2): the victim dies in a
-    /// low-latency call across nodes. The survivors' rebuilt buffer spans one node.
+    /// The ranks as NODESxRANKS_PER_NODE (virtual nodes on one host, e.g. 2x2): the victim dies in a call
+    /// across nodes (any phase; the high-throughput ones run several rounds per call). The survivors'
+    /// rebuilt buffer spans one node.
     #[arg(long, value_name = "NODESxRANKS")]
     pub topology: Option<String>,
     /// With --topology: the RDMA transport between nodes, ptr, emu-nic or nvshmem.
@@ -143,9 +169,6 @@ fn chaos_topology(a: &ChaosArgs, world: usize) -> std::result::Result<Option<(mo
     }
     if !topology.is_internode() {
         return Ok(None);
-    }
-    if !a.phase.is_ll() {
-        return Err(CliError(format!("--topology {topology}: across nodes only the low-latency phases run (ll-dispatch, ll-combine)")));
     }
     let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
     let rdma = moelink::RdmaOptions {
@@ -174,6 +197,69 @@ impl Shape {
     }
     fn rows(&self) -> usize {
         self.ranks * self.tokens
+    }
+    /// Across nodes: the high-throughput round the buffers are sized for, a quarter of the call's tokens, so
+    /// that every call runs several rounds (and its waits include the hand-backs between them).
+    fn ht_round_tokens(&self) -> usize {
+        (self.tokens / 4).max(1)
+    }
+}
+
+/// Where the survivors of a rank killed in `kill` may time out across nodes (the module docs say why).
+fn internode_ht_phases(kill: ChaosPhase) -> &'static [Phase] {
+    match kill {
+        ChaosPhase::HtDispatch => &[Phase::DispatchRdma, Phase::DispatchNvlink, Phase::CombineRdma, Phase::CombineNvlink],
+        _ => &[Phase::CombineRdma, Phase::CombineNvlink, Phase::Notify],
+    }
+}
+
+/// Checks a survivor's timeout after a rank died in an HT call across nodes: the phase fits where the victim
+/// died, and the peer named (if any) is one rank `me` waits for in that domain (module docs).
+fn check_internode_ht_timeout(
+    kill: ChaosPhase,
+    t: moelink::Topology,
+    me: usize,
+    peer: usize,
+    phase: Phase,
+) -> std::result::Result<(), String> {
+    let allowed = internode_ht_phases(kill);
+    if !allowed.contains(&phase) {
+        let names: Vec<String> = allowed.iter().map(|p| p.to_string()).collect();
+        return Err(format!("timeout in {phase}; a rank killed in {} ends the survivors' calls in {}", kill.name(), names.join(", ")));
+    }
+    if peer == usize::MAX {
+        return Ok(());
+    }
+    if peer >= t.num_ranks() {
+        return Err(format!("the timeout names rank {peer}, not a rank of {t}"));
+    }
+    match phase {
+        Phase::DispatchNvlink | Phase::CombineNvlink if t.node_of(peer) != t.node_of(me) => {
+            Err(format!("an NVLink-domain timeout ({phase}) names rank {peer}, not a rank of rank {me}'s node"))
+        }
+        Phase::DispatchRdma | Phase::CombineRdma if t.local_rank_of(peer) != t.local_rank_of(me) => {
+            Err(format!("an RDMA-domain timeout ({phase}) names rank {peer}, not a rank on rank {me}'s rail (local index)"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Follows the survivors' named peers from `start` (old ranks; `named[i]`: what survivor `survivors[i]`
+/// named): "victim" when the chain reaches it, "cycle" when it comes back to a survivor, "unnamed" when it
+/// ends at a survivor that named nobody (or at a rank that is not a survivor).
+fn trace_chain(start: Option<usize>, victim: usize, survivors: &[usize], named: &[Option<usize>]) -> &'static str {
+    let mut seen = Vec::new();
+    let mut at = start;
+    loop {
+        match at {
+            Some(p) if p == victim => return "victim",
+            Some(p) if seen.contains(&p) => return "cycle",
+            Some(p) => {
+                seen.push(p);
+                at = survivors.iter().position(|&r| r == p).and_then(|i| named[i]);
+            }
+            None => return "unnamed",
+        }
     }
 }
 
@@ -485,8 +571,14 @@ struct Report {
     /// The peer the timeout named (`None`: not a timeout, or no peer).
     peer_named: Option<usize>,
     names_victim: bool,
+    /// The timeout's phase (across nodes it says the domain: RDMA or NVLink).
+    timeout_phase: Option<String>,
     /// Root cause after following the survivors' "timed out waiting for" chain.
     root_cause: Option<usize>,
+    /// Where that chain ends: "victim", "cycle" (back to a survivor) or "unnamed".
+    chain: Option<String>,
+    /// Survivors whose timeout names the victim directly.
+    survivors_naming_victim: Option<usize>,
     error_unix_ms: Option<u64>,
     /// Wall time of the call that failed, from its start to its error.
     failing_call_ms: Option<f64>,
@@ -582,10 +674,21 @@ fn survive(
         ChaosBackend::Cuda => BackendKind::Cuda,
         ChaosBackend::Host => BackendKind::Host,
     };
+    let ll_bytes = Buffer::ll_bytes_needed(sh.tokens, sh.hidden, world, sh.experts);
+    let (num_nvl_bytes, num_rdma_bytes) = match &internode {
+        // HT across nodes: rounds of a quarter of the call's tokens (the RDMA region, shared with the LL
+        // calls, holds their needs too).
+        Some((t, _)) if !ll => {
+            let need = moelink::internode::ht_bytes_needed(*t, sh.ht_round_tokens(), sh.hidden, sh.topk, false);
+            (need.num_nvl_bytes, need.num_rdma_bytes.max(ll_bytes))
+        }
+        _ => (Buffer::ht_bytes_needed(sh.tokens, sh.hidden, sh.topk, world, false), ll_bytes),
+    };
+    let topology = internode.as_ref().map(|(t, _)| *t);
     let opts = BufferOptions {
         backend,
-        num_nvl_bytes: Buffer::ht_bytes_needed(sh.tokens, sh.hidden, sh.topk, world, false),
-        num_rdma_bytes: Buffer::ll_bytes_needed(sh.tokens, sh.hidden, world, sh.experts),
+        num_nvl_bytes,
+        num_rdma_bytes,
         low_latency_mode: true,
         timeout_ms: a.timeout_ms,
         enable_shrink: a.shrink,
@@ -667,7 +770,7 @@ fn survive(
         rep.reasons.push(format!("no error within {} iterations / {:.0} s although rank {} died", a.iterations, a.limit_s, a.victim));
         return Ok(());
     };
-    judge_error(&err, ms, a, rep);
+    judge_error(&err, ms, a, topology, rep);
     // The buffer must refuse further work.
     let after = iteration(&mut buf, &sh, ll, &sets[0]);
     match after {
@@ -693,7 +796,7 @@ fn survive(
     rebuild(a, cfg, backend, rep)
 }
 
-fn judge_error(err: &Error, ms: f64, a: &ChaosArgs, rep: &mut Report) {
+fn judge_error(err: &Error, ms: f64, a: &ChaosArgs, topology: Option<moelink::Topology>, rep: &mut Report) {
     rep.error = Some(err.to_string());
     rep.error_kind = Some(kind_of(err).into());
     rep.error_unix_ms = Some(unix_ms());
@@ -701,9 +804,15 @@ fn judge_error(err: &Error, ms: f64, a: &ChaosArgs, rep: &mut Report) {
     let slack_ms = 2000.0;
     rep.within_deadline = ms <= a.timeout_ms as f64 + slack_ms;
     match err {
-        Error::Timeout { peer, .. } => {
+        Error::Timeout { peer, phase, .. } => {
             rep.peer_named = (*peer != usize::MAX).then_some(*peer);
             rep.names_victim = *peer == a.victim;
+            rep.timeout_phase = Some(phase.to_string());
+            if let Some(t) = topology.filter(|t| t.is_internode() && !a.phase.is_ll()) {
+                if let Err(why) = check_internode_ht_timeout(a.phase, t, rep.rank, *peer, *phase) {
+                    rep.reasons.push(why);
+                }
+            }
         }
         // The host backend: a dead peer closes its socket; the group error names it in words.
         Error::Group { reason, .. } if a.backend == ChaosBackend::Host => {
@@ -757,16 +866,21 @@ fn rebuild(a: &ChaosArgs, cfg: &moelink::group::TcpConfig, backend: BackendKind,
         .iter()
         .map(|b| b.get(..8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes"))).filter(|&v| v != u64::MAX).map(|v| v as usize))
         .collect();
-    let mut at = rep.peer_named;
-    for _ in 0..survivors.len() {
-        match at {
-            Some(p) if p != a.victim => at = survivors.iter().position(|&r| r == p).and_then(|i| named[i]),
-            _ => break,
+    let chain = trace_chain(rep.peer_named, a.victim, &survivors, &named);
+    rep.root_cause = (chain == "victim").then_some(a.victim);
+    rep.chain = Some(chain.into());
+    let naming_victim = named.iter().filter(|&&n| n == Some(a.victim)).count();
+    rep.survivors_naming_victim = Some(naming_victim);
+    if rep.error_kind.as_deref() == Some("timeout") {
+        if rep.nodes > 1 && !a.phase.is_ll() {
+            // Across nodes an HT timeout may name a survivor that named it back (module docs): the group
+            // must still have seen the victim.
+            if naming_victim == 0 {
+                rep.reasons.push(format!("no survivor's timeout names rank {} (named: {named:?})", a.victim));
+            }
+        } else if chain != "victim" {
+            rep.reasons.push(format!("the timeout chain does not lead to rank {} (named {:?}; {chain})", a.victim, rep.peer_named));
         }
-    }
-    rep.root_cause = at;
-    if rep.error_kind.as_deref() == Some("timeout") && at != Some(a.victim) {
-        rep.reasons.push(format!("the timeout chain does not lead to rank {} (named {:?}, root {:?})", a.victim, rep.peer_named, at));
     }
     let (nvl, rdma) = soak::verify_buffer_bytes(new_world);
     let opts = BufferOptions {
@@ -833,7 +947,7 @@ mod tests {
     }
 
     #[test]
-    fn virtual_nodes_take_the_low_latency_phases_only() {
+    fn virtual_nodes_take_every_phase_and_refuse_bad_topologies() {
         let a = ChaosArgs {
             phase: ChaosPhase::LlCombine,
             shrink: true,
@@ -845,14 +959,57 @@ mod tests {
         let (t, rdma) = chaos_topology(&a, 4).unwrap().expect("2x2 spans nodes");
         assert_eq!((t.num_nodes, rdma.transport.name()), (2, "ptr"));
         assert!(chaos_topology(&ChaosArgs { topology: Some("1x4".into()), ..a.clone() }, 4).unwrap().is_none());
+        for phase in [ChaosPhase::HtDispatch, ChaosPhase::HtCombine] {
+            let b = ChaosArgs { phase, shrink: false, transport: "nvshmem".into(), ..a.clone() };
+            assert_eq!(chaos_topology(&b, 4).unwrap().expect("HT across nodes").1.transport.name(), "nvshmem");
+        }
         for (b, says) in [
-            (ChaosArgs { phase: ChaosPhase::HtDispatch, ..a.clone() }, "low-latency"),
             (ChaosArgs { topology: Some("3x2".into()), ..a.clone() }, "WORLD_SIZE"),
             (ChaosArgs { transport: "tcp".into(), ..a.clone() }, "--transport"),
         ] {
             let e = chaos_topology(&b, 4).expect_err("refused").0;
             assert!(e.contains(says), "{e}");
         }
+        // Across nodes the HT buffers run several rounds per call.
+        assert!(Shape::new(4, false).tokens >= 3 * Shape::new(4, false).ht_round_tokens());
+    }
+
+    #[test]
+    fn internode_ht_timeouts_must_fit_the_domain_and_the_kill() {
+        let t = moelink::Topology { num_nodes: 2, ranks_per_node: 2 };
+        let ok = |kill, me, peer, phase| check_internode_ht_timeout(kill, t, me, peer, phase);
+        // Rank 1 (node 0, local 1) is rank 3's rail peer: over RDMA it names 3, or itself (its own forwarder).
+        assert!(ok(ChaosPhase::HtDispatch, 1, 3, Phase::DispatchRdma).is_ok());
+        assert!(ok(ChaosPhase::HtDispatch, 1, 1, Phase::DispatchRdma).is_ok());
+        assert!(ok(ChaosPhase::HtDispatch, 0, 2, Phase::CombineRdma).is_ok());
+        assert!(ok(ChaosPhase::HtDispatch, 0, 3, Phase::DispatchRdma).unwrap_err().contains("rail"));
+        // Over NVLink: a rank of the survivor's node (the forwarder waiting for the victim), or the victim
+        // when they share the node.
+        assert!(ok(ChaosPhase::HtDispatch, 0, 1, Phase::DispatchNvlink).is_ok());
+        assert!(ok(ChaosPhase::HtCombine, 2, 3, Phase::CombineNvlink).is_ok());
+        assert!(ok(ChaosPhase::HtCombine, 0, 3, Phase::CombineNvlink).unwrap_err().contains("node"));
+        // Notify: any rank; only after a kill in combine (the next iteration's count exchange).
+        assert!(ok(ChaosPhase::HtCombine, 0, 3, Phase::Notify).is_ok());
+        assert!(ok(ChaosPhase::HtDispatch, 0, 3, Phase::Notify).unwrap_err().contains("timeout in"));
+        assert!(ok(ChaosPhase::HtCombine, 0, 1, Phase::DispatchNvlink).unwrap_err().contains("timeout in"));
+        assert!(ok(ChaosPhase::HtDispatch, 0, 3, Phase::Dispatch).is_err(), "the host-side wait is not a domain");
+        // No peer: accepted; a rank outside the group: not.
+        assert!(ok(ChaosPhase::HtCombine, 0, usize::MAX, Phase::CombineRdma).is_ok());
+        assert!(ok(ChaosPhase::HtCombine, 0, 4, Phase::Notify).unwrap_err().contains("not a rank"));
+    }
+
+    #[test]
+    fn chains_end_at_the_victim_in_a_cycle_or_unnamed() {
+        let survivors = [0, 1, 2];
+        // 0 -> 2 -> 3 (the victim); 1 names itself; 2 named the victim.
+        let named = [Some(2), Some(1), Some(3)];
+        assert_eq!(trace_chain(Some(2), 3, &survivors, &named), "victim");
+        assert_eq!(trace_chain(Some(3), 3, &survivors, &named), "victim");
+        assert_eq!(trace_chain(Some(1), 3, &survivors, &named), "cycle");
+        assert_eq!(trace_chain(None, 3, &survivors, &named), "unnamed");
+        // 0 <-> 2.
+        assert_eq!(trace_chain(Some(2), 3, &survivors, &[Some(2), None, Some(0)]), "cycle");
+        assert_eq!(trace_chain(Some(1), 3, &survivors, &[Some(2), None, Some(0)]), "unnamed");
     }
 
     #[test]
