@@ -394,8 +394,10 @@ impl PyBuffer {
         self.run(py, Some(stream), |b| b.barrier())
     }
 
-    /// Writes the dispatch layout of `topk_idx` into the three outputs (local, not collective).
-    #[pyo3(signature = (topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, stream=None))]
+    /// Writes the dispatch layout of `topk_idx` into the outputs (local, not collective). On a buffer whose
+    /// ranks span nodes, `num_tokens_per_rdma_rank` (`int32 [num_nodes]`, optional) receives the tokens per
+    /// destination node (a token counts once per node).
+    #[pyo3(signature = (topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, num_tokens_per_rdma_rank=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn get_dispatch_layout_into(
         &self,
@@ -405,12 +407,13 @@ impl PyBuffer {
         num_tokens_per_rank: TensorArg,
         num_tokens_per_expert: TensorArg,
         is_token_in_rank: TensorArg,
+        num_tokens_per_rdma_rank: Option<TensorArg>,
         stream: Option<u64>,
     ) -> PyResult<()> {
         let r = self.rank;
         let topk_idx = topk_idx.view(py, "topk_idx", r)?;
         let out = LayoutOutputs {
-            num_tokens_per_rdma_rank: None,
+            num_tokens_per_rdma_rank: opt_view_mut(py, &num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", r)?,
             num_tokens_per_rank: num_tokens_per_rank.view_mut(py, "num_tokens_per_rank", r)?,
             num_tokens_per_expert: num_tokens_per_expert.view_mut(py, "num_tokens_per_expert", r)?,
             is_token_in_rank: is_token_in_rank.view_mut(py, "is_token_in_rank", r)?,

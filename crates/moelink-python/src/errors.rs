@@ -78,6 +78,16 @@ pub(crate) fn invalid_name(py: Python<'_>, source: &str, value: &str, names: &[&
     err
 }
 
+/// A `ValueError` about argument `arg` of a call that involves no buffer (`rank` -1, as `invalid_name`).
+pub(crate) fn unranked(py: Python<'_>, arg: &str, reason: String) -> PyErr {
+    let err = PyValueError::new_err(format!("invalid argument `{arg}`: {reason}"));
+    let none = || py.None().into_bound(py);
+    let name = arg.into_pyobject(py).map(|o| o.into_any()).unwrap_or_else(|_| none());
+    let rank = (-1i64).into_pyobject(py).map(|o| o.into_any()).unwrap_or_else(|_| none());
+    annotate(py, &err, &[("argument", name), ("rank", rank)]);
+    err
+}
+
 /// An argument error raised before the core sees the call (e.g. a dtype the core does not know).
 pub(crate) fn type_error(py: Python<'_>, arg: &str, rank: usize, reason: String) -> PyErr {
     let err = PyTypeError::new_err(format!("invalid argument `{arg}` on rank {rank}: {reason}"));

@@ -57,6 +57,24 @@ fn ht_bytes_needed(num_tokens: usize, hidden: usize, topk: usize, num_ranks: usi
     moelink::Buffer::ht_bytes_needed(num_tokens, hidden, topk, num_ranks, fp8)
 }
 
+/// `(num_nvl_bytes, num_rdma_bytes)` for high-throughput calls on a buffer whose ranks span nodes
+/// (`topology`: `"NODESxRANKS_PER_NODE"`), in rounds of up to `round_tokens` tokens per rank
+/// (`moelink::internode::ht_bytes_needed`): a call of more tokens runs more rounds; smaller sizes mean smaller
+/// rounds, down to one token.
+#[pyfunction]
+fn ht_internode_bytes_needed(
+    py: Python<'_>,
+    topology: &str,
+    round_tokens: usize,
+    hidden: usize,
+    topk: usize,
+    fp8: bool,
+) -> PyResult<(usize, usize)> {
+    let t = topology.parse::<moelink::Topology>().map_err(|e| errors::unranked(py, "topology", e))?;
+    let b = moelink::internode::ht_bytes_needed(t, round_tokens, hidden, topk, fp8);
+    Ok((b.num_nvl_bytes, b.num_rdma_bytes))
+}
+
 /// The backend a name selects (`"auto"`, `"host"` or `"cuda"`, exactly), checked before anything touches
 /// CUDA; a `ValueError` naming `source` (e.g. `MOELINK_BACKEND`) and listing the names otherwise.
 #[pyfunction]
@@ -137,6 +155,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rdma_buffer_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(low_latency_rdma_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(ht_bytes_needed, m)?)?;
+    m.add_function(wrap_pyfunction!(ht_internode_bytes_needed, m)?)?;
     m.add_function(wrap_pyfunction!(check_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
