@@ -74,8 +74,9 @@ def _event_of(previous_event: Any) -> Any:
     return getattr(previous_event, "event", previous_event)
 
 
-# The attribute a handle's first tensor carries: the native routing, so that a handle copied into a plain
-# tuple (``tuple(handle)``, or unpacked and packed again) still works with combine and cached dispatch.
+# The attribute one tensor of a handle carries (the first, or ``InternodeDispatchHandle.CARRIER``): the native
+# routing, so that a handle copied into a plain tuple (``tuple(handle)``, or unpacked and packed again) still
+# works with combine and cached dispatch.
 _NATIVE_ATTR = "_moelink_routing"
 
 
@@ -124,6 +125,74 @@ class DispatchHandle(tuple):
         return handle
 
 
+class InternodeDispatchHandle(tuple):
+    """DeepEP's internode dispatch handle (a buffer whose ranks span nodes): a tuple ``(is_token_in_rank,
+    rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+    recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+    send_rdma_head, send_nvl_head)``; pass it to ``combine`` or to a cached ``dispatch``.
+
+    ``R`` ranks on ``N`` nodes of ``L`` ranks (rank ``r`` is on node ``r // L``), ``T`` tokens sent, ``n`` rows
+    received (``num_worst_tokens`` in no-sync mode, where rows past the received count hold -1 in the elements
+    below that describe rows), ``C = config.num_sms // 2`` channels. As DeepEP's (exact):
+
+    - ``is_token_in_rank bool [T, R]``: the tensor the dispatch was given.
+    - ``recv_gbl_rank_prefix_sum int32 [R]``: ``[i]`` = rows this rank received from ranks ``0..=i``, so the rows
+      from source ``i`` are ``recv_x[recv_gbl_rank_prefix_sum[i-1] : recv_gbl_rank_prefix_sum[i]]`` (from 0 for
+      ``i = 0``): column ``rank`` of the intranode ``rank_prefix_matrix``.
+    - ``recv_gbl_channel_prefix_matrix int32 [R, C]``: ``[s][c]`` = the row where channel ``c`` of source ``s``
+      starts in ``recv_x``; moelink's one ordered stream per pair starts every channel at the first row from
+      ``s`` (``recv_gbl_rank_prefix_sum[s-1]``, 0 for ``s = 0``).
+    - ``recv_src_meta uint8 [n, 8]``: two int32 per row; the first is the row's source node (DeepEP's
+      ``src_rdma_rank``).
+
+    moelink's meaning, DeepEP's shapes. moelink sends each (source, destination) pair's tokens as one ordered
+    stream, not in channels: the channel elements report it as the last channel (index ``C - 1``) holding every
+    token, channels ``0 .. C-2`` empty (as ``DispatchHandle``). The RDMA-level elements describe this rank's
+    own tokens and rows by node; DeepEP's describe what the rank receives and forwards as the rail peer (the
+    rank with its local index on every node), which moelink's kernels keep on the device:
+
+    - ``rdma_channel_prefix_matrix int32 [N, C]``: ``[b][c]`` = this rank's tokens in channels ``0..=c`` that
+      reach node ``b`` (a token counts once per node): 0 for ``c < C - 1``, ``num_tokens_per_rdma_rank[b]`` for
+      ``c = C - 1``.
+    - ``gbl_channel_prefix_matrix int32 [R, C]``: ``[r][c]`` = this rank's tokens in channels ``0..=c`` that go
+      to rank ``r``: 0 for ``c < C - 1``, ``num_tokens_per_rank[r]`` for ``c = C - 1``.
+    - ``recv_rdma_channel_prefix_matrix int32 [N, C]``: ``[a][c]`` = rows this rank received from node ``a``
+      in channels ``0..=c``: 0 for ``c < C - 1``, all of them for ``c = C - 1`` (DeepEP: the tokens the rail
+      peer received from node ``a``, for every rank of its node).
+    - ``recv_rdma_rank_prefix_sum int32 [N]``: ``[a]`` = rows this rank received from nodes ``0..=a``, i.e.
+      ``recv_gbl_rank_prefix_sum[(a + 1) * L - 1]`` (DeepEP: tokens the rail peer received from nodes
+      ``0..=a``).
+    - ``recv_src_meta``: the second int32 of a row is its token index on the source rank (the intranode
+      ``recv_src_idx``; DeepEP: a bit mask of the node's ranks the token goes to).
+    - ``send_rdma_head int32 [T, N]``: token ``t``'s position among this rank's tokens that reach node ``b``
+      (the order moelink sends them to node ``b``'s rail peer in), -1 where it reaches no rank of ``b``
+      (DeepEP: its RDMA ring-buffer slot).
+    - ``send_nvl_head int32 [n, max(8, L)]`` (DeepEP: ``[num_rdma_recv_tokens, 8]``): for received row ``i``,
+      column ``rank % L`` holds its position among this rank's rows from the row's source node, every other
+      column -1 (DeepEP: for each token the rail peer received, its NVLink ring slot at each rank of the node).
+
+    Attributes (informative): ``native``, ``num_tokens``, ``num_recv_tokens`` (None when unknown on the host),
+    ``num_experts``.
+    """
+
+    #: The element that carries the native routing in a plain-tuple copy (a tensor this class allocates;
+    #: ``is_token_in_rank`` belongs to the caller).
+    CARRIER = 1
+
+    native: Any
+    num_tokens: int
+    num_recv_tokens: Optional[int]
+    num_experts: int
+
+    def __new__(cls, elements: Sequence[Any] = (), native: Any = None) -> "InternodeDispatchHandle":
+        handle = super().__new__(cls, tuple(elements))
+        handle.native = native
+        handle.num_tokens = native.num_tokens if native is not None else 0
+        handle.num_recv_tokens = native.num_recv_tokens if native is not None else None
+        handle.num_experts = native.num_experts if native is not None else 0
+        return handle
+
+
 class LowLatencyHandle(tuple):
     """DeepEP's low-latency dispatch handle: a tuple ``(src_info, layout_range,
     num_max_dispatch_tokens_per_rank, hidden, num_experts)``; pass it to ``low_latency_combine``.
@@ -155,13 +224,13 @@ class LowLatencyHandle(tuple):
         return handle
 
 
-def _native_of(handle: Any, kind: type, size: int, first: str, rank: int, what: str) -> Any:
+def _native_of(handle: Any, kind: type, size: int, first: str, rank: int, what: str, at: int = 0) -> Any:
     """The native routing of a handle ``kind`` returned, or of a plain tuple/list of its ``size`` elements
-    whose first tensor (``first``) came from such a handle; else a ``TypeError`` naming ``handle``."""
+    whose tensor at index ``at`` (``first``) came from such a handle; else a ``TypeError`` naming ``handle``."""
     if isinstance(handle, kind) and getattr(handle, "native", None) is not None:
         return handle.native
     if isinstance(handle, (tuple, list)) and len(handle) == size:
-        native = getattr(handle[0], _NATIVE_ATTR, None)
+        native = getattr(handle[at], _NATIVE_ATTR, None)
         if native is not None:
             return native
         raise _invalid(TypeError, "handle", rank,
@@ -175,6 +244,28 @@ def _send_head(in_rank: Tensor, out: Tensor) -> Tensor:
     t = require_torch()
     t.cumsum(in_rank, 0, dtype=t.int32, out=out)
     return out.sub_(1).masked_fill_(in_rank.logical_not(), -1)
+
+
+# DeepEP's recommended chunk sizes per rank count, (nvl send, nvl recv, rdma send, rdma recv) after num_sms:
+# the tables of its ``get_dispatch_config`` / ``get_combine_config``.
+_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128), 24: (32, 288, 8, 128),
+    32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128), 96: (20, 480, 12, 128),
+    128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}
+_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128), 24: (1, 288, 8, 128),
+    32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128), 96: (1, 480, 8, 128), 128: (1, 560, 8, 128),
+    144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}
+
+
+def _config_entry(table: dict, num_ranks: Any) -> Tuple[int, int, int, int]:
+    """The table's entry for ``num_ranks``: its own, else the largest listed count below it (1: that of 2)."""
+    n = _count(num_ranks, "num_ranks", -1)
+    if n == 0:
+        raise _invalid(ValueError, "num_ranks", -1, "must be positive")
+    return table[max([k for k in table if k <= n], default=min(table))]
 
 
 class _CudaMemory:
@@ -215,7 +306,11 @@ class Buffer:
             group: a ``torch.distributed`` process group, one process per GPU (gloo works on the host
                 backend). Setup data is exchanged through it with ``all_gather_object``.
             num_nvl_bytes: per-rank buffer bytes for high-throughput (NVLink) communication.
-            num_rdma_bytes: per-rank buffer bytes for low-latency communication.
+            num_rdma_bytes: per-rank buffer bytes for low-latency communication, and when the ranks span nodes
+                for high-throughput calls' RDMA-domain parts too (shared with low-latency calls, as in DeepEP:
+                call ``clean_low_latency_buffer`` before low-latency calls that follow high-throughput ones).
+                Across nodes high-throughput calls run in rounds that these sizes bound, so any token count fits
+                (``moelink._native.ht_internode_bytes_needed`` gives the sizes for a round of so many tokens).
             low_latency_mode: whether the buffer serves the low-latency API.
             num_qps_per_rank: queue pairs per peer when the ranks span nodes (1..32; NVSHMEM's
                 ``NVSHMEM_IBGDA_NUM_RC_PER_PE``); unused inside a node.
@@ -260,6 +355,9 @@ class Buffer:
                                       nvshmem_home=_env.nvshmem_home(), cuda_home=_env.cuda_home())
         #: ``(num_nodes, ranks_per_node)``: how the buffer's ranks are spread over nodes.
         self.topology: tuple = tuple(self._native.topology)
+        # Across nodes, high-throughput calls follow DeepEP's internode API (num_tokens_per_rdma_rank, the
+        # 10-element handle).
+        self._internode = self.topology[0] > 1
         self.backend: str = self._native.backend
         self._cuda = self.backend == "cuda"
         self._device = t.device("cuda", self._native.device) if self._cuda else t.device("cpu")
@@ -310,18 +408,16 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """The recommended dispatch ``Config`` for ``num_ranks`` (``Buffer.num_sms`` SMs; moelink's
-        direct-write protocol does not depend on the chunk sizes)."""
-        if _count(num_ranks, "num_ranks", -1) == 0:
-            raise _invalid(ValueError, "num_ranks", -1, "must be positive")
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        """The recommended dispatch ``Config`` for ``num_ranks``: ``Buffer.num_sms`` SMs and DeepEP's chunk
+        sizes for that rank count (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160; another count gets the
+        entry of the largest listed count below it, 1 rank that of 2, where DeepEP asserts). Only ``num_sms``
+        changes what moelink does; the chunk sizes are accepted for compatibility."""
+        return Config(Buffer.num_sms, *_config_entry(_DISPATCH_CONFIGS, num_ranks))
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """The recommended combine ``Config`` for ``num_ranks`` (see ``get_dispatch_config``)."""
-        if _count(num_ranks, "num_ranks", -1) == 0:
-            raise _invalid(ValueError, "num_ranks", -1, "must be positive")
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        """The recommended combine ``Config`` for ``num_ranks`` (DeepEP's table; see ``get_dispatch_config``)."""
+        return Config(Buffer.num_sms, *_config_entry(_COMBINE_CONFIGS, num_ranks))
 
     def get_comm_stream(self) -> Any:
         """The ``torch.cuda.Stream`` the kernels run on (``None`` on the host backend)."""
@@ -460,8 +556,10 @@ class Buffer:
                             ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
         """Computes the layout of a dispatch from ``topk_idx`` (``int64 [T, K]``, -1 = no expert).
 
-        Returns ``(num_tokens_per_rank int32 [R], None (intranode), num_tokens_per_expert int32 [E],
-        is_token_in_rank bool [T, R], event)``. A token counts once per rank.
+        Returns ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank, num_tokens_per_expert int32 [E],
+        is_token_in_rank bool [T, R], event)``. A token counts once per rank. ``num_tokens_per_rdma_rank`` is
+        ``int32 [num_nodes]`` when the buffer's ranks span nodes (tokens per destination node: a token counts
+        once per node it reaches), ``None`` on one node (as DeepEP's intranode).
         """
         t = require_torch()
         idx = self._tensor(topk_idx, "topk_idx")
@@ -470,19 +568,22 @@ class Buffer:
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
             per_rank = self._empty((self.group_size,), t.int32)
+            per_node = self._empty((self.topology[0],), t.int32) if self._internode else None
             [per_expert] = self._alloc("num_experts", ("num_tokens_per_expert", (num_experts,), t.int32))
             in_rank = self._empty((num_tokens, self.group_size), t.bool)
             self._native.get_dispatch_layout_into(idx, num_experts, self._tensor(per_rank, "num_tokens_per_rank"),
                                                   self._tensor(per_expert, "num_tokens_per_expert"),
                                                   self._tensor(in_rank, "is_token_in_rank"),
+                                                  num_tokens_per_rdma_rank=self._opt(per_node, "num_tokens_per_rdma_rank"),
                                                   stream=self._launch_stream())
         finally:
             self._leave(compute, allocate_on_comm_stream)
-        event = self._finish(compute, async_finish, allocate_on_comm_stream, [topk_idx], [per_rank, per_expert, in_rank])
-        return per_rank, None, per_expert, in_rank, event
+        event = self._finish(compute, async_finish, allocate_on_comm_stream, [topk_idx],
+                             [per_rank, per_node, per_expert, in_rank])
+        return per_rank, per_node, per_expert, in_rank, event
 
     @_collective
-    def dispatch(self, x: Union[Tensor, Tuple[Tensor, Tensor]], handle: Optional[DispatchHandle] = None,
+    def dispatch(self, x: Union[Tensor, Tuple[Tensor, Tensor]], handle: Optional[Sequence[Any]] = None,
                  num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
                  is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
                  topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, expert_alignment: int = 1,
@@ -490,21 +591,24 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[Union[Tensor, Tuple[Tensor, Tensor]], Optional[Tensor], Optional[Tensor],
-                            Optional[List[int]], Optional[DispatchHandle], EventOverlap]:
+                            Optional[List[int]], Union[DispatchHandle, InternodeDispatchHandle, None], EventOverlap]:
         """Sends each token to every rank hosting one of its experts (collective).
 
         ``x``: ``bf16 [T, H]`` or ``(float8_e4m3fn [T, H], float32 scales [T, H/128] of any strides)``.
         Fresh dispatch: the layout tensors from ``get_dispatch_layout`` and (forward) ``topk_idx`` /
         ``topk_weights``. Cached dispatch: ``handle`` from an earlier dispatch (or a tuple of its elements) and
         no top-k.
-        ``num_tokens_per_rdma_rank`` is ignored (intranode). ``num_worst_tokens > 0``: no CPU
-        synchronisation, outputs have that many rows (rows past the real count have ``recv_topk_idx = -1``)
-        and the per-expert list is empty.
+        ``num_tokens_per_rdma_rank``: ignored on one node; across nodes, if given, an ``int32 [num_nodes]``
+        tensor (what ``get_dispatch_layout`` returned; moelink counts the tokens per node itself).
+        ``num_worst_tokens > 0``: no CPU synchronisation, outputs have that many rows (rows past the real count
+        have ``recv_topk_idx = -1``) and the per-expert list is empty.
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event)``; ``recv_x`` has the tuple-ness of ``x``; ``recv_topk_idx`` holds local expert ids (-1 for
-        experts elsewhere, with weight 0); ``handle`` is DeepEP's 6-tuple (``DispatchHandle`` says what each
-        element holds). A cached dispatch returns ``(recv_x, None, None, None, None, event)``.
+        experts elsewhere, with weight 0); ``handle`` is DeepEP's tuple: on one node the 6-element intranode
+        one (``DispatchHandle``), across nodes the 10-element internode one (``InternodeDispatchHandle``); their
+        docstrings say what each element holds. A cached dispatch returns ``(recv_x, None, None, None, None,
+        event)``.
         """
         t = require_torch()
         if isinstance(x, tuple):
@@ -513,8 +617,7 @@ class Buffer:
             x_data, x_scales = x
         else:
             x_data, x_scales = x, None
-        native_handle = None if handle is None else _native_of(handle, DispatchHandle, 6, "rank_prefix_matrix", self.rank,
-                                                                "dispatch")
+        native_handle = None if handle is None else self._ht_native(handle)
         config_tuple = self._config(config, self.get_dispatch_config)
         args = dict(
             x=self._tensor(x_data, "x"), x_scales=self._opt(x_scales, "x_scales"), handle=native_handle,
@@ -524,64 +627,156 @@ class Buffer:
             topk_idx=self._opt(topk_idx, "topk_idx"), topk_weights=self._opt(topk_weights, "topk_weights"),
             expert_alignment=_count(expert_alignment, "expert_alignment", self.rank),
             num_worst_tokens=_count(num_worst_tokens, "num_worst_tokens", self.rank), config=config_tuple)
+        if self._internode and handle is None and num_tokens_per_rdma_rank is not None:
+            self._check_per_node(num_tokens_per_rdma_rank)
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
             plan = self._native.prepare_dispatch(**args, stream=self._launch_stream())
             n = plan.num_recv_rows
             # DeepEP's handle (a fresh dispatch returns one): the exact parts come from the native call, the
-            # channel parts (moelink's meaning, DispatchHandle) from is_token_in_rank on the same stream.
+            # channel parts (moelink's meaning, DispatchHandle / InternodeDispatchHandle) from the routing on
+            # the same stream.
             fresh = handle is None
             r, channels = self.group_size, config_tuple[0] // 2
+            rows_arg = "num_worst_tokens" if args["num_worst_tokens"] > 0 else "x"
             # The rows: num_worst_tokens in no-sync mode, else what the ranks' `x` send here.
             recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = self._alloc(
-                "num_worst_tokens" if args["num_worst_tokens"] > 0 else "x",
+                rows_arg,
                 ("recv_x", (n, plan.hidden), x_data.dtype),
                 ("recv_x_scales", (n, plan.hidden // 128), t.float32) if plan.is_fp8 else None,
                 ("recv_topk_idx", (n, plan.topk), t.int64) if plan.has_topk else None,
                 ("recv_topk_weights", (n, plan.topk), t.float32) if plan.has_topk else None,
                 ("recv_src_idx", (n,), t.int32) if fresh else None)
             rank_prefix = self._empty((r, r), t.int32) if fresh else None
-            channel_parts = [*self._alloc("config.num_sms", ("channel_prefix_matrix", (r, channels), t.int32),
-                                          ("recv_channel_prefix_matrix", (r, channels), t.int32)),
-                             self._empty(tuple(is_token_in_rank.shape), t.int32)] if fresh else []
+            if not fresh:
+                handle_parts: List[Any] = []
+            elif self._internode:
+                handle_parts = self._internode_handle_alloc(n, channels, rows_arg, tuple(is_token_in_rank.shape))
+            else:
+                handle_parts = [*self._alloc("config.num_sms", ("channel_prefix_matrix", (r, channels), t.int32),
+                                             ("recv_channel_prefix_matrix", (r, channels), t.int32)),
+                                self._empty(tuple(is_token_in_rank.shape), t.int32)]
             native_handle = self._native.dispatch_into(
                 plan, self._tensor(recv_x, "recv_x"), self._opt(recv_scales, "recv_x_scales"),
                 self._opt(recv_idx, "recv_topk_idx"), self._opt(recv_w, "recv_topk_weights"),
                 rank_prefix_matrix=self._opt(rank_prefix, "rank_prefix_matrix"),
                 recv_src_idx=self._opt(recv_src_idx, "recv_src_idx"), stream=self._launch_stream())
             if fresh:
-                channel_prefix, recv_channel_prefix, send_head = channel_parts
                 with t.cuda.stream(self._comm_stream) if self._cuda else contextlib.nullcontext():
-                    channel_prefix.zero_()[:, channels - 1].copy_(num_tokens_per_rank)
-                    recv_channel_prefix.zero_()
-                    _send_head(is_token_in_rank, send_head)
+                    if self._internode:
+                        self._internode_handle_fill(handle_parts, rank_prefix, recv_src_idx, is_token_in_rank,
+                                                    num_tokens_per_rank)
+                    else:
+                        channel_prefix, recv_channel_prefix, send_head = handle_parts
+                        channel_prefix.zero_()[:, channels - 1].copy_(num_tokens_per_rank)
+                        recv_channel_prefix.zero_()
+                        _send_head(is_token_in_rank, send_head)
         finally:
             self._leave(compute, allocate_on_comm_stream)
-        inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights]
-        outputs = [recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *channel_parts]
+        inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                  is_token_in_rank, topk_idx, topk_weights]
+        outputs = [recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *handle_parts]
         event = self._finish(compute, async_finish, allocate_on_comm_stream, inputs, outputs)
         out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
         if handle is not None:
             return out_x, None, None, None, None, event
-        setattr(rank_prefix, _NATIVE_ATTR, native_handle)
-        dispatch_handle = DispatchHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
-                                          send_head), native_handle)
+        dispatch_handle: Union[DispatchHandle, InternodeDispatchHandle]
+        if self._internode:
+            setattr(handle_parts[InternodeDispatchHandle.CARRIER - 1], _NATIVE_ATTR, native_handle)
+            dispatch_handle = InternodeDispatchHandle((is_token_in_rank, *handle_parts), native_handle)
+        else:
+            channel_prefix, recv_channel_prefix, send_head = handle_parts
+            setattr(rank_prefix, _NATIVE_ATTR, native_handle)
+            dispatch_handle = DispatchHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
+                                              is_token_in_rank, send_head), native_handle)
         return out_x, recv_idx, recv_w, list(plan.num_recv_tokens_per_expert), dispatch_handle, event
 
+    def _ht_native(self, handle: Any) -> Any:
+        """The native routing of a high-throughput handle of this buffer's kind (intranode 6-tuple, or
+        internode 10-tuple across nodes), or a plain tuple of its elements."""
+        if self._internode:
+            return _native_of(handle, InternodeDispatchHandle, 10, "rdma_channel_prefix_matrix", self.rank, "dispatch",
+                              at=InternodeDispatchHandle.CARRIER)
+        return _native_of(handle, DispatchHandle, 6, "rank_prefix_matrix", self.rank, "dispatch")
+
+    def _check_per_node(self, per_node: Any) -> None:
+        """``num_tokens_per_rdma_rank`` across nodes: an ``int32 [num_nodes]`` tensor of this buffer's device."""
+        t = require_torch()
+        self._tensor(per_node, "num_tokens_per_rdma_rank")
+        if per_node.dtype != t.int32:
+            raise _invalid(TypeError, "num_tokens_per_rdma_rank", self.rank, f"dtype is {per_node.dtype}, expected torch.int32")
+        if tuple(per_node.shape) != (self.topology[0],):
+            raise _invalid(ValueError, "num_tokens_per_rdma_rank", self.rank,
+                           f"shape {tuple(per_node.shape)}, expected ({self.topology[0]},): one count per node")
+        if per_node.device != self._device:
+            raise _invalid(ValueError, "num_tokens_per_rdma_rank", self.rank,
+                           f"tensor is on {per_node.device}, the buffer works on {self._device}")
+
+    def _internode_handle_alloc(self, n: int, channels: int, rows_arg: str, in_rank_shape: Tuple[int, ...]) -> List[Any]:
+        """The nine tensors after ``is_token_in_rank`` of an internode handle, unfilled (DeepEP's order)."""
+        t = require_torch()
+        r, (nodes, per_node) = self.group_size, self.topology
+        num_tokens = in_rank_shape[0] if in_rank_shape else 0
+        rdma_cp, gbl_cp, recv_rdma_cp, recv_gbl_cp = self._alloc(
+            "config.num_sms", ("rdma_channel_prefix_matrix", (nodes, channels), t.int32),
+            ("gbl_channel_prefix_matrix", (r, channels), t.int32),
+            ("recv_rdma_channel_prefix_matrix", (nodes, channels), t.int32),
+            ("recv_gbl_channel_prefix_matrix", (r, channels), t.int32))
+        meta, nvl_head = self._alloc(rows_arg, ("recv_src_meta", (n, 8), t.uint8),
+                                     ("send_nvl_head", (n, max(8, per_node)), t.int32))
+        return [rdma_cp, gbl_cp, recv_rdma_cp, self._empty((nodes,), t.int32), recv_gbl_cp, self._empty((r,), t.int32),
+                meta, self._empty((num_tokens, nodes), t.int32), nvl_head]
+
+    def _internode_handle_fill(self, parts: Sequence[Any], rank_prefix: Tensor, recv_src_idx: Tensor,
+                               in_rank: Tensor, per_rank: Tensor) -> None:
+        """Writes the internode handle's elements (``InternodeDispatchHandle`` says what each holds) from the
+        dispatch's ``rank_prefix_matrix`` and ``recv_src_idx`` and the layout, on the current stream, without a
+        host synchronisation (CUDA-graph capturable)."""
+        t = require_torch()
+        (rdma_cp, gbl_cp, recv_rdma_cp, recv_rdma_sum, recv_gbl_cp, recv_gbl_sum, meta, send_rdma_head,
+         send_nvl_head) = parts
+        nodes, per_node = self.topology
+        last = rdma_cp.shape[1] - 1
+        # What this rank sends: per node (a token once per node it reaches) and per rank.
+        reach = in_rank.reshape(in_rank.shape[0], nodes, per_node).any(2)
+        _send_head(reach, send_rdma_head)
+        rdma_cp.zero_()[:, last].copy_(reach.sum(0, dtype=t.int32))
+        gbl_cp.zero_()[:, last].copy_(per_rank)
+        # What it received: rows by source rank, then by source node.
+        recv_gbl_sum.copy_(rank_prefix[:, self.rank])
+        recv_gbl_cp[0].zero_()
+        recv_gbl_cp[1:].copy_(recv_gbl_sum[:-1].unsqueeze(1).expand(-1, recv_gbl_cp.shape[1]))
+        recv_rdma_sum.copy_(recv_gbl_sum.view(nodes, per_node)[:, per_node - 1])
+        node_start = t.cat([recv_rdma_sum.new_zeros(1), recv_rdma_sum[:-1]])
+        recv_rdma_cp.zero_()[:, last].copy_(recv_rdma_sum - node_start)
+        # Per row: its source (searching the prefix; rows past the received count find none).
+        n = meta.shape[0]
+        rows = t.arange(n, dtype=t.int32, device=meta.device)
+        src = t.searchsorted(recv_gbl_sum, rows, right=True)
+        valid = src < self.group_size
+        node = t.div(src, per_node, rounding_mode="floor").clamp_(max=nodes - 1)
+        meta32 = meta.view(t.int32)
+        meta32[:, 0].copy_(t.where(valid, node, -1))
+        meta32[:, 1].copy_(t.where(valid, recv_src_idx, -1))
+        send_nvl_head.fill_(-1)
+        send_nvl_head[:, self.rank % per_node].copy_(t.where(valid, rows - node_start[node], -1))
+
     @_collective
-    def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None,
+    def combine(self, x: Tensor, handle: Sequence[Any], topk_weights: Optional[Tensor] = None,
                 bias: Union[Tensor, Tuple[Tensor, Tensor], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
         """Sums expert outputs back onto each token's home rank (collective).
 
         ``x``: ``bf16 [N, H]``, one row per received token (gating weights already applied); ``handle``: what
-        the dispatch returned (or a tuple of its elements). Returns ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``: the fp32 sum over
+        the dispatch returned (or a tuple of its elements): DeepEP's intranode 6-tuple on one node, its internode
+        10-tuple across nodes, where a token's rows are summed on each node it reached and one partial per node
+        crosses to its home rank. Returns ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``: the fp32 sum over
         the ranks each token was sent to, plus ``bias`` (a tensor or a 2-tuple of ``[T, H]`` bf16 tensors),
         rounded to bf16; ``combined_topk_weights`` sums ``topk_weights`` the same way.
         """
         t = require_torch()
-        native_handle = _native_of(handle, DispatchHandle, 6, "rank_prefix_matrix", self.rank, "dispatch")
+        native_handle = self._ht_native(handle)
         if bias is None or isinstance(bias, tuple) and len(bias) == 0:
             bias_0, bias_1 = None, None
         elif isinstance(bias, tuple):
