@@ -2,7 +2,8 @@
 # Runs on the GPU machine (carry [".device"] built by scripts/build-wheel.sh): installs the wheel and runs
 #   1. the CI tests (python/tests: native module, API surface) on this machine's Python,
 #   2. the torchrun suite python/tests/gpu on 2 and on 4 GPUs (CUDA backend, NCCL group),
-#   3. the same suite on the host backend (CPU tensors, gloo) as a check of the Python layer alone,
+#   3. the same suite on the host backend (CPU tensors, gloo) as a check of the Python layer alone, on one node
+#      and, for the high-throughput tests, on 2x2 virtual nodes (DeepEP's internode API),
 #   4. examples/moe_layer.py on 4 GPUs,
 #   5. python -m moelink.bench on 4 GPUs (moelink vs NCCL, DeepEP if importable),
 # writing logs and JSON to $OUT (8 files) and printing a summary last.
@@ -60,9 +61,16 @@ for n in 1 2 4; do  # gpu1 (one rank, not in the default steps): for a machine w
 done
 want host && MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-tests.log" 120 \
     "${tr[@]}" --nproc_per_node=4 "${suite[@]}"
+# The high-throughput tests across nodes (DeepEP's internode API: per-node counts, the 10-element handle) on
+# the host backend: the Python layer's internode path without a GPU.
+ht_tests=(python/tests/gpu/test_ht.py python/tests/gpu/test_handles.py -k "not test_ll_")
+want host && MOELINK_BACKEND=host MOELINK_TOPOLOGY=2x2 step "ht 2x2, 4 ranks (host, cpu)" "$OUT/host-tests.log" 120 \
+    "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs "${ht_tests[@]}"
 # shared / nodes: 4 processes on ONE GPU under CUDA MPS (started as an ordinary daemon, pipe and log under /tmp,
-# quit at the end; compute mode untouched), a gloo group: the whole suite intranode, then the low-latency tests
-# on 2x2 virtual nodes over each transport. Ranks share the GPU: no figure here is an NVLink or network one.
+# quit at the end; compute mode untouched), a gloo group: the whole suite intranode, then on 2x2 virtual nodes
+# over each transport the low-latency tests and the high-throughput ones (test_ht.py and the HT handle tests:
+# DeepEP's internode API on the internode kernels; first calls JIT-compile their variants, NVSHMEM's slowly,
+# hence the longer per-test deadline). Ranks share the GPU: no figure here is an NVLink or network one.
 if want shared || want nodes; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -79,6 +87,9 @@ if want shared || want nodes; then
         want nodes && step "ll 2x2 $transport (mps)" "$OUT/nodes-$transport.log" 240 \
             "${shared_env[@]}" MOELINK_TOPOLOGY=2x2 MOELINK_TRANSPORT="$transport" "${tr[@]}" --nproc_per_node=4 \
             -m pytest -q -p no:cacheprovider -rfEs python/tests/gpu/test_ll.py
+        want nodes && step "ht 2x2 $transport (mps)" "$OUT/nodes-$transport.log" 420 \
+            "${shared_env[@]}" MOELINK_TOPOLOGY=2x2 MOELINK_TRANSPORT="$transport" MOELINK_TEST_DEADLINE_S=120 \
+            "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs --durations=10 "${ht_tests[@]}"
     done
     echo quit | nvidia-cuda-mps-control
     trap - EXIT

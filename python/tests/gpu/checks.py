@@ -29,6 +29,9 @@ HT_REAL = Shape(tokens=256, hidden=7168, topk=8, experts=256)
 LL = Shape(tokens=32, hidden=7168, topk=8)
 
 HT_NVL_BYTES = 256 << 20
+# Across nodes (MOELINK_TOPOLOGY), the high-throughput buffer holds rounds of this many tokens of HT_REAL rows:
+# HT_REAL's calls run several rounds.
+HT_ROUND_TOKENS = 64
 
 
 def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

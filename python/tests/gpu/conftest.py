@@ -4,7 +4,9 @@
 
 On a GPU machine every rank uses ``cuda:LOCAL_RANK`` with an NCCL group and moelink's CUDA backend; with more
 ranks than GPUs (processes sharing a GPU under CUDA MPS) the ranks share GPUs round-robin over a gloo group.
-``MOELINK_TOPOLOGY=2x2`` (and ``MOELINK_TRANSPORT``) runs the low-latency tests on virtual nodes. With
+``MOELINK_TOPOLOGY=2x2`` (and ``MOELINK_TRANSPORT``) runs the tests on virtual nodes: low latency across
+nodes, and high throughput with DeepEP's internode API (per-node counts, the 10-element handle; the buffer then
+gets ``num_rdma_bytes`` for rounds of ``HT_ROUND_TOKENS`` tokens). With
 ``MOELINK_BACKEND=host`` (or without a GPU) the same tests run on CPU tensors over gloo on the host backend,
 which checks the Python layer anywhere.
 
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import moelink
-from checks import HT_NVL_BYTES, LL
+from checks import HT_NVL_BYTES, HT_REAL, HT_ROUND_TOKENS, LL
 
 
 def _init() -> None:
@@ -61,6 +63,19 @@ class Env:
         self.cuda = os.environ.get("MOELINK_BACKEND") != "host"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.group = dist.group.WORLD
+        # The buffers' topology: MOELINK_TOPOLOGY (virtual nodes), else one node (the machines this suite runs
+        # on have one host).
+        spec = os.environ.get("MOELINK_TOPOLOGY", "").strip()
+        self.num_nodes = int(spec.split("x")[0]) if spec else 1
+        self.ranks_per_node = self.num_ranks // self.num_nodes
+        self.internode = self.num_nodes > 1
+        # High-throughput buffer sizes: across nodes the RDMA parts too, for rounds of HT_ROUND_TOKENS tokens of
+        # the largest rows the suite sends (HT_REAL), so that its calls run several rounds.
+        self.ht_nvl_bytes, self.ht_rdma_bytes = HT_NVL_BYTES, 0
+        if self.internode:
+            nvl, self.ht_rdma_bytes = moelink._native.ht_internode_bytes_needed(
+                f"{self.num_nodes}x{self.ranks_per_node}", HT_ROUND_TOKENS, HT_REAL.hidden, HT_REAL.topk, False)
+            self.ht_nvl_bytes = max(HT_NVL_BYTES, nvl)
 
     def to(self, t: Any) -> Any:
         return t.to(self.device) if isinstance(t, torch.Tensor) else t
@@ -73,7 +88,9 @@ def env() -> Env:
 
 @pytest.fixture(scope="session")
 def ht_buffer(env: Env) -> Iterator[moelink.Buffer]:
-    buf = moelink.Buffer(env.group, num_nvl_bytes=HT_NVL_BYTES, num_rdma_bytes=0, explicitly_destroy=True)
+    buf = moelink.Buffer(env.group, num_nvl_bytes=env.ht_nvl_bytes, num_rdma_bytes=env.ht_rdma_bytes,
+                         explicitly_destroy=True)
+    assert buf.topology == (env.num_nodes, env.ranks_per_node), "MOELINK_TOPOLOGY reaches the buffer"
     yield buf
     buf.destroy()
 

@@ -1,7 +1,9 @@
 """The handles as code written for DeepEP reads them: indexed, unpacked into DeepEP's names, every element
 computed here from the routing with plain torch (reference.py) and compared exactly, and the received rows
-checked through the handle (DeepEP's tests do both: ``rank_prefix_matrix = handle[0]``, then the rows
-between its boundaries; ``handle[0][i], handle[1][i]`` for a low-latency expert). Every dispatch mode:
+checked through the handle (DeepEP's tests do both: ``rank_prefix_matrix = handle[0]``, or across nodes
+``recv_gbl_rank_prefix_sum = handle[-4]``, then the rows between its boundaries; ``handle[0][i],
+handle[1][i]`` for a low-latency expert). With ``MOELINK_TOPOLOGY`` spanning nodes the high-throughput
+handle is DeepEP's internode 10-tuple. Every dispatch mode:
 BF16 / FP8, with and without top-k, cached, ``num_worst_tokens``, asynchronous, CUDA-graph replay; low
 latency in BF16 / FP8 / round-scale / UE8M0, with and without the receive hook, masked ranks (shrink).
 """
@@ -30,7 +32,8 @@ def ht_inputs(shape: Shape, num_ranks: int, seed: int) -> List[RankInputs]:
 
 def expected_ht_handle(inputs: Sequence[RankInputs], rank: int, num_experts: int, num_channels: int
                        ) -> Tuple[torch.Tensor, ...]:
-    """DeepEP's six handle elements for ``rank`` (moelink's documented meaning for the channel elements)."""
+    """DeepEP's six intranode handle elements for ``rank`` (moelink's documented meaning for the channel
+    elements)."""
     nr = len(inputs)
     counts = torch.stack([layout(inp.topk_idx, num_experts, nr)[0] for inp in inputs])  # [src, dst]
     rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
@@ -40,44 +43,120 @@ def expected_ht_handle(inputs: Sequence[RankInputs], rank: int, num_experts: int
     channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)
     channel_prefix_matrix[:, -1] = counts[rank]
     recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)
-    slot = in_rank.to(torch.int32).cumsum(0).to(torch.int32) - 1
-    send_head = torch.where(in_rank, slot, torch.full_like(slot, -1))
+    send_head = position_or_minus_one(in_rank)
     return rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, in_rank, send_head
 
 
-def check_ht_handle(handle, want: Sequence[torch.Tensor], in_rank: torch.Tensor, num_rows: int, what: str) -> None:
-    """The handle is DeepEP's 6-tuple with exactly the expected elements (``recv_src_idx``: its first
-    ``num_rows`` rows; the tensor has one entry per output row)."""
+def position_or_minus_one(hit: torch.Tensor) -> torch.Tensor:
+    """``[t][c]``: token ``t``'s position among the tokens with ``hit[:, c]``, -1 where not hit."""
+    slot = hit.to(torch.int32).cumsum(0).to(torch.int32) - 1
+    return torch.where(hit, slot, torch.full_like(slot, -1))
+
+
+def expected_internode_handle(inputs: Sequence[RankInputs], rank: int, num_experts: int, num_channels: int,
+                              nodes: int, per_node: int, num_rows: int) -> Tuple[torch.Tensor, ...]:
+    """DeepEP's ten internode handle elements for ``rank`` on ``nodes`` x ``per_node`` ranks, with ``num_rows``
+    output rows (``moelink.buffer.InternodeDispatchHandle`` says what each holds in moelink)."""
+    nr = len(inputs)
+    lays = [layout(inp.topk_idx, num_experts, nr) for inp in inputs]
+    counts = torch.stack([lay[0] for lay in lays])  # [src, dst]
+    in_rank = lays[rank][2]
+    reach = in_rank.view(-1, nodes, per_node).any(2)  # [T, nodes]
+    received = counts[:, rank].to(torch.int32).contiguous()  # rows from each source rank
+    gbl_sum = received.cumsum(0).to(torch.int32)
+    node_received = received.view(nodes, per_node).sum(1).to(torch.int32)
+    node_sum = node_received.cumsum(0).to(torch.int32)
+    node_start = node_sum - node_received
+    n = int(gbl_sum[-1])
+
+    def last_channel(values: torch.Tensor) -> torch.Tensor:
+        m = torch.zeros(values.numel(), num_channels, dtype=torch.int32)
+        m[:, -1] = values
+        return m
+
+    src_rank = torch.repeat_interleave(torch.arange(nr), received.to(torch.int64))
+    src_token = torch.cat([torch.nonzero(lay[2][:, rank]).flatten() for lay in lays]).to(torch.int32)
+    meta = torch.full((num_rows, 2), -1, dtype=torch.int32)
+    meta[:n, 0] = (src_rank // per_node).to(torch.int32)
+    meta[:n, 1] = src_token
+    send_nvl_head = torch.full((num_rows, max(8, per_node)), -1, dtype=torch.int32)
+    send_nvl_head[:n, rank % per_node] = (torch.arange(n) - node_start[src_rank // per_node]).to(torch.int32)
+    return (in_rank, last_channel(reach.sum(0)), last_channel(counts[rank]), last_channel(node_received), node_sum,
+            (gbl_sum - received).unsqueeze(1).expand(nr, num_channels).contiguous(), gbl_sum,
+            meta.view(torch.uint8), position_or_minus_one(reach), send_nvl_head)
+
+
+def num_received(inputs: Sequence[RankInputs], rank: int, num_experts: int) -> int:
+    nr = len(inputs)
+    return sum(int(layout(inp.topk_idx, num_experts, nr)[0][rank]) for inp in inputs)
+
+
+INTRANODE_NAMES = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                   "is_token_in_rank", "send_head")
+INTERNODE_NAMES = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                   "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                   "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head")
+
+
+def check_ht_handle(env, handle, inputs: Sequence[RankInputs], num_experts: int, num_channels: int,
+                    in_rank: torch.Tensor, num_rows: int, what: str) -> None:
+    """The handle is DeepEP's tuple for the buffer's topology (intranode 6, internode 10 elements) with exactly
+    the expected elements (intranode ``recv_src_idx``: its first rows, up to the received count; the tensor
+    has one entry per output row)."""
+    r = env.rank
+    if env.internode:
+        assert isinstance(handle, tuple) and len(handle) == 10, what
+        (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+         send_rdma_head, send_nvl_head) = handle
+        assert handle[0] is is_token_in_rank and handle[-1] is send_nvl_head and handle[-4] is recv_gbl_rank_prefix_sum
+        assert is_token_in_rank is in_rank, f"is_token_in_rank is the tensor the dispatch was given ({what})"
+        assert recv_src_meta.dtype == torch.uint8 and recv_src_meta.shape == (num_rows, 8), what
+        want = expected_internode_handle(inputs, r, num_experts, num_channels, env.num_nodes, env.ranks_per_node,
+                                         num_rows)
+        for name, got, expected in zip(INTERNODE_NAMES, handle, want, strict=True):
+            same(got, expected, f"{name} ({what})")
+        return
     assert isinstance(handle, tuple) and len(handle) == 6, what
     rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head = handle
     assert handle[0] is rank_prefix_matrix and handle[-1] is send_head and list(handle)[3] is recv_src_idx, what
     assert is_token_in_rank is in_rank, f"is_token_in_rank is the tensor the dispatch was given ({what})"
+    want = expected_ht_handle(inputs, r, num_experts, num_channels)
     n = want[3].numel()
     assert recv_src_idx.dtype == torch.int32 and recv_src_idx.shape == (num_rows,), what
-    same(rank_prefix_matrix, want[0], f"rank_prefix_matrix ({what})")
-    same(channel_prefix_matrix, want[1], f"channel_prefix_matrix ({what})")
-    same(recv_channel_prefix_matrix, want[2], f"recv_channel_prefix_matrix ({what})")
-    same(recv_src_idx[:n], want[3], f"recv_src_idx ({what})")
-    same(is_token_in_rank, want[4], f"is_token_in_rank ({what})")
-    same(send_head, want[5], f"send_head ({what})")
+    for i, (name, got, expected) in enumerate(zip(INTRANODE_NAMES, handle, want, strict=True)):
+        same(got[:n] if i == 3 else got, expected, f"{name} ({what})")
 
 
 def check_rows_through_handle(recv_rows: torch.Tensor, handle, rank: int, sources: Sequence[torch.Tensor],
                               what: str) -> None:
-    """As DeepEP's tests: the rows between consecutive ``rank_prefix_matrix[:, rank]`` boundaries came from that
-    source, and ``recv_src_idx`` names each row's token there (``sources[s]``: source ``s``'s rows, e.g. x)."""
-    rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
-    rows, src_idx = recv_rows.cpu(), recv_src_idx.cpu().to(torch.int64)
+    """As DeepEP's tests: the rows between consecutive boundaries of the received prefix (intranode
+    ``rank_prefix_matrix[:, rank]``, internode ``recv_gbl_rank_prefix_sum``) came from that source, and the
+    source token index of each row (intranode ``recv_src_idx``, internode the second int32 of ``recv_src_meta``)
+    names its token there (``sources[s]``: source ``s``'s rows, e.g. x)."""
+    if len(handle) == 10:
+        prefix = handle[6].cpu()
+        src_idx = handle[7].cpu().view(torch.int32)[:, 1].to(torch.int64)
+    else:
+        prefix = handle[0][:, rank].cpu()
+        src_idx = handle[3].cpu().to(torch.int64)
+    rows = recv_rows.cpu()
     start = 0
     for i, src in enumerate(sources):
-        end = int(rank_prefix_matrix[i][rank].item())
+        end = int(prefix[i].item())
         same(rows[start:end], src[src_idx[start:end]], f"rows from rank {i} ({what})")
         start = end
 
 
+def carrier_index(env) -> int:
+    """The handle element whose tensor carries moelink's routing in a plain-tuple copy."""
+    return moelink.buffer.InternodeDispatchHandle.CARRIER if env.internode else 0
+
+
 def layout_of(buf: moelink.Buffer, env, inp: RankInputs, num_experts: int):
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(env.to(inp.topk_idx), num_experts)
-    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(env.to(inp.topk_idx), num_experts)
+    return dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
 
 
 HT_MODES = {  # name: (shape, fp8, with top-k)
@@ -111,11 +190,10 @@ def test_ht_handle_every_mode(env, ht_buffer, mode):
     lay = layout_of(ht_buffer, env, mine, e)
     topk = dict(topk_idx=env.to(mine.topk_idx), topk_weights=env.to(mine.topk_weights)) if with_topk else {}
     channels = moelink.Buffer.get_dispatch_config(nr).num_sms // 2
-    want = expected_ht_handle(inputs, r, e, channels)
-    n = want[3].numel()
+    n = num_received(inputs, r, e)
     recv_x, _, _, _, handle, _ = ht_buffer.dispatch(x, **lay, **topk)
     data = recv_x[0] if fp8 else recv_x
-    check_ht_handle(handle, want, lay["is_token_in_rank"], n, mode)
+    check_ht_handle(env, handle, inputs, e, channels, lay["is_token_in_rank"], n, mode)
     check_rows_through_handle(data.view(torch.uint8) if fp8 else data, handle, r, sources, mode)
     if fp8:
         check_rows_through_handle(recv_x[1], handle, r, [s.contiguous() for s in fp8_scales], f"{mode} scales")
@@ -124,7 +202,8 @@ def test_ht_handle_every_mode(env, ht_buffer, mode):
         worst = sum(inp.x.shape[0] for inp in inputs) + 8
         worst_x, _, _, counts, worst_handle, _ = ht_buffer.dispatch(x, **lay, **topk, num_worst_tokens=worst)
         assert counts == []
-        check_ht_handle(worst_handle, want, lay["is_token_in_rank"], worst, f"{mode}, num_worst_tokens")
+        check_ht_handle(env, worst_handle, inputs, e, channels, lay["is_token_in_rank"], worst,
+                        f"{mode}, num_worst_tokens")
         worst_data = worst_x[0] if fp8 else worst_x
         check_rows_through_handle((worst_data.view(torch.uint8) if fp8 else worst_data)[:n], worst_handle, r, sources,
                                   f"{mode}, num_worst_tokens")
@@ -143,15 +222,15 @@ def test_ht_handle_every_mode(env, ht_buffer, mode):
 
 
 def test_ht_handle_channels_follow_config(env, ht_buffer):
-    """The channel elements have DeepEP's ``[R, num_sms // 2]`` shape for the call's config."""
+    """The channel elements have DeepEP's ``[R or nodes, num_sms // 2]`` shapes for the call's config."""
     r, nr = env.rank, env.num_ranks
     e = HT_SMALL.num_experts(nr)
     inputs = ht_inputs(HT_SMALL, nr, seed=41)
     lay = layout_of(ht_buffer, env, inputs[r], e)
-    for sms in (2, 8):
+    for sms in (4 if env.internode else 2, 8):  # across nodes the kernels need at least 3 blocks (2x2)
         _, _, _, _, handle, _ = ht_buffer.dispatch(env.to(inputs[r].x), **lay, config=moelink.Config(sms, 6, 256, 6, 128))
-        want = expected_ht_handle(inputs, r, e, sms // 2)
-        check_ht_handle(handle, want, lay["is_token_in_rank"], want[3].numel(), f"{sms} SMs")
+        check_ht_handle(env, handle, inputs, e, sms // 2, lay["is_token_in_rank"], num_received(inputs, r, e),
+                        f"{sms} SMs")
 
 
 def test_ht_handle_async_and_comm_stream_allocation(env, ht_buffer):
@@ -164,8 +243,8 @@ def test_ht_handle_async_and_comm_stream_allocation(env, ht_buffer):
         env.to(mine.x), **lay, topk_idx=env.to(mine.topk_idx), topk_weights=env.to(mine.topk_weights),
         previous_event=moelink.Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
     event.current_stream_wait()
-    want = expected_ht_handle(inputs, r, e, moelink.Buffer.get_dispatch_config(nr).num_sms // 2)
-    check_ht_handle(handle, want, lay["is_token_in_rank"], want[3].numel(), "async")
+    check_ht_handle(env, handle, inputs, e, moelink.Buffer.get_dispatch_config(nr).num_sms // 2, lay["is_token_in_rank"],
+                    num_received(inputs, r, e), "async")
     check_rows_through_handle(recv_x, handle, r, [inp.x for inp in inputs], "async")
 
 
@@ -178,7 +257,8 @@ def test_ht_handle_errors(env, ht_buffer):
     x = env.to(inputs[r].x)
     lay = layout_of(ht_buffer, env, inputs[r], e)
     _, _, _, _, handle, _ = ht_buffer.dispatch(x, **lay)
-    forged = (handle[0].clone(),) + tuple(handle[1:])
+    at = carrier_index(env)
+    forged = tuple(handle[:at]) + (handle[at].clone(),) + tuple(handle[at + 1:])
     for bad in (forged, tuple(handle)[:5], "handle"):
         for call in (lambda h: ht_buffer.dispatch(x, handle=h), lambda h: ht_buffer.combine(x, h)):
             with pytest.raises(TypeError) as err:
@@ -218,9 +298,9 @@ def test_ht_handle_cuda_graph_replay(env, ht_buffer):
         w.copy_(env.to(everyone[r].topk_weights))
         graph.replay()
         torch.cuda.synchronize()
-        want = expected_ht_handle(everyone, r, e, channels)
-        check_ht_handle(handle, want, in_rank, worst, f"replay, seed {seed}")
-        check_rows_through_handle(recv_x[:want[3].numel()], handle, r, [inp.x for inp in everyone], f"replay, seed {seed}")
+        check_ht_handle(env, handle, everyone, e, channels, in_rank, worst, f"replay, seed {seed}")
+        check_rows_through_handle(recv_x[:num_received(everyone, r, e)], handle, r, [inp.x for inp in everyone],
+                                  f"replay, seed {seed}")
 
 
 # ------------------------------------------------------------------------------------- low-latency

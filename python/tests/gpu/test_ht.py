@@ -1,5 +1,7 @@
 """High-throughput API (layout, dispatch, combine, cached, no-sync, FP8, events, CUDA graphs) against the
-plain-torch semantics of reference.py, bit for bit."""
+plain-torch semantics of reference.py, bit for bit. With ``MOELINK_TOPOLOGY`` spanning nodes the same tests run
+DeepEP's internode API (per-node counts from the layout, passed to dispatch; the 10-element handle), whose
+results are the single-node ones."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 import moelink
-from checks import HT_NVL_BYTES, HT_REAL, HT_SMALL, Shape, same
+from checks import HT_REAL, HT_SMALL, Shape, same
 from reference import RankInputs, ht_combine, ht_dispatch, layout, make_inputs
 
 
@@ -20,12 +22,26 @@ def all_inputs(shape: Shape, num_ranks: int, seed: int, drop: float = 0.1) -> Li
 
 
 def fresh(buf: moelink.Buffer, env, inp: RankInputs, num_experts: int, **kw):
-    """Layout, then a fresh dispatch of ``inp`` (``x=`` overrides the rows, e.g. with an FP8 tuple)."""
+    """Layout, then a fresh dispatch of ``inp`` (``x=`` overrides the rows, e.g. with an FP8 tuple), passing
+    every layout tensor as DeepEP's callers do (``num_tokens_per_rdma_rank``: None on one node)."""
     idx = env.to(inp.topk_idx)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     x = kw.pop("x", env.to(inp.x))
-    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=idx, topk_weights=env.to(inp.topk_weights), **kw)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=env.to(inp.topk_weights), **kw)
+
+
+def handle_class(env) -> type:
+    return moelink.buffer.InternodeDispatchHandle if env.internode else moelink.buffer.DispatchHandle
+
+
+def min_sms(env) -> int:
+    """The fewest SMs a call may ask for: 2, or across nodes what the internode kernels' roles need (a sender,
+    a forwarder per 16 nodes, receivers for up to 512 ranks), rounded up to even."""
+    if not env.internode:
+        return 2
+    need = -(-env.num_nodes // 16) + max(1, -(-env.num_ranks // 512)) + 1
+    return need + need % 2
 
 
 def expert_out(rank: int, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +60,8 @@ def check_received(got, want, what: str) -> None:
 def test_module_and_buffer_attributes(env, ht_buffer):
     assert moelink.topk_idx_t is torch.int64
     assert ht_buffer.rank == env.rank and ht_buffer.group_size == env.num_ranks and ht_buffer.group is env.group
-    assert ht_buffer.num_nvl_bytes == HT_NVL_BYTES and ht_buffer.num_rdma_bytes == 0
+    assert ht_buffer.num_nvl_bytes == env.ht_nvl_bytes and ht_buffer.num_rdma_bytes == env.ht_rdma_bytes
+    assert ht_buffer.topology == (env.num_nodes, env.ranks_per_node)
     assert ht_buffer.low_latency_mode is False and ht_buffer.explicitly_destroy is True
     assert ht_buffer.backend == ("cuda" if env.cuda else "host")
     sm90 = moelink.Buffer.is_sm90_compiled()
@@ -54,7 +71,8 @@ def test_module_and_buffer_attributes(env, ht_buffer):
     for cfg in (moelink.Buffer.get_dispatch_config(env.num_ranks), moelink.Buffer.get_combine_config(env.num_ranks)):
         assert isinstance(cfg, moelink.Config) and cfg.num_sms > 0 and cfg.num_sms % 2 == 0
         assert cfg.get_nvl_buffer_size_hint(HT_REAL.hidden * 2, env.num_ranks) > 0
-        assert cfg.get_rdma_buffer_size_hint(HT_REAL.hidden * 2, env.num_ranks) == 0  # one node
+        # DeepEP's hint: 0 up to 8 ranks (one node of its 8 GPUs), even on virtual nodes.
+        assert cfg.get_rdma_buffer_size_hint(HT_REAL.hidden * 2, env.num_ranks) == 0
 
 
 def test_layout(env, ht_buffer):
@@ -65,7 +83,11 @@ def test_layout(env, ht_buffer):
         per_rank, rdma, per_expert, in_rank, event = ht_buffer.get_dispatch_layout(env.to(inp.topk_idx), e)
         want = layout(inp.topk_idx, e, nr)
         what = f"topk {shape.topk} of {e}, drop {drop}"
-        assert rdma is None, "intranode: no RDMA counts"
+        if env.internode:  # tokens per destination node: a token counts once per node it reaches
+            reach = want[2].view(-1, env.num_nodes, env.ranks_per_node).any(2)
+            same(rdma, reach.sum(0).to(torch.int32), f"num_tokens_per_rdma_rank ({what})")
+        else:
+            assert rdma is None, "intranode: no RDMA counts"
         assert isinstance(event, moelink.EventOverlap)
         same(per_rank, want[0], f"num_tokens_per_rank ({what})")
         same(per_expert, want[1], f"num_tokens_per_expert ({what})")
@@ -81,7 +103,8 @@ def test_dispatch_combine_bf16_alignment_and_bias(env, ht_buffer):
     received = [ht_dispatch(inputs, k, e) for k in range(nr)]
     for alignment in (1, 4):
         recv_x, recv_idx, recv_w, counts, handle, event = fresh(ht_buffer, env, mine, e, expert_alignment=alignment)
-        assert isinstance(event, moelink.EventOverlap) and isinstance(handle, moelink.buffer.DispatchHandle)
+        assert isinstance(event, moelink.EventOverlap) and isinstance(handle, handle_class(env))
+        assert len(handle) == (10 if env.internode else 6)
         check_received((recv_x, recv_idx, recv_w, counts), ht_dispatch(inputs, r, e, alignment),
                        f"expert_alignment {alignment}")
     # Combine through the last handle: experts' outputs, doubled weights (as a weight gradient), 0-2 biases.
@@ -234,12 +257,16 @@ def test_config_num_sms(env, ht_buffer):
     e = HT_SMALL.num_experts(nr)
     inputs = all_inputs(HT_SMALL, nr, seed=7)
     want = ht_dispatch(inputs, r, e).x
-    for sms in (2, 24):
+    for sms in (min_sms(env), 24):
         recv_x, *_ = fresh(ht_buffer, env, inputs[r], e, config=moelink.Config(sms, 6, 256, 6, 256))
         same(recv_x, want, f"recv_x with {sms} SMs")
     with pytest.raises(ValueError) as err:
         fresh(ht_buffer, env, inputs[r], e, config=moelink.Config(num_sms=3))
     assert err.value.argument == "config.num_sms"
+    if env.internode and env.cuda:  # fewer blocks than the internode kernels' roles need: refused alike
+        with pytest.raises(ValueError) as err:
+            fresh(ht_buffer, env, inputs[r], e, config=moelink.Config(num_sms=min_sms(env) - 2))
+        assert err.value.argument == "config.num_sms"
     with pytest.raises(ValueError):
         moelink.Buffer.set_num_sms(5)
     old = moelink.Buffer.num_sms
@@ -273,6 +300,11 @@ def test_argument_errors_name_the_argument(env, ht_buffer):
     raises(ValueError, "num_tokens_per_rank", ht_buffer.dispatch, env.to(inp.x), is_token_in_rank=in_rank,
            num_tokens_per_expert=per_expert)
     raises(TypeError, "handle", ht_buffer.dispatch, env.to(inp.x), handle=("not", "a", "handle"))
+    if env.internode:  # DeepEP's per-node counts: int32, one per node
+        raises(ValueError, "num_tokens_per_rdma_rank", ht_buffer.dispatch, env.to(inp.x), **lay,
+               num_tokens_per_rdma_rank=per_rank)
+        raises(TypeError, "num_tokens_per_rdma_rank", ht_buffer.dispatch, env.to(inp.x), **lay,
+               num_tokens_per_rdma_rank=torch.zeros(env.num_nodes, dtype=torch.int64, device=env.device))
     raises(TypeError, "handle", ht_buffer.combine, env.to(inp.x), handle=None)
     if nr > 1:  # any expert count divides among one rank
         raises(ValueError, "num_experts", ht_buffer.get_dispatch_layout, idx, e + 1)
