@@ -22,6 +22,20 @@
 #             byte model's RDMA and NVLink bytes. Four ranks share one GPU: not network latency
 #   soak      thread mode: moelink-stress soak of the LL families on 2x2 virtual nodes over emu-nic (reordering
 #             across QPs), SOAK_S seconds (default 300), up to SOAK_ROUNDS rounds per family (default 5000)
+#   ht        thread mode: high-throughput dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
+#             emu-nic against the host backend on one node, several rounds per call, and a silent rank named
+#             (tests/ht_internode_gpu.rs)
+#   htchaos   process mode: 4 processes under MPS as 2x2 virtual nodes (scripts/device/reliability.sh with
+#             RANKS=4), rank 3 SIGKILLed inside an HT dispatch and an HT combine, once per transport of
+#             HT_CHAOS_TRANSPORTS (default "emu-nic nvshmem"); each transport's files under htchaos-<transport>/ in
+#             results.tgz, the verdicts in the summary
+#   htsoak    thread mode: moelink-stress soak of the HT families (ht, ht-cached) on 2x2 virtual nodes over
+#             emu-nic (reordering across QPs), buffers for rounds smaller than the calls: HT_SOAK_ROUNDS rounds per
+#             family (default 2000) within HT_SOAK_S seconds (default 300, less when BUDGET_S leaves less; the
+#             rounds done are in the summary), HT_SOAK_ARGS (default "--hidden 2048,7168": fewer kernel variants
+#             to compile, more rounds)
+# The HT steps in one call (about 9 minutes; the soak takes what the others leave of BUDGET_S):
+#   STEPS="ht htchaos htsoak" bash scripts/device/internode.sh
 # NVSHMEM is torch's (nvidia-nvshmem-cu13 3.4.5) unless NVSHMEM_HOME says otherwise; single-host settings:
 # NVSHMEM_REMOTE_TRANSPORT=none, the unique-id bootstrap on lo.
 set -uo pipefail
@@ -99,6 +113,67 @@ for s in $STEPS; do
             run "$name" 240 "$BIN" bench --backend cuda --mode ll --hook --ranks 4 --topology "$1" --transport "$2" ${3:-} \
                 --reps "${BENCH_REPS:-30}" --json "$W/$name.json"
         done
+        ;;
+    ht)
+        test_bin ht-internode-tests 8 moelink.test.ht_internode_gpu
+        ;;
+    htchaos)
+        mps_stop  # reliability.sh starts (and quits) its own daemon for more ranks than GPUs
+        port=29600
+        for tr in ${HT_CHAOS_TRANSPORTS:-emu-nic nvshmem}; do
+            # Two runs of at most 65 s each (60 s per process: the first compiles the kernels; then the kill),
+            # MPS and the summary; a run takes 5-30 s when it passes.
+            limit=145 left=$((BUDGET_S - SECONDS - 15))
+            [ "$limit" -gt "$left" ] && limit=$left
+            run "htchaos-$tr" "$limit" env OUT="$W/htchaos-$tr" BUDGET_S=$((limit - 10)) RANKS=4 VICTIM=3 STEPS=chaos CHAOS_T_S=60 \
+                CHAOS_RUNS="ht-dispatch ht-combine" CHAOS_PORT_BASE=$port CHAOS_ARGS="--topology 2x2 --transport $tr" \
+                bash scripts/device/reliability.sh
+            note "$(python3 - "$W/htchaos-$tr/reliability.json" "$tr" <<'PY' 2>&1
+import json, sys
+try:
+    runs = json.load(open(sys.argv[1]))["chaos"]
+except Exception as e:
+    print(f"  htchaos {sys.argv[2]}: no reliability.json ({e})"); sys.exit()
+for r in runs:
+    sv = ", ".join(f"r{s.get('rank')} {s.get('error_kind')} {s.get('timeout_phase')} peer {s.get('peer_named')} ({s.get('chain')})"
+                   for s in r["survivors"])
+    print(f"  htchaos {sys.argv[2]} {r['phase']}: {r['verdict'].upper()} | {sv}")
+PY
+)"
+            port=$((port + 100))
+        done
+        ;;
+    htsoak)
+        # The soak's own budget: HT_SOAK_S, or what BUDGET_S leaves after 60 s for start-up and the summary.
+        budget=${HT_SOAK_S:-300} left=$((BUDGET_S - SECONDS - 15 - 60))
+        [ "$budget" -gt "$left" ] && budget=$left
+        if [ "$budget" -lt 30 ]; then
+            note "$(printf '%-16s skipped (%ss of BUDGET_S=%s left)' soak-ht-2x2 "$left" "$BUDGET_S")"
+        else
+            run soak-ht-2x2-emu-nic $((budget + 60)) "$STRESS" soak --backend cuda --ranks 4 --topology 2x2 --transport emu-nic \
+                --families ht,ht-cached --rounds "${HT_SOAK_ROUNDS:-2000}" --time-budget-s "$budget" --progress-s 30 \
+                --json "$W/soak-ht-2x2-emu-nic.json" ${HT_SOAK_ARGS:---hidden 2048,7168}
+            note "$(python3 - "$W/soak-ht-2x2-emu-nic.json" <<'PY' 2>&1
+import json, sys
+try:
+    v = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"  soak-ht: no summary ({e})"); sys.exit()
+st = v["settings"]
+print(f"  soak-ht {v['verdict'].upper()}: {v['rounds_done']} rounds per family in {v['elapsed_s']:.0f} s "
+      f"({st['nodes']}x{st['ranks_per_node']} over {st['transport']}, buffers for rounds of {st['ht_round_tokens']} tokens "
+      f"at the largest hidden, chunks of {st['ht_chunk_tokens']}), {v['total_mismatches']} mismatches"
+      + (f", stopped: {v['stopped_early']}" if v.get("stopped_early") else ""))
+for f in v["families"]:
+    print(f"  {f['family']}: {f['rounds']} rounds, {f['mismatches']} mismatches, multi-round {f['multi_round_rounds']} "
+          f"(most {f['most_rounds_per_call']}), node-limited {f['node_limited_rounds']}, empty node {f['empty_node_rounds']}, "
+          f"skewed node {f['node_skewed_rounds']}, silent node {f['silent_node_rounds']}, empty rank {f['empty_rank_rounds']}, "
+          f"no-sync {f['no_sync_rounds']}, fp8 {f['fp8_rounds']}, graph {f['graph_rounds']}/{f['graph_replays']}")
+for e in v.get("errors", [])[:3]:
+    print(f"  ERROR {e[:300]}")
+PY
+)"
+        fi
         ;;
     soak)
         run soak-ll-2x2-emu-nic $((${SOAK_S:-300} + 120)) "$STRESS" soak --backend cuda --ranks 4 --topology 2x2 --transport emu-nic \

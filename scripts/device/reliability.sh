@@ -20,7 +20,12 @@
 # MPS), BUDGET_S, SOAK_S (default 200), SOAK_ROUNDS, SOAK_ARGS, VICTIM,
 # CHAOS_TIMEOUT_MS (the buffers' deadline, default 3000), CHAOS_RUNS (default
 # "ht-dispatch ht-combine ll-dispatch ll-combine ll-dispatch:shrink ll-combine:shrink"), CHAOS_ARGS (extra
-# options; `--backend host` checks this script's plumbing on a machine without GPU: NGPU=4 STEPS=chaos).
+# options; `--backend host` checks this script's plumbing on a machine without GPU: NGPU=4 STEPS=chaos),
+# CHAOS_PORT_BASE (run i rendezvous at CHAOS_PORT_BASE + 20 i, default 29400), CHAOS_T_S (each chaos process's
+# time limit, default 45).
+# Across virtual nodes: RANKS=4 CHAOS_ARGS="--topology 2x2 --transport emu-nic|ptr|nvshmem", every phase (the
+# HT ones check what ht_internode.cu's timeouts can name: crates/moelink-stress/src/chaos.rs, module docs);
+# scripts/device/internode.sh step htchaos runs the HT ones on emu-nic and nvshmem.
 #
 # Comes back in $OUT (at most 8 files): env.txt, reliability.json, reliability-summary.md,
 # reliability-log.txt (every chaos process's output), poison-log.txt, soak.json, soak-log.txt.
@@ -84,7 +89,7 @@ declare -a ROWS=()
 # One chaos run: RANKS processes with torchrun's variables, each under its own timeout; the victim's exit
 # status is 137 (SIGKILL), the survivors' 0 when their checks passed.
 chaos_run() {
-    local idx=$1 spec=$2 phase=${2%%:*} extra="" port=$((29400 + 20 * $1)) t=45 r
+    local idx=$1 spec=$2 phase=${2%%:*} extra="" port=$((${CHAOS_PORT_BASE:-29400} + 20 * $1)) t=${CHAOS_T_S:-45} r
     [ "$spec" != "$phase" ] && extra="--shrink"
     local tag="chaos-$idx-$phase${extra:+-shrink}"
     local -a pids=()
@@ -218,13 +223,14 @@ json.dump(doc, open(os.path.join(out, "reliability.json"), "w"), indent=1)
 lines = ["# Reliability run", "", "| step | rc | seconds |", "|---|---|---|"]
 lines += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in steps]
 lines += ["", "## Kill a rank (process mode)", "",
-          "| run | victim exit | survivors: error (peer named / root) | failing call ms | detect ms after kill | poisoned | drop ms | rebuilt | verdict |",
+          "| run | victim exit | survivors: error (peer named / chain end, phase) | failing call ms | detect ms after kill | poisoned | drop ms | rebuilt | verdict |",
           "|---|---|---|---|---|---|---|---|---|"]
 for r in runs:
     sv = r["survivors"]
     def col(key, fmt="{}"):
         return ", ".join(fmt.format(s.get(key)) if s.get(key) is not None else "-" for s in sv)
-    errs = ", ".join(f"{s.get('error_kind') or 'none'} ({s.get('peer_named')}/{s.get('root_cause')})" for s in sv)
+    errs = ", ".join(f"{s.get('error_kind') or 'none'} ({s.get('peer_named')}/{s.get('chain') or s.get('root_cause')}"
+                     + (f", {s['timeout_phase']}" if s.get("timeout_phase") else "") + ")" for s in sv)
     if r["shrink"]:
         errs = ", ".join(f"mask {s.get('mask')} ok={s.get('mask_ok')}, slowest {s.get('slowest_call_ms', 0):.0f} ms, "
                          f"{s.get('iterations_done')} it, {s.get('mismatching_iterations')} bad" for s in sv)
