@@ -42,8 +42,9 @@
 //! `--ht-round-tokens` tokens (default `T_max / 4`) at the largest hidden size, so a call of more tokens
 //! runs several rounds (counted as `multi_round_rounds`), of `--ht-chunk-tokens` tokens per chunk. Their
 //! routing adds the node-level cases ([`RouteKind::draw_nodes`]: node-limited, an empty node, a skew to one
-//! node) and, now and then, a node whose ranks (or all ranks) send no token; `config.num_sms` stays within
-//! what the internode kernels need (4) and the rank's share of the GPU less the emulated NIC's blocks.
+//! node) and, now and then, a node whose ranks (or all ranks) send no token; `config.num_sms` stays between
+//! what the internode kernels need (4) and the rank's share of the GPU less the emulated NIC's blocks and a
+//! spare SM.
 //! One buffer pair runs every family: across nodes an HT call writes the RDMA region the LL calls share
 //! (DeepEP's rule; the buffer refuses LL calls until `clean_low_latency_buffer`), so the first LL round
 //! after HT rounds cleans it first, with its block's shape.
@@ -565,11 +566,12 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     let x_p = b.prim.upload(&x_h)?;
     let sc_p = sc_h.as_ref().map(|t| b.prim.upload(t)).transpose()?;
     let worst = if p.no_sync { s.ranks * s.t_max.max(1) } else { 0 };
-    // At most what the GPU's buffer allows (ranks sharing a GPU get a share of its SMs; across nodes less the
-    // emulated NIC's blocks, which every launch adds), kept even; across nodes at least the 4 blocks the
-    // internode kernels need (a sender, a forwarder, a receiver, for up to 32 nodes of 256 ranks).
-    let (least, nic) = if s.nodes > 1 { (4, s.nic_blocks) } else { (2, 0) };
-    let config = p.num_sms.map(|n| Config::with_sms(n.min(b.prim.max_num_sms().saturating_sub(nic) & !1).max(least)));
+    // At most what the GPU's buffer allows (ranks sharing a GPU get a share of its SMs), kept even. Across
+    // nodes every launch adds the emulated NIC's blocks: those and a spare SM (as the even rounding leaves on
+    // one node) come off the share, so that every rank's persistent blocks stay resident together; and at
+    // least the 4 blocks the internode kernels need (senders, forwarders, receivers, up to 32 nodes).
+    let (least, reserve) = if s.nodes > 1 { (4, s.nic_blocks + 1) } else { (2, 0) };
+    let config = p.num_sms.map(|n| Config::with_sms(n.min(b.prim.max_num_sms().saturating_sub(reserve) & !1).max(least)));
     let fresh = |x, lay, idx, w, worst| fresh_args(p, config, x, lay, idx, w, worst);
     b.step = "dispatch";
     let res_h = b.twin.dispatch(&fresh(payload(&x_h, &sc_h), &lay_h, idx_h.view(), w_h.view(), 0))?;
