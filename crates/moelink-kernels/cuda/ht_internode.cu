@@ -322,6 +322,15 @@ __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs
   }
 }
 
+// The deadline of a wait for `peer`: a wait for this rank itself (its own forwarder, receiver or rail-peer
+// role) gets twice the time, so that the wait for the rank actually missing — which every such chain ends in
+// — runs out first and is the one the error record names.
+__device__ __forceinline__ Deadline for_peer(const Deadline& d, u32 peer, u32 me) {
+  Deadline x = d;
+  if (peer == me || peer == NO_PEER) x.timeout_ns = d.timeout_ns * 2;
+  return x;
+}
+
 // Lane 0 waits (deadline) until the u64 at `p` reaches `target` (wrap-safe), then every lane acquires it
 // (a lane's acquire does not cover the others' loads). Same result on every lane.
 __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const Deadline& d, u32 peer) {
@@ -545,7 +554,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   }
   for (u32 s = tid; s < NUM_RANKS; s += THREADS) {
     const u64 sig = a.at.off_notify_sig + ((u64)parity * NUM_RANKS + s) * 8;
-    if (!rdma::wait_signal_geq(a.rdma, sig, epoch, d, s)) s_ok = 0;
+    if (!rdma::wait_signal_geq(a.rdma, sig, epoch, for_peer(d, s, me), s)) s_ok = 0;
   }
   __syncthreads();
   const bool all_ok = s_ok != 0 && !error_raised(d);
@@ -734,7 +743,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
       m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
       const u64* consumed = rdma_word(a.rdma, a.at.off_dconsumed + 8ull * lane);
       const u32 peer = lane * RANKS_PER_NODE + f.me_local;
-      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, dr, peer);
+      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dr, peer, f.me), peer);
     }
     if (!__all_sync(FULL_WARP_MASK, ok)) return;
     // Stage every token's message once per node it reaches.
@@ -830,7 +839,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
     u32 m = 0;
     for (u32 c = 0; c < chunks; c++) {
       const u64* word = rdma_word(a.rdma, a.at.off_dchunk + ((u64)an * HTI_MAX_CHUNKS + c) * 8);
-      if (!warp_wait_u64(word, seq << 32, dr, s)) return;
+      if (!warp_wait_u64(word, seq << 32, for_peer(dr, s, f.me), s)) return;
       const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(word);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
@@ -841,7 +850,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
         bool ok = true;
         if (lane < RANKS_PER_NODE && slot >= 0 && !handed_back) {
           const u64* consumed = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)lane * NUM_NODES + an;
-          ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, dn, j_rank);
+          ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dn, j_rank, f.me), j_rank);
           handed_back = ok;
         }
         if (!__all_sync(FULL_WARP_MASK, ok)) return;
@@ -877,7 +886,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
     bool ok = true;
     if (lane < RANKS_PER_NODE && !handed_back) {
       const u64* consumed = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)lane * NUM_NODES + an;
-      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, dn, j_rank);
+      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dn, j_rank, f.me), j_rank);
     }
     if (!__all_sync(FULL_WARP_MASK, ok)) return;
     if (lane < RANKS_PER_NODE) {
@@ -1008,13 +1017,16 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
     }
     if (idle_spins++ == 0) idle_since = ptx::globaltimer();
     if (idle_spins % DEADLINE_POLL_SPINS == 0) {
+      // The first source still pending came through its forwarder, this node's rank with the source's local
+      // index: named over NVLink, or — when that forwarder is this rank — the source over RDMA (for_peer's
+      // grace when that is this rank too).
+      const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
+      const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
+      const u32 blamed = forwarder == f.me ? src : forwarder;
+      const Deadline dl = for_peer(forwarder == f.me ? dr : dn, blamed, f.me);
       const u64 waited = __shfl_sync(FULL_WARP_MASK, ptx::globaltimer() - idle_since, 0);
-      if (waited > dn.timeout_ns) {
-        // The first source still pending came through its forwarder, this node's rank with the source's
-        // local index: named over NVLink, or — when that forwarder is this rank — the source over RDMA.
-        const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
-        const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
-        if (lane == 0) raise_error(forwarder == f.me ? dr : dn, ERR_TIMEOUT, forwarder == f.me ? src : forwarder, waited);
+      if (waited > dl.timeout_ns) {
+        if (lane == 0) raise_error(dl, ERR_TIMEOUT, blamed, waited);
         break;
       }
       if (__any_sync(FULL_WARP_MASK, error_raised(dn))) break;
@@ -1132,12 +1144,14 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
     }
     if (idle_spins++ == 0) idle_since = ptx::globaltimer();
     if (idle_spins % DEADLINE_POLL_SPINS == 0) {
+      // As the dispatch receiver: the forwarder over NVLink, or the source over RDMA when that is this rank.
+      const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
+      const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
+      const u32 blamed = forwarder == f.me ? src : forwarder;
+      const Deadline dl = for_peer(forwarder == f.me ? dr : dn, blamed, f.me);
       const u64 waited = __shfl_sync(FULL_WARP_MASK, ptx::globaltimer() - idle_since, 0);
-      if (waited > dn.timeout_ns) {
-        // As the dispatch receiver: the forwarder over NVLink, or the source over RDMA when that is this rank.
-        const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
-        const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
-        if (lane == 0) raise_error(forwarder == f.me ? dr : dn, ERR_TIMEOUT, forwarder == f.me ? src : forwarder, waited);
+      if (waited > dl.timeout_ns) {
+        if (lane == 0) raise_error(dl, ERR_TIMEOUT, blamed, waited);
         break;
       }
       if (__any_sync(FULL_WARP_MASK, error_raised(dn))) break;
@@ -1178,7 +1192,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
     const u32 cnt = lo - g;
     if (cnt > 0) {
       const u64* consumed = rdma_word(a.rdma, a.at.off_cconsumed + 8ull * an);
-      if (!warp_wait_u64(consumed, (u64)f.base + k, dr, s)) return;
+      if (!warp_wait_u64(consumed, (u64)f.base + k, for_peer(dr, s, f.me), s)) return;
     }
     for (u32 c0 = 0; c0 < cnt; c0 += Q) {
       const u32 c1 = hti_min(c0 + Q, cnt);
@@ -1191,7 +1205,8 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
         if (lane < RANKS_PER_NODE && ((mask >> lane) & 1u) != 0u) {
           const u32* flag = reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_cflags) +
                             ((u64)lane * NUM_NODES + an) * a.nvl.flag_slots + slot;
-          ok = wait_flag_geq<true>(flag, cseq, dn, f.me_node * RANKS_PER_NODE + lane);
+          const u32 peer = f.me_node * RANKS_PER_NODE + lane;
+          ok = wait_flag_geq<true>(flag, cseq, for_peer(dn, peer, f.me), peer);
         }
         if (!__all_sync(FULL_WARP_MASK, ok)) return;
         for (u32 j = 0; j < RANKS_PER_NODE; j++)
@@ -1289,7 +1304,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     // Rounds in order: wait until the reducers finished round k - 1.
     if (k > 0) {
       bool ok = true;
-      if (lane == 0) ok = spin_until([&]() { return ptx::ld_acquire_gpu(&st->combine_rounds_done) >= k; }, dr, NO_PEER);
+      if (lane == 0) ok = spin_until([&]() { return ptx::ld_acquire_gpu(&st->combine_rounds_done) >= k; }, for_peer(dr, NO_PEER, f.me), NO_PEER);
       if (__shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) == 0u) return;
     }
     for (u32 t = t0; t < t1; t++) {
@@ -1300,8 +1315,9 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
         in = p1 > p0;
         m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
         if (in) {
-          ok = rdma::wait_signal_geq(a.rdma, a.at.off_cchunk + ((u64)lane * HTI_MAX_CHUNKS + m / Q) * 8, (u64)cseq << 32, dr,
-                                     lane * RANKS_PER_NODE + f.me_local);
+          const u32 peer = lane * RANKS_PER_NODE + f.me_local;
+          ok = rdma::wait_signal_geq(a.rdma, a.at.off_cchunk + ((u64)lane * HTI_MAX_CHUNKS + m / Q) * 8, (u64)cseq << 32,
+                                     for_peer(dr, peer, f.me), peer);
         }
       }
       if (!__all_sync(FULL_WARP_MASK, ok)) return;
