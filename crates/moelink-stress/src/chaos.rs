@@ -51,7 +51,7 @@
 //! The named peer need not be the victim, nor lead to it: a survivor can name a survivor whose own first
 //! timeout named it back (independent warps: the sender waits for a rail peer's forwarder while that rank's
 //! receiver waits for rows the sender never sent), or itself (a sender waits for its own forwarder, which waits
-//! for the victim). So across nodes the chain is traced and reported (`chain`: victim, cycle or unnamed) but
+//! for the victim; rarely, as waits for a rank's own roles get twice the deadline). So across nodes the chain is traced and reported (`chain`: victim, cycle or unnamed) but
 //! only one thing is asserted of the group: at least one survivor names the victim — the victim's rail peer
 //! on the other node waits for it directly from the start of either kernel (the forwarder for its chunks, the
 //! reducer for its partials). On one node, and for the low-latency phases, every chain must lead to the victim.
