@@ -35,6 +35,9 @@
 constexpr bool kEmuNic = MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC;
 constexpr u32 R = NUM_RANKS, L = RANKS_PER_NODE, N = NUM_NODES;
 constexpr u32 H = HIDDEN, K = TOPK;
+// Top-k entries of the routing: the dispatch's own when it carries them, else (a dispatch of TOPK 0, as a
+// cached one) the routing of the fresh dispatch it replays, whose ids do not travel.
+constexpr u32 RK = K > 0 ? K : 3;
 
 static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 static float bf16_to_f32(u16 b) {
@@ -141,6 +144,8 @@ struct World {
   std::vector<u64> peer_bases;
   u64 timeout_ns = 20ull * 1000 * 1000 * 1000;
   u32 send_blocks = 1;
+  // Output rows past the received count (num_worst_tokens larger than needed: no-sync mode).
+  u32 extra_rows = 0;
   World(u32 m, u32 q, u32 experts) : at(m, q, experts), r(R) {
     for (auto& st : r) {
       st.rdma.reset(new Buf(at.rdma_total, 0xcd));
@@ -221,14 +226,14 @@ static Inputs make_inputs(World& w, u32 me, u32 t, u32 seed, Route route) {
     }
   }
   const u32 E = w.at.experts;
-  in.idx.assign((size_t)t * K, -1);
-  in.w.assign((size_t)t * K, 0.0f);
+  in.idx.assign((size_t)t * RK, -1);
+  in.w.assign((size_t)t * RK, 0.0f);
   for (u32 tok = 0; tok < t; tok++) {
     // Every 7th token routes nowhere; the others pick distinct experts, some slots -1.
     if (tok % 7 == 3) continue;
     std::vector<i64> picked;
     const u32 home_node = rng() % N;
-    for (u32 k = 0; k < K; k++) {
+    for (u32 k = 0; k < RK; k++) {
       if (rng() % 5 == 0) continue;
       i64 e = 0;
       for (int tries = 0; tries < 64; tries++) {
@@ -239,8 +244,8 @@ static Inputs make_inputs(World& w, u32 me, u32 t, u32 seed, Route route) {
       }
       if (std::find(picked.begin(), picked.end(), e) != picked.end()) continue;
       picked.push_back(e);
-      in.idx[(size_t)tok * K + k] = e;
-      in.w[(size_t)tok * K + k] = 0.125f * (float)(1 + rng() % 8);
+      in.idx[(size_t)tok * RK + k] = e;
+      in.w[(size_t)tok * RK + k] = 0.125f * (float)(1 + rng() % 8);
     }
   }
   return in;
@@ -266,7 +271,7 @@ static void layout_and_notify(World& w, std::vector<Inputs>& in, std::vector<Lay
     l.in_rank.assign((size_t)x.t * R, 0xee);
     HtiLayoutArgs a{};
     a.topk_idx = (u64)x.idx.data();
-    a.topk_stride_token = K;
+    a.topk_stride_token = RK;
     a.topk_stride_k = 1;
     a.num_tokens_per_rank = (u64)l.per_rank.data();
     a.num_tokens_per_rdma_rank = (u64)l.per_node.data();
@@ -274,14 +279,14 @@ static void layout_and_notify(World& w, std::vector<Inputs>& in, std::vector<Lay
     a.is_token_in_rank = (u64)l.in_rank.data();
     a.error_claim = (u64)&w.r[me].claim;
     a.error_record = (u64)&w.r[me].record;
-    a.num_tokens = x.t, a.topk = K, a.num_experts = E, a.rank = me;
+    a.num_tokens = x.t, a.topk = RK, a.num_experts = E, a.rank = me;
     w.launch(2, [&] { moelink::internode::layout(a); });
     // The reference layout.
     std::vector<i32> per_rank(R, 0), per_node(N, 0), per_expert(E, 0);
     for (u32 t = 0; t < x.t; t++) {
       std::vector<bool> rank_hit(R, false), node_hit(N, false);
-      for (u32 k = 0; k < K; k++) {
-        const i64 e = x.idx[(size_t)t * K + k];
+      for (u32 k = 0; k < RK; k++) {
+        const i64 e = x.idx[(size_t)t * RK + k];
         if (e < 0) continue;
         per_expert[e]++;
         rank_hit[e / (E / R)] = true;
@@ -332,6 +337,7 @@ struct Received {
   std::vector<u64> route;
   std::vector<u32> fwd;
   u32 n = 0;
+  u32 rows = 0;  // output rows: n, or more in no-sync mode
 };
 
 static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay, std::vector<Received>& out, const char* what,
@@ -342,12 +348,13 @@ static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay
         Received& o = out[me];
         const Layout& l = lay[me];
         o.n = l.host[HN_NUM_RECV];
-        o.x.assign((size_t)o.n * PAYLOAD_BYTES, 0xee);
-        o.scales.assign((size_t)o.n * std::max(NUM_SCALES, 1u), -1.0f);
-        o.idx.assign((size_t)o.n * std::max(K, 1u), -9);
-        o.w.assign((size_t)o.n * std::max(K, 1u), -9.0f);
-        o.src.assign(std::max(o.n, 1u), -9);
-        o.route.assign(std::max(o.n, 1u), ~0ull);
+        o.rows = o.n + w.extra_rows;
+        o.x.assign((size_t)o.rows * PAYLOAD_BYTES, 0xee);
+        o.scales.assign((size_t)o.rows * std::max(NUM_SCALES, 1u), -1.0f);
+        o.idx.assign((size_t)o.rows * std::max(K, 1u), -9);
+        o.w.assign((size_t)o.rows * std::max(K, 1u), -9.0f);
+        o.src.assign(std::max(o.rows, 1u), -9);
+        o.route.assign(std::max(o.rows, 1u), ~0ull);
         o.fwd.assign(std::max(l.host[HN_NUM_FWD], 1u), 0xcdcdcdcdu);
         HtiDispatchArgs a{};
         a.rdma = w.rdma(me);
@@ -372,7 +379,7 @@ static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay
         a.error_record = (u64)&w.r[me].record;
         a.timeout_ns = w.timeout_ns;
         a.num_tokens = in[me].t;
-        a.num_out_rows = o.n;
+        a.num_out_rows = o.rows;
         a.fwd_capacity = (u32)o.fwd.size();
         a.num_local_experts = w.el();
         a.chunk_tokens = w.at.q;
@@ -399,18 +406,23 @@ static void check_dispatch(World& w, u32 me, std::vector<Inputs>& in, std::vecto
             "%s: rank %u row %u (source %u token %u) payload differs", what, me, pos, s, t);
       for (u32 g = 0; g < NUM_SCALES; g++)
         CHECK(o.scales[(size_t)pos * NUM_SCALES + g] == in[s].scales[(size_t)t * NUM_SCALES + g], "%s: rank %u row %u scale %u", what, me, pos, g);
-      for (u32 k = 0; k < K; k++) {
-        const i64 e = in[s].idx[(size_t)t * K + k];
+      for (u32 k = 0; k < RK; k++) {
+        const i64 e = in[s].idx[(size_t)t * RK + k];
         const bool here = e >= 0 && e / el == me;
-        CHECK(o.idx[(size_t)pos * K + k] == (here ? e - (i64)me * el : -1), "%s: rank %u row %u top-k %u", what, me, pos, k);
-        CHECK(o.w[(size_t)pos * K + k] == (here ? in[s].w[(size_t)t * K + k] : 0.0f), "%s: rank %u row %u weight %u", what, me, pos, k);
         if (here) per_expert[e - (i64)me * el]++;
+        if (k >= K) continue;
+        CHECK(o.idx[(size_t)pos * K + k] == (here ? e - (i64)me * el : -1), "%s: rank %u row %u top-k %u", what, me, pos, k);
+        CHECK(o.w[(size_t)pos * K + k] == (here ? in[s].w[(size_t)t * RK + k] : 0.0f), "%s: rank %u row %u weight %u", what, me, pos, k);
       }
       CHECK(o.src[pos] == (i32)t, "%s: rank %u row %u recv_src_idx %d, want %u", what, me, pos, o.src[pos], t);
       pos++;
     }
   }
   CHECK(pos == o.n, "%s: rank %u received %u rows, want %u", what, me, o.n, pos);
+  // No-sync padding rows: top-k -1, weight 0.
+  for (u32 r = o.n; r < o.rows; r++)
+    for (u32 k = 0; k < K; k++)
+      CHECK(o.idx[(size_t)r * K + k] == -1 && o.w[(size_t)r * K + k] == 0.0f, "%s: rank %u padding row %u", what, me, r);
   for (u32 e = 0; e < el; e++)
     CHECK(lay[me].host[HN_PER_EXPERT + e] == per_expert[e], "%s: rank %u per-expert count %u", what, me, e);
   // DeepEP's rank_prefix_matrix: [i][j] = rows j receives from ranks 0..=i.
@@ -429,7 +441,7 @@ static void check_dispatch(World& w, u32 me, std::vector<Inputs>& in, std::vecto
 // matters), and the reference: per token, the hierarchical tree over the ranks it went to.
 static std::vector<u16> expert_outputs(u32 me, const Received& o, u32 seed) {
   std::mt19937 rng(seed * 31 + me * 7 + 3);
-  std::vector<u16> y((size_t)o.n * H);
+  std::vector<u16> y((size_t)o.rows * H);
   for (auto& v : y) {
     const u32 c = rng() % 11;
     v = c == 0 ? 0x8000 : f32_to_bf16((c == 1 ? 1024.0f : 1.0f) * (((float)(rng() % 4001) - 2000.0f) / 64.0f));
@@ -498,7 +510,7 @@ static void combine(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay,
     a.error_record = (u64)&w.r[me].record;
     a.timeout_ns = w.timeout_ns;
     a.num_tokens = in[me].t;
-    a.num_x_rows = rx[me].n;
+    a.num_x_rows = rx[me].rows;
     a.chunk_tokens = w.at.q;
     a.num_send_blocks = w.send_blocks;
     a.num_fwd_blocks = w.fwd_blocks();
@@ -575,6 +587,11 @@ int main() {
     zero[R - 1] = 1;
     round_trip(w, zero, 5, Route::Uniform, NUM_BIASES, false, "one token");
     std::printf("zero tokens, one token: ok\n");
+    // No-sync outputs: more rows than received (padding rows get top-k -1 and weight 0).
+    w.extra_rows = 5;
+    round_trip(w, t, 8, Route::Skewed, NUM_BIASES, false, "no-sync rows");
+    w.extra_rows = 0;
+    std::printf("no-sync outputs: ok\n");
     // A slow rank: its receivers and reducers lag; every part is reused only after it handed it back.
     w.slow_rank = R - 1;
     w.slow_us = 200;

@@ -3,9 +3,10 @@
 //! RDMA transport seam — peer pointers, or the emulated NIC reordering across QPs — with rounds of a few
 //! tokens (so that every call runs several rounds of several chunks), and checks every output against a
 //! reference written from the documented semantics: the layout, received rows, scales, top-k ids and
-//! weights, recv_src_idx, rank_prefix_matrix, per-expert counts, a cached dispatch, and the combined output
-//! and weights bit for bit (the hierarchical fp32 tree); zero tokens, one token, skewed and node-limited
-//! routing; a silent rank (a timeout naming a peer and a domain, no hang).
+//! weights, recv_src_idx, rank_prefix_matrix, per-expert counts, a cached dispatch, no-sync padding rows,
+//! and the combined output and weights bit for bit (the hierarchical fp32 tree); zero tokens, one token,
+//! skewed and node-limited routing; a slow rank; a silent rank (a timeout naming a peer and a domain, no
+//! hang); a variant without top-k (what a cached dispatch runs).
 //!
 //! Index math and protocol only (not the GPU memory model or timing). Skips (printing why) without a C++17
 //! compiler unless `MOELINK_REQUIRE_EMU=1`.
@@ -72,4 +73,6 @@ emulate! {
     emu_nic_4x2_bf16_hidden_64_top8: 4, 2, 64, false, 8, 0, Transport::EmuNic;
     ptr_2x4_fp8_hidden_128_top6: 2, 4, 128, true, 6, 2, Transport::Ptr;
     emu_nic_3x1_bf16_hidden_32_top2: 3, 1, 32, false, 2, 0, Transport::EmuNic;
+    // No top-k travelling with the rows: the cached dispatch's variant.
+    emu_nic_2x2_bf16_hidden_128_top0: 2, 2, 128, false, 0, 1, Transport::EmuNic;
 }
