@@ -52,6 +52,7 @@ pub mod internode;
 pub mod layout;
 pub mod ll;
 pub mod rdma_probe;
+pub mod reduce;
 pub mod stream;
 pub mod tensor;
 pub mod trace;
