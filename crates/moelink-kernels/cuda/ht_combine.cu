@@ -1,4 +1,5 @@
-// moelink kernel family: high-throughput intranode combine (reverse direct writes, ordered fp32 reduction).
+// moelink kernel family: high-throughput intranode combine (reverse direct writes, fp32 reduction by a pairwise
+// tree over the ranks, the order moelink::reduce defines for every topology).
 //
 // JIT constants (from moelink_kernels::ht::HtCombineVariant):
 //   MAX_RANKS                         ranks the argument struct has room for
@@ -82,6 +83,44 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[BF16_PER_VEC], co
   for (u32 m = 0; m < 4; m++) {
     acc[2 * m] = ptx::add_rn_f32(acc[2 * m], ptx::f32_from_bits(w[m] << 16));
     acc[2 * m + 1] = ptx::add_rn_f32(acc[2 * m + 1], ptx::f32_from_bits(w[m] & 0xffff0000u));
+  }
+}
+
+// The combine's sum over ranks (moelink::reduce): a pairwise tree over the ranks padded with +0.0 to a
+// power of two, tree(x_0..x_{2m-1}) = tree(x_0..x_{m-1}) + tree(x_m..x_{2m-1}). Intranode is one node, so
+// this is the whole tree; with power-of-two ranks it is also the tree of any split into nodes, which is
+// what keeps intranode and internode results the same bits.
+constexpr u32 RANKS_POW2 = NUM_RANKS <= 1 ? 1u : NUM_RANKS <= 2 ? 2u : NUM_RANKS <= 4 ? 4u : NUM_RANKS <= 8 ? 8u : NUM_RANKS <= 16 ? 16u : 32u;
+static_assert(RANKS_POW2 >= NUM_RANKS && RANKS_POW2 < 2 * NUM_RANKS, "RANKS_POW2 is the next power of two");
+// tree over ranks [LO, LO + N) of the padded list (N a power of two, LO < NUM_RANKS). A half made only of
+// padding is left out instead of added as +0.0: x + (+0.0) is x except for x = -0.0 (or a NaN's payload,
+// which the GPU's add canonicalises anyway), and a zero's sign inside the tree changes at most the sign of
+// a zero total, which the leading +0.0 of the caller normalises — the same bits as the host's literal tree.
+template <u32 LO, u32 N>
+__device__ __forceinline__ float tree_sum(const float (&x)[NUM_RANKS]) {
+  if constexpr (N == 1) {
+    return x[LO];
+  } else if constexpr (LO + N / 2 >= NUM_RANKS) {
+    return tree_sum<LO, N / 2>(x);
+  } else {
+    return ptx::add_rn_f32(tree_sum<LO, N / 2>(x), tree_sum<LO + N / 2, N / 2>(x));
+  }
+}
+
+// acc[c] = +0.0 + tree over ranks of channel c of v[r] (8 bf16 channels; an absent rank's v is zeros, +0.0).
+// One channel's tree at a time: its leaves are unpacked from the words already in registers.
+__device__ __forceinline__ void tree_sum_bf16x8(float (&acc)[BF16_PER_VEC], const u32x4 (&v)[NUM_RANKS]) {
+#pragma unroll
+  for (u32 m = 0; m < 4; m++) {
+    float lo[NUM_RANKS], hi[NUM_RANKS];
+#pragma unroll
+    for (u32 r = 0; r < NUM_RANKS; r++) {
+      const u32 w = m == 0 ? v[r].x : m == 1 ? v[r].y : m == 2 ? v[r].z : v[r].w;
+      lo[r] = ptx::f32_from_bits(w << 16);
+      hi[r] = ptx::f32_from_bits(w & 0xffff0000u);
+    }
+    acc[2 * m] = ptx::add_rn_f32(0.0f, tree_sum<0, RANKS_POW2>(lo));
+    acc[2 * m + 1] = ptx::add_rn_f32(0.0f, tree_sum<0, RANKS_POW2>(hi));
   }
 }
 
@@ -201,10 +240,10 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
 // Reducer warp `warp_id` of `num_warps` (source side): its chunks of recv_chunk tokens of this rank
 // (HtCursor over [0, T)). Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; for every remote rank r the token went to,
 // lane r waits (deadline) until row flag [r][slot] reached the combine epoch, then ld.acquire's it;
-// __syncwarp. The output is, per channel, ((+0.0 + row_r0) + row_r1) + ... over ranks in ascending order
-// (this rank's row read straight from x at recv_offset[me] + slot), then + bias0, + bias1, each add an IEEE
-// f32 add.rn, rounded to bf16 by cvt.rn.bf16x2.f32 — the host backend's order bit for bit. Weights: the same
-// ascending-rank f32 sum of the rows' top-k weights.
+// __syncwarp. The output is, per channel, ((+0.0 + T) + bias0) + bias1, T the pairwise tree over the ranks
+// (tree_sum: a rank the token did not go to is +0.0; this rank's row read straight from x at
+// recv_offset[me] + slot), each add an IEEE f32 add.rn, rounded to bf16 by cvt.rn.bf16x2.f32 — the host
+// backend's order bit for bit. Weights: +0.0 + the same tree over the rows' top-k weights.
 __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -270,6 +309,7 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
         if (i >= PAYLOAD_VECS) continue;
 #pragma unroll
         for (u32 r = 0; r < NUM_RANKS; r++) {
+          v[u][r] = u32x4{0u, 0u, 0u, 0u};  // a rank the token did not go to: the tree's +0.0 leaf
           if (((mask >> r) & 1u) == 0u) continue;
           v[u][r] = r == me ? ptx::ld_nc_na_v4(rows[r] + i) : ptx::ld_na_v4(rows[r] + i);
         }
@@ -281,11 +321,7 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
         const u32 i = (round * RED_UNROLL + u) * WARP_SIZE + lane;
         if (i >= PAYLOAD_VECS) continue;
         float acc[BF16_PER_VEC];
-#pragma unroll
-        for (u32 c = 0; c < BF16_PER_VEC; c++) acc[c] = 0.0f;
-#pragma unroll
-        for (u32 r = 0; r < NUM_RANKS; r++)
-          if (((mask >> r) & 1u) != 0u) accumulate_bf16x8(acc, v[u][r]);
+        tree_sum_bf16x8(acc, v[u]);
         if (NUM_BIASES >= 1) accumulate_bf16x8(acc, b0[u]);
         if (NUM_BIASES >= 2) accumulate_bf16x8(acc, b1[u]);
         u32x4 out;
@@ -298,11 +334,10 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
     }
 
     if (TOPK > 0 && lane < TOPK) {
-      float sum = 0.0f;
+      float w[NUM_RANKS];
 #pragma unroll
-      for (u32 r = 0; r < NUM_RANKS; r++)
-        if (((mask >> r) & 1u) != 0u) sum = ptx::add_rn_f32(sum, ptx::f32_from_bits(weight_rows[r][lane]));
-      reinterpret_cast<float*>(a.combined_topk_weights)[(u64)t * TOPK + lane] = sum;
+      for (u32 r = 0; r < NUM_RANKS; r++) w[r] = ((mask >> r) & 1u) != 0u ? ptx::f32_from_bits(weight_rows[r][lane]) : 0.0f;
+      reinterpret_cast<float*>(a.combined_topk_weights)[(u64)t * TOPK + lane] = ptx::add_rn_f32(0.0f, tree_sum<0, RANKS_POW2>(w));
     }
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);

@@ -77,6 +77,19 @@ u16 f32_to_bf16(float f) {
   return (u16)(u >> 16);
 }
 
+// The HT combine's sum as moelink::reduce defines it, for one node of R ranks: leaves v[r] (+0.0 for a rank
+// the token did not go to) padded with +0.0 to a power of two, tree(x_0..x_{2m-1}) = tree(x_0..x_{m-1}) +
+// tree(x_m..x_{2m-1}), then +0.0 + T. Written out literally (the padding adds included), not as the kernel
+// computes it.
+float tree(const float* x, u32 n) { return n == 1 ? x[0] : tree(x, n / 2) + tree(x + n / 2, n / 2); }
+float combine_sum(const float (&v)[R]) {
+  u32 np = 1;
+  while (np < R) np *= 2;
+  float x[2 * R] = {};
+  for (u32 r = 0; r < R; r++) x[r] = v[r];
+  return 0.0f + tree(x, np);
+}
+
 enum class Route { Uniform, Holes, Skewed, EmptyLast };
 
 struct RankInputs {
@@ -570,9 +583,9 @@ void scenario_full(bool sync, u32 tokens, Route route, u32 sms, u32 worst_extra)
       const RankInputs& in = all[me];
       for (u32 t = 0; t < in.t; t++) {
         for (u32 c = 0; c < H; c++) {
-          float acc = 0.0f;
-          for (u32 r = 0; r < R; r++)
-            if (hits(in, t, r)) acc = acc + bf16_to_f32(expert_value(r, me, t, c));
+          float v[R];
+          for (u32 r = 0; r < R; r++) v[r] = hits(in, t, r) ? bf16_to_f32(expert_value(r, me, t, c)) : 0.0f;
+          float acc = combine_sum(v);
           if (round == 0) {
             acc = acc + bf16_to_f32(bias0[me][(size_t)t * H + c]);
             acc = acc + bf16_to_f32(bias1[me][(size_t)t * H + c]);
@@ -647,12 +660,12 @@ void scenario_back_to_back() {
       for (u32 i = 0; i < e.rows.size(); i++)
         CHECK(std::memcmp(&cached[me][c][(size_t)i * H], &payloads[c][e.rows[i].first].y[(size_t)e.rows[i].second * H], 2 * H) == 0,
               "rank %u: call %u row %u", me, c, i);
-      // combined[t] = sum over ranks the token went to of y[t] (its own row, sent out and back).
+      // combined[t] = the tree sum over ranks the token went to of y[t] (its own row, sent out and back).
       for (u32 t = 0; t < all[me].t; t++)
         for (u32 ch = 0; ch < H; ch++) {
-          float acc = 0.0f;
-          for (u32 r = 0; r < R; r++)
-            if (hits(all[me], t, r)) acc = acc + bf16_to_f32(payloads[c][me].y[(size_t)t * H + ch]);
+          float v[R];
+          for (u32 r = 0; r < R; r++) v[r] = hits(all[me], t, r) ? bf16_to_f32(payloads[c][me].y[(size_t)t * H + ch]) : 0.0f;
+          const float acc = combine_sum(v);
           CHECK(combined[me][c][(size_t)t * H + ch] == f32_to_bf16(acc), "rank %u: call %u combined[%u][%u]", me, c, t, ch);
         }
     }

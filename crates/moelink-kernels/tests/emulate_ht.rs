@@ -6,8 +6,9 @@
 //! dispatch, combine with biases (also with the timing trace on: every stamp present and ordered), cached
 //! dispatch, a second round in the same buffers (epochs, hand-back, changing row layouts), no-sync overflow,
 //! a buffer too small for the call, an invalid `topk_idx`, and a rank that never arrives (timeouts instead
-//! of hangs). Every output is compared with a reference; combine sums are
-//! checked bit for bit in the documented order.
+//! of hangs). Every output is compared with a reference; combine sums are checked bit for bit in the
+//! documented order (the pairwise tree over ranks, `moelink::reduce`), which the 4- and 8-rank cases tell
+//! apart from an ascending-rank sum.
 //!
 //! Needs `g++` (C++20). Without it the test prints why and passes, unless `MOELINK_REQUIRE_EMU=1`.
 //! It cannot check the GPU memory model's weak orderings, timing or register use (see `compile_all.rs`).

@@ -11,10 +11,16 @@
 //!   `recv_topk_idx = -1`, weight 0, and unspecified payload; the per-expert list is empty.
 //! - DeepEP's handle parts (optional outputs, [`DispatchOutputs`]): `rank_prefix_matrix[i][j]` = tokens rank
 //!   `j` receives from ranks `0..=i`; `recv_src_idx[n]` = row `n`'s token index on its source rank.
-//! - Combine sums, for each original token, the rows returned by every rank it was sent to, in fp32, in
-//!   ascending rank order starting from +0.0, then adds `bias[0]` and `bias[1]` (in that order, each
-//!   converted to fp32), and rounds to bf16 (round-to-nearest-even). `combined_topk_weights` is the same
-//!   ascending-rank fp32 sum of the `topk_weights` rows.
+//! - Combine sums, for each original token and channel, the rows returned by every rank it was sent to, in
+//!   fp32, by a pairwise tree over the buffer's topology ([`crate::reduce`]): leaves `v[r]` = rank `r`'s
+//!   row (exact bf16 → fp32), +0.0 for a rank the token was not sent to; each node's `L` leaves summed by
+//!   `tree(x_0..x_{2m-1}) = tree(x_0..x_{m-1}) + tree(x_m..x_{2m-1})` after padding with +0.0 to a power of
+//!   two; the node partials summed by the same tree (padded likewise); then
+//!   `bf16_rne(((+0.0 + T) + bias[0]) + bias[1])`, each bias converted to fp32 exactly (a lone `bias[1]`
+//!   acts as `bias[0]`), every add an IEEE f32 add. A single-node buffer is one node of all `R` ranks. For
+//!   power-of-two nodes and ranks per node the result does not depend on the topology (1×4 = 2×2,
+//!   1×8 = 2×4 = 4×2); for other shapes it depends on the split. `combined_topk_weights` is the same tree
+//!   over the ranks' `topk_weights` rows, `+0.0 + T`, without biases.
 
 use std::sync::Arc;
 

@@ -2,7 +2,9 @@
 //! every rank's (seeded, regenerable) inputs.
 
 use moelink::graph::{HtGraph, HtGraphSpec};
-use moelink::{bf16, BackendKind, Buffer, CombineArgs, Config, DispatchArgs, Fp8E4M3, Payload, Result, Routing, Tensor};
+use moelink::{
+    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DispatchArgs, Fp8E4M3, Payload, Result, Routing, Tensor, Topology,
+};
 use moelink_testkit::harness::{on, ranks, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
 use moelink_testkit::{backend_tests, route, Rng, RouteKind};
@@ -299,6 +301,10 @@ backend_tests! {
     fn combine_no_sync_worst_tokens(kind: BackendKind) {
         run_combine_case(kind, case(4, 40, 256, RouteKind::Skewed), 1, true);
     }
+    fn combine_sums_ranks_by_a_pairwise_tree(kind: BackendKind) {
+        tree_order_case(kind, 4, None);
+        tree_order_case(kind, 3, None);
+    }
     fn training_backward_pattern(kind: BackendKind) {
         backward_pattern(kind, 4);
     }
@@ -461,6 +467,121 @@ fn backward_pattern(kind: BackendKind, num_ranks: usize) {
             }
         }
     }
+}
+
+/// A bf16 that is a function of its arguments: ±2^30 half the time, else a value of either sign below 1024.
+/// A sum of a few of these cancels the big ones in some order and loses part of the small ones on the way
+/// (the f32 ulp of 2^30 is 128), so its bits, even rounded to bf16, show the order of the adds.
+fn cancelling_bf16(a: usize, b: usize, c: usize, d: usize) -> bf16 {
+    let r = Rng::new(((a as u64) << 48) ^ ((b as u64) << 40) ^ ((c as u64) << 20) ^ d as u64).next_u64();
+    let sign = ((r & 1) as u16) << 15;
+    let magnitude = if r & 2 != 0 { (127 + 30) << 7 } else { (((127 + (r >> 8) % 10) << 7) | ((r >> 16) & 0x7f)) as u16 };
+    bf16::from_bits(sign | magnitude)
+}
+
+/// The HT combine's sum as `ht.rs` defines it, written out here: per node a pairwise tree over its ranks'
+/// values (+0.0 for a rank the token did not go to) padded with +0.0 to a power of two, the same tree over
+/// the node partials, then `+0.0 + T`.
+fn tree_reference(ranks_per_node: usize, v: &[f32]) -> f32 {
+    fn tree(x: &[f32]) -> f32 {
+        if x.len() == 1 {
+            x[0]
+        } else {
+            let m = x.len() / 2;
+            tree(&x[..m]) + tree(&x[m..])
+        }
+    }
+    fn padded(x: &[f32]) -> Vec<f32> {
+        let mut x = x.to_vec();
+        x.resize(x.len().next_power_of_two(), 0.0);
+        x
+    }
+    let partials: Vec<f32> = v.chunks(ranks_per_node).map(|node| tree(&padded(node))).collect();
+    0.0 + tree(&padded(&partials))
+}
+
+/// Combine of experts that return [`cancelling_bf16`] rows and weights (every rank different), with two
+/// biases, on `ranks` ranks split as `topology` (`None`: the buffer's own, one node on threads). Every
+/// output must equal [`tree_reference`] bit for bit, and the data must be such that the ascending-rank sum
+/// differs somewhere. Returns each rank's combined rows and weights as bits (`None`: skipped).
+fn tree_order_case(kind: BackendKind, ranks: usize, topology: Option<Topology>) -> Option<Vec<(Vec<u16>, Vec<u32>)>> {
+    let c = Case { ranks, tokens: 40, hidden: 256, topk: 8, experts: ranks * 8, routing: RouteKind::WithHoles, seed: 41 };
+    let all = all_inputs(kind, &c)?;
+    let bias = |b: usize, me: usize, i: usize| bf16::from_f32(((i * 7 + b * 3 + me) % 11) as f32 - 5.0);
+    let opts = BufferOptions { topology, ..test_options() };
+    let results = with_buffers(kind, c.ranks, opts, |buf| {
+        let me = buf.rank();
+        let t = c.tokens_of(me);
+        let (x, idx, w) = upload_inputs(buf, &c, &all[me])?;
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let out = buf.dispatch(&DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            config: None,
+        })?;
+        // Expert rank `me` returns for the row of (source s, token tok) values of (me, s, tok, channel).
+        let rows = expected_rows(&c, &all, me);
+        let y: Vec<bf16> = rows.iter().flat_map(|&(s, tok)| (0..c.hidden).map(move |h| cancelling_bf16(me, s, tok, h))).collect();
+        let yw: Vec<f32> =
+            rows.iter().flat_map(|&(s, tok)| (0..c.topk).map(move |k| cancelling_bf16(me + 64, s, tok, k).to_f32())).collect();
+        let y = on(buf, Tensor::from_vec(y, &[rows.len(), c.hidden])?);
+        let yw = on(buf, Tensor::from_vec(yw, &[rows.len(), c.topk])?);
+        let b: Vec<Tensor> = (0..2)
+            .map(|b| on(buf, Tensor::from_vec((0..t * c.hidden).map(|i| bias(b, me, i)).collect(), &[t, c.hidden]).expect("bias")))
+            .collect();
+        let comb = buf.combine(&CombineArgs {
+            x: y.view(),
+            handle: &out.handle,
+            topk_weights: Some(yw.view()),
+            bias: [Some(b[0].view()), Some(b[1].view())],
+            config: None,
+        })?;
+        let cx: Vec<u16> = comb.combined_x.to_vec::<bf16>()?.iter().map(|v| v.to_bits()).collect();
+        let cw: Vec<u32> =
+            comb.combined_topk_weights.expect("weights were combined").to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect();
+        Ok((cx, cw))
+    });
+    let per_node = topology.map_or(c.ranks, |t| t.ranks_per_node);
+    let mut order_shows = 0;
+    for (me, (cx, cw)) in results.iter().enumerate() {
+        for t in 0..c.tokens_of(me) {
+            let sent: Vec<bool> = (0..c.ranks).map(|r| c.hits(&all[me], t, r)).collect();
+            let leaves = |f: &dyn Fn(usize) -> f32| -> Vec<f32> { (0..c.ranks).map(|r| if sent[r] { f(r) } else { 0.0 }).collect() };
+            for h in 0..c.hidden {
+                let i = t * c.hidden + h;
+                let v = leaves(&|r| cancelling_bf16(r, me, t, h).to_f32());
+                let finish = |sum: f32| bf16::from_f32((sum + bias(0, me, i).to_f32()) + bias(1, me, i).to_f32()).to_bits();
+                let want = finish(tree_reference(per_node, &v));
+                assert_eq!(cx[i], want, "rank {me}: token {t} channel {h}: {:#06x}, want {want:#06x} from {v:?}", cx[i]);
+                order_shows += (finish(v.iter().fold(0.0, |a, b| a + b)) != want) as usize;
+            }
+            for k in 0..c.topk {
+                let v = leaves(&|r| cancelling_bf16(r + 64, me, t, k).to_f32());
+                let want = tree_reference(per_node, &v).to_bits();
+                assert_eq!(cw[t * c.topk + k], want, "rank {me}: token {t} weight {k} from {v:?}");
+            }
+        }
+    }
+    if ranks >= 4 {
+        assert!(order_shows > 0, "no output where the ascending-rank sum differs: the data does not test the order");
+    }
+    Some(results)
+}
+
+/// Host: the combine follows the buffer's topology (each run checks its own tree). Power-of-two splits give
+/// the same bits (1×4 = 2×2 = 4×1, 1×8 = 2×4 = 4×2); 6 ranks as 1×6 and as 2×3 are different trees.
+#[test]
+fn combine_bits_follow_the_topology() {
+    let run = |num_nodes: usize, ranks_per_node: usize| {
+        tree_order_case(BackendKind::Host, num_nodes * ranks_per_node, Some(Topology { num_nodes, ranks_per_node })).expect("host")
+    };
+    let four = run(1, 4);
+    assert!(four == run(2, 2) && four == run(4, 1), "4 ranks: the split changed the bits");
+    let eight = run(1, 8);
+    assert!(eight == run(2, 4) && eight == run(4, 2), "8 ranks: the split changed the bits");
+    assert!(run(1, 6) != run(2, 3), "1x6 and 2x3 agree on every output: the data does not tell the trees apart");
 }
 
 mod properties {

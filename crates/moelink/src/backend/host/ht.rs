@@ -8,6 +8,7 @@ use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::layout::{self, align_up, to_local_expert};
+use crate::reduce::TreeSum;
 use crate::tensor::TensorRef;
 use crate::validate::{read_i64_matrix, read_matrix};
 
@@ -384,22 +385,24 @@ pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         }
     }
 
-    // Source side: ascending-rank fp32 sum, then biases, then round to bf16.
+    // Source side: the rows of the ranks the token went to, summed in fp32 by the topology's tree
+    // (crate::reduce), then the biases, then rounded to bf16.
     let biases: Vec<&[u8]> = a.bias.iter().flatten().map(|t| input_bytes(t, "bias", rank)).collect::<Result<_>>()?;
     let cx = super::output_bytes(&mut out.combined_x, "combined_x", rank)?;
+    let mut rows = TreeSum::new(b.topology, h);
     let mut acc = vec![0f32; h];
     for t in 0..s.num_tokens {
-        acc.iter_mut().for_each(|v| *v = 0.0);
         for (r, m) in recv.iter().enumerate() {
             if !routing.is_token_in_rank[t * nr + r] {
                 continue;
             }
             let j = routing.send_slot[t * nr + r] as usize;
             let p = &m[j * row..j * row + rb];
-            for (c, v) in acc.iter_mut().enumerate() {
-                *v += bf16_bits_to_f32(p[2 * c], p[2 * c + 1]);
+            for (c, v) in rows.leaf(r).iter_mut().enumerate() {
+                *v = bf16_bits_to_f32(p[2 * c], p[2 * c + 1]);
             }
         }
+        rows.sum_into(&mut acc);
         for bias in &biases {
             let p = &bias[t * rb..(t + 1) * rb];
             for (c, v) in acc.iter_mut().enumerate() {
@@ -413,18 +416,20 @@ pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     }
     if let Some(cw) = out.combined_topk_weights.as_mut() {
         let cw = super::output_bytes(cw, "combined_topk_weights", rank)?;
+        let mut weights = TreeSum::new(b.topology, k);
+        let mut sums = vec![0f32; k];
         for t in 0..s.num_tokens {
-            let mut sums = vec![0f32; k];
             for (r, m) in recv.iter().enumerate() {
                 if !routing.is_token_in_rank[t * nr + r] {
                     continue;
                 }
                 let j = routing.send_slot[t * nr + r] as usize;
                 let p = &m[j * row + rb..(j + 1) * row];
-                for (kk, v) in sums.iter_mut().enumerate() {
-                    *v += f32::from_le_bytes(p[4 * kk..4 * kk + 4].try_into().expect("4 bytes"));
+                for (kk, v) in weights.leaf(r).iter_mut().enumerate() {
+                    *v = f32::from_le_bytes(p[4 * kk..4 * kk + 4].try_into().expect("4 bytes"));
                 }
             }
+            weights.sum_into(&mut sums);
             for (kk, v) in sums.iter().enumerate() {
                 cw[(t * k + kk) * 4..(t * k + kk + 1) * 4].copy_from_slice(&v.to_le_bytes());
             }
