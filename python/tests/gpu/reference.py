@@ -5,8 +5,9 @@ communication: ``inputs(r)`` for each source rank ``r`` is all a reference looks
 
 Everything is vectorised over tokens (loops run over ranks, top-k slots or local experts only), so the
 references cost little next to the operations they check, also at realistic shapes (hidden 7168, top-8).
-Sums keep the order the operations define (ascending rank or slot, from +0.0): adding a +0.0 term for an
-absent slot leaves an fp32 accumulator unchanged, so masking with zeros is bit-exact.
+Sums keep the order the operations define (LL: ascending rank or slot, from +0.0; HT combine: the pairwise
+tree over ranks of ``tree_sum``): adding a +0.0 term for an absent slot leaves an fp32 accumulator unchanged,
+and an absent rank is a +0.0 leaf of the tree, so masking with zeros is bit-exact.
 """
 
 from __future__ import annotations
@@ -103,24 +104,51 @@ def ht_dispatch(all_inputs: Sequence[RankInputs], rank: int, num_experts: int, e
     return HtReceived(torch.cat(src_rank), torch.cat(src_token), torch.cat(rows), topk_idx, torch.cat(w), aligned)
 
 
+def tree_sum(leaves: Sequence[torch.Tensor], ranks_per_node: Optional[int] = None) -> torch.Tensor:
+    """The HT combine's fp32 sum over ranks (``moelink::reduce``), elementwise: ``leaves[r]`` is rank r's
+    tensor (+0.0 where it returned nothing). Each node's ``ranks_per_node`` consecutive leaves (default: all,
+    one node) are summed by a pairwise tree, ``tree(x_0..x_2m-1) = tree(x_0..x_m-1) + tree(x_m..x_2m-1)``,
+    after padding with +0.0 to a power of two; the node partials by the same tree; then ``+0.0 + T``."""
+    def tree(x: List[torch.Tensor]) -> torch.Tensor:
+        n = 1
+        while n < len(x):
+            n *= 2
+        x = x + [torch.zeros_like(x[0])] * (n - len(x))
+        while len(x) > 1:  # one level of the tree: adjacent pairs, left + right
+            x = [x[i] + x[i + 1] for i in range(0, len(x), 2)]
+        return x[0]
+
+    per_node = ranks_per_node or len(leaves)
+    partials = [tree(list(leaves[i:i + per_node])) for i in range(0, len(leaves), per_node)]
+    total = tree(partials)
+    return torch.zeros_like(total) + total
+
+
 def ht_combine(all_returned: Sequence[Tuple[HtReceived, torch.Tensor, Optional[torch.Tensor]]], rank: int,
-               num_tokens: int, bias: Sequence[torch.Tensor] = ()) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """For each of ``rank``'s tokens: the fp32 sum, in ascending rank order from +0.0, of the rows every rank
-    returns for it (``all_returned[r] = (what r received, its combine x, its combine topk_weights)``), plus the
-    biases in order, rounded to bf16; and the same sum of the weights (None without weights)."""
+               num_tokens: int, bias: Sequence[torch.Tensor] = (),
+               ranks_per_node: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """For each of ``rank``'s tokens: the fp32 ``tree_sum`` over ranks of the rows every rank returns for it
+    (``all_returned[r] = (what r received, its combine x, its combine topk_weights)``; +0.0 for a rank the
+    token did not go to; ``ranks_per_node``: the buffer's topology, default one node), plus the biases in
+    order, rounded to bf16; and the same tree sum of the weights (None without weights)."""
     hidden = all_returned[0][1].shape[1]
-    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     w0 = all_returned[0][2]
-    acc_w = torch.zeros(num_tokens, w0.shape[1], dtype=torch.float32) if w0 is not None else None
-    for received, x, w in all_returned:  # ascending rank; a token arrives at a rank at most once
+    rows, weights = [], []
+    for received, x, w in all_returned:  # rank order; a token arrives at a rank at most once
         mine = received.src_rank == rank
         toks = received.src_token[mine]
-        acc.index_add_(0, toks, x[mine].float())
-        if acc_w is not None and w is not None:
-            acc_w.index_add_(0, toks, w[mine].float())
+        leaf = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        leaf[toks] = x[mine].float()
+        rows.append(leaf)
+        if w0 is not None:
+            leaf_w = torch.zeros(num_tokens, w0.shape[1], dtype=torch.float32)
+            if w is not None:
+                leaf_w[toks] = w[mine].float()
+            weights.append(leaf_w)
+    acc = tree_sum(rows, ranks_per_node)
     for b in bias:
         acc = acc + b.float()
-    return acc.to(torch.bfloat16), acc_w
+    return acc.to(torch.bfloat16), tree_sum(weights, ranks_per_node) if w0 is not None else None
 
 
 def fp8_quantize(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:
