@@ -1543,8 +1543,10 @@ mod tests {
         let (t, rdma) = p.internode.expect("2x2 spans nodes");
         assert_eq!((t.num_nodes, t.ranks_per_node, rdma.transport.name()), (2, 2, "emu-nic"));
         assert!(plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "1x4"])).unwrap().internode.is_none());
+        // Both families run across nodes.
+        assert!(plan(&args(&["--mode", "ht", "--ranks", "4", "--topology", "2x2"])).unwrap().internode.is_some());
+        assert!(plan(&args(&["--ranks", "4", "--topology", "2x2"])).unwrap().internode.is_some());
         for (flags, says) in [
-            (&["--ranks", "4", "--topology", "2x2"][..], "--mode ll"),
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x3"][..], "--topology"),
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "nvshmem"][..], "one process per rank"),
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "tcp"][..], "--transport"),
