@@ -689,6 +689,35 @@ __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base
   }
 }
 
+// The idle clock of a warp that serves several sources in turn (lane i: source s): after a pass without
+// progress it counts, and once the deadline has passed since the last progress it records the timeout and
+// says stop (or as soon as this rank failed elsewhere). Named: the first pending source's forwarder — this
+// node's rank with the source's local index — over NVLink, or, when that forwarder is this rank, the source
+// over RDMA (for_peer's grace when that is this rank too).
+struct IdleClock {
+  u64 since = 0;
+  u32 spins = 0;
+  // Whether the warp must stop. Warp-uniform arguments.
+  __device__ __forceinline__ bool expired(bool progressed, u32 pending, u32 s, const Frame& f, const Deadline& dr, const Deadline& dn) {
+    if (progressed) {
+      spins = 0;
+      return false;
+    }
+    if (spins++ == 0) since = ptx::globaltimer();
+    if (spins % DEADLINE_POLL_SPINS != 0) return false;
+    const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
+    const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
+    const u32 blamed = forwarder == f.me ? src : forwarder;
+    const Deadline dl = for_peer(forwarder == f.me ? dr : dn, blamed, f.me);
+    const u64 waited = __shfl_sync(FULL_WARP_MASK, ptx::globaltimer() - since, 0);
+    if (waited > dl.timeout_ns) {
+      if (threadIdx.x % WARP_SIZE == 0) raise_error(dl, ERR_TIMEOUT, blamed, waited);
+      return true;
+    }
+    return __any_sync(FULL_WARP_MASK, error_raised(dn));
+  }
+};
+
 // The round count of a source with `tokens` tokens, and the tokens of its round k.
 __device__ __forceinline__ u32 rounds_of(const Frame& f, u32 tokens) { return (tokens + f.round_tokens - 1) / f.round_tokens; }
 __device__ __forceinline__ u32 round_tokens_of(const Frame& f, u32 tokens, u32 k) { return hti_min(f.round_tokens, tokens - k * f.round_tokens); }
@@ -959,8 +988,7 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
   };
   if (mine && rounds == 0) hand_back((u64)f.base + f.rounds);
   u32 pending = __ballot_sync(FULL_WARP_MASK, mine && k < rounds);
-  u64 idle_since = 0;
-  u32 idle_spins = 0;
+  IdleClock idle;
   while (pending != 0u) {
     bool progressed = false;
     for (u32 todo = pending; todo != 0u; todo &= todo - 1) {
@@ -1011,26 +1039,7 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
       __syncwarp();
     }
     pending = __ballot_sync(FULL_WARP_MASK, mine && k < rounds);
-    if (progressed) {
-      idle_spins = 0;
-      continue;
-    }
-    if (idle_spins++ == 0) idle_since = ptx::globaltimer();
-    if (idle_spins % DEADLINE_POLL_SPINS == 0) {
-      // The first source still pending came through its forwarder, this node's rank with the source's local
-      // index: named over NVLink, or — when that forwarder is this rank — the source over RDMA (for_peer's
-      // grace when that is this rank too).
-      const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
-      const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
-      const u32 blamed = forwarder == f.me ? src : forwarder;
-      const Deadline dl = for_peer(forwarder == f.me ? dr : dn, blamed, f.me);
-      const u64 waited = __shfl_sync(FULL_WARP_MASK, ptx::globaltimer() - idle_since, 0);
-      if (waited > dl.timeout_ns) {
-        if (lane == 0) raise_error(dl, ERR_TIMEOUT, blamed, waited);
-        break;
-      }
-      if (__any_sync(FULL_WARP_MASK, error_raised(dn))) break;
-    }
+    if (pending != 0u && idle.expired(progressed, pending, s, f, dr, dn)) break;
   }
 }
 }  // namespace hti_dispatch
@@ -1082,8 +1091,7 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
   const u64* route = reinterpret_cast<const u64*>(a.recv_route);
   const u64* cconsumed = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_cconsumed);
   u32 pending = __ballot_sync(FULL_WARP_MASK, mine && next < count);
-  u64 idle_since = 0;
-  u32 idle_spins = 0;
+  IdleClock idle;
   while (pending != 0u) {
     bool progressed = false;
     for (u32 todo = pending; todo != 0u; todo &= todo - 1) {
@@ -1138,24 +1146,7 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
       if (lane == i) next += sent;
     }
     pending = __ballot_sync(FULL_WARP_MASK, mine && next < count);
-    if (progressed) {
-      idle_spins = 0;
-      continue;
-    }
-    if (idle_spins++ == 0) idle_since = ptx::globaltimer();
-    if (idle_spins % DEADLINE_POLL_SPINS == 0) {
-      // As the dispatch receiver: the forwarder over NVLink, or the source over RDMA when that is this rank.
-      const u32 src = __shfl_sync(FULL_WARP_MASK, s, __ffs(pending) - 1);
-      const u32 forwarder = f.me_node * RANKS_PER_NODE + local_of(src);
-      const u32 blamed = forwarder == f.me ? src : forwarder;
-      const Deadline dl = for_peer(forwarder == f.me ? dr : dn, blamed, f.me);
-      const u64 waited = __shfl_sync(FULL_WARP_MASK, ptx::globaltimer() - idle_since, 0);
-      if (waited > dl.timeout_ns) {
-        if (lane == 0) raise_error(dl, ERR_TIMEOUT, blamed, waited);
-        break;
-      }
-      if (__any_sync(FULL_WARP_MASK, error_raised(dn))) break;
-    }
+    if (pending != 0u && idle.expired(progressed, pending, s, f, dr, dn)) break;
   }
 }
 

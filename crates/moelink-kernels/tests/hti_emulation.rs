@@ -13,9 +13,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use moelink_kernels::ht_internode::{HtiVariant, HTI_SOURCE};
 use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
 
@@ -24,31 +21,15 @@ const EMU_WARPS: u32 = 2;
 
 fn run_variant(cxx: &str, v: HtiVariant) {
     let spec = v.spec();
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("moelink-hti-emu-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("ht_internode.cu"), HTI_SOURCE).unwrap();
-    std::fs::write(dir.join("transport.cuh"), TRANSPORT_HEADER).unwrap();
-    std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
-    let bin = dir.join("hti_emu");
-    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
-    for (k, val) in &spec.defines {
-        let val = if k == "HTI_WARPS" { EMU_WARPS.to_string() } else { val.clone() };
-        flags.push(format!("-D{k}={val}"));
-    }
-    if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("hti_emu.cpp"), &bin) {
-        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
-    }
-    let run = Command::new(&bin).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&run.stdout));
-    assert!(
-        run.status.success(),
-        "{}: the emulated kernels disagree with the reference:\n{}\n{}",
-        spec.variant,
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let files = [("ht_internode.cu", HTI_SOURCE), ("transport.cuh", TRANSPORT_HEADER)];
+    let h = common::Harness {
+        spec: &spec,
+        files: &files,
+        harness: "hti_emu.cpp",
+        extra_flags: &[],
+        override_: Some(("HTI_WARPS", EMU_WARPS.to_string())),
+    };
+    common::run_harness(cxx, &h, "the emulated kernels disagree with the reference");
 }
 
 macro_rules! emulate {

@@ -10,47 +10,24 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use moelink_kernels::ll::{experiment, LlVariant, LL_COMBINE_SOURCE, LL_DISPATCH_SOURCE, LL_HEADER};
 
 /// Threads per block in the emulation (two warps: the "warp 0 waits, others work" split is exercised).
 const EMU_THREADS: u32 = 64;
 
 fn run_variant(cxx: &str, v: LlVariant) {
-    let dir: PathBuf = std::env::temp_dir().join(format!(
-        "moelink-ll-emu-{}-{}",
-        std::process::id(),
-        v.dispatch_spec().variant.replace([',', '[', ']'], "_")
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    // The sources (and emu/ll_emu.cpp, through -I) include this folder's "ptx.cuh": the emulated one.
-    std::fs::write(dir.join("ll.cuh"), LL_HEADER).unwrap();
-    std::fs::write(dir.join("ll_dispatch.cu"), LL_DISPATCH_SOURCE).unwrap();
-    std::fs::write(dir.join("ll_combine.cu"), LL_COMBINE_SOURCE).unwrap();
-    std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
-    let bin = dir.join("ll_emu");
-    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
     let spec = v.dispatch_spec();
     assert_eq!(spec.defines, v.combine_spec().defines, "one build holds both kernels");
-    for (k, val) in &spec.defines {
-        let val = if k == "LL_THREADS" { EMU_THREADS.to_string() } else { val.clone() };
-        flags.push(format!("-D{k}={val}"));
-    }
-    if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("ll_emu.cpp"), &bin) {
-        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
-    }
-    let run = Command::new(&bin).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&run.stdout));
-    assert!(
-        run.status.success(),
-        "{}: the emulated kernels disagree with the reference:\n{}\n{}",
-        spec.variant,
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
-    );
+    // The sources (and emu/ll_emu.cpp, through -I) include the build folder's "ptx.cuh": the emulated one.
+    let files = [("ll.cuh", LL_HEADER), ("ll_dispatch.cu", LL_DISPATCH_SOURCE), ("ll_combine.cu", LL_COMBINE_SOURCE)];
+    let h = common::Harness {
+        spec: &spec,
+        files: &files,
+        harness: "ll_emu.cpp",
+        extra_flags: &[],
+        override_: Some(("LL_THREADS", EMU_THREADS.to_string())),
+    };
+    common::run_harness(cxx, &h, "the emulated kernels disagree with the reference");
 }
 
 macro_rules! emulate {

@@ -10,9 +10,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use moelink_kernels::ll::{LlVariant, LL_HEADER};
 use moelink_kernels::ll_internode::{LliVariant, LLI_SOURCE};
 use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
@@ -22,32 +19,15 @@ const EMU_THREADS: u32 = 64;
 
 fn run_variant(cxx: &str, v: LliVariant) {
     let spec = v.spec();
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("moelink-lli-emu-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("ll.cuh"), LL_HEADER).unwrap();
-    std::fs::write(dir.join("ll_internode.cu"), LLI_SOURCE).unwrap();
-    std::fs::write(dir.join("transport.cuh"), TRANSPORT_HEADER).unwrap();
-    std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
-    let bin = dir.join("lli_emu");
-    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
-    for (k, val) in &spec.defines {
-        let val = if k == "LL_THREADS" { EMU_THREADS.to_string() } else { val.clone() };
-        flags.push(format!("-D{k}={val}"));
-    }
-    if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("lli_emu.cpp"), &bin) {
-        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
-    }
-    let run = Command::new(&bin).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&run.stdout));
-    assert!(
-        run.status.success(),
-        "{}: the emulated kernels disagree with the reference:\n{}\n{}",
-        spec.variant,
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let files = [("ll.cuh", LL_HEADER), ("ll_internode.cu", LLI_SOURCE), ("transport.cuh", TRANSPORT_HEADER)];
+    let h = common::Harness {
+        spec: &spec,
+        files: &files,
+        harness: "lli_emu.cpp",
+        extra_flags: &[],
+        override_: Some(("LL_THREADS", EMU_THREADS.to_string())),
+    };
+    common::run_harness(cxx, &h, "the emulated kernels disagree with the reference");
 }
 
 macro_rules! emulate {

@@ -10,9 +10,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use moelink_kernels::transport::{Transport, TransportVariant, TRANSPORT_HEADER, TRANSPORT_SOURCE};
 
 /// Threads per block in the emulation (eight warps: several warps per block post at once).
@@ -20,30 +17,15 @@ const EMU_THREADS: u32 = 256;
 
 fn run(cxx: &str, transport: Transport) {
     let spec = TransportVariant { transport }.spec();
-    let dir: PathBuf = std::env::temp_dir().join(format!("moelink-transport-emu-{}-{}", std::process::id(), transport.name()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("transport.cu"), TRANSPORT_SOURCE).unwrap();
-    std::fs::write(dir.join("transport.cuh"), TRANSPORT_HEADER).unwrap();
-    std::fs::write(dir.join("ptx.cuh"), common::emulated_ptx()).unwrap();
-    let bin = dir.join("transport_emu");
-    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-Wno-unknown-pragmas", "-DMOELINK_HOST_EMULATION"].map(String::from).into();
-    for (k, v) in &spec.defines {
-        let v = if k == "TRANSPORT_THREADS" { EMU_THREADS.to_string() } else { v.clone() };
-        flags.push(format!("-D{k}={v}"));
-    }
-    if let Err(e) = common::compile(cxx, &flags, &dir, &common::emu_dir().join("transport_emu.cpp"), &bin) {
-        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
-    }
-    let out = Command::new(&bin).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&out.stdout));
-    assert!(
-        out.status.success(),
-        "{}: the transport seam failed its emulation:\n{}\n{}",
-        spec.variant,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let files = [("transport.cu", TRANSPORT_SOURCE), ("transport.cuh", TRANSPORT_HEADER)];
+    let h = common::Harness {
+        spec: &spec,
+        files: &files,
+        harness: "transport_emu.cpp",
+        extra_flags: &["-DMOELINK_HOST_EMULATION"],
+        override_: Some(("TRANSPORT_THREADS", EMU_THREADS.to_string())),
+    };
+    common::run_harness(cxx, &h, "the transport seam failed its emulation");
 }
 
 #[test]

@@ -65,3 +65,55 @@ pub fn compile<S: AsRef<OsStr>>(
         Err(String::from_utf8_lossy(&out.stderr).into_owned())
     }
 }
+
+// emulate_ht.rs builds its harness from several families (its own runner); the other emulation tests share
+// this one.
+#[allow(dead_code)]
+/// What one emulated build is: the kernel spec whose constants it compiles with (`override_` replaces one
+/// constant, e.g. the threads per block), the sources and headers it needs beside the emulated `ptx.cuh`
+/// (`(file name, contents)`), and the harness in `emu/` that drives them.
+pub struct Harness<'a> {
+    pub spec: &'a moelink_kernels::KernelSpec,
+    pub files: &'a [(&'a str, &'a str)],
+    pub harness: &'a str,
+    pub extra_flags: &'a [&'a str],
+    pub override_: Option<(&'a str, String)>,
+}
+
+#[allow(dead_code)]
+/// Builds `h` with `cxx` in a fresh temporary folder, runs it, prints its output, and panics (with `what`
+/// and the output) unless it exits 0.
+pub fn run_harness(cxx: &str, h: &Harness<'_>, what: &str) {
+    let spec = h.spec;
+    let stem = h.harness.trim_end_matches(".cpp");
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("moelink-{stem}-{}-{}", std::process::id(), spec.variant.replace([',', '[', ']'], "_")));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, contents) in h.files {
+        std::fs::write(dir.join(name), contents).unwrap();
+    }
+    std::fs::write(dir.join("ptx.cuh"), emulated_ptx()).unwrap();
+    let bin = dir.join(stem);
+    let mut flags: Vec<String> = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-Wno-unknown-pragmas"].map(String::from).into();
+    flags.extend(h.extra_flags.iter().map(|f| f.to_string()));
+    for (k, v) in &spec.defines {
+        let v = match &h.override_ {
+            Some((name, value)) if name == k => value.clone(),
+            _ => v.clone(),
+        };
+        flags.push(format!("-D{k}={v}"));
+    }
+    if let Err(e) = compile(cxx, &flags, &dir, &emu_dir().join(h.harness), &bin) {
+        panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
+    }
+    let out = Command::new(&bin).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}: {what}:\n{}\n{}",
+        spec.variant,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -305,6 +305,104 @@ pub(crate) fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::invalid(what, rank, format!("{v} does not fit the kernels' 32-bit counters")))
 }
 
+/// The inputs of a dispatch the kernels read, their alignment checked: the payload's (and FP8 scales')
+/// 16- and 4-byte alignment, and, for a fresh dispatch, the top-k and layout tensors'.
+pub(crate) fn check_dispatch_inputs(b: &CudaBackend, a: &DispatchArgs<'_>, rank: usize) -> Result<()> {
+    check_aligned(b.addr_of(a.x.x()), 16, "x", rank)?;
+    if let Payload::Fp8 { scales, .. } = a.x {
+        check_aligned(scales.addr(), 4, "x_scales", rank)?;
+    }
+    if let Routing::Fresh { layout, topk_idx, topk_weights } = a.routing {
+        if let (Some(i), Some(w)) = (topk_idx, topk_weights) {
+            check_aligned(i.addr(), 8, "topk_idx", rank)?;
+            check_aligned(w.addr(), 4, "topk_weights", rank)?;
+        }
+        check_aligned(layout.num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
+        check_aligned(layout.num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
+    }
+    Ok(())
+}
+
+/// The addresses of a dispatch kernel's tensors, the outputs' alignment checked. `topk_idx` and
+/// `topk_weights` are 0 unless top-k travels (a fresh dispatch with top-k).
+pub(crate) struct DispatchAddrs {
+    pub x: u64,
+    pub x_scales: u64,
+    pub scale_stride_token: i64,
+    pub scale_stride_group: i64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_topk_idx: u64,
+    pub recv_topk_weights: u64,
+    pub recv_src_idx: u64,
+}
+
+pub(crate) fn dispatch_addrs(b: &CudaBackend, s: &HtSpec, a: &DispatchArgs<'_>, out: &DispatchOutputs<'_>) -> Result<DispatchAddrs> {
+    let rank = s.rank;
+    let d = DispatchAddrs {
+        x: b.addr_of(a.x.x()),
+        x_scales: 0,
+        scale_stride_token: 0,
+        scale_stride_group: 0,
+        topk_idx: 0,
+        topk_weights: 0,
+        recv_x: out.recv_x.addr(),
+        recv_scales: out_addr(&out.recv_scales),
+        recv_topk_idx: out_addr(&out.recv_topk_idx),
+        recv_topk_weights: out_addr(&out.recv_topk_weights),
+        recv_src_idx: out_addr(&out.recv_src_idx),
+    };
+    check_aligned(d.recv_x, 16, "recv_x", rank)?;
+    check_aligned(d.recv_scales, 4, "recv_x_scales", rank)?;
+    check_aligned(d.recv_topk_idx, 8, "recv_topk_idx", rank)?;
+    check_aligned(d.recv_topk_weights, 4, "recv_topk_weights", rank)?;
+    check_aligned(d.recv_src_idx, 4, "recv_src_idx", rank)?;
+    let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
+        Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
+        Payload::Bf16(_) => (0, 0, 0),
+    };
+    let (topk_idx, topk_weights) = match a.routing {
+        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } if s.has_topk => (i.addr(), w.addr()),
+        _ => (0, 0),
+    };
+    Ok(DispatchAddrs { x_scales, scale_stride_token, scale_stride_group, topk_idx, topk_weights, ..d })
+}
+
+/// The addresses of a combine kernel's tensors, alignment checked. The biases given, in order (the kernels
+/// add bias0 then bias1; a lone second bias takes the first slot, which adds the same values in the same
+/// order).
+pub(crate) struct CombineAddrs {
+    pub x: u64,
+    pub topk_weights: u64,
+    pub bias0: u64,
+    pub bias1: u64,
+    pub num_biases: usize,
+    pub combined_x: u64,
+    pub combined_topk_weights: u64,
+}
+
+pub(crate) fn combine_addrs(b: &CudaBackend, rank: usize, a: &CombineArgs<'_>, out: &CombineOutputs<'_>) -> Result<CombineAddrs> {
+    let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
+    let c = CombineAddrs {
+        x: b.addr_of(&a.x),
+        topk_weights: a.topk_weights.as_ref().map_or(0, |w| w.addr()),
+        bias0: biases.first().copied().unwrap_or(0),
+        bias1: biases.get(1).copied().unwrap_or(0),
+        num_biases: biases.len(),
+        combined_x: out.combined_x.addr(),
+        combined_topk_weights: out_addr(&out.combined_topk_weights),
+    };
+    check_aligned(c.x, 16, "x", rank)?;
+    check_aligned(c.topk_weights, 4, "topk_weights", rank)?;
+    check_aligned(c.bias0, 16, "bias", rank)?;
+    check_aligned(c.bias1, 16, "bias", rank)?;
+    check_aligned(c.combined_x, 16, "combined_x", rank)?;
+    check_aligned(c.combined_topk_weights, 4, "combined_topk_weights", rank)?;
+    Ok(c)
+}
+
 /// What the error messages need to know about the buffer.
 #[derive(Clone, Copy, Debug)]
 struct BufferShape {
@@ -481,10 +579,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
              pass num_worst_tokens > 0",
         ));
     }
-    check_aligned(b.addr_of(a.x.x()), 16, "x", rank)?;
-    if let Payload::Fp8 { scales, .. } = a.x {
-        check_aligned(scales.addr(), 4, "x_scales", rank)?;
-    }
+    check_dispatch_inputs(b, a, rank)?;
     let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
     let slab_rows = region(b).slab_rows(row_bytes);
     match a.routing {
@@ -503,7 +598,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                 state: PlanState::Cuda(CudaPlan::Cached(data)),
             })
         }
-        Routing::Fresh { layout, topk_idx, topk_weights } => {
+        Routing::Fresh { layout, .. } => {
             let el = s.num_local_experts();
             if el > kht::ctrl::MAX_LOCAL_EXPERTS {
                 return Err(Error::invalid(
@@ -512,12 +607,6 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                     format!("{el} experts per rank; the CUDA kernels support at most {}", kht::ctrl::MAX_LOCAL_EXPERTS),
                 ));
             }
-            if let (Some(i), Some(w)) = (topk_idx, topk_weights) {
-                check_aligned(i.addr(), 8, "topk_idx", rank)?;
-                check_aligned(w.addr(), 4, "topk_weights", rank)?;
-            }
-            check_aligned(layout.num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
-            check_aligned(layout.num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
             let num_tokens = to_u32(s.num_tokens, "x", rank)?;
             let routing_buf = b.ht.pool.clone().take(b, routing::bytes(s.num_tokens, s.num_ranks))?;
             let sync = s.num_worst_tokens == 0;
@@ -636,12 +725,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let rank = s.rank;
     let num_out_rows = plan.num_recv_rows();
     let state = plan.state.into_cuda(rank)?;
-    check_aligned(out.recv_x.addr(), 16, "recv_x", rank)?;
-    check_aligned(out_addr(&out.recv_scales), 4, "recv_x_scales", rank)?;
-    check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
-    check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
-    let recv_src_idx = out_addr(&out.recv_src_idx);
-    check_aligned(recv_src_idx, 4, "recv_src_idx", rank)?;
+    let addrs = dispatch_addrs(b, &s, a, &out)?;
     let region = region(b);
     let variant = HtDispatchVariant {
         release_batch: release_batch(&b.tuning),
@@ -660,29 +744,21 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         HandleData::Existing(data) => routing_of(data, rank)?,
     };
 
-    let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
-        Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
-        Payload::Bf16(_) => (0, 0, 0),
-    };
-    let (topk_idx, topk_weights) = match a.routing {
-        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } if s.has_topk => (i.addr(), w.addr()),
-        _ => (0, 0),
-    };
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
     let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
     let args = HtDispatchArgs {
-        x: b.addr_of(a.x.x()),
-        x_scales,
-        scale_stride_token,
-        scale_stride_group,
-        topk_idx,
-        topk_weights,
-        recv_x: out.recv_x.addr(),
-        recv_scales: out_addr(&out.recv_scales),
-        recv_topk_idx: out_addr(&out.recv_topk_idx),
-        recv_topk_weights: out_addr(&out.recv_topk_weights),
-        recv_src_idx,
+        x: addrs.x,
+        x_scales: addrs.x_scales,
+        scale_stride_token: addrs.scale_stride_token,
+        scale_stride_group: addrs.scale_stride_group,
+        topk_idx: addrs.topk_idx,
+        topk_weights: addrs.topk_weights,
+        recv_x: addrs.recv_x,
+        recv_scales: addrs.recv_scales,
+        recv_topk_idx: addrs.recv_topk_idx,
+        recv_topk_weights: addrs.recv_topk_weights,
+        recv_src_idx: addrs.recv_src_idx,
         routing: r.routing.ptr(),
         ctrl: ctrl_table,
         data: data_table,
@@ -744,11 +820,9 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     }
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
-    // The biases given, in order (the kernel adds bias0 then bias1; a lone second bias takes the first slot,
-    // which adds the same values in the same order).
-    let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
+    let c = combine_addrs(b, rank, a, &out)?;
     let variant = HtCombineVariant {
-        num_biases: biases.len() as u32,
+        num_biases: c.num_biases as u32,
         release_batch: release_batch(&b.tuning),
         experiment: timing_experiment(&b.tuning),
         reduce_load_vecs: reduce_load_vecs(&b.tuning),
@@ -761,26 +835,16 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
             return Err(too_small(b, "HT combine receive slab", h.t_max, variant.row_bytes()));
         }
     }
-    check_aligned(b.addr_of(&a.x), 16, "x", rank)?;
-    let topk_weights = a.topk_weights.as_ref().map_or(0, |w| w.addr());
-    check_aligned(topk_weights, 4, "topk_weights", rank)?;
-    let bias0 = biases.first().copied().unwrap_or(0);
-    let bias1 = biases.get(1).copied().unwrap_or(0);
-    check_aligned(bias0, 16, "bias", rank)?;
-    check_aligned(bias1, 16, "bias", rank)?;
-    check_aligned(out.combined_x.addr(), 16, "combined_x", rank)?;
-    let combined_topk_weights = out_addr(&out.combined_topk_weights);
-    check_aligned(combined_topk_weights, 4, "combined_topk_weights", rank)?;
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
     let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
     let args = HtCombineArgs {
-        x: b.addr_of(&a.x),
-        topk_weights,
-        bias0,
-        bias1,
-        combined_x: out.combined_x.addr(),
-        combined_topk_weights,
+        x: c.x,
+        topk_weights: c.topk_weights,
+        bias0: c.bias0,
+        bias1: c.bias1,
+        combined_x: c.combined_x,
+        combined_topk_weights: c.combined_topk_weights,
         routing: r.routing.ptr(),
         ctrl: ctrl_table,
         data: data_table,

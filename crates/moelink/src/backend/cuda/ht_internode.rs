@@ -21,7 +21,7 @@ use super::internode::{HT_SIGNALS, RDMA_CTRL_BYTES};
 use super::{ctrl, CudaBackend, HT_DATA};
 use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
 use crate::error::{Error, Phase, Result};
-use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Routing};
 use crate::internode::Topology;
 use crate::layout::align_up;
 use crate::tensor::TensorRef;
@@ -231,10 +231,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
              pass num_worst_tokens > 0",
         ));
     }
-    single::check_aligned(b.addr_of(a.x.x()), 16, "x", rank)?;
-    if let Payload::Fp8 { scales, .. } = a.x {
-        single::check_aligned(scales.addr(), 4, "x_scales", rank)?;
-    }
+    single::check_dispatch_inputs(b, a, rank)?;
     let layout = match a.routing {
         Routing::Cached(h) => {
             let data = h.data.clone();
@@ -247,16 +244,8 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
                 state: PlanState::CudaInternode(HtiPlan::Cached(data)),
             });
         }
-        Routing::Fresh { layout, topk_idx, topk_weights } => {
-            if let (Some(i), Some(w)) = (topk_idx, topk_weights) {
-                single::check_aligned(i.addr(), 8, "topk_idx", rank)?;
-                single::check_aligned(w.addr(), 4, "topk_weights", rank)?;
-            }
-            layout
-        }
+        Routing::Fresh { layout, .. } => layout,
     };
-    single::check_aligned(layout.num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
-    single::check_aligned(layout.num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
     let (round_tokens, chunk_tokens) = round_of(b, s.hidden, s.fp8, s.topk)?;
     let el = s.num_local_experts();
     let routing_buf = single::pool_take(b, 4 * RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).words)?;
@@ -369,22 +358,13 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting
     Err(single::settle(b, e))
 }
 
-fn out_addr(t: &Option<crate::tensor::TensorMut<'_>>) -> u64 {
-    t.as_ref().map_or(0, |t| t.addr())
-}
-
 pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
     let s = plan.spec;
     let rank = s.rank;
     let t = topology(b);
     let num_out_rows = plan.num_recv_rows();
     let state = plan.state.into_cuda_internode(rank)?;
-    single::check_aligned(out.recv_x.addr(), 16, "recv_x", rank)?;
-    single::check_aligned(out_addr(&out.recv_scales), 4, "recv_x_scales", rank)?;
-    single::check_aligned(out_addr(&out.recv_topk_idx), 8, "recv_topk_idx", rank)?;
-    single::check_aligned(out_addr(&out.recv_topk_weights), 4, "recv_topk_weights", rank)?;
-    let recv_src_idx = out_addr(&out.recv_src_idx);
-    single::check_aligned(recv_src_idx, 4, "recv_src_idx", rank)?;
+    let addrs = single::dispatch_addrs(b, &s, a, &out)?;
     let (send_blocks, fwd_blocks) = roles(rank, t, s.num_sms)?;
 
     // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
@@ -434,32 +414,24 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
             ),
         ));
     }
-    let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
-        Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
-        Payload::Bf16(_) => (0, 0, 0),
-    };
-    let (topk_idx, topk_weights) = match a.routing {
-        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } if s.has_topk => (i.addr(), w.addr()),
-        _ => (0, 0),
-    };
-    let v = variant(b, s.hidden, s.fp8, if topk_idx != 0 { s.topk } else { 0 }, 0);
+    let v = variant(b, s.hidden, s.fp8, if addrs.topk_idx != 0 { s.topk } else { 0 }, 0);
     let (error_claim, error_record) = b.error_sink();
     let inter = b.internode.as_ref().expect("an internode buffer");
     let args = HtiDispatchArgs {
         rdma: inter.rdma_args(),
         at: rdma_at(b)?,
         nvl: nvl_args(b),
-        x: b.addr_of(a.x.x()),
-        x_scales,
-        scale_stride_token,
-        scale_stride_group,
-        topk_idx,
-        topk_weights,
-        recv_x: out.recv_x.addr(),
-        recv_scales: out_addr(&out.recv_scales),
-        recv_topk_idx: out_addr(&out.recv_topk_idx),
-        recv_topk_weights: out_addr(&out.recv_topk_weights),
-        recv_src_idx,
+        x: addrs.x,
+        x_scales: addrs.x_scales,
+        scale_stride_token: addrs.scale_stride_token,
+        scale_stride_group: addrs.scale_stride_group,
+        topk_idx: addrs.topk_idx,
+        topk_weights: addrs.topk_weights,
+        recv_x: addrs.recv_x,
+        recv_scales: addrs.recv_scales,
+        recv_topk_idx: addrs.recv_topk_idx,
+        recv_topk_weights: addrs.recv_topk_weights,
+        recv_src_idx: addrs.recv_src_idx,
         routing: r.routing.ptr(),
         fwd_entries: r.fwd_entries.ptr(),
         recv_route: r.recv_route.ptr(),
@@ -526,17 +498,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         ));
     }
     let (send_blocks, fwd_blocks) = roles(rank, t, s.num_sms)?;
-    let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
-    single::check_aligned(b.addr_of(&a.x), 16, "x", rank)?;
-    let topk_weights = a.topk_weights.as_ref().map_or(0, |w| w.addr());
-    single::check_aligned(topk_weights, 4, "topk_weights", rank)?;
-    let bias0 = biases.first().copied().unwrap_or(0);
-    let bias1 = biases.get(1).copied().unwrap_or(0);
-    single::check_aligned(bias0, 16, "bias", rank)?;
-    single::check_aligned(bias1, 16, "bias", rank)?;
-    single::check_aligned(out.combined_x.addr(), 16, "combined_x", rank)?;
-    let combined_topk_weights = out_addr(&out.combined_topk_weights);
-    single::check_aligned(combined_topk_weights, 4, "combined_topk_weights", rank)?;
+    let c = single::combine_addrs(b, rank, a, &out)?;
     if s.num_recv_rows > r.route_rows {
         return Err(Error::invalid(
             "x",
@@ -544,19 +506,19 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
             format!("{} rows, more than the {} the handle's dispatch received into", s.num_recv_rows, r.route_rows),
         ));
     }
-    let v = variant(b, s.hidden, false, s.topk, biases.len());
+    let v = variant(b, s.hidden, false, s.topk, c.num_biases);
     let (error_claim, error_record) = b.error_sink();
     let inter = b.internode.as_ref().expect("an internode buffer");
     let args = HtiCombineArgs {
         rdma: inter.rdma_args(),
         at: rdma_at(b)?,
         nvl: nvl_args(b),
-        x: b.addr_of(&a.x),
-        topk_weights,
-        bias0,
-        bias1,
-        combined_x: out.combined_x.addr(),
-        combined_topk_weights,
+        x: c.x,
+        topk_weights: c.topk_weights,
+        bias0: c.bias0,
+        bias1: c.bias1,
+        combined_x: c.combined_x,
+        combined_topk_weights: c.combined_topk_weights,
         routing: r.routing.ptr(),
         fwd_entries: r.fwd_entries.ptr(),
         recv_route: r.recv_route.ptr(),
