@@ -555,13 +555,12 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
 
 // ------------------------------------------------------------------------------------------ dispatch
 
-fn per_expert_aligned(host: &Option<HostRouting>, s: &HtSpec) -> Vec<usize> {
-    if s.num_worst_tokens > 0 {
-        return Vec::new();
-    }
-    match host.as_ref().and_then(|h| h.per_expert_raw.as_ref()) {
-        Some(raw) => raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect(),
-        None => Vec::new(),
+/// The received tokens per local expert a plan reports: the raw counts the host read (CPU-sync mode) rounded
+/// up to `expert_alignment`; empty in no-sync mode.
+pub(crate) fn per_expert_aligned(raw: Option<&[usize]>, s: &HtSpec) -> Vec<usize> {
+    match raw {
+        Some(raw) if s.num_worst_tokens == 0 => raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect(),
+        _ => Vec::new(),
     }
 }
 
@@ -594,7 +593,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
             Ok(DispatchPlan {
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
                 state: PlanState::Cuda(CudaPlan::Cached(data)),
             })
         }
@@ -655,7 +654,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
             Ok(DispatchPlan {
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
                 state: PlanState::Cuda(CudaPlan::Fresh { routing: routing_buf, host }),
             })
         }

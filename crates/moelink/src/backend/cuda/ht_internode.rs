@@ -23,7 +23,6 @@ use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Routing};
 use crate::internode::Topology;
-use crate::layout::align_up;
 use crate::tensor::TensorRef;
 
 /// Offset of the internode HT words in the HT control area of the node's symmetric buffer (after the
@@ -208,16 +207,6 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
 
 // ------------------------------------------------------------------------------------------ dispatch
 
-fn per_expert_aligned(host: &Option<HostRouting>, s: &HtSpec) -> Vec<usize> {
-    if s.num_worst_tokens > 0 {
-        return Vec::new();
-    }
-    match host.as_ref().and_then(|h| h.per_expert_raw.as_ref()) {
-        Some(raw) => raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect(),
-        None => Vec::new(),
-    }
-}
-
 pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
     let rank = s.rank;
     let t = topology(b);
@@ -240,7 +229,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
             return Ok(DispatchPlan {
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+                num_recv_tokens_per_expert: single::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
                 state: PlanState::CudaInternode(HtiPlan::Cached(data)),
             });
         }
@@ -301,7 +290,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     Ok(DispatchPlan {
         spec: s,
         num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-        num_recv_tokens_per_expert: per_expert_aligned(&host, &s),
+        num_recv_tokens_per_expert: single::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
         state: PlanState::CudaInternode(HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
     })
 }
