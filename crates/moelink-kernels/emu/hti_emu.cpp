@@ -601,6 +601,19 @@ int main() {
     std::printf("a slow rank: ok\n");
   }
   {
+    // The round shape changes between calls of one buffer (other rows, other M): parts and flags stay where
+    // they are; only sequence numbers tell rounds apart.
+    World w(16, 4, E);
+    std::vector<u32> t(R);
+    for (u32 p = 0; p < R; p++) t[p] = 10 + (p * 11) % 30;
+    round_trip(w, t, 11, Route::Uniform, NUM_BIASES, false, "rounds of 16");
+    w.at.m = 8;
+    round_trip(w, t, 12, Route::Skewed, NUM_BIASES, true, "then rounds of 8");
+    w.at.m = 12;
+    round_trip(w, t, 13, Route::NodeLimited, NUM_BIASES, false, "then rounds of 12");
+    std::printf("round shape changing between calls: ok\n");
+  }
+  {
     // One round holds every token: a round of 64, chunks of 64.
     World w(64, 64, E);
     std::vector<u32> t(R);
