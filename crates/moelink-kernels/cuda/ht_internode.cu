@@ -18,6 +18,7 @@
 //   NUM_BIASES                   biases the combine adds (0, 1 or 2)
 //   HTI_WARPS                    warps per block
 //   HTI_MSG_BYTES, HTI_ROW_BYTES, HTI_CROW_BYTES, HTI_CMSG_BYTES  the row sizes as Rust computes them
+//   HTI_STATE_BYTES              bytes of a rank's local state (HtiState + HtiForward)
 //   MOELINK_SIZEOF_HTI_*_ARGS    sizeof of each argument struct on the Rust side
 //
 // Topology: R = NUM_NODES x RANKS_PER_NODE ranks, rank r = node(r) * L + local(r). Rank (a, l) is the "rail
@@ -37,13 +38,15 @@
 //                    b (node_prefix); put_signal the chunk's messages to (b, l)'s receive part [a][m0, m1) with
 //                    SET (seq << 32 | m1) on its chunk word d_chunk[a][chunk] (a bare signal for an empty
 //                    chunk). Data, then its chunk word, in one operation: no fence.
-//   forwarder ((b, l), one warp per source node a): chunk words in order; each message goes to every rank j
+//   forwarder ((b, l), fwd_per_node warps per source node a, chunks dealt round-robin among them): per
+//                    chunk (its word and the one before give its messages); each message goes to every rank j
 //                    of this node it has a slot at: the row (payload + meta, top-k ids as j's local ids) into
 //                    j's dispatch part [s][slot mod M] over NVLink, after j handed that part back for round k
-//                    - 1 (nvl_consumed[j][a] >= base + k); every RELEASE rows a fence, then the rows' flags =
-//                    seq. Records the message's ranks and round for combine (fwd_entries). At round end:
-//                    done[s] = seq << 32 | rows, at every j; then d_consumed[b] = seq at s (final round: base +
-//                    K, what the next call's round 0 waits for).
+//                    - 1 (nvl_consumed[j][a] >= base + k); every RELEASE rows, and at a chunk's end, a fence,
+//                    then the rows' flags = seq. Records the message's ranks and round for combine
+//                    (fwd_entries). The warp that finishes a round's last chunk ends the round: done[s] = seq
+//                    << 32 | rows at every j; then d_consumed[b] = seq at s (final round: base + K, what the next
+//                    call's round 0 waits for).
 //   receiver ((b, j), lanes = sources): rows whose flag reached seq, in slot order, into the outputs at
 //                    recv_offset[s] + slot, with the row's (round, message) into recv_route; once done[s]
 //                    says the round's rows are all here, nvl_consumed[j][a] = seq at the forwarder.
@@ -51,7 +54,7 @@
 //   sender ((b, j), lanes = sources): each received row goes back to its forwarder (b, l) into combine part
 //                    [j][a][message mod M], after the forwarder handed it back (c_nvl_consumed[l][a] >= cbase +
 //                    k); flags = cseq.
-//   forwarder ((b, l), one warp per source node a): per message, waits for the rows of the ranks it went to,
+//   forwarder ((b, l), fwd_per_node warps per source node a): per message, waits for the rows of the ranks it went to,
 //                    sums them as the tree's node level (fp32, absent ranks +0.0), stages the partial (fp32
 //                    row and weights) at [a][m] once s handed round k - 1 back (c_consumed[a] >= cbase + k),
 //                    put_signals each chunk to s's combine receive part [b][m0, m1) with its chunk word; at
@@ -69,7 +72,7 @@
     !defined(NUM_NODES) || !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(NUM_BIASES) ||            \
     !defined(HTI_WARPS) || !defined(MOELINK_SIZEOF_HTI_LAYOUT_ARGS) || !defined(MOELINK_SIZEOF_HTI_NOTIFY_ARGS) ||  \
     !defined(MOELINK_SIZEOF_HTI_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_HTI_COMBINE_ARGS) || !defined(HTI_MSG_BYTES) ||      \
-    !defined(HTI_ROW_BYTES) || !defined(HTI_CROW_BYTES) || !defined(HTI_CMSG_BYTES)
+    !defined(HTI_ROW_BYTES) || !defined(HTI_CROW_BYTES) || !defined(HTI_CMSG_BYTES) || !defined(HTI_STATE_BYTES)
 #error "ht_internode.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_NODES >= 1 && NUM_NODES <= HTI_MAX_NODES && HTI_MAX_NODES <= WARP_SIZE, "one lane per node");
@@ -201,6 +204,18 @@ struct HtiState {
   u32 pad[7];
 };
 static_assert(sizeof(HtiState) == 64, "HtiState is 64 bytes");
+// After HtiState, per source node a: what the forwarder warps of a (several: fwd_per_node) share within a
+// round — chunks done, the round's rows per local rank, messages of the rounds before — and the combine
+// forwarders' chunks done (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
+struct HtiForward {
+  u32 done[HTI_MAX_NODES];
+  u32 g[HTI_MAX_NODES];
+  u32 rows[HTI_MAX_NODES][8];
+  u32 cdone[HTI_MAX_NODES];
+  u32 crounds[HTI_MAX_NODES];  // combine: rounds whose parts went back (hand-backs go out in round order)
+};
+static_assert(sizeof(HtiState) + sizeof(HtiForward) == HTI_STATE_BYTES, "the local state mirrors moelink_kernels::ht_internode::HTI_STATE_BYTES");
+__device__ __forceinline__ HtiForward* hti_forward(u64 state) { return reinterpret_cast<HtiForward*>(state + sizeof(HtiState)); }
 
 // ---------------------------------------------------------------------------------------------- arguments
 // The node's symmetric buffers: every local rank's base and the offsets inside one.
@@ -277,7 +292,8 @@ struct HtiDispatchArgs {
   u64 error_claim, error_record, timeout_ns;
   u32 num_tokens, num_out_rows, fwd_capacity, num_local_experts;
   u32 chunk_tokens;        // Q: tokens per sender chunk (M is a multiple)
-  u32 num_send_blocks, num_fwd_blocks, pad;
+  u32 num_send_blocks, num_fwd_blocks;
+  u32 fwd_per_node;        // forwarder warps per source node (warp w: node w % N, chunks c with c % P == w / N)
 };
 static_assert(sizeof(HtiDispatchArgs) == MOELINK_SIZEOF_HTI_DISPATCH_ARGS, "HtiDispatchArgs mirrors Rust");
 
@@ -292,7 +308,7 @@ struct HtiCombineArgs {
   u64 combined_topk_weights;  // f32 [T, TOPK] (TOPK > 0)
   u64 routing, fwd_entries, recv_route, state;
   u64 error_claim, error_record, timeout_ns;
-  u32 num_tokens, num_x_rows, chunk_tokens, num_send_blocks, num_fwd_blocks, pad;
+  u32 num_tokens, num_x_rows, chunk_tokens, num_send_blocks, num_fwd_blocks, fwd_per_node;
 };
 static_assert(sizeof(HtiCombineArgs) == MOELINK_SIZEOF_HTI_COMBINE_ARGS, "HtiCombineArgs mirrors Rust");
 
@@ -836,18 +852,27 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
   }
 }
 
-// Forwarder warp for source node `an` (rail source s = an * L + l): its rounds and chunks in order (see the
-// top of the file). Lane j < L keeps local rank j's state: the round's first slot not yet flagged, the rows
-// written since the last release, the round's row count, whether j handed this round's part back.
-__device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f, u32 an, const Deadline& dr, const Deadline& dn) {
-  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens;
+// Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
+// rounds in order, and in each the chunks c with c % P == p (see the top of the file). Lane j < L keeps local
+// rank j's state: the chunk's first slot not yet flagged and how many, the warp's rows to j this round,
+// whether j handed this round's part back. The warps of `an` share, per round, the chunks done, the rows per
+// local rank and the messages of earlier rounds (HtiForward); the one that finishes a round's last chunk
+// ends the round: done words, then the RDMA hand-back. A round's chunks arrive only after the hand-back of
+// the round before, which comes after that round's end reset the shared counts: no warp counts into a round
+// that is still ending.
+__device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
   const u32 s = an * RANKS_PER_NODE + f.me_local;
   const u32 tokens = (u32)f.routing[f.at.tokens_of + s];
   const u32 rounds = rounds_of(f, tokens);
   const u32 first = (u32)f.routing[f.at.fwd_offset + an];
-  u32 g = 0;  // messages of s before this round
   u32* entries = reinterpret_cast<u32*>(a.fwd_entries);
+  HtiForward* shared = hti_forward(a.state);
   const u32 j_rank = f.me_node * RANKS_PER_NODE + lane;  // lane j's global rank (lanes < L)
+  const u64* chunk_words = rdma_word(a.rdma, a.at.off_dchunk + (u64)an * HTI_MAX_CHUNKS * 8);
+  auto consumed_of = [&](u32 j) {
+    return reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)j * NUM_NODES + an;
+  };
   for (u32 k = 0; k < rounds; k++) {
     const u64 seq = (u64)f.base + k + 1;
     const u32 chunks = (round_tokens_of(f, tokens, k) + Q - 1) / Q;
@@ -865,24 +890,30 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       }
       __syncwarp();
     };
-    u32 m = 0;
-    for (u32 c = 0; c < chunks; c++) {
-      const u64* word = rdma_word(a.rdma, a.at.off_dchunk + ((u64)an * HTI_MAX_CHUNKS + c) * 8);
-      if (!warp_wait_u64(word, seq << 32, for_peer(dr, s, f.me), s)) return;
-      const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(word);
+    // Lane j waits until j handed its part for s back for the round before.
+    auto wait_handed_back = [&]() -> bool {
+      bool ok = true;
+      if (lane < RANKS_PER_NODE && !handed_back) {
+        ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed_of(lane)) - ((u64)f.base + k)) >= 0; },
+                        for_peer(dn, j_rank, f.me), j_rank);
+        handed_back = ok;
+      }
+      return __all_sync(FULL_WARP_MASK, ok);
+    };
+    u32 g = 0;  // messages of s before this round (read once this warp has a chunk of it)
+    for (u32 c = p; c < chunks; c += P) {
+      // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
+      if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
+      if (c > 0 && !warp_wait_u64(chunk_words + c - 1, seq << 32, for_peer(dr, s, f.me), s)) return;
+      const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
+      u32 m = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
+      if (c == p) g = ptx::ld_acquire_gpu(&shared->g[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
         const u32 mask = reinterpret_cast<const u32*>(msg)[1];
         i32 slot = -1;
         if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i32*>(msg + MSG_SLOTS)[lane];
-        // Lane j: wait (once a round) until j handed its part for s back.
-        bool ok = true;
-        if (lane < RANKS_PER_NODE && slot >= 0 && !handed_back) {
-          const u64* consumed = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)lane * NUM_NODES + an;
-          ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dn, j_rank, f.me), j_rank);
-          handed_back = ok;
-        }
-        if (!__all_sync(FULL_WARP_MASK, ok)) return;
+        if (__any_sync(FULL_WARP_MASK, slot >= 0 && !handed_back) && !wait_handed_back()) return;
         __syncwarp();
         for (u32 todo = mask; todo != 0u; todo &= todo - 1) {
           const u32 j = __ffs(todo) - 1;
@@ -904,32 +935,38 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
           else
             report_error(dr, ERR_RECV_OVERFLOW, NO_PEER, (u64)f.routing[RT_NUM_FWD], a.fwd_capacity);
         }
-        // Release every RELEASE_ROWS rows of a local rank (and at the round's end, below).
         if (__any_sync(FULL_WARP_MASK, pending >= RELEASE_ROWS)) release();
       }
+      // A chunk's rows to j have consecutive slots; the next chunk of this warp does not follow them.
+      release();
+      if (lane < RANKS_PER_NODE && rows > 0) atomicAdd(&shared->rows[an][lane], rows);
+      rows = 0;
+      __syncwarp();
+      u32 done = 0;
+      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->done[an], 1u) + 1;
+      done = __shfl_sync(FULL_WARP_MASK, done, 0);
+      if (done != chunks) continue;
+      // The round's last chunk: every local rank learns the round's row count — once it is past the round
+      // before, even when this round brought it no row (its done word still holds that round's count until
+      // then); then s may reuse its part here.
+      if (!wait_handed_back()) return;
+      if (lane < RANKS_PER_NODE) {
+        const u32 total = ptx::ld_acquire_gpu(&shared->rows[an][lane]);
+        shared->rows[an][lane] = 0;
+        u64* done_word = reinterpret_cast<u64*>(a.nvl.base[lane] + a.nvl.off_done) + s;
+        ptx::st_relaxed_sys_u64(done_word, (seq << 32) | total);
+      }
+      if (lane == 0) {
+        shared->g[an] = g + (u32)ptx::ld_relaxed_sys_u64(chunk_words + chunks - 1);
+        shared->done[an] = 0;
+        ptx::fence_acq_rel_sys();
+        const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
+        (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, hand_back_value(f, k, rounds), SIGNAL_SET, dr);
+      }
+      __syncwarp();
     }
-    // Round end: the last rows' flags; every local rank learns the round's row count — once it is past the
-    // round before, even when this round brought it no row (its done word still holds that round's count
-    // until then); then s may reuse its part here.
-    release();
-    bool ok = true;
-    if (lane < RANKS_PER_NODE && !handed_back) {
-      const u64* consumed = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)lane * NUM_NODES + an;
-      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dn, j_rank, f.me), j_rank);
-    }
-    if (!__all_sync(FULL_WARP_MASK, ok)) return;
-    if (lane < RANKS_PER_NODE) {
-      u64* done = reinterpret_cast<u64*>(a.nvl.base[lane] + a.nvl.off_done) + s;
-      ptx::st_relaxed_sys_u64(done, (seq << 32) | rows);
-    }
-    g += m;
-    if (lane == 0) {
-      const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
-      (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, hand_back_value(f, k, rounds), SIGNAL_SET, dr);
-    }
-    __syncwarp();
   }
-  if (rounds == 0 && lane == 0) {
+  if (rounds == 0 && p == 0 && lane == 0) {
     const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
     (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, (u64)f.base + f.rounds, SIGNAL_SET, dr);
   }
@@ -1063,12 +1100,15 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
         if (role == 0) {
           hti_dispatch::send(a, f, dr);
         } else if (role == 1) {
-          if (w < NUM_NODES) hti_dispatch::forward(a, f, w, dr, dn);
+          if (w < NUM_NODES * a.fwd_per_node) hti_dispatch::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
         } else {
           hti_dispatch::receive(a, f, w, n, dr, dn);
         }
       },
-      [&]() { st->dispatch_chunk = 0u; });
+      [&]() {
+        st->dispatch_chunk = 0u;
+        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->g[n] = 0u;
+      });
 }
 }  // namespace moelink::internode
 
@@ -1150,18 +1190,27 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
   }
 }
 
-// Forwarder warp for source node `an`: per round, per message (fwd_entries, in order), the rows of the
-// ranks it went to summed as the node level of the tree; partials staged and put home in chunks of Q
-// messages, each with its chunk word.
-__device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f, u32 an, const Deadline& dr, const Deadline& dn) {
-  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens;
+// Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an`: per round, its chunks of Q
+// messages (chunk c with c % P == p; fwd_entries say which ranks each message went to), each message the
+// rows of those ranks summed as the node level of the tree; the chunk's partials staged and put home with
+// its chunk word. The warp that finishes a round's last chunk hands the round's parts back to the node's
+// ranks (HtiForward::cdone counts; a round's rows arrive only after the hand-back of the round before).
+__device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
+  HtiForward* shared = hti_forward(a.state);
   const u32 s = an * RANKS_PER_NODE + f.me_local;
   const u32 tokens = (u32)f.routing[f.at.tokens_of + s];
   const u32 rounds = rounds_of(f, tokens);
   const u32 first = (u32)f.routing[f.at.fwd_offset + an], total = (u32)f.routing[f.at.fwd_count + an];
   const u32* entries = reinterpret_cast<const u32*>(a.fwd_entries);
   u32 g = 0;  // messages of s before this round
-  auto nvl_hand_back = [&](u64 value) {
+  // Round k's parts go back to the node's ranks, after round k - 1's: a round without messages from this
+  // node goes back as soon as a warp reaches it, possibly before a warp still finishing the round before,
+  // and a hand-back word must never go down. false: a deadline passed.
+  auto nvl_hand_back = [&](u32 k, u64 value) -> bool {
+    bool ok = true;
+    if (lane == 0) ok = spin_until([&]() { return ptx::ld_acquire_gpu(&shared->crounds[an]) >= k; }, for_peer(dn, NO_PEER, f.me), NO_PEER);
+    if (__shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) == 0u) return false;
     __syncwarp();
     ptx::fence_acq_rel_sys();
     __syncwarp();
@@ -1170,6 +1219,9 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       ptx::st_relaxed_sys_u64(word, value);
     }
     __syncwarp();
+    if (lane == 0) ptx::st_release_gpu(&shared->crounds[an], k + 1);
+    __syncwarp();
+    return true;
   };
   for (u32 k = 0; k < rounds; k++) {
     const u32 cseq = f.base + k + 1;
@@ -1181,11 +1233,12 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       else hi = mid;
     }
     const u32 cnt = lo - g;
-    if (cnt > 0) {
+    const u32 chunks = (cnt + Q - 1) / Q;
+    if (p < chunks) {
       const u64* consumed = rdma_word(a.rdma, a.at.off_cconsumed + 8ull * an);
       if (!warp_wait_u64(consumed, (u64)f.base + k, for_peer(dr, s, f.me), s)) return;
     }
-    for (u32 c0 = 0; c0 < cnt; c0 += Q) {
+    for (u32 c0 = p * Q; c0 < cnt; c0 += P * Q) {
       const u32 c1 = hti_min(c0 + Q, cnt);
       for (u32 m = c0; m < c1; m++) {
         const u32 message = g + m;
@@ -1256,12 +1309,20 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       if (!rdma::put_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, dst, src, (c1 - c0) * CMSG_BYTES, sig, ((u64)cseq << 32) | c1,
                                  SIGNAL_SET, dr))
         return;
+      // The round's last chunk read the last rows of the round: every local rank may write its part again.
+      u32 done = 0;
+      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->cdone[an], 1u) + 1;
+      done = __shfl_sync(FULL_WARP_MASK, done, 0);
+      if (done == chunks) {
+        if (lane == 0) shared->cdone[an] = 0;
+        if (!nvl_hand_back(k, hand_back_value(f, k, rounds))) return;
+      }
     }
     g += cnt;
-    // The rows of this round are read: every local rank may write the part again.
-    nvl_hand_back(hand_back_value(f, k, rounds));
+    // A round without messages from this node: nothing to read, the part goes back at once.
+    if (chunks == 0 && p == 0 && !nvl_hand_back(k, hand_back_value(f, k, rounds))) return;
   }
-  if (rounds == 0) nvl_hand_back((u64)f.base + f.rounds);
+  if (rounds == 0 && p == 0) (void)nvl_hand_back(0, (u64)f.base + f.rounds);
 }
 
 // Home-side reducer warp: token chunks of Q in order from the call's counter, one round at a time (a chunk
@@ -1409,7 +1470,7 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
         if (role == 0) {
           hti_combine::send(a, f, w, n, dr, dn);
         } else if (role == 1) {
-          if (w < NUM_NODES) hti_combine::forward(a, f, w, dr, dn);
+          if (w < NUM_NODES * a.fwd_per_node) hti_combine::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
         } else {
           hti_combine::reduce(a, f, dr);
         }
@@ -1418,6 +1479,7 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
         st->combine_chunk = 0u;
         st->combine_round_tokens = 0u;
         st->combine_rounds_done = 0u;
+        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->crounds[n] = 0u;
       });
 }
 }  // namespace moelink::internode

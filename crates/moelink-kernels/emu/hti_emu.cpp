@@ -153,12 +153,14 @@ struct World {
       st.nvl.reset(new Buf(at.nvl_total, 0xcd));
       std::memset(st.nvl->p, 0, at.nvl_zero_end);
       st.nic.reset(new Buf(sizeof(NicState), 0));
-      st.state.reset(new Buf(sizeof(HtiState), 0));
+      st.state.reset(new Buf(sizeof(HtiState) + sizeof(HtiForward), 0));
       peer_bases.push_back(st.rdma->addr());
     }
   }
   u32 el() const { return at.experts / R; }
-  u32 fwd_blocks() const { return (N + HTI_WARPS - 1) / HTI_WARPS; }
+  // Forwarder warps per source node (chunks dealt round-robin among them).
+  u32 fwd_per_node = 2;
+  u32 fwd_blocks() const { return (N * fwd_per_node + HTI_WARPS - 1) / HTI_WARPS; }
   u32 recv_blocks() const { return std::max(1u, (R + 32 * HTI_WARPS - 1) / (32 * HTI_WARPS)); }
   u32 workers() const { return send_blocks + fwd_blocks() + recv_blocks(); }
   u32 nic_blocks() const { return kEmuNic ? 1 : 0; }
@@ -385,6 +387,7 @@ static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay
         a.chunk_tokens = w.at.q;
         a.num_send_blocks = w.send_blocks;
         a.num_fwd_blocks = w.fwd_blocks();
+        a.fwd_per_node = w.fwd_per_node;
         w.launch(w.workers() + w.nic_blocks(), [&] { moelink::internode::dispatch(a); });
       },
       who);
@@ -514,6 +517,7 @@ static void combine(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay,
     a.chunk_tokens = w.at.q;
     a.num_send_blocks = w.send_blocks;
     a.num_fwd_blocks = w.fwd_blocks();
+    a.fwd_per_node = w.fwd_per_node;
     w.launch(w.workers() + w.nic_blocks(), [&] { moelink::internode::combine(a); });
   });
   for (u32 me = 0; me < R; me++) {
@@ -578,7 +582,9 @@ int main() {
     round_trip(w, t, 1, Route::Uniform, NUM_BIASES, true, "uniform, several rounds");
     for (u32 p = 0; p < R; p++) t[p] = 3 + (p * 7) % 17;
     w.send_blocks = 2;
+    w.fwd_per_node = 3;  // more forwarder warps than a round's chunks: some have none
     round_trip(w, t, 2, Route::Skewed, NUM_BIASES, false, "skewed to node 0");
+    w.fwd_per_node = 2;
     round_trip(w, t, 3, Route::NodeLimited, NUM_BIASES, false, "node-limited");
     std::printf("rounds of 8 (chunks of 4): uniform + cached, skewed, node-limited ok\n");
     // Zero tokens everywhere, then one token on one rank: nothing may hang or move.
@@ -604,6 +610,7 @@ int main() {
     // The round shape changes between calls of one buffer (other rows, other M): parts and flags stay where
     // they are; only sequence numbers tell rounds apart.
     World w(16, 4, E);
+    w.fwd_per_node = 1;
     std::vector<u32> t(R);
     for (u32 p = 0; p < R; p++) t[p] = 10 + (p * 11) % 30;
     round_trip(w, t, 11, Route::Uniform, NUM_BIASES, false, "rounds of 16");

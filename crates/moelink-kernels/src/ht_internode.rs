@@ -156,6 +156,7 @@ impl HtiVariant {
                 d("HTI_ROW_BYTES", rows.row.to_string()),
                 d("HTI_CROW_BYTES", rows.crow.to_string()),
                 d("HTI_CMSG_BYTES", rows.cmsg.to_string()),
+                d("HTI_STATE_BYTES", HTI_STATE_BYTES.to_string()),
                 d("MOELINK_SIZEOF_HTI_LAYOUT_ARGS", std::mem::size_of::<HtiLayoutArgs>().to_string()),
                 d("MOELINK_SIZEOF_HTI_NOTIFY_ARGS", std::mem::size_of::<HtiNotifyArgs>().to_string()),
                 d("MOELINK_SIZEOF_HTI_DISPATCH_ARGS", std::mem::size_of::<HtiDispatchArgs>().to_string()),
@@ -288,7 +289,7 @@ pub struct HtiDispatchArgs {
     pub chunk_tokens: u32,
     pub num_send_blocks: u32,
     pub num_fwd_blocks: u32,
-    pub pad: u32,
+    pub fwd_per_node: u32,
 }
 
 #[repr(C)]
@@ -315,11 +316,12 @@ pub struct HtiCombineArgs {
     pub chunk_tokens: u32,
     pub num_send_blocks: u32,
     pub num_fwd_blocks: u32,
-    pub pad: u32,
+    pub fwd_per_node: u32,
 }
 
-/// Bytes of the local state (`HtiState`).
-pub const HTI_STATE_BYTES: usize = 64;
+/// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
+/// round, rows per local rank, combine chunks done, combine rounds handed back).
+pub const HTI_STATE_BYTES: usize = 64 + 4 * (4 * HTI_MAX_NODES + 8 * HTI_MAX_NODES);
 
 /// The routing buffer's word offsets (`RoutingAt` and the `RT_*` header) for `R` ranks over `N` nodes and
 /// `T` tokens.

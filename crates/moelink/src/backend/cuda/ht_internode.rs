@@ -110,11 +110,14 @@ fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static 
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
 }
 
-/// Blocks of each role for `num_sms` worker blocks: one forwarder warp per source node, receiver warps for
-/// one source each (up to R), the rest send. `config.num_sms` too small for that is refused.
-fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32)> {
+/// Blocks of each role for `num_sms` worker blocks, and forwarder warps per source node: a block of
+/// forwarders dealt evenly over the source nodes (a node's chunks round-robin among its warps: at EP16, 8
+/// warps share the stream from each of the 2 nodes; one each from 16 nodes on), receiver warps for one source
+/// each (up to R), the rest send. `config.num_sms` too small for that is refused.
+fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32, u32)> {
     let warps = HTI_WARPS as usize;
-    let fwd = t.num_nodes.div_ceil(warps);
+    let per_node = (warps / t.num_nodes).clamp(1, 8);
+    let fwd = (t.num_nodes * per_node).div_ceil(warps);
     let recv_min = t.num_ranks().div_ceil(32 * warps).max(1);
     if num_sms < fwd + recv_min + 1 {
         return Err(Error::invalid(
@@ -128,7 +131,7 @@ fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32)> {
     }
     let recv = t.num_ranks().div_ceil(warps).clamp(recv_min, (num_sms - fwd - 1).max(recv_min));
     let send = num_sms - fwd - recv;
-    Ok((send as u32, fwd as u32))
+    Ok((send as u32, fwd as u32, per_node as u32))
 }
 
 /// The limits of the internode kernels, checked before anything runs (every rank refuses alike).
@@ -354,7 +357,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let num_out_rows = plan.num_recv_rows();
     let state = plan.state.into_cuda_internode(rank)?;
     let addrs = single::dispatch_addrs(b, &s, a, &out)?;
-    let (send_blocks, fwd_blocks) = roles(rank, t, s.num_sms)?;
+    let (send_blocks, fwd_blocks, fwd_per_node) = roles(rank, t, s.num_sms)?;
 
     // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
     // kernel rewrites with the same values).
@@ -435,7 +438,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         chunk_tokens: r.chunk_tokens as u32,
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,
-        pad: 0,
+        fwd_per_node,
     };
     let routing_ptr = r.routing.ptr();
     launch(b, &v, kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
@@ -486,7 +489,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
             format!("{} weights per row; the internode kernels carry at most {HTI_MAX_TOPK}", s.topk),
         ));
     }
-    let (send_blocks, fwd_blocks) = roles(rank, t, s.num_sms)?;
+    let (send_blocks, fwd_blocks, fwd_per_node) = roles(rank, t, s.num_sms)?;
     let c = single::combine_addrs(b, rank, a, &out)?;
     if s.num_recv_rows > r.route_rows {
         return Err(Error::invalid(
@@ -520,7 +523,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         chunk_tokens: r.chunk_tokens as u32,
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,
-        pad: 0,
+        fwd_per_node,
     };
     launch(b, &v, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
     single::finish(b, Phase::Combine)
@@ -533,10 +536,10 @@ mod tests {
     #[test]
     fn roles_cover_every_source_and_node() {
         let t = Topology { num_nodes: 2, ranks_per_node: 2 };
-        assert_eq!(roles(0, t, 24).unwrap(), (22, 1));
+        assert_eq!(roles(0, t, 24).unwrap(), (22, 1, 8));
         let t = Topology { num_nodes: 32, ranks_per_node: 8 };
-        let (send, fwd) = roles(0, t, 24).unwrap();
-        assert_eq!(fwd, 2);
+        let (send, fwd, per_node) = roles(0, t, 24).unwrap();
+        assert_eq!((fwd, per_node), (2, 1));
         assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
         assert!(matches!(roles(3, t, 3), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
     }
