@@ -45,15 +45,9 @@ pub mod phase {
     pub const COMBINE_NVLINK: u32 = 14;
 }
 
-/// The routing status bits (`HTI_STATUS_*`).
-pub mod status {
-    /// Some rank's `num_tokens_per_rank` disagrees with its `is_token_in_rank`.
-    pub const BAD_LAYOUT: u32 = 1;
-    /// Call signatures differ.
-    pub const MISMATCH: u32 = 2;
-    /// The exchange itself failed (timeout).
-    pub const FAILED: u32 = 8;
-}
+/// The routing status bits (`HTI_STATUS_*`): the single-node notify's, less its slab capacity bit (rounds
+/// make every token count fit).
+pub use crate::ht::status;
 
 /// Host-mapped words of notify in CPU-synchronised mode (`HN_*`).
 pub mod host_notify {

@@ -478,11 +478,6 @@ fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
     }
 }
 
-/// The error of a routing status that blames `peer`'s layout (this rank's own, or a peer's).
-pub(crate) fn layout_error(b: &CudaBackend, rank: usize, peer: usize) -> Error {
-    argument_error(b, &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() })
-}
-
 /// An argument error leaves the protocol intact: forget the record (once the stream is idle) so that the
 /// buffer stays usable, and pass the error on. Fatal errors stay recorded (they poison the buffer).
 pub(crate) fn settle(b: &mut CudaBackend, e: Error) -> Error {
@@ -667,19 +662,12 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
 /// error an earlier asynchronous call may have left in the record (that one surfaces when the dispatch
 /// finishes, after the collective ran), so every rank launches the dispatch or none does.
 fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec, row_bytes: usize) -> Result<HostRouting> {
-    let start = Instant::now();
-    let limit = Duration::from_nanos(b.timeout_ns) + Duration::from_secs(5);
     let rank = b.rank;
-    let m = b.ht.host_notify.as_ref().ok_or_else(|| Error::invalid("num_worst_tokens", rank, "internal: no host-mapped notify area"))?;
-    while m.read(host_notify::READY) != seq {
-        if let Some(e) = b.recorded_error().filter(|e| e.poisons_buffer()) {
-            return Err(e);
-        }
-        if start.elapsed() > limit {
-            return Err(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 });
-        }
-        std::hint::spin_loop();
+    if b.ht.host_notify.is_none() {
+        return Err(Error::invalid("num_worst_tokens", rank, "internal: no host-mapped notify area"));
     }
+    let start = wait_notify_ready(b, rank, seq, |b| b.ht.host_notify.as_ref().map_or(0, |m| m.read(host_notify::READY)))?;
+    let m = b.ht.host_notify.as_ref().expect("checked above");
     let status = m.read(host_notify::STATUS);
     let host = HostRouting {
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
@@ -690,13 +678,50 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec, row_bytes: usize) -> R
         return Ok(host);
     }
     let peer = m.read(host_notify::STATUS_PEER) as usize;
+    let e =
+        notify_status_error(b, s, status, peer, start).unwrap_or_else(|| too_small(b, "HT dispatch receive slab", host.t_max, row_bytes));
+    Err(settle(b, e))
+}
+
+/// CPU-synchronised mode: waits (deadline + slack) until `ready` reads call `seq` from notify's host-mapped
+/// words; a fatal recorded error ends the wait early. Returns when the wait started.
+pub(crate) fn wait_notify_ready(b: &CudaBackend, rank: usize, seq: u32, ready: impl Fn(&CudaBackend) -> u32) -> Result<Instant> {
+    let start = Instant::now();
+    let limit = Duration::from_nanos(b.timeout_ns) + Duration::from_secs(5);
+    while ready(b) != seq {
+        if let Some(e) = b.recorded_error().filter(|e| e.poisons_buffer()) {
+            return Err(e);
+        }
+        if start.elapsed() > limit {
+            return Err(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 });
+        }
+        std::hint::spin_loop();
+    }
+    Ok(start)
+}
+
+/// The error every rank gives for notify's agreed status bits `status` (blaming `peer`), for the bits both
+/// notify kernels share (`moelink_kernels::ht::status`: FAILED, BAD_LAYOUT, MISMATCH); `None` for the rest
+/// (the single-node slab's TOO_SMALL).
+pub(crate) fn notify_status_error(b: &CudaBackend, s: &HtSpec, status: u32, peer: usize, start: Instant) -> Option<Error> {
+    let rank = s.rank;
     let recorded = b.recorded_error();
-    let e = if status & kht::status::FAILED != 0 {
-        recorded.unwrap_or(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 })
-    } else if status & kht::status::BAD_LAYOUT != 0 {
-        argument_error(b, &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() })
-    } else if status & kht::status::MISMATCH != 0 {
-        match recorded {
+    if status & kht::status::FAILED != 0 {
+        return Some(recorded.unwrap_or(Error::Timeout {
+            rank,
+            peer: usize::MAX,
+            phase: Phase::Notify,
+            waited_ms: start.elapsed().as_millis() as u64,
+        }));
+    }
+    if status & kht::status::BAD_LAYOUT != 0 {
+        return Some(argument_error(
+            b,
+            &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() },
+        ));
+    }
+    if status & kht::status::MISMATCH != 0 {
+        return Some(match recorded {
             Some(e @ Error::RankMismatch { .. }) => e,
             _ => Error::RankMismatch {
                 what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
@@ -705,11 +730,9 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec, row_bytes: usize) -> R
                 ours: format!("hidden {}, {} experts, top-{}, fp8 {}", s.hidden, s.num_experts, s.topk, s.fp8),
                 theirs: "something else".into(),
             },
-        }
-    } else {
-        too_small(b, "HT dispatch receive slab", host.t_max, row_bytes)
-    };
-    Err(settle(b, e))
+        });
+    }
+    None
 }
 
 fn out_addr(t: &Option<TensorMut<'_>>) -> u64 {

@@ -6,7 +6,6 @@
 //! launch, cooperative, with the emulated NIC's blocks when the transport is `emu-nic`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use moelink_cuda::{HostMapped, LaunchConfig};
 use moelink_kernels::ht::{call_signature, CallSignature};
@@ -300,26 +299,14 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
 
 /// CPU-sync mode: waits (deadline) for notify's host-mapped results of call `seq`; a non-zero status is the
 /// error every rank sees alike.
+/// This buffer's host-mapped notify words (allocated by `prepare_dispatch` before it launches notify).
+fn notify(b: &CudaBackend) -> Option<&HostMapped<u32>> {
+    b.internode.as_ref().and_then(|i| i.hti.host_notify.as_ref())
+}
+
 fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting, usize)> {
-    let rank = s.rank;
-    let start = Instant::now();
-    let limit = Duration::from_nanos(b.timeout_ns) + Duration::from_secs(5);
-    loop {
-        let m = b.internode.as_ref().and_then(|i| i.hti.host_notify.as_ref()).expect("allocated by prepare_dispatch");
-        if m.read(host_notify::READY) == seq {
-            break;
-        }
-        if let Some(e) = b.recorded_error() {
-            if e.poisons_buffer() {
-                return Err(e);
-            }
-        }
-        if start.elapsed() > limit {
-            return Err(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 });
-        }
-        std::hint::spin_loop();
-    }
-    let m = b.internode.as_ref().and_then(|i| i.hti.host_notify.as_ref()).expect("allocated by prepare_dispatch");
+    let start = single::wait_notify_ready(b, s.rank, seq, |b| notify(b).map_or(0, |m| m.read(host_notify::READY)))?;
+    let m = notify(b).expect("allocated by prepare_dispatch");
     let status = m.read(host_notify::STATUS);
     let host = HostRouting {
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
@@ -330,23 +317,9 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting
     if status == 0 {
         return Ok((host, num_fwd));
     }
-    let recorded = b.recorded_error();
-    let e = if status & khti::status::FAILED != 0 {
-        recorded.unwrap_or(Error::Timeout { rank, peer: usize::MAX, phase: Phase::Notify, waited_ms: start.elapsed().as_millis() as u64 })
-    } else if status & khti::status::BAD_LAYOUT != 0 {
-        single::layout_error(b, rank, peer)
-    } else {
-        match recorded {
-            Some(e @ Error::RankMismatch { .. }) => e,
-            _ => Error::RankMismatch {
-                what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
-                rank,
-                peer,
-                ours: format!("hidden {}, {} experts, top-{}, fp8 {}", s.hidden, s.num_experts, s.topk, s.fp8),
-                theirs: "something else".into(),
-            },
-        }
-    };
+    // The internode notify sets only the shared bits.
+    let e = single::notify_status_error(b, s, status, peer, start)
+        .unwrap_or_else(|| Error::Group { rank: s.rank, reason: format!("notify reported unknown status bits {status:#x}") });
     Err(single::settle(b, e))
 }
 
@@ -361,7 +334,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
 
     // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
     // kernel rewrites with the same values).
-    let (fresh, existing) = match state {
+    let handle = match state {
         HtiPlan::Fresh { routing, host, num_fwd, round_tokens, chunk_tokens } => {
             let fwd_capacity = num_fwd.unwrap_or(s.num_worst_tokens).max(1);
             let route_rows = num_out_rows.max(1);
@@ -378,14 +351,13 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
                 round_tokens,
                 chunk_tokens,
             };
-            (Some(r), None)
+            Handle::New(Box::new(r))
         }
-        HtiPlan::Cached(data) => (None, Some(data)),
+        HtiPlan::Cached(data) => Handle::Existing(data),
     };
-    let r: &HtiRouting = match (&fresh, &existing) {
-        (Some(r), _) => r,
-        (None, Some(d)) => d.cuda_internode(rank)?,
-        (None, None) => unreachable!("a plan is fresh or cached"),
+    let r: &HtiRouting = match &handle {
+        Handle::New(r) => r,
+        Handle::Existing(d) => d.cuda_internode(rank)?,
     };
     if num_out_rows > r.route_rows {
         return Err(Error::invalid(
@@ -451,23 +423,23 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     }
     single::finish(b, Phase::Dispatch)?;
     // No-sync mode, but this call waited for the kernels: the received count is on the device.
-    let read_back = match (&fresh, &existing) {
-        (Some(r), _) if r.host.is_none() && !b.is_async() => Some(read_back(r)?),
-        _ => None,
-    };
-    let data = match (fresh, existing) {
-        (Some(mut r), _) => {
-            if r.host.is_none() {
-                r.host = read_back;
+    let data = match handle {
+        Handle::New(mut r) => {
+            if r.host.is_none() && !b.is_async() {
+                r.host = Some(read_back(&r)?);
             }
-            let n = r.host.as_ref().map(|h| h.num_recv_tokens);
-            return Ok(HtDispatched { data: Arc::new(HtRouting::CudaInternode(r)), num_recv_tokens: n });
+            Arc::new(HtRouting::CudaInternode(*r))
         }
-        (None, Some(d)) => d,
-        (None, None) => unreachable!("a plan is fresh or cached"),
+        Handle::Existing(d) => d,
     };
     let n = data.cuda_internode(rank)?.host.as_ref().map(|h| h.num_recv_tokens);
     Ok(HtDispatched { data, num_recv_tokens: n })
+}
+
+/// The handle data a dispatch returns: built by a fresh dispatch, shared by a cached one.
+enum Handle {
+    New(Box<HtiRouting>),
+    Existing(Arc<HtRouting>),
 }
 
 fn read_back(r: &HtiRouting) -> Result<HostRouting> {
