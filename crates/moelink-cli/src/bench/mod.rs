@@ -498,23 +498,21 @@ fn buffer_bytes(batches: &[Batch], internode: Option<moelink::Topology>) -> (usi
     let (mut nvl, mut rdma) = (0, 0);
     for b in batches {
         let s = &b.shape;
-        match b.mode {
+        match (b.mode, internode) {
             // Across nodes: one round holds every token (the kernels' rounds are then DeepEP's one pass).
-            Mode::Ht if internode.is_some() => {
-                let t = internode.expect("checked");
+            (Mode::Ht, Some(t)) => {
                 for use_fp8 in [false, b.dtypes.contains(&Dtype::Fp8)] {
                     let need = moelink::internode::ht_bytes_needed(t, s.tokens.max(1), s.hidden, s.topk, use_fp8);
                     nvl = nvl.max(need.num_nvl_bytes);
                     rdma = rdma.max(need.num_rdma_bytes);
                 }
             }
-            Mode::Ht => {
-                let fp8 = b.dtypes.contains(&Dtype::Fp8);
-                for use_fp8 in [false, fp8] {
+            (Mode::Ht, None) => {
+                for use_fp8 in [false, b.dtypes.contains(&Dtype::Fp8)] {
                     nvl = nvl.max(Buffer::ht_bytes_needed(s.tokens, s.hidden, s.topk, s.ranks, use_fp8));
                 }
             }
-            Mode::Ll => rdma = rdma.max(Buffer::ll_bytes_needed(s.tokens, s.hidden, s.ranks, s.experts)),
+            (Mode::Ll, _) => rdma = rdma.max(Buffer::ll_bytes_needed(s.tokens, s.hidden, s.ranks, s.experts)),
         }
     }
     (nvl, rdma)
