@@ -550,6 +550,24 @@ impl NvshmemHeap {
         stream.synchronize()
     }
 
+    /// Copies `dst.len()` bytes of this PE's copy from byte `offset` (on a private stream; done when it
+    /// returns). For diagnostics: it races with kernels still writing there.
+    pub fn copy_to_host_at(&self, device: &Device, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if offset.checked_add(dst.len()).is_none_or(|end| end > self.len) {
+            return Err(crate::Error::InvalidArgument(format!(
+                "copy_to_host_at: {} bytes at {offset} outside the heap's {} bytes",
+                dst.len(),
+                self.len
+            )));
+        }
+        let stream = crate::stream::Stream::new(device)?;
+        let _g = device.bind_scoped()?;
+        // SAFETY: `[ptr + offset, + dst.len())` lies in this PE's heap allocation (checked above), alive while
+        // `self` is; `dst` outlives the copy, which is synchronised before returning.
+        unsafe { crate::raw::driver::memcpy_dtoh_async(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len(), stream.raw())? };
+        stream.synchronize()
+    }
+
     /// Keeps the memory when dropped (a peer may still write into it, or a collective free could wait for a
     /// dead PE), and pins the runtime ([`Nvshmem::pin`]): its finalize would wait for that PE too.
     pub fn leak(&mut self) {

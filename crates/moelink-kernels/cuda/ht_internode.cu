@@ -107,7 +107,8 @@ constexpr u32 PAYLOAD_VECS = PAYLOAD_BYTES / VEC_BYTES;
 constexpr u32 NUM_SCALES = FP8 ? HIDDEN / FP8_BLOCK : 0;
 static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
 static_assert(!FP8 || HIDDEN % FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
-// An RDMA dispatch message: u32 token, u32 mask (bit j: goes to local rank j), 8 bytes of padding; i32 slot
+// An RDMA dispatch message: u32 token, u32 mask (bit j: goes to local rank j), u32 layout tag (MSG_TAG), 4
+// bytes of padding; i32 slot
 // [8] (the row's slot at each local rank of the destination node, -1 elsewhere); i32 top-k ids (global, -1
 // for none); f32 weights; f32 scales; the payload at a 16-byte boundary.
 constexpr u32 MSG_SLOTS = 16;
@@ -116,6 +117,15 @@ constexpr u32 MSG_WEIGHTS = MSG_IDS + 4 * TOPK;
 constexpr u32 MSG_SCALES = MSG_WEIGHTS + 4 * TOPK;
 constexpr u32 MSG_PAYLOAD = HTI_ALIGN16(MSG_SCALES + 4 * NUM_SCALES);
 constexpr u32 MSG_BYTES = MSG_PAYLOAD + PAYLOAD_BYTES;
+// What a message's layout depends on, so that a forwarder reading a message of another kernel variant (a
+// host that chose the variant differently on one rank) stops with ERR_PEER_LAYOUT instead of forwarding
+// garbage to addresses taken from it.
+constexpr u32 MSG_TAG = 0xa0000000u | (FP8 ? 1u << 27 : 0u) | (TOPK << 20) | HIDDEN;
+static_assert(HIDDEN < (1u << 20) && TOPK < 128, "the layout tag holds HIDDEN and TOPK");
+#ifndef HTI_MSG_TAG_OF
+// The tag a sender writes. The CPU emulator redefines it to give one rank's messages another layout's tag.
+#define HTI_MSG_TAG_OF(rank) MSG_TAG
+#endif
 // A row in an NVLink dispatch part: the payload, then u32 meta words: the top-k ids as the receiver's local
 // i64 ids (two words each, low first), the scales, the weights (0 where the id is -1 there), the source's
 // token index, the message index and the round (for combine); padded to 16 bytes.
@@ -817,6 +827,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
         if (lane == 0) {
           reinterpret_cast<u32*>(msg)[0] = t;
           reinterpret_cast<u32*>(msg)[1] = mask;
+          reinterpret_cast<u32*>(msg)[2] = HTI_MSG_TAG_OF(a.rdma.rank);
         }
         if (TOPK > 0 && lane < TOPK) {
           const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
@@ -910,6 +921,11 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       if (c == p) g = ptx::ld_acquire_gpu(&shared->g[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
+        const u32 tag = reinterpret_cast<const u32*>(msg)[2];
+        if (tag != MSG_TAG) {
+          if (lane == 0) raise_error(dr, ERR_PEER_LAYOUT, s, ((u64)tag << 32) | MSG_TAG);
+          return;
+        }
         const u32 mask = reinterpret_cast<const u32*>(msg)[1];
         i32 slot = -1;
         if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i32*>(msg + MSG_SLOTS)[lane];

@@ -37,6 +37,9 @@ constexpr u32 ERR_INVALID_LAYOUT = 3;    // num_tokens_per_rank disagrees with i
 constexpr u32 ERR_RANK_MISMATCH = 4;     // ranks called with different shapes / dtypes / expert counts
 constexpr u32 ERR_BUFFER_TOO_SMALL = 5;  // a receive slab of num_nvl_bytes cannot hold the call
 constexpr u32 ERR_RECV_OVERFLOW = 6;     // no-sync dispatch received more rows than num_worst_tokens
+// Fatal like a timeout (raise_error): a peer's message has another layout than this rank's kernel reads, so
+// the ranks launched different kernel variants and nothing received can be trusted.
+constexpr u32 ERR_PEER_LAYOUT = 7;
 
 // Values of the claim word (ErrorSink::claim): nothing recorded, a fatal error (waits give up), or an
 // argument error (waits carry on; a later fatal error still takes the record over).

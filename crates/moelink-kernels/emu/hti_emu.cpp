@@ -621,6 +621,18 @@ int main() {
     std::printf("round shape changing between calls: ok\n");
   }
   {
+    // One chunk per round (Q == M), as a GPU buffer sized for few tokens gets: every round's messages travel
+    // in one chunk, and a call runs several rounds.
+    World w(8, 8, E);
+    w.fwd_per_node = 8;
+    w.send_blocks = 8;
+    std::vector<u32> t(R);
+    const u32 gpu_test[8] = {30, 7, 14, 1, 22, 0, 9, 30};
+    for (u32 p = 0; p < R; p++) t[p] = gpu_test[p % 8];
+    round_trip(w, t, 21, Route::Uniform, NUM_BIASES, true, "one chunk per round");
+    std::printf("one chunk per round: ok\n");
+  }
+  {
     // One round holds every token: a round of 64, chunks of 64.
     World w(64, 64, E);
     std::vector<u32> t(R);

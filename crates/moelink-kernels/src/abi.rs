@@ -26,6 +26,16 @@ pub const ERR_BUFFER_TOO_SMALL: u32 = 5;
 /// `ErrorRecord::code`: a no-sync dispatch received more rows than the outputs have. Details: rows received,
 /// rows of the outputs.
 pub const ERR_RECV_OVERFLOW: u32 = 6;
+/// `ErrorRecord::code`, fatal like [`ERR_TIMEOUT`]: rank `peer`'s message has another layout than this rank's
+/// kernel reads (the ranks launched different kernel variants). Details: `elapsed_ns` = the message's
+/// layout tag << 32 | this kernel's.
+pub const ERR_PEER_LAYOUT: u32 = 7;
+
+/// Whether a recorded error code is fatal (recorded with `raise_error`: waits gave up, the buffer is
+/// poisoned) rather than an argument error the host clears after reporting it.
+pub fn is_fatal(code: u32) -> bool {
+    code == ERR_TIMEOUT || code == ERR_PEER_LAYOUT
+}
 
 /// Claim word values (`CLAIM_*` in `ptx.cuh`): nothing recorded, a fatal error, an argument error.
 pub mod claim {
@@ -169,6 +179,7 @@ mod tests {
             ("ERR_RANK_MISMATCH", ERR_RANK_MISMATCH as u64),
             ("ERR_BUFFER_TOO_SMALL", ERR_BUFFER_TOO_SMALL as u64),
             ("ERR_RECV_OVERFLOW", ERR_RECV_OVERFLOW as u64),
+            ("ERR_PEER_LAYOUT", ERR_PEER_LAYOUT as u64),
             ("CLAIM_NONE", claim::NONE as u64),
             ("CLAIM_FATAL", claim::FATAL as u64),
             ("CLAIM_ARGUMENT", claim::ARGUMENT as u64),

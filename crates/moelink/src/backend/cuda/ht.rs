@@ -468,6 +468,15 @@ fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
         abi::ERR_RECV_OVERFLOW => {
             Error::invalid("num_worst_tokens", rank, format!("this rank receives {d0} tokens, but the outputs have {d1} rows"))
         }
+        abi::ERR_PEER_LAYOUT => Error::Group {
+            rank,
+            reason: format!(
+                "rank {peer}'s internode messages have layout {:#x}, this rank's kernel reads {:#x}: the ranks launched \
+                 different kernel variants; nothing received is valid",
+                d0 >> 32,
+                d0 & 0xffff_ffff
+            ),
+        },
         code => Error::Group {
             rank,
             reason: format!(

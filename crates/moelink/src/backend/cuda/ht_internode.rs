@@ -101,6 +101,13 @@ fn nvl_args(b: &CudaBackend) -> NvlArgs {
     n
 }
 
+/// The dispatch kernel of a call: its message and row layouts come from the call's signature (top-k ids
+/// travel when the call has them), which notify made every rank agree on. Never from a tensor's address: a
+/// rank without tokens has empty top-k tensors, and its kernel must still read its peers' messages.
+fn dispatch_variant(b: &CudaBackend, s: &HtSpec) -> HtiVariant {
+    variant(b, s.hidden, s.fp8, if s.has_topk { s.topk } else { 0 }, 0)
+}
+
 /// The launch: `blocks` worker blocks plus the emulated NIC's, cooperative (every role of every block waits
 /// for the others).
 fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static str, args: &A, blocks: u32) -> Result<()> {
@@ -378,7 +385,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
             ),
         ));
     }
-    let v = variant(b, s.hidden, s.fp8, if addrs.topk_idx != 0 { s.topk } else { 0 }, 0);
+    let v = dispatch_variant(b, &s);
     let (error_claim, error_record) = b.error_sink();
     let inter = b.internode.as_ref().expect("an internode buffer");
     let args = HtiDispatchArgs {
@@ -421,7 +428,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         // stream.
         unsafe { b.op_stream().memcpy_dtod_async(m.addr(), routing_ptr + 4 * at as u64, 4 * t.num_ranks() * t.num_ranks())? };
     }
-    single::finish(b, Phase::Dispatch)?;
+    finish_or_dump(b, Phase::Dispatch, "dispatch", &r.routing, r.round_tokens)?;
     // No-sync mode, but this call waited for the kernels: the received count is on the device.
     let data = match handle {
         Handle::New(mut r) => {
@@ -446,6 +453,111 @@ fn read_back(r: &HtiRouting) -> Result<HostRouting> {
     let mut word = [0u8; 4];
     r.routing.buffer().copy_to_host_at(4 * routing::NUM_RECV, &mut word)?;
     Ok(HostRouting { num_recv_tokens: u32::from_le_bytes(word) as usize, per_expert_raw: None })
+}
+
+// ------------------------------------------------------------------------------------------ diagnostics
+
+/// The protocol's words as this rank sees them once a call failed (HT tracing only): the local state
+/// (`HtiState`, the forwarders' shared counts), the RDMA signals (chunk words, hand-backs), the node's
+/// hand-back and done words and the first flags of every part, and the routing header of the call. Read
+/// after the kernel gave up; peers may still be writing, so it is a snapshot, not a proof.
+fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> String {
+    use std::fmt::Write;
+    let t = topology(b);
+    let (r, n, l) = (t.num_ranks(), t.num_nodes, t.ranks_per_node);
+    let mut out = String::new();
+    let _ = write!(out, "rank {} {op} protocol state ({t}, M {round_tokens}):", b.rank);
+    let u32s = |bytes: &[u8]| -> Vec<u32> { bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
+    let u64s = |bytes: &[u8]| -> Vec<u64> { bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect() };
+    let word = |v: u64| format!("{}:{}", v >> 32, v & 0xffff_ffff);
+    // Local state.
+    let mut st = vec![0u8; khti::HTI_STATE_BYTES];
+    let inter = b.internode.as_ref().expect("an internode buffer");
+    if inter.hti.state.copy_to_host(&mut st).is_ok() {
+        let w = u32s(&st);
+        let _ = write!(
+            out,
+            "\n  state: epoch {} dbase {} cbase {} ddone {} cdone {} dchunk {} cchunk {} cround_tokens {} crounds_done {}",
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
+        );
+        let f = &w[16..];
+        let mx = HTI_MAX_NODES;
+        let _ = write!(out, "\n  forward: done {:?} g {:?} rows {:?} cdone {:?} crounds {:?}", &f[..n], &f[mx..mx + n],
+            (0..n).map(|a| f[2 * mx + 8 * a..2 * mx + 8 * a + l].to_vec()).collect::<Vec<_>>(),
+            &f[10 * mx..10 * mx + n], &f[11 * mx..11 * mx + n]);
+    }
+    // RDMA signals.
+    if let Ok(at) = rdma_at(b) {
+        let read = |off: u64, words: usize| -> Vec<u64> {
+            let mut v = vec![0u8; 8 * words];
+            match inter.rdma.read_local(&b.device, off as usize, &mut v) {
+                Ok(()) => u64s(&v),
+                Err(_) => Vec::new(),
+            }
+        };
+        let chunks = 4.min(khti::HTI_MAX_CHUNKS);
+        for node in 0..n {
+            let d: Vec<String> = read(at.off_dchunk + (node * khti::HTI_MAX_CHUNKS * 8) as u64, chunks).into_iter().map(word).collect();
+            let c: Vec<String> = read(at.off_cchunk + (node * khti::HTI_MAX_CHUNKS * 8) as u64, chunks).into_iter().map(word).collect();
+            let _ = write!(out, "\n  from node {node}: dchunk[..{chunks}] {d:?} cchunk {c:?}");
+        }
+        let _ = write!(out, "\n  rdma hand-backs: dconsumed {:?} cconsumed {:?}", read(at.off_dconsumed, n), read(at.off_cconsumed, n));
+    }
+    // The node's words.
+    let nvl = nvl_args(b);
+    let sym = b.sym.local();
+    let read_nvl = |off: u64, bytes: usize| -> Vec<u8> {
+        let mut v = vec![0u8; bytes];
+        if sym.copy_to_host_at(off as usize, &mut v).is_err() {
+            v.clear();
+        }
+        v
+    };
+    let done: Vec<String> = u64s(&read_nvl(nvl.off_done, 8 * r)).into_iter().map(word).collect();
+    let _ = write!(out, "\n  done (per source) {done:?}");
+    let _ = write!(
+        out,
+        "\n  nvl hand-backs [local rank][node]: consumed {:?} cconsumed {:?}",
+        u64s(&read_nvl(nvl.off_consumed, 8 * l * n)),
+        u64s(&read_nvl(nvl.off_cconsumed, 8 * l * n))
+    );
+    let slots = round_tokens.min(nvl.flag_slots as usize).min(64);
+    for s in 0..r {
+        let f = u32s(&read_nvl(nvl.off_dflags + (s * nvl.flag_slots as usize * 4) as u64, 4 * slots));
+        let _ = write!(out, "\n  dflags from {s}[..{slots}]: {}", runs(&f));
+    }
+    for j in 0..l {
+        for a in 0..n {
+            let f = u32s(&read_nvl(nvl.off_cflags + (((j * n + a) * nvl.flag_slots as usize) * 4) as u64, 4 * slots));
+            let _ = write!(out, "\n  cflags from local {j} node {a}[..{slots}]: {}", runs(&f));
+        }
+    }
+    let mut head = vec![0u8; 4 * routing::HEADER];
+    if routing_buf.buffer().copy_to_host_at(0, &mut head).is_ok() {
+        let _ = write!(out, "\n  routing header {:?}", u32s(&head));
+    }
+    out
+}
+
+/// `v` as runs of equal values: `7x3 8x61` (value x count).
+fn runs(v: &[u32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let j = v[i..].iter().position(|&x| x != v[i]).map_or(v.len(), |p| i + p);
+        parts.push(format!("{}x{}", v[i], j - i));
+        i = j;
+    }
+    parts.join(" ")
+}
+
+/// `finish`, printing the protocol's state on stderr when the call failed with HT tracing on.
+fn finish_or_dump(b: &mut CudaBackend, phase: Phase, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> Result<()> {
+    let r = single::finish(b, phase);
+    if r.is_err() && b.tracing.high_throughput {
+        eprintln!("{}", protocol_dump(b, op, routing_buf, round_tokens));
+    }
+    r
 }
 
 // ------------------------------------------------------------------------------------------ combine
@@ -498,7 +610,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         fwd_per_node,
     };
     launch(b, &v, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
-    single::finish(b, Phase::Combine)
+    finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)
 }
 
 #[cfg(test)]

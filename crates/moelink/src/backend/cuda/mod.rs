@@ -391,7 +391,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.op_stream().synchronize()?;
-        if self.error_record.read(0).code == abi::ERR_TIMEOUT {
+        if abi::is_fatal(self.error_record.read(0).code) {
             return Ok(());
         }
         self.error_claim.memset_u8(0)?;

@@ -135,6 +135,16 @@ impl RdmaDomain {
         }
     }
 
+    /// Copies `dst.len()` bytes of this rank's region from byte `offset` (diagnostics: it races with
+    /// kernels still writing there).
+    pub(crate) fn read_local(&self, device: &moelink_cuda::Device, offset: usize, dst: &mut [u8]) -> Result<()> {
+        match &self.region {
+            Region::Peers(s) => s.local().copy_to_host_at(offset, dst)?,
+            Region::Heap(h) => h.copy_to_host_at(device, offset, dst)?,
+        }
+        Ok(())
+    }
+
     /// The argument block of `transport.cuh` for this rank.
     pub(crate) fn args(&self) -> RdmaArgs {
         let mut a = RdmaArgs {
