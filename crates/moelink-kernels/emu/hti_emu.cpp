@@ -9,7 +9,40 @@
 // for bit (the hierarchical fp32 tree). Prints one line per scenario; exits non-zero on the first mismatch.
 #include "runtime.hpp"
 #include "ptx.cuh"
+#include "transport.cuh"
+// Each build of the kernels in a namespace of its own (their helpers take the seam's global types, so two
+// builds side by side in the global namespace would be ambiguous to argument-dependent lookup).
+namespace own_variant {
 #include "ht_internode.cu"
+}  // namespace own_variant
+using namespace own_variant;
+
+// The same kernels built with another top-k (the test passes that variant's row sizes): what one rank
+// launches when its host chooses the variant from anything but the call's signature, as a rank without
+// tokens did when the choice followed topk_idx's address. The variant-mismatch scenario runs it on one rank.
+#pragma push_macro("TOPK")
+#pragma push_macro("HTI_MSG_BYTES")
+#pragma push_macro("HTI_ROW_BYTES")
+#pragma push_macro("HTI_CROW_BYTES")
+#pragma push_macro("HTI_CMSG_BYTES")
+#undef TOPK
+#undef HTI_MSG_BYTES
+#undef HTI_ROW_BYTES
+#undef HTI_CROW_BYTES
+#undef HTI_CMSG_BYTES
+#define TOPK HTI_EMU_PEER_TOPK
+#define HTI_MSG_BYTES HTI_EMU_PEER_HTI_MSG_BYTES
+#define HTI_ROW_BYTES HTI_EMU_PEER_HTI_ROW_BYTES
+#define HTI_CROW_BYTES HTI_EMU_PEER_HTI_CROW_BYTES
+#define HTI_CMSG_BYTES HTI_EMU_PEER_HTI_CMSG_BYTES
+namespace peer_variant {
+#include "ht_internode.cu"
+}  // namespace peer_variant
+#pragma pop_macro("TOPK")
+#pragma pop_macro("HTI_MSG_BYTES")
+#pragma pop_macro("HTI_ROW_BYTES")
+#pragma pop_macro("HTI_CROW_BYTES")
+#pragma pop_macro("HTI_CMSG_BYTES")
 
 #include <algorithm>
 #include <cstdio>
@@ -343,7 +376,7 @@ struct Received {
 };
 
 static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay, std::vector<Received>& out, const char* what,
-                     std::vector<u32> who = {}) {
+                     std::vector<u32> who = {}, u32 peer_variant_rank = ~0u) {
   out.assign(R, Received{});
   w.ranks(
       [&](u32 me) {
@@ -388,7 +421,15 @@ static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay
         a.num_send_blocks = w.send_blocks;
         a.num_fwd_blocks = w.fwd_blocks();
         a.fwd_per_node = w.fwd_per_node;
-        w.launch(w.workers() + w.nic_blocks(), [&] { moelink::internode::dispatch(a); });
+        if (me == peer_variant_rank) {
+          // The other build's argument struct is the same bytes (no member depends on TOPK).
+          static_assert(sizeof(peer_variant::HtiDispatchArgs) == sizeof(HtiDispatchArgs), "one argument layout");
+          peer_variant::HtiDispatchArgs pa;
+          std::memcpy(&pa, &a, sizeof a);
+          w.launch(w.workers() + w.nic_blocks(), [&] { peer_variant::moelink::internode::dispatch(pa); });
+        } else {
+          w.launch(w.workers() + w.nic_blocks(), [&] { moelink::internode::dispatch(a); });
+        }
       },
       who);
 }
@@ -663,6 +704,32 @@ int main() {
     }
     CHECK(timed_out > 0, "silent rank: nobody timed out");
     std::printf("silent rank: %u of %u ranks time out naming a peer and a domain ok\n", timed_out, R - 1);
+  }
+  if (K > 0) {
+    // One rank (the one without tokens) launches the dispatch without top-k, as a host that chose the
+    // variant from topk_idx's address did: its forwarder meets messages of another layout. Every rank must
+    // end its call (no hang, no store through an address read from a misaligned message): that rank with
+    // ERR_PEER_LAYOUT naming a source whose messages it read, the others with that, a timeout, or nothing (when they needed nothing from it).
+    World w(8, 4, E);
+    w.timeout_ns = 300ull * 1000 * 1000;
+    std::vector<Inputs> in(R);
+    for (u32 p = 0; p < R; p++) in[p] = make_inputs(w, p, p == 1 ? 0 : 12 + p, 9, Route::Uniform);
+    std::vector<Layout> lay;
+    layout_and_notify(w, in, lay, "variant mismatch");
+    std::vector<Received> rx;
+    dispatch(w, in, lay, rx, "variant mismatch", {}, 1);
+    const ErrorRecord& odd = w.r[1].record;
+    CHECK(odd.code == ERR_PEER_LAYOUT && odd.peer < R && odd.peer != 1, "variant mismatch: rank 1 recorded code %u peer %u", odd.code,
+          odd.peer);
+    // A rank that needed nothing from rank 1 may finish cleanly; one that did ends with an error, never with
+    // rows taken from a misread message.
+    for (u32 p = 0; p < R; p++) {
+      const bool clean = w.r[p].claim == CLAIM_NONE;
+      CHECK(clean || w.r[p].record.code == ERR_PEER_LAYOUT || w.r[p].record.code == ERR_TIMEOUT, "variant mismatch: rank %u ended with code %u",
+            p, w.r[p].record.code);
+    }
+    std::printf("variant mismatch (rank 1 runs top-%u): ERR_PEER_LAYOUT naming rank %u, no hang ok\n", (u32)HTI_EMU_PEER_TOPK,
+                odd.peer);
   }
   std::printf("all internode HT scenarios passed\n");
   return 0;

@@ -22,11 +22,20 @@ const EMU_WARPS: u32 = 2;
 fn run_variant(cxx: &str, v: HtiVariant) {
     let spec = v.spec();
     let files = [("ht_internode.cu", HTI_SOURCE), ("transport.cuh", TRANSPORT_HEADER)];
+    // The kernels once more without top-k (the cached dispatch's TOPK 0): the layout a rank without tokens
+    // launched when its host picked the variant from topk_idx's address, for the variant-mismatch scenario
+    // (run when this variant carries top-k).
+    let peer = HtiVariant { topk: 0, ..v }.spec();
+    let peer_flags: Vec<String> = ["TOPK", "HTI_MSG_BYTES", "HTI_ROW_BYTES", "HTI_CROW_BYTES", "HTI_CMSG_BYTES"]
+        .iter()
+        .map(|name| format!("-DHTI_EMU_PEER_{name}={}", peer.define(name).expect("every HT-internode spec defines it")))
+        .collect();
+    let peer_flags: Vec<&str> = peer_flags.iter().map(String::as_str).collect();
     let h = common::Harness {
         spec: &spec,
         files: &files,
         harness: "hti_emu.cpp",
-        extra_flags: &[],
+        extra_flags: &peer_flags,
         override_: Some(("HTI_WARPS", EMU_WARPS.to_string())),
     };
     common::run_harness(cxx, &h, "the emulated kernels disagree with the reference");
