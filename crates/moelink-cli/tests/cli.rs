@@ -207,6 +207,48 @@ fn selftest_in_process_mode_joins_over_tcp() {
     }
 }
 
+#[test]
+fn bench_in_process_mode_gathers_every_ranks_outcomes_at_rank_0() {
+    // Two torchrun-like processes on the host backend, across 2 virtual nodes: rank 0 writes the records.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let dir = std::env::temp_dir().join(format!("moelink-bench-process-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("records.json");
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_moelink"))
+                .args(["bench", "--process", "--backend", "host", "--mode", "ht", "--quick", "--tokens", "32", "--topology", "2x1"])
+                .args(["--transport", "ptr", "--json"])
+                .arg(&json)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", "1")
+                .env("MOELINK_PORT", &port)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MOELINK_GROUP_TIMEOUT_MS", "60000")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let (out0, err0) = text(&outputs[0]);
+    assert_eq!(outputs[0].status.code(), Some(0), "{out0}\n{err0}");
+    let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(records.len(), 3, "{out0}");
+    for r in &records {
+        assert_eq!(r["ranks"], 2, "{r}");
+        assert_eq!(r["status"], "ok", "{r}");
+        assert!(r["time_us"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+    }
+    let (out1, err1) = text(&outputs[1]);
+    assert!(out1.is_empty() && outputs[1].status.success(), "rank 1 reports nothing: {out1}\n{err1}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Soak and chaos are `moelink-stress`'s: the product binary refuses them.
 #[test]
 fn the_stress_tools_are_not_subcommands_of_moelink() {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{settle, Dtype, Job, Op, RankOutcome};
 use moelink::{
     bf16, fresh, BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchLayout, DispatchOutputs,
-    DispatchResult, Group, Payload, Result, Routing, Tensor, ThreadGroup,
+    DispatchResult, Group, Payload, Result, Routing, Tensor,
 };
 use moelink_testkit::differ::{compare_dispatch, Diffs, SeenDispatch};
 use moelink_testkit::inputs::{Inputs, Shape};
@@ -121,9 +121,8 @@ fn outputs_of(res: &mut DispatchResult) -> DispatchOutputs<'_> {
 /// `prepare_dispatch` + `dispatch_into` (CPU-sync mode: the count exchange and the host's wait for it are
 /// part of the call), then the cached dispatch with that call's handle (what DeepEP's benchmark times);
 /// combine times `combine_into` with the checked dispatch's handle.
-pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_nvl_bytes: usize, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
-    let me = g.rank();
-    let group: Arc<dyn Group> = Arc::new(g);
+pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_nvl_bytes: usize, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
+    let me = group.rank();
     let inputs = job.inputs;
     let s = inputs.shape;
     let mut outs: Vec<RankOutcome> = job.cases.iter().map(|_| RankOutcome::default()).collect();

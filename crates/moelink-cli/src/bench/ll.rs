@@ -11,7 +11,7 @@ use std::sync::Arc;
 use moelink::graph::{LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
 use moelink::{
     bf16, BackendKind, Buffer, BufferOptions, Group, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlDispatchResult,
-    LlHandle, LlQuant, Result, Tensor, ThreadGroup,
+    LlHandle, LlQuant, Result, Tensor,
 };
 use moelink_testkit::differ::{ll_valid_part, Diffs};
 use moelink_testkit::inputs::{Inputs, Shape};
@@ -187,9 +187,8 @@ fn time_split_replays(buf: &mut Buffer, job: &Job<'_>, p: &LlGraph, index: usize
 /// backend); then the timed repetitions: on CUDA replays of the same call captured in a pipeline (the
 /// combine's pipeline replays its dispatch once, then times the combine graph), on the host backend the
 /// calls themselves, into the checked call's outputs.
-pub fn run_rank(g: ThreadGroup, job: &Job<'_>, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
-    let me = g.rank();
-    let group: Arc<dyn Group> = Arc::new(g);
+pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> Result<Vec<RankOutcome>> {
+    let me = group.rank();
     let inputs = job.inputs;
     let s = inputs.shape;
     let mut outs: Vec<RankOutcome> = job.cases.iter().map(|_| RankOutcome::default()).collect();

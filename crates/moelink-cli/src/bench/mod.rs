@@ -30,11 +30,13 @@ mod ht;
 mod ll;
 pub mod nvlink;
 pub mod plot;
+mod process;
 pub mod transport;
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
@@ -212,6 +214,11 @@ pub struct BenchArgs {
     /// On CUDA, skip the bitwise comparison against the host backend.
     #[arg(long)]
     pub no_host_check: bool,
+    /// Process mode: this process is one rank of a torchrun launch (`torchrun --nproc_per_node=N --no-python
+    /// moelink bench --process ...`), on GPU LOCAL_RANK; rank 0 prints and writes the records. Needed for
+    /// `--transport nvshmem` (one NVSHMEM PE per process).
+    #[arg(long)]
+    pub process: bool,
     /// Seconds a rank waits for the others in a collective before giving up.
     #[arg(long, default_value_t = 120)]
     pub timeout_s: u64,
@@ -532,10 +539,11 @@ struct Plan {
     batches: Vec<Batch>,
 }
 
-fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
+/// `process_ranks`: the launch's world size in process mode.
+fn plan(a: &BenchArgs, process_ranks: Option<usize>) -> std::result::Result<Plan, CliError> {
     let (backend, fallback_reason) = sys::resolve_backend(a.backend.kind()).map_err(CliError)?;
     let gpus = sys::gpu_count();
-    let ranks = match (a.ranks, backend) {
+    let ranks = match (process_ranks.or(a.ranks), backend) {
         (Some(r), _) => r,
         (None, BackendKind::Cuda) if gpus > 0 => gpus,
         (None, BackendKind::Cuda) => return Err(CliError("cannot tell how many GPUs there are; pass --ranks".into())),
@@ -551,8 +559,13 @@ fn plan(a: &BenchArgs) -> std::result::Result<Plan, CliError> {
     if a.max_nodes == 0 {
         return Err(CliError("--max-nodes must be at least 1".into()));
     }
-    // With --topology (virtual nodes) ranks may share GPUs; otherwise one rank per GPU.
-    let gpus_shared_by = (backend == BackendKind::Cuda && gpus > 0 && ranks > gpus).then(|| ranks.div_ceil(gpus));
+    // With --topology (virtual nodes) ranks may share GPUs; otherwise one rank per GPU. In process mode the
+    // ranks on this host are torchrun's LOCAL_WORLD_SIZE.
+    let host_ranks = match process_ranks {
+        Some(_) => std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(ranks),
+        None => ranks,
+    };
+    let gpus_shared_by = (backend == BackendKind::Cuda && gpus > 0 && host_ranks > gpus).then(|| host_ranks.div_ceil(gpus));
     if gpus_shared_by.is_some() && a.topology.is_none() {
         return Err(CliError(format!("--ranks {ranks} needs {ranks} GPUs, this machine has {gpus} (--topology lets ranks share them)")));
     }
@@ -627,8 +640,8 @@ fn internode_plan(a: &BenchArgs, ranks: usize) -> std::result::Result<Option<(mo
         return Ok(None);
     }
     let transport = a.transport.parse::<moelink::Transport>().map_err(|e| CliError(format!("--transport: {e}")))?;
-    if transport == moelink::Transport::Nvshmem {
-        return Err(CliError("--transport nvshmem needs one process per rank; the bench runs its ranks as threads".into()));
+    if transport == moelink::Transport::Nvshmem && !a.process {
+        return Err(CliError("--transport nvshmem needs one process per rank: launch with torchrun and pass --process".into()));
     }
     let rdma = moelink::RdmaOptions { transport, allow_nvlink_for_low_latency_mode: !a.no_nvlink_in_node, ..Default::default() };
     Ok(Some((topology, rdma)))
@@ -918,7 +931,15 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     // Every buffer of the run starts from these: the environment's tracing and tuning, and --ll-trace.
     let mut base = crate::env::buffer_options();
     base.kernel_tracing.low_latency |= a.ll_trace;
-    let p = plan(a)?;
+    let group: Option<Arc<dyn moelink::Group>> = if a.process {
+        let g = moelink::TcpGroup::from_env().map_err(|e| CliError(format!("--process: cannot join the process group: {e}")))?;
+        Some(Arc::new(g))
+    } else {
+        None
+    };
+    let p = plan(a, group.as_ref().map(|g| g.size()))?;
+    // In process mode every rank measures; rank 0 alone reports.
+    let quiet = group.as_ref().is_some_and(|g| g.rank() != 0);
     if let Some((topology, rdma)) = &p.internode {
         base.topology = Some(*topology);
         base.rdma = rdma.clone();
@@ -932,10 +953,12 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         commit: sys::commit(),
     };
     let (num_nvl_bytes, num_rdma_bytes) = buffer_bytes(&p.batches, p.internode.as_ref().map(|(t, _)| *t));
-    println!("{}", header(&p, &facts, num_nvl_bytes, num_rdma_bytes));
+    if !quiet {
+        println!("{}", header(&p, &facts, num_nvl_bytes, num_rdma_bytes));
+    }
     let all_cases: Vec<Vec<Case>> = p.batches.iter().map(cases).collect();
     let total = (all_cases.iter().map(Vec::len).sum::<usize>() * (p.warmup + p.reps)) as u64;
-    let progress = if std::io::stderr().is_terminal() { ProgressBar::new(total) } else { ProgressBar::hidden() };
+    let progress = if std::io::stderr().is_terminal() && !quiet { ProgressBar::new(total) } else { ProgressBar::hidden() };
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} reps  {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -962,11 +985,20 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
             progress: &progress,
             base: &base,
         };
-        let timeout = Duration::from_secs(a.timeout_s.max(1));
-        let results = moelink::group::run_ranks_with_timeout(p.ranks, timeout, |g| match batch.mode {
+        let run_rank = |g: Arc<dyn moelink::Group>| match batch.mode {
             Mode::Ht => ht::run_rank(g, &job, num_nvl_bytes, num_rdma_bytes),
             Mode::Ll => ll::run_rank(g, &job, num_rdma_bytes),
-        });
+        };
+        let results = match &group {
+            Some(g) => process::gather(g.as_ref(), run_rank(g.clone())).map_err(|e| CliError(format!("--process: {e}")))?,
+            None => {
+                let timeout = Duration::from_secs(a.timeout_s.max(1));
+                moelink::group::run_ranks_with_timeout(p.ranks, timeout, |g| run_rank(Arc::new(g)))
+            }
+        };
+        if quiet {
+            continue;
+        }
         let mut new = summarize(case_list, &inputs, &results, &facts, &p, a);
         // Tuning and experiments act on the CUDA kernels only (the host backend ignores them).
         if p.backend == BackendKind::Cuda {
@@ -995,6 +1027,9 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         }
     }
     progress.finish_and_clear();
+    if quiet {
+        return Ok(());
+    }
 
     println!("{}", render(&records));
     if let Some(path) = &a.json {

@@ -482,9 +482,15 @@ fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_to
         );
         let f = &w[16..];
         let mx = HTI_MAX_NODES;
-        let _ = write!(out, "\n  forward: done {:?} g {:?} rows {:?} cdone {:?} crounds {:?}", &f[..n], &f[mx..mx + n],
+        let _ = write!(
+            out,
+            "\n  forward: done {:?} g {:?} rows {:?} cdone {:?} crounds {:?}",
+            &f[..n],
+            &f[mx..mx + n],
             (0..n).map(|a| f[2 * mx + 8 * a..2 * mx + 8 * a + l].to_vec()).collect::<Vec<_>>(),
-            &f[10 * mx..10 * mx + n], &f[11 * mx..11 * mx + n]);
+            &f[10 * mx..10 * mx + n],
+            &f[11 * mx..11 * mx + n]
+        );
     }
     // RDMA signals.
     if let Ok(at) = rdma_at(b) {
