@@ -1572,13 +1572,13 @@ mod tests {
         let c = ll_path_bytes(&case(Op::Combine, Dtype::Bf16), &inputs, &topology, true);
         assert_eq!((c.rdma, c.nvlink), (vec![0, 0, 512, 1024], vec![0, 512, 0, 0]));
 
-        let p = plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "emu-nic"])).unwrap();
+        let p = plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "emu-nic"]), None).unwrap();
         let (t, rdma) = p.internode.expect("2x2 spans nodes");
         assert_eq!((t.num_nodes, t.ranks_per_node, rdma.transport.name()), (2, 2, "emu-nic"));
-        assert!(plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "1x4"])).unwrap().internode.is_none());
+        assert!(plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "1x4"]), None).unwrap().internode.is_none());
         // Both families run across nodes.
-        assert!(plan(&args(&["--mode", "ht", "--ranks", "4", "--topology", "2x2"])).unwrap().internode.is_some());
-        assert!(plan(&args(&["--ranks", "4", "--topology", "2x2"])).unwrap().internode.is_some());
+        assert!(plan(&args(&["--mode", "ht", "--ranks", "4", "--topology", "2x2"]), None).unwrap().internode.is_some());
+        assert!(plan(&args(&["--ranks", "4", "--topology", "2x2"]), None).unwrap().internode.is_some());
         for (flags, says) in [
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x3"][..], "--topology"),
             (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "nvshmem"][..], "one process per rank"),
@@ -1586,7 +1586,7 @@ mod tests {
             (&["--mode", "ll", "--no-nvlink-in-node"][..], "--topology"),
             (&["--mode", "ll", "--routing", "node-limited"][..], "--topology across nodes"),
         ] {
-            let e = plan(&args(flags)).err().expect("refused").0;
+            let e = plan(&args(flags), None).err().expect("refused").0;
             assert!(e.contains(says), "{flags:?}: {e}");
         }
     }
@@ -1612,7 +1612,7 @@ mod tests {
 
     #[test]
     fn the_default_plan_is_deepeps_shapes() {
-        let p = plan(&args(&[])).unwrap();
+        let p = plan(&args(&[]), None).unwrap();
         let shapes: Vec<(Mode, usize, usize, usize, usize)> =
             p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.shape.hidden, b.shape.topk, b.shape.experts)).collect();
         assert_eq!(shapes, vec![(Mode::Ht, 4096, 7168, 8, 256), (Mode::Ll, 128, 7168, 8, 288)]);
@@ -1623,7 +1623,7 @@ mod tests {
 
     #[test]
     fn token_lists_sweep_each_mode() {
-        let p = plan(&args(&["--tokens", "512,1024", "--ll-tokens", "1,16,64", "--routing", "uniform,skewed"])).unwrap();
+        let p = plan(&args(&["--tokens", "512,1024", "--ll-tokens", "1,16,64", "--routing", "uniform,skewed"]), None).unwrap();
         let ht: Vec<(usize, RoutingKind)> = p.batches.iter().filter(|b| b.mode == Mode::Ht).map(|b| (b.shape.tokens, b.routing)).collect();
         assert_eq!(
             ht,
@@ -1632,27 +1632,27 @@ mod tests {
         let ll: Vec<usize> = p.batches.iter().filter(|b| b.mode == Mode::Ll).map(|b| b.shape.tokens).collect();
         assert_eq!(ll, vec![1, 1, 16, 16, 64, 64]);
         // Without --ll-tokens, --tokens applies to LL too.
-        let p = plan(&args(&["--mode", "ll", "--tokens", "8,32"])).unwrap();
+        let p = plan(&args(&["--mode", "ll", "--tokens", "8,32"]), None).unwrap();
         assert_eq!(p.batches.iter().map(|b| b.shape.tokens).collect::<Vec<_>>(), vec![8, 32]);
     }
 
     #[test]
     fn buffers_fit_the_largest_shape_of_each_mode() {
-        let p = plan(&args(&["--tokens", "512,16384", "--ll-tokens", "1,256"])).unwrap();
+        let p = plan(&args(&["--tokens", "512,16384", "--ll-tokens", "1,256"]), None).unwrap();
         let (nvl, rdma) = buffer_bytes(&p.batches, None);
         for fp8 in [false, true] {
             assert!(nvl >= Buffer::ht_bytes_needed(16384, 7168, 8, 4, fp8));
         }
         assert_eq!(rdma, Buffer::ll_bytes_needed(256, 7168, 4, 288));
         // DeepEP's shapes: what the CUDA backend asks for (the old rows-based guess was too small).
-        let (nvl, rdma) = buffer_bytes(&plan(&args(&[])).unwrap().batches, None);
+        let (nvl, rdma) = buffer_bytes(&plan(&args(&[]), None).unwrap().batches, None);
         assert_eq!(nvl, Buffer::ht_bytes_needed(4096, 7168, 8, 4, false).max(Buffer::ht_bytes_needed(4096, 7168, 8, 4, true)));
         assert_eq!(rdma, Buffer::ll_bytes_needed(128, 7168, 4, 288));
     }
 
     #[test]
     fn the_suite_measures_deepeps_shapes_first_then_the_sweeps() {
-        let p = plan(&args(&["--suite"])).unwrap();
+        let p = plan(&args(&["--suite"]), None).unwrap();
         let b: Vec<(Mode, usize, RoutingKind, Vec<Option<usize>>)> =
             p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.routing, b.sms.clone())).collect();
         let s24 = vec![Some(24)];
