@@ -65,8 +65,8 @@ test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]
     local name=$1 ranks=$2 exe=$3
     shift 3
     local crate=${exe%%.*}
-    cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
-    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --include-ignored --test-threads=1 "$@"
+    cp ".device/tests/$exe" "$W/bin/$exe" && chmod +x "$W/bin/$exe"
+    run "$name" 300 env -C "crates/$crate" MOELINK_TEST_RANKS="$ranks" "$W/bin/$exe" --include-ignored --test-threads=1 "$@"
 }
 trun() {  # trun NAME PROCESSES LIMIT ARGS...: moelink ARGS under torchrun, one process per rank
     local name=$1 n=$2 limit=$3
@@ -95,11 +95,11 @@ for s in $STEPS; do
         ;;
     mpsthread)
         mps_start
-        cp .device/tests/moelink.test.ht /tmp/moelink-device/ht && chmod +x /tmp/moelink-device/ht
+        cp .device/tests/moelink.test.ht $W/bin/ht && chmod +x $W/bin/ht
         for conn in default 32; do
             connections=(-u CUDA_DEVICE_MAX_CONNECTIONS); [ $conn != default ] && connections=(CUDA_DEVICE_MAX_CONNECTIONS=$conn)
             run "mps-thread-conn-$conn" 60 env -C crates/moelink "${connections[@]}" MOELINK_TEST_RANKS=4 \
-                /tmp/moelink-device/ht --include-ignored --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
+                $W/bin/ht --include-ignored --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
         done
         mps_stop
         ;;
@@ -181,7 +181,7 @@ PY
             --json "$W/soak-ll-2x2-emu-nic.json"
         ;;
     esac
-    tar czf "$OUT/results.tgz" -C /tmp results
+    tar czf "$OUT/results.tgz" -C "$(dirname "$W")" "$(basename "$W")"
 done
 echo "== summary"
 cat "$summary"

@@ -31,7 +31,7 @@ for s in $STEPS; do
         for r in $RANKS; do
             if [ "$s" = plain ]; then e=(MOELINK_LL_TRACE=0); else e=(MOELINK_LL_TRACE=1); fi
             bin=$BIN
-            if [ "$s" = base ]; then bin=/tmp/moelink-device/moelink-base && cp .device/base/moelink "$bin" && chmod +x "$bin"; fi
+            if [ "$s" = base ]; then bin=$W/bin/moelink-base && cp .device/base/moelink "$bin" && chmod +x "$bin"; fi
             run "$s-ep$r" 200 env "${e[@]}" "$bin" bench --mode ll --ranks "$r" --ll-tokens "$LL_TOKENS" --hook --reps "$REPS" \
                 --warmup 3 --json "$W/$s-ep$r.json"
             sed -n '/^mode/,$p' "$W/$s-ep$r.log" >> "$summary"

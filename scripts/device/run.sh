@@ -10,13 +10,25 @@
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
 #   bench     moelink bench $BENCH_ARGS --json $OUT/bench.json
+#   procbench moelink bench --process under torchrun, PROCBENCH_RANKS processes (default 2: one per GPU of the
+#             first two), PROCBENCH_ARGS (default: HT and LL at DeepEP's shapes across 2x1 virtual nodes over
+#             nvshmem, then over emu-nic): the internode kernels between real GPUs, NVLink standing in for RDMA
+#   internode scripts/device/internode.sh with STEPS=$INTERNODE_STEPS (its files in results.tgz)
+#   python    scripts/device/python.sh with PY_STEPS (its files in results.tgz)
+#   reliability  scripts/device/reliability.sh with RELIABILITY_STEPS (its files in results.tgz)
+#
+# Every step works whatever the ratio of ranks to GPUs: ranks of one process that share a GPU get
+# CUDA_DEVICE_MAX_CONNECTIONS=32 hardware queues (moelink refuses fewer), and the tests' internode
+# executables run with 8 ranks (MOELINK_TEST_RANKS_INTERNODE) on however many GPUs there are.
+#
+# Two instances may run side by side on disjoint GPUs (CUDA_VISIBLE_DEVICES) with their own OUT and W.
 #
 # Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps;
 # BENCH_ARGS, NVLINK_ARGS, TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP> sets a step's
 # timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits is skipped.
 #
 # Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
-# bench.json. The summary table is printed last.
+# bench.json, procbench.json, results.tgz (every sub-script's files). The summary table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -33,9 +45,11 @@ if [ ! -f "$DEV/moelink" ]; then
     echo "error: $DEV/moelink is missing: run scripts/device/build.sh on the build machine and carry .device" | tee -a "$LOG"
     exit 1
 fi
-# Run from a private copy: the carried tree may not keep exec bits.
-BIN_DIR=/tmp/moelink-device
-rm -rf "$BIN_DIR" && mkdir -p "$BIN_DIR/tests"
+# Run from a private copy: the carried tree may not keep exec bits. W: this instance's work folder.
+W=${W:-/tmp/moelink-run}
+rm -rf "$W" && mkdir -p "$W"
+BIN_DIR=$W/bin
+mkdir -p "$BIN_DIR/tests"
 cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
 if [ -d "$DEV/tests" ]; then
     cp "$DEV"/tests/* "$BIN_DIR/tests/" 2>/dev/null
@@ -46,6 +60,12 @@ BIN=$BIN_DIR/moelink
 # Settings every GPU process here needs (DEVICE.md): no NVLink multicast; NVRTC from the CUDA install.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Ranks of one process that share a GPU need hardware queues apart (moelink refuses fewer than 8 per rank).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+export MOELINK_CACHE_DIR=${MOELINK_CACHE_DIR:-/tmp/moelink-jit}
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    NGPU=${NGPU:-$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)}
+fi
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
 export MOELINK_TEST_RANKS=$NGPU
@@ -115,8 +135,11 @@ run_tests() {
         # cargo runs a crate's tests from its directory; do the same so relative paths resolve.
         crate=${b##*/}; crate=${crate%%.*}
         echo "--- $(basename "$b")"
+        # The internode tests use fixed rank counts up to 8, sharing the GPUs there are.
+        local ranks=$MOELINK_TEST_RANKS
+        case $b in *internode*) ranks=${MOELINK_TEST_RANKS_INTERNODE:-8} ;; esac
         # Each executable under its own timeout: one hang must not hide the others' results.
-        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT"; timeout --kill-after=10 "${T_TEST_EACH:-240}" "$b" $TEST_ARGS)
+        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT"; MOELINK_TEST_RANKS=$ranks timeout --kill-after=10 "${T_TEST_EACH:-240}" "$b" $TEST_ARGS)
         rc=$?
         [ "$rc" = 124 ] && echo "--- $(basename "$b"): timed out after ${T_TEST_EACH:-240}s"
         [ "$rc" -gt "$worst" ] && worst=$rc
@@ -124,7 +147,7 @@ run_tests() {
     return "$worst"
 }
 export -f run_tests
-export BIN_DIR ROOT TEST_ARGS TEST_BINS T_TEST_EACH
+export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE
 
 for s in $STEPS; do
     case $s in
@@ -134,7 +157,28 @@ for s in $STEPS; do
         process)  step process  "${T_PROCESS:-60}"  torchrun --nproc_per_node="$NGPU" --no-python "$BIN" selftest --process --strict ;;
         nvlink)   step nvlink   "${T_NVLINK:-90}"   "$BIN" bench nvlink $NVLINK_ARGS --json "$OUT/nvlink.json" ;;
         bench)    step bench    "${T_BENCH:-180}"   "$BIN" bench $BENCH_ARGS --json "$OUT/bench.json" ;;
-        *)        echo "unknown step '$s' (known: info tests selftest process nvlink bench)" | tee -a "$LOG"; ROWS+=("$s|unknown|0") ;;
+        procbench)
+            step procbench "${T_PROCBENCH:-240}" bash -c "$(cat <<'SH'
+set -u
+n=${PROCBENCH_RANKS:-2}
+for tr in ${PROCBENCH_TRANSPORTS:-nvshmem emu-nic}; do
+    echo "--- procbench over $tr"
+    torchrun --standalone --nproc_per_node="$n" --no-python "$BIN" bench --process --backend cuda \
+        --ranks "$n" --topology "${n}x1" --transport "$tr" ${PROCBENCH_ARGS:---mode all --reps 10} \
+        --json "$OUT/procbench-$tr.json" || rc=$?
+done
+exit ${rc:-0}
+SH
+)" ;;
+        internode)
+            step internode "${T_INTERNODE:-540}" env OUT="$W/internode" W="$W/internode-work" STEPS="${INTERNODE_STEPS:-ht}" \
+                BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash scripts/device/internode.sh ;;
+        python)
+            step python "${T_PYTHON:-400}" env OUT="$W/python" bash scripts/device/python.sh ;;
+        reliability)
+            step reliability "${T_RELIABILITY:-360}" env OUT="$W/reliability" STEPS="${RELIABILITY_STEPS:-chaos}" \
+                BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash scripts/device/reliability.sh ;;
+        *)        echo "unknown step '$s' (known: info tests selftest process nvlink bench procbench internode python reliability)" | tee -a "$LOG"; ROWS+=("$s|unknown|0") ;;
     esac
 done
 
@@ -171,6 +215,9 @@ PY
             ;;
     esac
 }
+
+# Every sub-script's files (logs, JSON) in one archive: the device tool returns at most 8 files.
+tar czf "$OUT/results.tgz" -C "$W" --exclude=./bin . 2>/dev/null
 
 {
     echo "| step | rc | seconds | key numbers |"

@@ -30,8 +30,8 @@ test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]: one test executable,
     shift 3
     local crate=${exe%%.*} dir
     dir=crates/$crate; [ -d "$dir" ] || dir=examples/$crate  # the candle example is its own workspace
-    cp ".device/tests/$exe" "/tmp/moelink-device/$exe" && chmod +x "/tmp/moelink-device/$exe"
-    run "$name" 300 env -C "$dir" MOELINK_TEST_RANKS="$ranks" "/tmp/moelink-device/$exe" --include-ignored --test-threads=1 "$@"
+    cp ".device/tests/$exe" "$W/bin/$exe" && chmod +x "$W/bin/$exe"
+    run "$name" 300 env -C "$dir" MOELINK_TEST_RANKS="$ranks" "$W/bin/$exe" --include-ignored --test-threads=1 "$@"
 }
 for s in $STEPS; do
     case $s in
@@ -41,11 +41,11 @@ for s in $STEPS; do
             loading=(); [ $mode = eager ] && loading=(CUDA_MODULE_LOADING=EAGER)
             for t in "ht cuda::dispatch_uniform_bf16_ep2" "ll_host cuda::ep2_bf16_and_fp8_hidden_2048"; do
                 set -- $t
-                cp ".device/base/moelink.test.$1" "/tmp/moelink-device/base.$1" && chmod +x "/tmp/moelink-device/base.$1"
+                cp ".device/base/moelink.test.$1" "$W/bin/base.$1" && chmod +x "$W/bin/base.$1"
                 # An earlier build reads MOELINK_TEST_CUDA/MOELINK_TEST_GPUS (before they became
                 # --include-ignored/MOELINK_TEST_RANKS): both are given, for builds from either side.
                 run "base-$mode-$1" 60 env -C crates/moelink "${loading[@]}" MOELINK_LL_SMS=64 MOELINK_TEST_RANKS=2 \
-                    MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=2 MOELINK_TEST_TIMEOUT_MS=3000 "/tmp/moelink-device/base.$1" --include-ignored \
+                    MOELINK_TEST_CUDA=1 MOELINK_TEST_GPUS=2 MOELINK_TEST_TIMEOUT_MS=3000 "$W/bin/base.$1" --include-ignored \
                     --test-threads=1 --exact "$2"
             done
         done ;;
@@ -62,13 +62,13 @@ for s in $STEPS; do
         test_bin "r8-ll" 8 moelink.test.ll_host --exact cuda::ep8_and_ep1 ;;
     ab)
         [ -x .device/base/moelink ] || { note "ab: no .device/base/moelink carried"; continue; }
-        cp .device/base/moelink /tmp/moelink-device/base && chmod +x /tmp/moelink-device/base
+        cp .device/base/moelink $W/bin/base && chmod +x $W/bin/base
         for r in ${AB_RANKS:-1}; do
             for i in 1 2; do
                 for b in base new; do
                     # Each build's records carry its own commit (.device/base/COMMIT, written when it is staged).
                     exe=$BIN commit=$MOELINK_COMMIT
-                    [ $b = base ] && exe=/tmp/moelink-device/base commit=$(cat .device/base/COMMIT 2>/dev/null || echo base-unknown)
+                    [ $b = base ] && exe=$W/bin/base commit=$(cat .device/base/COMMIT 2>/dev/null || echo base-unknown)
                     run "ab-r$r-$b$i" 120 env MOELINK_COMMIT="$commit" "$exe" bench --ranks "$r" --num-sms 24 --reps 20 \
                         --json "$W/ab-r$r-$b$i.json"
                     note "$(grep -E '^(ht|ll) +(uniform|skewed) ' "$W/ab-r$r-$b$i.log" | sed 's/  */ /g' | head -n 2 | tr '\n' '|')"
@@ -83,7 +83,7 @@ for s in $STEPS; do
         run soak-ll $((SOAK_S + 120)) "$STRESS" soak --backend cuda --ranks "$SOAK_RANKS" --families ll,ll-prereduced,ll-hook --rounds 100000 \
             --ll-t-max "${SOAK_LL_T_MAX:-16}" --time-budget-s "$SOAK_S" --json "$W/soak-ll.json" ;;
     esac
-    tar czf "$OUT/results.tgz" -C /tmp results  # after every step: a call cut short still returns the logs
+    tar czf "$OUT/results.tgz" -C "$(dirname "$W")" "$(basename "$W")"  # after every step: a call cut short still returns the logs
 done
 echo "== summary"
 cat "$summary"

@@ -5,11 +5,12 @@
 # so the summary always comes back inside the device tool's 600 s.
 OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"
-W=/tmp/results
-rm -rf "$W" && mkdir -p "$W" /tmp/moelink-device
-BIN=/tmp/moelink-device/moelink
+# The work folder: W (run.sh gives each sub-script its own, so that two can run side by side on other GPUs).
+W=${W:-/tmp/results}
+rm -rf "$W" && mkdir -p "$W/bin"
+BIN=$W/bin/moelink
 cp .device/moelink "$BIN" && chmod +x "$BIN"
-STRESS=/tmp/moelink-device/moelink-stress
+STRESS=$W/bin/moelink-stress
 cp .device/moelink-stress "$STRESS" && chmod +x "$STRESS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # Ranks of one process sharing a GPU need hardware queues apart (moelink refuses fewer than 8 per rank, up to
