@@ -161,6 +161,10 @@ for s in $STEPS; do
             step procbench "${T_PROCBENCH:-240}" bash -c "$(cat <<'SH'
 set -u
 n=${PROCBENCH_RANKS:-2}
+# NVSHMEM as internode.sh finds it: torch's wheel, single-host settings.
+nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
+export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1
 for tr in ${PROCBENCH_TRANSPORTS:-nvshmem emu-nic}; do
     echo "--- procbench over $tr"
     torchrun --standalone --nproc_per_node="$n" --no-python "$BIN" bench --process --backend cuda \
