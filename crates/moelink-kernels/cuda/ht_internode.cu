@@ -223,6 +223,7 @@ struct HtiForward {
   u32 rows[HTI_MAX_NODES][8];
   u32 cdone[HTI_MAX_NODES];
   u32 crounds[HTI_MAX_NODES];  // combine: rounds whose parts went back (hand-backs go out in round order)
+  u32 recv_fin[HTI_MAX_RANKS];  // dispatch receivers: warps of a source done with its current round
 };
 static_assert(sizeof(HtiState) + sizeof(HtiForward) == HTI_STATE_BYTES, "the local state mirrors moelink_kernels::ht_internode::HTI_STATE_BYTES");
 __device__ __forceinline__ HtiForward* hti_forward(u64 state) { return reinterpret_cast<HtiForward*>(state + sizeof(HtiState)); }
@@ -329,10 +330,12 @@ __device__ __forceinline__ u32 local_of(u32 r) { return r % RANKS_PER_NODE; }
 __device__ __forceinline__ u64* rdma_word(const RdmaArgs& a, u64 off) { return reinterpret_cast<u64*>(a.local_base + off); }
 __device__ __forceinline__ u8* rdma_bytes(const RdmaArgs& a, u64 off) { return reinterpret_cast<u8*>(a.local_base + off); }
 
-// A warp copies `vecs` 16-byte vectors, four loads in flight per lane before their stores.
+// A warp copies `vecs` 16-byte vectors, eight loads in flight per lane before their stores: a warp's
+// copy rate is its bytes in flight over the load latency (4 KB per ~0.7 us), and one warp often moves a
+// source's whole stream.
 template <bool SRC_READ_ONLY>
 __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane) {
-  constexpr u32 U = 4;
+  constexpr u32 U = 8;
   for (u32 base = 0; base < vecs; base += U * WARP_SIZE) {
     u32x4 v[U];
 #pragma unroll
@@ -1011,11 +1014,11 @@ __device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& 
 // are served in turn without blocking on any: a window of up to 32 rows from the next slot, copied once
 // their flags reached the round's seq; the round ends when done[s] says how many rows it had. The window
 // stays inside [round start, round start + M): a slot further on aliases one of this round's.
-__device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dr, const Deadline& dn) {
-  constexpr u32 UNKNOWN = 0xffffffffu;
-  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
+// What every receiver warp `w` of `n` does first: no-sync outputs' rows past the received count get top-k -1
+// and weight 0 (spread over the warps); more rows than the outputs hold is reported.
+__device__ __forceinline__ void pad_outputs(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dn) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
   const u32 num_recv = (u32)f.routing[RT_NUM_RECV];
-  // No-sync outputs: rows past the received count get top-k -1 and weight 0.
   if (TOPK > 0 && a.num_out_rows > num_recv) {
     const u64 total = (u64)a.num_out_rows * TOPK;
     for (u64 i = (u64)num_recv * TOPK + (u64)w * WARP_SIZE + lane; i < total; i += (u64)n * WARP_SIZE) {
@@ -1024,6 +1027,19 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
     }
   }
   if (w == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(dn, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
+}
+
+// The part of source `s` at this rank goes back to its forwarder (this node's rank with s's local index):
+// s may write it again, after round k (the last: base + K).
+__device__ __forceinline__ void receiver_hand_back(const HtiDispatchArgs& a, const Frame& f, u32 s, u64 value) {
+  u64* consumed = reinterpret_cast<u64*>(a.nvl.base[local_of(s)] + a.nvl.off_consumed) + (u64)f.me_local * NUM_NODES + node_of(s);
+  ptx::st_relaxed_sys_u64(consumed, value);
+}
+
+__device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dr, const Deadline& dn) {
+  constexpr u32 UNKNOWN = 0xffffffffu;
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
+  pad_outputs(a, f, w, n, dn);
   const u32 s = w + lane * n;
   const bool mine = s < NUM_RANKS;
   // Lane state: round k of `rounds`; next slot; the round's first slot and end slot (UNKNOWN until done[s]).
@@ -1034,11 +1050,7 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
   }
   const u64* done = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_done);
   const u32* flags_base = reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_dflags);
-  // This lane's source may write its part here again: after round `k` (the last: base + K).
-  auto hand_back = [&](u64 value) {
-    u64* consumed = reinterpret_cast<u64*>(a.nvl.base[local_of(s)] + a.nvl.off_consumed) + (u64)f.me_local * NUM_NODES + node_of(s);
-    ptx::st_relaxed_sys_u64(consumed, value);
-  };
+  auto hand_back = [&](u64 value) { receiver_hand_back(a, f, s, value); };
   if (mine && rounds == 0) hand_back((u64)f.base + f.rounds);
   u32 pending = __ballot_sync(FULL_WARP_MASK, mine && k < rounds);
   IdleClock idle;
@@ -1095,6 +1107,70 @@ __device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f
     if (pending != 0u && idle.expired(progressed, pending, s, f, dr, dn)) break;
   }
 }
+
+// Receiver warps when there are at least as many as sources: source s = w % R has the S warps w = s, s + R,
+// s + 2R, ...; warp j = w / R of them copies its round's slots start + j, start + j + S, ... — each polls the
+// flags of its next 32 slots and copies the rows that arrived, in order — and once past the round's end (the
+// done word) counts itself out in recv_fin[s]; the last of the S to finish hands the part back. A source's
+// stream is then copied by S warps at once instead of one lane's warp.
+__device__ __forceinline__ void receive_split(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dr,
+                                              const Deadline& dn) {
+  constexpr u32 UNKNOWN = 0xffffffffu;
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
+  pad_outputs(a, f, w, n, dn);
+  const u32 s = w % NUM_RANKS, j = w / NUM_RANKS, S = (n - s + NUM_RANKS - 1) / NUM_RANKS;
+  const u32 rounds = rounds_of(f, (u32)f.routing[f.at.tokens_of + s]);
+  const u32 offset = (u32)f.routing[f.at.recv_offset + s];
+  const u64* done = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_done);
+  const u32* flags = reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_dflags) + (u64)s * a.nvl.flag_slots;
+  u32* fin = &hti_forward(a.state)->recv_fin[s];
+  if (rounds == 0) {
+    if (j == 0 && lane == 0) receiver_hand_back(a, f, s, (u64)f.base + f.rounds);
+    return;
+  }
+  IdleClock idle;
+  u32 start = 0;  // the round's first slot
+  for (u32 k = 0; k < rounds; k++) {
+    const u32 seq = (u32)(f.base + k + 1);
+    u32 end = UNKNOWN, next = start + j;
+    for (;;) {
+      // The round's row count, once its forwarder said it.
+      if (end == UNKNOWN) {
+        u64 dw = 0;
+        if (lane == 0) dw = ptx::ld_acquire_sys_u64(done + s);
+        dw = __shfl_sync(FULL_WARP_MASK, dw, 0);
+        if ((u32)(dw >> 32) == seq) end = start + (u32)dw;
+      }
+      if (end != UNKNOWN && next >= end) break;
+      // Lane x polls this warp's slot next + x S (a slot past start + M aliases one of this round's).
+      const u32 limit = end == UNKNOWN ? start + M : end;
+      const u32 slot = next + lane * S;
+      const bool arrived = slot < limit && ptx::ld_relaxed_sys(flags + slot % M) == seq;
+      const u32 arrived_mask = __ballot_sync(FULL_WARP_MASK, arrived);
+      const u32 ready = arrived_mask == FULL_WARP_MASK ? WARP_SIZE : (u32)__ffs(~arrived_mask) - 1;
+      for (u32 r = 0; r < ready; r++) {
+        const u32 q = next + r * S;
+        // Every lane reads part of the row: every lane acquires its flag.
+        (void)ptx::ld_acquire_sys(flags + q % M);
+        if (offset + q < a.num_out_rows) copy_out(a, f, s, q, offset + q, lane);
+      }
+      next += ready * S;
+      if (idle.expired(ready > 0, 1u, s, f, dr, dn)) return;
+    }
+    // This warp's rows of the round are out (every lane read some: every lane fences); the last warp of the
+    // S resets the count for the next round, then hands the part back.
+    __syncwarp();
+    ptx::fence_acq_rel_sys();
+    __syncwarp();
+    if (lane == 0 && ptx::atom_add_acq_rel_gpu(fin, 1u) + 1 == S) {
+      ptx::st_release_gpu(fin, 0u);
+      ptx::fence_acq_rel_sys();
+      receiver_hand_back(a, f, s, hand_back_value(f, k, rounds));
+    }
+    __syncwarp();
+    start = end;
+  }
+}
 }  // namespace hti_dispatch
 
 namespace moelink::internode {
@@ -1117,6 +1193,8 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
           hti_dispatch::send(a, f, dr);
         } else if (role == 1) {
           if (w < NUM_NODES * a.fwd_per_node) hti_dispatch::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
+        } else if (n >= NUM_RANKS) {
+          hti_dispatch::receive_split(a, f, w, n, dr, dn);
         } else {
           hti_dispatch::receive(a, f, w, n, dr, dn);
         }
@@ -1203,6 +1281,56 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
     }
     pending = __ballot_sync(FULL_WARP_MASK, mine && next < count);
     if (pending != 0u && idle.expired(progressed, pending, s, f, dr, dn)) break;
+  }
+}
+
+// Expert-side sender warps when there are at least as many as sources: source s = w % R has the S warps w =
+// s, s + R, ...; warp j = w / R of them sends the source's received rows j, j + S, ... (round order), up to
+// RELEASE_ROWS of one round per fence, each round once its forwarder handed that round's part back.
+__device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dn) {
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
+  const u32 s = w % NUM_RANKS, j = w / NUM_RANKS, S = (n - s + NUM_RANKS - 1) / NUM_RANKS;
+  const u32 offset = (u32)f.routing[f.at.recv_offset + s], count = (u32)f.routing[f.at.recv_count + s];
+  const u32 l = local_of(s), an = node_of(s), forwarder = f.me_node * RANKS_PER_NODE + l;
+  const u64* route = reinterpret_cast<const u64*>(a.recv_route);
+  const u64* handed = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_cconsumed) + (u64)l * NUM_NODES + an;
+  u8* part = reinterpret_cast<u8*>(a.nvl.base[l] + a.nvl.off_cparts + ((u64)f.me_local * NUM_NODES + an) * a.nvl.part_bytes);
+  u32* flag = reinterpret_cast<u32*>(a.nvl.base[l] + a.nvl.off_cflags) + ((u64)f.me_local * NUM_NODES + an) * a.nvl.flag_slots;
+  for (u32 q = j; q < count;) {
+    // No-sync overflow (dispatch reported it): rows from here on were never received, nothing goes back.
+    if (offset + q >= a.num_x_rows) break;
+    const u32 k = (u32)(route[offset + q] >> 32);
+    bool ok = true;
+    if (lane == 0)
+      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(handed) - ((u64)f.base + k)) >= 0; }, for_peer(dn, forwarder, f.me),
+                      forwarder);
+    if (__shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) == 0u) return;
+    (void)ptx::ld_acquire_sys_u64(handed);
+    u32 sent = 0;
+    u32 slots[RELEASE_ROWS];
+    for (; sent < RELEASE_ROWS && q < count; sent++, q += S) {
+      const u32 pos = offset + q;
+      if (pos >= a.num_x_rows) break;
+      const u64 r = route[pos];
+      if ((u32)(r >> 32) != k) break;
+      slots[sent] = (u32)r % M;
+      u8* row = part + (u64)slots[sent] * CROW_BYTES;
+      copy_vecs<true>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(a.x) + (u64)pos * (CPAYLOAD_BYTES / VEC_BYTES),
+                      CPAYLOAD_BYTES / VEC_BYTES, lane);
+      if (TOPK > 0 && lane < TOPK)
+        reinterpret_cast<u32*>(row + CPAYLOAD_BYTES)[lane] = reinterpret_cast<const u32*>(a.topk_weights)[(u64)pos * TOPK + lane];
+    }
+    __syncwarp();
+    ptx::fence_acq_rel_sys();
+    __syncwarp();
+    if (lane < sent) {
+      u32 my_slot = 0;
+#pragma unroll
+      for (u32 x = 0; x < RELEASE_ROWS; x++)
+        if (x == lane) my_slot = slots[x];
+      ptx::st_relaxed_sys(flag + my_slot, (u32)(f.base + k + 1));
+    }
+    __syncwarp();
   }
 }
 
@@ -1483,7 +1611,9 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
   hti_run(
       a, a.num_tokens, &st->combine_base, &st->combine_done, dr,
       [&](const Frame& f, u32 role, u32 w, u32 n) {
-        if (role == 0) {
+        if (role == 0 && n >= NUM_RANKS) {
+          hti_combine::send_split(a, f, w, n, dn);
+        } else if (role == 0) {
           hti_combine::send(a, f, w, n, dr, dn);
         } else if (role == 1) {
           if (w < NUM_NODES * a.fwd_per_node) hti_combine::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);

@@ -194,7 +194,10 @@ struct World {
   // Forwarder warps per source node (chunks dealt round-robin among them).
   u32 fwd_per_node = 2;
   u32 fwd_blocks() const { return (N * fwd_per_node + HTI_WARPS - 1) / HTI_WARPS; }
-  u32 recv_blocks() const { return std::max(1u, (R + 32 * HTI_WARPS - 1) / (32 * HTI_WARPS)); }
+  // Receiver (dispatch) / reducer (combine) blocks: at least one lane per source; more blocks give every
+  // source warps of its own (the kernels' split receivers).
+  u32 extra_recv_blocks = 0;
+  u32 recv_blocks() const { return std::max(1u, (R + 32 * HTI_WARPS - 1) / (32 * HTI_WARPS)) + extra_recv_blocks; }
   u32 workers() const { return send_blocks + fwd_blocks() + recv_blocks(); }
   u32 nic_blocks() const { return kEmuNic ? 1 : 0; }
 
@@ -667,11 +670,20 @@ int main() {
     World w(8, 8, E);
     w.fwd_per_node = 8;
     w.send_blocks = 8;
+    // As many receiver warps as a GPU gives: several per source (uneven: R + 1 warps and more).
+    w.extra_recv_blocks = (R + HTI_WARPS) / HTI_WARPS + 1;
     std::vector<u32> t(R);
     const u32 gpu_test[8] = {30, 7, 14, 1, 22, 0, 9, 30};
     for (u32 p = 0; p < R; p++) t[p] = gpu_test[p % 8];
     round_trip(w, t, 21, Route::Uniform, NUM_BIASES, true, "one chunk per round");
-    std::printf("one chunk per round: ok\n");
+    std::printf("one chunk per round (several receiver and sender warps per source): ok\n");
+    // The same warps with chunks of 2 and a slow rank, whose receivers lag behind their forwarders.
+    w.at.q = 2;
+    w.slow_rank = R - 1;
+    w.slow_us = 200;
+    round_trip(w, t, 22, Route::Skewed, NUM_BIASES, true, "split warps, chunks of 2, slow rank");
+    w.slow_rank = ~0u;
+    std::printf("several warps per source, chunks of 2, a slow rank: ok\n");
   }
   {
     // One round holds every token: a round of 64, chunks of 64.

@@ -314,8 +314,9 @@ pub struct HtiCombineArgs {
 }
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
-/// round, rows per local rank, combine chunks done, combine rounds handed back).
-pub const HTI_STATE_BYTES: usize = 64 + 4 * (4 * HTI_MAX_NODES + 8 * HTI_MAX_NODES);
+/// round, rows per local rank, combine chunks done, combine rounds handed back; per source, the receiver
+/// warps done with its round).
+pub const HTI_STATE_BYTES: usize = 64 + 4 * (4 * HTI_MAX_NODES + 8 * HTI_MAX_NODES) + 4 * HTI_MAX_RANKS;
 
 /// The routing buffer's word offsets (`RoutingAt` and the `RT_*` header) for `R` ranks over `N` nodes and
 /// `T` tokens.

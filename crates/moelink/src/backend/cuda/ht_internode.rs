@@ -116,13 +116,15 @@ fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static 
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
 }
 
-/// Blocks of each role for `num_sms` worker blocks, and forwarder warps per source node: a block of
-/// forwarders dealt evenly over the source nodes (a node's chunks round-robin among its warps: at EP16, 8
-/// warps share the stream from each of the 2 nodes; one each from 16 nodes on), receiver warps for one source
-/// each (up to R), the rest send. `config.num_sms` too small for that is refused.
+/// Blocks of each role for `num_sms` worker blocks, and forwarder warps per source node. A warp copies a
+/// few GB/s (its loads in flight over their latency), so every stream gets many warps: two blocks of
+/// forwarders dealt evenly over the source nodes (a node's chunks round-robin among its warps: 16 per node at
+/// 2 nodes, one each from 32 nodes on); a third of the rest receive (dispatch) or reduce (combine), which gives
+/// every source several receiver warps; the rest send (dispatch: stage and put each token; combine: the
+/// expert side's rows, several warps per source). `config.num_sms` too small for that is refused.
 fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32, u32)> {
     let warps = HTI_WARPS as usize;
-    let per_node = (warps / t.num_nodes).clamp(1, 8);
+    let per_node = (2 * warps / t.num_nodes).clamp(1, 16);
     let fwd = (t.num_nodes * per_node).div_ceil(warps);
     let recv_min = t.num_ranks().div_ceil(32 * warps).max(1);
     if num_sms < fwd + recv_min + 1 {
@@ -135,7 +137,7 @@ fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32, u32)> {
             ),
         ));
     }
-    let recv = t.num_ranks().div_ceil(warps).clamp(recv_min, (num_sms - fwd - 1).max(recv_min));
+    let recv = ((num_sms - fwd) / 3).clamp(recv_min, (num_sms - fwd - 1).max(recv_min));
     let send = num_sms - fwd - recv;
     Ok((send as u32, fwd as u32, per_node as u32))
 }
@@ -626,7 +628,9 @@ mod tests {
     #[test]
     fn roles_cover_every_source_and_node() {
         let t = Topology { num_nodes: 2, ranks_per_node: 2 };
-        assert_eq!(roles(0, t, 24).unwrap(), (22, 1, 8));
+        assert_eq!(roles(0, t, 24).unwrap(), (15, 2, 16));
+        // The fewest blocks: a sender, the forwarders, a receiver.
+        assert_eq!(roles(0, t, 4).unwrap(), (1, 2, 16));
         let t = Topology { num_nodes: 32, ranks_per_node: 8 };
         let (send, fwd, per_node) = roles(0, t, 24).unwrap();
         assert_eq!((fwd, per_node), (2, 1));
