@@ -1,19 +1,22 @@
 """``Buffer``: DeepEP's ``deep_ep.Buffer`` surface over moelink's native module.
 
-Division of labour: this module does what is torch-specific (turning tensors into
-``(data_ptr, dtype, shape, strides, device)`` tuples, allocating every output with torch — after checking that
-the device can hold what a size argument asks for, as the Rust API does before it allocates — streams,
-events, keeping tensors alive); the native module validates everything else and moves the data. Errors name
-the argument (``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
+Division of labour: this module does what is torch-specific (allocating every output with torch — after
+checking that the device can hold what a size argument asks for, as the Rust API does before it allocates —
+reusing outputs nothing references any more (``_Reuse``), streams, events, keeping tensors alive); the native
+module reads the torch tensors passed to it (their address, dtype, shape, strides and device), validates
+everything and moves the data, one native call per operation. Errors name the argument
+(``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
 
-Streams (CUDA backend), as in DeepEP: high-throughput operations run on the buffer's communication
-stream (``get_comm_stream()``), which first waits for ``previous_event`` or else the current stream.
-Outputs are allocated on the current stream, or on the communication stream with
-``allocate_on_comm_stream=True``. With ``async_finish=True`` the returned ``EventOverlap`` marks the end of
-the work and keeps inputs and outputs alive; otherwise the current stream waits for the work before the
-call returns. Low-latency operations behave the same, except that with ``return_recv_hook=True`` the send
-phase runs on the current stream and ``hook()`` runs the receive phase on the stream current when it is
-called. On the host backend (CPU tensors) every call is synchronous and events are ``None``.
+Streams (CUDA backend). A call without ``previous_event``, ``async_finish`` or ``allocate_on_comm_stream`` runs
+its kernels on the current stream: ordered after the caller's earlier work and before its later work, which is
+all DeepEP's synchronous mode promises, without an event or a second stream. With any of them, as in DeepEP,
+the operation runs on the buffer's communication stream (``get_comm_stream()``), which first waits for
+``previous_event`` or else the current stream; outputs are allocated on the current stream, or on the
+communication stream with ``allocate_on_comm_stream=True``; with ``async_finish=True`` the returned
+``EventOverlap`` marks the end of the work and keeps inputs and outputs alive, otherwise the current stream
+waits for the work before the call returns. With ``return_recv_hook=True`` a low-latency send phase runs on the
+current stream and ``hook()`` runs the receive phase on the stream current when it is called. On the host
+backend (CPU tensors) every call is synchronous and events are ``None``.
 
 Environment: ``MOELINK_BACKEND`` (``auto`` | ``host`` | ``cuda``, default ``auto``: CUDA when torch sees a GPU
 and the driver and NVRTC are usable; any other value raises ``ValueError`` naming it before CUDA is touched),
@@ -583,14 +586,16 @@ class Buffer:
             return int(_raw_stream(self._device_index))
         return int(require_torch().cuda.current_stream(self._device).cuda_stream)
 
+    def _capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (CUDA backend)."""
+        return bool(_is_capturing() if _is_capturing is not None else require_torch().cuda.is_current_stream_capturing())
+
     def _reusable(self) -> Optional[_Reuse]:
         """The output sets to reuse on this call, or None (turned off, or while a CUDA graph is captured)."""
         if self._reuse is None or not Buffer._reuse_outputs:
             return None
-        if self._cuda:
-            capturing = _is_capturing() if _is_capturing is not None else require_torch().cuda.is_current_stream_capturing()
-            if capturing:
-                return None
+        if self._cuda and self._capturing():
+            return None
         return self._reuse
 
     def _begun(self) -> None:
@@ -851,13 +856,18 @@ class Buffer:
             return
         t = require_torch()
         channel_prefix, recv_channel_prefix, send_head = parts
-        # [r][c] = 0 for c < C-1, per_rank[r] for c = C-1: one multiply by a row of zeros ending in 1.
+        # [r][c] = 0 for c < C-1, per_rank[r] for c = C-1: one multiply by a row of zeros ending in 1, made once
+        # per C outside any CUDA graph capture (a row filled inside one would hold its values only once the graph
+        # had replayed); a capture that comes first writes the column the long way.
         last = self._last_channel.get(channels)
-        if last is None:
+        if last is None and not (self._cuda and self._capturing()):
             last = t.zeros((1, channels), dtype=t.int32, device=self._device)
             last[0, channels - 1] = 1
             self._last_channel[channels] = last
-        t.mul(per_rank.view(-1, 1), last, out=channel_prefix)
+        if last is not None:
+            t.mul(per_rank.view(-1, 1), last, out=channel_prefix)
+        else:
+            channel_prefix.zero_()[:, channels - 1].copy_(per_rank)
         recv_channel_prefix.zero_()
         _send_head(in_rank, send_head)
 
