@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The Python package's CI tests, from a clean clone, without a GPU or torch: builds the abi3 wheel with
-# maturin, installs it into a venv and runs python/tests (the native module on the host backend with numpy
-# arrays and thread ranks, and the API surface by inspection). A few minutes on 2 cores.
+# The Python package's CI tests, from a clean clone, without a GPU: builds the abi3 wheel with maturin,
+# installs it into a venv without torch and runs python/tests (the native module on the host backend with numpy
+# arrays and thread ranks, and the API surface by inspection), then the torch layer on the host backend in a
+# second venv with torch (below). A few minutes on 2 cores, plus torch's download the first time.
 #
 #   scripts/test-python.sh            # build + test
 #   scripts/test-python.sh -k ll      # extra arguments go to pytest
@@ -22,5 +23,26 @@ rm -rf "$wheels"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/moelink-*.whl
 
 # Run from outside the source tree so that `import moelink` is the installed wheel, not python/moelink.
-cd python/tests
-exec "../../$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" .
+(cd python/tests && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" .)
+[ $# -eq 0 ] || exit 0
+
+# The torch layer (moelink.Buffer) on the host backend, in a venv of its own with torch (the one above stays
+# without it, as users without torch have it): python/tests/gpu as 2 ranks over gloo, which includes the fast
+# path's checks against the event path, and the host-cost bench in quick mode (test_bench.py). Its figures are
+# CPU work, not GPU figures. MOELINK_SKIP_TORCH=1 leaves this out.
+if [ "${MOELINK_SKIP_TORCH:-0}" = 1 ]; then
+    echo "MOELINK_SKIP_TORCH=1: the torch layer's host tests are skipped"
+    exit 0
+fi
+tvenv=${MOELINK_TORCH_VENV:-.venv-torch}
+if [ ! -x "$tvenv/bin/python" ]; then
+    python3 -m venv "$tvenv"
+fi
+if ! "$tvenv/bin/python" -c "import torch" 2>/dev/null; then
+    "$tvenv/bin/python" -m pip install -q --disable-pip-version-check torch
+fi
+"$tvenv/bin/python" -m pip install -q --disable-pip-version-check "numpy>=1.24" "pytest>=7"
+"$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/moelink-*.whl
+(cd python/tests && OMP_NUM_THREADS=1 "../../$tvenv/bin/python" -m pytest -q -p no:cacheprovider test_bench.py test_api.py)
+MOELINK_BACKEND=host OMP_NUM_THREADS=1 "$tvenv/bin/torchrun" --standalone --nproc_per_node=2 --local-ranks-filter 0 \
+    -m pytest -q -p no:cacheprovider python/tests/gpu

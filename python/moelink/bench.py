@@ -1,6 +1,7 @@
 """Side-by-side benchmark: moelink vs NCCL ``all_to_all_single`` (and DeepEP when ``import deep_ep`` works).
 
     torchrun --nproc_per_node=4 -m moelink.bench --json results.json
+    torchrun --nproc_per_node=2 -m moelink.bench --host-cost --graph --json hostcost.json   # host cost per call
     MOELINK_BACKEND=host torchrun --nproc_per_node=2 -m moelink.bench --tokens 256 --hidden 512 \\
         --experts 16 --ll-tokens 16 --ll-experts 16      # CPU/gloo smoke run (times mean nothing)
 
@@ -20,6 +21,9 @@ The baselines are what a user would write with torch: pack rows by destination, 
 unpack (high-throughput: counts exchanged first; low-latency: fixed ``T_max`` rows per destination, one
 bf16 row per destination rank, combine pre-reduced on the expert side). Records (``--json``) have the
 fields of the Rust CLI's ``moelink bench --json``.
+
+``--host-cost`` measures something else: what each operation costs the host per call through the Python API
+(``cpu_us_per_call``, ``loop_us_per_call``, ``sync_us``), moelink beside DeepEP; see ``moelink.bench_hostcost``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _env
+from . import _env, bench_hostcost
 
 
 # ---------------------------------------------------------------------------------------------------- setup
@@ -502,6 +506,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--systems", default="moelink,nccl,deepep")
     p.add_argument("--json", default=None, help="write the records to this file (rank 0)")
+    bench_hostcost.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -518,10 +523,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             import deep_ep  # type: ignore[import-not-found]
 
-            systems["deepep"] = deep_ep
+            if getattr(deep_ep, "Buffer", None) is getattr(systems.get("moelink"), "Buffer", object()):
+                # A shim that imports moelink as deep_ep (to run DeepEP's tests) is not DeepEP.
+                systems["deepep"] = "import deep_ep found moelink itself (a deep_ep shim on the path), not DeepEP"
+            else:
+                systems["deepep"] = deep_ep
         except Exception as err:  # noqa: BLE001 - ImportError, or its own init failing
             systems["deepep"] = f"import deep_ep failed: {type(err).__name__}: {err}"
     records: List[Dict[str, Any]] = []
+    if args.host_cost:
+        systems.pop("nccl", None)
+        records = bench_hostcost.run(ctx, args, systems)
+        if ctx.rank == 0:
+            print(f"moelink bench --host-cost: {ctx.num_ranks} ranks on {ctx.facts['device']} ({ctx.facts['backend']}), "
+                  f"commit {ctx.facts['commit']}, {ctx.facts['date']}")
+            if not ctx.cuda:
+                print(f"NOTE: {bench_hostcost.HOST_NOTE}.")
+            print(bench_hostcost.table(records), flush=True)
+        finish(ctx, args, records)
+        return 0
     modes = args.mode.split(",")
     if "ht" in modes:
         run_ht(ctx, systems, records)
@@ -531,6 +551,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"moelink bench: {ctx.num_ranks} ranks on {ctx.facts['device']} ({ctx.facts['backend']}), "
               f"commit {ctx.facts['commit']}, {ctx.facts['date']}")
         print(table(records), flush=True)
+    finish(ctx, args, records)
+    return 0
+
+
+def finish(ctx: Ctx, args: argparse.Namespace, records: List[Dict[str, Any]]) -> None:
+    """Rank 0 prints the status count and writes the records; then the group is torn down."""
+    if ctx.rank == 0:
         counts: Dict[str, int] = {}
         for r in records:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -541,7 +568,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f.write("\n")
     dist.barrier()
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

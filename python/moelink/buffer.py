@@ -1,19 +1,22 @@
 """``Buffer``: DeepEP's ``deep_ep.Buffer`` surface over moelink's native module.
 
-Division of labour: this module does what is torch-specific (turning tensors into
-``(data_ptr, dtype, shape, strides, device)`` tuples, allocating every output with torch — after checking that
-the device can hold what a size argument asks for, as the Rust API does before it allocates — streams,
-events, keeping tensors alive); the native module validates everything else and moves the data. Errors name
-the argument (``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
+Division of labour: this module does what is torch-specific (allocating every output with torch — after
+checking that the device can hold what a size argument asks for, as the Rust API does before it allocates —
+reusing outputs nothing references any more (``_Reuse``), streams, events, keeping tensors alive); the native
+module reads the torch tensors passed to it (their address, dtype, shape, strides and device), validates
+everything and moves the data, one native call per operation. Errors name the argument
+(``ValueError``/``TypeError`` with ``argument`` and ``rank`` attributes).
 
-Streams (CUDA backend), as in DeepEP: high-throughput operations run on the buffer's communication
-stream (``get_comm_stream()``), which first waits for ``previous_event`` or else the current stream.
-Outputs are allocated on the current stream, or on the communication stream with
-``allocate_on_comm_stream=True``. With ``async_finish=True`` the returned ``EventOverlap`` marks the end of
-the work and keeps inputs and outputs alive; otherwise the current stream waits for the work before the
-call returns. Low-latency operations behave the same, except that with ``return_recv_hook=True`` the send
-phase runs on the current stream and ``hook()`` runs the receive phase on the stream current when it is
-called. On the host backend (CPU tensors) every call is synchronous and events are ``None``.
+Streams (CUDA backend). A call without ``previous_event``, ``async_finish`` or ``allocate_on_comm_stream`` runs
+its kernels on the current stream: ordered after the caller's earlier work and before its later work, which is
+all DeepEP's synchronous mode promises, without an event or a second stream. With any of them, as in DeepEP,
+the operation runs on the buffer's communication stream (``get_comm_stream()``), which first waits for
+``previous_event`` or else the current stream; outputs are allocated on the current stream, or on the
+communication stream with ``allocate_on_comm_stream=True``; with ``async_finish=True`` the returned
+``EventOverlap`` marks the end of the work and keeps inputs and outputs alive, otherwise the current stream
+waits for the work before the call returns. With ``return_recv_hook=True`` a low-latency send phase runs on the
+current stream and ``hook()`` runs the receive phase on the stream current when it is called. On the host
+backend (CPU tensors) every call is synchronous and events are ``None``.
 
 Environment: ``MOELINK_BACKEND`` (``auto`` | ``host`` | ``cuda``, default ``auto``: CUDA when torch sees a GPU
 and the driver and NVRTC are usable; any other value raises ``ValueError`` naming it before CUDA is touched),
@@ -33,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import _env, _native
@@ -67,6 +72,66 @@ def _collective(method: _F) -> _F:
         return method(self, *args, **kwargs)
 
     return counted  # type: ignore[return-value]
+
+
+# torch's raw-stream and capture queries (what ``torch.cuda.current_stream().cuda_stream`` and
+# ``is_current_stream_capturing()`` return, without building a Stream object or going through
+# ``torch.cuda``'s Python wrappers): the calls without events ask for them on every call. None where this torch
+# lacks them; the public wrappers stand in.
+_raw_stream: Any = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+_is_capturing: Any = getattr(getattr(torch, "_C", None), "_cuda_isCurrentStreamCapturing", None)
+_storage_use_count: Any = getattr(getattr(torch, "_C", None), "_storage_Use_Count", None)
+
+
+class _Reuse:
+    """The outputs of earlier calls, handed out again once nothing but this object references them.
+
+    A call's outputs are kept as one set under a key that names everything their shapes and dtypes depend on
+    (and the stream they are used on). The next call with that key takes a kept set instead of allocating,
+    if no Python reference, view, autograd record or storage alias of any of its tensors is left: nobody can
+    see the difference from fresh memory, which the caching allocator would have handed out just the same
+    (on the same stream). At most two sets per key are kept (two calls in flight, as with two micro-batches);
+    a call that finds both busy allocates and keeps its own set in place of the oldest. Never while a CUDA
+    graph is being captured: graph memory must not leave the graph, nor eager memory enter it.
+    """
+
+    __slots__ = ("_sets",)
+
+    #: References to a kept tensor when nothing outside holds it: the set's tuple, the loop variable and
+    #: ``sys.getrefcount``'s argument.
+    _FREE_REFS = 3
+
+    def __init__(self) -> None:
+        self._sets: dict = {}
+
+    def take(self, key: Any) -> Optional[Tuple[Any, ...]]:
+        """A kept set for ``key`` that nothing references any more, or None."""
+        sets = self._sets.get(key)
+        if sets is None:
+            return None
+        for outs, counts in sets:
+            for i in range(len(outs)):
+                t = outs[i]  # referenced by `outs`, `t` and getrefcount's argument: _FREE_REFS
+                if t is not None and (sys.getrefcount(t) != _Reuse._FREE_REFS or t._use_count() != counts[i][0]
+                                      or _storage_use_count(t.untyped_storage()._cdata) != counts[i][1]):
+                    break
+            else:
+                return outs
+        return None
+
+    def keep(self, key: Any, outs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """Keeps the fresh set ``outs`` for later calls with ``key`` (its tensors' use counts as they are now,
+        referenced only by the call that allocated them, are what "free" means for them); returns it."""
+        counts = tuple((0, 0) if t is None else (t._use_count(), _storage_use_count(t.untyped_storage()._cdata))
+                       for t in outs)
+        sets = self._sets.setdefault(key, [])
+        if len(sets) >= 2:
+            sets.pop(0)
+        sets.append((outs, counts))
+        return outs
+
+    def clear(self) -> None:
+        self._sets.clear()
 
 
 def _event_of(previous_event: Any) -> Any:
@@ -243,7 +308,8 @@ def _send_head(in_rank: Tensor, out: Tensor) -> Tensor:
     """``out[t][r]`` = token ``t``'s position among the tokens sent to ``r``, -1 where it is not sent."""
     t = require_torch()
     t.cumsum(in_rank, 0, dtype=t.int32, out=out)
-    return out.sub_(1).masked_fill_(in_rank.logical_not(), -1)
+    # Inclusive count - 1 where sent, 0 - 1 elsewhere: two in-place kernels, no temporary.
+    return out.mul_(in_rank).sub_(1)
 
 
 # DeepEP's recommended chunk sizes per rank count, (nvl send, nvl recv, rdma send, rdma recv) after num_sms:
@@ -266,6 +332,18 @@ def _config_entry(table: dict, num_ranks: Any) -> Tuple[int, int, int, int]:
     if n == 0:
         raise _invalid(ValueError, "num_ranks", -1, "must be positive")
     return table[max([k for k in table if k <= n], default=min(table))]
+
+
+_qps_warned = False
+
+
+def _warn_qps_capped(asked: int) -> None:
+    """Says once per process that ``num_qps_per_rank`` was capped (across nodes, where it is used)."""
+    global _qps_warned
+    if not _qps_warned:
+        _qps_warned = True
+        warnings.warn(f"moelink: num_qps_per_rank={asked} is capped at {_native.MAX_QPS_PER_RANK} QPs per peer, the "
+                      "most its RDMA transport uses", RuntimeWarning, stacklevel=3)
 
 
 class _CudaMemory:
@@ -312,8 +390,10 @@ class Buffer:
                 Across nodes high-throughput calls run in rounds that these sizes bound, so any token count fits
                 (``moelink._native.ht_internode_bytes_needed`` gives the sizes for a round of so many tokens).
             low_latency_mode: whether the buffer serves the low-latency API.
-            num_qps_per_rank: queue pairs per peer when the ranks span nodes (1..32; NVSHMEM's
-                ``NVSHMEM_IBGDA_NUM_RC_PER_PE``); unused inside a node.
+            num_qps_per_rank: queue pairs per peer when the ranks span nodes, any positive count (DeepEP's
+                users pass ``num_experts // num_ranks``); capped at ``moelink._native.MAX_QPS_PER_RANK`` (32, with
+                a warning, once per process), which also sets NVSHMEM's ``NVSHMEM_IBGDA_NUM_RC_PER_PE``; unused
+                inside a node.
             allow_nvlink_for_low_latency_mode: across nodes, low-latency kernels reach the ranks of their
                 own node over NVLink (otherwise through the RDMA transport too).
             allow_mnnvl, use_fabric: accepted for DeepEP compatibility; moelink has no use for them.
@@ -358,6 +438,8 @@ class Buffer:
         # Across nodes, high-throughput calls follow DeepEP's internode API (num_tokens_per_rdma_rank, the
         # 10-element handle).
         self._internode = self.topology[0] > 1
+        if self._internode and self.num_qps_per_rank > _native.MAX_QPS_PER_RANK:
+            _warn_qps_capped(self.num_qps_per_rank)
         self.backend: str = self._native.backend
         self._cuda = self.backend == "cuda"
         self._device = t.device("cuda", self._native.device) if self._cuda else t.device("cpu")
@@ -366,6 +448,15 @@ class Buffer:
         self._memory: Tuple[Optional[int], str] = (
             (t.cuda.get_device_properties(self._device).total_memory, f"memory of {self._device}") if self._cuda
             else (_host_memory_bytes(), "memory on this machine"))
+        self._device_index: int = self._native.device
+        # Outputs of earlier calls, reused once unreferenced (``_Reuse``); None where this torch cannot tell.
+        self._reuse: Optional[_Reuse] = _Reuse() if _storage_use_count is not None else None
+        # DeepEP's channel elements of the intranode handle: a [1, C] row of zeros ending in 1, per C.
+        self._last_channel: dict = {}
+
+    #: Whether calls without events reuse the outputs of earlier calls once nothing references them
+    #: (``_Reuse``). Class-wide; ``python -m moelink.bench --host-cost`` turns it off to measure what it saves.
+    _reuse_outputs: bool = True
 
     # ------------------------------------------------------------------ static / utility
 
@@ -480,6 +571,37 @@ class Buffer:
         _check_fits(arg, self.rank, wanted, *self._memory)
         return [None if o is None else self._empty(o[1], o[2]) for o in outputs]
 
+    def _shape(self, x: Any, name: str) -> Any:
+        """``x.shape``, or the ``TypeError`` naming ``name`` that the native module gives a non-tensor."""
+        if torch is None or not isinstance(x, torch.Tensor):
+            raise _invalid(TypeError, name, self.rank, f"expected a torch.Tensor, got {type(x).__name__}")
+        return x.shape
+
+    def _current_stream(self) -> Optional[int]:
+        """The raw handle of the current stream (CUDA backend; None on the host): where calls without events
+        run, ordered with the caller's work without an event or a second stream."""
+        if not self._cuda:
+            return None
+        if _raw_stream is not None:
+            return int(_raw_stream(self._device_index))
+        return int(require_torch().cuda.current_stream(self._device).cuda_stream)
+
+    def _capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (CUDA backend)."""
+        return bool(_is_capturing() if _is_capturing is not None else require_torch().cuda.is_current_stream_capturing())
+
+    def _reusable(self) -> Optional[_Reuse]:
+        """The output sets to reuse on this call, or None (turned off, or while a CUDA graph is captured)."""
+        if self._reuse is None or not Buffer._reuse_outputs:
+            return None
+        if self._cuda and self._capturing():
+            return None
+        return self._reuse
+
+    def _begun(self) -> None:
+        """Counts a collective call that this layer refuses before the native module sees it (``_collective``)."""
+        self._native.begin_call()
+
     def _launch_stream(self) -> Optional[int]:
         return self._comm_stream.cuda_stream if self._comm_stream is not None else None
 
@@ -561,28 +683,42 @@ class Buffer:
         ``int32 [num_nodes]`` when the buffer's ranks span nodes (tokens per destination node: a token counts
         once per node it reaches), ``None`` on one node (as DeepEP's intranode).
         """
-        t = require_torch()
-        idx = self._tensor(topk_idx, "topk_idx")
+        shape = self._shape(topk_idx, "topk_idx")
         num_experts = _count(num_experts, "num_experts", self.rank)
-        num_tokens = idx[2][0] if idx[2] else 0
+        num_tokens = shape[0] if len(shape) else 0
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            # No events asked for: the kernel runs on the caller's stream, outputs reused where unreferenced.
+            stream = self._current_stream()
+            reuse = self._reusable()
+            key = ("layout", num_tokens, num_experts, stream)
+            outs = reuse.take(key) if reuse is not None else None
+            if outs is None:
+                outs = self._layout_outputs(num_tokens, num_experts)
+                if reuse is not None:
+                    reuse.keep(key, outs)
+            per_rank, per_node, per_expert, in_rank = outs
+            self._native.get_dispatch_layout_into(topk_idx, num_experts, per_rank, per_expert, in_rank, per_node, stream)
+            return per_rank, per_node, per_expert, in_rank, EventOverlap()
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
-            per_rank = self._empty((self.group_size,), t.int32)
-            per_node = self._empty((self.topology[0],), t.int32) if self._internode else None
-            [per_expert] = self._alloc("num_experts", ("num_tokens_per_expert", (num_experts,), t.int32))
-            in_rank = self._empty((num_tokens, self.group_size), t.bool)
-            self._native.get_dispatch_layout_into(idx, num_experts, self._tensor(per_rank, "num_tokens_per_rank"),
-                                                  self._tensor(per_expert, "num_tokens_per_expert"),
-                                                  self._tensor(in_rank, "is_token_in_rank"),
-                                                  num_tokens_per_rdma_rank=self._opt(per_node, "num_tokens_per_rdma_rank"),
-                                                  stream=self._launch_stream())
+            per_rank, per_node, per_expert, in_rank = self._layout_outputs(num_tokens, num_experts)
+            self._native.get_dispatch_layout_into(topk_idx, num_experts, per_rank, per_expert, in_rank, per_node,
+                                                  self._launch_stream())
         finally:
             self._leave(compute, allocate_on_comm_stream)
         event = self._finish(compute, async_finish, allocate_on_comm_stream, [topk_idx],
                              [per_rank, per_node, per_expert, in_rank])
         return per_rank, per_node, per_expert, in_rank, event
 
-    @_collective
+    def _layout_outputs(self, num_tokens: int, num_experts: int) -> Tuple[Any, ...]:
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert, is_token_in_rank)``."""
+        t = require_torch()
+        per_rank = self._empty((self.group_size,), t.int32)
+        per_node = self._empty((self.topology[0],), t.int32) if self._internode else None
+        [per_expert] = self._alloc("num_experts", ("num_tokens_per_expert", (num_experts,), t.int32))
+        in_rank = self._empty((num_tokens, self.group_size), t.bool)
+        return per_rank, per_node, per_expert, in_rank
+
     def dispatch(self, x: Union[Tensor, Tuple[Tensor, Tensor]], handle: Optional[Sequence[Any]] = None,
                  num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
                  is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
@@ -610,75 +746,69 @@ class Buffer:
         docstrings say what each element holds. A cached dispatch returns ``(recv_x, None, None, None, None,
         event)``.
         """
-        t = require_torch()
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise _invalid(ValueError, "x", self.rank, f"an FP8 tuple has 2 tensors (x, scales), got {len(x)}")
-            x_data, x_scales = x
-        else:
-            x_data, x_scales = x, None
-        native_handle = None if handle is None else self._ht_native(handle)
-        config_tuple = self._config(config, self.get_dispatch_config)
-        args = dict(
-            x=self._tensor(x_data, "x"), x_scales=self._opt(x_scales, "x_scales"), handle=native_handle,
-            num_tokens_per_rank=self._opt(num_tokens_per_rank, "num_tokens_per_rank"),
-            num_tokens_per_expert=self._opt(num_tokens_per_expert, "num_tokens_per_expert"),
-            is_token_in_rank=self._opt(is_token_in_rank, "is_token_in_rank"),
-            topk_idx=self._opt(topk_idx, "topk_idx"), topk_weights=self._opt(topk_weights, "topk_weights"),
-            expert_alignment=_count(expert_alignment, "expert_alignment", self.rank),
-            num_worst_tokens=_count(num_worst_tokens, "num_worst_tokens", self.rank), config=config_tuple)
-        if self._internode and handle is None and num_tokens_per_rdma_rank is not None:
-            self._check_per_node(num_tokens_per_rdma_rank)
-        compute = self._enter(previous_event, allocate_on_comm_stream)
-        try:
-            plan = self._native.prepare_dispatch(**args, stream=self._launch_stream())
-            n = plan.num_recv_rows
-            # DeepEP's handle (a fresh dispatch returns one): the exact parts come from the native call, the
-            # channel parts (moelink's meaning, DispatchHandle / InternodeDispatchHandle) from the routing on
-            # the same stream.
-            fresh = handle is None
-            r, channels = self.group_size, config_tuple[0] // 2
-            rows_arg = "num_worst_tokens" if args["num_worst_tokens"] > 0 else "x"
-            # The rows: num_worst_tokens in no-sync mode, else what the ranks' `x` send here.
-            recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = self._alloc(
-                rows_arg,
-                ("recv_x", (n, plan.hidden), x_data.dtype),
-                ("recv_x_scales", (n, plan.hidden // 128), t.float32) if plan.is_fp8 else None,
-                ("recv_topk_idx", (n, plan.topk), t.int64) if plan.has_topk else None,
-                ("recv_topk_weights", (n, plan.topk), t.float32) if plan.has_topk else None,
-                ("recv_src_idx", (n,), t.int32) if fresh else None)
-            rank_prefix = self._empty((r, r), t.int32) if fresh else None
-            if not fresh:
-                handle_parts: List[Any] = []
-            elif self._internode:
-                handle_parts = self._internode_handle_alloc(n, channels, rows_arg, tuple(is_token_in_rank.shape))
+        try:  # what this layer refuses still counts as the collective call it began (`_collective`)
+            if isinstance(x, tuple):
+                if len(x) != 2:
+                    raise _invalid(ValueError, "x", self.rank, f"an FP8 tuple has 2 tensors (x, scales), got {len(x)}")
+                x_data, x_scales = x
             else:
-                handle_parts = [*self._alloc("config.num_sms", ("channel_prefix_matrix", (r, channels), t.int32),
-                                             ("recv_channel_prefix_matrix", (r, channels), t.int32)),
-                                self._empty(tuple(is_token_in_rank.shape), t.int32)]
-            native_handle = self._native.dispatch_into(
-                plan, self._tensor(recv_x, "recv_x"), self._opt(recv_scales, "recv_x_scales"),
-                self._opt(recv_idx, "recv_topk_idx"), self._opt(recv_w, "recv_topk_weights"),
-                rank_prefix_matrix=self._opt(rank_prefix, "rank_prefix_matrix"),
-                recv_src_idx=self._opt(recv_src_idx, "recv_src_idx"), stream=self._launch_stream())
+                x_data, x_scales = x, None
+            fresh = handle is None
+            native_handle = None if fresh else self._ht_native(handle)
+            config_tuple = self._config(config, self.get_dispatch_config)
+            expert_alignment = _count(expert_alignment, "expert_alignment", self.rank)
+            num_worst_tokens = _count(num_worst_tokens, "num_worst_tokens", self.rank)
+            if self._internode and fresh and num_tokens_per_rdma_rank is not None:
+                self._check_per_node(num_tokens_per_rdma_rank)
+            in_rank_shape = tuple(getattr(is_token_in_rank, "shape", ())) if fresh else ()
+            eventless = previous_event is None and not async_finish and not allocate_on_comm_stream
+        except BaseException:
+            self._begun()
+            raise
+        channels = config_tuple[0] // 2
+        rows_arg = "num_worst_tokens" if num_worst_tokens > 0 else "x"
+        if eventless:
+            stream, reuse = self._current_stream(), self._reusable()
+        else:
+            stream, reuse = None, None
+
+        def alloc(n: int, hidden: int, topk: int, is_fp8: bool, has_topk: bool) -> Tuple[Any, ...]:
+            """The outputs, once the count exchange has sized them: the native ones, then the handle's parts."""
+            key = None
+            if reuse is not None:
+                key = ("dispatch", fresh, n, hidden, x_data.dtype, is_fp8, topk if has_topk else -1, channels,
+                       in_rank_shape, stream)
+                outs = reuse.take(key)
+                if outs is not None:
+                    return outs
+            outs = self._dispatch_outputs(n, hidden, topk, is_fp8, has_topk, x_data.dtype, fresh, channels, rows_arg,
+                                          in_rank_shape)
+            return outs if key is None else reuse.keep(key, outs)
+
+        dispatch = functools.partial(
+            self._native.dispatch, x_data, alloc, x_scales, native_handle, num_tokens_per_rank, num_tokens_per_expert,
+            is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config_tuple)
+        if eventless:
+            native_handle, per_expert, outs = dispatch(stream, True)
             if fresh:
-                with t.cuda.stream(self._comm_stream) if self._cuda else contextlib.nullcontext():
-                    if self._internode:
-                        self._internode_handle_fill(handle_parts, rank_prefix, recv_src_idx, is_token_in_rank,
-                                                    num_tokens_per_rank)
-                    else:
-                        channel_prefix, recv_channel_prefix, send_head = handle_parts
-                        channel_prefix.zero_()[:, channels - 1].copy_(num_tokens_per_rank)
-                        recv_channel_prefix.zero_()
-                        _send_head(is_token_in_rank, send_head)
-        finally:
-            self._leave(compute, allocate_on_comm_stream)
-        inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-                  is_token_in_rank, topk_idx, topk_weights]
-        outputs = [recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *handle_parts]
-        event = self._finish(compute, async_finish, allocate_on_comm_stream, inputs, outputs)
+                self._fill_handle(outs, is_token_in_rank, num_tokens_per_rank, channels)
+            event = EventOverlap()
+        else:
+            compute = self._enter(previous_event, allocate_on_comm_stream)
+            try:
+                native_handle, per_expert, outs = dispatch(self._launch_stream(), True)
+                if fresh:
+                    # DeepEP's handle: the channel parts (moelink's meaning) from the routing, on the same stream.
+                    with require_torch().cuda.stream(self._comm_stream) if self._cuda else contextlib.nullcontext():
+                        self._fill_handle(outs, is_token_in_rank, num_tokens_per_rank, channels)
+            finally:
+                self._leave(compute, allocate_on_comm_stream)
+            inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                      is_token_in_rank, topk_idx, topk_weights]
+            event = self._finish(compute, async_finish, allocate_on_comm_stream, inputs, list(outs))
+        recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *handle_parts = outs
         out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
-        if handle is not None:
+        if not fresh:
             return out_x, None, None, None, None, event
         dispatch_handle: Union[DispatchHandle, InternodeDispatchHandle]
         if self._internode:
@@ -689,7 +819,57 @@ class Buffer:
             setattr(rank_prefix, _NATIVE_ATTR, native_handle)
             dispatch_handle = DispatchHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
                                               is_token_in_rank, send_head), native_handle)
-        return out_x, recv_idx, recv_w, list(plan.num_recv_tokens_per_expert), dispatch_handle, event
+        return out_x, recv_idx, recv_w, list(per_expert), dispatch_handle, event
+
+    def _dispatch_outputs(self, n: int, hidden: int, topk: int, is_fp8: bool, has_topk: bool, x_dtype: Any, fresh: bool,
+                          channels: int, rows_arg: str, in_rank_shape: Tuple[int, ...]) -> Tuple[Any, ...]:
+        """A dispatch's outputs, unfilled: ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+        rank_prefix_matrix, recv_src_idx, *handle parts)``, None where not wanted. The rows: ``num_worst_tokens``
+        in no-sync mode, else what the ranks' ``x`` send here."""
+        t = require_torch()
+        r = self.group_size
+        recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = self._alloc(
+            rows_arg,
+            ("recv_x", (n, hidden), x_dtype),
+            ("recv_x_scales", (n, hidden // 128), t.float32) if is_fp8 else None,
+            ("recv_topk_idx", (n, topk), t.int64) if has_topk else None,
+            ("recv_topk_weights", (n, topk), t.float32) if has_topk else None,
+            ("recv_src_idx", (n,), t.int32) if fresh else None)
+        rank_prefix = self._empty((r, r), t.int32) if fresh else None
+        handle_parts: List[Any]
+        if not fresh:
+            handle_parts = []
+        elif self._internode:
+            handle_parts = self._internode_handle_alloc(n, channels, rows_arg, in_rank_shape)
+        else:
+            handle_parts = [*self._alloc("config.num_sms", ("channel_prefix_matrix", (r, channels), t.int32),
+                                         ("recv_channel_prefix_matrix", (r, channels), t.int32)),
+                            self._empty(in_rank_shape, t.int32)]
+        return (recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *handle_parts)
+
+    def _fill_handle(self, outs: Sequence[Any], in_rank: Tensor, per_rank: Tensor, channels: int) -> None:
+        """Writes DeepEP's handle elements that moelink's routing implies (``DispatchHandle`` /
+        ``InternodeDispatchHandle`` say what each holds), on the current stream, without a host synchronisation."""
+        _, _, _, _, rank_prefix, recv_src_idx, *parts = outs
+        if self._internode:
+            self._internode_handle_fill(parts, rank_prefix, recv_src_idx, in_rank, per_rank)
+            return
+        t = require_torch()
+        channel_prefix, recv_channel_prefix, send_head = parts
+        # [r][c] = 0 for c < C-1, per_rank[r] for c = C-1: one multiply by a row of zeros ending in 1, made once
+        # per C outside any CUDA graph capture (a row filled inside one would hold its values only once the graph
+        # had replayed); a capture that comes first writes the column the long way.
+        last = self._last_channel.get(channels)
+        if last is None and not (self._cuda and self._capturing()):
+            last = t.zeros((1, channels), dtype=t.int32, device=self._device)
+            last[0, channels - 1] = 1
+            self._last_channel[channels] = last
+        if last is not None:
+            t.mul(per_rank.view(-1, 1), last, out=channel_prefix)
+        else:
+            channel_prefix.zero_()[:, channels - 1].copy_(per_rank)
+        recv_channel_prefix.zero_()
+        _send_head(in_rank, send_head)
 
     def _ht_native(self, handle: Any) -> Any:
         """The native routing of a high-throughput handle of this buffer's kind (intranode 6-tuple, or
@@ -761,7 +941,6 @@ class Buffer:
         send_nvl_head.fill_(-1)
         send_nvl_head[:, self.rank % per_node].copy_(t.where(valid, rows - node_start[node], -1))
 
-    @_collective
     def combine(self, x: Tensor, handle: Sequence[Any], topk_weights: Optional[Tensor] = None,
                 bias: Union[Tensor, Tuple[Tensor, Tensor], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -775,36 +954,55 @@ class Buffer:
         the ranks each token was sent to, plus ``bias`` (a tensor or a 2-tuple of ``[T, H]`` bf16 tensors),
         rounded to bf16; ``combined_topk_weights`` sums ``topk_weights`` the same way.
         """
-        t = require_torch()
-        native_handle = self._ht_native(handle)
-        if bias is None or isinstance(bias, tuple) and len(bias) == 0:
-            bias_0, bias_1 = None, None
-        elif isinstance(bias, tuple):
-            if len(bias) != 2:
-                raise _invalid(ValueError, "bias", self.rank, f"a tuple of bias tensors has 2 entries, got {len(bias)}")
-            bias_0, bias_1 = bias
-        else:
-            bias_0, bias_1 = bias, None
-        config_tuple = self._config(config, self.get_combine_config)
-        x_arg = self._tensor(x, "x")
-        w_arg = self._opt(topk_weights, "topk_weights")
-        hidden = x_arg[2][-1] if x_arg[2] else 0
+        try:  # what this layer refuses still counts as the collective call it began (`_collective`)
+            native_handle = self._ht_native(handle)
+            if bias is None or isinstance(bias, tuple) and len(bias) == 0:
+                bias_0, bias_1 = None, None
+            elif isinstance(bias, tuple):
+                if len(bias) != 2:
+                    raise _invalid(ValueError, "bias", self.rank, f"a tuple of bias tensors has 2 entries, got {len(bias)}")
+                bias_0, bias_1 = bias
+            else:
+                bias_0, bias_1 = bias, None
+            config_tuple = self._config(config, self.get_combine_config)
+            x_shape = self._shape(x, "x")
+            hidden = x_shape[-1] if len(x_shape) else 0
+            topk = None
+            if topk_weights is not None:
+                w_shape = self._shape(topk_weights, "topk_weights")
+                topk = w_shape[-1] if len(w_shape) else 0
+            num_tokens = native_handle.num_tokens
+        except BaseException:
+            self._begun()
+            raise
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            stream, reuse = self._current_stream(), self._reusable()
+            key = ("combine", num_tokens, hidden, topk, stream)
+            outs = reuse.take(key) if reuse is not None else None
+            if outs is None:
+                outs = self._combine_outputs(num_tokens, hidden, topk)
+                if reuse is not None:
+                    reuse.keep(key, outs)
+            combined_x, combined_w = outs
+            self._native.combine_into(x, native_handle, combined_x, topk_weights, combined_w, bias_0, bias_1, config_tuple,
+                                      stream, True)
+            return combined_x, combined_w, EventOverlap()
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
-            num_tokens = native_handle.num_tokens
-            combined_x = self._empty((num_tokens, hidden), t.bfloat16)
-            combined_w = None
-            if w_arg is not None:
-                combined_w = self._empty((num_tokens, w_arg[2][-1] if w_arg[2] else 0), t.float32)
-            self._native.combine_into(x_arg, native_handle, self._tensor(combined_x, "combined_x"), topk_weights=w_arg,
-                                      combined_topk_weights=self._opt(combined_w, "combined_topk_weights"),
-                                      bias_0=self._opt(bias_0, "bias"), bias_1=self._opt(bias_1, "bias"),
-                                      config=config_tuple, stream=self._launch_stream())
+            combined_x, combined_w = self._combine_outputs(num_tokens, hidden, topk)
+            self._native.combine_into(x, native_handle, combined_x, topk_weights, combined_w, bias_0, bias_1, config_tuple,
+                                      self._launch_stream(), True)
         finally:
             self._leave(compute, allocate_on_comm_stream)
         event = self._finish(compute, async_finish, allocate_on_comm_stream, [x, topk_weights, bias_0, bias_1],
                              [combined_x, combined_w])
         return combined_x, combined_w, event
+
+    def _combine_outputs(self, num_tokens: int, hidden: int, topk: Optional[int]) -> Tuple[Any, Any]:
+        t = require_torch()
+        combined_x = self._empty((num_tokens, hidden), t.bfloat16)
+        combined_w = None if topk is None else self._empty((num_tokens, topk), t.float32)
+        return combined_x, combined_w
 
     # ------------------------------------------------------------------ low-latency
 
@@ -821,25 +1019,24 @@ class Buffer:
                 _count(hidden, "hidden", self.rank), _count(num_experts, "num_experts", self.rank))
         self._collective_on_comm(lambda stream: self._native.clean_low_latency_buffer(*args, stream=stream))
 
-    def _ll_streams(self, async_finish: bool, return_recv_hook: bool, name: str) -> Tuple[Any, Optional[int]]:
-        """(caller's stream, launch stream handle) of a low-latency call."""
+    def _ll_stream(self, async_finish: bool, return_recv_hook: bool) -> Tuple[Any, Optional[int]]:
+        """(caller's stream or None, launch stream handle) of a low-latency call. Without ``async_finish`` the
+        kernels run on the caller's stream (a receive hook's send phase too), ordered with its work without an
+        event; with it, on the communication stream after it waited for the caller's."""
         if async_finish and return_recv_hook:
-            raise _invalid(ValueError, name, self.rank, "return_recv_hook=True is incompatible with async_finish=True")
-        if not self._cuda:
-            return None, None
+            raise _invalid(ValueError, "return_recv_hook", self.rank, "return_recv_hook=True is incompatible with async_finish=True")
+        if not async_finish or not self._cuda:
+            return None, self._current_stream()
         compute = require_torch().cuda.current_stream(self._device)
-        if return_recv_hook:
-            return compute, compute.cuda_stream
         self._comm_stream.wait_stream(compute)
         return compute, self._comm_stream.cuda_stream
 
-    def _ll_finish(self, compute: Any, async_finish: bool, return_recv_hook: bool, tensors: Sequence[Any]) -> EventOverlap:
-        if not self._cuda or return_recv_hook:
+    def _ll_finish(self, compute: Any, tensors: Sequence[Any]) -> EventOverlap:
+        """The event of an ``async_finish`` call (``compute`` not None): recorded on the communication stream,
+        keeping the call's tensors alive."""
+        if compute is None:
             return EventOverlap()
-        if async_finish:
-            return EventOverlap(record_event(self._comm_stream), [x for x in tensors if x is not None])
-        compute.wait_stream(self._comm_stream)
-        return EventOverlap()
+        return EventOverlap(record_event(self._comm_stream), [x for x in tensors if x is not None])
 
     def _hook(self, native_hook: Any, keep: Sequence[Any]) -> Optional[Callable[[], None]]:
         """The Python ``hook()`` of a receive phase; it keeps the call's tensors alive until it has run."""
@@ -855,7 +1052,6 @@ class Buffer:
 
         return hook
 
-    @_collective
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
@@ -878,17 +1074,46 @@ class Buffer:
         phase. **(ext)** ``topk_weights float32 [T, K]``: lets combine pre-reduce on the expert side (pass
         the same weights to ``low_latency_combine``).
         """
+        try:  # what this layer refuses still counts as the collective call it began (`_collective`)
+            x_shape = self._shape(x, "x")
+            hidden = x_shape[-1] if len(x_shape) else 0
+            t_max = _count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", self.rank)
+            num_experts = _count(num_experts, "num_experts", self.rank)
+            compute, stream = self._ll_stream(async_finish, return_recv_hook)
+            use_fp8, use_ue8m0 = bool(use_fp8), bool(use_ue8m0)
+            reuse = self._reusable() if compute is None else None
+            key = ("ll_dispatch", t_max, num_experts, hidden, use_fp8, use_ue8m0, stream)
+            outs = reuse.take(key) if reuse is not None else None
+            if outs is None:
+                outs = self._ll_dispatch_outputs(t_max, num_experts, hidden, use_fp8, use_ue8m0)
+                if reuse is not None:
+                    reuse.keep(key, outs)
+        except BaseException:
+            self._begun()
+            raise
+        recv_x, recv_scales, recv_count, src_info, layout_range = outs
+        native_handle, native_hook = self._native.low_latency_dispatch_into(
+            x, topk_idx, t_max, num_experts, recv_x, recv_count, topk_weights, recv_scales, use_fp8, bool(round_scale),
+            use_ue8m0, bool(return_recv_hook), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+            src_info, layout_range, stream, True)
+        hook = None
+        if compute is not None or native_hook is not None:
+            tensors = [x, topk_idx, topk_weights, recv_x, recv_scales, recv_count, cumulative_local_expert_recv_stats,
+                       dispatch_wait_recv_cost_stats, src_info, layout_range]
+            event = self._ll_finish(compute, tensors)
+            hook = self._hook(native_hook, tensors)
+        else:
+            event = EventOverlap()
+        out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
+        setattr(src_info, _NATIVE_ATTR, native_handle)
+        ll_handle = LowLatencyHandle((src_info, layout_range, t_max, hidden, num_experts), native_handle)
+        return out_x, recv_count, ll_handle, event, hook
+
+    def _ll_dispatch_outputs(self, t_max: int, num_experts: int, hidden: int, use_fp8: bool,
+                             use_ue8m0: bool) -> Tuple[Any, ...]:
+        """``(recv_x, recv_x_scales or None, recv_count, src_info, layout_range)``, unfilled."""
         t = require_torch()
-        x_arg, idx_arg = self._tensor(x, "x"), self._tensor(topk_idx, "topk_idx")
-        w_arg = self._opt(topk_weights, "topk_weights")
-        t_max = _count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", self.rank)
-        num_experts = _count(num_experts, "num_experts", self.rank)
-        cum_arg = self._opt(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
-        wait_arg = self._opt(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
-        compute, stream = self._ll_streams(async_finish, return_recv_hook, "return_recv_hook")
-        hidden = x_arg[2][-1] if x_arg[2] else 0
         e_local, rows = num_experts // self.group_size, self.group_size * t_max
-        use_fp8 = bool(use_fp8)
         packs = hidden // 512 if use_ue8m0 else hidden // 128
         recv_count, layout_range = self._alloc("num_experts", ("recv_count", (e_local,), t.int32),
                                                ("layout_range", (e_local, self.group_size), t.int64))
@@ -899,22 +1124,8 @@ class Buffer:
             ("src_info", (e_local, rows), t.int32))
         if recv_scales is not None:
             recv_scales = recv_scales.transpose(1, 2)
-        native_handle, native_hook = self._native.low_latency_dispatch_into(
-            x_arg, idx_arg, t_max, num_experts, self._tensor(recv_x, "recv_x"), self._tensor(recv_count, "recv_count"),
-            topk_weights=w_arg, recv_x_scales=self._opt(recv_scales, "recv_x_scales"), use_fp8=use_fp8,
-            round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0), return_recv_hook=bool(return_recv_hook),
-            cumulative_local_expert_recv_stats=cum_arg, dispatch_wait_recv_cost_stats=wait_arg,
-            src_info=self._tensor(src_info, "src_info"), layout_range=self._tensor(layout_range, "layout_range"),
-            stream=stream)
-        tensors = [x, topk_idx, topk_weights, recv_x, recv_scales, recv_count, cumulative_local_expert_recv_stats,
-                   dispatch_wait_recv_cost_stats, src_info, layout_range]
-        event = self._ll_finish(compute, async_finish, bool(return_recv_hook), tensors)
-        out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
-        setattr(src_info, _NATIVE_ATTR, native_handle)
-        ll_handle = LowLatencyHandle((src_info, layout_range, t_max, hidden, num_experts), native_handle)
-        return out_x, recv_count, ll_handle, event, self._hook(native_hook, tensors)
+        return recv_x, recv_scales, recv_count, src_info, layout_range
 
-    @_collective
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[Tensor] = None,
@@ -928,23 +1139,32 @@ class Buffer:
         ``combine_wait_recv_cost_stats int64 [R]`` is incremented by the nanoseconds waited per rank.
         ``use_logfmt`` is not supported. Returns ``(combined_x, event, hook)``.
         """
-        t = require_torch()
-        if use_logfmt:
-            raise _invalid(ValueError, "use_logfmt", self.rank, "LogFMT is not supported by moelink (combine sends bf16)")
-        native_handle = _native_of(handle, LowLatencyHandle, 5, "src_info", self.rank, "low_latency_dispatch")
-        x_arg, idx_arg, w_arg = self._tensor(x, "x"), self._tensor(topk_idx, "topk_idx"), self._tensor(topk_weights, "topk_weights")
-        wait_arg = self._opt(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
-        out_arg = self._opt(out, "out")
-        compute, stream = self._ll_streams(async_finish, return_recv_hook, "return_recv_hook")
-        if out is None:
-            out = self._empty((native_handle.num_tokens, native_handle.hidden), t.bfloat16)
-            out_arg = self._tensor(out, "out")
+        try:  # what this layer refuses still counts as the collective call it began (`_collective`)
+            if use_logfmt:
+                raise _invalid(ValueError, "use_logfmt", self.rank, "LogFMT is not supported by moelink (combine sends bf16)")
+            native_handle = _native_of(handle, LowLatencyHandle, 5, "src_info", self.rank, "low_latency_dispatch")
+            compute, stream = self._ll_stream(async_finish, return_recv_hook)
+            if out is None:
+                shape = (native_handle.num_tokens, native_handle.hidden)
+                reuse = self._reusable() if compute is None else None
+                key = ("ll_combine", shape, stream)
+                kept = reuse.take(key) if reuse is not None else None
+                if kept is None:
+                    kept = (self._empty(shape, require_torch().bfloat16),)
+                    if reuse is not None:
+                        reuse.keep(key, kept)
+                out = kept[0]
+                del kept
+        except BaseException:
+            self._begun()
+            raise
         native_hook = self._native.low_latency_combine_into(
-            x_arg, idx_arg, w_arg, native_handle, out_arg, zero_copy=bool(zero_copy),
-            return_recv_hook=bool(return_recv_hook), combine_wait_recv_cost_stats=wait_arg, stream=stream)
+            x, topk_idx, topk_weights, native_handle, out, bool(zero_copy), bool(return_recv_hook),
+            combine_wait_recv_cost_stats, stream, True)
+        if compute is None and native_hook is None:
+            return out, EventOverlap(), None
         tensors = [x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats]
-        event = self._ll_finish(compute, async_finish, bool(return_recv_hook), tensors)
-        return out, event, self._hook(native_hook, tensors)
+        return out, self._ll_finish(compute, tensors), self._hook(native_hook, tensors)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
         """A ``bf16 [E_local, R*T_max, H]`` view of the next combine's send buffer: write expert outputs

@@ -6,11 +6,22 @@
 #      and, for the high-throughput tests, on 2x2 virtual nodes (DeepEP's internode API),
 #   4. examples/moe_layer.py on 4 GPUs,
 #   5. python -m moelink.bench on 4 GPUs (moelink vs NCCL, DeepEP if importable),
-# writing logs and JSON to $OUT (8 files) and printing a summary last.
+# writing logs and JSON to $OUT (8 files; $PY_OUT instead when set) and printing a summary last.
+#
+# Step `hostcost` (issue 26; carry [".device", ".whl"]: the wheel from scripts/build-wheel.sh, DeepEP's wheel and
+# DeepEP's tests in .whl/, see below), about 4 minutes on 2 GPUs:
+#   PY_STEPS=hostcost PY_OUT=$OUT/py bash scripts/device/python.sh
+#   1. python -m moelink.bench --host-cost --graph --reuse-ab at 2 ranks: moelink (with and without output
+#      reuse) beside DeepEP (its wheel installed from .whl/), hostcost.log and hostcost.json;
+#   2. the Python GPU suite at 2 ranks (gpu-tests-2.log);
+#   3. DeepEP's own tests/test_low_latency.py and tests/test_intranode.py (DeepEP 567632d, the wheel's commit;
+#      copied into the git-ignored .whl/deepep-tests/ with utils.py, never committed) against moelink imported
+#      as deep_ep (a shim package on PYTHONPATH), then against DeepEP itself for the baseline
+#      (deepep-tests.log, deepep-baseline.log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
-OUT=${OUT:-/tmp/moelink-out}
+OUT=${PY_OUT:-${OUT:-/tmp/moelink-out}}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -100,7 +111,49 @@ bench_args=()
 want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
+if want hostcost; then
+    hc_ranks=2
+    [ "$ngpu" -ge 2 ] || hc_ranks=$ranks
+    # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
+    if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/deepep-site .whl/deep_ep-*.whl \
+            && echo "installed $(ls .whl/deep_ep-*.whl)" >> "$OUT/setup.log"
+    else
+        echo "no DeepEP wheel in .whl/: the bench runs moelink alone" >> "$OUT/setup.log"
+    fi
+    hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
+    [ "$ngpu" -eq 0 ] && hc_args=(--host-cost --quick --reuse-ab --json "$OUT/hostcost.json")
+    PYTHONPATH=/tmp/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
+        "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
+    if [ "$ngpu" -ge 2 ] && ! want gpu2; then
+        step "gpu suite, 2 ranks (cuda)" "$OUT/gpu-tests-2.log" 150 "${tr[@]}" --nproc_per_node=2 "${suite[@]}"
+    fi
+    # DeepEP's own tests, unchanged, against moelink as deep_ep: a shim package that re-exports moelink.
+    tests=.whl/deepep-tests
+    if [ -f "$tests/test_low_latency.py" ] && [ "$ngpu" -ge 2 ]; then
+        shim=/tmp/deepep-shim/deep_ep
+        mkdir -p "$shim"
+        printf 'from moelink import *  # noqa: F401,F403 - DeepEP tests run against moelink\nfrom moelink import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401\n' > "$shim/__init__.py"
+        for t in test_low_latency test_intranode; do
+            echo "== $t.py against moelink (deep_ep = moelink), DeepEP $(cat "$tests/COMMIT" 2>/dev/null)" >> "$OUT/deepep-tests.log"
+            (cd "$tests" && PYTHONPATH=/tmp/deepep-shim:$PYTHONPATH MASTER_PORT=8371 \
+                step "DeepEP $t (moelink)" "$OUT/deepep-tests.log" 120 python3 "$t.py" --num-processes 2)
+        done
+        if [ -d /tmp/deepep-site/deep_ep ]; then
+            for t in test_low_latency test_intranode; do
+                echo "== $t.py against DeepEP (baseline)" >> "$OUT/deepep-baseline.log"
+                (cd "$tests" && PYTHONPATH=/tmp/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
+                    step "DeepEP $t (DeepEP)" "$OUT/deepep-baseline.log" 100 python3 "$t.py" --num-processes 2)
+            done
+        fi
+    fi
+    echo "== host cost"
+    sed -n '/^moelink bench --host-cost/,$p' "$OUT/hostcost.log" | head -80
+    echo "== DeepEP's tests (moelink, then DeepEP): timings"
+    grep -hE "^\[rank 0\]|\[tuning\] Best|\[layout\]|passed|Error|assert" "$OUT/deepep-tests.log" "$OUT/deepep-baseline.log" 2>/dev/null | head -40
+fi
+
 echo "== bench table"
-sed -n '/^moelink bench/,$p' "$OUT/bench.log" | head -40
+sed -n '/^moelink bench/,$p' "$OUT/bench.log" 2>/dev/null | head -40
 echo "== summary (logs in \$OUT)"
 cat "$summary"

@@ -21,6 +21,9 @@ use moelink::{
 use crate::errors::to_pyerr;
 use crate::group::PyGroup;
 use crate::tensor::{describe, opt_view, opt_view_mut, TensorArg, ViewTuple};
+
+/// A tensor argument as Python passes it: a `torch.Tensor` or a description tuple ([`TensorArg::read`]).
+type Obj<'py> = Bound<'py, PyAny>;
 use crate::{config_from, ConfigTuple};
 
 /// Identifies a `PyBuffer` so that plans, handles and hooks cannot cross buffers.
@@ -38,6 +41,11 @@ pub(crate) struct PyBuffer {
     device: i64,
     default_num_sms: usize,
     topology: Topology,
+    /// Collective calls begun ([`PyBuffer::begin_call`], or `begin_call=True`) but not yet counted by the
+    /// core: they are counted under the buffer lock, first thing in the next call that takes it. Counting
+    /// needs the lock, and the lock must not be taken while holding the GIL (see the module doc), so a call
+    /// marks its start here before anything can refuse it, for the price of an atomic add.
+    pending_calls: AtomicU64,
 }
 
 /// The arguments of a dispatch, kept between `prepare_dispatch` and `dispatch_into`.
@@ -204,6 +212,9 @@ impl PyBuffer {
         let r = py.detach(|| {
             let mut guard = self.inner.lock().map_err(|_| Error::Poisoned { rank, cause: "a previous call panicked".into() })?;
             let buf = guard.as_mut().ok_or_else(|| Error::Unavailable(format!("the buffer on rank {rank} was destroyed")))?;
+            for _ in 0..self.pending_calls.swap(0, Ordering::AcqRel) {
+                buf.begin_call();
+            }
             match stream.flatten() {
                 Some(raw) => {
                     // SAFETY: the package passes the handle of a live torch stream of this buffer's device
@@ -229,6 +240,99 @@ impl PyBuffer {
 
     fn hook(&self, hook: Option<RecvHook<'static>>) -> Option<PyRecvHook> {
         hook.map(|h| PyRecvHook { inner: Mutex::new(Some(h)), buffer_uid: self.uid })
+    }
+
+    /// Marks the start of a collective call when `begin` (see `pending_calls`).
+    fn mark_call(&self, begin: bool) {
+        if begin {
+            self.pending_calls.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Tensor argument `arg` ([`TensorArg::read`]).
+    fn arg(&self, obj: &Obj<'_>, arg: &'static str) -> PyResult<TensorArg> {
+        TensorArg::read(obj, arg, self.rank, self.device)
+    }
+
+    /// Optional tensor argument `arg` (absent or None: `None`).
+    fn opt_arg(&self, obj: Option<&Obj<'_>>, arg: &'static str) -> PyResult<Option<TensorArg>> {
+        TensorArg::read_opt(obj, arg, self.rank, self.device)
+    }
+
+    /// The arguments of a dispatch, read and kept for `prepare_dispatch` and `dispatch_into`.
+    #[allow(clippy::too_many_arguments)]
+    fn ht_call(
+        &self,
+        py: Python<'_>,
+        x: &Obj<'_>,
+        x_scales: Option<&Obj<'_>>,
+        handle: Option<&Obj<'_>>,
+        num_tokens_per_rank: Option<&Obj<'_>>,
+        num_tokens_per_expert: Option<&Obj<'_>>,
+        is_token_in_rank: Option<&Obj<'_>>,
+        topk_idx: Option<&Obj<'_>>,
+        topk_weights: Option<&Obj<'_>>,
+        expert_alignment: usize,
+        num_worst_tokens: usize,
+        config: Option<ConfigTuple>,
+    ) -> PyResult<HtCall> {
+        let r = self.rank;
+        let xv = self.arg(x, "x")?.view(py, "x", r)?;
+        let payload = match opt_view(py, &self.opt_arg(x_scales, "x_scales")?, "x_scales", r)? {
+            Some(scales) => Payload::Fp8 { x: xv, scales },
+            None => Payload::Bf16(xv),
+        };
+        let topk_idx = self.opt_arg(topk_idx, "topk_idx")?;
+        let topk_weights = self.opt_arg(topk_weights, "topk_weights")?;
+        let routing = match handle.filter(|h| !h.is_none()) {
+            Some(h) => {
+                let h = h
+                    .cast::<PyHtHandle>()
+                    .map_err(|_| crate::errors::type_error(py, "handle", r, "expected the native handle of a dispatch".to_string()))?;
+                let h = h.get();
+                self.check_uid(py, h.buffer_uid, "handle")?;
+                for (arg, given) in [("topk_idx", topk_idx.is_some()), ("topk_weights", topk_weights.is_some())] {
+                    if given {
+                        return Err(invalid(py, arg, r, "a cached dispatch (handle given) re-uses the handle's routing; pass no top-k"));
+                    }
+                }
+                StoredRouting::Cached(h.inner.clone())
+            }
+            None => {
+                let why = "for a fresh dispatch (or pass handle for a cached one)";
+                let need = |obj: Option<&Obj<'_>>, arg: &'static str| -> PyResult<TensorRef<'static>> {
+                    let view = opt_view(py, &self.opt_arg(obj, arg)?, arg, r)?;
+                    required(py, view, arg, r, why)
+                };
+                let layout = LayoutRef {
+                    num_tokens_per_rank: need(num_tokens_per_rank, "num_tokens_per_rank")?,
+                    num_tokens_per_expert: need(num_tokens_per_expert, "num_tokens_per_expert")?,
+                    is_token_in_rank: need(is_token_in_rank, "is_token_in_rank")?,
+                };
+                StoredRouting::Fresh(Box::new(FreshRouting {
+                    layout,
+                    topk_idx: opt_view(py, &topk_idx, "topk_idx", r)?,
+                    topk_weights: opt_view(py, &topk_weights, "topk_weights", r)?,
+                }))
+            }
+        };
+        Ok(HtCall { x: payload, routing, expert_alignment, num_worst_tokens, config: config.map(config_from) })
+    }
+
+    /// The outputs of a dispatch from the tuple `(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+    /// rank_prefix_matrix, recv_src_idx, ...)` (None where not wanted; later elements are the caller's).
+    fn dispatch_outputs(&self, py: Python<'_>, outputs: &Obj<'_>) -> PyResult<DispatchOutputs<'static>> {
+        let r = self.rank;
+        let item = |i: usize| outputs.get_item(i);
+        let (x, scales, idx, w, prefix, src) = (item(0)?, item(1)?, item(2)?, item(3)?, item(4)?, item(5)?);
+        Ok(DispatchOutputs {
+            recv_x: self.arg(&x, "recv_x")?.view_mut(py, "recv_x", r)?,
+            recv_scales: opt_view_mut(py, &self.opt_arg(Some(&scales), "recv_x_scales")?, "recv_x_scales", r)?,
+            recv_topk_idx: opt_view_mut(py, &self.opt_arg(Some(&idx), "recv_topk_idx")?, "recv_topk_idx", r)?,
+            recv_topk_weights: opt_view_mut(py, &self.opt_arg(Some(&w), "recv_topk_weights")?, "recv_topk_weights", r)?,
+            rank_prefix_matrix: opt_view_mut(py, &self.opt_arg(Some(&prefix), "rank_prefix_matrix")?, "rank_prefix_matrix", r)?,
+            recv_src_idx: opt_view_mut(py, &self.opt_arg(Some(&src), "recv_src_idx")?, "recv_src_idx", r)?,
+        })
     }
 }
 
@@ -315,6 +419,7 @@ impl PyBuffer {
             default_num_sms: buf.default_num_sms(),
             topology: buf.topology(),
             device,
+            pending_calls: AtomicU64::new(0),
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
             group,
             inner: Mutex::new(Some(buf)),
@@ -377,15 +482,11 @@ impl PyBuffer {
 
     /// Marks the start of one of the package's collective operations (`moelink::Buffer::begin_call`): a call
     /// the Python layer refuses before reaching this buffer still counts on this rank, so that its next call
-    /// cannot pair its exchanges with the peers' current one. Not collective; never fails.
-    fn begin_call(&self, py: Python<'_>) {
-        py.detach(|| {
-            if let Ok(mut guard) = self.inner.lock() {
-                if let Some(buf) = guard.as_mut() {
-                    buf.begin_call();
-                }
-            }
-        })
+    /// cannot pair its exchanges with the peers' current one. Not collective; never fails. The count is
+    /// applied under the buffer lock at the start of the next call (operations that take `begin_call=True`
+    /// mark their own start the same way, in the same native call).
+    fn begin_call(&self) {
+        self.mark_call(true);
     }
 
     /// Waits for every rank (collective).
@@ -396,27 +497,33 @@ impl PyBuffer {
 
     /// Writes the dispatch layout of `topk_idx` into the outputs (local, not collective). On a buffer whose
     /// ranks span nodes, `num_tokens_per_rdma_rank` (`int32 [num_nodes]`, optional) receives the tokens per
-    /// destination node (a token counts once per node).
+    /// destination node (a token counts once per node). Tensors are `torch.Tensor`s or description tuples
+    /// (as in every method below).
     #[pyo3(signature = (topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, num_tokens_per_rdma_rank=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn get_dispatch_layout_into(
         &self,
         py: Python<'_>,
-        topk_idx: TensorArg,
+        topk_idx: &Obj<'_>,
         num_experts: usize,
-        num_tokens_per_rank: TensorArg,
-        num_tokens_per_expert: TensorArg,
-        is_token_in_rank: TensorArg,
-        num_tokens_per_rdma_rank: Option<TensorArg>,
+        num_tokens_per_rank: &Obj<'_>,
+        num_tokens_per_expert: &Obj<'_>,
+        is_token_in_rank: &Obj<'_>,
+        num_tokens_per_rdma_rank: Option<&Obj<'_>>,
         stream: Option<u64>,
     ) -> PyResult<()> {
         let r = self.rank;
-        let topk_idx = topk_idx.view(py, "topk_idx", r)?;
+        let topk_idx = self.arg(topk_idx, "topk_idx")?.view(py, "topk_idx", r)?;
         let out = LayoutOutputs {
-            num_tokens_per_rdma_rank: opt_view_mut(py, &num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", r)?,
-            num_tokens_per_rank: num_tokens_per_rank.view_mut(py, "num_tokens_per_rank", r)?,
-            num_tokens_per_expert: num_tokens_per_expert.view_mut(py, "num_tokens_per_expert", r)?,
-            is_token_in_rank: is_token_in_rank.view_mut(py, "is_token_in_rank", r)?,
+            num_tokens_per_rdma_rank: opt_view_mut(
+                py,
+                &self.opt_arg(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank")?,
+                "num_tokens_per_rdma_rank",
+                r,
+            )?,
+            num_tokens_per_rank: self.arg(num_tokens_per_rank, "num_tokens_per_rank")?.view_mut(py, "num_tokens_per_rank", r)?,
+            num_tokens_per_expert: self.arg(num_tokens_per_expert, "num_tokens_per_expert")?.view_mut(py, "num_tokens_per_expert", r)?,
+            is_token_in_rank: self.arg(is_token_in_rank, "is_token_in_rank")?.view_mut(py, "is_token_in_rank", r)?,
         };
         self.run(py, Some(stream), move |b| b.get_dispatch_layout_into(topk_idx, num_experts, out))
     }
@@ -424,67 +531,42 @@ impl PyBuffer {
     /// Validates a dispatch and exchanges counts (collective). Fresh dispatch: the three layout tensors
     /// (and optionally `topk_idx` with `topk_weights`); cached dispatch: `handle` and no layout or top-k.
     /// `x_scales` makes it an FP8 dispatch. `config`: `(num_sms, nvl send, nvl recv, rdma send, rdma recv)`.
-    #[pyo3(signature = (x, x_scales=None, handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None, stream=None))]
+    /// `begin_call`: this call marks the start of the package's collective operation itself (as
+    /// `begin_call()` would, without a second native call).
+    #[pyo3(signature = (x, x_scales=None, handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None, stream=None, begin_call=false))]
     #[allow(clippy::too_many_arguments)]
     fn prepare_dispatch(
         &self,
         py: Python<'_>,
-        x: TensorArg,
-        x_scales: Option<TensorArg>,
-        handle: Option<PyRef<'_, PyHtHandle>>,
-        num_tokens_per_rank: Option<TensorArg>,
-        num_tokens_per_expert: Option<TensorArg>,
-        is_token_in_rank: Option<TensorArg>,
-        topk_idx: Option<TensorArg>,
-        topk_weights: Option<TensorArg>,
+        x: &Obj<'_>,
+        x_scales: Option<&Obj<'_>>,
+        handle: Option<&Obj<'_>>,
+        num_tokens_per_rank: Option<&Obj<'_>>,
+        num_tokens_per_expert: Option<&Obj<'_>>,
+        is_token_in_rank: Option<&Obj<'_>>,
+        topk_idx: Option<&Obj<'_>>,
+        topk_weights: Option<&Obj<'_>>,
         expert_alignment: usize,
         num_worst_tokens: usize,
         config: Option<ConfigTuple>,
         stream: Option<u64>,
+        begin_call: bool,
     ) -> PyResult<PyDispatchPlan> {
-        let r = self.rank;
-        let xv = x.view(py, "x", r)?;
-        let payload = match opt_view(py, &x_scales, "x_scales", r)? {
-            Some(scales) => Payload::Fp8 { x: xv, scales },
-            None => Payload::Bf16(xv),
-        };
-        let routing = match handle {
-            Some(h) => {
-                self.check_uid(py, h.buffer_uid, "handle")?;
-                for (arg, given) in [("topk_idx", topk_idx.is_some()), ("topk_weights", topk_weights.is_some())] {
-                    if given {
-                        return Err(invalid(py, arg, r, "a cached dispatch (handle given) re-uses the handle's routing; pass no top-k"));
-                    }
-                }
-                StoredRouting::Cached(h.inner.clone())
-            }
-            None => {
-                let why = "for a fresh dispatch (or pass handle for a cached one)";
-                let layout = LayoutRef {
-                    num_tokens_per_rank: required(
-                        py,
-                        opt_view(py, &num_tokens_per_rank, "num_tokens_per_rank", r)?,
-                        "num_tokens_per_rank",
-                        r,
-                        why,
-                    )?,
-                    num_tokens_per_expert: required(
-                        py,
-                        opt_view(py, &num_tokens_per_expert, "num_tokens_per_expert", r)?,
-                        "num_tokens_per_expert",
-                        r,
-                        why,
-                    )?,
-                    is_token_in_rank: required(py, opt_view(py, &is_token_in_rank, "is_token_in_rank", r)?, "is_token_in_rank", r, why)?,
-                };
-                StoredRouting::Fresh(Box::new(FreshRouting {
-                    layout,
-                    topk_idx: opt_view(py, &topk_idx, "topk_idx", r)?,
-                    topk_weights: opt_view(py, &topk_weights, "topk_weights", r)?,
-                }))
-            }
-        };
-        let call = HtCall { x: payload, routing, expert_alignment, num_worst_tokens, config: config.map(config_from) };
+        self.mark_call(begin_call);
+        let call = self.ht_call(
+            py,
+            x,
+            x_scales,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_expert,
+            is_token_in_rank,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+        )?;
         let (plan, call) = self.run(py, Some(stream), move |b| {
             let plan = b.prepare_dispatch(&call.args())?;
             Ok((plan, call))
@@ -512,23 +594,23 @@ impl PyBuffer {
         &self,
         py: Python<'_>,
         plan: &PyDispatchPlan,
-        recv_x: TensorArg,
-        recv_x_scales: Option<TensorArg>,
-        recv_topk_idx: Option<TensorArg>,
-        recv_topk_weights: Option<TensorArg>,
-        rank_prefix_matrix: Option<TensorArg>,
-        recv_src_idx: Option<TensorArg>,
+        recv_x: &Obj<'_>,
+        recv_x_scales: Option<&Obj<'_>>,
+        recv_topk_idx: Option<&Obj<'_>>,
+        recv_topk_weights: Option<&Obj<'_>>,
+        rank_prefix_matrix: Option<&Obj<'_>>,
+        recv_src_idx: Option<&Obj<'_>>,
         stream: Option<u64>,
     ) -> PyResult<PyHtHandle> {
         let r = self.rank;
         self.check_uid(py, plan.buffer_uid, "plan")?;
         let out = DispatchOutputs {
-            recv_x: recv_x.view_mut(py, "recv_x", r)?,
-            recv_scales: opt_view_mut(py, &recv_x_scales, "recv_x_scales", r)?,
-            recv_topk_idx: opt_view_mut(py, &recv_topk_idx, "recv_topk_idx", r)?,
-            recv_topk_weights: opt_view_mut(py, &recv_topk_weights, "recv_topk_weights", r)?,
-            rank_prefix_matrix: opt_view_mut(py, &rank_prefix_matrix, "rank_prefix_matrix", r)?,
-            recv_src_idx: opt_view_mut(py, &recv_src_idx, "recv_src_idx", r)?,
+            recv_x: self.arg(recv_x, "recv_x")?.view_mut(py, "recv_x", r)?,
+            recv_scales: opt_view_mut(py, &self.opt_arg(recv_x_scales, "recv_x_scales")?, "recv_x_scales", r)?,
+            recv_topk_idx: opt_view_mut(py, &self.opt_arg(recv_topk_idx, "recv_topk_idx")?, "recv_topk_idx", r)?,
+            recv_topk_weights: opt_view_mut(py, &self.opt_arg(recv_topk_weights, "recv_topk_weights")?, "recv_topk_weights", r)?,
+            rank_prefix_matrix: opt_view_mut(py, &self.opt_arg(rank_prefix_matrix, "rank_prefix_matrix")?, "rank_prefix_matrix", r)?,
+            recv_src_idx: opt_view_mut(py, &self.opt_arg(recv_src_idx, "recv_src_idx")?, "recv_src_idx", r)?,
         };
         let taken = plan.state.lock().ok().and_then(|mut s| s.take());
         let (p, call) = taken.ok_or_else(|| invalid(py, "plan", r, "was already used by dispatch_into"))?;
@@ -536,31 +618,94 @@ impl PyBuffer {
         Ok(PyHtHandle { inner: handle, buffer_uid: self.uid })
     }
 
+    /// `prepare_dispatch` and `dispatch_into` in one call (collective): after the count exchange,
+    /// `alloc(num_recv_rows, hidden, topk, is_fp8, has_topk)` returns the outputs as a tuple `(recv_x,
+    /// recv_x_scales, recv_topk_idx, recv_topk_weights, rank_prefix_matrix, recv_src_idx, ...)` (None where
+    /// not wanted; elements after the sixth are the caller's and passed back untouched). Returns `(handle,
+    /// num_recv_tokens_per_expert, outputs)`. `alloc` runs with the buffer unlocked, as the Python code
+    /// between the two calls did.
+    #[pyo3(signature = (x, alloc, x_scales=None, handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None, stream=None, begin_call=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Obj<'py>,
+        alloc: &Obj<'py>,
+        x_scales: Option<&Obj<'py>>,
+        handle: Option<&Obj<'py>>,
+        num_tokens_per_rank: Option<&Obj<'py>>,
+        num_tokens_per_expert: Option<&Obj<'py>>,
+        is_token_in_rank: Option<&Obj<'py>>,
+        topk_idx: Option<&Obj<'py>>,
+        topk_weights: Option<&Obj<'py>>,
+        expert_alignment: usize,
+        num_worst_tokens: usize,
+        config: Option<ConfigTuple>,
+        stream: Option<u64>,
+        begin_call: bool,
+    ) -> PyResult<(PyHtHandle, Vec<usize>, Obj<'py>)> {
+        self.mark_call(begin_call);
+        let call = self.ht_call(
+            py,
+            x,
+            x_scales,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_expert,
+            is_token_in_rank,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+        )?;
+        let (plan, call) = self.run(py, Some(stream), move |b| {
+            let plan = b.prepare_dispatch(&call.args())?;
+            Ok((plan, call))
+        })?;
+        let per_expert = plan.num_recv_tokens_per_expert().to_vec();
+        let outputs = alloc.call1((plan.num_recv_rows(), plan.hidden(), plan.topk(), plan.is_fp8(), plan.has_topk()))?;
+        let out = self.dispatch_outputs(py, &outputs)?;
+        let handle = self.run(py, Some(stream), move |b| b.dispatch_into(plan, &call.args(), out))?;
+        Ok((PyHtHandle { inner: handle, buffer_uid: self.uid }, per_expert, outputs))
+    }
+
     /// Sums expert outputs `x` back onto the tokens' home ranks (collective). `bias_0`/`bias_1`: up to two
-    /// `[T, H]` bf16 tensors added to the output.
-    #[pyo3(signature = (x, handle, combined_x, topk_weights=None, combined_topk_weights=None, bias_0=None, bias_1=None, config=None, stream=None))]
+    /// `[T, H]` bf16 tensors added to the output. `begin_call` as in `prepare_dispatch`.
+    #[pyo3(signature = (x, handle, combined_x, topk_weights=None, combined_topk_weights=None, bias_0=None, bias_1=None, config=None, stream=None, begin_call=false))]
     #[allow(clippy::too_many_arguments)]
     fn combine_into(
         &self,
         py: Python<'_>,
-        x: TensorArg,
-        handle: PyRef<'_, PyHtHandle>,
-        combined_x: TensorArg,
-        topk_weights: Option<TensorArg>,
-        combined_topk_weights: Option<TensorArg>,
-        bias_0: Option<TensorArg>,
-        bias_1: Option<TensorArg>,
+        x: &Obj<'_>,
+        handle: &Obj<'_>,
+        combined_x: &Obj<'_>,
+        topk_weights: Option<&Obj<'_>>,
+        combined_topk_weights: Option<&Obj<'_>>,
+        bias_0: Option<&Obj<'_>>,
+        bias_1: Option<&Obj<'_>>,
         config: Option<ConfigTuple>,
         stream: Option<u64>,
+        begin_call: bool,
     ) -> PyResult<()> {
+        self.mark_call(begin_call);
         let r = self.rank;
+        let handle = handle
+            .cast::<PyHtHandle>()
+            .map_err(|_| crate::errors::type_error(py, "handle", r, "expected the native handle of a dispatch".to_string()))?;
+        let handle = handle.get();
         self.check_uid(py, handle.buffer_uid, "handle")?;
-        let x = x.view(py, "x", r)?;
-        let topk_weights = opt_view(py, &topk_weights, "topk_weights", r)?;
-        let bias = [opt_view(py, &bias_0, "bias", r)?, opt_view(py, &bias_1, "bias", r)?];
+        let x = self.arg(x, "x")?.view(py, "x", r)?;
+        let topk_weights = opt_view(py, &self.opt_arg(topk_weights, "topk_weights")?, "topk_weights", r)?;
+        let bias = [opt_view(py, &self.opt_arg(bias_0, "bias")?, "bias", r)?, opt_view(py, &self.opt_arg(bias_1, "bias")?, "bias", r)?];
         let out = CombineOutputs {
-            combined_x: combined_x.view_mut(py, "combined_x", r)?,
-            combined_topk_weights: opt_view_mut(py, &combined_topk_weights, "combined_topk_weights", r)?,
+            combined_x: self.arg(combined_x, "combined_x")?.view_mut(py, "combined_x", r)?,
+            combined_topk_weights: opt_view_mut(
+                py,
+                &self.opt_arg(combined_topk_weights, "combined_topk_weights")?,
+                "combined_topk_weights",
+                r,
+            )?,
         };
         let h = handle.inner.clone();
         let config = config.map(config_from);
@@ -571,54 +716,53 @@ impl PyBuffer {
     /// is None unless `return_recv_hook`, in which case only the send phase has run. The optional handle
     /// outputs (DeepEP's, written by the receive phase): `src_info` (`int32 [E_local, R*T_max]`, the source
     /// token index of each row) and `layout_range` (`int64 [E_local, R]`, `begin << 32 | count` of the rows
-    /// from each rank).
-    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, recv_x, recv_count, topk_weights=None, recv_x_scales=None, use_fp8=true, round_scale=false, use_ue8m0=false, return_recv_hook=false, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, src_info=None, layout_range=None, stream=None))]
+    /// from each rank). `begin_call` as in `prepare_dispatch`.
+    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, recv_x, recv_count, topk_weights=None, recv_x_scales=None, use_fp8=true, round_scale=false, use_ue8m0=false, return_recv_hook=false, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, src_info=None, layout_range=None, stream=None, begin_call=false))]
     #[allow(clippy::too_many_arguments)]
     fn low_latency_dispatch_into(
         &self,
         py: Python<'_>,
-        x: TensorArg,
-        topk_idx: TensorArg,
+        x: &Obj<'_>,
+        topk_idx: &Obj<'_>,
         num_max_dispatch_tokens_per_rank: usize,
         num_experts: usize,
-        recv_x: TensorArg,
-        recv_count: TensorArg,
-        topk_weights: Option<TensorArg>,
-        recv_x_scales: Option<TensorArg>,
+        recv_x: &Obj<'_>,
+        recv_count: &Obj<'_>,
+        topk_weights: Option<&Obj<'_>>,
+        recv_x_scales: Option<&Obj<'_>>,
         use_fp8: bool,
         round_scale: bool,
         use_ue8m0: bool,
         return_recv_hook: bool,
-        cumulative_local_expert_recv_stats: Option<TensorArg>,
-        dispatch_wait_recv_cost_stats: Option<TensorArg>,
-        src_info: Option<TensorArg>,
-        layout_range: Option<TensorArg>,
+        cumulative_local_expert_recv_stats: Option<&Obj<'_>>,
+        dispatch_wait_recv_cost_stats: Option<&Obj<'_>>,
+        src_info: Option<&Obj<'_>>,
+        layout_range: Option<&Obj<'_>>,
         stream: Option<u64>,
+        begin_call: bool,
     ) -> PyResult<(PyLlHandle, Option<PyRecvHook>)> {
+        self.mark_call(begin_call);
         let r = self.rank;
         let quant = LlQuant::from_flags(use_fp8, round_scale, use_ue8m0, r).map_err(|e| to_pyerr(py, e, None))?;
         let args = LlDispatchArgs {
-            x: x.view(py, "x", r)?,
-            topk_idx: topk_idx.view(py, "topk_idx", r)?,
-            topk_weights: opt_view(py, &topk_weights, "topk_weights", r)?,
+            x: self.arg(x, "x")?.view(py, "x", r)?,
+            topk_idx: self.arg(topk_idx, "topk_idx")?.view(py, "topk_idx", r)?,
+            topk_weights: opt_view(py, &self.opt_arg(topk_weights, "topk_weights")?, "topk_weights", r)?,
             num_max_dispatch_tokens_per_rank,
             num_experts,
             quant,
             return_recv_hook,
         };
+        let cum = "cumulative_local_expert_recv_stats";
+        let wait = "dispatch_wait_recv_cost_stats";
         let out = LlDispatchOutputs {
-            recv_x: recv_x.view_mut(py, "recv_x", r)?,
-            recv_scales: opt_view_mut(py, &recv_x_scales, "recv_x_scales", r)?,
-            recv_count: recv_count.view_mut(py, "recv_count", r)?,
-            cumulative_local_expert_recv_stats: opt_view_mut(
-                py,
-                &cumulative_local_expert_recv_stats,
-                "cumulative_local_expert_recv_stats",
-                r,
-            )?,
-            dispatch_wait_recv_cost_stats: opt_view_mut(py, &dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", r)?,
-            src_info: opt_view_mut(py, &src_info, "src_info", r)?,
-            layout_range: opt_view_mut(py, &layout_range, "layout_range", r)?,
+            recv_x: self.arg(recv_x, "recv_x")?.view_mut(py, "recv_x", r)?,
+            recv_scales: opt_view_mut(py, &self.opt_arg(recv_x_scales, "recv_x_scales")?, "recv_x_scales", r)?,
+            recv_count: self.arg(recv_count, "recv_count")?.view_mut(py, "recv_count", r)?,
+            cumulative_local_expert_recv_stats: opt_view_mut(py, &self.opt_arg(cumulative_local_expert_recv_stats, cum)?, cum, r)?,
+            dispatch_wait_recv_cost_stats: opt_view_mut(py, &self.opt_arg(dispatch_wait_recv_cost_stats, wait)?, wait, r)?,
+            src_info: opt_view_mut(py, &self.opt_arg(src_info, "src_info")?, "src_info", r)?,
+            layout_range: opt_view_mut(py, &self.opt_arg(layout_range, "layout_range")?, "layout_range", r)?,
         };
         let (handle, hook) = self.run(py, Some(stream), move |b| b.low_latency_dispatch_into(&args, out))?;
         Ok((PyLlHandle { inner: handle, buffer_uid: self.uid }, self.hook(hook)))
@@ -626,29 +770,39 @@ impl PyBuffer {
 
     /// Low-latency combine into `out` (collective): `out[t] = Σ_k topk_weights[t,k]·x[expert, slot]`.
     /// Returns the receive hook with `return_recv_hook`, else None. With `zero_copy`, `x` is ignored and
-    /// the buffer from `get_next_low_latency_combine_buffer` is sent.
-    #[pyo3(signature = (x, topk_idx, topk_weights, handle, out, zero_copy=false, return_recv_hook=false, combine_wait_recv_cost_stats=None, stream=None))]
+    /// the buffer from `get_next_low_latency_combine_buffer` is sent. `begin_call` as in `prepare_dispatch`.
+    #[pyo3(signature = (x, topk_idx, topk_weights, handle, out, zero_copy=false, return_recv_hook=false, combine_wait_recv_cost_stats=None, stream=None, begin_call=false))]
     #[allow(clippy::too_many_arguments)]
     fn low_latency_combine_into(
         &self,
         py: Python<'_>,
-        x: TensorArg,
-        topk_idx: TensorArg,
-        topk_weights: TensorArg,
-        handle: PyRef<'_, PyLlHandle>,
-        out: TensorArg,
+        x: &Obj<'_>,
+        topk_idx: &Obj<'_>,
+        topk_weights: &Obj<'_>,
+        handle: &Obj<'_>,
+        out: &Obj<'_>,
         zero_copy: bool,
         return_recv_hook: bool,
-        combine_wait_recv_cost_stats: Option<TensorArg>,
+        combine_wait_recv_cost_stats: Option<&Obj<'_>>,
         stream: Option<u64>,
+        begin_call: bool,
     ) -> PyResult<Option<PyRecvHook>> {
+        self.mark_call(begin_call);
         let r = self.rank;
+        let handle = handle
+            .cast::<PyLlHandle>()
+            .map_err(|_| crate::errors::type_error(py, "handle", r, "expected the native handle of a low-latency dispatch".to_string()))?;
+        let handle = handle.get();
         self.check_uid(py, handle.buffer_uid, "handle")?;
-        let (x, topk_idx, topk_weights) =
-            (x.view(py, "x", r)?, topk_idx.view(py, "topk_idx", r)?, topk_weights.view(py, "topk_weights", r)?);
+        let (x, topk_idx, topk_weights) = (
+            self.arg(x, "x")?.view(py, "x", r)?,
+            self.arg(topk_idx, "topk_idx")?.view(py, "topk_idx", r)?,
+            self.arg(topk_weights, "topk_weights")?.view(py, "topk_weights", r)?,
+        );
+        let wait = "combine_wait_recv_cost_stats";
         let outputs = LlCombineOutputs {
-            combined_x: out.view_mut(py, "out", r)?,
-            combine_wait_recv_cost_stats: opt_view_mut(py, &combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", r)?,
+            combined_x: self.arg(out, "out")?.view_mut(py, "out", r)?,
+            combine_wait_recv_cost_stats: opt_view_mut(py, &self.opt_arg(combine_wait_recv_cost_stats, wait)?, wait, r)?,
         };
         let h = handle.inner.clone();
         let hook = self.run(py, Some(stream), move |b| {

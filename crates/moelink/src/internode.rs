@@ -277,8 +277,10 @@ impl std::str::FromStr for Transport {
 pub struct RdmaOptions {
     /// The engine. Default: NVSHMEM.
     pub transport: Transport,
-    /// QPs per peer (DeepEP's `num_qps_per_rank`): the kernels spread their operations over this many
-    /// (1..=32); with NVSHMEM it also sets `NVSHMEM_IBGDA_NUM_RC_PER_PE`.
+    /// QPs per peer (DeepEP's `num_qps_per_rank`), any positive count: the kernels spread their operations
+    /// over this many, capped at [`RdmaOptions::MAX_QPS_PER_RANK`] ([`RdmaOptions::effective_num_qps`]; DeepEP's
+    /// users pass `num_experts / num_ranks`, e.g. 144 at 2 ranks); with NVSHMEM it also sets
+    /// `NVSHMEM_IBGDA_NUM_RC_PER_PE` to the capped count. Unused when the ranks are on one node.
     pub num_qps_per_rank: usize,
     /// Low-latency kernels reach peers of their own node over NVLink (DeepEP's
     /// `allow_nvlink_for_low_latency_mode`); otherwise every peer goes through the RDMA transport.
@@ -338,11 +340,16 @@ impl RdmaOptions {
     /// The most QPs per peer a buffer may ask for (`num_qps_per_rank`).
     pub const MAX_QPS_PER_RANK: usize = moelink_kernels::transport::RDMA_MAX_QPS;
 
+    /// The QPs per peer the kernels use: `num_qps_per_rank`, at most [`RdmaOptions::MAX_QPS_PER_RANK`] (the
+    /// transport's per-peer queue table holds that many).
+    pub fn effective_num_qps(&self) -> usize {
+        self.num_qps_per_rank.clamp(1, Self::MAX_QPS_PER_RANK)
+    }
+
     /// Checks the settings (this is `rank`); the error names the field.
     pub fn validate(&self, rank: usize) -> Result<()> {
-        let max_qps = Self::MAX_QPS_PER_RANK;
-        if self.num_qps_per_rank == 0 || self.num_qps_per_rank > max_qps {
-            return Err(Error::invalid("num_qps_per_rank", rank, format!("{} (must be 1..={max_qps})", self.num_qps_per_rank)));
+        if self.num_qps_per_rank == 0 {
+            return Err(Error::invalid("num_qps_per_rank", rank, "0 (must be positive)"));
         }
         if let Some(af) = &self.address_family {
             if af != "AF_INET" && af != "AF_INET6" {
@@ -367,7 +374,7 @@ impl RdmaOptions {
         let mut env = vec![("NVSHMEM_DISABLE_NVLS".to_string(), "1".to_string())];
         let mut set = |k: &str, v: String| env.push((k.to_string(), v));
         let flag = |b: bool| if b { "1".to_string() } else { "0".to_string() };
-        set("NVSHMEM_IBGDA_NUM_RC_PER_PE", self.num_qps_per_rank.to_string());
+        set("NVSHMEM_IBGDA_NUM_RC_PER_PE", self.effective_num_qps().to_string());
         if !self.allow_nvlink_for_low_latency_mode {
             set("NVSHMEM_DISABLE_P2P", "1".into());
         }
@@ -480,10 +487,15 @@ mod tests {
             RdmaOptions { num_qps_per_rank: 0, ..RdmaOptions::default() }.validate(2).unwrap_err().argument(),
             Some("num_qps_per_rank")
         );
-        assert_eq!(
-            RdmaOptions { num_qps_per_rank: 33, ..RdmaOptions::default() }.validate(2).unwrap_err().argument(),
-            Some("num_qps_per_rank")
-        );
+        // DeepEP's users pass num_experts / num_ranks (144 at 2 ranks): accepted, and capped where used.
+        for (asked, used) in [(1, 1), (24, 24), (32, 32), (33, 32), (144, 32), (usize::MAX, 32)] {
+            let o = RdmaOptions { num_qps_per_rank: asked, ..RdmaOptions::default() };
+            o.validate(2).unwrap();
+            assert_eq!(o.effective_num_qps(), used, "{asked}");
+            let env = o.nvshmem_env();
+            let rc = env.iter().find(|(n, _)| n == "NVSHMEM_IBGDA_NUM_RC_PER_PE").map(|(_, v)| v.clone());
+            assert_eq!(rc, Some(used.to_string()));
+        }
         assert_eq!(
             RdmaOptions { address_family: Some("inet".into()), ..RdmaOptions::default() }.validate(0).unwrap_err().argument(),
             Some("address_family")

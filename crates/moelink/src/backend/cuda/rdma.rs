@@ -104,7 +104,7 @@ impl RdmaDomain {
             nvshmem,
             rank,
             num_ranks,
-            num_qps: options.num_qps_per_rank,
+            num_qps: options.effective_num_qps(),
         };
         if let Err(e) = group.barrier() {
             // A peer that missed the barrier may be gone: nothing collective is waited for on its behalf.
