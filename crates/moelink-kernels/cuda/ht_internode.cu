@@ -47,11 +47,13 @@
 //                    (fwd_entries). The warp that finishes a round's last chunk ends the round: done[s] = seq
 //                    << 32 | rows at every j; then d_consumed[b] = seq at s (final round: base + K, what the next
 //                    call's round 0 waits for).
-//   receiver ((b, j), lanes = sources): rows whose flag reached seq, in slot order, into the outputs at
+//   receiver ((b, j), one lane per source, or S warps per source taking every S-th slot; the last of the S
+//                    to finish a round hands it back): rows whose flag reached seq, in slot order, into the outputs at
 //                    recv_offset[s] + slot, with the row's (round, message) into recv_route; once done[s]
 //                    says the round's rows are all here, nvl_consumed[j][a] = seq at the forwarder.
 // Combine, round k of home s = (a, l), messages as dispatch left them:
-//   sender ((b, j), lanes = sources): each received row goes back to its forwarder (b, l) into combine part
+//   sender ((b, j), one lane per source, or S warps per source taking every S-th row): each received row
+//                    goes back to its forwarder (b, l) into combine part
 //                    [j][a][message mod M], after the forwarder handed it back (c_nvl_consumed[l][a] >= cbase +
 //                    k); flags = cseq.
 //   forwarder ((b, l), fwd_per_node warps per source node a): per message, waits for the rows of the ranks it went to,
@@ -1175,11 +1177,11 @@ __device__ __forceinline__ void receive_split(const HtiDispatchArgs& a, const Fr
 
 namespace moelink::internode {
 // moelink::internode::dispatch: grid = workers (persistent, cooperative) + the emulated NIC's blocks, block
-//   THREADS. Blocks [0, num_send_blocks) send, the next num_fwd_blocks forward (warp i: source node i, one
-//   warp each: a warp serving two source nodes one after the other could wait for the first while the
-//   second's sender waits for it; the host gives num_fwd_blocks * HTI_WARPS >= N), the rest receive (one lane
-//   per source: warps >= R / 32). Protocol: the top of
-//   this file. reads: x, scales, top-k, routing, own RDMA receive parts and NVLink parts, signals;
+//   THREADS. Blocks [0, num_send_blocks) send, the next num_fwd_blocks forward (warp w: source node w % N,
+//   its chunks c with c % P == w / N; never one warp for two source nodes: it could wait for the first while
+//   the second's sender waits for it, so the host gives num_fwd_blocks * HTI_WARPS >= N * P), the rest
+//   receive: several warps per source when there are at least R (receive_split), else one lane per source
+//   (receive; warps >= R / 32). Protocol: the top of this file. reads: x, scales, top-k, routing, own RDMA receive parts and NVLink parts, signals;
 //   writes: own RDMA send parts, peers' RDMA parts and signals (puts), node peers' NVLink parts, flags, done
 //   and consumed words, the outputs, fwd_entries and recv_route (the handle), HtiState.
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtiDispatchArgs a) {
@@ -1599,8 +1601,9 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
 
 namespace moelink::internode {
 // moelink::internode::combine: grid = workers (persistent, cooperative) + the emulated NIC's blocks, block
-//   THREADS. Blocks [0, num_send_blocks) send rows back to their forwarders (one lane per source), the
-//   next num_fwd_blocks forward (warp i: source node i), the rest reduce. Protocol: the top of this file. reads: x, weights,
+//   THREADS. Blocks [0, num_send_blocks) send rows back to their forwarders (several warps per source when
+//   there are at least R: send_split; else one lane per source), the next num_fwd_blocks forward (as
+//   dispatch's), the rest reduce. Protocol: the top of this file. reads: x, weights,
 //   biases, the handle (routing, fwd_entries, recv_route), own parts and signals; writes: node peers'
 //   combine parts and flags, own RDMA send parts, peers' RDMA parts and signals, combined_x,
 //   combined_topk_weights, HtiState.
