@@ -176,8 +176,9 @@ pub struct BenchArgs {
     /// Routing, comma-separated: uniform (scores |randn|+1, top-k) and/or skewed.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "uniform")]
     pub routing: Vec<RoutingKind>,
-    /// SMs for HT kernels, comma-separated for a sweep (default: the backend's default).
-    #[arg(long = "num-sms", value_delimiter = ',')]
+    /// SMs for HT kernels, comma-separated for a sweep: even, 2 to 1024 (default: the backend's default;
+    /// the host backend runs on CPU threads and ignores it).
+    #[arg(long = "num-sms", value_delimiter = ',', value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=1024))]
     pub num_sms: Vec<usize>,
     /// The standard curves in one run, DeepEP's shapes first: HT (bf16 + FP8 dispatch, combine) at 4096 tokens
     /// and 24 SMs with uniform and skewed routing, an SM sweep 8,16,24,32,48,64 at 4096 tokens, a token sweep
@@ -212,8 +213,8 @@ pub struct BenchArgs {
     /// On CUDA, skip the bitwise comparison against the host backend.
     #[arg(long)]
     pub no_host_check: bool,
-    /// Seconds a rank waits for the others in a collective before giving up.
-    #[arg(long, default_value_t = 120)]
+    /// Seconds a rank waits for the others in a collective before giving up (1 to 86400: a day).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub timeout_s: u64,
     /// LL: also time receive-hook mode, the send phase and the receive phase apart (records get
     /// `send_us` and `recv_us`).
@@ -919,6 +920,17 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     let mut base = crate::env::buffer_options();
     base.kernel_tracing.low_latency |= a.ll_trace;
     let p = plan(a)?;
+    // Where the results go is checked before anything is measured: a bad path must not cost the run.
+    if let Some(path) = &a.json {
+        record::check_output("--json", path, None).map_err(CliError)?;
+    }
+    let mut plot_with = Vec::new();
+    if let Some(path) = &a.plot {
+        record::check_output("--plot", path, Some("png")).map_err(CliError)?;
+        for extra in &a.plot_with {
+            plot_with.push(plot::other_run(extra, record::read_json(extra).map_err(|e| CliError(format!("--plot-with {e}")))?));
+        }
+    }
     if let Some((topology, rdma)) = &p.internode {
         base.topology = Some(*topology);
         base.rdma = rdma.clone();
@@ -1006,9 +1018,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     }
     if let Some(path) = &a.plot {
         let mut all = records.clone();
-        for extra in &a.plot_with {
-            all.extend(plot::other_run(extra, record::read_json(extra).map_err(CliError)?));
-        }
+        all.extend(plot_with.into_iter().flatten());
         plot::draw(path, &all, a.plot_metric).map_err(CliError)?;
         println!("wrote the plot to {}", path.display());
     }
