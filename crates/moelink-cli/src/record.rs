@@ -184,11 +184,7 @@ pub fn check_output(flag: &str, path: &Path, ext: Option<&str>) -> Result<(), St
         return Err(format!("{flag} {shown}: is a directory, not a file"));
     }
     let existed = path.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(path)
-        .map_err(|e| format!("{flag} {shown}: cannot write there: {e}"))?;
+    std::fs::OpenOptions::new().append(true).create(true).open(path).map_err(|e| format!("{flag} {shown}: cannot write there: {e}"))?;
     if !existed {
         let _ = std::fs::remove_file(path);
     }
