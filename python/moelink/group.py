@@ -15,6 +15,7 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -130,7 +131,7 @@ class TorchStoreGroup(TorchGroup):
             missing = [src for src, key in headers.items() if not self._check(key)]
             if not missing:
                 raise
-            peer = self._missing_peer(n, missing)
+            peer = self._missing_peer(n, missing, timeout_ms)
             try:
                 self._store.set(f"{self._prefix}/{n}/gave-up/{me}", str(peer))
             except Exception:  # noqa: BLE001 - best effort: the error below is what this rank reports
@@ -155,11 +156,27 @@ class TorchStoreGroup(TorchGroup):
             self._delete(key)
         return out
 
-    def _missing_peer(self, n: int, missing: List[int]) -> int:
+    def _missing_peer(self, n: int, missing: List[int], timeout_ms: int) -> int:
         """The rank to name among ``missing``: a missing rank that gave up in an earlier exchange of this
         object is alive and was itself waiting, so the rank it named is the one to blame (when that one is
-        missing here too); otherwise the first missing rank that did not give up."""
-        gave_up = {}
+        missing here too); otherwise the first missing rank that did not give up. While several missing ranks
+        have not said so yet, this waits a little for their word (at most a quarter of the deadline, 250 ms):
+        ranks that gave up in the exchange before this one did so at about the same time as this rank."""
+        grace_end = time.monotonic() + min(0.25, timeout_ms / 4000)
+        while True:
+            gave_up = self._gave_up(n, missing)
+            named = [p for p in gave_up.values() if p in missing and p not in gave_up]
+            silent = [src for src in missing if src not in gave_up]
+            if named:
+                return named[0]
+            if len(silent) <= 1 or time.monotonic() >= grace_end:
+                return silent[0] if silent else missing[0]
+            time.sleep(0.005)
+
+    def _gave_up(self, n: int, missing: List[int]) -> Dict[int, int]:
+        """For each rank of ``missing`` that gave up in one of the last exchanges of this object, the rank it
+        named (-1 when unreadable)."""
+        gave_up: Dict[int, int] = {}
         for src in missing:
             for m in range(n, max(0, n - 8), -1):
                 key = f"{self._prefix}/{m}/gave-up/{src}"
@@ -169,11 +186,7 @@ class TorchStoreGroup(TorchGroup):
                     except Exception:  # noqa: BLE001 - unreadable: count it as given up on nobody
                         gave_up[src] = -1
                     break
-        named = [p for p in gave_up.values() if p in missing and p not in gave_up]
-        if named:
-            return named[0]
-        silent = [src for src in missing if src not in gave_up]
-        return silent[0] if silent else missing[0]
+        return gave_up
 
     def _check(self, key: str) -> bool:
         try:
