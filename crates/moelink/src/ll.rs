@@ -283,7 +283,8 @@ pub(crate) fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bo
     })?;
     let needed = if with_staging { layout.bytes } else { layout.bytes_without_staging };
     if needed > num_rdma_bytes {
-        let hint = LlLayout::bytes_hint(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).unwrap_or(needed).max(needed);
+        // The size the message names is the one the function it names returns.
+        let hint = crate::Buffer::ll_bytes_needed(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).max(needed);
         return Err(Error::BufferTooSmall {
             rank: s.rank,
             what: if with_staging {
