@@ -1011,9 +1011,6 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     if let Some(path) = &a.json {
         println!("wrote {} records to {}", records.len(), path.display());
     }
-    if p.internode.is_some() {
-        println!("{}", render_paths(&records));
-    }
     if let Some(path) = &a.plot {
         let mut all = records.clone();
         all.extend(plot_with.into_iter().flatten());
@@ -1233,57 +1230,6 @@ fn summarize(
         .collect()
 }
 
-/// Across nodes: what each record's call sends over each path per rank (the byte model), and the time the
-/// busiest rank's RDMA bytes would take on one 400 Gb/s NIC.
-fn render_paths(records: &[Record]) -> String {
-    let mut t = Table::new(
-        &[
-            "mode",
-            "op",
-            "dtype",
-            "tokens",
-            "routing",
-            "nodes",
-            "transport",
-            "RDMA KB/rank",
-            "max",
-            "NVLink KB/rank",
-            "400G floor µs",
-            "measured µs",
-            "RDMA GB/s",
-            "NVL GB/s",
-        ],
-        &[false, false, false, true, false, false, false, true, true, true, true, true, true, true],
-    );
-    for r in records {
-        let f = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
-        let kb = |k: &str| f(k).map_or("-".to_string(), |b| format!("{:.1}", b / 1e3));
-        let gbps = |k: &str| f(k).map_or("-".to_string(), |v| format!("{v:.1}"));
-        t.row(vec![
-            r.mode.clone(),
-            r.op.clone(),
-            r.dtype.clone().unwrap_or_else(|| "-".into()),
-            r.tokens.map_or("-".into(), |n| n.to_string()),
-            r.routing.clone().unwrap_or_else(|| "-".into()),
-            format!("{}x{}", r.nodes.unwrap_or(1), r.ranks_per_node.unwrap_or(r.ranks)),
-            r.transport.clone().unwrap_or_else(|| "-".into()),
-            kb("rdma_bytes"),
-            kb("rdma_bytes_max"),
-            kb("nvlink_bytes"),
-            f("rdma_floor_us_400g").map_or("-".into(), |v| format!("{v:.1}")),
-            r.time_us.map_or("-".into(), |v| format!("{v:.1}")),
-            gbps("rdma_gbps"),
-            gbps("nvl_gbps"),
-        ]);
-    }
-    format!(
-        "bytes per rank across nodes (byte model, docs/internode.md; HT as DeepEP's internode test counts them, LL per \
-         destination rank; meta blocks not counted). Ranks sharing one GPU or the emulated NIC measure no network: \
-         these GB/s are not NIC or NVLink figures:\n{}",
-        t.render()
-    )
-}
-
 /// One column of the bench's table: a title, whether it is numeric (right-aligned), each record's cell, and
 /// what its unit means (printed under the table when the column is shown).
 struct Column {
@@ -1316,6 +1262,11 @@ fn render(records: &[Record], backend: BackendKind) -> String {
         col("experts", true, None, &|r| opt(r.experts)),
         col("routing", false, None, &|r| r.routing.clone().unwrap_or_else(|| "-".into())),
     ];
+    // Across nodes: the topology and the transport between nodes.
+    if records.iter().any(|r| r.nodes.is_some()) {
+        foldable.push(col("nodes", false, None, &|r| format!("{}x{}", r.nodes.unwrap_or(1), r.ranks_per_node.unwrap_or(r.ranks))));
+        foldable.push(col("transport", false, None, &|r| r.transport.clone().unwrap_or_else(|| "-".into())));
+    }
     // SMs only mean something for the GPU's kernels; the host backend runs on CPU threads.
     if backend == BackendKind::Cuda {
         foldable.push(col("SMs", true, Some("SMs: the blocks the high-throughput kernels ran on (one per SM)"), &|r| opt(r.num_sms)));
@@ -1369,6 +1320,36 @@ fn render(records: &[Record], backend: BackendKind) -> String {
             Some("back-to-back µs: dispatch+combine kernel spans replayed back to back with no barrier between calls (--ll-trace), as DeepEP times"),
             &|r| pair(extra(r, "loop_dispatch_kernel_us"), extra(r, "loop_combine_kernel_us")),
         ),
+        col(
+            "RDMA KB/rank",
+            true,
+            Some(
+                "RDMA KB/rank (max), NVLink KB/rank: across nodes, the bytes a call sends per rank over each path by the byte model \
+                 of docs/internode.md (HT as DeepEP's internode test counts them, LL per destination rank; meta blocks not \
+                 counted), the mean over ranks and the busiest rank's",
+            ),
+            &|r| match (extra(r, "rdma_bytes"), extra(r, "rdma_bytes_max")) {
+                (Some(mean), Some(max)) => format!("{:.1} ({:.1})", mean / 1e3, max / 1e3),
+                _ => "-".into(),
+            },
+        ),
+        col("NVLink KB/rank", true, None, &|r| extra(r, "nvlink_bytes").map_or("-".into(), |b| format!("{:.1}", b / 1e3))),
+        col(
+            "400G floor µs",
+            true,
+            Some("400G floor µs: the time the busiest rank's RDMA bytes take on one 400 Gb/s NIC (50 GB/s)"),
+            &|r| extra(r, "rdma_floor_us_400g").map_or("-".into(), |v| format!("{v:.1}")),
+        ),
+        col(
+            "RDMA GB/s",
+            true,
+            Some(
+                "RDMA GB/s, NVL GB/s: those bytes over time µs (DeepEP's figures); ranks sharing one GPU or the emulated NIC \
+                 cross no network, so these are not NIC or NVLink figures",
+            ),
+            &|r| time(r, extra(r, "rdma_gbps")),
+        ),
+        col("NVL GB/s", true, None, &|r| time(r, extra(r, "nvl_gbps"))),
         col("correct", false, Some("correct: checked bit for bit against the expected results before timing (on CUDA also against the host backend)"), &|r| {
             match r.status {
                 Status::Ok => "yes".into(),
