@@ -3,7 +3,7 @@
 # into a virtual environment, once, and prints the line that makes them visible to the kernel compile check
 # (crates/moelink-kernels/tests/compile_all.rs). The internode kernels of the `nvshmem` transport compile
 # against NVSHMEM 3.4.5 (what torch 2.11 pins) and the CUDA runtime / libcu++ headers, and link with
-# nvJitLink: those wheels come too, and the line sets NVSHMEM_HOME and CUDA_HOME to them. Idempotent: a
+# nvJitLink: those wheels come too, and the line sets NVSHMEM_HOME and MOELINK_TEST_CUDA_HOME to them. Idempotent: a
 # second run only prints the line.
 #
 #   eval "$(scripts/ci-nvrtc-env.sh)"
@@ -38,4 +38,7 @@ for f in "$CU13/lib/libnvrtc.so.13" "$CU13/lib/libnvrtc-builtins.so.13.0" "$CU13
   [[ -e "$f" ]] || { echo "ci-nvrtc-env: $f is missing after the install" >&2; exit 1; }
 done
 
-echo "export LD_LIBRARY_PATH=\"$CU13/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\" PATH=\"$CU13/bin:\$PATH\" MOELINK_CUOBJDUMP=\"$CU13/bin/cuobjdump\" NVSHMEM_HOME=\"$NVSHMEM\" CUDA_HOME=\"$CU13\""
+# The CUDA headers' folder goes out as MOELINK_TEST_CUDA_HOME, not CUDA_HOME: cudarc's build script reruns
+# when CUDA_HOME changes (cargo:rerun-if-env-changed), so exporting it to `cargo test` would make the next
+# plain `cargo run` rebuild cudarc and everything above it.
+echo "export LD_LIBRARY_PATH=\"$CU13/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\" PATH=\"$CU13/bin:\$PATH\" MOELINK_CUOBJDUMP=\"$CU13/bin/cuobjdump\" NVSHMEM_HOME=\"$NVSHMEM\" MOELINK_TEST_CUDA_HOME=\"$CU13\""

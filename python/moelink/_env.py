@@ -9,6 +9,8 @@ from ._args import invalid
 
 #: The deadline of every wait when ``MOELINK_TIMEOUT_MS`` is not set.
 DEFAULT_TIMEOUT_MS = 10_000
+#: The longest deadline the library takes (``moelink::MAX_TIMEOUT_MS``): one day.
+MAX_TIMEOUT_MS = 24 * 60 * 60 * 1000
 
 
 def backend() -> str:
@@ -18,7 +20,8 @@ def backend() -> str:
 
 
 def timeout_ms() -> int:
-    """``MOELINK_TIMEOUT_MS`` (default 10000): a positive whole number of milliseconds."""
+    """``MOELINK_TIMEOUT_MS`` (default 10000): a whole number of milliseconds from 1 to ``MAX_TIMEOUT_MS``
+    (one day)."""
     raw = os.environ.get("MOELINK_TIMEOUT_MS")
     if raw is None:
         return DEFAULT_TIMEOUT_MS
@@ -26,8 +29,9 @@ def timeout_ms() -> int:
         value = int(raw.strip())
     except ValueError:
         raise invalid(ValueError, "MOELINK_TIMEOUT_MS", -1, f"{raw!r} is not a whole number of milliseconds") from None
-    if value <= 0:
-        raise invalid(ValueError, "MOELINK_TIMEOUT_MS", -1, f"{value} must be positive")
+    if value <= 0 or value > MAX_TIMEOUT_MS:
+        raise invalid(ValueError, "MOELINK_TIMEOUT_MS", -1,
+                      f"{value} ms: a deadline must be between 1 ms and {MAX_TIMEOUT_MS} ms (one day)")
     return value
 
 

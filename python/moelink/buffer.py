@@ -406,6 +406,10 @@ class Buffer:
         backend = _env.backend()  # before anything touches CUDA: a typo gets moelink's message, not torch's
         timeout_ms = _env.timeout_ms()
         if group is not None:
+            if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+                raise _invalid(TypeError, "group", -1,
+                               f"expected a torch.distributed process group (e.g. dist.group.WORLD), got {type(group).__name__} "
+                               f"{group!r:.40}")
             bytes_group: Any = torch_group(group)
         elif comm is not None:
             bytes_group = MpiGroup(comm)

@@ -1,6 +1,6 @@
 """The host backend's deadline through the package's store-backed group (``moelink.group.TorchStoreGroup``),
-without torch: a key-value store with the TCPStore's methods stands in for the torch group's store, the
-ranks are threads, and a shared mailbox stands in for gloo's ``all_to_all_single`` once they have met. A rank that never arrives, or that raised on its own bad input and went on to its next
+without torch: a key-value store with the TCPStore's methods stands in for the torch group's store (which
+carries every byte of the exchanges), and the ranks are threads. A rank that never arrives, or that raised on its own bad input and went on to its next
 call, is a ``moelink.TimeoutError`` naming it on every other rank within ``timeout_ms``, and their buffers
 are poisoned; nothing waits for the store's or the group's own timeouts. ``gpu/test_zz_timeout.py`` runs the
 same cases through ``moelink.Buffer`` over a real gloo group (``MOELINK_BACKEND=host`` under torchrun)."""
@@ -53,44 +53,13 @@ class FakeStore:
         with self.cv:
             return all(k in self.data for k in keys)
 
-    def multi_get(self, keys: Sequence[str]) -> List[bytes]:
+    def get(self, key: str) -> bytes:
         with self.cv:
-            return [self.data[k] for k in keys]
+            return self.data[key]
 
     def delete_key(self, key: str) -> bool:
         with self.cv:
             return self.data.pop(key, None) is not None
-
-
-class Mailbox:
-    """What gloo's all_to_all_single does for ``TorchStoreGroup`` here: messages by (exchange, source, dest)."""
-
-    def __init__(self) -> None:
-        self.messages: Dict[tuple, bytes] = {}
-        self.cv = threading.Condition()
-
-    def post(self, n: int, src: int, send: Sequence[bytes]) -> None:
-        with self.cv:
-            for dst, m in enumerate(send):
-                self.messages[(n, src, dst)] = m
-            self.cv.notify_all()
-
-    def take(self, n: int, dst: int, size: int) -> List[bytes]:
-        with self.cv:
-            # Every rank has met in the store already, so every message is on its way.
-            assert self.cv.wait_for(lambda: all((n, s, dst) in self.messages for s in range(size)), 30)
-            return [self.messages.pop((n, s, dst)) for s in range(size)]
-
-
-class ThreadStoreGroup(TorchStoreGroup):
-    def __init__(self, group: "FakeProcessGroup", store: FakeStore, mailbox: Mailbox) -> None:
-        super().__init__(group, store)
-        self.mailbox = mailbox
-
-    def _move(self, send: Sequence[bytes], every_sizes: List[List[int]]) -> List[bytes]:
-        assert [len(m) for m in send] == every_sizes[self._rank]
-        self.mailbox.post(self._exchanges, self._rank, send)
-        return self.mailbox.take(self._exchanges, self._rank, self._size)
 
 
 class FakeProcessGroup:
@@ -105,8 +74,8 @@ class FakeProcessGroup:
 
 
 def store_groups(size: int, name: str) -> tuple:
-    store, mailbox = FakeStore(), Mailbox()
-    return store, [ThreadStoreGroup(FakeProcessGroup(r, size, name), store, mailbox) for r in range(size)]
+    store = FakeStore()
+    return store, [TorchStoreGroup(FakeProcessGroup(r, size, name), store) for r in range(size)]
 
 
 def new_buffer(group: TorchStoreGroup) -> "_native.Buffer":
@@ -153,7 +122,7 @@ def run(size: int, fault: str, name: str) -> List[Optional[dict]]:
             with pytest.raises(RuntimeError, match="unusable"):
                 dispatch(buf)
             seen[r] = dict(peer=info.value.peer, rank=info.value.rank, elapsed=elapsed, poisoned=buf.poisoned,
-                           keys=len(store.data))
+                           exchanges={k.split("/")[2] for k in list(store.data)})
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[r] = e
 
@@ -185,8 +154,9 @@ def test_a_missing_rank_is_a_timeout_naming_it(size, fault):
         if fault == "never":
             assert s["elapsed"] >= 0.9 * DEADLINE_MS / 1000, s
         assert s["poisoned"] and "timeout" in s["poisoned"], s
-        # Healthy exchanges deleted their old keys: what remains is at most each rank's last two.
-        assert s["keys"] <= 2 * size, s
+        # Healthy exchanges left no key behind: what remains belongs to the exchange that failed (and, where
+        # the faulty rank went on to its next call, the one after it).
+        assert len(s["exchanges"]) <= 2, s
 
 
 def test_store_group_exchanges_deliver_by_rank_and_clean_up():
@@ -212,8 +182,8 @@ def test_store_group_exchanges_deliver_by_rank_and_clean_up():
         for n, (gathered, got) in enumerate(rounds):
             assert gathered == [bytes([s, n]) for s in range(3)]
             assert got == [bytes([s, r, n]) for s in range(3)]
-    # Only each rank's key of the last exchange stays.
-    assert len(store.data) == 3, sorted(store.data)
+    # Every message was read, and its reader deleted it.
+    assert not store.data, sorted(store.data)
 
 
 def test_a_store_timeout_names_the_rank_whose_key_is_missing():
@@ -221,3 +191,60 @@ def test_a_store_timeout_names_the_rank_whose_key_is_missing():
     with pytest.raises(TimeoutError) as info:
         groups[0].all_gather_within(b"x", 100)
     assert info.value.peer == 1
+
+
+def test_store_group_moves_messages_larger_than_a_store_value_in_pieces():
+    _, groups = store_groups(2, "pieces")
+    big = [bytes(range(256)) * (10 * 1024 + r) for r in range(2)]  # 2.5 MiB and a bit: three pieces each
+    out: List[Optional[List[bytes]]] = [None] * 2
+
+    def body(r: int) -> None:
+        out[r] = groups[r].all_to_all_within([big[r], big[r][::-1]], 5000)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out[0] == [big[0], big[1]]
+    assert out[1] == [big[0][::-1], big[1][::-1]]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_rank_that_stalls_after_posting_to_one_peer_is_named_by_every_other(size):
+    """The last rank writes its message to rank 0 and stops (a debugger, SIGSTOP) before writing the others:
+    the ranks it did not reach give up in this exchange, rank 0 in the next one, and every one of them names
+    the stalled rank, within the deadline of the exchange it waits in."""
+    stalled = size - 1
+    _, groups = store_groups(size, f"stall-{size}")
+    release = threading.Event()
+    seen: List[Optional[tuple]] = [None] * size
+    deadline_ms = 300
+
+    def body(r: int) -> None:
+        g = groups[r]
+        g.all_to_all_within([bytes([r])] * size, 5000)  # a healthy exchange first
+        if r == stalled:
+            g._exchanges += 1
+            g._post(g._exchanges, 0, b"late")
+            release.wait(10)
+            return
+        t0 = time.monotonic()
+        try:
+            for _ in range(2):  # rank 0 gets through the first one
+                g.all_to_all_within([bytes([r])] * size, deadline_ms)
+        except TimeoutError as e:
+            seen[r] = (e.peer, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads[:stalled]:
+        t.join(30)
+    release.set()
+    threads[stalled].join(30)
+    for r in range(stalled):
+        assert seen[r] is not None, f"rank {r} did not time out"
+        peer, elapsed = seen[r]
+        assert peer == stalled, (r, seen)
+        assert elapsed < 2 * deadline_ms / 1000 + 1.0, (r, seen)

@@ -373,11 +373,22 @@ def test_backend_and_timeout_from_the_environment(monkeypatch):
     for name in ("auto", "host", "cuda"):
         monkeypatch.setenv("MOELINK_BACKEND", name)
         assert _env.backend() == name
-    for bad in ("10s", "0", "-5"):
+    for bad in ("10s", "0", "-5", "9223372036854775807", str(_env.MAX_TIMEOUT_MS + 1)):
         monkeypatch.setenv("MOELINK_TIMEOUT_MS", bad)
         with pytest.raises(ValueError) as info:
             _env.timeout_ms()
         assert info.value.argument == "MOELINK_TIMEOUT_MS"
+        if bad.isdigit() and int(bad) > 0:
+            assert "one day" in str(info.value), str(info.value)
+    monkeypatch.setenv("MOELINK_TIMEOUT_MS", str(_env.MAX_TIMEOUT_MS))
+    assert _env.timeout_ms() == _env.MAX_TIMEOUT_MS
+
+
+def test_a_deadline_longer_than_a_day_is_refused_by_the_core():
+    # The native constructor refuses what the environment parser refuses, naming timeout_ms.
+    with pytest.raises(ValueError) as info:
+        _native.Buffer(ThreadGroup.create(1)[0], 0, 0, False, backend="host", timeout_ms=9223372036854775807)
+    assert info.value.argument == "timeout_ms" and "one day" in str(info.value), str(info.value)
 
 
 def test_size_hints_are_the_rust_apis():

@@ -3,6 +3,7 @@
 //! - `moelink bench` — dispatch/combine timings at DeepEP's shapes, correctness checked before timing.
 //! - `moelink bench nvlink` — NVLink copy bandwidth, barrier latency, JIT times (GPU diagnostics).
 //! - `moelink bench transport` — the RDMA transport seam's latency and bandwidth per backend and QP count.
+//! - `moelink bench bytes` — the byte model across nodes, computed from routing alone.
 //! - `moelink selftest [--process]` — group and GPU self-checks, in threads or as a torchrun rank.
 //! - `moelink info` — GPUs, driver, peer access, NVRTC, and the backend `auto` picks.
 //!
@@ -17,7 +18,18 @@ use moelink_cli::{bench, info, selftest};
 
 /// moelink: expert-parallel MoE dispatch/combine over NVLink.
 #[derive(Parser, Debug)]
-#[command(name = "moelink", version)]
+#[command(
+    name = "moelink",
+    version,
+    after_help = "Every command:\n  \
+        moelink bench              dispatch/combine timings, correctness checked first\n  \
+        moelink bench nvlink       NVLink copy bandwidth, barrier latency, JIT times (GPU diagnostics)\n  \
+        moelink bench transport    the RDMA transport seam's latency and bandwidth per backend and QP count\n  \
+        moelink bench bytes        the byte model across nodes, computed from routing (no GPU)\n  \
+        moelink selftest           group and GPU self-checks, in threads or as a torchrun rank\n  \
+        moelink info               GPUs, driver, peer access, NVRTC, and the backend `auto` picks\n\
+        `moelink <command> --help` for a command's options."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -25,7 +37,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Time dispatch and combine (correctness is checked first); `bench nvlink` for the NVLink probes.
+    /// Time dispatch and combine (correctness is checked first); `bench nvlink`, `bench transport` and
+    /// `bench bytes` for the diagnostics.
     ///
     /// Without a GPU it runs on the host backend (CPU threads) and says so: those times measure the
     /// reference implementation, not GPU performance.

@@ -168,6 +168,29 @@ pub fn write_json(path: &Path, records: &[Record]) -> Result<(), String> {
     std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
+/// Checks, before anything is measured, that the file `flag` names (`--json`, `--plot`) can be written:
+/// that it has the extension `ext` when one is required (`png`: the plot's encoder picks the format by it),
+/// is not a directory, and can be opened for writing there (a file created by the probe is removed again).
+/// The error is one line naming the flag, the path and the reason.
+pub fn check_output(flag: &str, path: &Path, ext: Option<&str>) -> Result<(), String> {
+    let shown = path.display();
+    if let Some(ext) = ext {
+        let has = path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case(ext));
+        if !has {
+            return Err(format!("{flag} {shown}: the file is written as {}, so its name must end in .{ext}", ext.to_uppercase()));
+        }
+    }
+    if path.is_dir() {
+        return Err(format!("{flag} {shown}: is a directory, not a file"));
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new().append(true).create(true).open(path).map_err(|e| format!("{flag} {shown}: cannot write there: {e}"))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
 /// Reads a file written by [`write_json`].
 pub fn read_json(path: &Path) -> Result<Vec<Record>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
@@ -177,6 +200,22 @@ pub fn read_json(path: &Path) -> Result<Vec<Record>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outputs_are_checked_before_anything_runs() {
+        let dir = std::env::temp_dir().join(format!("moelink-check-output-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ok = dir.join("plot.PNG");
+        assert_eq!(check_output("--plot", &ok, Some("png")), Ok(()));
+        assert!(!ok.exists(), "the probe leaves no file behind");
+        let e = check_output("--plot", &dir.join("plot.jpg"), Some("png")).unwrap_err();
+        assert!(e.starts_with("--plot ") && e.contains("plot.jpg") && e.contains("must end in .png"), "{e}");
+        let e = check_output("--json", &dir, None).unwrap_err();
+        assert!(e.contains("is a directory"), "{e}");
+        let e = check_output("--json", &dir.join("missing/x.json"), None).unwrap_err();
+        assert!(e.contains("missing/x.json: cannot write there: ") && !e.contains('\n') && !e.contains("Os {"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn records_round_trip_with_extras_flattened() {

@@ -78,15 +78,37 @@ fn from_error(name: &str, rank: usize, e: moelink::Error) -> CheckResult {
     }
 }
 
-/// Runs every check on this rank (collective: every rank calls it).
-pub fn run_checks(g: &dyn Group, device: usize, a: &SelftestArgs) -> Vec<CheckResult> {
+/// The most ranks thread mode runs: one thread each, and every GPU check is collective over them; no node
+/// has more GPUs than this, and more threads only test the machine's scheduler.
+pub const MAX_THREAD_RANKS: usize = 64;
+
+/// The GPU checks after the group check, in the order they run.
+fn gpu_check_names(a: &SelftestArgs) -> Vec<String> {
+    let mut names = vec!["symmetric-memory".to_string(), "barrier-latency".to_string()];
+    names.extend(
+        a.transport
+            .iter()
+            .map(|&t| format!("transport-{}", crate::bench::transport::rdma_options(t, 4, Default::default()).transport.name())),
+    );
+    names.push("deadline".into());
+    names
+}
+
+/// Runs every check on this rank (collective: every rank calls it). `gpu`: whether this machine has a usable
+/// GPU; without one the GPU checks are skipped, not run (the caller prints why, once).
+pub fn run_checks(g: &dyn Group, device: usize, a: &SelftestArgs, gpu: bool) -> Vec<CheckResult> {
     let me = g.rank();
     let mut out = vec![group_check(g)];
-    if out[0].verdict == Verdict::Fail {
+    let skip_reason = if out[0].verdict == Verdict::Fail {
         // The GPU checks exchange handles through the group: without it they would only time out.
-        for name in ["symmetric-memory", "barrier-latency", "deadline"] {
-            out.push(result(name, me, Verdict::Skip, "skipped: the group check failed"));
-        }
+        Some("skipped: the group check failed")
+    } else if !gpu {
+        Some("skipped: no usable GPU (see above)")
+    } else {
+        None
+    };
+    if let Some(why) = skip_reason {
+        out.extend(gpu_check_names(a).iter().map(|name| result(name, me, Verdict::Skip, why)));
         return out;
     }
     out.push(match diag::symmetric_memory_check(g, device, a.bytes_per_peer) {
@@ -227,18 +249,20 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
     }
     let gpus = sys::gpu_count();
     let ranks = a.ranks.unwrap_or(if gpus > 0 { gpus } else { 2 });
-    if ranks == 0 {
-        return Err(CliError("--ranks must be at least 1".into()));
+    if ranks == 0 || ranks > MAX_THREAD_RANKS {
+        return Err(CliError(format!(
+            "--ranks {ranks}: thread mode runs 1 to {MAX_THREAD_RANKS} ranks (one thread each); use --process under torchrun for more"
+        )));
     }
     println!("moelink selftest | thread mode | {ranks} ranks | commit {}", sys::commit());
     if gpus == 0 {
         let why = sys::cuda_info().err().unwrap_or_else(|| "the driver reports no GPU".into());
-        println!("no GPU found ({why}): the GPU checks will be skipped");
+        println!("no GPU found ({why}): the GPU checks are skipped");
     }
     // The deadline check holds ranks back on purpose: give the group room beyond it.
     let timeout = Duration::from_millis(a.deadline_ms.saturating_mul(4).max(60_000));
     // Ranks beyond the GPU count share them round-robin.
-    let per_rank = moelink::group::run_ranks_with_timeout(ranks, timeout, |g| Ok(run_checks(&g, g.rank() % gpus.max(1), a)));
+    let per_rank = moelink::group::run_ranks_with_timeout(ranks, timeout, |g| Ok(run_checks(&g, g.rank() % gpus.max(1), a, gpus > 0)));
     let mut all = Vec::new();
     for (rank, r) in per_rank.into_iter().enumerate() {
         match r {
@@ -252,11 +276,15 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
 fn run_process(a: &SelftestArgs) -> Result<(), CliError> {
     let g = TcpGroup::from_env().map_err(|e| CliError(format!("cannot join the process group: {e}")))?;
     let (me, n) = (g.rank(), g.size());
+    let gpus = sys::gpu_count();
     if me == 0 {
         println!("moelink selftest | process mode | {n} ranks over TCP | commit {}", sys::commit());
+        if gpus == 0 {
+            let why = sys::cuda_info().err().unwrap_or_else(|| "the driver reports no GPU".into());
+            println!("no GPU found ({why}): the GPU checks are skipped");
+        }
     }
-    let gpus = sys::gpu_count().max(1);
-    let mine = run_checks(&g, g.local_rank() % gpus, a);
+    let mine = run_checks(&g, g.local_rank() % gpus.max(1), a, gpus > 0);
     // Each rank prints its own failures at once: torchrun ends every rank as soon as one exits non-zero,
     // so a report left to rank 0 alone can be cut off before it names the failing rank's check.
     for r in mine.iter().filter(|r| r.verdict == Verdict::Fail) {
@@ -335,8 +363,16 @@ fn report(all: &[CheckResult], strict: bool) -> Result<(), CliError> {
             Verdict::Pass => println!("PASS {name:<17} {}", rows[0].detail),
             Verdict::Skip => println!("SKIP {name:<17} {}", rows.iter().find(|r| r.verdict == Verdict::Skip).map_or("", |r| &r.detail)),
             Verdict::Fail => {
+                // One line per distinct reason, naming the ranks that gave it.
+                let mut reasons: Vec<(&str, Vec<usize>)> = Vec::new();
                 for r in rows.iter().filter(|r| r.verdict == Verdict::Fail) {
-                    println!("FAIL {name:<17} rank {}: {}", r.rank, r.detail);
+                    match reasons.iter_mut().find(|(d, _)| *d == r.detail) {
+                        Some((_, ranks)) => ranks.push(r.rank),
+                        None => reasons.push((&r.detail, vec![r.rank])),
+                    }
+                }
+                for (detail, ranks) in reasons {
+                    println!("FAIL {name:<17} {}: {detail}", rank_list(&ranks));
                 }
             }
         }
@@ -347,9 +383,33 @@ fn report(all: &[CheckResult], strict: bool) -> Result<(), CliError> {
     result.map(|_| ())
 }
 
+/// `rank 3`, or `ranks 0-2, 5 (4 ranks)`.
+fn rank_list(ranks: &[usize]) -> String {
+    if let [one] = ranks {
+        return format!("rank {one}");
+    }
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        runs.push(if j > i { format!("{}-{}", ranks[i], ranks[j]) } else { ranks[i].to_string() });
+        i = j + 1;
+    }
+    format!("ranks {} ({} ranks)", runs.join(", "), ranks.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failing_ranks_are_listed_compactly() {
+        assert_eq!(rank_list(&[3]), "rank 3");
+        assert_eq!(rank_list(&[0, 1, 2, 5, 7, 8]), "ranks 0-2, 5, 7-8 (6 ranks)");
+    }
 
     fn outcome(error: Option<&str>, peer: Option<usize>, elapsed_ms: f64, refused: bool) -> diag::DeadlineOutcome {
         diag::DeadlineOutcome { rank: 0, error: error.map(String::from), peer, elapsed_ms, refused_afterwards: refused }

@@ -114,7 +114,7 @@ fn an_sm_sweep_gives_one_row_per_sm_count() {
 }
 
 #[test]
-fn the_suite_runs_every_curve_and_ends_with_the_summary() {
+fn the_suite_runs_every_curve_into_one_table() {
     let json = tmp("suite.json");
     let o = moelink(&["bench", "--suite", "--quick", "--hook", "--reps", "1", "--warmup", "0", "--json", json.to_str().unwrap()]);
     let (out, err) = text(&o);
@@ -132,10 +132,15 @@ fn the_suite_runs_every_curve_and_ends_with_the_summary() {
     for r in &records {
         assert!(r["status"] == "ok" || r["status"] == "unavailable", "{r}");
     }
-    // The short summary comes last: one row per (mode, routing, tokens, SMs).
-    let tail: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("summary:")).filter(|l| !l.is_empty()).collect();
-    assert_eq!(tail.len(), 3 + 10 + 5, "{out}");
-    assert!(tail[1].contains("fp8 disp µs") && tail[3].starts_with("ht "), "{out}");
+    // One table, a row per record, with every unit explained under it; no SMs column on the host backend.
+    let table: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("mode ")).collect();
+    assert!(table[0].contains("wire GB/s") && table[0].contains("send+recv µs") && !table[0].contains("SMs"), "{out}");
+    let rows = table.iter().skip(2).take_while(|l| !l.starts_with("  ")).count();
+    assert_eq!(rows, records.len(), "{out}");
+    for unit in ["time µs: ", "logical GB/s: ", "wire GB/s: ", "send+recv µs: ", "cached µs: "] {
+        assert!(out.contains(&format!("\n  {unit}")), "{unit} is not explained:\n{out}");
+    }
+    assert_eq!(out.lines().filter(|l| l.starts_with("mode ")).count(), 1, "one table:\n{out}");
 }
 
 #[test]
@@ -148,6 +153,9 @@ fn user_errors_print_error_and_exit_1() {
         vec!["bench", "--mode", "sideways"],
         vec!["bench", "--quick", "--hidden", "1000", "--dtype", "fp8"],
         vec!["selftest", "--process"],
+        vec!["selftest", "--ranks", "1000"],
+        vec!["bench", "--num-sms", "100000"],
+        vec!["bench", "--timeout-s", "0"],
         vec!["no-such-command"],
     ] {
         let o = moelink(&args);
@@ -155,6 +163,48 @@ fn user_errors_print_error_and_exit_1() {
         assert_eq!(o.status.code(), Some(1), "{args:?}\n{out}\n{err}");
         assert!(err.starts_with("error: "), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn output_paths_are_checked_before_anything_is_measured() {
+    let dir = tmp("outputs");
+    for (args, want) in [
+        (vec!["--json", "/proc/moelink-nowhere/x.json"], "--json /proc/moelink-nowhere/x.json: cannot write there: "),
+        (vec!["--plot", "/tmp/moelink-plot.jpg"], "--plot /tmp/moelink-plot.jpg: the file is written as PNG, so its name must end in .png"),
+        (vec!["--plot", dir.to_str().unwrap()], "is"),
+    ] {
+        // The full-size host bench would take a minute: a refusal must come before it starts.
+        let t0 = std::time::Instant::now();
+        let o = moelink(&[&["bench", "--backend", "host", "--mode", "ht"][..], &args].concat());
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}\n{out}\n{err}");
+        assert!(err.starts_with(&format!("error: {}", args.join(" "))) && err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "one line: {err}");
+        assert!(!out.contains("batch "), "nothing was measured: {out}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{args:?} took {:?}", t0.elapsed());
+    }
+}
+
+#[test]
+fn selftest_without_a_gpu_skips_the_gpu_checks_and_says_why_once() {
+    let o = moelink(&["selftest", "--ranks", "2"]);
+    let (out, err) = text(&o);
+    if !out.contains("no GPU found") {
+        return; // a GPU machine runs the GPU checks
+    }
+    assert!(o.status.success(), "{out}\n{err}");
+    assert_eq!(out.matches("could not be loaded").count().max(out.matches("no GPU found").count()), 1, "{out}");
+    assert!(out.lines().filter(|l| l.starts_with("SKIP")).all(|l| l.ends_with("skipped: no usable GPU (see above)")), "{out}");
+    assert!(!out.contains("FAIL"), "{out}");
+}
+
+#[test]
+fn the_top_level_help_lists_every_command() {
+    let o = moelink(&["--help"]);
+    let (out, _) = text(&o);
+    for cmd in ["bench ", "bench nvlink", "bench transport", "bench bytes", "selftest", "info"] {
+        assert!(out.contains(&format!("moelink {cmd}")), "{cmd} missing:\n{out}");
     }
 }
 

@@ -725,7 +725,8 @@ mod tests {
             eprintln!("skipped: NVSHMEM_HOME is not set");
             return;
         };
-        let cuda = std::env::var_os("CUDA_HOME").map(PathBuf::from);
+        // MOELINK_TEST_CUDA_HOME: what scripts/ci-nvrtc-env.sh sets in place of CUDA_HOME (compile_all.rs says why).
+        let cuda = std::env::var_os("MOELINK_TEST_CUDA_HOME").or_else(|| std::env::var_os("CUDA_HOME")).map(PathBuf::from);
         let t = NvshmemToolchain::locate(&home, cuda.as_deref()).unwrap();
         let api = open_checked(&t).unwrap();
         assert_eq!(library_version(&api), t.version, "{}", t.host_library.display());

@@ -71,7 +71,7 @@ static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK
 // Words of a notify message (what a rank tells each destination before a fresh dispatch).
 constexpr u32 HT_MSG_COUNT = 0;        // tokens the source sends to this destination
 constexpr u32 HT_MSG_NUM_TOKENS = 1;   // the source's token count T
-constexpr u32 HT_MSG_STATUS = 2;       // HT_STATUS_BAD_LAYOUT when the source's layout tensors disagree
+constexpr u32 HT_MSG_STATUS = 2;       // HT_STATUS_BAD_LAYOUT / _BAD_EXPERTS when the source's layout tensors disagree
 constexpr u32 HT_MSG_SIG_LO = 3;       // the source's call signature (must equal everyone's)
 constexpr u32 HT_MSG_SIG_HI = 4;
 // HT_MSG_ROW + r (r < MAX_RANKS): tokens the source sends to rank r (its num_tokens_per_rank, as counted from
@@ -99,6 +99,7 @@ constexpr u32 HT_STATUS_BAD_LAYOUT = 1;  // some rank's num_tokens_per_rank disa
 constexpr u32 HT_STATUS_MISMATCH = 2;    // call signatures differ
 constexpr u32 HT_STATUS_TOO_SMALL = 4;   // the dispatch slab cannot hold T_max rows per source
 constexpr u32 HT_STATUS_FAILED = 8;      // the notify exchange itself failed (timeout)
+constexpr u32 HT_STATUS_BAD_EXPERTS = 16;  // some rank's num_tokens_per_expert disagrees with its num_tokens_per_rank
 
 // ------------------------------------------------------------------------------------ host-mapped notify
 // u32 words ht_notify writes for the host in CPU-synchronised mode; HT_HN_READY last (release).

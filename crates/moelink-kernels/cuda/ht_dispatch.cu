@@ -152,11 +152,32 @@ __device__ __forceinline__ void store_payload_round(u32x4* out, u32 round, const
   }
 }
 
+// Checks token t's destinations against its top-k experts (TOPK > 0): `goes_here` on lane r < R says whether
+// the token goes to rank r (is_token_in_rank, through the prefix); lanes k, k + 32, ... load its k-th expert
+// (the words load_meta reads again from L1 right after). A rank in one set and not in the other is reported
+// (ERR_INVALID_LAYOUT, LAYOUT_ARG_IN_RANK, the token): a row sent where it selects no expert arrives with every
+// top-k id -1, and an expert whose rank gets no row misses the token. The rows still travel as
+// is_token_in_rank says; the call fails on this rank once the collective has run.
+__device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const Deadline& d, u32 t, bool goes_here, u32 lane) {
+  if (TOPK == 0) return;
+  u32 want = 0;
+  const i64 num_experts = (i64)a.num_ranks * a.num_local_experts;
+  for (u32 k = lane; k < TOPK; k += WARP_SIZE) {
+    const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + k];
+    if (e >= 0 && e < num_experts) want |= 1u << (u32)(e / a.num_local_experts);
+  }
+  want = __reduce_or_sync(FULL_WARP_MASK, want);
+  const u32 sent = __ballot_sync(FULL_WARP_MASK, goes_here);
+  if (want != sent && lane == 0) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_IN_RANK, t);
+}
+
 // Sends token t to every remote destination r it goes to: lane r < R holds p0 = prefix[t][r] and
-// p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0). The payload is read once
+// p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0; lane `me` holds its own
+// pair for check_token_ranks only). The payload is read once
 // (ld.global.nc, UNROLL vectors per lane in flight) and stored into every such destination's slab row
 // [me][p0] (st.global.L1::no_allocate over NVLink), then the meta words, remapped per destination.
-__device__ __forceinline__ void send_token(const HtDispatchArgs& a, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane) {
+__device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadline& d, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane) {
+  check_token_ranks(a, d, t, lane < a.num_ranks && p1 > p0, lane);
   const bool in = peer_lane && p1 > p0;
   const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)a.rank * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
   const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
@@ -205,7 +226,8 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < num_ranks && lane != me;
-  auto load_prefix = [&](u32 t) -> i32 { return peer_lane ? prefix[(u64)t * num_ranks + lane] : 0; };
+  // Lane `me` loads its own pair too, for send_token's layout check (its rows are the receivers' work).
+  auto load_prefix = [&](u32 t) -> i32 { return lane < num_ranks ? prefix[(u64)t * num_ranks + lane] : 0; };
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
   HtCursor chunk = counter != nullptr ? ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens)
                                       : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
@@ -236,7 +258,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         const i32 p0 = slot_next, p1 = slot_after;
         slot_next = p1;
         if (t + 2 <= chunk.end) slot_after = load_prefix(t + 2);
-        send_token(a, t, p0, p1, peer_lane, lane);
+        send_token(a, d, t, p0, p1, peer_lane, lane);
       }
       // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
       // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
@@ -392,6 +414,7 @@ namespace moelink::intranode {
 //   the last block hands the slab back: consumed[me] = epoch in every peer's control region, which the
 //   peers' senders of the next dispatch wait for.
 //   reads: x, scales, top-k, routing, own slab and row flags;
+//   reports: a token whose is_token_in_rank row disagrees with the ranks of its top-k experts (check_token_ranks);
 //   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
 //   remote rows from the slab), consumed flags.
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtDispatchArgs a) {

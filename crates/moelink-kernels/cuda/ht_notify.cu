@@ -49,6 +49,11 @@ namespace moelink::intranode {
 //      routing.prefix[t][r] (tokens before t that go to r; t's send slot at r when it goes there) for
 //      t = 0..T, and send_count[r] = prefix[T][r]. send_count differing from num_tokens_per_rank marks this
 //      rank's message HT_STATUS_BAD_LAYOUT.
+//   1b. Warp w sums num_tokens_per_expert over the experts of ranks w, w + NOTIFY_WARPS, ... (u64 lanes, then
+//      a shuffle tree): each token sent to rank r selects at least one of r's experts, so r's experts count
+//      no tokens when send_count[r] is 0 and at least send_count[r] otherwise, and no count is negative; a
+//      disagreement marks the message HT_STATUS_BAD_EXPERTS. It reads the E counts that step 2 sends anyway
+//      (one more pass over E words, 1 KiB at E = 256, and five shuffles per rank).
 //   2. Message to every rank r (itself included) at notify_msg(r's ctrl, parity, me), parity = epoch & 1:
 //      {send_count[r], T, status, signature, send_count[0..R), num_tokens_per_expert[r's experts]}: the
 //      whole send_count row goes to every rank, so that every rank knows every rank's counts.
@@ -59,12 +64,13 @@ namespace moelink::intranode {
 //   4. rank_prefix_matrix[i][j] = sum over sources s <= i of their send_count[j] (0 after a failed
 //      exchange), recv_count[s], recv_offset[s] (exclusive scan over sources), N, T_max = max T_s, and the
 //      agreed status:
-//      any source's BAD_LAYOUT, else any signature != ours (MISMATCH), else T_max > slab_rows (TOO_SMALL);
-//      a non-zero status is also reported (ERR_INVALID_LAYOUT / ERR_RANK_MISMATCH / ERR_BUFFER_TOO_SMALL).
+//      any source's BAD_LAYOUT or BAD_EXPERTS, else any signature != ours (MISMATCH), else T_max > slab_rows
+//      (TOO_SMALL); a non-zero status is also reported (ERR_INVALID_LAYOUT with LAYOUT_ARG_PER_RANK or
+//      _PER_EXPERT / ERR_RANK_MISMATCH / ERR_BUFFER_TOO_SMALL).
 //      Written to the routing header; with host_out, also N, T_max, status (+ peer), recv counts and the received
 //      tokens per local expert, then host_out[READY] = host_seq (fence + release store).
 //   5. Thread 0 stores the epoch.
-//   reads: is_token_in_rank, the layout counts, own notify flags/messages;
+//   reads: is_token_in_rank, the layout counts (num_tokens_per_expert twice), own notify flags/messages;
 //   writes: routing, host_out, peers' notify flags/messages, own epoch.
 //   on timeout: error record {ERR_TIMEOUT, rank, peer, PHASE_NOTIFY}; the routing status becomes FAILED so a
 //   dispatch launched behind this kernel returns at once.
@@ -143,10 +149,27 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
   }
   __syncthreads();
 
-  // 2. Messages (plain stores; published by the flags below).
+  // 1b. The per-expert counts against the tokens sent to each rank.
   const u32 el = a.num_local_experts;
-  const u32 words = HT_MSG_HEADER_WORDS + el;
   const i32* per_expert = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+  for (u32 r = warp; r < num_ranks; r += NOTIFY_WARPS) {
+    u64 sum = 0;
+    bool negative = false;
+    for (u32 e = lane; e < el; e += WARP_SIZE) {
+      const i32 c = per_expert[(u64)r * el + e];
+      negative = negative || c < 0;
+      sum += c < 0 ? 0ull : (u64)c;
+    }
+#pragma unroll
+    for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_WARP_MASK, sum, offset);
+    negative = __any_sync(FULL_WARP_MASK, negative) != 0;
+    const u64 sent = s_total[r];
+    if (lane == 0 && (negative || (sent == 0) != (sum == 0) || sum < sent)) atomicOr(&s_local_status, HT_STATUS_BAD_EXPERTS);
+  }
+  __syncthreads();
+
+  // 2. Messages (plain stores; published by the flags below).
+  const u32 words = HT_MSG_HEADER_WORDS + el;
   for (u32 i = tid; i < num_ranks * words; i += NOTIFY_THREADS) {
     const u32 r = i / words, w = i % words;
     u32 v = 0;
@@ -212,8 +235,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
         t_max = s_num_tokens[s] > t_max ? s_num_tokens[s] : t_max;
       }
       for (u32 s = 0; s < num_ranks && status == 0; s++) {
-        if ((s_status[s] & HT_STATUS_BAD_LAYOUT) != 0u) {
-          status = HT_STATUS_BAD_LAYOUT;
+        if ((s_status[s] & (HT_STATUS_BAD_LAYOUT | HT_STATUS_BAD_EXPERTS)) != 0u) {
+          status = s_status[s] & (HT_STATUS_BAD_LAYOUT | HT_STATUS_BAD_EXPERTS);
           peer = s;
         }
       }
@@ -224,7 +247,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
         }
       }
       if (status == 0 && t_max > a.slab_rows) status = HT_STATUS_TOO_SMALL;
-      if (status == HT_STATUS_BAD_LAYOUT) report_error(d, ERR_INVALID_LAYOUT, peer, 0, 0);
+      if ((status & (HT_STATUS_BAD_LAYOUT | HT_STATUS_BAD_EXPERTS)) != 0u)
+        report_error(d, ERR_INVALID_LAYOUT, peer, (status & HT_STATUS_BAD_LAYOUT) != 0u ? LAYOUT_ARG_PER_RANK : LAYOUT_ARG_PER_EXPERT, 0);
       if (status == HT_STATUS_MISMATCH) report_error(d, ERR_RANK_MISMATCH, peer, a.signature, s_signature[peer]);
       if (status == HT_STATUS_TOO_SMALL)
         report_error(d, ERR_BUFFER_TOO_SMALL, NO_PEER, t_max, ((u64)a.slab_row_bytes << 32) | a.slab_rows);

@@ -33,13 +33,17 @@ constexpr u32 ERR_TIMEOUT = 1;
 // the buffer stays usable once the host has read and cleared the record). ErrorRecord::elapsed_ns and
 // ::timeout_ns carry two code-specific details instead of times (moelink_kernels::abi documents them).
 constexpr u32 ERR_INVALID_TOPK = 2;      // topk_idx entry outside [-1, E) or repeated in its row
-constexpr u32 ERR_INVALID_LAYOUT = 3;    // num_tokens_per_rank disagrees with is_token_in_rank
+constexpr u32 ERR_INVALID_LAYOUT = 3;    // the layout tensors disagree; detail0: which one (LAYOUT_ARG_*)
 constexpr u32 ERR_RANK_MISMATCH = 4;     // ranks called with different shapes / dtypes / expert counts
 constexpr u32 ERR_BUFFER_TOO_SMALL = 5;  // a receive slab of num_nvl_bytes cannot hold the call
 constexpr u32 ERR_RECV_OVERFLOW = 6;     // no-sync dispatch received more rows than num_worst_tokens
 // Fatal like a timeout (raise_error): a peer's message has another layout than this rank's kernel reads, so
 // the ranks launched different kernel variants and nothing received can be trusted.
 constexpr u32 ERR_PEER_LAYOUT = 7;
+// ERR_INVALID_LAYOUT's detail0: the argument that disagrees (detail1: the token, for LAYOUT_ARG_IN_RANK).
+constexpr u32 LAYOUT_ARG_PER_RANK = 0;    // num_tokens_per_rank vs the tokens is_token_in_rank sends
+constexpr u32 LAYOUT_ARG_PER_EXPERT = 1;  // num_tokens_per_expert vs num_tokens_per_rank
+constexpr u32 LAYOUT_ARG_IN_RANK = 2;     // is_token_in_rank vs the ranks of the token's topk_idx experts
 
 // Values of the claim word (ErrorSink::claim): nothing recorded, a fatal error (waits give up), or an
 // argument error (waits carry on; a later fatal error still takes the record over).

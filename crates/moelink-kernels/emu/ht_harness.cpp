@@ -778,6 +778,65 @@ void scenario_invalid_topk() {
   check_layout(l, in, 0);
 }
 
+// Layout tensors that disagree. (a) Rank 0 sends nothing (is_token_in_rank all false, num_tokens_per_rank 0)
+// but its num_tokens_per_expert still counts tokens: every rank's notify agrees on BAD_EXPERTS and reports
+// ERR_INVALID_LAYOUT / LAYOUT_ARG_PER_EXPERT naming rank 0, and the dispatch launched behind it moves nothing.
+// (b) Rank 0 does not send a token to a remote rank where one of its experts lives (its is_token_in_rank and
+// num_tokens_per_rank agree, so the notify passes): rank 0's dispatch reports LAYOUT_ARG_IN_RANK with that
+// token, and the other ranks see no error.
+void scenario_bad_layout() {
+  if (R < 2 || K == 0) return;
+  World w((size_t)16 << 20, 4, 20'000'000'000ull);
+  std::vector<RankInputs> all;
+  for (u32 r = 0; r < R; r++) all.push_back(make_inputs(r, 12, Route::Uniform, 11));
+  std::vector<Layout> layouts(R);
+  std::vector<Handle> handles(R);
+  std::vector<Outputs> outs(R);
+  per_rank([&](u32 me) {
+    layouts[me] = run_layout(w, me, all[me]);
+    if (me == 0) {
+      std::fill(layouts[0].in_rank.begin(), layouts[0].in_rank.end() - 1, (u8)0);
+      std::fill(layouts[0].per_rank.begin(), layouts[0].per_rank.end(), 0);
+    }
+    CHECK(!run_notify(w, me, all[me], layouts[me], handles[me], true, 1, dispatch_row_bytes(H, F8, K), signature()),
+          "rank %u: a per-expert count without tokens was accepted", me);
+    run_dispatch(w, me, all[me], handles[me], outs[me], 12 * R);
+  });
+  for (u32 me = 0; me < R; me++) {
+    const ErrorRec& rec = *w.ranks[me].record;
+    CHECK(handles[me].routing[0] == 16, "rank %u: status %d, want BAD_EXPERTS", me, handles[me].routing[0]);
+    CHECK(rec.code == 3 && rec.peer == 0 && rec.d0 == 1, "rank %u: record code %u peer %u d0 %llu", me, rec.code, rec.peer, rec.d0);
+    CHECK(outs[me].x[0] == 0xab, "rank %u: a refused dispatch wrote outputs", me);
+    w.clear_errors(me);
+  }
+  // (b): the first token of rank 0 that goes to a remote rank r receiving at least two of its tokens.
+  u32 bad_t = 0, bad_r = 0;
+  per_rank([&](u32 me) { layouts[me] = run_layout(w, me, all[me]); });
+  for (u32 t = 0; t < all[0].t && bad_r == 0; t++)
+    for (u32 r = 1; r < R && bad_r == 0; r++)
+      if (layouts[0].in_rank[(size_t)t * R + r] != 0 && layouts[0].per_rank[r] >= 2) {
+        bad_t = t;
+        bad_r = r;
+      }
+  CHECK(bad_r != 0, "no token of rank 0 to drop");
+  layouts[0].in_rank[(size_t)bad_t * R + bad_r] = 0;
+  layouts[0].per_rank[bad_r] -= 1;
+  per_rank([&](u32 me) {
+    CHECK(run_notify(w, me, all[me], layouts[me], handles[me], true, 2, dispatch_row_bytes(H, F8, K), signature()),
+          "rank %u: notify refused a layout whose counts agree", me);
+    run_dispatch(w, me, all[me], handles[me], outs[me], handles[me].num_recv);
+  });
+  for (u32 me = 0; me < R; me++) {
+    const ErrorRec& rec = *w.ranks[me].record;
+    if (me == 0)
+      CHECK(rec.code == 3 && rec.peer == 0 && rec.d0 == 2 && rec.d1 == bad_t, "rank 0: record code %u peer %u d0 %llu d1 %llu (token %u)",
+            rec.code, rec.peer, rec.d0, rec.d1, bad_t);
+    else
+      CHECK(rec.code == 0, "rank %u: record code %u after another rank's bad layout", me, rec.code);
+    w.clear_errors(me);
+  }
+}
+
 }  // namespace h
 
 int main(int argc, char** argv) {
@@ -804,6 +863,7 @@ int main(int argc, char** argv) {
   run("overflow", [] { h::scenario_overflow(); });
   run("too_small", [] { h::scenario_too_small(); });
   run("invalid_topk", [] { h::scenario_invalid_topk(); });
+  run("bad_layout", [] { h::scenario_bad_layout(); });
   run("timeout", [] { h::scenario_timeout(); });
   return h::g_failures == 0 ? 0 : 1;
 }

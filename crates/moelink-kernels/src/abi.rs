@@ -15,8 +15,20 @@ pub const ERR_TIMEOUT: u32 = 1;
 /// `ErrorRecord::code`: a `topk_idx` entry is outside `[-1, E)` or repeats an expert of its row (it was
 /// treated as -1). Details: `elapsed_ns` = `t << 32 | k`, `timeout_ns` = the value (as `u64`).
 pub const ERR_INVALID_TOPK: u32 = 2;
-/// `ErrorRecord::code`: `num_tokens_per_rank` of rank `peer` disagrees with its `is_token_in_rank`.
+/// `ErrorRecord::code`: rank `peer`'s layout tensors disagree. Details: `elapsed_ns` = which argument
+/// ([`layout_arg`]), `timeout_ns` = the token (for [`layout_arg::IN_RANK`]).
 pub const ERR_INVALID_LAYOUT: u32 = 3;
+/// [`ERR_INVALID_LAYOUT`]'s first detail: the argument that disagrees (`LAYOUT_ARG_*` in `ptx.cuh`).
+pub mod layout_arg {
+    /// `num_tokens_per_rank` is not the tokens `is_token_in_rank` sends to each rank (the notify kernel).
+    pub const PER_RANK: u64 = 0;
+    /// `num_tokens_per_expert` counts tokens for a rank's experts where none go to that rank, fewer than go
+    /// there, or a negative number (the notify kernel).
+    pub const PER_EXPERT: u64 = 1;
+    /// `is_token_in_rank` sends a token to a rank where `topk_idx` selects none of its experts, or not to one
+    /// where it selects one (the dispatch kernel's senders).
+    pub const IN_RANK: u64 = 2;
+}
 /// `ErrorRecord::code`: rank `peer` called with another signature. Details: this rank's and the peer's
 /// `moelink_kernels::ht::call_signature`.
 pub const ERR_RANK_MISMATCH: u32 = 4;
@@ -180,6 +192,9 @@ mod tests {
             ("ERR_BUFFER_TOO_SMALL", ERR_BUFFER_TOO_SMALL as u64),
             ("ERR_RECV_OVERFLOW", ERR_RECV_OVERFLOW as u64),
             ("ERR_PEER_LAYOUT", ERR_PEER_LAYOUT as u64),
+            ("LAYOUT_ARG_PER_RANK", layout_arg::PER_RANK),
+            ("LAYOUT_ARG_PER_EXPERT", layout_arg::PER_EXPERT),
+            ("LAYOUT_ARG_IN_RANK", layout_arg::IN_RANK),
             ("CLAIM_NONE", claim::NONE as u64),
             ("CLAIM_FATAL", claim::FATAL as u64),
             ("CLAIM_ARGUMENT", claim::ARGUMENT as u64),

@@ -101,6 +101,8 @@ pub mod status {
     pub const TOO_SMALL: u32 = 4;
     /// The exchange itself failed (timeout).
     pub const FAILED: u32 = 8;
+    /// A rank's `num_tokens_per_expert` disagrees with its `num_tokens_per_rank` (the single-node notify).
+    pub const BAD_EXPERTS: u32 = 16;
 }
 
 /// `u32` words the notify kernel writes to host-mapped memory in CPU-synchronised mode (`HT_HN_*`).
@@ -699,6 +701,7 @@ mod tests {
             ("HT_STATUS_MISMATCH", status::MISMATCH as usize),
             ("HT_STATUS_TOO_SMALL", status::TOO_SMALL as usize),
             ("HT_STATUS_FAILED", status::FAILED as usize),
+            ("HT_STATUS_BAD_EXPERTS", status::BAD_EXPERTS as usize),
             ("HT_HN_READY", host_notify::READY),
             ("HT_HN_NUM_RECV", host_notify::NUM_RECV),
             ("HT_HN_T_MAX", host_notify::T_MAX),

@@ -27,8 +27,9 @@ fn skip_reason() -> Option<String> {
     }
 }
 
-/// NVSHMEM's files for the `nvshmem` transport variants (`NVSHMEM_HOME`, and `CUDA_HOME` for the CUDA
-/// runtime headers; `scripts/ci-nvrtc-env.sh` installs both from PyPI). `None` (those variants are skipped,
+/// NVSHMEM's files for the `nvshmem` transport variants (`NVSHMEM_HOME`, and for the CUDA runtime headers
+/// `MOELINK_TEST_CUDA_HOME`, which `scripts/ci-nvrtc-env.sh` sets instead of `CUDA_HOME` so that cudarc's
+/// build script does not rerun, else `CUDA_HOME`; that script installs both from PyPI). `None` (those variants are skipped,
 /// saying so) when unset, unless `MOELINK_REQUIRE_NVSHMEM=1` (CI), where that fails.
 fn nvshmem_toolchain() -> Option<NvshmemToolchain> {
     let required = std::env::var("MOELINK_REQUIRE_NVSHMEM").as_deref() == Ok("1");
@@ -36,7 +37,7 @@ fn nvshmem_toolchain() -> Option<NvshmemToolchain> {
         assert!(!required, "MOELINK_REQUIRE_NVSHMEM=1 but NVSHMEM_HOME is not set");
         return None;
     };
-    let cuda = std::env::var_os("CUDA_HOME");
+    let cuda = std::env::var_os("MOELINK_TEST_CUDA_HOME").or_else(|| std::env::var_os("CUDA_HOME"));
     match NvshmemToolchain::locate(std::path::Path::new(&home), cuda.as_deref().map(std::path::Path::new)) {
         Ok(t) => Some(t),
         Err(e) => {

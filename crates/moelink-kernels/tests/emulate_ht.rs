@@ -5,8 +5,9 @@
 //! kernels like moelink's CUDA backend for R ranks in one process: layout, notify (CPU-sync and no-sync),
 //! dispatch, combine with biases (also with the timing trace on: every stamp present and ordered), cached
 //! dispatch, a second round in the same buffers (epochs, hand-back, changing row layouts), no-sync overflow,
-//! a buffer too small for the call, an invalid `topk_idx`, and a rank that never arrives (timeouts instead
-//! of hangs). Every output is compared with a reference; combine sums are checked bit for bit in the
+//! a buffer too small for the call, an invalid `topk_idx`, layout tensors that disagree (per-expert counts
+//! without tokens: notify's BAD_EXPERTS on every rank; a token kept from a rank its experts live on: the
+//! sender's `is_token_in_rank` report), and a rank that never arrives (timeouts instead of hangs). Every output is compared with a reference; combine sums are checked bit for bit in the
 //! documented order (the pairwise tree over ranks, `moelink::reduce`), which the 4- and 8-rank cases tell
 //! apart from an ascending-rank sum.
 //!

@@ -126,8 +126,12 @@ impl Buffer {
         if group.size() == 0 || rank >= group.size() {
             return Err(Error::invalid("group", rank, format!("rank {rank} of {} ranks", group.size())));
         }
-        if options.timeout_ms == 0 {
-            return Err(Error::invalid("timeout_ms", rank, "must be positive"));
+        if options.timeout_ms == 0 || options.timeout_ms > crate::config::MAX_TIMEOUT_MS {
+            return Err(Error::invalid(
+                "timeout_ms",
+                rank,
+                format!("{} ms: a deadline must be between 1 ms and {} ms (one day)", options.timeout_ms, crate::config::MAX_TIMEOUT_MS),
+            ));
         }
         // Which node each rank is on: given, or the launcher's layout (collective: every rank detects).
         let topology = match options.topology {

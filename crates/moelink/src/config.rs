@@ -121,6 +121,11 @@ impl BackendKind {
     }
 }
 
+/// The longest deadline a buffer takes (`BufferOptions::timeout_ms`): one day. The kernels count it in
+/// nanoseconds and the waits add it to the clock, so an unbounded value would overflow into a deadline that
+/// has already passed; nobody means a wait longer than a day.
+pub const MAX_TIMEOUT_MS: u64 = 24 * 60 * 60 * 1000;
+
 /// How to build a [`crate::Buffer`].
 #[derive(Clone, Debug)]
 pub struct BufferOptions {
@@ -130,7 +135,7 @@ pub struct BufferOptions {
     /// Bytes of the low-latency / RDMA buffer per rank.
     pub num_rdma_bytes: usize,
     pub low_latency_mode: bool,
-    /// Deadline of every wait inside a collective, in milliseconds.
+    /// Deadline of every wait inside a collective, in milliseconds: 1 to [`MAX_TIMEOUT_MS`].
     pub timeout_ms: u64,
     /// CUDA device ordinal; default: the group's local rank.
     pub device: Option<usize>,

@@ -120,9 +120,10 @@ impl Error {
         }
     }
 
-    /// True when the error means a collective broke and the buffer can no longer be trusted.
+    /// True when the error means a collective broke and the buffer can no longer be trusted: a timeout, a
+    /// group or CUDA failure, or ranks that called different operations (their calls went separate ways).
     pub fn poisons_buffer(&self) -> bool {
-        matches!(self, Error::Timeout { .. } | Error::Group { .. } | Error::Cuda(_))
+        matches!(self, Error::Timeout { .. } | Error::Group { .. } | Error::Cuda(_) | Error::RankMismatch { what: "operation", .. })
     }
 }
 

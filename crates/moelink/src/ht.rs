@@ -28,7 +28,9 @@ use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Location, TensorMut, TensorRef};
-use crate::validate::{check_at_most, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN, MAX_LOCAL_EXPERTS, MAX_ROWS, MAX_TOPK};
+use crate::validate::{
+    check_at_most, check_topk_columns, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN, MAX_LOCAL_EXPERTS, MAX_ROWS, MAX_TOPK,
+};
 
 /// FP8 scales cover this many channels each.
 pub const FP8_BLOCK: usize = 128;
@@ -337,7 +339,7 @@ pub(crate) fn validate_layout(topk_idx: &TensorRef<'_>, num_experts: usize, f: &
         .view(topk_idx)?;
     let (t, k) = (shape[0], shape[1]);
     check_at_most(t, MAX_ROWS, "topk_idx", r)?;
-    check_at_most(k, MAX_TOPK, "topk_idx", r)?;
+    check_topk_columns(k, "topk_idx", r)?;
     check_num_experts(num_experts, f)?;
     if let Some(idx) = read_i64_matrix(topk_idx) {
         check_topk_values(&idx, k, num_experts, "topk_idx", r)?;
@@ -438,7 +440,7 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
                         contiguous: true,
                     }
                     .view(&idx)?[1];
-                    check_at_most(k, MAX_TOPK, "topk_idx", r)?;
+                    check_topk_columns(k, "topk_idx", r)?;
                     Expect {
                         arg: "topk_weights",
                         rank: r,

@@ -22,6 +22,99 @@ pub struct RoutingLayout {
     pub is_token_in_rank: Vec<bool>,
 }
 
+/// The layout tensors a fresh dispatch is given, as host slices (row-major `is_token_in_rank [T * R]`).
+pub struct LayoutRef<'a> {
+    pub is_token_in_rank: &'a [bool],
+    pub num_tokens_per_rank: &'a [i32],
+    pub num_tokens_per_expert: &'a [i32],
+}
+
+/// Checks that a dispatch's layout tensors agree with each other and, when given (`topk_idx`, row-major
+/// `[num_tokens, topk]`, values already checked), with `topk_idx` — the layout [`dispatch_layout`] computes
+/// from it. Returns the first disagreement as (argument, reason):
+/// - `is_token_in_rank`: a token sent to a rank where it selects no expert, or not sent to a rank where it
+///   selects one (its received row would carry top-k ids that are all -1, or miss an expert);
+/// - `num_tokens_per_rank`: a count that is not the tokens `is_token_in_rank` sends there;
+/// - `num_tokens_per_expert`: a negative count; with `topk_idx`, a count that is not the tokens selecting the
+///   expert; without it, the experts of a rank counting tokens while no token goes to that rank, or fewer
+///   tokens than go there (each token sent to a rank selects at least one of its experts).
+///
+/// A grouped GEMM sizes its work by the per-expert counts, so a count that the rows do not back is refused
+/// rather than returned.
+pub fn check_layout(
+    l: &LayoutRef<'_>,
+    topk_idx: Option<&[i64]>,
+    num_tokens: usize,
+    topk: usize,
+    num_ranks: usize,
+) -> Result<(), (&'static str, String)> {
+    let num_experts = l.num_tokens_per_expert.len();
+    let per_rank_experts = num_experts / num_ranks.max(1);
+    if let Some(idx) = topk_idx.filter(|_| topk > 0 && per_rank_experts > 0) {
+        let mut selects = vec![false; num_ranks];
+        for t in 0..num_tokens {
+            selects.iter_mut().for_each(|v| *v = false);
+            for &e in idx[t * topk..(t + 1) * topk].iter().filter(|&&e| e >= 0) {
+                selects[rank_of_expert(e, num_experts, num_ranks)] = true;
+            }
+            for (r, &wanted) in selects.iter().enumerate() {
+                let sent = l.is_token_in_rank[t * num_ranks + r];
+                if sent != wanted {
+                    let why = if sent {
+                        format!("sends token {t} to rank {r}, where topk_idx selects none of its experts")
+                    } else {
+                        format!("does not send token {t} to rank {r}, where topk_idx selects one of its experts")
+                    };
+                    return Err(("is_token_in_rank", why));
+                }
+            }
+        }
+    }
+    for r in 0..num_ranks {
+        let sent = (0..num_tokens).filter(|&t| l.is_token_in_rank[t * num_ranks + r]).count();
+        if sent != l.num_tokens_per_rank[r] as usize || l.num_tokens_per_rank[r] < 0 {
+            return Err((
+                "num_tokens_per_rank",
+                format!("says {} tokens go to rank {r}, is_token_in_rank says {sent}", l.num_tokens_per_rank[r]),
+            ));
+        }
+    }
+    if let Some((e, c)) = l.num_tokens_per_expert.iter().enumerate().find(|(_, &c)| c < 0) {
+        return Err(("num_tokens_per_expert", format!("says {c} tokens go to expert {e}")));
+    }
+    match topk_idx.filter(|_| topk > 0) {
+        Some(idx) => {
+            let mut counted = vec![0i64; num_experts];
+            for &e in idx[..num_tokens * topk].iter().filter(|&&e| e >= 0) {
+                counted[e as usize] += 1;
+            }
+            if let Some(e) = (0..num_experts).find(|&e| counted[e] != l.num_tokens_per_expert[e] as i64) {
+                return Err((
+                    "num_tokens_per_expert",
+                    format!("says {} tokens go to expert {e}, topk_idx selects it for {}", l.num_tokens_per_expert[e], counted[e]),
+                ));
+            }
+        }
+        None => {
+            for r in 0..num_ranks {
+                let experts = &l.num_tokens_per_expert[r * per_rank_experts..(r + 1) * per_rank_experts];
+                let sum: i64 = experts.iter().map(|&c| c as i64).sum();
+                let sent = l.num_tokens_per_rank[r] as i64;
+                if (sent == 0) != (sum == 0) || sum < sent {
+                    return Err((
+                        "num_tokens_per_expert",
+                        format!(
+                            "says {sum} tokens go to the experts of rank {r}, but {sent} tokens go to that rank (num_tokens_per_rank, \
+                             is_token_in_rank); each token sent there selects at least one of them"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Rank that hosts global expert `expert`.
 #[inline]
 pub fn rank_of_expert(expert: i64, num_experts: usize, num_ranks: usize) -> usize {

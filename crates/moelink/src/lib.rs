@@ -62,7 +62,7 @@ pub use backend::LayoutOutputs;
 pub use buffer::{fresh, Buffer, CombineResult, DispatchLayout, DispatchResult, LlDispatchResult, RecvHook};
 #[doc(hidden)]
 pub use config::Tuning;
-pub use config::{BackendKind, BufferOptions, Config, KernelTracing};
+pub use config::{BackendKind, BufferOptions, Config, KernelTracing, MAX_TIMEOUT_MS};
 pub use dtype::{DType, Element, Fp8E4M3};
 pub use error::{Error, Phase, Result};
 pub use graph::{HtGraph, HtGraphSpec, LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};

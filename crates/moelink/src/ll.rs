@@ -26,7 +26,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ht::{BufferFacts, FP8_BLOCK};
 use crate::tensor::{Location, TensorMut, TensorRef};
-use crate::validate::{check_at_most, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN};
+use crate::validate::{check_at_most, check_topk_columns, check_topk_values, read_i64_matrix, Expect, MAX_HIDDEN};
 use moelink_kernels::ll::{LlLayout, LlLimits};
 
 /// UE8M0 scales pack this many 128-channel groups into one int32.
@@ -217,6 +217,7 @@ pub(crate) fn validate_ll_dispatch(a: &LlDispatchArgs<'_>, f: &BufferFacts) -> R
     let topk =
         Expect { arg: "topk_idx", rank: r, location: loc, dtypes: &[DType::I64], shape: &[Some(num_tokens), None], contiguous: true }
             .view(&a.topk_idx)?[1];
+    check_topk_columns(topk, "topk_idx", r)?;
     // The kernels' limits (tokens, top-k, experts x tokens in shared memory) hold for every backend, so the
     // host oracle accepts exactly what the GPUs do — and no size argument can ask for an absurd allocation.
     let limits = LlLimits { num_ranks: f.num_ranks, max_tokens: a.num_max_dispatch_tokens_per_rank, topk, num_experts: a.num_experts };
@@ -282,7 +283,8 @@ pub(crate) fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bo
     })?;
     let needed = if with_staging { layout.bytes } else { layout.bytes_without_staging };
     if needed > num_rdma_bytes {
-        let hint = LlLayout::bytes_hint(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).unwrap_or(needed).max(needed);
+        // The size the message names is the one the function it names returns.
+        let hint = crate::Buffer::ll_bytes_needed(s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts).max(needed);
         return Err(Error::BufferTooSmall {
             rank: s.rank,
             what: if with_staging {
@@ -293,8 +295,19 @@ pub(crate) fn checked_layout(num_rdma_bytes: usize, s: &LlSpec, with_staging: bo
             needed,
             available: num_rdma_bytes,
             hint: format!(
-                "create the Buffer with num_rdma_bytes >= Buffer::ll_bytes_needed({}, {}, {}, {}) = {hint}",
-                s.num_max_tokens, s.hidden, s.num_ranks, s.num_experts
+                "create the Buffer with num_rdma_bytes >= Buffer::ll_bytes_needed({}, {}, {}, {}) = {hint}{}",
+                s.num_max_tokens,
+                s.hidden,
+                s.num_ranks,
+                s.num_experts,
+                if hint > needed {
+                    format!(
+                        ", which is more than this call's {needed} because it also holds the zero-copy combine buffer and \
+                         the layout across nodes, so that every low-latency call of this shape fits"
+                    )
+                } else {
+                    String::new()
+                }
             ),
         });
     }

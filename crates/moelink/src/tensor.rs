@@ -111,8 +111,12 @@ impl Layout {
             self.shape().iter().product()
         }
     }
-    /// True when elements are densely packed in row-major order (size-1 dims may have any stride).
+    /// True when elements are densely packed in row-major order (size-1 dims may have any stride). A tensor
+    /// without elements is contiguous whatever its strides, as torch says: there is nothing to lay out.
     pub fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
         let mut expect: isize = 1;
         for i in (0..self.ndim()).rev() {
             if self.shape[i] != 1 && self.strides[i] != expect {

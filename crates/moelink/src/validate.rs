@@ -22,6 +22,15 @@ pub(crate) fn check_at_most(value: usize, max: usize, arg: &'static str, rank: u
     Ok(())
 }
 
+/// Rejects a `topk_idx` without columns: every token needs at least one top-k slot (`-1` where it selects no
+/// expert), so `[T, 0]` is a malformed routing rather than one that sends nothing.
+pub(crate) fn check_topk_columns(topk: usize, arg: &'static str, rank: usize) -> Result<()> {
+    if topk == 0 {
+        return Err(Error::invalid(arg, rank, "has 0 columns: each token needs at least one top-k slot (-1 where it selects no expert)"));
+    }
+    check_at_most(topk, MAX_TOPK, arg, rank)
+}
+
 /// What a tensor argument must look like.
 pub(crate) struct Expect<'s> {
     pub arg: &'static str,

@@ -105,6 +105,11 @@ backend_tests! {
                     Some(e) => {
                         assert!(!fits, "{num_rdma_bytes} bytes must fit: {e}");
                         assert_too_small(&e, "low-latency region (num_rdma_bytes)", layout.bytes_without_staging, num_rdma_bytes, "ll_bytes_needed(16, 256, 2, 4)");
+                        // The two byte counts of the message are told apart: the call's own need, and the size that
+                        // holds every low-latency call of the shape.
+                        let hint = Buffer::ll_bytes_needed(t_max, H, R, E);
+                        let text = e.to_string();
+                        assert!(text.contains(&format!("= {hint}, which is more than this call's {}", layout.bytes_without_staging)), "{text}");
                     }
                 }
                 assert!(usable);

@@ -189,3 +189,45 @@ fn a_rank_that_raised_on_its_own_input_and_went_on_is_a_timeout_naming_it_at_2_a
         }
     }
 }
+
+/// Ranks that call different operations (the last rank a low-latency dispatch, the others a high-throughput
+/// one) learn it at their first exchange: a `RankMismatch` on `operation` naming both phases, at once rather
+/// than after the deadline, and the buffers are poisoned (the ranks' calls went separate ways).
+#[test]
+fn ranks_calling_different_operations_are_told_so_at_once() {
+    for ranks in [2, 4] {
+        let odd = ranks - 1;
+        let groups = ThreadGroup::new(ranks);
+        let seen: Vec<(Error, Duration, bool)> = std::thread::scope(|s| {
+            let hs: Vec<_> = groups
+                .into_iter()
+                .map(|g| {
+                    s.spawn(move || -> Result<(Error, Duration, bool)> {
+                        let me = g.rank();
+                        let mut buf = Buffer::new(Arc::new(g), options())?;
+                        let inp = inputs(me, ranks)?;
+                        call(&mut buf, Op::Dispatch, &inp, false)?;
+                        let op = if me == odd { Op::LowLatencyDispatch } else { Op::Dispatch };
+                        let t0 = Instant::now();
+                        let err = call(&mut buf, op, &inp, false).expect_err("the ranks disagree on the operation");
+                        Ok((err, t0.elapsed(), buf.poisoned().is_some()))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("no panic").expect("no setup error")).collect()
+        });
+        for (rank, (err, elapsed, poisoned)) in seen.iter().enumerate() {
+            let expected_peer = if rank == odd { 0 } else { odd };
+            match err {
+                Error::RankMismatch { what, rank: r, peer, ours, theirs } => {
+                    assert_eq!((*what, *r, *peer), ("operation", rank, expected_peer), "{err}");
+                    let (mine, other) = if rank == odd { ("low-latency dispatch", "notify") } else { ("notify", "low-latency dispatch") };
+                    assert!(ours.starts_with(mine) && theirs.starts_with(other), "{err}");
+                }
+                other => panic!("{ranks} ranks, rank {rank}: expected a RankMismatch on the operation, got {other}"),
+            }
+            assert!(*elapsed < Duration::from_millis(DEADLINE_MS / 2), "{ranks} ranks, rank {rank}: took {elapsed:?}");
+            assert!(*poisoned, "rank {rank}: the buffer must be poisoned");
+        }
+    }
+}

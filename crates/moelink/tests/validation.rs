@@ -448,3 +448,111 @@ fn sizes_the_machine_cannot_hold_are_errors_naming_the_argument() {
     assert_eq!(e.argument(), Some("num_worst_tokens"), "{e}");
     assert!(e.to_string().contains(&format!("{} bytes", i32::MAX as usize * 7168 * 2)), "{e}");
 }
+
+/// The three layouts of issue 28 that used to come back as silently wrong metadata, on 2 ranks. Rank 0 passes
+/// the bad layout; rank 1 passes its own, correct one. Rank 0's error names the argument and rank 0; rank 1
+/// learns that rank 0's argument was invalid; both buffers stay usable.
+#[test]
+fn layouts_that_disagree_with_topk_idx_or_each_other_are_refused() {
+    #[derive(Clone, Copy, Debug)]
+    enum Bad {
+        /// `num_tokens_per_expert` off by 5 for one expert.
+        ExpertCountOff,
+        /// `is_token_in_rank` (and `num_tokens_per_rank` with it) from another routing than `topk_idx`.
+        InRankFromOtherRouting,
+        /// `is_token_in_rank` all false, `num_tokens_per_rank` zero, `num_tokens_per_expert` as computed.
+        NothingSentButExpertsCounted,
+    }
+    for (bad, with_topk, arg) in [
+        (Bad::ExpertCountOff, true, "num_tokens_per_expert"),
+        (Bad::InRankFromOtherRouting, true, "is_token_in_rank"),
+        (Bad::NothingSentButExpertsCounted, true, "is_token_in_rank"),
+        (Bad::NothingSentButExpertsCounted, false, "num_tokens_per_expert"),
+    ] {
+        let out = run_ranks(2, |g| {
+            let me = moelink::Group::rank(&g);
+            let mut b = host_buffer(g)?;
+            let (t, e) = (8usize, 4usize);
+            let x = x_bf16(t, 128);
+            let idx = topk(
+                t,
+                (0..2 * t as i64)
+                    .map(|i| (i + me as i64) % e as i64)
+                    .collect::<Vec<_>>()
+                    .chunks(2)
+                    .flat_map(|p| [p[0], (p[0] + 1) % 4])
+                    .collect(),
+            );
+            let other = topk(t, (0..t).flat_map(|_| [0i64, 1]).collect());
+            let w = Tensor::from_vec(vec![0.5f32; 2 * t], &[t, 2])?;
+            let good = b.get_dispatch_layout(idx.view(), e)?;
+            let from_other = b.get_dispatch_layout(other.view(), e)?;
+            let mut per_expert: Vec<i32> = (0..e).map(|i| good.num_tokens_per_expert.view().get::<i32>(&[i]).unwrap_or(0)).collect();
+            let zeros_rank = Tensor::from_vec(vec![0i32; 2], &[2])?;
+            let no_rank = Tensor::from_bools(&vec![false; 2 * t], &[t, 2])?;
+            let mut l = good.as_ref();
+            if me == 0 {
+                match bad {
+                    Bad::ExpertCountOff => per_expert[1] += 5,
+                    Bad::InRankFromOtherRouting => {
+                        l.is_token_in_rank = from_other.is_token_in_rank.view();
+                        l.num_tokens_per_rank = from_other.num_tokens_per_rank.view();
+                    }
+                    Bad::NothingSentButExpertsCounted => {
+                        l.is_token_in_rank = no_rank.view();
+                        l.num_tokens_per_rank = zeros_rank.view();
+                    }
+                }
+            }
+            let per_expert = Tensor::from_vec(per_expert, &[e])?;
+            l.num_tokens_per_expert = per_expert.view();
+            let routing = if with_topk {
+                Routing::Fresh { layout: l, topk_idx: Some(idx.view()), topk_weights: Some(w.view()) }
+            } else {
+                Routing::Fresh { layout: l, topk_idx: None, topk_weights: None }
+            };
+            let args = DispatchArgs { x: Payload::Bf16(x.view()), routing, expert_alignment: 1, num_worst_tokens: 0, config: None };
+            let err = b.dispatch(&args).err();
+            // The buffer stays usable: the same call with the good layout goes through on both ranks.
+            let good_args = DispatchArgs {
+                routing: Routing::Fresh { layout: good.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+                ..args
+            };
+            let again = b.dispatch(&good_args).map(|d| d.num_recv_tokens_per_expert.iter().sum::<usize>());
+            Ok((err, again))
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let (err, again) = r.unwrap_or_else(|e| panic!("{bad:?}: rank {rank}: {e}"));
+            let err = err.unwrap_or_else(|| panic!("{bad:?} (top-k {with_topk}): rank {rank} accepted the layout"));
+            assert_eq!(err.argument(), Some(arg), "{bad:?} (top-k {with_topk}): {err}");
+            let msg = err.to_string();
+            assert!(msg.contains(&format!("on rank {rank}")), "{msg}");
+            if rank == 1 {
+                assert!(msg.contains("rank 0 passed an invalid"), "{msg}");
+            }
+            assert!(again.is_ok_and(|n| n > 0), "{bad:?}: rank {rank}: the buffer must stay usable");
+        }
+    }
+}
+
+/// A `topk_idx` without columns (`[16, 0]`, with the strides torch gives it) is refused for what it is, not
+/// as a contiguity problem: an empty tensor is contiguous.
+#[test]
+fn topk_idx_without_columns_is_refused_as_such() {
+    let none: [i64; 0] = [];
+    let empty = TensorRef::from_slice_strided(&none, &[16, 0], &[1, 1]).unwrap();
+    assert!(empty.is_contiguous());
+    for e in [
+        err_of(|b| b.get_dispatch_layout(unsafe_leak_ref(empty), 4).map(|_| ())),
+        dispatch_with(|a, _| {
+            if let Routing::Fresh { topk_idx, .. } = &mut a.routing {
+                *topk_idx = Some(unsafe_leak_ref(TensorRef::from_slice_strided(&none, &[2, 0], &[1, 1])?));
+            }
+            Ok(())
+        }),
+    ] {
+        let msg = e.to_string();
+        assert!(msg.contains("0 columns"), "{msg}");
+        assert_arg(e, "topk_idx");
+    }
+}

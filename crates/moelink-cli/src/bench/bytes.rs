@@ -220,6 +220,9 @@ fn routing(a: &BytesArgs, topology: &Topology, tokens: usize) -> Vec<Vec<i64>> {
 
 /// Runs `moelink bench bytes`.
 pub fn run(a: &BytesArgs) -> Result<(), CliError> {
+    if let Some(path) = &a.json {
+        record::check_output("--json", path, None).map_err(CliError)?;
+    }
     if a.topk == 0 || a.hidden == 0 || a.max_nodes == 0 || a.nic_gbps <= 0.0 {
         return Err(CliError("--topk, --hidden, --max-nodes and --nic-gbps must be positive".into()));
     }

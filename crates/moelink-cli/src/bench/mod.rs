@@ -33,7 +33,6 @@ pub mod plot;
 mod process;
 pub mod transport;
 
-use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -178,8 +177,9 @@ pub struct BenchArgs {
     /// Routing, comma-separated: uniform (scores |randn|+1, top-k) and/or skewed.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "uniform")]
     pub routing: Vec<RoutingKind>,
-    /// SMs for HT kernels, comma-separated for a sweep (default: the backend's default).
-    #[arg(long = "num-sms", value_delimiter = ',')]
+    /// SMs for HT kernels, comma-separated for a sweep: even, 2 to 1024 (default: the backend's default;
+    /// the host backend runs on CPU threads and ignores it).
+    #[arg(long = "num-sms", value_delimiter = ',', value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=1024))]
     pub num_sms: Vec<usize>,
     /// The standard curves in one run, DeepEP's shapes first: HT (bf16 + FP8 dispatch, combine) at 4096 tokens
     /// and 24 SMs with uniform and skewed routing, an SM sweep 8,16,24,32,48,64 at 4096 tokens, a token sweep
@@ -219,8 +219,8 @@ pub struct BenchArgs {
     /// `--transport nvshmem` (one NVSHMEM PE per process).
     #[arg(long)]
     pub process: bool,
-    /// Seconds a rank waits for the others in a collective before giving up.
-    #[arg(long, default_value_t = 120)]
+    /// Seconds a rank waits for the others in a collective before giving up (1 to 86400: a day).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub timeout_s: u64,
     /// LL: also time receive-hook mode, the send phase and the receive phase apart (records get
     /// `send_us` and `recv_us`).
@@ -940,6 +940,17 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
     let p = plan(a, group.as_ref().map(|g| g.size()))?;
     // In process mode every rank measures; rank 0 alone reports.
     let quiet = group.as_ref().is_some_and(|g| g.rank() != 0);
+    // Where the results go is checked before anything is measured: a bad path must not cost the run.
+    if let Some(path) = a.json.as_ref().filter(|_| !quiet) {
+        record::check_output("--json", path, None).map_err(CliError)?;
+    }
+    let mut plot_with = Vec::new();
+    if let Some(path) = a.plot.as_ref().filter(|_| !quiet) {
+        record::check_output("--plot", path, Some("png")).map_err(CliError)?;
+        for extra in &a.plot_with {
+            plot_with.push(plot::other_run(extra, record::read_json(extra).map_err(|e| CliError(format!("--plot-with {e}")))?));
+        }
+    }
     if let Some((topology, rdma)) = &p.internode {
         base.topology = Some(*topology);
         base.rdma = rdma.clone();
@@ -1031,19 +1042,13 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         return Ok(());
     }
 
-    println!("{}", render(&records));
+    println!("{}", render(&records, p.backend));
     if let Some(path) = &a.json {
         println!("wrote {} records to {}", records.len(), path.display());
     }
-    println!("{}", render_summary(&records, &p));
-    if p.internode.is_some() {
-        println!("{}", render_paths(&records));
-    }
     if let Some(path) = &a.plot {
         let mut all = records.clone();
-        for extra in &a.plot_with {
-            all.extend(plot::other_run(extra, record::read_json(extra).map_err(CliError)?));
-        }
+        all.extend(plot_with.into_iter().flatten());
         plot::draw(path, &all, a.plot_metric).map_err(CliError)?;
         println!("wrote the plot to {}", path.display());
     }
@@ -1107,7 +1112,7 @@ fn header(p: &Plan, f: &RunFacts, nvl: usize, rdma: usize) -> String {
     };
     format!(
         "moelink bench | backend: {backend}{nodes}{shared}\n  ranks {} | reps {} (+{} warm-up) | {} batches | buffers: HT {} MiB, LL {} MiB | commit {} | {}\n  \
-         timer: {}\n  time = median over reps of the slowest rank (per rep the max over ranks)",
+         timer: {}",
         p.ranks,
         p.reps,
         p.warmup,
@@ -1260,243 +1265,156 @@ fn summarize(
         .collect()
 }
 
-/// Across nodes: what each record's call sends over each path per rank (the byte model), and the time the
-/// busiest rank's RDMA bytes would take on one 400 Gb/s NIC.
-fn render_paths(records: &[Record]) -> String {
-    let mut t = Table::new(
-        &[
-            "mode",
-            "op",
-            "dtype",
-            "tokens",
-            "routing",
-            "nodes",
-            "transport",
-            "RDMA KB/rank",
-            "max",
-            "NVLink KB/rank",
-            "400G floor µs",
-            "measured µs",
-            "RDMA GB/s",
-            "NVL GB/s",
-        ],
-        &[false, false, false, true, false, false, false, true, true, true, true, true, true, true],
-    );
-    for r in records {
-        let f = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
-        let kb = |k: &str| f(k).map_or("-".to_string(), |b| format!("{:.1}", b / 1e3));
-        let gbps = |k: &str| f(k).map_or("-".to_string(), |v| format!("{v:.1}"));
-        t.row(vec![
-            r.mode.clone(),
-            r.op.clone(),
-            r.dtype.clone().unwrap_or_else(|| "-".into()),
-            r.tokens.map_or("-".into(), |n| n.to_string()),
-            r.routing.clone().unwrap_or_else(|| "-".into()),
-            format!("{}x{}", r.nodes.unwrap_or(1), r.ranks_per_node.unwrap_or(r.ranks)),
-            r.transport.clone().unwrap_or_else(|| "-".into()),
-            kb("rdma_bytes"),
-            kb("rdma_bytes_max"),
-            kb("nvlink_bytes"),
-            f("rdma_floor_us_400g").map_or("-".into(), |v| format!("{v:.1}")),
-            r.time_us.map_or("-".into(), |v| format!("{v:.1}")),
-            gbps("rdma_gbps"),
-            gbps("nvl_gbps"),
-        ]);
-    }
-    format!(
-        "bytes per rank across nodes (byte model, docs/internode.md; HT as DeepEP's internode test counts them, LL per \
-         destination rank; meta blocks not counted). Ranks sharing one GPU or the emulated NIC measure no network: \
-         these GB/s are not NIC or NVLink figures:\n{}",
-        t.render()
-    )
+/// One column of the bench's table: a title, whether it is numeric (right-aligned), each record's cell, and
+/// what its unit means (printed under the table when the column is shown).
+struct Column {
+    title: &'static str,
+    numeric: bool,
+    cells: Vec<String>,
+    legend: Option<&'static str>,
 }
 
-fn render(records: &[Record]) -> String {
-    let mut t = Table::new(
-        &[
-            "mode",
-            "op",
-            "dtype",
-            "ranks",
-            "tokens",
-            "hidden",
-            "topk",
-            "experts",
-            "routing",
-            "SMs",
-            "time µs",
-            "min-max µs",
+/// The bench's one table: a row per measurement. Columns whose value is the same in every row (ranks, shape,
+/// routing) move into a line above it; columns only some runs fill (cached dispatch, receive hook, kernel
+/// spans, SMs on the GPU) appear when a row has them. Under the table, what each unit is.
+fn render(records: &[Record], backend: BackendKind) -> String {
+    let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
+    let measured = |r: &Record| matches!(r.status, Status::Ok | Status::Incorrect);
+    let extra = |r: &Record, k: &str| r.extra.get(k).and_then(|v| v.as_f64());
+    let col =
+        |title, numeric, legend, f: &dyn Fn(&Record) -> String| Column { title, numeric, legend, cells: records.iter().map(f).collect() };
+    // Identity columns: always mode/op/dtype; the others fold into the line above the table when constant.
+    let mut lead = vec![
+        col("mode", false, None, &|r| r.mode.clone()),
+        col("op", false, None, &|r| r.op.clone()),
+        col("dtype", false, None, &|r| r.dtype.clone().unwrap_or_else(|| "-".into())),
+    ];
+    let mut foldable = vec![
+        col("ranks", true, None, &|r| r.ranks.to_string()),
+        col("tokens", true, None, &|r| opt(r.tokens)),
+        col("hidden", true, None, &|r| opt(r.hidden)),
+        col("topk", true, None, &|r| opt(r.topk)),
+        col("experts", true, None, &|r| opt(r.experts)),
+        col("routing", false, None, &|r| r.routing.clone().unwrap_or_else(|| "-".into())),
+    ];
+    // Across nodes: the topology and the transport between nodes.
+    if records.iter().any(|r| r.nodes.is_some()) {
+        foldable.push(col("nodes", false, None, &|r| format!("{}x{}", r.nodes.unwrap_or(1), r.ranks_per_node.unwrap_or(r.ranks))));
+        foldable.push(col("transport", false, None, &|r| r.transport.clone().unwrap_or_else(|| "-".into())));
+    }
+    // SMs only mean something for the GPU's kernels; the host backend runs on CPU threads.
+    if backend == BackendKind::Cuda {
+        foldable.push(col("SMs", true, Some("SMs: the blocks the high-throughput kernels ran on (one per SM)"), &|r| opt(r.num_sms)));
+    }
+    let mut same = Vec::new();
+    for c in foldable {
+        match c.cells.first() {
+            Some(first) if records.len() > 1 && c.cells.iter().all(|v| v == first) => same.push(format!("{} {first}", c.title)),
+            _ => lead.push(c),
+        }
+    }
+    let time = |r: &Record, v: Option<f64>| if measured(r) { v.map_or("-".into(), num) } else { String::new() };
+    let pair = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{}+{}", num(a), num(b)),
+        _ => "-".into(),
+    };
+    let mut body = vec![
+        col("time µs", true, Some("time µs: the median over repetitions of the slowest rank (per repetition the largest time of any rank)"), &|r| {
+            time(r, r.time_us)
+        }),
+        col("min-max µs", true, Some("min-max µs: the fastest and the slowest repetition (slowest rank each)"), &|r| {
+            match (extra(r, "time_us_min"), extra(r, "time_us_max")) {
+                (Some(lo), Some(hi)) if measured(r) => format!("{}-{}", num(lo), num(hi)),
+                _ => "-".into(),
+            }
+        }),
+        col(
             "logical GB/s",
+            true,
+            Some("logical GB/s: the bytes of the rows a rank receives, its own rows included (DeepEP's accounting), per rank, over time µs"),
+            &|r| time(r, r.logical_gbps),
+        ),
+        col(
             "wire GB/s",
-            "correct",
-        ],
-        &[false, false, false, true, true, true, true, true, false, true, true, true, true, true, false],
-    );
-    let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
-    for r in records {
-        let lead = vec![
-            r.mode.clone(),
-            r.op.clone(),
-            r.dtype.clone().unwrap_or_else(|| "-".into()),
-            r.ranks.to_string(),
-            opt(r.tokens),
-            opt(r.hidden),
-            opt(r.topk),
-            opt(r.experts),
-            r.routing.clone().unwrap_or_else(|| "-".into()),
-            opt(r.num_sms),
-        ];
-        match r.status {
-            Status::Unavailable => t.note(lead, format!("unavailable: {}", r.error.as_deref().unwrap_or("?"))),
-            Status::Error => t.note(lead, format!("error: {}", r.error.as_deref().unwrap_or("?"))),
-            Status::Ok | Status::Incorrect => {
-                let extra = |k: &str| r.extra.get(k).and_then(|v| v.as_f64());
-                let mut cells = lead;
-                cells.push(r.time_us.map_or("-".into(), num));
-                cells.push(match (extra("time_us_min"), extra("time_us_max")) {
-                    (Some(lo), Some(hi)) => format!("{}-{}", num(lo), num(hi)),
-                    _ => "-".into(),
-                });
-                cells.push(r.logical_gbps.map_or("-".into(), num));
-                cells.push(r.wire_gbps.map_or("-".into(), num));
-                cells.push(if r.correct == Some(true) { "yes".into() } else { format!("NO: {}", r.error.as_deref().unwrap_or("?")) });
-                t.row(cells);
-            }
-        }
-    }
-    t.render()
-}
-
-/// The short table printed last: one row per (mode, routing, shape, SMs), the dispatch and combine times
-/// side by side (µs, logical GB/s), receive-hook splits, and whether everything in the row was correct.
-fn render_summary(records: &[Record], p: &Plan) -> String {
-    type Key = (String, String, Option<usize>, Option<usize>, Option<usize>, Option<usize>, Option<usize>);
-    let key =
-        |r: &Record| -> Key { (r.mode.clone(), r.routing.clone().unwrap_or_default(), r.tokens, r.hidden, r.topk, r.experts, r.num_sms) };
-    let mut order: Vec<Key> = Vec::new();
-    let mut rows: HashMap<Key, Vec<&Record>> = HashMap::new();
-    for r in records {
-        let k = key(r);
-        if !rows.contains_key(&k) {
-            order.push(k.clone());
-        }
-        rows.entry(k).or_default().push(r);
-    }
-    let mut t = Table::new(
-        &[
-            "mode",
-            "routing",
-            "tokens",
-            "hidden",
-            "top-k/E",
-            "SMs",
-            "bf16 disp µs",
-            "GB/s",
-            "fp8 disp µs",
-            "GB/s",
-            "combine µs",
-            "GB/s",
-            "cached disp µs (bf16; fp8)",
-            "hook send+recv µs (disp; comb)",
-            "kernel µs (disp; comb)",
-            "back-to-back kernel µs (disp+comb)",
-            "ok",
-        ],
-        &[false, false, true, true, true, true, true, true, true, true, true, true, false, false, false, false, false],
-    );
-    let opt = |v: Option<usize>| v.map_or("-".to_string(), |n| n.to_string());
-    for k in &order {
-        let recs = &rows[k];
-        let find = |op: &str, dtype: &str| recs.iter().find(|r| r.op == op && r.dtype.as_deref() == Some(dtype)).copied();
-        let time = |r: Option<&Record>| match r {
-            None => ("".to_string(), "".to_string()),
-            Some(r) if matches!(r.status, Status::Ok | Status::Incorrect) => {
-                (r.time_us.map_or("-".into(), num), r.logical_gbps.map_or("-".into(), num))
-            }
-            Some(r) => (if r.status == Status::Unavailable { "n/a" } else { "error" }.to_string(), "".to_string()),
-        };
-        let hook = |r: Option<&Record>| {
-            let f = |k: &str| r.and_then(|r| r.extra.get(k)).and_then(|v| v.as_f64());
-            match (f("send_us"), f("recv_us")) {
-                (Some(s), Some(v)) => format!("{}+{}", num(s), num(v)),
+            true,
+            Some("wire GB/s: the same without the rows a rank sends to itself, i.e. the bytes that cross between ranks (NVLink on a GPU node)"),
+            &|r| time(r, r.wire_gbps),
+        ),
+        col("cached µs", true, Some("cached µs: the same dispatch again with the first one's handle (no count exchange, no top-k), as DeepEP's benchmark times"), &|r| {
+            extra(r, "cached_us").map_or("-".into(), num)
+        }),
+        col("send+recv µs", true, Some("send+recv µs: receive-hook mode (--hook), the send phase and the receive phase timed apart"), &|r| {
+            pair(extra(r, "send_us"), extra(r, "recv_us"))
+        }),
+        col("kernel µs", true, Some("kernel µs: the kernel's own span from its trace (--ll-trace), without the launch"), &|r| {
+            extra(r, "kernel_us").map_or("-".into(), num)
+        }),
+        col(
+            "back-to-back µs",
+            true,
+            Some("back-to-back µs: dispatch+combine kernel spans replayed back to back with no barrier between calls (--ll-trace), as DeepEP times"),
+            &|r| pair(extra(r, "loop_dispatch_kernel_us"), extra(r, "loop_combine_kernel_us")),
+        ),
+        col(
+            "RDMA KB/rank",
+            true,
+            Some(
+                "RDMA KB/rank (max), NVLink KB/rank: across nodes, the bytes a call sends per rank over each path by the byte model \
+                 of docs/internode.md (HT as DeepEP's internode test counts them, LL per destination rank; meta blocks not \
+                 counted), the mean over ranks and the busiest rank's",
+            ),
+            &|r| match (extra(r, "rdma_bytes"), extra(r, "rdma_bytes_max")) {
+                (Some(mean), Some(max)) => format!("{:.1} ({:.1})", mean / 1e3, max / 1e3),
                 _ => "-".into(),
-            }
-        };
-        let (bd, bg) = time(find("dispatch", "bf16"));
-        let (fd, fg) = time(find("dispatch", "fp8"));
-        let comb = find("combine", "bf16");
-        let (cd, cg) = time(comb);
-        let disp = find("dispatch", "fp8").or(find("dispatch", "bf16"));
-        let hooks = if k.0 == "ll" { format!("{}; {}", hook(disp), hook(comb)) } else { String::new() };
-        // LL kernel spans from the trace (MOELINK_LL_TRACE=1): fused call, and hook send+recv when timed.
-        let kernel = |r: Option<&Record>| {
-            let f = |k: &str| r.and_then(|r| r.extra.get(k)).and_then(|v| v.as_f64());
-            match (f("kernel_us"), f("send_kernel_us"), f("recv_kernel_us")) {
-                (Some(k), Some(s), Some(v)) => format!("{} ({}+{})", num(k), num(s), num(v)),
-                (Some(k), _, _) => num(k),
-                _ => "-".into(),
-            }
-        };
-        let kernels = if k.0 == "ll" { format!("{}; {}", kernel(disp), kernel(comb)) } else { String::new() };
-        let back_to_back = {
-            let f = |k: &str| comb.and_then(|r| r.extra.get(k)).and_then(|v| v.as_f64());
-            match (f("loop_dispatch_kernel_us"), f("loop_combine_kernel_us")) {
-                (Some(d), Some(c)) => format!("{}+{}", num(d), num(c)),
+            },
+        ),
+        col("NVLink KB/rank", true, None, &|r| extra(r, "nvlink_bytes").map_or("-".into(), |b| format!("{:.1}", b / 1e3))),
+        col(
+            "400G floor µs",
+            true,
+            Some("400G floor µs: the time the busiest rank's RDMA bytes take on one 400 Gb/s NIC (50 GB/s)"),
+            &|r| extra(r, "rdma_floor_us_400g").map_or("-".into(), |v| format!("{v:.1}")),
+        ),
+        col(
+            "RDMA GB/s",
+            true,
+            Some(
+                "RDMA GB/s, NVL GB/s: those bytes over time µs (DeepEP's figures); ranks sharing one GPU or the emulated NIC \
+                 cross no network, so these are not NIC or NVLink figures",
+            ),
+            &|r| time(r, extra(r, "rdma_gbps")),
+        ),
+        col("NVL GB/s", true, None, &|r| time(r, extra(r, "nvl_gbps"))),
+        col("correct", false, Some("correct: checked bit for bit against the expected results before timing (on CUDA also against the host backend)"), &|r| {
+            match r.status {
+                Status::Ok => "yes".into(),
+                Status::Incorrect => format!("NO: {}", r.error.as_deref().unwrap_or("?")),
                 _ => String::new(),
             }
-        };
-        let cached_of = |r: Option<&Record>| r.and_then(|r| r.extra.get("cached_us")).and_then(|v| v.as_f64()).map_or("-".to_string(), num);
-        let cached = if k.0 == "ht" {
-            format!("{}; {}", cached_of(find("dispatch", "bf16")), cached_of(find("dispatch", "fp8")))
-        } else {
-            String::new()
-        };
-        let bad: Vec<&&Record> = recs.iter().filter(|r| r.status != Status::Ok).collect();
-        let ok = match bad.first() {
-            None => "yes".to_string(),
-            Some(r) => {
-                format!("{} {} {}: {}", r.op, r.dtype.as_deref().unwrap_or("-"), status_name(r.status), r.error.as_deref().unwrap_or("?"))
-            }
-        };
-        t.row(vec![
-            k.0.clone(),
-            k.1.clone(),
-            opt(k.2),
-            opt(k.3),
-            format!("{}/{}", opt(k.4), opt(k.5)),
-            opt(k.6),
-            bd,
-            bg,
-            fd,
-            fg,
-            cd,
-            cg,
-            cached,
-            hooks,
-            kernels,
-            back_to_back,
-            ok,
-        ]);
+        }),
+    ];
+    // Optional measurements appear only when some row has them.
+    body.retain(|c| c.cells.iter().any(|v| v != "-" && !v.is_empty()) || matches!(c.title, "time µs" | "correct"));
+    let titles: Vec<&str> = lead.iter().chain(&body).map(|c| c.title).collect();
+    let numeric: Vec<bool> = lead.iter().chain(&body).map(|c| c.numeric).collect();
+    let mut t = Table::new(&titles, &numeric);
+    for (i, r) in records.iter().enumerate() {
+        let head: Vec<String> = lead.iter().map(|c| c.cells[i].clone()).collect();
+        match r.status {
+            Status::Unavailable => t.note(head, format!("unavailable: {}", r.error.as_deref().unwrap_or("?"))),
+            Status::Error => t.note(head, format!("error: {}", r.error.as_deref().unwrap_or("?"))),
+            Status::Ok | Status::Incorrect => t.row(head.into_iter().chain(body.iter().map(|c| c.cells[i].clone())).collect()),
+        }
     }
-    let timer = match p.backend {
-        BackendKind::Cuda => "CUDA events (HT per call, LL per graph replay)",
-        _ => "wall clock (host backend: the CPU reference, not GPU performance)",
-    };
-    format!(
-        "summary: {} ranks, time = median over {} reps of the slowest rank, {timer}; GB/s = logical (DeepEP's accounting)\n{}",
-        p.ranks,
-        p.reps,
-        t.render()
-    )
-}
-
-fn status_name(s: Status) -> &'static str {
-    match s {
-        Status::Ok => "ok",
-        Status::Incorrect => "INCORRECT",
-        Status::Unavailable => "unavailable",
-        Status::Error => "error",
+    let mut out = String::new();
+    if !same.is_empty() {
+        out += &format!("every row: {}\n", same.join(", "));
     }
+    out += &t.render();
+    for legend in lead.iter().chain(&body).filter_map(|c| c.legend) {
+        out += &format!("  {legend}\n");
+    }
+    out
 }
 
 #[cfg(test)]

@@ -55,8 +55,8 @@ pub struct NvlinkArgs {
     /// Write one JSON record per measurement to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-    /// Seconds a rank waits for the others before giving up.
-    #[arg(long, default_value_t = 120)]
+    /// Seconds a rank waits for the others before giving up (1 to 86400: a day).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub timeout_s: u64,
 }
 
@@ -64,6 +64,9 @@ type RankResult = (moelink::Result<Vec<CopyBandwidth>>, moelink::Result<f64>);
 
 /// Runs `moelink bench nvlink`.
 pub fn run(a: &NvlinkArgs) -> Result<(), CliError> {
+    if let Some(path) = &a.json {
+        record::check_output("--json", path, None).map_err(CliError)?;
+    }
     let info = sys::cuda_info();
     let gpus = info.as_ref().map(|i| i.devices.len()).unwrap_or(0);
     // Without a GPU the diagnostics only report that they are unavailable; two ranks make that report

@@ -442,6 +442,17 @@ const GRID: RGBColor = RGBColor(222, 222, 222);
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
+/// The plotting backend's errors print as Rust debug text (`ImageError(Unsupported(...))`,
+/// `IOError(Os { .., message: "..." })`): the operating system's message when there is one, else the text
+/// without its type names.
+fn readable(text: &str) -> String {
+    if let Some(at) = text.find("message: \"") {
+        let rest = &text[at + 10..];
+        return rest.split('"').next().unwrap_or(rest).to_string();
+    }
+    text.replace(['(', ')', '{', '}'], " ").split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 fn plot_err(e: impl std::fmt::Display) -> String {
     format!("plot: {e}")
 }
@@ -469,7 +480,7 @@ pub fn draw(path: &Path, records: &[Record], metric: Metric) -> Result<(), Strin
     for (panel, area) in panels.iter().zip(&areas) {
         draw_panel(&root, area, &pen, panel, metric).map_err(plot_err)?;
     }
-    root.present().map_err(|e| format!("plot: cannot write {}: {e}", path.display()))
+    root.present().map_err(|e| format!("--plot {}: cannot write it: {}", path.display(), readable(&e.to_string())))
 }
 
 /// Axis ticks from 0: a step of 1, 2, 2.5 or 5 times a power of ten giving the number of intervals nearest

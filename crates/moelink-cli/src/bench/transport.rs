@@ -124,8 +124,8 @@ pub struct TransportArgs {
     /// Write one JSON record per measurement to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-    /// Seconds a rank waits for the others before giving up.
-    #[arg(long, default_value_t = 120)]
+    /// Seconds a rank waits for the others before giving up (1 to 86400: a day).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub timeout_s: u64,
 }
 
@@ -202,6 +202,9 @@ fn run_rank(g: &dyn Group, device: usize, a: &TransportArgs, rdma: &RdmaOptions)
 
 /// Runs `moelink bench transport`.
 pub fn run(a: &TransportArgs) -> Result<(), CliError> {
+    if let Some(path) = &a.json {
+        record::check_output("--json", path, None).map_err(CliError)?;
+    }
     let gpus = sys::gpu_count();
     let (group, thread_ranks): (Option<TcpGroup>, usize) = if a.process {
         (Some(TcpGroup::from_env().map_err(|e| CliError(format!("cannot join the process group: {e}")))?), 0)

@@ -1049,6 +1049,43 @@ mod tests {
         });
     }
 
+    /// A rank that has met the others (its frame's header is in) and stalls halfway through its bytes, as
+    /// under SIGSTOP: rank 0's read of the rest has the deadline, and every other rank hears whom it was.
+    #[test]
+    fn a_rank_stalled_halfway_through_its_frame_is_a_timeout_naming_it() {
+        let (l, port) = listener();
+        std::thread::scope(|s| {
+            let t0 = Instant::now();
+            let root = s.spawn(move || TcpGroup::serve(l, 3, 0, T).and_then(|g| g.all_gather(&[0; 100])));
+            let other = s.spawn(move || TcpGroup::connect("127.0.0.1", port, 2, 3, 2, T).and_then(|g| g.all_gather(&[2; 100])));
+            // Rank 1 by hand: a valid handshake, then an all_gather frame of 100 bytes of which 10 arrive.
+            let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let mut hello = MAGIC.to_vec();
+            hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+            hello.extend_from_slice(&1u32.to_le_bytes());
+            hello.extend_from_slice(&3u32.to_le_bytes());
+            c.write_all(&hello).unwrap();
+            let mut reply = [0u8; 25];
+            c.read_exact(&mut reply).unwrap();
+            let mut ready = [0u8; HEADER_BYTES];
+            c.read_exact(&mut ready).unwrap();
+            let mut frame = vec![Kind::AllGather as u8];
+            frame.extend_from_slice(&1u64.to_le_bytes());
+            frame.extend_from_slice(&100u64.to_le_bytes());
+            frame.extend_from_slice(&[1; 10]);
+            c.write_all(&frame).unwrap();
+            for (rank, r) in [(0, root.join().unwrap()), (2, other.join().unwrap())] {
+                match r {
+                    Err(Error::Timeout { rank: got, peer: 1, .. }) => assert_eq!(got, rank),
+                    other => panic!("rank {rank}: expected a timeout naming rank 1, got {other:?}"),
+                }
+            }
+            // Within the deadline, plus the grace a client gives rank 0's verdict.
+            assert!(t0.elapsed() < T + client_grace(T) + Duration::from_millis(500), "{:?}", t0.elapsed());
+            drop(c);
+        });
+    }
+
     #[test]
     fn a_closed_peer_is_a_group_error_naming_it() {
         let out = run(3, Duration::from_secs(5), |g| {

@@ -446,14 +446,27 @@ fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
                 d1 as i64
             ),
         ),
-        abi::ERR_INVALID_LAYOUT if peer == rank => {
-            Error::invalid("num_tokens_per_rank", rank, "does not match the tokens is_token_in_rank sends to each rank")
+        abi::ERR_INVALID_LAYOUT => {
+            let (arg, what) = match d0 {
+                abi::layout_arg::PER_EXPERT => (
+                    "num_tokens_per_expert",
+                    "counts tokens for the experts of a rank that no token goes to, fewer tokens than go to that rank, or a \
+                     negative number (num_tokens_per_rank, is_token_in_rank)",
+                ),
+                abi::layout_arg::IN_RANK => (
+                    "is_token_in_rank",
+                    "sends a token to a rank where topk_idx selects none of its experts, or not to a rank where it selects one",
+                ),
+                _ => ("num_tokens_per_rank", "does not match the tokens is_token_in_rank sends to each rank"),
+            };
+            match (peer == rank, d0) {
+                (true, abi::layout_arg::IN_RANK) => {
+                    Error::invalid(arg, rank, format!("{what} (token {d1}); the rows went as is_token_in_rank says"))
+                }
+                (true, _) => Error::invalid(arg, rank, what),
+                (false, _) => Error::invalid(arg, rank, format!("rank {peer}'s {arg} {what}, so no rank dispatched")),
+            }
         }
-        abi::ERR_INVALID_LAYOUT => Error::invalid(
-            "num_tokens_per_rank",
-            rank,
-            format!("rank {peer}'s num_tokens_per_rank does not match its is_token_in_rank, so no rank dispatched"),
-        ),
         abi::ERR_RANK_MISMATCH => Error::RankMismatch {
             what: "dispatch shape (hidden, experts, top-k, dtype, sync mode)",
             rank,
@@ -723,10 +736,12 @@ pub(crate) fn notify_status_error(b: &CudaBackend, s: &HtSpec, status: u32, peer
             waited_ms: start.elapsed().as_millis() as u64,
         }));
     }
-    if status & kht::status::BAD_LAYOUT != 0 {
+    if status & (kht::status::BAD_LAYOUT | kht::status::BAD_EXPERTS) != 0 {
+        // The argument the agreed status names: a bad num_tokens_per_rank first (the per-expert check rests on it).
+        let which = if status & kht::status::BAD_LAYOUT != 0 { abi::layout_arg::PER_RANK } else { abi::layout_arg::PER_EXPERT };
         return Some(argument_error(
             b,
-            &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, ..Default::default() },
+            &ErrorRecord { code: abi::ERR_INVALID_LAYOUT, rank: rank as u32, peer: peer as u32, elapsed_ns: which, ..Default::default() },
         ));
     }
     if status & kht::status::MISMATCH != 0 {
@@ -962,6 +977,18 @@ mod tests {
         );
         let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 3, 0, 0, abi::phase::NOTIFY));
         assert!(matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_rank", reason, .. } if reason.contains("rank 3")), "{e}");
+        // Which layout argument: the notify kernel's per-expert check, the dispatch senders' top-k check.
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 3, abi::layout_arg::PER_EXPERT, 0, abi::phase::NOTIFY));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_expert", rank: 1, reason } if reason.contains("rank 3's num_tokens_per_expert")),
+            "{e}"
+        );
+        let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 1, abi::layout_arg::IN_RANK, 17, abi::phase::DISPATCH));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "is_token_in_rank", rank: 1, reason } if reason.contains("token 17") && reason.contains("topk_idx")),
+            "{e}"
+        );
+        assert!(!e.poisons_buffer());
         let ours = CallSignature { hidden: 7168, num_experts: 256, topk: 8, fp8: true, has_topk: true, no_sync: false };
         let theirs = CallSignature { fp8: false, ..ours };
         let e = argument_error_for(

@@ -97,7 +97,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 t_max: r.t_max,
             }
         }
-        Routing::Fresh { layout: l, .. } => {
+        Routing::Fresh { layout: l, topk_idx, .. } => {
             agree(b, &s, false)?;
             let per_rank: Vec<i32> =
                 read_matrix(&l.num_tokens_per_rank).ok_or_else(|| Error::invalid("num_tokens_per_rank", rank, "needs a host tensor"))?;
@@ -105,23 +105,19 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
                 .ok_or_else(|| Error::invalid("num_tokens_per_expert", rank, "needs a host tensor"))?;
             let in_rank: Vec<bool> = input_bytes(&l.is_token_in_rank, "is_token_in_rank", rank)?.iter().map(|&v| v != 0).collect();
             let send_slot = layout::send_slots(&in_rank, s.num_tokens, nr);
-            // The layout tensors must describe the tokens: count what is_token_in_rank says we send. A problem is
-            // reported after the exchange, on every rank (below), so that nobody is left waiting.
-            for r in 0..nr {
-                let sent = (0..s.num_tokens).filter(|&t| in_rank[t * nr + r]).count();
-                if sent != per_rank[r] as usize && problem.is_none() {
-                    problem = Some(Error::invalid(
-                        "num_tokens_per_rank",
-                        rank,
-                        format!("says {} tokens go to rank {r}, is_token_in_rank says {sent}", per_rank[r]),
-                    ));
+            // The layout tensors must describe the tokens (crate::layout::check_layout). A problem is reported
+            // after the exchange, on every rank (below), so that nobody is left waiting.
+            let idx = match topk_idx {
+                Some(t) => {
+                    Some(read_i64_matrix(&t).ok_or_else(|| Error::invalid("topk_idx", rank, "the host backend needs host tensors"))?)
                 }
-            }
-            if let Some((e, c)) = per_expert.iter().enumerate().find(|(_, &c)| c < 0) {
-                if problem.is_none() {
-                    problem = Some(Error::invalid("num_tokens_per_expert", rank, format!("says {c} tokens go to expert {e}")));
-                }
-            }
+                None => None,
+            };
+            let routed =
+                layout::LayoutRef { is_token_in_rank: &in_rank, num_tokens_per_rank: &per_rank, num_tokens_per_expert: &per_expert };
+            problem = layout::check_layout(&routed, idx.as_deref(), s.num_tokens, s.topk, nr)
+                .err()
+                .map(|(arg, reason)| Error::invalid(arg, rank, reason));
             // Notify: send each rank this rank's whole count row (every rank learns every rank's counts, for
             // rank_prefix_matrix), the counts of its experts and this rank's token count (T_max).
             let num_tokens = i32::try_from(s.num_tokens).unwrap_or(i32::MAX);
@@ -209,23 +205,20 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
 /// Every rank shares whether it found an argument problem; this rank's own problem comes back as is, a
 /// peer's as an `InvalidArgument` naming the same argument and that peer (the lowest one).
 fn agree_on_problems(b: &HostBackend, problem: Option<Error>) -> Result<()> {
+    /// The arguments a rank can find wrong only after its own checks (its layout, its received count): the
+    /// exchanged code is the index in this list plus one.
+    const ARGS: [&str; 4] = ["num_tokens_per_rank", "num_worst_tokens", "num_tokens_per_expert", "is_token_in_rank"];
     let rank = b.rank();
     let code = match &problem {
         None => 0u8,
-        Some(e) if e.argument() == Some("num_tokens_per_rank") => 1,
-        Some(e) if e.argument() == Some("num_tokens_per_expert") => 3,
-        Some(_) => 2,
+        Some(e) => ARGS.iter().position(|&a| e.argument() == Some(a)).map_or(2, |i| i as u8 + 1),
     };
     let all = b.all_gather(Phase::Notify, &[code])?;
     if let Some(e) = problem {
         return Err(e);
     }
     if let Some((peer, c)) = all.iter().enumerate().find_map(|(p, m)| m.first().filter(|&&c| c != 0).map(|&c| (p, c))) {
-        let arg = match c {
-            1 => "num_tokens_per_rank",
-            3 => "num_tokens_per_expert",
-            _ => "num_worst_tokens",
-        };
+        let arg = ARGS.get(usize::from(c) - 1).copied().unwrap_or("num_worst_tokens");
         return Err(Error::invalid(arg, rank, format!("rank {peer} passed an invalid `{arg}`; the call is abandoned on every rank")));
     }
     Ok(())

@@ -62,6 +62,27 @@ fn phase_code(phase: Phase) -> u32 {
     }
 }
 
+/// The name of a phase from its [`phase_code`].
+fn phase_name(code: u32) -> String {
+    const PHASES: [Phase; 14] = [
+        Phase::Barrier,
+        Phase::Layout,
+        Phase::Notify,
+        Phase::Dispatch,
+        Phase::Combine,
+        Phase::LowLatencyDispatch,
+        Phase::LowLatencyCombine,
+        Phase::Group,
+        Phase::Other,
+        Phase::Transport,
+        Phase::DispatchRdma,
+        Phase::DispatchNvlink,
+        Phase::CombineRdma,
+        Phase::CombineNvlink,
+    ];
+    PHASES.iter().find(|&&p| phase_code(p) == code).map_or_else(|| format!("phase {code}"), |p| p.to_string())
+}
+
 impl HostBackend {
     pub(crate) fn new(group: Arc<dyn Group>, options: &BufferOptions) -> Result<HostBackend> {
         let n = group.size();
@@ -141,11 +162,26 @@ impl HostBackend {
         }
     }
 
-    /// Strips the tags of one exchange's messages; a message with another tag comes from a rank that is not
-    /// in this exchange of this call, which for this rank is a rank that did not arrive.
+    /// Strips the tags of one exchange's messages. A message of another call comes from a rank that is not in
+    /// this call (it failed an earlier one on its own input and went on): for this rank, a rank that did not
+    /// arrive. A message of the same call but another exchange or phase comes from a rank that called another
+    /// operation: the ranks disagree on the operation, which [`Error::RankMismatch`] names with both phases.
     fn untag(&self, all: Vec<Vec<u8>>, tag: &[u8; TAG_BYTES], phase: Phase, start: Instant) -> Result<Vec<Vec<u8>>> {
         let me = self.rank();
         if let Some(peer) = all.iter().position(|m| m.get(..TAG_BYTES) != Some(&tag[..])) {
+            let theirs = &all[peer];
+            if theirs.len() >= TAG_BYTES && theirs[..8] == tag[..8] {
+                let their_phase = u32::from_le_bytes([theirs[12], theirs[13], theirs[14], theirs[15]]);
+                let their_step = u32::from_le_bytes([theirs[8], theirs[9], theirs[10], theirs[11]]);
+                let our_step = u32::from_le_bytes([tag[8], tag[9], tag[10], tag[11]]);
+                return Err(Error::RankMismatch {
+                    what: "operation",
+                    rank: me,
+                    peer,
+                    ours: format!("{phase} (exchange {our_step} of call {})", self.call),
+                    theirs: format!("{} (exchange {their_step} of the same call)", phase_name(their_phase)),
+                });
+            }
             return Err(Error::Timeout { rank: me, peer, phase, waited_ms: start.elapsed().as_millis() as u64 });
         }
         Ok(all
