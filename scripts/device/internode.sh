@@ -27,7 +27,8 @@
 #             (tests/ht_internode_gpu.rs)
 #   htchaos   process mode: 4 processes under MPS as 2x2 virtual nodes (scripts/device/reliability.sh with
 #             RANKS=4), rank 3 SIGKILLed inside an HT dispatch and an HT combine, once per transport of
-#             HT_CHAOS_TRANSPORTS (default "emu-nic nvshmem"); each transport's files under htchaos-<transport>/ in
+#             HT_CHAOS_TRANSPORTS (default "emu-nic nvshmem"), HT_CHAOS_RUNS (default "ht-dispatch ht-combine"; add
+#             ll-dispatch ll-combine for the low-latency kills across nodes); each transport's files under htchaos-<transport>/ in
 #             results.tgz, the verdicts in the summary
 #   htsoak    thread mode: moelink-stress soak of the HT families (ht, ht-cached) on 2x2 virtual nodes over
 #             emu-nic (reordering across QPs), buffers for rounds smaller than the calls: HT_SOAK_ROUNDS rounds per
@@ -126,7 +127,7 @@ for s in $STEPS; do
             limit=145 left=$((BUDGET_S - SECONDS - 15))
             [ "$limit" -gt "$left" ] && limit=$left
             run "htchaos-$tr" "$limit" env OUT="$W/htchaos-$tr" BUDGET_S=$((limit - 10)) RANKS=4 VICTIM=3 STEPS=chaos CHAOS_T_S=60 \
-                CHAOS_RUNS="ht-dispatch ht-combine" CHAOS_PORT_BASE=$port CHAOS_ARGS="--topology 2x2 --transport $tr" \
+                CHAOS_RUNS="${HT_CHAOS_RUNS:-ht-dispatch ht-combine}" CHAOS_PORT_BASE=$port CHAOS_ARGS="--topology 2x2 --transport $tr" \
                 bash scripts/device/reliability.sh
             note "$(python3 - "$W/htchaos-$tr/reliability.json" "$tr" <<'PY' 2>&1
 import json, sys

@@ -112,8 +112,9 @@ want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
 if want hostcost; then
-    hc_ranks=2
-    [ "$ngpu" -ge 2 ] || hc_ranks=$ranks
+    # HOSTCOST_RANKS: the bench's and DeepEP's tests' ranks (default 2).
+    hc_ranks=${HOSTCOST_RANKS:-2}
+    [ "$ngpu" -ge "$hc_ranks" ] || hc_ranks=$ranks
     # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
     if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/deepep-site .whl/deep_ep-*.whl \
@@ -137,13 +138,13 @@ if want hostcost; then
         for t in test_low_latency test_intranode; do
             echo "== $t.py against moelink (deep_ep = moelink), DeepEP $(cat "$tests/COMMIT" 2>/dev/null)" >> "$OUT/deepep-tests.log"
             (cd "$tests" && PYTHONPATH=/tmp/deepep-shim:$PYTHONPATH MASTER_PORT=8371 \
-                step "DeepEP $t (moelink)" "$OUT/deepep-tests.log" 120 python3 "$t.py" --num-processes 2)
+                step "DeepEP $t (moelink)" "$OUT/deepep-tests.log" 120 python3 "$t.py" --num-processes "$hc_ranks")
         done
         if [ -d /tmp/deepep-site/deep_ep ]; then
             for t in test_low_latency test_intranode; do
                 echo "== $t.py against DeepEP (baseline)" >> "$OUT/deepep-baseline.log"
                 (cd "$tests" && PYTHONPATH=/tmp/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
-                    step "DeepEP $t (DeepEP)" "$OUT/deepep-baseline.log" 100 python3 "$t.py" --num-processes 2)
+                    step "DeepEP $t (DeepEP)" "$OUT/deepep-baseline.log" 100 python3 "$t.py" --num-processes "$hc_ranks")
             done
         fi
     fi
