@@ -104,20 +104,33 @@ class _Reuse:
     def __init__(self) -> None:
         self._sets: dict = {}
 
+    @staticmethod
+    def _free(outs: Tuple[Any, ...], counts: Tuple[Tuple[int, int], ...]) -> bool:
+        """Whether nothing but this object references any tensor of the set."""
+        for i in range(len(outs)):
+            t = outs[i]  # referenced by `outs`, `t` and getrefcount's argument: _FREE_REFS
+            if t is not None and (sys.getrefcount(t) != _Reuse._FREE_REFS or t._use_count() != counts[i][0]
+                                  or _storage_use_count(t.untyped_storage()._cdata) != counts[i][1]):
+                return False
+        return True
+
     def take(self, key: Any) -> Optional[Tuple[Any, ...]]:
         """A kept set for ``key`` that nothing references any more, or None."""
-        sets = self._sets.get(key)
-        if sets is None:
-            return None
-        for outs, counts in sets:
-            for i in range(len(outs)):
-                t = outs[i]  # referenced by `outs`, `t` and getrefcount's argument: _FREE_REFS
-                if t is not None and (sys.getrefcount(t) != _Reuse._FREE_REFS or t._use_count() != counts[i][0]
-                                      or _storage_use_count(t.untyped_storage()._cdata) != counts[i][1]):
-                    break
-            else:
+        for outs, counts in self._sets.get(key, ()):
+            if _Reuse._free(outs, counts):
                 return outs
         return None
+
+    def release(self, attr: str) -> None:
+        """Drops ``attr`` (a handle's native routing, which a kept tensor carries) from every set nothing
+        references any more: the routing's device memory goes back to the buffer's pool now, not when the set
+        is next handed out. A CUDA graph capture needs that memory, since it cannot allocate any."""
+        for sets in self._sets.values():
+            for outs, counts in sets:
+                if _Reuse._free(outs, counts):
+                    for t in outs:
+                        if t is not None and hasattr(t, attr):
+                            delattr(t, attr)
 
     def keep(self, key: Any, outs: Tuple[Any, ...]) -> Tuple[Any, ...]:
         """Keeps the fresh set ``outs`` for later calls with ``key`` (its tensors' use counts as they are now,
@@ -599,8 +612,15 @@ class Buffer:
         if self._reuse is None or not Buffer._reuse_outputs:
             return None
         if self._cuda and self._capturing():
+            self._release_for_capture()
             return None
         return self._reuse
+
+    def _release_for_capture(self) -> None:
+        """While a CUDA graph is captured: kept output sets give back the handle memory they carry (a captured
+        dispatch takes its handle's memory from the pool, which cannot allocate during a capture)."""
+        if self._reuse is not None and self._cuda and self._capturing():
+            self._reuse.release(_NATIVE_ATTR)
 
     def _begun(self) -> None:
         """Counts a collective call that this layer refuses before the native module sees it (``_collective``)."""
@@ -775,6 +795,7 @@ class Buffer:
             stream, reuse = self._current_stream(), self._reusable()
         else:
             stream, reuse = None, None
+            self._release_for_capture()
 
         def alloc(n: int, hidden: int, topk: int, is_fp8: bool, has_topk: bool) -> Tuple[Any, ...]:
             """The outputs, once the count exchange has sized them: the native ones, then the handle's parts."""

@@ -121,6 +121,31 @@ def test_outputs_are_reused_only_when_unreferenced(env, ht_buffer, ll_buffer):
     del second, third
 
 
+def test_kept_sets_give_back_handle_memory_only_when_unreferenced():
+    """What a CUDA graph capture relies on (`_Reuse.release`): a kept set that nobody references drops the
+    native routing its carrier tensor holds, so that the routing's pool memory is free for the captured call;
+    a set still referenced keeps it."""
+    if not hasattr(torch.Tensor, "_use_count"):
+        pytest.skip("this torch cannot tell whether a tensor is referenced")
+    from moelink.buffer import _NATIVE_ATTR, _Reuse
+
+    class Routing:  # stands for the native handle: alive while something references it
+        pass
+
+    reuse = _Reuse()
+    free, held = (torch.zeros(4), torch.zeros(2)), (torch.zeros(4), torch.zeros(2))
+    for outs in (free, held):
+        setattr(outs[0], _NATIVE_ATTR, Routing())
+        reuse.keep(("k", id(outs)), outs)
+    kept_free = getattr(free[0], _NATIVE_ATTR)
+    hold = held[0]
+    del free, held
+    reuse.release(_NATIVE_ATTR)
+    assert all(not hasattr(outs[0], _NATIVE_ATTR) for sets in reuse._sets.values() for outs, _ in sets if outs[0] is not hold)
+    assert hasattr(hold, _NATIVE_ATTR), "a set still referenced keeps its routing"
+    assert isinstance(kept_free, Routing)
+
+
 def test_reuse_can_be_turned_off(env, ht_buffer):
     e = HT_SMALL.num_experts(env.num_ranks)
     idx = env.to(ht_inputs(HT_SMALL, env.num_ranks, seed=51)[env.rank].topk_idx)
