@@ -180,9 +180,21 @@ PY
         run soak-ll-2x2-emu-nic $((${SOAK_S:-300} + 120)) "$STRESS" soak --backend cuda --ranks 4 --topology 2x2 --transport emu-nic \
             --families ll,ll-prereduced,ll-hook --rounds "${SOAK_ROUNDS:-5000}" --time-budget-s "${SOAK_S:-300}" \
             --json "$W/soak-ll-2x2-emu-nic.json"
+        note "$(python3 - "$W/soak-ll-2x2-emu-nic.json" <<'PY' 2>&1
+import json, sys
+try:
+    v = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"  soak-ll: no summary ({e})"); sys.exit()
+print(f"  soak-ll {v['verdict'].upper()}: {v['rounds_done']} rounds per family in {v['elapsed_s']:.0f} s, "
+      f"{v['total_mismatches']} mismatches" + (f", stopped: {v['stopped_early']}" if v.get("stopped_early") else ""))
+for f in v["families"]:
+    print(f"  {f['family']}: {f['rounds']} rounds, {f['mismatches']} mismatches")
+PY
+)"
         ;;
     esac
-    tar czf "$OUT/results.tgz" -C "$(dirname "$W")" "$(basename "$W")"
+    tar czf "$OUT/results.tgz" --exclude="$(basename "$W")/bin" -C "$(dirname "$W")" "$(basename "$W")"
 done
 echo "== summary"
 cat "$summary"

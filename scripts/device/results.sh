@@ -72,6 +72,6 @@ for s in $STEPS; do
         sed -n '/^== bench table/,/^== summary/p' "$W/python.log" >> "$summary" ;;
     esac
 done
-tar czf "$OUT/results.tgz" -C "$(dirname "$W")" "$(basename "$W")"
+tar czf "$OUT/results.tgz" --exclude="$(basename "$W")/bin" -C "$(dirname "$W")" "$(basename "$W")"
 echo "== summary"
 cat "$summary"

@@ -83,7 +83,7 @@ for s in $STEPS; do
         run soak-ll $((SOAK_S + 120)) "$STRESS" soak --backend cuda --ranks "$SOAK_RANKS" --families ll,ll-prereduced,ll-hook --rounds 100000 \
             --ll-t-max "${SOAK_LL_T_MAX:-16}" --time-budget-s "$SOAK_S" --json "$W/soak-ll.json" ;;
     esac
-    tar czf "$OUT/results.tgz" -C "$(dirname "$W")" "$(basename "$W")"  # after every step: a call cut short still returns the logs
+    tar czf "$OUT/results.tgz" --exclude="$(basename "$W")/bin" -C "$(dirname "$W")" "$(basename "$W")"  # after every step: a call cut short still returns the logs
 done
 echo "== summary"
 cat "$summary"
