@@ -643,7 +643,13 @@ fn internode_plan(a: &BenchArgs, ranks: usize) -> std::result::Result<Option<(mo
     if transport == moelink::Transport::Nvshmem && !a.process {
         return Err(CliError("--transport nvshmem needs one process per rank: launch with torchrun and pass --process".into()));
     }
-    let rdma = moelink::RdmaOptions { transport, allow_nvlink_for_low_latency_mode: !a.no_nvlink_in_node, ..Default::default() };
+    let rdma = moelink::RdmaOptions {
+        transport,
+        allow_nvlink_for_low_latency_mode: !a.no_nvlink_in_node,
+        // Where NVSHMEM is (the nvshmem transport), as `bench transport` and moelink-stress find it.
+        nvshmem_home: std::env::var_os("NVSHMEM_HOME").map(PathBuf::from),
+        ..Default::default()
+    };
     Ok(Some((topology, rdma)))
 }
 
