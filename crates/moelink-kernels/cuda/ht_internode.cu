@@ -124,10 +124,6 @@ constexpr u32 MSG_BYTES = MSG_PAYLOAD + PAYLOAD_BYTES;
 // garbage to addresses taken from it.
 constexpr u32 MSG_TAG = 0xa0000000u | (FP8 ? 1u << 27 : 0u) | (TOPK << 20) | HIDDEN;
 static_assert(HIDDEN < (1u << 20) && TOPK < 128, "the layout tag holds HIDDEN and TOPK");
-#ifndef HTI_MSG_TAG_OF
-// The tag a sender writes. The CPU emulator redefines it to give one rank's messages another layout's tag.
-#define HTI_MSG_TAG_OF(rank) MSG_TAG
-#endif
 // A row in an NVLink dispatch part: the payload, then u32 meta words: the top-k ids as the receiver's local
 // i64 ids (two words each, low first), the scales, the weights (0 where the id is -1 there), the source's
 // token index, the message index and the round (for combine); padded to 16 bytes.
@@ -832,7 +828,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
         if (lane == 0) {
           reinterpret_cast<u32*>(msg)[0] = t;
           reinterpret_cast<u32*>(msg)[1] = mask;
-          reinterpret_cast<u32*>(msg)[2] = HTI_MSG_TAG_OF(a.rdma.rank);
+          reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
         }
         if (TOPK > 0 && lane < TOPK) {
           const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
