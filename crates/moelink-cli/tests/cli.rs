@@ -224,28 +224,34 @@ fn selftest_in_thread_mode_passes_the_group_check() {
     assert!(!out.contains("FAIL"), "{out}");
 }
 
-#[test]
-fn selftest_in_process_mode_joins_over_tcp() {
-    // What torchrun does: one process per rank with its variables (moelink listens on MOELINK_PORT here).
+/// What torchrun does: `ranks` processes of the moelink binary with its variables (moelink listens on
+/// MOELINK_PORT here), each set up by `args`; their outputs in rank order.
+fn torchrun_like(ranks: usize, args: impl Fn(&mut Command) -> &mut Command) -> Vec<Output> {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let children: Vec<_> = (0..4)
+    let children: Vec<_> = (0..ranks)
         .map(|r| {
-            Command::new(env!("CARGO_BIN_EXE_moelink"))
-                .args(["selftest", "--process"])
+            let mut c = Command::new(env!("CARGO_BIN_EXE_moelink"));
+            args(&mut c)
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", "1")
                 .env("MOELINK_PORT", &port)
                 .env("RANK", r.to_string())
                 .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", "4")
-                .env("MOELINK_GROUP_TIMEOUT_MS", "30000")
+                .env("WORLD_SIZE", ranks.to_string())
+                .env("LOCAL_WORLD_SIZE", ranks.to_string())
+                .env("MOELINK_GROUP_TIMEOUT_MS", "60000")
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect();
-    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+}
+
+#[test]
+fn selftest_in_process_mode_joins_over_tcp() {
+    let outputs = torchrun_like(4, |c| c.args(["selftest", "--process"]));
     let (out0, err0) = text(&outputs[0]);
     assert!(out0.contains("process mode | 4 ranks"), "{out0}\n{err0}");
     assert!(out0.contains("PASS group") && out0.contains("over 4 ranks"), "{out0}\n{err0}");
@@ -260,31 +266,14 @@ fn selftest_in_process_mode_joins_over_tcp() {
 #[test]
 fn bench_in_process_mode_gathers_every_ranks_outcomes_at_rank_0() {
     // Two torchrun-like processes on the host backend, across 2 virtual nodes: rank 0 writes the records.
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let dir = std::env::temp_dir().join(format!("moelink-bench-process-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("records.json");
-    let children: Vec<_> = (0..2)
-        .map(|r| {
-            Command::new(env!("CARGO_BIN_EXE_moelink"))
-                .args(["bench", "--process", "--backend", "host", "--mode", "ht", "--quick", "--tokens", "32", "--topology", "2x1"])
-                .args(["--transport", "ptr", "--json"])
-                .arg(&json)
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", "1")
-                .env("MOELINK_PORT", &port)
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("MOELINK_GROUP_TIMEOUT_MS", "60000")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outputs = torchrun_like(2, |c| {
+        c.args(["bench", "--process", "--backend", "host", "--mode", "ht", "--quick", "--tokens", "32", "--topology", "2x1"])
+            .args(["--transport", "ptr", "--json"])
+            .arg(&json)
+    });
     let (out0, err0) = text(&outputs[0]);
     assert_eq!(outputs[0].status.code(), Some(0), "{out0}\n{err0}");
     let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();

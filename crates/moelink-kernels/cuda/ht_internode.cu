@@ -1207,6 +1207,30 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
 // ============================================================================================== combine
 namespace hti_combine {
 
+// A received row `pos` (its bf16 payload, then its TOPK weights) into `row` of a forwarder's combine part.
+__device__ __forceinline__ void stage_combine_row(const HtiCombineArgs& a, u8* row, u32 pos, u32 lane) {
+  copy_vecs<true>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(a.x) + (u64)pos * (CPAYLOAD_BYTES / VEC_BYTES),
+                  CPAYLOAD_BYTES / VEC_BYTES, lane);
+  if (TOPK > 0 && lane < TOPK)
+    reinterpret_cast<u32*>(row + CPAYLOAD_BYTES)[lane] = reinterpret_cast<const u32*>(a.topk_weights)[(u64)pos * TOPK + lane];
+}
+
+// The rows just staged at `slots[0..sent)`: every lane fences its stores (each wrote part of every row), then
+// lane x flags slot slots[x] with `cseq`.
+__device__ __forceinline__ void release_combine_rows(u32* flag, const u32 (&slots)[RELEASE_ROWS], u32 sent, u32 cseq, u32 lane) {
+  __syncwarp();
+  ptx::fence_acq_rel_sys();
+  __syncwarp();
+  if (lane < sent) {
+    u32 my_slot = 0;
+#pragma unroll
+    for (u32 x = 0; x < RELEASE_ROWS; x++)
+      if (x == lane) my_slot = slots[x];
+    ptx::st_relaxed_sys(flag + my_slot, cseq);
+  }
+  __syncwarp();
+}
+
 // Expert-side sender warp `w` of `n`: lane i serves source s = w + i * n. Each received row of s goes back
 // to its forwarder (this node's rank with s's local index) into combine part [me_local][node(s)] at
 // (message mod M), flagged cseq of its round, once that forwarder handed the part back for the round before.
@@ -1254,26 +1278,13 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
         if (pos >= a.num_x_rows) break;
         const u64 r = route[pos];
         if ((u32)(r >> 32) != k) break;
-        const u32 message = (u32)r;
-        slots[sent] = message % M;
-        u8* row = reinterpret_cast<u8*>(a.nvl.base[l] + a.nvl.off_cparts + ((u64)f.me_local * NUM_NODES + an) * a.nvl.part_bytes) +
-                  (u64)(message % M) * CROW_BYTES;
-        copy_vecs<true>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(a.x) + (u64)pos * (CPAYLOAD_BYTES / VEC_BYTES),
-                        CPAYLOAD_BYTES / VEC_BYTES, lane);
-        if (TOPK > 0 && lane < TOPK)
-          reinterpret_cast<u32*>(row + CPAYLOAD_BYTES)[lane] = reinterpret_cast<const u32*>(a.topk_weights)[(u64)pos * TOPK + lane];
+        slots[sent] = (u32)r % M;
+        stage_combine_row(a, reinterpret_cast<u8*>(a.nvl.base[l] + a.nvl.off_cparts + ((u64)f.me_local * NUM_NODES + an) * a.nvl.part_bytes) +
+                                 (u64)slots[sent] * CROW_BYTES,
+                          pos, lane);
       }
-      __syncwarp();
-      ptx::fence_acq_rel_sys();
-      __syncwarp();
-      if (lane < sent) {
-        u32* flag = reinterpret_cast<u32*>(a.nvl.base[l] + a.nvl.off_cflags) + ((u64)f.me_local * NUM_NODES + an) * a.nvl.flag_slots;
-        u32 my_slot = 0;
-#pragma unroll
-        for (u32 x = 0; x < RELEASE_ROWS; x++)
-          if (x == lane) my_slot = slots[x];
-        ptx::st_relaxed_sys(flag + my_slot, cseq);
-      }
+      release_combine_rows(reinterpret_cast<u32*>(a.nvl.base[l] + a.nvl.off_cflags) + ((u64)f.me_local * NUM_NODES + an) * a.nvl.flag_slots,
+                           slots, sent, cseq, lane);
       if (sent > 0) progressed = true;
       if (lane == i) next += sent;
     }
@@ -1312,23 +1323,9 @@ __device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame&
       const u64 r = route[pos];
       if ((u32)(r >> 32) != k) break;
       slots[sent] = (u32)r % M;
-      u8* row = part + (u64)slots[sent] * CROW_BYTES;
-      copy_vecs<true>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(a.x) + (u64)pos * (CPAYLOAD_BYTES / VEC_BYTES),
-                      CPAYLOAD_BYTES / VEC_BYTES, lane);
-      if (TOPK > 0 && lane < TOPK)
-        reinterpret_cast<u32*>(row + CPAYLOAD_BYTES)[lane] = reinterpret_cast<const u32*>(a.topk_weights)[(u64)pos * TOPK + lane];
+      stage_combine_row(a, part + (u64)slots[sent] * CROW_BYTES, pos, lane);
     }
-    __syncwarp();
-    ptx::fence_acq_rel_sys();
-    __syncwarp();
-    if (lane < sent) {
-      u32 my_slot = 0;
-#pragma unroll
-      for (u32 x = 0; x < RELEASE_ROWS; x++)
-        if (x == lane) my_slot = slots[x];
-      ptx::st_relaxed_sys(flag + my_slot, (u32)(f.base + k + 1));
-    }
-    __syncwarp();
+    release_combine_rows(flag, slots, sent, (u32)(f.base + k + 1), lane);
   }
 }
 
