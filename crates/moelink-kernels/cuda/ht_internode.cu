@@ -67,7 +67,8 @@
 //                    rail peer (b, l).
 // Every wait has the caller's deadline and names the peer and the domain (phase HTI_*_RDMA / _NVLINK); a
 // kernel that timed out winds down without handing back, so its peers time out too. Argument problems found on
-// the device (no-sync overflow) are reported and the protocol goes on.
+// the device (layout tensors that disagree with each other or with topk_idx, no-sync overflow) are reported
+// and the protocol goes on.
 #include "transport.cuh"
 
 #if !defined(HTI_MAX_RANKS) || !defined(HTI_MAX_NODES) || !defined(HTI_MAX_CHUNKS) || !defined(RANKS_PER_NODE) || \
@@ -174,9 +175,10 @@ __device__ __forceinline__ RoutingAt routing_at(u32 num_tokens) {
   return r;
 }
 // Status bits (the same on every rank: derived from every rank's notify message).
-constexpr u32 HTI_STATUS_BAD_LAYOUT = 1;
+constexpr u32 HTI_STATUS_BAD_LAYOUT = 1;   // some rank's num_tokens_per_rank disagrees with its is_token_in_rank
 constexpr u32 HTI_STATUS_MISMATCH = 2;
 constexpr u32 HTI_STATUS_FAILED = 8;
+constexpr u32 HTI_STATUS_BAD_EXPERTS = 16;  // some rank's num_tokens_per_expert disagrees with its num_tokens_per_rank
 
 // Host-mapped words notify writes in CPU-synchronised mode; READY last (release).
 constexpr u32 HN_READY = 0;
@@ -190,7 +192,7 @@ constexpr u32 HN_PER_EXPERT = 8;  // [E_local] received tokens per local expert
 // Notify message words (what a rank tells every rank before a fresh dispatch).
 constexpr u32 MSG_W_COUNT = 0;       // tokens the source sends to this destination
 constexpr u32 MSG_W_TOKENS = 1;      // the source's token count
-constexpr u32 MSG_W_STATUS = 2;      // HTI_STATUS_BAD_LAYOUT when its layout tensors disagree
+constexpr u32 MSG_W_STATUS = 2;      // HTI_STATUS_BAD_LAYOUT / _BAD_EXPERTS when its layout tensors disagree
 constexpr u32 MSG_W_SIG_LO = 3;      // the source's call signature
 constexpr u32 MSG_W_SIG_HI = 4;
 constexpr u32 MSG_W_NODE_COUNT = 5;  // tokens the source sends to this destination's node
@@ -497,8 +499,14 @@ namespace moelink::internode {
 //      quiet at the end completes this call's puts before the next call rewrites the send area.
 //   3. From the messages: recv_count / recv_offset per source, N, T_max, every rank's T, DeepEP's
 //      rank_prefix_matrix, the forwarder's per-source-node message counts (from the rail sources (a, l)),
-//      K = ceil(T_max / M), the agreed status (any BAD_LAYOUT, else a signature differing from ours); with
-//      host_out the same for the host, the received tokens per local expert, then READY = host_seq.
+//      K = ceil(T_max / M), the agreed status (the first source with BAD_LAYOUT or BAD_EXPERTS, reported as
+//      ERR_INVALID_LAYOUT naming it and the argument, else a signature differing from ours); with host_out
+//      the same for the host, the received tokens per local expert, then READY = host_seq.
+//   The layout checks read only what the message sends anyway: a send count differing from
+//   num_tokens_per_rank marks the message BAD_LAYOUT; warp w sums num_tokens_per_expert over the experts of
+//   ranks w, w + HTI_WARPS, ...: each token sent to rank r selects at least one of r's experts, so r's
+//   experts count no tokens when nothing goes to r and at least as many as go there otherwise, and no count
+//   is negative; a disagreement marks it BAD_EXPERTS.
 __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ HtiNotifyArgs a) {
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_NOTIFY);
   if (rdma::nic_block(a.rdma, d)) return;
@@ -552,13 +560,27 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     }
   }
   __syncthreads();
-  if (tid < NUM_RANKS && (i32)s_send_count[tid] != reinterpret_cast<const i32*>(a.num_tokens_per_rank)[tid])
-    atomicOr(&s_status, HTI_STATUS_BAD_LAYOUT);
+  for (u32 r = tid; r < NUM_RANKS; r += THREADS)
+    if ((i32)s_send_count[r] != reinterpret_cast<const i32*>(a.num_tokens_per_rank)[r]) atomicOr(&s_status, HTI_STATUS_BAD_LAYOUT);
+  const u32 el = a.num_local_experts, words = MSG_W_ROW + NUM_RANKS + el;
+  const i32* per_expert = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+  for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
+    u64 sum = 0;
+    bool negative = false;
+    for (u32 e = lane; e < el; e += WARP_SIZE) {
+      const i32 c = per_expert[(u64)r * el + e];
+      negative = negative || c < 0;
+      sum += c < 0 ? 0ull : (u64)c;
+    }
+#pragma unroll
+    for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_WARP_MASK, sum, offset);
+    negative = __any_sync(FULL_WARP_MASK, negative) != 0;
+    const u64 sent = s_send_count[r];
+    if (lane == 0 && (negative || (sent == 0) != (sum == 0) || sum < sent)) atomicOr(&s_status, HTI_STATUS_BAD_EXPERTS);
+  }
   __syncthreads();
 
   // 2. Messages: warp w builds and puts the messages of ranks w, w + HTI_WARPS, ...
-  const u32 el = a.num_local_experts, words = MSG_W_ROW + NUM_RANKS + el;
-  const i32* per_expert = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
   for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
     u32* msg = reinterpret_cast<u32*>(rdma_bytes(a.rdma, a.at.off_notify_send)) + (u64)r * a.at.msg_words;
     for (u32 w = lane; w < words; w += WARP_SIZE) {
@@ -616,8 +638,9 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
         routing[at.tokens_of + s] = (i32)m[MSG_W_TOKENS];
         num_recv += m[MSG_W_COUNT];
         t_max = m[MSG_W_TOKENS] > t_max ? m[MSG_W_TOKENS] : t_max;
-        if (status == 0 && (m[MSG_W_STATUS] & HTI_STATUS_BAD_LAYOUT) != 0u) {
-          status = HTI_STATUS_BAD_LAYOUT;
+        if (status == 0 && (m[MSG_W_STATUS] & (HTI_STATUS_BAD_LAYOUT | HTI_STATUS_BAD_EXPERTS)) != 0u) {
+          // A bad num_tokens_per_rank first: the per-expert check rests on it.
+          status = (m[MSG_W_STATUS] & HTI_STATUS_BAD_LAYOUT) != 0u ? HTI_STATUS_BAD_LAYOUT : HTI_STATUS_BAD_EXPERTS;
           peer = s;
         }
       }
@@ -636,7 +659,8 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
           report_error(d, ERR_RANK_MISMATCH, s, a.signature, sig);
         }
       }
-      if (status == HTI_STATUS_BAD_LAYOUT) report_error(d, ERR_INVALID_LAYOUT, peer, 0, 0);
+      if (status == HTI_STATUS_BAD_LAYOUT) report_error(d, ERR_INVALID_LAYOUT, peer, LAYOUT_ARG_PER_RANK, 0);
+      if (status == HTI_STATUS_BAD_EXPERTS) report_error(d, ERR_INVALID_LAYOUT, peer, LAYOUT_ARG_PER_EXPERT, 0);
     }
     const u32 rounds = a.round_tokens == 0 ? 0 : (t_max + a.round_tokens - 1) / a.round_tokens;
     routing[RT_STATUS] = (i32)status;
@@ -775,6 +799,35 @@ __device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const u8* msg
   return round;
 }
 
+// Checks token t's is_token_in_rank row (through the prefix) against the ranks of its top-k experts (TOPK
+// > 0): lane k < TOPK loads its k-th expert's rank, lane i tests ranks i, i + 32, ... against them. A rank in
+// one set and not in the other is reported (ERR_INVALID_LAYOUT, LAYOUT_ARG_IN_RANK, the token): a row sent
+// where it selects no expert arrives with every top-k id -1, and an expert whose rank gets no row misses the
+// token. The rows still travel as is_token_in_rank says; the call fails on this rank once the collective has
+// run. The expert ids are the ones the message staging reads next (L1), the prefix rows the slots' (L2).
+__device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, const Frame& f, const i32* prefix, u32 t, u32 lane,
+                                                  const Deadline& d) {
+  if (TOPK == 0) return;
+  const i64 el = a.num_local_experts;
+  i32 rank_of_k = -1;
+  if (lane < TOPK) {
+    const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
+    if (e >= 0 && e < (i64)NUM_RANKS * el) rank_of_k = (i32)(e / el);
+  }
+  bool bad = false;
+  for (u32 r = lane; r < (NUM_RANKS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE; r += WARP_SIZE) {
+    bool want = false;
+#pragma unroll
+    for (u32 k = 0; k < TOPK; k++) {
+      const i32 rank_k = __shfl_sync(FULL_WARP_MASK, rank_of_k, k);  // every lane shuffles: no short circuit
+      want = want || rank_k == (i32)r;
+    }
+    const bool sent = r < NUM_RANKS && prefix[(u64)(t + 1) * NUM_RANKS + r] > prefix[(u64)t * NUM_RANKS + r];
+    bad = bad || (r < NUM_RANKS && want != sent);
+  }
+  if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
+}
+
 // Sender warp: chunks of Q tokens taken in order from the call's counter (a chunk never straddles a round:
 // M is a multiple of Q). Lane b < N handles node b's hand-back wait, message range and put.
 __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr) {
@@ -804,6 +857,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     if (!__all_sync(FULL_WARP_MASK, ok)) return;
     // Stage every token's message once per node it reaches.
     for (u32 t = t0; t < t1; t++) {
+      check_token_ranks(a, f, prefix, t, lane, dr);
       u32 m = 0;
       bool in = false;
       if (lane < NUM_NODES) {

@@ -297,6 +297,33 @@ static std::vector<i32> routing_buffer(u32 t) {
 
 static u64 signature() { return 0x5157ull * H + K; }
 
+// Notify on every rank over the layouts in `lay` (the layout kernel's, or edited ones), host_seq 1; no checks.
+static void notify(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay) {
+  w.ranks([&](u32 me) {
+    Layout& l = lay[me];
+    l.routing = routing_buffer(in[me].t);
+    l.host.assign(HN_PER_EXPERT + w.el(), 0);
+    HtiNotifyArgs a{};
+    a.rdma = w.rdma(me);
+    a.at = w.at.rdma;
+    a.is_token_in_rank = (u64)l.in_rank.data();
+    a.num_tokens_per_rank = (u64)l.per_rank.data();
+    a.num_tokens_per_expert = (u64)l.per_expert.data();
+    a.routing = (u64)l.routing.data();
+    a.host_out = (u64)l.host.data();
+    a.state = w.r[me].state->addr();
+    a.signature = signature();
+    a.error_claim = (u64)&w.r[me].claim;
+    a.error_record = (u64)&w.r[me].record;
+    a.timeout_ns = w.timeout_ns;
+    a.num_tokens = in[me].t;
+    a.num_local_experts = w.el();
+    a.round_tokens = w.at.m;
+    a.host_seq = 1;
+    w.launch(1 + w.nic_blocks(), [&] { moelink::internode::notify(a); });
+  });
+}
+
 static void layout_and_notify(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay, const char* what) {
   const u32 E = w.at.experts;
   lay.assign(R, Layout{});
@@ -338,28 +365,9 @@ static void layout_and_notify(World& w, std::vector<Inputs>& in, std::vector<Lay
     }
     CHECK(per_rank == l.per_rank && per_node == l.per_node && per_expert == l.per_expert, "%s: rank %u layout counts", what, me);
   });
+  notify(w, in, lay);
   w.ranks([&](u32 me) {
-    Layout& l = lay[me];
-    l.routing = routing_buffer(in[me].t);
-    l.host.assign(HN_PER_EXPERT + w.el(), 0);
-    HtiNotifyArgs a{};
-    a.rdma = w.rdma(me);
-    a.at = w.at.rdma;
-    a.is_token_in_rank = (u64)l.in_rank.data();
-    a.num_tokens_per_rank = (u64)l.per_rank.data();
-    a.num_tokens_per_expert = (u64)l.per_expert.data();
-    a.routing = (u64)l.routing.data();
-    a.host_out = (u64)l.host.data();
-    a.state = w.r[me].state->addr();
-    a.signature = signature();
-    a.error_claim = (u64)&w.r[me].claim;
-    a.error_record = (u64)&w.r[me].record;
-    a.timeout_ns = w.timeout_ns;
-    a.num_tokens = in[me].t;
-    a.num_local_experts = w.el();
-    a.round_tokens = w.at.m;
-    a.host_seq = 1;
-    w.launch(1 + w.nic_blocks(), [&] { moelink::internode::notify(a); });
+    const Layout& l = lay[me];
     check_clean(w, me, what);
     CHECK(l.routing[RT_STATUS] == 0 && l.host[HN_READY] == 1, "%s: rank %u notify status %d", what, me, l.routing[RT_STATUS]);
   });
@@ -742,6 +750,60 @@ int main() {
     }
     std::printf("variant mismatch (rank 1 runs top-%u): ERR_PEER_LAYOUT naming rank %u, no hang ok\n", (u32)HTI_EMU_PEER_TOPK,
                 odd.peer);
+  }
+  if (K > 0 && R >= 2) {
+    // Layout tensors that disagree. (a) Rank 0 sends nothing (is_token_in_rank all false, num_tokens_per_rank
+    // 0) while its num_tokens_per_expert still counts tokens: every rank's notify agrees on BAD_EXPERTS and
+    // reports ERR_INVALID_LAYOUT / LAYOUT_ARG_PER_EXPERT naming rank 0; the dispatch behind it moves nothing.
+    // (b) Rank 0 keeps a token from another rank where one of its experts lives (is_token_in_rank and
+    // num_tokens_per_rank agree, so notify passes): rank 0's sender reports LAYOUT_ARG_IN_RANK with that token;
+    // the others see no error.
+    World w(8, 4, E);
+    w.timeout_ns = 2000ull * 1000 * 1000;
+    std::vector<Inputs> in(R);
+    for (u32 p = 0; p < R; p++) in[p] = make_inputs(w, p, 12, 17, Route::Uniform);
+    std::vector<Layout> lay;
+    layout_and_notify(w, in, lay, "bad layout");
+    const std::vector<Layout> good = lay;
+    std::fill(lay[0].in_rank.begin(), lay[0].in_rank.end(), (u8)0);
+    std::fill(lay[0].per_rank.begin(), lay[0].per_rank.end(), 0);
+    notify(w, in, lay);
+    std::vector<Received> rx;
+    dispatch(w, in, lay, rx, "per-expert counts without tokens");
+    for (u32 p = 0; p < R; p++) {
+      const ErrorRecord& rec = w.r[p].record;
+      CHECK(lay[p].routing[RT_STATUS] == (i32)HTI_STATUS_BAD_EXPERTS, "bad layout (a): rank %u status %d", p, lay[p].routing[RT_STATUS]);
+      CHECK(rec.code == ERR_INVALID_LAYOUT && rec.peer == 0 && rec.elapsed_ns == LAYOUT_ARG_PER_EXPERT,
+            "bad layout (a): rank %u record code %u peer %u detail %llu", p, rec.code, rec.peer, (unsigned long long)rec.elapsed_ns);
+      w.r[p].record = ErrorRecord{};
+      w.r[p].claim = CLAIM_NONE;
+    }
+    // (b): the first token of rank 0 that goes to another rank receiving at least two of its tokens.
+    lay = good;
+    u32 bad_t = 0, bad_r = 0;
+    for (u32 t = 0; t < in[0].t && bad_r == 0; t++)
+      for (u32 r = 1; r < R && bad_r == 0; r++)
+        if (lay[0].in_rank[(size_t)t * R + r] != 0 && lay[0].per_rank[r] >= 2) bad_t = t, bad_r = r;
+    CHECK(bad_r != 0, "bad layout (b): no token of rank 0 to keep back");
+    lay[0].in_rank[(size_t)bad_t * R + bad_r] = 0;
+    lay[0].per_rank[bad_r] -= 1;
+    notify(w, in, lay);
+    for (u32 p = 0; p < R; p++) {
+      check_clean(w, p, "bad layout (b) notify");
+      CHECK(lay[p].routing[RT_STATUS] == 0, "bad layout (b): rank %u notify status %d", p, lay[p].routing[RT_STATUS]);
+    }
+    dispatch(w, in, lay, rx, "a token kept from a rank of its experts");
+    for (u32 p = 0; p < R; p++) {
+      const ErrorRecord& rec = w.r[p].record;
+      if (p == 0)
+        CHECK(rec.code == ERR_INVALID_LAYOUT && rec.peer == 0 && rec.elapsed_ns == LAYOUT_ARG_IN_RANK && rec.timeout_ns == bad_t,
+              "bad layout (b): rank 0 record code %u peer %u detail %llu token %llu (want %u)", rec.code, rec.peer,
+              (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, bad_t);
+      else
+        check_clean(w, p, "bad layout (b): another rank");
+    }
+    std::printf("bad layouts: BAD_EXPERTS agreed on every rank naming rank 0; token %u kept from rank %u reported by its sender ok\n",
+                bad_t, bad_r);
   }
   std::printf("all internode HT scenarios passed\n");
   return 0;
