@@ -103,11 +103,20 @@ pub fn run_harness(cxx: &str, h: &Harness<'_>, what: &str) {
         };
         flags.push(format!("-D{k}={v}"));
     }
+    if std::env::var_os("MOELINK_EMU_KEEP").is_some() {
+        let line = format!("{cxx} {} -I . -I {} {} -o {stem} -pthread\n", flags.join(" "), emu_dir().display(), emu_dir().join(h.harness).display());
+        std::fs::write(dir.join("build.sh"), line).unwrap();
+    }
     if let Err(e) = compile(cxx, &flags, &dir, &emu_dir().join(h.harness), &bin) {
         panic!("{}: compiling the emulator failed:\n{e}", spec.variant);
     }
     let out = Command::new(&bin).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    // MOELINK_EMU_KEEP=1 keeps the build (sources, flags in the binary's folder) to rerun or debug it.
+    if std::env::var_os("MOELINK_EMU_KEEP").is_some() {
+        eprintln!("kept {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     eprintln!("{}:\n{}", spec.variant, String::from_utf8_lossy(&out.stdout));
     assert!(
         out.status.success(),
