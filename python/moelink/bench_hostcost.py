@@ -171,7 +171,59 @@ class Runner:
         out.append(self.run("ll_dispatch_combine", "fp8", pair, **shape))
         if graph and c.cuda:
             out.append(self.graph_replay(buf, pair, shape))
+        if c.cuda:
+            out.append(self.deepep_style(buf, x, idx, w, y, shape))
         return out
+
+    def deepep_style(self, buf: Any, x: Any, idx: Any, w: Any, y: Any, shape: Dict[str, Any]) -> Dict[str, Any]:
+        """The pair as DeepEP's ``test_low_latency.py`` times it ("Dispatch + combine"): its ``test_func`` (FP8
+        dispatch with ``cumulative_local_expert_recv_stats``, then combine), 50 warm-up calls, then 50 calls each
+        between two CUDA events on the current stream, the first dropped; avg / min / max. Beside it the host time
+        of each half in that loop and the activity of a few pairs (torch profiler): host-side CUDA API calls per
+        pair, and each GPU kernel, memset or copy with the gap before it."""
+        c, t, e = self.ctx, self.s.ll_tokens, self.s.ll_experts
+        rec = self.record("ll_deepep_bench", "fp8", **shape)
+        try:
+            stats = torch.zeros(e // c.num_ranks, dtype=torch.int32, device=c.device)
+            host = {"dispatch": 0.0, "combine": 0.0}
+
+            def test_func() -> None:
+                h0 = time.perf_counter()
+                _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, cumulative_local_expert_recv_stats=stats,
+                                                              use_fp8=True, async_finish=False, return_recv_hook=False)
+                h1 = time.perf_counter()
+                buf.low_latency_combine(y, idx, w, handle, return_recv_hook=False)
+                h2 = time.perf_counter()
+                host["dispatch"] += h1 - h0
+                host["combine"] += h2 - h1
+
+            # As in DeepEP's test, the checks before leave a dispatch's outputs referenced (made with
+            # async_finish, and with a receive hook) while the timed calls run.
+            left = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, async_finish=True)
+            left[3].current_stream_wait()
+            hooked = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, return_recv_hook=True)
+            hooked[4]()
+            aligned(c)
+            for _ in range(50):
+                test_func()
+            tests = 50
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(tests)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(tests)]
+            host.update(dispatch=0.0, combine=0.0)
+            for i in range(tests):
+                starts[i].record()
+                test_func()
+                ends[i].record()
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(en) * 1e3 for s, en in zip(starts, ends)][1:]
+            avg, lo, hi, hd, hc = slowest(c, [sum(times) / len(times), min(times), max(times),
+                                              host["dispatch"] / tests * 1e6, host["combine"] / tests * 1e6])
+            rec.update(avg_us=avg, min_us=lo, max_us=hi, host_dispatch_us=hd, host_combine_us=hc)
+            rec.update(profile_calls(c, test_func))
+            del left, hooked
+        except Exception as err:  # noqa: BLE001
+            rec.update(failed(err))
+        return rec
 
     def graph_replay(self, buf: Any, pair: Callable[[], Any], shape: Dict[str, Any]) -> Dict[str, Any]:
         """The LL pair captured in one CUDA graph: replay time, the pair's kernels back to back, and the GPU
@@ -282,6 +334,38 @@ def profile_replays(ctx: Any, g: Any, n: int = 5) -> Dict[str, Any]:
             "replay_span_us": round(mid[-1][1] - mid[0][0], 2), "gpu_events_per_replay": per}
 
 
+def profile_calls(ctx: Any, fn: Callable[[], Any], n: int = 6) -> Dict[str, Any]:
+    """The activity of ``n`` eager calls of ``fn`` (torch profiler): host-side CUDA API calls per call (name:
+    count, total µs) and the GPU activity from the middle call's first kernel on, each with the gap before it."""
+    try:
+        aligned(ctx)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        gpu, api = [], {}
+        for e in prof.events():
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+                gpu.append((e.time_range.start, e.time_range.end, e.name))
+            elif e.name.startswith(("cuda", "cu")) and e.name != "cudaDeviceSynchronize":
+                count, total = api.get(e.name, (0, 0.0))
+                api[e.name] = (count + 1, total + (e.time_range.end - e.time_range.start))
+        gpu.sort(key=lambda v: v[0])
+    except Exception as err:  # noqa: BLE001 - the timings stand without the profile
+        return {"profile_error": f"{type(err).__name__}: {err}"[:300]}
+    per = len(gpu) // n if n else 0
+    mid = gpu[(n // 2) * per:(n // 2 + 1) * per + 1] if per else []
+    activity, last_end = [], None
+    for start, end, name in mid:
+        activity.append({"name": name[:120], "dur_us": round(end - start, 2),
+                         "gap_before_us": None if last_end is None else round(start - last_end, 2)})
+        last_end = end
+    return {"host_api_per_call": {k: {"count": round(v[0] / n, 2), "us": round(v[1] / n, 2)}
+                                  for k, v in sorted(api.items(), key=lambda kv: -kv[1][1])},
+            "gpu_activity": activity, "gpu_events_per_call": len(gpu) / n if n else 0}
+
+
 def table(records: List[Dict[str, Any]]) -> str:
     """Side by side: each op's three numbers per system, and moelink's over DeepEP's."""
     systems = sorted({r["system"] for r in records if "cpu_us_per_call" in r}, key=lambda n: (n != "moelink", n))
@@ -326,6 +410,19 @@ def table(records: List[Dict[str, Any]]) -> str:
                      f"{r.get('kernel_sum_us', '-')} us in {r.get('gpu_events_per_replay', '-')} events over a span of "
                      f"{r.get('replay_span_us', '-')} us; the same pair issued eagerly {r.get('eager_loop_us', 0):.1f} us")
         for a in r.get("replay_activity", []):
+            lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
+                         f"{a['name']}")
+    for r in (r for r in records if r["op"] == "ll_deepep_bench"):
+        lines.append("")
+        if r.get("status") != "ok":
+            lines.append(f"{r['system']}: LL pair as DeepEP's test times it: {r.get('status')} {r.get('error', '')}")
+            continue
+        lines.append(f"{r['system']}: LL pair as DeepEP's test_low_latency times it: avg {r['avg_us']:.1f} us "
+                     f"(min {r['min_us']:.1f}, max {r['max_us']:.1f}); host {r['host_dispatch_us']:.1f} us in dispatch, "
+                     f"{r['host_combine_us']:.1f} us in combine; {r.get('gpu_events_per_call', '-')} GPU events per pair")
+        for name, v in list(r.get("host_api_per_call", {}).items())[:8]:
+            lines.append(f"    host {name}: {v['count']} per pair, {v['us']} us")
+        for a in r.get("gpu_activity", []):
             lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
                          f"{a['name']}")
     return "\n".join(lines)

@@ -31,6 +31,8 @@ export MOELINK_TEST_DEADLINE_S=${MOELINK_TEST_DEADLINE_S:-45}
 export MOELINK_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
 export OMP_NUM_THREADS=4
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+# An instance given some of the GPUs (CUDA_VISIBLE_DEVICES) counts only those.
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
 ranks=$ngpu
 if [ "$ngpu" -eq 0 ]; then  # a machine without GPUs: everything on the host backend (a dry run of this script)
     export MOELINK_BACKEND=host
