@@ -10,8 +10,9 @@
 #             prints its own failures)
 #   mps       CUDA MPS started as an ordinary daemon (pipe and log folders under /tmp, compute mode untouched,
 #             CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / processes), quit at the end: moelink selftest --process
-#             with the nvshmem transport at 2 and 4 processes, and moelink bench transport --process (nvshmem,
-#             ptr, emu-nic) at 4 processes as 2x2
+#             with the nvshmem transport at 2 and 4 processes, moelink bench transport --process (nvshmem,
+#             ptr, emu-nic) at 4 processes as 2x2, and moelink bench --process (HT and LL, nvshmem) at 4
+#             processes as 2x2
 #   mpsthread thread mode under MPS: the HT test that timed out there (cuda::timed_regions_keep_results_and_measure)
 #             at 4 ranks: refused with CUDA's default hardware work queues (the error says why), run with
 #             CUDA_DEVICE_MAX_CONNECTIONS=32 (what steps.sh gives every other step)
@@ -92,6 +93,10 @@ for s in $STEPS; do
         trun selftest-p4-mps 4 240 selftest --process --transport ptr,emu-nic,nvshmem --bytes-per-peer $((8 << 20)) --barrier-iters 200
         trun bench-p4-mps 4 240 bench transport --process --topology 2x2 --transport nvshmem,ptr,emu-nic --qps 1,4 \
             --sizes 16,4096,65536,1048576 --json "$W/transport-process-2x2.json"
+        # HT and LL at DeepEP's shapes, 4 NVSHMEM PEs as 2x2 virtual nodes, checked against the host backend
+        # before timing (ranks share GPUs: not a network figure).
+        trun procbench-p4-mps 4 300 bench --process --topology 2x2 --transport nvshmem --mode all --reps 5 \
+            --json "$W/procbench-2x2-nvshmem-mps.json"
         mps_stop
         ;;
     mpsthread)
