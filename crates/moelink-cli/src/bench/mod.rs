@@ -532,6 +532,10 @@ struct Plan {
     ranks: usize,
     /// Up to how many ranks share a GPU, when they do (`--topology` on fewer GPUs than ranks).
     gpus_shared_by: Option<usize>,
+    /// GPUs the ranks run on.
+    gpus: usize,
+    /// `--process`: every rank a process of a torchrun launch.
+    process: bool,
     /// `--topology` across nodes, with its RDMA settings; `None` on one node.
     internode: Option<(moelink::Topology, moelink::RdmaOptions)>,
     reps: usize,
@@ -621,7 +625,8 @@ fn plan(a: &BenchArgs, process_ranks: Option<usize>) -> std::result::Result<Plan
         };
         batches.sort_by_key(|b| !deepep(b));
     }
-    Ok(Plan { backend, fallback_reason, ranks, gpus_shared_by, internode, reps, warmup, batches })
+    let gpus = if backend == BackendKind::Cuda { gpus_shared_by.map_or(ranks, |n| host_ranks.div_ceil(n)) } else { 0 };
+    Ok(Plan { backend, fallback_reason, ranks, gpus_shared_by, gpus, process: process_ranks.is_some(), internode, reps, warmup, batches })
 }
 
 /// The topology and RDMA settings of `--topology`/`--transport`/`--no-nvlink-in-node`; `None` for one node.
@@ -965,7 +970,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
         system: "moelink".into(),
         backend: sys::backend_name(p.backend).into(),
         device: sys::device_name(p.backend),
-        gpus: if p.backend == BackendKind::Cuda { p.ranks } else { 0 },
+        gpus: p.gpus,
         date: sys::utc_now(),
         commit: sys::commit(),
     };
@@ -1087,7 +1092,7 @@ fn timer_line(backend: BackendKind) -> &'static str {
 
 fn header(p: &Plan, f: &RunFacts, nvl: usize, rdma: usize) -> String {
     let backend = match (p.backend, &p.fallback_reason) {
-        (BackendKind::Cuda, _) => format!("cuda on {} x {}", p.ranks, f.device),
+        (BackendKind::Cuda, _) => format!("cuda on {} x {}", p.gpus, f.device),
         (_, Some(why)) => format!(
             "host (CPU threads on {}; no usable GPU: {why}) -- these times measure the CPU reference, not GPU performance",
             f.device
@@ -1111,8 +1116,9 @@ fn header(p: &Plan, f: &RunFacts, nvl: usize, rdma: usize) -> String {
     };
     let shared = match p.gpus_shared_by {
         Some(n) => format!(
-            "\n  up to {n} ranks share each GPU (thread mode): they exchange through its memory, so no time here is an \
-             NVLink or network figure"
+            "\n  up to {n} ranks share each GPU ({}): they exchange through its memory, so no time here is an \
+             NVLink or network figure",
+            if p.process { "one process each" } else { "thread mode" }
         ),
         None => String::new(),
     };
