@@ -105,6 +105,28 @@ def measure(ctx: Any, op: Callable[[], Any], calls: int, singles: int = 20) -> D
     return {"cpu_us_per_call": cpu, "loop_us_per_call": loop, "sync_us": sync}
 
 
+def native_split(ctx: Any, buf: Any, fn: Callable[[], Any], cpu_us: float, calls: int = 100) -> Dict[str, Any]:
+    """moelink only: where a call's host time goes, from the native module's host timing over ``calls`` calls
+    (slowest rank): reading the tensor arguments, the backend (GIL released), the native rest; the Python
+    layer is ``cpu_us`` minus those."""
+    native = getattr(buf, "_native", None)
+    if native is None or not hasattr(native, "set_host_timing"):
+        return {}
+    aligned(ctx)
+    native.set_host_timing(True)
+    try:
+        for _ in range(calls):
+            fn()
+        sums = native.host_times()
+    finally:
+        native.set_host_timing(False)
+    ctx.sync()
+    read, backend, rest = (sum(v[i] for v in sums.values()) / calls / 1e3 for i in (1, 2, 3))
+    read, backend, rest = slowest(ctx, [read, backend, rest])
+    return {"native_read_us": read, "native_backend_us": backend, "native_rest_us": rest,
+            "python_us": max(0.0, cpu_us - read - backend - rest)}
+
+
 def failed(err: BaseException) -> Dict[str, Any]:
     return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500]}
 
@@ -125,10 +147,11 @@ class Runner:
         r.update(extra)
         return r
 
-    def run(self, op: str, dtype: str, fn: Callable[[], Any], **extra: Any) -> Dict[str, Any]:
+    def run(self, op: str, dtype: str, fn: Callable[[], Any], buf: Any = None, **extra: Any) -> Dict[str, Any]:
         rec = self.record(op, dtype, **extra)
         try:
             rec.update(measure(self.ctx, fn, self.calls))
+            rec.update(native_split(self.ctx, buf, fn, rec["cpu_us_per_call"]))
         except Exception as err:  # noqa: BLE001 - one failing op must not stop the others
             rec.update(failed(err))
         return rec
@@ -161,14 +184,14 @@ class Runner:
             _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True)
             return lambda: buf.low_latency_combine(y, idx, w, handle)
 
-        out = [self.run("ll_dispatch", "fp8", lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=True), **shape)]
+        out = [self.run("ll_dispatch", "fp8", lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=True), buf, **shape)]
         try:
             combine = combines()
         except Exception as err:  # noqa: BLE001
             out.append(self.record("ll_combine", "bf16", **shape, **failed(err)))
         else:
-            out.append(self.run("ll_combine", "bf16", combine, **shape))
-        out.append(self.run("ll_dispatch_combine", "fp8", pair, **shape))
+            out.append(self.run("ll_combine", "bf16", combine, buf, **shape))
+        out.append(self.run("ll_dispatch_combine", "fp8", pair, buf, **shape))
         if graph and c.cuda:
             out.append(self.graph_replay(buf, pair, shape))
         if c.cuda:
@@ -180,22 +203,33 @@ class Runner:
         dispatch with ``cumulative_local_expert_recv_stats``, then combine), 50 warm-up calls, then 50 calls each
         between two CUDA events on the current stream, the first dropped; avg / min / max. Beside it the host time
         of each half in that loop and the activity of a few pairs (torch profiler): host-side CUDA API calls per
-        pair, and each GPU kernel, memset or copy with the gap before it."""
+        pair, and each GPU kernel, memset or copy with the gap before it. Then the host time of each half in
+        variants of the loop (without the events, without the stats tensor, the plain pair), split for moelink
+        into Python, reading the tensor arguments, the backend and the rest (``host_split``)."""
         c, t, e = self.ctx, self.s.ll_tokens, self.s.ll_experts
         rec = self.record("ll_deepep_bench", "fp8", **shape)
         try:
             stats = torch.zeros(e // c.num_ranks, dtype=torch.int32, device=c.device)
             host = {"dispatch": 0.0, "combine": 0.0}
 
-            def test_func() -> None:
+            def pair(with_stats: bool, deepep_kwargs: bool) -> None:
                 h0 = time.perf_counter()
-                _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, cumulative_local_expert_recv_stats=stats,
-                                                              use_fp8=True, async_finish=False, return_recv_hook=False)
+                if deepep_kwargs:
+                    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, cumulative_local_expert_recv_stats=stats if with_stats else None,
+                                                                  use_fp8=True, async_finish=False, return_recv_hook=False)
+                else:
+                    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True)
                 h1 = time.perf_counter()
-                buf.low_latency_combine(y, idx, w, handle, return_recv_hook=False)
+                if deepep_kwargs:
+                    buf.low_latency_combine(y, idx, w, handle, return_recv_hook=False)
+                else:
+                    buf.low_latency_combine(y, idx, w, handle)
                 h2 = time.perf_counter()
                 host["dispatch"] += h1 - h0
                 host["combine"] += h2 - h1
+
+            def test_func() -> None:
+                pair(True, True)
 
             # As in DeepEP's test, the checks before leave a dispatch's outputs referenced (made with
             # async_finish, and with a receive hook) while the timed calls run.
@@ -219,6 +253,40 @@ class Runner:
             avg, lo, hi, hd, hc = slowest(c, [sum(times) / len(times), min(times), max(times),
                                               host["dispatch"] / tests * 1e6, host["combine"] / tests * 1e6])
             rec.update(avg_us=avg, min_us=lo, max_us=hi, host_dispatch_us=hd, host_combine_us=hc)
+
+            native = getattr(buf, "_native", None)
+            timing = native is not None and hasattr(native, "set_host_timing")
+            splits: Dict[str, Any] = {}
+            for name, with_events, with_stats, kwargs in (("as DeepEP", True, True, True), ("no events", False, True, True),
+                                                          ("no stats", True, False, True), ("plain pair", True, False, False)):
+                aligned(c)
+                for _ in range(20):
+                    pair(with_stats, kwargs)
+                aligned(c)
+                host.update(dispatch=0.0, combine=0.0)
+                if timing:
+                    native.set_host_timing(True)
+                n = 100
+                for i in range(n):
+                    if with_events:
+                        starts[i % tests].record()
+                    pair(with_stats, kwargs)
+                    if with_events:
+                        ends[i % tests].record()
+                sums = native.host_times() if timing else {}
+                if timing:
+                    native.set_host_timing(False)
+                torch.cuda.synchronize()
+                row = [host["dispatch"] / n * 1e6, host["combine"] / n * 1e6]
+                for op in ("low_latency_dispatch", "low_latency_combine"):
+                    calls, read, backend, rest = sums.get(op, (0, 0, 0, 0))
+                    row += [read / max(calls, 1) / 1e3, backend / max(calls, 1) / 1e3, rest / max(calls, 1) / 1e3]
+                row = slowest(c, row)
+                splits[name] = {"dispatch_us": row[0], "combine_us": row[1]}
+                if timing:
+                    splits[name].update(dispatch_read_us=row[2], dispatch_backend_us=row[3], dispatch_rest_us=row[4],
+                                        combine_read_us=row[5], combine_backend_us=row[6], combine_rest_us=row[7])
+            rec["host_split"] = splits
             rec.update(profile_calls(c, test_func))
             del left, hooked
         except Exception as err:  # noqa: BLE001
@@ -299,11 +367,11 @@ class Runner:
             recv_x, _, _, _, handle, _ = fresh()
         except Exception as err:  # noqa: BLE001
             return [self.record(op, dt, **shape, **failed(err)) for op, dt in ops]
-        return [self.run("ht_layout", "-", lambda: buf.get_dispatch_layout(idx, e), **shape),
-                self.run("ht_dispatch", "bf16", fresh, **shape, cpu_synced=True),
-                self.run("ht_cached_dispatch", "bf16", lambda: buf.dispatch(x, handle=handle, config=cfg), **shape),
-                self.run("ht_cached_dispatch", "fp8", lambda: buf.dispatch(x8, handle=handle, config=cfg), **shape),
-                self.run("ht_combine", "bf16", lambda: buf.combine(recv_x, handle, config=ccfg), **shape)]
+        return [self.run("ht_layout", "-", lambda: buf.get_dispatch_layout(idx, e), buf, **shape),
+                self.run("ht_dispatch", "bf16", fresh, buf, **shape, cpu_synced=True),
+                self.run("ht_cached_dispatch", "bf16", lambda: buf.dispatch(x, handle=handle, config=cfg), buf, **shape),
+                self.run("ht_cached_dispatch", "fp8", lambda: buf.dispatch(x8, handle=handle, config=cfg), buf, **shape),
+                self.run("ht_combine", "bf16", lambda: buf.combine(recv_x, handle, config=ccfg), buf, **shape)]
 
 
 def profile_replays(ctx: Any, g: Any, n: int = 5) -> Dict[str, Any]:
@@ -400,6 +468,13 @@ def table(records: List[Dict[str, Any]]) -> str:
                 if m.get(f) and d.get(f):
                     ratios.append(f"{f.split('_')[0]} {m[f] / d[f]:.2f}")
             lines.append(f"  {op:22} {dt:5} " + ", ".join(ratios))
+    split = [r for r in records if "native_backend_us" in r]
+    if split:
+        lines.append("")
+        lines.append("moelink's host time per call: Python layer + native (reading tensor arguments + backend + rest), us:")
+        for r in split:
+            lines.append(f"  {r['system']:16} {r['op']:22} {r['dtype']:5} {r['python_us']:6.1f} + ({r['native_read_us']:5.1f} + "
+                         f"{r['native_backend_us']:6.1f} + {r['native_rest_us']:4.1f})")
     graphs = [r for r in records if r["op"] == "ll_dispatch_combine_graph"]
     for r in graphs:
         lines.append("")
@@ -420,6 +495,13 @@ def table(records: List[Dict[str, Any]]) -> str:
         lines.append(f"{r['system']}: LL pair as DeepEP's test_low_latency times it: avg {r['avg_us']:.1f} us "
                      f"(min {r['min_us']:.1f}, max {r['max_us']:.1f}); host {r['host_dispatch_us']:.1f} us in dispatch, "
                      f"{r['host_combine_us']:.1f} us in combine; {r.get('gpu_events_per_call', '-')} GPU events per pair")
+        for name, v in r.get("host_split", {}).items():
+            line = f"    host per call, {name:10}: dispatch {v['dispatch_us']:.1f} us, combine {v['combine_us']:.1f} us"
+            if "dispatch_read_us" in v:
+                line += (f" (native: dispatch read {v['dispatch_read_us']:.1f} + backend {v['dispatch_backend_us']:.1f} + rest "
+                         f"{v['dispatch_rest_us']:.1f}; combine read {v['combine_read_us']:.1f} + backend "
+                         f"{v['combine_backend_us']:.1f} + rest {v['combine_rest_us']:.1f})")
+            lines.append(line)
         for name, v in list(r.get("host_api_per_call", {}).items())[:8]:
             lines.append(f"    host {name}: {v['count']} per pair, {v['us']} us")
         for a in r.get("gpu_activity", []):

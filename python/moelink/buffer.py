@@ -105,12 +105,15 @@ class _Reuse:
         self._sets: dict = {}
 
     @staticmethod
-    def _free(outs: Tuple[Any, ...], counts: Tuple[Tuple[int, int], ...]) -> bool:
+    def _free(outs: Tuple[Any, ...], counts: Tuple[Tuple[int, int, int], ...]) -> bool:
         """Whether nothing but this object references any tensor of the set."""
         for i in range(len(outs)):
             t = outs[i]  # referenced by `outs`, `t` and getrefcount's argument: _FREE_REFS
-            if t is not None and (sys.getrefcount(t) != _Reuse._FREE_REFS or t._use_count() != counts[i][0]
-                                  or _storage_use_count(t.untyped_storage()._cdata) != counts[i][1]):
+            if t is None:
+                continue
+            uses, storage_uses, storage = counts[i]
+            # The storage's address was taken at keep time: the kept tensor keeps the storage alive.
+            if sys.getrefcount(t) != _Reuse._FREE_REFS or t._use_count() != uses or _storage_use_count(storage) != storage_uses:
                 return False
         return True
 
@@ -135,7 +138,8 @@ class _Reuse:
     def keep(self, key: Any, outs: Tuple[Any, ...]) -> Tuple[Any, ...]:
         """Keeps the fresh set ``outs`` for later calls with ``key`` (its tensors' use counts as they are now,
         referenced only by the call that allocated them, are what "free" means for them); returns it."""
-        counts = tuple((0, 0) if t is None else (t._use_count(), _storage_use_count(t.untyped_storage()._cdata))
+        counts = tuple((0, 0, 0) if t is None else (t._use_count(), _storage_use_count(t.untyped_storage()._cdata),
+                                                     t.untyped_storage()._cdata)
                        for t in outs)
         sets = self._sets.setdefault(key, [])
         if len(sets) >= 2:

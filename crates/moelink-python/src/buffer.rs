@@ -7,8 +7,9 @@
 //! (returning at once), or `None` for the buffer's own stream with the host waiting. The host backend
 //! ignores it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use pyo3::prelude::*;
 
@@ -46,6 +47,38 @@ pub(crate) struct PyBuffer {
     /// needs the lock, and the lock must not be taken while holding the GIL (see the module doc), so a call
     /// marks its start here before anything can refuse it, for the price of an atomic add.
     pending_calls: AtomicU64,
+    /// Where the host time of the timed calls goes, while `set_host_timing(True)`.
+    host_time: HostTime,
+}
+
+/// Host time of the calls that take tensors, split where the native module can see it: reading the tensor
+/// arguments (attribute lookups on torch objects, under the GIL), the backend's work (with the GIL released:
+/// the buffer lock, validation, kernel lookup, launch, and in synchronous mode the wait), and the rest (GIL
+/// hand-back, results). Python's own work around the native call is the caller's total minus these.
+#[derive(Default)]
+struct HostTime {
+    on: AtomicBool,
+    /// Per operation: calls, reading ns, backend ns, rest ns.
+    ops: Mutex<Vec<(&'static str, [u64; 4])>>,
+}
+
+impl HostTime {
+    /// Starts timing one call (None while off).
+    fn start(&self) -> Option<Instant> {
+        self.on.load(Ordering::Relaxed).then(Instant::now)
+    }
+
+    fn record(&self, op: &'static str, started: Instant, read_done: Instant, backend_ns: u64) {
+        let total = started.elapsed().as_nanos() as u64;
+        let read = read_done.duration_since(started).as_nanos() as u64;
+        if let Ok(mut ops) = self.ops.lock() {
+            let sample = [1, read, backend_ns, total.saturating_sub(read + backend_ns)];
+            match ops.iter_mut().find(|(name, _)| *name == op) {
+                Some((_, sums)) => sums.iter_mut().zip(sample).for_each(|(s, v)| *s += v),
+                None => ops.push((op, sample)),
+            }
+        }
+    }
 }
 
 /// The arguments of a dispatch, kept between `prepare_dispatch` and `dispatch_into`.
@@ -207,28 +240,57 @@ impl PyBuffer {
         stream: Option<Option<u64>>,
         f: impl FnOnce(&mut Buffer) -> moelink::Result<T> + Send,
     ) -> PyResult<T> {
+        self.run_timed(py, stream, None, f)
+    }
+
+    /// [`PyBuffer::run`] for a call that began at `started` (host timing on) as operation `op`.
+    fn run_timed<T: Send>(
+        &self,
+        py: Python<'_>,
+        stream: Option<Option<u64>>,
+        started: Option<(&'static str, Instant)>,
+        f: impl FnOnce(&mut Buffer) -> moelink::Result<T> + Send,
+    ) -> PyResult<T> {
+        let read_done = Instant::now();
         let _stale = self.group.take_error();
         let rank = self.rank;
+        let mut backend_ns = 0u64;
         let r = py.detach(|| {
-            let mut guard = self.inner.lock().map_err(|_| Error::Poisoned { rank, cause: "a previous call panicked".into() })?;
-            let buf = guard.as_mut().ok_or_else(|| Error::Unavailable(format!("the buffer on rank {rank} was destroyed")))?;
-            for _ in 0..self.pending_calls.swap(0, Ordering::AcqRel) {
-                buf.begin_call();
-            }
-            match stream.flatten() {
-                Some(raw) => {
-                    // SAFETY: the package passes the handle of a live torch stream of this buffer's device
-                    // (`torch.cuda.Stream.cuda_stream`: the comm stream the Python Buffer keeps, or the
-                    // current stream), which outlives the buffer's use of it; it keeps every tensor of an
-                    // asynchronous operation alive until the stream work completes (EventOverlap's extra
-                    // tensors, `record_stream`).
-                    let foreign = unsafe { ForeignStream::from_raw(raw) };
-                    buf.on_foreign_stream(&foreign, f)
-                }
-                None => f(buf),
-            }
+            let entered = Instant::now();
+            let r = self.run_backend(rank, stream, f);
+            backend_ns = entered.elapsed().as_nanos() as u64;
+            r
         });
-        r.map_err(|e| to_pyerr(py, e, self.group.take_error()))
+        let out = r.map_err(|e| to_pyerr(py, e, self.group.take_error()));
+        if let Some((op, t0)) = started {
+            self.host_time.record(op, t0, read_done, backend_ns);
+        }
+        out
+    }
+
+    fn run_backend<T: Send>(
+        &self,
+        rank: usize,
+        stream: Option<Option<u64>>,
+        f: impl FnOnce(&mut Buffer) -> moelink::Result<T> + Send,
+    ) -> moelink::Result<T> {
+        let mut guard = self.inner.lock().map_err(|_| Error::Poisoned { rank, cause: "a previous call panicked".into() })?;
+        let buf = guard.as_mut().ok_or_else(|| Error::Unavailable(format!("the buffer on rank {rank} was destroyed")))?;
+        for _ in 0..self.pending_calls.swap(0, Ordering::AcqRel) {
+            buf.begin_call();
+        }
+        match stream.flatten() {
+            Some(raw) => {
+                // SAFETY: the package passes the handle of a live torch stream of this buffer's device
+                // (`torch.cuda.Stream.cuda_stream`: the comm stream the Python Buffer keeps, or the
+                // current stream), which outlives the buffer's use of it; it keeps every tensor of an
+                // asynchronous operation alive until the stream work completes (EventOverlap's extra
+                // tensors, `record_stream`).
+                let foreign = unsafe { ForeignStream::from_raw(raw) };
+                buf.on_foreign_stream(&foreign, f)
+            }
+            None => f(buf),
+        }
     }
 
     fn check_uid(&self, py: Python<'_>, uid: u64, arg: &'static str) -> PyResult<()> {
@@ -420,6 +482,7 @@ impl PyBuffer {
             topology: buf.topology(),
             device,
             pending_calls: AtomicU64::new(0),
+            host_time: HostTime::default(),
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
             group,
             inner: Mutex::new(Some(buf)),
@@ -485,6 +548,21 @@ impl PyBuffer {
     /// cannot pair its exchanges with the peers' current one. Not collective; never fails. The count is
     /// applied under the buffer lock at the start of the next call (operations that take `begin_call=True`
     /// mark their own start the same way, in the same native call).
+    /// Host timing of the calls that take tensors (`low_latency_dispatch`, `low_latency_combine`,
+    /// `get_dispatch_layout`, `dispatch`, `combine`): on or off; turning it on clears the sums.
+    fn set_host_timing(&self, on: bool) {
+        if let Ok(mut ops) = self.host_time.ops.lock() {
+            ops.clear();
+        }
+        self.host_time.on.store(on, Ordering::Relaxed);
+    }
+
+    /// The sums since host timing was turned on: `{op: (calls, read_ns, backend_ns, rest_ns)}` (see
+    /// `set_host_timing`): reading the tensor arguments, the backend with the GIL released, the rest.
+    fn host_times(&self) -> std::collections::HashMap<&'static str, (u64, u64, u64, u64)> {
+        self.host_time.ops.lock().map(|ops| ops.iter().map(|(op, s)| (*op, (s[0], s[1], s[2], s[3]))).collect()).unwrap_or_default()
+    }
+
     fn begin_call(&self) {
         self.mark_call(true);
     }
@@ -512,6 +590,7 @@ impl PyBuffer {
         num_tokens_per_rdma_rank: Option<&Obj<'_>>,
         stream: Option<u64>,
     ) -> PyResult<()> {
+        let started = self.host_time.start().map(|t| ("get_dispatch_layout", t));
         let r = self.rank;
         let topk_idx = self.arg(topk_idx, "topk_idx")?.view(py, "topk_idx", r)?;
         let out = LayoutOutputs {
@@ -525,7 +604,7 @@ impl PyBuffer {
             num_tokens_per_expert: self.arg(num_tokens_per_expert, "num_tokens_per_expert")?.view_mut(py, "num_tokens_per_expert", r)?,
             is_token_in_rank: self.arg(is_token_in_rank, "is_token_in_rank")?.view_mut(py, "is_token_in_rank", r)?,
         };
-        self.run(py, Some(stream), move |b| b.get_dispatch_layout_into(topk_idx, num_experts, out))
+        self.run_timed(py, Some(stream), started, move |b| b.get_dispatch_layout_into(topk_idx, num_experts, out))
     }
 
     /// Validates a dispatch and exchanges counts (collective). Fresh dispatch: the three layout tensors
@@ -644,6 +723,7 @@ impl PyBuffer {
         stream: Option<u64>,
         begin_call: bool,
     ) -> PyResult<(PyHtHandle, Vec<usize>, Obj<'py>)> {
+        let started = self.host_time.start();
         self.mark_call(begin_call);
         let call = self.ht_call(
             py,
@@ -659,14 +739,22 @@ impl PyBuffer {
             num_worst_tokens,
             config,
         )?;
+        let read_done = Instant::now();
         let (plan, call) = self.run(py, Some(stream), move |b| {
             let plan = b.prepare_dispatch(&call.args())?;
             Ok((plan, call))
         })?;
+        let prepared = Instant::now();
         let per_expert = plan.num_recv_tokens_per_expert().to_vec();
         let outputs = alloc.call1((plan.num_recv_rows(), plan.hidden(), plan.topk(), plan.is_fp8(), plan.has_topk()))?;
         let out = self.dispatch_outputs(py, &outputs)?;
+        let launch = Instant::now();
         let handle = self.run(py, Some(stream), move |b| b.dispatch_into(plan, &call.args(), out))?;
+        if let Some(t0) = started {
+            // Backend: both native steps (with their GIL hand-offs); the outputs' allocation is the rest.
+            let backend = prepared.duration_since(read_done) + launch.elapsed();
+            self.host_time.record("dispatch", t0, read_done, backend.as_nanos() as u64);
+        }
         Ok((PyHtHandle { inner: handle, buffer_uid: self.uid }, per_expert, outputs))
     }
 
@@ -688,6 +776,7 @@ impl PyBuffer {
         stream: Option<u64>,
         begin_call: bool,
     ) -> PyResult<()> {
+        let started = self.host_time.start().map(|t| ("combine", t));
         self.mark_call(begin_call);
         let r = self.rank;
         let handle = handle
@@ -709,7 +798,7 @@ impl PyBuffer {
         };
         let h = handle.inner.clone();
         let config = config.map(config_from);
-        self.run(py, Some(stream), move |b| b.combine_into(&CombineArgs { x, handle: &h, topk_weights, bias, config }, out))
+        self.run_timed(py, Some(stream), started, move |b| b.combine_into(&CombineArgs { x, handle: &h, topk_weights, bias, config }, out))
     }
 
     /// Low-latency dispatch into caller-allocated outputs (collective). Returns `(handle, hook)`; `hook`
@@ -741,6 +830,7 @@ impl PyBuffer {
         stream: Option<u64>,
         begin_call: bool,
     ) -> PyResult<(PyLlHandle, Option<PyRecvHook>)> {
+        let started = self.host_time.start().map(|t| ("low_latency_dispatch", t));
         self.mark_call(begin_call);
         let r = self.rank;
         let quant = LlQuant::from_flags(use_fp8, round_scale, use_ue8m0, r).map_err(|e| to_pyerr(py, e, None))?;
@@ -764,7 +854,7 @@ impl PyBuffer {
             src_info: opt_view_mut(py, &self.opt_arg(src_info, "src_info")?, "src_info", r)?,
             layout_range: opt_view_mut(py, &self.opt_arg(layout_range, "layout_range")?, "layout_range", r)?,
         };
-        let (handle, hook) = self.run(py, Some(stream), move |b| b.low_latency_dispatch_into(&args, out))?;
+        let (handle, hook) = self.run_timed(py, Some(stream), started, move |b| b.low_latency_dispatch_into(&args, out))?;
         Ok((PyLlHandle { inner: handle, buffer_uid: self.uid }, self.hook(hook)))
     }
 
@@ -787,6 +877,7 @@ impl PyBuffer {
         stream: Option<u64>,
         begin_call: bool,
     ) -> PyResult<Option<PyRecvHook>> {
+        let started = self.host_time.start().map(|t| ("low_latency_combine", t));
         self.mark_call(begin_call);
         let r = self.rank;
         let handle = handle
@@ -805,7 +896,7 @@ impl PyBuffer {
             combine_wait_recv_cost_stats: opt_view_mut(py, &self.opt_arg(combine_wait_recv_cost_stats, wait)?, wait, r)?,
         };
         let h = handle.inner.clone();
-        let hook = self.run(py, Some(stream), move |b| {
+        let hook = self.run_timed(py, Some(stream), started, move |b| {
             b.low_latency_combine_into(&LlCombineArgs { x, topk_idx, topk_weights, handle: &h, zero_copy, return_recv_hook }, outputs)
         })?;
         Ok(self.hook(hook))

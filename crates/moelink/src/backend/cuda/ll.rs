@@ -14,7 +14,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{Device, DeviceBuffer, HostMapped, LaunchConfig};
+use moelink_cuda::{Device, DeviceBuffer, HostMapped, Kernel, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{
@@ -77,6 +77,9 @@ pub(crate) struct LlState {
     /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
     /// exactly the points being measured.
     trace: Option<DeviceBuffer>,
+    /// The kernels of the variants used so far, by variant: a call finds its kernel without building the
+    /// variant's compile key (a dozen strings).
+    kernels: Vec<(LlVariant, &'static str, Kernel)>,
 }
 
 impl LlState {
@@ -88,6 +91,7 @@ impl LlState {
             combine_calls: 0,
             outstanding: Vec::new(),
             staging: None,
+            kernels: Vec::new(),
             trace: None,
         })
     }
@@ -140,6 +144,17 @@ fn ll_data_offset(b: &CudaBackend) -> usize {
 
 /// The kernels for `s`, with the buffer's timing experiment (`Tuning::ll_experiment`, a JIT constant: 0 in
 /// every real call).
+/// Kernel `name` (dispatch or combine) of variant `v`, compiled and loaded on first use.
+fn ll_kernel(b: &mut CudaBackend, v: LlVariant, name: &'static str) -> Result<Kernel> {
+    if let Some((_, _, k)) = b.ll.kernels.iter().find(|(kv, kn, _)| *kv == v && *kn == name) {
+        return Ok(k.clone());
+    }
+    let spec = if name == kernel_name::LL_COMBINE { v.combine_spec() } else { v.dispatch_spec() };
+    let k = b.kernel(&spec, name)?;
+    b.ll.kernels.push((v, name, k.clone()));
+    Ok(k)
+}
+
 fn variant_of(b: &CudaBackend, s: &LlSpec) -> LlVariant {
     variant_key(s, b.tuning.ll_experiment)
 }
@@ -343,12 +358,12 @@ pub(super) fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
                 match o.drain {
                     Drain::Dispatch(v, mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&v.dispatch_spec(), kernel_name::LL_DISPATCH)?;
+                        let k = ll_kernel(b, v, kernel_name::LL_DISPATCH)?;
                         b.launch(&k, &cfg, &a)?;
                     }
                     Drain::Combine(v, mut a) => {
                         a.phases = phase::DRAIN;
-                        let k = b.kernel(&v.combine_spec(), kernel_name::LL_COMBINE)?;
+                        let k = ll_kernel(b, v, kernel_name::LL_COMBINE)?;
                         b.launch(&k, &cfg, &a)?;
                     }
                     ref internode => super::ll_internode::drain(b, internode)?,
@@ -392,7 +407,7 @@ pub(crate) fn dispatch<'a>(
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
     let variant = variant_of(b, &s);
-    let kernel = b.kernel(&variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
+    let kernel = ll_kernel(b, variant, kernel_name::LL_DISPATCH)?;
     let set = (b.ll.dispatch_calls & 1) as usize;
     let generation = b.ll.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
@@ -465,7 +480,7 @@ pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Re
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
-    let kernel = b.kernel(&p.variant.dispatch_spec(), kernel_name::LL_DISPATCH)?;
+    let kernel = ll_kernel(b, p.variant, kernel_name::LL_DISPATCH)?;
     let grid = grid_size(b);
     b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
     b.finish(Phase::LowLatencyDispatch)?;
@@ -502,7 +517,7 @@ pub(crate) fn combine<'a>(
     };
 
     let variant = variant_of(b, &s);
-    let kernel = b.kernel(&variant.combine_spec(), kernel_name::LL_COMBINE)?;
+    let kernel = ll_kernel(b, variant, kernel_name::LL_COMBINE)?;
     let set = (b.ll.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
@@ -562,7 +577,7 @@ pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Resu
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
-    let kernel = b.kernel(&p.variant.combine_spec(), kernel_name::LL_COMBINE)?;
+    let kernel = ll_kernel(b, p.variant, kernel_name::LL_COMBINE)?;
     let grid = grid_size(b);
     b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &p.args)?;
     b.finish(Phase::LowLatencyCombine)?;
