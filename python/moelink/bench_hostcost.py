@@ -28,6 +28,7 @@ replay spends beyond the two kernels can be read off one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -199,12 +200,13 @@ class Runner:
         return out
 
     def deepep_style(self, buf: Any, x: Any, idx: Any, w: Any, y: Any, shape: Dict[str, Any]) -> Dict[str, Any]:
-        """The pair as DeepEP's ``test_low_latency.py`` times it ("Dispatch + combine"): its ``test_func`` (FP8
+        """The pair as DeepEP's ``test_low_latency.py`` times it ("Dispatch + combine"): with the default device
+        set to the GPU (its ``init_dist`` calls ``torch.set_default_device('cuda')``), its ``test_func`` (FP8
         dispatch with ``cumulative_local_expert_recv_stats``, then combine), 50 warm-up calls, then 50 calls each
         between two CUDA events on the current stream, the first dropped; avg / min / max. Beside it the host time
         of each half in that loop and the activity of a few pairs (torch profiler): host-side CUDA API calls per
         pair, and each GPU kernel, memset or copy with the gap before it. Then the host time of each half in
-        variants of the loop (without the events, without the stats tensor, the plain pair), split for moelink
+        variants of the loop (without the default device, without the events, the plain pair), split for moelink
         into Python, reading the tensor arguments, the backend and the rest (``host_split``)."""
         c, t, e = self.ctx, self.s.ll_tokens, self.s.ll_experts
         rec = self.record("ll_deepep_bench", "fp8", **shape)
@@ -238,16 +240,17 @@ class Runner:
             hooked = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, return_recv_hook=True)
             hooked[4]()
             aligned(c)
-            for _ in range(50):
-                test_func()
             tests = 50
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(tests)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(tests)]
-            host.update(dispatch=0.0, combine=0.0)
-            for i in range(tests):
-                starts[i].record()
-                test_func()
-                ends[i].record()
+            with torch.device(c.device):
+                for _ in range(50):
+                    test_func()
+                host.update(dispatch=0.0, combine=0.0)
+                for i in range(tests):
+                    starts[i].record()
+                    test_func()
+                    ends[i].record()
             torch.cuda.synchronize()
             times = [s.elapsed_time(en) * 1e3 for s, en in zip(starts, ends)][1:]
             avg, lo, hi, hd, hc = slowest(c, [sum(times) / len(times), min(times), max(times),
@@ -257,22 +260,23 @@ class Runner:
             native = getattr(buf, "_native", None)
             timing = native is not None and hasattr(native, "set_host_timing")
             splits: Dict[str, Any] = {}
-            for name, with_events, with_stats, kwargs in (("as DeepEP", True, True, True), ("no events", False, True, True),
-                                                          ("no stats", True, False, True), ("plain pair", True, False, False)):
+            for name, default_device, with_events, kwargs in (("as DeepEP", True, True, True), ("no default device", False, True, True),
+                                                              ("no events", True, False, True), ("plain pair", False, True, False)):
                 aligned(c)
                 for _ in range(20):
-                    pair(with_stats, kwargs)
+                    pair(kwargs, kwargs)
                 aligned(c)
                 host.update(dispatch=0.0, combine=0.0)
                 if timing:
                     native.set_host_timing(True)
                 n = 100
-                for i in range(n):
-                    if with_events:
-                        starts[i % tests].record()
-                    pair(with_stats, kwargs)
-                    if with_events:
-                        ends[i % tests].record()
+                with torch.device(c.device) if default_device else contextlib.nullcontext():
+                    for i in range(n):
+                        if with_events:
+                            starts[i % tests].record()
+                        pair(kwargs, kwargs)
+                        if with_events:
+                            ends[i % tests].record()
                 sums = native.host_times() if timing else {}
                 if timing:
                     native.set_host_timing(False)
@@ -496,7 +500,7 @@ def table(records: List[Dict[str, Any]]) -> str:
                      f"(min {r['min_us']:.1f}, max {r['max_us']:.1f}); host {r['host_dispatch_us']:.1f} us in dispatch, "
                      f"{r['host_combine_us']:.1f} us in combine; {r.get('gpu_events_per_call', '-')} GPU events per pair")
         for name, v in r.get("host_split", {}).items():
-            line = f"    host per call, {name:10}: dispatch {v['dispatch_us']:.1f} us, combine {v['combine_us']:.1f} us"
+            line = f"    host per call, {name:17}: dispatch {v['dispatch_us']:.1f} us, combine {v['combine_us']:.1f} us"
             if "dispatch_read_us" in v:
                 line += (f" (native: dispatch read {v['dispatch_read_us']:.1f} + backend {v['dispatch_backend_us']:.1f} + rest "
                          f"{v['dispatch_rest_us']:.1f}; combine read {v['combine_read_us']:.1f} + backend "

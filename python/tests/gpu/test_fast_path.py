@@ -209,3 +209,33 @@ def test_num_qps_per_rank_as_deepep_users_pass_it(env):
     with pytest.raises(ValueError) as err:
         moelink.Buffer(env.group, num_nvl_bytes=0, num_rdma_bytes=0, num_qps_per_rank=0)
     assert err.value.argument == "num_qps_per_rank"
+
+
+def test_calls_under_a_default_device_mode_return_the_same(env, ht_buffer, ll_buffer):
+    """``torch.set_default_device`` (DeepEP's tests call it) puts a torch function mode on the stack; the calls
+    run with modes off (each tensor attribute would cost ~1 µs under it) and must return exactly what they
+    return without it, and leave the caller's mode in force."""
+    e_ht, e_ll = HT_SMALL.num_experts(env.num_ranks), LL.num_experts(env.num_ranks)
+    mine = ht_inputs(HT_SMALL, env.num_ranks, seed=53)[env.rank]
+    idx, w, x = env.to(mine.topk_idx), env.to(mine.topk_weights), env.to(mine.x)
+    ll_mine = ll_inputs(env.num_ranks, seed=55)[env.rank]
+    lx, lidx, lw = env.to(ll_mine.x), env.to(ll_mine.topk_idx), env.to(ll_mine.topk_weights)
+
+    def calls() -> Any:
+        layout = ht_buffer.get_dispatch_layout(idx, e_ht)
+        got = ht_buffer.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                 num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
+        combined = ht_buffer.combine(got[0], got[4], topk_weights=got[2])
+        recv_x, count, handle, _, _ = ll_buffer.low_latency_dispatch(lx, lidx, T_MAX, e_ll, use_fp8=False)
+        valid = valid_rows(count, env.num_ranks * T_MAX)
+        ll_combined, _, _ = ll_buffer.low_latency_combine(recv_x, lidx, lw, handle)
+        return ([t.clone() for t in layout[:4] if t is not None], got[0].clone(), combined[0].clone(),
+                recv_x.cpu()[valid].clone(), ll_combined.clone())
+
+    want = calls()
+    with torch.device(env.device):
+        assert torch._C._is_torch_function_mode_enabled()
+        got = calls()
+        assert torch._C._is_torch_function_mode_enabled(), "the caller's mode is still in force after the calls"
+        assert torch.empty(1).device.type == torch.device(env.device).type
+    equal(got, want, "outputs under a default-device mode")
