@@ -45,6 +45,6 @@ if ! "$tvenv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 "$tvenv/bin/python" -m pip install -q --disable-pip-version-check "numpy>=1.24" "pytest>=7"
 "$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/moelink-*.whl
-(cd python/tests && OMP_NUM_THREADS=1 "../../$tvenv/bin/python" -m pytest -q -p no:cacheprovider test_bench.py test_api.py test_stall_gloo.py test_torch_args.py)
+(cd python/tests && OMP_NUM_THREADS=1 "../../$tvenv/bin/python" -m pytest -q -p no:cacheprovider test_bench.py test_api.py test_stall_gloo.py test_torch_args.py test_tensor_read.py)
 MOELINK_BACKEND=host OMP_NUM_THREADS=1 "$tvenv/bin/torchrun" --standalone --nproc_per_node=2 --local-ranks-filter 0 \
     -m pytest -q -p no:cacheprovider python/tests/gpu

@@ -145,6 +145,9 @@ class Runner:
                              "mode": "host-cost", "calls": self.calls, "status": "ok"}
         if not c.cuda:
             r["note"] = HOST_NOTE
+        route = getattr(getattr(self.mod, "_native", None), "tensor_route", None)
+        if route is not None:
+            r["tensor_route"] = route()  # how moelink's native module reads tensors ("shim" or "attributes")
         r.update(extra)
         return r
 
@@ -475,7 +478,8 @@ def table(records: List[Dict[str, Any]]) -> str:
     split = [r for r in records if "native_backend_us" in r]
     if split:
         lines.append("")
-        lines.append("moelink's host time per call: Python layer + native (reading tensor arguments + backend + rest), us:")
+        lines.append("moelink's host time per call: Python layer + native (reading tensor arguments + backend + rest), us; "
+                     f"tensors read through: {split[0].get('tensor_route', '-')}")
         for r in split:
             lines.append(f"  {r['system']:16} {r['op']:22} {r['dtype']:5} {r['python_us']:6.1f} + ({r['native_read_us']:5.1f} + "
                          f"{r['native_backend_us']:6.1f} + {r['native_rest_us']:4.1f})")

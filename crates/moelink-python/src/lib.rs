@@ -13,6 +13,7 @@ mod buffer;
 mod errors;
 mod group;
 mod tensor;
+mod torch_shim;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -35,6 +36,26 @@ pub(crate) fn config_from(t: ConfigTuple) -> moelink::Config {
 #[pyfunction]
 fn nvl_buffer_size_hint(config: ConfigTuple, hidden_bytes: usize, num_ranks: usize) -> usize {
     config_from(config).get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+}
+
+/// What the native module reads from tensor argument `tensor`: `(data_ptr, dtype, shape, strides, device)`
+/// (device -1: host memory), as every call reads its tensors (through torch's C shim where it passed its
+/// check, else the tensor's attributes). For tests and diagnostics.
+#[pyfunction]
+fn read_tensor(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<(u64, String, Vec<usize>, Vec<isize>, i64)> {
+    let t = tensor::TensorArg::read(tensor, "tensor", 0, -1)?;
+    t.describe(py)
+}
+
+/// How the native module reads torch tensors: `"shim"` (torch's stable C shim, checked on a probe tensor when
+/// first needed) or `"attributes"` (the tensor's Python attributes; also the route for tensor subclasses).
+#[pyfunction]
+fn tensor_route(py: Python<'_>) -> &'static str {
+    if torch_shim::shim(py).is_some() {
+        "shim"
+    } else {
+        "attributes"
+    }
 }
 
 /// RDMA buffer bytes a config needs (0 within one node).
@@ -157,6 +178,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rdma_buffer_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(low_latency_rdma_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(ht_bytes_needed, m)?)?;
+    m.add_function(wrap_pyfunction!(read_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_route, m)?)?;
     m.add_function(wrap_pyfunction!(ht_internode_bytes_needed, m)?)?;
     m.add_function(wrap_pyfunction!(check_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;

@@ -109,6 +109,18 @@ impl TensorArg {
             let kind = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "object".into());
             return Err(type_error(py, arg, rank, format!("expected a torch.Tensor, got {kind}")));
         }
+        // A plain torch.Tensor (not a subclass, whose attributes may be its own): its facts through torch's C
+        // shim when that passed its check; else, or for anything the shim does not describe, the attributes.
+        if let (Some(shim), Some(t)) = (crate::torch_shim::shim(py), torch_tensor_type(py)) {
+            if obj.get_type().is(t) {
+                if let Ok(cdata) = obj.getattr(intern!(py, "_cdata")).and_then(|c| c.extract::<usize>()) {
+                    // SAFETY: `cdata` is the `_cdata` of `obj`, a torch.Tensor the caller holds during this call.
+                    if let Some((addr, dtype, shape, strides, device)) = unsafe { shim.facts(cdata) } {
+                        return Ok(TensorArg { addr, dtype: Ok(dtype), shape, strides, device });
+                    }
+                }
+            }
+        }
         let device = if obj.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
             obj.call_method0(intern!(py, "get_device"))?.extract::<i64>()?
         } else if obj.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
@@ -165,6 +177,12 @@ impl TensorArg {
         };
         let location = if self.device < 0 { Location::Host } else { Location::Cuda(self.device as usize) };
         Ok((dtype, location))
+    }
+
+    /// The facts as `read_tensor` returns them (a dtype moelink does not move: the `TypeError` naming it).
+    pub(crate) fn describe(&self, py: Python<'_>) -> PyResult<(u64, String, Vec<usize>, Vec<isize>, i64)> {
+        let (dtype, _) = self.parts(py, "tensor", 0)?;
+        Ok((self.addr, dtype.name().to_string(), self.shape.clone(), self.strides.clone(), self.device))
     }
 
     /// A read-only view of the tensor.
