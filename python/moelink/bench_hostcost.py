@@ -374,8 +374,12 @@ class Runner:
             recv_x, _, _, _, handle, _ = fresh()
         except Exception as err:  # noqa: BLE001
             return [self.record(op, dt, **shape, **failed(err)) for op, dt in ops]
+        fresh_rec = self.run("ht_dispatch", "bf16", fresh, buf, **shape, cpu_synced=True)
+        if c.cuda and fresh_rec.get("status") == "ok":
+            # Where a fresh, CPU-synced dispatch's time goes on the GPU: its kernels and the gaps between them.
+            fresh_rec.update(profile_calls(c, fresh, n=4))
         return [self.run("ht_layout", "-", lambda: buf.get_dispatch_layout(idx, e), buf, **shape),
-                self.run("ht_dispatch", "bf16", fresh, buf, **shape, cpu_synced=True),
+                fresh_rec,
                 self.run("ht_cached_dispatch", "bf16", lambda: buf.dispatch(x, handle=handle, config=cfg), buf, **shape),
                 self.run("ht_cached_dispatch", "fp8", lambda: buf.dispatch(x8, handle=handle, config=cfg), buf, **shape),
                 self.run("ht_combine", "bf16", lambda: buf.combine(recv_x, handle, config=ccfg), buf, **shape)]
@@ -495,6 +499,14 @@ def table(records: List[Dict[str, Any]]) -> str:
         for a in r.get("replay_activity", []):
             lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
                          f"{a['name']}")
+    for r in (r for r in records if r["op"] == "ht_dispatch" and r.get("gpu_activity")):
+        lines.append("")
+        lines.append(f"{r['system']}: GPU activity of one fresh CPU-synced HT dispatch ({r.get('gpu_events_per_call', '-')} events per call):")
+        for a in r["gpu_activity"]:
+            lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
+                         f"{a['name']}")
+        for name, v in list(r.get("host_api_per_call", {}).items())[:6]:
+            lines.append(f"    host {name}: {v['count']} per call, {v['us']} us")
     for r in (r for r in records if r["op"] == "ll_deepep_bench"):
         lines.append("")
         if r.get("status") != "ok":
