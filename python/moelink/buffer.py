@@ -345,8 +345,11 @@ def _native_of(handle: Any, kind: type, size: int, first: str, rank: int, what: 
 def _send_head(in_rank: Tensor, out: Tensor) -> Tensor:
     """``out[t][r]`` = token ``t``'s position among the tokens sent to ``r``, -1 where it is not sent."""
     t = require_torch()
-    t.cumsum(in_rank, 0, dtype=t.int32, out=out)
-    # Inclusive count - 1 where sent, 0 - 1 elsewhere: two in-place kernels, no temporary.
+    # The running count over tokens, scanned as [R, T] along its inner dimension: torch scans dim 0 of [T, R] with
+    # its outer-dimension kernel, one thread per column (230 µs for 4096 x 2 on an H200, measured), where the
+    # inner-dimension scan of the transposed copy takes a few µs.
+    out.t().copy_(t.cumsum(in_rank.t(), 1, dtype=t.int32))
+    # Inclusive count - 1 where sent, 0 - 1 elsewhere: two in-place kernels.
     return out.mul_(in_rank).sub_(1)
 
 
