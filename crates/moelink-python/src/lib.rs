@@ -42,7 +42,7 @@ fn nvl_buffer_size_hint(config: ConfigTuple, hidden_bytes: usize, num_ranks: usi
 /// (device -1: host memory), as every call reads its tensors (through torch's C shim where it passed its
 /// check, else the tensor's attributes). For tests and diagnostics.
 #[pyfunction]
-fn read_tensor(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<(u64, String, Vec<usize>, Vec<isize>, i64)> {
+fn read_tensor(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<tensor::ViewTuple> {
     let t = tensor::TensorArg::read(tensor, "tensor", 0, -1)?;
     t.describe(py)
 }

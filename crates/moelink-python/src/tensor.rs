@@ -180,9 +180,9 @@ impl TensorArg {
     }
 
     /// The facts as `read_tensor` returns them (a dtype moelink does not move: the `TypeError` naming it).
-    pub(crate) fn describe(&self, py: Python<'_>) -> PyResult<(u64, String, Vec<usize>, Vec<isize>, i64)> {
+    pub(crate) fn describe(&self, py: Python<'_>) -> PyResult<ViewTuple> {
         let (dtype, _) = self.parts(py, "tensor", 0)?;
-        Ok((self.addr, dtype.name().to_string(), self.shape.clone(), self.strides.clone(), self.device))
+        Ok((self.addr, dtype.name(), self.shape.clone(), self.strides.clone(), self.device))
     }
 
     /// A read-only view of the tensor.

@@ -304,7 +304,8 @@ fn layouts_that_disagree_are_refused_across_nodes() {
             let idx = buf.upload(&Tensor::from_vec(route(&mut rng, RouteKind::Uniform, t, TOPK, e, 4), &[t, TOPK])?)?;
             let other_idx = buf.upload(&Tensor::from_vec(route(&mut rng, RouteKind::Skewed, t, TOPK, e, 4), &[t, TOPK])?)?;
             let w = buf.upload(&Tensor::from_vec(random_weights(&mut rng, t * TOPK), &[t, TOPK])?)?;
-            let x = buf.upload(&Tensor::from_vec((0..t * HIDDEN).map(|i| bf16::from_f64((i % 13) as f64)).collect::<Vec<_>>(), &[t, HIDDEN])?)?;
+            let x =
+                buf.upload(&Tensor::from_vec((0..t * HIDDEN).map(|i| bf16::from_f64((i % 13) as f64)).collect::<Vec<_>>(), &[t, HIDDEN])?)?;
             let good = buf.get_dispatch_layout(idx.view(), e)?;
             let other = buf.get_dispatch_layout(other_idx.view(), e)?;
             let none_in_rank = buf.upload(&Tensor::from_bools(&vec![false; t * 4], &[t, 4])?)?;

@@ -104,7 +104,12 @@ pub fn run_harness(cxx: &str, h: &Harness<'_>, what: &str) {
         flags.push(format!("-D{k}={v}"));
     }
     if std::env::var_os("MOELINK_EMU_KEEP").is_some() {
-        let line = format!("{cxx} {} -I . -I {} {} -o {stem} -pthread\n", flags.join(" "), emu_dir().display(), emu_dir().join(h.harness).display());
+        let line = format!(
+            "{cxx} {} -I . -I {} {} -o {stem} -pthread\n",
+            flags.join(" "),
+            emu_dir().display(),
+            emu_dir().join(h.harness).display()
+        );
         std::fs::write(dir.join("build.sh"), line).unwrap();
     }
     if let Err(e) = compile(cxx, &flags, &dir, &emu_dir().join(h.harness), &bin) {
