@@ -24,7 +24,7 @@
 # Two instances may run side by side on disjoint GPUs (CUDA_VISIBLE_DEVICES) with their own OUT and W.
 #
 # Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps;
-# BENCH_ARGS, NVLINK_ARGS, TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP> sets a step's
+# BENCH_ARGS, NVLINK_ARGS (default --no-jit), TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP> sets a step's
 # timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits is skipped.
 #
 # Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
@@ -77,7 +77,9 @@ STEPS=${STEPS:-"info tests selftest process nvlink bench"}
 BUDGET_S=${BUDGET_S:-570}
 TEST_ARGS=${TEST_ARGS:---include-ignored --test-threads=1}
 BENCH_ARGS=${BENCH_ARGS:-}
-NVLINK_ARGS=${NVLINK_ARGS:-}
+# The JIT-timing probe compiles kernels cold (over 90 s on a fresh machine): left out unless NVLINK_ARGS says
+# otherwise.
+NVLINK_ARGS=${NVLINK_ARGS:---no-jit}
 
 {
     echo "== date";      date -u +%Y-%m-%dT%H:%M:%SZ
