@@ -701,8 +701,13 @@ struct Frame {
   u32 me, me_node, me_local;
 };
 
-// Runs `body(frame, role, warp_id, num_warps)` on every worker warp (role 0: senders, 1: forwarders, 2:
-// receivers / reducers, by block ranges), then the end of the call: the last worker block to finish resets
+// A worker warp's role, by block ranges: the first num_send_blocks blocks send (dispatch: a source's tokens over
+// RDMA; combine: received rows back to their forwarders), the next num_fwd_blocks forward between the domains,
+// the rest receive (dispatch: rows into the outputs) or reduce (combine: node partials into the outputs).
+enum class Role : u32 { SEND, FORWARD, RECEIVE };
+
+// Runs `body(frame, role, warp_id, num_warps)` on every worker warp (warp_id of num_warps within its role),
+// then the end of the call: the last worker block to finish resets
 // the per-call counters (`reset()`) and stores base + K for the next call. Nothing moves, and the base stays, when the
 // routing status is non-zero (every rank saw the same messages, so every rank returns here).
 template <typename Args, typename Body, typename Reset>
@@ -727,11 +732,11 @@ __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base
   const u32 warp = threadIdx.x / WARP_SIZE, workers = rdma::num_worker_blocks(a.rdma);
   const u32 fwd_end = a.num_send_blocks + a.num_fwd_blocks;
   if (blockIdx.x < a.num_send_blocks)
-    body(f, 0u, blockIdx.x * HTI_WARPS + warp, a.num_send_blocks * HTI_WARPS);
+    body(f, Role::SEND, blockIdx.x * HTI_WARPS + warp, a.num_send_blocks * HTI_WARPS);
   else if (blockIdx.x < fwd_end)
-    body(f, 1u, (blockIdx.x - a.num_send_blocks) * HTI_WARPS + warp, a.num_fwd_blocks * HTI_WARPS);
+    body(f, Role::FORWARD, (blockIdx.x - a.num_send_blocks) * HTI_WARPS + warp, a.num_fwd_blocks * HTI_WARPS);
   else
-    body(f, 2u, (blockIdx.x - fwd_end) * HTI_WARPS + warp, (workers - fwd_end) * HTI_WARPS);
+    body(f, Role::RECEIVE, (blockIdx.x - fwd_end) * HTI_WARPS + warp, (workers - fwd_end) * HTI_WARPS);
   __syncthreads();
   if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(done_word, 1u) == workers - 1) {
     *done_word = 0u;
@@ -1240,10 +1245,10 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
   HtiState* st = hti_state(a.state);
   hti_run(
       a, a.num_tokens, &st->dispatch_base, &st->dispatch_done, dr,
-      [&](const Frame& f, u32 role, u32 w, u32 n) {
-        if (role == 0) {
+      [&](const Frame& f, Role role, u32 w, u32 n) {
+        if (role == Role::SEND) {
           hti_dispatch::send(a, f, dr);
-        } else if (role == 1) {
+        } else if (role == Role::FORWARD) {
           if (w < NUM_NODES * a.fwd_per_node) hti_dispatch::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
         } else if (n >= NUM_RANKS) {
           hti_dispatch::receive_split(a, f, w, n, dr, dn);
@@ -1660,12 +1665,12 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
   HtiState* st = hti_state(a.state);
   hti_run(
       a, a.num_tokens, &st->combine_base, &st->combine_done, dr,
-      [&](const Frame& f, u32 role, u32 w, u32 n) {
-        if (role == 0 && n >= NUM_RANKS) {
+      [&](const Frame& f, Role role, u32 w, u32 n) {
+        if (role == Role::SEND && n >= NUM_RANKS) {
           hti_combine::send_split(a, f, w, n, dn);
-        } else if (role == 0) {
+        } else if (role == Role::SEND) {
           hti_combine::send(a, f, w, n, dr, dn);
-        } else if (role == 1) {
+        } else if (role == Role::FORWARD) {
           if (w < NUM_NODES * a.fwd_per_node) hti_combine::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
         } else {
           hti_combine::reduce(a, f, dr);
