@@ -218,11 +218,11 @@ static_assert(sizeof(HtiState) == 64, "HtiState is 64 bytes");
 // round — chunks done, the round's rows per local rank, messages of the rounds before — and the combine
 // forwarders' chunks done (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
 struct HtiForward {
-  u32 done[HTI_MAX_NODES];
-  u32 g[HTI_MAX_NODES];
-  u32 rows[HTI_MAX_NODES][8];
-  u32 cdone[HTI_MAX_NODES];
-  u32 crounds[HTI_MAX_NODES];  // combine: rounds whose parts went back (hand-backs go out in round order)
+  u32 chunks_done[HTI_MAX_NODES];          // dispatch: the running round's chunks the forwarders finished
+  u32 messages_before[HTI_MAX_NODES];      // dispatch: messages of the rounds before the running one
+  u32 round_rows[HTI_MAX_NODES][8];        // dispatch: the running round's rows per local rank
+  u32 combine_chunks_done[HTI_MAX_NODES];  // combine: the running round's chunks the forwarders finished
+  u32 combine_rounds_back[HTI_MAX_NODES];  // combine: rounds whose parts went back (hand-backs go out in round order)
   u32 recv_fin[HTI_MAX_RANKS];  // dispatch receivers: warps of a source done with its current round
 };
 static_assert(sizeof(HtiState) + sizeof(HtiForward) == HTI_STATE_BYTES, "the local state mirrors moelink_kernels::ht_internode::HTI_STATE_BYTES");
@@ -978,7 +978,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       if (c > 0 && !warp_wait_u64(chunk_words + c - 1, seq << 32, for_peer(dr, s, f.me), s)) return;
       const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
       u32 m = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
-      if (c == p) g = ptx::ld_acquire_gpu(&shared->g[an]);
+      if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
         const u32 tag = reinterpret_cast<const u32*>(msg)[2];
@@ -1015,11 +1015,11 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       }
       // A chunk's rows to j have consecutive slots; the next chunk of this warp does not follow them.
       release();
-      if (lane < RANKS_PER_NODE && rows > 0) atomicAdd(&shared->rows[an][lane], rows);
+      if (lane < RANKS_PER_NODE && rows > 0) atomicAdd(&shared->round_rows[an][lane], rows);
       rows = 0;
       __syncwarp();
       u32 done = 0;
-      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->done[an], 1u) + 1;
+      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->chunks_done[an], 1u) + 1;
       done = __shfl_sync(FULL_WARP_MASK, done, 0);
       if (done != chunks) continue;
       // The round's last chunk: every local rank learns the round's row count — once it is past the round
@@ -1027,14 +1027,14 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       // then); then s may reuse its part here.
       if (!wait_handed_back()) return;
       if (lane < RANKS_PER_NODE) {
-        const u32 total = ptx::ld_acquire_gpu(&shared->rows[an][lane]);
-        shared->rows[an][lane] = 0;
+        const u32 total = ptx::ld_acquire_gpu(&shared->round_rows[an][lane]);
+        shared->round_rows[an][lane] = 0;
         u64* done_word = reinterpret_cast<u64*>(a.nvl.base[lane] + a.nvl.off_done) + s;
         ptx::st_relaxed_sys_u64(done_word, (seq << 32) | total);
       }
       if (lane == 0) {
-        shared->g[an] = g + (u32)ptx::ld_relaxed_sys_u64(chunk_words + chunks - 1);
-        shared->done[an] = 0;
+        shared->messages_before[an] = g + (u32)ptx::ld_relaxed_sys_u64(chunk_words + chunks - 1);
+        shared->chunks_done[an] = 0;
         ptx::fence_acq_rel_sys();
         const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
         (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, hand_back_value(f, k, rounds), SIGNAL_SET, dr);
@@ -1258,7 +1258,7 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
       },
       [&]() {
         st->dispatch_chunk = 0u;
-        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->g[n] = 0u;
+        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->messages_before[n] = 0u;
       });
 }
 }  // namespace moelink::internode
@@ -1392,7 +1392,7 @@ __device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame&
 // messages (chunk c with c % P == p; fwd_entries say which ranks each message went to), each message the
 // rows of those ranks summed as the node level of the tree; the chunk's partials staged and put home with
 // its chunk word. The warp that finishes a round's last chunk hands the round's parts back to the node's
-// ranks (HtiForward::cdone counts; a round's rows arrive only after the hand-back of the round before).
+// ranks (HtiForward::combine_chunks_done counts; a round's rows arrive only after the hand-back of the round before).
 __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
   const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
   HtiForward* shared = hti_forward(a.state);
@@ -1407,7 +1407,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
   // and a hand-back word must never go down. false: a deadline passed.
   auto nvl_hand_back = [&](u32 k, u64 value) -> bool {
     bool ok = true;
-    if (lane == 0) ok = spin_until([&]() { return ptx::ld_acquire_gpu(&shared->crounds[an]) >= k; }, for_peer(dn, NO_PEER, f.me), NO_PEER);
+    if (lane == 0) ok = spin_until([&]() { return ptx::ld_acquire_gpu(&shared->combine_rounds_back[an]) >= k; }, for_peer(dn, NO_PEER, f.me), NO_PEER);
     if (__shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) == 0u) return false;
     __syncwarp();
     ptx::fence_acq_rel_sys();
@@ -1417,7 +1417,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       ptx::st_relaxed_sys_u64(word, value);
     }
     __syncwarp();
-    if (lane == 0) ptx::st_release_gpu(&shared->crounds[an], k + 1);
+    if (lane == 0) ptx::st_release_gpu(&shared->combine_rounds_back[an], k + 1);
     __syncwarp();
     return true;
   };
@@ -1509,10 +1509,10 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
         return;
       // The round's last chunk read the last rows of the round: every local rank may write its part again.
       u32 done = 0;
-      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->cdone[an], 1u) + 1;
+      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->combine_chunks_done[an], 1u) + 1;
       done = __shfl_sync(FULL_WARP_MASK, done, 0);
       if (done == chunks) {
-        if (lane == 0) shared->cdone[an] = 0;
+        if (lane == 0) shared->combine_chunks_done[an] = 0;
         if (!nvl_hand_back(k, hand_back_value(f, k, rounds))) return;
       }
     }
@@ -1680,7 +1680,7 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
         st->combine_chunk = 0u;
         st->combine_round_tokens = 0u;
         st->combine_rounds_done = 0u;
-        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->crounds[n] = 0u;
+        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->combine_rounds_back[n] = 0u;
       });
 }
 }  // namespace moelink::internode

@@ -10,12 +10,13 @@ use std::sync::Arc;
 use moelink_cuda::{HostMapped, LaunchConfig};
 use moelink_kernels::ht::{call_signature, CallSignature};
 use moelink_kernels::ht_internode::{
-    self as khti, host_notify, nvl_layout, rdma_layout, routing, HtiCombineArgs, HtiDispatchArgs, HtiLayoutArgs, HtiNotifyArgs, HtiVariant,
-    NvlArgs, RdmaAt, RoutingLayout, RowSizes, HTI_MAX_LOCAL_EXPERTS, HTI_MAX_NODES, HTI_MAX_RANKS, HTI_MAX_TOPK, HTI_THREADS, HTI_WARPS,
+    self as hti_kernels, host_notify, nvl_layout, rdma_layout, routing, HtiCombineArgs, HtiDispatchArgs, HtiLayoutArgs, HtiNotifyArgs,
+    HtiVariant, NvlArgs, RdmaAt, RoutingLayout, RowSizes, HTI_MAX_LOCAL_EXPERTS, HTI_MAX_NODES, HTI_MAX_RANKS, HTI_MAX_TOPK, HTI_THREADS,
+    HTI_WARPS,
 };
 use moelink_kernels::kernel_name;
 
-use super::ht::{self as single, PooledBuffer};
+use super::ht::{self as intranode, PooledBuffer};
 use super::internode::{HT_SIGNALS, RDMA_CTRL_BYTES};
 use super::{ctrl, CudaBackend, HT_DATA};
 use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
@@ -38,7 +39,11 @@ pub(crate) struct HtiState {
 
 impl HtiState {
     pub(crate) fn new(b: &CudaBackend) -> Result<HtiState> {
-        Ok(HtiState { state: moelink_cuda::DeviceBuffer::zeroed(&b.device, khti::HTI_STATE_BYTES)?, host_notify: None, notify_seq: 0 })
+        Ok(HtiState {
+            state: moelink_cuda::DeviceBuffer::zeroed(&b.device, hti_kernels::HTI_STATE_BYTES)?,
+            host_notify: None,
+            notify_seq: 0,
+        })
     }
 }
 
@@ -86,7 +91,7 @@ fn rdma_at(b: &CudaBackend) -> Result<RdmaAt> {
     rdma_layout(HT_SIGNALS, RDMA_CTRL_BYTES, b.num_rdma_bytes, t.num_ranks(), t.num_nodes).ok_or_else(|| Error::BufferTooSmall {
         rank: b.rank,
         what: "internode high-throughput region (num_rdma_bytes)",
-        needed: khti::rdma_bytes_needed(t.num_ranks(), t.num_nodes, 1, RowSizes::new(128, false, 0, 0)),
+        needed: hti_kernels::rdma_bytes_needed(t.num_ranks(), t.num_nodes, 1, RowSizes::new(128, false, 0, 0)),
         available: b.num_rdma_bytes,
         hint: "create the Buffer with num_rdma_bytes >= moelink::internode::ht_bytes_needed(..).num_rdma_bytes".into(),
     })
@@ -169,7 +174,7 @@ fn check_limits(b: &CudaBackend, rank: usize, topk: usize, num_local_experts: us
 /// (`crate::internode::ht_round_shape`, which the host backend applies too), with the chunk from
 /// `Tuning::ht_send_chunk`.
 fn round_of(b: &CudaBackend, hidden: usize, fp8: bool, topk: usize) -> Result<(usize, usize)> {
-    let chunk = b.tuning.ht_send_chunk.filter(|&c| c > 0).map_or(khti::DEFAULT_CHUNK_TOKENS, |c| c as usize);
+    let chunk = b.tuning.ht_send_chunk.filter(|&c| c > 0).map_or(hti_kernels::DEFAULT_CHUNK_TOKENS, |c| c as usize);
     crate::internode::ht_round_shape(b.rank, topology(b), b.num_nvl_bytes, b.num_rdma_bytes, hidden, fp8, topk, chunk)
 }
 
@@ -180,7 +185,7 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
     let t = topology(b);
     let (n, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_limits(b, rank, k, num_experts / t.num_ranks())?;
-    single::check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
+    intranode::check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
     let per_rank = out.num_tokens_per_rank.addr();
     let per_expert = out.num_tokens_per_expert.addr();
     let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(0, |v| v.addr());
@@ -206,14 +211,14 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
         is_token_in_rank: out.is_token_in_rank.addr(),
         error_claim,
         error_record,
-        num_tokens: single::to_u32(n, "topk_idx", rank)?,
-        topk: single::to_u32(k, "topk_idx", rank)?,
-        num_experts: single::to_u32(num_experts, "num_experts", rank)?,
+        num_tokens: intranode::to_u32(n, "topk_idx", rank)?,
+        topk: intranode::to_u32(k, "topk_idx", rank)?,
+        num_experts: intranode::to_u32(num_experts, "num_experts", rank)?,
         rank: rank as u32,
     };
     let grid = (n.div_ceil(HTI_THREADS as usize) as u32).clamp(1, 1024);
     b.launch(&kernel, &LaunchConfig::linear(grid, HTI_THREADS), &args)?;
-    single::finish(b, Phase::Layout)
+    intranode::finish(b, Phase::Layout)
 }
 
 // ------------------------------------------------------------------------------------------ dispatch
@@ -231,7 +236,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
              pass num_worst_tokens > 0",
         ));
     }
-    single::check_dispatch_inputs(b, a, rank)?;
+    intranode::check_dispatch_inputs(b, a, rank)?;
     let layout = match a.routing {
         Routing::Cached(h) => {
             let data = h.data.clone();
@@ -240,7 +245,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
             return Ok(DispatchPlan {
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: single::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
+                num_recv_tokens_per_expert: intranode::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
                 state: PlanState::CudaInternode(HtiPlan::Cached(data)),
             });
         }
@@ -248,7 +253,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     };
     let (round_tokens, chunk_tokens) = round_of(b, s.hidden, s.fp8, s.topk)?;
     let el = s.num_local_experts();
-    let routing_buf = single::pool_take(b, 4 * RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).words)?;
+    let routing_buf = intranode::pool_take(b, 4 * RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).words)?;
     let sync = s.num_worst_tokens == 0;
     let hti = &mut b.internode.as_mut().expect("an internode buffer").hti;
     let (host_out, host_seq) = if sync {
@@ -286,7 +291,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,
-        num_tokens: single::to_u32(s.num_tokens, "x", rank)?,
+        num_tokens: intranode::to_u32(s.num_tokens, "x", rank)?,
         num_local_experts: el as u32,
         round_tokens: round_tokens as u32,
         host_seq,
@@ -301,7 +306,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     Ok(DispatchPlan {
         spec: s,
         num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-        num_recv_tokens_per_expert: single::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
+        num_recv_tokens_per_expert: intranode::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
         state: PlanState::CudaInternode(HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
     })
 }
@@ -314,7 +319,7 @@ fn notify(b: &CudaBackend) -> Option<&HostMapped<u32>> {
 }
 
 fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting, usize)> {
-    let start = single::wait_notify_ready(b, s.rank, seq, |b| notify(b).map_or(0, |m| m.read(host_notify::READY)))?;
+    let start = intranode::wait_notify_ready(b, s.rank, seq, |b| notify(b).map_or(0, |m| m.read(host_notify::READY)))?;
     let m = notify(b).expect("allocated by prepare_dispatch");
     let status = m.read(host_notify::STATUS);
     let host = HostRouting {
@@ -327,9 +332,9 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting
         return Ok((host, num_fwd));
     }
     // The internode notify sets only the shared bits.
-    let e = single::notify_status_error(b, s, status, peer, start)
+    let e = intranode::notify_status_error(b, s, status, peer, start)
         .unwrap_or_else(|| Error::Group { rank: s.rank, reason: format!("notify reported unknown status bits {status:#x}") });
-    Err(single::settle(b, e))
+    Err(intranode::settle(b, e))
 }
 
 pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
@@ -338,7 +343,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let t = topology(b);
     let num_out_rows = plan.num_recv_rows();
     let state = plan.state.into_cuda_internode(rank)?;
-    let addrs = single::dispatch_addrs(b, &s, a, &out)?;
+    let addrs = intranode::dispatch_addrs(b, &s, a, &out)?;
     let (send_blocks, fwd_blocks, fwd_per_node) = roles(rank, t, s.num_sms)?;
 
     // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
@@ -347,8 +352,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         HtiPlan::Fresh { routing, host, num_fwd, round_tokens, chunk_tokens } => {
             let fwd_capacity = num_fwd.unwrap_or(s.num_worst_tokens).max(1);
             let route_rows = num_out_rows.max(1);
-            let fwd_entries = single::pool_take(b, 4 * fwd_capacity)?;
-            let recv_route = single::pool_take(b, 8 * route_rows)?;
+            let fwd_entries = intranode::pool_take(b, 4 * fwd_capacity)?;
+            let recv_route = intranode::pool_take(b, 8 * route_rows)?;
             let r = HtiRouting {
                 routing,
                 fwd_entries,
@@ -412,9 +417,9 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,
-        num_tokens: single::to_u32(s.num_tokens, "x", rank)?,
-        num_out_rows: single::to_u32(num_out_rows, "num_worst_tokens", rank)?,
-        fwd_capacity: single::to_u32(r.fwd_capacity, "num_worst_tokens", rank)?,
+        num_tokens: intranode::to_u32(s.num_tokens, "x", rank)?,
+        num_out_rows: intranode::to_u32(num_out_rows, "num_worst_tokens", rank)?,
+        fwd_capacity: intranode::to_u32(r.fwd_capacity, "num_worst_tokens", rank)?,
         num_local_experts: s.num_local_experts() as u32,
         chunk_tokens: r.chunk_tokens as u32,
         num_send_blocks: send_blocks,
@@ -473,7 +478,7 @@ fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_to
     let u64s = |bytes: &[u8]| -> Vec<u64> { bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect() };
     let word = |v: u64| format!("{}:{}", v >> 32, v & 0xffff_ffff);
     // Local state.
-    let mut st = vec![0u8; khti::HTI_STATE_BYTES];
+    let mut st = vec![0u8; hti_kernels::HTI_STATE_BYTES];
     let inter = b.internode.as_ref().expect("an internode buffer");
     if inter.hti.state.copy_to_host(&mut st).is_ok() {
         let w = u32s(&st);
@@ -486,7 +491,7 @@ fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_to
         let mx = HTI_MAX_NODES;
         let _ = write!(
             out,
-            "\n  forward: done {:?} g {:?} rows {:?} cdone {:?} crounds {:?}",
+            "\n  forward: chunks_done {:?} messages_before {:?} round_rows {:?} combine_chunks_done {:?} combine_rounds_back {:?}",
             &f[..n],
             &f[mx..mx + n],
             (0..n).map(|a| f[2 * mx + 8 * a..2 * mx + 8 * a + l].to_vec()).collect::<Vec<_>>(),
@@ -503,10 +508,12 @@ fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_to
                 Err(_) => Vec::new(),
             }
         };
-        let chunks = 4.min(khti::HTI_MAX_CHUNKS);
+        let chunks = 4.min(hti_kernels::HTI_MAX_CHUNKS);
         for node in 0..n {
-            let d: Vec<String> = read(at.off_dchunk + (node * khti::HTI_MAX_CHUNKS * 8) as u64, chunks).into_iter().map(word).collect();
-            let c: Vec<String> = read(at.off_cchunk + (node * khti::HTI_MAX_CHUNKS * 8) as u64, chunks).into_iter().map(word).collect();
+            let d: Vec<String> =
+                read(at.off_dchunk + (node * hti_kernels::HTI_MAX_CHUNKS * 8) as u64, chunks).into_iter().map(word).collect();
+            let c: Vec<String> =
+                read(at.off_cchunk + (node * hti_kernels::HTI_MAX_CHUNKS * 8) as u64, chunks).into_iter().map(word).collect();
             let _ = write!(out, "\n  from node {node}: dchunk[..{chunks}] {d:?} cchunk {c:?}");
         }
         let _ = write!(out, "\n  rdma hand-backs: dconsumed {:?} cconsumed {:?}", read(at.off_dconsumed, n), read(at.off_cconsumed, n));
@@ -561,7 +568,7 @@ fn runs(v: &[u32]) -> String {
 
 /// `finish`, printing the protocol's state on stderr when the call failed with HT tracing on.
 fn finish_or_dump(b: &mut CudaBackend, phase: Phase, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> Result<()> {
-    let r = single::finish(b, phase);
+    let r = intranode::finish(b, phase);
     if r.is_err() && b.tracing.high_throughput {
         eprintln!("{}", protocol_dump(b, op, routing_buf, round_tokens));
     }
@@ -582,7 +589,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         ));
     }
     let (send_blocks, fwd_blocks, fwd_per_node) = roles(rank, t, s.num_sms)?;
-    let c = single::combine_addrs(b, rank, a, &out)?;
+    let c = intranode::combine_addrs(b, rank, a, &out)?;
     if s.num_recv_rows > r.route_rows {
         return Err(Error::invalid(
             "x",
@@ -610,8 +617,8 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,
-        num_tokens: single::to_u32(r.num_tokens, "x", rank)?,
-        num_x_rows: single::to_u32(s.num_recv_rows, "x", rank)?,
+        num_tokens: intranode::to_u32(r.num_tokens, "x", rank)?,
+        num_x_rows: intranode::to_u32(s.num_recv_rows, "x", rank)?,
         chunk_tokens: r.chunk_tokens as u32,
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,

@@ -13,7 +13,7 @@ use moelink_kernels::ll::{phase, problem, LlVariant};
 use moelink_kernels::ll_internode::{check_limits, LliCombineArgs, LliDispatchArgs, LliLayout, LliVariant, LLI_THREADS};
 
 use super::internode::RDMA_CTRL_BYTES;
-use super::ll::{self as single, Drain, HookMarker, Outstanding, HOOK_PENDING, HOOK_RAN};
+use super::ll::{self as intranode, Drain, HookMarker, Outstanding, HOOK_PENDING, HOOK_RAN};
 use super::{CudaBackend, PendingRecv};
 use crate::backend::{LlRouting, PendingRecv as AnyPending};
 use crate::dtype::DType;
@@ -116,9 +116,9 @@ pub(super) fn drain(b: &mut CudaBackend, d: &Drain) -> Result<()> {
 }
 
 /// A hooked internode receive phase.
-pub(crate) struct PendingDispatch<'a>(Box<single::Pending<LliDispatchArgs, LlDispatchOutputs<'a>, LliVariant>>);
+pub(crate) struct PendingDispatch<'a>(Box<intranode::Pending<LliDispatchArgs, LlDispatchOutputs<'a>, LliVariant>>);
 /// A hooked internode combine's receive phase.
-pub(crate) struct PendingCombine<'a>(Box<single::Pending<LliCombineArgs, LlCombineOutputs<'a>, LliVariant>>);
+pub(crate) struct PendingCombine<'a>(Box<intranode::Pending<LliCombineArgs, LlCombineOutputs<'a>, LliVariant>>);
 
 pub(crate) fn dispatch<'a>(
     b: &mut CudaBackend,
@@ -127,7 +127,7 @@ pub(crate) fn dispatch<'a>(
     out: LlDispatchOutputs<'a>,
 ) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
     let layout = layout_for(b, &s)?;
-    single::begin_call(b)?;
+    intranode::begin_call(b)?;
     let v = variant(b, &s)?;
     let set = (b.ll.dispatch_calls & 1) as usize;
     let generation = b.ll.dispatch_calls;
@@ -142,12 +142,12 @@ pub(crate) fn dispatch<'a>(
         topk_idx: a.topk_idx.addr(),
         topk_weights: a.topk_weights.map_or(0, |w| w.addr()),
         recv_x: out.recv_x.addr(),
-        recv_scales: single::opt_addr(out.recv_scales.as_ref()),
+        recv_scales: intranode::opt_addr(out.recv_scales.as_ref()),
         recv_count: out.recv_count.addr(),
-        cum_stats: single::opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
-        wait_stats: single::opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
-        src_info: single::opt_addr(out.src_info.as_ref()),
-        layout_range: single::opt_addr(out.layout_range.as_ref()),
+        cum_stats: intranode::opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
+        wait_stats: intranode::opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
+        src_info: intranode::opt_addr(out.src_info.as_ref()),
+        layout_range: intranode::opt_addr(out.layout_range.as_ref()),
         htoken,
         hj,
         hrow,
@@ -173,27 +173,27 @@ pub(crate) fn dispatch<'a>(
         num_local_experts: s.num_local_experts() as u32,
         set: set as u32,
         phases: phase::SEND | phase::RECV,
-        flags: single::flags(b, &s),
+        flags: intranode::flags(b, &s),
         host_problem: 0,
         pad: 0,
-        sig: single::signature(&s),
+        sig: intranode::signature(&s),
     };
     b.ll.dispatch_calls += 1;
     let marker: HookMarker = Arc::new(AtomicU8::new(if s.return_recv_hook { HOOK_PENDING } else { HOOK_RAN }));
-    let routing = Arc::new(LlRouting::Cuda(single::CudaLlRouting { set, generation, recv: marker.clone() }));
+    let routing = Arc::new(LlRouting::Cuda(intranode::CudaLlRouting { set, generation, recv: marker.clone() }));
     if s.return_recv_hook {
         let send = LliDispatchArgs { phases: phase::SEND, ..args };
         let recv = LliDispatchArgs { phases: phase::RECV, ..args };
         b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::InternodeDispatch(v, recv)));
-        let pending = PendingDispatch(Box::new(single::Pending::new(recv, v, marker, out)));
+        let pending = PendingDispatch(Box::new(intranode::Pending::new(recv, v, marker, out)));
         launch(b, &v, kernel_name::LLI_DISPATCH, &send, false)?;
         b.finish(Phase::LowLatencyDispatch)?;
-        single::take_report(b, None)?;
+        intranode::take_report(b, None)?;
         Ok((routing, Some(AnyPending::Cuda(PendingRecv::LliDispatch(pending)))))
     } else {
         launch(b, &v, kernel_name::LLI_DISPATCH, &args, true)?;
         b.finish(Phase::LowLatencyDispatch)?;
-        single::take_report(b, None)?;
+        intranode::take_report(b, None)?;
         Ok((routing, None))
     }
 }
@@ -201,10 +201,10 @@ pub(crate) fn dispatch<'a>(
 pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Result<()> {
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
-    single::drain_abandoned(b)?;
+    intranode::drain_abandoned(b)?;
     launch(b, &p.variant, kernel_name::LLI_DISPATCH, &p.args, false)?;
     b.finish(Phase::LowLatencyDispatch)?;
-    single::take_report(b, None)
+    intranode::take_report(b, None)
 }
 
 pub(crate) fn combine<'a>(
@@ -217,14 +217,14 @@ pub(crate) fn combine<'a>(
     let me = s.rank;
     let routing = a.handle.data.cuda(me)?;
     let layout = layout_for(b, &s)?;
-    single::begin_call(b)?;
-    let (mut host_problem, mut local) = single::handle_problems(b, routing);
+    intranode::begin_call(b)?;
+    let (mut host_problem, mut local) = intranode::handle_problems(b, routing);
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
     let zero_copy_addr = b.internode.as_ref().expect("internode buffer").rdma.local_base() + layout.zero_copy as u64;
     let (y, y_is_zero_copy) = if cs.zero_copy {
         if b.ll.staging != Some(shape) {
             host_problem |= problem::ZERO_COPY;
-            local.get_or_insert(("zero_copy", single::problem_reason(problem::ZERO_COPY).1.to_string()));
+            local.get_or_insert(("zero_copy", intranode::problem_reason(problem::ZERO_COPY).1.to_string()));
             (0, 0)
         } else {
             (zero_copy_addr, 1)
@@ -245,7 +245,7 @@ pub(crate) fn combine<'a>(
         topk_idx: a.topk_idx.addr(),
         topk_weights: a.topk_weights.addr(),
         out: out.combined_x.addr(),
-        wait_stats: single::opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
+        wait_stats: intranode::opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
         htoken,
         hj,
         hrow,
@@ -271,7 +271,7 @@ pub(crate) fn combine<'a>(
         num_local_experts: s.num_local_experts() as u32,
         set: set as u32,
         phases: phase::SEND | phase::RECV,
-        flags: single::flags(b, &s),
+        flags: intranode::flags(b, &s),
         host_problem,
         y_is_zero_copy,
         pad: [0; 3],
@@ -282,15 +282,15 @@ pub(crate) fn combine<'a>(
         let recv = LliCombineArgs { phases: phase::RECV, ..args };
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
         b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::InternodeCombine(v, recv)));
-        let pending = PendingCombine(Box::new(single::Pending::new(recv, v, marker, out)));
+        let pending = PendingCombine(Box::new(intranode::Pending::new(recv, v, marker, out)));
         launch(b, &v, kernel_name::LLI_COMBINE, &send, false)?;
         b.finish(Phase::LowLatencyCombine)?;
-        single::take_report(b, local)?;
+        intranode::take_report(b, local)?;
         Ok(Some(AnyPending::Cuda(PendingRecv::LliCombine(pending))))
     } else {
         launch(b, &v, kernel_name::LLI_COMBINE, &args, true)?;
         b.finish(Phase::LowLatencyCombine)?;
-        single::take_report(b, local)?;
+        intranode::take_report(b, local)?;
         Ok(None)
     }
 }
@@ -298,10 +298,10 @@ pub(crate) fn combine<'a>(
 pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Result<()> {
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
-    single::drain_abandoned(b)?;
+    intranode::drain_abandoned(b)?;
     launch(b, &p.variant, kernel_name::LLI_COMBINE, &p.args, false)?;
     b.finish(Phase::LowLatencyCombine)?;
-    single::take_report(b, None)
+    intranode::take_report(b, None)
 }
 
 /// The zero-copy combine buffer `bf16 [E_local, R*T_max, H]`, inside this rank's RDMA region (per-expert
