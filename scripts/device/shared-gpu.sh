@@ -39,9 +39,11 @@ for s in $STEPS; do
         [ -d .device/base ] || { note "base: no .device/base carried"; continue; }
         for mode in lazy eager; do
             loading=(); [ $mode = eager ] && loading=(CUDA_MODULE_LOADING=EAGER)
-            for t in "ht cuda::dispatch_uniform_bf16_ep2" "ll_host cuda::ep2_bf16_and_fp8_hidden_2048"; do
+            for t in "ht cuda::dispatch_uniform_bf16_ep2" "ll cuda::ep2_bf16_and_fp8_hidden_2048"; do
                 set -- $t
-                cp ".device/base/moelink.test.$1" "$W/bin/base.$1" && chmod +x "$W/bin/base.$1"
+                # Builds before the rename call the LL test executable ll_host.
+                cp ".device/base/moelink.test.$1" "$W/bin/base.$1" 2>/dev/null || cp ".device/base/moelink.test.$1_host" "$W/bin/base.$1"
+                chmod +x "$W/bin/base.$1"
                 # An earlier build reads MOELINK_TEST_CUDA/MOELINK_TEST_GPUS (before they became
                 # --include-ignored/MOELINK_TEST_RANKS): both are given, for builds from either side.
                 run "base-$mode-$1" 60 env -C crates/moelink "${loading[@]}" MOELINK_LL_SMS=64 MOELINK_TEST_RANKS=2 \
@@ -52,14 +54,14 @@ for s in $STEPS; do
     tests)
         test_bin "cuda-gpu" 1 moelink-cuda.test.gpu
         for r in $RANKS; do
-            for t in ht ll_host ll_cuda poison diag_gpu capacity; do
+            for t in ht ll ll_cuda poison diag_gpu capacity; do
                 test_bin "r$r-$t" "$r" "moelink.test.$t"
             done
             [ -f .device/tests/candle-moe.test.ep_matches_dense ] && test_bin "r$r-candle" "$r" candle-moe.test.ep_matches_dense
         done ;;
     ep8)
         test_bin "r8-ht" 8 moelink.test.ht --exact cuda::dispatch_eight_ranks
-        test_bin "r8-ll" 8 moelink.test.ll_host --exact cuda::ep8_and_ep1 ;;
+        test_bin "r8-ll" 8 moelink.test.ll --exact cuda::ep8_and_ep1 ;;
     ab)
         [ -x .device/base/moelink ] || { note "ab: no .device/base/moelink carried"; continue; }
         cp .device/base/moelink $W/bin/base && chmod +x $W/bin/base

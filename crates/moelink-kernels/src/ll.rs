@@ -159,7 +159,7 @@ impl LlVariant {
     }
 
     /// The variants the tests and the benchmark use: hidden 2048/7168 × top-k 1..=8 × {bf16, fp8}, the
-    /// small shapes of `crates/moelink/tests/ll_host.rs`, and DeepEP's benchmark shape (7168, top-8).
+    /// small shapes of `crates/moelink/tests/ll.rs`, and DeepEP's benchmark shape (7168, top-8).
     pub fn all() -> Vec<LlVariant> {
         let mut v = Vec::new();
         for hidden in [2048, 7168] {

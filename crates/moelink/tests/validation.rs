@@ -1,5 +1,5 @@
 //! Every malformed high-throughput input is rejected before any work, with an error naming the argument
-//! (and the rank). Low-latency validation is covered in `ll_host.rs`.
+//! (and the rank). Low-latency validation is covered in `ll.rs`.
 
 use std::sync::Arc;
 
