@@ -134,8 +134,8 @@ impl DeviceBuffer {
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         let stream = self.device().side_stream()?;
         // SAFETY: `src` outlives the copy (synchronised here). Waiting for the stream also covers pageable
-        // memory, where the call can return once the data is staged, before it is in device memory (seen on
-        // 4xH200: a copy-engine read right after `from_host` saw stale bytes).
+        // memory, where the call can return once the data is staged, before it is in device memory (a
+        // copy-engine read right after it would see stale bytes).
         unsafe { self.copy_from_host_async(offset, src, &stream)? };
         stream.synchronize()
     }

@@ -139,12 +139,10 @@ __device__ __forceinline__ HtCursor ht_first_chunk(u32 count, u32 chunk, u32 w, 
 }
 
 // Dynamic sender chunks: warps take chunk indices 0, 1, 2, ... from a per-call counter (in order, so the
-// front of the token order stays where every warp works), each as soon as it is done with the last one:
-// with a fixed share per warp (interleaved), the slowest sender warps finished ~25% after the median
-// (MOELINK_HT_TRACE on 4xH200), and the kernel ended with them (dynamic: 590 -> 576 us BF16 dispatch,
-// 565 -> 544 combine; bench/results/2026-11-21-4xnvidia-h200-1a4aa1b). Lane 0's atomic, broadcast; relaxed:
-// an acq_rel one made lane 0 wait for its outstanding NVLink stores (the flags just published) once per
-// chunk, which cost more than the balance gained (…-c79b8e0-dynamic).
+// front of the token order stays where every warp works), each as soon as it is done with the last one, so that
+// the sender warps end together (with a fixed share per warp the slowest end ~25% after the median, and the
+// kernel with them). Lane 0's atomic, broadcast; relaxed: an acq_rel one would make lane 0 wait for its
+// outstanding NVLink stores (the flags just published) once per chunk, which costs more than the balance gains.
 __device__ __forceinline__ u32 ht_grab_chunk(u32* counter) {
   u32 q = 0;
   if (threadIdx.x % WARP_SIZE == 0) q = ptx::atom_add_relaxed_gpu(counter, 1u);

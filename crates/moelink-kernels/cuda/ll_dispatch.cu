@@ -197,9 +197,8 @@ __device__ __forceinline__ bool dispatch_rows(const LlDispatchArgs& a, u32 first
 __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   // The check block's top-k rows are sent towards L2 before the hand-back wait, whose round trips (~1 us)
   // they then overlap; not by warp 0 (its lanes poll the hand-back words, whose loads would queue behind the
-  // prefetches). The data warps do not prefetch: with a prefetch per lane of their first row chunk the
-  // wait takes 1.9 us instead of 1.0 and the warps issue their stores no earlier (EP4, 4xH200, MOELINK_LL_TRACE;
-  // bench/results/2026-11-21-4xnvidia-h200-ll-trace, runs 3-7).
+  // prefetches). The data warps do not prefetch: a prefetch per lane of their first row chunk lengthens the
+  // wait (~1.9 us instead of ~1.0 at EP4) and brings their stores no earlier.
   if (blockIdx.x == 0) {
     for (u32 e = threadIdx.x; e < a.num_experts; e += LL_THREADS) sm.words[e] = 0;  // dispatch_check's counts
     if (warp_id() != 0) {

@@ -1574,7 +1574,7 @@ mod tests {
             assert!(nvl >= Buffer::ht_bytes_needed(16384, 7168, 8, 4, fp8));
         }
         assert_eq!(rdma, Buffer::ll_bytes_needed(256, 7168, 4, 288));
-        // DeepEP's shapes: what the CUDA backend asks for (the old rows-based guess was too small).
+        // DeepEP's shapes: exactly what the CUDA backend asks for.
         let (nvl, rdma) = buffer_bytes(&plan(&args(&[]), None).unwrap().batches, None);
         assert_eq!(nvl, Buffer::ht_bytes_needed(4096, 7168, 8, 4, false).max(Buffer::ht_bytes_needed(4096, 7168, 8, 4, true)));
         assert_eq!(rdma, Buffer::ll_bytes_needed(128, 7168, 4, 288));

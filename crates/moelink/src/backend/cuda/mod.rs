@@ -179,9 +179,8 @@ impl CudaBackend {
         // A context's streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default), and work
         // waits for whatever is ahead of it in its queue. Ranks of one process on one GPU share a context: a
         // rank's kernel or copy queued behind a peer's collective kernel, which waits for that very rank,
-        // holds both until the deadline. Enough queues keep them apart: with 4 such ranks the default stalls
-        // (an HT soak, twice, and thread mode under MPS) and 32 passes (1xH100:
-        // bench/results/2026-11-25-1xnvidia-h100-42e35f0-session8).
+        // holds both until the deadline. Enough queues keep them apart: 8 per rank sharing the GPU, up to 32;
+        // with 4 such ranks the default 8 stall.
         let info = device.info();
         let queues_needed = (8 * ranks_sharing_gpu).min(32);
         if ranks_sharing_gpu > 1 && info.max_connections < queues_needed {
