@@ -1,0 +1,151 @@
+//! What a case moves (bytes per rank, per path across nodes) and the statistics over ranks and repetitions.
+
+use super::*;
+
+/// Bytes per rank (mean over ranks) that a case moves: (logical, wire).
+pub(super) fn bytes_moved(case: &Case, inputs: &Inputs) -> (f64, f64) {
+    let s = &inputs.shape;
+    let r = &inputs.reference;
+    let n = s.ranks as f64;
+    match case.mode {
+        Mode::Ht => {
+            let row = match (case.op, case.dtype) {
+                (Op::Dispatch, Dtype::Fp8) => s.hidden + s.scale_cols() * 4,
+                _ => 2 * s.hidden,
+            } as f64;
+            let recv: usize = r.recv_rows.iter().map(|v| v.len()).sum();
+            let own: usize = (0..s.ranks).map(|k| r.own_rows(k)).sum();
+            (recv as f64 * row / n, (recv - own) as f64 * row / n)
+        }
+        Mode::Ll => {
+            let row = match (case.op, case.dtype) {
+                // DeepEP counts 16 bytes of per-token metadata with each FP8 row.
+                (Op::Dispatch, Dtype::Fp8) => s.hidden + s.scale_cols() * 4 + 16,
+                _ => 2 * s.hidden,
+            } as f64;
+            let sel: usize = r.selections.iter().sum();
+            let cross: usize = r.cross_pairs.iter().sum();
+            (sel as f64 * row / n, cross as f64 * row / n)
+        }
+    }
+}
+
+/// Bytes each rank sends over each path in one low-latency call across nodes.
+pub(super) struct PathBytes {
+    pub(super) rdma: Vec<usize>,
+    pub(super) nvlink: Vec<usize>,
+}
+
+/// The internode byte model (`docs/internode.md`) on these inputs: one message per (token, distinct
+/// destination rank); dispatch sends [`moelink::internode::ll_message_bytes`] from the token's rank, combine
+/// a bf16 row back from the destination (pre-reduced: dispatch carries the weights). A message to a rank of
+/// the sender's own node goes over NVLink when `nvlink_in_node`, over RDMA otherwise; one to itself nowhere.
+/// Meta blocks (a few hundred bytes per peer) are not counted.
+pub(super) fn ll_path_bytes(case: &Case, inputs: &Inputs, topology: &moelink::Topology, nvlink_in_node: bool) -> PathBytes {
+    let s = &inputs.shape;
+    let mut paths = PathBytes { rdma: vec![0; s.ranks], nvlink: vec![0; s.ranks] };
+    let msg = match case.op {
+        Op::Dispatch => moelink::internode::ll_message_bytes(s.hidden, s.topk, case.dtype == Dtype::Fp8),
+        Op::Combine => 2 * s.hidden,
+    };
+    let experts_per_rank = s.local_experts().max(1);
+    for (src, r) in inputs.ranks.iter().enumerate() {
+        for token in r.topk_idx.chunks(s.topk.max(1)) {
+            let mut dests: Vec<usize> = token.iter().filter(|&&e| e >= 0).map(|&e| e as usize / experts_per_rank).collect();
+            dests.sort_unstable();
+            dests.dedup();
+            for dst in dests.into_iter().filter(|&d| d != src && d < s.ranks) {
+                let sender = if case.op == Op::Dispatch { src } else { dst };
+                let receiver = if case.op == Op::Dispatch { dst } else { src };
+                if nvlink_in_node && topology.node_of(sender) == topology.node_of(receiver) {
+                    paths.nvlink[sender] += msg;
+                } else {
+                    paths.rdma[sender] += msg;
+                }
+            }
+        }
+    }
+    paths
+}
+
+/// DeepEP's internode accounting for the high-throughput calls (its `test_internode.py`), per rank: RDMA
+/// bytes = the rank's tokens times their distinct destination nodes (its own node included) times the row;
+/// NVLink bytes = the rows the rank receives times the row. Rows: FP8 `H + 4 H / 128`, bf16 `2 H`; combine
+/// moves bf16 rows back the same ways. What crosses a NIC is less (a token's own node is not); `moelink
+/// bench bytes` counts both.
+pub(super) fn ht_path_bytes(case: &Case, inputs: &Inputs, topology: &moelink::Topology) -> PathBytes {
+    let s = &inputs.shape;
+    let row = match (case.op, case.dtype) {
+        (Op::Dispatch, Dtype::Fp8) => s.hidden + 4 * s.hidden / 128,
+        _ => 2 * s.hidden,
+    };
+    let mut paths = PathBytes { rdma: vec![0; s.ranks], nvlink: vec![0; s.ranks] };
+    let experts_per_rank = s.local_experts().max(1);
+    for (src, r) in inputs.ranks.iter().enumerate() {
+        for token in r.topk_idx.chunks(s.topk.max(1)) {
+            let mut ranks: Vec<usize> = token.iter().filter(|&&e| e >= 0).map(|&e| e as usize / experts_per_rank).collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            let mut nodes: Vec<usize> = ranks.iter().map(|&d| topology.node_of(d)).collect();
+            nodes.dedup();
+            paths.rdma[src] += nodes.len() * row;
+            for d in ranks.into_iter().filter(|&d| d < s.ranks) {
+                paths.nvlink[d] += row;
+            }
+        }
+    }
+    paths
+}
+
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Per repetition, the slowest rank's time.
+pub(super) fn slowest_per_rep(per_rank: &[Vec<f64>]) -> Vec<f64> {
+    let reps = per_rank.iter().map(|v| v.len()).min().unwrap_or(0);
+    (0..reps).map(|i| per_rank.iter().map(|v| v[i]).fold(0.0, f64::max)).collect()
+}
+
+/// Median over repetitions of the slowest rank.
+pub(super) fn slowest_rank_median(per_rank: &[Vec<f64>]) -> f64 {
+    median(slowest_per_rep(per_rank))
+}
+
+/// Kernel-trace points over ranks and repetitions: per point, the median over repetitions of the blocks'
+/// median stamp, last stamp and block 0's stamp (µs after the kernel's first block started), the largest
+/// over ranks.
+pub(super) fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::diag::KernelTrace]>) -> serde_json::Value {
+    let mut points: Vec<(&'static str, f64, f64, f64)> = Vec::new();
+    for traces in per_rank {
+        let names: Vec<&'static str> = traces.first().map(|t| t.points.iter().map(|p| p.name).collect()).unwrap_or_default();
+        for name in names {
+            let of = |f: fn(&moelink::diag::TracePoint) -> f64| {
+                median(traces.iter().filter_map(|t| t.points.iter().find(|p| p.name == name)).map(f).collect())
+            };
+            let (med, last, b0) = (of(|p| p.median_us), of(|p| p.max_us), of(|p| p.block0_us.unwrap_or(f64::NAN)));
+            match points.iter_mut().find(|p| p.0 == name) {
+                Some(p) => {
+                    p.1 = p.1.max(med);
+                    p.2 = p.2.max(last);
+                    p.3 = p.3.max(b0);
+                }
+                None => points.push((name, med, last, b0)),
+            }
+        }
+    }
+    serde_json::Value::Array(
+        points
+            .into_iter()
+            .map(|(n, m, l, b0)| serde_json::json!({"point": n, "median_us": m, "last_us": l, "block0_us": b0.is_finite().then_some(b0)}))
+            .collect(),
+    )
+}
