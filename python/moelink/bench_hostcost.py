@@ -217,15 +217,16 @@ class Runner:
             stats = torch.zeros(e // c.num_ranks, dtype=torch.int32, device=c.device)
             host = {"dispatch": 0.0, "combine": 0.0}
 
-            def pair(with_stats: bool, deepep_kwargs: bool) -> None:
+            def pair(as_deepep: bool) -> None:
+                """The pair with test_func's arguments (the stats tensor included), or the plain call."""
                 h0 = time.perf_counter()
-                if deepep_kwargs:
-                    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, cumulative_local_expert_recv_stats=stats if with_stats else None,
+                if as_deepep:
+                    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, cumulative_local_expert_recv_stats=stats,
                                                                   use_fp8=True, async_finish=False, return_recv_hook=False)
                 else:
                     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True)
                 h1 = time.perf_counter()
-                if deepep_kwargs:
+                if as_deepep:
                     buf.low_latency_combine(y, idx, w, handle, return_recv_hook=False)
                 else:
                     buf.low_latency_combine(y, idx, w, handle)
@@ -234,7 +235,7 @@ class Runner:
                 host["combine"] += h2 - h1
 
             def test_func() -> None:
-                pair(True, True)
+                pair(True)
 
             # As in DeepEP's test, the checks before leave a dispatch's outputs referenced (made with
             # async_finish, and with a receive hook) while the timed calls run.
@@ -263,11 +264,11 @@ class Runner:
             native = getattr(buf, "_native", None)
             timing = native is not None and hasattr(native, "set_host_timing")
             splits: Dict[str, Any] = {}
-            for name, default_device, with_events, kwargs in (("as DeepEP", True, True, True), ("no default device", False, True, True),
+            for name, default_device, with_events, as_deepep in (("as DeepEP", True, True, True), ("no default device", False, True, True),
                                                               ("no events", True, False, True), ("plain pair", False, True, False)):
                 aligned(c)
                 for _ in range(20):
-                    pair(kwargs, kwargs)
+                    pair(as_deepep)
                 aligned(c)
                 host.update(dispatch=0.0, combine=0.0)
                 if timing:
@@ -277,7 +278,7 @@ class Runner:
                     for i in range(n):
                         if with_events:
                             starts[i % tests].record()
-                        pair(kwargs, kwargs)
+                        pair(as_deepep)
                         if with_events:
                             ends[i % tests].record()
                 sums = native.host_times() if timing else {}
@@ -445,6 +446,12 @@ def profile_calls(ctx: Any, fn: Callable[[], Any], n: int = 6) -> Dict[str, Any]
             "gpu_activity": activity, "gpu_events_per_call": len(gpu) / n if n else 0}
 
 
+def activity_lines(activity: List[Dict[str, Any]]) -> List[str]:
+    """One line per GPU event of a profile: duration, gap before it, name."""
+    return [f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  {a['name']}"
+            for a in activity]
+
+
 def table(records: List[Dict[str, Any]]) -> str:
     """Side by side: each op's three numbers per system, and moelink's over DeepEP's."""
     systems = sorted({r["system"] for r in records if "cpu_us_per_call" in r}, key=lambda n: (n != "moelink", n))
@@ -496,15 +503,11 @@ def table(records: List[Dict[str, Any]]) -> str:
         lines.append(f"{r['system']}: LL pair in a CUDA graph: replay {r.get('replay_us', 0):.1f} us, GPU activity "
                      f"{r.get('kernel_sum_us', '-')} us in {r.get('gpu_events_per_replay', '-')} events over a span of "
                      f"{r.get('replay_span_us', '-')} us; the same pair issued eagerly {r.get('eager_loop_us', 0):.1f} us")
-        for a in r.get("replay_activity", []):
-            lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
-                         f"{a['name']}")
+        lines += activity_lines(r.get("replay_activity", []))
     for r in (r for r in records if r["op"] == "ht_dispatch" and r.get("gpu_activity")):
         lines.append("")
         lines.append(f"{r['system']}: GPU activity of one fresh CPU-synced HT dispatch ({r.get('gpu_events_per_call', '-')} events per call):")
-        for a in r["gpu_activity"]:
-            lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
-                         f"{a['name']}")
+        lines += activity_lines(r["gpu_activity"])
         for name, v in list(r.get("host_api_per_call", {}).items())[:6]:
             lines.append(f"    host {name}: {v['count']} per call, {v['us']} us")
     for r in (r for r in records if r["op"] == "ll_deepep_bench"):
@@ -524,9 +527,7 @@ def table(records: List[Dict[str, Any]]) -> str:
             lines.append(line)
         for name, v in list(r.get("host_api_per_call", {}).items())[:8]:
             lines.append(f"    host {name}: {v['count']} per pair, {v['us']} us")
-        for a in r.get("gpu_activity", []):
-            lines.append(f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  "
-                         f"{a['name']}")
+        lines += activity_lines(r.get("gpu_activity", []))
     return "\n".join(lines)
 
 

@@ -503,10 +503,8 @@ namespace moelink::internode {
 //      ERR_INVALID_LAYOUT naming it and the argument, else a signature differing from ours); with host_out
 //      the same for the host, the received tokens per local expert, then READY = host_seq.
 //   The layout checks read only what the message sends anyway: a send count differing from
-//   num_tokens_per_rank marks the message BAD_LAYOUT; warp w sums num_tokens_per_expert over the experts of
-//   ranks w, w + HTI_WARPS, ...: each token sent to rank r selects at least one of r's experts, so r's
-//   experts count no tokens when nothing goes to r and at least as many as go there otherwise, and no count
-//   is negative; a disagreement marks it BAD_EXPERTS.
+//   num_tokens_per_rank marks the message BAD_LAYOUT; warp w checks the per-expert counts of ranks w,
+//   w + HTI_WARPS, ... (expert_counts_disagree, ptx.cuh), a disagreement marks it BAD_EXPERTS.
 __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ HtiNotifyArgs a) {
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_NOTIFY);
   if (rdma::nic_block(a.rdma, d)) return;
@@ -565,18 +563,8 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   const u32 el = a.num_local_experts, words = MSG_W_ROW + NUM_RANKS + el;
   const i32* per_expert = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
   for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
-    u64 sum = 0;
-    bool negative = false;
-    for (u32 e = lane; e < el; e += WARP_SIZE) {
-      const i32 c = per_expert[(u64)r * el + e];
-      negative = negative || c < 0;
-      sum += c < 0 ? 0ull : (u64)c;
-    }
-#pragma unroll
-    for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_WARP_MASK, sum, offset);
-    negative = __any_sync(FULL_WARP_MASK, negative) != 0;
-    const u64 sent = s_send_count[r];
-    if (lane == 0 && (negative || (sent == 0) != (sum == 0) || sum < sent)) atomicOr(&s_status, HTI_STATUS_BAD_EXPERTS);
+    const bool bad = expert_counts_disagree(per_expert + (u64)r * el, el, s_send_count[r], lane);
+    if (lane == 0 && bad) atomicOr(&s_status, HTI_STATUS_BAD_EXPERTS);
   }
   __syncthreads();
 

@@ -153,18 +153,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
   const u32 el = a.num_local_experts;
   const i32* per_expert = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
   for (u32 r = warp; r < num_ranks; r += NOTIFY_WARPS) {
-    u64 sum = 0;
-    bool negative = false;
-    for (u32 e = lane; e < el; e += WARP_SIZE) {
-      const i32 c = per_expert[(u64)r * el + e];
-      negative = negative || c < 0;
-      sum += c < 0 ? 0ull : (u64)c;
-    }
-#pragma unroll
-    for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_WARP_MASK, sum, offset);
-    negative = __any_sync(FULL_WARP_MASK, negative) != 0;
-    const u64 sent = s_total[r];
-    if (lane == 0 && (negative || (sent == 0) != (sum == 0) || sum < sent)) atomicOr(&s_local_status, HT_STATUS_BAD_EXPERTS);
+    const bool bad = expert_counts_disagree(per_expert + (u64)r * el, el, s_total[r], lane);
+    if (lane == 0 && bad) atomicOr(&s_local_status, HT_STATUS_BAD_EXPERTS);
   }
   __syncthreads();
 

@@ -502,6 +502,25 @@ __device__ __forceinline__ void report_error(const Deadline& d, u32 code, u32 pe
   ptx::st_release_sys(&r->code, code);
 }
 
+// The notify kernels' per-expert layout check (LAYOUT_ARG_PER_EXPERT), warp-collective: whether the `el`
+// counts `per_expert` (num_tokens_per_expert for one destination rank's experts) disagree with the `sent`
+// tokens is_token_in_rank sends that rank. Each token sent there selects at least one of its experts, so they
+// count none when nothing goes there and at least `sent` otherwise, and no count is negative. u64 lanes, a
+// shuffle tree; every lane gets the answer.
+__device__ __forceinline__ bool expert_counts_disagree(const i32* per_expert, u32 el, u64 sent, u32 lane) {
+  u64 sum = 0;
+  bool negative = false;
+  for (u32 e = lane; e < el; e += WARP_SIZE) {
+    const i32 c = per_expert[e];
+    negative = negative || c < 0;
+    sum += c < 0 ? 0ull : (u64)c;
+  }
+#pragma unroll
+  for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_WARP_MASK, sum, offset);
+  negative = __any_sync(FULL_WARP_MASK, negative) != 0;
+  return negative || (sent == 0) != (sum == 0) || sum < sent;
+}
+
 // True once any thread of this rank has raised a fatal error (device memory: cheap to poll). Argument errors
 // (report_error) do not count: the protocol goes on after them.
 __device__ __forceinline__ bool error_raised(const Deadline& d) { return ptx::ld_relaxed_gpu(d.sink.claim) == CLAIM_FATAL; }

@@ -251,18 +251,19 @@ impl PyBuffer {
         started: Option<(&'static str, Instant)>,
         f: impl FnOnce(&mut Buffer) -> moelink::Result<T> + Send,
     ) -> PyResult<T> {
-        let read_done = Instant::now();
+        // The clock is read only while host timing is on (`started`).
+        let read_done = started.map(|_| Instant::now());
         let _stale = self.group.take_error();
         let rank = self.rank;
         let mut backend_ns = 0u64;
         let r = py.detach(|| {
-            let entered = Instant::now();
+            let entered = read_done.map(|_| Instant::now());
             let r = self.run_backend(rank, stream, f);
-            backend_ns = entered.elapsed().as_nanos() as u64;
+            backend_ns = entered.map_or(0, |t| t.elapsed().as_nanos() as u64);
             r
         });
         let out = r.map_err(|e| to_pyerr(py, e, self.group.take_error()));
-        if let Some((op, t0)) = started {
+        if let (Some((op, t0)), Some(read_done)) = (started, read_done) {
             self.host_time.record(op, t0, read_done, backend_ns);
         }
         out
@@ -739,18 +740,19 @@ impl PyBuffer {
             num_worst_tokens,
             config,
         )?;
-        let read_done = Instant::now();
+        let now = || started.map(|_| Instant::now()); // the clock only while host timing is on
+        let read_done = now();
         let (plan, call) = self.run(py, Some(stream), move |b| {
             let plan = b.prepare_dispatch(&call.args())?;
             Ok((plan, call))
         })?;
-        let prepared = Instant::now();
+        let prepared = now();
         let per_expert = plan.num_recv_tokens_per_expert().to_vec();
         let outputs = alloc.call1((plan.num_recv_rows(), plan.hidden(), plan.topk(), plan.is_fp8(), plan.has_topk()))?;
         let out = self.dispatch_outputs(py, &outputs)?;
-        let launch = Instant::now();
+        let launch = now();
         let handle = self.run(py, Some(stream), move |b| b.dispatch_into(plan, &call.args(), out))?;
-        if let Some(t0) = started {
+        if let (Some(t0), Some(read_done), Some(prepared), Some(launch)) = (started, read_done, prepared, launch) {
             // Backend: both native steps (with their GIL hand-offs); the outputs' allocation is the rest.
             let backend = prepared.duration_since(read_done) + launch.elapsed();
             self.host_time.record("dispatch", t0, read_done, backend.as_nanos() as u64);
