@@ -19,6 +19,7 @@
 //   HTI_WARPS                    warps per block
 //   HTI_MSG_BYTES, HTI_ROW_BYTES, HTI_CROW_BYTES, HTI_CMSG_BYTES  the row sizes as Rust computes them
 //   HTI_STATE_BYTES              bytes of a rank's local state (HtiState + HtiForward)
+//   HTI_TRACE_CHUNKS             chunk records per area of the timing trace
 //   MOELINK_SIZEOF_HTI_*_ARGS    sizeof of each argument struct on the Rust side
 //
 // Topology: R = NUM_NODES x RANKS_PER_NODE ranks, rank r = node(r) * L + local(r). Rank (a, l) is the "rail
@@ -33,11 +34,12 @@
 //
 // Dispatch, round k of source s = (a, l):
 //   sender (s):      chunks of Q tokens (in order, from a per-call counter). For each destination node b: wait
-//                    until (b, l) handed round k - 1 back (d_consumed[b] >= base + k); stage each token's
-//                    message at send part [b][m], m = the token's index among this round's tokens for node
-//                    b (node_prefix); put_signal the chunk's messages to (b, l)'s receive part [a][m0, m1) with
-//                    SET (seq << 32 | m1) on its chunk word d_chunk[a][chunk] (a bare signal for an empty
-//                    chunk). Data, then its chunk word, in one operation: no fence.
+//                    until (b, l) handed round k - 1 back (d_consumed[b] >= base + k); write each token's
+//                    message m (the token's index among this round's tokens for node b, node_prefix) into
+//                    (b, l)'s receive part [a][m] in place where stores reach it (rdma::window), else at send
+//                    part [b][m]; then the chunk's messages [m0, m1) go there with SET (seq << 32 | m1) on its
+//                    chunk word d_chunk[a][chunk] (put_window_signal: one put_signal, or fenced stores and the
+//                    signal; a bare signal for an empty chunk). Data, then its chunk word.
 //   forwarder ((b, l), fwd_per_node warps per source node a, chunks dealt round-robin among them): per
 //                    chunk (its word and the one before give its messages); each message goes to every rank j
 //                    of this node it has a slot at: the row (payload + meta, top-k ids as j's local ids) into
@@ -57,8 +59,9 @@
 //                    [j][a][message mod M], after the forwarder handed it back (c_nvl_consumed[l][a] >= cbase +
 //                    k); flags = cseq.
 //   forwarder ((b, l), fwd_per_node warps per source node a): per message, waits for the rows of the ranks it went to,
-//                    sums them as the tree's node level (fp32, absent ranks +0.0), stages the partial (fp32
-//                    row and weights) at [a][m] once s handed round k - 1 back (c_consumed[a] >= cbase + k),
+//                    sums them as the tree's node level (fp32, absent ranks +0.0), writes the partial (fp32
+//                    row and weights) for s's part [b][m] (in place or staged at [a][m], as dispatch's
+//                    sender) once s handed round k - 1 back (c_consumed[a] >= cbase + k),
 //                    put_signals each chunk to s's combine receive part [b][m0, m1) with its chunk word; at
 //                    round end c_nvl_consumed[l][a] = cseq at every j.
 //   reducer (s):     token chunks in order, one round at a time: per token, the partial of every node it
@@ -75,7 +78,8 @@
     !defined(NUM_NODES) || !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(NUM_BIASES) ||            \
     !defined(HTI_WARPS) || !defined(MOELINK_SIZEOF_HTI_LAYOUT_ARGS) || !defined(MOELINK_SIZEOF_HTI_NOTIFY_ARGS) ||  \
     !defined(MOELINK_SIZEOF_HTI_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_HTI_COMBINE_ARGS) || !defined(HTI_MSG_BYTES) ||      \
-    !defined(HTI_ROW_BYTES) || !defined(HTI_CROW_BYTES) || !defined(HTI_CMSG_BYTES) || !defined(HTI_STATE_BYTES)
+    !defined(HTI_ROW_BYTES) || !defined(HTI_CROW_BYTES) || !defined(HTI_CMSG_BYTES) || !defined(HTI_STATE_BYTES) ||  \
+    !defined(HTI_TRACE_CHUNKS)
 #error "ht_internode.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_NODES >= 1 && NUM_NODES <= HTI_MAX_NODES && HTI_MAX_NODES <= WARP_SIZE, "one lane per node");
@@ -305,6 +309,7 @@ struct HtiDispatchArgs {
   u32 chunk_tokens;        // Q: tokens per sender chunk (M is a multiple)
   u32 num_send_blocks, num_fwd_blocks;
   u32 fwd_per_node;        // forwarder warps per source node (warp w: node w % N, chunks c with c % P == w / N)
+  u64 trace;               // host-mapped timing trace (HTI_TRACE_*), or 0
 };
 static_assert(sizeof(HtiDispatchArgs) == MOELINK_SIZEOF_HTI_DISPATCH_ARGS, "HtiDispatchArgs mirrors Rust");
 
@@ -320,6 +325,7 @@ struct HtiCombineArgs {
   u64 routing, fwd_entries, recv_route, state;
   u64 error_claim, error_record, timeout_ns;
   u32 num_tokens, num_x_rows, chunk_tokens, num_send_blocks, num_fwd_blocks, fwd_per_node;
+  u64 trace;  // host-mapped timing trace (HTI_TRACE_*), or 0
 };
 static_assert(sizeof(HtiCombineArgs) == MOELINK_SIZEOF_HTI_COMBINE_ARGS, "HtiCombineArgs mirrors Rust");
 
@@ -330,12 +336,13 @@ __device__ __forceinline__ u32 local_of(u32 r) { return r % RANKS_PER_NODE; }
 __device__ __forceinline__ u64* rdma_word(const RdmaArgs& a, u64 off) { return reinterpret_cast<u64*>(a.local_base + off); }
 __device__ __forceinline__ u8* rdma_bytes(const RdmaArgs& a, u64 off) { return reinterpret_cast<u8*>(a.local_base + off); }
 
-// A warp copies `vecs` 16-byte vectors, eight loads in flight per lane before their stores: a warp's
-// copy rate is its bytes in flight over the load latency (4 KB per ~0.7 us), and one warp often moves a
-// source's whole stream.
+// A warp copies `vecs` 16-byte vectors, COPY_UNROLL loads in flight per lane before their stores: a warp's
+// copy rate is its bytes in flight over the load latency (8 KB per ~0.7 us), and every row a role moves is
+// one warp's serial copy, so a 14 KB bf16 row takes two load latencies and an FP8 row one.
+constexpr u32 COPY_UNROLL = 8;
 template <bool SRC_READ_ONLY>
 __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane) {
-  constexpr u32 U = 8;
+  constexpr u32 U = COPY_UNROLL;
   for (u32 base = 0; base < vecs; base += U * WARP_SIZE) {
     u32x4 v[U];
 #pragma unroll
@@ -390,6 +397,35 @@ __device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* s_warp, u32& tot
   __syncthreads();
   total = sum;
   return before + inclusive - v;
+}
+
+// ---------------------------------------------------------------------------------------------- trace
+// Timing trace (moelink::KernelTracing::high_throughput; `trace` is 0 otherwise): %globaltimer stamps in
+// host-mapped u64 words (moelink::backend::cuda::ht_internode mirrors the layout):
+//   per block of the grid HTI_TRACE_BLOCK_WORDS (the emulated NIC's stay 0): block start, block end, then per
+//   warp the start and end of its role;
+//   then HTI_TRACE_CHUNKS chunk records of 3 words, indexed by the sender's / reducer's chunk q:
+//     dispatch sender [taken, staged, put], combine reducer [taken, first partial seen, reduced];
+//   then per source node HTI_TRACE_CHUNKS forwarder chunk records of 3 words, indexed k * ceil(M / Q) + c:
+//     dispatch [words seen, rows copied, released], combine [started, partials staged, put].
+// Chunks past HTI_TRACE_CHUNKS are not stamped.
+constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS;
+constexpr u32 HTI_TRACE_CHUNK_WORDS = 3;
+__device__ __forceinline__ void hti_stamp(u64 trace, u64 word) {
+  if (trace != 0) reinterpret_cast<volatile u64*>(trace)[word] = ptx::globaltimer();
+}
+__device__ __forceinline__ u64 hti_trace_chunk(u32 blocks, u32 q, u32 point) {
+  return (u64)blocks * HTI_TRACE_BLOCK_WORDS + (u64)q * HTI_TRACE_CHUNK_WORDS + point;
+}
+__device__ __forceinline__ u64 hti_trace_fwd(u32 blocks, u32 node, u32 c, u32 point) {
+  return (u64)blocks * HTI_TRACE_BLOCK_WORDS + ((u64)(1 + node) * HTI_TRACE_CHUNKS + c) * HTI_TRACE_CHUNK_WORDS + point;
+}
+// Stamps chunk record point `point` (one lane; chunks past the trace's room are skipped).
+__device__ __forceinline__ void hti_stamp_chunk(u64 trace, u32 q, u32 point) {
+  if (trace != 0 && q < HTI_TRACE_CHUNKS && threadIdx.x % WARP_SIZE == 0) hti_stamp(trace, hti_trace_chunk(gridDim.x, q, point));
+}
+__device__ __forceinline__ void hti_stamp_fwd(u64 trace, u32 node, u32 c, u32 point) {
+  if (trace != 0 && c < HTI_TRACE_CHUNKS && threadIdx.x % WARP_SIZE == 0) hti_stamp(trace, hti_trace_fwd(gridDim.x, node, c, point));
 }
 
 // ---------------------------------------------------------------------------------------------- fp32 trees
@@ -719,13 +755,18 @@ __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base
   f.me_local = local_of(f.me);
   const u32 warp = threadIdx.x / WARP_SIZE, workers = rdma::num_worker_blocks(a.rdma);
   const u32 fwd_end = a.num_send_blocks + a.num_fwd_blocks;
+  const u64 trace_block = (u64)blockIdx.x * HTI_TRACE_BLOCK_WORDS;
+  if (threadIdx.x == 0) hti_stamp(a.trace, trace_block);
+  if (threadIdx.x % WARP_SIZE == 0) hti_stamp(a.trace, trace_block + 2 + 2 * warp);
   if (blockIdx.x < a.num_send_blocks)
     body(f, Role::SEND, blockIdx.x * HTI_WARPS + warp, a.num_send_blocks * HTI_WARPS);
   else if (blockIdx.x < fwd_end)
     body(f, Role::FORWARD, (blockIdx.x - a.num_send_blocks) * HTI_WARPS + warp, a.num_fwd_blocks * HTI_WARPS);
   else
     body(f, Role::RECEIVE, (blockIdx.x - fwd_end) * HTI_WARPS + warp, (workers - fwd_end) * HTI_WARPS);
+  if (threadIdx.x % WARP_SIZE == 0) hti_stamp(a.trace, trace_block + 3 + 2 * warp);
   __syncthreads();
+  if (threadIdx.x == 0) hti_stamp(a.trace, trace_block + 1);
   if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(done_word, 1u) == workers - 1) {
     *done_word = 0u;
     reset();
@@ -836,6 +877,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     if ((u64)q * Q >= T) break;
     const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
     const u64 seq = (u64)f.base + k + 1;
+    hti_stamp_chunk(a.trace, q, 0);
     // Lane b: this chunk's messages [m0, m1) for node b, after (b, l) handed round k - 1 back.
     u32 m0 = 0, m1 = 0;
     bool ok = true;
@@ -862,7 +904,10 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
       for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
         const u32 b = __ffs(todo) - 1;
         const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
-        u8* msg = rdma_bytes(a.rdma, a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES);
+        // In place at the rail peer where stores reach it, else staged for the put.
+        u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
+                               a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
+                      .ptr;
         // Head and slots: lane j < L gives the slot at (b, j).
         u32 mask = 0;
         if (lane < RANKS_PER_NODE) {
@@ -890,6 +935,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
       }
     }
     __syncwarp();
+    hti_stamp_chunk(a.trace, q, 1);
     // One put per node: the chunk's messages, then its chunk word (SET seq << 32 | m1).
     for (u32 b = 0; b < NUM_NODES; b++) {
       const u32 b0 = __shfl_sync(FULL_WARP_MASK, m0, b), b1 = __shfl_sync(FULL_WARP_MASK, m1, b);
@@ -901,13 +947,15 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
       if (b1 > b0) {
         const u64 dst = a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)b0 * MSG_BYTES;
         const u64 src = a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)b0 * MSG_BYTES;
-        sent = rdma::put_signal_warp(a.rdma, qp, peer, dst, src, (b1 - b0) * MSG_BYTES, sig, value, SIGNAL_SET, dr);
+        sent = rdma::put_window_signal_warp(a.rdma, qp, peer, rdma::window(a.rdma, peer, dst, src), dst, src, (b1 - b0) * MSG_BYTES, sig,
+                                            value, SIGNAL_SET, dr);
       } else {
         if (lane == 0) sent = rdma::signal_thread(a.rdma, qp, peer, sig, value, SIGNAL_SET, dr);
         sent = __shfl_sync(FULL_WARP_MASK, sent ? 1u : 0u, 0) != 0;
       }
       if (!sent) return;
     }
+    hti_stamp_chunk(a.trace, q, 2);
   }
 }
 
@@ -964,6 +1012,8 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
       if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
       if (c > 0 && !warp_wait_u64(chunk_words + c - 1, seq << 32, for_peer(dr, s, f.me), s)) return;
+      const u32 trace_chunk = k * ((M + Q - 1) / Q) + c;
+      hti_stamp_fwd(a.trace, an, trace_chunk, 0);
       const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
       u32 m = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
       if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
@@ -1002,7 +1052,9 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
         if (__any_sync(FULL_WARP_MASK, pending >= RELEASE_ROWS)) release();
       }
       // A chunk's rows to j have consecutive slots; the next chunk of this warp does not follow them.
+      hti_stamp_fwd(a.trace, an, trace_chunk, 1);
       release();
+      hti_stamp_fwd(a.trace, an, trace_chunk, 2);
       if (lane < RANKS_PER_NODE && rows > 0) atomicAdd(&shared->round_rows[an][lane], rows);
       rows = 0;
       __syncwarp();
@@ -1225,7 +1277,8 @@ namespace moelink::internode {
 //   the second's sender waits for it, so the host gives num_fwd_blocks * HTI_WARPS >= N * P), the rest
 //   receive: several warps per source when there are at least R (receive_split), else one lane per source
 //   (receive; warps >= R / 32). Protocol: the top of this file. reads: x, scales, top-k, routing, own RDMA receive parts and NVLink parts, signals;
-//   writes: own RDMA send parts, peers' RDMA parts and signals (puts), node peers' NVLink parts, flags, done
+//   writes: own RDMA send parts or peers' RDMA parts in place, peers' RDMA parts and signals (puts), node
+//   peers' NVLink parts, flags, done
 //   and consumed words, the outputs, fwd_entries and recv_route (the handle), HtiState.
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtiDispatchArgs a) {
   const Deadline dr = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_DISPATCH_RDMA);
@@ -1426,6 +1479,8 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
     }
     for (u32 c0 = p * Q; c0 < cnt; c0 += P * Q) {
       const u32 c1 = hti_min(c0 + Q, cnt);
+      const u32 trace_chunk = k * ((M + Q - 1) / Q) + c0 / Q;
+      hti_stamp_fwd(a.trace, an, trace_chunk, 0);
       for (u32 m = c0; m < c1; m++) {
         const u32 message = g + m;
         const u32 mask = entries[first + message] & 0xffu;
@@ -1443,7 +1498,10 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
           if (((mask >> j) & 1u) != 0u)
             (void)ptx::ld_acquire_sys(reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_cflags) +
                                       ((u64)j * NUM_NODES + an) * a.nvl.flag_slots + slot);
-        u8* out = rdma_bytes(a.rdma, a.at.off_csend + (u64)an * a.at.part_bytes + (u64)m * CMSG_BYTES);
+        // In place at home where stores reach it, else staged for the put.
+        u8* out = rdma::window(a.rdma, s, a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)m * CMSG_BYTES,
+                               a.at.off_csend + (u64)an * a.at.part_bytes + (u64)m * CMSG_BYTES)
+                      .ptr;
         auto row_of = [&](u32 j) -> const u8* {
           return reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_cparts + ((u64)j * NUM_NODES + an) * a.nvl.part_bytes) +
                  (u64)slot * CROW_BYTES;
@@ -1488,13 +1546,15 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       }
       // The chunk's partials, then its chunk word, in one operation.
       __syncwarp();
+      hti_stamp_fwd(a.trace, an, trace_chunk, 1);
       const u32 chunk = c0 / Q;
       const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)c0 * CMSG_BYTES;
       const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + (u64)c0 * CMSG_BYTES;
       const u64 sig = a.at.off_cchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
-      if (!rdma::put_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, dst, src, (c1 - c0) * CMSG_BYTES, sig, ((u64)cseq << 32) | c1,
-                                 SIGNAL_SET, dr))
+      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, (c1 - c0) * CMSG_BYTES,
+                                        sig, ((u64)cseq << 32) | c1, SIGNAL_SET, dr))
         return;
+      hti_stamp_fwd(a.trace, an, trace_chunk, 2);
       // The round's last chunk read the last rows of the round: every local rank may write its part again.
       u32 done = 0;
       if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->combine_chunks_done[an], 1u) + 1;
@@ -1539,6 +1599,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     if ((u64)q * Q >= T) break;
     const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M;
     const u32 cseq = f.base + k + 1;
+    hti_stamp_chunk(a.trace, q, 0);
     // Rounds in order: wait until the reducers finished round k - 1.
     if (k > 0) {
       bool ok = true;
@@ -1559,6 +1620,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
         }
       }
       if (!__all_sync(FULL_WARP_MASK, ok)) return;
+      if (t == t0) hti_stamp_chunk(a.trace, q, 1);
       const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
       for (u32 b = 0; b < NUM_NODES; b++)
         if (((nodes >> b) & 1u) != 0u) (void)ptx::ld_acquire_sys_u64(rdma_word(a.rdma, a.at.off_cchunk + ((u64)b * HTI_MAX_CHUNKS + __shfl_sync(FULL_WARP_MASK, m, b) / Q) * 8));
@@ -1624,6 +1686,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     }
     // The chunk is reduced; the last chunk of a round hands the round back to every rail peer.
     __syncwarp();
+    hti_stamp_chunk(a.trace, q, 2);
     u32 finished = 0;
     if (lane == 0) finished = ptx::atom_add_acq_rel_gpu(&st->combine_round_tokens, t1 - t0) + (t1 - t0);
     finished = __shfl_sync(FULL_WARP_MASK, finished, 0);

@@ -27,6 +27,8 @@
 //     memory) and must not change until the put has completed (`quiet`, or a signal from the receiver that
 //     implies it arrived).
 //   - put_signal: the signal is applied at the destination only after the put's data is visible there.
+//   - window: where the peer's region is reachable with stores, a warp may write there in place and signal
+//     with put_window_signal_warp (the same guarantee); elsewhere it writes a staging area that the call puts.
 //   - Two operations on the same QP from the same warp are delivered in issue order on emu-nic and on an RC
 //     QP of a NIC — but NOT with the nvshmem backend on NVSHMEM 3.4.5, which picks the QP of every operation
 //     itself (`qp` is a hint it ignores), so two operations named for one QP may travel on different ones.
@@ -161,14 +163,29 @@ struct WorkerScope {
   }
 };
 
-// 16-byte vectors then single bytes, spread over `lanes` threads starting at `lane`.
+// 16-byte vectors then single bytes, spread over `lanes` threads starting at `lane`. Each thread keeps
+// eight loads in flight before their stores: a copier's rate is its bytes in flight over the load latency,
+// and a put of a whole chunk is one warp's copy.
 __device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, u32 bytes, u32 lane, u32 lanes) {
+  constexpr u32 U = 8;
   const u32 vectors = bytes / 16;
   const bool aligned = ((reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) & 15) == 0;
   u32 done = 0;
   if (aligned) {
-    for (u32 i = lane; i < vectors; i += lanes) {
-      ptx::st_na_v4(reinterpret_cast<u32x4*>(dst) + i, ptx::ld_v4(reinterpret_cast<const u32x4*>(src) + i));
+    const u32x4* from = reinterpret_cast<const u32x4*>(src);
+    u32x4* to = reinterpret_cast<u32x4*>(dst);
+    for (u32 base = 0; base < vectors; base += U * lanes) {
+      u32x4 v[U];
+#pragma unroll
+      for (u32 u = 0; u < U; u++) {
+        const u32 i = base + u * lanes + lane;
+        if (i < vectors) v[u] = ptx::ld_v4(from + i);
+      }
+#pragma unroll
+      for (u32 u = 0; u < U; u++) {
+        const u32 i = base + u * lanes + lane;
+        if (i < vectors) ptx::st_na_v4(to + i, v[u]);
+      }
     }
     done = vectors * 16;
   }
@@ -427,6 +444,34 @@ __device__ __forceinline__ bool put_signal_warp(const RdmaArgs& a, u32 qp, u32 p
 #endif
 }
 
+// Where a warp writes bytes bound for rank `pe`'s region at `dst_off`: straight there when this GPU reaches
+// pe's region with stores (ptr; the emulated NIC's NVLink peers; a peer NVSHMEM maps, or this rank), else
+// this rank's own region at `stage_off`, for put_window_signal_warp to carry. Writing in place saves the
+// copy a put does on the SMs when no NIC does it. The same on every lane.
+struct Window {
+  u8* ptr;
+  bool direct;
+};
+__device__ __forceinline__ Window window(const RdmaArgs& a, u32 pe, u64 dst_off, u64 stage_off) {
+#if MOELINK_TRANSPORT == MOELINK_TRANSPORT_PTR
+  (void)stage_off;
+  return Window{reinterpret_cast<u8*>(peer_base(a, pe) + dst_off), true};
+#elif MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
+  if (over_nvlink(a, pe)) return Window{reinterpret_cast<u8*>(peer_base(a, pe) + dst_off), true};
+  return Window{reinterpret_cast<u8*>(a.local_base + stage_off), false};
+#else
+  const u64 p = nvshmem_seam::peer_ptr(a.local_base + dst_off, pe);
+  if (p != 0) return Window{reinterpret_cast<u8*>(p), true};
+  return Window{reinterpret_cast<u8*>(a.local_base + stage_off), false};
+#endif
+}
+
+// Delivers the `bytes` the warp wrote through `w` (window(a, pe, dst_off, stage_off)), then `sig_op(value)`
+// on rank `pe`'s signal at `sig_off`, applied only once the bytes are visible there: in place, every lane
+// fences its stores before one lane signals; staged, one put_signal.
+__device__ __forceinline__ bool put_window_signal_warp(const RdmaArgs& a, u32 qp, u32 pe, const Window& w, u64 dst_off, u64 stage_off, u32 bytes,
+                                                       u64 sig_off, u64 value, u32 sig_op, const Deadline& dl);
+
 // `sig_op(value)` on the u64 signal at `sig_off` of rank `pe`. Not ordered after earlier puts: fence first
 // when it announces them (or use put_signal).
 __device__ __forceinline__ bool signal_thread(const RdmaArgs& a, u32 qp, u32 pe, u64 sig_off, u64 value, u32 sig_op, const Deadline& dl) {
@@ -453,6 +498,17 @@ __device__ __forceinline__ bool signal_thread(const RdmaArgs& a, u32 qp, u32 pe,
   nvshmem_seam::signal_op(a.local_base + sig_off, value, sig_op, pe);
   return true;
 #endif
+}
+
+__device__ __forceinline__ bool put_window_signal_warp(const RdmaArgs& a, u32 qp, u32 pe, const Window& w, u64 dst_off, u64 stage_off, u32 bytes,
+                                                       u64 sig_off, u64 value, u32 sig_op, const Deadline& dl) {
+  if (!w.direct) return put_signal_warp(a, qp, pe, dst_off, stage_off, bytes, sig_off, value, sig_op, dl);
+  __syncwarp();
+  ptx::fence_acq_rel_sys();
+  __syncwarp();
+  bool ok = true;
+  if (threadIdx.x % WARP_SIZE == 0) ok = signal_thread(a, qp, pe, sig_off, value, sig_op, dl);
+  return __shfl_sync(FULL_WARP_MASK, ok ? 1u : 0u, 0) != 0;
 }
 
 // Operations issued before (by this rank) are delivered before operations this thread issues after.

@@ -62,6 +62,10 @@ __device__ __forceinline__ void signal_op(u64 sig, u64 value, u32 op, u32 pe) {
   nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sig), (uint64_t)value, signal_op_code(op), (int)pe);
 }
 
+// pe's copy of the symmetric object at `local` as this GPU can store to it (a peer NVSHMEM maps over
+// NVLink, or this PE), or 0 when only the transport reaches it.
+__device__ __forceinline__ u64 peer_ptr(u64 local, u32 pe) { return reinterpret_cast<u64>(nvshmem_ptr(reinterpret_cast<const void*>(local), (int)pe)); }
+
 __device__ __forceinline__ void fence() { nvshmem_fence(); }
 
 __device__ __forceinline__ void quiet() { nvshmem_quiet(); }

@@ -15,7 +15,7 @@ pub const HTI_MAX_RANKS: usize = 256;
 /// Nodes (`HTI_MAX_NODES`: one lane per node).
 pub const HTI_MAX_NODES: usize = 32;
 /// Chunk signal words per peer node and round (`HTI_MAX_CHUNKS`): a round has at most this many chunks.
-pub const HTI_MAX_CHUNKS: usize = 128;
+pub const HTI_MAX_CHUNKS: usize = 512;
 /// Top-k entries (dispatch) and weights (combine) a row carries at most: one lane each.
 pub const HTI_MAX_TOPK: usize = 32;
 /// Experts per rank a notify message has room for.
@@ -151,6 +151,7 @@ impl HtiVariant {
                 d("HTI_CROW_BYTES", rows.crow.to_string()),
                 d("HTI_CMSG_BYTES", rows.cmsg.to_string()),
                 d("HTI_STATE_BYTES", HTI_STATE_BYTES.to_string()),
+                d("HTI_TRACE_CHUNKS", HTI_TRACE_CHUNKS.to_string()),
                 d("MOELINK_SIZEOF_HTI_LAYOUT_ARGS", std::mem::size_of::<HtiLayoutArgs>().to_string()),
                 d("MOELINK_SIZEOF_HTI_NOTIFY_ARGS", std::mem::size_of::<HtiNotifyArgs>().to_string()),
                 d("MOELINK_SIZEOF_HTI_DISPATCH_ARGS", std::mem::size_of::<HtiDispatchArgs>().to_string()),
@@ -284,6 +285,8 @@ pub struct HtiDispatchArgs {
     pub num_send_blocks: u32,
     pub num_fwd_blocks: u32,
     pub fwd_per_node: u32,
+    /// Host-mapped timing trace ([`trace_words`]), or 0.
+    pub trace: u64,
 }
 
 #[repr(C)]
@@ -311,6 +314,23 @@ pub struct HtiCombineArgs {
     pub num_send_blocks: u32,
     pub num_fwd_blocks: u32,
     pub fwd_per_node: u32,
+    /// Host-mapped timing trace ([`trace_words`]), or 0.
+    pub trace: u64,
+}
+
+/// Timing trace (`HTI_TRACE_*` in ht_internode.cu): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
+/// words (block start and end, then each warp's role start and end), then [`HTI_TRACE_CHUNKS`] records of
+/// [`HTI_TRACE_CHUNK_WORDS`] for the dispatch senders' / combine reducers' chunks, then as many per source
+/// node for the forwarders' chunks. `%globaltimer` nanoseconds, 0 where not reached.
+pub const HTI_TRACE_BLOCK_WORDS: usize = 2 + 2 * HTI_WARPS as usize;
+/// Chunk records per area of the trace (chunks past it are not stamped).
+pub const HTI_TRACE_CHUNKS: usize = 1024;
+/// Words per chunk record.
+pub const HTI_TRACE_CHUNK_WORDS: usize = 3;
+
+/// u64 words of the timing trace of a launch of `blocks` blocks (the emulated NIC's included) on `num_nodes` nodes.
+pub const fn trace_words(blocks: usize, num_nodes: usize) -> usize {
+    blocks * HTI_TRACE_BLOCK_WORDS + (1 + num_nodes) * HTI_TRACE_CHUNKS * HTI_TRACE_CHUNK_WORDS
 }
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
@@ -489,8 +509,8 @@ mod tests {
         let (sig, sig_bytes) = signal_offsets(64 << 10);
         assert!(sig.off_cconsumed as usize + 8 * HTI_MAX_NODES <= (64 << 10) + sig_bytes);
         assert_eq!(sig_bytes, HT_SIGNAL_BYTES);
-        let rdma = rdma_layout(64 << 10, 256 << 10, 1 << 30, 16, 2).unwrap();
-        assert!(rdma.off_csend as usize + 2 * rdma.part_bytes as usize <= (256 << 10) + (1 << 30));
+        let rdma = rdma_layout(64 << 10, 512 << 10, 1 << 30, 16, 2).unwrap();
+        assert!(rdma.off_csend as usize + 2 * rdma.part_bytes as usize <= (512 << 10) + (1 << 30));
         let nvl = nvl_layout(1 << 20, 4 << 20, 1 << 30, 16, 2);
         assert!(nvl.off_cparts as usize + 16 * nvl.part_bytes as usize <= (4 << 20) + (1 << 30));
         let rows = RowSizes::new(7168, true, 8, HTI_MAX_TOPK);
@@ -499,11 +519,11 @@ mod tests {
         // The sizes the helpers say are needed give at least those rounds back.
         let need_rdma = rdma_bytes_needed(16, 2, 512, rows);
         let need_nvl = nvl_bytes_needed(16, 512, rows);
-        let rdma = rdma_layout(64 << 10, 256 << 10, need_rdma, 16, 2).unwrap();
+        let rdma = rdma_layout(64 << 10, 512 << 10, need_rdma, 16, 2).unwrap();
         let nvl = nvl_layout(1 << 20, 4 << 20, need_nvl, 16, 2);
         assert!(round_shape(&rdma, &nvl, rows, 32).unwrap().0 >= 512 - 32);
         // Too small: no round at all.
-        let tiny = rdma_layout(64 << 10, 256 << 10, rdma_bytes_needed(16, 2, 0, rows) + 1024, 16, 2).unwrap();
+        let tiny = rdma_layout(64 << 10, 512 << 10, rdma_bytes_needed(16, 2, 0, rows) + 1024, 16, 2).unwrap();
         assert!(round_shape(&tiny, &nvl, rows, 32).is_none());
     }
 

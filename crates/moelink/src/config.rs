@@ -233,6 +233,9 @@ pub struct Tuning {
     pub ht_recv_chunk: Option<u32>,
     /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
     pub ht_dynamic_send: Option<bool>,
+    /// Forwarder blocks of the internode HT kernels (default a quarter of `num_sms`; clamped to what the
+    /// other roles leave).
+    pub hti_fwd_blocks: Option<usize>,
     /// HT timing experiment bits (`ht.cuh`'s `HT_EXP_*`: 1 no copy-out, 2 no remote payload); results are
     /// wrong with any bit set.
     pub ht_timing_experiment: u32,
@@ -246,7 +249,7 @@ impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
-    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=3), `MOELINK_LL_SMS`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=3), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
@@ -278,6 +281,7 @@ impl Tuning {
                 None => None,
                 Some(_) => Some(switch(get, "MOELINK_HT_DYNAMIC_SEND")?),
             },
+            hti_fwd_blocks: number(get, "MOELINK_HTI_FWD_BLOCKS")?,
             ht_timing_experiment,
             ll_sms,
             ll_experiment,

@@ -7,6 +7,9 @@
 //! - high-throughput (`ht.cuh`, `HT_TRACE_*`): per block its start and end, then per warp the start and the
 //!   end of its work (senders: after the hand-back wait until their last flag; receivers: after this rank's
 //!   own rows until their last row). The first `send_blocks` blocks are senders.
+//! - high-throughput across nodes (`ht_internode.cu`, `HTI_TRACE_*`): the same per block and warp (senders,
+//!   forwarders, then receivers or reducers), then per chunk the stamps of the senders / reducers and of the
+//!   forwarders ([`hti_launch`]).
 //! - low-latency (`ll.cuh`, `LL_TRACE_*`, `moelink_kernels::ll::LL_TRACE_POINTS`): per launch slot
 //!   (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) and block, one word per protocol point.
 
@@ -18,7 +21,9 @@ pub struct TracePoint {
     /// The point. Low-latency: `start`, `send_ready`, `send_issued`, `send_stored`, `send_done`,
     /// `recv_seen`, `recv_stored`, `end` (per block); block 0 of a dispatch send: `index_checked`; a
     /// dispatch receive: `recv_indexed`, the counts scanned into bases. High-throughput: `start` and `end`
-    /// (per block), `send_start`, `send_end`, `recv_start`, `recv_end` (per warp of the role).
+    /// (per block), `send_start`, `send_end`, `recv_start`, `recv_end` (per warp of the role); across nodes
+    /// also the forwarders' and per-chunk points of [`hti_launch`], where a name ending in `_us` is a
+    /// duration (min / median / max over chunks), not a time after the launch.
     pub name: &'static str,
     /// How many stamps it has: blocks, or for the high-throughput role points warps.
     pub blocks: usize,
@@ -107,6 +112,89 @@ pub(crate) fn ht_launch(
     Some(KernelTrace { kernel, op, phases: "send+recv", start_ns: t0, span_us, points })
 }
 
+/// The shape of an internode high-throughput launch, for decoding its trace.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HtiTraceShape {
+    /// Blocks of the grid (the emulated NIC's included: the trace has room for them).
+    pub blocks: usize,
+    /// Worker blocks: senders, then forwarders, then receivers (dispatch) or reducers (combine).
+    pub workers: usize,
+    pub send_blocks: usize,
+    pub fwd_blocks: usize,
+    pub nodes: usize,
+}
+
+/// One internode high-throughput launch from its words (`HTI_TRACE_*` in ht_internode.cu); `None` when no
+/// block stamped its start. Points: the blocks' start and end, each role's warps' start and end
+/// (`send_*`, `fwd_*`, `recv_*` or for combine `reduce_*`), then per chunk its stamps and, named `*_us`,
+/// the time between two of them (durations, not offsets): dispatch senders `chunk_taken`, `chunk_staged`,
+/// `chunk_put`, `stage_us`, `put_us`; forwarders `fwd_seen`, `fwd_copied`, `fwd_released`, `fwd_copy_us`,
+/// `fwd_release_us`; combine forwarders `fwd_started`, `fwd_summed`, `fwd_put`, `fwd_sum_us`, `fwd_put_us`;
+/// reducers `reduce_taken`, `reduce_seen`, `reduce_done`, `reduce_wait_us`, `reduce_us`.
+pub(crate) fn hti_launch(words: &[u64], shape: HtiTraceShape, kernel: &'static str, op: &'static str) -> Option<KernelTrace> {
+    use moelink_kernels::ht_internode::{HTI_TRACE_BLOCK_WORDS, HTI_TRACE_CHUNKS, HTI_TRACE_CHUNK_WORDS, HTI_WARPS};
+    let word = |i: usize| words.get(i).copied().unwrap_or(0);
+    let block = |k: usize, w: usize| word(k * HTI_TRACE_BLOCK_WORDS + w);
+    let t0 = (0..shape.workers).map(|k| block(k, 0)).filter(|&v| v != 0).min()?;
+    let warps = HTI_WARPS as usize;
+    let role = |range: std::ops::Range<usize>, end: bool| range.flat_map(move |k| (0..warps).map(move |i| block(k, 2 + 2 * i + end as usize)));
+    let send = 0..shape.send_blocks.min(shape.workers);
+    let fwd = send.end..(send.end + shape.fwd_blocks).min(shape.workers);
+    let last = fwd.end..shape.workers;
+    let combine = op == "combine";
+    let last_name = if combine { ["reduce_start", "reduce_end"] } else { ["recv_start", "recv_end"] };
+    // Chunk records: area 0 the senders' / reducers', area 1 + n the forwarders' of source node n.
+    let chunks_base = shape.blocks * HTI_TRACE_BLOCK_WORDS;
+    let record = |area: usize, c: usize, p: usize| word(chunks_base + (area * HTI_TRACE_CHUNKS + c) * HTI_TRACE_CHUNK_WORDS + p);
+    let records = |areas: std::ops::Range<usize>| areas.flat_map(move |a| (0..HTI_TRACE_CHUNKS).map(move |c| (a, c)));
+    let stamps = |areas: std::ops::Range<usize>, p: usize| records(areas).map(move |(a, c)| record(a, c, p));
+    let between = |name: &'static str, areas: std::ops::Range<usize>, from: usize, to: usize| {
+        let mut v: Vec<f64> = records(areas)
+            .filter_map(|(a, c)| {
+                let (x, y) = (record(a, c, from), record(a, c, to));
+                (x != 0 && y >= x).then(|| (y - x) as f64 / 1e3)
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| TracePoint {
+            name,
+            blocks: v.len(),
+            min_us: v[0],
+            median_us: v[v.len() / 2],
+            max_us: v[v.len() - 1],
+            block0_us: None,
+        })
+    };
+    let (own, fwds) = (0..1, 1..1 + shape.nodes);
+    let own_names = if combine { ["reduce_taken", "reduce_seen", "reduce_done"] } else { ["chunk_taken", "chunk_staged", "chunk_put"] };
+    let own_spans = if combine { ["reduce_wait_us", "reduce_us"] } else { ["stage_us", "put_us"] };
+    let fwd_names = if combine { ["fwd_started", "fwd_summed", "fwd_put"] } else { ["fwd_seen", "fwd_copied", "fwd_released"] };
+    let fwd_spans = if combine { ["fwd_sum_us", "fwd_put_us"] } else { ["fwd_copy_us", "fwd_release_us"] };
+    let mut points: Vec<Option<TracePoint>> = vec![
+        point("start", (0..shape.workers).map(|k| block(k, 0)), t0, Some(block(0, 0))),
+        point("send_start", role(send.clone(), false), t0, None),
+        point("send_end", role(send, true), t0, None),
+        point("fwd_start", role(fwd.clone(), false), t0, None),
+        point("fwd_end", role(fwd, true), t0, None),
+        point(last_name[0], role(last.clone(), false), t0, None),
+        point(last_name[1], role(last, true), t0, None),
+        point("end", (0..shape.workers).map(|k| block(k, 1)), t0, Some(block(0, 1))),
+    ];
+    for (p, name) in own_names.into_iter().enumerate() {
+        points.push(point(name, stamps(own.clone(), p), t0, None));
+    }
+    points.push(between(own_spans[0], own.clone(), 0, 1));
+    points.push(between(own_spans[1], own, 1, 2));
+    for (p, name) in fwd_names.into_iter().enumerate() {
+        points.push(point(name, stamps(fwds.clone(), p), t0, None));
+    }
+    points.push(between(fwd_spans[0], fwds.clone(), 0, 1));
+    points.push(between(fwd_spans[1], fwds, 1, 2));
+    let points: Vec<TracePoint> = points.into_iter().flatten().collect();
+    let span_us = points.iter().find(|p| p.name == "end").map_or(0.0, |p| p.max_us);
+    Some(KernelTrace { kernel, op, phases: "send+recv", start_ns: t0, span_us, points })
+}
+
 /// Every low-latency launch in one kernel's words (`2 * LL_TRACE_CALLS` slots of `blocks` rows of
 /// `LL_TRACE_WORDS`); launches that never reached their end are left out.
 pub(crate) fn ll_launches(words: &[u64], blocks: usize, kernel: &'static str, op: &'static str) -> Vec<KernelTrace> {
@@ -156,6 +244,46 @@ mod tests {
         assert_eq!((recv_start.blocks, recv_start.min_us, recv_start.median_us, recv_start.max_us), (3, 0.3, 0.4, 0.6));
         assert_eq!(t.point("start").unwrap().block0_us, Some(0.0));
         assert!(ht_launch(&[0; 18], 3, 2, 1, "k", "dispatch").is_none(), "no block started");
+    }
+
+    #[test]
+    fn hti_words_become_role_and_chunk_points() {
+        use moelink_kernels::ht_internode::{trace_words, HTI_TRACE_BLOCK_WORDS, HTI_TRACE_CHUNKS, HTI_TRACE_CHUNK_WORDS};
+        // 3 worker blocks (sender, forwarder, receiver) and one emulated NIC block, 2 nodes.
+        let shape = HtiTraceShape { blocks: 4, workers: 3, send_blocks: 1, fwd_blocks: 1, nodes: 2 };
+        let mut words = vec![0u64; trace_words(4, 2)];
+        for k in 0..3 {
+            words[k * HTI_TRACE_BLOCK_WORDS] = 1_000 + 100 * k as u64;
+            words[k * HTI_TRACE_BLOCK_WORDS + 1] = 9_000 + 100 * k as u64;
+            words[k * HTI_TRACE_BLOCK_WORDS + 2] = 1_100 + 100 * k as u64; // warp 0 start
+            words[k * HTI_TRACE_BLOCK_WORDS + 3] = 8_000 + 100 * k as u64; // warp 0 end
+        }
+        let chunk = |area: usize, c: usize, p: usize| 4 * HTI_TRACE_BLOCK_WORDS + (area * HTI_TRACE_CHUNKS + c) * HTI_TRACE_CHUNK_WORDS + p;
+        // Two sender chunks: staged after 1 and 3 us, put 2 and 4 us later.
+        for (c, (taken, staged, put)) in [(2_000u64, 3_000u64, 5_000u64), (2_000, 5_000, 9_000)].into_iter().enumerate() {
+            words[chunk(0, c, 0)] = taken;
+            words[chunk(0, c, 1)] = staged;
+            words[chunk(0, c, 2)] = put;
+        }
+        // One forwarder chunk of source node 1, copied 0.5 us after it was seen.
+        words[chunk(2, 0, 0)] = 6_000;
+        words[chunk(2, 0, 1)] = 6_500;
+        words[chunk(2, 0, 2)] = 6_600;
+        let t = hti_launch(&words, shape, "moelink::internode::dispatch", "dispatch").unwrap();
+        assert_eq!((t.start_ns, t.span_us), (1_000, 8.2));
+        let at = |n: &str| t.point(n).map(|p| (p.blocks, p.min_us, p.max_us));
+        assert_eq!(at("send_start"), Some((1, 0.1, 0.1)));
+        assert_eq!(at("fwd_end"), Some((1, 7.1, 7.1)));
+        assert_eq!(at("recv_start"), Some((1, 0.3, 0.3)));
+        assert_eq!(at("stage_us"), Some((2, 1.0, 3.0)));
+        assert_eq!(at("put_us"), Some((2, 2.0, 4.0)));
+        assert_eq!(at("chunk_put"), Some((2, 4.0, 8.0)));
+        assert_eq!(at("fwd_copy_us"), Some((1, 0.5, 0.5)));
+        assert_eq!(at("fwd_released"), Some((1, 5.6, 5.6)));
+        assert!(t.point("reduce_start").is_none(), "a dispatch has receivers");
+        let c = hti_launch(&words, shape, "moelink::internode::combine", "combine").unwrap();
+        assert_eq!(c.point("reduce_us").map(|p| p.blocks), Some(2));
+        assert!(hti_launch(&vec![0; trace_words(4, 2)], shape, "k", "dispatch").is_none(), "no block started");
     }
 
     #[test]

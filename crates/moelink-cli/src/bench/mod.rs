@@ -231,8 +231,20 @@ impl Job<'_> {
 
 /// One stderr line per high-throughput kernel trace of the last timed region (`MOELINK_HT_TRACE=1`): when
 /// the blocks started and ended and each role's warps started and finished their work, in µs after the
-/// kernel's first block (min / median / max).
+/// kernel's first block (min / median / max); across nodes every point of the trace, the chunk durations
+/// (`*_us`) as min / median / max over chunks.
 fn print_ht_traces(buf: &Buffer) {
+    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::internode::")) {
+        let points: Vec<String> = t
+            .points
+            .iter()
+            .map(|p| {
+                let sign = if p.name.ends_with("_us") { "" } else { "+" };
+                format!("{} {sign}{:.1}/{sign}{:.1}/{sign}{:.1} ({})", p.name, p.min_us, p.median_us, p.max_us, p.blocks)
+            })
+            .collect();
+        eprintln!("moelink trace: rank {} {} ({}): span {:.1} us; {}", buf.rank(), t.op, t.kernel, t.span_us, points.join(", "));
+    }
     for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::intranode::")) {
         let at = |name: &str| t.point(name).map_or("-".to_string(), |p| format!("+{:.1}/+{:.1}/+{:.1}", p.min_us, p.median_us, p.max_us));
         eprintln!(

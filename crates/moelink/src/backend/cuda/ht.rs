@@ -140,10 +140,14 @@ fn timing_experiment(t: &Tuning) -> u32 {
 /// argument 0) in asynchronous calls and graph captures, whose kernels finish after the call returns. The
 /// trace words for a launch of `blocks` blocks of `warps` warps, zeroed; 0 when not tracing.
 fn trace_begin(b: &mut CudaBackend, blocks: usize, warps: u32) -> Result<u64> {
+    trace_begin_words(b, blocks * kht::trace_words_per_block(warps))
+}
+
+/// `words` zeroed trace words (the internode kernels' layout differs), or 0 when not tracing this call.
+pub(super) fn trace_begin_words(b: &mut CudaBackend, words: usize) -> Result<u64> {
     if !b.tracing.high_throughput || b.is_async() || b.is_capturing() {
         return Ok(0);
     }
-    let words = blocks * kht::trace_words_per_block(warps);
     if b.ht.trace.as_ref().is_none_or(|t| t.len() < words) {
         b.ht.trace = Some(HostMapped::new(&b.device, words)?);
     }
@@ -158,14 +162,23 @@ const HT_TRACES_KEPT: usize = 256;
 /// Keeps the trace of the call that just finished (its kernel completed: synchronous mode) for
 /// `Buffer::kernel_traces`.
 fn trace_keep(b: &mut CudaBackend, kernel: &'static str, op: &'static str, blocks: usize, warps: u32, send_blocks: usize) {
-    let Some(t) = b.ht.trace.as_ref() else { return };
-    let words: Vec<u64> = (0..blocks * kht::trace_words_per_block(warps)).map(|i| t.read(i)).collect();
+    let words = trace_words(b, blocks * kht::trace_words_per_block(warps));
     if let Some(trace) = crate::trace::ht_launch(&words, blocks, warps as usize, send_blocks, kernel, op) {
-        if b.ht.traces.len() == HT_TRACES_KEPT {
-            b.ht.traces.remove(0);
-        }
-        b.ht.traces.push(trace);
+        trace_push(b, trace);
     }
+}
+
+/// The first `n` trace words of the call that just finished.
+pub(super) fn trace_words(b: &CudaBackend, n: usize) -> Vec<u64> {
+    b.ht.trace.as_ref().map_or_else(Vec::new, |t| (0..n.min(t.len())).map(|i| t.read(i)).collect())
+}
+
+/// Keeps a decoded trace for `Buffer::kernel_traces` (the oldest goes when `HT_TRACES_KEPT` are kept).
+pub(super) fn trace_push(b: &mut CudaBackend, trace: crate::trace::KernelTrace) {
+    if b.ht.traces.len() == HT_TRACES_KEPT {
+        b.ht.traces.remove(0);
+    }
+    b.ht.traces.push(trace);
 }
 
 // ------------------------------------------------------------------------------------------ state

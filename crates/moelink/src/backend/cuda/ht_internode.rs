@@ -122,29 +122,39 @@ fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static 
 }
 
 /// Blocks of each role for `num_sms` worker blocks, and forwarder warps per source node. A warp copies a
-/// few GB/s (its loads in flight over their latency), so every stream gets many warps: two blocks of
-/// forwarders dealt evenly over the source nodes (a node's chunks round-robin among its warps: 16 per node at
-/// 2 nodes, one each from 32 nodes on); a third of the rest receive (dispatch) or reduce (combine), which gives
-/// every source several receiver warps; the rest send (dispatch: stage and put each token; combine: the
-/// expert side's rows, several warps per source). `config.num_sms` too small for that is refused.
-fn roles(rank: usize, t: Topology, num_sms: usize) -> Result<(u32, u32, u32)> {
+/// few GB/s (its loads in flight over their latency), so every role gets blocks in proportion to the bytes
+/// it copies: the senders stage and put each message (two copies), the forwarders and the receivers (or
+/// reducers) copy it once each. A quarter of the blocks forward, dealt evenly over the source nodes (a
+/// node's chunks round-robin among its warps; at least one warp per node), a third of the rest receive
+/// (dispatch) or reduce (combine), which gives every source several receiver warps, and the rest send.
+/// `fwd_blocks` / `send_blocks` (`Tuning::hti_fwd_blocks`, `ht_*_send_blocks`) override the split within what
+/// the roles need; `config.num_sms` too small for that is refused.
+fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, send_blocks: Option<usize>) -> Result<(u32, u32, u32)> {
     let warps = HTI_WARPS as usize;
-    let per_node = (2 * warps / t.num_nodes).clamp(1, 16);
-    let fwd = (t.num_nodes * per_node).div_ceil(warps);
+    let fwd_min = t.num_nodes.div_ceil(warps);
     let recv_min = t.num_ranks().div_ceil(32 * warps).max(1);
-    if num_sms < fwd + recv_min + 1 {
+    if num_sms < fwd_min + recv_min + 1 {
         return Err(Error::invalid(
             "config.num_sms",
             rank,
             format!(
                 "{num_sms}: the internode kernels need at least {} blocks for {t} (senders, forwarders, receivers)",
-                fwd + recv_min + 1
+                fwd_min + recv_min + 1
             ),
         ));
     }
-    let recv = ((num_sms - fwd) / 3).clamp(recv_min, (num_sms - fwd - 1).max(recv_min));
-    let send = num_sms - fwd - recv;
-    Ok((send as u32, fwd as u32, per_node as u32))
+    let fwd = fwd_blocks.unwrap_or(num_sms / 4).clamp(fwd_min, num_sms - recv_min - 1);
+    let send = match send_blocks {
+        Some(n) => n.clamp(1, num_sms - fwd - recv_min),
+        None => num_sms - fwd - ((num_sms - fwd) / 3).clamp(recv_min, num_sms - fwd - 1),
+    };
+    Ok((send as u32, fwd as u32, (fwd * warps / t.num_nodes) as u32))
+}
+
+/// The role split of a dispatch (`dispatch`: true) or combine on this buffer.
+fn roles_of(b: &CudaBackend, rank: usize, num_sms: usize, dispatch: bool) -> Result<(u32, u32, u32)> {
+    let send = if dispatch { b.tuning.ht_dispatch_send_blocks } else { b.tuning.ht_combine_send_blocks };
+    roles(rank, topology(b), num_sms, b.tuning.hti_fwd_blocks, send)
 }
 
 /// The limits of the internode kernels, checked before anything runs (every rank refuses alike).
@@ -227,7 +237,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     let rank = s.rank;
     let t = topology(b);
     check_limits(b, rank, s.topk, s.num_local_experts())?;
-    roles(rank, t, s.num_sms)?;
+    roles_of(b, rank, s.num_sms, true)?;
     if s.num_worst_tokens == 0 && b.is_capturing() {
         return Err(Error::invalid(
             "num_worst_tokens",
@@ -344,7 +354,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let num_out_rows = plan.num_recv_rows();
     let state = plan.state.into_cuda_internode(rank)?;
     let addrs = intranode::dispatch_addrs(b, &s, a, &out)?;
-    let (send_blocks, fwd_blocks, fwd_per_node) = roles(rank, t, s.num_sms)?;
+    let (send_blocks, fwd_blocks, fwd_per_node) = roles_of(b, rank, s.num_sms, true)?;
 
     // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
     // kernel rewrites with the same values).
@@ -425,6 +435,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,
         fwd_per_node,
+        trace: trace_begin(b, s.num_sms)?,
     };
     let routing_ptr = r.routing.ptr();
     launch(b, &v, kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
@@ -436,6 +447,10 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         unsafe { b.op_stream().memcpy_dtod_async(m.addr(), routing_ptr + 4 * at as u64, 4 * t.num_ranks() * t.num_ranks())? };
     }
     finish_or_dump(b, Phase::Dispatch, "dispatch", &r.routing, r.round_tokens)?;
+    if args.trace != 0 {
+        let op = if matches!(handle, Handle::Existing(_)) { "cached dispatch" } else { "dispatch" };
+        trace_keep(b, kernel_name::HTI_DISPATCH, op, s.num_sms, (send_blocks, fwd_blocks));
+    }
     // No-sync mode, but this call waited for the kernels: the received count is on the device.
     let data = match handle {
         Handle::New(mut r) => {
@@ -579,7 +594,6 @@ fn finish_or_dump(b: &mut CudaBackend, phase: Phase, op: &str, routing_buf: &Poo
 
 pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
-    let t = topology(b);
     let r = a.handle.data.cuda_internode(rank)?;
     if s.topk > HTI_MAX_TOPK {
         return Err(Error::invalid(
@@ -588,7 +602,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
             format!("{} weights per row; the internode kernels carry at most {HTI_MAX_TOPK}", s.topk),
         ));
     }
-    let (send_blocks, fwd_blocks, fwd_per_node) = roles(rank, t, s.num_sms)?;
+    let (send_blocks, fwd_blocks, fwd_per_node) = roles_of(b, rank, s.num_sms, false)?;
     let c = intranode::combine_addrs(b, rank, a, &out)?;
     if s.num_recv_rows > r.route_rows {
         return Err(Error::invalid(
@@ -623,9 +637,35 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,
         fwd_per_node,
+        trace: trace_begin(b, s.num_sms)?,
     };
     launch(b, &v, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
-    finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)
+    finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)?;
+    if args.trace != 0 {
+        trace_keep(b, kernel_name::HTI_COMBINE, "combine", s.num_sms, (send_blocks, fwd_blocks));
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------ trace
+
+/// With `KernelTracing::high_throughput`, a synchronous internode dispatch or combine stamps its roles and
+/// chunks (`HTI_TRACE_*` in ht_internode.cu); the words for a launch of `workers` worker blocks (plus the
+/// emulated NIC's), zeroed, or 0 when not tracing.
+fn trace_begin(b: &mut CudaBackend, workers: usize) -> Result<u64> {
+    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks() as usize);
+    intranode::trace_begin_words(b, hti_kernels::trace_words(workers + nic, topology(b).num_nodes))
+}
+
+/// Decodes the trace of the launch that just finished (`roles`: sender and forwarder blocks) and keeps it.
+fn trace_keep(b: &mut CudaBackend, kernel: &'static str, op: &'static str, workers: usize, roles: (u32, u32)) {
+    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks() as usize);
+    let nodes = topology(b).num_nodes;
+    let words = intranode::trace_words(b, hti_kernels::trace_words(workers + nic, nodes));
+    let shape = crate::trace::HtiTraceShape { blocks: workers + nic, workers, send_blocks: roles.0 as usize, fwd_blocks: roles.1 as usize, nodes };
+    if let Some(trace) = crate::trace::hti_launch(&words, shape, kernel, op) {
+        intranode::trace_push(b, trace);
+    }
 }
 
 #[cfg(test)]
@@ -635,13 +675,18 @@ mod tests {
     #[test]
     fn roles_cover_every_source_and_node() {
         let t = Topology { num_nodes: 2, ranks_per_node: 2 };
-        assert_eq!(roles(0, t, 24).unwrap(), (15, 2, 16));
-        // The fewest blocks: a sender, the forwarders, a receiver.
-        assert_eq!(roles(0, t, 4).unwrap(), (1, 2, 16));
+        // A quarter forwards, a third of the rest receives, the rest sends.
+        assert_eq!(roles(0, t, 24, None, None).unwrap(), (12, 6, 48));
+        // The fewest blocks: a sender, a forwarder, a receiver.
+        assert_eq!(roles(0, t, 3, None, None).unwrap(), (1, 1, 8));
+        // Overrides, within what the other roles need.
+        assert_eq!(roles(0, t, 24, Some(2), Some(15)).unwrap(), (15, 2, 16));
+        assert_eq!(roles(0, t, 24, Some(30), Some(30)).unwrap(), (1, 22, 176));
         let t = Topology { num_nodes: 32, ranks_per_node: 8 };
-        let (send, fwd, per_node) = roles(0, t, 24).unwrap();
-        assert_eq!((fwd, per_node), (2, 1));
+        let (send, fwd, per_node) = roles(0, t, 24, None, None).unwrap();
+        assert_eq!((fwd, per_node), (6, 3));
         assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
-        assert!(matches!(roles(3, t, 3), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
+        assert!(matches!(roles(3, t, 3, None, None), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
     }
+
 }

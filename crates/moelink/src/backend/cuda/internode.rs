@@ -14,7 +14,7 @@ use crate::internode::Topology;
 
 /// Bytes at the start of the RDMA region for control words: the barrier's `u64[R]` (R <= 8192), then the
 /// internode high-throughput signals (`moelink_kernels::ht_internode::signal_offsets`).
-pub(crate) const RDMA_CTRL_BYTES: usize = 256 << 10;
+pub(crate) const RDMA_CTRL_BYTES: usize = 512 << 10;
 /// Offset of the barrier words in the RDMA region.
 const BARRIER_WORDS: usize = 0;
 /// Offset of the internode high-throughput signal words in the RDMA region.
