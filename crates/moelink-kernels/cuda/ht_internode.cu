@@ -358,6 +358,29 @@ __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs
   }
 }
 
+// A warp copies one token's payload (PAYLOAD_VECS vectors at `src`) into the message of every node in
+// `nodes` (lane b holds node b's message address in `node_msg`): each batch of loads is stored to every
+// node, so the row is read once however many nodes it reaches.
+__device__ __forceinline__ void copy_to_messages(u32 nodes, u64 node_msg, const u32x4* src, u32 lane) {
+  constexpr u32 U = COPY_UNROLL;
+  for (u32 base = 0; base < PAYLOAD_VECS; base += U * WARP_SIZE) {
+    u32x4 v[U];
+#pragma unroll
+    for (u32 u = 0; u < U; u++) {
+      const u32 i = base + u * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
+    }
+    for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
+      u32x4* dst = reinterpret_cast<u32x4*>(__shfl_sync(FULL_WARP_MASK, node_msg, __ffs(todo) - 1) + MSG_PAYLOAD);
+#pragma unroll
+      for (u32 u = 0; u < U; u++) {
+        const u32 i = base + u * WARP_SIZE + lane;
+        if (i < PAYLOAD_VECS) ptx::st_na_v4(dst + i, v[u]);
+      }
+    }
+  }
+}
+
 // The deadline of a wait for `peer`: a wait for this rank itself (its own forwarder, receiver or rail-peer
 // role) gets twice the time, so that the wait for the rank actually missing — which every such chain ends in
 // — runs out first and is the one the error record names.
@@ -901,6 +924,22 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
         m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
       }
       const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
+      // What every node's message of t carries, read once: lane k < TOPK its top-k entry, lane i scales
+      // i, i + 32, ...
+      i32 id = -1;
+      u32 weight = 0;
+      if (TOPK > 0 && lane < TOPK) {
+        id = (i32)reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
+        weight = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
+      }
+      constexpr u32 SCALES_PER_LANE = (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE;
+      u32 scale[SCALES_PER_LANE > 0 ? SCALES_PER_LANE : 1];
+#pragma unroll
+      for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+        const u32 g = lane + i * WARP_SIZE;
+        if (g < NUM_SCALES) scale[i] = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
+      }
+      u64 node_msg = 0;  // lane b: where node b's message goes
       for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
         const u32 b = __ffs(todo) - 1;
         const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
@@ -908,6 +947,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
         u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
                                a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
                       .ptr;
+        if (lane == b) node_msg = reinterpret_cast<u64>(msg);
         // Head and slots: lane j < L gives the slot at (b, j).
         u32 mask = 0;
         if (lane < RANKS_PER_NODE) {
@@ -923,16 +963,17 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
           reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
         }
         if (TOPK > 0 && lane < TOPK) {
-          const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
-          reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = (i32)e;
-          reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
+          reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = id;
+          reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = weight;
         }
-        for (u32 g = lane; g < NUM_SCALES; g += WARP_SIZE)
-          reinterpret_cast<u32*>(msg + MSG_SCALES)[g] =
-              reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
-        copy_vecs<true>(reinterpret_cast<u32x4*>(msg + MSG_PAYLOAD), reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES),
-                        PAYLOAD_VECS, lane);
+#pragma unroll
+        for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+          const u32 g = lane + i * WARP_SIZE;
+          if (g < NUM_SCALES) reinterpret_cast<u32*>(msg + MSG_SCALES)[g] = scale[i];
+        }
       }
+      // The payload: read once, stored into every node's message.
+      copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
     }
     __syncwarp();
     hti_stamp_chunk(a.trace, q, 1);
@@ -1506,31 +1547,52 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
           return reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_cparts + ((u64)j * NUM_NODES + an) * a.nvl.part_bytes) +
                  (u64)slot * CROW_BYTES;
         };
-        // 8 channels (one bf16 vector) per lane and step: the node tree over the local ranks.
-        for (u32 v = lane; v < CPAYLOAD_BYTES / VEC_BYTES; v += WARP_SIZE) {
-          Tree<RANKS_PER_NODE, 8> tree;
+        // 8 channels (one bf16 vector) per lane and step: the node tree over the local ranks. A lane loads
+        // the vectors of NODE_STEPS steps before it sums any (NODE_STEPS x ranks loads in flight): the sum
+        // of a row is otherwise one load latency per step.
+        constexpr u32 VECS = CPAYLOAD_BYTES / VEC_BYTES;
+        constexpr u32 W = Tree<RANKS_PER_NODE, 8>::W;
+        constexpr u32 NODE_STEPS = W >= 8 ? 1 : 8 / W;
+        const u32x4* rows[RANKS_PER_NODE];
 #pragma unroll
-          for (u32 j = 0; j < Tree<RANKS_PER_NODE, 8>::W; j++) {
-            float x[8];
-            if (j < RANKS_PER_NODE && ((mask >> j) & 1u) != 0u) {
-              bf16x8_to_f32(ptx::ld_na_v4(reinterpret_cast<const u32x4*>(row_of(j)) + v), x);
-            } else {
+        for (u32 j = 0; j < RANKS_PER_NODE; j++) rows[j] = reinterpret_cast<const u32x4*>(row_of(j));
+        for (u32 v0 = lane; v0 < VECS; v0 += NODE_STEPS * WARP_SIZE) {
+          u32x4 in[NODE_STEPS][RANKS_PER_NODE];
 #pragma unroll
-              for (u32 c = 0; c < 8; c++) x[c] = 0.0f;
-            }
-            tree.push(j, x);
+          for (u32 u = 0; u < NODE_STEPS; u++) {
+            const u32 v = v0 + u * WARP_SIZE;
+#pragma unroll
+            for (u32 j = 0; j < RANKS_PER_NODE; j++)
+              if (v < VECS && ((mask >> j) & 1u) != 0u) in[u][j] = ptx::ld_na_v4(rows[j] + v);
           }
-          u32x4 lo4, hi4;
-          lo4.x = ptx::bits_from_f32(tree.result(0));
-          lo4.y = ptx::bits_from_f32(tree.result(1));
-          lo4.z = ptx::bits_from_f32(tree.result(2));
-          lo4.w = ptx::bits_from_f32(tree.result(3));
-          hi4.x = ptx::bits_from_f32(tree.result(4));
-          hi4.y = ptx::bits_from_f32(tree.result(5));
-          hi4.z = ptx::bits_from_f32(tree.result(6));
-          hi4.w = ptx::bits_from_f32(tree.result(7));
-          ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + 2 * v, lo4);
-          ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + 2 * v + 1, hi4);
+#pragma unroll
+          for (u32 u = 0; u < NODE_STEPS; u++) {
+            const u32 v = v0 + u * WARP_SIZE;
+            if (v >= VECS) break;
+            Tree<RANKS_PER_NODE, 8> tree;
+#pragma unroll
+            for (u32 j = 0; j < W; j++) {
+              float x[8];
+              if (j < RANKS_PER_NODE && ((mask >> j) & 1u) != 0u) {
+                bf16x8_to_f32(in[u][j < RANKS_PER_NODE ? j : 0], x);
+              } else {
+#pragma unroll
+                for (u32 c = 0; c < 8; c++) x[c] = 0.0f;
+              }
+              tree.push(j, x);
+            }
+            u32x4 lo4, hi4;
+            lo4.x = ptx::bits_from_f32(tree.result(0));
+            lo4.y = ptx::bits_from_f32(tree.result(1));
+            lo4.z = ptx::bits_from_f32(tree.result(2));
+            lo4.w = ptx::bits_from_f32(tree.result(3));
+            hi4.x = ptx::bits_from_f32(tree.result(4));
+            hi4.y = ptx::bits_from_f32(tree.result(5));
+            hi4.z = ptx::bits_from_f32(tree.result(6));
+            hi4.w = ptx::bits_from_f32(tree.result(7));
+            ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + 2 * v, lo4);
+            ptx::st_na_v4(reinterpret_cast<u32x4*>(out) + 2 * v + 1, hi4);
+          }
         }
         if (TOPK > 0 && lane < TOPK) {
           Tree<RANKS_PER_NODE, 1> tree;
@@ -1629,49 +1691,70 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
       for (u32 b = 0; b < NUM_NODES; b++)
         part[b] = a.rdma.local_base + a.at.off_crecv + (u64)b * a.at.part_bytes + (u64)__shfl_sync(FULL_WARP_MASK, m, b) * CMSG_BYTES;
       u32x4* out = reinterpret_cast<u32x4*>(a.combined_x) + (u64)t * (CPAYLOAD_BYTES / VEC_BYTES);
-      for (u32 v = lane; v < CPAYLOAD_BYTES / VEC_BYTES; v += WARP_SIZE) {
-        Tree<NUM_NODES, 8> tree;
+      // 8 channels per lane and step; a lane loads the partials of REDUCE_STEPS steps before it sums any
+      // (the sum of a token is otherwise one load latency per step).
+      constexpr u32 VECS = CPAYLOAD_BYTES / VEC_BYTES;
+      constexpr u32 W = Tree<NUM_NODES, 8>::W;
+      constexpr u32 REDUCE_STEPS = W >= 4 ? 1 : 4 / W;
+      for (u32 v0 = lane; v0 < VECS; v0 += REDUCE_STEPS * WARP_SIZE) {
+        u32x4 in[REDUCE_STEPS][NUM_NODES][2];
 #pragma unroll
-        for (u32 b = 0; b < Tree<NUM_NODES, 8>::W; b++) {
-          float x[8];
-          if (b < NUM_NODES && ((nodes >> b) & 1u) != 0u) {
-            const u32x4 lo4 = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + 2 * v);
-            const u32x4 hi4 = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + 2 * v + 1);
-            x[0] = ptx::f32_from_bits(lo4.x);
-            x[1] = ptx::f32_from_bits(lo4.y);
-            x[2] = ptx::f32_from_bits(lo4.z);
-            x[3] = ptx::f32_from_bits(lo4.w);
-            x[4] = ptx::f32_from_bits(hi4.x);
-            x[5] = ptx::f32_from_bits(hi4.y);
-            x[6] = ptx::f32_from_bits(hi4.z);
-            x[7] = ptx::f32_from_bits(hi4.w);
-          } else {
+        for (u32 u = 0; u < REDUCE_STEPS; u++) {
+          const u32 v = v0 + u * WARP_SIZE;
 #pragma unroll
-            for (u32 c = 0; c < 8; c++) x[c] = 0.0f;
+          for (u32 b = 0; b < NUM_NODES; b++) {
+            if (v < VECS && ((nodes >> b) & 1u) != 0u) {
+              in[u][b][0] = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + 2 * v);
+              in[u][b][1] = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + 2 * v + 1);
+            }
           }
-          tree.push(b, x);
         }
-        float acc[8];
 #pragma unroll
-        for (u32 c = 0; c < 8; c++) acc[c] = ptx::add_rn_f32(0.0f, tree.result(c));
-        if (NUM_BIASES >= 1) {
-          float bx[8];
-          bf16x8_to_f32(ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(bias0) + (u64)t * (CPAYLOAD_BYTES / VEC_BYTES) + v), bx);
+        for (u32 u = 0; u < REDUCE_STEPS; u++) {
+          const u32 v = v0 + u * WARP_SIZE;
+          if (v >= VECS) break;
+          Tree<NUM_NODES, 8> tree;
 #pragma unroll
-          for (u32 c = 0; c < 8; c++) acc[c] = ptx::add_rn_f32(acc[c], bx[c]);
+          for (u32 b = 0; b < W; b++) {
+            float x[8];
+            if (b < NUM_NODES && ((nodes >> b) & 1u) != 0u) {
+              const u32x4 lo4 = in[u][b < NUM_NODES ? b : 0][0], hi4 = in[u][b < NUM_NODES ? b : 0][1];
+              x[0] = ptx::f32_from_bits(lo4.x);
+              x[1] = ptx::f32_from_bits(lo4.y);
+              x[2] = ptx::f32_from_bits(lo4.z);
+              x[3] = ptx::f32_from_bits(lo4.w);
+              x[4] = ptx::f32_from_bits(hi4.x);
+              x[5] = ptx::f32_from_bits(hi4.y);
+              x[6] = ptx::f32_from_bits(hi4.z);
+              x[7] = ptx::f32_from_bits(hi4.w);
+            } else {
+#pragma unroll
+              for (u32 c = 0; c < 8; c++) x[c] = 0.0f;
+            }
+            tree.push(b, x);
+          }
+          float acc[8];
+#pragma unroll
+          for (u32 c = 0; c < 8; c++) acc[c] = ptx::add_rn_f32(0.0f, tree.result(c));
+          if (NUM_BIASES >= 1) {
+            float bx[8];
+            bf16x8_to_f32(ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(bias0) + (u64)t * VECS + v), bx);
+#pragma unroll
+            for (u32 c = 0; c < 8; c++) acc[c] = ptx::add_rn_f32(acc[c], bx[c]);
+          }
+          if (NUM_BIASES >= 2) {
+            float bx[8];
+            bf16x8_to_f32(ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(bias1) + (u64)t * VECS + v), bx);
+#pragma unroll
+            for (u32 c = 0; c < 8; c++) acc[c] = ptx::add_rn_f32(acc[c], bx[c]);
+          }
+          u32x4 o;
+          o.x = ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]);
+          o.y = ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]);
+          o.z = ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]);
+          o.w = ptx::cvt_rn_bf16x2_f32(acc[7], acc[6]);
+          ptx::st_na_v4(out + v, o);
         }
-        if (NUM_BIASES >= 2) {
-          float bx[8];
-          bf16x8_to_f32(ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(bias1) + (u64)t * (CPAYLOAD_BYTES / VEC_BYTES) + v), bx);
-#pragma unroll
-          for (u32 c = 0; c < 8; c++) acc[c] = ptx::add_rn_f32(acc[c], bx[c]);
-        }
-        u32x4 o;
-        o.x = ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]);
-        o.y = ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]);
-        o.z = ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]);
-        o.w = ptx::cvt_rn_bf16x2_f32(acc[7], acc[6]);
-        ptx::st_na_v4(out + v, o);
       }
       if (TOPK > 0 && lane < TOPK) {
         Tree<NUM_NODES, 1> tree;

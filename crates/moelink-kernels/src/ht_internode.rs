@@ -26,8 +26,11 @@ pub const HTI_MAX_ROUND_TOKENS: usize = 16384;
 pub const HTI_WARPS: u32 = 16;
 /// Threads per block.
 pub const HTI_THREADS: u32 = HTI_WARPS * 32;
-/// Sender chunk (tokens per put) when the config names none: DeepEP's `num_max_rdma_chunked_send_tokens`.
-pub const DEFAULT_CHUNK_TOKENS: usize = 32;
+/// Sender chunk (tokens per put) when the config names none. Chunks are the unit of work of the sender
+/// warps (taken from a counter) and of the forwarders: 8 tokens give a round of 4096 tokens 512 chunks, so
+/// that every sender warp has some and the forwarders start on the first ones while the rest are written;
+/// a put of 8 rows (59 KB in FP8 at DeepEP's hidden) is still a large RDMA message.
+pub const DEFAULT_CHUNK_TOKENS: usize = 8;
 /// Words of a notify message before the count row (`MSG_W_ROW`).
 pub const NOTIFY_HEADER_WORDS: usize = 8;
 
