@@ -60,12 +60,14 @@
 //                    k); flags = cseq.
 //   forwarder ((b, l), fwd_per_node warps per source node a): per message, waits for the rows of the ranks it went to,
 //                    sums them as the tree's node level (fp32, absent ranks +0.0), writes the partial (fp32
-//                    row and weights) for s's part [b][m] (in place or staged at [a][m], as dispatch's
-//                    sender) once s handed round k - 1 back (c_consumed[a] >= cbase + k),
+//                    row and weights; where one rank held the token, its bf16 row as it is) for s's part
+//                    [b][m] (in place or staged at [a][m], as dispatch's sender) once s handed round k - 1
+//                    back (c_consumed[a] >= cbase + k),
 //                    put_signals each chunk to s's combine receive part [b][m0, m1) with its chunk word; at
 //                    round end c_nvl_consumed[l][a] = cseq at every j.
 //   reducer (s):     token chunks in order, one round at a time: per token, the partial of every node it
-//                    reached (chunk word c_chunk[b][chunk] >= cseq), summed as the tree's upper level, + 0.0,
+//                    reached (chunk word c_chunk[b][chunk] >= cseq; a bf16 row where its routing says one rank
+//                    of the node held it, + 0.0 as the node tree adds), summed as the tree's upper level, + 0.0,
 //                    the biases, rounded to bf16; after a round's last token, c_consumed[a] = cseq at every
 //                    rail peer (b, l).
 // Every wait has the caller's deadline and names the peer and the domain (phase HTI_*_RDMA / _NVLINK); a
@@ -486,6 +488,16 @@ __device__ __forceinline__ void bf16x8_to_f32(const u32x4& v, float (&x)[8]) {
   for (u32 m = 0; m < 4; m++) {
     x[2 * m] = ptx::f32_from_bits(w[m] << 16);
     x[2 * m + 1] = ptx::f32_from_bits(w[m] & 0xffff0000u);
+  }
+}
+
+// A node's partial when one of its ranks held the token: that rank's bf16 vector, as the node tree sums it
+// with the +0.0 leaves of the absent ranks (x + 0.0: -0.0 becomes +0.0; a tree of one leaf adds nothing).
+__device__ __forceinline__ void single_contributor_partial(const u32x4& v, float (&x)[8]) {
+  bf16x8_to_f32(v, x);
+  if (Tree<RANKS_PER_NODE, 8>::W > 1) {
+#pragma unroll
+    for (u32 c = 0; c < 8; c++) x[c] = ptx::add_rn_f32(x[c], 0.0f);
   }
 }
 
@@ -1547,16 +1559,19 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
           return reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_cparts + ((u64)j * NUM_NODES + an) * a.nvl.part_bytes) +
                  (u64)slot * CROW_BYTES;
         };
+        // One rank of the node holds the token: its bf16 row goes home as it is (half the bytes of an fp32
+        // partial; the reducer applies the tree's +0.0 padding, single_contributor_partial).
+        constexpr u32 VECS = CPAYLOAD_BYTES / VEC_BYTES;
+        if (__popc(mask) == 1) copy_vecs<false>(reinterpret_cast<u32x4*>(out), reinterpret_cast<const u32x4*>(row_of(__ffs(mask) - 1)), VECS, lane);
         // 8 channels (one bf16 vector) per lane and step: the node tree over the local ranks. A lane loads
         // the vectors of NODE_STEPS steps before it sums any (NODE_STEPS x ranks loads in flight): the sum
         // of a row is otherwise one load latency per step.
-        constexpr u32 VECS = CPAYLOAD_BYTES / VEC_BYTES;
         constexpr u32 W = Tree<RANKS_PER_NODE, 8>::W;
         constexpr u32 NODE_STEPS = W >= 8 ? 1 : 8 / W;
         const u32x4* rows[RANKS_PER_NODE];
 #pragma unroll
         for (u32 j = 0; j < RANKS_PER_NODE; j++) rows[j] = reinterpret_cast<const u32x4*>(row_of(j));
-        for (u32 v0 = lane; v0 < VECS; v0 += NODE_STEPS * WARP_SIZE) {
+        for (u32 v0 = lane; v0 < VECS && __popc(mask) != 1; v0 += NODE_STEPS * WARP_SIZE) {
           u32x4 in[NODE_STEPS][RANKS_PER_NODE];
 #pragma unroll
           for (u32 u = 0; u < NODE_STEPS; u++) {
@@ -1684,6 +1699,16 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
       if (!__all_sync(FULL_WARP_MASK, ok)) return;
       if (t == t0) hti_stamp_chunk(a.trace, q, 1);
       const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
+      // Nodes where one rank held the token sent its bf16 row instead of an fp32 partial.
+      u32 holders = 0;
+      if (in) {
+        const i32* prefix = f.routing + f.at.prefix;
+        for (u32 j = 0; j < RANKS_PER_NODE; j++) {
+          const u32 r = lane * RANKS_PER_NODE + j;
+          holders += prefix[(u64)(t + 1) * NUM_RANKS + r] > prefix[(u64)t * NUM_RANKS + r] ? 1u : 0u;
+        }
+      }
+      const u32 single = __ballot_sync(FULL_WARP_MASK, in && holders == 1);
       for (u32 b = 0; b < NUM_NODES; b++)
         if (((nodes >> b) & 1u) != 0u) (void)ptx::ld_acquire_sys_u64(rdma_word(a.rdma, a.at.off_cchunk + ((u64)b * HTI_MAX_CHUNKS + __shfl_sync(FULL_WARP_MASK, m, b) / Q) * 8));
       u64 part[NUM_NODES];
@@ -1703,7 +1728,9 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
           const u32 v = v0 + u * WARP_SIZE;
 #pragma unroll
           for (u32 b = 0; b < NUM_NODES; b++) {
-            if (v < VECS && ((nodes >> b) & 1u) != 0u) {
+            if (v < VECS && ((single >> b) & 1u) != 0u) {
+              in[u][b][0] = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + v);
+            } else if (v < VECS && ((nodes >> b) & 1u) != 0u) {
               in[u][b][0] = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + 2 * v);
               in[u][b][1] = ptx::ld_na_v4(reinterpret_cast<const u32x4*>(part[b]) + 2 * v + 1);
             }
@@ -1717,7 +1744,9 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
 #pragma unroll
           for (u32 b = 0; b < W; b++) {
             float x[8];
-            if (b < NUM_NODES && ((nodes >> b) & 1u) != 0u) {
+            if (b < NUM_NODES && ((single >> b) & 1u) != 0u) {
+              single_contributor_partial(in[u][b < NUM_NODES ? b : 0][0], x);
+            } else if (b < NUM_NODES && ((nodes >> b) & 1u) != 0u) {
               const u32x4 lo4 = in[u][b < NUM_NODES ? b : 0][0], hi4 = in[u][b < NUM_NODES ? b : 0][1];
               x[0] = ptx::f32_from_bits(lo4.x);
               x[1] = ptx::f32_from_bits(lo4.y);

@@ -233,7 +233,7 @@ pub struct Tuning {
     pub ht_recv_chunk: Option<u32>,
     /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
     pub ht_dynamic_send: Option<bool>,
-    /// Forwarder blocks of the internode HT kernels (default a quarter of `num_sms`; clamped to what the
+    /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
     /// other roles leave).
     pub hti_fwd_blocks: Option<usize>,
     /// HT timing experiment bits (`ht.cuh`'s `HT_EXP_*`: 1 no copy-out, 2 no remote payload); results are

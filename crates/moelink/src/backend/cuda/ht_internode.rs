@@ -122,11 +122,12 @@ fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static 
 }
 
 /// Blocks of each role for `num_sms` worker blocks, and forwarder warps per source node. A warp copies a
-/// few GB/s (its loads in flight over their latency), so every role gets blocks in proportion to the bytes
-/// it copies: the senders stage and put each message (two copies), the forwarders and the receivers (or
-/// reducers) copy it once each. A quarter of the blocks forward, dealt evenly over the source nodes (a
-/// node's chunks round-robin among its warps; at least one warp per node), a third of the rest receive
-/// (dispatch) or reduce (combine), which gives every source several receiver warps, and the rest send.
+/// few GB/s (its loads in flight over their latency), so every role gets blocks in proportion to its work
+/// per byte: the senders read each row once and write it to every node it reaches; the forwarders copy
+/// each arriving row again (dispatch) or sum a node's rows and write the partial home (combine), which
+/// bounds both kernels. A third of the blocks forward, dealt evenly over the source nodes (a node's chunks
+/// round-robin among its warps; at least one warp per node), a third of the rest receive (dispatch) or
+/// reduce (combine), which gives every source several receiver warps, and the rest send.
 /// `fwd_blocks` / `send_blocks` (`Tuning::hti_fwd_blocks`, `ht_*_send_blocks`) override the split within what
 /// the roles need; `config.num_sms` too small for that is refused.
 fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, send_blocks: Option<usize>) -> Result<(u32, u32, u32)> {
@@ -143,7 +144,7 @@ fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, se
             ),
         ));
     }
-    let fwd = fwd_blocks.unwrap_or(num_sms / 4).clamp(fwd_min, num_sms - recv_min - 1);
+    let fwd = fwd_blocks.unwrap_or(num_sms / 3).clamp(fwd_min, num_sms - recv_min - 1);
     let send = match send_blocks {
         Some(n) => n.clamp(1, num_sms - fwd - recv_min),
         None => num_sms - fwd - ((num_sms - fwd) / 3).clamp(recv_min, num_sms - fwd - 1),
@@ -675,8 +676,8 @@ mod tests {
     #[test]
     fn roles_cover_every_source_and_node() {
         let t = Topology { num_nodes: 2, ranks_per_node: 2 };
-        // A quarter forwards, a third of the rest receives, the rest sends.
-        assert_eq!(roles(0, t, 24, None, None).unwrap(), (12, 6, 48));
+        // A third forwards, a third of the rest receives, the rest sends.
+        assert_eq!(roles(0, t, 24, None, None).unwrap(), (11, 8, 64));
         // The fewest blocks: a sender, a forwarder, a receiver.
         assert_eq!(roles(0, t, 3, None, None).unwrap(), (1, 1, 8));
         // Overrides, within what the other roles need.
@@ -684,7 +685,7 @@ mod tests {
         assert_eq!(roles(0, t, 24, Some(30), Some(30)).unwrap(), (1, 22, 176));
         let t = Topology { num_nodes: 32, ranks_per_node: 8 };
         let (send, fwd, per_node) = roles(0, t, 24, None, None).unwrap();
-        assert_eq!((fwd, per_node), (6, 3));
+        assert_eq!((fwd, per_node), (8, 4));
         assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
         assert!(matches!(roles(3, t, 3, None, None), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
     }
