@@ -137,7 +137,8 @@ pub(crate) fn hti_launch(words: &[u64], shape: HtiTraceShape, kernel: &'static s
     let block = |k: usize, w: usize| word(k * HTI_TRACE_BLOCK_WORDS + w);
     let t0 = (0..shape.workers).map(|k| block(k, 0)).filter(|&v| v != 0).min()?;
     let warps = HTI_WARPS as usize;
-    let role = |range: std::ops::Range<usize>, end: bool| range.flat_map(move |k| (0..warps).map(move |i| block(k, 2 + 2 * i + end as usize)));
+    let role =
+        |range: std::ops::Range<usize>, end: bool| range.flat_map(move |k| (0..warps).map(move |i| block(k, 2 + 2 * i + end as usize)));
     let send = 0..shape.send_blocks.min(shape.workers);
     let fwd = send.end..(send.end + shape.fwd_blocks).min(shape.workers);
     let last = fwd.end..shape.workers;

@@ -663,7 +663,8 @@ fn trace_keep(b: &mut CudaBackend, kernel: &'static str, op: &'static str, worke
     let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks() as usize);
     let nodes = topology(b).num_nodes;
     let words = intranode::trace_words(b, hti_kernels::trace_words(workers + nic, nodes));
-    let shape = crate::trace::HtiTraceShape { blocks: workers + nic, workers, send_blocks: roles.0 as usize, fwd_blocks: roles.1 as usize, nodes };
+    let shape =
+        crate::trace::HtiTraceShape { blocks: workers + nic, workers, send_blocks: roles.0 as usize, fwd_blocks: roles.1 as usize, nodes };
     if let Some(trace) = crate::trace::hti_launch(&words, shape, kernel, op) {
         intranode::trace_push(b, trace);
     }
@@ -689,5 +690,4 @@ mod tests {
         assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
         assert!(matches!(roles(3, t, 3, None, None), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
     }
-
 }
