@@ -362,9 +362,11 @@ __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs
 
 // A warp copies one token's payload (PAYLOAD_VECS vectors at `src`) into the message of every node in
 // `nodes` (lane b holds node b's message address in `node_msg`): each batch of loads is stored to every
-// node, so the row is read once however many nodes it reaches.
+// node, so the row is read once however many nodes it reaches. SEND_UNROLL loads a lane: a bf16 row of
+// 7168 channels (28 vectors a lane) in two batches, an FP8 row in one (the senders bound the dispatch).
+constexpr u32 SEND_UNROLL = 14;
 __device__ __forceinline__ void copy_to_messages(u32 nodes, u64 node_msg, const u32x4* src, u32 lane) {
-  constexpr u32 U = COPY_UNROLL;
+  constexpr u32 U = SEND_UNROLL;
   for (u32 base = 0; base < PAYLOAD_VECS; base += U * WARP_SIZE) {
     u32x4 v[U];
 #pragma unroll
@@ -913,6 +915,8 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
     const u64 seq = (u64)f.base + k + 1;
     hti_stamp_chunk(a.trace, q, 0);
+    // The chunk's rows are contiguous in x: on their way to L2 while the warp waits and reads the routing.
+    if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t0 * PAYLOAD_BYTES, (t1 - t0) * PAYLOAD_BYTES);
     // Lane b: this chunk's messages [m0, m1) for node b, after (b, l) handed round k - 1 back.
     u32 m0 = 0, m1 = 0;
     bool ok = true;
@@ -1069,6 +1073,9 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       hti_stamp_fwd(a.trace, an, trace_chunk, 0);
       const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
       u32 m = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
+      // The chunk's messages are contiguous: on their way to L2 while the warp reads the first.
+      if (lane == 0 && m_end > m)
+        ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES), (m_end - m) * MSG_BYTES);
       if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
@@ -1677,6 +1684,12 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M;
     const u32 cseq = f.base + k + 1;
     hti_stamp_chunk(a.trace, q, 0);
+    // Lane b: node b's partials of the chunk's tokens are contiguous, on their way to L2 while the warp waits.
+    if (lane < NUM_NODES) {
+      const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
+      const u32 m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start), m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
+      if (m1 > m0) ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_crecv + (u64)lane * a.at.part_bytes + (u64)m0 * CMSG_BYTES), (m1 - m0) * CMSG_BYTES);
+    }
     // Rounds in order: wait until the reducers finished round k - 1.
     if (k > 0) {
       bool ok = true;

@@ -280,6 +280,13 @@ __device__ __forceinline__ void st_na_u64(void* p, u64 v) {
 // Brings a line into L2 without waiting for it (loads issued before a wait, consumed after it).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// Starts bringing `bytes` (a multiple of 16, at a 16-byte aligned address) into L2 with one bulk request
+// (the TMA unit walks it; the issuing thread does not wait): rows a warp will read one after another then
+// come from L2 instead of DRAM.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ============================================================================================ time
 
 // Nanoseconds of the GPU's global timer (same clock on every SM).

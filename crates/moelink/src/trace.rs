@@ -9,7 +9,7 @@
 //!   own rows until their last row). The first `send_blocks` blocks are senders.
 //! - high-throughput across nodes (`ht_internode.cu`, `HTI_TRACE_*`): the same per block and warp (senders,
 //!   forwarders, then receivers or reducers), then per chunk the stamps of the senders / reducers and of the
-//!   forwarders ([`hti_launch`]).
+//!   forwarders (`hti_launch`).
 //! - low-latency (`ll.cuh`, `LL_TRACE_*`, `moelink_kernels::ll::LL_TRACE_POINTS`): per launch slot
 //!   (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) and block, one word per protocol point.
 
@@ -22,7 +22,7 @@ pub struct TracePoint {
     /// `recv_seen`, `recv_stored`, `end` (per block); block 0 of a dispatch send: `index_checked`; a
     /// dispatch receive: `recv_indexed`, the counts scanned into bases. High-throughput: `start` and `end`
     /// (per block), `send_start`, `send_end`, `recv_start`, `recv_end` (per warp of the role); across nodes
-    /// also the forwarders' and per-chunk points of [`hti_launch`], where a name ending in `_us` is a
+    /// also the forwarders' and per-chunk points (`HTI_TRACE_*` in ht_internode.cu), where a name ending in `_us` is a
     /// duration (min / median / max over chunks), not a time after the launch.
     pub name: &'static str,
     /// How many stamps it has: blocks, or for the high-throughput role points warps.
