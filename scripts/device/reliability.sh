@@ -24,7 +24,7 @@
 # CHAOS_PORT_BASE (run i rendezvous at CHAOS_PORT_BASE + 20 i, default 29400), CHAOS_T_S (each chaos process's
 # time limit, default 45).
 # Across virtual nodes: RANKS=4 CHAOS_ARGS="--topology 2x2 --transport emu-nic|ptr|nvshmem", every phase (the
-# HT ones check what ht_internode.cu's timeouts can name: crates/moelink-stress/src/chaos.rs, module docs);
+# HT ones check what hti_*.cu's timeouts can name: crates/moelink-stress/src/chaos.rs, module docs);
 # scripts/device/internode.sh step htchaos runs the HT ones on emu-nic and nvshmem.
 #
 # Comes back in $OUT (at most 8 files): env.txt, reliability.json, reliability-summary.md,

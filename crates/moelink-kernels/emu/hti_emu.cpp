@@ -1,4 +1,4 @@
-// Host emulation of the high-throughput kernels across nodes (ht_internode.cu) for tests/hti_emulation.rs:
+// Host emulation of the high-throughput kernels across nodes (hti_*.cu) for tests/hti_emulation.rs:
 // R = NUM_NODES x RANKS_PER_NODE ranks as threads, each launch one OS thread per block and one fiber per CUDA
 // thread (runtime.hpp); every rank's RDMA region is a host allocation behind the transport seam (peer
 // pointers, MOELINK_TRANSPORT=1, or the emulated NIC, 2, reordering across QPs) and every node's symmetric
@@ -13,7 +13,10 @@
 // Each build of the kernels in a namespace of its own (their helpers take the seam's global types, so two
 // builds side by side in the global namespace would be ambiguous to argument-dependent lookup).
 namespace own_variant {
-#include "ht_internode.cu"
+#include "hti_layout.cu"
+#include "hti_notify.cu"
+#include "hti_dispatch.cu"
+#include "hti_combine.cu"
 }  // namespace own_variant
 using namespace own_variant;
 
@@ -35,8 +38,13 @@ using namespace own_variant;
 #define HTI_ROW_BYTES HTI_EMU_PEER_HTI_ROW_BYTES
 #define HTI_CROW_BYTES HTI_EMU_PEER_HTI_CROW_BYTES
 #define HTI_CMSG_BYTES HTI_EMU_PEER_HTI_CMSG_BYTES
+// hti.cuh's guard is open again for this second build.
+#undef MOELINK_HTI_CUH
 namespace peer_variant {
-#include "ht_internode.cu"
+#include "hti_layout.cu"
+#include "hti_notify.cu"
+#include "hti_dispatch.cu"
+#include "hti_combine.cu"
 }  // namespace peer_variant
 #pragma pop_macro("TOPK")
 #pragma pop_macro("HTI_MSG_BYTES")

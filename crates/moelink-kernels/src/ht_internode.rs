@@ -1,15 +1,23 @@
-//! High-throughput dispatch/combine across nodes (`cuda/ht_internode.cu`): the variant key, the argument
-//! structs, the row sizes, the routing buffer's layout, and where everything lives in the RDMA region and in
-//! the node's symmetric (NVLink) buffer. Every offset the kernels use is computed here, once; the protocol
-//! is described at the top of the source.
+//! High-throughput layout, notify, dispatch and combine across nodes (`cuda/hti_*.cu`, one kernel per file
+//! over `cuda/hti.cuh`): the variant key, the argument structs, the row sizes, the routing buffer's layout,
+//! and where everything lives in the RDMA region and in the node's symmetric (NVLink) buffer. Every offset
+//! the kernels use is computed here, once; the protocol is described at the top of `hti.cuh`.
 
 use bytemuck::{Pod, Zeroable};
 
 use crate::transport::{RdmaArgs, Transport};
 use crate::{Family, KernelSpec};
 
-/// `cuda/ht_internode.cu`.
-pub const HTI_SOURCE: &str = include_str!("../cuda/ht_internode.cu");
+/// `cuda/hti.cuh`: what the four kernels share (the protocol, the layouts, the frame).
+pub const HTI_HEADER: &str = include_str!("../cuda/hti.cuh");
+/// `cuda/hti_layout.cu`.
+pub const HTI_LAYOUT_SOURCE: &str = include_str!("../cuda/hti_layout.cu");
+/// `cuda/hti_notify.cu`.
+pub const HTI_NOTIFY_SOURCE: &str = include_str!("../cuda/hti_notify.cu");
+/// `cuda/hti_dispatch.cu`.
+pub const HTI_DISPATCH_SOURCE: &str = include_str!("../cuda/hti_dispatch.cu");
+/// `cuda/hti_combine.cu`.
+pub const HTI_COMBINE_SOURCE: &str = include_str!("../cuda/hti_combine.cu");
 /// Ranks the kernels' shared arrays have room for (`HTI_MAX_RANKS`).
 pub const HTI_MAX_RANKS: usize = 256;
 /// Nodes (`HTI_MAX_NODES`: one lane per node).
@@ -34,7 +42,7 @@ pub const DEFAULT_CHUNK_TOKENS: usize = 8;
 /// Words of a notify message before the count row (`MSG_W_ROW`).
 pub const NOTIFY_HEADER_WORDS: usize = 8;
 
-/// Phases the internode kernels record (ptx.cuh's `PHASE_*` numbering continued in `ht_internode.cu`).
+/// Phases the internode kernels record (ptx.cuh's `PHASE_*` numbering continued in `hti.cuh`).
 pub mod phase {
     /// The count exchange.
     pub const NOTIFY: u32 = 10;
@@ -98,7 +106,7 @@ impl RowSizes {
     }
 }
 
-/// One compilable variant of `ht_internode.cu`.
+/// The constants of the internode high-throughput kernels (each kernel file compiles with them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HtiVariant {
     pub hidden: usize,
@@ -121,14 +129,35 @@ impl HtiVariant {
         RowSizes::new(self.hidden, self.fp8, self.topk, self.topk)
     }
 
-    /// The compile key.
-    pub fn spec(&self) -> KernelSpec {
+    /// The compile key of layout ([`HtiVariant::control`]'s).
+    pub fn layout_spec(&self) -> KernelSpec {
+        self.spec(Family::HtiLayout)
+    }
+
+    /// The compile key of notify ([`HtiVariant::control`]'s).
+    pub fn notify_spec(&self) -> KernelSpec {
+        self.spec(Family::HtiNotify)
+    }
+
+    /// The compile key of dispatch.
+    pub fn dispatch_spec(&self) -> KernelSpec {
+        self.spec(Family::HtiDispatch)
+    }
+
+    /// The compile key of combine.
+    pub fn combine_spec(&self) -> KernelSpec {
+        self.spec(Family::HtiCombine)
+    }
+
+    /// The compile key of one of the four kernel files: every one takes every constant (hti.cuh checks them).
+    fn spec(&self, family: Family) -> KernelSpec {
         let rows = self.rows();
         let d = |k: &str, v: String| (k.to_string(), v);
+        let stem = family.file_name().trim_end_matches(".cu");
         KernelSpec {
-            family: Family::HtInternode,
+            family,
             variant: format!(
-                "ht_internode[{}x{},h{},{},k{},b{},{}]",
+                "{stem}[{}x{},h{},{},k{},b{},{}]",
                 self.num_nodes,
                 self.ranks_per_node,
                 self.hidden,
@@ -177,6 +206,22 @@ impl HtiVariant {
             v.push(HtiVariant { hidden: 256, fp8: true, topk: 4, num_biases: 1, num_nodes: 4, ranks_per_node: 2, transport });
         }
         v
+    }
+
+    /// The compile keys of [`HtiVariant::all`]: dispatch and combine of each, layout and notify once per
+    /// topology and transport.
+    pub fn all_specs() -> Vec<KernelSpec> {
+        let mut specs = Vec::new();
+        let mut controls = Vec::new();
+        for v in HtiVariant::all() {
+            let c = HtiVariant::control(v.num_nodes, v.ranks_per_node, v.transport);
+            if !controls.contains(&c) {
+                controls.push(c);
+                specs.extend([c.layout_spec(), c.notify_spec()]);
+            }
+            specs.extend([v.dispatch_spec(), v.combine_spec()]);
+        }
+        specs
     }
 }
 
@@ -321,7 +366,7 @@ pub struct HtiCombineArgs {
     pub trace: u64,
 }
 
-/// Timing trace (`HTI_TRACE_*` in ht_internode.cu): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
+/// Timing trace (`HTI_TRACE_*` in hti.cuh): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
 /// words (block start and end, then each warp's role start and end), then [`HTI_TRACE_CHUNKS`] records of
 /// [`HTI_TRACE_CHUNK_WORDS`] for the dispatch senders' / combine reducers' chunks, then as many per source
 /// node for the forwarders' chunks. `%globaltimer` nanoseconds, 0 where not reached.

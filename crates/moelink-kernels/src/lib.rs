@@ -62,6 +62,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("ll.cuh", ll::LL_HEADER),
     ("transport.cuh", transport::TRANSPORT_HEADER),
     ("transport_nvshmem.cuh", transport::TRANSPORT_NVSHMEM_HEADER),
+    ("hti.cuh", ht_internode::HTI_HEADER),
 ];
 
 /// The one header that may include headers from outside the tree (NVSHMEM's, for the `nvshmem` transport).
@@ -103,13 +104,13 @@ pub mod kernel_name {
     pub const LLI_DISPATCH: &str = "moelink::internode_ll::dispatch";
     /// `ll_internode.cu`: low-latency combine across nodes.
     pub const LLI_COMBINE: &str = "moelink::internode_ll::combine";
-    /// `ht_internode.cu`: `get_dispatch_layout` across nodes.
+    /// `hti_layout.cu`: `get_dispatch_layout` across nodes.
     pub const HTI_LAYOUT: &str = "moelink::internode::layout";
-    /// `ht_internode.cu`: the count exchange before a fresh high-throughput dispatch across nodes.
+    /// `hti_notify.cu`: the count exchange before a fresh high-throughput dispatch across nodes.
     pub const HTI_NOTIFY: &str = "moelink::internode::notify";
-    /// `ht_internode.cu`: high-throughput dispatch across nodes.
+    /// `hti_dispatch.cu`: high-throughput dispatch across nodes.
     pub const HTI_DISPATCH: &str = "moelink::internode::dispatch";
-    /// `ht_internode.cu`: high-throughput combine across nodes.
+    /// `hti_combine.cu`: high-throughput combine across nodes.
     pub const HTI_COMBINE: &str = "moelink::internode::combine";
 }
 
@@ -145,8 +146,14 @@ pub enum Family {
     Transport,
     /// `ll_internode.cu`: low-latency dispatch and combine across nodes ([`ll_internode`]).
     LlInternode,
-    /// `ht_internode.cu`: high-throughput layout, notify, dispatch and combine across nodes ([`ht_internode`]).
-    HtInternode,
+    /// `hti_layout.cu`: get_dispatch_layout across nodes ([`ht_internode`]).
+    HtiLayout,
+    /// `hti_notify.cu`: the count exchange of a high-throughput dispatch across nodes ([`ht_internode`]).
+    HtiNotify,
+    /// `hti_dispatch.cu`: high-throughput dispatch across nodes ([`ht_internode`]).
+    HtiDispatch,
+    /// `hti_combine.cu`: high-throughput combine across nodes ([`ht_internode`]).
+    HtiCombine,
 }
 
 impl Family {
@@ -163,7 +170,10 @@ impl Family {
             Family::LlCombine => "ll_combine.cu",
             Family::Transport => "transport.cu",
             Family::LlInternode => "ll_internode.cu",
-            Family::HtInternode => "ht_internode.cu",
+            Family::HtiLayout => "hti_layout.cu",
+            Family::HtiNotify => "hti_notify.cu",
+            Family::HtiDispatch => "hti_dispatch.cu",
+            Family::HtiCombine => "hti_combine.cu",
         }
     }
 
@@ -180,7 +190,10 @@ impl Family {
             Family::LlCombine => ll::LL_COMBINE_SOURCE,
             Family::Transport => transport::TRANSPORT_SOURCE,
             Family::LlInternode => ll_internode::LLI_SOURCE,
-            Family::HtInternode => ht_internode::HTI_SOURCE,
+            Family::HtiLayout => ht_internode::HTI_LAYOUT_SOURCE,
+            Family::HtiNotify => ht_internode::HTI_NOTIFY_SOURCE,
+            Family::HtiDispatch => ht_internode::HTI_DISPATCH_SOURCE,
+            Family::HtiCombine => ht_internode::HTI_COMBINE_SOURCE,
         }
     }
 
@@ -190,7 +203,8 @@ impl Family {
             Family::Barrier | Family::Copy => None,
             Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => Some(HT_HEADER),
             Family::LlDispatch | Family::LlCombine | Family::LlInternode => Some(ll::LL_HEADER),
-            Family::Transport | Family::HtInternode => Some(transport::TRANSPORT_HEADER),
+            Family::Transport => Some(transport::TRANSPORT_HEADER),
+            Family::HtiLayout | Family::HtiNotify | Family::HtiDispatch | Family::HtiCombine => Some(ht_internode::HTI_HEADER),
         }
     }
 
@@ -222,12 +236,10 @@ impl Family {
                 &[KernelInfo { name: kernel_name::LLI_DISPATCH, hot: false }, KernelInfo { name: kernel_name::LLI_COMBINE, hot: false }]
             }
             // Not hot, for the same reason.
-            Family::HtInternode => &[
-                KernelInfo { name: kernel_name::HTI_LAYOUT, hot: false },
-                KernelInfo { name: kernel_name::HTI_NOTIFY, hot: false },
-                KernelInfo { name: kernel_name::HTI_DISPATCH, hot: false },
-                KernelInfo { name: kernel_name::HTI_COMBINE, hot: false },
-            ],
+            Family::HtiLayout => &[KernelInfo { name: kernel_name::HTI_LAYOUT, hot: false }],
+            Family::HtiNotify => &[KernelInfo { name: kernel_name::HTI_NOTIFY, hot: false }],
+            Family::HtiDispatch => &[KernelInfo { name: kernel_name::HTI_DISPATCH, hot: false }],
+            Family::HtiCombine => &[KernelInfo { name: kernel_name::HTI_COMBINE, hot: false }],
         }
     }
 }
@@ -366,7 +378,7 @@ pub fn all_variants() -> Vec<KernelSpec> {
     v.extend(ll::LlVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v.extend(transport::TransportVariant::all().iter().map(transport::TransportVariant::spec));
     v.extend(ll_internode::LliVariant::all().iter().map(ll_internode::LliVariant::spec));
-    v.extend(ht_internode::HtiVariant::all().iter().map(ht_internode::HtiVariant::spec));
+    v.extend(ht_internode::HtiVariant::all_specs());
     v
 }
 

@@ -1,4 +1,4 @@
-//! Runs the high-throughput kernels across nodes (`cuda/ht_internode.cu`) on the CPU emulator shared with the
+//! Runs the high-throughput kernels across nodes (`cuda/hti_*.cu` over `hti.cuh`) on the CPU emulator shared with the
 //! other kernel tests (`emu/`, see `common/`): `emu/hti_emu.cpp` drives R ranks as virtual nodes over the
 //! RDMA transport seam — peer pointers, or the emulated NIC reordering across QPs — with rounds of a few
 //! tokens (so that every call runs several rounds of several chunks), and checks every output against a
@@ -13,19 +13,29 @@
 
 mod common;
 
-use moelink_kernels::ht_internode::{HtiVariant, HTI_SOURCE};
+use moelink_kernels::ht_internode::{
+    HtiVariant, HTI_COMBINE_SOURCE, HTI_DISPATCH_SOURCE, HTI_HEADER, HTI_LAYOUT_SOURCE, HTI_NOTIFY_SOURCE,
+};
 use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
 
 /// Warps per block in the emulation.
 const EMU_WARPS: u32 = 2;
 
 fn run_variant(cxx: &str, v: HtiVariant) {
-    let spec = v.spec();
-    let files = [("ht_internode.cu", HTI_SOURCE), ("transport.cuh", TRANSPORT_HEADER)];
+    // Every kernel file takes the same constants: the dispatch's key names the build.
+    let spec = v.dispatch_spec();
+    let files = [
+        ("hti.cuh", HTI_HEADER),
+        ("hti_layout.cu", HTI_LAYOUT_SOURCE),
+        ("hti_notify.cu", HTI_NOTIFY_SOURCE),
+        ("hti_dispatch.cu", HTI_DISPATCH_SOURCE),
+        ("hti_combine.cu", HTI_COMBINE_SOURCE),
+        ("transport.cuh", TRANSPORT_HEADER),
+    ];
     // The kernels once more without top-k (the cached dispatch's TOPK 0): the layout a rank without tokens
     // launched when its host picked the variant from topk_idx's address, for the variant-mismatch scenario
     // (run when this variant carries top-k).
-    let peer = HtiVariant { topk: 0, ..v }.spec();
+    let peer = HtiVariant { topk: 0, ..v }.dispatch_spec();
     let peer_flags: Vec<String> = ["TOPK", "HTI_MSG_BYTES", "HTI_ROW_BYTES", "HTI_CROW_BYTES", "HTI_CMSG_BYTES"]
         .iter()
         .map(|name| format!("-DHTI_EMU_PEER_{name}={}", peer.define(name).expect("every HT-internode spec defines it")))

@@ -35,7 +35,7 @@
 //! `emu-nic` or `nvshmem`) every phase runs the internode kernels. The high-throughput buffers are sized for
 //! rounds of a quarter of the call's tokens ([`moelink::internode::ht_bytes_needed`]), so each call runs
 //! several rounds and its waits include the per-round hand-backs. What a survivor of an HT kill can assert
-//! follows from `ht_internode.cu`: every wait has its own deadline (from when it starts) and names the peer it
+//! follows from `hti_*.cu`: every wait has its own deadline (from when it starts) and names the peer it
 //! waits for and the domain, and a kernel that timed out winds down without handing back, so its own waiters
 //! time out too; each rank records only its first timeout. Hence, per survivor:
 //! - the call ends with `Error::Timeout` within the deadline (+ 2 s), in a phase of the internode HT domains

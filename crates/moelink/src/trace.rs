@@ -7,7 +7,7 @@
 //! - high-throughput (`ht.cuh`, `HT_TRACE_*`): per block its start and end, then per warp the start and the
 //!   end of its work (senders: after the hand-back wait until their last flag; receivers: after this rank's
 //!   own rows until their last row). The first `send_blocks` blocks are senders.
-//! - high-throughput across nodes (`ht_internode.cu`, `HTI_TRACE_*`): the same per block and warp (senders,
+//! - high-throughput across nodes (`hti.cuh`, `HTI_TRACE_*`): the same per block and warp (senders,
 //!   forwarders, then receivers or reducers), then per chunk the stamps of the senders / reducers and of the
 //!   forwarders (`hti_launch`).
 //! - low-latency (`ll.cuh`, `LL_TRACE_*`, `moelink_kernels::ll::LL_TRACE_POINTS`): per launch slot
@@ -22,7 +22,7 @@ pub struct TracePoint {
     /// `recv_seen`, `recv_stored`, `end` (per block); block 0 of a dispatch send: `index_checked`; a
     /// dispatch receive: `recv_indexed`, the counts scanned into bases. High-throughput: `start` and `end`
     /// (per block), `send_start`, `send_end`, `recv_start`, `recv_end` (per warp of the role); across nodes
-    /// also the forwarders' and per-chunk points (`HTI_TRACE_*` in ht_internode.cu), where a name ending in `_us` is a
+    /// also the forwarders' and per-chunk points (`HTI_TRACE_*` in hti.cuh), where a name ending in `_us` is a
     /// duration (min / median / max over chunks), not a time after the launch.
     pub name: &'static str,
     /// How many stamps it has: blocks, or for the high-throughput role points warps.
@@ -124,7 +124,7 @@ pub(crate) struct HtiTraceShape {
     pub nodes: usize,
 }
 
-/// One internode high-throughput launch from its words (`HTI_TRACE_*` in ht_internode.cu); `None` when no
+/// One internode high-throughput launch from its words (`HTI_TRACE_*` in hti.cuh); `None` when no
 /// block stamped its start. Points: the blocks' start and end, each role's warps' start and end
 /// (`send_*`, `fwd_*`, `recv_*` or for combine `reduce_*`), then per chunk its stamps and, named `*_us`,
 /// the time between two of them (durations, not offsets): dispatch senders `chunk_taken`, `chunk_staged`,

@@ -1,5 +1,5 @@
 //! High-throughput dispatch/combine when the ranks span nodes: the host side of
-//! `moelink-kernels/cuda/ht_internode.cu` (its header comment is the protocol). The calls and their modes
+//! `moelink-kernels/cuda/hti_*.cu` (one kernel per file; `hti.cuh`'s header comment is the protocol). The calls and their modes
 //! are the single-node ones (`super::ht`): CPU-synchronised or `num_worst_tokens`, cached dispatch from a
 //! handle, combine with weights and biases; what differs is where the data lives — rounds of `M` tokens in
 //! parts of the RDMA region (after the internode control words) and of the node's symmetric buffer — and the
@@ -14,7 +14,7 @@ use moelink_kernels::ht_internode::{
     HtiVariant, NvlArgs, RdmaAt, RoutingLayout, RowSizes, HTI_MAX_LOCAL_EXPERTS, HTI_MAX_NODES, HTI_MAX_RANKS, HTI_MAX_TOPK, HTI_THREADS,
     HTI_WARPS,
 };
-use moelink_kernels::kernel_name;
+use moelink_kernels::{kernel_name, KernelSpec};
 
 use super::ht::{self as intranode, PooledBuffer};
 use super::internode::{HT_SIGNALS, RDMA_CTRL_BYTES};
@@ -115,8 +115,8 @@ fn dispatch_variant(b: &CudaBackend, s: &HtSpec) -> HtiVariant {
 
 /// The launch: `blocks` worker blocks plus the emulated NIC's, cooperative (every role of every block waits
 /// for the others).
-fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &HtiVariant, name: &'static str, args: &A, blocks: u32) -> Result<()> {
-    let k = b.kernel(&v.spec(), name)?;
+fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, spec: &KernelSpec, name: &'static str, args: &A, blocks: u32) -> Result<()> {
+    let k = b.kernel(spec, name)?;
     let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks());
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
 }
@@ -201,7 +201,7 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
     let per_expert = out.num_tokens_per_expert.addr();
     let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(0, |v| v.addr());
     let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
-    let kernel = b.kernel(&v.spec(), kernel_name::HTI_LAYOUT)?;
+    let kernel = b.kernel(&v.layout_spec(), kernel_name::HTI_LAYOUT)?;
     // SAFETY: the outputs were validated as contiguous int32 tensors of this device with R, E and N elements.
     unsafe {
         b.op_stream().memset_d32_async(per_rank, 0, t.num_ranks())?;
@@ -307,7 +307,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
         round_tokens: round_tokens as u32,
         host_seq,
     };
-    launch(b, &v, kernel_name::HTI_NOTIFY, &args, 1)?;
+    launch(b, &v.notify_spec(), kernel_name::HTI_NOTIFY, &args, 1)?;
     let (host, num_fwd) = if sync {
         let (h, f) = read_notify(b, host_seq, &s)?;
         (Some(h), Some(f))
@@ -439,7 +439,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         trace: trace_begin(b, s.num_sms)?,
     };
     let routing_ptr = r.routing.ptr();
-    launch(b, &v, kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
+    launch(b, &v.dispatch_spec(), kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
     if let Some(m) = &out.rank_prefix_matrix {
         let at = RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).rank_prefix;
         // SAFETY: the output was validated as a contiguous int32 [R, R] tensor of this device, and the routing
@@ -640,7 +640,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         fwd_per_node,
         trace: trace_begin(b, s.num_sms)?,
     };
-    launch(b, &v, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
+    launch(b, &v.combine_spec(), kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
     finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)?;
     if args.trace != 0 {
         trace_keep(b, kernel_name::HTI_COMBINE, "combine", s.num_sms, (send_blocks, fwd_blocks));
@@ -651,7 +651,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
 // ------------------------------------------------------------------------------------------ trace
 
 /// With `KernelTracing::high_throughput`, a synchronous internode dispatch or combine stamps its roles and
-/// chunks (`HTI_TRACE_*` in ht_internode.cu); the words for a launch of `workers` worker blocks (plus the
+/// chunks (`HTI_TRACE_*` in hti.cuh); the words for a launch of `workers` worker blocks (plus the
 /// emulated NIC's), zeroed, or 0 when not tracing.
 fn trace_begin(b: &mut CudaBackend, workers: usize) -> Result<u64> {
     let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks() as usize);

@@ -1,0 +1,546 @@
+// moelink kernel family: high-throughput dispatch across nodes (moelink_kernels::ht_internode). The
+// protocol, the JIT constants and what the internode kernels share are in hti.cuh.
+#include "hti.cuh"
+
+// A warp copies one token's payload (PAYLOAD_VECS vectors at `src`) into the message of every node in
+// `nodes` (lane b holds node b's message address in `node_msg`): each batch of loads is stored to every
+// node, so the row is read once however many nodes it reaches. SEND_UNROLL loads a lane: a bf16 row of
+// 7168 channels (28 vectors a lane) in two batches, an FP8 row in one (the senders bound the dispatch).
+constexpr u32 SEND_UNROLL = 14;
+__device__ __forceinline__ void copy_to_messages(u32 nodes, u64 node_msg, const u32x4* src, u32 lane) {
+  constexpr u32 U = SEND_UNROLL;
+  for (u32 base = 0; base < PAYLOAD_VECS; base += U * WARP_SIZE) {
+    u32x4 v[U];
+#pragma unroll
+    for (u32 u = 0; u < U; u++) {
+      const u32 i = base + u * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) v[u] = ptx::ld_nc_na_v4(src + i);
+    }
+    for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
+      u32x4* dst = reinterpret_cast<u32x4*>(__shfl_sync(FULL_WARP_MASK, node_msg, __ffs(todo) - 1) + MSG_PAYLOAD);
+#pragma unroll
+      for (u32 u = 0; u < U; u++) {
+        const u32 i = base + u * WARP_SIZE + lane;
+        if (i < PAYLOAD_VECS) ptx::st_na_v4(dst + i, v[u]);
+      }
+    }
+  }
+}
+
+// ============================================================================================== dispatch
+namespace hti_dispatch {
+
+// The meta word `w` of a dispatch row as local rank `j` of node `node` sees it (from the message `msg`).
+__device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const u8* msg, u32 w, u32 dst_rank, u32 round, u32 message) {
+  const u32* ids = reinterpret_cast<const u32*>(msg + MSG_IDS);
+  if (w < META_SCALES) {
+    const i32 e = (i32)ids[w / 2];
+    const i64 first = (i64)dst_rank * a.num_local_experts;
+    const i64 local = e >= 0 && e >= first && e < first + (i64)a.num_local_experts ? (i64)e - first : -1;
+    return (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
+  }
+  if (w < META_WEIGHTS) return reinterpret_cast<const u32*>(msg + MSG_SCALES)[w - META_SCALES];
+  if (w < META_SRC) {
+    const i32 e = (i32)ids[w - META_WEIGHTS];
+    const i64 first = (i64)dst_rank * a.num_local_experts;
+    const bool here = e >= 0 && e >= first && e < first + (i64)a.num_local_experts;
+    return here ? reinterpret_cast<const u32*>(msg + MSG_WEIGHTS)[w - META_WEIGHTS] : 0u;
+  }
+  if (w == META_SRC) return reinterpret_cast<const u32*>(msg)[0];
+  if (w == META_MESSAGE) return message;
+  return round;
+}
+
+// Checks token t's is_token_in_rank row (through the prefix) against the ranks of its top-k experts (TOPK
+// > 0): lane k < TOPK loads its k-th expert's rank, lane i tests ranks i, i + 32, ... against them. A rank in
+// one set and not in the other is reported (ERR_INVALID_LAYOUT, LAYOUT_ARG_IN_RANK, the token): a row sent
+// where it selects no expert arrives with every top-k id -1, and an expert whose rank gets no row misses the
+// token. The rows still travel as is_token_in_rank says; the call fails on this rank once the collective has
+// run. The expert ids are the ones the message staging reads next (L1), the prefix rows the slots' (L2).
+__device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, const Frame& f, const i32* prefix, u32 t, u32 lane,
+                                                  const Deadline& d) {
+  if (TOPK == 0) return;
+  const i64 el = a.num_local_experts;
+  i32 rank_of_k = -1;
+  if (lane < TOPK) {
+    const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
+    if (e >= 0 && e < (i64)NUM_RANKS * el) rank_of_k = (i32)(e / el);
+  }
+  bool bad = false;
+  for (u32 r = lane; r < (NUM_RANKS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE; r += WARP_SIZE) {
+    bool want = false;
+#pragma unroll
+    for (u32 k = 0; k < TOPK; k++) {
+      const i32 rank_k = __shfl_sync(FULL_WARP_MASK, rank_of_k, k);  // every lane shuffles: no short circuit
+      want = want || rank_k == (i32)r;
+    }
+    const bool sent = r < NUM_RANKS && prefix[(u64)(t + 1) * NUM_RANKS + r] > prefix[(u64)t * NUM_RANKS + r];
+    bad = bad || (r < NUM_RANKS && want != sent);
+  }
+  if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
+}
+
+// Sender warp: chunks of Q tokens taken in order from the call's counter (a chunk never straddles a round:
+// M is a multiple of Q). Lane b < N handles node b's hand-back wait, message range and put.
+__device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr) {
+  const u32 lane = threadIdx.x % WARP_SIZE, T = a.num_tokens, Q = a.chunk_tokens, M = f.round_tokens;
+  const i32* prefix = f.routing + f.at.prefix;
+  const i32* node_prefix = f.routing + f.at.node_prefix;
+  u32* counter = &hti_state(a.state)->dispatch_chunk;
+  const u8* x = reinterpret_cast<const u8*>(a.x);
+  for (;;) {
+    u32 q = 0;
+    if (lane == 0) q = ptx::atom_add_relaxed_gpu(counter, 1u);
+    q = __shfl_sync(FULL_WARP_MASK, q, 0);
+    if ((u64)q * Q >= T) break;
+    const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
+    const u64 seq = (u64)f.base + k + 1;
+    hti_stamp_chunk(a.trace, q, 0);
+    // The chunk's rows are contiguous in x: on their way to L2 while the warp waits and reads the routing.
+    if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t0 * PAYLOAD_BYTES, (t1 - t0) * PAYLOAD_BYTES);
+    // Lane b: this chunk's messages [m0, m1) for node b, after (b, l) handed round k - 1 back.
+    u32 m0 = 0, m1 = 0;
+    bool ok = true;
+    if (lane < NUM_NODES) {
+      const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
+      m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start);
+      m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
+      const u64* consumed = rdma_word(a.rdma, a.at.off_dconsumed + 8ull * lane);
+      const u32 peer = lane * RANKS_PER_NODE + f.me_local;
+      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dr, peer, f.me), peer);
+    }
+    if (!__all_sync(FULL_WARP_MASK, ok)) return;
+    // Stage every token's message once per node it reaches.
+    for (u32 t = t0; t < t1; t++) {
+      check_token_ranks(a, f, prefix, t, lane, dr);
+      u32 m = 0;
+      bool in = false;
+      if (lane < NUM_NODES) {
+        const i32 p0 = node_prefix[(u64)t * NUM_NODES + lane], p1 = node_prefix[(u64)(t + 1) * NUM_NODES + lane];
+        in = p1 > p0;
+        m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
+      }
+      const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
+      // What every node's message of t carries, read once: lane k < TOPK its top-k entry, lane i scales
+      // i, i + 32, ...
+      i32 id = -1;
+      u32 weight = 0;
+      if (TOPK > 0 && lane < TOPK) {
+        id = (i32)reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
+        weight = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
+      }
+      constexpr u32 SCALES_PER_LANE = (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE;
+      u32 scale[SCALES_PER_LANE > 0 ? SCALES_PER_LANE : 1];
+#pragma unroll
+      for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+        const u32 g = lane + i * WARP_SIZE;
+        if (g < NUM_SCALES) scale[i] = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
+      }
+      u64 node_msg = 0;  // lane b: where node b's message goes
+      for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
+        const u32 b = __ffs(todo) - 1;
+        const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
+        // In place at the rail peer where stores reach it, else staged for the put.
+        u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
+                               a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
+                      .ptr;
+        if (lane == b) node_msg = reinterpret_cast<u64>(msg);
+        // Head and slots: lane j < L gives the slot at (b, j).
+        u32 mask = 0;
+        if (lane < RANKS_PER_NODE) {
+          const u32 r = b * RANKS_PER_NODE + lane;
+          const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
+          reinterpret_cast<i32*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? s0 : -1;
+          mask = s1 > s0 ? 1u : 0u;
+        }
+        mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
+        if (lane == 0) {
+          reinterpret_cast<u32*>(msg)[0] = t;
+          reinterpret_cast<u32*>(msg)[1] = mask;
+          reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
+        }
+        if (TOPK > 0 && lane < TOPK) {
+          reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = id;
+          reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = weight;
+        }
+#pragma unroll
+        for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+          const u32 g = lane + i * WARP_SIZE;
+          if (g < NUM_SCALES) reinterpret_cast<u32*>(msg + MSG_SCALES)[g] = scale[i];
+        }
+      }
+      // The payload: read once, stored into every node's message.
+      copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
+    }
+    __syncwarp();
+    hti_stamp_chunk(a.trace, q, 1);
+    // One put per node: the chunk's messages, then its chunk word (SET seq << 32 | m1).
+    for (u32 b = 0; b < NUM_NODES; b++) {
+      const u32 b0 = __shfl_sync(FULL_WARP_MASK, m0, b), b1 = __shfl_sync(FULL_WARP_MASK, m1, b);
+      const u32 peer = b * RANKS_PER_NODE + f.me_local;
+      const u64 sig = a.at.off_dchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
+      const u64 value = (seq << 32) | b1;
+      const u32 qp = chunk % a.rdma.num_qps;
+      bool sent = true;
+      if (b1 > b0) {
+        const u64 dst = a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)b0 * MSG_BYTES;
+        const u64 src = a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)b0 * MSG_BYTES;
+        sent = rdma::put_window_signal_warp(a.rdma, qp, peer, rdma::window(a.rdma, peer, dst, src), dst, src, (b1 - b0) * MSG_BYTES, sig,
+                                            value, SIGNAL_SET, dr);
+      } else {
+        if (lane == 0) sent = rdma::signal_thread(a.rdma, qp, peer, sig, value, SIGNAL_SET, dr);
+        sent = __shfl_sync(FULL_WARP_MASK, sent ? 1u : 0u, 0) != 0;
+      }
+      if (!sent) return;
+    }
+    hti_stamp_chunk(a.trace, q, 2);
+  }
+}
+
+// Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
+// rounds in order, and in each the chunks c with c % P == p (see the top of the file). Lane j < L keeps local
+// rank j's state: the chunk's first slot not yet flagged and how many, the warp's rows to j this round,
+// whether j handed this round's part back. The warps of `an` share, per round, the chunks done, the rows per
+// local rank and the messages of earlier rounds (HtiForward); the one that finishes a round's last chunk
+// ends the round: done words, then the RDMA hand-back. A round's chunks arrive only after the hand-back of
+// the round before, which comes after that round's end reset the shared counts: no warp counts into a round
+// that is still ending.
+__device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
+  const u32 s = an * RANKS_PER_NODE + f.me_local;
+  const u32 tokens = (u32)f.routing[f.at.tokens_of + s];
+  const u32 rounds = rounds_of(f, tokens);
+  const u32 first = (u32)f.routing[f.at.fwd_offset + an];
+  u32* entries = reinterpret_cast<u32*>(a.fwd_entries);
+  HtiForward* shared = hti_forward(a.state);
+  const u32 j_rank = f.me_node * RANKS_PER_NODE + lane;  // lane j's global rank (lanes < L)
+  const u64* chunk_words = rdma_word(a.rdma, a.at.off_dchunk + (u64)an * HTI_MAX_CHUNKS * 8);
+  auto consumed_of = [&](u32 j) {
+    return reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)j * NUM_NODES + an;
+  };
+  for (u32 k = 0; k < rounds; k++) {
+    const u64 seq = (u64)f.base + k + 1;
+    const u32 chunks = (round_tokens_of(f, tokens, k) + Q - 1) / Q;
+    u32 rows = 0, pending_from = 0, pending = 0;  // lane j: rows to j this round; unflagged slots [from, from + n)
+    bool handed_back = false;
+    // Every lane fences its row stores, then lane j flags j's rows written since the last release.
+    auto release = [&]() {
+      __syncwarp();
+      ptx::fence_acq_rel_sys();
+      __syncwarp();
+      if (lane < RANKS_PER_NODE && pending > 0) {
+        u32* flags = reinterpret_cast<u32*>(a.nvl.base[lane] + a.nvl.off_dflags) + (u64)s * a.nvl.flag_slots;
+        for (u32 i = 0; i < pending; i++) ptx::st_relaxed_sys(flags + (pending_from + i) % M, (u32)seq);
+        pending = 0;
+      }
+      __syncwarp();
+    };
+    // Lane j waits until j handed its part for s back for the round before.
+    auto wait_handed_back = [&]() -> bool {
+      bool ok = true;
+      if (lane < RANKS_PER_NODE && !handed_back) {
+        ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed_of(lane)) - ((u64)f.base + k)) >= 0; },
+                        for_peer(dn, j_rank, f.me), j_rank);
+        handed_back = ok;
+      }
+      return __all_sync(FULL_WARP_MASK, ok);
+    };
+    u32 g = 0;  // messages of s before this round (read once this warp has a chunk of it)
+    for (u32 c = p; c < chunks; c += P) {
+      // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
+      if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
+      if (c > 0 && !warp_wait_u64(chunk_words + c - 1, seq << 32, for_peer(dr, s, f.me), s)) return;
+      const u32 trace_chunk = k * ((M + Q - 1) / Q) + c;
+      hti_stamp_fwd(a.trace, an, trace_chunk, 0);
+      const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
+      u32 m = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
+      // The chunk's messages are contiguous: on their way to L2 while the warp reads the first.
+      if (lane == 0 && m_end > m)
+        ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES), (m_end - m) * MSG_BYTES);
+      if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
+      for (; m < m_end; m++) {
+        const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
+        const u32 tag = reinterpret_cast<const u32*>(msg)[2];
+        if (tag != MSG_TAG) {
+          if (lane == 0) raise_error(dr, ERR_PEER_LAYOUT, s, ((u64)tag << 32) | MSG_TAG);
+          return;
+        }
+        const u32 mask = reinterpret_cast<const u32*>(msg)[1];
+        i32 slot = -1;
+        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i32*>(msg + MSG_SLOTS)[lane];
+        if (__any_sync(FULL_WARP_MASK, slot >= 0 && !handed_back) && !wait_handed_back()) return;
+        __syncwarp();
+        for (u32 todo = mask; todo != 0u; todo &= todo - 1) {
+          const u32 j = __ffs(todo) - 1;
+          const u32 slot_j = (u32)__shfl_sync(FULL_WARP_MASK, slot, j);
+          u8* row = reinterpret_cast<u8*>(a.nvl.base[j] + a.nvl.off_dparts + (u64)s * a.nvl.part_bytes) + (u64)(slot_j % M) * ROW_BYTES;
+          copy_vecs<false>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(msg + MSG_PAYLOAD), PAYLOAD_VECS, lane);
+          const u32 dst_rank = f.me_node * RANKS_PER_NODE + j;
+          for (u32 w = lane; w < META_WORDS; w += WARP_SIZE)
+            reinterpret_cast<u32*>(row + PAYLOAD_BYTES)[w] = meta_word(a, msg, w, dst_rank, k, g + m);
+        }
+        if (lane < RANKS_PER_NODE && slot >= 0) {
+          if (pending == 0) pending_from = (u32)slot;
+          pending++;
+          rows++;
+        }
+        if (lane == 0) {
+          if (first + g + m < a.fwd_capacity)
+            entries[first + g + m] = mask | (k << ENTRY_ROUND_SHIFT);
+          else
+            report_error(dr, ERR_RECV_OVERFLOW, NO_PEER, (u64)f.routing[RT_NUM_FWD], a.fwd_capacity);
+        }
+        if (__any_sync(FULL_WARP_MASK, pending >= RELEASE_ROWS)) release();
+      }
+      // A chunk's rows to j have consecutive slots; the next chunk of this warp does not follow them.
+      hti_stamp_fwd(a.trace, an, trace_chunk, 1);
+      release();
+      hti_stamp_fwd(a.trace, an, trace_chunk, 2);
+      if (lane < RANKS_PER_NODE && rows > 0) atomicAdd(&shared->round_rows[an][lane], rows);
+      rows = 0;
+      __syncwarp();
+      u32 done = 0;
+      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->chunks_done[an], 1u) + 1;
+      done = __shfl_sync(FULL_WARP_MASK, done, 0);
+      if (done != chunks) continue;
+      // The round's last chunk: every local rank learns the round's row count — once it is past the round
+      // before, even when this round brought it no row (its done word still holds that round's count until
+      // then); then s may reuse its part here.
+      if (!wait_handed_back()) return;
+      if (lane < RANKS_PER_NODE) {
+        const u32 total = ptx::ld_acquire_gpu(&shared->round_rows[an][lane]);
+        shared->round_rows[an][lane] = 0;
+        u64* done_word = reinterpret_cast<u64*>(a.nvl.base[lane] + a.nvl.off_done) + s;
+        ptx::st_relaxed_sys_u64(done_word, (seq << 32) | total);
+      }
+      if (lane == 0) {
+        shared->messages_before[an] = g + (u32)ptx::ld_relaxed_sys_u64(chunk_words + chunks - 1);
+        shared->chunks_done[an] = 0;
+        ptx::fence_acq_rel_sys();
+        const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
+        (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, hand_back_value(f, k, rounds), SIGNAL_SET, dr);
+      }
+      __syncwarp();
+    }
+  }
+  if (rounds == 0 && p == 0 && lane == 0) {
+    const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
+    (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, (u64)f.base + f.rounds, SIGNAL_SET, dr);
+  }
+}
+
+// Copies one arrived row (part [s][slot % M]) to its output position, with its meta words.
+__device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& f, u32 s, u32 slot, u32 pos, u32 lane) {
+  const u8* row = reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_dparts + (u64)s * a.nvl.part_bytes) +
+                  (u64)(slot % f.round_tokens) * ROW_BYTES;
+  copy_vecs<false>(reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, reinterpret_cast<const u32x4*>(row), PAYLOAD_VECS, lane);
+  const u32* meta = reinterpret_cast<const u32*>(row + PAYLOAD_BYTES);
+  for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
+    const u32 v = meta[w];
+    if (w < META_SCALES) reinterpret_cast<u32*>(a.recv_topk_idx)[(u64)pos * 2 * TOPK + w] = v;
+    else if (w < META_WEIGHTS) reinterpret_cast<u32*>(a.recv_scales)[(u64)pos * NUM_SCALES + (w - META_SCALES)] = v;
+    else if (w < META_SRC) reinterpret_cast<u32*>(a.recv_topk_weights)[(u64)pos * TOPK + (w - META_WEIGHTS)] = v;
+    else if (w == META_SRC && a.recv_src_idx != 0) reinterpret_cast<u32*>(a.recv_src_idx)[pos] = v;
+  }
+  if (lane == 0) {
+    const u64 route = ((u64)meta[META_ROUND] << 32) | meta[META_MESSAGE];
+    reinterpret_cast<u64*>(a.recv_route)[pos] = route;
+  }
+}
+
+// Receiver warp `w` of `n`: lane i serves source s = w + i * n (one lane per source: n >= R / 32). Sources
+// are served in turn without blocking on any: a window of up to 32 rows from the next slot, copied once
+// their flags reached the round's seq; the round ends when done[s] says how many rows it had. The window
+// stays inside [round start, round start + M): a slot further on aliases one of this round's.
+// What every receiver warp `w` of `n` does first: no-sync outputs' rows past the received count get top-k -1
+// and weight 0 (spread over the warps); more rows than the outputs hold is reported.
+__device__ __forceinline__ void pad_outputs(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dn) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+  const u32 num_recv = (u32)f.routing[RT_NUM_RECV];
+  if (TOPK > 0 && a.num_out_rows > num_recv) {
+    const u64 total = (u64)a.num_out_rows * TOPK;
+    for (u64 i = (u64)num_recv * TOPK + (u64)w * WARP_SIZE + lane; i < total; i += (u64)n * WARP_SIZE) {
+      reinterpret_cast<i64*>(a.recv_topk_idx)[i] = -1;
+      reinterpret_cast<u32*>(a.recv_topk_weights)[i] = 0u;
+    }
+  }
+  if (w == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(dn, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
+}
+
+// The part of source `s` at this rank goes back to its forwarder (this node's rank with s's local index):
+// s may write it again, after round k (the last: base + K).
+__device__ __forceinline__ void receiver_hand_back(const HtiDispatchArgs& a, const Frame& f, u32 s, u64 value) {
+  u64* consumed = reinterpret_cast<u64*>(a.nvl.base[local_of(s)] + a.nvl.off_consumed) + (u64)f.me_local * NUM_NODES + node_of(s);
+  ptx::st_relaxed_sys_u64(consumed, value);
+}
+
+__device__ __forceinline__ void receive(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dr, const Deadline& dn) {
+  constexpr u32 UNKNOWN = 0xffffffffu;
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
+  pad_outputs(a, f, w, n, dn);
+  const u32 s = w + lane * n;
+  const bool mine = s < NUM_RANKS;
+  // Lane state: round k of `rounds`; next slot; the round's first slot and end slot (UNKNOWN until done[s]).
+  u32 k = 0, rounds = 0, next = 0, round_start = 0, round_end = UNKNOWN, offset = 0;
+  if (mine) {
+    rounds = rounds_of(f, (u32)f.routing[f.at.tokens_of + s]);
+    offset = (u32)f.routing[f.at.recv_offset + s];
+  }
+  const u64* done = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_done);
+  const u32* flags_base = reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_dflags);
+  auto hand_back = [&](u64 value) { receiver_hand_back(a, f, s, value); };
+  if (mine && rounds == 0) hand_back((u64)f.base + f.rounds);
+  u32 pending = __ballot_sync(FULL_WARP_MASK, mine && k < rounds);
+  IdleClock idle;
+  while (pending != 0u) {
+    bool progressed = false;
+    for (u32 todo = pending; todo != 0u; todo &= todo - 1) {
+      const u32 i = __ffs(todo) - 1;
+      const u32 src = __shfl_sync(FULL_WARP_MASK, s, i);
+      const u32 seq = (u32)(f.base + __shfl_sync(FULL_WARP_MASK, k, i) + 1);
+      const u32 q = __shfl_sync(FULL_WARP_MASK, next, i), start = __shfl_sync(FULL_WARP_MASK, round_start, i);
+      u32 end = __shfl_sync(FULL_WARP_MASK, round_end, i);
+      const u32 base_pos = __shfl_sync(FULL_WARP_MASK, offset, i);
+      // The round's row count, once its forwarder said it.
+      if (end == UNKNOWN) {
+        u64 dw = 0;
+        if (lane == 0) dw = ptx::ld_acquire_sys_u64(done + src);
+        dw = __shfl_sync(FULL_WARP_MASK, dw, 0);
+        if ((u32)(dw >> 32) == seq) end = start + (u32)dw;
+      }
+      // Lane x polls the flag of slot q + x.
+      const u32 limit = end == UNKNOWN ? start + M : end;
+      const u32 slot = q + lane;
+      const u32* flag = flags_base + (u64)src * a.nvl.flag_slots + slot % M;
+      const bool arrived = slot < limit && ptx::ld_relaxed_sys(flag) == seq;
+      const u32 arrived_mask = __ballot_sync(FULL_WARP_MASK, arrived);
+      const u32 ready = arrived_mask == FULL_WARP_MASK ? WARP_SIZE : (u32)__ffs(~arrived_mask) - 1;
+      for (u32 r = 0; r < ready; r++) {
+        // Every lane reads part of the row: every lane acquires its flag.
+        (void)ptx::ld_acquire_sys(flags_base + (u64)src * a.nvl.flag_slots + (q + r) % M);
+        const u32 pos = base_pos + q + r;
+        if (pos < a.num_out_rows) copy_out(a, f, src, q + r, pos, lane);
+      }
+      const bool complete = end != UNKNOWN && q + ready == end;
+      if (ready > 0 || complete) progressed = true;
+      // The round's rows are read by every lane: every lane's fence before the part goes back.
+      if (complete) {
+        __syncwarp();
+        ptx::fence_acq_rel_sys();
+        __syncwarp();
+      }
+      if (lane == i) {
+        next = q + ready;
+        round_end = end;
+        if (complete) {
+          hand_back(hand_back_value(f, k, rounds));
+          k++;
+          round_start = next;
+          round_end = UNKNOWN;
+        }
+      }
+      __syncwarp();
+    }
+    pending = __ballot_sync(FULL_WARP_MASK, mine && k < rounds);
+    if (pending != 0u && idle.expired(progressed, pending, s, f, dr, dn)) break;
+  }
+}
+
+// Receiver warps when there are at least as many as sources: source s = w % R has the S warps w = s, s + R,
+// s + 2R, ...; warp j = w / R of them copies its round's slots start + j, start + j + S, ... — each polls the
+// flags of its next 32 slots and copies the rows that arrived, in order — and once past the round's end (the
+// done word) counts itself out in recv_fin[s]; the last of the S to finish hands the part back. A source's
+// stream is then copied by S warps at once instead of one lane's warp.
+__device__ __forceinline__ void receive_split(const HtiDispatchArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dr,
+                                              const Deadline& dn) {
+  constexpr u32 UNKNOWN = 0xffffffffu;
+  const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
+  pad_outputs(a, f, w, n, dn);
+  const u32 s = w % NUM_RANKS, j = w / NUM_RANKS, S = (n - s + NUM_RANKS - 1) / NUM_RANKS;
+  const u32 rounds = rounds_of(f, (u32)f.routing[f.at.tokens_of + s]);
+  const u32 offset = (u32)f.routing[f.at.recv_offset + s];
+  const u64* done = reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_done);
+  const u32* flags = reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_dflags) + (u64)s * a.nvl.flag_slots;
+  u32* fin = &hti_forward(a.state)->recv_fin[s];
+  if (rounds == 0) {
+    if (j == 0 && lane == 0) receiver_hand_back(a, f, s, (u64)f.base + f.rounds);
+    return;
+  }
+  IdleClock idle;
+  u32 start = 0;  // the round's first slot
+  for (u32 k = 0; k < rounds; k++) {
+    const u32 seq = (u32)(f.base + k + 1);
+    u32 end = UNKNOWN, next = start + j;
+    for (;;) {
+      // The round's row count, once its forwarder said it.
+      if (end == UNKNOWN) {
+        u64 dw = 0;
+        if (lane == 0) dw = ptx::ld_acquire_sys_u64(done + s);
+        dw = __shfl_sync(FULL_WARP_MASK, dw, 0);
+        if ((u32)(dw >> 32) == seq) end = start + (u32)dw;
+      }
+      if (end != UNKNOWN && next >= end) break;
+      // Lane x polls this warp's slot next + x S (a slot past start + M aliases one of this round's).
+      const u32 limit = end == UNKNOWN ? start + M : end;
+      const u32 slot = next + lane * S;
+      const bool arrived = slot < limit && ptx::ld_relaxed_sys(flags + slot % M) == seq;
+      const u32 arrived_mask = __ballot_sync(FULL_WARP_MASK, arrived);
+      const u32 ready = arrived_mask == FULL_WARP_MASK ? WARP_SIZE : (u32)__ffs(~arrived_mask) - 1;
+      for (u32 r = 0; r < ready; r++) {
+        const u32 q = next + r * S;
+        // Every lane reads part of the row: every lane acquires its flag.
+        (void)ptx::ld_acquire_sys(flags + q % M);
+        if (offset + q < a.num_out_rows) copy_out(a, f, s, q, offset + q, lane);
+      }
+      next += ready * S;
+      if (idle.expired(ready > 0, 1u, s, f, dr, dn)) return;
+    }
+    // This warp's rows of the round are out (every lane read some: every lane fences); the last warp of the
+    // S resets the count for the next round, then hands the part back.
+    __syncwarp();
+    ptx::fence_acq_rel_sys();
+    __syncwarp();
+    if (lane == 0 && ptx::atom_add_acq_rel_gpu(fin, 1u) + 1 == S) {
+      ptx::st_release_gpu(fin, 0u);
+      ptx::fence_acq_rel_sys();
+      receiver_hand_back(a, f, s, hand_back_value(f, k, rounds));
+    }
+    __syncwarp();
+    start = end;
+  }
+}
+}  // namespace hti_dispatch
+
+namespace moelink::internode {
+// moelink::internode::dispatch: grid = workers (persistent, cooperative) + the emulated NIC's blocks, block
+//   THREADS. Blocks [0, num_send_blocks) send, the next num_fwd_blocks forward (warp w: source node w % N,
+//   its chunks c with c % P == w / N; never one warp for two source nodes: it could wait for the first while
+//   the second's sender waits for it, so the host gives num_fwd_blocks * HTI_WARPS >= N * P), the rest
+//   receive: several warps per source when there are at least R (receive_split), else one lane per source
+//   (receive; warps >= R / 32). Protocol: the top of this file. reads: x, scales, top-k, routing, own RDMA receive parts and NVLink parts, signals;
+//   writes: own RDMA send parts or peers' RDMA parts in place, peers' RDMA parts and signals (puts), node
+//   peers' NVLink parts, flags, done
+//   and consumed words, the outputs, fwd_entries and recv_route (the handle), HtiState.
+__global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtiDispatchArgs a) {
+  const Deadline dr = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_DISPATCH_RDMA);
+  const Deadline dn = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_DISPATCH_NVLINK);
+  HtiState* st = hti_state(a.state);
+  hti_run(
+      a, a.num_tokens, &st->dispatch_base, &st->dispatch_done, dr,
+      [&](const Frame& f, Role role, u32 w, u32 n) {
+        if (role == Role::SEND) {
+          hti_dispatch::send(a, f, dr);
+        } else if (role == Role::FORWARD) {
+          if (w < NUM_NODES * a.fwd_per_node) hti_dispatch::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
+        } else if (n >= NUM_RANKS) {
+          hti_dispatch::receive_split(a, f, w, n, dr, dn);
+        } else {
+          hti_dispatch::receive(a, f, w, n, dr, dn);
+        }
+      },
+      [&]() {
+        st->dispatch_chunk = 0u;
+        for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->messages_before[n] = 0u;
+      });
+}
+}  // namespace moelink::internode

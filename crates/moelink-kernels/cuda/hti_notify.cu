@@ -1,0 +1,198 @@
+// moelink kernel family: the count exchange before a high-throughput dispatch across nodes
+// (moelink_kernels::ht_internode). The protocol, the JIT constants and what the internode kernels share are
+// in hti.cuh.
+#include "hti.cuh"
+
+// ============================================================================================== notify
+namespace moelink::internode {
+// moelink::internode::notify: the count exchange before a fresh dispatch. One worker block (THREADS) plus,
+//   with the emulated NIC, its blocks; launched cooperatively.
+//   1. Prefixes (routing): for every destination rank r, prefix[t][r] = tokens before t that go to r (t's
+//      slot there), and for every node n, node_prefix[t][n] = tokens before t that reach n (t's message
+//      index in the stream to n's rail peer), t = 0..T; a block-wide scan per column.
+//   2. A message to every rank r (itself included), staged in this rank's notify send area and put with
+//      SET epoch on r's notify signal [parity][me]: {tokens to r, T, status, signature, tokens to r's
+//      node, the whole count row, tokens per local expert of r}. Then wait (deadline, RDMA domain) for every
+//      source's signal. Parity double-buffering holds as intranode: a rank writes call e's message only after
+//      its call e-1 saw every call e-1 message, which each peer sent after its call e-2 (stream order); a
+//      quiet at the end completes this call's puts before the next call rewrites the send area.
+//   3. From the messages: recv_count / recv_offset per source, N, T_max, every rank's T, DeepEP's
+//      rank_prefix_matrix, the forwarder's per-source-node message counts (from the rail sources (a, l)),
+//      K = ceil(T_max / M), the agreed status (the first source with BAD_LAYOUT or BAD_EXPERTS, reported as
+//      ERR_INVALID_LAYOUT naming it and the argument, else a signature differing from ours); with host_out
+//      the same for the host, the received tokens per local expert, then READY = host_seq.
+//   The layout checks read only what the message sends anyway: a send count differing from
+//   num_tokens_per_rank marks the message BAD_LAYOUT; warp w checks the per-expert counts of ranks w,
+//   w + HTI_WARPS, ... (expert_counts_disagree, ptx.cuh), a disagreement marks it BAD_EXPERTS.
+__global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ HtiNotifyArgs a) {
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_NOTIFY);
+  if (rdma::nic_block(a.rdma, d)) return;
+  rdma::WorkerScope scope(a.rdma);
+  __shared__ u32 s_warp[HTI_WARPS];
+  __shared__ u32 s_send_count[NUM_RANKS];
+  __shared__ u32 s_node_count[NUM_NODES];
+  __shared__ u32 s_status, s_epoch, s_ok;
+  const u32 tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+  const u32 me = a.rdma.rank, T = a.num_tokens;
+  i32* routing = reinterpret_cast<i32*>(a.routing);
+  const RoutingAt at = routing_at(T);
+  const u8* in_rank = reinterpret_cast<const u8*>(a.is_token_in_rank);
+  HtiState* st = hti_state(a.state);
+  if (tid == 0) {
+    s_epoch = ptx::ld_relaxed_gpu(&st->notify_epoch) + 1;
+    s_status = 0;
+    s_ok = 1;
+  }
+  __syncthreads();
+  const u32 epoch = s_epoch, parity = epoch & 1u;
+
+  // 1. Prefix columns: ranks, then nodes (a token reaches a node when it goes to one of its ranks).
+  const u32 chunk = (T + THREADS - 1) / THREADS;
+  const u32 t0 = hti_min(T, tid * chunk), t1 = hti_min(T, t0 + chunk);
+  i32* prefix = routing + at.prefix;
+  i32* node_prefix = routing + at.node_prefix;
+  for (u32 col = 0; col < NUM_RANKS + NUM_NODES; col++) {
+    const bool is_node = col >= NUM_RANKS;
+    const u32 n = col - NUM_RANKS;
+    auto hit = [&](u32 t) -> u32 {
+      if (!is_node) return in_rank[(u64)t * NUM_RANKS + col] != 0 ? 1u : 0u;
+      for (u32 j = 0; j < RANKS_PER_NODE; j++)
+        if (in_rank[(u64)t * NUM_RANKS + n * RANKS_PER_NODE + j] != 0) return 1u;
+      return 0u;
+    };
+    u32 count = 0;
+    for (u32 t = t0; t < t1; t++) count += hit(t);
+    u32 total = 0;
+    u32 run = block_exclusive_scan(count, s_warp, total);
+    i32* out = is_node ? node_prefix : prefix;
+    const u32 stride = is_node ? NUM_NODES : NUM_RANKS, c = is_node ? n : col;
+    for (u32 t = t0; t < t1; t++) {
+      out[(u64)t * stride + c] = (i32)run;
+      run += hit(t);
+    }
+    if (tid == 0) {
+      out[(u64)T * stride + c] = (i32)total;
+      if (is_node) s_node_count[n] = total;
+      else s_send_count[col] = total;
+    }
+  }
+  __syncthreads();
+  for (u32 r = tid; r < NUM_RANKS; r += THREADS)
+    if ((i32)s_send_count[r] != reinterpret_cast<const i32*>(a.num_tokens_per_rank)[r]) atomicOr(&s_status, HTI_STATUS_BAD_LAYOUT);
+  const u32 el = a.num_local_experts, words = MSG_W_ROW + NUM_RANKS + el;
+  const i32* per_expert = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+  for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
+    const bool bad = expert_counts_disagree(per_expert + (u64)r * el, el, s_send_count[r], lane);
+    if (lane == 0 && bad) atomicOr(&s_status, HTI_STATUS_BAD_EXPERTS);
+  }
+  __syncthreads();
+
+  // 2. Messages: warp w builds and puts the messages of ranks w, w + HTI_WARPS, ...
+  for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
+    u32* msg = reinterpret_cast<u32*>(rdma_bytes(a.rdma, a.at.off_notify_send)) + (u64)r * a.at.msg_words;
+    for (u32 w = lane; w < words; w += WARP_SIZE) {
+      u32 v = 0;
+      if (w >= MSG_W_ROW + NUM_RANKS) v = (u32)per_expert[(u64)r * el + (w - MSG_W_ROW - NUM_RANKS)];
+      else if (w >= MSG_W_ROW) v = s_send_count[w - MSG_W_ROW];
+      else if (w == MSG_W_COUNT) v = s_send_count[r];
+      else if (w == MSG_W_TOKENS) v = T;
+      else if (w == MSG_W_STATUS) v = s_status;
+      else if (w == MSG_W_SIG_LO) v = (u32)a.signature;
+      else if (w == MSG_W_SIG_HI) v = (u32)(a.signature >> 32);
+      else if (w == MSG_W_NODE_COUNT) v = s_node_count[node_of(r)];
+      msg[w] = v;
+    }
+    const u64 bytes = (u64)words * 4;
+    const u64 dst = a.at.off_notify + ((u64)parity * NUM_RANKS + me) * a.at.msg_words * 4;
+    const u64 src = a.at.off_notify_send + (u64)r * a.at.msg_words * 4;
+    const u64 sig = a.at.off_notify_sig + ((u64)parity * NUM_RANKS + me) * 8;
+    if (!rdma::put_signal_warp(a.rdma, r % a.rdma.num_qps, r, dst, src, (u32)bytes, sig, epoch, SIGNAL_SET, d) && lane == 0) s_ok = 0;
+  }
+  for (u32 s = tid; s < NUM_RANKS; s += THREADS) {
+    const u64 sig = a.at.off_notify_sig + ((u64)parity * NUM_RANKS + s) * 8;
+    if (!rdma::wait_signal_geq(a.rdma, sig, epoch, for_peer(d, s, me), s)) s_ok = 0;
+  }
+  __syncthreads();
+  const bool all_ok = s_ok != 0 && !error_raised(d);
+  auto msg_of = [&](u32 s) -> const u32* {
+    return reinterpret_cast<const u32*>(rdma_bytes(a.rdma, a.at.off_notify)) + ((u64)parity * NUM_RANKS + s) * a.at.msg_words;
+  };
+
+  // 3. What this rank receives and forwards, and the agreed status.
+  u32* host = reinterpret_cast<u32*>(a.host_out);
+  for (u32 j = tid; j < NUM_RANKS; j += THREADS) {
+    u32 received = 0;
+    for (u32 s = 0; s < NUM_RANKS; s++) {
+      if (all_ok) received += msg_of(s)[MSG_W_ROW + j];
+      routing[at.rank_prefix + s * NUM_RANKS + j] = (i32)received;
+    }
+  }
+  if (all_ok && host != nullptr) {
+    for (u32 e = tid; e < el; e += THREADS) {
+      u32 sum = 0;
+      for (u32 s = 0; s < NUM_RANKS; s++) sum += msg_of(s)[MSG_W_ROW + NUM_RANKS + e];
+      host[HN_PER_EXPERT + e] = sum;
+    }
+  }
+  if (tid == 0) {
+    u32 status = HTI_STATUS_FAILED, peer = NO_PEER, num_recv = 0, t_max = 0, num_fwd = 0;
+    if (all_ok) {
+      status = 0;
+      for (u32 s = 0; s < NUM_RANKS; s++) {
+        const u32* m = msg_of(s);
+        routing[at.recv_offset + s] = (i32)num_recv;
+        routing[at.recv_count + s] = (i32)m[MSG_W_COUNT];
+        routing[at.tokens_of + s] = (i32)m[MSG_W_TOKENS];
+        num_recv += m[MSG_W_COUNT];
+        t_max = m[MSG_W_TOKENS] > t_max ? m[MSG_W_TOKENS] : t_max;
+        if (status == 0 && (m[MSG_W_STATUS] & (HTI_STATUS_BAD_LAYOUT | HTI_STATUS_BAD_EXPERTS)) != 0u) {
+          // A bad num_tokens_per_rank first: the per-expert check rests on it.
+          status = (m[MSG_W_STATUS] & HTI_STATUS_BAD_LAYOUT) != 0u ? HTI_STATUS_BAD_LAYOUT : HTI_STATUS_BAD_EXPERTS;
+          peer = s;
+        }
+      }
+      for (u32 n = 0; n < NUM_NODES; n++) {
+        const u32 cnt = msg_of(n * RANKS_PER_NODE + local_of(me))[MSG_W_NODE_COUNT];
+        routing[at.fwd_offset + n] = (i32)num_fwd;
+        routing[at.fwd_count + n] = (i32)cnt;
+        num_fwd += cnt;
+      }
+      for (u32 s = 0; s < NUM_RANKS && status == 0; s++) {
+        const u32* m = msg_of(s);
+        const u64 sig = (u64)m[MSG_W_SIG_LO] | ((u64)m[MSG_W_SIG_HI] << 32);
+        if (sig != a.signature) {
+          status = HTI_STATUS_MISMATCH;
+          peer = s;
+          report_error(d, ERR_RANK_MISMATCH, s, a.signature, sig);
+        }
+      }
+      if (status == HTI_STATUS_BAD_LAYOUT) report_error(d, ERR_INVALID_LAYOUT, peer, LAYOUT_ARG_PER_RANK, 0);
+      if (status == HTI_STATUS_BAD_EXPERTS) report_error(d, ERR_INVALID_LAYOUT, peer, LAYOUT_ARG_PER_EXPERT, 0);
+    }
+    const u32 rounds = a.round_tokens == 0 ? 0 : (t_max + a.round_tokens - 1) / a.round_tokens;
+    routing[RT_STATUS] = (i32)status;
+    routing[RT_STATUS_PEER] = (i32)peer;
+    routing[RT_NUM_RECV] = (i32)num_recv;
+    routing[RT_T_MAX] = (i32)t_max;
+    routing[RT_NUM_ROUNDS] = (i32)rounds;
+    routing[RT_ROUND_TOKENS] = (i32)a.round_tokens;
+    routing[RT_NUM_FWD] = (i32)num_fwd;
+    if (host != nullptr) {
+      host[HN_NUM_RECV] = num_recv;
+      host[HN_T_MAX] = t_max;
+      host[HN_STATUS] = status;
+      host[HN_STATUS_PEER] = peer;
+      host[HN_NUM_FWD] = num_fwd;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    (void)rdma::quiet_thread(a.rdma, RDMA_ALL_QPS, d);
+    if (host != nullptr) {
+      ptx::fence_acq_rel_sys();
+      ptx::st_release_sys(host + HN_READY, a.host_seq);
+    }
+    st->notify_epoch = epoch;
+  }
+}
+}  // namespace moelink::internode
