@@ -1,4 +1,4 @@
-// Host emulation of the low-latency kernels across nodes (ll_internode.cu) for tests/lli_emulation.rs: R
+// Host emulation of the low-latency kernels across nodes (lli_*.cu) for tests/lli_emulation.rs: R
 // ranks as threads, each launch one OS thread per block and one fiber per CUDA thread (runtime.hpp), every
 // rank's RDMA region a host allocation behind the transport seam — peer pointers (MOELINK_TRANSPORT=1) or
 // the emulated NIC (2), whose blocks run beside the workers, reordering across QPs. Every scenario is checked
@@ -7,7 +7,8 @@
 // per scenario; exits non-zero on the first mismatch.
 #include "runtime.hpp"
 #include "ptx.cuh"
-#include "ll_internode.cu"
+#include "lli_dispatch.cu"
+#include "lli_combine.cu"
 #include "ll_reference.hpp"
 
 #include <functional>

@@ -62,6 +62,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("ll.cuh", ll::LL_HEADER),
     ("transport.cuh", transport::TRANSPORT_HEADER),
     ("transport_nvshmem.cuh", transport::TRANSPORT_NVSHMEM_HEADER),
+    ("lli.cuh", ll_internode::LLI_HEADER),
     ("hti.cuh", ht_internode::HTI_HEADER),
 ];
 
@@ -100,9 +101,9 @@ pub mod kernel_name {
     pub const LL_DISPATCH: &str = "moelink::low_latency::dispatch";
     /// `ll_combine.cu`: low-latency combine.
     pub const LL_COMBINE: &str = "moelink::low_latency::combine";
-    /// `ll_internode.cu`: low-latency dispatch across nodes.
+    /// `lli_dispatch.cu`: low-latency dispatch across nodes.
     pub const LLI_DISPATCH: &str = "moelink::internode_ll::dispatch";
-    /// `ll_internode.cu`: low-latency combine across nodes.
+    /// `lli_combine.cu`: low-latency combine across nodes.
     pub const LLI_COMBINE: &str = "moelink::internode_ll::combine";
     /// `hti_layout.cu`: `get_dispatch_layout` across nodes.
     pub const HTI_LAYOUT: &str = "moelink::internode::layout";
@@ -144,8 +145,10 @@ pub enum Family {
     LlCombine,
     /// `transport.cu`: the RDMA transport seam's conformance check and micro-benchmark ([`transport`]).
     Transport,
-    /// `ll_internode.cu`: low-latency dispatch and combine across nodes ([`ll_internode`]).
-    LlInternode,
+    /// `lli_dispatch.cu`: low-latency dispatch across nodes ([`ll_internode`]).
+    LliDispatch,
+    /// `lli_combine.cu`: low-latency combine across nodes ([`ll_internode`]).
+    LliCombine,
     /// `hti_layout.cu`: get_dispatch_layout across nodes ([`ht_internode`]).
     HtiLayout,
     /// `hti_notify.cu`: the count exchange of a high-throughput dispatch across nodes ([`ht_internode`]).
@@ -169,7 +172,8 @@ impl Family {
             Family::LlDispatch => "ll_dispatch.cu",
             Family::LlCombine => "ll_combine.cu",
             Family::Transport => "transport.cu",
-            Family::LlInternode => "ll_internode.cu",
+            Family::LliDispatch => "lli_dispatch.cu",
+            Family::LliCombine => "lli_combine.cu",
             Family::HtiLayout => "hti_layout.cu",
             Family::HtiNotify => "hti_notify.cu",
             Family::HtiDispatch => "hti_dispatch.cu",
@@ -189,7 +193,8 @@ impl Family {
             Family::LlDispatch => ll::LL_DISPATCH_SOURCE,
             Family::LlCombine => ll::LL_COMBINE_SOURCE,
             Family::Transport => transport::TRANSPORT_SOURCE,
-            Family::LlInternode => ll_internode::LLI_SOURCE,
+            Family::LliDispatch => ll_internode::LLI_DISPATCH_SOURCE,
+            Family::LliCombine => ll_internode::LLI_COMBINE_SOURCE,
             Family::HtiLayout => ht_internode::HTI_LAYOUT_SOURCE,
             Family::HtiNotify => ht_internode::HTI_NOTIFY_SOURCE,
             Family::HtiDispatch => ht_internode::HTI_DISPATCH_SOURCE,
@@ -197,14 +202,16 @@ impl Family {
         }
     }
 
-    /// The family's own header (`ht.cuh`, `ll.cuh`, `transport.cuh`), which the source includes, if any.
-    pub fn header(self) -> Option<&'static str> {
+    /// The family's own headers (`ht.cuh`, `ll.cuh`, `transport.cuh`, `lli.cuh`, `hti.cuh`), which the
+    /// source includes.
+    pub fn headers(self) -> &'static [&'static str] {
         match self {
-            Family::Barrier | Family::Copy => None,
-            Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => Some(HT_HEADER),
-            Family::LlDispatch | Family::LlCombine | Family::LlInternode => Some(ll::LL_HEADER),
-            Family::Transport => Some(transport::TRANSPORT_HEADER),
-            Family::HtiLayout | Family::HtiNotify | Family::HtiDispatch | Family::HtiCombine => Some(ht_internode::HTI_HEADER),
+            Family::Barrier | Family::Copy => &[],
+            Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => &[HT_HEADER],
+            Family::LlDispatch | Family::LlCombine => &[ll::LL_HEADER],
+            Family::Transport => &[transport::TRANSPORT_HEADER],
+            Family::LliDispatch | Family::LliCombine => &[ll::LL_HEADER, ll_internode::LLI_HEADER],
+            Family::HtiLayout | Family::HtiNotify | Family::HtiDispatch | Family::HtiCombine => &[ht_internode::HTI_HEADER],
         }
     }
 
@@ -232,9 +239,8 @@ impl Family {
                 KernelInfo { name: "transport_bench", hot: false },
             ],
             // Not hot: the nvshmem variants call into NVSHMEM's transfer functions, which keep a stack frame.
-            Family::LlInternode => {
-                &[KernelInfo { name: kernel_name::LLI_DISPATCH, hot: false }, KernelInfo { name: kernel_name::LLI_COMBINE, hot: false }]
-            }
+            Family::LliDispatch => &[KernelInfo { name: kernel_name::LLI_DISPATCH, hot: false }],
+            Family::LliCombine => &[KernelInfo { name: kernel_name::LLI_COMBINE, hot: false }],
             // Not hot, for the same reason.
             Family::HtiLayout => &[KernelInfo { name: kernel_name::HTI_LAYOUT, hot: false }],
             Family::HtiNotify => &[KernelInfo { name: kernel_name::HTI_NOTIFY, hot: false }],
@@ -377,7 +383,7 @@ pub fn all_variants() -> Vec<KernelSpec> {
     v.extend(ht::variants());
     v.extend(ll::LlVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v.extend(transport::TransportVariant::all().iter().map(transport::TransportVariant::spec));
-    v.extend(ll_internode::LliVariant::all().iter().map(ll_internode::LliVariant::spec));
+    v.extend(ll_internode::LliVariant::all().iter().flat_map(|l| [l.dispatch_spec(), l.combine_spec()]));
     v.extend(ht_internode::HtiVariant::all_specs());
     v
 }
@@ -424,10 +430,10 @@ mod tests {
     fn variants_define_every_constant_the_sources_require() {
         for spec in all_variants() {
             let src = spec.family.source();
-            let header = spec.family.header().unwrap_or("");
+            let headers = spec.family.headers();
             for (k, _) in &spec.defines {
                 assert!(
-                    src.contains(k.as_str()) || header.contains(k.as_str()),
+                    src.contains(k.as_str()) || headers.iter().any(|h| h.contains(k.as_str())),
                     "{} defines {k} but neither {} nor its header uses it",
                     spec.variant,
                     spec.family.file_name()

@@ -1,4 +1,5 @@
-//! Low-latency dispatch/combine across nodes (`cuda/ll_internode.cu`): the variant key, the argument
+//! Low-latency dispatch/combine across nodes (`cuda/lli_dispatch.cu`, `cuda/lli_combine.cu` over
+//! `cuda/lli.cuh`): the variant key, the argument
 //! structs, and the layout of the RDMA region, the local state and the handle area (every offset the
 //! kernels use is computed here, once).
 
@@ -8,8 +9,12 @@ use crate::ll::{LlVariant, LL_SIG_WORDS, LL_THREADS};
 use crate::transport::{RdmaArgs, Transport};
 use crate::{Family, KernelSpec};
 
-/// `cuda/ll_internode.cu`.
-pub const LLI_SOURCE: &str = include_str!("../cuda/ll_internode.cu");
+/// `cuda/lli.cuh`: what the two kernels share (the protocol, the layouts, the frame, the routing).
+pub const LLI_HEADER: &str = include_str!("../cuda/lli.cuh");
+/// `cuda/lli_dispatch.cu`.
+pub const LLI_DISPATCH_SOURCE: &str = include_str!("../cuda/lli_dispatch.cu");
+/// `cuda/lli_combine.cu`.
+pub const LLI_COMBINE_SOURCE: &str = include_str!("../cuda/lli_combine.cu");
 /// Ranks the kernels' shared arrays have room for (`LLI_MAX_RANKS`).
 pub const LLI_MAX_RANKS: usize = 1024;
 /// Shared words for the per-(source, local expert) bases (`LLI_SMEM_WORDS`): experts in all, at most.
@@ -19,7 +24,7 @@ pub const LLI_META_BYTES: usize = 64;
 /// Bytes of `LliState` before its arrays.
 pub const LLI_STATE_HEAD: usize = 64;
 
-/// One compilable variant of `ll_internode.cu`: the LL shape and the transport.
+/// The constants of the low-latency kernels across nodes: the LL shape and the transport.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LliVariant {
     /// Hidden size, top-k, FP8 (the single-node LL key).
@@ -29,8 +34,18 @@ pub struct LliVariant {
 }
 
 impl LliVariant {
-    /// The compile key.
-    pub fn spec(&self) -> KernelSpec {
+    /// The compile key of dispatch.
+    pub fn dispatch_spec(&self) -> KernelSpec {
+        self.spec(Family::LliDispatch)
+    }
+
+    /// The compile key of combine.
+    pub fn combine_spec(&self) -> KernelSpec {
+        self.spec(Family::LliCombine)
+    }
+
+    /// The compile key of either kernel file: both take every constant (lli.cuh checks them).
+    fn spec(&self, family: Family) -> KernelSpec {
         let mut defines = self.ll.dispatch_spec().defines;
         defines.extend([
             ("MOELINK_TRANSPORT".to_string(), self.transport.code().to_string()),
@@ -39,10 +54,11 @@ impl LliVariant {
             ("MOELINK_SIZEOF_LLI_DISPATCH_ARGS".to_string(), std::mem::size_of::<LliDispatchArgs>().to_string()),
             ("MOELINK_SIZEOF_LLI_COMBINE_ARGS".to_string(), std::mem::size_of::<LliCombineArgs>().to_string()),
         ]);
+        let stem = family.file_name().trim_end_matches(".cu");
         KernelSpec {
-            family: Family::LlInternode,
+            family,
             variant: format!(
-                "ll_internode[h{},k{},{},{}]",
+                "{stem}[h{},k{},{},{}]",
                 self.ll.hidden,
                 self.ll.topk,
                 if self.ll.fp8 { "fp8" } else { "bf16" },
@@ -64,7 +80,7 @@ impl LliVariant {
     }
 }
 
-/// `ll_internode_dispatch`'s argument (`LliDispatchArgs` in `ll_internode.cu`).
+/// `ll_internode_dispatch`'s argument (`LliDispatchArgs` in `lli.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LliDispatchArgs {
@@ -111,7 +127,7 @@ pub struct LliDispatchArgs {
     pub sig: [u32; LL_SIG_WORDS],
 }
 
-/// `ll_internode_combine`'s argument (`LliCombineArgs` in `ll_internode.cu`).
+/// `ll_internode_combine`'s argument (`LliCombineArgs` in `lli.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LliCombineArgs {
@@ -340,14 +356,14 @@ mod tests {
     fn struct_sizes_and_source_constants() {
         assert_eq!(std::mem::size_of::<LliDispatchArgs>() % 8, 0);
         assert_eq!(std::mem::size_of::<LliCombineArgs>() % 8, 0);
-        assert!(LLI_SOURCE.contains("static_assert(sizeof(LliMeta) == 64"));
-        assert!(LLI_SOURCE.contains("static_assert(sizeof(LliState) == 64"));
-        assert!(LLI_SOURCE.contains("constexpr u32 LLI_HDR_BYTES = 16;"));
-        assert!(LLI_SOURCE.contains("constexpr u32 LLI_ROUTE_BYTES = ((8 * LL_TOPK + 15) / 16) * 16;"));
+        assert!(LLI_HEADER.contains("static_assert(sizeof(LliMeta) == 64"));
+        assert!(LLI_HEADER.contains("static_assert(sizeof(LliState) == 64"));
+        assert!(LLI_HEADER.contains("constexpr u32 LLI_HDR_BYTES = 16;"));
+        assert!(LLI_HEADER.contains("constexpr u32 LLI_ROUTE_BYTES = ((8 * LL_TOPK + 15) / 16) * 16;"));
         // The state's arrays at the offsets the kernel computes: expected at 64, decision at 64 + 32R, mask at
         // 64 + 40R.
-        assert!(LLI_SOURCE.contains("state + sizeof(LliState) + 32ull * num_ranks"));
-        assert!(LLI_SOURCE.contains("state + sizeof(LliState) + 40ull * num_ranks"));
+        assert!(LLI_HEADER.contains("state + sizeof(LliState) + 32ull * num_ranks"));
+        assert!(LLI_HEADER.contains("state + sizeof(LliState) + 40ull * num_ranks"));
     }
 
     #[test]

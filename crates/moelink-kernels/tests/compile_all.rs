@@ -331,7 +331,7 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, compil
         )],
         // NVSHMEM's device code keeps a stack frame and calls into its transfer functions: nothing to expect.
         Family::Transport if Transport::of_spec(spec) == Some(Transport::Nvshmem) => &[],
-        Family::LlInternode | Family::HtiLayout | Family::HtiNotify | Family::HtiDispatch | Family::HtiCombine => &[],
+        Family::LliDispatch | Family::LliCombine | Family::HtiLayout | Family::HtiNotify | Family::HtiDispatch | Family::HtiCombine => &[],
         // Signals: a system fence before a 64-bit system-scope reduction or store into the peer's word.
         Family::Transport => &[
             ("transport_barrier", &["STG.E.64.STRONG.SYS", "LDG.E.64.STRONG.SYS"]),

@@ -1,4 +1,4 @@
-//! Runs the low-latency kernels across nodes (`cuda/ll_internode.cu`) on the CPU emulator shared with the
+//! Runs the low-latency kernels across nodes (`cuda/lli_*.cu` over `lli.cuh`) on the CPU emulator shared with the
 //! other kernel tests (`emu/`, see `common/`): `emu/lli_emu.cpp` drives R ranks over the RDMA transport seam
 //! — peer pointers, or the emulated NIC reordering across QPs — as 2 × 2 and 3 × 1 virtual nodes (with and
 //! without NVLink inside a node), and checks every output against `emu/ll_reference.hpp`, the documented
@@ -11,15 +11,22 @@
 mod common;
 
 use moelink_kernels::ll::{LlVariant, LL_HEADER};
-use moelink_kernels::ll_internode::{LliVariant, LLI_SOURCE};
+use moelink_kernels::ll_internode::{LliVariant, LLI_COMBINE_SOURCE, LLI_DISPATCH_SOURCE, LLI_HEADER};
 use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
 
 /// Threads per block in the emulation (two warps).
 const EMU_THREADS: u32 = 64;
 
 fn run_variant(cxx: &str, v: LliVariant) {
-    let spec = v.spec();
-    let files = [("ll.cuh", LL_HEADER), ("ll_internode.cu", LLI_SOURCE), ("transport.cuh", TRANSPORT_HEADER)];
+    // Both kernel files take the same constants: the dispatch's key names the build.
+    let spec = v.dispatch_spec();
+    let files = [
+        ("ll.cuh", LL_HEADER),
+        ("lli.cuh", LLI_HEADER),
+        ("lli_dispatch.cu", LLI_DISPATCH_SOURCE),
+        ("lli_combine.cu", LLI_COMBINE_SOURCE),
+        ("transport.cuh", TRANSPORT_HEADER),
+    ];
     let h = common::Harness {
         spec: &spec,
         files: &files,

@@ -1,6 +1,6 @@
 //! Low-latency dispatch/combine when the ranks span nodes: the host side of
-//! `moelink-kernels/cuda/ll_internode.cu`. The calls, hooks, buffer sets, drains and reports are the
-//! single-node ones (`super::ll`); what differs is where things live — the RDMA region
+//! `moelink-kernels/cuda/lli_dispatch.cu` and `lli_combine.cu` (over `lli.cuh`). The calls, hooks, buffer
+//! sets, drains and reports are the single-node ones (`super::ll`); what differs is where things live — the RDMA region
 //! ([`LliLayout`], after the internode control words), a local state and handle area in device memory —
 //! and the launch, which adds the emulated NIC's blocks when the transport is `emu-nic`.
 
@@ -96,7 +96,8 @@ fn grid(b: &CudaBackend) -> (u32, u32) {
 }
 
 fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &LliVariant, name: &'static str, args: &A, cooperative: bool) -> Result<()> {
-    let k = b.kernel(&v.spec(), name)?;
+    let spec = if name == kernel_name::LLI_COMBINE { v.combine_spec() } else { v.dispatch_spec() };
+    let k = b.kernel(&spec, name)?;
     let (workers, nic) = grid(b);
     let mut cfg = LaunchConfig::linear(workers + nic, LLI_THREADS);
     // The emulated NIC must run beside the workers even when a phase runs alone.

@@ -1,0 +1,339 @@
+// moelink kernel family: low-latency dispatch across nodes (moelink_kernels::ll_internode). The protocol,
+// the JIT constants and what the low-latency kernels across nodes share are in lli.cuh.
+#include "lli.cuh"
+
+// ============================================================================================ dispatch: send
+// Block 0 of the send phase: validates the top-k rows, keeps them (and the weights) in the handle area for
+// combine, counts tokens per expert and messages per destination in shared memory, and puts every rank its
+// meta block (head + counts of its local experts) with a signal SET e.
+__device__ __forceinline__ void lli_dispatch_check(const LliDispatchArgs& a, const Deadline& d, LliShared& sm, u32 epoch) {
+  const u32 T = a.num_tokens, E = a.num_experts, R = a.rdma.num_ranks, EL = a.num_local_experts, me = a.rdma.rank;
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const u32* wts = reinterpret_cast<const u32*>(a.topk_weights);
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  for (u32 e = threadIdx.x; e < E; e += LL_THREADS) sm.words[e] = 0;
+  for (u32 p = threadIdx.x; p < R; p += LL_THREADS) sm.msgs[p] = 0;
+  if (threadIdx.x == 0) sm.problem = a.host_problem;
+  __syncthreads();
+  u32 problem = 0;
+  for (u32 t = threadIdx.x; t < T; t += LL_THREADS) {
+    i64 ids[LL_TOPK];
+    bool live[LL_TOPK];
+    problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k);
+      if (!live[k]) continue;
+      atomicAdd(&sm.words[(u32)ids[k]], 1u);
+      bool first = true;
+#pragma unroll
+      for (u32 j = 0; j < k; j++) first &= !(live[j] && (u32)ids[j] / EL == (u32)ids[k] / EL);
+      if (first && a.host_problem == 0) atomicAdd(&sm.msgs[(u32)ids[k] / EL], 1u);
+    }
+  }
+  if (problem != 0) atomicOr(&sm.problem, problem);
+  __syncthreads();
+  const u32 problem_all = sm.problem;
+  if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
+  // Meta blocks: warp w fills and puts those of ranks w, w + warps, ...
+  const u32 lane = lane_id();
+  for (u32 i = warp_id(); i < R; i += LL_WARPS) {
+    const u32 p = (me + 1 + i) % R;
+    u8* block = reinterpret_cast<u8*>(a.rdma.local_base + a.off_send_meta + (u64)p * a.meta_bytes);
+    LliMeta* m = reinterpret_cast<LliMeta*>(block);
+    if (lane == 0) {
+      m->num_msgs = sm.msgs[p];
+      m->num_tokens = T;
+      m->problem = problem_all;
+      m->accepted = 0;
+    }
+    if (lane < LL_SIG_WORDS) m->sig[lane] = a.sig[lane];
+    u32* counts = reinterpret_cast<u32*>(block + sizeof(LliMeta));
+    for (u32 el = lane; el < EL; el += WARP_SIZE) counts[el] = sm.words[p * EL + el];
+    rdma::put_signal_warp(a.rdma, p % a.rdma.num_qps, p, a.off_meta + (u64)me * a.meta_bytes, a.off_send_meta + (u64)p * a.meta_bytes,
+                          a.meta_bytes, a.off_meta_sig + 8ull * me, epoch, SIGNAL_SET, d);
+  }
+}
+
+// The messages: one warp per token (worker warps first_warp, first_warp + num_warps, ...). The warp counts
+// the token's routing over the earlier rows, stages the message (header, entries, weights, the row —
+// quantised to FP8 in registers, 16 channels per lane, or copied as bf16) and puts it to every destination
+// rank's slot, starting after this rank.
+__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, u32 first_warp, u32 num_warps) {
+  const u32 lane = lane_id();
+  const u32 R = a.rdma.num_ranks, me = a.rdma.rank, TM = a.max_tokens;
+  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
+  const u32* wts = reinterpret_cast<const u32*>(a.topk_weights);
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u8* x = reinterpret_cast<const u8*>(a.x);
+  for (u32 t = first_warp; t < a.num_tokens; t += num_warps) {
+    const LliRoute r = lli_route(a.topk_idx, t, a.num_experts, a.num_local_experts);
+    const u64 src_off = a.off_send_msgs + (u64)t * LLI_MSG_BYTES;
+    u8* msg = reinterpret_cast<u8*>(a.rdma.local_base + src_off);
+    if (lane == 0) reinterpret_cast<u32*>(msg)[0] = t;
+    if (lane < LL_TOPK) {
+      u32* route = reinterpret_cast<u32*>(msg + LLI_HDR_BYTES);
+      route[lane] = r.id != LLI_NONE ? (r.id << 16) | r.rank : LLI_NONE;
+      route[LL_TOPK + lane] = has_weights ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane) : 0u;
+    }
+    u8* row = msg + LLI_PAYLOAD_AT;
+#if LL_FP8
+    const bool round_scale = (a.flags & LL_FLAG_ROUND_SCALE) != 0;
+    for (u32 c = 0; c < SEND_CHUNKS; c++) {
+      const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
+      const bool active = ch < LL_HIDDEN;
+      u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
+      if (active) {
+        const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
+        v0 = ptx::ld_nc_na_v4(src);
+        v1 = ptx::ld_nc_na_v4(src + 1);
+      }
+      float scale_inv;
+      const u32x4 q = quantize16(v0, v1, round_scale, scale_inv);
+      if (active) {
+        ptx::st_v4(reinterpret_cast<u32x4*>(row + ch), q);
+        if (lane % FP8_GROUP_LANES == 0) reinterpret_cast<u32*>(row + LL_HIDDEN)[ch / FP8_GROUP] = f32_bits(scale_inv);
+      }
+    }
+#else
+    for (u32 off = lane * VEC_BYTES; off < ROW_BYTES_BF16; off += CHUNK_BYTES)
+      ptx::st_v4(reinterpret_cast<u32x4*>(row + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)));
+#endif
+    // One put_signal per destination, in the order me + 1, me + 2, ... (every rank starting elsewhere).
+    u32 dests = __ballot_sync(FULL_WARP_MASK, r.dest != LLI_NONE);
+    while (dests != 0) {
+      // The next destination after me: the lane whose rank is nearest above me (mod R).
+      const u32 key = (r.dest != LLI_NONE && ((dests >> lane) & 1)) ? (r.dest + R - me - 1) % R : LLI_NONE;
+      u32 best = key;
+#pragma unroll
+      for (u32 m = WARP_SIZE / 2; m >= 1; m /= 2) best = lli_min(best, __shfl_xor_sync(FULL_WARP_MASK, best, m));
+      const u32 owner = __ffs(__ballot_sync(FULL_WARP_MASK, key == best)) - 1;
+      const u32 p = __shfl_sync(FULL_WARP_MASK, r.dest, owner);
+      const u32 slot = __shfl_sync(FULL_WARP_MASK, r.slot, owner);
+      rdma::put_signal_warp(a.rdma, (t + p) % a.rdma.num_qps, p, a.off_msgs + ((u64)me * TM + slot) * LLI_MSG_BYTES, src_off, LLI_MSG_BYTES,
+                            a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+      dests &= ~(1u << owner);
+    }
+  }
+}
+
+__device__ __forceinline__ void lli_dispatch_send(const LliDispatchArgs& a, const Deadline& d, LliShared& sm, u32 epoch, u32 workers) {
+  lli_wait_consumed(a, d, sm);
+  if (sm.abort == 0) {
+    if (blockIdx.x == 0) lli_dispatch_check(a, d, sm, epoch);
+    if (a.host_problem == 0 && (blockIdx.x != 0 || workers == 1)) {
+      const u32 data_blocks = workers == 1 ? 1 : workers - 1;
+      const u32 block = workers == 1 ? 0 : blockIdx.x - 1;
+      lli_dispatch_rows(a, d, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+    }
+  }
+  const LliOp op = lli_op(a);
+  if (lli_last_block(op.send_done, sm, workers) && threadIdx.x == 0 && sm.phase_ok) {
+    *op.epoch = epoch;
+    *op.last_write = epoch;
+  }
+}
+
+// ============================================================================================ dispatch: receive
+__device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, const Deadline& d, LliShared& sm, u32 epoch, u32 workers) {
+  const u32 R = a.rdma.num_ranks, EL = a.num_local_experts, TM = a.max_tokens, me = a.rdma.rank;
+  const u32 rows = R * TM, first_expert = me * EL;
+  u64* expected = lli_expected(a.state, LL_KIND_DISPATCH, a.set, R);
+  LlReport* rep = reinterpret_cast<LlReport*>(a.report);
+  // Sources: thread p (strided) waits for p, checks its meta, and reports (block 0).
+  for (u32 p = threadIdx.x; p < R; p += LL_THREADS) {
+    u64 waited = 0;
+    bool meta_seen = false;
+    const LliMeta* m = lli_wait_source(a, p, epoch, a.off_meta + (u64)p * a.meta_bytes, expected[p], d, sm, waited, meta_seen);
+    u32 used = 0, n = 0, problem = 0, mismatch_field = LL_SIG_WORDS;
+    if (m != nullptr) {
+      u32 sig[LL_SIG_WORDS];
+#pragma unroll
+      for (u32 i = 0; i < LL_SIG_WORDS; i++) sig[i] = ptx::ld_cg_u32(&m->sig[i]);
+      problem = ptx::ld_cg_u32(&m->problem);
+      n = ptx::ld_cg_u32(&m->num_msgs);
+#pragma unroll
+      for (u32 i = LL_SIG_WORDS; i-- > 0;)
+        if (sig[i] != a.sig[i]) mismatch_field = i;
+      used = mismatch_field == LL_SIG_WORDS && problem == 0 && n <= TM ? 1u : 0u;
+      if (blockIdx.x == 0 && mismatch_field != LL_SIG_WORDS) {
+        // The lowest mismatching peer wins: CAS on the 1-based peer word from 0 or a higher peer.
+        u32 cur = ptx::ld_relaxed_sys(&rep->mismatch_peer);
+        while (cur == 0 || cur > p + 1) {
+          const u32 seen = ptx::atom_cas_acq_rel_gpu(&rep->mismatch_peer, cur, p + 1);
+          if (seen == cur) {
+            ptx::st_relaxed_sys_u64(&rep->mismatch_ours, a.sig[mismatch_field]);
+            ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, sig[mismatch_field]);
+            ptx::st_relaxed_sys(&rep->mismatch_field, mismatch_field);
+            break;
+          }
+          cur = seen;
+        }
+      }
+      if (blockIdx.x == 0 && problem != 0 && p != me) {
+        u32 cur = ptx::ld_relaxed_sys(&rep->peer_problem_peer);
+        while (cur == 0 || cur > p + 1) {
+          const u32 seen = ptx::atom_cas_acq_rel_gpu(&rep->peer_problem_peer, cur, p + 1);
+          if (seen == cur) {
+            ptx::st_relaxed_sys(&rep->peer_problem, problem);
+            break;
+          }
+          cur = seen;
+        }
+      }
+    }
+    sm.used[p] = used;
+    sm.msgs[p] = used ? n : 0;
+    // What the data word will have counted once this call is over (the last block adds it).
+    sm.first[p] = meta_seen && m != nullptr ? ptx::ld_cg_u32(&m->num_msgs) : 0;
+    if (blockIdx.x == 0 && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[p] += (i64)waited;
+  }
+  __syncthreads();
+  if (sm.abort == 0) {
+    // Bases per (source, local expert): counts of the used sources, scanned over sources per expert.
+    u32* bases = sm.words;
+    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
+      const u32 p = pe / EL;
+      bases[pe] = sm.used[p] ? ptx::ld_cg_u32(reinterpret_cast<const u32*>(a.rdma.local_base + a.off_meta + (u64)p * a.meta_bytes + sizeof(LliMeta)) + pe % EL) : 0u;
+    }
+    __syncthreads();
+    for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
+      u32 run = 0;
+      for (u32 p = 0; p < R; p++) {
+        const u32 n = bases[p * EL + e];
+        bases[p * EL + e] = run;
+        if (blockIdx.x == 0 && a.layout_range != 0) reinterpret_cast<i64*>(a.layout_range)[(u64)e * R + p] = (i64)(((u64)run << 32) | n);
+        run += n;
+      }
+      if (blockIdx.x == 0) {
+        reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
+        if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
+      }
+    }
+    // Message prefix per source (in `first`, after the expected counts were read by block 0 of the end).
+    __shared__ u32 total_msgs;
+    if (threadIdx.x == 0) {
+      u32 run = 0;
+      for (u32 p = 0; p < R; p++) {
+        const u32 n = sm.msgs[p];
+        sm.msgs[p] = run;  // now the exclusive prefix
+        run += n;
+      }
+      total_msgs = run;
+    }
+    if (blockIdx.x == 0) {
+      for (u32 p = threadIdx.x; p < R; p += LL_THREADS) reinterpret_cast<u32*>(a.hmeta)[2 * p + 1] = sm.used[p];
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+      for (u32 p = threadIdx.x; p < R; p += LL_THREADS) {
+        const u32 end = p + 1 < R ? sm.msgs[p + 1] : total_msgs;
+        reinterpret_cast<u32*>(a.hmeta)[2 * p] = end - sm.msgs[p];
+      }
+    }
+    // Expansion: work item = (message, chunk), dealt over every warp of the grid.
+    const u32 lane = lane_id();
+    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    const u32 items = total_msgs * RECV_CHUNKS;
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += workers * LL_WARPS) {
+      const u32 g = item / RECV_CHUNKS, c = item % RECV_CHUNKS;
+      u32 lo = 0, hi = R;  // the source: the last p with prefix[p] <= g
+      while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (sm.msgs[mid] <= g) lo = mid; else hi = mid;
+      }
+      const u32 p = lo, i = g - sm.msgs[p];
+      const u8* msg = reinterpret_cast<const u8*>(a.rdma.local_base + a.off_msgs + ((u64)p * TM + i) * LLI_MSG_BYTES);
+      const u8* payload = msg + LLI_PAYLOAD_AT;
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      const bool active = off < PAYLOAD_BYTES;
+      const u32x4 v = active ? ptx::ld_cg_v4(payload + off) : u32x4{0, 0, 0, 0};
+      u32 entry = LLI_NONE, w = 0;
+      if (lane < LL_TOPK) {
+        entry = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * lane);
+        if (c == 0 && has_weights) w = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * (LL_TOPK + lane));
+      }
+      i32 row = -1;
+      u32 el = LLI_NONE, slot = 0;
+      if (entry != LLI_NONE) {
+        el = (entry >> 16) - first_expert;  // other ranks' experts wrap past EL
+        if (el < EL) {
+          slot = bases[p * EL + el] + (entry & 0xffffu);
+          if (slot < rows) row = (i32)(el * rows + slot);
+        }
+      }
+      if (c == 0) {
+        const u32 token = ptx::ld_cg_u32(msg);
+        // j: this rank's index among the token's destination ranks, in ascending order.
+        const u32 dest = entry != LLI_NONE ? (entry >> 16) / EL : LLI_NONE;
+        bool firstd = dest != LLI_NONE;
+#pragma unroll
+        for (u32 j = 0; j < LL_TOPK; j++) {
+          const u32 other = __shfl_sync(FULL_WARP_MASK, dest, j);
+          if (j < lane && other == dest) firstd = false;
+        }
+        const u32 j = __popc(__ballot_sync(FULL_WARP_MASK, firstd && dest < me));
+        const u64 h = (u64)p * TM + i;
+        if (lane == 0) {
+          reinterpret_cast<u32*>(a.htoken)[h] = token;
+          reinterpret_cast<u32*>(a.hj)[h] = j;
+        }
+        if (lane < LL_TOPK) {
+          reinterpret_cast<i32*>(a.hrow)[h * LL_TOPK + lane] = row;
+          if (has_weights) reinterpret_cast<u32*>(a.hweight)[h * LL_TOPK + lane] = w;
+          if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[(u64)el * rows + slot] = (i32)token;
+        }
+      }
+      const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
+      u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
+      for (u32 m = valid; m != 0; m &= m - 1) {
+        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+        if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), v);
+      }
+#if LL_FP8
+      if (c == 0 && valid != 0) {
+        const u8* scales = payload + LL_HIDDEN;
+        if ((a.flags & LL_FLAG_UE8M0) == 0) {
+          for (u32 m = valid; m != 0; m &= m - 1) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
+            for (u32 gidx = lane; gidx < SCALE_GROUPS; gidx += WARP_SIZE) col0[(u64)gidx * rows] = ptx::ld_cg_u32(scales + 4 * gidx);
+          }
+        } else {
+          for (u32 m = valid; m != 0; m &= m - 1) {
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
+            for (u32 jw = lane; jw < UE8M0_WORDS; jw += WARP_SIZE) {
+              const u32x4 f = ptx::ld_cg_v4(scales + 16 * jw);
+              col0[(u64)jw * rows] =
+                  ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+            }
+          }
+        }
+      }
+#endif
+    }
+  }
+  lli_recv_end(a, sm, expected, epoch, workers, d);
+}
+
+namespace moelink::internode_ll {
+// moelink::internode_ll::dispatch: low-latency dispatch across nodes, send and/or receive phase.
+//   grid: W worker blocks (+ the emulated NIC's, transport.cuh), LL_THREADS threads; cooperative when both
+//         phases run in one launch.
+//   SEND  every block waits until the destinations handed the set back; block 0 validates, keeps the
+//         handle copies and puts every rank its meta block; the other blocks (block 0 when alone) put one
+//         message per (token, destination) with put_signal(ADD 1). The last block stores the epoch.
+//   RECV  every block waits for every source (meta, then its messages) and scans the counts; work item
+//         (message, 512-byte chunk) per warp: one 16-byte load, one store per selected local expert into
+//         recv_x[e][slot] (slots in (source, token) order), scales column-major; chunk 0 writes the handle
+//         and src_info. Block 0: recv_count, layout_range, statistics, report. The last block hands back.
+//   DRAIN only the hand-back (a receive phase that will never run).
+__global__ void __launch_bounds__(LL_THREADS, 1) dispatch(const __grid_constant__ LliDispatchArgs a) {
+  lli_run(
+      a, PHASE_LL_DISPATCH,
+      [&](const Deadline& d, LliShared& sm, u32 epoch, u32 workers) { lli_dispatch_send(a, d, sm, epoch, workers); },
+      [&](const Deadline& d, LliShared& sm, u32 epoch, u32 workers) { lli_dispatch_recv(a, d, sm, epoch, workers); });
+}
+}  // namespace moelink::internode_ll
