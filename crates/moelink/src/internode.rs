@@ -257,13 +257,37 @@ impl Transport {
 
 impl std::str::FromStr for Transport {
     type Err = String;
-    /// `nvshmem`, `ptr`, `emu-nic` (default settings: reordering on).
+    /// `nvshmem`, `ptr`, `emu-nic` (default settings: reordering on), or `emu-nic:` with settings, comma
+    /// separated: `rate=<GB/s>` (a NIC's rate cap, 0: none), `delay=<µs>`, `reorder=<µs>` (0: in order),
+    /// `seed=<n>`, `nic-blocks=<1..=8>`; e.g. `emu-nic:rate=50,reorder=0` for one 400 Gb/s NIC per GPU.
     fn from_str(s: &str) -> std::result::Result<Transport, String> {
-        match s.trim() {
-            "nvshmem" => Ok(Transport::Nvshmem),
-            "ptr" => Ok(Transport::Ptr),
-            "emu-nic" => Ok(Transport::EmuNic(EmuNicOptions::default())),
-            other => Err(format!("unknown transport {other:?}: expected nvshmem, ptr or emu-nic")),
+        let (name, settings) = s.trim().split_once(':').map_or((s.trim(), None), |(n, rest)| (n, Some(rest)));
+        match (name, settings) {
+            ("nvshmem", None) => Ok(Transport::Nvshmem),
+            ("ptr", None) => Ok(Transport::Ptr),
+            ("emu-nic", settings) => {
+                let mut o = EmuNicOptions::default();
+                for item in settings.unwrap_or("").split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                    let bad = || {
+                        format!("emu-nic setting {item:?}: expected rate=<GB/s>, delay=<us>, reorder=<us>, seed=<n> or nic-blocks=<1..=8>")
+                    };
+                    let (key, value) = item.split_once('=').ok_or_else(bad)?;
+                    let int = |v: &str| v.trim().parse::<u64>().map_err(|_| bad());
+                    match key.trim() {
+                        "rate" => {
+                            o.rate_gbps = value.trim().parse::<f64>().ok().filter(|r| r.is_finite() && *r >= 0.0).ok_or_else(bad)?;
+                        }
+                        "delay" => o.delay_us = int(value)?,
+                        "reorder" => o.reorder_window_us = u32::try_from(int(value)?).map_err(|_| bad())?,
+                        "seed" => o.seed = u32::try_from(int(value)?).map_err(|_| bad())?,
+                        "nic-blocks" => o.nic_blocks = u32::try_from(int(value)?).ok().filter(|n| (1..=8).contains(n)).ok_or_else(bad)?,
+                        _ => return Err(bad()),
+                    }
+                }
+                Ok(Transport::EmuNic(o))
+            }
+            (name @ ("nvshmem" | "ptr"), Some(_)) => Err(format!("the {name} transport takes no settings ({s:?})")),
+            _ => Err(format!("unknown transport {s:?}: expected nvshmem, ptr or emu-nic[:settings]")),
         }
     }
 }
@@ -416,6 +440,21 @@ impl RdmaOptions {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn transports_parse_with_emulated_nic_settings() {
+        use super::{EmuNicOptions, Transport};
+        assert_eq!("ptr".parse::<Transport>(), Ok(Transport::Ptr));
+        assert_eq!(" nvshmem ".parse::<Transport>(), Ok(Transport::Nvshmem));
+        assert_eq!("emu-nic".parse::<Transport>(), Ok(Transport::EmuNic(EmuNicOptions::default())));
+        let t: Transport = "emu-nic:rate=50, reorder=0,delay=3,seed=7,nic-blocks=2".parse().unwrap();
+        let want = EmuNicOptions { rate_gbps: 50.0, reorder_window_us: 0, delay_us: 3, seed: 7, nic_blocks: 2 };
+        assert_eq!(t, Transport::EmuNic(want));
+        for bad in ["emu-nic:rate=-1", "emu-nic:speed=5", "emu-nic:nic-blocks=9", "emu-nic:rate", "ptr:rate=5", "rdma"] {
+            assert!(bad.parse::<Transport>().is_err(), "{bad} must be refused");
+        }
+        assert!("emu-nic:rate=fast".parse::<Transport>().unwrap_err().contains("rate=fast"), "the error names the setting");
+    }
+
     use super::*;
 
     #[test]

@@ -196,7 +196,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4)]
     pub max_nodes: usize,
     /// With --topology: the RDMA transport between nodes, ptr or emu-nic (nvshmem needs one process per
-    /// rank; the bench runs its ranks as threads).
+    /// rank; the bench runs its ranks as threads). The emulated NIC takes settings, e.g.
+    /// `emu-nic:rate=50,reorder=0` (a 50 GB/s NIC per rank, in order).
     #[arg(long, default_value = "ptr")]
     pub transport: String,
     /// With --topology: the LL kernels reach the ranks of their own node through the RDMA transport too
