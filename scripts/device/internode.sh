@@ -25,7 +25,7 @@
 #             across QPs), SOAK_S seconds (default 300), up to SOAK_ROUNDS rounds per family (default 5000)
 #   ht        thread mode: high-throughput dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
 #             emu-nic against the host backend on one node, several rounds per call, and a silent rank named
-#             (tests/ht_internode_gpu.rs)
+#             (tests/ht_internode.rs, its cuda:: tests)
 #   htchaos   process mode: 4 processes under MPS as 2x2 virtual nodes (scripts/device/reliability.sh with
 #             RANKS=4), rank 3 SIGKILLed inside an HT dispatch and an HT combine, once per transport of
 #             HT_CHAOS_TRANSPORTS (default "emu-nic nvshmem"), HT_CHAOS_RUNS (default "ht-dispatch ht-combine"; add
@@ -121,7 +121,7 @@ for s in $STEPS; do
         done
         ;;
     ht)
-        test_bin ht-internode-tests 8 moelink.test.ht_internode_gpu
+        test_bin ht-internode-tests 8 moelink.test.ht_internode
         ;;
     htchaos)
         mps_stop  # reliability.sh starts (and quits) its own daemon for more ranks than GPUs

@@ -21,8 +21,8 @@ use moelink::{group::run_ranks, BackendKind, Buffer, BufferOptions, Error, Resul
 /// (ignored unless included: `--include-ignored` on a GPU machine).
 #[macro_export]
 macro_rules! backend_tests {
-    ($(fn $name:ident($kind:ident : BackendKind) $body:block)*) => {
-        $(fn $name($kind: moelink::BackendKind) $body)*
+    ($($(#[$meta:meta])* fn $name:ident($kind:ident : BackendKind) $body:block)*) => {
+        $($(#[$meta])* fn $name($kind: moelink::BackendKind) $body)*
         mod host {
             $(#[test] fn $name() { super::$name(moelink::BackendKind::Host) })*
         }
