@@ -63,19 +63,16 @@ impl KernelTrace {
 /// Summary of the stamps at or after `t0` (a 0 word, a point not reached, never counts: `t0 > 0`).
 fn point(name: &'static str, stamps: impl Iterator<Item = u64>, t0: u64, block0: Option<u64>) -> Option<TracePoint> {
     let us = |v: u64| (v - t0) as f64 / 1e3;
-    let mut v: Vec<f64> = stamps.filter(|&s| s >= t0 && s != 0).map(us).collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some(TracePoint {
-        name,
-        blocks: v.len(),
-        min_us: v[0],
-        median_us: v[v.len() / 2],
-        max_us: v[v.len() - 1],
-        block0_us: block0.filter(|&s| s >= t0 && s != 0).map(us),
-    })
+    let mut p = summary(name, stamps.filter(|&s| s >= t0 && s != 0).map(us).collect())?;
+    p.block0_us = block0.filter(|&s| s >= t0 && s != 0).map(us);
+    Some(p)
+}
+
+/// Min / median / max of `values` (µs) as a point without a block-0 value; `None` when there are none.
+fn summary(name: &'static str, mut values: Vec<f64>) -> Option<TracePoint> {
+    values.sort_by(f64::total_cmp);
+    let (&min_us, &max_us) = (values.first()?, values.last()?);
+    Some(TracePoint { name, blocks: values.len(), min_us, median_us: values[values.len() / 2], max_us, block0_us: None })
 }
 
 /// One high-throughput launch from its words (`blocks` blocks of `warps` warps, the first `send_blocks`
@@ -150,21 +147,11 @@ pub(crate) fn hti_launch(words: &[u64], shape: HtiTraceShape, kernel: &'static s
     let records = |areas: std::ops::Range<usize>| areas.flat_map(move |a| (0..HTI_TRACE_CHUNKS).map(move |c| (a, c)));
     let stamps = |areas: std::ops::Range<usize>, p: usize| records(areas).map(move |(a, c)| record(a, c, p));
     let between = |name: &'static str, areas: std::ops::Range<usize>, from: usize, to: usize| {
-        let mut v: Vec<f64> = records(areas)
-            .filter_map(|(a, c)| {
-                let (x, y) = (record(a, c, from), record(a, c, to));
-                (x != 0 && y >= x).then(|| (y - x) as f64 / 1e3)
-            })
-            .collect();
-        v.sort_by(f64::total_cmp);
-        (!v.is_empty()).then(|| TracePoint {
-            name,
-            blocks: v.len(),
-            min_us: v[0],
-            median_us: v[v.len() / 2],
-            max_us: v[v.len() - 1],
-            block0_us: None,
-        })
+        let spans = records(areas).filter_map(|(a, c)| {
+            let (x, y) = (record(a, c, from), record(a, c, to));
+            (x != 0 && y >= x).then(|| (y - x) as f64 / 1e3)
+        });
+        summary(name, spans.collect())
     };
     let (own, fwds) = (0..1, 1..1 + shape.nodes);
     let own_names = if combine { ["reduce_taken", "reduce_seen", "reduce_done"] } else { ["chunk_taken", "chunk_staged", "chunk_put"] };
