@@ -63,7 +63,10 @@ constexpr u32 HT_MAX_LOCAL_EXPERTS = 8192;         // experts per rank a notify 
 constexpr u32 HT_MSG_ROW = 8;                      // first word of the source's tokens per rank (below)
 constexpr u32 HT_MSG_HEADER_WORDS = HT_MSG_ROW + MAX_RANKS;
 constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;
-constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;
+// u32[MAX_RANKS * HT_MAX_LOCAL_EXPERTS]: [e] = tokens of the running ht_dispatch whose top-k selects expert e
+// (the senders count, the last block compares with num_tokens_per_expert and zeroes them: 0 between calls)
+constexpr u32 HT_CTRL_EXPERT_TOKENS = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;
+constexpr u32 HT_CTRL_BYTES = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
 static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, "consumed flags overlap");
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK, "chunk counters overlap the notify flags");
@@ -193,10 +196,12 @@ constexpr HtOpWords HT_COMBINE_WORDS = {HT_CTRL_COMBINE_EPOCH, HT_CTRL_COMBINE_D
 //     (acq_rel at GPU scope, so it sees every other block's reads as done) resets it and the sender chunk
 //     counter, then — after one system-scope fence — tells every peer that this rank has consumed call
 //     `epoch` (consumed[rank] = epoch in the peer's control region) and stores the epoch for the next call.
-template <u32 WARPS, u32 TRACE_WORDS, typename Args, typename Send, typename Receive>
+//     Then every thread of that block runs last_block(deadline): checks of what the whole grid counted.
+template <u32 WARPS, u32 TRACE_WORDS, typename Args, typename Send, typename Receive, typename LastBlock>
 __device__ __forceinline__ void ht_run_op(const Args& a, u32 phase, u32 num_ranks, u32 row_bytes, HtOpWords w, Send send,
-                                          Receive receive) {
+                                          Receive receive, LastBlock last_block) {
   __shared__ u32 s_epoch;
+  __shared__ bool s_last;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   if (routing[HT_RT_STATUS] != 0) return;
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, phase);
@@ -220,7 +225,8 @@ __device__ __forceinline__ void ht_run_op(const Args& a, u32 phase, u32 num_rank
   if (threadIdx.x == 0) {
     ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);
     u32* done = ht_ctrl_word(a.ctrl[a.rank], w.done);
-    if (ptx::atom_add_acq_rel_gpu(done, 1u) == gridDim.x - 1) {
+    s_last = ptx::atom_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
+    if (s_last) {
       *done = 0u;
       *ht_ctrl_word(a.ctrl[a.rank], w.chunk) = 0u;  // every sender warp is done taking chunks
       ptx::fence_acq_rel_sys();
@@ -229,6 +235,8 @@ __device__ __forceinline__ void ht_run_op(const Args& a, u32 phase, u32 num_rank
       *ht_ctrl_word(a.ctrl[a.rank], w.epoch) = epoch;
     }
   }
+  __syncthreads();
+  if (s_last) last_block(d);
 }
 
 // Waits (one lane per peer) until every peer has consumed call `epoch - 1` of this family, i.e. may be

@@ -49,6 +49,7 @@ struct HtDispatchArgs {
   i64 scale_stride_group;  // elements
   u64 topk_idx;            // i64 [T, TOPK], contiguous (TOPK > 0)
   u64 topk_weights;        // f32 [T, TOPK], contiguous (TOPK > 0)
+  u64 num_tokens_per_expert;  // i32 [E] of a fresh dispatch, checked against topk_idx (check_token_ranks); 0: none
   u64 recv_x;              // [num_out_rows, HIDDEN], 16-byte aligned
   u64 recv_scales;         // f32 [num_out_rows, HIDDEN / 128] (FP8)
   u64 recv_topk_idx;       // i64 [num_out_rows, TOPK] (TOPK > 0)
@@ -158,13 +159,19 @@ __device__ __forceinline__ void store_payload_round(u32x4* out, u32 round, const
 // (ERR_INVALID_LAYOUT, LAYOUT_ARG_IN_RANK, the token): a row sent where it selects no expert arrives with every
 // top-k id -1, and an expert whose rank gets no row misses the token. The rows still travel as
 // is_token_in_rank says; the call fails on this rank once the collective has run.
+// With num_tokens_per_expert, each of the token's experts is also counted (red.add into HT_CTRL_EXPERT_TOKENS;
+// check_expert_tokens compares): every token passes here once, whatever its destinations.
 __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const Deadline& d, u32 t, bool goes_here, u32 lane) {
   if (TOPK == 0) return;
   u32 want = 0;
   const i64 num_experts = (i64)a.num_ranks * a.num_local_experts;
+  u32* expert_tokens = a.num_tokens_per_expert != 0 ? ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS) : nullptr;
   for (u32 k = lane; k < TOPK; k += WARP_SIZE) {
     const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + k];
-    if (e >= 0 && e < num_experts) want |= 1u << (u32)(e / a.num_local_experts);
+    if (e >= 0 && e < num_experts) {
+      want |= 1u << (u32)(e / a.num_local_experts);
+      if (expert_tokens != nullptr) ptx::red_add_relaxed_gpu(expert_tokens + e, 1u);
+    }
   }
   want = __reduce_or_sync(FULL_WARP_MASK, want);
   const u32 sent = __ballot_sync(FULL_WARP_MASK, goes_here);
@@ -276,6 +283,22 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
     chunk_p1 = following_p1;
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
+}
+
+// The last block, after every sender has counted (check_token_ranks; their fences and the blocks' done
+// counter order the counts before this): expert e's count against num_tokens_per_expert[e], each word zeroed
+// for the next call. A mismatch is reported (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS, e << 32 | count): a
+// grouped GEMM sized by that list would read rows that do not exist, or miss some.
+__device__ __forceinline__ void check_expert_tokens(const HtDispatchArgs& a, const Deadline& d) {
+  if (TOPK == 0 || a.num_tokens_per_expert == 0) return;
+  u32* expert_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS);
+  const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+  const u32 num_experts = a.num_ranks * a.num_local_experts;
+  for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
+    expert_tokens[e] = 0u;
+    if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+  }
 }
 
 // One row's payload from src to out by the warp (load_payload, store_payload_round).
@@ -414,13 +437,15 @@ namespace moelink::intranode {
 //   the last block hands the slab back: consumed[me] = epoch in every peer's control region, which the
 //   peers' senders of the next dispatch wait for.
 //   reads: x, scales, top-k, routing, own slab and row flags;
-//   reports: a token whose is_token_in_rank row disagrees with the ranks of its top-k experts (check_token_ranks);
+//   reports: a token whose is_token_in_rank row disagrees with the ranks of its top-k experts (check_token_ranks),
+//   an expert whose num_tokens_per_expert is not the tokens selecting it (check_expert_tokens, the last block);
 //   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
 //   remote rows from the slab), consumed flags.
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtDispatchArgs a) {
   ht_run_op<DISPATCH_WARPS, TRACE_WORDS>(
       a, PHASE_DISPATCH, a.num_ranks, ROW_BYTES, HT_DISPATCH_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
-      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { receive(a, epoch, d, warp_id, num_warps); });
+      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { receive(a, epoch, d, warp_id, num_warps); },
+      [&](const Deadline& d) { check_expert_tokens(a, d); });
 }
 }  // namespace moelink::intranode

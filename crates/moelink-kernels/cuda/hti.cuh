@@ -304,6 +304,8 @@ struct HtiDispatchArgs {
   i64 scale_stride_token, scale_stride_group;
   u64 topk_idx;            // i64 [T, TOPK] (TOPK > 0)
   u64 topk_weights;        // f32 [T, TOPK] (TOPK > 0)
+  u64 num_tokens_per_expert;  // i32 [E] of a fresh dispatch, checked against topk_idx; 0: no check
+  u64 expert_tokens;       // u32 [E]: the senders' count of the tokens selecting each expert (0 between calls)
   u64 recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
   u64 recv_src_idx;        // i32 [num_out_rows], or 0
   u64 routing;
@@ -490,11 +492,12 @@ enum class Role : u32 { SEND, FORWARD, RECEIVE };
 
 // Runs `body(frame, role, warp_id, num_warps)` on every worker warp (warp_id of num_warps within its role),
 // then the end of the call: the last worker block to finish resets
-// the per-call counters (`reset()`) and stores base + K for the next call. Nothing moves, and the base stays, when the
+// the per-call counters (`reset()`) and stores base + K for the next call, then every thread of that block runs
+// `last_block()`: checks of what the whole grid counted. Nothing moves, and the base stays, when the
 // routing status is non-zero (every rank saw the same messages, so every rank returns here).
-template <typename Args, typename Body, typename Reset>
+template <typename Args, typename Body, typename Reset, typename LastBlock>
 __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base_word, u32* done_word, const Deadline& d, Body body,
-                                        Reset reset) {
+                                        Reset reset, LastBlock last_block) {
   if (rdma::nic_block(a.rdma, d)) return;
   rdma::WorkerScope scope(a.rdma);
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -525,11 +528,17 @@ __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base
   if (threadIdx.x % WARP_SIZE == 0) hti_stamp(a.trace, trace_block + 3 + 2 * warp);
   __syncthreads();
   if (threadIdx.x == 0) hti_stamp(a.trace, trace_block + 1);
-  if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(done_word, 1u) == workers - 1) {
-    *done_word = 0u;
-    reset();
-    ptx::st_release_gpu(base_word, f.base + f.rounds);
+  __shared__ bool s_last;
+  if (threadIdx.x == 0) {
+    s_last = ptx::atom_add_acq_rel_gpu(done_word, 1u) == workers - 1;
+    if (s_last) {
+      *done_word = 0u;
+      reset();
+      ptx::st_release_gpu(base_word, f.base + f.rounds);
+    }
   }
+  __syncthreads();
+  if (s_last) last_block();
 }
 
 // The idle clock of a warp that serves several sources in turn (lane i: source s): after a pass without

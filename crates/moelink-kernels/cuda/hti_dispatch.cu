@@ -57,6 +57,8 @@ __device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const u8* msg
 // where it selects no expert arrives with every top-k id -1, and an expert whose rank gets no row misses the
 // token. The rows still travel as is_token_in_rank says; the call fails on this rank once the collective has
 // run. The expert ids are the ones the message staging reads next (L1), the prefix rows the slots' (L2).
+// With num_tokens_per_expert, each of the token's experts is also counted (red.add into expert_tokens;
+// check_expert_tokens compares): every token passes here once, whatever its destinations.
 __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, const Frame& f, const i32* prefix, u32 t, u32 lane,
                                                   const Deadline& d) {
   if (TOPK == 0) return;
@@ -64,7 +66,10 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
   i32 rank_of_k = -1;
   if (lane < TOPK) {
     const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
-    if (e >= 0 && e < (i64)NUM_RANKS * el) rank_of_k = (i32)(e / el);
+    if (e >= 0 && e < (i64)NUM_RANKS * el) {
+      rank_of_k = (i32)(e / el);
+      if (a.num_tokens_per_expert != 0) ptx::red_add_relaxed_gpu(reinterpret_cast<u32*>(a.expert_tokens) + e, 1u);
+    }
   }
   bool bad = false;
   for (u32 r = lane; r < (NUM_RANKS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE; r += WARP_SIZE) {
@@ -78,6 +83,21 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
     bad = bad || (r < NUM_RANKS && want != sent);
   }
   if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
+}
+
+// The last block, after every sender has counted (check_token_ranks; each sender's closing fence and the
+// blocks' done counter order the counts before this): expert e's count against num_tokens_per_expert[e], each
+// word zeroed for the next call. A mismatch is reported (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
+// e << 32 | count): a grouped GEMM sized by that list would read rows that do not exist, or miss some.
+__device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, const Deadline& d) {
+  if (TOPK == 0 || a.num_tokens_per_expert == 0) return;
+  u32* expert_tokens = reinterpret_cast<u32*>(a.expert_tokens);
+  const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+  for (u32 e = threadIdx.x; e < NUM_RANKS * a.num_local_experts; e += blockDim.x) {
+    const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
+    expert_tokens[e] = 0u;
+    if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+  }
 }
 
 // Sender warp: chunks of Q tokens taken in order from the call's counter (a chunk never straddles a round:
@@ -195,6 +215,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     }
     hti_stamp_chunk(a.trace, q, 2);
   }
+  ptx::fence_acq_rel_gpu();  // the expert counts (check_token_ranks) before the blocks' done counter
 }
 
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
@@ -541,6 +562,7 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
       [&]() {
         st->dispatch_chunk = 0u;
         for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->messages_before[n] = 0u;
-      });
+      },
+      [&]() { hti_dispatch::check_expert_tokens(a, dr); });
 }
 }  // namespace moelink::internode

@@ -40,10 +40,12 @@ constexpr u32 ERR_RECV_OVERFLOW = 6;     // no-sync dispatch received more rows 
 // Fatal like a timeout (raise_error): a peer's message has another layout than this rank's kernel reads, so
 // the ranks launched different kernel variants and nothing received can be trusted.
 constexpr u32 ERR_PEER_LAYOUT = 7;
-// ERR_INVALID_LAYOUT's detail0: the argument that disagrees (detail1: the token, for LAYOUT_ARG_IN_RANK).
-constexpr u32 LAYOUT_ARG_PER_RANK = 0;    // num_tokens_per_rank vs the tokens is_token_in_rank sends
-constexpr u32 LAYOUT_ARG_PER_EXPERT = 1;  // num_tokens_per_expert vs num_tokens_per_rank
-constexpr u32 LAYOUT_ARG_IN_RANK = 2;     // is_token_in_rank vs the ranks of the token's topk_idx experts
+// ERR_INVALID_LAYOUT's detail0: the argument that disagrees (detail1: the token, for LAYOUT_ARG_IN_RANK; the
+// expert << 32 | the tokens selecting it, for LAYOUT_ARG_EXPERT_TOKENS).
+constexpr u32 LAYOUT_ARG_PER_RANK = 0;       // num_tokens_per_rank vs the tokens is_token_in_rank sends
+constexpr u32 LAYOUT_ARG_PER_EXPERT = 1;     // num_tokens_per_expert vs num_tokens_per_rank
+constexpr u32 LAYOUT_ARG_IN_RANK = 2;        // is_token_in_rank vs the ranks of the token's topk_idx experts
+constexpr u32 LAYOUT_ARG_EXPERT_TOKENS = 3;  // num_tokens_per_expert[e] vs the tokens whose topk_idx selects e
 
 // Values of the claim word (ErrorSink::claim): nothing recorded, a fatal error (waits give up), or an
 // argument error (waits carry on; a later fatal error still takes the record over).
@@ -134,6 +136,10 @@ __device__ __forceinline__ void red_add_release_sys(u32* p, u32 v) {
 // No return value, so the issuing thread does not wait for the (NVLink) round trip.
 __device__ __forceinline__ void red_add_relaxed_sys(u32* p, u32 v) {
   asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_gpu(u32* p, u32 v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void red_add_relaxed_gpu_u64(u64* p, u64 v) {

@@ -361,8 +361,8 @@ void check_trace(u32 kind, u32 me, u32 blocks, u32 words_per_block) {
   }
 }
 
-// Fresh dispatch (payload x, top-k when K > 0).
-void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o, u32 rows) {
+// Fresh dispatch (payload x, top-k when K > 0; with top-k its senders check l.per_expert against topk_idx).
+void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handle& h, Outputs& o, u32 rows) {
   o.rows = rows;
   o.x.assign((size_t)rows * H * (F8 ? 1 : 2) + 16, 0xab);
   o.scales.assign((size_t)rows * SCALES + 1, -1.0f);
@@ -377,6 +377,7 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, Handle& h, Outputs& o,
   a.scale_stride_group = in.t;
   a.topk_idx = K ? (u64)in.topk_idx.data() : 0;
   a.topk_weights = K ? (u64)in.topk_w.data() : 0;
+  a.num_tokens_per_expert = K ? (u64)l.per_expert.data() : 0;
   a.recv_x = (u64)o.x.data();
   a.recv_scales = F8 ? (u64)o.scales.data() : 0;
   a.recv_topk_idx = K ? (u64)o.idx.data() : 0;
@@ -551,7 +552,7 @@ void scenario_full(bool sync, u32 tokens, Route route, u32 sms, u32 worst_extra)
       const bool ok = run_notify(w, me, all[me], layouts[me], handles[me], sync, 1 + round, dispatch_row_bytes(H, F8, K), signature() | ((u64)!sync << 58));
       CHECK(ok, "rank %u: notify status %d", me, handles[me].routing[0]);
       const u32 rows = sync ? handles[me].num_recv : worst;
-      run_dispatch(w, me, all[me], handles[me], outs[me], rows);
+      run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], rows);
     });
     for (u32 me = 0; me < R; me++) {
       CHECK(w.ranks[me].record->code == 0, "rank %u: error record code %u (peer %u phase %u)", me, w.ranks[me].record->code, w.ranks[me].record->peer,
@@ -640,7 +641,7 @@ void scenario_back_to_back() {
     emu::t_slow_us = me == 0 ? 200 : 0;
     layouts[me] = run_layout(w, me, all[me]);
     run_notify(w, me, all[me], layouts[me], handles[me], true, 1, dispatch_row_bytes(H, F8, K), signature());
-    run_dispatch(w, me, all[me], handles[me], outs[me], handles[me].num_recv);
+    run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], handles[me].num_recv);
     const u32 rows = handles[me].num_recv;
     std::vector<float> cw;
     // Dispatches back to back, then combines back to back (a combine between two dispatches would order
@@ -684,7 +685,7 @@ void scenario_overflow() {
   per_rank([&](u32 me) {
     layouts[me] = run_layout(w, me, all[me]);
     run_notify(w, me, all[me], layouts[me], handles[me], false, 0, dispatch_row_bytes(H, F8, K), signature() | (1ull << 58));
-    run_dispatch(w, me, all[me], handles[me], outs[me], 3);
+    run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], 3);
   });
   for (u32 me = 0; me < R; me++) {
     const u32 n = (u32)expected_rows(all, me).rows.size();
@@ -714,7 +715,7 @@ void scenario_too_small() {
     layouts[me] = run_layout(w, me, big[me]);
     const bool ok = run_notify(w, me, big[me], layouts[me], handles[me], false, 0, row, signature() | (1ull << 58));
     CHECK(!ok, "rank %u: a call that does not fit was accepted", me);
-    run_dispatch(w, me, big[me], handles[me], outs[me], 40 * R);
+    run_dispatch(w, me, big[me], layouts[me], handles[me], outs[me], 40 * R);
   });
   for (u32 me = 0; me < R; me++) {
     CHECK(handles[me].routing[0] == 4, "rank %u: status %d, want TOO_SMALL", me, handles[me].routing[0]);
@@ -727,7 +728,7 @@ void scenario_too_small() {
   per_rank([&](u32 me) {
     layouts[me] = run_layout(w, me, small[me]);
     CHECK(run_notify(w, me, small[me], layouts[me], handles[me], true, 5, row, signature()), "rank %u: small call refused", me);
-    run_dispatch(w, me, small[me], handles[me], outs[me], handles[me].num_recv);
+    run_dispatch(w, me, small[me], layouts[me], handles[me], outs[me], handles[me].num_recv);
   });
   for (u32 me = 0; me < R; me++) {
     CHECK(w.ranks[me].record->code == 0, "rank %u: record after the fitting call", me);
@@ -751,7 +752,7 @@ void scenario_timeout() {
     layouts[me] = run_layout(w, me, all[me]);
     CHECK(!run_notify(w, me, all[me], layouts[me], handles[me], false, 0, dispatch_row_bytes(H, F8, K), signature() | (1ull << 58)),
           "rank %u: notify succeeded without a peer", me);
-    run_dispatch(w, me, all[me], handles[me], outs[me], 8 * R);
+    run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], 8 * R);
   });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (u32 me = 0; me + 1 < R; me++) {
@@ -800,7 +801,7 @@ void scenario_bad_layout() {
     }
     CHECK(!run_notify(w, me, all[me], layouts[me], handles[me], true, 1, dispatch_row_bytes(H, F8, K), signature()),
           "rank %u: a per-expert count without tokens was accepted", me);
-    run_dispatch(w, me, all[me], handles[me], outs[me], 12 * R);
+    run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], 12 * R);
   });
   for (u32 me = 0; me < R; me++) {
     const ErrorRec& rec = *w.ranks[me].record;
@@ -824,7 +825,7 @@ void scenario_bad_layout() {
   per_rank([&](u32 me) {
     CHECK(run_notify(w, me, all[me], layouts[me], handles[me], true, 2, dispatch_row_bytes(H, F8, K), signature()),
           "rank %u: notify refused a layout whose counts agree", me);
-    run_dispatch(w, me, all[me], handles[me], outs[me], handles[me].num_recv);
+    run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], handles[me].num_recv);
   });
   for (u32 me = 0; me < R; me++) {
     const ErrorRec& rec = *w.ranks[me].record;
@@ -834,6 +835,30 @@ void scenario_bad_layout() {
     else
       CHECK(rec.code == 0, "rank %u: record code %u after another rank's bad layout", me, rec.code);
     w.clear_errors(me);
+  }
+  // (c): rank 0's num_tokens_per_expert 5 too high for an expert of rank 1 that its tokens select (the sums
+  // per rank still pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the
+  // true count. (d): the same layouts again, right: no error anywhere (the counts start from 0 each call).
+  const u32 bad_e = E / R;
+  for (int round = 0; round < 2; round++) {
+    per_rank([&](u32 me) { layouts[me] = run_layout(w, me, all[me]); });
+    const i32 true_count = layouts[0].per_expert[bad_e];
+    if (round == 0) layouts[0].per_expert[bad_e] += 5;
+    per_rank([&](u32 me) {
+      CHECK(run_notify(w, me, all[me], layouts[me], handles[me], true, 3 + round, dispatch_row_bytes(H, F8, K), signature()),
+            "rank %u: notify refused per-expert counts whose sums agree", me);
+      run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], handles[me].num_recv);
+    });
+    for (u32 me = 0; me < R; me++) {
+      const ErrorRec& rec = *w.ranks[me].record;
+      if (me == 0 && round == 0)
+        CHECK(rec.code == 3 && rec.peer == 0 && rec.d0 == 3 && rec.d1 == (((u64)bad_e << 32) | (u32)true_count),
+              "rank 0: record code %u peer %u d0 %llu d1 %llx (expert %u, %d tokens)", rec.code, rec.peer, rec.d0, rec.d1, bad_e,
+              true_count);
+      else
+        CHECK(rec.code == 0, "rank %u, round %d: record code %u d0 %llu d1 %llx", me, round, rec.code, rec.d0, rec.d1);
+      w.clear_errors(me);
+    }
   }
 }
 

@@ -155,7 +155,7 @@ struct At {
 };
 
 struct Rank {
-  std::unique_ptr<Buf> rdma, nvl, nic, state;
+  std::unique_ptr<Buf> rdma, nvl, nic, state, expert_tokens;
   u32 claim = 0;
   ErrorRecord record{};
 };
@@ -195,6 +195,7 @@ struct World {
       std::memset(st.nvl->p, 0, at.nvl_zero_end);
       st.nic.reset(new Buf(sizeof(NicState), 0));
       st.state.reset(new Buf(sizeof(HtiState) + sizeof(HtiForward), 0));
+      st.expert_tokens.reset(new Buf(4 * (size_t)experts, 0));
       peer_bases.push_back(st.rdma->addr());
     }
   }
@@ -420,6 +421,8 @@ static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay
         a.scale_stride_group = 1;
         a.topk_idx = (u64)in[me].idx.data();
         a.topk_weights = (u64)in[me].w.data();
+        a.num_tokens_per_expert = K > 0 ? (u64)l.per_expert.data() : 0;  // the senders' per-expert check
+        a.expert_tokens = w.r[me].expert_tokens->addr();
         a.recv_x = (u64)o.x.data();
         a.recv_scales = FP8 ? (u64)o.scales.data() : 0;
         a.recv_topk_idx = (u64)o.idx.data();
@@ -809,9 +812,36 @@ int main() {
               (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, bad_t);
       else
         check_clean(w, p, "bad layout (b): another rank");
+      w.r[p].record = ErrorRecord{};
+      w.r[p].claim = CLAIM_NONE;
     }
-    std::printf("bad layouts: BAD_EXPERTS agreed on every rank naming rank 0; token %u kept from rank %u reported by its sender ok\n",
-                bad_t, bad_r);
+    // (c) Rank 0's num_tokens_per_expert 5 too high for the first expert of rank 1 (the sums per rank still
+    // pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the true count, the
+    // others see no error. (d) The right layouts again: no error anywhere (the counts start from 0 each call).
+    const u32 bad_e = w.el();
+    for (int round = 0; round < 2; round++) {
+      lay = good;
+      const i32 true_count = lay[0].per_expert[bad_e];
+      if (round == 0) lay[0].per_expert[bad_e] += 5;
+      notify(w, in, lay);
+      for (u32 p = 0; p < R; p++) CHECK(lay[p].routing[RT_STATUS] == 0, "bad layout (c): rank %u notify status %d", p, lay[p].routing[RT_STATUS]);
+      dispatch(w, in, lay, rx, round == 0 ? "a per-expert count 5 too high" : "the right counts again");
+      for (u32 p = 0; p < R; p++) {
+        const ErrorRecord& rec = w.r[p].record;
+        if (p == 0 && round == 0)
+          CHECK(rec.code == ERR_INVALID_LAYOUT && rec.peer == 0 && rec.elapsed_ns == LAYOUT_ARG_EXPERT_TOKENS &&
+                    rec.timeout_ns == (((u64)bad_e << 32) | (u32)true_count),
+                "bad layout (c): rank 0 record code %u peer %u detail %llu %llx (expert %u, %d tokens)", rec.code, rec.peer,
+                (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, bad_e, true_count);
+        else
+          check_clean(w, p, round == 0 ? "bad layout (c): another rank" : "bad layout (d)");
+        w.r[p].record = ErrorRecord{};
+        w.r[p].claim = CLAIM_NONE;
+      }
+    }
+    std::printf("bad layouts: BAD_EXPERTS agreed on every rank naming rank 0; token %u kept from rank %u reported by its sender; "
+                "expert %u's count 5 too high reported by rank 0's last block ok\n",
+                bad_t, bad_r, bad_e);
   }
   std::printf("all internode HT scenarios passed\n");
   return 0;

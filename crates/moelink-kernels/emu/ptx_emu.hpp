@@ -33,6 +33,7 @@ __device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
   return __atomic_load_n(p, __ATOMIC_RELAXED);
 }
 __device__ __forceinline__ void red_add_relaxed_sys_u64(u64* p, u64 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ void red_add_relaxed_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void red_add_relaxed_gpu_u64(u64* p, u64 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
   emu::yield();

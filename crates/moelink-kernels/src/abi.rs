@@ -16,7 +16,8 @@ pub const ERR_TIMEOUT: u32 = 1;
 /// treated as -1). Details: `elapsed_ns` = `t << 32 | k`, `timeout_ns` = the value (as `u64`).
 pub const ERR_INVALID_TOPK: u32 = 2;
 /// `ErrorRecord::code`: rank `peer`'s layout tensors disagree. Details: `elapsed_ns` = which argument
-/// ([`layout_arg`]), `timeout_ns` = the token (for [`layout_arg::IN_RANK`]).
+/// ([`layout_arg`]), `timeout_ns` = the token (for [`layout_arg::IN_RANK`]), or `expert << 32 | tokens` (for
+/// [`layout_arg::EXPERT_TOKENS`]).
 pub const ERR_INVALID_LAYOUT: u32 = 3;
 /// [`ERR_INVALID_LAYOUT`]'s first detail: the argument that disagrees (`LAYOUT_ARG_*` in `ptx.cuh`).
 pub mod layout_arg {
@@ -28,6 +29,9 @@ pub mod layout_arg {
     /// `is_token_in_rank` sends a token to a rank where `topk_idx` selects none of its experts, or not to one
     /// where it selects one (the dispatch kernel's senders).
     pub const IN_RANK: u64 = 2;
+    /// `num_tokens_per_expert[e]` is not the tokens whose `topk_idx` selects expert `e` (the dispatch kernel's
+    /// senders count them; the last block compares).
+    pub const EXPERT_TOKENS: u64 = 3;
 }
 /// `ErrorRecord::code`: rank `peer` called with another signature. Details: this rank's and the peer's
 /// `moelink_kernels::ht::call_signature`.
@@ -195,6 +199,7 @@ mod tests {
             ("LAYOUT_ARG_PER_RANK", layout_arg::PER_RANK),
             ("LAYOUT_ARG_PER_EXPERT", layout_arg::PER_EXPERT),
             ("LAYOUT_ARG_IN_RANK", layout_arg::IN_RANK),
+            ("LAYOUT_ARG_EXPERT_TOKENS", layout_arg::EXPERT_TOKENS),
             ("CLAIM_NONE", claim::NONE as u64),
             ("CLAIM_FATAL", claim::FATAL as u64),
             ("CLAIM_ARGUMENT", claim::ARGUMENT as u64),

@@ -56,8 +56,11 @@ pub mod ctrl {
     pub const MSG_HEADER_WORDS: usize = MSG_ROW + super::MAX_RANKS;
     /// Words of a notify message.
     pub const MSG_WORDS: usize = MSG_HEADER_WORDS + MAX_LOCAL_EXPERTS;
+    /// `u32[MAX_RANKS * MAX_LOCAL_EXPERTS]`: tokens of the running dispatch whose top-k selects each expert
+    /// (0 between calls).
+    pub const EXPERT_TOKENS: usize = NOTIFY_MSGS + 2 * super::MAX_RANKS * MSG_WORDS * 4;
     /// Bytes of the whole control region.
-    pub const BYTES: usize = NOTIFY_MSGS + 2 * super::MAX_RANKS * MSG_WORDS * 4;
+    pub const BYTES: usize = EXPERT_TOKENS + super::MAX_RANKS * MAX_LOCAL_EXPERTS * 4;
     // moelink reserves [64 KiB, 2 MiB) of its control area for HT.
     const _: () = assert!(BYTES <= (2 << 20) - (64 << 10));
 }
@@ -344,6 +347,8 @@ pub struct HtDispatchArgs {
     pub scale_stride_group: i64,
     pub topk_idx: u64,
     pub topk_weights: u64,
+    /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
+    pub num_tokens_per_expert: u64,
     pub recv_x: u64,
     pub recv_scales: u64,
     pub recv_topk_idx: u64,
@@ -720,7 +725,8 @@ mod tests {
         assert!(h.contains("constexpr u32 HT_MSG_HEADER_WORDS = HT_MSG_ROW + MAX_RANKS;"));
         assert!(h.contains("constexpr u32 HT_HN_PER_EXPERT = HT_HN_RECV_COUNT + MAX_RANKS;"));
         assert!(h.contains("constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;"));
-        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_EXPERT_TOKENS = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;"));
         assert_eq!(routing::PREFIX % 4, 0, "prefix rows 16-byte aligned");
         assert_eq!(host_notify::PER_EXPERT, 16);
     }
@@ -729,7 +735,7 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 12 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 13 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8);
         assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
     }
 

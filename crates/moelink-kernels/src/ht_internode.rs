@@ -313,6 +313,11 @@ pub struct HtiDispatchArgs {
     pub scale_stride_group: i64,
     pub topk_idx: u64,
     pub topk_weights: u64,
+    /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
+    pub num_tokens_per_expert: u64,
+    /// `u32 [E]`: the senders' count of the tokens selecting each expert ([`HTI_EXPERT_TOKENS_BYTES`]; 0
+    /// between calls).
+    pub expert_tokens: u64,
     pub recv_x: u64,
     pub recv_scales: u64,
     pub recv_topk_idx: u64,
@@ -380,6 +385,10 @@ pub const HTI_TRACE_CHUNK_WORDS: usize = 3;
 pub const fn trace_words(blocks: usize, num_nodes: usize) -> usize {
     blocks * HTI_TRACE_BLOCK_WORDS + (1 + num_nodes) * HTI_TRACE_CHUNKS * HTI_TRACE_CHUNK_WORDS
 }
+
+/// Bytes of a rank's per-expert token counts (`HtiDispatchArgs::expert_tokens`): one `u32` for every expert
+/// the largest buffer has.
+pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * HTI_MAX_RANKS * HTI_MAX_LOCAL_EXPERTS;
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
 /// round, rows per local rank, combine chunks done, combine rounds handed back; per source, the receiver

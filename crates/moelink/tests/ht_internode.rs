@@ -233,6 +233,91 @@ fn check_net(kind: BackendKind, net: Net) {
     }
 }
 
+/// The body of `layouts_that_disagree_are_refused_across_nodes` on one topology (its doc says what it checks).
+fn layouts_that_disagree_are_refused(kind: BackendKind, topology: Topology) {
+    let opts = if topology.num_nodes > 1 {
+        Net { topology, transport: Transport::Ptr }.options(kind, test_options())
+    } else {
+        BufferOptions {
+            backend: kind,
+            topology: Some(topology),
+            num_nvl_bytes: Buffer::ht_bytes_needed(24, HIDDEN, TOPK, 4, false),
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+            ..test_options()
+        }
+    };
+    let opts = BufferOptions { timeout_ms: 10_000, ..opts };
+    let (t, e) = (24usize, 4 * topology.num_ranks());
+    // The first expert of rank 1, whose count rank 0 overstates in case (c).
+    let bad_expert = e / 4;
+    for case in ["nothing sent, experts counted", "is_token_in_rank from another routing", "an expert's count 5 too high"] {
+        let with_topk = !case.starts_with("nothing");
+        let _gpus = (kind != BackendKind::Host).then(moelink_testkit::harness::cuda_lock);
+        let results = run_ranks(4, |g| -> Result<(Option<Error>, usize)> {
+            let mut buf = Buffer::new(Arc::new(g), opts.clone())?;
+            let me = buf.rank();
+            let mut rng = Rng::new(0x1a_7001 + me as u64);
+            let idx = buf.upload(&Tensor::from_vec(route(&mut rng, RouteKind::Uniform, t, TOPK, e, 4), &[t, TOPK])?)?;
+            let other_idx = buf.upload(&Tensor::from_vec(route(&mut rng, RouteKind::Skewed, t, TOPK, e, 4), &[t, TOPK])?)?;
+            let w = buf.upload(&Tensor::from_vec(random_weights(&mut rng, t * TOPK), &[t, TOPK])?)?;
+            let x =
+                buf.upload(&Tensor::from_vec((0..t * HIDDEN).map(|i| bf16::from_f64((i % 13) as f64)).collect::<Vec<_>>(), &[t, HIDDEN])?)?;
+            let good = buf.get_dispatch_layout(idx.view(), e)?;
+            let other = buf.get_dispatch_layout(other_idx.view(), e)?;
+            let none_in_rank = buf.upload(&Tensor::from_bools(&vec![false; t * 4], &[t, 4])?)?;
+            let zero_per_rank = buf.upload(&Tensor::from_vec(vec![0i32; 4], &[4])?)?;
+            let mut per_expert: Vec<i32> = good.num_tokens_per_expert.to_vec()?;
+            per_expert[bad_expert] += 5;
+            let overstated = buf.upload(&Tensor::from_vec(per_expert, &[e])?)?;
+            let mut layout = good.as_ref();
+            if me == 0 {
+                if case.starts_with("nothing") {
+                    layout.is_token_in_rank = none_in_rank.view();
+                    layout.num_tokens_per_rank = zero_per_rank.view();
+                } else if case.starts_with("is_token_in_rank") {
+                    layout.is_token_in_rank = other.is_token_in_rank.view();
+                    layout.num_tokens_per_rank = other.num_tokens_per_rank.view();
+                } else {
+                    layout.num_tokens_per_expert = overstated.view();
+                }
+            }
+            let (topk_idx, topk_weights) = if with_topk { (Some(idx.view()), Some(w.view())) } else { (None, None) };
+            let args = |layout| DispatchArgs {
+                x: Payload::Bf16(x.view()),
+                routing: Routing::Fresh { layout, topk_idx, topk_weights },
+                expert_alignment: 1,
+                num_worst_tokens: 0,
+                config: None,
+            };
+            let err = buf.dispatch(&args(layout)).err();
+            let again = buf.dispatch(&args(good.as_ref()))?;
+            Ok((err, again.handle.num_recv_tokens().unwrap_or(0)))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let what = format!("{case} ({topology:?}): rank {rank}");
+            let (err, received) = r.unwrap_or_else(|e| panic!("{what}: the call after the bad one failed: {e}"));
+            assert!(received > 0, "{what}: the good call received nothing");
+            let Some(err) = err else {
+                assert!(rank != 0 && with_topk, "{what}: accepted the layout");
+                continue;
+            };
+            let msg = err.to_string();
+            let arg = err.argument().unwrap_or_else(|| panic!("{what}: not an argument error: {msg}"));
+            if case.starts_with("is_token_in_rank") {
+                assert!(["is_token_in_rank", "num_tokens_per_expert", "num_tokens_per_rank"].contains(&arg), "{what}: {msg}");
+            } else {
+                assert_eq!(arg, "num_tokens_per_expert", "{what}: {msg}");
+            }
+            if case.starts_with("an expert") && rank == 0 {
+                assert!(msg.contains(&format!("expert {bad_expert}")), "{what}: the error must name the expert: {msg}");
+            }
+            assert!(msg.contains("rank 0"), "{what}: the error must name rank 0: {msg}");
+        }
+        eprintln!("{case} ({topology:?}): refused, naming rank 0; the buffer stays usable");
+    }
+}
+
 fn topo(num_nodes: usize, ranks_per_node: usize) -> Topology {
     Topology { num_nodes, ranks_per_node }
 }
@@ -353,72 +438,21 @@ backend_tests! {
         }
     }
 
-    /// Layout tensors that disagree, passed by rank 0 of 2x2 nodes (the others pass their own, correct ones):
+    /// Layout tensors that disagree, passed by rank 0 of 4 (2x2 nodes, and one node of 4: the single-node
+    /// kernels), the others passing their own, correct ones:
     /// (a) nothing sent (`is_token_in_rank` all false, `num_tokens_per_rank` 0) while `num_tokens_per_expert`
     /// counts tokens: notify's check refuses it on every rank, naming `num_tokens_per_expert` and rank 0;
     /// (b) `is_token_in_rank` and `num_tokens_per_rank` from another routing than `topk_idx`: rank 0's call fails
     /// naming a layout argument and rank 0 (the senders' check, or notify's when the counts give it away), any
-    /// other rank's error names rank 0 too. After each, the same call with the right layout goes through on
-    /// every rank: an argument error does not poison the buffer.
+    /// other rank's error names rank 0 too;
+    /// (c) `num_tokens_per_expert` 5 too high for one expert of a rank that gets tokens (the per-rank sums still
+    /// agree): rank 0's call fails naming `num_tokens_per_expert`, rank 0 and the expert (on CUDA the senders
+    /// count each expert's tokens and the last block compares; the host backend tells every rank).
+    /// After each, the same call with the right layout goes through on every rank: an argument error does not
+    /// poison the buffer.
     fn layouts_that_disagree_are_refused_across_nodes(kind: BackendKind) {
-        let net = Net { topology: topo(2, 2), transport: Transport::Ptr };
-        let opts = BufferOptions { timeout_ms: 10_000, ..net.options(kind, test_options()) };
-        let (t, e) = (24usize, net.experts());
-        for case in ["nothing sent, experts counted", "is_token_in_rank from another routing"] {
-            let with_topk = !case.starts_with("nothing");
-            let _gpus = (kind != BackendKind::Host).then(moelink_testkit::harness::cuda_lock);
-            let results = run_ranks(4, |g| -> Result<(Option<Error>, usize)> {
-                let mut buf = Buffer::new(Arc::new(g), opts.clone())?;
-                let me = buf.rank();
-                let mut rng = Rng::new(0x1a_7001 + me as u64);
-                let idx = buf.upload(&Tensor::from_vec(route(&mut rng, RouteKind::Uniform, t, TOPK, e, 4), &[t, TOPK])?)?;
-                let other_idx = buf.upload(&Tensor::from_vec(route(&mut rng, RouteKind::Skewed, t, TOPK, e, 4), &[t, TOPK])?)?;
-                let w = buf.upload(&Tensor::from_vec(random_weights(&mut rng, t * TOPK), &[t, TOPK])?)?;
-                let x =
-                    buf.upload(&Tensor::from_vec((0..t * HIDDEN).map(|i| bf16::from_f64((i % 13) as f64)).collect::<Vec<_>>(), &[t, HIDDEN])?)?;
-                let good = buf.get_dispatch_layout(idx.view(), e)?;
-                let other = buf.get_dispatch_layout(other_idx.view(), e)?;
-                let none_in_rank = buf.upload(&Tensor::from_bools(&vec![false; t * 4], &[t, 4])?)?;
-                let zero_per_rank = buf.upload(&Tensor::from_vec(vec![0i32; 4], &[4])?)?;
-                let mut layout = good.as_ref();
-                if me == 0 {
-                    if case.starts_with("nothing") {
-                        layout.is_token_in_rank = none_in_rank.view();
-                        layout.num_tokens_per_rank = zero_per_rank.view();
-                    } else {
-                        layout.is_token_in_rank = other.is_token_in_rank.view();
-                        layout.num_tokens_per_rank = other.num_tokens_per_rank.view();
-                    }
-                }
-                let (topk_idx, topk_weights) = if with_topk { (Some(idx.view()), Some(w.view())) } else { (None, None) };
-                let args = |layout| DispatchArgs {
-                    x: Payload::Bf16(x.view()),
-                    routing: Routing::Fresh { layout, topk_idx, topk_weights },
-                    expert_alignment: 1,
-                    num_worst_tokens: 0,
-                    config: None,
-                };
-                let err = buf.dispatch(&args(layout)).err();
-                let again = buf.dispatch(&args(good.as_ref()))?;
-                Ok((err, again.handle.num_recv_tokens().unwrap_or(0)))
-            });
-            for (rank, r) in results.into_iter().enumerate() {
-                let (err, received) = r.unwrap_or_else(|e| panic!("{case}: rank {rank}: the call after the bad one failed: {e}"));
-                assert!(received > 0, "{case}: rank {rank}: the good call received nothing");
-                let Some(err) = err else {
-                    assert!(rank != 0 && with_topk, "{case}: rank {rank} accepted the layout");
-                    continue;
-                };
-                let msg = err.to_string();
-                let arg = err.argument().unwrap_or_else(|| panic!("{case}: rank {rank}: not an argument error: {msg}"));
-                if case.starts_with("nothing") {
-                    assert_eq!(arg, "num_tokens_per_expert", "{case}: rank {rank}: {msg}");
-                } else {
-                    assert!(["is_token_in_rank", "num_tokens_per_expert", "num_tokens_per_rank"].contains(&arg), "{case}: rank {rank}: {msg}");
-                }
-                assert!(msg.contains("rank 0"), "{case}: rank {rank}: the error must name rank 0: {msg}");
-            }
-            eprintln!("{case}: refused, naming rank 0; the buffer stays usable");
+        for topology in [topo(2, 2), Topology::single_node(4)] {
+            layouts_that_disagree_are_refused(kind, topology);
         }
     }
 

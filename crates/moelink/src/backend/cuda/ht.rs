@@ -345,6 +345,8 @@ pub(crate) struct DispatchAddrs {
     pub scale_stride_group: i64,
     pub topk_idx: u64,
     pub topk_weights: u64,
+    /// `num_tokens_per_expert` of a fresh dispatch with top-k, which the senders check against `topk_idx`.
+    pub num_tokens_per_expert: u64,
     pub recv_x: u64,
     pub recv_scales: u64,
     pub recv_topk_idx: u64,
@@ -361,6 +363,7 @@ pub(crate) fn dispatch_addrs(b: &CudaBackend, s: &HtSpec, a: &DispatchArgs<'_>, 
         scale_stride_group: 0,
         topk_idx: 0,
         topk_weights: 0,
+        num_tokens_per_expert: 0,
         recv_x: out.recv_x.addr(),
         recv_scales: out_addr(&out.recv_scales),
         recv_topk_idx: out_addr(&out.recv_topk_idx),
@@ -376,11 +379,13 @@ pub(crate) fn dispatch_addrs(b: &CudaBackend, s: &HtSpec, a: &DispatchArgs<'_>, 
         Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
         Payload::Bf16(_) => (0, 0, 0),
     };
-    let (topk_idx, topk_weights) = match a.routing {
-        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), .. } if s.has_topk => (i.addr(), w.addr()),
-        _ => (0, 0),
+    let (topk_idx, topk_weights, num_tokens_per_expert) = match a.routing {
+        Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), layout } if s.has_topk => {
+            (i.addr(), w.addr(), layout.num_tokens_per_expert.addr())
+        }
+        _ => (0, 0, 0),
     };
-    Ok(DispatchAddrs { x_scales, scale_stride_token, scale_stride_group, topk_idx, topk_weights, ..d })
+    Ok(DispatchAddrs { x_scales, scale_stride_token, scale_stride_group, topk_idx, topk_weights, num_tokens_per_expert, ..d })
 }
 
 /// The addresses of a combine kernel's tensors, alignment checked. The biases given, in order (the kernels
@@ -460,6 +465,14 @@ fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
             ),
         ),
         abi::ERR_INVALID_LAYOUT => {
+            if d0 == abi::layout_arg::EXPERT_TOKENS {
+                let (expert, tokens) = (d1 >> 32, d1 & 0xffff_ffff);
+                return Error::invalid(
+                    "num_tokens_per_expert",
+                    rank,
+                    format!("entry {expert} is not {tokens}, the number of tokens whose topk_idx selects expert {expert}"),
+                );
+            }
             let (arg, what) = match d0 {
                 abi::layout_arg::PER_EXPERT => (
                     "num_tokens_per_expert",
@@ -813,6 +826,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         scale_stride_group: addrs.scale_stride_group,
         topk_idx: addrs.topk_idx,
         topk_weights: addrs.topk_weights,
+        num_tokens_per_expert: addrs.num_tokens_per_expert,
         recv_x: addrs.recv_x,
         recv_scales: addrs.recv_scales,
         recv_topk_idx: addrs.recv_topk_idx,
@@ -999,6 +1013,14 @@ mod tests {
         let e = argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 1, abi::layout_arg::IN_RANK, 17, abi::phase::DISPATCH));
         assert!(
             matches!(&e, Error::InvalidArgument { arg: "is_token_in_rank", rank: 1, reason } if reason.contains("token 17") && reason.contains("topk_idx")),
+            "{e}"
+        );
+        assert!(!e.poisons_buffer());
+        let e =
+            argument_error_for(b, &rec(abi::ERR_INVALID_LAYOUT, 1, abi::layout_arg::EXPERT_TOKENS, (33 << 32) | 6, abi::phase::DISPATCH));
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_expert", rank: 1, reason }
+                if reason.contains("entry 33 is not 6") && reason.contains("selects expert 33")),
             "{e}"
         );
         assert!(!e.poisons_buffer());

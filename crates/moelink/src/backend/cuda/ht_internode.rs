@@ -33,6 +33,8 @@ const _: () = assert!(moelink_kernels::ht::ctrl::BYTES <= 1 << 20, "the internod
 /// The internode high-throughput state of a buffer: its local state words and the host-mapped notify results.
 pub(crate) struct HtiState {
     state: moelink_cuda::DeviceBuffer,
+    /// The dispatch senders' per-expert token counts (`HtiDispatchArgs::expert_tokens`), zero between calls.
+    expert_tokens: moelink_cuda::DeviceBuffer,
     host_notify: Option<HostMapped<u32>>,
     notify_seq: u32,
 }
@@ -41,6 +43,7 @@ impl HtiState {
     pub(crate) fn new(b: &CudaBackend) -> Result<HtiState> {
         Ok(HtiState {
             state: moelink_cuda::DeviceBuffer::zeroed(&b.device, hti_kernels::HTI_STATE_BYTES)?,
+            expert_tokens: moelink_cuda::DeviceBuffer::zeroed(&b.device, hti_kernels::HTI_EXPERT_TOKENS_BYTES)?,
             host_notify: None,
             notify_seq: 0,
         })
@@ -416,6 +419,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         scale_stride_group: addrs.scale_stride_group,
         topk_idx: addrs.topk_idx,
         topk_weights: addrs.topk_weights,
+        num_tokens_per_expert: addrs.num_tokens_per_expert,
+        expert_tokens: inter.hti.expert_tokens.device_ptr(),
         recv_x: addrs.recv_x,
         recv_scales: addrs.recv_scales,
         recv_topk_idx: addrs.recv_topk_idx,
