@@ -13,7 +13,8 @@ SMs). Systems: ``moelink`` (and ``moelink-noreuse``, the same without reusing un
 - ``cpu_us_per_call``: a loop of ``--calls`` calls (at least 100 on a GPU) without synchronising, host time per
   call: what the API costs the CPU;
 - ``loop_us_per_call``: the same loop timed up to a final ``synchronize``: the rate a CPU-bound loop reaches;
-- ``sync_us``: the median of 20 single calls, each followed by a ``synchronize``: one call's latency.
+- ``sync_us``: the median of 20 single calls, each followed by a ``synchronize``: one call's latency
+  (``sync_call_us``: the median host time of the call itself within it, before the ``synchronize``).
 
 Every loop starts after a barrier with the device idle. On the host backend (no GPU) the calls run the CPU
 reference implementation and exchange through the process group: the numbers measure that, not a GPU, and the
@@ -96,14 +97,17 @@ def measure(ctx: Any, op: Callable[[], Any], calls: int, singles: int = 20) -> D
     t2 = time.perf_counter()
     cpu, loop = (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
     single: List[float] = []
+    called: List[float] = []
     for _ in range(singles):
         aligned(ctx)
         s0 = time.perf_counter()
         op()
+        s1 = time.perf_counter()
         ctx.sync()
         single.append((time.perf_counter() - s0) * 1e6)
-    cpu, loop, sync = slowest(ctx, [cpu, loop, statistics.median(single)])
-    return {"cpu_us_per_call": cpu, "loop_us_per_call": loop, "sync_us": sync}
+        called.append((s1 - s0) * 1e6)
+    cpu, loop, sync, call = slowest(ctx, [cpu, loop, statistics.median(single), statistics.median(called)])
+    return {"cpu_us_per_call": cpu, "loop_us_per_call": loop, "sync_us": sync, "sync_call_us": call}
 
 
 def native_split(ctx: Any, buf: Any, fn: Callable[[], Any], cpu_us: float, calls: int = 100) -> Dict[str, Any]:
@@ -156,6 +160,8 @@ class Runner:
         try:
             rec.update(measure(self.ctx, fn, self.calls))
             rec.update(native_split(self.ctx, buf, fn, rec["cpu_us_per_call"]))
+            if self.ctx.cuda and op.startswith("ll_"):
+                rec["sync_activity"] = profile_single(self.ctx, fn)
         except Exception as err:  # noqa: BLE001 - one failing op must not stop the others
             rec.update(failed(err))
         return rec
@@ -446,6 +452,27 @@ def profile_calls(ctx: Any, fn: Callable[[], Any], n: int = 6) -> Dict[str, Any]
             "gpu_activity": activity, "gpu_events_per_call": len(gpu) / n if n else 0}
 
 
+def profile_single(ctx: Any, fn: Callable[[], Any]) -> List[Dict[str, Any]]:
+    """What one call after an idle, aligned device does (as ``sync_us`` times it; torch profiler): each host
+    CUDA API call and each GPU event, in order, with its start from the first host call and its duration."""
+    try:
+        aligned(ctx)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.events():
+            gpu = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+            if gpu or e.name.startswith(("cuda", "cu")):
+                rows.append((e.time_range.start, e.time_range.end, ("gpu " if gpu else "api ") + e.name))
+        rows.sort(key=lambda v: v[0])
+    except Exception as err:  # noqa: BLE001 - the timings stand without the profile
+        return [{"name": f"profile error: {type(err).__name__}: {err}"[:300], "at_us": 0.0, "dur_us": 0.0}]
+    t0 = rows[0][0] if rows else 0.0
+    return [{"name": name[:120], "at_us": round(start - t0, 2), "dur_us": round(end - start, 2)} for start, end, name in rows]
+
+
 def activity_lines(activity: List[Dict[str, Any]]) -> List[str]:
     """One line per GPU event of a profile: duration, gap before it, name."""
     return [f"    {a['dur_us']:8.2f} us  gap {a['gap_before_us'] if a['gap_before_us'] is not None else '-':>6}  {a['name']}"
@@ -528,6 +555,11 @@ def table(records: List[Dict[str, Any]]) -> str:
         for name, v in list(r.get("host_api_per_call", {}).items())[:8]:
             lines.append(f"    host {name}: {v['count']} per pair, {v['us']} us")
         lines += activity_lines(r.get("gpu_activity", []))
+    for r in (r for r in records if r.get("sync_activity")):
+        lines.append("")
+        lines.append(f"{r['system']}: one {r['op']} call and a synchronize ({r.get('sync_us', 0):.1f} us, the call "
+                     f"{r.get('sync_call_us', 0):.1f} us of it; profiled, so slower): start and duration in us")
+        lines += [f"    {a['at_us']:9.2f} {a['dur_us']:8.2f}  {a['name']}" for a in r["sync_activity"]]
     return "\n".join(lines)
 
 
