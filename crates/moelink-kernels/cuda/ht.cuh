@@ -66,7 +66,10 @@ constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;
 // u32[MAX_RANKS * HT_MAX_LOCAL_EXPERTS]: [e] = tokens of the running ht_dispatch whose top-k selects expert e
 // (the senders count, the last block compares with num_tokens_per_expert and zeroes them: 0 between calls)
 constexpr u32 HT_CTRL_EXPERT_TOKENS = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;
-constexpr u32 HT_CTRL_BYTES = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;
+// u32[HT_MAX_LOCAL_EXPERTS]: [e] = rows of the running ht_dispatch whose top-k ids select local expert e (the
+// receivers count, the last block compares with what notify summed and zeroes them: 0 between calls)
+constexpr u32 HT_CTRL_RECV_EXPERT_TOKENS = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;
+constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
 static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, "consumed flags overlap");
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK, "chunk counters overlap the notify flags");

@@ -50,6 +50,7 @@ struct HtDispatchArgs {
   u64 topk_idx;            // i64 [T, TOPK], contiguous (TOPK > 0)
   u64 topk_weights;        // f32 [T, TOPK], contiguous (TOPK > 0)
   u64 num_tokens_per_expert;  // i32 [E] of a fresh dispatch, checked against topk_idx (check_token_ranks); 0: none
+  u64 host_notify;         // ht_notify's host-mapped words of call host_seq (CPU-sync; HT_HN_PER_EXPERT checked); 0: none
   u64 recv_x;              // [num_out_rows, HIDDEN], 16-byte aligned
   u64 recv_scales;         // f32 [num_out_rows, HIDDEN / 128] (FP8)
   u64 recv_topk_idx;       // i64 [num_out_rows, TOPK] (TOPK > 0)
@@ -74,14 +75,17 @@ struct HtDispatchArgs {
   u32 send_chunk;          // tokens per sender chunk (HtCursor; 0: one contiguous part per warp)
   u32 recv_chunk;          // slab rows per receiver chunk, per source (0: one contiguous part per warp)
   u32 dynamic_send;        // 1: sender warps take chunks from HT_CTRL_DISPATCH_CHUNK (needs send_chunk > 0)
-  u32 reserved;
+  u32 host_seq;            // the notify call whose words host_notify holds for this dispatch
   u64 trace;               // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
 
-// Stores meta word `w` of the row at receive position `pos` into the outputs.
+// Stores meta word `w` of the row at receive position `pos` into the outputs. With host_notify, the low word
+// of each local top-k id counts the row for its expert (HT_CTRL_RECV_EXPERT_TOKENS; check_expert_tokens).
 __device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32 w, u32 word) {
+  if (w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts)
+    ptx::red_add_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPERT_TOKENS) + word, 1u);
   if (w < META_SCALES)
     reinterpret_cast<u32*>(a.recv_topk_idx)[pos * (2 * TOPK) + w] = word;
   else if (w < META_WEIGHTS)
@@ -285,19 +289,36 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// The last block, after every sender has counted (check_token_ranks; their fences and the blocks' done
-// counter order the counts before this): expert e's count against num_tokens_per_expert[e], each word zeroed
-// for the next call. A mismatch is reported (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS, e << 32 | count): a
-// grouped GEMM sized by that list would read rows that do not exist, or miss some.
+// The last block, after every sender and receiver has counted (check_token_ranks, store_meta; their fences
+// and the blocks' done counter order the counts before this), each count zeroed for the next call:
+//   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
+//     e << 32 | count): this rank's list is wrong;
+//   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
+//     host returns as num_recv_tokens_per_expert (LAYOUT_ARG_RECV_EXPERT_TOKENS, e << 32 | rows): some
+//     rank's list is wrong, and this rank would otherwise return it.
+// A grouped GEMM sized by those lists would read rows that do not exist, or miss some.
 __device__ __forceinline__ void check_expert_tokens(const HtDispatchArgs& a, const Deadline& d) {
-  if (TOPK == 0 || a.num_tokens_per_expert == 0) return;
-  u32* expert_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS);
-  const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
-  const u32 num_experts = a.num_ranks * a.num_local_experts;
-  for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
-    expert_tokens[e] = 0u;
-    if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+  if (TOPK == 0) return;
+  if (a.num_tokens_per_expert != 0) {
+    u32* expert_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS);
+    const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+    const u32 num_experts = a.num_ranks * a.num_local_experts;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
+      expert_tokens[e] = 0u;
+      if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+    }
+  }
+  if (a.host_notify != 0) {
+    u32* recv_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPERT_TOKENS);
+    const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
+    const bool ours = host[HT_HN_READY] == a.host_seq;  // else a later notify has rewritten the counts
+    for (u32 e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
+      const u32 counted = ptx::ld_relaxed_gpu(recv_tokens + e);
+      recv_tokens[e] = 0u;
+      if (ours && host[HT_HN_PER_EXPERT + e] != counted)
+        report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
+    }
   }
 }
 
@@ -424,6 +445,7 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     }
   }
+  if (a.host_notify != 0) ptx::fence_acq_rel_gpu();  // the rows' expert counts (store_meta) before the done counter
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 

@@ -305,7 +305,9 @@ struct HtiDispatchArgs {
   u64 topk_idx;            // i64 [T, TOPK] (TOPK > 0)
   u64 topk_weights;        // f32 [T, TOPK] (TOPK > 0)
   u64 num_tokens_per_expert;  // i32 [E] of a fresh dispatch, checked against topk_idx; 0: no check
-  u64 expert_tokens;       // u32 [E]: the senders' count of the tokens selecting each expert (0 between calls)
+  u64 expert_tokens;       // u32 [E + E_local]: the senders' count of the tokens selecting each expert, then the
+                           // receivers' of the rows selecting each local expert (0 between calls)
+  u64 host_notify;         // notify's host-mapped words of call host_seq (CPU-sync; HN_PER_EXPERT checked); 0: none
   u64 recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
   u64 recv_src_idx;        // i32 [num_out_rows], or 0
   u64 routing;
@@ -317,6 +319,8 @@ struct HtiDispatchArgs {
   u32 chunk_tokens;        // Q: tokens per sender chunk (M is a multiple)
   u32 num_send_blocks, num_fwd_blocks;
   u32 fwd_per_node;        // forwarder warps per source node (warp w: node w % N, chunks c with c % P == w / N)
+  u32 host_seq;            // the notify call whose words host_notify holds for this dispatch
+  u32 pad;
   u64 trace;               // host-mapped timing trace (HTI_TRACE_*), or 0
 };
 static_assert(sizeof(HtiDispatchArgs) == MOELINK_SIZEOF_HTI_DISPATCH_ARGS, "HtiDispatchArgs mirrors Rust");

@@ -85,18 +85,36 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
   if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
 }
 
-// The last block, after every sender has counted (check_token_ranks; each sender's closing fence and the
-// blocks' done counter order the counts before this): expert e's count against num_tokens_per_expert[e], each
-// word zeroed for the next call. A mismatch is reported (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
-// e << 32 | count): a grouped GEMM sized by that list would read rows that do not exist, or miss some.
+// The last block, after every sender and receiver has counted (check_token_ranks, copy_out; their closing
+// fences and the blocks' done counter order the counts before this), each count zeroed for the next call:
+//   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
+//     e << 32 | count): this rank's list is wrong;
+//   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
+//     host returns as num_recv_tokens_per_expert (LAYOUT_ARG_RECV_EXPERT_TOKENS, e << 32 | rows): some
+//     rank's list is wrong, and this rank would otherwise return it.
+// A grouped GEMM sized by those lists would read rows that do not exist, or miss some.
 __device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, const Deadline& d) {
-  if (TOPK == 0 || a.num_tokens_per_expert == 0) return;
+  if (TOPK == 0) return;
   u32* expert_tokens = reinterpret_cast<u32*>(a.expert_tokens);
-  const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
-  for (u32 e = threadIdx.x; e < NUM_RANKS * a.num_local_experts; e += blockDim.x) {
-    const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
-    expert_tokens[e] = 0u;
-    if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+  const u32 num_experts = NUM_RANKS * a.num_local_experts;
+  if (a.num_tokens_per_expert != 0) {
+    const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
+      expert_tokens[e] = 0u;
+      if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+    }
+  }
+  if (a.host_notify != 0) {
+    u32* recv_tokens = expert_tokens + num_experts;
+    const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
+    const bool ours = host[HN_READY] == a.host_seq;  // else a later notify has rewritten the counts
+    for (u32 e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
+      const u32 counted = ptx::ld_relaxed_gpu(recv_tokens + e);
+      recv_tokens[e] = 0u;
+      if (ours && host[HN_PER_EXPERT + e] != counted)
+        report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
+    }
   }
 }
 
@@ -350,7 +368,8 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
   }
 }
 
-// Copies one arrived row (part [s][slot % M]) to its output position, with its meta words.
+// Copies one arrived row (part [s][slot % M]) to its output position, with its meta words. With host_notify,
+// the low word of each local top-k id counts the row for its expert (check_expert_tokens).
 __device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& f, u32 s, u32 slot, u32 pos, u32 lane) {
   const u8* row = reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_dparts + (u64)s * a.nvl.part_bytes) +
                   (u64)(slot % f.round_tokens) * ROW_BYTES;
@@ -358,6 +377,8 @@ __device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& 
   const u32* meta = reinterpret_cast<const u32*>(row + PAYLOAD_BYTES);
   for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
     const u32 v = meta[w];
+    if (w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && v < a.num_local_experts)
+      ptx::red_add_relaxed_gpu(reinterpret_cast<u32*>(a.expert_tokens) + NUM_RANKS * a.num_local_experts + v, 1u);
     if (w < META_SCALES) reinterpret_cast<u32*>(a.recv_topk_idx)[(u64)pos * 2 * TOPK + w] = v;
     else if (w < META_WEIGHTS) reinterpret_cast<u32*>(a.recv_scales)[(u64)pos * NUM_SCALES + (w - META_SCALES)] = v;
     else if (w < META_SRC) reinterpret_cast<u32*>(a.recv_topk_weights)[(u64)pos * TOPK + (w - META_WEIGHTS)] = v;
@@ -553,10 +574,12 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
           hti_dispatch::send(a, f, dr);
         } else if (role == Role::FORWARD) {
           if (w < NUM_NODES * a.fwd_per_node) hti_dispatch::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
-        } else if (n >= NUM_RANKS) {
-          hti_dispatch::receive_split(a, f, w, n, dr, dn);
         } else {
-          hti_dispatch::receive(a, f, w, n, dr, dn);
+          if (n >= NUM_RANKS)
+            hti_dispatch::receive_split(a, f, w, n, dr, dn);
+          else
+            hti_dispatch::receive(a, f, w, n, dr, dn);
+          if (a.host_notify != 0) ptx::fence_acq_rel_gpu();  // the rows' expert counts (copy_out) before the done counter
         }
       },
       [&]() {

@@ -41,11 +41,12 @@ constexpr u32 ERR_RECV_OVERFLOW = 6;     // no-sync dispatch received more rows 
 // the ranks launched different kernel variants and nothing received can be trusted.
 constexpr u32 ERR_PEER_LAYOUT = 7;
 // ERR_INVALID_LAYOUT's detail0: the argument that disagrees (detail1: the token, for LAYOUT_ARG_IN_RANK; the
-// expert << 32 | the tokens selecting it, for LAYOUT_ARG_EXPERT_TOKENS).
+// expert << 32 | the tokens selecting it, for LAYOUT_ARG_EXPERT_TOKENS and _RECV_EXPERT_TOKENS).
 constexpr u32 LAYOUT_ARG_PER_RANK = 0;       // num_tokens_per_rank vs the tokens is_token_in_rank sends
 constexpr u32 LAYOUT_ARG_PER_EXPERT = 1;     // num_tokens_per_expert vs num_tokens_per_rank
 constexpr u32 LAYOUT_ARG_IN_RANK = 2;        // is_token_in_rank vs the ranks of the token's topk_idx experts
 constexpr u32 LAYOUT_ARG_EXPERT_TOKENS = 3;  // num_tokens_per_expert[e] vs the tokens whose topk_idx selects e
+constexpr u32 LAYOUT_ARG_RECV_EXPERT_TOKENS = 4;  // the sources' counts for local expert e vs the rows that arrived
 
 // Values of the claim word (ErrorSink::claim): nothing recorded, a fatal error (waits give up), or an
 // argument error (waits carry on; a later fatal error still takes the record over).

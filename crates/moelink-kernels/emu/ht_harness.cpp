@@ -378,6 +378,10 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handl
   a.topk_idx = K ? (u64)in.topk_idx.data() : 0;
   a.topk_weights = K ? (u64)in.topk_w.data() : 0;
   a.num_tokens_per_expert = K ? (u64)l.per_expert.data() : 0;
+  if (K && h.known) {  // CPU-sync: the rows that arrive are checked against notify's per-expert sums
+    a.host_notify = (u64)w.ranks[me].host_notify;
+    a.host_seq = w.ranks[me].host_notify[k_notify::HT_HN_READY];
+  }
   a.recv_x = (u64)o.x.data();
   a.recv_scales = F8 ? (u64)o.scales.data() : 0;
   a.recv_topk_idx = K ? (u64)o.idx.data() : 0;
@@ -784,7 +788,7 @@ void scenario_invalid_topk() {
 // ERR_INVALID_LAYOUT / LAYOUT_ARG_PER_EXPERT naming rank 0, and the dispatch launched behind it moves nothing.
 // (b) Rank 0 does not send a token to a remote rank where one of its experts lives (its is_token_in_rank and
 // num_tokens_per_rank agree, so the notify passes): rank 0's dispatch reports LAYOUT_ARG_IN_RANK with that
-// token, and the other ranks see no error.
+// token, that rank's LAYOUT_ARG_RECV_EXPERT_TOKENS (a row fewer than the counts say), the others no error.
 void scenario_bad_layout() {
   if (R < 2 || K == 0) return;
   World w((size_t)16 << 20, 4, 20'000'000'000ull);
@@ -827,18 +831,23 @@ void scenario_bad_layout() {
           "rank %u: notify refused a layout whose counts agree", me);
     run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], handles[me].num_recv);
   });
+  // Rank bad_r's receivers count one row less for an expert than the sources' counts say: LAYOUT_ARG_RECV_EXPERT_TOKENS.
   for (u32 me = 0; me < R; me++) {
     const ErrorRec& rec = *w.ranks[me].record;
     if (me == 0)
       CHECK(rec.code == 3 && rec.peer == 0 && rec.d0 == 2 && rec.d1 == bad_t, "rank 0: record code %u peer %u d0 %llu d1 %llu (token %u)",
             rec.code, rec.peer, rec.d0, rec.d1, bad_t);
+    else if (me == bad_r)
+      CHECK(rec.code == 3 && rec.peer == me && rec.d0 == 4, "rank %u (missing a row): record code %u peer %u d0 %llu", me, rec.code, rec.peer, rec.d0);
     else
       CHECK(rec.code == 0, "rank %u: record code %u after another rank's bad layout", me, rec.code);
     w.clear_errors(me);
   }
   // (c): rank 0's num_tokens_per_expert 5 too high for an expert of rank 1 that its tokens select (the sums
   // per rank still pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the
-  // true count. (d): the same layouts again, right: no error anywhere (the counts start from 0 each call).
+  // true count, rank 1's LAYOUT_ARG_RECV_EXPERT_TOKENS with its local expert 0 and the rows that arrived for it
+  // (5 fewer than notify summed). (d): the same layouts again, right: no error anywhere (the counts start from
+  // 0 each call).
   const u32 bad_e = E / R;
   for (int round = 0; round < 2; round++) {
     per_rank([&](u32 me) { layouts[me] = run_layout(w, me, all[me]); });
@@ -855,6 +864,11 @@ void scenario_bad_layout() {
         CHECK(rec.code == 3 && rec.peer == 0 && rec.d0 == 3 && rec.d1 == (((u64)bad_e << 32) | (u32)true_count),
               "rank 0: record code %u peer %u d0 %llu d1 %llx (expert %u, %d tokens)", rec.code, rec.peer, rec.d0, rec.d1, bad_e,
               true_count);
+      else if (me == 1 && round == 0)
+        CHECK(rec.code == 3 && rec.peer == 1 && rec.d0 == 4 && (rec.d1 >> 32) == 0 &&
+                  (u32)rec.d1 + 5 == w.ranks[1].host_notify[k_notify::HT_HN_PER_EXPERT],
+              "rank 1: record code %u peer %u d0 %llu d1 %llx (notify summed %u)", rec.code, rec.peer, rec.d0, rec.d1,
+              w.ranks[1].host_notify[k_notify::HT_HN_PER_EXPERT]);
       else
         CHECK(rec.code == 0, "rank %u, round %d: record code %u d0 %llu d1 %llx", me, round, rec.code, rec.d0, rec.d1);
       w.clear_errors(me);

@@ -195,7 +195,7 @@ struct World {
       std::memset(st.nvl->p, 0, at.nvl_zero_end);
       st.nic.reset(new Buf(sizeof(NicState), 0));
       st.state.reset(new Buf(sizeof(HtiState) + sizeof(HtiForward), 0));
-      st.expert_tokens.reset(new Buf(4 * (size_t)experts, 0));
+      st.expert_tokens.reset(new Buf(4 * ((size_t)experts + experts / R), 0));
       peer_bases.push_back(st.rdma->addr());
     }
   }
@@ -423,6 +423,8 @@ static void dispatch(World& w, std::vector<Inputs>& in, std::vector<Layout>& lay
         a.topk_weights = (u64)in[me].w.data();
         a.num_tokens_per_expert = K > 0 ? (u64)l.per_expert.data() : 0;  // the senders' per-expert check
         a.expert_tokens = w.r[me].expert_tokens->addr();
+        a.host_notify = K > 0 ? (u64)l.host.data() : 0;  // the receivers' check against notify's sums
+        a.host_seq = 1;
         a.recv_x = (u64)o.x.data();
         a.recv_scales = FP8 ? (u64)o.scales.data() : 0;
         a.recv_topk_idx = (u64)o.idx.data();
@@ -767,8 +769,9 @@ int main() {
     // 0) while its num_tokens_per_expert still counts tokens: every rank's notify agrees on BAD_EXPERTS and
     // reports ERR_INVALID_LAYOUT / LAYOUT_ARG_PER_EXPERT naming rank 0; the dispatch behind it moves nothing.
     // (b) Rank 0 keeps a token from another rank where one of its experts lives (is_token_in_rank and
-    // num_tokens_per_rank agree, so notify passes): rank 0's sender reports LAYOUT_ARG_IN_RANK with that token;
-    // the others see no error.
+    // num_tokens_per_rank agree, so notify passes): rank 0's sender reports LAYOUT_ARG_IN_RANK with that token,
+    // that rank's receivers LAYOUT_ARG_RECV_EXPERT_TOKENS (a row fewer than the counts say); the others see no
+    // error.
     World w(8, 4, E);
     w.timeout_ns = 2000ull * 1000 * 1000;
     std::vector<Inputs> in(R);
@@ -810,14 +813,18 @@ int main() {
         CHECK(rec.code == ERR_INVALID_LAYOUT && rec.peer == 0 && rec.elapsed_ns == LAYOUT_ARG_IN_RANK && rec.timeout_ns == bad_t,
               "bad layout (b): rank 0 record code %u peer %u detail %llu token %llu (want %u)", rec.code, rec.peer,
               (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, bad_t);
+      else if (p == bad_r)  // one row fewer for an expert than the sources' counts say
+        CHECK(rec.code == ERR_INVALID_LAYOUT && rec.peer == p && rec.elapsed_ns == LAYOUT_ARG_RECV_EXPERT_TOKENS,
+              "bad layout (b): rank %u record code %u peer %u detail %llu", p, rec.code, rec.peer, (unsigned long long)rec.elapsed_ns);
       else
         check_clean(w, p, "bad layout (b): another rank");
       w.r[p].record = ErrorRecord{};
       w.r[p].claim = CLAIM_NONE;
     }
     // (c) Rank 0's num_tokens_per_expert 5 too high for the first expert of rank 1 (the sums per rank still
-    // pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the true count, the
-    // others see no error. (d) The right layouts again: no error anywhere (the counts start from 0 each call).
+    // pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the true count, rank
+    // 1's LAYOUT_ARG_RECV_EXPERT_TOKENS (5 rows fewer than notify summed for its local expert 0), the others
+    // see no error. (d) The right layouts again: no error anywhere (the counts start from 0 each call).
     const u32 bad_e = w.el();
     for (int round = 0; round < 2; round++) {
       lay = good;
@@ -833,6 +840,11 @@ int main() {
                     rec.timeout_ns == (((u64)bad_e << 32) | (u32)true_count),
                 "bad layout (c): rank 0 record code %u peer %u detail %llu %llx (expert %u, %d tokens)", rec.code, rec.peer,
                 (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, bad_e, true_count);
+        else if (p == 1 && round == 0)  // its local expert 0 gets 5 rows fewer than notify summed
+          CHECK(rec.code == ERR_INVALID_LAYOUT && rec.peer == 1 && rec.elapsed_ns == LAYOUT_ARG_RECV_EXPERT_TOKENS &&
+                    (rec.timeout_ns >> 32) == 0 && (u32)rec.timeout_ns + 5 == lay[1].host[HN_PER_EXPERT],
+                "bad layout (c): rank 1 record code %u peer %u detail %llu %llx (notify summed %u)", rec.code, rec.peer,
+                (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, lay[1].host[HN_PER_EXPERT]);
         else
           check_clean(w, p, round == 0 ? "bad layout (c): another rank" : "bad layout (d)");
         w.r[p].record = ErrorRecord{};

@@ -17,7 +17,7 @@ pub const ERR_TIMEOUT: u32 = 1;
 pub const ERR_INVALID_TOPK: u32 = 2;
 /// `ErrorRecord::code`: rank `peer`'s layout tensors disagree. Details: `elapsed_ns` = which argument
 /// ([`layout_arg`]), `timeout_ns` = the token (for [`layout_arg::IN_RANK`]), or `expert << 32 | tokens` (for
-/// [`layout_arg::EXPERT_TOKENS`]).
+/// [`layout_arg::EXPERT_TOKENS`] and [`layout_arg::RECV_EXPERT_TOKENS`]).
 pub const ERR_INVALID_LAYOUT: u32 = 3;
 /// [`ERR_INVALID_LAYOUT`]'s first detail: the argument that disagrees (`LAYOUT_ARG_*` in `ptx.cuh`).
 pub mod layout_arg {
@@ -32,6 +32,10 @@ pub mod layout_arg {
     /// `num_tokens_per_expert[e]` is not the tokens whose `topk_idx` selects expert `e` (the dispatch kernel's
     /// senders count them; the last block compares).
     pub const EXPERT_TOKENS: u64 = 3;
+    /// The rows that arrived for local expert `e` (by their top-k ids) are not what the sources' counts said
+    /// (the number `num_recv_tokens_per_expert` reports): some rank's `num_tokens_per_expert` disagrees with
+    /// its `topk_idx` (the dispatch kernel's receivers count them; the last block compares).
+    pub const RECV_EXPERT_TOKENS: u64 = 4;
 }
 /// `ErrorRecord::code`: rank `peer` called with another signature. Details: this rank's and the peer's
 /// `moelink_kernels::ht::call_signature`.
@@ -200,6 +204,7 @@ mod tests {
             ("LAYOUT_ARG_PER_EXPERT", layout_arg::PER_EXPERT),
             ("LAYOUT_ARG_IN_RANK", layout_arg::IN_RANK),
             ("LAYOUT_ARG_EXPERT_TOKENS", layout_arg::EXPERT_TOKENS),
+            ("LAYOUT_ARG_RECV_EXPERT_TOKENS", layout_arg::RECV_EXPERT_TOKENS),
             ("CLAIM_NONE", claim::NONE as u64),
             ("CLAIM_FATAL", claim::FATAL as u64),
             ("CLAIM_ARGUMENT", claim::ARGUMENT as u64),

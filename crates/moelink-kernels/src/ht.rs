@@ -59,8 +59,11 @@ pub mod ctrl {
     /// `u32[MAX_RANKS * MAX_LOCAL_EXPERTS]`: tokens of the running dispatch whose top-k selects each expert
     /// (0 between calls).
     pub const EXPERT_TOKENS: usize = NOTIFY_MSGS + 2 * super::MAX_RANKS * MSG_WORDS * 4;
+    /// `u32[MAX_LOCAL_EXPERTS]`: rows of the running dispatch whose top-k ids select each local expert (0
+    /// between calls).
+    pub const RECV_EXPERT_TOKENS: usize = EXPERT_TOKENS + super::MAX_RANKS * MAX_LOCAL_EXPERTS * 4;
     /// Bytes of the whole control region.
-    pub const BYTES: usize = EXPERT_TOKENS + super::MAX_RANKS * MAX_LOCAL_EXPERTS * 4;
+    pub const BYTES: usize = RECV_EXPERT_TOKENS + MAX_LOCAL_EXPERTS * 4;
     // moelink reserves [64 KiB, 2 MiB) of its control area for HT.
     const _: () = assert!(BYTES <= (2 << 20) - (64 << 10));
 }
@@ -349,6 +352,10 @@ pub struct HtDispatchArgs {
     pub topk_weights: u64,
     /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
     pub num_tokens_per_expert: u64,
+    /// The host-mapped words ht_notify wrote for call `host_seq` (`host_notify`; CPU-synchronised fresh
+    /// dispatch with top-k): the rows per local expert it summed from every source's counts are checked
+    /// against the arriving rows' top-k ids, unless the words hold another call's by then; 0: no check.
+    pub host_notify: u64,
     pub recv_x: u64,
     pub recv_scales: u64,
     pub recv_topk_idx: u64,
@@ -376,7 +383,8 @@ pub struct HtDispatchArgs {
     pub recv_chunk: u32,
     /// 1: sender warps take chunks in order from the call's counter (`ht_grab_chunk`); needs `send_chunk > 0`.
     pub dynamic_send: u32,
-    pub reserved: u32,
+    /// The notify call whose counts `host_notify` holds for this dispatch.
+    pub host_seq: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
     pub trace: u64,
 }
@@ -726,7 +734,8 @@ mod tests {
         assert!(h.contains("constexpr u32 HT_HN_PER_EXPERT = HT_HN_RECV_COUNT + MAX_RANKS;"));
         assert!(h.contains("constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;"));
         assert!(h.contains("constexpr u32 HT_CTRL_EXPERT_TOKENS = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;"));
-        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_RECV_EXPERT_TOKENS = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;"));
         assert_eq!(routing::PREFIX % 4, 0, "prefix rows 16-byte aligned");
         assert_eq!(host_notify::PER_EXPERT, 16);
     }
@@ -735,7 +744,7 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 13 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 14 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8);
         assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
     }
 

@@ -315,9 +315,13 @@ pub struct HtiDispatchArgs {
     pub topk_weights: u64,
     /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
     pub num_tokens_per_expert: u64,
-    /// `u32 [E]`: the senders' count of the tokens selecting each expert ([`HTI_EXPERT_TOKENS_BYTES`]; 0
-    /// between calls).
+    /// `u32 [E + E / R]`: the senders' count of the tokens selecting each expert, then the receivers' of the
+    /// rows selecting each local expert ([`HTI_EXPERT_TOKENS_BYTES`]; 0 between calls).
     pub expert_tokens: u64,
+    /// Notify's host-mapped words of call `host_seq` (CPU-synchronised fresh dispatch with top-k): the rows
+    /// per local expert it summed are checked against the arriving rows' top-k ids, unless the words hold
+    /// another call's by then; 0: no check.
+    pub host_notify: u64,
     pub recv_x: u64,
     pub recv_scales: u64,
     pub recv_topk_idx: u64,
@@ -338,6 +342,9 @@ pub struct HtiDispatchArgs {
     pub num_send_blocks: u32,
     pub num_fwd_blocks: u32,
     pub fwd_per_node: u32,
+    /// The notify call whose words `host_notify` holds for this dispatch.
+    pub host_seq: u32,
+    pub pad: u32,
     /// Host-mapped timing trace ([`trace_words`]), or 0.
     pub trace: u64,
 }
@@ -387,8 +394,8 @@ pub const fn trace_words(blocks: usize, num_nodes: usize) -> usize {
 }
 
 /// Bytes of a rank's per-expert token counts (`HtiDispatchArgs::expert_tokens`): one `u32` for every expert
-/// the largest buffer has.
-pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * HTI_MAX_RANKS * HTI_MAX_LOCAL_EXPERTS;
+/// the largest buffer has, then one for each of its local experts.
+pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * (HTI_MAX_RANKS + 1) * HTI_MAX_LOCAL_EXPERTS;
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
 /// round, rows per local rank, combine chunks done, combine rounds handed back; per source, the receiver

@@ -266,6 +266,8 @@ pub(crate) struct HostRouting {
     t_max: usize,
     /// Received tokens per local expert, unaligned (CPU-sync mode only).
     per_expert_raw: Option<Vec<usize>>,
+    /// The notify call whose host-mapped words these are (0: read back after a no-sync dispatch).
+    notify_seq: u32,
 }
 
 /// Handle data of a CUDA dispatch: the routing buffer ht_notify wrote (status, counts, offsets, T_max,
@@ -465,12 +467,22 @@ fn argument_error_for(b: BufferShape, rec: &ErrorRecord) -> Error {
             ),
         ),
         abi::ERR_INVALID_LAYOUT => {
+            let (expert, tokens) = (d1 >> 32, d1 & 0xffff_ffff);
             if d0 == abi::layout_arg::EXPERT_TOKENS {
-                let (expert, tokens) = (d1 >> 32, d1 & 0xffff_ffff);
                 return Error::invalid(
                     "num_tokens_per_expert",
                     rank,
                     format!("entry {expert} is not {tokens}, the number of tokens whose topk_idx selects expert {expert}"),
+                );
+            }
+            if d0 == abi::layout_arg::RECV_EXPERT_TOKENS {
+                return Error::invalid(
+                    "num_tokens_per_expert",
+                    rank,
+                    format!(
+                        "of some rank disagrees with its topk_idx: {tokens} rows arrived for local expert {expert} of this rank, not \
+                         the number the ranks' counts give (num_recv_tokens_per_expert); the rank that passed it names itself"
+                    ),
                 );
             }
             let (arg, what) = match d0 {
@@ -552,7 +564,7 @@ fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
     debug_assert_eq!(routing::T_MAX, routing::NUM_RECV + 1);
     let num_recv = u32::from_le_bytes(words[..4].try_into().expect("4 bytes")) as usize;
     let t_max = u32::from_le_bytes(words[4..].try_into().expect("4 bytes")) as usize;
-    Ok(HostRouting { num_recv_tokens: num_recv, t_max, per_expert_raw: None })
+    Ok(HostRouting { num_recv_tokens: num_recv, t_max, per_expert_raw: None, notify_seq: 0 })
 }
 
 // ------------------------------------------------------------------------------------------ layout
@@ -721,6 +733,7 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec, row_bytes: usize) -> R
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
         t_max: m.read(host_notify::T_MAX) as usize,
         per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+        notify_seq: seq,
     };
     if status == 0 {
         return Ok(host);
@@ -819,6 +832,12 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
     let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
+    // A fresh CPU-synchronised dispatch with top-k checks the rows that arrive against the per-expert counts
+    // notify left in the host-mapped words (what the host returns as num_recv_tokens_per_expert).
+    let (host_notify, host_seq) = match (&handle, &r.host, &b.ht.host_notify) {
+        (HandleData::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
+        _ => (0, 0),
+    };
     let args = HtDispatchArgs {
         x: addrs.x,
         x_scales: addrs.x_scales,
@@ -827,6 +846,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         topk_idx: addrs.topk_idx,
         topk_weights: addrs.topk_weights,
         num_tokens_per_expert: addrs.num_tokens_per_expert,
+        host_notify,
         recv_x: addrs.recv_x,
         recv_scales: addrs.recv_scales,
         recv_topk_idx: addrs.recv_topk_idx,
@@ -851,7 +871,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         send_chunk: sender_chunk,
         recv_chunk: recv_chunk(&b.tuning),
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
-        reserved: 0,
+        host_seq,
         trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
     };
     let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
@@ -1024,6 +1044,15 @@ mod tests {
             "{e}"
         );
         assert!(!e.poisons_buffer());
+        let e = argument_error_for(
+            b,
+            &rec(abi::ERR_INVALID_LAYOUT, 1, abi::layout_arg::RECV_EXPERT_TOKENS, (5 << 32) | 9, abi::phase::DISPATCH),
+        );
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "num_tokens_per_expert", rank: 1, reason }
+                if reason.contains("9 rows arrived for local expert 5") && reason.contains("some rank")),
+            "{e}"
+        );
         let ours = CallSignature { hidden: 7168, num_experts: 256, topk: 8, fp8: true, has_topk: true, no_sync: false };
         let theirs = CallSignature { fp8: false, ..ours };
         let e = argument_error_for(

@@ -56,6 +56,8 @@ pub(crate) struct HostRouting {
     num_recv_tokens: usize,
     /// Received tokens per local expert, unaligned (CPU-sync mode only).
     per_expert_raw: Option<Vec<usize>>,
+    /// The notify call whose host-mapped words these are (0: read back after a no-sync dispatch).
+    notify_seq: u32,
 }
 
 /// Handle data of an internode dispatch: the routing buffer notify wrote, the forwarder's record of what it
@@ -339,6 +341,7 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting
     let host = HostRouting {
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
         per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+        notify_seq: seq,
     };
     let num_fwd = m.read(host_notify::NUM_FWD) as usize;
     let peer = m.read(host_notify::STATUS_PEER) as usize;
@@ -409,6 +412,12 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     let v = dispatch_variant(b, &s);
     let (error_claim, error_record) = b.error_sink();
     let inter = b.internode.as_ref().expect("an internode buffer");
+    // A fresh CPU-synchronised dispatch with top-k checks the rows that arrive against the per-expert counts
+    // notify left in the host-mapped words (what the host returns as num_recv_tokens_per_expert).
+    let (host_notify, host_seq) = match (&handle, &r.host, &inter.hti.host_notify) {
+        (Handle::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
+        _ => (0, 0),
+    };
     let args = HtiDispatchArgs {
         rdma: inter.rdma_args(),
         at: rdma_at(b)?,
@@ -421,6 +430,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         topk_weights: addrs.topk_weights,
         num_tokens_per_expert: addrs.num_tokens_per_expert,
         expert_tokens: inter.hti.expert_tokens.device_ptr(),
+        host_notify,
         recv_x: addrs.recv_x,
         recv_scales: addrs.recv_scales,
         recv_topk_idx: addrs.recv_topk_idx,
@@ -441,6 +451,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,
         fwd_per_node,
+        host_seq,
+        pad: 0,
         trace: trace_begin(b, s.num_sms)?,
     };
     let routing_ptr = r.routing.ptr();
@@ -480,7 +492,7 @@ enum Handle {
 fn read_back(r: &HtiRouting) -> Result<HostRouting> {
     let mut word = [0u8; 4];
     r.routing.buffer().copy_to_host_at(4 * routing::NUM_RECV, &mut word)?;
-    Ok(HostRouting { num_recv_tokens: u32::from_le_bytes(word) as usize, per_expert_raw: None })
+    Ok(HostRouting { num_recv_tokens: u32::from_le_bytes(word) as usize, per_expert_raw: None, notify_seq: 0 })
 }
 
 // ------------------------------------------------------------------------------------------ diagnostics
