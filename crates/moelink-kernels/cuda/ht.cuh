@@ -25,9 +25,11 @@ static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
 
 // Timing experiments (JIT constant HT_EXPERIMENT of ht_dispatch/ht_combine; 0 in every real call): each bit
 // removes one role's data movement while keeping its protocol (flags, fences, waits), so that the time of
-// the other role alone can be measured. Results are wrong with any bit set.
+// the other role alone can be measured. Results are wrong with bits 1 and 2; bit 4 leaves them right and drops
+// only the dispatch's per-expert layout checks, so that their cost can be measured beside the real call.
 constexpr u32 HT_EXP_NO_COPY_OUT = 1;         // receivers/reducers wait for the flags but move no payload
 constexpr u32 HT_EXP_NO_REMOTE_PAYLOAD = 2;   // senders store meta words and flags but no remote payload
+constexpr u32 HT_EXP_NO_EXPERT_CHECK = 4;     // no per-expert counting (check_token_ranks, store_meta, check_expert_tokens)
 
 // Timing trace (moelink::KernelTracing::high_throughput on the host; the argument `trace` is 0 in every other call): %globaltimer
 // stamps into host-mapped u64 words, per block HT_TRACE_BLOCK_WORDS(warps) of them: block start, block end,
@@ -69,7 +71,10 @@ constexpr u32 HT_CTRL_EXPERT_TOKENS = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_M
 // u32[HT_MAX_LOCAL_EXPERTS]: [e] = rows of the running ht_dispatch whose top-k ids select local expert e (the
 // receivers count, the last block compares with what notify summed and zeroes them: 0 between calls)
 constexpr u32 HT_CTRL_RECV_EXPERT_TOKENS = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;
-constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;
+// u32[1 + HT_MAX_LOCAL_EXPERTS]: the running ht_dispatch's copy of notify's host-mapped READY word and per-expert
+// sums, read once at the start (receiver warp 0), so that the last block's check reads device memory
+constexpr u32 HT_CTRL_RECV_EXPECTED = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;
+constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPECTED + (1 + HT_MAX_LOCAL_EXPERTS) * 4;
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
 static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, "consumed flags overlap");
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK, "chunk counters overlap the notify flags");

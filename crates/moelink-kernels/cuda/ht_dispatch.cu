@@ -34,6 +34,7 @@ static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are who
 static_assert(!FP8 || HIDDEN % HT_FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
 static_assert(ROW_BYTES == PAYLOAD_BYTES + META_BYTES, "slab row differs from moelink_kernels::ht::dispatch_row_bytes");
 constexpr u32 THREADS = DISPATCH_WARPS * WARP_SIZE;
+constexpr bool EXPERT_CHECK = (HT_EXPERIMENT & HT_EXP_NO_EXPERT_CHECK) == 0;  // a timing experiment turns it off
 // A row is copied in ROUNDS rounds of UNROLL vectors per lane (loads first, then stores).
 constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
@@ -84,7 +85,7 @@ static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDisp
 // Stores meta word `w` of the row at receive position `pos` into the outputs. With host_notify, the low word
 // of each local top-k id counts the row for its expert (HT_CTRL_RECV_EXPERT_TOKENS; check_expert_tokens).
 __device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32 w, u32 word) {
-  if (w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts)
+  if (EXPERT_CHECK && w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts)
     ptx::red_add_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPERT_TOKENS) + word, 1u);
   if (w < META_SCALES)
     reinterpret_cast<u32*>(a.recv_topk_idx)[pos * (2 * TOPK) + w] = word;
@@ -169,7 +170,7 @@ __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const
   if (TOPK == 0) return;
   u32 want = 0;
   const i64 num_experts = (i64)a.num_ranks * a.num_local_experts;
-  u32* expert_tokens = a.num_tokens_per_expert != 0 ? ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS) : nullptr;
+  u32* expert_tokens = EXPERT_CHECK && a.num_tokens_per_expert != 0 ? ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS) : nullptr;
   for (u32 k = lane; k < TOPK; k += WARP_SIZE) {
     const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + k];
     if (e >= 0 && e < num_experts) {
@@ -298,7 +299,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
 //     rank's list is wrong, and this rank would otherwise return it.
 // A grouped GEMM sized by those lists would read rows that do not exist, or miss some.
 __device__ __forceinline__ void check_expert_tokens(const HtDispatchArgs& a, const Deadline& d) {
-  if (TOPK == 0) return;
+  if (TOPK == 0 || !EXPERT_CHECK) return;
   if (a.num_tokens_per_expert != 0) {
     u32* expert_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS);
     const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
@@ -311,12 +312,12 @@ __device__ __forceinline__ void check_expert_tokens(const HtDispatchArgs& a, con
   }
   if (a.host_notify != 0) {
     u32* recv_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPERT_TOKENS);
-    const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
-    const bool ours = host[HT_HN_READY] == a.host_seq;  // else a later notify has rewritten the counts
+    const u32* expected = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPECTED);  // copy_expected's
+    const bool ours = expected[0] == a.host_seq;  // else a later notify has rewritten the host words
     for (u32 e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
       const u32 counted = ptx::ld_relaxed_gpu(recv_tokens + e);
       recv_tokens[e] = 0u;
-      if (ours && host[HT_HN_PER_EXPERT + e] != counted)
+      if (ours && expected[1 + e] != counted)
         report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
     }
   }
@@ -360,6 +361,16 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
   }
 }
 
+// Receiver warp 0, first: notify's host-mapped READY word and per-expert sums into HT_CTRL_RECV_EXPECTED, so
+// that check_expert_tokens at the end of the kernel reads device memory, not the host's over PCIe (the copy
+// overlaps the wait for the first rows; the warp's block arrives at the done counter after it).
+__device__ __forceinline__ void copy_expected(const HtDispatchArgs& a, u32 lane) {
+  const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
+  u32* expected = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPECTED);
+  if (lane == 0) expected[0] = host[HT_HN_READY];
+  for (u32 e = lane; e < a.num_local_experts; e += WARP_SIZE) expected[1 + e] = host[HT_HN_PER_EXPERT + e];
+}
+
 // Copies slab row [s][j] of this rank to receive position `pos` (payload, meta words).
 __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32 j, u32 pos, u32 lane) {
   if (pos >= a.num_out_rows) return;  // no-sync overflow: reported once, rows dropped
@@ -380,6 +391,7 @@ __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32
 //   is reported once (ERR_RECV_OVERFLOW, details N and num_out_rows); this rank's own rows (copy_own_rows).
 __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
+  if (EXPERT_CHECK && a.host_notify != 0 && warp_id == 0) copy_expected(a, lane);
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   const u32 num_recv = (u32)routing[HT_RT_NUM_RECV];
   if (TOPK > 0 && a.num_out_rows > num_recv) {
@@ -445,7 +457,7 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     }
   }
-  if (a.host_notify != 0) ptx::fence_acq_rel_gpu();  // the rows' expert counts (store_meta) before the done counter
+  if (EXPERT_CHECK && a.host_notify != 0) ptx::fence_acq_rel_gpu();  // the rows' expert counts (store_meta) before the done counter
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 

@@ -305,8 +305,9 @@ struct HtiDispatchArgs {
   u64 topk_idx;            // i64 [T, TOPK] (TOPK > 0)
   u64 topk_weights;        // f32 [T, TOPK] (TOPK > 0)
   u64 num_tokens_per_expert;  // i32 [E] of a fresh dispatch, checked against topk_idx; 0: no check
-  u64 expert_tokens;       // u32 [E + E_local]: the senders' count of the tokens selecting each expert, then the
-                           // receivers' of the rows selecting each local expert (0 between calls)
+  u64 expert_tokens;       // u32 [E + 2 E_local + 1]: the senders' count of the tokens selecting each expert, the
+                           // receivers' of the rows selecting each local expert (0 between calls), then the
+                           // copy of notify's READY word and per-expert sums (copy_expected)
   u64 host_notify;         // notify's host-mapped words of call host_seq (CPU-sync; HN_PER_EXPERT checked); 0: none
   u64 recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
   u64 recv_src_idx;        // i32 [num_out_rows], or 0

@@ -107,15 +107,25 @@ __device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, co
   }
   if (a.host_notify != 0) {
     u32* recv_tokens = expert_tokens + num_experts;
-    const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
-    const bool ours = host[HN_READY] == a.host_seq;  // else a later notify has rewritten the counts
+    const u32* expected = recv_tokens + a.num_local_experts;  // copy_expected's
+    const bool ours = expected[0] == a.host_seq;  // else a later notify has rewritten the host words
     for (u32 e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
       const u32 counted = ptx::ld_relaxed_gpu(recv_tokens + e);
       recv_tokens[e] = 0u;
-      if (ours && host[HN_PER_EXPERT + e] != counted)
+      if (ours && expected[1 + e] != counted)
         report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
     }
   }
+}
+
+// Receiver warp 0, first: notify's host-mapped READY word and per-expert sums into expert_tokens after the
+// receivers' counts, so that check_expert_tokens at the end of the kernel reads device memory, not the host's
+// over PCIe (the copy overlaps the wait for the first rows; the warp's block arrives at the done counter after it).
+__device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane) {
+  const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
+  u32* expected = reinterpret_cast<u32*>(a.expert_tokens) + (NUM_RANKS + 1) * a.num_local_experts;
+  if (lane == 0) expected[0] = host[HN_READY];
+  for (u32 e = lane; e < a.num_local_experts; e += WARP_SIZE) expected[1 + e] = host[HN_PER_EXPERT + e];
 }
 
 // Sender warp: chunks of Q tokens taken in order from the call's counter (a chunk never straddles a round:
@@ -575,6 +585,7 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
         } else if (role == Role::FORWARD) {
           if (w < NUM_NODES * a.fwd_per_node) hti_dispatch::forward(a, f, w % NUM_NODES, w / NUM_NODES, dr, dn);
         } else {
+          if (a.host_notify != 0 && w == 0) hti_dispatch::copy_expected(a, threadIdx.x % WARP_SIZE);
           if (n >= NUM_RANKS)
             hti_dispatch::receive_split(a, f, w, n, dr, dn);
           else

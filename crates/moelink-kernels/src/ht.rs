@@ -62,8 +62,11 @@ pub mod ctrl {
     /// `u32[MAX_LOCAL_EXPERTS]`: rows of the running dispatch whose top-k ids select each local expert (0
     /// between calls).
     pub const RECV_EXPERT_TOKENS: usize = EXPERT_TOKENS + super::MAX_RANKS * MAX_LOCAL_EXPERTS * 4;
+    /// `u32[1 + MAX_LOCAL_EXPERTS]`: the running dispatch's copy of notify's host-mapped READY word and
+    /// per-expert sums.
+    pub const RECV_EXPECTED: usize = RECV_EXPERT_TOKENS + MAX_LOCAL_EXPERTS * 4;
     /// Bytes of the whole control region.
-    pub const BYTES: usize = RECV_EXPERT_TOKENS + MAX_LOCAL_EXPERTS * 4;
+    pub const BYTES: usize = RECV_EXPECTED + (1 + MAX_LOCAL_EXPERTS) * 4;
     // moelink reserves [64 KiB, 2 MiB) of its control area for HT.
     const _: () = assert!(BYTES <= (2 << 20) - (64 << 10));
 }
@@ -497,7 +500,7 @@ pub struct HtDispatchVariant {
     pub topk: usize,
     /// Tokens a sender warp writes before one fence releases them (see ht_dispatch.cu).
     pub release_batch: u32,
-    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong).
+    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1 and 2).
     pub experiment: u32,
 }
 
@@ -572,7 +575,7 @@ pub struct HtCombineVariant {
     pub topk: usize,
     /// Rows per source a sender warp writes before one fence releases them (see ht_combine.cu).
     pub release_batch: u32,
-    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong).
+    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1 and 2).
     pub experiment: u32,
     /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
     pub reduce_load_vecs: u32,
@@ -735,7 +738,8 @@ mod tests {
         assert!(h.contains("constexpr u32 HT_MSG_WORDS = HT_MSG_HEADER_WORDS + HT_MAX_LOCAL_EXPERTS;"));
         assert!(h.contains("constexpr u32 HT_CTRL_EXPERT_TOKENS = HT_CTRL_NOTIFY_MSGS + 2 * MAX_RANKS * HT_MSG_WORDS * 4;"));
         assert!(h.contains("constexpr u32 HT_CTRL_RECV_EXPERT_TOKENS = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;"));
-        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_RECV_EXPECTED = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;"));
+        assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPECTED + (1 + HT_MAX_LOCAL_EXPERTS) * 4;"));
         assert_eq!(routing::PREFIX % 4, 0, "prefix rows 16-byte aligned");
         assert_eq!(host_notify::PER_EXPERT, 16);
     }

@@ -315,8 +315,9 @@ pub struct HtiDispatchArgs {
     pub topk_weights: u64,
     /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
     pub num_tokens_per_expert: u64,
-    /// `u32 [E + E / R]`: the senders' count of the tokens selecting each expert, then the receivers' of the
-    /// rows selecting each local expert ([`HTI_EXPERT_TOKENS_BYTES`]; 0 between calls).
+    /// `u32 [E + 2 E / R + 1]`: the senders' count of the tokens selecting each expert, the receivers' of the
+    /// rows selecting each local expert (both 0 between calls), then the kernel's copy of notify's READY word
+    /// and per-expert sums ([`HTI_EXPERT_TOKENS_BYTES`]).
     pub expert_tokens: u64,
     /// Notify's host-mapped words of call `host_seq` (CPU-synchronised fresh dispatch with top-k): the rows
     /// per local expert it summed are checked against the arriving rows' top-k ids, unless the words hold
@@ -394,8 +395,8 @@ pub const fn trace_words(blocks: usize, num_nodes: usize) -> usize {
 }
 
 /// Bytes of a rank's per-expert token counts (`HtiDispatchArgs::expert_tokens`): one `u32` for every expert
-/// the largest buffer has, then one for each of its local experts.
-pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * (HTI_MAX_RANKS + 1) * HTI_MAX_LOCAL_EXPERTS;
+/// the largest buffer has, then two for each of its local experts and one more.
+pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * ((HTI_MAX_RANKS + 2) * HTI_MAX_LOCAL_EXPERTS + 1);
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
 /// round, rows per local rank, combine chunks done, combine rounds handed back; per source, the receiver
