@@ -204,10 +204,11 @@ constexpr HtOpWords HT_COMBINE_WORDS = {HT_CTRL_COMBINE_EPOCH, HT_CTRL_COMBINE_D
 //     (acq_rel at GPU scope, so it sees every other block's reads as done) resets it and the sender chunk
 //     counter, then — after one system-scope fence — tells every peer that this rank has consumed call
 //     `epoch` (consumed[rank] = epoch in the peer's control region) and stores the epoch for the next call.
-//     Then every thread of that block runs last_block(deadline): checks of what the whole grid counted.
-template <u32 WARPS, u32 TRACE_WORDS, typename Args, typename Send, typename Receive, typename LastBlock>
+//     Before its arrival every thread of a block runs block_end() (what the block counted goes out), and after
+//     it every thread of the last block runs last_block(deadline): checks of what the whole grid counted.
+template <u32 WARPS, u32 TRACE_WORDS, typename Args, typename Send, typename Receive, typename BlockEnd, typename LastBlock>
 __device__ __forceinline__ void ht_run_op(const Args& a, u32 phase, u32 num_ranks, u32 row_bytes, HtOpWords w, Send send,
-                                          Receive receive, LastBlock last_block) {
+                                          Receive receive, BlockEnd block_end, LastBlock last_block) {
   __shared__ u32 s_epoch;
   __shared__ bool s_last;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -229,6 +230,8 @@ __device__ __forceinline__ void ht_run_op(const Args& a, u32 phase, u32 num_rank
     send(epoch, d, blockIdx.x * WARPS + warp, a.num_send_blocks * WARPS);
   else
     receive(epoch, d, (blockIdx.x - a.num_send_blocks) * WARPS + warp, (gridDim.x - a.num_send_blocks) * WARPS);
+  __syncthreads();
+  block_end();
   __syncthreads();
   if (threadIdx.x == 0) {
     ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_BLOCK_END);

@@ -357,6 +357,6 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
       a, PHASE_COMBINE, NUM_RANKS, ROW_BYTES, HT_COMBINE_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { reduce(a, epoch, d, warp_id, num_warps); },
-      [](const Deadline&) {});
+      []() {}, [](const Deadline&) {});
 }
 }  // namespace moelink::intranode

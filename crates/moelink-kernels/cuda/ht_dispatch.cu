@@ -82,11 +82,62 @@ struct HtDispatchArgs {
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
 
+// The per-expert checks' tallies (check_token_ranks, store_meta, check_expert_tokens): a sender block counts
+// the tokens of every expert (HT_CTRL_EXPERT_TOKENS), a receiver block the rows of each local expert
+// (HT_CTRL_RECV_EXPERT_TOKENS). When they fit, a block counts in shared memory (a shared atomic per top-k
+// entry) and adds its non-zero tallies to the control region once at its end (flush_tallies); a global
+// atomic per entry on the few L2 lines of the counters slowed the whole dispatch by their contention.
+constexpr u32 TALLY_SLOTS = 2048;
+__shared__ u32 s_tally[TALLY_SLOTS];
+
+__device__ __forceinline__ u32 tally_slots(const HtDispatchArgs& a, bool sender) {
+  return sender ? a.num_ranks * a.num_local_experts : a.num_local_experts;
+}
+
+__device__ __forceinline__ u32* tally_counters(const HtDispatchArgs& a, bool sender) {
+  return ht_ctrl_word(a.ctrl[a.rank], sender ? HT_CTRL_EXPERT_TOKENS : HT_CTRL_RECV_EXPERT_TOKENS);
+}
+
+__device__ __forceinline__ void tally(const HtDispatchArgs& a, bool sender, u32 i) {
+  if (tally_slots(a, sender) <= TALLY_SLOTS)
+    atomicAdd(&s_tally[i], 1u);
+  else
+    ptx::red_add_relaxed_gpu(tally_counters(a, sender) + i, 1u);
+}
+
+// Whether this block's role counts in this call.
+__device__ __forceinline__ bool tallies(const HtDispatchArgs& a, bool sender) {
+  return EXPERT_CHECK && TOPK > 0 && (sender ? a.num_tokens_per_expert != 0 : a.host_notify != 0);
+}
+
+// Before any count: the block's tallies zeroed (ht_run_op's first __syncthreads orders it before them).
+__device__ __forceinline__ void zero_tallies(const HtDispatchArgs& a) {
+  if (!EXPERT_CHECK || TOPK == 0) return;
+  for (u32 i = threadIdx.x; i < TALLY_SLOTS; i += blockDim.x) s_tally[i] = 0u;
+}
+
+// ht_run_op's block_end, every thread after the block's last count: the non-zero tallies added to the control
+// region, fenced before the block's arrival at the done counter (the last block reads them).
+__device__ __forceinline__ void flush_tallies(const HtDispatchArgs& a) {
+  const bool sender = blockIdx.x < a.num_send_blocks;
+  const u32 n = tally_slots(a, sender);
+  if (!tallies(a, sender) || n > TALLY_SLOTS) return;
+  u32* counters = tally_counters(a, sender);
+  bool added = false;
+  for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+    const u32 v = s_tally[i];
+    if (v != 0u) {
+      ptx::red_add_relaxed_gpu(counters + i, v);
+      added = true;
+    }
+  }
+  if (added) ptx::fence_acq_rel_gpu();
+}
+
 // Stores meta word `w` of the row at receive position `pos` into the outputs. With host_notify, the low word
-// of each local top-k id counts the row for its expert (HT_CTRL_RECV_EXPERT_TOKENS; check_expert_tokens).
+// of each local top-k id counts the row for its expert (tally; check_expert_tokens).
 __device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32 w, u32 word) {
-  if (EXPERT_CHECK && w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts)
-    ptx::red_add_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPERT_TOKENS) + word, 1u);
+  if (EXPERT_CHECK && w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts) tally(a, false, word);
   if (w < META_SCALES)
     reinterpret_cast<u32*>(a.recv_topk_idx)[pos * (2 * TOPK) + w] = word;
   else if (w < META_WEIGHTS)
@@ -164,18 +215,18 @@ __device__ __forceinline__ void store_payload_round(u32x4* out, u32 round, const
 // (ERR_INVALID_LAYOUT, LAYOUT_ARG_IN_RANK, the token): a row sent where it selects no expert arrives with every
 // top-k id -1, and an expert whose rank gets no row misses the token. The rows still travel as
 // is_token_in_rank says; the call fails on this rank once the collective has run.
-// With num_tokens_per_expert, each of the token's experts is also counted (red.add into HT_CTRL_EXPERT_TOKENS;
-// check_expert_tokens compares): every token passes here once, whatever its destinations.
+// With num_tokens_per_expert, each of the token's experts is also counted (tally; check_expert_tokens
+// compares): every token passes here once, whatever its destinations.
 __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const Deadline& d, u32 t, bool goes_here, u32 lane) {
   if (TOPK == 0) return;
   u32 want = 0;
   const i64 num_experts = (i64)a.num_ranks * a.num_local_experts;
-  u32* expert_tokens = EXPERT_CHECK && a.num_tokens_per_expert != 0 ? ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS) : nullptr;
+  const bool count = EXPERT_CHECK && a.num_tokens_per_expert != 0;
   for (u32 k = lane; k < TOPK; k += WARP_SIZE) {
     const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + k];
     if (e >= 0 && e < num_experts) {
       want |= 1u << (u32)(e / a.num_local_experts);
-      if (expert_tokens != nullptr) ptx::red_add_relaxed_gpu(expert_tokens + e, 1u);
+      if (count) tally(a, true, (u32)e);
     }
   }
   want = __reduce_or_sync(FULL_WARP_MASK, want);
@@ -290,8 +341,9 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// The last block, after every sender and receiver has counted (check_token_ranks, store_meta; their fences
-// and the blocks' done counter order the counts before this), each count zeroed for the next call:
+// The last block, after every sender and receiver block has counted (check_token_ranks, store_meta,
+// flush_tallies; their fences and the blocks' done counter order the counts before this), each count zeroed
+// for the next call:
 //   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
 //     e << 32 | count): this rank's list is wrong;
 //   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
@@ -457,7 +509,6 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
     }
   }
-  if (EXPERT_CHECK && a.host_notify != 0) ptx::fence_acq_rel_gpu();  // the rows' expert counts (store_meta) before the done counter
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
@@ -476,10 +527,11 @@ namespace moelink::intranode {
 //   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
 //   remote rows from the slab), consumed flags.
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtDispatchArgs a) {
+  zero_tallies(a);
   ht_run_op<DISPATCH_WARPS, TRACE_WORDS>(
       a, PHASE_DISPATCH, a.num_ranks, ROW_BYTES, HT_DISPATCH_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { receive(a, epoch, d, warp_id, num_warps); },
-      [&](const Deadline& d) { check_expert_tokens(a, d); });
+      [&]() { flush_tallies(a); }, [&](const Deadline& d) { check_expert_tokens(a, d); });
 }
 }  // namespace moelink::intranode

@@ -498,11 +498,12 @@ enum class Role : u32 { SEND, FORWARD, RECEIVE };
 // Runs `body(frame, role, warp_id, num_warps)` on every worker warp (warp_id of num_warps within its role),
 // then the end of the call: the last worker block to finish resets
 // the per-call counters (`reset()`) and stores base + K for the next call, then every thread of that block runs
-// `last_block()`: checks of what the whole grid counted. Nothing moves, and the base stays, when the
+// `last_block()`: checks of what the whole grid counted (before its arrival every thread of each block runs
+// `block_end(role)`: what the block counted goes out). Nothing moves, and the base stays, when the
 // routing status is non-zero (every rank saw the same messages, so every rank returns here).
-template <typename Args, typename Body, typename Reset, typename LastBlock>
+template <typename Args, typename Body, typename Reset, typename BlockEnd, typename LastBlock>
 __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base_word, u32* done_word, const Deadline& d, Body body,
-                                        Reset reset, LastBlock last_block) {
+                                        Reset reset, BlockEnd block_end, LastBlock last_block) {
   if (rdma::nic_block(a.rdma, d)) return;
   rdma::WorkerScope scope(a.rdma);
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
@@ -524,13 +525,16 @@ __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base
   const u64 trace_block = (u64)blockIdx.x * HTI_TRACE_BLOCK_WORDS;
   if (threadIdx.x == 0) hti_stamp(a.trace, trace_block);
   if (threadIdx.x % WARP_SIZE == 0) hti_stamp(a.trace, trace_block + 2 + 2 * warp);
-  if (blockIdx.x < a.num_send_blocks)
-    body(f, Role::SEND, blockIdx.x * HTI_WARPS + warp, a.num_send_blocks * HTI_WARPS);
-  else if (blockIdx.x < fwd_end)
-    body(f, Role::FORWARD, (blockIdx.x - a.num_send_blocks) * HTI_WARPS + warp, a.num_fwd_blocks * HTI_WARPS);
+  const Role role = blockIdx.x < a.num_send_blocks ? Role::SEND : blockIdx.x < fwd_end ? Role::FORWARD : Role::RECEIVE;
+  if (role == Role::SEND)
+    body(f, role, blockIdx.x * HTI_WARPS + warp, a.num_send_blocks * HTI_WARPS);
+  else if (role == Role::FORWARD)
+    body(f, role, (blockIdx.x - a.num_send_blocks) * HTI_WARPS + warp, a.num_fwd_blocks * HTI_WARPS);
   else
-    body(f, Role::RECEIVE, (blockIdx.x - fwd_end) * HTI_WARPS + warp, (workers - fwd_end) * HTI_WARPS);
+    body(f, role, (blockIdx.x - fwd_end) * HTI_WARPS + warp, (workers - fwd_end) * HTI_WARPS);
   if (threadIdx.x % WARP_SIZE == 0) hti_stamp(a.trace, trace_block + 3 + 2 * warp);
+  __syncthreads();
+  block_end(role);
   __syncthreads();
   if (threadIdx.x == 0) hti_stamp(a.trace, trace_block + 1);
   __shared__ bool s_last;

@@ -506,6 +506,6 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
         st->combine_rounds_done = 0u;
         for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->combine_rounds_back[n] = 0u;
       },
-      []() {});
+      [](Role) {}, []() {});
 }
 }  // namespace moelink::internode

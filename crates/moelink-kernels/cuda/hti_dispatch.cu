@@ -30,6 +30,53 @@ __device__ __forceinline__ void copy_to_messages(u32 nodes, u64 node_msg, const 
 // ============================================================================================== dispatch
 namespace hti_dispatch {
 
+// The per-expert checks' tallies (check_token_ranks, copy_out, check_expert_tokens): a sender block counts the
+// tokens of every expert (expert_tokens[0, E)), a receiver block the rows of each local expert (expert_tokens[E,
+// E + E_local)). When they fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its
+// non-zero tallies once at its end (flush_tallies), not a global atomic per entry on the counters' few L2 lines.
+constexpr u32 TALLY_SLOTS = 2048;
+__shared__ u32 s_tally[TALLY_SLOTS];
+
+__device__ __forceinline__ u32 tally_slots(const HtiDispatchArgs& a, bool sender) {
+  return sender ? NUM_RANKS * a.num_local_experts : a.num_local_experts;
+}
+
+__device__ __forceinline__ u32* tally_counters(const HtiDispatchArgs& a, bool sender) {
+  return reinterpret_cast<u32*>(a.expert_tokens) + (sender ? 0u : NUM_RANKS * a.num_local_experts);
+}
+
+__device__ __forceinline__ void tally(const HtiDispatchArgs& a, bool sender, u32 i) {
+  if (tally_slots(a, sender) <= TALLY_SLOTS)
+    atomicAdd(&s_tally[i], 1u);
+  else
+    ptx::red_add_relaxed_gpu(tally_counters(a, sender) + i, 1u);
+}
+
+// Before any count: the block's tallies zeroed (hti_run's first __syncthreads orders it before them).
+__device__ __forceinline__ void zero_tallies() {
+  if (TOPK == 0) return;
+  for (u32 i = threadIdx.x; i < TALLY_SLOTS; i += blockDim.x) s_tally[i] = 0u;
+}
+
+// hti_run's block_end, every thread of a worker block after its last count: the non-zero tallies of a sender
+// or receiver block added to expert_tokens, fenced before the block's arrival at the done counter.
+__device__ __forceinline__ void flush_tallies(const HtiDispatchArgs& a, Role role) {
+  if (TOPK == 0 || role == Role::FORWARD) return;
+  const bool sender = role == Role::SEND;
+  const u32 n = tally_slots(a, sender);
+  if ((sender ? a.num_tokens_per_expert : a.host_notify) == 0 || n > TALLY_SLOTS) return;
+  u32* counters = tally_counters(a, sender);
+  bool added = false;
+  for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+    const u32 v = s_tally[i];
+    if (v != 0u) {
+      ptx::red_add_relaxed_gpu(counters + i, v);
+      added = true;
+    }
+  }
+  if (added) ptx::fence_acq_rel_gpu();
+}
+
 // The meta word `w` of a dispatch row as local rank `j` of node `node` sees it (from the message `msg`).
 __device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const u8* msg, u32 w, u32 dst_rank, u32 round, u32 message) {
   const u32* ids = reinterpret_cast<const u32*>(msg + MSG_IDS);
@@ -57,8 +104,8 @@ __device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const u8* msg
 // where it selects no expert arrives with every top-k id -1, and an expert whose rank gets no row misses the
 // token. The rows still travel as is_token_in_rank says; the call fails on this rank once the collective has
 // run. The expert ids are the ones the message staging reads next (L1), the prefix rows the slots' (L2).
-// With num_tokens_per_expert, each of the token's experts is also counted (red.add into expert_tokens;
-// check_expert_tokens compares): every token passes here once, whatever its destinations.
+// With num_tokens_per_expert, each of the token's experts is also counted (tally; check_expert_tokens
+// compares): every token passes here once, whatever its destinations.
 __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, const Frame& f, const i32* prefix, u32 t, u32 lane,
                                                   const Deadline& d) {
   if (TOPK == 0) return;
@@ -68,7 +115,7 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
     const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
     if (e >= 0 && e < (i64)NUM_RANKS * el) {
       rank_of_k = (i32)(e / el);
-      if (a.num_tokens_per_expert != 0) ptx::red_add_relaxed_gpu(reinterpret_cast<u32*>(a.expert_tokens) + e, 1u);
+      if (a.num_tokens_per_expert != 0) tally(a, true, (u32)e);
     }
   }
   bool bad = false;
@@ -85,8 +132,9 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
   if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
 }
 
-// The last block, after every sender and receiver has counted (check_token_ranks, copy_out; their closing
-// fences and the blocks' done counter order the counts before this), each count zeroed for the next call:
+// The last block, after every sender and receiver block has counted (check_token_ranks, copy_out,
+// flush_tallies; their fences and the blocks' done counter order the counts before this), each count zeroed
+// for the next call:
 //   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
 //     e << 32 | count): this rank's list is wrong;
 //   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
@@ -243,7 +291,6 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     }
     hti_stamp_chunk(a.trace, q, 2);
   }
-  ptx::fence_acq_rel_gpu();  // the expert counts (check_token_ranks) before the blocks' done counter
 }
 
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
@@ -388,7 +435,7 @@ __device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& 
   for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
     const u32 v = meta[w];
     if (w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && v < a.num_local_experts)
-      ptx::red_add_relaxed_gpu(reinterpret_cast<u32*>(a.expert_tokens) + NUM_RANKS * a.num_local_experts + v, 1u);
+      tally(a, false, v);
     if (w < META_SCALES) reinterpret_cast<u32*>(a.recv_topk_idx)[(u64)pos * 2 * TOPK + w] = v;
     else if (w < META_WEIGHTS) reinterpret_cast<u32*>(a.recv_scales)[(u64)pos * NUM_SCALES + (w - META_SCALES)] = v;
     else if (w < META_SRC) reinterpret_cast<u32*>(a.recv_topk_weights)[(u64)pos * TOPK + (w - META_WEIGHTS)] = v;
@@ -577,6 +624,7 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
   const Deadline dr = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_DISPATCH_RDMA);
   const Deadline dn = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_DISPATCH_NVLINK);
   HtiState* st = hti_state(a.state);
+  hti_dispatch::zero_tallies();
   hti_run(
       a, a.num_tokens, &st->dispatch_base, &st->dispatch_done, dr,
       [&](const Frame& f, Role role, u32 w, u32 n) {
@@ -590,13 +638,12 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
             hti_dispatch::receive_split(a, f, w, n, dr, dn);
           else
             hti_dispatch::receive(a, f, w, n, dr, dn);
-          if (a.host_notify != 0) ptx::fence_acq_rel_gpu();  // the rows' expert counts (copy_out) before the done counter
         }
       },
       [&]() {
         st->dispatch_chunk = 0u;
         for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->messages_before[n] = 0u;
       },
-      [&]() { hti_dispatch::check_expert_tokens(a, dr); });
+      [&](Role role) { hti_dispatch::flush_tallies(a, role); }, [&]() { hti_dispatch::check_expert_tokens(a, dr); });
 }
 }  // namespace moelink::internode
