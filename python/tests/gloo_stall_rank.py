@@ -4,7 +4,8 @@
 The last rank stalls inside the timed dispatch: it posts its first message of the call (it has met the
 others in the exchange) and then stops itself with SIGSTOP, as under a debugger or a swapped-out host,
 until the test kills it. Every other rank must get ``moelink.TimeoutError`` naming it within the deadline,
-although the gloo group's own timeout is ten minutes."""
+although the gloo group's own timeout is ten minutes. A rank that has printed its result stays up until its
+stdin closes: rank 0's process hosts the store, and the others may still be reading it to tell whom to name."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def main() -> None:
         result.update(error=type(err).__name__, message=str(err))
     result["elapsed_s"] = time.monotonic() - start
     print(json.dumps(result), flush=True)
+    sys.stdin.read()  # the test closes it once every other rank has printed its result
     os._exit(0)  # the stalled rank never comes back: no collective teardown
 
 
