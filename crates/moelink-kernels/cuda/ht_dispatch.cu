@@ -122,16 +122,7 @@ __device__ __forceinline__ void flush_tallies(const HtDispatchArgs& a) {
   const bool sender = blockIdx.x < a.num_send_blocks;
   const u32 n = tally_slots(a, sender);
   if (!tallies(a, sender) || n > TALLY_SLOTS) return;
-  u32* counters = tally_counters(a, sender);
-  bool added = false;
-  for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-    const u32 v = s_tally[i];
-    if (v != 0u) {
-      ptx::red_add_relaxed_gpu(counters + i, v);
-      added = true;
-    }
-  }
-  if (added) ptx::fence_acq_rel_gpu();
+  add_tallies(tally_counters(a, sender), s_tally, n);
 }
 
 // Stores meta word `w` of the row at receive position `pos` into the outputs. With host_notify, the low word

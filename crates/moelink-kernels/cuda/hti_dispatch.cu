@@ -65,16 +65,7 @@ __device__ __forceinline__ void flush_tallies(const HtiDispatchArgs& a, Role rol
   const bool sender = role == Role::SEND;
   const u32 n = tally_slots(a, sender);
   if ((sender ? a.num_tokens_per_expert : a.host_notify) == 0 || n > TALLY_SLOTS) return;
-  u32* counters = tally_counters(a, sender);
-  bool added = false;
-  for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-    const u32 v = s_tally[i];
-    if (v != 0u) {
-      ptx::red_add_relaxed_gpu(counters + i, v);
-      added = true;
-    }
-  }
-  if (added) ptx::fence_acq_rel_gpu();
+  add_tallies(tally_counters(a, sender), s_tally, n);
 }
 
 // The meta word `w` of a dispatch row as local rank `j` of node `node` sees it (from the message `msg`).

@@ -516,6 +516,21 @@ __device__ __forceinline__ void report_error(const Deadline& d, u32 code, u32 pe
   ptx::st_release_sys(&r->code, code);
 }
 
+// The dispatch kernels' per-expert checks, block-collective: adds the block's non-zero shared-memory tallies
+// [0, n) to `counters` (one red.add each), then fences them before the block's arrival at its done counter,
+// after which the last block reads the counters.
+__device__ __forceinline__ void add_tallies(u32* counters, const u32* tally, u32 n) {
+  bool added = false;
+  for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+    const u32 v = tally[i];
+    if (v != 0u) {
+      ptx::red_add_relaxed_gpu(counters + i, v);
+      added = true;
+    }
+  }
+  if (added) ptx::fence_acq_rel_gpu();
+}
+
 // The notify kernels' per-expert layout check (LAYOUT_ARG_PER_EXPERT), warp-collective: whether the `el`
 // counts `per_expert` (num_tokens_per_expert for one destination rank's experts) disagree with the `sent`
 // tokens is_token_in_rank sends that rank. Each token sent there selects at least one of its experts, so they
