@@ -211,7 +211,7 @@ struct World {
       data_table[r] = (u64)k.data;
     }
   }
-  // Like CudaBackend::clear_argument_error.
+  // Like Gpu::clear_argument_error (crates/moelink, backend/cuda/gpu.rs).
   void clear_errors(u32 r) {
     *ranks[r].claim = 0;
     std::memset(ranks[r].record, 0, sizeof(ErrorRec));

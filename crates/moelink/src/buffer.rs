@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::backend::{self, Backend, BoundStream, LayoutOutputs, PendingRecv};
-use crate::config::{BackendKind, BufferOptions};
+use crate::config::BufferOptions;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -142,14 +142,7 @@ impl Buffer {
         // Checked on one node too (where they are unused), so a bad value fails before a job spans nodes.
         options.rdma.validate(rank)?;
         let options = BufferOptions { topology: Some(topology), ..options };
-        let backend: Box<dyn Backend> = match options.backend {
-            BackendKind::Host => Box::new(backend::host::HostBackend::new(group.clone(), &options)?),
-            BackendKind::Cuda => Box::new(backend::cuda::CudaBackend::new(group.clone(), &options)?),
-            BackendKind::Auto => match backend::cuda::CudaBackend::available() {
-                Ok(()) => Box::new(backend::cuda::CudaBackend::new(group.clone(), &options)?),
-                Err(_) => Box::new(backend::host::HostBackend::new(group.clone(), &options)?),
-            },
-        };
+        let backend = backend::new(group.clone(), &options)?;
         let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed) ^ (crate::group::process_key() << 20);
         Ok(Buffer { group, id, options, backend, poisoned: None, calls: 0, ll_region_dirty: false })
     }
@@ -405,8 +398,8 @@ impl Buffer {
     /// assert!(bytes > 128 * 7168 * 2 * 4 && bytes < 1 << 30);
     /// ```
     pub fn ll_bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_ranks: usize, num_experts: usize) -> usize {
-        let single = backend::cuda::ll::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
-        let across = backend::cuda::ll_internode::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+        let single = backend::cuda::intranode::ll::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+        let across = backend::cuda::internode::ll::bytes_needed(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
         single.max(across)
     }
 
@@ -656,7 +649,8 @@ impl Buffer {
         if hook.buffer_id != self.id {
             return Err(Error::invalid("hook", self.rank(), "the hook comes from another buffer"));
         }
-        self.step(|b| b.run_recv(hook.pending))
+        let rank = self.rank();
+        self.step(|b| hook.pending.run(b.as_any_mut(), rank))
     }
 
     /// The send buffer of the next low-latency combine, `bf16 [E_local, R*T_max, H]`: write expert outputs

@@ -100,25 +100,6 @@ impl BackendKind {
             BackendKind::Cuda => "cuda",
         }
     }
-
-    /// `Ok` when this backend can run on this machine; for [`BackendKind::Cuda`] the error says why not
-    /// (no driver, no GPU, no NVRTC, not built). `Host` and `Auto` always can.
-    pub fn check_available(self) -> crate::Result<()> {
-        match self {
-            BackendKind::Cuda => crate::backend::cuda::CudaBackend::available(),
-            BackendKind::Host | BackendKind::Auto => Ok(()),
-        }
-    }
-
-    /// The backend `Auto` picks on this machine (`Cuda` when available, else `Host`); `Host` and `Cuda`
-    /// return themselves.
-    pub fn resolve(self) -> BackendKind {
-        match self {
-            BackendKind::Auto if BackendKind::Cuda.check_available().is_ok() => BackendKind::Cuda,
-            BackendKind::Auto => BackendKind::Host,
-            other => other,
-        }
-    }
 }
 
 /// The longest deadline a buffer takes (`BufferOptions::timeout_ms`): one day. The kernels count it in

@@ -119,7 +119,7 @@ pub struct DispatchPlan {
     pub(crate) spec: HtSpec,
     pub(crate) num_recv_tokens: Option<usize>,
     pub(crate) num_recv_tokens_per_expert: Vec<usize>,
-    pub(crate) state: crate::backend::PlanState,
+    pub(crate) state: crate::opaque::BackendData,
 }
 
 impl DispatchPlan {
@@ -196,7 +196,7 @@ pub struct HtHandle {
     pub(crate) num_experts: usize,
     pub(crate) num_recv_tokens: Option<usize>,
     pub(crate) num_worst_tokens: usize,
-    pub(crate) data: Arc<crate::backend::HtRouting>,
+    pub(crate) data: Arc<crate::opaque::BackendData>,
 }
 
 impl HtHandle {

@@ -51,6 +51,7 @@ pub mod ht;
 pub mod internode;
 pub mod layout;
 pub mod ll;
+mod opaque;
 pub mod rdma_probe;
 pub mod reduce;
 pub mod stream;

@@ -137,7 +137,7 @@ impl LlSpec {
 pub struct LlHandle {
     pub(crate) buffer_id: u64,
     pub(crate) spec: LlSpec,
-    pub(crate) data: Arc<crate::backend::LlRouting>,
+    pub(crate) data: Arc<crate::opaque::BackendData>,
 }
 
 impl LlHandle {

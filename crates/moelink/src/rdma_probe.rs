@@ -16,7 +16,8 @@ use moelink_kernels::transport::{
     CHECK_PUT_SIGNAL, TRANSPORT_SIGNAL_BYTES, TRANSPORT_THREADS,
 };
 
-use crate::backend::cuda::rdma::RdmaDomain;
+use crate::backend::cuda::gpu::ModuleLinker;
+use crate::backend::cuda::internode::rdma::RdmaDomain;
 use crate::diag::{timeout_from_record, ErrorSink};
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;

@@ -6,10 +6,13 @@ pub(crate) mod host;
 
 use std::sync::Arc;
 
+use crate::config::{BackendKind, BufferOptions};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::group::Group;
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec};
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlSpec};
+pub(crate) use crate::opaque::{BackendData, PendingRecv};
 use crate::tensor::{Location, Tensor, TensorMut, TensorRef};
 
 /// Outputs of `get_dispatch_layout`: `int32 [R]`, `int32 [E]`, `bool [T, R]`.
@@ -22,104 +25,9 @@ pub struct LayoutOutputs<'a> {
     pub is_token_in_rank: TensorMut<'a>,
 }
 
-// Per-backend data that travels through the backend-independent core (handles, plans, pending receive
-// phases) is one enum per kind, with a variant per backend; a backend takes its own variant out with the
-// accessors below and refuses the other's.
-
-/// The routing a high-throughput dispatch leaves in its [`crate::HtHandle`].
-pub(crate) enum HtRouting {
-    Host(host::ht::HostHtRouting),
-    Cuda(cuda::ht::CudaHtRouting),
-    CudaInternode(cuda::ht_internode::HtiRouting),
-}
-
-/// The routing a low-latency dispatch leaves in its [`crate::LlHandle`].
-pub(crate) enum LlRouting {
-    Host(host::ll::HostLlRouting),
-    Cuda(cuda::ll::CudaLlRouting),
-}
-
-/// Backend state between `prepare_dispatch` and `dispatch` ([`crate::DispatchPlan`]).
-pub(crate) enum PlanState {
-    Host(host::ht::HostPlan),
-    Cuda(cuda::ht::CudaPlan),
-    CudaInternode(cuda::ht_internode::HtiPlan),
-}
-
-/// A receive phase that has not run yet (`return_recv_hook`). Holds the output views it will write.
-pub(crate) enum PendingRecv<'a> {
-    Host(host::ll::PendingRecv<'a>),
-    Cuda(cuda::PendingRecv<'a>),
-}
-
-fn other_backend(arg: &'static str, rank: usize, want: &str) -> Error {
-    Error::invalid(arg, rank, format!("comes from another backend than this {want} buffer"))
-}
-
-impl HtRouting {
-    pub(crate) fn host(&self, rank: usize) -> Result<&host::ht::HostHtRouting> {
-        match self {
-            HtRouting::Host(r) => Ok(r),
-            HtRouting::Cuda(_) | HtRouting::CudaInternode(_) => Err(other_backend("handle", rank, "host")),
-        }
-    }
-    pub(crate) fn cuda(&self, rank: usize) -> Result<&cuda::ht::CudaHtRouting> {
-        match self {
-            HtRouting::Cuda(r) => Ok(r),
-            HtRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
-            HtRouting::CudaInternode(_) => Err(Error::invalid("handle", rank, "comes from a buffer across nodes")),
-        }
-    }
-    pub(crate) fn cuda_internode(&self, rank: usize) -> Result<&cuda::ht_internode::HtiRouting> {
-        match self {
-            HtRouting::CudaInternode(r) => Ok(r),
-            HtRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
-            HtRouting::Cuda(_) => Err(Error::invalid("handle", rank, "comes from a single-node buffer")),
-        }
-    }
-}
-
-impl LlRouting {
-    pub(crate) fn host(&self, rank: usize) -> Result<&host::ll::HostLlRouting> {
-        match self {
-            LlRouting::Host(r) => Ok(r),
-            LlRouting::Cuda(_) => Err(other_backend("handle", rank, "host")),
-        }
-    }
-    pub(crate) fn cuda(&self, rank: usize) -> Result<&cuda::ll::CudaLlRouting> {
-        match self {
-            LlRouting::Cuda(r) => Ok(r),
-            LlRouting::Host(_) => Err(other_backend("handle", rank, "CUDA")),
-        }
-    }
-}
-
-impl PlanState {
-    pub(crate) fn into_host(self, rank: usize) -> Result<host::ht::HostPlan> {
-        match self {
-            PlanState::Host(p) => Ok(p),
-            PlanState::Cuda(_) | PlanState::CudaInternode(_) => Err(other_backend("plan", rank, "host")),
-        }
-    }
-    pub(crate) fn into_cuda(self, rank: usize) -> Result<cuda::ht::CudaPlan> {
-        match self {
-            PlanState::Cuda(p) => Ok(p),
-            PlanState::Host(_) => Err(other_backend("plan", rank, "CUDA")),
-            PlanState::CudaInternode(_) => Err(Error::invalid("plan", rank, "comes from a buffer across nodes")),
-        }
-    }
-    pub(crate) fn into_cuda_internode(self, rank: usize) -> Result<cuda::ht_internode::HtiPlan> {
-        match self {
-            PlanState::CudaInternode(p) => Ok(p),
-            PlanState::Host(_) => Err(other_backend("plan", rank, "CUDA")),
-            PlanState::Cuda(_) => Err(Error::invalid("plan", rank, "comes from a single-node buffer")),
-        }
-    }
-}
-
 /// What a backend returns from a dispatch: handle data plus the host-known received count.
 pub(crate) struct HtDispatched {
-    pub data: Arc<HtRouting>,
+    pub data: Arc<BackendData>,
     pub num_recv_tokens: Option<usize>,
 }
 
@@ -131,9 +39,41 @@ pub(crate) enum BoundStream {
     Foreign(u64),
 }
 
+impl BackendKind {
+    /// `Ok` when this backend can run on this machine; for [`BackendKind::Cuda`] the error says why not
+    /// (no driver, no GPU, no NVRTC, not built). `Host` and `Auto` always can.
+    pub fn check_available(self) -> Result<()> {
+        match self {
+            BackendKind::Cuda => cuda::available(),
+            BackendKind::Host | BackendKind::Auto => Ok(()),
+        }
+    }
+
+    /// The backend `Auto` picks on this machine (`Cuda` when available, else `Host`); `Host` and `Cuda`
+    /// return themselves.
+    pub fn resolve(self) -> BackendKind {
+        match self {
+            BackendKind::Auto if BackendKind::Cuda.check_available().is_ok() => BackendKind::Cuda,
+            BackendKind::Auto => BackendKind::Host,
+            other => other,
+        }
+    }
+}
+
+/// The backend `options.backend` selects, for this rank of `group`. The CUDA backend picks its fabric here,
+/// once: one node, or several ([`crate::BufferOptions::topology`]).
+pub(crate) fn new(group: Arc<dyn Group>, options: &BufferOptions) -> Result<Box<dyn Backend>> {
+    match options.backend.resolve() {
+        BackendKind::Host => Ok(Box::new(host::HostBackend::new(group, options)?)),
+        _ => cuda::new(group, options),
+    }
+}
+
 pub(crate) trait Backend: Send {
     /// `"host"` or `"cuda"`.
     fn name(&self) -> &'static str;
+    /// This backend as `Any`, for the receive phases it handed out ([`PendingRecv`]) to find their own type.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
     /// Where this backend's tensors live.
     fn location(&self) -> Location;
     /// SMs a high-throughput kernel uses when the caller gives no config.
@@ -219,14 +159,13 @@ pub(crate) trait Backend: Send {
         spec: LlSpec,
         args: &LlDispatchArgs<'_>,
         out: LlDispatchOutputs<'a>,
-    ) -> Result<(Arc<LlRouting>, Option<PendingRecv<'a>>)>;
+    ) -> Result<(Arc<BackendData>, Option<PendingRecv<'a>>)>;
     fn ll_combine<'a>(
         &mut self,
         spec: LlCombineSpec,
         args: &LlCombineArgs<'_>,
         out: LlCombineOutputs<'a>,
     ) -> Result<Option<PendingRecv<'a>>>;
-    fn run_recv(&mut self, pending: PendingRecv<'_>) -> Result<()>;
     /// The buffer the next low-latency combine sends from (`[E_local, R*T_max, H]` bf16).
     fn ll_next_combine_buffer(&mut self, spec: &LlSpec) -> Result<TensorMut<'_>>;
     fn clean_ll_buffer(&mut self, num_max_dispatch_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Result<()>;
@@ -237,7 +176,7 @@ pub(crate) trait Backend: Send {
     /// This rank's communication buffer as a 1-D `uint8` view: the high-throughput region, or the
     /// low-latency one with `use_rdma_buffer` (DeepEP's `get_local_buffer_tensor`).
     fn local_buffer(&mut self, _use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
-        Err(crate::error::Error::Unavailable(format!("the {} backend has no communication buffer to view", self.name())))
+        Err(crate::Error::Unavailable(format!("the {} backend has no communication buffer to view", self.name())))
     }
 }
 
@@ -280,9 +219,8 @@ macro_rules! forward_ht_operations {
 }
 pub(crate) use forward_ht_operations;
 
-/// The low-latency `Backend` methods, forwarded to the functions of the same name in the backend's `ll`
-/// module, for a backend with one low-latency implementation (the CUDA backend chooses between its
-/// intranode and internode kernels instead).
+/// The low-latency `Backend` methods every backend implements as functions of the same name in its `ll`
+/// module (taking the backend first): expanded inside each `impl Backend`, where that module is in scope.
 macro_rules! forward_ll_operations {
     () => {
         fn ll_dispatch<'a>(
@@ -290,7 +228,7 @@ macro_rules! forward_ll_operations {
             spec: $crate::ll::LlSpec,
             args: &$crate::ll::LlDispatchArgs<'_>,
             out: $crate::ll::LlDispatchOutputs<'a>,
-        ) -> $crate::Result<(std::sync::Arc<$crate::backend::LlRouting>, Option<$crate::backend::PendingRecv<'a>>)> {
+        ) -> $crate::Result<(std::sync::Arc<$crate::backend::BackendData>, Option<$crate::backend::PendingRecv<'a>>)> {
             ll::dispatch(self, spec, args, out)
         }
         fn ll_combine<'a>(
@@ -300,9 +238,6 @@ macro_rules! forward_ll_operations {
             out: $crate::ll::LlCombineOutputs<'a>,
         ) -> $crate::Result<Option<$crate::backend::PendingRecv<'a>>> {
             ll::combine(self, spec, args, out)
-        }
-        fn run_recv(&mut self, pending: $crate::backend::PendingRecv<'_>) -> $crate::Result<()> {
-            ll::run_recv(self, pending)
         }
         fn ll_next_combine_buffer(&mut self, spec: &$crate::ll::LlSpec) -> $crate::Result<$crate::tensor::TensorMut<'_>> {
             ll::next_combine_buffer(self, spec)

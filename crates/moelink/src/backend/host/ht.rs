@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+use super::HOST;
 use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
-use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
+use crate::backend::{BackendData, HtDispatched, LayoutOutputs};
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::layout::{self, align_up, to_local_expert};
@@ -83,7 +84,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
     let routing = match a.routing {
         Routing::Cached(h) => {
             agree(b, &s, true)?;
-            let r = h.data.host(rank)?;
+            let r = h.data.get::<HostHtRouting>("handle", rank, HOST)?;
             HostHtRouting {
                 num_tokens: r.num_tokens,
                 is_token_in_rank: r.is_token_in_rank.clone(),
@@ -198,7 +199,7 @@ pub(crate) fn prepare_dispatch(b: &mut HostBackend, s: HtSpec, a: &DispatchArgs<
         spec: s,
         num_recv_tokens: Some(n),
         num_recv_tokens_per_expert: per_expert_aligned,
-        state: PlanState::Host(HostPlan { routing }),
+        state: BackendData::new(HOST, HostPlan { routing }),
     })
 }
 
@@ -239,7 +240,7 @@ pub(crate) fn dispatch(
     let rank = s.rank;
     let nr = s.num_ranks;
     let el = s.num_local_experts();
-    let mut routing = plan.state.into_host(rank)?.routing;
+    let mut routing = plan.state.take::<HostPlan>("plan", rank, HOST)?.routing;
     let x = input_bytes(a.x.x(), "x", rank)?;
     let scales: Option<Vec<f32>> = match a.x {
         Payload::Fp8 { scales, .. } => Some(read_matrix(&scales).ok_or_else(|| Error::invalid("x_scales", rank, "needs a host tensor"))?),
@@ -339,13 +340,13 @@ pub(crate) fn dispatch(
         super::output_bytes(t, "recv_src_idx", rank)?[..4 * n].copy_from_slice(bytemuck::cast_slice(&recv_src_idx));
     }
     routing.recv_src_idx = recv_src_idx;
-    Ok(HtDispatched { data: Arc::new(HtRouting::Host(routing)), num_recv_tokens: Some(n) })
+    Ok(HtDispatched { data: Arc::new(BackendData::new(HOST, routing)), num_recv_tokens: Some(n) })
 }
 
 pub(crate) fn combine(b: &mut HostBackend, s: CombineSpec, a: &CombineArgs<'_>, mut out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
     let nr = s.num_ranks;
-    let routing = a.handle.data.host(rank)?;
+    let routing = a.handle.data.get::<HostHtRouting>("handle", rank, HOST)?;
     b.check_agreement(Phase::Combine, &[("hidden", s.hidden as u64), ("topk (combine weights)", s.topk as u64)])?;
     b.check_ht_capacity("HT combine receive slab", routing.t_max, moelink_kernels::ht::combine_row_bytes(s.hidden, s.topk), None)?;
     let x = input_bytes(&a.x, "x", rank)?;

@@ -16,13 +16,15 @@ use std::time::Instant;
 
 use half::bf16;
 
+use super::HOST;
 use super::{bf16_bits_to_f32, f32_to_bf16_bits, input_bytes, output_bytes, HostBackend};
-use crate::backend::{LlRouting, PendingRecv as AnyPending};
+use crate::backend::{BackendData, PendingRecv};
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::fp8::{pack_ue8m0, quantize_token, ue8m0_byte, GROUP, UE8M0_PER_INT};
 use crate::layout::{rank_of_expert, to_local_expert};
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs, LlDispatchOutputs, LlQuant, LlSpec};
+use crate::opaque::{backend_of, RecvPhase};
 use crate::tensor::{Tensor, TensorMut};
 use crate::validate::{read_i64_matrix, read_matrix};
 
@@ -75,19 +77,13 @@ pub(crate) struct HostLlRouting {
     recv_count: Vec<usize>,
 }
 
-/// A receive phase of the host backend that has not run yet.
-pub(crate) enum PendingRecv<'a> {
-    Dispatch(PendingDispatch<'a>),
-    Combine(PendingCombine<'a>),
-}
-
 /// A dispatch whose receive phase has not run yet (boxed: it holds five output views).
 pub(crate) struct PendingDispatch<'a>(Box<DispatchState<'a>>);
 
 struct DispatchState<'a> {
     spec: LlSpec,
-    /// The handle's routing ([`LlRouting::Host`]).
-    routing: Arc<LlRouting>,
+    /// The handle's routing (a [`HostLlRouting`]).
+    routing: Arc<BackendData>,
     /// Messages received from each source rank.
     recv: Vec<Vec<u8>>,
     mask: Vec<bool>,
@@ -211,7 +207,7 @@ pub(crate) fn dispatch<'a>(
     s: LlSpec,
     a: &LlDispatchArgs<'_>,
     out: LlDispatchOutputs<'a>,
-) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
+) -> Result<(Arc<BackendData>, Option<PendingRecv<'a>>)> {
     let (rank, nr) = (s.rank, s.num_ranks);
     collective_check(b, Phase::LowLatencyDispatch, &shared_values(&s), &[])?;
 
@@ -304,10 +300,10 @@ pub(crate) fn dispatch<'a>(
             recv_tokens[src].push(RecvToken { token, offset, terms });
         }
     }
-    let routing = Arc::new(LlRouting::Host(HostLlRouting { topk_idx, topk_weights, recv_tokens, recv_count }));
+    let routing = Arc::new(BackendData::new(HOST, HostLlRouting { topk_idx, topk_weights, recv_tokens, recv_count }));
     let pending = PendingDispatch(Box::new(DispatchState { spec: s, routing: routing.clone(), recv, mask, waited_ns, out }));
     if s.return_recv_hook {
-        Ok((routing, Some(AnyPending::Host(PendingRecv::Dispatch(pending)))))
+        Ok((routing, Some(PendingRecv::new(pending))))
     } else {
         finish_dispatch(b, pending)?;
         Ok((routing, None))
@@ -318,7 +314,7 @@ pub(crate) fn dispatch<'a>(
 fn finish_dispatch(_b: &mut HostBackend, p: PendingDispatch<'_>) -> Result<()> {
     let DispatchState { spec: s, routing, recv, mask, waited_ns, mut out } = *p.0;
     let rank = s.rank;
-    let routing = routing.host(rank)?;
+    let routing = routing.get::<HostLlRouting>("handle", rank, HOST)?;
     let rec = DispatchRecord::new(&s);
     let (rows, groups) = (s.rows_per_expert(), s.hidden / GROUP);
     let row_bytes = rec.payload;
@@ -433,10 +429,10 @@ pub(crate) fn combine<'a>(
     cs: LlCombineSpec,
     a: &LlCombineArgs<'_>,
     out: LlCombineOutputs<'a>,
-) -> Result<Option<AnyPending<'a>>> {
+) -> Result<Option<PendingRecv<'a>>> {
     let s = cs.ll;
     let (rank, h) = (s.rank, s.hidden);
-    let routing = a.handle.data.host(rank)?;
+    let routing = a.handle.data.get::<HostLlRouting>("handle", rank, HOST)?;
     let topk_idx = read_i64_matrix(&a.topk_idx).ok_or_else(|| Error::invalid("topk_idx", rank, "the host backend needs host tensors"))?;
     let topk_weights: Vec<f32> =
         read_matrix(&a.topk_weights).ok_or_else(|| Error::invalid("topk_weights", rank, "the host backend needs host tensors"))?;
@@ -515,7 +511,7 @@ pub(crate) fn combine<'a>(
 
     let pending = PendingCombine(Box::new(CombineState { spec: s, topk_idx, topk_weights, recv, mask: b.ll.mask.clone(), waited_ns, out }));
     if cs.return_recv_hook {
-        Ok(Some(AnyPending::Host(PendingRecv::Combine(pending))))
+        Ok(Some(PendingRecv::new(pending)))
     } else {
         finish_combine(b, pending)?;
         Ok(None)
@@ -603,12 +599,16 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut HostBackend, s: &LlSpec) -> Res
     }
 }
 
-/// Runs a receive phase left by [`dispatch`] or [`combine`] with `return_recv_hook`.
-pub(crate) fn run_recv(b: &mut HostBackend, pending: AnyPending<'_>) -> Result<()> {
-    match pending {
-        AnyPending::Host(PendingRecv::Dispatch(p)) => finish_dispatch(b, p),
-        AnyPending::Host(PendingRecv::Combine(p)) => finish_combine(b, p),
-        AnyPending::Cuda(_) => Err(Error::invalid("hook", b.rank(), "a CUDA hook cannot run on the host backend")),
+// The receive phases left by [`dispatch`] and [`combine`] with `return_recv_hook`.
+impl RecvPhase for PendingDispatch<'_> {
+    fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
+        finish_dispatch(backend_of::<HostBackend>(backend, rank, HOST)?, *self)
+    }
+}
+
+impl RecvPhase for PendingCombine<'_> {
+    fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
+        finish_combine(backend_of::<HostBackend>(backend, rank, HOST)?, *self)
     }
 }
 

@@ -11,6 +11,9 @@
 pub(crate) mod ht;
 pub(crate) mod ll;
 
+/// The kind of buffer the host backend's handles, plans and hooks name when they reach another one.
+const HOST: &str = "host";
+
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -248,6 +251,9 @@ pub(crate) fn host_bytes_mut<'t>(t: &'t mut TensorMut<'_>, arg: &'static str, ra
 }
 
 impl Backend for HostBackend {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
     fn name(&self) -> &'static str {
         "host"
     }

@@ -7,10 +7,12 @@
 //!
 //! The region is zeroed on every rank before a group barrier, so signals start at 0 everywhere.
 
+use moelink_cuda::jit::CompileRequest;
 use moelink_cuda::{Device, DeviceBuffer, Exchange, Module, Nvshmem, NvshmemHeap, NvshmemToolchain, SymmetricBuffer};
 use moelink_kernels::transport::{RdmaArgs, Transport as KernelTransport, NIC_STATE_BYTES};
 use moelink_kernels::KernelSpec;
 
+use super::super::gpu::ModuleLinker;
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::internode::{RdmaOptions, Transport};
@@ -169,8 +171,23 @@ impl RdmaDomain {
         a
     }
 
+    /// Keeps the region when dropped (a peer may still put into it, or may never join its collective
+    /// free); with NVSHMEM this pins the runtime for the rest of the process (its finalize would wait for
+    /// every PE too).
+    pub(crate) fn leak(self) {
+        match self.region {
+            Region::Peers(s) => std::mem::forget(s),
+            Region::Heap(mut h) => h.leak(),
+        }
+        std::mem::forget(self.nic);
+    }
+}
+
+/// The modules of the internode kernels: linked against NVSHMEM and registered with it for the `nvshmem`
+/// transport.
+impl ModuleLinker for RdmaDomain {
     /// The compile request for `spec` on `arch`: linked against NVSHMEM for the `nvshmem` transport.
-    pub(crate) fn compile_request(&self, spec: &KernelSpec, arch: &str) -> Result<moelink_cuda::jit::CompileRequest> {
+    fn compile_request(&self, spec: &KernelSpec, arch: &str) -> Result<CompileRequest> {
         let req = spec.compile_request(arch);
         match (KernelTransport::of_spec(spec), &self.toolchain) {
             (Some(KernelTransport::Nvshmem), Some(t)) => Ok(t.apply(req)),
@@ -182,22 +199,11 @@ impl RdmaDomain {
     }
 
     /// Registers a loaded module with NVSHMEM (its kernels use the device API); nothing otherwise.
-    pub(crate) fn register(&self, module: &Module) -> Result<()> {
+    fn register(&self, module: &Module) -> Result<()> {
         if let Some(rt) = &self.nvshmem {
             rt.register(module)?;
         }
         Ok(())
-    }
-
-    /// Keeps the region when dropped (a peer may still put into it, or may never join its collective
-    /// free); with NVSHMEM this pins the runtime for the rest of the process (its finalize would wait for
-    /// every PE too).
-    pub(crate) fn leak(self) {
-        match self.region {
-            Region::Peers(s) => std::mem::forget(s),
-            Region::Heap(mut h) => h.leak(),
-        }
-        std::mem::forget(self.nic);
     }
 }
 

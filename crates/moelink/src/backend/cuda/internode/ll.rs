@@ -1,6 +1,6 @@
 //! Low-latency dispatch/combine when the ranks span nodes: the host side of
 //! `moelink-kernels/cuda/lli_dispatch.cu` and `lli_combine.cu` (over `lli.cuh`). The calls, hooks, buffer
-//! sets, drains and reports are the single-node ones (`super::ll`); what differs is where things live — the RDMA region
+//! sets, drains and reports are the single-node ones (`super::super::ll_shared`); what differs is where things live — the RDMA region
 //! ([`LliLayout`], after the internode control words), a local state and handle area in device memory —
 //! and the launch, which adds the emulated NIC's blocks when the transport is `emu-nic`.
 
@@ -12,13 +12,14 @@ use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{phase, problem, LlVariant};
 use moelink_kernels::ll_internode::{check_limits, LliCombineArgs, LliDispatchArgs, LliLayout, LliVariant, LLI_THREADS};
 
-use super::internode::RDMA_CTRL_BYTES;
-use super::ll::{self as intranode, Drain, HookMarker, Outstanding, HOOK_PENDING, HOOK_RAN};
-use super::{CudaBackend, PendingRecv};
-use crate::backend::{LlRouting, PendingRecv as AnyPending};
+use super::super::gpu::Gpu;
+use super::super::ll_shared::{opt_addr, problem_reason, signature, CudaLlRouting, HookMarker, LlCalls, Pending, HOOK_PENDING, HOOK_RAN};
+use super::{Internode, INTERNODE, RDMA_CTRL_BYTES};
+use crate::backend::{BackendData, PendingRecv};
 use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::ll::{LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlSpec};
+use crate::opaque::{backend_of, RecvPhase};
 use crate::tensor::{Location, TensorMut};
 
 /// The internode low-latency state of a buffer: the local state words and the handle areas of both sets.
@@ -27,26 +28,28 @@ pub(crate) struct LliState {
     state: DeviceBuffer,
     /// Handle areas of sets 0 and 1 for the largest shape seen (`bytes` each).
     handles: Option<(DeviceBuffer, usize)>,
+    pub(crate) calls: LlCalls<Drain>,
+}
+
+/// The receive launch a dropped hook stands for.
+pub(crate) enum Drain {
+    Dispatch(LliVariant, LliDispatchArgs),
+    Combine(LliVariant, LliCombineArgs),
 }
 
 impl LliState {
-    pub(crate) fn new(b: &CudaBackend) -> Result<LliState> {
-        let bytes = moelink_kernels::ll_internode::LLI_STATE_HEAD + 44 * b.num_ranks;
-        Ok(LliState { state: DeviceBuffer::zeroed(&b.device, bytes)?, handles: None })
+    pub(crate) fn new(gpu: &Gpu, enable_shrink: bool) -> Result<LliState> {
+        let bytes = moelink_kernels::ll_internode::LLI_STATE_HEAD + 44 * gpu.num_ranks;
+        Ok(LliState { state: DeviceBuffer::zeroed(&gpu.device, bytes)?, handles: None, calls: LlCalls::new(&gpu.device, enable_shrink)? })
     }
 }
 
-fn variant(b: &CudaBackend, s: &LlSpec) -> Result<LliVariant> {
-    let transport = b
-        .internode
-        .as_ref()
-        .map(|i| i.rdma.transport().kernel_transport())
-        .ok_or_else(|| Error::invalid("topology", s.rank, "an internode low-latency call on a single-node buffer"))?;
-    Ok(LliVariant { ll: LlVariant::new(s.hidden as u32, s.topk as u32, s.quant.is_fp8()), transport })
+fn variant(b: &Internode, s: &LlSpec) -> LliVariant {
+    LliVariant { ll: LlVariant::new(s.hidden as u32, s.topk as u32, s.quant.is_fp8()), transport: b.rdma.transport().kernel_transport() }
 }
 
 /// The layout for `s` after the kernels' limits and the region's size are checked.
-fn layout_for(b: &CudaBackend, s: &LlSpec) -> Result<LliLayout> {
+fn layout_for(b: &Internode, s: &LlSpec) -> Result<LliLayout> {
     check_limits(s.num_ranks, s.num_max_tokens, s.topk, s.num_experts).map_err(|(arg, why)| Error::invalid(arg, s.rank, why))?;
     let layout = LliLayout::new(RDMA_CTRL_BYTES, s.num_ranks, s.num_max_tokens, s.hidden, s.topk, s.num_experts, s.quant.is_fp8())
         .ok_or_else(|| {
@@ -75,11 +78,11 @@ pub(crate) fn bytes_needed(max_tokens: usize, hidden: usize, num_ranks: usize, n
 }
 
 /// Device addresses of set `set`'s handle area: (htoken, hj, hrow, hweight, hmeta, home_idx, home_weight).
-fn handle_area(b: &mut CudaBackend, layout: &LliLayout, set: usize) -> Result<[u64; 7]> {
+fn handle_area(b: &mut Internode, layout: &LliLayout, set: usize) -> Result<[u64; 7]> {
     let h = layout.handle;
-    let lli = &mut b.internode.as_mut().expect("internode buffer").lli;
+    let lli = &mut b.lli;
     if lli.handles.as_ref().is_none_or(|(_, per_set)| *per_set < h.bytes) {
-        lli.handles = Some((DeviceBuffer::zeroed(&b.device, 2 * h.bytes)?, h.bytes));
+        lli.handles = Some((DeviceBuffer::zeroed(&b.gpu.device, 2 * h.bytes)?, h.bytes));
     }
     let (buf, per_set) = lli.handles.as_ref().expect("allocated above");
     let base = buf.device_ptr() + (set * per_set) as u64;
@@ -89,13 +92,13 @@ fn handle_area(b: &mut CudaBackend, layout: &LliLayout, set: usize) -> Result<[u
 
 /// The launch shape: this rank's share of the GPU in worker blocks, plus the emulated NIC's blocks (all
 /// co-resident: a cooperative launch when both phases run in one).
-fn grid(b: &CudaBackend) -> (u32, u32) {
-    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks());
+fn grid(b: &Internode) -> (u32, u32) {
+    let nic = b.rdma.nic_blocks();
     let share = b.num_rank_sms() as u32;
     (share.saturating_sub(nic).max(1), nic)
 }
 
-fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &LliVariant, name: &'static str, args: &A, cooperative: bool) -> Result<()> {
+fn launch<A: bytemuck::Pod>(b: &mut Internode, v: &LliVariant, name: &'static str, args: &A, cooperative: bool) -> Result<()> {
     let spec = if name == kernel_name::LLI_COMBINE { v.combine_spec() } else { v.dispatch_spec() };
     let k = b.kernel(&spec, name)?;
     let (workers, nic) = grid(b);
@@ -107,48 +110,75 @@ fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, v: &LliVariant, name: &'static 
     b.launch(&k, &cfg, args)
 }
 
-/// Launches the drain of a dropped internode receive phase (only the hand-back runs).
-pub(super) fn drain(b: &mut CudaBackend, d: &Drain) -> Result<()> {
-    match d {
-        Drain::InternodeDispatch(v, a) => launch(b, v, kernel_name::LLI_DISPATCH, &LliDispatchArgs { phases: phase::DRAIN, ..*a }, false),
-        Drain::InternodeCombine(v, a) => launch(b, v, kernel_name::LLI_COMBINE, &LliCombineArgs { phases: phase::DRAIN, ..*a }, false),
-        _ => Ok(()),
+/// Publishes the consumed flags of receive phases whose hooks were dropped unrun (only the hand-back runs),
+/// so that the peers may write those buffer sets again.
+fn drain_abandoned(b: &mut Internode) -> Result<()> {
+    for drain in b.lli.calls.take_dropped() {
+        match drain {
+            Drain::Dispatch(v, a) => launch(b, &v, kernel_name::LLI_DISPATCH, &LliDispatchArgs { phases: phase::DRAIN, ..a }, false)?,
+            Drain::Combine(v, a) => launch(b, &v, kernel_name::LLI_COMBINE, &LliCombineArgs { phases: phase::DRAIN, ..a }, false)?,
+        }
     }
+    Ok(())
+}
+
+/// What every low-latency call does first: drain dropped hooks, surface a report left by an earlier
+/// asynchronous call.
+fn begin_call(b: &mut Internode) -> Result<()> {
+    drain_abandoned(b)?;
+    take_report(b, None)
+}
+
+/// Reads and clears what the kernels reported (`local`: a problem this rank found on the host).
+fn take_report(b: &mut Internode, local: Option<(&'static str, String)>) -> Result<()> {
+    let rank = b.gpu.rank;
+    b.lli.calls.take_report(rank, local)
 }
 
 /// A hooked internode receive phase.
-pub(crate) struct PendingDispatch<'a>(Box<intranode::Pending<LliDispatchArgs, LlDispatchOutputs<'a>, LliVariant>>);
+pub(crate) struct PendingDispatch<'a>(Box<Pending<LliDispatchArgs, LlDispatchOutputs<'a>, LliVariant>>);
 /// A hooked internode combine's receive phase.
-pub(crate) struct PendingCombine<'a>(Box<intranode::Pending<LliCombineArgs, LlCombineOutputs<'a>, LliVariant>>);
+pub(crate) struct PendingCombine<'a>(Box<Pending<LliCombineArgs, LlCombineOutputs<'a>, LliVariant>>);
+
+impl RecvPhase for PendingDispatch<'_> {
+    fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
+        finish_dispatch(backend_of::<Internode>(backend, rank, INTERNODE)?, *self)
+    }
+}
+
+impl RecvPhase for PendingCombine<'_> {
+    fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
+        finish_combine(backend_of::<Internode>(backend, rank, INTERNODE)?, *self)
+    }
+}
 
 pub(crate) fn dispatch<'a>(
-    b: &mut CudaBackend,
+    b: &mut Internode,
     s: LlSpec,
     a: &DispatchArgs<'_>,
     out: LlDispatchOutputs<'a>,
-) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
+) -> Result<(Arc<BackendData>, Option<PendingRecv<'a>>)> {
     let layout = layout_for(b, &s)?;
-    intranode::begin_call(b)?;
-    let v = variant(b, &s)?;
-    let set = (b.ll.dispatch_calls & 1) as usize;
-    let generation = b.ll.dispatch_calls;
+    begin_call(b)?;
+    let v = variant(b, &s);
+    let set = (b.lli.calls.dispatch_calls & 1) as usize;
+    let generation = b.lli.calls.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
     let [htoken, hj, hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set)?;
-    let inter = b.internode.as_ref().expect("internode buffer");
     let ls = layout.dispatch[set];
     let args = LliDispatchArgs {
-        rdma: inter.rdma_args(),
-        state: inter.lli.state.device_ptr(),
+        rdma: b.rdma_args(),
+        state: b.lli.state.device_ptr(),
         x: a.x.addr(),
         topk_idx: a.topk_idx.addr(),
         topk_weights: a.topk_weights.map_or(0, |w| w.addr()),
         recv_x: out.recv_x.addr(),
-        recv_scales: intranode::opt_addr(out.recv_scales.as_ref()),
+        recv_scales: opt_addr(out.recv_scales.as_ref()),
         recv_count: out.recv_count.addr(),
-        cum_stats: intranode::opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
-        wait_stats: intranode::opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
-        src_info: intranode::opt_addr(out.src_info.as_ref()),
-        layout_range: intranode::opt_addr(out.layout_range.as_ref()),
+        cum_stats: opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
+        wait_stats: opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
+        src_info: opt_addr(out.src_info.as_ref()),
+        layout_range: opt_addr(out.layout_range.as_ref()),
         htoken,
         hj,
         hrow,
@@ -158,7 +188,7 @@ pub(crate) fn dispatch<'a>(
         home_weight,
         error_claim,
         error_record,
-        report: b.ll.report.device_ptr(),
+        report: b.lli.calls.report.device_ptr(),
         timeout_ns: b.timeout_ns,
         off_meta_sig: ls.meta_sig as u64,
         off_data_sig: ls.data_sig as u64,
@@ -174,58 +204,58 @@ pub(crate) fn dispatch<'a>(
         num_local_experts: s.num_local_experts() as u32,
         set: set as u32,
         phases: phase::SEND | phase::RECV,
-        flags: intranode::flags(b, &s),
+        flags: b.lli.calls.flags(&s),
         host_problem: 0,
         pad: 0,
-        sig: intranode::signature(&s),
+        sig: signature(&s),
     };
-    b.ll.dispatch_calls += 1;
+    b.lli.calls.dispatch_calls += 1;
     let marker: HookMarker = Arc::new(AtomicU8::new(if s.return_recv_hook { HOOK_PENDING } else { HOOK_RAN }));
-    let routing = Arc::new(LlRouting::Cuda(intranode::CudaLlRouting { set, generation, recv: marker.clone() }));
+    let routing = Arc::new(BackendData::new(INTERNODE, CudaLlRouting { set, generation, recv: marker.clone() }));
     if s.return_recv_hook {
         let send = LliDispatchArgs { phases: phase::SEND, ..args };
         let recv = LliDispatchArgs { phases: phase::RECV, ..args };
-        b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::InternodeDispatch(v, recv)));
-        let pending = PendingDispatch(Box::new(intranode::Pending::new(recv, v, marker, out)));
+        b.lli.calls.hand_out(marker.clone(), Drain::Dispatch(v, recv));
+        let pending = PendingDispatch(Box::new(Pending::new(recv, v, marker, out)));
         launch(b, &v, kernel_name::LLI_DISPATCH, &send, false)?;
         b.finish(Phase::LowLatencyDispatch)?;
-        intranode::take_report(b, None)?;
-        Ok((routing, Some(AnyPending::Cuda(PendingRecv::LliDispatch(pending)))))
+        take_report(b, None)?;
+        Ok((routing, Some(PendingRecv::new(pending))))
     } else {
         launch(b, &v, kernel_name::LLI_DISPATCH, &args, true)?;
         b.finish(Phase::LowLatencyDispatch)?;
-        intranode::take_report(b, None)?;
+        take_report(b, None)?;
         Ok((routing, None))
     }
 }
 
-pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Result<()> {
+fn finish_dispatch(b: &mut Internode, p: PendingDispatch<'_>) -> Result<()> {
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
-    intranode::drain_abandoned(b)?;
+    drain_abandoned(b)?;
     launch(b, &p.variant, kernel_name::LLI_DISPATCH, &p.args, false)?;
     b.finish(Phase::LowLatencyDispatch)?;
-    intranode::take_report(b, None)
+    take_report(b, None)
 }
 
 pub(crate) fn combine<'a>(
-    b: &mut CudaBackend,
+    b: &mut Internode,
     cs: LlCombineSpec,
     a: &CombineArgs<'_>,
     out: LlCombineOutputs<'a>,
-) -> Result<Option<AnyPending<'a>>> {
+) -> Result<Option<PendingRecv<'a>>> {
     let s = cs.ll;
     let me = s.rank;
-    let routing = a.handle.data.cuda(me)?;
+    let routing = a.handle.data.get::<CudaLlRouting>("handle", me, INTERNODE)?;
     let layout = layout_for(b, &s)?;
-    intranode::begin_call(b)?;
-    let (mut host_problem, mut local) = intranode::handle_problems(b, routing);
+    begin_call(b)?;
+    let (mut host_problem, mut local) = b.lli.calls.handle_problems(routing);
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
-    let zero_copy_addr = b.internode.as_ref().expect("internode buffer").rdma.local_base() + layout.zero_copy as u64;
+    let zero_copy_addr = b.rdma.local_base() + layout.zero_copy as u64;
     let (y, y_is_zero_copy) = if cs.zero_copy {
-        if b.ll.staging != Some(shape) {
+        if b.lli.calls.staging != Some(shape) {
             host_problem |= problem::ZERO_COPY;
-            local.get_or_insert(("zero_copy", intranode::problem_reason(problem::ZERO_COPY).1.to_string()));
+            local.get_or_insert(("zero_copy", problem_reason(problem::ZERO_COPY).1.to_string()));
             (0, 0)
         } else {
             (zero_copy_addr, 1)
@@ -233,20 +263,19 @@ pub(crate) fn combine<'a>(
     } else {
         (a.x.addr(), 0)
     };
-    let v = variant(b, &s)?;
-    let set = (b.ll.combine_calls & 1) as usize;
+    let v = variant(b, &s);
+    let set = (b.lli.calls.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let [htoken, hj, hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set)?;
-    let inter = b.internode.as_ref().expect("internode buffer");
     let ls = layout.combine[set];
     let args = LliCombineArgs {
-        rdma: inter.rdma_args(),
-        state: inter.lli.state.device_ptr(),
+        rdma: b.rdma_args(),
+        state: b.lli.state.device_ptr(),
         y,
         topk_idx: a.topk_idx.addr(),
         topk_weights: a.topk_weights.addr(),
         out: out.combined_x.addr(),
-        wait_stats: intranode::opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
+        wait_stats: opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
         htoken,
         hj,
         hrow,
@@ -256,7 +285,7 @@ pub(crate) fn combine<'a>(
         home_weight,
         error_claim,
         error_record,
-        report: b.ll.report.device_ptr(),
+        report: b.lli.calls.report.device_ptr(),
         timeout_ns: b.timeout_ns,
         off_meta_sig: ls.meta_sig as u64,
         off_data_sig: ls.data_sig as u64,
@@ -272,46 +301,46 @@ pub(crate) fn combine<'a>(
         num_local_experts: s.num_local_experts() as u32,
         set: set as u32,
         phases: phase::SEND | phase::RECV,
-        flags: intranode::flags(b, &s),
+        flags: b.lli.calls.flags(&s),
         host_problem,
         y_is_zero_copy,
         pad: [0; 3],
     };
-    b.ll.combine_calls += 1;
+    b.lli.calls.combine_calls += 1;
     if cs.return_recv_hook {
         let send = LliCombineArgs { phases: phase::SEND, ..args };
         let recv = LliCombineArgs { phases: phase::RECV, ..args };
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
-        b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::InternodeCombine(v, recv)));
-        let pending = PendingCombine(Box::new(intranode::Pending::new(recv, v, marker, out)));
+        b.lli.calls.hand_out(marker.clone(), Drain::Combine(v, recv));
+        let pending = PendingCombine(Box::new(Pending::new(recv, v, marker, out)));
         launch(b, &v, kernel_name::LLI_COMBINE, &send, false)?;
         b.finish(Phase::LowLatencyCombine)?;
-        intranode::take_report(b, local)?;
-        Ok(Some(AnyPending::Cuda(PendingRecv::LliCombine(pending))))
+        take_report(b, local)?;
+        Ok(Some(PendingRecv::new(pending)))
     } else {
         launch(b, &v, kernel_name::LLI_COMBINE, &args, true)?;
         b.finish(Phase::LowLatencyCombine)?;
-        intranode::take_report(b, local)?;
+        take_report(b, local)?;
         Ok(None)
     }
 }
 
-pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Result<()> {
+fn finish_combine(b: &mut Internode, p: PendingCombine<'_>) -> Result<()> {
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
-    intranode::drain_abandoned(b)?;
+    drain_abandoned(b)?;
     launch(b, &p.variant, kernel_name::LLI_COMBINE, &p.args, false)?;
     b.finish(Phase::LowLatencyCombine)?;
-    intranode::take_report(b, None)
+    take_report(b, None)
 }
 
 /// The zero-copy combine buffer `bf16 [E_local, R*T_max, H]`, inside this rank's RDMA region (per-expert
 /// rows are put straight from it).
-pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Result<TensorMut<'b>> {
+pub(crate) fn next_combine_buffer<'b>(b: &'b mut Internode, s: &LlSpec) -> Result<TensorMut<'b>> {
     let layout = layout_for(b, s)?;
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
-    b.ll.staging = Some(shape);
-    let addr = b.internode.as_ref().expect("internode buffer").rdma.local_base() + layout.zero_copy as u64;
+    b.lli.calls.staging = Some(shape);
+    let addr = b.rdma.local_base() + layout.zero_copy as u64;
     let strides = [(shape[1] * shape[2]) as isize, shape[2] as isize, 1];
     // SAFETY: [addr, addr + E_local*R*T_max*H*2) lies inside this rank's RDMA region (layout_for checked its
     // end against num_rdma_bytes), which lives as long as the backend; the view borrows the backend mutably.
@@ -320,15 +349,14 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Res
 
 /// `clean_low_latency_buffer` across nodes (collective): a barrier, zero the signal words of the RDMA
 /// region and the local state (masks kept), a barrier.
-pub(crate) fn clean(b: &mut CudaBackend, t: usize, h: usize, e: usize) -> Result<()> {
+pub(crate) fn clean(b: &mut Internode, t: usize, h: usize, e: usize) -> Result<()> {
     let topk = moelink_kernels::ll::LL_HINT_TOPK;
     let layout = LliLayout::new(RDMA_CTRL_BYTES, b.num_ranks, t, h, topk, e, false).ok_or_else(|| {
         Error::invalid("num_max_dispatch_tokens_per_rank", b.rank, "the low-latency buffer size overflows for this shape")
     })?;
-    b.gpu_barrier()?;
-    let inter = b.internode.as_ref().expect("internode buffer");
-    let sig_addr = inter.rdma.local_base() + layout.signals as u64;
-    let state_addr = inter.lli.state.device_ptr();
+    b.rdma_barrier()?;
+    let sig_addr = b.rdma.local_base() + layout.signals as u64;
+    let state_addr = b.lli.state.device_ptr();
     let mask_at = moelink_kernels::ll_internode::LLI_STATE_HEAD + 40 * b.num_ranks;
     if layout.signals_end - RDMA_CTRL_BYTES <= b.num_rdma_bytes {
         // SAFETY: [signals, signals_end) lies inside the RDMA region (checked above); the barrier ordered
@@ -337,47 +365,35 @@ pub(crate) fn clean(b: &mut CudaBackend, t: usize, h: usize, e: usize) -> Result
     }
     // SAFETY: the state allocation holds mask_at bytes before the mask words; nothing else runs (barrier).
     unsafe { b.op_stream().memset_d8_async(state_addr, 0, mask_at)? };
-    b.gpu_barrier()?;
-    b.ll.outstanding.clear();
-    b.ll.report.write(0, Default::default());
+    b.rdma_barrier()?;
+    b.lli.calls.forget();
     Ok(())
 }
 
-fn mask_offset(b: &CudaBackend, rank: usize) -> usize {
+fn mask_offset(b: &Internode, rank: usize) -> usize {
     moelink_kernels::ll_internode::LLI_STATE_HEAD + 40 * b.num_ranks + 4 * rank
 }
 
 // The mask words are read by this rank's kernels: reads and writes are ordered after this rank's earlier
 // operations on the operation stream, and complete on return.
 
-fn write_mask_words(b: &mut CudaBackend, offset: usize, bytes: &[u8]) -> Result<()> {
-    let stream = match &b.mode {
-        super::StreamMode::Own => &b.stream,
-        super::StreamMode::External(s) => s,
-    };
-    let state = &mut b.internode.as_mut().expect("internode buffer").lli.state;
-    // SAFETY: `bytes` outlives the copy (the stream is synchronised below).
-    unsafe { state.copy_from_host_async(offset, bytes, stream)? };
-    stream.synchronize()?;
-    Ok(())
+fn write_mask_words(b: &mut Internode, offset: usize, bytes: &[u8]) -> Result<()> {
+    b.gpu.write_words(&mut b.lli.state, offset, bytes)
 }
 
-pub(crate) fn set_mask(b: &mut CudaBackend, rank: usize, masked: bool) -> Result<()> {
+pub(crate) fn set_mask(b: &mut Internode, rank: usize, masked: bool) -> Result<()> {
     let at = mask_offset(b, rank);
     write_mask_words(b, at, &u32::from(masked).to_le_bytes())
 }
 
-pub(crate) fn mask(b: &mut CudaBackend) -> Result<Vec<bool>> {
+pub(crate) fn mask(b: &mut Internode) -> Result<Vec<bool>> {
     let mut bytes = vec![0u8; 4 * b.num_ranks];
     let at = mask_offset(b, 0);
-    let state = &b.internode.as_ref().expect("internode buffer").lli.state;
-    // SAFETY: `bytes` is read only after the stream has run the copy (synchronised below).
-    unsafe { state.copy_to_host_async(at, &mut bytes, b.op_stream())? };
-    b.op_stream().synchronize()?;
+    b.gpu.read_words(&b.lli.state, at, &mut bytes)?;
     Ok(bytes.chunks_exact(4).map(|w| w != [0, 0, 0, 0]).collect())
 }
 
-pub(crate) fn clear_mask(b: &mut CudaBackend) -> Result<()> {
+pub(crate) fn clear_mask(b: &mut Internode) -> Result<()> {
     let at = mask_offset(b, 0);
     let zeros = vec![0u8; 4 * b.num_ranks];
     write_mask_words(b, at, &zeros)

@@ -1,4 +1,4 @@
-//! Low-latency dispatch/combine on GPUs: the host side of `moelink-kernels/cuda/ll_*.cu`. The protocol is in
+//! Low-latency dispatch/combine on one node: the host side of `moelink-kernels/cuda/ll_*.cu`. The protocol is in
 //! `docs/protocols.md` ("Low latency"); this module picks buffer sets, lays out the low-latency region
 //! ([`moelink_kernels::ll::LlLayout`]), fills the kernels' argument structs, launches them, and turns what
 //! the kernels report ([`LlReport`]) into typed errors.
@@ -14,64 +14,33 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{Device, DeviceBuffer, HostMapped, Kernel, LaunchConfig};
+use moelink_cuda::{Device, DeviceBuffer, Kernel, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{
-    flag, phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlReport, LlVariant, LL_SIG_WORDS, LL_THREADS, LL_TRACE_CALLS,
-    LL_TRACE_WORDS, SIG_FIELDS,
+    phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlVariant, LL_THREADS, LL_TRACE_CALLS, LL_TRACE_WORDS,
 };
-use moelink_kernels::ll_internode::{LliCombineArgs, LliDispatchArgs, LliVariant};
 
-use super::{ctrl, CudaBackend, PendingRecv, CTRL_BYTES};
-use crate::backend::{LlRouting, PendingRecv as AnyPending};
+use super::super::gpu::{ctrl, CTRL_BYTES};
+use super::super::ll_shared::{opt_addr, problem_reason, signature, CudaLlRouting, HookMarker, LlCalls, Pending, HOOK_PENDING, HOOK_RAN};
+use super::{Intranode, INTRANODE};
+use crate::backend::{BackendData, PendingRecv};
 use crate::dtype::DType;
-use crate::error::{Error, Phase, Result};
+use crate::error::{Phase, Result};
 use crate::ll::checked_layout;
-use crate::ll::{
-    LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlQuant, LlSpec,
-};
+use crate::ll::{LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlSpec};
+use crate::opaque::{backend_of, RecvPhase};
 use crate::tensor::{Location, TensorMut};
 
-pub(super) const HOOK_PENDING: u8 = 0;
-pub(super) const HOOK_RAN: u8 = 1;
-const HOOK_DROPPED: u8 = 2;
-
-/// State of one receive phase handed out as a hook: pending, ran, or dropped without running.
-pub(super) type HookMarker = Arc<AtomicU8>;
-
-/// A receive phase handed out as a hook; if it is dropped unrun, the next call drains it (publishes its
-/// consumed flags) so that the peers can reuse that buffer set.
-pub(super) struct Outstanding {
-    marker: HookMarker,
-    drain: Drain,
-}
-
-impl Outstanding {
-    pub(super) fn new(marker: HookMarker, drain: Drain) -> Outstanding {
-        Outstanding { marker, drain }
-    }
-}
-
-/// The receive launch a dropped hook stands for, with its kernel key: single-node or across nodes.
-pub(super) enum Drain {
+/// The receive launch a dropped hook stands for.
+pub(crate) enum Drain {
     Dispatch(LlVariant, LlDispatchArgs),
     Combine(LlVariant, LlCombineArgs),
-    InternodeDispatch(LliVariant, LliDispatchArgs),
-    InternodeCombine(LliVariant, LliCombineArgs),
 }
 
 /// Per-buffer low-latency state.
 pub(crate) struct LlState {
-    pub(super) enable_shrink: bool,
-    /// What the kernels report (argument problems, signature mismatches), host-mapped.
-    pub(super) report: HostMapped<LlReport>,
-    /// Calls issued so far; the buffer set of the next call is `calls & 1`.
-    pub(super) dispatch_calls: u64,
-    pub(super) combine_calls: u64,
-    pub(super) outstanding: Vec<Outstanding>,
-    /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
-    pub(super) staging: Option<[usize; 3]>,
+    pub(crate) calls: LlCalls<Drain>,
     /// Timing trace words (`KernelTracing::low_latency`), one row of u64 per SM and launch slot; allocated on
     /// the first traced call and never moved (captured graphs keep its address). Device memory, not
     /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
@@ -84,27 +53,8 @@ pub(crate) struct LlState {
 
 impl LlState {
     pub(crate) fn new(device: &Device, enable_shrink: bool) -> Result<LlState> {
-        Ok(LlState {
-            enable_shrink,
-            report: HostMapped::new(device, 1)?,
-            dispatch_calls: 0,
-            combine_calls: 0,
-            outstanding: Vec::new(),
-            staging: None,
-            kernels: Vec::new(),
-            trace: None,
-        })
+        Ok(LlState { calls: LlCalls::new(device, enable_shrink)?, kernels: Vec::new(), trace: None })
     }
-}
-
-/// Handle data of a CUDA low-latency dispatch.
-pub(crate) struct CudaLlRouting {
-    /// Buffer set (and handle area) the dispatch used.
-    pub(super) set: usize,
-    /// Index of the dispatch among this buffer's dispatches (the handle area is reused two calls later).
-    pub(super) generation: u64,
-    /// The dispatch's receive phase (ran at once without a hook).
-    pub(super) recv: HookMarker,
 }
 
 /// A dispatch whose receive phase has not run yet (`return_recv_hook`). Boxed: the argument struct is large.
@@ -113,39 +63,18 @@ pub(crate) struct PendingDispatch<'a>(Box<Pending<LlDispatchArgs, LlDispatchOutp
 /// A combine whose receive phase has not run yet (`return_recv_hook`).
 pub(crate) struct PendingCombine<'a>(Box<Pending<LlCombineArgs, LlCombineOutputs<'a>, LlVariant>>);
 
-/// A receive phase not run yet: its launch argument `A`, the outputs `O` it writes (borrowed until it has
-/// run) and its kernel key `V`.
-pub(super) struct Pending<A, O, V> {
-    pub(super) args: A,
-    pub(super) variant: V,
-    pub(super) marker: HookMarker,
-    _out: O,
-}
-
-impl<A, O, V> Pending<A, O, V> {
-    pub(super) fn new(args: A, variant: V, marker: HookMarker, out: O) -> Self {
-        Pending { args, variant, marker, _out: out }
-    }
-}
-
-impl<A, O, V> Drop for Pending<A, O, V> {
-    fn drop(&mut self) {
-        let _ = self.marker.compare_exchange(HOOK_PENDING, HOOK_DROPPED, Ordering::AcqRel, Ordering::Acquire);
-    }
-}
-
 // ------------------------------------------------------------------ layout and sizes
 
 /// Byte offset of the low-latency data region in the symmetric buffer (after the control area and the
-/// high-throughput region, as allocated by `CudaBackend::new`).
-fn ll_data_offset(b: &CudaBackend) -> usize {
+/// high-throughput region, as allocated by `Gpu::new`).
+fn ll_data_offset(b: &Intranode) -> usize {
     CTRL_BYTES + b.num_nvl_bytes.next_multiple_of(4096)
 }
 
 /// The kernels for `s`, with the buffer's timing experiment (`Tuning::ll_experiment`, a JIT constant: 0 in
 /// every real call).
 /// Kernel `name` (dispatch or combine) of variant `v`, compiled and loaded on first use.
-fn ll_kernel(b: &mut CudaBackend, v: LlVariant, name: &'static str) -> Result<Kernel> {
+fn ll_kernel(b: &mut Intranode, v: LlVariant, name: &'static str) -> Result<Kernel> {
     if let Some((_, _, k)) = b.ll.kernels.iter().find(|(kv, kn, _)| *kv == v && *kn == name) {
         return Ok(k.clone());
     }
@@ -155,7 +84,7 @@ fn ll_kernel(b: &mut CudaBackend, v: LlVariant, name: &'static str) -> Result<Ke
     Ok(k)
 }
 
-fn variant_of(b: &CudaBackend, s: &LlSpec) -> LlVariant {
+fn variant_of(b: &Intranode, s: &LlSpec) -> LlVariant {
     variant_key(s, b.tuning.ll_experiment)
 }
 
@@ -165,7 +94,7 @@ fn variant_key(s: &LlSpec, experiment: u32) -> LlVariant {
 
 /// The layout for `s`, after checking the kernels' limits and that the region holds it (`with_staging`:
 /// the zero-copy buffer too).
-fn layout_for(b: &CudaBackend, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
+fn layout_for(b: &Intranode, s: &LlSpec, with_staging: bool) -> Result<LlLayout> {
     checked_layout(b.num_rdma_bytes, s, with_staging)
 }
 
@@ -176,85 +105,46 @@ pub(crate) fn bytes_needed(num_max_dispatch_tokens_per_rank: usize, hidden: usiz
 
 /// Blocks per low-latency launch: one per SM of this rank's share of the GPU, or `Tuning::ll_sms` (at most
 /// that).
-fn grid_size(b: &CudaBackend) -> u32 {
+fn grid_size(b: &Intranode) -> u32 {
     let sms = b.num_rank_sms();
     b.tuning.ll_sms.map_or(sms, |n| n.clamp(1, sms)) as u32
 }
 
-fn quant_code(q: LlQuant) -> u32 {
-    match q {
-        LlQuant::Bf16 => 0,
-        LlQuant::Fp8 { round_scale, use_ue8m0 } => 1 | (u32::from(round_scale) << 1) | (u32::from(use_ue8m0) << 2),
-    }
-}
-
-/// The call signature every rank must share, in [`SIG_FIELDS`] order.
-pub(super) fn signature(s: &LlSpec) -> [u32; LL_SIG_WORDS] {
-    let mut sig = [0u32; LL_SIG_WORDS];
-    let words =
-        [s.hidden as u32, s.topk as u32, s.num_experts as u32, s.num_max_tokens as u32, quant_code(s.quant), u32::from(s.has_weights)];
-    sig[..words.len()].copy_from_slice(&words);
-    sig
-}
-
-pub(super) fn flags(b: &CudaBackend, s: &LlSpec) -> u32 {
-    let mut f = 0;
-    if let LlQuant::Fp8 { round_scale, use_ue8m0 } = s.quant {
-        if round_scale {
-            f |= flag::ROUND_SCALE;
-        }
-        if use_ue8m0 {
-            f |= flag::UE8M0;
-        }
-    }
-    if s.has_weights {
-        f |= flag::WEIGHTS;
-    }
-    if b.ll.enable_shrink {
-        f |= flag::SHRINK;
-    }
-    f
-}
-
 /// Addresses shared by both argument structs: every rank's `LlCtrl`, and every rank's copy of the region
 /// at `offset` of the low-latency data region.
-fn tables(b: &CudaBackend, offset: usize) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
+fn tables(b: &Intranode, offset: usize) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
     (b.peer_table(ctrl::LL), b.peer_table(ll_data_offset(b) + offset))
 }
 
 /// The handle area of `set` on this rank: (hrow, hweight, hmeta, home_idx, home_weight).
-fn handle_area(b: &CudaBackend, layout: &LlLayout, set: usize) -> [u64; 5] {
+fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> [u64; 5] {
     let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set]);
     let h = layout.handle;
     [base, base + h.hweight as u64, base + h.hmeta as u64, base + h.home_idx as u64, base + h.home_weight as u64]
 }
 
-pub(super) fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
-    t.map_or(0, |t| t.addr())
-}
-
 // ------------------------------------------------------------------ timing trace
 
 /// Trace words of one kernel family: `2 * LL_TRACE_CALLS` launch slots of one row per block.
-fn trace_family_words(b: &CudaBackend) -> usize {
+fn trace_family_words(b: &Intranode) -> usize {
     2 * LL_TRACE_CALLS * b.num_device_sms().max(1) * LL_TRACE_WORDS
 }
 
 /// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch (allocating the words on
 /// first use), or 0 when tracing is off.
-fn trace_ptr(b: &mut CudaBackend, family: usize) -> Result<u64> {
+fn trace_ptr(b: &mut Intranode, family: usize) -> Result<u64> {
     if !b.tracing.low_latency {
         return Ok(0);
     }
     let words = trace_family_words(b);
     if b.ll.trace.is_none() {
-        b.ll.trace = Some(DeviceBuffer::zeroed(&b.device, 2 * words * 8)?);
+        b.ll.trace = Some(DeviceBuffer::zeroed(&b.gpu.device, 2 * words * 8)?);
     }
     Ok(b.ll.trace.as_ref().map_or(0, |t| t.device_ptr() + (family * words * 8) as u64))
 }
 
 /// Enqueues the clearing of the trace words (when a timed region opens, before its barrier).
-pub(crate) fn trace_clear(b: &mut CudaBackend) -> Result<()> {
+pub(crate) fn trace_clear(b: &mut Intranode) -> Result<()> {
     if let Some(mut t) = b.ll.trace.take() {
         let r = t.memset_u32_async(0, b.op_stream());
         b.ll.trace = Some(t);
@@ -265,7 +155,7 @@ pub(crate) fn trace_clear(b: &mut CudaBackend) -> Result<()> {
 
 /// The traces of every low-latency launch since the trace was last cleared (empty when tracing is off).
 /// Called once the timed region's work has completed.
-pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::trace::KernelTrace> {
+pub(crate) fn trace_summaries(b: &Intranode) -> Vec<crate::trace::KernelTrace> {
     let Some(t) = b.ll.trace.as_ref() else { return Vec::new() };
     let mut bytes = vec![0u8; t.len_bytes()];
     if t.copy_to_host(&mut bytes).is_err() {
@@ -281,95 +171,22 @@ pub(crate) fn trace_summaries(b: &CudaBackend) -> Vec<crate::trace::KernelTrace>
 
 // ------------------------------------------------------------------ reports, drains
 
-/// The argument a problem bit names, and why (for the rank whose argument it is).
-pub(super) fn problem_reason(bits: u32) -> (&'static str, &'static str) {
-    if bits & problem::TOPK_IDX != 0 {
-        ("topk_idx", "contains an expert id outside [-1, num_experts) or selects an expert twice in a row (checked on the GPU)")
-    } else if bits & problem::TOPK_IDX_DIFFERS != 0 {
-        ("topk_idx", "differs from the topk_idx given to low_latency_dispatch")
-    } else if bits & problem::WEIGHTS_DIFFER != 0 {
-        (
-            "topk_weights",
-            "differs from the topk_weights given to low_latency_dispatch; the expert side pre-reduces with the dispatch-time weights",
-        )
-    } else if bits & problem::ZERO_COPY != 0 {
-        (
-            "zero_copy",
-            "no combine buffer of this shape: call get_next_low_latency_combine_buffer(handle) and write the expert outputs there",
-        )
-    } else {
-        ("handle", "the handle is no longer usable")
-    }
-}
-
-/// The error a report stands for, in the host backend's precedence: this rank's own argument problem (with
-/// `local`'s reason when it names the same argument — a problem this rank found on the host), then a
-/// call-signature mismatch, then a peer's argument problem.
-fn report_error(rep: &LlReport, me: usize, local: Option<(&'static str, String)>) -> Option<Error> {
-    if *rep == LlReport::default() {
-        return None;
-    }
-    if rep.own_problem != 0 {
-        let (arg, why) = problem_reason(rep.own_problem);
-        return Some(match local {
-            Some((local_arg, local_why)) if local_arg == arg => Error::invalid(arg, me, local_why),
-            _ => Error::invalid(arg, me, why),
-        });
-    }
-    if rep.mismatch_peer != 0 {
-        return Some(Error::RankMismatch {
-            what: SIG_FIELDS.get(rep.mismatch_field as usize).copied().unwrap_or("call signature"),
-            rank: me,
-            peer: rep.mismatch_peer as usize - 1,
-            ours: rep.mismatch_ours.to_string(),
-            theirs: rep.mismatch_theirs.to_string(),
-        });
-    }
-    if rep.peer_problem_peer != 0 {
-        let (arg, _) = problem_reason(rep.peer_problem);
-        let peer = rep.peer_problem_peer - 1;
-        return Some(Error::invalid(arg, me, format!("rank {peer} passed an invalid `{arg}`; the call is abandoned on every rank")));
-    }
-    None
-}
-
-/// Reads and clears what the kernels reported; `local` as in [`report_error`].
-pub(super) fn take_report(b: &mut CudaBackend, local: Option<(&'static str, String)>) -> Result<()> {
-    let rep = b.ll.report.read(0);
-    if rep == LlReport::default() {
-        return Ok(());
-    }
-    b.ll.report.write(0, LlReport::default());
-    match report_error(&rep, b.rank, local) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
-}
-
 /// Publishes the consumed flags of receive phases whose hooks were dropped unrun, so that the peers may
 /// write those buffer sets again.
-pub(super) fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
-    let outstanding = std::mem::take(&mut b.ll.outstanding);
-    for o in outstanding {
-        match o.marker.load(Ordering::Acquire) {
-            HOOK_PENDING => b.ll.outstanding.push(o),
-            HOOK_DROPPED => {
-                let cfg = LaunchConfig::linear(1, LL_THREADS);
-                match o.drain {
-                    Drain::Dispatch(v, mut a) => {
-                        a.phases = phase::DRAIN;
-                        let k = ll_kernel(b, v, kernel_name::LL_DISPATCH)?;
-                        b.launch(&k, &cfg, &a)?;
-                    }
-                    Drain::Combine(v, mut a) => {
-                        a.phases = phase::DRAIN;
-                        let k = ll_kernel(b, v, kernel_name::LL_COMBINE)?;
-                        b.launch(&k, &cfg, &a)?;
-                    }
-                    ref internode => super::ll_internode::drain(b, internode)?,
-                }
+fn drain_abandoned(b: &mut Intranode) -> Result<()> {
+    let cfg = LaunchConfig::linear(1, LL_THREADS);
+    for drain in b.ll.calls.take_dropped() {
+        match drain {
+            Drain::Dispatch(v, mut a) => {
+                a.phases = phase::DRAIN;
+                let k = ll_kernel(b, v, kernel_name::LL_DISPATCH)?;
+                b.launch(&k, &cfg, &a)?;
             }
-            _ => {}
+            Drain::Combine(v, mut a) => {
+                a.phases = phase::DRAIN;
+                let k = ll_kernel(b, v, kernel_name::LL_COMBINE)?;
+                b.launch(&k, &cfg, &a)?;
+            }
         }
     }
     Ok(())
@@ -377,39 +194,31 @@ pub(super) fn drain_abandoned(b: &mut CudaBackend) -> Result<()> {
 
 /// What every low-latency call does first: drain dropped hooks, surface a report left by an earlier
 /// asynchronous call.
-pub(super) fn begin_call(b: &mut CudaBackend) -> Result<()> {
+fn begin_call(b: &mut Intranode) -> Result<()> {
     drain_abandoned(b)?;
     take_report(b, None)
 }
 
-/// Problems of a combine's handle that only this rank can see (they travel with the call, so that every rank
-/// fails it): `(problem bits, (argument, reason))`.
-pub(super) fn handle_problems(b: &CudaBackend, routing: &CudaLlRouting) -> (u32, Option<(&'static str, String)>) {
-    if b.ll.dispatch_calls > routing.generation + 2 {
-        let why = "expired: its buffer set was reused by a later dispatch (at most two low-latency dispatches are usable at once)";
-        (problem::HANDLE, Some(("handle", why.to_string())))
-    } else if routing.recv.load(Ordering::Acquire) != HOOK_RAN {
-        (problem::HANDLE, Some(("handle", "the dispatch's receive hook has not run; run it before combining".to_string())))
-    } else {
-        (0, None)
-    }
+/// Reads and clears what the kernels reported (`local`: a problem this rank found on the host).
+fn take_report(b: &mut Intranode, local: Option<(&'static str, String)>) -> Result<()> {
+    let rank = b.gpu.rank;
+    b.ll.calls.take_report(rank, local)
 }
 
 // ------------------------------------------------------------------ dispatch
 
 pub(crate) fn dispatch<'a>(
-    b: &mut CudaBackend,
+    b: &mut Intranode,
     s: LlSpec,
     a: &DispatchArgs<'_>,
     out: LlDispatchOutputs<'a>,
-) -> Result<(Arc<LlRouting>, Option<AnyPending<'a>>)> {
-    b.single_node_only("low-latency dispatch")?;
+) -> Result<(Arc<BackendData>, Option<PendingRecv<'a>>)> {
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
     let variant = variant_of(b, &s);
     let kernel = ll_kernel(b, variant, kernel_name::LL_DISPATCH)?;
-    let set = (b.ll.dispatch_calls & 1) as usize;
-    let generation = b.ll.dispatch_calls;
+    let set = (b.ll.calls.dispatch_calls & 1) as usize;
+    let generation = b.ll.calls.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.dispatch_at[set]);
     let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set);
@@ -433,7 +242,7 @@ pub(crate) fn dispatch<'a>(
         home_weight,
         error_claim,
         error_record,
-        report: b.ll.report.device_ptr(),
+        report: b.ll.calls.report.device_ptr(),
         timeout_ns: b.timeout_ns,
         trace: trace_ptr(b, 0)?,
         off_entries: layout.dispatch.entries as u64,
@@ -449,24 +258,24 @@ pub(crate) fn dispatch<'a>(
         num_local_experts: s.num_local_experts() as u32,
         set: set as u32,
         phases: phase::SEND | phase::RECV,
-        flags: flags(b, &s),
+        flags: b.ll.calls.flags(&s),
         host_problem: 0,
         pad: 0,
         sig: signature(&s),
     };
     let grid = grid_size(b);
-    b.ll.dispatch_calls += 1;
+    b.ll.calls.dispatch_calls += 1;
     let marker: HookMarker = Arc::new(AtomicU8::new(if s.return_recv_hook { HOOK_PENDING } else { HOOK_RAN }));
-    let routing = Arc::new(LlRouting::Cuda(CudaLlRouting { set, generation, recv: marker.clone() }));
+    let routing = Arc::new(BackendData::new(INTRANODE, CudaLlRouting { set, generation, recv: marker.clone() }));
     if s.return_recv_hook {
         let send = LlDispatchArgs { phases: phase::SEND, ..args };
         let recv = LlDispatchArgs { phases: phase::RECV, ..args };
-        b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::Dispatch(variant, recv)));
+        b.ll.calls.hand_out(marker.clone(), Drain::Dispatch(variant, recv));
         let pending = PendingDispatch(Box::new(Pending::new(recv, variant, marker, out)));
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
         b.finish(Phase::LowLatencyDispatch)?;
         take_report(b, None)?;
-        Ok((routing, Some(AnyPending::Cuda(PendingRecv::LlDispatch(pending)))))
+        Ok((routing, Some(PendingRecv::new(pending))))
     } else {
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS).with_cooperative(), &args)?;
         b.finish(Phase::LowLatencyDispatch)?;
@@ -476,7 +285,7 @@ pub(crate) fn dispatch<'a>(
 }
 
 /// The receive phase of a hooked dispatch.
-pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Result<()> {
+fn finish_dispatch(b: &mut Intranode, p: PendingDispatch<'_>) -> Result<()> {
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
@@ -490,22 +299,21 @@ pub(crate) fn finish_dispatch(b: &mut CudaBackend, p: PendingDispatch<'_>) -> Re
 // ------------------------------------------------------------------ combine
 
 pub(crate) fn combine<'a>(
-    b: &mut CudaBackend,
+    b: &mut Intranode,
     cs: LlCombineSpec,
     a: &CombineArgs<'_>,
     out: LlCombineOutputs<'a>,
-) -> Result<Option<AnyPending<'a>>> {
-    b.single_node_only("low-latency combine")?;
+) -> Result<Option<PendingRecv<'a>>> {
     let s = cs.ll;
     let me = s.rank;
-    let routing = a.handle.data.cuda(me)?;
+    let routing = a.handle.data.get::<CudaLlRouting>("handle", me, INTRANODE)?;
     let layout = layout_for(b, &s, false)?;
     begin_call(b)?;
 
-    let (mut host_problem, mut local) = handle_problems(b, routing);
+    let (mut host_problem, mut local) = b.ll.calls.handle_problems(routing);
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
     let y = if cs.zero_copy {
-        if b.ll.staging != Some(shape) || layout_for(b, &s, true).is_err() {
+        if b.ll.calls.staging != Some(shape) || layout_for(b, &s, true).is_err() {
             host_problem |= problem::ZERO_COPY;
             local.get_or_insert(("zero_copy", problem_reason(problem::ZERO_COPY).1.to_string()));
             0
@@ -518,7 +326,7 @@ pub(crate) fn combine<'a>(
 
     let variant = variant_of(b, &s);
     let kernel = ll_kernel(b, variant, kernel_name::LL_COMBINE)?;
-    let set = (b.ll.combine_calls & 1) as usize;
+    let set = (b.ll.calls.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
     let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set);
@@ -537,7 +345,7 @@ pub(crate) fn combine<'a>(
         home_weight,
         error_claim,
         error_record,
-        report: b.ll.report.device_ptr(),
+        report: b.ll.calls.report.device_ptr(),
         timeout_ns: b.timeout_ns,
         trace: trace_ptr(b, 1)?,
         rank: s.rank as u32,
@@ -548,22 +356,22 @@ pub(crate) fn combine<'a>(
         num_local_experts: s.num_local_experts() as u32,
         set: set as u32,
         phases: phase::SEND | phase::RECV,
-        flags: flags(b, &s),
+        flags: b.ll.calls.flags(&s),
         host_problem,
         pad: [0; 2],
     };
     let grid = grid_size(b);
-    b.ll.combine_calls += 1;
+    b.ll.calls.combine_calls += 1;
     if cs.return_recv_hook {
         let send = LlCombineArgs { phases: phase::SEND, ..args };
         let recv = LlCombineArgs { phases: phase::RECV, ..args };
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
-        b.ll.outstanding.push(Outstanding::new(marker.clone(), Drain::Combine(variant, recv)));
+        b.ll.calls.hand_out(marker.clone(), Drain::Combine(variant, recv));
         let pending = PendingCombine(Box::new(Pending::new(recv, variant, marker, out)));
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
         b.finish(Phase::LowLatencyCombine)?;
         take_report(b, local)?;
-        Ok(Some(AnyPending::Cuda(PendingRecv::LlCombine(pending))))
+        Ok(Some(PendingRecv::new(pending)))
     } else {
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS).with_cooperative(), &args)?;
         b.finish(Phase::LowLatencyCombine)?;
@@ -573,7 +381,7 @@ pub(crate) fn combine<'a>(
 }
 
 /// The receive phase of a hooked combine.
-pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Result<()> {
+fn finish_combine(b: &mut Intranode, p: PendingCombine<'_>) -> Result<()> {
     let p = &p.0;
     p.marker.store(HOOK_RAN, Ordering::Release);
     drain_abandoned(b)?;
@@ -584,15 +392,27 @@ pub(crate) fn finish_combine(b: &mut CudaBackend, p: PendingCombine<'_>) -> Resu
     take_report(b, None)
 }
 
+impl RecvPhase for PendingDispatch<'_> {
+    fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
+        finish_dispatch(backend_of::<Intranode>(backend, rank, INTRANODE)?, *self)
+    }
+}
+
+impl RecvPhase for PendingCombine<'_> {
+    fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
+        finish_combine(backend_of::<Intranode>(backend, rank, INTRANODE)?, *self)
+    }
+}
+
 // ------------------------------------------------------------------ zero-copy buffer, clean, masks
 
 /// The zero-copy combine buffer for `s`'s shape: `bf16 [E_local, R*T_max, H]` inside this rank's
 /// low-latency region (local memory; peers never write it). Combine with `zero_copy` reads it in place of
 /// `x`.
-pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Result<TensorMut<'b>> {
+pub(crate) fn next_combine_buffer<'b>(b: &'b mut Intranode, s: &LlSpec) -> Result<TensorMut<'b>> {
     let layout = layout_for(b, s, true)?;
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
-    b.ll.staging = Some(shape);
+    b.ll.calls.staging = Some(shape);
     let addr = b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at);
     let strides = [(shape[1] * shape[2]) as isize, shape[2] as isize, 1];
     // SAFETY: the range [addr, addr + staging_bytes) lies inside this rank's symmetric buffer (layout_for
@@ -603,16 +423,14 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut CudaBackend, s: &LlSpec) -> Res
 
 /// `clean_low_latency_buffer`: resets the low-latency control area on every rank (collective): a barrier
 /// (no call in flight anywhere), zero the epochs, counters, flags and metadata (not the masks), a barrier.
-pub(crate) fn clean(b: &mut CudaBackend, _t: usize, _h: usize, _e: usize) -> Result<()> {
-    b.single_node_only("clean_low_latency_buffer")?;
-    b.gpu_barrier()?;
+pub(crate) fn clean(b: &mut Intranode, _t: usize, _h: usize, _e: usize) -> Result<()> {
+    b.gpu.nvlink_barrier()?;
     let addr = b.peer_addr(b.rank, ctrl::LL);
     // SAFETY: [ctrl::LL, ctrl::LL + MASK_OFFSET) is inside this rank's control area; the barrier above
     // ordered every earlier kernel (ours and the peers' writes into it) before the memset on this stream.
     unsafe { b.op_stream().memset_d8_async(addr, 0, LlCtrl::MASK_OFFSET)? };
-    b.gpu_barrier()?;
-    b.ll.outstanding.clear();
-    b.ll.report.write(0, LlReport::default());
+    b.gpu.nvlink_barrier()?;
+    b.ll.calls.forget();
     Ok(())
 }
 
@@ -623,36 +441,28 @@ fn mask_offset(rank: usize) -> usize {
 // The mask words are read by this rank's kernels: reads and writes are ordered after this rank's earlier
 // operations on the operation stream (a caller's stream in asynchronous mode), and complete on return.
 
-pub(crate) fn set_mask(b: &mut CudaBackend, rank: usize, masked: bool) -> Result<()> {
+pub(crate) fn set_mask(b: &mut Intranode, rank: usize, masked: bool) -> Result<()> {
     write_mask_words(b, mask_offset(rank), &u32::from(masked).to_le_bytes())
 }
 
-pub(crate) fn mask(b: &mut CudaBackend) -> Result<Vec<bool>> {
+pub(crate) fn mask(b: &mut Intranode) -> Result<Vec<bool>> {
     let mut bytes = vec![0u8; 4 * b.num_ranks];
-    // SAFETY: `bytes` is read only after the stream has run the copy (synchronised below).
-    unsafe { b.sym.local().copy_to_host_async(mask_offset(0), &mut bytes, b.op_stream())? };
-    b.op_stream().synchronize()?;
+    b.gpu.read_local_words(mask_offset(0), &mut bytes)?;
     Ok(bytes.chunks_exact(4).map(|w| w != [0, 0, 0, 0]).collect())
 }
 
-pub(crate) fn clear_mask(b: &mut CudaBackend) -> Result<()> {
+pub(crate) fn clear_mask(b: &mut Intranode) -> Result<()> {
     write_mask_words(b, mask_offset(0), &vec![0u8; 4 * b.num_ranks])
 }
 
-fn write_mask_words(b: &mut CudaBackend, offset: usize, bytes: &[u8]) -> Result<()> {
-    let stream = match &b.mode {
-        super::StreamMode::Own => &b.stream,
-        super::StreamMode::External(s) => s,
-    };
-    // SAFETY: `bytes` outlives the copy (the stream is synchronised below).
-    unsafe { b.sym.local_mut().copy_from_host_async(offset, bytes, stream)? };
-    stream.synchronize()?;
-    Ok(())
+fn write_mask_words(b: &mut Intranode, offset: usize, bytes: &[u8]) -> Result<()> {
+    b.gpu.write_local_words(offset, bytes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::ll::LlQuant;
 
     fn spec(quant: LlQuant, has_weights: bool) -> LlSpec {
@@ -668,55 +478,6 @@ mod tests {
             has_weights,
             return_recv_hook: false,
         }
-    }
-
-    #[test]
-    fn signature_follows_the_host_check_order() {
-        let s = spec(LlQuant::Fp8 { round_scale: true, use_ue8m0: true }, true);
-        let sig = signature(&s);
-        assert_eq!(&sig[..6], &[7168, 8, 288, 128, 0b111, 1]);
-        assert_eq!(&sig[6..], &[0, 0]);
-        assert_eq!(signature(&spec(LlQuant::Bf16, false))[4..6], [0, 0]);
-        assert_eq!(SIG_FIELDS[0], "hidden");
-        assert_eq!(SIG_FIELDS[5], "topk_weights");
-    }
-
-    #[test]
-    fn problem_bits_name_arguments() {
-        assert_eq!(problem_reason(problem::TOPK_IDX).0, "topk_idx");
-        assert_eq!(problem_reason(problem::TOPK_IDX_DIFFERS).0, "topk_idx");
-        assert_eq!(problem_reason(problem::WEIGHTS_DIFFER).0, "topk_weights");
-        assert_eq!(problem_reason(problem::ZERO_COPY).0, "zero_copy");
-        assert_eq!(problem_reason(problem::HANDLE).0, "handle");
-        // The lowest bit wins when several are set.
-        assert_eq!(problem_reason(problem::WEIGHTS_DIFFER | problem::TOPK_IDX_DIFFERS).0, "topk_idx");
-    }
-
-    #[test]
-    fn reports_become_the_host_backends_errors() {
-        assert!(report_error(&LlReport::default(), 0, None).is_none());
-        // Own problem first, with the host-side reason when it names the same argument.
-        let own =
-            LlReport { own_problem: problem::ZERO_COPY, mismatch_peer: 2, peer_problem_peer: 1, peer_problem: 1, ..Default::default() };
-        let e = report_error(&own, 3, Some(("zero_copy", "mine".into()))).unwrap();
-        assert_eq!(e.argument(), Some("zero_copy"));
-        assert!(e.to_string().contains("mine") && e.to_string().contains("rank 3"), "{e}");
-        let e = report_error(&LlReport { own_problem: problem::WEIGHTS_DIFFER, ..Default::default() }, 0, Some(("zero_copy", "x".into())));
-        assert_eq!(e.unwrap().argument(), Some("topk_weights"));
-        // Then a signature mismatch naming the peer and the field.
-        let mism = LlReport { mismatch_peer: 2, mismatch_field: 0, mismatch_ours: 128, mismatch_theirs: 256, ..Default::default() };
-        match report_error(&mism, 0, None) {
-            Some(Error::RankMismatch { what: "hidden", rank: 0, peer: 1, ours, theirs }) => {
-                assert_eq!((ours.as_str(), theirs.as_str()), ("128", "256"))
-            }
-            other => panic!("{other:?}"),
-        }
-        // Then a peer's problem, naming the peer.
-        let peer = LlReport { peer_problem_peer: 1, peer_problem: problem::WEIGHTS_DIFFER, ..Default::default() };
-        let e = report_error(&peer, 1, None).unwrap();
-        assert_eq!(e.argument(), Some("topk_weights"));
-        assert!(e.to_string().contains("rank 0"), "{e}");
-        assert!(!e.poisons_buffer());
     }
 
     #[test]

@@ -16,10 +16,13 @@ use moelink_kernels::ht_internode::{
 };
 use moelink_kernels::{kernel_name, KernelSpec};
 
-use super::ht::{self as intranode, PooledBuffer};
-use super::internode::{HT_SIGNALS, RDMA_CTRL_BYTES};
-use super::{ctrl, CudaBackend, HT_DATA};
-use crate::backend::{HtDispatched, HtRouting, LayoutOutputs, PlanState};
+use super::super::gpu::{ctrl, Gpu, HT_DATA};
+use super::super::ht_shared::{
+    check_aligned, check_dispatch_inputs, combine_addrs, dispatch_addrs, notify_status_error, per_expert_aligned, to_u32, wait_notify_ready,
+};
+use super::super::pool::{pool_take, PooledBuffer};
+use super::{Internode, HT_SIGNALS, INTERNODE, RDMA_CTRL_BYTES};
+use crate::backend::{BackendData, HtDispatched, LayoutOutputs};
 use crate::error::{Error, Phase, Result};
 use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Routing};
 use crate::internode::Topology;
@@ -41,10 +44,10 @@ pub(crate) struct HtiState {
 }
 
 impl HtiState {
-    pub(crate) fn new(b: &CudaBackend) -> Result<HtiState> {
+    pub(crate) fn new(gpu: &Gpu) -> Result<HtiState> {
         Ok(HtiState {
-            state: moelink_cuda::DeviceBuffer::zeroed(&b.device, hti_kernels::HTI_STATE_BYTES)?,
-            expert_tokens: moelink_cuda::DeviceBuffer::zeroed(&b.device, hti_kernels::HTI_EXPERT_TOKENS_BYTES)?,
+            state: moelink_cuda::DeviceBuffer::zeroed(&gpu.device, hti_kernels::HTI_STATE_BYTES)?,
+            expert_tokens: moelink_cuda::DeviceBuffer::zeroed(&gpu.device, hti_kernels::HTI_EXPERT_TOKENS_BYTES)?,
             host_notify: None,
             notify_seq: 0,
         })
@@ -79,20 +82,24 @@ pub(crate) struct HtiRouting {
 /// State between `prepare_dispatch` and `dispatch`.
 pub(crate) enum HtiPlan {
     Fresh { routing: PooledBuffer, host: Option<HostRouting>, num_fwd: Option<usize>, round_tokens: usize, chunk_tokens: usize },
-    Cached(Arc<HtRouting>),
+    Cached(Arc<BackendData>),
 }
 
-fn topology(b: &CudaBackend) -> Topology {
-    b.internode.as_ref().expect("an internode buffer").topology
+fn routing_of(data: &BackendData, rank: usize) -> Result<&HtiRouting> {
+    data.get("handle", rank, INTERNODE)
 }
 
-fn variant(b: &CudaBackend, hidden: usize, fp8: bool, topk: usize, num_biases: usize) -> HtiVariant {
+fn topology(b: &Internode) -> Topology {
+    b.topology
+}
+
+fn variant(b: &Internode, hidden: usize, fp8: bool, topk: usize, num_biases: usize) -> HtiVariant {
     let t = topology(b);
-    let transport = b.internode.as_ref().expect("an internode buffer").rdma.transport().kernel_transport();
+    let transport = b.rdma.transport().kernel_transport();
     HtiVariant { hidden, fp8, topk, num_biases, num_nodes: t.num_nodes, ranks_per_node: t.ranks_per_node, transport }
 }
 
-fn rdma_at(b: &CudaBackend) -> Result<RdmaAt> {
+fn rdma_at(b: &Internode) -> Result<RdmaAt> {
     let t = topology(b);
     rdma_layout(HT_SIGNALS, RDMA_CTRL_BYTES, b.num_rdma_bytes, t.num_ranks(), t.num_nodes).ok_or_else(|| Error::BufferTooSmall {
         rank: b.rank,
@@ -103,7 +110,7 @@ fn rdma_at(b: &CudaBackend) -> Result<RdmaAt> {
     })
 }
 
-fn nvl_args(b: &CudaBackend) -> NvlArgs {
+fn nvl_args(b: &Internode) -> NvlArgs {
     let t = topology(b);
     let mut n = nvl_layout(NVL_CTRL, HT_DATA, b.num_nvl_bytes, t.num_ranks(), t.num_nodes);
     for (j, base) in n.base.iter_mut().enumerate().take(t.ranks_per_node) {
@@ -115,15 +122,15 @@ fn nvl_args(b: &CudaBackend) -> NvlArgs {
 /// The dispatch kernel of a call: its message and row layouts come from the call's signature (top-k ids
 /// travel when the call has them), which notify made every rank agree on. Never from a tensor's address: a
 /// rank without tokens has empty top-k tensors, and its kernel must still read its peers' messages.
-fn dispatch_variant(b: &CudaBackend, s: &HtSpec) -> HtiVariant {
+fn dispatch_variant(b: &Internode, s: &HtSpec) -> HtiVariant {
     variant(b, s.hidden, s.fp8, if s.has_topk { s.topk } else { 0 }, 0)
 }
 
 /// The launch: `blocks` worker blocks plus the emulated NIC's, cooperative (every role of every block waits
 /// for the others).
-fn launch<A: bytemuck::Pod>(b: &mut CudaBackend, spec: &KernelSpec, name: &'static str, args: &A, blocks: u32) -> Result<()> {
+fn launch<A: bytemuck::Pod>(b: &mut Internode, spec: &KernelSpec, name: &'static str, args: &A, blocks: u32) -> Result<()> {
     let k = b.kernel(spec, name)?;
-    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks());
+    let nic = b.rdma.nic_blocks();
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
 }
 
@@ -159,13 +166,13 @@ fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, se
 }
 
 /// The role split of a dispatch (`dispatch`: true) or combine on this buffer.
-fn roles_of(b: &CudaBackend, rank: usize, num_sms: usize, dispatch: bool) -> Result<(u32, u32, u32)> {
+fn roles_of(b: &Internode, rank: usize, num_sms: usize, dispatch: bool) -> Result<(u32, u32, u32)> {
     let send = if dispatch { b.tuning.ht_dispatch_send_blocks } else { b.tuning.ht_combine_send_blocks };
     roles(rank, topology(b), num_sms, b.tuning.hti_fwd_blocks, send)
 }
 
 /// The limits of the internode kernels, checked before anything runs (every rank refuses alike).
-fn check_limits(b: &CudaBackend, rank: usize, topk: usize, num_local_experts: usize) -> Result<()> {
+fn check_limits(b: &Internode, rank: usize, topk: usize, num_local_experts: usize) -> Result<()> {
     let t = topology(b);
     if t.num_ranks() > HTI_MAX_RANKS || t.num_nodes > HTI_MAX_NODES {
         return Err(Error::invalid(
@@ -190,19 +197,19 @@ fn check_limits(b: &CudaBackend, rank: usize, topk: usize, num_local_experts: us
 /// Tokens per round and per chunk for a call of `hidden` / `fp8` / `topk` on this buffer: the core's rule
 /// (`crate::internode::ht_round_shape`, which the host backend applies too), with the chunk from
 /// `Tuning::ht_send_chunk`.
-fn round_of(b: &CudaBackend, hidden: usize, fp8: bool, topk: usize) -> Result<(usize, usize)> {
+fn round_of(b: &Internode, hidden: usize, fp8: bool, topk: usize) -> Result<(usize, usize)> {
     let chunk = b.tuning.ht_send_chunk.filter(|&c| c > 0).map_or(hti_kernels::DEFAULT_CHUNK_TOKENS, |c| c as usize);
     crate::internode::ht_round_shape(b.rank, topology(b), b.num_nvl_bytes, b.num_rdma_bytes, hidden, fp8, topk, chunk)
 }
 
 // ------------------------------------------------------------------------------------------ layout
 
-pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
     let rank = b.rank;
     let t = topology(b);
     let (n, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_limits(b, rank, k, num_experts / t.num_ranks())?;
-    intranode::check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
+    check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
     let per_rank = out.num_tokens_per_rank.addr();
     let per_expert = out.num_tokens_per_expert.addr();
     let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(0, |v| v.addr());
@@ -228,19 +235,19 @@ pub(crate) fn dispatch_layout(b: &mut CudaBackend, topk_idx: &TensorRef<'_>, num
         is_token_in_rank: out.is_token_in_rank.addr(),
         error_claim,
         error_record,
-        num_tokens: intranode::to_u32(n, "topk_idx", rank)?,
-        topk: intranode::to_u32(k, "topk_idx", rank)?,
-        num_experts: intranode::to_u32(num_experts, "num_experts", rank)?,
+        num_tokens: to_u32(n, "topk_idx", rank)?,
+        topk: to_u32(k, "topk_idx", rank)?,
+        num_experts: to_u32(num_experts, "num_experts", rank)?,
         rank: rank as u32,
     };
     let grid = (n.div_ceil(HTI_THREADS as usize) as u32).clamp(1, 1024);
     b.launch(&kernel, &LaunchConfig::linear(grid, HTI_THREADS), &args)?;
-    intranode::finish(b, Phase::Layout)
+    b.gpu.finish_settled(Phase::Layout)
 }
 
 // ------------------------------------------------------------------------------------------ dispatch
 
-pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
     let rank = s.rank;
     let t = topology(b);
     check_limits(b, rank, s.topk, s.num_local_experts())?;
@@ -253,30 +260,30 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
              pass num_worst_tokens > 0",
         ));
     }
-    intranode::check_dispatch_inputs(b, a, rank)?;
+    check_dispatch_inputs(b, a, rank)?;
     let layout = match a.routing {
         Routing::Cached(h) => {
             let data = h.data.clone();
-            let r = data.cuda_internode(rank)?;
+            let r = routing_of(&data, rank)?;
             let host = r.host.clone();
             return Ok(DispatchPlan {
                 spec: s,
                 num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: intranode::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
-                state: PlanState::CudaInternode(HtiPlan::Cached(data)),
+                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
+                state: BackendData::new(INTERNODE, HtiPlan::Cached(data)),
             });
         }
         Routing::Fresh { layout, .. } => layout,
     };
     let (round_tokens, chunk_tokens) = round_of(b, s.hidden, s.fp8, s.topk)?;
     let el = s.num_local_experts();
-    let routing_buf = intranode::pool_take(b, 4 * RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).words)?;
+    let routing_buf = pool_take(&b.gpu, 4 * RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).words)?;
     let sync = s.num_worst_tokens == 0;
-    let hti = &mut b.internode.as_mut().expect("an internode buffer").hti;
+    let hti = &mut b.hti;
     let (host_out, host_seq) = if sync {
         let words = host_notify::words(el);
         if hti.host_notify.as_ref().is_none_or(|m| m.len() < words) {
-            hti.host_notify = Some(HostMapped::new(&b.device, words.max(host_notify::words(256)))?);
+            hti.host_notify = Some(HostMapped::new(&b.gpu.device, words.max(host_notify::words(256)))?);
         }
         hti.notify_seq = hti.notify_seq.wrapping_add(1).max(1);
         (hti.host_notify.as_ref().map_or(0, |m| m.device_ptr()), hti.notify_seq)
@@ -294,9 +301,8 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     });
     let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
     let (error_claim, error_record) = b.error_sink();
-    let inter = b.internode.as_ref().expect("an internode buffer");
     let args = HtiNotifyArgs {
-        rdma: inter.rdma_args(),
+        rdma: b.rdma_args(),
         at: rdma_at(b)?,
         is_token_in_rank: layout.is_token_in_rank.addr(),
         num_tokens_per_rank: layout.num_tokens_per_rank.addr(),
@@ -308,7 +314,7 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,
-        num_tokens: intranode::to_u32(s.num_tokens, "x", rank)?,
+        num_tokens: to_u32(s.num_tokens, "x", rank)?,
         num_local_experts: el as u32,
         round_tokens: round_tokens as u32,
         host_seq,
@@ -323,21 +329,19 @@ pub(crate) fn prepare_dispatch(b: &mut CudaBackend, s: HtSpec, a: &DispatchArgs<
     Ok(DispatchPlan {
         spec: s,
         num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-        num_recv_tokens_per_expert: intranode::per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
-        state: PlanState::CudaInternode(HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
+        num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
+        state: BackendData::new(INTERNODE, HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
     })
 }
 
 /// CPU-sync mode: waits (deadline) for notify's host-mapped results of call `seq`; a non-zero status is the
 /// error every rank sees alike.
 /// This buffer's host-mapped notify words (allocated by `prepare_dispatch` before it launches notify).
-fn notify(b: &CudaBackend) -> Option<&HostMapped<u32>> {
-    b.internode.as_ref().and_then(|i| i.hti.host_notify.as_ref())
-}
-
-fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting, usize)> {
-    let start = intranode::wait_notify_ready(b, s.rank, seq, |b| notify(b).map_or(0, |m| m.read(host_notify::READY)))?;
-    let m = notify(b).expect("allocated by prepare_dispatch");
+fn read_notify(b: &mut Internode, seq: u32, s: &HtSpec) -> Result<(HostRouting, usize)> {
+    let Some(m) = b.hti.host_notify.as_ref() else {
+        return Err(Error::invalid("num_worst_tokens", s.rank, "internal: no host-mapped notify area"));
+    };
+    let start = wait_notify_ready(&b.gpu, s.rank, seq, m, host_notify::READY)?;
     let status = m.read(host_notify::STATUS);
     let host = HostRouting {
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
@@ -350,18 +354,18 @@ fn read_notify(b: &mut CudaBackend, seq: u32, s: &HtSpec) -> Result<(HostRouting
         return Ok((host, num_fwd));
     }
     // The internode notify sets only the shared bits.
-    let e = intranode::notify_status_error(b, s, status, peer, start)
+    let e = notify_status_error(&b.gpu, s, status, peer, start)
         .unwrap_or_else(|| Error::Group { rank: s.rank, reason: format!("notify reported unknown status bits {status:#x}") });
-    Err(intranode::settle(b, e))
+    Err(b.gpu.settle(e))
 }
 
-pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
     let s = plan.spec;
     let rank = s.rank;
     let t = topology(b);
     let num_out_rows = plan.num_recv_rows();
-    let state = plan.state.into_cuda_internode(rank)?;
-    let addrs = intranode::dispatch_addrs(b, &s, a, &out)?;
+    let state = plan.state.take::<HtiPlan>("plan", rank, INTERNODE)?;
+    let addrs = dispatch_addrs(b, &s, a, &out)?;
     let (send_blocks, fwd_blocks, fwd_per_node) = roles_of(b, rank, s.num_sms, true)?;
 
     // The handle: a fresh dispatch builds it; a cached one re-uses it (its routing, and the buffers the
@@ -370,8 +374,8 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         HtiPlan::Fresh { routing, host, num_fwd, round_tokens, chunk_tokens } => {
             let fwd_capacity = num_fwd.unwrap_or(s.num_worst_tokens).max(1);
             let route_rows = num_out_rows.max(1);
-            let fwd_entries = intranode::pool_take(b, 4 * fwd_capacity)?;
-            let recv_route = intranode::pool_take(b, 8 * route_rows)?;
+            let fwd_entries = pool_take(&b.gpu, 4 * fwd_capacity)?;
+            let recv_route = pool_take(&b.gpu, 8 * route_rows)?;
             let r = HtiRouting {
                 routing,
                 fwd_entries,
@@ -389,7 +393,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     };
     let r: &HtiRouting = match &handle {
         Handle::New(r) => r,
-        Handle::Existing(d) => d.cuda_internode(rank)?,
+        Handle::Existing(d) => routing_of(d, rank)?,
     };
     if num_out_rows > r.route_rows {
         return Err(Error::invalid(
@@ -412,15 +416,14 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
     }
     let v = dispatch_variant(b, &s);
     let (error_claim, error_record) = b.error_sink();
-    let inter = b.internode.as_ref().expect("an internode buffer");
     // A fresh CPU-synchronised dispatch with top-k checks the rows that arrive against the per-expert counts
     // notify left in the host-mapped words (what the host returns as num_recv_tokens_per_expert).
-    let (host_notify, host_seq) = match (&handle, &r.host, &inter.hti.host_notify) {
+    let (host_notify, host_seq) = match (&handle, &r.host, &b.hti.host_notify) {
         (Handle::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
         _ => (0, 0),
     };
     let args = HtiDispatchArgs {
-        rdma: inter.rdma_args(),
+        rdma: b.rdma_args(),
         at: rdma_at(b)?,
         nvl: nvl_args(b),
         x: addrs.x,
@@ -430,7 +433,7 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         topk_idx: addrs.topk_idx,
         topk_weights: addrs.topk_weights,
         num_tokens_per_expert: addrs.num_tokens_per_expert,
-        expert_tokens: inter.hti.expert_tokens.device_ptr(),
+        expert_tokens: b.hti.expert_tokens.device_ptr(),
         host_notify,
         recv_x: addrs.recv_x,
         recv_scales: addrs.recv_scales,
@@ -440,13 +443,13 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
         routing: r.routing.ptr(),
         fwd_entries: r.fwd_entries.ptr(),
         recv_route: r.recv_route.ptr(),
-        state: inter.hti.state.device_ptr(),
+        state: b.hti.state.device_ptr(),
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,
-        num_tokens: intranode::to_u32(s.num_tokens, "x", rank)?,
-        num_out_rows: intranode::to_u32(num_out_rows, "num_worst_tokens", rank)?,
-        fwd_capacity: intranode::to_u32(r.fwd_capacity, "num_worst_tokens", rank)?,
+        num_tokens: to_u32(s.num_tokens, "x", rank)?,
+        num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
+        fwd_capacity: to_u32(r.fwd_capacity, "num_worst_tokens", rank)?,
         num_local_experts: s.num_local_experts() as u32,
         chunk_tokens: r.chunk_tokens as u32,
         num_send_blocks: send_blocks,
@@ -476,18 +479,18 @@ pub(crate) fn dispatch(b: &mut CudaBackend, plan: DispatchPlan, a: &DispatchArgs
             if r.host.is_none() && !b.is_async() {
                 r.host = Some(read_back(&r)?);
             }
-            Arc::new(HtRouting::CudaInternode(*r))
+            Arc::new(BackendData::new(INTERNODE, *r))
         }
         Handle::Existing(d) => d,
     };
-    let n = data.cuda_internode(rank)?.host.as_ref().map(|h| h.num_recv_tokens);
+    let n = routing_of(&data, rank)?.host.as_ref().map(|h| h.num_recv_tokens);
     Ok(HtDispatched { data, num_recv_tokens: n })
 }
 
 /// The handle data a dispatch returns: built by a fresh dispatch, shared by a cached one.
 enum Handle {
     New(Box<HtiRouting>),
-    Existing(Arc<HtRouting>),
+    Existing(Arc<BackendData>),
 }
 
 fn read_back(r: &HtiRouting) -> Result<HostRouting> {
@@ -502,7 +505,7 @@ fn read_back(r: &HtiRouting) -> Result<HostRouting> {
 /// (`HtiState`, the forwarders' shared counts), the RDMA signals (chunk words, hand-backs), the node's
 /// hand-back and done words and the first flags of every part, and the routing header of the call. Read
 /// after the kernel gave up; peers may still be writing, so it is a snapshot, not a proof.
-fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> String {
+fn protocol_dump(b: &Internode, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> String {
     use std::fmt::Write;
     let t = topology(b);
     let (r, n, l) = (t.num_ranks(), t.num_nodes, t.ranks_per_node);
@@ -513,8 +516,7 @@ fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_to
     let word = |v: u64| format!("{}:{}", v >> 32, v & 0xffff_ffff);
     // Local state.
     let mut st = vec![0u8; hti_kernels::HTI_STATE_BYTES];
-    let inter = b.internode.as_ref().expect("an internode buffer");
-    if inter.hti.state.copy_to_host(&mut st).is_ok() {
+    if b.hti.state.copy_to_host(&mut st).is_ok() {
         let w = u32s(&st);
         let _ = write!(
             out,
@@ -537,7 +539,7 @@ fn protocol_dump(b: &CudaBackend, op: &str, routing_buf: &PooledBuffer, round_to
     if let Ok(at) = rdma_at(b) {
         let read = |off: u64, words: usize| -> Vec<u64> {
             let mut v = vec![0u8; 8 * words];
-            match inter.rdma.read_local(&b.device, off as usize, &mut v) {
+            match b.rdma.read_local(&b.device, off as usize, &mut v) {
                 Ok(()) => u64s(&v),
                 Err(_) => Vec::new(),
             }
@@ -601,8 +603,8 @@ fn runs(v: &[u32]) -> String {
 }
 
 /// `finish`, printing the protocol's state on stderr when the call failed with HT tracing on.
-fn finish_or_dump(b: &mut CudaBackend, phase: Phase, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> Result<()> {
-    let r = intranode::finish(b, phase);
+fn finish_or_dump(b: &mut Internode, phase: Phase, op: &str, routing_buf: &PooledBuffer, round_tokens: usize) -> Result<()> {
+    let r = b.gpu.finish_settled(phase);
     if r.is_err() && b.tracing.high_throughput {
         eprintln!("{}", protocol_dump(b, op, routing_buf, round_tokens));
     }
@@ -611,9 +613,9 @@ fn finish_or_dump(b: &mut CudaBackend, phase: Phase, op: &str, routing_buf: &Poo
 
 // ------------------------------------------------------------------------------------------ combine
 
-pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+pub(crate) fn combine(b: &mut Internode, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
     let rank = s.rank;
-    let r = a.handle.data.cuda_internode(rank)?;
+    let r = routing_of(&a.handle.data, rank)?;
     if s.topk > HTI_MAX_TOPK {
         return Err(Error::invalid(
             "topk_weights",
@@ -622,7 +624,7 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         ));
     }
     let (send_blocks, fwd_blocks, fwd_per_node) = roles_of(b, rank, s.num_sms, false)?;
-    let c = intranode::combine_addrs(b, rank, a, &out)?;
+    let c = combine_addrs(b, rank, a, &out)?;
     if s.num_recv_rows > r.route_rows {
         return Err(Error::invalid(
             "x",
@@ -632,9 +634,8 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
     }
     let v = variant(b, s.hidden, false, s.topk, c.num_biases);
     let (error_claim, error_record) = b.error_sink();
-    let inter = b.internode.as_ref().expect("an internode buffer");
     let args = HtiCombineArgs {
-        rdma: inter.rdma_args(),
+        rdma: b.rdma_args(),
         at: rdma_at(b)?,
         nvl: nvl_args(b),
         x: c.x,
@@ -646,12 +647,12 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
         routing: r.routing.ptr(),
         fwd_entries: r.fwd_entries.ptr(),
         recv_route: r.recv_route.ptr(),
-        state: inter.hti.state.device_ptr(),
+        state: b.hti.state.device_ptr(),
         error_claim,
         error_record,
         timeout_ns: b.timeout_ns,
-        num_tokens: intranode::to_u32(r.num_tokens, "x", rank)?,
-        num_x_rows: intranode::to_u32(s.num_recv_rows, "x", rank)?,
+        num_tokens: to_u32(r.num_tokens, "x", rank)?,
+        num_x_rows: to_u32(s.num_recv_rows, "x", rank)?,
         chunk_tokens: r.chunk_tokens as u32,
         num_send_blocks: send_blocks,
         num_fwd_blocks: fwd_blocks,
@@ -671,20 +672,21 @@ pub(crate) fn combine(b: &mut CudaBackend, s: CombineSpec, a: &CombineArgs<'_>, 
 /// With `KernelTracing::high_throughput`, a synchronous internode dispatch or combine stamps its roles and
 /// chunks (`HTI_TRACE_*` in hti.cuh); the words for a launch of `workers` worker blocks (plus the
 /// emulated NIC's), zeroed, or 0 when not tracing.
-fn trace_begin(b: &mut CudaBackend, workers: usize) -> Result<u64> {
-    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks() as usize);
-    intranode::trace_begin_words(b, hti_kernels::trace_words(workers + nic, topology(b).num_nodes))
+fn trace_begin(b: &mut Internode, workers: usize) -> Result<u64> {
+    let nic = b.rdma.nic_blocks() as usize;
+    let words = hti_kernels::trace_words(workers + nic, topology(b).num_nodes);
+    b.gpu.ht_trace_begin(words)
 }
 
 /// Decodes the trace of the launch that just finished (`roles`: sender and forwarder blocks) and keeps it.
-fn trace_keep(b: &mut CudaBackend, kernel: &'static str, op: &'static str, workers: usize, roles: (u32, u32)) {
-    let nic = b.internode.as_ref().map_or(0, |i| i.rdma.nic_blocks() as usize);
+fn trace_keep(b: &mut Internode, kernel: &'static str, op: &'static str, workers: usize, roles: (u32, u32)) {
+    let nic = b.rdma.nic_blocks() as usize;
     let nodes = topology(b).num_nodes;
-    let words = intranode::trace_words(b, hti_kernels::trace_words(workers + nic, nodes));
+    let words = b.gpu.ht_trace_words(hti_kernels::trace_words(workers + nic, nodes));
     let shape =
         crate::trace::HtiTraceShape { blocks: workers + nic, workers, send_blocks: roles.0 as usize, fwd_blocks: roles.1 as usize, nodes };
     if let Some(trace) = crate::trace::hti_launch(&words, shape, kernel, op) {
-        intranode::trace_push(b, trace);
+        b.gpu.ht_trace_push(trace);
     }
 }
 

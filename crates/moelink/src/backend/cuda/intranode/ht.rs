@@ -1,0 +1,568 @@
+//! High-throughput dispatch/combine on one node: what to launch, with which arguments, after which checks. The
+//! protocol (direct writes into per-source receive slabs, per-row flags, slab hand-back) is described in
+//! `docs/protocols.md` ("HT") and at the top of each kernel in `moelink-kernels/cuda/ht_*.cu`.
+//!
+//! Kernels per call:
+//! - `get_dispatch_layout`: `ht_layout` (local).
+//! - fresh dispatch: `ht_notify` (count exchange; in CPU-sync mode the host waits for its host-mapped
+//!   results), then `ht_dispatch`. Cached dispatch: `ht_dispatch` only, on the handle's routing.
+//! - combine: `ht_combine`.
+//!
+//! Capacity: every condition that makes a call not fit the buffer is evaluated by the kernels on values all
+//! ranks share (T_max from the notify exchange, the call's row size, `num_nvl_bytes`), so every rank skips the
+//! same call and the epochs stay in step; where the host already knows those values (CPU-sync handles) it
+//! returns [`Error::BufferTooSmall`] before launching, which is the same decision taken earlier.
+
+use std::sync::Arc;
+
+use moelink_cuda::{HostMapped, LaunchConfig};
+use moelink_kernels::abi;
+use moelink_kernels::ht::{
+    self as kht, host_notify, routing, CallSignature, HtCombineArgs, HtCombineVariant, HtDispatchArgs, HtDispatchVariant, HtLayoutArgs,
+    HtLayoutVariant, HtNotifyArgs, HtNotifyVariant, HtRegion,
+};
+use moelink_kernels::kernel_name;
+
+use super::super::errors;
+use super::super::gpu::{ctrl, HT_DATA};
+use super::super::ht_shared::{
+    check_aligned, check_dispatch_inputs, combine_addrs, dispatch_addrs, link_sms, notify_status_error, per_expert_aligned, to_u32,
+    wait_notify_ready,
+};
+use super::super::pool::{pool_take, PooledBuffer};
+use super::{Intranode, INTRANODE};
+use crate::backend::{BackendData, HtDispatched, LayoutOutputs};
+use crate::config::Tuning;
+use crate::error::{Error, Phase, Result};
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Routing};
+use crate::tensor::TensorRef;
+
+const _: () = assert!(kht::ctrl::BYTES <= ctrl::LL - ctrl::HT, "the HT control region overflows its slot");
+
+// ------------------------------------------------------------------------------------------ SM split
+
+/// Combine sender blocks: a third of the blocks, but at least the link SMs as long as that leaves half for
+/// the reducers. Measured on 4xH200 (EP4, 4096 tokens, H 7168, interleaved chunks): 24 SMs 6/8/10/12
+/// senders 690/566/568/578 µs; 48 SMs 8/16: 561/554; 64 SMs 8/16/21: 561/543/539 (bench/results/
+/// 2026-11-21-4xnvidia-h200-52de077-sweeps, -run23); a plain third starved the senders below 24 SMs.
+fn default_send_blocks(num_sms: usize) -> usize {
+    (num_sms / 3).max(link_sms().min(num_sms / 2)).clamp(1, num_sms - 1)
+}
+
+/// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides, clamped to `[1, num_sms - 1]`): the link
+/// SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and more
+/// sender SMs land in the all-to-all dip between 10 and 28 SMs (`SM_HEADROOM`): measured on 4xH200 (EP4,
+/// 4096 tokens, H 7168, BF16 dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643;
+/// 48 SMs 8/16: 585/597; 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps,
+/// -run23). The receivers copy this rank's own rows and the arriving rows out.
+fn dispatch_send_blocks(t: &Tuning, num_sms: usize) -> usize {
+    match t.ht_dispatch_send_blocks {
+        Some(n) => n.clamp(1, num_sms - 1),
+        None => link_sms().min(num_sms / 2).clamp(1, num_sms - 1),
+    }
+}
+
+/// Combine senders (`Tuning::ht_combine_send_blocks` overrides, clamped to `[1, num_sms - 1]`).
+fn combine_send_blocks(t: &Tuning, num_sms: usize) -> usize {
+    t.ht_combine_send_blocks.map_or_else(|| default_send_blocks(num_sms), |n| n.clamp(1, num_sms - 1))
+}
+
+/// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`;
+/// `Tuning::ht_release_batch` overrides, clamped to 1..=64).
+fn release_batch(t: &Tuning) -> u32 {
+    t.ht_release_batch.map_or(kht::DEFAULT_RELEASE_BATCH, |n| n.clamp(1, 64))
+}
+
+/// Sender work chunk of both HT kernels (`moelink_kernels::ht::HtDispatchArgs::send_chunk`): one release
+/// batch. `Tuning::ht_send_chunk` overrides (0: one contiguous part per warp, the assignment before
+/// interleaving; else rounded up to whole release batches).
+fn send_chunk(t: &Tuning, release_batch: u32) -> u32 {
+    match t.ht_send_chunk.map(|n| n.min(1 << 20)) {
+        Some(0) => 0,
+        Some(n) => n.div_ceil(release_batch) * release_batch,
+        None => release_batch,
+    }
+}
+
+/// Whether sender warps take their chunks of `send_chunk` items from the call's counter (1) or a fixed
+/// interleaved share (0): dynamic unless `Tuning::ht_dynamic_send` is false or the chunks are contiguous
+/// parts (0).
+fn dynamic_send(t: &Tuning, send_chunk: u32) -> u32 {
+    (send_chunk > 0 && t.ht_dynamic_send.unwrap_or(true)) as u32
+}
+
+/// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
+/// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). `Tuning::ht_recv_chunk` overrides (0: one contiguous part
+/// per warp).
+fn recv_chunk(t: &Tuning) -> u32 {
+    t.ht_recv_chunk.map_or(kht::DEFAULT_RECV_CHUNK, |n| n.min(1 << 20))
+}
+
+/// The combine reducers' loads in flight (`HtCombineVariant::REDUCE_LOAD_VECS`; `Tuning::ht_reduce_load_vecs`
+/// overrides, clamped to 1..=64).
+fn reduce_load_vecs(t: &Tuning) -> u32 {
+    t.ht_reduce_load_vecs.map_or(HtCombineVariant::REDUCE_LOAD_VECS, |n| n.clamp(1, 64))
+}
+
+/// `Tuning::ht_timing_experiment` (ht.cuh's `HT_EXP_*`, a JIT constant): bits 1 and 2 remove one role's
+/// data movement so that the other role can be timed alone, and the results are wrong (the caller says so:
+/// `moelink bench` warns and marks its records); bit 4 drops the dispatch's per-expert layout checks.
+fn timing_experiment(t: &Tuning) -> u32 {
+    t.ht_timing_experiment & 7
+}
+
+// ------------------------------------------------------------------------------------------ state
+
+/// Per-buffer high-throughput state (kept across calls).
+#[derive(Default)]
+pub(crate) struct HtState {
+    /// Host-mapped notify results (CPU-sync mode), grown to the largest expert count seen.
+    host_notify: Option<HostMapped<u32>>,
+    notify_seq: u32,
+    region_agreed: bool,
+}
+
+/// What the host knows about a dispatch's routing (CPU-sync mode, or read back after a synchronous call).
+#[derive(Clone, Debug)]
+pub(crate) struct HostRouting {
+    num_recv_tokens: usize,
+    t_max: usize,
+    /// Received tokens per local expert, unaligned (CPU-sync mode only).
+    per_expert_raw: Option<Vec<usize>>,
+    /// The notify call whose host-mapped words these are (0: read back after a no-sync dispatch).
+    notify_seq: u32,
+}
+
+/// Handle data of a CUDA dispatch: the routing buffer ht_notify wrote (status, counts, offsets, T_max,
+/// DeepEP's rank_prefix_matrix and the token prefix per destination). The source index of each received row
+/// goes to the caller's `recv_src_idx` output, when given: combine finds rows by send slot.
+pub(crate) struct CudaHtRouting {
+    routing: PooledBuffer,
+    host: Option<HostRouting>,
+}
+
+/// The handle data a dispatch returns: built by a fresh dispatch, shared by a cached one.
+enum HandleData {
+    New(CudaHtRouting),
+    Existing(Arc<BackendData>),
+}
+
+/// State between `prepare_dispatch` and `dispatch`.
+pub(crate) enum CudaPlan {
+    Fresh { routing: PooledBuffer, host: Option<HostRouting> },
+    Cached(Arc<BackendData>),
+}
+
+fn routing_of(data: &BackendData, rank: usize) -> Result<&CudaHtRouting> {
+    data.get("handle", rank, INTRANODE)
+}
+
+/// The `BufferTooSmall` error for `t_max` tokens per rank in rows of `row_bytes`.
+fn too_small(b: &Intranode, what: &'static str, t_max: usize, row_bytes: usize) -> Error {
+    errors::too_small(b.gpu.buffer_shape(), what, t_max, row_bytes)
+}
+
+/// The trace words for a launch of `blocks` blocks of `warps` warps, zeroed; 0 when not tracing
+/// ([`super::super::gpu::Gpu::ht_trace_begin`]).
+fn trace_begin(b: &mut Intranode, blocks: usize, warps: u32) -> Result<u64> {
+    b.gpu.ht_trace_begin(blocks * kht::trace_words_per_block(warps))
+}
+
+/// Keeps the trace of the call that just finished (its kernel completed: synchronous mode) for
+/// `Buffer::kernel_traces`.
+fn trace_keep(b: &mut Intranode, kernel: &'static str, op: &'static str, blocks: usize, warps: u32, send_blocks: usize) {
+    let words = b.gpu.ht_trace_words(blocks * kht::trace_words_per_block(warps));
+    if let Some(trace) = crate::trace::ht_launch(&words, blocks, warps as usize, send_blocks, kernel, op) {
+        b.gpu.ht_trace_push(trace);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ helpers
+
+fn region(b: &Intranode) -> HtRegion {
+    HtRegion { num_nvl_bytes: b.num_nvl_bytes, num_ranks: b.num_ranks }
+}
+
+/// Every rank must see the same data-region layout; checked once, at the first collective HT call.
+fn ensure_region_agreed(b: &mut Intranode) -> Result<()> {
+    if !b.ht.region_agreed {
+        crate::group::check_agreement(b.group.as_ref(), &[("num_nvl_bytes", b.num_nvl_bytes as u64)])?;
+        b.ht.region_agreed = true;
+    }
+    Ok(())
+}
+
+fn layout_args(b: &Intranode) -> ([u64; abi::MAX_RANKS], [u64; abi::MAX_RANKS]) {
+    (b.peer_table(ctrl::HT), b.peer_table(HT_DATA))
+}
+
+/// Reads `NUM_RECV` and `T_MAX` of a routing buffer (after the stream finished).
+fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
+    let mut words = [0u8; 8];
+    buf.buffer().copy_to_host_at(4 * routing::NUM_RECV, &mut words)?;
+    debug_assert_eq!(routing::T_MAX, routing::NUM_RECV + 1);
+    let num_recv = u32::from_le_bytes(words[..4].try_into().expect("4 bytes")) as usize;
+    let t_max = u32::from_le_bytes(words[4..].try_into().expect("4 bytes")) as usize;
+    Ok(HostRouting { num_recv_tokens: num_recv, t_max, per_expert_raw: None, notify_seq: 0 })
+}
+
+// ------------------------------------------------------------------------------------------ layout
+
+pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+    let rank = b.rank;
+    let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
+    check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
+    let num_tokens_per_rank = out.num_tokens_per_rank.addr();
+    let num_tokens_per_expert = out.num_tokens_per_expert.addr();
+    check_aligned(num_tokens_per_rank, 4, "num_tokens_per_rank", rank)?;
+    check_aligned(num_tokens_per_expert, 4, "num_tokens_per_expert", rank)?;
+    let kernel = b.kernel(&HtLayoutVariant.spec(), kernel_name::HT_LAYOUT)?;
+    // SAFETY: both outputs were validated as contiguous int32 tensors of this device with R and E elements.
+    unsafe {
+        b.op_stream().memset_d32_async(num_tokens_per_rank, 0, b.num_ranks)?;
+        b.op_stream().memset_d32_async(num_tokens_per_expert, 0, num_experts)?;
+    }
+    let (error_claim, error_record) = b.error_sink();
+    let strides = topk_idx.strides();
+    let args = HtLayoutArgs {
+        topk_idx: b.addr_of(topk_idx),
+        topk_stride_token: strides[0] as i64,
+        topk_stride_k: strides[1] as i64,
+        num_tokens_per_rank,
+        num_tokens_per_expert,
+        is_token_in_rank: out.is_token_in_rank.addr(),
+        error_claim,
+        error_record,
+        num_tokens: to_u32(t, "topk_idx", rank)?,
+        topk: to_u32(k, "topk_idx", rank)?,
+        num_experts: to_u32(num_experts, "num_experts", rank)?,
+        num_ranks: b.num_ranks as u32,
+        rank: rank as u32,
+        reserved: 0,
+    };
+    b.launch(&kernel, &LaunchConfig::linear(HtLayoutVariant::grid(t), HtLayoutVariant::THREADS), &args)?;
+    b.gpu.finish_settled(Phase::Layout)
+}
+
+// ------------------------------------------------------------------------------------------ dispatch
+
+pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
+    let rank = s.rank;
+    ensure_region_agreed(b)?;
+    if s.num_worst_tokens == 0 && b.is_capturing() {
+        return Err(Error::invalid(
+            "num_worst_tokens",
+            rank,
+            "a CPU-synchronised dispatch waits for the count exchange on the host and cannot be captured into a CUDA graph; \
+             pass num_worst_tokens > 0",
+        ));
+    }
+    check_dispatch_inputs(b, a, rank)?;
+    let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
+    let slab_rows = region(b).slab_rows(row_bytes);
+    match a.routing {
+        Routing::Cached(h) => {
+            let data = h.data.clone();
+            let host = routing_of(&data, rank)?.host.clone();
+            if let Some(hr) = &host {
+                if hr.t_max > slab_rows {
+                    return Err(too_small(b, "HT dispatch receive slab", hr.t_max, row_bytes));
+                }
+            }
+            Ok(DispatchPlan {
+                spec: s,
+                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
+                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
+                state: BackendData::new(INTRANODE, CudaPlan::Cached(data)),
+            })
+        }
+        Routing::Fresh { layout, .. } => {
+            let el = s.num_local_experts();
+            if el > kht::ctrl::MAX_LOCAL_EXPERTS {
+                return Err(Error::invalid(
+                    "num_experts",
+                    rank,
+                    format!("{el} experts per rank; the CUDA kernels support at most {}", kht::ctrl::MAX_LOCAL_EXPERTS),
+                ));
+            }
+            let num_tokens = to_u32(s.num_tokens, "x", rank)?;
+            let routing_buf = pool_take(&b.gpu, routing::bytes(s.num_tokens, s.num_ranks))?;
+            let sync = s.num_worst_tokens == 0;
+            let (host_out, host_seq) = if sync {
+                let words = host_notify::words(el);
+                if b.ht.host_notify.as_ref().is_none_or(|m| m.len() < words) {
+                    b.ht.host_notify = Some(HostMapped::new(&b.gpu.device, words.max(host_notify::words(256)))?);
+                }
+                b.ht.notify_seq = b.ht.notify_seq.wrapping_add(1).max(1);
+                (b.ht.host_notify.as_ref().map_or(0, |m| m.device_ptr()), b.ht.notify_seq)
+            } else {
+                (0, 0)
+            };
+            let signature = kht::call_signature(CallSignature {
+                hidden: s.hidden,
+                num_experts: s.num_experts,
+                topk: s.topk,
+                fp8: s.fp8,
+                has_topk: s.has_topk,
+                no_sync: !sync,
+            });
+            let kernel = b.kernel(&HtNotifyVariant.spec(), kernel_name::HT_NOTIFY)?;
+            let (error_claim, error_record) = b.error_sink();
+            let args = HtNotifyArgs {
+                is_token_in_rank: layout.is_token_in_rank.addr(),
+                num_tokens_per_rank: layout.num_tokens_per_rank.addr(),
+                num_tokens_per_expert: layout.num_tokens_per_expert.addr(),
+                routing: routing_buf.ptr(),
+                host_out,
+                ctrl: b.peer_table(ctrl::HT),
+                signature,
+                error_claim,
+                error_record,
+                timeout_ns: b.timeout_ns,
+                rank: rank as u32,
+                num_ranks: s.num_ranks as u32,
+                num_tokens,
+                num_local_experts: el as u32,
+                slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+                slab_row_bytes: row_bytes as u32,
+                host_seq,
+                reserved: 0,
+            };
+            b.launch(&kernel, &LaunchConfig::linear(1, HtNotifyVariant::THREADS), &args)?;
+            let host = if sync { Some(read_notify(b, host_seq, &s, row_bytes)?) } else { None };
+            Ok(DispatchPlan {
+                spec: s,
+                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
+                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
+                state: BackendData::new(INTRANODE, CudaPlan::Fresh { routing: routing_buf, host }),
+            })
+        }
+    }
+}
+
+/// CPU-sync mode: waits (deadline) for the notify kernel's host-mapped results of call `seq`, then decides
+/// whether this call dispatches. Only a fatal error ends the wait early, and the decision rests on the
+/// exchange's status alone — the value every rank computed from the same messages — never on an argument
+/// error an earlier asynchronous call may have left in the record (that one surfaces when the dispatch
+/// finishes, after the collective ran), so every rank launches the dispatch or none does.
+fn read_notify(b: &mut Intranode, seq: u32, s: &HtSpec, row_bytes: usize) -> Result<HostRouting> {
+    let rank = b.rank;
+    let Some(m) = b.ht.host_notify.as_ref() else {
+        return Err(Error::invalid("num_worst_tokens", rank, "internal: no host-mapped notify area"));
+    };
+    let start = wait_notify_ready(&b.gpu, rank, seq, m, host_notify::READY)?;
+    let status = m.read(host_notify::STATUS);
+    let host = HostRouting {
+        num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
+        t_max: m.read(host_notify::T_MAX) as usize,
+        per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+        notify_seq: seq,
+    };
+    if status == 0 {
+        return Ok(host);
+    }
+    let peer = m.read(host_notify::STATUS_PEER) as usize;
+    let e =
+        notify_status_error(b, s, status, peer, start).unwrap_or_else(|| too_small(b, "HT dispatch receive slab", host.t_max, row_bytes));
+    Err(b.gpu.settle(e))
+}
+
+pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+    let s = plan.spec;
+    let rank = s.rank;
+    let num_out_rows = plan.num_recv_rows();
+    let state = plan.state.take::<CudaPlan>("plan", rank, INTRANODE)?;
+    let addrs = dispatch_addrs(b, &s, a, &out)?;
+    let region = region(b);
+    let variant = HtDispatchVariant {
+        release_batch: release_batch(&b.tuning),
+        experiment: timing_experiment(&b.tuning),
+        ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk)
+    };
+    let slab_rows = region.slab_rows(variant.row_bytes());
+
+    // The handle: a fresh dispatch builds it (routing from notify); a cached one re-uses it.
+    let handle = match state {
+        CudaPlan::Fresh { routing, host } => HandleData::New(CudaHtRouting { routing, host }),
+        CudaPlan::Cached(data) => HandleData::Existing(data),
+    };
+    let r = match &handle {
+        HandleData::New(r) => r,
+        HandleData::Existing(data) => routing_of(data, rank)?,
+    };
+
+    let (ctrl_table, data_table) = layout_args(b);
+    let (error_claim, error_record) = b.error_sink();
+    let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
+    // A fresh CPU-synchronised dispatch with top-k checks the rows that arrive against the per-expert counts
+    // notify left in the host-mapped words (what the host returns as num_recv_tokens_per_expert).
+    let (host_notify, host_seq) = match (&handle, &r.host, &b.ht.host_notify) {
+        (HandleData::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
+        _ => (0, 0),
+    };
+    let args = HtDispatchArgs {
+        x: addrs.x,
+        x_scales: addrs.x_scales,
+        scale_stride_token: addrs.scale_stride_token,
+        scale_stride_group: addrs.scale_stride_group,
+        topk_idx: addrs.topk_idx,
+        topk_weights: addrs.topk_weights,
+        num_tokens_per_expert: addrs.num_tokens_per_expert,
+        host_notify,
+        recv_x: addrs.recv_x,
+        recv_scales: addrs.recv_scales,
+        recv_topk_idx: addrs.recv_topk_idx,
+        recv_topk_weights: addrs.recv_topk_weights,
+        recv_src_idx: addrs.recv_src_idx,
+        routing: r.routing.ptr(),
+        ctrl: ctrl_table,
+        data: data_table,
+        flags_offset: region.dispatch_flags_offset() as u64,
+        slab_offset: region.dispatch_slab_offset() as u64,
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        rank: rank as u32,
+        num_ranks: s.num_ranks as u32,
+        num_tokens: to_u32(s.num_tokens, "x", rank)?,
+        num_local_experts: s.num_local_experts() as u32,
+        num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
+        slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+        flag_slots: region.flag_slots() as u32,
+        num_send_blocks: dispatch_send_blocks(&b.tuning, s.num_sms) as u32,
+        send_chunk: sender_chunk,
+        recv_chunk: recv_chunk(&b.tuning),
+        dynamic_send: dynamic_send(&b.tuning, sender_chunk),
+        host_seq,
+        trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
+    };
+    let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
+    b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    if let Some(t) = &out.rank_prefix_matrix {
+        // SAFETY: the output was validated as a contiguous int32 [R, R] tensor of this device, and the routing
+        // buffer (alive with the handle) holds R * R words at RANK_PREFIX, written by ht_notify earlier on
+        // this stream.
+        unsafe {
+            b.op_stream().memcpy_dtod_async(t.addr(), r.routing.ptr() + 4 * routing::RANK_PREFIX as u64, 4 * s.num_ranks * s.num_ranks)?;
+        }
+    }
+    b.gpu.finish_settled(Phase::Dispatch)?;
+    if args.trace != 0 {
+        let op = if matches!(handle, HandleData::Existing(_)) { "cached dispatch" } else { "dispatch" };
+        trace_keep(b, kernel_name::HT_DISPATCH, op, s.num_sms, HtDispatchVariant::WARPS, args.num_send_blocks as usize);
+    }
+
+    // No-sync mode, but this call waited for the kernels: the counts are on the device, read them back.
+    let read_back = if r.host.is_none() && !b.is_async() { Some(read_back_routing(&r.routing)?) } else { None };
+    let num_recv_tokens = r.host.as_ref().or(read_back.as_ref()).map(|h| h.num_recv_tokens);
+    let data = match handle {
+        HandleData::New(mut r) => {
+            if r.host.is_none() {
+                r.host = read_back;
+            }
+            Arc::new(BackendData::new(INTRANODE, r))
+        }
+        HandleData::Existing(data) => data,
+    };
+    Ok(HtDispatched { data, num_recv_tokens })
+}
+
+// ------------------------------------------------------------------------------------------ combine
+
+pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, out: CombineOutputs<'_>) -> Result<()> {
+    let rank = s.rank;
+    let r = routing_of(&a.handle.data, rank)?;
+    let c = combine_addrs(b, rank, a, &out)?;
+    let variant = HtCombineVariant {
+        num_biases: c.num_biases as u32,
+        release_batch: release_batch(&b.tuning),
+        experiment: timing_experiment(&b.tuning),
+        reduce_load_vecs: reduce_load_vecs(&b.tuning),
+        ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
+    };
+    let region = region(b);
+    let slab_rows = region.slab_rows(variant.row_bytes());
+    if let Some(h) = &r.host {
+        if h.t_max > slab_rows {
+            return Err(too_small(b, "HT combine receive slab", h.t_max, variant.row_bytes()));
+        }
+    }
+    let (ctrl_table, data_table) = layout_args(b);
+    let (error_claim, error_record) = b.error_sink();
+    let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
+    let args = HtCombineArgs {
+        x: c.x,
+        topk_weights: c.topk_weights,
+        bias0: c.bias0,
+        bias1: c.bias1,
+        combined_x: c.combined_x,
+        combined_topk_weights: c.combined_topk_weights,
+        routing: r.routing.ptr(),
+        ctrl: ctrl_table,
+        data: data_table,
+        flags_offset: region.combine_flags_offset() as u64,
+        slab_offset: region.combine_slab_offset() as u64,
+        error_claim,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        rank: rank as u32,
+        num_tokens: to_u32(s.num_tokens, "x", rank)?,
+        num_x_rows: to_u32(s.num_recv_rows, "x", rank)?,
+        slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+        flag_slots: region.flag_slots() as u32,
+        num_send_blocks: combine_send_blocks(&b.tuning, s.num_sms) as u32,
+        send_chunk: sender_chunk,
+        recv_chunk: recv_chunk(&b.tuning),
+        dynamic_send: dynamic_send(&b.tuning, sender_chunk),
+        reserved: 0,
+        trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
+    };
+    let kernel = b.kernel(&variant.spec(), kernel_name::HT_COMBINE)?;
+    b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    b.gpu.finish_settled(Phase::Combine)?;
+    if args.trace != 0 {
+        trace_keep(b, kernel_name::HT_COMBINE, "combine", s.num_sms, HtCombineVariant::WARPS, args.num_send_blocks as usize);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sender_blocks_follow_the_formula() {
+        let d = Tuning::default();
+        for sms in (2..=132).step_by(2) {
+            assert!(dispatch_send_blocks(&d, sms) >= 1 && dispatch_send_blocks(&d, sms) < sms);
+            assert!(combine_send_blocks(&d, sms) >= 1 && combine_send_blocks(&d, sms) < sms);
+        }
+        assert_eq!((dispatch_send_blocks(&d, 24), combine_send_blocks(&d, 24)), (8, 8));
+        assert_eq!([2, 8, 16, 64, 132].map(|n| dispatch_send_blocks(&d, n)), [1, 4, 8, 8, 8]);
+        assert_eq!([8, 16, 64].map(default_send_blocks), [4, 8, 21]);
+    }
+
+    #[test]
+    fn tuning_overrides_are_clamped_where_they_are_used() {
+        let d = Tuning::default();
+        assert_eq!(
+            (release_batch(&d), recv_chunk(&d), reduce_load_vecs(&d)),
+            (kht::DEFAULT_RELEASE_BATCH, kht::DEFAULT_RECV_CHUNK, HtCombineVariant::REDUCE_LOAD_VECS)
+        );
+        assert_eq!((send_chunk(&d, 4), dynamic_send(&d, 4), timing_experiment(&d)), (4, 1, 0));
+        let t = Tuning {
+            ht_dispatch_send_blocks: Some(99),
+            ht_combine_send_blocks: Some(0),
+            ht_release_batch: Some(100),
+            ht_send_chunk: Some(5),
+            ht_dynamic_send: Some(false),
+            ht_reduce_load_vecs: Some(0),
+            ht_timing_experiment: 7,
+            ..d
+        };
+        assert_eq!((dispatch_send_blocks(&t, 24), combine_send_blocks(&t, 24)), (23, 1));
+        assert_eq!((release_batch(&t), send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
+        assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 7));
+        assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
+    }
+}

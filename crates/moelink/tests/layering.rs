@@ -1,0 +1,50 @@
+//! The layering rules of docs/architecture.md that the compiler does not check: the validating core names no
+//! backend type, and the CUDA backend picks its fabric in one place.
+
+use std::path::Path;
+
+fn source(rel: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The Rust files under `src/<dir>`, with their paths relative to `src`.
+fn sources_under(dir: &str) -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out = Vec::new();
+    let mut stack = vec![root.join(dir)];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let p = entry.expect("a directory entry").path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                let rel = p.strip_prefix(&root).expect("under src").display().to_string();
+                out.push((rel, std::fs::read_to_string(&p).expect("readable")));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_core_names_no_backend_type() {
+    for file in ["ht.rs", "ll.rs", "config.rs", "layout.rs", "validate.rs", "reduce.rs", "internode.rs", "opaque.rs"] {
+        let text = source(file);
+        for (i, line) in text.lines().enumerate() {
+            assert!(!line.contains("backend::"), "src/{file}:{}: the core names a backend item: {line}", i + 1);
+        }
+    }
+}
+
+#[test]
+fn the_cuda_fabric_is_chosen_once() {
+    let files = sources_under("backend/cuda");
+    assert!(files.len() >= 10, "found {} files under backend/cuda", files.len());
+    for (file, text) in &files {
+        for (i, line) in text.lines().enumerate() {
+            let asks = line.contains("is_internode()") || line.contains("internode.is_some()");
+            assert!(!asks || file.ends_with("cuda/mod.rs"), "src/{file}:{}: a fabric switch outside backend::cuda::new: {line}", i + 1);
+        }
+    }
+}
