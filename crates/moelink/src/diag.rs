@@ -14,10 +14,11 @@
 use std::time::{Duration, Instant};
 
 use moelink_cuda::jit::{CacheSource, JitCache};
-use moelink_cuda::{Device, DeviceBuffer, Event, Exchange, HostMapped, Kernel, KernelArgs, LaunchConfig, Stream, SymmetricBuffer};
+use moelink_cuda::{Device, DeviceBuffer, Event, Exchange, Kernel, KernelArgs, LaunchConfig, Stream, SymmetricBuffer};
 use moelink_kernels::abi::{self, BarrierArgs, CopyArgs, ErrorRecord};
 use moelink_kernels::{all_variants, BarrierVariant, CopyVariant, KernelSpec};
 
+pub(crate) use crate::backend::cuda::errors::{phase_of, ErrorSink};
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;
 /// The kernel trace types, at their former place (`crate::trace` holds them).
@@ -201,48 +202,6 @@ pub fn jit_timings(device: usize) -> Result<Vec<JitTiming>> {
 }
 
 // ================================================================================================ internals
-
-/// Where kernels of one rank report their first failure: a device-memory claim word (first writer wins)
-/// and a host-mapped [`ErrorRecord`] the host can read while kernels run.
-pub(crate) struct ErrorSink {
-    claim: DeviceBuffer,
-    record: HostMapped<ErrorRecord>,
-}
-
-impl ErrorSink {
-    pub(crate) fn new(device: &Device) -> Result<ErrorSink> {
-        Ok(ErrorSink { claim: DeviceBuffer::zeroed(device, 4)?, record: HostMapped::new(device, 1)? })
-    }
-    pub(crate) fn claim_ptr(&self) -> u64 {
-        self.claim.device_ptr()
-    }
-    pub(crate) fn record_ptr(&self) -> u64 {
-        self.record.device_ptr()
-    }
-    /// The record, once a kernel has completed it. Kernels write the fields, then `code` (release); so
-    /// `code` is looked at first and the whole record read again after it was seen set.
-    pub(crate) fn check(&self) -> Option<ErrorRecord> {
-        if self.record.read(0).code == abi::ERR_NONE {
-            return None;
-        }
-        Some(self.record.read(0))
-    }
-}
-
-/// The core's [`Phase`] for a kernel phase code.
-pub(crate) fn phase_of(code: u32) -> Phase {
-    match code {
-        abi::phase::BARRIER => Phase::Barrier,
-        abi::phase::LAYOUT => Phase::Layout,
-        abi::phase::NOTIFY => Phase::Notify,
-        abi::phase::DISPATCH => Phase::Dispatch,
-        abi::phase::COMBINE => Phase::Combine,
-        abi::phase::LL_DISPATCH => Phase::LowLatencyDispatch,
-        abi::phase::LL_COMBINE => Phase::LowLatencyCombine,
-        abi::phase::TRANSPORT => Phase::Transport,
-        _ => Phase::Other,
-    }
-}
 
 /// The error a kernel's record stands for. A record naming no peer blames the rank itself.
 pub(crate) fn timeout_from_record(r: &ErrorRecord) -> Error {

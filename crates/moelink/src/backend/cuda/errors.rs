@@ -1,10 +1,44 @@
 //! What the kernels' error records mean: the typed error each record stands for, and the phase a timeout
 //! names. Both fabrics' kernels report through the same record (`moelink_kernels::abi::ErrorRecord`).
 
+use moelink_cuda::{Device, DeviceBuffer, HostMapped};
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::ht::CallSignature;
 
-use crate::error::{Error, Phase};
+use crate::error::{Error, Phase, Result};
+
+/// Where kernels of one rank report their first failure: a device-memory claim word (first writer wins)
+/// and a host-mapped [`ErrorRecord`] the host can read while kernels run.
+pub(crate) struct ErrorSink {
+    claim: DeviceBuffer,
+    record: HostMapped<ErrorRecord>,
+}
+
+impl ErrorSink {
+    pub(crate) fn new(device: &Device) -> Result<ErrorSink> {
+        Ok(ErrorSink { claim: DeviceBuffer::zeroed(device, 4)?, record: HostMapped::new(device, 1)? })
+    }
+    pub(crate) fn claim_ptr(&self) -> u64 {
+        self.claim.device_ptr()
+    }
+    pub(crate) fn record_ptr(&self) -> u64 {
+        self.record.device_ptr()
+    }
+    /// The record, once a kernel has completed it. Kernels write the fields, then `code` (release); so
+    /// `code` is looked at first and the whole record read again after it was seen set.
+    pub(crate) fn check(&self) -> Option<ErrorRecord> {
+        if self.record.read(0).code == abi::ERR_NONE {
+            return None;
+        }
+        Some(self.record.read(0))
+    }
+    /// Clears the claim and the record (no kernel may be running that could still report).
+    pub(crate) fn reset(&mut self) -> Result<()> {
+        self.claim.memset_u8(0)?;
+        self.record.write(0, ErrorRecord::default());
+        Ok(())
+    }
+}
 
 /// What the error messages need to know about the buffer.
 #[derive(Clone, Copy, Debug)]

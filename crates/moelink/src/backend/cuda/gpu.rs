@@ -10,7 +10,7 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::mem::ManuallyDrop;
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,7 @@ use moelink_cuda::{
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::KernelSpec;
 
-use super::errors;
+use super::errors::{self, ErrorSink};
 use super::pool::BufferPool;
 use crate::backend::BoundStream;
 use crate::config::BufferOptions;
@@ -114,12 +114,12 @@ pub(crate) struct Gpu {
     /// Events of timed regions (`None` until the first one).
     timer: Option<Timer>,
     /// `[CTRL_BYTES | HT region (num_nvl_bytes) | LL region (num_rdma_bytes)]` on every rank.
-    /// `ManuallyDrop` (as the other fields kernels write): see `Drop for Gpu`.
-    pub(crate) sym: ManuallyDrop<SymmetricBuffer>,
+    /// Kept, as the error sink, when a kernel or a peer may still write it: see `Drop for Gpu`.
+    pub(crate) sym: Leakable<SymmetricBuffer>,
     pub(crate) num_nvl_bytes: usize,
     pub(crate) num_rdma_bytes: usize,
-    error_claim: ManuallyDrop<DeviceBuffer>,
-    error_record: ManuallyDrop<HostMapped<ErrorRecord>>,
+    /// Where this rank's kernels report their first failure.
+    errors: Leakable<ErrorSink>,
     pub(crate) timeout_ns: u64,
     /// Which kernels record timing traces (`BufferOptions::kernel_tracing`).
     pub(crate) tracing: crate::config::KernelTracing,
@@ -216,19 +216,16 @@ impl Gpu {
         let mut sym = SymmetricBuffer::new(&device, len, &ex)?;
         // Flags and epochs start at zero on every rank; a barrier makes sure no peer writes before that.
         sym.local_mut().memset_u8(0)?;
-        let mut error_claim = DeviceBuffer::alloc(&device, 4)?;
-        error_claim.memset_u8(0)?;
-        let error_record = HostMapped::new(&device, 1)?;
+        let errors = ErrorSink::new(&device)?;
         group.barrier()?;
         Ok(Gpu {
             group: group.clone(),
             rank,
             num_ranks,
-            sym: ManuallyDrop::new(sym),
+            sym: Leakable::new(sym),
             num_nvl_bytes: options.num_nvl_bytes,
             num_rdma_bytes: options.num_rdma_bytes,
-            error_claim: ManuallyDrop::new(error_claim),
-            error_record: ManuallyDrop::new(error_record),
+            errors: Leakable::new(errors),
             timeout_ns: options.timeout_ms.saturating_mul(1_000_000),
             tracing: options.kernel_tracing,
             tuning: options.tuning.clone(),
@@ -324,7 +321,7 @@ impl Gpu {
 
     /// (claim word, host-mapped record) device addresses every kernel reports errors to.
     pub(crate) fn error_sink(&self) -> (u64, u64) {
-        (self.error_claim.device_ptr(), self.error_record.device_ptr())
+        (self.errors.claim_ptr(), self.errors.record_ptr())
     }
 
     /// Compiles (or loads from the cache) `spec` and returns its kernel `name`.
@@ -368,10 +365,7 @@ impl Gpu {
 
     /// The error a kernel of this rank recorded, if any.
     pub(crate) fn recorded_error(&self) -> Option<Error> {
-        let rec = self.error_record.read(0);
-        if rec.code == abi::ERR_NONE {
-            return None;
-        }
+        let rec = self.errors.check()?;
         if rec.code != abi::ERR_TIMEOUT {
             return Some(self.argument_error(&rec));
         }
@@ -413,16 +407,14 @@ impl Gpu {
     /// once this rank's stream is idle, so that the buffer stays usable. A fatal record (timeout) stays.
     /// During a graph capture nothing can be waited for: the record stays until a later call.
     pub(crate) fn clear_argument_error(&mut self) -> Result<()> {
-        if self.is_capturing() || self.error_record.read(0).code == abi::ERR_NONE {
+        if self.is_capturing() || self.errors.check().is_none() {
             return Ok(());
         }
         self.op_stream().synchronize()?;
-        if abi::is_fatal(self.error_record.read(0).code) {
+        if self.errors.check().is_some_and(|r| abi::is_fatal(r.code)) {
             return Ok(());
         }
-        self.error_claim.memset_u8(0)?;
-        self.error_record.write(0, ErrorRecord::default());
-        Ok(())
+        self.errors.reset()
     }
 
     /// True while [`Backend::begin_capture`] is capturing this buffer's operations.
@@ -765,20 +757,52 @@ fn write_words_on(stream: &Stream, dst: &mut DeviceBuffer, offset: usize, bytes:
 impl Drop for Gpu {
     fn drop(&mut self) {
         if !self.wait_idle_once() {
+            self.sym.leak();
+            self.errors.leak();
             std::mem::forget(std::mem::take(&mut self.modules));
             std::mem::forget(std::mem::take(&mut self.kernels));
             std::mem::forget(std::mem::take(&mut self.pool));
             return;
         }
-        // SAFETY: every ManuallyDrop field is dropped at most once, here, and `self` is not used afterwards;
-        // the kernels that wrote them have finished (`wait_idle_once`).
-        unsafe {
-            ManuallyDrop::drop(&mut self.error_claim);
-            ManuallyDrop::drop(&mut self.error_record);
-            if !self.poisoned {
-                ManuallyDrop::drop(&mut self.sym);
-            }
+        // Freed first, as the device's other resources follow.
+        drop(self.errors.take());
+        if self.poisoned {
+            self.sym.leak();
         }
+        drop(self.sym.take());
+    }
+}
+
+/// A value freed when its owner drops, unless [`Leakable::leak`] kept it: memory a kernel or a peer may
+/// still use. Used only until its owner's drop leaks or takes it.
+pub(crate) struct Leakable<T>(Option<T>);
+
+impl<T> Leakable<T> {
+    pub(crate) fn new(value: T) -> Leakable<T> {
+        Leakable(Some(value))
+    }
+
+    /// Never frees the value.
+    pub(crate) fn leak(&mut self) {
+        std::mem::forget(self.0.take());
+    }
+
+    /// The value, to drop or leak in a chosen order (`None` once leaked or taken).
+    pub(crate) fn take(&mut self) -> Option<T> {
+        self.0.take()
+    }
+}
+
+impl<T> Deref for Leakable<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("a Leakable is used only until its owner drops")
+    }
+}
+
+impl<T> DerefMut for Leakable<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.0.as_mut().expect("a Leakable is used only until its owner drops")
     }
 }
 

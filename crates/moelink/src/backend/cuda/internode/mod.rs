@@ -10,7 +10,6 @@ pub(crate) mod ht;
 pub(crate) mod ll;
 pub(crate) mod rdma;
 
-use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
@@ -18,7 +17,7 @@ use moelink_cuda::{DeviceBuffer, Kernel, LaunchConfig};
 use moelink_kernels::transport::{TransportBarrierArgs, TransportVariant, TRANSPORT_THREADS};
 use moelink_kernels::KernelSpec;
 
-use super::gpu::{forward_gpu_operations, Gpu, HT_DATA};
+use super::gpu::{forward_gpu_operations, Gpu, Leakable, HT_DATA};
 use crate::backend::Backend;
 use crate::config::BufferOptions;
 use crate::dtype::DType;
@@ -44,15 +43,14 @@ const _: () =
 /// A CUDA buffer whose ranks span several nodes.
 pub(crate) struct Internode {
     pub(crate) topology: Topology,
-    /// `ManuallyDrop`, as the fields below: freed only once no kernel and no peer can still use them
-    /// (`Drop for Internode`).
-    pub(crate) rdma: ManuallyDrop<RdmaDomain>,
+    /// Kept, as the fields below, while a kernel or a peer may still use it (`Drop for Internode`).
+    pub(crate) rdma: Leakable<RdmaDomain>,
     /// Barriers this rank has entered (`u64`, device; the barrier kernel counts).
-    barrier_counter: ManuallyDrop<DeviceBuffer>,
+    barrier_counter: Leakable<DeviceBuffer>,
     /// Low-latency state across nodes (local state words, handle areas, calls and hooks).
-    pub(crate) lli: ManuallyDrop<ll::LliState>,
+    pub(crate) lli: Leakable<ll::LliState>,
     /// High-throughput state across nodes (local state words, host-mapped notify results).
-    pub(crate) hti: ManuallyDrop<ht::HtiState>,
+    pub(crate) hti: Leakable<ht::HtiState>,
     /// Ranks per node the transport reaches over NVLink (`allow_nvlink_for_low_latency_mode`), or 0.
     nvlink_ranks_per_node: u32,
     /// Last: dropped after the state above, which lives in its device's memory.
@@ -77,10 +75,10 @@ impl Internode {
         };
         Ok(Internode {
             topology,
-            rdma: ManuallyDrop::new(rdma),
-            barrier_counter: ManuallyDrop::new(DeviceBuffer::zeroed(&gpu.device, 8)?),
-            lli: ManuallyDrop::new(ll::LliState::new(&gpu, options.enable_shrink)?),
-            hti: ManuallyDrop::new(ht::HtiState::new(&gpu)?),
+            rdma: Leakable::new(rdma),
+            barrier_counter: Leakable::new(DeviceBuffer::zeroed(&gpu.device, 8)?),
+            lli: Leakable::new(ll::LliState::new(&gpu, options.enable_shrink)?),
+            hti: Leakable::new(ht::HtiState::new(&gpu)?),
             nvlink_ranks_per_node,
             gpu,
         })
@@ -126,20 +124,19 @@ impl DerefMut for Internode {
 impl Drop for Internode {
     fn drop(&mut self) {
         if !self.gpu.wait_idle_once() {
+            self.lli.leak();
+            self.hti.leak();
+            self.rdma.leak();
+            self.barrier_counter.leak();
             return;
         }
         let rank_masked = self.lli.calls.enable_shrink && ll::mask(self).map_or(true, |m| m.iter().any(|&x| x));
-        // SAFETY: each field is dropped (or taken) once, here, and not used afterwards; no kernel of this
-        // buffer uses it any more.
-        unsafe {
-            ManuallyDrop::drop(&mut self.lli);
-            ManuallyDrop::drop(&mut self.hti);
-            let rdma = ManuallyDrop::take(&mut self.rdma);
+        drop(self.lli.take());
+        drop(self.hti.take());
+        if let Some(rdma) = self.rdma.take() {
             if self.gpu.poisoned || rank_masked {
                 rdma.leak();
-            } else {
-                drop(rdma);
-                ManuallyDrop::drop(&mut self.barrier_counter);
+                self.barrier_counter.leak();
             }
         }
     }

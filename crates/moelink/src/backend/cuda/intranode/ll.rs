@@ -461,24 +461,10 @@ fn write_mask_words(b: &mut Intranode, offset: usize, bytes: &[u8]) -> Result<()
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::ll_shared::tests::spec;
     use super::*;
     use crate::error::Error;
     use crate::ll::LlQuant;
-
-    fn spec(quant: LlQuant, has_weights: bool) -> LlSpec {
-        LlSpec {
-            rank: 1,
-            num_ranks: 4,
-            num_tokens: 100,
-            hidden: 7168,
-            topk: 8,
-            num_experts: 288,
-            num_max_tokens: 128,
-            quant,
-            has_weights,
-            return_recv_hook: false,
-        }
-    }
 
     #[test]
     fn variant_follows_the_spec() {

@@ -5,11 +5,10 @@
 pub(crate) mod ht;
 pub(crate) mod ll;
 
-use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use super::gpu::{forward_gpu_operations, Gpu, HT_DATA};
+use super::gpu::{forward_gpu_operations, Gpu, Leakable, HT_DATA};
 use crate::backend::Backend;
 use crate::config::BufferOptions;
 use crate::error::Result;
@@ -22,9 +21,9 @@ const INTRANODE: &str = "single-node CUDA";
 
 /// A CUDA buffer whose ranks share one node.
 pub(crate) struct Intranode {
-    /// `ManuallyDrop`: freed only once no kernel can still use them (`Drop for Intranode`).
-    ht: ManuallyDrop<ht::HtState>,
-    ll: ManuallyDrop<ll::LlState>,
+    /// Kept when a kernel may still use them (`Drop for Intranode`).
+    ht: Leakable<ht::HtState>,
+    ll: Leakable<ll::LlState>,
     /// Last: dropped after the state above, which lives in its device's memory.
     gpu: Gpu,
 }
@@ -34,8 +33,8 @@ impl Intranode {
         let topology = Topology::single_node(group.size());
         let gpu = Gpu::new(group, options, topology, options.num_rdma_bytes)?;
         Ok(Intranode {
-            ht: ManuallyDrop::new(ht::HtState::default()),
-            ll: ManuallyDrop::new(ll::LlState::new(&gpu.device, options.enable_shrink)?),
+            ht: Leakable::new(ht::HtState::default()),
+            ll: Leakable::new(ll::LlState::new(&gpu.device, options.enable_shrink)?),
             gpu,
         })
     }
@@ -60,12 +59,8 @@ impl DerefMut for Intranode {
 impl Drop for Intranode {
     fn drop(&mut self) {
         if !self.gpu.wait_idle_once() {
-            return;
-        }
-        // SAFETY: each field is dropped once, here, and not used afterwards; no kernel uses it any more.
-        unsafe {
-            ManuallyDrop::drop(&mut self.ht);
-            ManuallyDrop::drop(&mut self.ll);
+            self.ht.leak();
+            self.ll.leak();
         }
     }
 }
