@@ -1,4 +1,4 @@
-# Sourced by the device step scripts (results.sh, ll-trace.sh, shared-gpu.sh) after `cd` to the repository
+# Sourced by scripts/device/internode.sh after `cd` to the repository
 # root: the binaries under /tmp ($BIN: moelink, $STRESS: moelink-stress), the environment every GPU run keeps (NVLS off), the work folder $W, the summary
 # file ($OUT/summary.txt, started with the commit and the GPUs) and `run` / `note`. BUDGET_S (default 570)
 # bounds the whole call: `run` shortens a step's limit to what is left and skips a step that no longer fits,
