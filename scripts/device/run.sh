@@ -27,9 +27,12 @@
 #
 # Two instances may run side by side on disjoint GPUs (CUDA_VISIBLE_DEVICES) with their own OUT and W.
 #
-# Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps;
-# BENCH_ARGS, NVLINK_ARGS (default --no-jit), TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP> sets a step's
-# timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits is skipped.
+# Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps; BENCH_ARGS,
+# NVLINK_ARGS (default --no-jit), TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP>
+# sets a step's timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits
+# is skipped. An unknown step name stops the run before anything runs. DRY_RUN=1 needs no GPU and no .device/:
+# it prints each step's command, and the steps under steps/ check their sub-step names, instead of running
+# anything.
 #
 # Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
 # bench.json, procbench-<transport>.json, results.tgz (the files of the steps under steps/). The summary table
@@ -39,6 +42,15 @@ cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
 START=$(date +%s)
 STEP_DIR=scripts/device/steps
+DRY_RUN=${DRY_RUN:-}
+STEPS=${STEPS:-"info tests selftest process nvlink bench"}
+KNOWN_STEPS="info tests selftest process nvlink bench procbench internode python reliability"
+for s in $STEPS; do
+    case " $KNOWN_STEPS " in
+        *" $s "*) ;;
+        *) echo "error: unknown step '$s' (known: $KNOWN_STEPS)" >&2; exit 2 ;;
+    esac
+done
 
 OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"
@@ -47,7 +59,7 @@ SUMMARY=$OUT/summary.md
 : >"$LOG"
 
 DEV=$ROOT/.device
-if [ ! -f "$DEV/moelink" ]; then
+if [ ! -f "$DEV/moelink" ] && [ -z "$DRY_RUN" ]; then
     echo "error: $DEV/moelink is missing: run scripts/device/build.sh on the build machine and carry .device" | tee -a "$LOG"
     exit 1
 fi
@@ -56,7 +68,7 @@ W=${W:-/tmp/moelink-run}
 rm -rf "$W" && mkdir -p "$W"
 BIN_DIR=$W/bin
 mkdir -p "$BIN_DIR/tests"
-cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
+[ -f "$DEV/moelink" ] && cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
 if [ -d "$DEV/tests" ]; then
     cp "$DEV"/tests/* "$BIN_DIR/tests/" 2>/dev/null
     chmod +x "$BIN_DIR"/tests/* 2>/dev/null
@@ -79,7 +91,6 @@ MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
 export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 export PYTHONUNBUFFERED=1
 
-STEPS=${STEPS:-"info tests selftest process nvlink bench"}
 BUDGET_S=${BUDGET_S:-570}
 TEST_ARGS=${TEST_ARGS:---include-ignored --test-threads=1}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -115,6 +126,18 @@ step() {
         return
     fi
     [ "$t" -gt "$left" ] && t=$left
+    if [ -n "$DRY_RUN" ]; then
+        echo "===== $name (timeout ${t}s, dry run): $*" | tee -a "$LOG"
+        # A body under steps/ checks its sub-steps and exits: run it, so that a dry run covers their names too.
+        local rc=dry a
+        for a in "$@"; do
+            case $a in "$STEP_DIR"/*)
+                if [ -f "$a" ]; then "$@" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}; else echo "missing: $a" | tee -a "$LOG"; rc=127; fi ;;
+            esac
+        done
+        ROWS+=("$name|$rc|0")
+        return
+    fi
     echo "===== $name (timeout ${t}s): $*" | tee -a "$LOG"
     local t0
     t0=$(date +%s)
@@ -155,7 +178,7 @@ run_tests() {
     return "$worst"
 }
 export -f run_tests
-export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE
+export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE DRY_RUN
 # The bodies under steps/ run only from here.
 export MOELINK_DEVICE_RUN=1
 
@@ -176,7 +199,6 @@ for s in $STEPS; do
         reliability)
             step reliability "${T_RELIABILITY:-360}" env OUT="$W/reliability" STEPS="${RELIABILITY_STEPS:-chaos}" \
                 BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash "$STEP_DIR/reliability.sh" ;;
-        *)        echo "unknown step '$s' (known: info tests selftest process nvlink bench procbench internode python reliability)" | tee -a "$LOG"; ROWS+=("$s|unknown|0") ;;
     esac
 done
 
@@ -222,7 +244,8 @@ tar czf "$OUT/results.tgz" -C "$W" --exclude=./bin . 2>/dev/null
     echo "|---|---|---|---|"
     for row in "${ROWS[@]}"; do
         IFS='|' read -r name rc secs <<<"$row"
-        echo "| $name | $rc | $secs | $(key_numbers "$name" | tr '|' '/') |"
+        if [ "$rc" = dry ]; then keys=""; else keys=$(key_numbers "$name" | tr '|' '/'); fi
+        echo "| $name | $rc | $secs | $keys |"
     done
     echo
     echo "commit $MOELINK_COMMIT, $NGPU GPUs, total $(elapsed)s, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -230,3 +253,10 @@ tar czf "$OUT/results.tgz" -C "$W" --exclude=./bin . 2>/dev/null
 echo
 echo "================ SUMMARY ================"
 cat "$SUMMARY"
+# A dry run fails when a step body refused its sub-steps (or is missing).
+if [ -n "$DRY_RUN" ]; then
+    for row in "${ROWS[@]}"; do
+        IFS='|' read -r name rc secs <<<"$row"
+        case $rc in dry | 0) ;; *) exit 1 ;; esac
+    done
+fi

@@ -48,6 +48,13 @@ set -uo pipefail
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=internode bash scripts/device/run.sh" >&2; exit 2; }
 cd "$ROOT" || exit 1
 STEPS=${STEPS:-"seam nomps mps mpsthread ll bench soak"}
+for s in $STEPS; do
+    case $s in
+    seam | nomps | mps | mpsthread | ll | bench | soak | ht | htchaos | htsoak) ;;
+    *) echo "internode: unknown step '$s' (known: seam nomps mps mpsthread ll bench soak ht htchaos htsoak)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "${DRY_RUN:-}" ]; then echo "internode: would run $STEPS"; exit 0; fi
 mkdir -p "$OUT"
 rm -rf "$W" && mkdir -p "$W/bin"
 # run.sh's environment (NVLS off, CUDA_DEVICE_MAX_CONNECTIONS, LD_LIBRARY_PATH, MOELINK_COMMIT, the JIT cache)

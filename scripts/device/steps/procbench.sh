@@ -7,6 +7,7 @@
 set -u
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=procbench bash scripts/device/run.sh" >&2; exit 2; }
 n=${PROCBENCH_RANKS:-2}
+if [ -n "${DRY_RUN:-}" ]; then echo "procbench: would run $n processes over ${PROCBENCH_TRANSPORTS:-nvshmem emu-nic}"; exit 0; fi
 # NVSHMEM as the internode step finds it: torch's wheel, single-host settings.
 nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
 export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

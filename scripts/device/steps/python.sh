@@ -25,6 +25,13 @@ cd "$ROOT" || exit 1
 
 # PY_STEPS picks steps (default: all but gpu1, shared, nodes and hostcost).
 PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
+for s in $PY_STEPS; do
+    case $s in
+    ci | gpu1 | gpu2 | gpu4 | host | shared | nodes | example | bench | hostcost) ;;
+    *) echo "python: unknown step '$s' (known: ci gpu1 gpu2 gpu4 host shared nodes example bench hostcost)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "${DRY_RUN:-}" ]; then echo "python: would run $PY_STEPS"; exit 0; fi
 
 OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"

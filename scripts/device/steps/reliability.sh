@@ -34,6 +34,13 @@ set -uo pipefail
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=reliability bash scripts/device/run.sh" >&2; exit 2; }
 cd "$ROOT" || exit 1
 STEPS=${STEPS:-"chaos poison soak"}
+for s in $STEPS; do
+    case $s in
+    chaos | poison | soak) ;;
+    *) echo "reliability: unknown step '$s' (known: chaos poison soak)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "${DRY_RUN:-}" ]; then echo "reliability: would run $STEPS"; exit 0; fi
 START=$(date +%s)
 
 OUT=${OUT:-/tmp/moelink-out}
