@@ -30,9 +30,9 @@
 # Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps; BENCH_ARGS,
 # NVLINK_ARGS (default --no-jit), TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP>
 # sets a step's timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits
-# is skipped. An unknown step name stops the run before anything runs. DRY_RUN=1 needs no GPU and no .device/:
-# it prints each step's command, and the steps under steps/ check their sub-step names, instead of running
-# anything.
+# is skipped, and the steps under steps/ get what is left of their timeout as their own BUDGET_S. An unknown step
+# name stops the run before anything runs. DRY_RUN=1 needs no GPU and no .device/: it prints each step's
+# command, and the steps under steps/ check their sub-step names, instead of running anything.
 #
 # Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
 # bench.json, procbench-<transport>.json, results.tgz (the files of the steps under steps/). The summary table
@@ -182,6 +182,14 @@ export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS M
 # The bodies under steps/ run only from here.
 export MOELINK_DEVICE_RUN=1
 
+# sub_budget T: the budget of a step under steps/ that has T seconds: what its timeout leaves, less 20 s for
+# its own summary.
+sub_budget() {
+    local t=$1 left=$(( BUDGET_S - $(elapsed) ))
+    [ "$t" -gt "$left" ] && t=$left
+    echo $(( t - 20 ))
+}
+
 for s in $STEPS; do
     case $s in
         info)     step info     "${T_INFO:-30}"     "$BIN" info ;;
@@ -193,12 +201,12 @@ for s in $STEPS; do
         procbench) step procbench "${T_PROCBENCH:-240}" bash "$STEP_DIR/procbench.sh" ;;
         internode)
             step internode "${T_INTERNODE:-540}" env OUT="$W/internode" W="$W/internode-work" STEPS="${INTERNODE_STEPS:-ht}" \
-                BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash "$STEP_DIR/internode.sh" ;;
+                BUDGET_S="$(sub_budget "${T_INTERNODE:-540}")" bash "$STEP_DIR/internode.sh" ;;
         python)
             step python "${T_PYTHON:-400}" env OUT="$W/python" bash "$STEP_DIR/python.sh" ;;
         reliability)
             step reliability "${T_RELIABILITY:-360}" env OUT="$W/reliability" STEPS="${RELIABILITY_STEPS:-chaos}" \
-                BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash "$STEP_DIR/reliability.sh" ;;
+                BUDGET_S="$(sub_budget "${T_RELIABILITY:-360}")" bash "$STEP_DIR/reliability.sh" ;;
     esac
 done
 
