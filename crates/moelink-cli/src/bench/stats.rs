@@ -149,3 +149,48 @@ pub(super) fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink:
             .collect(),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slowest_rank_median_takes_the_max_per_rep_then_the_median() {
+        let per_rank = vec![vec![1.0, 5.0, 3.0], vec![2.0, 1.0, 9.0]];
+        assert_eq!(slowest_per_rep(&per_rank), vec![2.0, 5.0, 9.0]);
+        assert_eq!(slowest_rank_median(&per_rank), 5.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+
+    #[test]
+    fn across_nodes_the_ll_bytes_split_by_path() {
+        // 4 ranks as 2x2, one expert per rank; token 0 of rank 0 picks experts 0 (itself), 1 (its node) and
+        // 2, 3 (the other node); token 1 picks expert 3 twice and a -1 slot.
+        let shape = Shape { ranks: 4, tokens: 2, hidden: 256, topk: 4, experts: 4 };
+        let mut inputs = Inputs::generate(shape, RouteKind::Uniform, 1, false);
+        for (r, rank) in inputs.ranks.iter_mut().enumerate() {
+            rank.topk_idx = if r == 0 { vec![0, 1, 2, 3, 3, 3, -1, -1] } else { vec![-1; 8] };
+        }
+        let topology: moelink::Topology = "2x2".parse().unwrap();
+        let case = |op, dtype| Case { mode: Mode::Ll, op, dtype, routing: RoutingKind::Uniform, num_sms: None };
+        let msg = moelink::internode::ll_message_bytes(256, 4, true);
+        let d = ll_path_bytes(&case(Op::Dispatch, Dtype::Fp8), &inputs, &topology, true);
+        assert_eq!((d.rdma, d.nvlink), (vec![3 * msg, 0, 0, 0], vec![msg, 0, 0, 0]));
+        let d = ll_path_bytes(&case(Op::Dispatch, Dtype::Fp8), &inputs, &topology, false);
+        assert_eq!((d.rdma, d.nvlink), (vec![4 * msg, 0, 0, 0], vec![0; 4]));
+        // Combine: each destination returns one bf16 row per message it received.
+        let c = ll_path_bytes(&case(Op::Combine, Dtype::Bf16), &inputs, &topology, true);
+        assert_eq!((c.rdma, c.nvlink), (vec![0, 0, 512, 1024], vec![0, 512, 0, 0]));
+    }
+
+    #[test]
+    fn ht_bytes_follow_deepep_accounting() {
+        let shape = Shape { ranks: 2, tokens: 16, hidden: 256, topk: 2, experts: 4 };
+        let inputs = Inputs::generate(shape, RouteKind::Uniform, 1, false);
+        let recv: usize = inputs.reference.recv_rows.iter().map(|v| v.len()).sum();
+        let c = Case { mode: Mode::Ht, op: Op::Dispatch, dtype: Dtype::Fp8, routing: RoutingKind::Uniform, num_sms: None };
+        let (logical, wire) = bytes_moved(&c, &inputs);
+        assert_eq!(logical, recv as f64 * (256.0 + 2.0 * 4.0) / 2.0);
+        assert!(wire < logical);
+    }
+}
