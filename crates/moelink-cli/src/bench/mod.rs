@@ -25,6 +25,7 @@
 //! The reported time is the median over repetitions of the slowest rank: per repetition the largest time of
 //! any rank, then the median of those.
 
+mod accounting;
 mod args;
 pub mod bytes;
 mod ht;
@@ -37,6 +38,7 @@ mod render;
 mod stats;
 pub mod transport;
 
+use accounting::*;
 pub use args::*;
 use plan::*;
 pub use plan::{Case, Dtype, Mode, Op};
