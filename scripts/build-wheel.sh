@@ -7,7 +7,7 @@
 # `auditwheel show` then checks that no symbol needs a newer glibc (the script fails if one does).
 #
 #   scripts/build-wheel.sh
-#   # device: carry [".device"], command `bash scripts/device/python.sh`
+#   # device: carry [".device"], command `STEPS=python bash scripts/device/run.sh`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -40,7 +40,7 @@ if [ ! -x "$tvenv/bin/python" ]; then
 fi
 # torch's CPU build where its index is reachable (a fraction of the download), else PyPI's: CUDA builds with
 # NVIDIA's libraries, about 5.5 GB installed and 3.5 GB downloaded on top. Where neither fits, the torch layer's
-# host tests are skipped, loudly: they also run on the GPU machine (scripts/device/run.sh, PY_STEPS=ci).
+# host tests are skipped, loudly: they also run on the GPU machine (scripts/device/run.sh, STEPS=python PY_STEPS=ci).
 skip_torch() {
     echo "SKIPPED: the torch layer's host tests (python/tests/gpu, test_bench.py, ...): $1" >&2
     rm -rf "$tvenv"

@@ -18,6 +18,20 @@ export MOELINK_REQUIRE_NVSHMEM=1
 # The CPU emulations of the kernels need g++: here a missing compiler is a failure, not a skip.
 export MOELINK_REQUIRE_EMU=1
 
+# The device steps (scripts/device/run.sh, run on the GPU machine) are checked here as far as they can be: a
+# dry run resolves every step to its body and each body's default sub-steps, with no GPU and no .device/.
+if [ $# -eq 0 ]; then
+    device_dry=$(mktemp -d)
+    if ! DRY_RUN=1 OUT="$device_dry/out" W="$device_dry/work" \
+        STEPS="info tests selftest process nvlink bench procbench internode python reliability" \
+        bash scripts/device/run.sh >"$device_dry/log" 2>&1; then
+        cat "$device_dry/log" >&2
+        echo "error: the dry run of scripts/device/run.sh failed (its log above)" >&2
+        exit 1
+    fi
+    rm -rf "$device_dry"
+fi
+
 # Release profile: on 2 cores it compiles about as fast as the test profile (opt-level 2 + debug info,
 # whose link step is slower) and runs the host backend at full speed.
 cargo test --workspace --release "$@"

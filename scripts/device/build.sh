@@ -68,7 +68,7 @@ for line in open(sys.argv[1]):
 PY
 fi
 
-# The Python wheel (abi3, for the GPU machine's Python 3.12), for scripts/device/python.sh.
+# The Python wheel (abi3, for the GPU machine's Python 3.12), for run.sh's python step.
 if [ -f python/pyproject.toml ]; then
     scripts/build-wheel.sh
 fi

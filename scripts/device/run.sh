@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs THERE, on the GPU machine (device tool: kind nvidia-h200-x4, carry [".device"], command
 # `bash scripts/device/run.sh`). Needs what scripts/device/build.sh put in .device/; no cargo, no network.
+# The one entry for device work: the longer steps' bodies live in scripts/device/steps/ and run only from here.
 #
 # Steps (each under `timeout`, its exit status and seconds recorded, output appended to $OUT/log.txt):
 #   info      moelink info
@@ -10,12 +11,15 @@
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
 #   bench     moelink bench $BENCH_ARGS --json $OUT/bench.json
-#   procbench moelink bench --process under torchrun, PROCBENCH_RANKS processes (default 2: one per GPU of the
-#             first two), PROCBENCH_ARGS (default: HT and LL at DeepEP's shapes across 2x1 virtual nodes over
-#             nvshmem, then over emu-nic): the internode kernels between real GPUs, NVLink standing in for RDMA
-#   internode scripts/device/internode.sh with STEPS=$INTERNODE_STEPS (its files in results.tgz)
-#   python    scripts/device/python.sh with PY_STEPS (its files in results.tgz)
-#   reliability  scripts/device/reliability.sh with RELIABILITY_STEPS (its files in results.tgz)
+#   procbench steps/procbench.sh: moelink bench --process under torchrun, PROCBENCH_RANKS processes (default 2:
+#             one per GPU of the first two), PROCBENCH_ARGS (default: HT and LL at DeepEP's shapes across 2x1
+#             virtual nodes over nvshmem, then over emu-nic): the internode kernels between real GPUs, NVLink
+#             standing in for RDMA
+#   internode steps/internode.sh with STEPS=$INTERNODE_STEPS (default ht; its files in results.tgz)
+#   python    steps/python.sh with PY_STEPS (its files in results.tgz)
+#   reliability  steps/reliability.sh with RELIABILITY_STEPS (default chaos; its files in results.tgz)
+# The sub-steps and their knobs are listed at the top of each file under steps/; the knobs pass through the
+# environment (e.g. STEPS=reliability RELIABILITY_STEPS=soak SOAK_ARGS="--t-max 1024").
 #
 # Every step works whatever the ratio of ranks to GPUs: ranks of one process that share a GPU get
 # CUDA_DEVICE_MAX_CONNECTIONS=32 hardware queues (moelink refuses fewer), and the tests' internode
@@ -23,16 +27,30 @@
 #
 # Two instances may run side by side on disjoint GPUs (CUDA_VISIBLE_DEVICES) with their own OUT and W.
 #
-# Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps;
-# BENCH_ARGS, NVLINK_ARGS (default --no-jit), TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP> sets a step's
-# timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits is skipped.
+# Knobs (environment): STEPS="info tests selftest process nvlink bench" picks and orders steps; BENCH_ARGS,
+# NVLINK_ARGS (default --no-jit), TEST_ARGS (default --include-ignored --test-threads=1) pass options; T_<STEP>
+# sets a step's timeout in seconds; BUDGET_S (default 570) is the whole run's budget: a step that no longer fits
+# is skipped, and the steps under steps/ get what is left of their timeout as their own BUDGET_S. An unknown step
+# name stops the run before anything runs. DRY_RUN=1 needs no GPU and no .device/: it prints each step's
+# command, and the steps under steps/ check their sub-step names, instead of running anything.
 #
 # Comes back in $OUT (the device tool returns at most 8 files): env.txt, log.txt, summary.md, nvlink.json,
-# bench.json, procbench.json, results.tgz (every sub-script's files). The summary table is printed last.
+# bench.json, procbench-<transport>.json, results.tgz (the files of the steps under steps/). The summary table
+# is printed last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
 START=$(date +%s)
+STEP_DIR=scripts/device/steps
+DRY_RUN=${DRY_RUN:-}
+STEPS=${STEPS:-"info tests selftest process nvlink bench"}
+KNOWN_STEPS="info tests selftest process nvlink bench procbench internode python reliability"
+for s in $STEPS; do
+    case " $KNOWN_STEPS " in
+        *" $s "*) ;;
+        *) echo "error: unknown step '$s' (known: $KNOWN_STEPS)" >&2; exit 2 ;;
+    esac
+done
 
 OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"
@@ -41,7 +59,7 @@ SUMMARY=$OUT/summary.md
 : >"$LOG"
 
 DEV=$ROOT/.device
-if [ ! -f "$DEV/moelink" ]; then
+if [ ! -f "$DEV/moelink" ] && [ -z "$DRY_RUN" ]; then
     echo "error: $DEV/moelink is missing: run scripts/device/build.sh on the build machine and carry .device" | tee -a "$LOG"
     exit 1
 fi
@@ -50,7 +68,7 @@ W=${W:-/tmp/moelink-run}
 rm -rf "$W" && mkdir -p "$W"
 BIN_DIR=$W/bin
 mkdir -p "$BIN_DIR/tests"
-cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
+[ -f "$DEV/moelink" ] && cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
 if [ -d "$DEV/tests" ]; then
     cp "$DEV"/tests/* "$BIN_DIR/tests/" 2>/dev/null
     chmod +x "$BIN_DIR"/tests/* 2>/dev/null
@@ -73,7 +91,6 @@ MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
 export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 export PYTHONUNBUFFERED=1
 
-STEPS=${STEPS:-"info tests selftest process nvlink bench"}
 BUDGET_S=${BUDGET_S:-570}
 TEST_ARGS=${TEST_ARGS:---include-ignored --test-threads=1}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -109,6 +126,18 @@ step() {
         return
     fi
     [ "$t" -gt "$left" ] && t=$left
+    if [ -n "$DRY_RUN" ]; then
+        echo "===== $name (timeout ${t}s, dry run): $*" | tee -a "$LOG"
+        # A body under steps/ checks its sub-steps and exits: run it, so that a dry run covers their names too.
+        local rc=dry a
+        for a in "$@"; do
+            case $a in "$STEP_DIR"/*)
+                if [ -f "$a" ]; then "$@" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}; else echo "missing: $a" | tee -a "$LOG"; rc=127; fi ;;
+            esac
+        done
+        ROWS+=("$name|$rc|0")
+        return
+    fi
     echo "===== $name (timeout ${t}s): $*" | tee -a "$LOG"
     local t0
     t0=$(date +%s)
@@ -141,7 +170,7 @@ run_tests() {
         local ranks=$MOELINK_TEST_RANKS
         case $b in *internode*) ranks=${MOELINK_TEST_RANKS_INTERNODE:-8} ;; esac
         # Each executable under its own timeout: one hang must not hide the others' results.
-        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT"; MOELINK_TEST_RANKS=$ranks timeout --kill-after=10 "${T_TEST_EACH:-240}" "$b" $TEST_ARGS)
+        (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT" || exit; MOELINK_TEST_RANKS=$ranks timeout --kill-after=10 "${T_TEST_EACH:-240}" "$b" $TEST_ARGS)
         rc=$?
         [ "$rc" = 124 ] && echo "--- $(basename "$b"): timed out after ${T_TEST_EACH:-240}s"
         [ "$rc" -gt "$worst" ] && worst=$rc
@@ -149,7 +178,17 @@ run_tests() {
     return "$worst"
 }
 export -f run_tests
-export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE
+export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE DRY_RUN
+# The bodies under steps/ run only from here.
+export MOELINK_DEVICE_RUN=1
+
+# sub_budget T: the budget of a step under steps/ that has T seconds: what its timeout leaves, less 20 s for
+# its own summary.
+sub_budget() {
+    local t=$1 left=$(( BUDGET_S - $(elapsed) ))
+    [ "$t" -gt "$left" ] && t=$left
+    echo $(( t - 20 ))
+}
 
 for s in $STEPS; do
     case $s in
@@ -159,32 +198,15 @@ for s in $STEPS; do
         process)  step process  "${T_PROCESS:-60}"  torchrun --nproc_per_node="$NGPU" --no-python "$BIN" selftest --process --strict ;;
         nvlink)   step nvlink   "${T_NVLINK:-90}"   "$BIN" bench nvlink $NVLINK_ARGS --json "$OUT/nvlink.json" ;;
         bench)    step bench    "${T_BENCH:-180}"   "$BIN" bench $BENCH_ARGS --json "$OUT/bench.json" ;;
-        procbench)
-            step procbench "${T_PROCBENCH:-240}" bash -c "$(cat <<'SH'
-set -u
-n=${PROCBENCH_RANKS:-2}
-# NVSHMEM as internode.sh finds it: torch's wheel, single-host settings.
-nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
-export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1
-for tr in ${PROCBENCH_TRANSPORTS:-nvshmem emu-nic}; do
-    echo "--- procbench over $tr"
-    torchrun --standalone --nproc_per_node="$n" --no-python "$BIN" bench --process --backend cuda \
-        --ranks "$n" --topology "${n}x1" --transport "$tr" ${PROCBENCH_ARGS:---mode all --reps 10} \
-        --json "$OUT/procbench-$tr.json" || rc=$?
-done
-exit ${rc:-0}
-SH
-)" ;;
+        procbench) step procbench "${T_PROCBENCH:-240}" bash "$STEP_DIR/procbench.sh" ;;
         internode)
             step internode "${T_INTERNODE:-540}" env OUT="$W/internode" W="$W/internode-work" STEPS="${INTERNODE_STEPS:-ht}" \
-                BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash scripts/device/internode.sh ;;
+                BUDGET_S="$(sub_budget "${T_INTERNODE:-540}")" bash "$STEP_DIR/internode.sh" ;;
         python)
-            step python "${T_PYTHON:-400}" env OUT="$W/python" bash scripts/device/python.sh ;;
+            step python "${T_PYTHON:-400}" env OUT="$W/python" bash "$STEP_DIR/python.sh" ;;
         reliability)
             step reliability "${T_RELIABILITY:-360}" env OUT="$W/reliability" STEPS="${RELIABILITY_STEPS:-chaos}" \
-                BUDGET_S="$(( BUDGET_S - $(elapsed) - 20 ))" bash scripts/device/reliability.sh ;;
-        *)        echo "unknown step '$s' (known: info tests selftest process nvlink bench procbench internode python reliability)" | tee -a "$LOG"; ROWS+=("$s|unknown|0") ;;
+                BUDGET_S="$(sub_budget "${T_RELIABILITY:-360}")" bash "$STEP_DIR/reliability.sh" ;;
     esac
 done
 
@@ -222,15 +244,17 @@ PY
     esac
 }
 
-# Every sub-script's files (logs, JSON) in one archive: the device tool returns at most 8 files.
-tar czf "$OUT/results.tgz" -C "$W" --exclude=./bin . 2>/dev/null
+# The files of the steps under steps/ (logs, JSON) in one archive: the device tool returns at most 8 files,
+# each up to 16 MiB, so the binaries stay out.
+tar czf "$OUT/results.tgz" -C "$W" --exclude=./bin --exclude=./internode-work/bin . 2>/dev/null
 
 {
     echo "| step | rc | seconds | key numbers |"
     echo "|---|---|---|---|"
     for row in "${ROWS[@]}"; do
         IFS='|' read -r name rc secs <<<"$row"
-        echo "| $name | $rc | $secs | $(key_numbers "$name" | tr '|' '/') |"
+        if [ "$rc" = dry ]; then keys=""; else keys=$(key_numbers "$name" | tr '|' '/'); fi
+        echo "| $name | $rc | $secs | $keys |"
     done
     echo
     echo "commit $MOELINK_COMMIT, $NGPU GPUs, total $(elapsed)s, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -238,3 +262,10 @@ tar czf "$OUT/results.tgz" -C "$W" --exclude=./bin . 2>/dev/null
 echo
 echo "================ SUMMARY ================"
 cat "$SUMMARY"
+# A dry run fails when a step body refused its sub-steps (or is missing).
+if [ -n "$DRY_RUN" ]; then
+    for row in "${ROWS[@]}"; do
+        IFS='|' read -r name rc secs <<<"$row"
+        case $rc in dry | 0) ;; *) exit 1 ;; esac
+    done
+fi

@@ -2,13 +2,13 @@
 //! survivors must notice within the deadline, stay alive and carry on.
 //!
 //! Launch one process per GPU with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `LOCAL_RANK` set
-//! (`scripts/device/reliability.sh` does; torchrun would kill every worker once one dies). Every rank builds
-//! a CUDA buffer with a short deadline (`--timeout-ms`), warms the phase up, then loops it: each iteration is
-//! a full round trip (HT: layout → dispatch → identity combine; LL: dispatch → identity combine), checked
-//! against a host-backend simulation of all ranks on the same seeded inputs. At iteration `--kill-at`
-//! (default: drawn from the seed, the same on every rank) the victim enqueues the phase's kernel on a
-//! stream of its own (`Buffer::on_stream`), spins a few microseconds so that the kernel is in flight, prints
-//! `CHAOS_KILL {json}` with the time and sends itself SIGKILL.
+//! (`scripts/device/run.sh`'s `reliability` step does; torchrun would kill every worker once one dies). Every rank
+//! builds a CUDA buffer with a short deadline (`--timeout-ms`), warms the phase up, then loops it: each iteration
+//! is a full round trip (HT: layout → dispatch → identity combine; LL: dispatch → identity combine), checked
+//! against a host-backend simulation of all ranks on the same seeded inputs. At iteration `--kill-at` (default:
+//! drawn from the seed, the same on every rank) the victim enqueues the phase's kernel on a stream of its own
+//! (`Buffer::on_stream`), spins a few microseconds so that the kernel is in flight, prints `CHAOS_KILL {json}` with
+//! the time and sends itself SIGKILL.
 //!
 //! Survivors, default mode: the loop must end with `Error::Timeout` naming the victim within the deadline
 //! (plus slack); the buffer must then refuse work (`Error::Poisoned`); dropping it must return; then the

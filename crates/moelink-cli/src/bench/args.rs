@@ -2,6 +2,8 @@
 
 use super::*;
 
+use clap::{Args, Subcommand, ValueEnum};
+
 /// `moelink bench [OPTIONS]` or `moelink bench nvlink [OPTIONS]`.
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]

@@ -25,6 +25,7 @@
 //! The reported time is the median over repetitions of the slowest rank: per repetition the largest time of
 //! any rank, then the median of those.
 
+mod accounting;
 mod args;
 pub mod bytes;
 mod ht;
@@ -37,8 +38,10 @@ mod render;
 mod stats;
 pub mod transport;
 
+use accounting::*;
 pub use args::*;
 use plan::*;
+pub use plan::{Case, Dtype, Mode, Op};
 use render::*;
 use stats::*;
 
@@ -47,7 +50,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use moelink::{BackendKind, Buffer, BufferOptions, Result};
 
@@ -56,78 +58,6 @@ use crate::table::{num, Table};
 use crate::{sys, CliError};
 use moelink_testkit::inputs::{Inputs, Shape};
 use moelink_testkit::RouteKind;
-
-/// `--suite`'s HT SM sweep.
-const SUITE_SM_SWEEP: [usize; 6] = [8, 16, 24, 32, 48, 64];
-
-/// Regime of a case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// High-throughput.
-    Ht,
-    /// Low-latency.
-    Ll,
-}
-
-impl Mode {
-    fn name(self) -> &'static str {
-        match self {
-            Mode::Ht => "ht",
-            Mode::Ll => "ll",
-        }
-    }
-}
-
-/// Collective of a case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// Tokens to the experts' ranks.
-    Dispatch,
-    /// Expert outputs back, summed.
-    Combine,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::Dispatch => "dispatch",
-            Op::Combine => "combine",
-        }
-    }
-}
-
-/// Payload type of a case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// bf16.
-    Bf16,
-    /// FP8 E4M3 + fp32 scales.
-    Fp8,
-}
-
-impl Dtype {
-    fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::Fp8 => "fp8",
-        }
-    }
-}
-
-/// One measurement to make.
-#[derive(Clone, Copy, Debug)]
-pub struct Case {
-    /// Regime.
-    pub mode: Mode,
-    /// Collective.
-    pub op: Op,
-    /// Payload type.
-    pub dtype: Dtype,
-    /// Routing of the inputs.
-    pub routing: RoutingKind,
-    /// HT: `Some(n)` from `--num-sms`, `None` for the backend's default. Always `None` for LL.
-    pub num_sms: Option<usize>,
-}
 
 /// What one rank saw for one case.
 #[derive(Debug, Default)]
@@ -229,48 +159,6 @@ impl Job<'_> {
     }
 }
 
-/// One stderr line per high-throughput kernel trace of the last timed region (`MOELINK_HT_TRACE=1`): when
-/// the blocks started and ended and each role's warps started and finished their work, in µs after the
-/// kernel's first block (min / median / max); across nodes every point of the trace, the chunk durations
-/// (`*_us`) as min / median / max over chunks.
-fn print_ht_traces(buf: &Buffer) {
-    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::internode::")) {
-        let points: Vec<String> = t
-            .points
-            .iter()
-            .map(|p| {
-                let sign = if p.name.ends_with("_us") { "" } else { "+" };
-                format!("{} {sign}{:.1}/{sign}{:.1}/{sign}{:.1} ({})", p.name, p.min_us, p.median_us, p.max_us, p.blocks)
-            })
-            .collect();
-        eprintln!("moelink trace: rank {} {} ({}): span {:.1} us; {}", buf.rank(), t.op, t.kernel, t.span_us, points.join(", "));
-    }
-    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::intranode::")) {
-        let at = |name: &str| t.point(name).map_or("-".to_string(), |p| format!("+{:.1}/+{:.1}/+{:.1}", p.min_us, p.median_us, p.max_us));
-        eprintln!(
-            "moelink trace: rank {} {} ({}): span {:.1} us; block start {}, senders start {} end {}, receivers start {} end {}, \
-             block end {} (us, min/median/max)",
-            buf.rank(),
-            t.op,
-            t.kernel,
-            t.span_us,
-            at("start"),
-            at("send_start"),
-            at("send_end"),
-            at("recv_start"),
-            at("recv_end"),
-            at("end")
-        );
-    }
-}
-
-/// The most telling error among ranks: a rank's own failure rather than the timeouts it caused elsewhere.
-fn first_cause(errors: &[&moelink::Error]) -> Option<String> {
-    use moelink::Error;
-    let secondary = |e: &Error| matches!(e, Error::Timeout { .. } | Error::Group { .. } | Error::Poisoned { .. });
-    errors.iter().find(|e| !secondary(e)).or_else(|| errors.first()).map(|e| e.to_string())
-}
-
 /// Turns an operation's result into either a value or a finished outcome (unavailable / failed).
 pub fn settle<T>(r: Result<T>, out: &mut RankOutcome) -> Option<T> {
     match r {
@@ -284,36 +172,6 @@ pub fn settle<T>(r: Result<T>, out: &mut RankOutcome) -> Option<T> {
             None
         }
     }
-}
-
-/// One (mode, shape, routing) of a run: its cases share the inputs and each rank's buffer.
-#[derive(Clone, Debug)]
-struct Batch {
-    mode: Mode,
-    shape: Shape,
-    routing: RoutingKind,
-    /// Dispatch payloads to measure (combine is always measured, bf16).
-    dtypes: Vec<Dtype>,
-    /// HT: the SM counts to measure (`None`: the backend's default); LL: `[None]`.
-    sms: Vec<Option<usize>>,
-}
-
-/// The resolved plan of one bench run.
-struct Plan {
-    backend: BackendKind,
-    fallback_reason: Option<String>,
-    ranks: usize,
-    /// Up to how many ranks share a GPU, when they do (`--topology` on fewer GPUs than ranks).
-    gpus_shared_by: Option<usize>,
-    /// GPUs the ranks run on.
-    gpus: usize,
-    /// `--process`: every rank a process of a torchrun launch.
-    process: bool,
-    /// `--topology` across nodes, with its RDMA settings; `None` on one node.
-    internode: Option<(moelink::Topology, moelink::RdmaOptions)>,
-    reps: usize,
-    warmup: usize,
-    batches: Vec<Batch>,
 }
 
 /// Runs `moelink bench`.
@@ -459,19 +317,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
 
 #[cfg(test)]
 mod tests {
-
-    #[test]
-    fn shapes_beyond_memory_are_refused_naming_the_flag() {
-        let s = Shape { ranks: 4, tokens: 256, hidden: 1024, topk: 8, experts: 64 };
-        assert!(check_fits_memory(Mode::Ht, &s, Some(1 << 30), false).is_ok());
-        let e = check_fits_memory(Mode::Ht, &Shape { tokens: 1 << 20, ..s }, Some(1 << 30), false).unwrap_err().0;
-        assert!(e.contains("--tokens 1048576") && e.contains(&format!("{} bytes", 4usize << 31)), "{e}");
-        let e = check_fits_memory(Mode::Ll, &Shape { tokens: usize::MAX / 2, ..s }, None, true).unwrap_err().0;
-        assert!(e.contains("--ll-tokens") && e.contains("no machine"), "{e}");
-    }
-
     use super::*;
-    use clap::Parser;
 
     /// Inputs the result checks must accept (seed 1) and inputs of the same shape they must reject (seed 2).
     pub(super) fn good_and_other(shape: Shape, fp8: bool) -> (Inputs, Inputs) {
@@ -496,135 +342,5 @@ mod tests {
                 assert!(!wrong.is_empty(), "rank {rank} check {i} accepted results for other inputs");
             }
         }
-    }
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: BenchArgs,
-    }
-
-    fn args(flags: &[&str]) -> BenchArgs {
-        let mut argv = vec!["bench", "--backend", "host"];
-        argv.extend_from_slice(flags);
-        Cli::try_parse_from(argv).expect("valid flags").args
-    }
-
-    #[test]
-    fn across_nodes_the_bytes_split_by_path_and_bad_flags_are_refused() {
-        // 4 ranks as 2x2, one expert per rank; token 0 of rank 0 picks experts 0 (itself), 1 (its node) and
-        // 2, 3 (the other node); token 1 picks expert 3 twice and a -1 slot.
-        let shape = Shape { ranks: 4, tokens: 2, hidden: 256, topk: 4, experts: 4 };
-        let mut inputs = Inputs::generate(shape, RouteKind::Uniform, 1, false);
-        for (r, rank) in inputs.ranks.iter_mut().enumerate() {
-            rank.topk_idx = if r == 0 { vec![0, 1, 2, 3, 3, 3, -1, -1] } else { vec![-1; 8] };
-        }
-        let topology: moelink::Topology = "2x2".parse().unwrap();
-        let case = |op, dtype| Case { mode: Mode::Ll, op, dtype, routing: RoutingKind::Uniform, num_sms: None };
-        let msg = moelink::internode::ll_message_bytes(256, 4, true);
-        let d = ll_path_bytes(&case(Op::Dispatch, Dtype::Fp8), &inputs, &topology, true);
-        assert_eq!((d.rdma, d.nvlink), (vec![3 * msg, 0, 0, 0], vec![msg, 0, 0, 0]));
-        let d = ll_path_bytes(&case(Op::Dispatch, Dtype::Fp8), &inputs, &topology, false);
-        assert_eq!((d.rdma, d.nvlink), (vec![4 * msg, 0, 0, 0], vec![0; 4]));
-        // Combine: each destination returns one bf16 row per message it received.
-        let c = ll_path_bytes(&case(Op::Combine, Dtype::Bf16), &inputs, &topology, true);
-        assert_eq!((c.rdma, c.nvlink), (vec![0, 0, 512, 1024], vec![0, 512, 0, 0]));
-
-        let p = plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "emu-nic"]), None).unwrap();
-        let (t, rdma) = p.internode.expect("2x2 spans nodes");
-        assert_eq!((t.num_nodes, t.ranks_per_node, rdma.transport.name()), (2, 2, "emu-nic"));
-        assert!(plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "1x4"]), None).unwrap().internode.is_none());
-        // Both families run across nodes.
-        assert!(plan(&args(&["--mode", "ht", "--ranks", "4", "--topology", "2x2"]), None).unwrap().internode.is_some());
-        assert!(plan(&args(&["--ranks", "4", "--topology", "2x2"]), None).unwrap().internode.is_some());
-        for (flags, says) in [
-            (&["--mode", "ll", "--ranks", "4", "--topology", "2x3"][..], "--topology"),
-            (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "nvshmem"][..], "one process per rank"),
-            (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "tcp"][..], "--transport"),
-            (&["--mode", "ll", "--no-nvlink-in-node"][..], "--topology"),
-            (&["--mode", "ll", "--routing", "node-limited"][..], "--topology across nodes"),
-        ] {
-            let e = plan(&args(flags), None).err().expect("refused").0;
-            assert!(e.contains(says), "{flags:?}: {e}");
-        }
-    }
-
-    #[test]
-    fn slowest_rank_median_takes_the_max_per_rep_then_the_median() {
-        let per_rank = vec![vec![1.0, 5.0, 3.0], vec![2.0, 1.0, 9.0]];
-        assert_eq!(slowest_per_rep(&per_rank), vec![2.0, 5.0, 9.0]);
-        assert_eq!(slowest_rank_median(&per_rank), 5.0);
-        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
-    }
-
-    #[test]
-    fn ht_bytes_follow_deepep_accounting() {
-        let shape = Shape { ranks: 2, tokens: 16, hidden: 256, topk: 2, experts: 4 };
-        let inputs = Inputs::generate(shape, RouteKind::Uniform, 1, false);
-        let recv: usize = inputs.reference.recv_rows.iter().map(|v| v.len()).sum();
-        let c = Case { mode: Mode::Ht, op: Op::Dispatch, dtype: Dtype::Fp8, routing: RoutingKind::Uniform, num_sms: None };
-        let (logical, wire) = bytes_moved(&c, &inputs);
-        assert_eq!(logical, recv as f64 * (256.0 + 2.0 * 4.0) / 2.0);
-        assert!(wire < logical);
-    }
-
-    #[test]
-    fn the_default_plan_is_deepeps_shapes() {
-        let p = plan(&args(&[]), None).unwrap();
-        let shapes: Vec<(Mode, usize, usize, usize, usize)> =
-            p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.shape.hidden, b.shape.topk, b.shape.experts)).collect();
-        assert_eq!(shapes, vec![(Mode::Ht, 4096, 7168, 8, 256), (Mode::Ll, 128, 7168, 8, 288)]);
-        assert_eq!(p.batches[0].dtypes, vec![Dtype::Bf16, Dtype::Fp8]);
-        assert_eq!(p.batches[1].dtypes, vec![Dtype::Fp8]);
-        assert!(p.batches.iter().all(|b| b.routing == RoutingKind::Uniform && b.sms == vec![None]));
-    }
-
-    #[test]
-    fn token_lists_sweep_each_mode() {
-        let p = plan(&args(&["--tokens", "512,1024", "--ll-tokens", "1,16,64", "--routing", "uniform,skewed"]), None).unwrap();
-        let ht: Vec<(usize, RoutingKind)> = p.batches.iter().filter(|b| b.mode == Mode::Ht).map(|b| (b.shape.tokens, b.routing)).collect();
-        assert_eq!(
-            ht,
-            [512, 512, 1024, 1024].into_iter().zip([RoutingKind::Uniform, RoutingKind::Skewed].into_iter().cycle()).collect::<Vec<_>>()
-        );
-        let ll: Vec<usize> = p.batches.iter().filter(|b| b.mode == Mode::Ll).map(|b| b.shape.tokens).collect();
-        assert_eq!(ll, vec![1, 1, 16, 16, 64, 64]);
-        // Without --ll-tokens, --tokens applies to LL too.
-        let p = plan(&args(&["--mode", "ll", "--tokens", "8,32"]), None).unwrap();
-        assert_eq!(p.batches.iter().map(|b| b.shape.tokens).collect::<Vec<_>>(), vec![8, 32]);
-    }
-
-    #[test]
-    fn buffers_fit_the_largest_shape_of_each_mode() {
-        let p = plan(&args(&["--tokens", "512,16384", "--ll-tokens", "1,256"]), None).unwrap();
-        let (nvl, rdma) = buffer_bytes(&p.batches, None);
-        for fp8 in [false, true] {
-            assert!(nvl >= Buffer::ht_bytes_needed(16384, 7168, 8, 4, fp8));
-        }
-        assert_eq!(rdma, Buffer::ll_bytes_needed(256, 7168, 4, 288));
-        // DeepEP's shapes: exactly what the CUDA backend asks for.
-        let (nvl, rdma) = buffer_bytes(&plan(&args(&[]), None).unwrap().batches, None);
-        assert_eq!(nvl, Buffer::ht_bytes_needed(4096, 7168, 8, 4, false).max(Buffer::ht_bytes_needed(4096, 7168, 8, 4, true)));
-        assert_eq!(rdma, Buffer::ll_bytes_needed(128, 7168, 4, 288));
-    }
-
-    #[test]
-    fn the_suite_measures_deepeps_shapes_first_then_the_sweeps() {
-        let p = plan(&args(&["--suite"]), None).unwrap();
-        let b: Vec<(Mode, usize, RoutingKind, Vec<Option<usize>>)> =
-            p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.routing, b.sms.clone())).collect();
-        let s24 = vec![Some(24)];
-        let u = RoutingKind::Uniform;
-        assert_eq!(b[0], (Mode::Ht, 4096, u, [24, 8, 16, 32, 48, 64].map(Some).to_vec()));
-        assert_eq!(b[1], (Mode::Ht, 4096, RoutingKind::Skewed, s24.clone()));
-        assert_eq!(b[2], (Mode::Ll, 128, u, vec![None]));
-        assert_eq!(b[3], (Mode::Ll, 128, RoutingKind::Skewed, vec![None]));
-        let ht_sweep: Vec<usize> = b[4..].iter().filter(|x| x.0 == Mode::Ht).map(|x| x.1).collect();
-        assert_eq!(ht_sweep, vec![512, 1024, 2048, 8192, 16384]);
-        let ll_sweep: Vec<usize> = b[4..].iter().filter(|x| x.0 == Mode::Ll).map(|x| x.1).collect();
-        assert_eq!(ll_sweep, vec![1, 16, 64, 256]);
-        assert!(p.batches.iter().all(|b| b.mode == Mode::Ll || b.dtypes == vec![Dtype::Bf16, Dtype::Fp8]));
-        assert!(p.batches.iter().all(|b| b.mode == Mode::Ht || b.dtypes == vec![Dtype::Fp8]));
-        assert!(Cli::try_parse_from(["bench", "--suite", "--tokens", "8"]).is_err());
     }
 }

@@ -1,6 +1,109 @@
-//! A run's plan from the options: backend, ranks, topology, batches of cases, and the buffer sizes they need.
+//! A run's plan from the options: what a case is (mode, collective, payload, routing, SMs), the backend, ranks,
+//! topology, batches of cases, and the buffer sizes they need.
 
 use super::*;
+
+/// `--suite`'s HT SM sweep.
+const SUITE_SM_SWEEP: [usize; 6] = [8, 16, 24, 32, 48, 64];
+
+/// Regime of a case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// High-throughput.
+    Ht,
+    /// Low-latency.
+    Ll,
+}
+
+impl Mode {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Mode::Ht => "ht",
+            Mode::Ll => "ll",
+        }
+    }
+}
+
+/// Collective of a case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Tokens to the experts' ranks.
+    Dispatch,
+    /// Expert outputs back, summed.
+    Combine,
+}
+
+impl Op {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Op::Dispatch => "dispatch",
+            Op::Combine => "combine",
+        }
+    }
+}
+
+/// Payload type of a case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// bf16.
+    Bf16,
+    /// FP8 E4M3 + fp32 scales.
+    Fp8,
+}
+
+impl Dtype {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp8 => "fp8",
+        }
+    }
+}
+
+/// One measurement to make.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    /// Regime.
+    pub mode: Mode,
+    /// Collective.
+    pub op: Op,
+    /// Payload type.
+    pub dtype: Dtype,
+    /// Routing of the inputs.
+    pub routing: RoutingKind,
+    /// HT: `Some(n)` from `--num-sms`, `None` for the backend's default. Always `None` for LL.
+    pub num_sms: Option<usize>,
+}
+
+/// One (mode, shape, routing) of a run: its cases share the inputs and each rank's buffer.
+#[derive(Clone, Debug)]
+pub(super) struct Batch {
+    pub(super) mode: Mode,
+    pub(super) shape: Shape,
+    pub(super) routing: RoutingKind,
+    /// Dispatch payloads to measure (combine is always measured, bf16).
+    pub(super) dtypes: Vec<Dtype>,
+    /// HT: the SM counts to measure (`None`: the backend's default); LL: `[None]`.
+    pub(super) sms: Vec<Option<usize>>,
+}
+
+/// The resolved plan of one bench run.
+pub(super) struct Plan {
+    pub(super) backend: BackendKind,
+    pub(super) fallback_reason: Option<String>,
+    pub(super) ranks: usize,
+    /// Up to how many ranks share a GPU, when they do (`--topology` on fewer GPUs than ranks).
+    pub(super) gpus_shared_by: Option<usize>,
+    /// GPUs the ranks run on.
+    pub(super) gpus: usize,
+    /// `--process`: every rank a process of a torchrun launch.
+    pub(super) process: bool,
+    /// `--topology` across nodes, with its RDMA settings; `None` on one node.
+    pub(super) internode: Option<(moelink::Topology, moelink::RdmaOptions)>,
+    pub(super) reps: usize,
+    pub(super) warmup: usize,
+    pub(super) batches: Vec<Batch>,
+}
 
 /// Communication buffer sizes of a run, `(num_nvl_bytes, num_rdma_bytes)`: what the largest batch of each
 /// mode needs on the CUDA backend ([`Buffer::ht_bytes_needed`] over the dispatch types measured, bf16
@@ -278,4 +381,113 @@ pub(super) fn cases(b: &Batch) -> Vec<Case> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn args(flags: &[&str]) -> BenchArgs {
+        let mut argv = vec!["bench", "--backend", "host"];
+        argv.extend_from_slice(flags);
+        Cli::try_parse_from(argv).expect("valid flags").args
+    }
+
+    #[test]
+    fn shapes_beyond_memory_are_refused_naming_the_flag() {
+        let s = Shape { ranks: 4, tokens: 256, hidden: 1024, topk: 8, experts: 64 };
+        assert!(check_fits_memory(Mode::Ht, &s, Some(1 << 30), false).is_ok());
+        let e = check_fits_memory(Mode::Ht, &Shape { tokens: 1 << 20, ..s }, Some(1 << 30), false).unwrap_err().0;
+        assert!(e.contains("--tokens 1048576") && e.contains(&format!("{} bytes", 4usize << 31)), "{e}");
+        let e = check_fits_memory(Mode::Ll, &Shape { tokens: usize::MAX / 2, ..s }, None, true).unwrap_err().0;
+        assert!(e.contains("--ll-tokens") && e.contains("no machine"), "{e}");
+    }
+
+    #[test]
+    fn across_nodes_the_plan_takes_the_topology_and_bad_flags_are_refused() {
+        let p = plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "emu-nic"]), None).unwrap();
+        let (t, rdma) = p.internode.expect("2x2 spans nodes");
+        assert_eq!((t.num_nodes, t.ranks_per_node, rdma.transport.name()), (2, 2, "emu-nic"));
+        assert!(plan(&args(&["--mode", "ll", "--ranks", "4", "--topology", "1x4"]), None).unwrap().internode.is_none());
+        // Both families run across nodes.
+        assert!(plan(&args(&["--mode", "ht", "--ranks", "4", "--topology", "2x2"]), None).unwrap().internode.is_some());
+        assert!(plan(&args(&["--ranks", "4", "--topology", "2x2"]), None).unwrap().internode.is_some());
+        for (flags, says) in [
+            (&["--mode", "ll", "--ranks", "4", "--topology", "2x3"][..], "--topology"),
+            (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "nvshmem"][..], "one process per rank"),
+            (&["--mode", "ll", "--ranks", "4", "--topology", "2x2", "--transport", "tcp"][..], "--transport"),
+            (&["--mode", "ll", "--no-nvlink-in-node"][..], "--topology"),
+            (&["--mode", "ll", "--routing", "node-limited"][..], "--topology across nodes"),
+        ] {
+            let e = plan(&args(flags), None).err().expect("refused").0;
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_default_plan_is_deepeps_shapes() {
+        let p = plan(&args(&[]), None).unwrap();
+        let shapes: Vec<(Mode, usize, usize, usize, usize)> =
+            p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.shape.hidden, b.shape.topk, b.shape.experts)).collect();
+        assert_eq!(shapes, vec![(Mode::Ht, 4096, 7168, 8, 256), (Mode::Ll, 128, 7168, 8, 288)]);
+        assert_eq!(p.batches[0].dtypes, vec![Dtype::Bf16, Dtype::Fp8]);
+        assert_eq!(p.batches[1].dtypes, vec![Dtype::Fp8]);
+        assert!(p.batches.iter().all(|b| b.routing == RoutingKind::Uniform && b.sms == vec![None]));
+    }
+
+    #[test]
+    fn token_lists_sweep_each_mode() {
+        let p = plan(&args(&["--tokens", "512,1024", "--ll-tokens", "1,16,64", "--routing", "uniform,skewed"]), None).unwrap();
+        let ht: Vec<(usize, RoutingKind)> = p.batches.iter().filter(|b| b.mode == Mode::Ht).map(|b| (b.shape.tokens, b.routing)).collect();
+        assert_eq!(
+            ht,
+            [512, 512, 1024, 1024].into_iter().zip([RoutingKind::Uniform, RoutingKind::Skewed].into_iter().cycle()).collect::<Vec<_>>()
+        );
+        let ll: Vec<usize> = p.batches.iter().filter(|b| b.mode == Mode::Ll).map(|b| b.shape.tokens).collect();
+        assert_eq!(ll, vec![1, 1, 16, 16, 64, 64]);
+        // Without --ll-tokens, --tokens applies to LL too.
+        let p = plan(&args(&["--mode", "ll", "--tokens", "8,32"]), None).unwrap();
+        assert_eq!(p.batches.iter().map(|b| b.shape.tokens).collect::<Vec<_>>(), vec![8, 32]);
+    }
+
+    #[test]
+    fn buffers_fit_the_largest_shape_of_each_mode() {
+        let p = plan(&args(&["--tokens", "512,16384", "--ll-tokens", "1,256"]), None).unwrap();
+        let (nvl, rdma) = buffer_bytes(&p.batches, None);
+        for fp8 in [false, true] {
+            assert!(nvl >= Buffer::ht_bytes_needed(16384, 7168, 8, 4, fp8));
+        }
+        assert_eq!(rdma, Buffer::ll_bytes_needed(256, 7168, 4, 288));
+        // DeepEP's shapes: exactly what the CUDA backend asks for.
+        let (nvl, rdma) = buffer_bytes(&plan(&args(&[]), None).unwrap().batches, None);
+        assert_eq!(nvl, Buffer::ht_bytes_needed(4096, 7168, 8, 4, false).max(Buffer::ht_bytes_needed(4096, 7168, 8, 4, true)));
+        assert_eq!(rdma, Buffer::ll_bytes_needed(128, 7168, 4, 288));
+    }
+
+    #[test]
+    fn the_suite_measures_deepeps_shapes_first_then_the_sweeps() {
+        let p = plan(&args(&["--suite"]), None).unwrap();
+        let b: Vec<(Mode, usize, RoutingKind, Vec<Option<usize>>)> =
+            p.batches.iter().map(|b| (b.mode, b.shape.tokens, b.routing, b.sms.clone())).collect();
+        let s24 = vec![Some(24)];
+        let u = RoutingKind::Uniform;
+        assert_eq!(b[0], (Mode::Ht, 4096, u, [24, 8, 16, 32, 48, 64].map(Some).to_vec()));
+        assert_eq!(b[1], (Mode::Ht, 4096, RoutingKind::Skewed, s24.clone()));
+        assert_eq!(b[2], (Mode::Ll, 128, u, vec![None]));
+        assert_eq!(b[3], (Mode::Ll, 128, RoutingKind::Skewed, vec![None]));
+        let ht_sweep: Vec<usize> = b[4..].iter().filter(|x| x.0 == Mode::Ht).map(|x| x.1).collect();
+        assert_eq!(ht_sweep, vec![512, 1024, 2048, 8192, 16384]);
+        let ll_sweep: Vec<usize> = b[4..].iter().filter(|x| x.0 == Mode::Ll).map(|x| x.1).collect();
+        assert_eq!(ll_sweep, vec![1, 16, 64, 256]);
+        assert!(p.batches.iter().all(|b| b.mode == Mode::Ll || b.dtypes == vec![Dtype::Bf16, Dtype::Fp8]));
+        assert!(p.batches.iter().all(|b| b.mode == Mode::Ht || b.dtypes == vec![Dtype::Fp8]));
+        assert!(Cli::try_parse_from(["bench", "--suite", "--tokens", "8"]).is_err());
+    }
 }

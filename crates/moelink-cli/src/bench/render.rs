@@ -1,4 +1,5 @@
-//! What a run prints: the header, the per-batch summary and the results table.
+//! What a run prints: the header, the per-batch summary, the results table, and the HT kernel-trace lines of
+//! `MOELINK_HT_TRACE=1`.
 
 use super::*;
 
@@ -351,4 +352,46 @@ pub(super) fn render(records: &[Record], backend: BackendKind) -> String {
         out += &format!("  {legend}\n");
     }
     out
+}
+
+/// One stderr line per high-throughput kernel trace of the last timed region (`MOELINK_HT_TRACE=1`): when
+/// the blocks started and ended and each role's warps started and finished their work, in µs after the
+/// kernel's first block (min / median / max); across nodes every point of the trace, the chunk durations
+/// (`*_us`) as min / median / max over chunks.
+pub(super) fn print_ht_traces(buf: &Buffer) {
+    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::internode::")) {
+        let points: Vec<String> = t
+            .points
+            .iter()
+            .map(|p| {
+                let sign = if p.name.ends_with("_us") { "" } else { "+" };
+                format!("{} {sign}{:.1}/{sign}{:.1}/{sign}{:.1} ({})", p.name, p.min_us, p.median_us, p.max_us, p.blocks)
+            })
+            .collect();
+        eprintln!("moelink trace: rank {} {} ({}): span {:.1} us; {}", buf.rank(), t.op, t.kernel, t.span_us, points.join(", "));
+    }
+    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::intranode::")) {
+        let at = |name: &str| t.point(name).map_or("-".to_string(), |p| format!("+{:.1}/+{:.1}/+{:.1}", p.min_us, p.median_us, p.max_us));
+        eprintln!(
+            "moelink trace: rank {} {} ({}): span {:.1} us; block start {}, senders start {} end {}, receivers start {} end {}, \
+             block end {} (us, min/median/max)",
+            buf.rank(),
+            t.op,
+            t.kernel,
+            t.span_us,
+            at("start"),
+            at("send_start"),
+            at("send_end"),
+            at("recv_start"),
+            at("recv_end"),
+            at("end")
+        );
+    }
+}
+
+/// The most telling error among ranks: a rank's own failure rather than the timeouts it caused elsewhere.
+fn first_cause(errors: &[&moelink::Error]) -> Option<String> {
+    use moelink::Error;
+    let secondary = |e: &Error| matches!(e, Error::Timeout { .. } | Error::Group { .. } | Error::Poisoned { .. });
+    errors.iter().find(|e| !secondary(e)).or_else(|| errors.first()).map(|e| e.to_string())
 }

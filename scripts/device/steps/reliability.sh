@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs THERE, on the GPU machine (device tool: kind nvidia-h200-x4, carry [".device"], command
-# `bash scripts/device/reliability.sh`), after scripts/device/build.sh ran here. No cargo, no network.
+# Step `reliability` of scripts/device/run.sh (RELIABILITY_STEPS picks the sub-steps below; kind
+# nvidia-h200-x4, carry [".device"]); also run by steps/internode.sh's htchaos.
 #
-# Steps (each under `timeout`; the whole run under BUDGET_S, default 360 s; a step that no longer fits is
+# Steps (each under `timeout`; the whole step under BUDGET_S, which run.sh sets; a step that no longer fits is
 # skipped, and the soak gets what is left):
 #   chaos   `moelink-stress chaos` in process mode, one process per GPU launched directly (torchrun would kill
 #           every worker once one dies): rank VICTIM (default 3) SIGKILLs itself in the middle of an HT
@@ -16,23 +16,31 @@
 #           of each family checked bit for bit against the host backend, memory sampled, stopping at the
 #           time left (at most SOAK_S seconds) with honest counts.
 #
-# Knobs: STEPS="chaos poison soak", RANKS (chaos processes, default one per GPU; more share the GPUs under
-# MPS), BUDGET_S, SOAK_S (default 200), SOAK_ROUNDS, SOAK_ARGS, VICTIM,
+# Knobs: STEPS (run.sh's RELIABILITY_STEPS) among "chaos poison soak", RANKS (chaos processes, default one
+# per GPU; more share the GPUs under MPS), BUDGET_S, SOAK_S (default 200), SOAK_ROUNDS, SOAK_ARGS, VICTIM,
 # CHAOS_TIMEOUT_MS (the buffers' deadline, default 3000), CHAOS_RUNS (default
 # "ht-dispatch ht-combine ll-dispatch ll-combine ll-dispatch:shrink ll-combine:shrink"), CHAOS_ARGS (extra
-# options; `--backend host` checks this script's plumbing on a machine without GPU: NGPU=4 STEPS=chaos),
+# options; `--backend host` checks this script's plumbing on a machine without GPU: NGPU=4),
 # CHAOS_PORT_BASE (run i rendezvous at CHAOS_PORT_BASE + 20 i, default 29400), CHAOS_T_S (each chaos process's
 # time limit, default 45).
 # Across virtual nodes: RANKS=4 CHAOS_ARGS="--topology 2x2 --transport emu-nic|ptr|nvshmem", every phase (the
 # HT ones check what hti_*.cu's timeouts can name: crates/moelink-stress/src/chaos.rs, module docs);
-# scripts/device/internode.sh step htchaos runs the HT ones on emu-nic and nvshmem.
+# the internode step's htchaos runs the HT ones on emu-nic and nvshmem.
 #
-# Comes back in $OUT (at most 8 files): env.txt, reliability.json, reliability-summary.md,
-# reliability-log.txt (every chaos process's output), poison-log.txt, soak.json, soak-log.txt.
-# The summary is printed last.
+# Writes into $OUT (run.sh's $W/reliability, packed into its results.tgz): env.txt, reliability.json,
+# reliability-summary.md, reliability-log.txt (every chaos process's output), poison-log.txt, soak.json,
+# soak-log.txt. The summary is printed last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-ROOT=$(pwd)
+[ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=reliability bash scripts/device/run.sh" >&2; exit 2; }
+cd "$ROOT" || exit 1
+STEPS=${STEPS:-"chaos poison soak"}
+for s in $STEPS; do
+    case $s in
+    chaos | poison | soak) ;;
+    *) echo "reliability: unknown step '$s' (known: chaos poison soak)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "${DRY_RUN:-}" ]; then echo "reliability: would run $STEPS"; exit 0; fi
 START=$(date +%s)
 
 OUT=${OUT:-/tmp/moelink-out}
@@ -60,7 +68,6 @@ NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 # started here as an ordinary daemon (pipe and log under /tmp, compute mode untouched) and quit after.
 RANKS=${RANKS:-$NGPU}
 
-STEPS=${STEPS:-"chaos poison soak"}
 BUDGET_S=${BUDGET_S:-360}
 SOAK_S=${SOAK_S:-200}
 SOAK_ROUNDS=${SOAK_ROUNDS:-10000}
@@ -216,7 +223,7 @@ try:
     soak = json.load(open(os.path.join(out, "soak.json")))
 except Exception:
     pass
-doc = {"tool": "scripts/device/reliability.sh", "commit": os.environ.get("MOELINK_COMMIT"), "steps": steps, "chaos": runs,
+doc = {"tool": "scripts/device/steps/reliability.sh", "commit": os.environ.get("MOELINK_COMMIT"), "steps": steps, "chaos": runs,
        "soak_verdict": soak and soak.get("verdict")}
 json.dump(doc, open(os.path.join(out, "reliability.json"), "w"), indent=1)
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (carry [".device"] built by scripts/build-wheel.sh): installs the wheel and runs
+# Step `python` of scripts/device/run.sh (PY_STEPS picks the sub-steps; carry [".device"], whose wheel
+# scripts/device/build.sh builds with scripts/build-wheel.sh): installs the wheel and runs
 #   1. the CI tests (python/tests: native module, API surface) on this machine's Python,
 #   2. the torchrun suite python/tests/gpu on 2 and on 4 GPUs (CUDA backend, NCCL group),
 #   3. the same suite on the host backend (CPU tensors, gloo) as a check of the Python layer alone, on one node
 #      and, for the high-throughput tests, on 2x2 virtual nodes (DeepEP's internode API),
 #   4. examples/moe_layer.py on 4 GPUs,
 #   5. python -m moelink.bench on 4 GPUs (moelink vs NCCL, DeepEP if importable),
-# writing logs and JSON to $OUT (8 files; $PY_OUT instead when set) and printing a summary last.
+# writing logs and JSON to $OUT (run.sh's $W/python, packed into its results.tgz) and printing a summary last.
 #
 # Step `hostcost` (issue 26; carry [".device", ".whl"]: the wheel from scripts/build-wheel.sh, DeepEP's wheel and
 # DeepEP's tests in .whl/, see below), about 4 minutes on 2 GPUs:
-#   PY_STEPS=hostcost PY_OUT=$OUT/py bash scripts/device/python.sh
+#   STEPS=python PY_STEPS=hostcost bash scripts/device/run.sh
 #   1. python -m moelink.bench --host-cost --graph --reuse-ab at 2 ranks: moelink (with and without output
 #      reuse) beside DeepEP (its wheel installed from .whl/), hostcost.log and hostcost.json;
 #   2. the Python GPU suite at 2 ranks (gpu-tests-2.log);
@@ -19,16 +20,28 @@
 #      as deep_ep (a shim package on PYTHONPATH), then against DeepEP itself for the baseline
 #      (deepep-tests.log, deepep-baseline.log).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+[ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=python bash scripts/device/run.sh" >&2; exit 2; }
+cd "$ROOT" || exit 1
 
-OUT=${PY_OUT:-${OUT:-/tmp/moelink-out}}
+# PY_STEPS picks steps (default: all but gpu1, shared, nodes and hostcost).
+PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
+for s in $PY_STEPS; do
+    case $s in
+    ci | gpu1 | gpu2 | gpu4 | host | shared | nodes | example | bench | hostcost) ;;
+    *) echo "python: unknown step '$s' (known: ci gpu1 gpu2 gpu4 host shared nodes example bench hostcost)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "${DRY_RUN:-}" ]; then echo "python: would run $PY_STEPS"; exit 0; fi
+
+OUT=${OUT:-/tmp/moelink-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MOELINK_TIMEOUT_MS=${MOELINK_TIMEOUT_MS:-5000}
 # A suite test running longer than this is taken for a hang: stacks printed, the suite stopped (conftest.py).
 export MOELINK_TEST_DEADLINE_S=${MOELINK_TEST_DEADLINE_S:-45}
-export MOELINK_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
+MOELINK_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
+export MOELINK_COMMIT
 export OMP_NUM_THREADS=4
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 # An instance given some of the GPUs (CUDA_VISIBLE_DEVICES) counts only those.
@@ -61,8 +74,6 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
 export PYTHONPATH=/tmp/site
 python3 -c "import moelink, torch; print('moelink', moelink.__version__, 'torch', torch.__version__); print(moelink._native.cuda_info()); print('is_sm90_compiled', moelink.Buffer.is_sm90_compiled())" >> "$OUT/setup.log" 2>&1
 
-# PY_STEPS picks steps (default: all but gpu1, shared and nodes): ci gpu1 gpu2 gpu4 host shared nodes example bench.
-PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
 want() { case " $PY_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 want ci && (cd python/tests && step "ci tests (python/tests)" "$OUT/setup.log" 120 python3 -m pytest -q -p no:cacheprovider .)
 tr=(torchrun --standalone --local-ranks-filter 0)

@@ -1,7 +1,11 @@
-"""Prints the LL kernel-trace summaries of `moelink bench --json` files (run with MOELINK_LL_TRACE=1), one
-line per record and launch kind: the kernel span next to the event time, then each trace point as
-median/last over blocks (/b0: block 0, the dispatch send's check block), µs after the kernel's first block
-started; and the back-to-back (DeepEP's method) kernel times."""
+"""Prints the LL kernel-trace summaries of `moelink bench --json` files (run with --ll-trace or
+MOELINK_LL_TRACE=1), one line per record and launch kind: the kernel span next to the event time, then each
+trace point as median/last over blocks (/b0: block 0, the dispatch send's check block), µs after the kernel's
+first block started; and the back-to-back (DeepEP's method) kernel times.
+
+Runs anywhere, on the JSON a device run returned:
+    python3 scripts/ll-trace-points.py bench/results/<run>/bench.json
+"""
 import json
 import sys
 

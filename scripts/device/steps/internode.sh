@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs THERE, on any GPU machine (one GPU is enough; carry [".device"] from scripts/device/build.sh): the
-# internode work on virtual nodes, with ranks sharing the GPU(s). Correctness and the transport seam only:
+# Step `internode` of scripts/device/run.sh (INTERNODE_STEPS picks the sub-steps below; any GPU machine, one
+# GPU is enough): the internode work on virtual nodes, with ranks sharing the GPU(s). Correctness and the transport seam only:
 # there is no RDMA NIC, and ranks on one GPU exchange through its own memory, so nothing here is a network
 # or NVLink figure.
 #   seam      thread mode: the internode GPU tests (transport conformance on ptr / emu-nic, buffers over
@@ -15,7 +15,7 @@
 #             processes as 2x2
 #   mpsthread thread mode under MPS: the HT test that timed out there (cuda::timed_regions_keep_results_and_measure)
 #             at 4 ranks: refused with CUDA's default hardware work queues (the error says why), run with
-#             CUDA_DEVICE_MAX_CONNECTIONS=32 (what steps.sh gives every other step)
+#             CUDA_DEVICE_MAX_CONNECTIONS=32 (what run.sh gives every other step)
 #   ll        thread mode: low-latency dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
 #             emu-nic against the host backend (tests/ll_internode_gpu.rs)
 #   bench     thread mode: moelink bench --mode ll --hook (DeepEP's LL shape) at 4 ranks as 1x4 (the intranode
@@ -26,7 +26,7 @@
 #   ht        thread mode: high-throughput dispatch and combine across 2x2, 2x4 and 4x2 virtual nodes on ptr and
 #             emu-nic against the host backend on one node, several rounds per call, and a silent rank named
 #             (tests/ht_internode.rs, its cuda:: tests)
-#   htchaos   process mode: 4 processes under MPS as 2x2 virtual nodes (scripts/device/reliability.sh with
+#   htchaos   process mode: 4 processes under MPS as 2x2 virtual nodes (steps/reliability.sh with
 #             RANKS=4), rank 3 SIGKILLed inside an HT dispatch and an HT combine, once per transport of
 #             HT_CHAOS_TRANSPORTS (default "emu-nic nvshmem"), HT_CHAOS_RUNS (default "ht-dispatch ht-combine"; add
 #             ll-dispatch ll-combine for the low-latency kills across nodes); each transport's files under htchaos-<transport>/ in
@@ -37,13 +37,50 @@
 #             rounds done are in the summary), HT_SOAK_ARGS (default "--hidden 2048,7168": fewer kernel variants
 #             to compile, more rounds)
 # The HT steps in one call (about 9 minutes; the soak takes what the others leave of BUDGET_S):
-#   STEPS="ht htchaos htsoak" bash scripts/device/internode.sh
+#   STEPS=internode INTERNODE_STEPS="ht htchaos htsoak" T_INTERNODE=560 bash scripts/device/run.sh
 # NVSHMEM is torch's (nvidia-nvshmem-cu13 3.4.5) unless NVSHMEM_HOME says otherwise; single-host settings:
 # NVSHMEM_REMOTE_TRANSPORT=none, the unique-id bootstrap on lo.
+#
+# run.sh gives it OUT, W (its work folder), STEPS (from INTERNODE_STEPS) and BUDGET_S. Every sub-step's log
+# and JSON lands in $W, packed into $OUT/results.tgz after each sub-step (a call cut short still returns the
+# logs), with one line per run in $OUT/summary.txt, printed last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-. scripts/device/steps.sh
+[ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=internode bash scripts/device/run.sh" >&2; exit 2; }
+cd "$ROOT" || exit 1
 STEPS=${STEPS:-"seam nomps mps mpsthread ll bench soak"}
+for s in $STEPS; do
+    case $s in
+    seam | nomps | mps | mpsthread | ll | bench | soak | ht | htchaos | htsoak) ;;
+    *) echo "internode: unknown step '$s' (known: seam nomps mps mpsthread ll bench soak ht htchaos htsoak)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "${DRY_RUN:-}" ]; then echo "internode: would run $STEPS"; exit 0; fi
+mkdir -p "$OUT"
+rm -rf "$W" && mkdir -p "$W/bin"
+# run.sh's environment (NVLS off, CUDA_DEVICE_MAX_CONNECTIONS, LD_LIBRARY_PATH, MOELINK_COMMIT, the JIT cache)
+# holds here; the binaries are copied into this step's work folder.
+BIN=$W/bin/moelink
+cp .device/moelink "$BIN" && chmod +x "$BIN"
+STRESS=$W/bin/moelink-stress
+cp .device/moelink-stress "$STRESS" && chmod +x "$STRESS"
+summary=$OUT/summary.txt
+{ echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ)"; nvidia-smi -L; } > "$summary"
+BUDGET_S=${BUDGET_S:-570}
+note() { echo "$*" | tee -a "$summary"; }
+# run NAME LIMIT CMD...: output to $W/NAME.log, status and time to the summary. BUDGET_S bounds the whole
+# step: a run's limit shrinks to what is left, and a run that no longer fits is skipped.
+run() {
+    local name=$1 limit=$2 start=$SECONDS left=$((BUDGET_S - SECONDS - 15))
+    shift 2
+    if [ "$left" -lt 20 ]; then
+        note "$(printf '%-16s skipped (BUDGET_S=%s used up)' "$name" "$BUDGET_S")"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    timeout --kill-after=10 "$limit" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    note "$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E '^test result|^soak: |^wrote|passed|PASS|FAIL' "$W/$name.log" | tail -n 1)")"
+}
 export MOELINK_TEST_TIMEOUT_MS=${MOELINK_TEST_TIMEOUT_MS:-5000}
 nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
 export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -103,7 +140,7 @@ for s in $STEPS; do
         mps_start
         cp .device/tests/moelink.test.ht $W/bin/ht && chmod +x $W/bin/ht
         for conn in default 32; do
-            connections=(-u CUDA_DEVICE_MAX_CONNECTIONS); [ $conn != default ] && connections=(CUDA_DEVICE_MAX_CONNECTIONS=$conn)
+            connections=(-u CUDA_DEVICE_MAX_CONNECTIONS); [ $conn != default ] && connections=("CUDA_DEVICE_MAX_CONNECTIONS=$conn")
             run "mps-thread-conn-$conn" 60 env -C crates/moelink "${connections[@]}" MOELINK_TEST_RANKS=4 \
                 $W/bin/ht --include-ignored --test-threads=1 --exact cuda::timed_regions_keep_results_and_measure
         done
@@ -133,7 +170,7 @@ for s in $STEPS; do
             [ "$limit" -gt "$left" ] && limit=$left
             run "htchaos-$tr" "$limit" env OUT="$W/htchaos-$tr" BUDGET_S=$((limit - 10)) RANKS=4 VICTIM=3 STEPS=chaos CHAOS_T_S=60 \
                 CHAOS_RUNS="${HT_CHAOS_RUNS:-ht-dispatch ht-combine}" CHAOS_PORT_BASE=$port CHAOS_ARGS="--topology 2x2 --transport $tr" \
-                bash scripts/device/reliability.sh
+                bash scripts/device/steps/reliability.sh
             note "$(python3 - "$W/htchaos-$tr/reliability.json" "$tr" <<'PY' 2>&1
 import json, sys
 try:
