@@ -12,7 +12,8 @@
 //! high-throughput calls low-latency calls are refused until `clean_low_latency_buffer` (the two share the
 //! RDMA region, as in DeepEP); a silent rank on another node ends every other rank's call with a timeout
 //! naming a peer (on CUDA, and its domain); layout tensors that disagree are refused naming the argument and
-//! the rank. The NVSHMEM transport needs one process per rank and runs from `scripts/device/internode.sh`.
+//! the rank. The NVSHMEM transport needs one process per rank and runs from the `internode` step of
+//! `scripts/device/run.sh`.
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 

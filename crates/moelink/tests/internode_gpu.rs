@@ -2,7 +2,7 @@
 //! GPUs round-robin, so one GPU is enough), the RDMA transport seam's conformance on `ptr` and `emu-nic`, and
 //! buffers that span virtual nodes. Ignored unless included (`--include-ignored`, on a machine with a CUDA
 //! driver and GPU); the `nvshmem` backend needs one process per rank and runs from
-//! `scripts/device/internode.sh` (`moelink selftest --process --transport nvshmem` under CUDA MPS).
+//! `scripts/device/run.sh` step `internode` (`moelink selftest --process --transport nvshmem` under CUDA MPS).
 //!
 //! ```text
 //! cargo test --release -p moelink --test internode_gpu -- --include-ignored --test-threads 1 --nocapture

@@ -6,7 +6,7 @@
 //! node-limited routing (DeepSeek-V3's gating: each token's experts on at most half the nodes), ranks with
 //! zero tokens, every dispatch format, hooks, CUDA graphs, a silent peer on another node.
 //! Ignored unless included (`--include-ignored`, on a machine with a GPU); the NVSHMEM transport needs one
-//! process per rank and runs from `scripts/device/internode.sh`.
+//! process per rank and runs from the `internode` step of `scripts/device/run.sh`.
 //!
 //! Rank closures only make calls and return what they saw; assertions run on the test thread.
 
