@@ -82,7 +82,7 @@ struct HtDispatchArgs {
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
 
-// The per-expert checks' tallies (check_token_ranks, store_meta, check_expert_tokens): a sender block counts
+// The per-expert checks' tallies (check_token_ranks, store_meta, check_expert_counts): a sender block counts
 // the tokens of every expert (HT_CTRL_EXPERT_TOKENS), a receiver block the rows of each local expert
 // (HT_CTRL_RECV_EXPERT_TOKENS). When they fit, a block counts in shared memory (a shared atomic per top-k
 // entry) and adds its non-zero tallies to the control region once at its end (flush_tallies); a global
@@ -332,38 +332,20 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// The last block, after every sender and receiver block has counted (check_token_ranks, store_meta,
-// flush_tallies; their fences and the blocks' done counter order the counts before this), each count zeroed
-// for the next call:
-//   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
-//     e << 32 | count): this rank's list is wrong;
-//   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
-//     host returns as num_recv_tokens_per_expert (LAYOUT_ARG_RECV_EXPERT_TOKENS, e << 32 | rows): some
-//     rank's list is wrong, and this rank would otherwise return it.
-// A grouped GEMM sized by those lists would read rows that do not exist, or miss some.
+// The last block: the senders' and receivers' counts checked (check_expert_counts; counted by
+// check_token_ranks, store_meta and flush_tallies).
 __device__ __forceinline__ void check_expert_tokens(const HtDispatchArgs& a, const Deadline& d) {
   if (TOPK == 0 || !EXPERT_CHECK) return;
-  if (a.num_tokens_per_expert != 0) {
-    u32* expert_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_EXPERT_TOKENS);
-    const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
-    const u32 num_experts = a.num_ranks * a.num_local_experts;
-    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
-      expert_tokens[e] = 0u;
-      if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
-    }
-  }
-  if (a.host_notify != 0) {
-    u32* recv_tokens = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPERT_TOKENS);
-    const u32* expected = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPECTED);  // copy_expected's
-    const bool ours = expected[0] == a.host_seq;  // else a later notify has rewritten the host words
-    for (u32 e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
-      const u32 counted = ptx::ld_relaxed_gpu(recv_tokens + e);
-      recv_tokens[e] = 0u;
-      if (ours && expected[1 + e] != counted)
-        report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
-    }
-  }
+  const u64 ctrl = a.ctrl[a.rank];
+  ExpertCounts c{ht_ctrl_word(ctrl, HT_CTRL_EXPERT_TOKENS),
+                 reinterpret_cast<const i32*>(a.num_tokens_per_expert),
+                 ht_ctrl_word(ctrl, HT_CTRL_RECV_EXPERT_TOKENS),
+                 a.host_notify != 0 ? ht_ctrl_word(ctrl, HT_CTRL_RECV_EXPECTED) : nullptr,
+                 a.num_ranks * a.num_local_experts,
+                 a.num_local_experts,
+                 a.host_seq,
+                 a.rank};
+  check_expert_counts(c, d);
 }
 
 // One row's payload from src to out by the warp (load_payload, store_payload_round).
@@ -404,16 +386,6 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
   }
 }
 
-// Receiver warp 0, first: notify's host-mapped READY word and per-expert sums into HT_CTRL_RECV_EXPECTED, so
-// that check_expert_tokens at the end of the kernel reads device memory, not the host's over PCIe (the copy
-// overlaps the wait for the first rows; the warp's block arrives at the done counter after it).
-__device__ __forceinline__ void copy_expected(const HtDispatchArgs& a, u32 lane) {
-  const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
-  u32* expected = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_RECV_EXPECTED);
-  if (lane == 0) expected[0] = host[HT_HN_READY];
-  for (u32 e = lane; e < a.num_local_experts; e += WARP_SIZE) expected[1 + e] = host[HT_HN_PER_EXPERT + e];
-}
-
 // Copies slab row [s][j] of this rank to receive position `pos` (payload, meta words).
 __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32 j, u32 pos, u32 lane) {
   if (pos >= a.num_out_rows) return;  // no-sync overflow: reported once, rows dropped
@@ -434,7 +406,9 @@ __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32
 //   is reported once (ERR_RECV_OVERFLOW, details N and num_out_rows); this rank's own rows (copy_own_rows).
 __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
-  if (EXPERT_CHECK && a.host_notify != 0 && warp_id == 0) copy_expected(a, lane);
+  if (EXPERT_CHECK && a.host_notify != 0 && warp_id == 0)
+    copy_notify_expected(ht_ctrl_word(a.ctrl[me], HT_CTRL_RECV_EXPECTED), reinterpret_cast<const volatile u32*>(a.host_notify), HT_HN_READY,
+                         HT_HN_PER_EXPERT, a.num_local_experts, lane);
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   const u32 num_recv = (u32)routing[HT_RT_NUM_RECV];
   if (TOPK > 0 && a.num_out_rows > num_recv) {

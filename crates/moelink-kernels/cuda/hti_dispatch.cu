@@ -30,7 +30,7 @@ __device__ __forceinline__ void copy_to_messages(u32 nodes, u64 node_msg, const 
 // ============================================================================================== dispatch
 namespace hti_dispatch {
 
-// The per-expert checks' tallies (check_token_ranks, copy_out, check_expert_tokens): a sender block counts the
+// The per-expert checks' tallies (check_token_ranks, copy_out, check_expert_counts): a sender block counts the
 // tokens of every expert (expert_tokens[0, E)), a receiver block the rows of each local expert (expert_tokens[E,
 // E + E_local)). When they fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its
 // non-zero tallies once at its end (flush_tallies), not a global atomic per entry on the counters' few L2 lines.
@@ -123,48 +123,27 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
   if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
 }
 
-// The last block, after every sender and receiver block has counted (check_token_ranks, copy_out,
-// flush_tallies; their fences and the blocks' done counter order the counts before this), each count zeroed
-// for the next call:
-//   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
-//     e << 32 | count): this rank's list is wrong;
-//   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
-//     host returns as num_recv_tokens_per_expert (LAYOUT_ARG_RECV_EXPERT_TOKENS, e << 32 | rows): some
-//     rank's list is wrong, and this rank would otherwise return it.
-// A grouped GEMM sized by those lists would read rows that do not exist, or miss some.
+// The last block: the senders' and receivers' counts checked (check_expert_counts; counted by
+// check_token_ranks, copy_out and flush_tallies). expert_tokens: [senders' E | receivers' E_local | expected].
 __device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, const Deadline& d) {
   if (TOPK == 0) return;
   u32* expert_tokens = reinterpret_cast<u32*>(a.expert_tokens);
   const u32 num_experts = NUM_RANKS * a.num_local_experts;
-  if (a.num_tokens_per_expert != 0) {
-    const i32* claimed = reinterpret_cast<const i32*>(a.num_tokens_per_expert);
-    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      const u32 counted = ptx::ld_relaxed_gpu(expert_tokens + e);
-      expert_tokens[e] = 0u;
-      if ((i64)claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
-    }
-  }
-  if (a.host_notify != 0) {
-    u32* recv_tokens = expert_tokens + num_experts;
-    const u32* expected = recv_tokens + a.num_local_experts;  // copy_expected's
-    const bool ours = expected[0] == a.host_seq;  // else a later notify has rewritten the host words
-    for (u32 e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
-      const u32 counted = ptx::ld_relaxed_gpu(recv_tokens + e);
-      recv_tokens[e] = 0u;
-      if (ours && expected[1 + e] != counted)
-        report_error(d, ERR_INVALID_LAYOUT, a.rdma.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
-    }
-  }
+  ExpertCounts c{expert_tokens,
+                 reinterpret_cast<const i32*>(a.num_tokens_per_expert),
+                 expert_tokens + num_experts,
+                 a.host_notify != 0 ? expert_tokens + num_experts + a.num_local_experts : nullptr,
+                 num_experts,
+                 a.num_local_experts,
+                 a.host_seq,
+                 a.rdma.rank};
+  check_expert_counts(c, d);
 }
 
-// Receiver warp 0, first: notify's host-mapped READY word and per-expert sums into expert_tokens after the
-// receivers' counts, so that check_expert_tokens at the end of the kernel reads device memory, not the host's
-// over PCIe (the copy overlaps the wait for the first rows; the warp's block arrives at the done counter after it).
+// Receiver warp 0, first: copy_notify_expected into expert_tokens after the receivers' counts.
 __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane) {
-  const volatile u32* host = reinterpret_cast<const volatile u32*>(a.host_notify);
   u32* expected = reinterpret_cast<u32*>(a.expert_tokens) + (NUM_RANKS + 1) * a.num_local_experts;
-  if (lane == 0) expected[0] = host[HN_READY];
-  for (u32 e = lane; e < a.num_local_experts; e += WARP_SIZE) expected[1 + e] = host[HN_PER_EXPERT + e];
+  copy_notify_expected(expected, reinterpret_cast<const volatile u32*>(a.host_notify), HN_READY, HN_PER_EXPERT, a.num_local_experts, lane);
 }
 
 // Sender warp: chunks of Q tokens taken in order from the call's counter (a chunk never straddles a round:

@@ -531,6 +531,54 @@ __device__ __forceinline__ void add_tallies(u32* counters, const u32* tally, u32
   if (added) ptx::fence_acq_rel_gpu();
 }
 
+// Where a dispatch kernel's per-expert counts are and what they are checked against (check_expert_counts).
+struct ExpertCounts {
+  u32* sent;             // [num_experts]: each expert's tokens, counted by the sender blocks
+  const i32* claimed;    // num_tokens_per_expert, or null: the senders' counts are not checked
+  u32* received;         // [num_local_experts]: each local expert's rows, counted by the receiver blocks
+  const u32* expected;   // [1 + num_local_experts]: copy_notify_expected's copy, or null: not checked
+  u32 num_experts, num_local_experts;
+  u32 host_seq;          // the notify call the expected counts must come from
+  u32 rank;
+};
+
+// The last block of a dispatch, after every sender and receiver block has counted (their fences and the
+// blocks' done counter order the counts before this), each count zeroed for the next call:
+//   - expert e's tokens against num_tokens_per_expert[e] (ERR_INVALID_LAYOUT, LAYOUT_ARG_EXPERT_TOKENS,
+//     e << 32 | count): this rank's list is wrong;
+//   - the rows that arrived for local expert e against what notify summed from the sources' lists, which the
+//     host returns as num_recv_tokens_per_expert (LAYOUT_ARG_RECV_EXPERT_TOKENS, e << 32 | rows): some
+//     rank's list is wrong, and this rank would otherwise return it.
+// A grouped GEMM sized by those lists would read rows that do not exist, or miss some.
+__device__ __forceinline__ void check_expert_counts(const ExpertCounts& c, const Deadline& d) {
+  if (c.claimed != nullptr) {
+    for (u32 e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
+      const u32 counted = ptx::ld_relaxed_gpu(c.sent + e);
+      c.sent[e] = 0u;
+      if ((i64)c.claimed[e] != (i64)counted) report_error(d, ERR_INVALID_LAYOUT, c.rank, LAYOUT_ARG_EXPERT_TOKENS, ((u64)e << 32) | counted);
+    }
+  }
+  if (c.expected != nullptr) {
+    const bool ours = c.expected[0] == c.host_seq;  // else a later notify has rewritten the host words
+    for (u32 e = threadIdx.x; e < c.num_local_experts; e += blockDim.x) {
+      const u32 counted = ptx::ld_relaxed_gpu(c.received + e);
+      c.received[e] = 0u;
+      if (ours && c.expected[1 + e] != counted)
+        report_error(d, ERR_INVALID_LAYOUT, c.rank, LAYOUT_ARG_RECV_EXPERT_TOKENS, ((u64)e << 32) | counted);
+    }
+  }
+}
+
+// Receiver warp 0 of a dispatch, first: notify's host-mapped READY word (`host[ready]`) and per-expert sums
+// (`host[per_expert + e]`) into `expected`, so that check_expert_counts at the end of the kernel reads device
+// memory, not the host's over PCIe (the copy overlaps the wait for the first rows; the warp's block arrives
+// at the done counter after it).
+__device__ __forceinline__ void copy_notify_expected(u32* expected, const volatile u32* host, u32 ready, u32 per_expert,
+                                                     u32 num_local_experts, u32 lane) {
+  if (lane == 0) expected[0] = host[ready];
+  for (u32 e = lane; e < num_local_experts; e += WARP_SIZE) expected[1 + e] = host[per_expert + e];
+}
+
 // The notify kernels' per-expert layout check (LAYOUT_ARG_PER_EXPERT), warp-collective: whether the `el`
 // counts `per_expert` (num_tokens_per_expert for one destination rank's experts) disagree with the `sent`
 // tokens is_token_in_rank sends that rank. Each token sent there selects at least one of its experts, so they
