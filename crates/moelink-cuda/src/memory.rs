@@ -194,6 +194,22 @@ impl DeviceBuffer {
         drv::memcpy_dtoh_async(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len(), stream.raw())
     }
 
+    /// Host → device copy of `src` into the buffer at `offset`, ordered after `stream`'s earlier work and
+    /// complete on return (the stream is synchronised).
+    pub fn copy_from_host_on(&mut self, offset: usize, src: &[u8], stream: &Stream) -> Result<()> {
+        // SAFETY: `src` is borrowed until the stream, synchronised below, has executed the copy.
+        unsafe { self.copy_from_host_async(offset, src, stream)? };
+        stream.synchronize()
+    }
+
+    /// Device → host copy from `offset` into `dst`, ordered after `stream`'s earlier work and complete on
+    /// return (the stream is synchronised).
+    pub fn copy_to_host_on(&self, offset: usize, dst: &mut [u8], stream: &Stream) -> Result<()> {
+        // SAFETY: `dst` is borrowed until the stream, synchronised below, has executed the copy.
+        unsafe { self.copy_to_host_async(offset, dst, stream)? };
+        stream.synchronize()
+    }
+
     /// Sets every byte to `value` (completed before returning).
     pub fn memset_u8(&mut self, value: u8) -> Result<()> {
         let stream = self.device().side_stream()?;

@@ -48,3 +48,39 @@ fn the_cuda_fabric_is_chosen_once() {
         }
     }
 }
+
+/// The places of this crate where `unsafe` still stands, and how many (blocks, `unsafe fn`s and impls).
+/// The rule is none: the CUDA layer (`moelink-cuda`) holds it (docs/architecture.md). A file may lose one,
+/// never gain one, and no other file may have any.
+const UNSAFE_LEFT: &[(&str, usize)] = &[
+    ("tensor.rs", 4),
+    ("stream.rs", 1),
+    ("diag.rs", 2),
+    ("rdma_probe.rs", 1),
+    ("backend/cuda/gpu.rs", 4),
+    ("backend/cuda/intranode/ht.rs", 2),
+    ("backend/cuda/intranode/ll.rs", 2),
+    ("backend/cuda/internode/ht.rs", 2),
+    ("backend/cuda/internode/ll.rs", 3),
+    ("backend/cuda/internode/mod.rs", 1),
+];
+
+fn unsafe_uses(text: &str) -> usize {
+    text.lines()
+        .map(|l| l.trim_start())
+        .filter(|l| !l.starts_with("//"))
+        .map(|l| l.matches("unsafe {").count() + l.matches("unsafe fn").count() + l.matches("unsafe impl").count())
+        .sum()
+}
+
+#[test]
+fn unsafe_never_spreads() {
+    let mut files = sources_under(".");
+    files.iter_mut().for_each(|(f, _)| *f = f.trim_start_matches("./").to_string());
+    for (file, text) in &files {
+        let found = unsafe_uses(text);
+        let allowed = UNSAFE_LEFT.iter().find(|(f, _)| f == file).map_or(0, |(_, n)| *n);
+        assert!(found <= allowed, "src/{file}: {found} unsafe blocks or fns, at most {allowed} allowed (docs/architecture.md)");
+    }
+    assert_eq!(unsafe_uses("let x = unsafe { f() };\n// unsafe { not code }\npub unsafe fn g() {}"), 2);
+}

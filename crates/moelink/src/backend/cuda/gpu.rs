@@ -505,10 +505,7 @@ impl Gpu {
     /// Reads `out.len()` bytes of `src` at `offset`, ordered after the operation stream's earlier work;
     /// complete on return.
     pub(crate) fn read_words(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        // SAFETY: `out` is read only after the stream has run the copy (synchronised below).
-        unsafe { src.copy_to_host_async(offset, out, self.op_stream())? };
-        self.op_stream().synchronize()?;
-        Ok(())
+        Ok(src.copy_to_host_on(offset, out, self.op_stream())?)
     }
 
     /// Opens a timed region, enqueueing (not waiting for) the fabric's barrier of every rank (`barrier`), a
@@ -732,10 +729,7 @@ impl Gpu {
 }
 
 fn write_words_on(stream: &Stream, dst: &mut DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
-    // SAFETY: `bytes` outlives the copy (the stream is synchronised below).
-    unsafe { dst.copy_from_host_async(offset, bytes, stream)? };
-    stream.synchronize()?;
-    Ok(())
+    Ok(dst.copy_from_host_on(offset, bytes, stream)?)
 }
 
 /// Dropping a buffer never frees memory a kernel may still use:
