@@ -41,7 +41,7 @@ pub use device::{Device, DeviceInfo};
 pub use error::{Error, Result};
 pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
-pub use memory::{DeviceBuffer, HostMapped};
+pub use memory::{DeviceBuffer, DeviceSpanMut, HostMapped};
 pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
 pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};
 pub use stream::{Event, Stream};

@@ -17,6 +17,56 @@ fn check_range(what: &str, offset: usize, bytes: usize, len: usize) -> Result<()
     }
 }
 
+/// Bytes of device memory the CUDA layer owns, borrowed mutably from their owner for `'a`: how the layers
+/// above view that memory (as a tensor, say) without `unsafe`.
+#[derive(Debug)]
+pub struct DeviceSpanMut<'a> {
+    addr: u64,
+    len: usize,
+    ordinal: usize,
+    _borrow: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl DeviceSpanMut<'_> {
+    /// Device address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the span has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The GPU the memory is on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Sets every byte to `value`, ordered on `stream` (a stream of the span's GPU), as
+    /// [`DeviceBuffer::memset_u8_async`] does for a whole buffer.
+    pub fn memset_u8_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
+        if stream.device().ordinal() != self.ordinal {
+            return Err(Error::invalid(format!(
+                "memset_u8_async: GPU {} memory with a GPU {} stream",
+                self.ordinal,
+                stream.device().ordinal()
+            )));
+        }
+        // SAFETY: the span lies inside a live allocation that its owner lends for 'a (`span_of` checked the
+        // range); the owner's drop orders its free after work that uses it, as for a DeviceBuffer.
+        unsafe { stream.memset_d8_async(self.addr, value, self.len) }
+    }
+}
+
+/// `[offset, offset + bytes)` of an allocation of `len` bytes at `base` on GPU `ordinal`, checked.
+pub(crate) fn span_of<'a>(what: &str, base: u64, len: usize, ordinal: usize, offset: usize, bytes: usize) -> Result<DeviceSpanMut<'a>> {
+    check_range(what, offset, bytes, len)?;
+    Ok(DeviceSpanMut { addr: base + offset as u64, len: bytes, ordinal, _borrow: std::marker::PhantomData })
+}
+
 /// Device memory owned by this value (`cuMemAlloc`), freed on drop. Holds its device, so the context
 /// outlives the allocation.
 ///
@@ -192,6 +242,11 @@ impl DeviceBuffer {
         }
         let _g = self.device().bind_scoped()?;
         drv::memcpy_dtoh_async(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len(), stream.raw())
+    }
+
+    /// Bytes `[offset, offset + bytes)` of the buffer, borrowed mutably.
+    pub fn span_mut(&mut self, offset: usize, bytes: usize) -> Result<DeviceSpanMut<'_>> {
+        span_of("span_mut", self.ptr, self.len, self.ordinal, offset, bytes)
     }
 
     /// Host → device copy of `src` into the buffer at `offset`, ordered after `stream`'s earlier work and
@@ -379,5 +434,19 @@ impl<T: Pod> Drop for HostMapped<T> {
             // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
             let _ = unsafe { drv::mem_free_host(self.host as *mut c_void) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_stay_inside_their_allocation() {
+        let s = span_of("t", 0x1000, 256, 3, 16, 32).unwrap();
+        assert_eq!((s.addr(), s.len(), s.ordinal()), (0x1010, 32, 3));
+        assert!(span_of("t", 0x1000, 256, 0, 250, 7).is_err());
+        assert!(span_of("t", 0x1000, 256, 0, usize::MAX, 2).is_err());
+        assert!(span_of("t", 0x1000, 256, 0, 256, 0).unwrap().is_empty());
     }
 }

@@ -541,6 +541,11 @@ impl NvshmemHeap {
         self.len
     }
 
+    /// Bytes `[offset, offset + bytes)` of this PE's copy on `device`, borrowed mutably.
+    pub fn span_mut(&mut self, device: &Device, offset: usize, bytes: usize) -> Result<crate::memory::DeviceSpanMut<'_>> {
+        crate::memory::span_of("span_mut", self.ptr, self.len, device.ordinal(), offset, bytes)
+    }
+
     /// Fills this PE's copy with zeros (on a private stream; done when it returns).
     pub fn zero(&self, device: &Device) -> Result<()> {
         let stream = crate::stream::Stream::new(device)?;

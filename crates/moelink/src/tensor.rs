@@ -293,6 +293,26 @@ impl<'a> TensorMut<'a> {
         Ok(TensorMut { addr, location, dtype, layout, _borrow: PhantomData })
     }
 
+    /// A writable view of device memory the CUDA layer lends (`span` must hold every element the layout
+    /// addresses).
+    pub(crate) fn from_device_span(
+        span: moelink_cuda::DeviceSpanMut<'a>,
+        dtype: DType,
+        shape: &[usize],
+        strides: &[isize],
+    ) -> Result<Self> {
+        let layout = Layout::new(shape, strides)?;
+        let bytes = layout.span_elems() * dtype.size_bytes();
+        if bytes > span.len() {
+            return Err(Error::invalid(
+                "shape",
+                0,
+                format!("{layout:?} of {dtype:?} spans {bytes} bytes, the device memory {}", span.len()),
+            ));
+        }
+        Ok(TensorMut { addr: span.addr(), location: Location::Cuda(span.ordinal()), dtype, layout, _borrow: PhantomData })
+    }
+
     /// Read-only reborrow.
     pub fn as_ref(&self) -> TensorRef<'_> {
         TensorRef { addr: self.addr, location: self.location, dtype: self.dtype, layout: self.layout, _borrow: PhantomData }

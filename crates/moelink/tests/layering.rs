@@ -50,19 +50,16 @@ fn the_cuda_fabric_is_chosen_once() {
 }
 
 /// The places of this crate where `unsafe` still stands, and how many (blocks, `unsafe fn`s and impls).
-/// The rule is none: the CUDA layer (`moelink-cuda`) holds it (docs/architecture.md). A file may lose one,
-/// never gain one, and no other file may have any.
+/// The rule is none: the CUDA layer (`moelink-cuda`) holds it (docs/architecture.md). The counts are exact,
+/// so a change that removes one lowers its number here, and none comes back unnoticed.
 const UNSAFE_LEFT: &[(&str, usize)] = &[
     ("tensor.rs", 4),
     ("stream.rs", 1),
     ("diag.rs", 2),
     ("rdma_probe.rs", 1),
-    ("backend/cuda/gpu.rs", 4),
+    ("backend/cuda/gpu.rs", 3),
     ("backend/cuda/intranode/ht.rs", 2),
-    ("backend/cuda/intranode/ll.rs", 2),
     ("backend/cuda/internode/ht.rs", 2),
-    ("backend/cuda/internode/ll.rs", 3),
-    ("backend/cuda/internode/mod.rs", 1),
 ];
 
 fn unsafe_uses(text: &str) -> usize {
@@ -81,6 +78,7 @@ fn unsafe_never_spreads() {
         let found = unsafe_uses(text);
         let allowed = UNSAFE_LEFT.iter().find(|(f, _)| f == file).map_or(0, |(_, n)| *n);
         assert!(found <= allowed, "src/{file}: {found} unsafe blocks or fns, at most {allowed} allowed (docs/architecture.md)");
+        assert!(found >= allowed, "src/{file}: {found} unsafe blocks or fns, fewer than the {allowed} listed: lower UNSAFE_LEFT");
     }
     assert_eq!(unsafe_uses("let x = unsafe { f() };\n// unsafe { not code }\npub unsafe fn g() {}"), 2);
 }

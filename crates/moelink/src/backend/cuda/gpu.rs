@@ -491,6 +491,15 @@ impl Gpu {
         write_words_on(stream, self.sym.local_mut(), offset, bytes)
     }
 
+    /// Zeroes `len` bytes of this rank's symmetric buffer at `offset`, ordered on the operation stream.
+    pub(crate) fn zero_symmetric(&mut self, offset: usize, len: usize) -> Result<()> {
+        let stream = match &self.mode {
+            StreamMode::Own => &self.stream,
+            StreamMode::External(s) => s,
+        };
+        Ok(self.sym.local_mut().span_mut(offset, len)?.memset_u8_async(0, stream)?)
+    }
+
     /// Reads `out.len()` bytes of this rank's symmetric buffer at `offset` ([`Gpu::read_words`]).
     pub(crate) fn read_local_words(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         self.read_words(self.sym.local(), offset, out)
@@ -699,11 +708,7 @@ impl Gpu {
 
     /// `len` bytes at byte `offset` of this rank's symmetric buffer as a 1-D `uint8` view.
     pub(crate) fn symmetric_view(&mut self, offset: usize, len: usize) -> Result<TensorMut<'_>> {
-        assert!(offset + len <= self.sym.local().len_bytes(), "a view inside the symmetric buffer");
-        let addr = self.sym.local().device_ptr() + offset as u64;
-        // SAFETY: `[offset, offset + len)` lies inside this rank's symmetric allocation (checked above), which
-        // lives as long as `self`; the view borrows `self` mutably.
-        unsafe { TensorMut::from_raw_parts(addr, self.location(), DType::U8, &[len], &[1]) }
+        TensorMut::from_device_span(self.sym.local_mut().span_mut(offset, len)?, DType::U8, &[len], &[1])
     }
 }
 

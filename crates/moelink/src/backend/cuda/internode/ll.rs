@@ -20,7 +20,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Phase, Result};
 use crate::ll::{LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlSpec};
 use crate::opaque::{backend_of, RecvPhase};
-use crate::tensor::{Location, TensorMut};
+use crate::tensor::TensorMut;
 
 /// The internode low-latency state of a buffer: the local state words and the handle areas of both sets.
 pub(crate) struct LliState {
@@ -340,11 +340,11 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut Internode, s: &LlSpec) -> Resul
     let layout = layout_for(b, s)?;
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
     b.lli.calls.staging = Some(shape);
-    let addr = b.rdma.local_base() + layout.zero_copy as u64;
     let strides = [(shape[1] * shape[2]) as isize, shape[2] as isize, 1];
-    // SAFETY: [addr, addr + E_local*R*T_max*H*2) lies inside this rank's RDMA region (layout_for checked its
-    // end against num_rdma_bytes), which lives as long as the backend; the view borrows the backend mutably.
-    unsafe { TensorMut::from_raw_parts(addr, Location::Cuda(b.device.ordinal()), DType::BF16, &shape, &strides) }
+    // Inside this rank's RDMA region (layout_for checked its end against num_rdma_bytes).
+    let bytes = shape.iter().product::<usize>() * DType::BF16.size_bytes();
+    let span = b.rdma.local_span_mut(&b.gpu.device, layout.zero_copy, bytes)?;
+    TensorMut::from_device_span(span, DType::BF16, &shape, &strides)
 }
 
 /// `clean_low_latency_buffer` across nodes (collective): a barrier, zero the signal words of the RDMA
@@ -355,16 +355,14 @@ pub(crate) fn clean(b: &mut Internode, t: usize, h: usize, e: usize) -> Result<(
         Error::invalid("num_max_dispatch_tokens_per_rank", b.rank, "the low-latency buffer size overflows for this shape")
     })?;
     b.rdma_barrier()?;
-    let sig_addr = b.rdma.local_base() + layout.signals as u64;
-    let state_addr = b.lli.state.device_ptr();
     let mask_at = moelink_kernels::ll_internode::LLI_STATE_HEAD + 40 * b.num_ranks;
-    if layout.signals_end - RDMA_CTRL_BYTES <= b.num_rdma_bytes {
-        // SAFETY: [signals, signals_end) lies inside the RDMA region (checked above); the barrier ordered
-        // every kernel that writes it before this memset on the operation stream.
-        unsafe { b.op_stream().memset_d8_async(sig_addr, 0, layout.signals_end - layout.signals)? };
+    // The barrier ordered every kernel that writes these words before the memsets on the operation stream.
+    let Internode { rdma, lli, gpu, .. } = b;
+    if layout.signals_end - RDMA_CTRL_BYTES <= gpu.num_rdma_bytes {
+        rdma.local_span_mut(&gpu.device, layout.signals, layout.signals_end - layout.signals)?.memset_u8_async(0, gpu.op_stream())?;
     }
-    // SAFETY: the state allocation holds mask_at bytes before the mask words; nothing else runs (barrier).
-    unsafe { b.op_stream().memset_d8_async(state_addr, 0, mask_at)? };
+    // The state words before the masks, which stay.
+    lli.state.span_mut(0, mask_at)?.memset_u8_async(0, gpu.op_stream())?;
     b.rdma_barrier()?;
     b.lli.calls.forget();
     Ok(())

@@ -161,11 +161,10 @@ impl Backend for Internode {
     }
     fn local_buffer(&mut self, use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
         if use_rdma_buffer {
-            let addr = self.rdma.local_base() + RDMA_CTRL_BYTES as u64;
-            let location = self.gpu.location();
-            // SAFETY: the RDMA region holds RDMA_CTRL_BYTES + num_rdma_bytes bytes (Internode::new) and lives as
-            // long as `self`; the view borrows `self` mutably.
-            return unsafe { TensorMut::from_raw_parts(addr, location, DType::U8, &[self.gpu.num_rdma_bytes], &[1]) };
+            // The RDMA region holds RDMA_CTRL_BYTES + num_rdma_bytes bytes (Internode::new).
+            let len = self.gpu.num_rdma_bytes;
+            let span = self.rdma.local_span_mut(&self.gpu.device, RDMA_CTRL_BYTES, len)?;
+            return TensorMut::from_device_span(span, DType::U8, &[len], &[1]);
         }
         let len = self.gpu.num_nvl_bytes;
         self.gpu.symmetric_view(HT_DATA, len)

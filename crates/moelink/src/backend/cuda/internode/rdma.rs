@@ -8,7 +8,7 @@
 //! The region is zeroed on every rank before a group barrier, so signals start at 0 everywhere.
 
 use moelink_cuda::jit::CompileRequest;
-use moelink_cuda::{Device, DeviceBuffer, Exchange, Module, Nvshmem, NvshmemHeap, NvshmemToolchain, SymmetricBuffer};
+use moelink_cuda::{Device, DeviceBuffer, DeviceSpanMut, Exchange, Module, Nvshmem, NvshmemHeap, NvshmemToolchain, SymmetricBuffer};
 use moelink_kernels::transport::{RdmaArgs, Transport as KernelTransport, NIC_STATE_BYTES};
 use moelink_kernels::KernelSpec;
 
@@ -135,6 +135,14 @@ impl RdmaDomain {
             Region::Peers(s) => s.local().device_ptr(),
             Region::Heap(h) => h.device_ptr(),
         }
+    }
+
+    /// Bytes `[offset, offset + bytes)` of this rank's region (on `device`), borrowed mutably.
+    pub(crate) fn local_span_mut(&mut self, device: &Device, offset: usize, bytes: usize) -> Result<DeviceSpanMut<'_>> {
+        Ok(match &mut self.region {
+            Region::Peers(s) => s.local_mut().span_mut(offset, bytes)?,
+            Region::Heap(h) => h.span_mut(device, offset, bytes)?,
+        })
     }
 
     /// Copies `dst.len()` bytes of this rank's region from byte `offset` (diagnostics: it races with

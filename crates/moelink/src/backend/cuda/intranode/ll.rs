@@ -30,7 +30,7 @@ use crate::error::{Phase, Result};
 use crate::ll::checked_layout;
 use crate::ll::{LlCombineArgs as CombineArgs, LlCombineOutputs, LlCombineSpec, LlDispatchArgs as DispatchArgs, LlDispatchOutputs, LlSpec};
 use crate::opaque::{backend_of, RecvPhase};
-use crate::tensor::{Location, TensorMut};
+use crate::tensor::TensorMut;
 
 /// The receive launch a dropped hook stands for.
 pub(crate) enum Drain {
@@ -413,22 +413,21 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut Intranode, s: &LlSpec) -> Resul
     let layout = layout_for(b, s, true)?;
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
     b.ll.calls.staging = Some(shape);
-    let addr = b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at);
+    let offset = ll_data_offset(b) + layout.staging_at;
     let strides = [(shape[1] * shape[2]) as isize, shape[2] as isize, 1];
-    // SAFETY: the range [addr, addr + staging_bytes) lies inside this rank's symmetric buffer (layout_for
-    // checked it against num_rdma_bytes), which lives as long as the backend; the view borrows the backend
-    // mutably for 'b, and only combine (a later call, which needs the backend again) reads it.
-    unsafe { TensorMut::from_raw_parts(addr, Location::Cuda(b.device.ordinal()), DType::BF16, &shape, &strides) }
+    // Inside this rank's symmetric buffer (layout_for checked the region holds it); only combine (a later
+    // call, which needs the backend again) reads it.
+    let span = b.gpu.sym.local_mut().span_mut(offset, shape.iter().product::<usize>() * DType::BF16.size_bytes())?;
+    TensorMut::from_device_span(span, DType::BF16, &shape, &strides)
 }
 
 /// `clean_low_latency_buffer`: resets the low-latency control area on every rank (collective): a barrier
 /// (no call in flight anywhere), zero the epochs, counters, flags and metadata (not the masks), a barrier.
 pub(crate) fn clean(b: &mut Intranode, _t: usize, _h: usize, _e: usize) -> Result<()> {
     b.gpu.nvlink_barrier()?;
-    let addr = b.peer_addr(b.rank, ctrl::LL);
-    // SAFETY: [ctrl::LL, ctrl::LL + MASK_OFFSET) is inside this rank's control area; the barrier above
-    // ordered every earlier kernel (ours and the peers' writes into it) before the memset on this stream.
-    unsafe { b.op_stream().memset_d8_async(addr, 0, LlCtrl::MASK_OFFSET)? };
+    // The control area up to the masks; the barrier above ordered every earlier kernel (ours and the peers'
+    // writes into it) before the memset on the operation stream.
+    b.gpu.zero_symmetric(ctrl::LL, LlCtrl::MASK_OFFSET)?;
     b.gpu.nvlink_barrier()?;
     b.ll.calls.forget();
     Ok(())
