@@ -23,7 +23,7 @@ export MOELINK_REQUIRE_EMU=1
 if [ $# -eq 0 ]; then
     device_dry=$(mktemp -d)
     if ! DRY_RUN=1 OUT="$device_dry/out" W="$device_dry/work" \
-        STEPS="info tests selftest process nvlink bench procbench internode python reliability" \
+        STEPS="info tests selftest process nvlink bench ab procbench internode python reliability" \
         bash scripts/device/run.sh >"$device_dry/log" 2>&1; then
         cat "$device_dry/log" >&2
         echo "error: the dry run of scripts/device/run.sh failed (its log above)" >&2

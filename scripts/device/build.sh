@@ -5,6 +5,8 @@
 #   .device/moelink-stress   the stress binary (soak, chaos)
 #   .device/tests/<crate>.<kind>.<target>   the workspace's test executables, under stable names
 #   .device/manifest.txt     commit, build date, toolchain, and every file with its size and sha256
+#   .device/base/moelink     with BASE_REV=<rev>: the release binary of that revision, for run.sh's `ab` step
+#                            (a worktree of <rev> built in target/base: a full build the first time)
 #
 # Then one device call carries it: kind nvidia-h200-x4, carry [".device"], command
 # `bash scripts/device/run.sh` (see docs/running-on-gpu.md).
@@ -68,6 +70,17 @@ for line in open(sys.argv[1]):
 PY
 fi
 
+# The binary of BASE_REV, for an A/B of the same calls in one device run (run.sh's `ab` step).
+if [ -n "${BASE_REV:-}" ]; then
+    base_tree=$(mktemp -d)
+    git worktree add -q --detach "$base_tree" "$BASE_REV"
+    CARGO_TARGET_DIR="$(pwd)/target/base" cargo build --release --manifest-path "$base_tree/Cargo.toml" -p moelink-cli --bin moelink
+    mkdir -p "$out/base"
+    cp target/base/release/moelink "$out/base/moelink"
+    git rev-parse --short "$BASE_REV" >"$out/base/COMMIT"
+    git worktree remove --force "$base_tree"
+fi
+
 # The Python wheel (abi3, for the GPU machine's Python 3.12), for run.sh's python step.
 if [ -f python/pyproject.toml ]; then
     scripts/build-wheel.sh
@@ -79,6 +92,7 @@ if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
 fi
 {
     echo "commit: $commit"
+    [ -f "$out/base/COMMIT" ] && echo "base: $(cat "$out/base/COMMIT")"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "rustc: $(rustc --version)"
     echo "host: $(uname -srm), $(ldd --version 2>&1 | head -n1)"

@@ -11,6 +11,9 @@
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
 #   bench     moelink bench $BENCH_ARGS --json $OUT/bench.json
+#   ab        steps/ab.sh: the same bench calls (AB_ARGS) with .device/base/moelink (build.sh with BASE_REV) and
+#             this build's, alternating AB_ROUNDS times; a table of medians and head/base (its files in
+#             results.tgz)
 #   procbench steps/procbench.sh: moelink bench --process under torchrun, PROCBENCH_RANKS processes (default 2:
 #             one per GPU of the first two), PROCBENCH_ARGS (default: HT and LL at DeepEP's shapes across 2x1
 #             virtual nodes over nvshmem, then over emu-nic): the internode kernels between real GPUs, NVLink
@@ -44,7 +47,7 @@ START=$(date +%s)
 STEP_DIR=scripts/device/steps
 DRY_RUN=${DRY_RUN:-}
 STEPS=${STEPS:-"info tests selftest process nvlink bench"}
-KNOWN_STEPS="info tests selftest process nvlink bench procbench internode python reliability"
+KNOWN_STEPS="info tests selftest process nvlink bench ab procbench internode python reliability"
 for s in $STEPS; do
     case " $KNOWN_STEPS " in
         *" $s "*) ;;
@@ -69,6 +72,9 @@ rm -rf "$W" && mkdir -p "$W"
 BIN_DIR=$W/bin
 mkdir -p "$BIN_DIR/tests"
 [ -f "$DEV/moelink" ] && cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
+if [ -f "$DEV/base/moelink" ]; then
+    mkdir -p "$BIN_DIR/base" && cp "$DEV/base/moelink" "$BIN_DIR/base/moelink" && chmod +x "$BIN_DIR/base/moelink"
+fi
 if [ -d "$DEV/tests" ]; then
     cp "$DEV"/tests/* "$BIN_DIR/tests/" 2>/dev/null
     chmod +x "$BIN_DIR"/tests/* 2>/dev/null
@@ -198,6 +204,7 @@ for s in $STEPS; do
         process)  step process  "${T_PROCESS:-60}"  torchrun --nproc_per_node="$NGPU" --no-python "$BIN" selftest --process --strict ;;
         nvlink)   step nvlink   "${T_NVLINK:-90}"   "$BIN" bench nvlink $NVLINK_ARGS --json "$OUT/nvlink.json" ;;
         bench)    step bench    "${T_BENCH:-180}"   "$BIN" bench $BENCH_ARGS --json "$OUT/bench.json" ;;
+        ab)       step ab       "${T_AB:-300}"      env OUT="$W/ab" bash "$STEP_DIR/ab.sh" ;;
         procbench) step procbench "${T_PROCBENCH:-240}" bash "$STEP_DIR/procbench.sh" ;;
         internode)
             step internode "${T_INTERNODE:-540}" env OUT="$W/internode" W="$W/internode-work" STEPS="${INTERNODE_STEPS:-ht}" \
@@ -220,6 +227,8 @@ key_numbers() {
         selftest|process)
                   awk -v s="$1" '$0 ~ "^===== " s " " {on=1} on && /selftest: [0-9]+ passed/ {l=$0}
                        $0 ~ "^===== " s ": rc" {on=0} END{print l}' "$LOG" ;;
+        ab)       awk '/^===== ab /{on=1} on && /^\| [a-z]/ && $(NF-1) ~ /^[0-9.]+$/ {n++; r=$(NF-1); s+=r; if (r>m) m=r}
+                       /^===== ab: rc/{on=0} END{if (n) printf "%d cases, head/base mean %.3f, max %.3f", n, s/n, m}' "$LOG" ;;
         nvlink|bench)
             python3 - "$OUT/$1.json" <<'PY' 2>/dev/null
 import json, sys
