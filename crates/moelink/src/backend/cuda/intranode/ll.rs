@@ -144,11 +144,9 @@ fn trace_ptr(b: &mut Intranode, family: usize) -> Result<u64> {
 }
 
 /// Enqueues the clearing of the trace words (when a timed region opens, before its barrier).
-pub(crate) fn trace_clear(b: &mut Intranode) -> Result<()> {
-    if let Some(mut t) = b.ll.trace.take() {
-        let r = t.memset_u32_async(0, b.op_stream());
-        b.ll.trace = Some(t);
-        r?;
+pub(crate) fn trace_clear(ll: &mut LlState, stream: &moelink_cuda::Stream) -> Result<()> {
+    if let Some(t) = ll.trace.as_mut() {
+        t.memset_u32_async(0, stream)?;
     }
     Ok(())
 }

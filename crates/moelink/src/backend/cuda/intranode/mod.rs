@@ -74,8 +74,11 @@ impl Backend for Intranode {
         self.gpu.nvlink_barrier()
     }
     fn timer_begin(&mut self) -> Result<bool> {
-        ll::trace_clear(self)?;
-        self.gpu.open_timer(Gpu::enqueue_nvlink_barrier)?;
+        let ll = &mut self.ll;
+        self.gpu.open_timer(|gpu| {
+            ll::trace_clear(ll, gpu.op_stream())?;
+            gpu.enqueue_nvlink_barrier()
+        })?;
         Ok(true)
     }
     fn kernel_traces(&self) -> Vec<crate::trace::KernelTrace> {
