@@ -69,6 +69,10 @@ fi
 # Run from a private copy: the carried tree may not keep exec bits. W: this instance's work folder.
 W=${W:-/tmp/moelink-run}
 rm -rf "$W" && mkdir -p "$W"
+# SCRATCH: this instance's folder for what the steps install or start (Python sites, MPS pipes, chaos logs),
+# beside W so that results.tgz leaves it out.
+SCRATCH=$W.scratch
+rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
 BIN_DIR=$W/bin
 mkdir -p "$BIN_DIR/tests"
 [ -f "$DEV/moelink" ] && cp "$DEV/moelink" "$BIN_DIR/moelink" && chmod +x "$BIN_DIR/moelink"
@@ -184,7 +188,7 @@ run_tests() {
     return "$worst"
 }
 export -f run_tests
-export BIN BIN_DIR ROOT OUT TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE DRY_RUN
+export BIN BIN_DIR ROOT OUT SCRATCH NGPU TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE DRY_RUN
 # The bodies under steps/ run only from here.
 export MOELINK_DEVICE_RUN=1
 

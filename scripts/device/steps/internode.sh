@@ -8,7 +8,7 @@
 #             moelink bench transport at 4 ranks as 2x2 (ptr, emu-nic)
 #   nomps     process mode without CUDA MPS: moelink selftest --process with 2 processes on one GPU (each rank
 #             prints its own failures)
-#   mps       CUDA MPS started as an ordinary daemon (pipe and log folders under /tmp, compute mode untouched,
+#   mps       CUDA MPS started as an ordinary daemon (pipe and log folders under $SCRATCH, compute mode untouched,
 #             CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / processes), quit at the end: moelink selftest --process
 #             with the nvshmem transport at 2 and 4 processes, moelink bench transport --process (nvshmem,
 #             ptr, emu-nic) at 4 processes as 2x2, and moelink bench --process (HT and LL, nvshmem) at 4
@@ -86,7 +86,7 @@ nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvs
 export NVSHMEM_HOME=${NVSHMEM_HOME:-$nv} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1
 note "ranks share GPUs: $(nvidia-smi -L | wc -l) GPU(s); NVSHMEM_HOME=$NVSHMEM_HOME"
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+export CUDA_MPS_PIPE_DIRECTORY=$SCRATCH/mps-pipe CUDA_MPS_LOG_DIRECTORY=$SCRATCH/mps-log
 mps_on=0
 mps_start() {
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

@@ -69,9 +69,9 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
     echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ), $ngpu GPUs"
     nvidia-smi -L 2>/dev/null
     python3 --version
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/moelink-*.whl && echo "installed $(ls .device/moelink-*.whl)"
+    python3 -m pip install -q --no-index --no-deps --target "$SCRATCH/site" .device/moelink-*.whl && echo "installed $(ls .device/moelink-*.whl)"
 } > "$OUT/setup.log" 2>&1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=$SCRATCH/site
 python3 -c "import moelink, torch; print('moelink', moelink.__version__, 'torch', torch.__version__); print(moelink._native.cuda_info()); print('is_sm90_compiled', moelink.Buffer.is_sm90_compiled())" >> "$OUT/setup.log" 2>&1
 
 want() { case " $PY_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -90,13 +90,13 @@ want host && MOELINK_BACKEND=host step "suite, 4 ranks (host, cpu)" "$OUT/host-t
 ht_tests=(python/tests/gpu/test_ht.py python/tests/gpu/test_handles.py -k "not test_ll_")
 want host && MOELINK_BACKEND=host MOELINK_TOPOLOGY=2x2 step "ht 2x2, 4 ranks (host, cpu)" "$OUT/host-tests.log" 120 \
     "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs "${ht_tests[@]}"
-# shared / nodes: 4 processes on ONE GPU under CUDA MPS (started as an ordinary daemon, pipe and log under /tmp,
+# shared / nodes: 4 processes on ONE GPU under CUDA MPS (started as an ordinary daemon, pipe and log under $SCRATCH,
 # quit at the end; compute mode untouched), a gloo group: the whole suite intranode, then on 2x2 virtual nodes
 # over each transport the low-latency tests and the high-throughput ones (test_ht.py and the HT handle tests:
 # DeepEP's internode API on the internode kernels; first calls JIT-compile their variants, NVSHMEM's slowly,
 # hence the longer per-test deadline). Ranks share the GPU: no figure here is an NVLink or network one.
 if want shared || want nodes; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    export CUDA_MPS_PIPE_DIRECTORY=$SCRATCH/mps-pipe CUDA_MPS_LOG_DIRECTORY=$SCRATCH/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/setup.log"
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
@@ -130,14 +130,14 @@ if want hostcost; then
     [ "$ngpu" -ge "$hc_ranks" ] || hc_ranks=$ranks
     # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
     if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/deepep-site .whl/deep_ep-*.whl \
+        python3 -m pip install -q --no-index --no-deps --target "$SCRATCH/deepep-site" .whl/deep_ep-*.whl \
             && echo "installed $(ls .whl/deep_ep-*.whl)" >> "$OUT/setup.log"
     else
         echo "no DeepEP wheel in .whl/: the bench runs moelink alone" >> "$OUT/setup.log"
     fi
     hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
     [ "$ngpu" -eq 0 ] && hc_args=(--host-cost --quick --reuse-ab --json "$OUT/hostcost.json")
-    PYTHONPATH=/tmp/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
+    PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
         "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
     if [ "$ngpu" -ge 2 ] && ! want gpu2; then
         step "gpu suite, 2 ranks (cuda)" "$OUT/gpu-tests-2.log" 150 "${tr[@]}" --nproc_per_node=2 "${suite[@]}"
@@ -145,18 +145,18 @@ if want hostcost; then
     # DeepEP's own tests, unchanged, against moelink as deep_ep: a shim package that re-exports moelink.
     tests=.whl/deepep-tests
     if [ -f "$tests/test_low_latency.py" ] && [ "$ngpu" -ge 2 ]; then
-        shim=/tmp/deepep-shim/deep_ep
+        shim=$SCRATCH/deepep-shim/deep_ep
         mkdir -p "$shim"
         printf 'from moelink import *  # noqa: F401,F403 - DeepEP tests run against moelink\nfrom moelink import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401\n' > "$shim/__init__.py"
         for t in test_low_latency test_intranode; do
             echo "== $t.py against moelink (deep_ep = moelink), DeepEP $(cat "$tests/COMMIT" 2>/dev/null)" >> "$OUT/deepep-tests.log"
-            (cd "$tests" && PYTHONPATH=/tmp/deepep-shim:$PYTHONPATH MASTER_PORT=8371 \
+            (cd "$tests" && PYTHONPATH=$SCRATCH/deepep-shim:$PYTHONPATH MASTER_PORT=8371 \
                 step "DeepEP $t (moelink)" "$OUT/deepep-tests.log" 120 python3 "$t.py" --num-processes "$hc_ranks")
         done
-        if [ -d /tmp/deepep-site/deep_ep ]; then
+        if [ -d "$SCRATCH/deepep-site/deep_ep" ]; then
             for t in test_low_latency test_intranode; do
                 echo "== $t.py against DeepEP (baseline)" >> "$OUT/deepep-baseline.log"
-                (cd "$tests" && PYTHONPATH=/tmp/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
+                (cd "$tests" && PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
                     step "DeepEP $t (DeepEP)" "$OUT/deepep-baseline.log" 100 python3 "$t.py" --num-processes "$hc_ranks")
             done
         fi

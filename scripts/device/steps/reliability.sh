@@ -50,7 +50,7 @@ if [ ! -f "$DEV/moelink-stress" ]; then
     echo "error: $DEV/moelink-stress is missing: run scripts/device/build.sh on the build machine and carry .device"
     exit 1
 fi
-BIN_DIR=/tmp/moelink-rel
+BIN_DIR=$SCRATCH/rel-bin
 rm -rf "$BIN_DIR" && mkdir -p "$BIN_DIR/tests"
 cp "$DEV/moelink-stress" "$BIN_DIR/moelink-stress" && chmod +x "$BIN_DIR/moelink-stress"
 cp "$DEV"/tests/moelink.test.poison "$BIN_DIR/tests/" 2>/dev/null && chmod +x "$BIN_DIR"/tests/*
@@ -59,13 +59,13 @@ STRESS=$BIN_DIR/moelink-stress
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # One JIT cache for every process of the run (chaos ranks, soak): each kernel variant compiles once.
-export MOELINK_CACHE_DIR=/tmp/moelink-jit
+export MOELINK_CACHE_DIR=${MOELINK_CACHE_DIR:-/tmp/moelink-jit}
 MOELINK_COMMIT=$(sed -n 's/^commit: //p' "$DEV/manifest.txt" 2>/dev/null)
 export MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
 # Chaos processes: one per GPU, or RANKS of them sharing the GPUs (rank r on GPU r mod NGPU) under CUDA MPS,
-# started here as an ordinary daemon (pipe and log under /tmp, compute mode untouched) and quit after.
+# started here as an ordinary daemon (pipe and log under $SCRATCH, compute mode untouched) and quit after.
 RANKS=${RANKS:-$NGPU}
 
 BUDGET_S=${BUDGET_S:-360}
@@ -105,7 +105,7 @@ chaos_run() {
     for ((r = 0; r < RANKS; r++)); do
         RANK=$r WORLD_SIZE=$RANKS LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port MOELINK_GROUP_TIMEOUT_MS=60000 \
             timeout --kill-after=5 "$t" "$STRESS" chaos --phase "$phase" --victim "$VICTIM" --timeout-ms "$CHAOS_TIMEOUT_MS" \
-            --seed $((idx + 1)) $extra $CHAOS_ARGS >"/tmp/$tag-r$r.log" 2>&1 &
+            --seed $((idx + 1)) $extra $CHAOS_ARGS >"$SCRATCH/$tag-r$r.log" 2>&1 &
         pids[r]=$!
     done
     local rcs=""
@@ -115,7 +115,7 @@ chaos_run() {
     done
     local secs=$(( ($(date +%s%N) - t0) / 1000000 ))
     for ((r = 0; r < RANKS; r++)); do
-        sed "s/^/[$tag r$r] /" "/tmp/$tag-r$r.log" >>"$CHAOS_LOG"
+        sed "s/^/[$tag r$r] /" "$SCRATCH/$tag-r$r.log" >>"$CHAOS_LOG"
     done
     echo "RUN $tag phase=$phase shrink=${extra:+1} victim=$VICTIM rcs=${rcs# } wall_ms=$secs" | tee -a "$CHAOS_LOG"
 }
@@ -128,7 +128,7 @@ step_chaos() {
     fi
     local mps=0
     if [ "$RANKS" -gt "$NGPU" ] && [ "${CHAOS_ARGS#*--backend host}" = "$CHAOS_ARGS" ]; then
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        export CUDA_MPS_PIPE_DIRECTORY=$SCRATCH/mps-pipe CUDA_MPS_LOG_DIRECTORY=$SCRATCH/mps-log
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
         nvidia-cuda-mps-control -d && mps=1 && echo "MPS daemon started ($RANKS ranks on $NGPU GPUs)" | tee -a "$CHAOS_LOG"
     fi
