@@ -21,8 +21,6 @@ use moelink_kernels::{all_variants, BarrierVariant, CopyVariant, KernelSpec};
 pub(crate) use crate::backend::cuda::errors::{phase_of, ErrorSink};
 use crate::error::{Error, Phase, Result};
 use crate::group::Group;
-/// The kernel trace types, at their former place (`crate::trace` holds them).
-pub use crate::trace::{KernelTrace, TracePoint};
 
 /// How the copy primitive moves bytes into peers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

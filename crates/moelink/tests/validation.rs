@@ -449,7 +449,7 @@ fn sizes_the_machine_cannot_hold_are_errors_naming_the_argument() {
     assert!(e.to_string().contains(&format!("{} bytes", i32::MAX as usize * 7168 * 2)), "{e}");
 }
 
-/// The three layouts of issue 28 that used to come back as silently wrong metadata, on 2 ranks. Rank 0 passes
+/// Three inconsistent layouts (each would give silently wrong metadata if accepted), on 2 ranks. Rank 0 passes
 /// the bad layout; rank 1 passes its own, correct one. Rank 0's error names the argument and rank 0; rank 1
 /// learns that rank 0's argument was invalid; both buffers stay usable.
 #[test]

@@ -138,7 +138,7 @@ fn pipeline(buf: &mut Buffer, inputs: &Inputs, dtype: Dtype, hook: bool, y: Opti
 #[derive(Default)]
 struct Timed {
     us: Vec<f64>,
-    traces: Vec<moelink::diag::KernelTrace>,
+    traces: Vec<moelink::trace::KernelTrace>,
 }
 
 impl Timed {
@@ -332,7 +332,7 @@ const LOOP_CALLS: usize = 8;
 /// of its rows, LOOP_CALLS replays per timed region, each kernel's duration from the trace
 /// (low-latency tracing on). Returns [dispatch spans, combine spans, event µs per pair] (the pair time includes
 /// the launches between replays) and the traces themselves, [dispatch, combine].
-type LoopTimes = ([Vec<f64>; 3], [Vec<moelink::diag::KernelTrace>; 2]);
+type LoopTimes = ([Vec<f64>; 3], [Vec<moelink::trace::KernelTrace>; 2]);
 fn time_loop(buf: &mut Buffer, job: &Job<'_>, pipeline: &LlGraph) -> Result<LoopTimes> {
     // The replays are enqueued asynchronously on a stream of ours, as a model's calls are (and as DeepEP's
     // test launches them): synchronous replays kept the ranks apart by a host round trip per call, and each
@@ -342,7 +342,7 @@ fn time_loop(buf: &mut Buffer, job: &Job<'_>, pipeline: &LlGraph) -> Result<Loop
     };
     let stream = moelink_cuda::Stream::new(&moelink_cuda::Device::new(ordinal)?)?;
     let mut out: [Vec<f64>; 3] = Default::default();
-    let mut traces: [Vec<moelink::diag::KernelTrace>; 2] = Default::default();
+    let mut traces: [Vec<moelink::trace::KernelTrace>; 2] = Default::default();
     for i in 0..(job.reps / 4).max(1) + 1 {
         let ((), us) = buf.on_stream(&stream, |scope| scope.timed(|scope| (0..LOOP_CALLS).try_for_each(|_| scope.replay(pipeline))))?;
         if i == 0 {

@@ -84,13 +84,13 @@ pub struct RankOutcome {
     pub cached_us: Vec<f64>,
     /// LL with `MOELINK_LL_TRACE=1`: kernel traces of the timed repetitions (fused call; hook send; hook
     /// receive), whose spans are the kernels' durations without the launch.
-    pub traces: [Vec<moelink::diag::KernelTrace>; 3],
+    pub traces: [Vec<moelink::trace::KernelTrace>; 3],
     /// LL combine with `MOELINK_LL_TRACE=1`: DeepEP's way of timing — dispatch + combine back to back,
     /// kernel durations: [dispatch spans, combine spans, event µs per pair].
     pub loop_times: [Vec<f64>; 3],
     /// The same regions' kernel traces, [dispatch, combine]: where the time goes with no barrier between
     /// calls (the per-call traces above start every call after a barrier, so a late peer shows there).
-    pub loop_traces: [Vec<moelink::diag::KernelTrace>; 2],
+    pub loop_traces: [Vec<moelink::trace::KernelTrace>; 2],
 }
 
 /// Everything a rank worker needs, shared by reference across rank threads.

@@ -26,12 +26,12 @@ pub(super) fn slowest_rank_median(per_rank: &[Vec<f64>]) -> f64 {
 /// Kernel-trace points over ranks and repetitions: per point, the median over repetitions of the blocks'
 /// median stamp, last stamp and block 0's stamp (µs after the kernel's first block started), the largest
 /// over ranks.
-pub(super) fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::diag::KernelTrace]>) -> serde_json::Value {
+pub(super) fn trace_points_json<'a>(per_rank: impl Iterator<Item = &'a [moelink::trace::KernelTrace]>) -> serde_json::Value {
     let mut points: Vec<(&'static str, f64, f64, f64)> = Vec::new();
     for traces in per_rank {
         let names: Vec<&'static str> = traces.first().map(|t| t.points.iter().map(|p| p.name).collect()).unwrap_or_default();
         for name in names {
-            let of = |f: fn(&moelink::diag::TracePoint) -> f64| {
+            let of = |f: fn(&moelink::trace::TracePoint) -> f64| {
                 median(traces.iter().filter_map(|t| t.points.iter().find(|p| p.name == name)).map(f).collect())
             };
             let (med, last, b0) = (of(|p| p.median_us), of(|p| p.max_us), of(|p| p.block0_us.unwrap_or(f64::NAN)));
