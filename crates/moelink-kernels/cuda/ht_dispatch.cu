@@ -87,7 +87,11 @@ static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDisp
 // (HT_CTRL_RECV_EXPERT_TOKENS). When they fit, a block counts in shared memory (a shared atomic per top-k
 // entry) and adds its non-zero tallies to the control region once at its end (flush_tallies); a global
 // atomic per entry on the few L2 lines of the counters slowed the whole dispatch by their contention.
-constexpr u32 TALLY_SLOTS = 2048;
+// DISPATCH_TALLY_SLOTS: the JIT leaves it at 2048; the CPU emulator sets fewer to reach the global atomics.
+#ifndef DISPATCH_TALLY_SLOTS
+#define DISPATCH_TALLY_SLOTS 2048
+#endif
+constexpr u32 TALLY_SLOTS = DISPATCH_TALLY_SLOTS;
 __shared__ u32 s_tally[TALLY_SLOTS];
 
 __device__ __forceinline__ u32 tally_slots(const HtDispatchArgs& a, bool sender) {

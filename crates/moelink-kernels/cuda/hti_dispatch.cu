@@ -34,7 +34,11 @@ namespace hti_dispatch {
 // tokens of every expert (expert_tokens[0, E)), a receiver block the rows of each local expert (expert_tokens[E,
 // E + E_local)). When they fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its
 // non-zero tallies once at its end (flush_tallies), not a global atomic per entry on the counters' few L2 lines.
-constexpr u32 TALLY_SLOTS = 2048;
+// DISPATCH_TALLY_SLOTS: the JIT leaves it at 2048; the CPU emulator sets fewer to reach the global atomics.
+#ifndef DISPATCH_TALLY_SLOTS
+#define DISPATCH_TALLY_SLOTS 2048
+#endif
+constexpr u32 TALLY_SLOTS = DISPATCH_TALLY_SLOTS;
 __shared__ u32 s_tally[TALLY_SLOTS];
 
 __device__ __forceinline__ u32 tally_slots(const HtiDispatchArgs& a, bool sender) {

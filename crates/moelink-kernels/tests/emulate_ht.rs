@@ -42,6 +42,8 @@ struct EmuCase {
     recv_chunk: usize,
     /// Sender warps take chunks from the per-call counter (needs send_chunk > 0).
     dynamic_send: bool,
+    /// The dispatch's per-expert tallies a block keeps in shared memory (fewer than the experts: global atomics).
+    tally_slots: usize,
 }
 
 const HT: &str = include_str!("../cuda/ht.cuh");
@@ -98,6 +100,7 @@ fn assemble(c: &EmuCase) -> String {
             ("HT_EXPERIMENT", "0".into()),
             ("ROW_BYTES", dispatch_row_bytes(hidden, fp8, topk).to_string()),
             ("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>().to_string()),
+            ("DISPATCH_TALLY_SLOTS", c.tally_slots.to_string()),
         ]
     };
     s += &family("k_disp", &dispatch(c.hidden, c.fp8, c.topk), moelink_kernels::HT_DISPATCH_SOURCE, &ptx);
@@ -160,6 +163,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             send_chunk: 0,
             recv_chunk: 0,
             dynamic_send: false,
+            tally_slots: 2048,
         },
         EmuCase {
             ranks: 4,
@@ -173,6 +177,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             send_chunk: 4,
             recv_chunk: 8,
             dynamic_send: true,
+            tally_slots: 16,
         },
         EmuCase {
             ranks: 3,
@@ -186,6 +191,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             send_chunk: 2,
             recv_chunk: 1,
             dynamic_send: false,
+            tally_slots: 2048,
         },
         EmuCase {
             ranks: 1,
@@ -199,6 +205,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             send_chunk: 6,
             recv_chunk: 3,
             dynamic_send: true,
+            tally_slots: 2048,
         },
         EmuCase {
             ranks: 8,
@@ -212,6 +219,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             send_chunk: 8,
             recv_chunk: 2,
             dynamic_send: true,
+            tally_slots: 4,
         },
         EmuCase {
             ranks: 2,
@@ -225,6 +233,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             send_chunk: 5,
             recv_chunk: 0,
             dynamic_send: true,
+            tally_slots: 2048,
         },
     ];
     let only = std::env::var("MOELINK_EMU_CASE").ok();

@@ -21,7 +21,9 @@ use moelink_kernels::transport::{Transport, TRANSPORT_HEADER};
 /// Warps per block in the emulation.
 const EMU_WARPS: u32 = 2;
 
-fn run_variant(cxx: &str, v: HtiVariant) {
+/// `tally_slots`: the dispatch's shared-memory tallies (`DISPATCH_TALLY_SLOTS`), fewer than the experts to
+/// reach the global atomics.
+fn run_variant(cxx: &str, v: HtiVariant, tally_slots: Option<u32>) {
     // Every kernel file takes the same constants: the dispatch's key names the build.
     let spec = v.dispatch_spec();
     let files = [
@@ -36,10 +38,11 @@ fn run_variant(cxx: &str, v: HtiVariant) {
     // launched when its host picked the variant from topk_idx's address, for the variant-mismatch scenario
     // (run when this variant carries top-k).
     let peer = HtiVariant { topk: 0, ..v }.dispatch_spec();
-    let peer_flags: Vec<String> = ["TOPK", "HTI_MSG_BYTES", "HTI_ROW_BYTES", "HTI_CROW_BYTES", "HTI_CMSG_BYTES"]
+    let mut peer_flags: Vec<String> = ["TOPK", "HTI_MSG_BYTES", "HTI_ROW_BYTES", "HTI_CROW_BYTES", "HTI_CMSG_BYTES"]
         .iter()
         .map(|name| format!("-DHTI_EMU_PEER_{name}={}", peer.define(name).expect("every HT-internode spec defines it")))
         .collect();
+    peer_flags.extend(tally_slots.map(|n| format!("-DDISPATCH_TALLY_SLOTS={n}")));
     let peer_flags: Vec<&str> = peer_flags.iter().map(String::as_str).collect();
     let h = common::Harness {
         spec: &spec,
@@ -52,7 +55,7 @@ fn run_variant(cxx: &str, v: HtiVariant) {
 }
 
 macro_rules! emulate {
-    ($($name:ident: $nodes:expr, $rpn:expr, $hidden:expr, $fp8:expr, $topk:expr, $biases:expr, $transport:expr;)*) => {$(
+    ($($name:ident: $nodes:expr, $rpn:expr, $hidden:expr, $fp8:expr, $topk:expr, $biases:expr, $transport:expr, $tally:expr;)*) => {$(
         #[test]
         fn $name() {
             let Some(cxx) = common::compiler() else {
@@ -62,17 +65,18 @@ macro_rules! emulate {
             run_variant(&cxx, HtiVariant {
                 hidden: $hidden, fp8: $fp8, topk: $topk, num_biases: $biases, num_nodes: $nodes, ranks_per_node: $rpn,
                 transport: $transport,
-            });
+            }, $tally);
         }
     )*};
 }
 
 emulate! {
-    emu_nic_2x2_fp8_hidden_256_top4: 2, 2, 256, true, 4, 1, Transport::EmuNic;
-    ptr_2x2_bf16_hidden_128_top3: 2, 2, 128, false, 3, 2, Transport::Ptr;
-    emu_nic_4x2_bf16_hidden_64_top8: 4, 2, 64, false, 8, 0, Transport::EmuNic;
-    ptr_2x4_fp8_hidden_128_top6: 2, 4, 128, true, 6, 2, Transport::Ptr;
-    emu_nic_3x1_bf16_hidden_32_top2: 3, 1, 32, false, 2, 0, Transport::EmuNic;
+    emu_nic_2x2_fp8_hidden_256_top4: 2, 2, 256, true, 4, 1, Transport::EmuNic, None;
+    ptr_2x2_bf16_hidden_128_top3: 2, 2, 128, false, 3, 2, Transport::Ptr, None;
+    // The tallies in global atomics (fewer shared slots than experts).
+    emu_nic_4x2_bf16_hidden_64_top8: 4, 2, 64, false, 8, 0, Transport::EmuNic, Some(2);
+    ptr_2x4_fp8_hidden_128_top6: 2, 4, 128, true, 6, 2, Transport::Ptr, Some(2);
+    emu_nic_3x1_bf16_hidden_32_top2: 3, 1, 32, false, 2, 0, Transport::EmuNic, None;
     // No top-k travelling with the rows: the cached dispatch's variant.
-    emu_nic_2x2_bf16_hidden_128_top0: 2, 2, 128, false, 0, 1, Transport::EmuNic;
+    emu_nic_2x2_bf16_hidden_128_top0: 2, 2, 128, false, 0, 1, Transport::EmuNic, None;
 }
