@@ -362,7 +362,9 @@ void check_trace(u32 kind, u32 me, u32 blocks, u32 words_per_block) {
 }
 
 // Fresh dispatch (payload x, top-k when K > 0; with top-k its senders check l.per_expert against topk_idx).
-void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handle& h, Outputs& o, u32 rows) {
+// `stale`: a later notify has rewritten the host words before this dispatch started (READY moved on, the
+// per-expert sums changed): the receivers' check must skip itself.
+void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handle& h, Outputs& o, u32 rows, bool stale = false) {
   o.rows = rows;
   o.x.assign((size_t)rows * H * (F8 ? 1 : 2) + 16, 0xab);
   o.scales.assign((size_t)rows * SCALES + 1, -1.0f);
@@ -381,6 +383,10 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handl
   if (K && h.known) {  // CPU-sync: the rows that arrive are checked against notify's per-expert sums
     a.host_notify = (u64)w.ranks[me].host_notify;
     a.host_seq = w.ranks[me].host_notify[k_notify::HT_HN_READY];
+    if (stale) {
+      w.ranks[me].host_notify[k_notify::HT_HN_READY] = a.host_seq + 1;
+      w.ranks[me].host_notify[k_notify::HT_HN_PER_EXPERT] += 7;
+    }
   }
   a.recv_x = (u64)o.x.data();
   a.recv_scales = F8 ? (u64)o.scales.data() : 0;
@@ -847,16 +853,17 @@ void scenario_bad_layout() {
   // per rank still pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the
   // true count, rank 1's LAYOUT_ARG_RECV_EXPERT_TOKENS with its local expert 0 and the rows that arrived for it
   // (5 fewer than notify summed). (d): the same layouts again, right: no error anywhere (the counts start from
-  // 0 each call).
+  // 0 each call). (e): right layouts, but a later notify rewrote the host words before the dispatch started
+  // (another READY, other sums): the receivers do not check against words of another call, so no error.
   const u32 bad_e = E / R;
-  for (int round = 0; round < 2; round++) {
+  for (int round = 0; round < 3; round++) {
     per_rank([&](u32 me) { layouts[me] = run_layout(w, me, all[me]); });
     const i32 true_count = layouts[0].per_expert[bad_e];
     if (round == 0) layouts[0].per_expert[bad_e] += 5;
     per_rank([&](u32 me) {
       CHECK(run_notify(w, me, all[me], layouts[me], handles[me], true, 3 + round, dispatch_row_bytes(H, F8, K), signature()),
             "rank %u: notify refused per-expert counts whose sums agree", me);
-      run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], handles[me].num_recv);
+      run_dispatch(w, me, all[me], layouts[me], handles[me], outs[me], handles[me].num_recv, round == 2);
     });
     for (u32 me = 0; me < R; me++) {
       const ErrorRec& rec = *w.ranks[me].record;
