@@ -824,15 +824,22 @@ int main() {
     // (c) Rank 0's num_tokens_per_expert 5 too high for the first expert of rank 1 (the sums per rank still
     // pass notify): rank 0's dispatch reports LAYOUT_ARG_EXPERT_TOKENS with the expert and the true count, rank
     // 1's LAYOUT_ARG_RECV_EXPERT_TOKENS (5 rows fewer than notify summed for its local expert 0), the others
-    // see no error. (d) The right layouts again: no error anywhere (the counts start from 0 each call).
+    // see no error. (d) The right layouts again: no error anywhere (the counts start from 0 each call). (e) The
+    // right layouts, but a later notify rewrote the host words before the dispatch started (another READY,
+    // other sums): the receivers do not check against words of another call, so no error.
     const u32 bad_e = w.el();
-    for (int round = 0; round < 2; round++) {
+    for (int round = 0; round < 3; round++) {
       lay = good;
       const i32 true_count = lay[0].per_expert[bad_e];
       if (round == 0) lay[0].per_expert[bad_e] += 5;
       notify(w, in, lay);
       for (u32 p = 0; p < R; p++) CHECK(lay[p].routing[RT_STATUS] == 0, "bad layout (c): rank %u notify status %d", p, lay[p].routing[RT_STATUS]);
-      dispatch(w, in, lay, rx, round == 0 ? "a per-expert count 5 too high" : "the right counts again");
+      if (round == 2)
+        for (u32 p = 0; p < R; p++) {
+          lay[p].host[HN_READY] += 1;
+          lay[p].host[HN_PER_EXPERT] += 7;
+        }
+      dispatch(w, in, lay, rx, round == 0 ? "a per-expert count 5 too high" : round == 1 ? "the right counts again" : "stale host words");
       for (u32 p = 0; p < R; p++) {
         const ErrorRecord& rec = w.r[p].record;
         if (p == 0 && round == 0)
@@ -846,7 +853,7 @@ int main() {
                 "bad layout (c): rank 1 record code %u peer %u detail %llu %llx (notify summed %u)", rec.code, rec.peer,
                 (unsigned long long)rec.elapsed_ns, (unsigned long long)rec.timeout_ns, lay[1].host[HN_PER_EXPERT]);
         else
-          check_clean(w, p, round == 0 ? "bad layout (c): another rank" : "bad layout (d)");
+          check_clean(w, p, round == 0 ? "bad layout (c): another rank" : round == 1 ? "bad layout (d)" : "bad layout (e)");
         w.r[p].record = ErrorRecord{};
         w.r[p].claim = CLAIM_NONE;
       }
