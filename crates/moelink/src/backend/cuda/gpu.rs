@@ -758,6 +758,7 @@ impl Drop for Gpu {
         if !self.wait_idle_once() {
             self.sym.leak();
             self.errors.leak();
+            std::mem::forget(self.ht_trace.take());
             std::mem::forget(std::mem::take(&mut self.modules));
             std::mem::forget(std::mem::take(&mut self.kernels));
             std::mem::forget(std::mem::take(&mut self.pool));

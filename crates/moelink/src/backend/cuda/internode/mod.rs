@@ -152,8 +152,12 @@ impl Backend for Internode {
     }
     fn timer_begin(&mut self) -> Result<bool> {
         let (rdma_args, nic_blocks, counter) = (self.rdma_args(), self.rdma.nic_blocks(), self.barrier_counter.device_ptr());
-        let kernel = self.barrier_kernel()?;
-        self.gpu.open_timer(|gpu| launch_barrier(gpu, &kernel, rdma_args, nic_blocks, counter))?;
+        let rdma = &*self.rdma;
+        // The kernel is loaded inside, after open_timer's checks: a refused open during a capture loads nothing.
+        self.gpu.open_timer(|gpu| {
+            let kernel = barrier_kernel(gpu, rdma)?;
+            launch_barrier(gpu, &kernel, rdma_args, nic_blocks, counter)
+        })?;
         Ok(true)
     }
     fn kernel_traces(&self) -> Vec<crate::trace::KernelTrace> {
@@ -172,18 +176,18 @@ impl Backend for Internode {
 }
 
 impl Internode {
-    /// The transport's barrier kernel.
-    fn barrier_kernel(&mut self) -> Result<Kernel> {
-        let spec = TransportVariant { transport: self.rdma.transport().kernel_transport() }.spec();
-        self.kernel(&spec, "transport_barrier")
-    }
-
     /// Launches a barrier of every rank of the RDMA domain on the operation stream (collective); an error
     /// it records surfaces at the next `finish`.
     pub(crate) fn enqueue_barrier(&mut self) -> Result<()> {
-        let kernel = self.barrier_kernel()?;
+        let kernel = barrier_kernel(&mut self.gpu, &self.rdma)?;
         launch_barrier(&self.gpu, &kernel, self.rdma_args(), self.rdma.nic_blocks(), self.barrier_counter.device_ptr())
     }
+}
+
+/// The transport's barrier kernel, linked with the RDMA domain.
+fn barrier_kernel(gpu: &mut Gpu, rdma: &RdmaDomain) -> Result<Kernel> {
+    let spec = TransportVariant { transport: rdma.transport().kernel_transport() }.spec();
+    gpu.kernel_linked(&spec, "transport_barrier", rdma)
 }
 
 fn launch_barrier(gpu: &Gpu, kernel: &Kernel, rdma: moelink_kernels::transport::RdmaArgs, nic_blocks: u32, counter: u64) -> Result<()> {
