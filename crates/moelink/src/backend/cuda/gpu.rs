@@ -864,3 +864,25 @@ macro_rules! forward_gpu_operations {
     };
 }
 pub(crate) use forward_gpu_operations;
+
+#[cfg(test)]
+mod tests {
+    use super::Leakable;
+    use std::rc::Rc;
+
+    #[test]
+    fn a_leaked_value_is_never_dropped_a_taken_one_is() {
+        let value = Rc::new(());
+        let mut kept = Leakable::new(value.clone());
+        assert_eq!(Rc::strong_count(&*kept), 2);
+        kept.leak();
+        drop(kept);
+        assert_eq!(Rc::strong_count(&value), 2, "the leaked clone lives on");
+        let mut taken = Leakable::new(value.clone());
+        drop(taken.take());
+        drop(taken);
+        assert_eq!(Rc::strong_count(&value), 2, "taken and dropped once, nothing left to drop");
+        drop(Leakable::new(value.clone()));
+        assert_eq!(Rc::strong_count(&value), 2, "an untouched Leakable drops its value");
+    }
+}

@@ -18,11 +18,40 @@ const HOOK_DROPPED: u8 = 2;
 /// State of one receive phase handed out as a hook: pending, ran, or dropped without running.
 pub(crate) type HookMarker = Arc<AtomicU8>;
 
-/// A receive phase handed out as a hook; if it is dropped unrun, the next call drains it (publishes its
+/// The receive phases handed out as hooks; one dropped unrun is drained by the next call (publishes its
 /// consumed flags) so that the peers can reuse that buffer set. `D` is the fabric's receive launch.
-struct Outstanding<D> {
-    marker: HookMarker,
-    drain: D,
+pub(crate) struct Hooks<D> {
+    outstanding: Vec<(HookMarker, D)>,
+}
+
+impl<D> Hooks<D> {
+    pub(crate) fn new() -> Hooks<D> {
+        Hooks { outstanding: Vec::new() }
+    }
+
+    /// Remembers a hook handed out, with the launch that drains it if it is dropped unrun.
+    pub(crate) fn hand_out(&mut self, marker: HookMarker, drain: D) {
+        self.outstanding.push((marker, drain));
+    }
+
+    /// The drains of the hooks dropped unrun since the last call; those that ran are forgotten, those still
+    /// pending kept.
+    pub(crate) fn take_dropped(&mut self) -> Vec<D> {
+        let mut dropped = Vec::new();
+        for (marker, drain) in std::mem::take(&mut self.outstanding) {
+            match marker.load(Ordering::Acquire) {
+                HOOK_PENDING => self.outstanding.push((marker, drain)),
+                HOOK_DROPPED => dropped.push(drain),
+                _ => {}
+            }
+        }
+        dropped
+    }
+
+    /// Forgets every hook.
+    pub(crate) fn clear(&mut self) {
+        self.outstanding.clear();
+    }
 }
 
 /// The low-latency calls of a buffer, whichever fabric runs them: the report the kernels write, the call
@@ -35,7 +64,7 @@ pub(crate) struct LlCalls<D> {
     /// Calls issued so far; the buffer set of the next call is `calls & 1`.
     pub dispatch_calls: u64,
     pub combine_calls: u64,
-    outstanding: Vec<Outstanding<D>>,
+    hooks: Hooks<D>,
     /// Shape `[E_local, R*T_max, H]` of the zero-copy buffer handed out last.
     pub staging: Option<[usize; 3]>,
 }
@@ -47,32 +76,24 @@ impl<D> LlCalls<D> {
             report: HostMapped::new(device, 1)?,
             dispatch_calls: 0,
             combine_calls: 0,
-            outstanding: Vec::new(),
+            hooks: Hooks::new(),
             staging: None,
         })
     }
 
-    /// Remembers a hook handed out, with the launch that drains it if it is dropped unrun.
+    /// Remembers a hook handed out ([`Hooks::hand_out`]).
     pub(crate) fn hand_out(&mut self, marker: HookMarker, drain: D) {
-        self.outstanding.push(Outstanding { marker, drain });
+        self.hooks.hand_out(marker, drain);
     }
 
-    /// The drains of the hooks dropped unrun since the last call (forgetting those that ran).
+    /// The drains of the hooks dropped unrun since the last call ([`Hooks::take_dropped`]).
     pub(crate) fn take_dropped(&mut self) -> Vec<D> {
-        let mut dropped = Vec::new();
-        for o in std::mem::take(&mut self.outstanding) {
-            match o.marker.load(Ordering::Acquire) {
-                HOOK_PENDING => self.outstanding.push(o),
-                HOOK_DROPPED => dropped.push(o.drain),
-                _ => {}
-            }
-        }
-        dropped
+        self.hooks.take_dropped()
     }
 
     /// Forgets every hook and report (`clean_low_latency_buffer` reset the flags they refer to).
     pub(crate) fn forget(&mut self) {
-        self.outstanding.clear();
+        self.hooks.clear();
         self.report.write(0, LlReport::default());
     }
 
@@ -244,6 +265,27 @@ pub(crate) mod tests {
             has_weights,
             return_recv_hook: false,
         }
+    }
+
+    #[test]
+    fn dropped_hooks_are_drained_once_and_pending_ones_kept() {
+        let mut hooks = Hooks::new();
+        let markers: Vec<HookMarker> = (0..3).map(|_| Arc::new(AtomicU8::new(HOOK_PENDING))).collect();
+        for (i, m) in markers.iter().enumerate() {
+            hooks.hand_out(m.clone(), i);
+        }
+        assert!(hooks.take_dropped().is_empty(), "every hook is still pending");
+        // A pending phase dropped unrun (as `Pending`'s drop does), one that ran, one still pending.
+        drop(Pending::new((), (), markers[0].clone(), ()));
+        markers[1].store(HOOK_RAN, Ordering::Release);
+        assert_eq!(hooks.take_dropped(), vec![0]);
+        assert!(hooks.take_dropped().is_empty(), "a drain is handed out once, a hook that ran is forgotten");
+        drop(Pending::new((), (), markers[2].clone(), ()));
+        assert_eq!(hooks.take_dropped(), vec![2], "the pending hook was kept until it was dropped");
+        // A phase that ran is not marked dropped when its `Pending` goes.
+        let ran = Arc::new(AtomicU8::new(HOOK_RAN));
+        drop(Pending::new((), (), ran.clone(), ()));
+        assert_eq!(ran.load(Ordering::Acquire), HOOK_RAN);
     }
 
     #[test]
