@@ -77,8 +77,8 @@ pub(crate) struct HostLlRouting {
     recv_count: Vec<usize>,
 }
 
-/// A dispatch whose receive phase has not run yet (boxed: it holds five output views).
-pub(crate) struct PendingDispatch<'a>(Box<DispatchState<'a>>);
+/// A dispatch whose receive phase has not run yet (boxed in a `PendingRecv` when a hook holds it).
+pub(crate) struct PendingDispatch<'a>(DispatchState<'a>);
 
 struct DispatchState<'a> {
     spec: LlSpec,
@@ -91,8 +91,8 @@ struct DispatchState<'a> {
     out: LlDispatchOutputs<'a>,
 }
 
-/// A combine whose receive phase has not run yet (boxed, like [`PendingDispatch`]).
-pub(crate) struct PendingCombine<'a>(Box<CombineState<'a>>);
+/// A combine whose receive phase has not run yet (like [`PendingDispatch`]).
+pub(crate) struct PendingCombine<'a>(CombineState<'a>);
 
 struct CombineState<'a> {
     spec: LlSpec,
@@ -301,7 +301,7 @@ pub(crate) fn dispatch<'a>(
         }
     }
     let routing = Arc::new(BackendData::new(HOST, HostLlRouting { topk_idx, topk_weights, recv_tokens, recv_count }));
-    let pending = PendingDispatch(Box::new(DispatchState { spec: s, routing: routing.clone(), recv, mask, waited_ns, out }));
+    let pending = PendingDispatch(DispatchState { spec: s, routing: routing.clone(), recv, mask, waited_ns, out });
     if s.return_recv_hook {
         Ok((routing, Some(PendingRecv::new(pending))))
     } else {
@@ -312,7 +312,7 @@ pub(crate) fn dispatch<'a>(
 
 /// The receive phase of a dispatch: expands the received tokens into the outputs.
 fn finish_dispatch(_b: &mut HostBackend, p: PendingDispatch<'_>) -> Result<()> {
-    let DispatchState { spec: s, routing, recv, mask, waited_ns, mut out } = *p.0;
+    let DispatchState { spec: s, routing, recv, mask, waited_ns, mut out } = p.0;
     let rank = s.rank;
     let routing = routing.get::<HostLlRouting>("handle", rank, HOST)?;
     let rec = DispatchRecord::new(&s);
@@ -509,7 +509,7 @@ pub(crate) fn combine<'a>(
     let recv = b.all_to_all(Phase::LowLatencyCombine, msgs)?;
     let waited_ns = i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX);
 
-    let pending = PendingCombine(Box::new(CombineState { spec: s, topk_idx, topk_weights, recv, mask: b.ll.mask.clone(), waited_ns, out }));
+    let pending = PendingCombine(CombineState { spec: s, topk_idx, topk_weights, recv, mask: b.ll.mask.clone(), waited_ns, out });
     if cs.return_recv_hook {
         Ok(Some(PendingRecv::new(pending)))
     } else {
@@ -520,7 +520,7 @@ pub(crate) fn combine<'a>(
 
 /// The receive phase of a combine: sums what came back, in the documented order.
 fn finish_combine(_b: &mut HostBackend, p: PendingCombine<'_>) -> Result<()> {
-    let CombineState { spec: s, topk_idx, topk_weights, recv, mask, waited_ns, mut out } = *p.0;
+    let CombineState { spec: s, topk_idx, topk_weights, recv, mask, waited_ns, mut out } = p.0;
     let (rank, nr, h, k, t_count) = (s.rank, s.num_ranks, s.hidden, s.topk, s.num_tokens);
     let rec_bytes = combine_record_bytes(h);
     let pre_reduced = s.has_weights;

@@ -136,9 +136,9 @@ fn take_report(b: &mut Internode, local: Option<(&'static str, String)>) -> Resu
 }
 
 /// A hooked internode receive phase.
-pub(crate) struct PendingDispatch<'a>(Box<Pending<LliDispatchArgs, LlDispatchOutputs<'a>, LliVariant>>);
+pub(crate) struct PendingDispatch<'a>(Pending<LliDispatchArgs, LlDispatchOutputs<'a>, LliVariant>);
 /// A hooked internode combine's receive phase.
-pub(crate) struct PendingCombine<'a>(Box<Pending<LliCombineArgs, LlCombineOutputs<'a>, LliVariant>>);
+pub(crate) struct PendingCombine<'a>(Pending<LliCombineArgs, LlCombineOutputs<'a>, LliVariant>);
 
 impl RecvPhase for PendingDispatch<'_> {
     fn run(self: Box<Self>, backend: &mut dyn std::any::Any, rank: usize) -> Result<()> {
@@ -216,7 +216,7 @@ pub(crate) fn dispatch<'a>(
         let send = LliDispatchArgs { phases: phase::SEND, ..args };
         let recv = LliDispatchArgs { phases: phase::RECV, ..args };
         b.lli.calls.hand_out(marker.clone(), Drain::Dispatch(v, recv));
-        let pending = PendingDispatch(Box::new(Pending::new(recv, v, marker, out)));
+        let pending = PendingDispatch(Pending::new(recv, v, marker, out));
         launch(b, &v, kernel_name::LLI_DISPATCH, &send, false)?;
         b.finish(Phase::LowLatencyDispatch)?;
         take_report(b, None)?;
@@ -312,7 +312,7 @@ pub(crate) fn combine<'a>(
         let recv = LliCombineArgs { phases: phase::RECV, ..args };
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
         b.lli.calls.hand_out(marker.clone(), Drain::Combine(v, recv));
-        let pending = PendingCombine(Box::new(Pending::new(recv, v, marker, out)));
+        let pending = PendingCombine(Pending::new(recv, v, marker, out));
         launch(b, &v, kernel_name::LLI_COMBINE, &send, false)?;
         b.finish(Phase::LowLatencyCombine)?;
         take_report(b, local)?;

@@ -57,11 +57,11 @@ impl LlState {
     }
 }
 
-/// A dispatch whose receive phase has not run yet (`return_recv_hook`). Boxed: the argument struct is large.
-pub(crate) struct PendingDispatch<'a>(Box<Pending<LlDispatchArgs, LlDispatchOutputs<'a>, LlVariant>>);
+/// A dispatch whose receive phase has not run yet (`return_recv_hook`), boxed in a `PendingRecv`.
+pub(crate) struct PendingDispatch<'a>(Pending<LlDispatchArgs, LlDispatchOutputs<'a>, LlVariant>);
 
 /// A combine whose receive phase has not run yet (`return_recv_hook`).
-pub(crate) struct PendingCombine<'a>(Box<Pending<LlCombineArgs, LlCombineOutputs<'a>, LlVariant>>);
+pub(crate) struct PendingCombine<'a>(Pending<LlCombineArgs, LlCombineOutputs<'a>, LlVariant>);
 
 // ------------------------------------------------------------------ layout and sizes
 
@@ -269,7 +269,7 @@ pub(crate) fn dispatch<'a>(
         let send = LlDispatchArgs { phases: phase::SEND, ..args };
         let recv = LlDispatchArgs { phases: phase::RECV, ..args };
         b.ll.calls.hand_out(marker.clone(), Drain::Dispatch(variant, recv));
-        let pending = PendingDispatch(Box::new(Pending::new(recv, variant, marker, out)));
+        let pending = PendingDispatch(Pending::new(recv, variant, marker, out));
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
         b.finish(Phase::LowLatencyDispatch)?;
         take_report(b, None)?;
@@ -365,7 +365,7 @@ pub(crate) fn combine<'a>(
         let recv = LlCombineArgs { phases: phase::RECV, ..args };
         let marker: HookMarker = Arc::new(AtomicU8::new(HOOK_PENDING));
         b.ll.calls.hand_out(marker.clone(), Drain::Combine(variant, recv));
-        let pending = PendingCombine(Box::new(Pending::new(recv, variant, marker, out)));
+        let pending = PendingCombine(Pending::new(recv, variant, marker, out));
         b.launch(&kernel, &LaunchConfig::linear(grid, LL_THREADS), &send)?;
         b.finish(Phase::LowLatencyCombine)?;
         take_report(b, local)?;
