@@ -44,7 +44,7 @@ pub use ipc::{IpcMapping, IpcMemHandle};
 pub use memory::{DeviceBuffer, DeviceSpanMut, HostMapped};
 pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
 pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};
-pub use stream::{Event, Stream};
+pub use stream::{Event, ForeignStream, Stream};
 pub use symmetric::{AllGather, Exchange, PeerAccess, SymmetricBuffer};
 
 /// Re-export of the trait kernel arguments and host-mapped values must implement.

@@ -27,6 +27,33 @@ unsafe impl Send for StreamHandle {}
 // SAFETY: as above; no method hands out interior mutability beyond driver calls.
 unsafe impl Sync for StreamHandle {}
 
+/// A raw `CUstream` handle from outside Rust (e.g. `torch.cuda.current_stream().cuda_stream`), whose work
+/// its owner keeps alive: what `moelink::Buffer::on_foreign_stream` enqueues on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForeignStream {
+    handle: u64,
+}
+
+impl ForeignStream {
+    /// Wraps a raw stream handle.
+    ///
+    /// # Safety
+    /// Once this value is used with a `moelink::Buffer`, `handle` is a live stream of that buffer's GPU (its
+    /// primary context) until the buffer is dropped or enqueues on another foreign stream (dropping a buffer
+    /// waits for the last foreign stream it used); and every tensor, handle and output an operation enqueued
+    /// on it reads or writes stays alive, and is not written by anyone else, until the stream has executed
+    /// that work (torch's caching allocator with `record_stream`, or an event the caller waits for, keeps
+    /// this promise for moelink's Python layer).
+    pub unsafe fn from_raw(handle: u64) -> ForeignStream {
+        ForeignStream { handle }
+    }
+
+    /// The raw handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+}
+
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Stream(GPU {}, {:#x})", self.device().ordinal(), self.raw_handle())
@@ -40,6 +67,14 @@ impl Stream {
         // SAFETY: the device's context is current; the stream is destroyed in Drop.
         let raw = unsafe { drv::stream_create_non_blocking()? };
         Ok(Stream { inner: Arc::new(StreamHandle { device: device.clone(), raw, owned: true }) })
+    }
+
+    /// The stream a [`ForeignStream`] names, on `device` (whose primary context the handle must belong to,
+    /// by that type's contract).
+    pub fn from_foreign(device: &Device, stream: &ForeignStream) -> Stream {
+        // SAFETY: `ForeignStream::from_raw`'s contract: the handle is a live stream of this device's primary
+        // context while work enqueued through it is pending.
+        unsafe { Stream::borrow_raw(device, stream.handle) }
     }
 
     /// Wraps an existing stream handle (e.g. `torch.cuda.current_stream().cuda_stream`) without taking

@@ -296,7 +296,7 @@ impl Buffer {
     /// call. Host backend: `f` runs as usual.
     pub fn on_foreign_stream<T>(&mut self, stream: &ForeignStream, f: impl FnOnce(&mut Buffer) -> Result<T>) -> Result<T> {
         self.check_usable()?;
-        self.backend.bind_stream(BoundStream::Foreign(stream.handle()))?;
+        self.backend.bind_stream(BoundStream::Foreign(*stream))?;
         let value = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self)));
         self.backend.unbind_stream(false)?;
         value.unwrap_or_else(|panic| std::panic::resume_unwind(panic))

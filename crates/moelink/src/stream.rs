@@ -21,32 +21,9 @@ use crate::ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, Disp
 use crate::ll::{LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle};
 use crate::tensor::TensorRef;
 
-/// A raw `CUstream` handle from outside Rust (e.g. `torch.cuda.current_stream().cuda_stream`), for
-/// [`Buffer::on_foreign_stream`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ForeignStream {
-    handle: u64,
-}
-
-impl ForeignStream {
-    /// Wraps a raw stream handle.
-    ///
-    /// # Safety
-    /// Once this value is used with a buffer, `handle` is a live stream of that buffer's GPU (its primary
-    /// context) until the buffer is dropped or enqueues on another foreign stream (dropping a buffer waits
-    /// for the last foreign stream it used); and every tensor, handle and output an operation enqueued on
-    /// it reads or writes stays alive, and is not written by anyone else, until the stream has executed
-    /// that work (torch's caching allocator with `record_stream`, or an event the caller waits for, keeps
-    /// this promise for the Python layer).
-    pub unsafe fn from_raw(handle: u64) -> ForeignStream {
-        ForeignStream { handle }
-    }
-
-    /// The raw handle.
-    pub fn handle(&self) -> u64 {
-        self.handle
-    }
-}
+/// A raw stream handle from outside Rust, for [`Buffer::on_foreign_stream`] (its unsafe constructor states
+/// what the caller keeps alive).
+pub use moelink_cuda::ForeignStream;
 
 /// The operations of a [`Buffer::on_stream`] scope: the `_into` forms of the collectives, receive hooks,
 /// pipeline replays, barriers and timed regions, each enqueued on the scope's stream. Every view, handle

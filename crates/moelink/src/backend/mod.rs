@@ -35,8 +35,8 @@ pub(crate) struct HtDispatched {
 pub(crate) enum BoundStream {
     /// A stream of this process ([`crate::Buffer::on_stream`]).
     Owned(moelink_cuda::Stream),
-    /// A raw handle from outside ([`crate::ForeignStream`]), valid under that type's contract.
-    Foreign(u64),
+    /// A stream from outside Rust, valid under [`crate::ForeignStream`]'s contract.
+    Foreign(crate::ForeignStream),
 }
 
 impl BackendKind {

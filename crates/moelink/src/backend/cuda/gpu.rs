@@ -260,10 +260,8 @@ impl Gpu {
                 }
                 s
             }
-            BoundStream::Foreign(handle) => {
-                // SAFETY: `ForeignStream::from_raw`'s contract: the handle is a live stream of this buffer's
-                // device until the buffer is dropped or enqueues on another foreign stream.
-                let s = unsafe { Stream::borrow_raw(&self.device, handle) };
+            BoundStream::Foreign(foreign) => {
+                let s = Stream::from_foreign(&self.device, &foreign);
                 self.last_foreign = Some(s.clone());
                 s
             }
