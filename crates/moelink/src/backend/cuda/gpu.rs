@@ -98,6 +98,17 @@ enum StreamMode {
     External(Stream),
 }
 
+impl StreamMode {
+    /// The stream operations go to: `own` (the buffer's) or the caller's. Takes the field, not the `Gpu`, so
+    /// that callers can borrow other fields mutably beside it.
+    fn stream<'s>(&'s self, own: &'s Stream) -> &'s Stream {
+        match self {
+            StreamMode::Own => own,
+            StreamMode::External(s) => s,
+        }
+    }
+}
+
 /// This rank's GPU, as both fabrics use it.
 pub(crate) struct Gpu {
     pub(crate) group: Arc<dyn Group>,
@@ -292,10 +303,7 @@ impl Gpu {
 
     /// The stream operations are enqueued on.
     pub(crate) fn op_stream(&self) -> &Stream {
-        match &self.mode {
-            StreamMode::Own => &self.stream,
-            StreamMode::External(s) => s,
-        }
+        self.mode.stream(&self.stream)
     }
 
     /// True when calls return before their kernels finish.
@@ -482,19 +490,13 @@ impl Gpu {
 
     /// Copies `bytes` into this rank's symmetric buffer at `offset` ([`Gpu::write_words`]).
     pub(crate) fn write_local_words(&mut self, offset: usize, bytes: &[u8]) -> Result<()> {
-        let stream = match &self.mode {
-            StreamMode::Own => &self.stream,
-            StreamMode::External(s) => s,
-        };
+        let stream = self.mode.stream(&self.stream);
         write_words_on(stream, self.sym.local_mut(), offset, bytes)
     }
 
     /// Zeroes `len` bytes of this rank's symmetric buffer at `offset`, ordered on the operation stream.
     pub(crate) fn zero_symmetric(&mut self, offset: usize, len: usize) -> Result<()> {
-        let stream = match &self.mode {
-            StreamMode::Own => &self.stream,
-            StreamMode::External(s) => s,
-        };
+        let stream = self.mode.stream(&self.stream);
         Ok(self.sym.local_mut().span_mut(offset, len)?.memset_u8_async(0, stream)?)
     }
 
@@ -540,10 +542,7 @@ impl Gpu {
         self.ht_traces.clear();
         barrier(self)?;
         let t = self.timer.as_mut().expect("created above");
-        let stream = match &self.mode {
-            StreamMode::Own => &self.stream,
-            StreamMode::External(s) => s,
-        };
+        let stream = self.mode.stream(&self.stream);
         t.regions = t.regions.wrapping_add(1);
         t.scratch.memset_u32_async(t.regions, stream)?;
         t.start.record(stream)?;

@@ -9,8 +9,9 @@ use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::ht as kht;
 
 use super::gpu::Gpu;
+use crate::backend::BackendData;
 use crate::error::{Error, Phase, Result};
-use crate::ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, HtSpec, Payload, Routing};
+use crate::ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::layout::align_up;
 use crate::tensor::TensorMut;
 
@@ -52,7 +53,7 @@ pub(crate) fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
 
 /// The inputs of a dispatch the kernels read, their alignment checked: the payload's (and FP8 scales')
 /// 16- and 4-byte alignment, and, for a fresh dispatch, the top-k and layout tensors'.
-pub(crate) fn check_dispatch_inputs(gpu: &Gpu, a: &DispatchArgs<'_>, rank: usize) -> Result<()> {
+fn check_dispatch_inputs(gpu: &Gpu, a: &DispatchArgs<'_>, rank: usize) -> Result<()> {
     check_aligned(gpu.addr_of(a.x.x()), 16, "x", rank)?;
     if let Payload::Fp8 { scales, .. } = a.x {
         check_aligned(scales.addr(), 4, "x_scales", rank)?;
@@ -153,13 +154,34 @@ pub(crate) fn combine_addrs(gpu: &Gpu, rank: usize, a: &CombineArgs<'_>, out: &C
     Ok(c)
 }
 
-/// The received tokens per local expert a plan reports: the raw counts the host read (CPU-sync mode) rounded
-/// up to `expert_alignment`; empty in no-sync mode.
-pub(crate) fn per_expert_aligned(raw: Option<&[usize]>, s: &HtSpec) -> Vec<usize> {
-    match raw {
+/// The plan of a dispatch: the received count the host knows (CPU-sync mode, or a handle's), the received
+/// tokens per local expert (the raw counts rounded up to `expert_alignment`; empty in no-sync mode) and the
+/// fabric's `state`.
+pub(crate) fn dispatch_plan(
+    s: HtSpec,
+    num_recv_tokens: Option<usize>,
+    per_expert_raw: Option<&[usize]>,
+    state: BackendData,
+) -> DispatchPlan {
+    let num_recv_tokens_per_expert = match per_expert_raw {
         Some(raw) if s.num_worst_tokens == 0 => raw.iter().map(|&c| align_up(c, s.expert_alignment)).collect(),
         _ => Vec::new(),
+    };
+    DispatchPlan { spec: s, num_recv_tokens, num_recv_tokens_per_expert, state }
+}
+
+/// What both fabrics check before a dispatch's count exchange: a CPU-synchronised dispatch cannot be
+/// captured (the host waits for notify), and the inputs the kernels read are aligned.
+pub(crate) fn check_dispatch_start(gpu: &Gpu, s: &HtSpec, a: &DispatchArgs<'_>) -> Result<()> {
+    if s.num_worst_tokens == 0 && gpu.is_capturing() {
+        return Err(Error::invalid(
+            "num_worst_tokens",
+            s.rank,
+            "a CPU-synchronised dispatch waits for the count exchange on the host and cannot be captured into a CUDA graph; \
+             pass num_worst_tokens > 0",
+        ));
     }
+    check_dispatch_inputs(gpu, a, s.rank)
 }
 
 /// CPU-synchronised mode: waits (deadline + slack) until word `ready` of notify's host-mapped `words` reads

@@ -18,7 +18,7 @@ use moelink_kernels::{kernel_name, KernelSpec};
 
 use super::super::gpu::{ctrl, Gpu, HT_DATA};
 use super::super::ht_shared::{
-    check_aligned, check_dispatch_inputs, combine_addrs, dispatch_addrs, notify_status_error, per_expert_aligned, to_u32, wait_notify_ready,
+    check_aligned, check_dispatch_start, combine_addrs, dispatch_addrs, dispatch_plan, notify_status_error, to_u32, wait_notify_ready,
 };
 use super::super::pool::{pool_take, PooledBuffer};
 use super::{Internode, HT_SIGNALS, INTERNODE, RDMA_CTRL_BYTES};
@@ -252,26 +252,18 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
     let t = topology(b);
     check_limits(b, rank, s.topk, s.num_local_experts())?;
     roles_of(b, rank, s.num_sms, true)?;
-    if s.num_worst_tokens == 0 && b.is_capturing() {
-        return Err(Error::invalid(
-            "num_worst_tokens",
-            rank,
-            "a CPU-synchronised dispatch waits for the count exchange on the host and cannot be captured into a CUDA graph; \
-             pass num_worst_tokens > 0",
-        ));
-    }
-    check_dispatch_inputs(b, a, rank)?;
+    check_dispatch_start(b, &s, a)?;
     let layout = match a.routing {
         Routing::Cached(h) => {
             let data = h.data.clone();
             let r = routing_of(&data, rank)?;
             let host = r.host.clone();
-            return Ok(DispatchPlan {
-                spec: s,
-                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
-                state: BackendData::new(INTERNODE, HtiPlan::Cached(data)),
-            });
+            return Ok(dispatch_plan(
+                s,
+                host.as_ref().map(|h| h.num_recv_tokens),
+                host.as_ref().and_then(|h| h.per_expert_raw.as_deref()),
+                BackendData::new(INTERNODE, HtiPlan::Cached(data)),
+            ));
         }
         Routing::Fresh { layout, .. } => layout,
     };
@@ -326,12 +318,13 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
     } else {
         (None, None)
     };
-    Ok(DispatchPlan {
-        spec: s,
-        num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-        num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
-        state: BackendData::new(INTERNODE, HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
-    })
+    let (num_recv, per_expert_raw) = (host.as_ref().map(|h| h.num_recv_tokens), host.as_ref().and_then(|h| h.per_expert_raw.clone()));
+    Ok(dispatch_plan(
+        s,
+        num_recv,
+        per_expert_raw.as_deref(),
+        BackendData::new(INTERNODE, HtiPlan::Fresh { routing: routing_buf, host, num_fwd, round_tokens, chunk_tokens }),
+    ))
 }
 
 /// CPU-sync mode: waits (deadline) for notify's host-mapped results of call `seq`; a non-zero status is the

@@ -26,7 +26,7 @@ use moelink_kernels::kernel_name;
 use super::super::errors;
 use super::super::gpu::{ctrl, HT_DATA};
 use super::super::ht_shared::{
-    check_aligned, check_dispatch_inputs, combine_addrs, dispatch_addrs, link_sms, notify_status_error, per_expert_aligned, to_u32,
+    check_aligned, check_dispatch_start, combine_addrs, dispatch_addrs, dispatch_plan, link_sms, notify_status_error, to_u32,
     wait_notify_ready,
 };
 use super::super::pool::{pool_take, PooledBuffer};
@@ -249,15 +249,7 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
 pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_>) -> Result<DispatchPlan> {
     let rank = s.rank;
     ensure_region_agreed(b)?;
-    if s.num_worst_tokens == 0 && b.is_capturing() {
-        return Err(Error::invalid(
-            "num_worst_tokens",
-            rank,
-            "a CPU-synchronised dispatch waits for the count exchange on the host and cannot be captured into a CUDA graph; \
-             pass num_worst_tokens > 0",
-        ));
-    }
-    check_dispatch_inputs(b, a, rank)?;
+    check_dispatch_start(b, &s, a)?;
     let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
     let slab_rows = region(b).slab_rows(row_bytes);
     match a.routing {
@@ -269,12 +261,12 @@ pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_
                     return Err(too_small(b, "HT dispatch receive slab", hr.t_max, row_bytes));
                 }
             }
-            Ok(DispatchPlan {
-                spec: s,
-                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
-                state: BackendData::new(INTRANODE, CudaPlan::Cached(data)),
-            })
+            Ok(dispatch_plan(
+                s,
+                host.as_ref().map(|h| h.num_recv_tokens),
+                host.as_ref().and_then(|h| h.per_expert_raw.as_deref()),
+                BackendData::new(INTRANODE, CudaPlan::Cached(data)),
+            ))
         }
         Routing::Fresh { layout, .. } => {
             let el = s.num_local_experts();
@@ -330,12 +322,14 @@ pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_
             };
             b.launch(&kernel, &LaunchConfig::linear(1, HtNotifyVariant::THREADS), &args)?;
             let host = if sync { Some(read_notify(b, host_seq, &s, row_bytes)?) } else { None };
-            Ok(DispatchPlan {
-                spec: s,
-                num_recv_tokens: host.as_ref().map(|h| h.num_recv_tokens),
-                num_recv_tokens_per_expert: per_expert_aligned(host.as_ref().and_then(|h| h.per_expert_raw.as_deref()), &s),
-                state: BackendData::new(INTRANODE, CudaPlan::Fresh { routing: routing_buf, host }),
-            })
+            let (num_recv, per_expert_raw) =
+                (host.as_ref().map(|h| h.num_recv_tokens), host.as_ref().and_then(|h| h.per_expert_raw.clone()));
+            Ok(dispatch_plan(
+                s,
+                num_recv,
+                per_expert_raw.as_deref(),
+                BackendData::new(INTRANODE, CudaPlan::Fresh { routing: routing_buf, host }),
+            ))
         }
     }
 }
