@@ -40,7 +40,8 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 export MOELINK_TIMEOUT_MS=${MOELINK_TIMEOUT_MS:-5000}
 # A suite test running longer than this is taken for a hang: stacks printed, the suite stopped (conftest.py).
 export MOELINK_TEST_DEADLINE_S=${MOELINK_TEST_DEADLINE_S:-45}
-MOELINK_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
+MOELINK_COMMIT=${MOELINK_COMMIT:-$(sed -n 's/^commit: //p' .device/manifest.txt 2>/dev/null)}
+MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 export MOELINK_COMMIT
 export OMP_NUM_THREADS=4
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
