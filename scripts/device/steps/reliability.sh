@@ -131,6 +131,10 @@ step_chaos() {
         export CUDA_MPS_PIPE_DIRECTORY=$SCRATCH/mps-pipe CUDA_MPS_LOG_DIRECTORY=$SCRATCH/mps-log
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
         nvidia-cuda-mps-control -d && mps=1 && echo "MPS daemon started ($RANKS ranks on $NGPU GPUs)" | tee -a "$CHAOS_LOG"
+        # One rank per process: no extra hardware queues (MPS clients asking for run.sh's 32 each fail to
+        # create their contexts beyond the second, CUDA_ERROR_OUT_OF_MEMORY).
+        local connections=${CUDA_DEVICE_MAX_CONNECTIONS-}
+        unset CUDA_DEVICE_MAX_CONNECTIONS
     fi
     for spec in $CHAOS_RUNS; do
         if [ "$(left)" -lt 60 ]; then
@@ -140,7 +144,10 @@ step_chaos() {
         fi
         i=$((i + 1))
     done
-    if [ "$mps" = 1 ]; then echo quit | nvidia-cuda-mps-control; echo "MPS daemon quit" | tee -a "$CHAOS_LOG"; fi
+    if [ "$mps" = 1 ]; then
+        echo quit | nvidia-cuda-mps-control; echo "MPS daemon quit" | tee -a "$CHAOS_LOG"
+        [ -n "$connections" ] && export CUDA_DEVICE_MAX_CONNECTIONS=$connections
+    fi
 }
 
 step_poison() {
