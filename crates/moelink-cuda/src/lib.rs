@@ -8,6 +8,8 @@
 //!   [`HostMapped`], [`IpcMapping`], [`Module`]/[`Kernel`] (launch through `cuLaunchKernelEx`),
 //!   [`Graph`]/[`GraphExec`], and [`SymmetricBuffer`] (one buffer per rank, every rank's pointer on every
 //!   rank).
+//! - [`MemRef`]/[`MemMut`]: memory that Rust did not allocate (torch tensors, host arrays), lent for a lifetime;
+//!   their `from_raw` constructors are the one `unsafe` door for it, as [`ForeignStream::from_raw`] is for streams.
 //! - [`jit`]: NVRTC → CUBIN with disk and memory caches (and nvJitLink for kernels that link a device
 //!   library).
 //! - [`Nvshmem`]: the internode transport's engine, loaded only when an internode buffer asks for it.
@@ -30,6 +32,7 @@ mod error;
 mod graph;
 mod ipc;
 pub mod jit;
+mod lent;
 mod memory;
 mod module;
 mod nvshmem;
@@ -41,6 +44,7 @@ pub use device::{Device, DeviceInfo};
 pub use error::{Error, Result};
 pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
+pub use lent::{MemMut, MemRef, Place};
 pub use memory::{DeviceBuffer, DeviceSpanMut, HostMapped};
 pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
 pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};

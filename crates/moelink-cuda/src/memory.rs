@@ -48,16 +48,37 @@ impl DeviceSpanMut<'_> {
     /// Sets every byte to `value`, ordered on `stream` (a stream of the span's GPU), as
     /// [`DeviceBuffer::memset_u8_async`] does for a whole buffer.
     pub fn memset_u8_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
-        if stream.device().ordinal() != self.ordinal {
-            return Err(Error::invalid(format!(
-                "memset_u8_async: GPU {} memory with a GPU {} stream",
-                self.ordinal,
-                stream.device().ordinal()
-            )));
-        }
+        self.check_stream("memset_u8_async", stream)?;
         // SAFETY: the span lies inside a live allocation that its owner lends for 'a (`span_of` checked the
         // range); the owner's drop orders its free after work that uses it, as for a DeviceBuffer.
         unsafe { stream.memset_d8_async(self.addr, value, self.len) }
+    }
+
+    /// Sets every 32-bit word to `value`, ordered on `stream` (the span must be 4-byte aligned and a
+    /// multiple of 4 bytes long).
+    pub fn memset_u32_async(&mut self, value: u32, stream: &Stream) -> Result<()> {
+        self.check_stream("memset_u32_async", stream)?;
+        if self.addr % 4 != 0 || self.len % 4 != 0 {
+            return Err(Error::invalid(format!("memset_u32_async: {} bytes at {:#x} are not whole aligned words", self.len, self.addr)));
+        }
+        // SAFETY: as in `memset_u8_async`, and the range is whole aligned words.
+        unsafe { stream.memset_d32_async(self.addr, value, self.len / 4) }
+    }
+
+    /// Copies bytes `[src_offset, src_offset + self.len())` of `src` into the span, ordered on `stream`.
+    pub fn copy_from_device_async(&mut self, src: &DeviceBuffer, src_offset: usize, stream: &Stream) -> Result<()> {
+        self.check_stream("copy_from_device_async", stream)?;
+        check_range("copy_from_device_async source", src_offset, self.len, src.len_bytes())?;
+        // SAFETY: the destination as in `memset_u8_async`; the source range lies inside `src`, checked above,
+        // whose drop orders its free after the work that uses it.
+        unsafe { stream.memcpy_dtod_async(self.addr, src.device_ptr() + src_offset as u64, self.len) }
+    }
+
+    fn check_stream(&self, what: &str, stream: &Stream) -> Result<()> {
+        if stream.device().ordinal() != self.ordinal {
+            return Err(Error::invalid(format!("{what}: GPU {} memory with a GPU {} stream", self.ordinal, stream.device().ordinal())));
+        }
+        Ok(())
     }
 }
 

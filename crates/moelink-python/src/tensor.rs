@@ -17,7 +17,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use pyo3::{intern, Py};
 
-use moelink::{DType, Error, Location, TensorMut, TensorRef};
+use moelink::{DType, Error, Layout, Location, MemMut, MemRef, TensorMut, TensorRef};
 
 use crate::errors::type_error;
 
@@ -192,20 +192,27 @@ impl TensorArg {
     /// `extra_tensors`, `record_stream`).
     pub(crate) fn view(&self, py: Python<'_>, arg: &'static str, rank: usize) -> PyResult<TensorRef<'static>> {
         let (dtype, location) = self.parts(py, arg, rank)?;
+        let bytes = self.span_bytes(dtype).map_err(|e| rename(py, e, arg, rank))?;
         // SAFETY: the address, shape and strides describe a live tensor (or numpy array) that the Python
         // caller keeps alive and does not write while the call that reads it runs (see above).
-        let view = unsafe { TensorRef::from_raw_parts(self.addr, location, dtype, &self.shape, &self.strides()) };
-        view.map_err(|e| rename(py, e, arg, rank))
+        let mem = unsafe { MemRef::from_raw(self.addr, bytes, location.into()) };
+        TensorRef::from_memory(mem, dtype, &self.shape, &self.strides()).map_err(|e| rename(py, e, arg, rank))
     }
 
     /// A writable view of the tensor (an output the caller allocated).
     pub(crate) fn view_mut(&self, py: Python<'_>, arg: &'static str, rank: usize) -> PyResult<TensorMut<'static>> {
         let (dtype, location) = self.parts(py, arg, rank)?;
+        let bytes = self.span_bytes(dtype).map_err(|e| rename(py, e, arg, rank))?;
         // SAFETY: as in `view`; outputs are freshly allocated by the package (or given by the caller as
         // `out=`/stats tensors it owns, or kept by the package for reuse only while nothing else references
         // them) and nothing else writes them during the call.
-        let view = unsafe { TensorMut::from_raw_parts(self.addr, location, dtype, &self.shape, &self.strides()) };
-        view.map_err(|e| rename(py, e, arg, rank))
+        let mem = unsafe { MemMut::from_raw(self.addr, bytes, location.into()) };
+        TensorMut::from_memory(mem, dtype, &self.shape, &self.strides()).map_err(|e| rename(py, e, arg, rank))
+    }
+
+    /// Bytes from the first element to one past the last (the layout checked: an error names shape or strides).
+    fn span_bytes(&self, dtype: DType) -> Result<usize, Error> {
+        Ok(Layout::new(&self.shape, &self.strides())?.span_elems() * dtype.size_bytes())
     }
 }
 

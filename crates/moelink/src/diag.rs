@@ -409,9 +409,10 @@ impl<'g> DiagRank<'g> {
         Ok(host.chunks_exact(16).map(|c| u64::from_le_bytes(c[..8].try_into().unwrap_or_default())).collect())
     }
 
-    fn poison_region(&self, ptr: u64, bytes: usize) -> Result<()> {
-        // SAFETY: callers pass a range inside this rank's own symmetric buffer data region.
-        unsafe { self.stream.memset_d32_async(ptr, 0xdead_beef, bytes / 4) }.map_err(Error::from)
+    /// Fills bytes `[offset, offset + bytes)` of this rank's data region with a pattern no check writes.
+    fn poison_region(&mut self, offset: usize, bytes: usize) -> Result<()> {
+        let mut span = self.sym.local_mut().span_mut(DATA_OFFSET + offset, bytes)?;
+        Ok(span.memset_u32_async(0xdead_beef, &self.stream)?)
     }
 
     // -------------------------------------------------------------------------------------- bodies
@@ -422,7 +423,7 @@ impl<'g> DiagRank<'g> {
         // Slot n re-checks our own slot with a wrong seed (must fail: proves the check can fail).
         let result = self.verify_results(n + 1)?;
         // Poison what we will receive, then make sure every rank has done so before anyone writes.
-        self.poison_region(self.data_ptr(me), n * bytes_per_peer)?;
+        self.poison_region(0, n * bytes_per_peer)?;
         self.enqueue_barrier()?;
         // Write our pattern into slot `me` of every rank's buffer, through whatever mapping reaches it.
         for dst in 0..n {
@@ -593,7 +594,7 @@ impl<'g> DiagRank<'g> {
         let (kernel, cfg) = (kernel.clone(), cfg);
         // Poison what we receive; a barrier makes sure nobody writes before everyone has.
         for &src in sources {
-            self.poison_region(self.data_ptr(me) + (src * bytes) as u64, bytes)?;
+            self.poison_region(src * bytes, bytes)?;
         }
         self.enqueue_barrier()?;
         for rep in 0..=BANDWIDTH_REPS {

@@ -72,7 +72,7 @@ pub use ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, Dispatc
 pub use internode::{EmuNicOptions, RdmaOptions, Topology, Transport};
 pub use ll::{LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant};
 pub use stream::{ForeignStream, StreamScope};
-pub use tensor::{Layout, Location, Tensor, TensorMut, TensorRef};
+pub use tensor::{Layout, Location, MemMut, MemRef, Place, Tensor, TensorMut, TensorRef};
 
 /// Re-export of the bf16 type used for hidden states.
 pub use half::bf16;

@@ -1,12 +1,13 @@
 //! Tensor views (borrowed, with shape, strides and dtype) and owned tensors.
 //!
-//! A view is a base address plus a layout; it does not own memory. Safe constructors borrow a slice (host)
-//! or an owned [`Tensor`]; [`TensorRef::from_raw_parts`] is the `unsafe` door for memory owned elsewhere
-//! (torch tensors, another engine's device allocations). Strides are in elements and must be
-//! non-negative; at most [`MAX_DIMS`] dimensions.
+//! A view is lent memory plus a layout; it does not own memory. Views borrow a slice (host), an owned
+//! [`Tensor`], or memory owned elsewhere (torch tensors, another engine's device allocations), which enters
+//! through the CUDA layer's one door for it, [`MemRef::from_raw`] / [`MemMut::from_raw`]. Strides are in
+//! elements and must be non-negative; at most [`MAX_DIMS`] dimensions.
 
 use std::fmt;
-use std::marker::PhantomData;
+
+pub use moelink_cuda::{MemMut, MemRef, Place};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -25,6 +26,24 @@ pub enum Location {
     Host,
     /// Device memory of CUDA device `ordinal`.
     Cuda(usize),
+}
+
+impl From<Place> for Location {
+    fn from(place: Place) -> Location {
+        match place {
+            Place::Host => Location::Host,
+            Place::Device(ordinal) => Location::Cuda(ordinal),
+        }
+    }
+}
+
+impl From<Location> for Place {
+    fn from(location: Location) -> Place {
+        match location {
+            Location::Host => Place::Host,
+            Location::Cuda(ordinal) => Place::Device(ordinal),
+        }
+    }
 }
 
 impl fmt::Display for Location {
@@ -156,7 +175,7 @@ macro_rules! view_common {
             self.dtype
         }
         pub fn location(&self) -> Location {
-            self.location
+            self.mem.place().into()
         }
         pub fn layout(&self) -> &Layout {
             &self.layout
@@ -178,7 +197,7 @@ macro_rules! view_common {
         }
         /// Base address (host or device) of element `[0, 0, ...]`.
         pub fn addr(&self) -> u64 {
-            self.addr
+            self.mem.addr()
         }
         /// Bytes from the first element to one past the last.
         pub fn span_bytes(&self) -> usize {
@@ -190,20 +209,16 @@ macro_rules! view_common {
 /// A read-only view of a tensor.
 #[derive(Clone, Copy)]
 pub struct TensorRef<'a> {
-    addr: u64,
-    location: Location,
+    mem: MemRef<'a>,
     dtype: DType,
     layout: Layout,
-    _borrow: PhantomData<&'a [u8]>,
 }
 
 /// A writable view of a tensor.
 pub struct TensorMut<'a> {
-    addr: u64,
-    location: Location,
+    mem: MemMut<'a>,
     dtype: DType,
     layout: Layout,
-    _borrow: PhantomData<&'a mut [u8]>,
 }
 
 impl<'a> TensorRef<'a> {
@@ -218,40 +233,37 @@ impl<'a> TensorRef<'a> {
     pub fn from_slice_strided<T: Element>(data: &'a [T], shape: &[usize], strides: &[isize]) -> Result<Self> {
         let layout = Layout::new(shape, strides)?;
         check_fits(&layout, data.len())?;
-        Ok(TensorRef { addr: data.as_ptr() as u64, location: Location::Host, dtype: T::DTYPE, layout, _borrow: PhantomData })
+        Ok(TensorRef { mem: MemRef::host(bytemuck::cast_slice(data)), dtype: T::DTYPE, layout })
     }
 
     /// A view of a host slice of `bool` (torch.bool).
     pub fn from_bools(data: &'a [bool], shape: &[usize]) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         check_fits(&layout, data.len())?;
-        Ok(TensorRef { addr: data.as_ptr() as u64, location: Location::Host, dtype: DType::Bool, layout, _borrow: PhantomData })
+        Ok(TensorRef { mem: MemRef::host(bytemuck::cast_slice(data)), dtype: DType::Bool, layout })
     }
 
-    /// A view of memory owned elsewhere.
+    /// A view of lent memory (host or device), which must hold every element the layout addresses: memory
+    /// owned elsewhere enters through [`MemRef::from_raw`].
     ///
-    /// # Safety
-    /// `addr` must point to memory at `location` that holds every element the layout addresses, that stays
-    /// valid and is not written by anyone else for `'a` (for device memory: until the stream work that reads
-    /// it has completed).
-    pub unsafe fn from_raw_parts(addr: u64, location: Location, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
+    /// ```
+    /// use moelink::{DType, MemRef, TensorRef};
+    /// let data = [1u8, 2, 3, 4, 5, 6];
+    /// let t = TensorRef::from_memory(MemRef::host(&data), DType::U8, &[2, 2], &[3, 1])?;
+    /// assert_eq!(t.get::<u8>(&[1, 1]), Some(5));
+    /// assert!(TensorRef::from_memory(MemRef::host(&data), DType::U8, &[2, 4], &[4, 1]).is_err());
+    /// # Ok::<(), moelink::Error>(())
+    /// ```
+    pub fn from_memory(mem: MemRef<'a>, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
         let layout = Layout::new(shape, strides)?;
-        Ok(TensorRef { addr, location, dtype, layout, _borrow: PhantomData })
+        check_memory(&layout, dtype, mem.len())?;
+        Ok(TensorRef { mem, dtype, layout })
     }
 
     /// The bytes spanned by this view, when it lives in host memory.
     pub fn host_bytes(&self) -> Option<&'a [u8]> {
-        if self.location != Location::Host {
-            return None;
-        }
-        let n = self.span_bytes();
-        if n == 0 {
-            return Some(&[]);
-        }
-        // SAFETY: host views are built either from a borrowed slice covering the span (checked in
-        // `from_slice_strided`/`from_bools`/`Tensor::view`) or through `from_raw_parts`, whose contract
-        // requires the span to be valid, readable and unaliased by writers for 'a.
-        Some(unsafe { std::slice::from_raw_parts(self.addr as *const u8, n) })
+        // The lent memory holds the span (every constructor checks).
+        self.mem.host_bytes().map(|b| &b[..self.span_bytes()])
     }
 
     /// Reads one element (host views only); `None` when the view is not on the host or the type differs.
@@ -281,61 +293,48 @@ impl<'a> TensorMut<'a> {
     pub fn from_slice<T: Element>(data: &'a mut [T], shape: &[usize]) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         check_fits(&layout, data.len())?;
-        Ok(TensorMut { addr: data.as_mut_ptr() as u64, location: Location::Host, dtype: T::DTYPE, layout, _borrow: PhantomData })
+        Ok(TensorMut { mem: MemMut::host(bytemuck::cast_slice_mut(data)), dtype: T::DTYPE, layout })
     }
 
-    /// A writable view of memory owned elsewhere.
-    ///
-    /// # Safety
-    /// As [`TensorRef::from_raw_parts`], and nobody else reads or writes the memory for `'a`.
-    pub unsafe fn from_raw_parts(addr: u64, location: Location, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
+    /// A writable view of lent memory (host or device, a [`moelink_cuda::DeviceSpanMut`] too), which must
+    /// hold every element the layout addresses: memory owned elsewhere enters through [`MemMut::from_raw`].
+    pub fn from_memory(mem: impl Into<MemMut<'a>>, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
+        let mem = mem.into();
         let layout = Layout::new(shape, strides)?;
-        Ok(TensorMut { addr, location, dtype, layout, _borrow: PhantomData })
-    }
-
-    /// A writable view of device memory the CUDA layer lends (`span` must hold every element the layout
-    /// addresses).
-    pub(crate) fn from_device_span(
-        span: moelink_cuda::DeviceSpanMut<'a>,
-        dtype: DType,
-        shape: &[usize],
-        strides: &[isize],
-    ) -> Result<Self> {
-        let layout = Layout::new(shape, strides)?;
-        let bytes = layout.span_elems() * dtype.size_bytes();
-        if bytes > span.len() {
-            return Err(Error::invalid(
-                "shape",
-                0,
-                format!("{layout:?} of {dtype:?} spans {bytes} bytes, the device memory {}", span.len()),
-            ));
-        }
-        Ok(TensorMut { addr: span.addr(), location: Location::Cuda(span.ordinal()), dtype, layout, _borrow: PhantomData })
+        check_memory(&layout, dtype, mem.len())?;
+        Ok(TensorMut { mem, dtype, layout })
     }
 
     /// Read-only reborrow.
     pub fn as_ref(&self) -> TensorRef<'_> {
-        TensorRef { addr: self.addr, location: self.location, dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+        TensorRef { mem: self.mem.as_ref(), dtype: self.dtype, layout: self.layout }
     }
 
     /// Writable reborrow.
     pub fn reborrow(&mut self) -> TensorMut<'_> {
-        TensorMut { addr: self.addr, location: self.location, dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+        TensorMut { mem: self.mem.reborrow(), dtype: self.dtype, layout: self.layout }
     }
 
     /// The bytes spanned by this view, when it lives in host memory.
     pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        if self.location != Location::Host {
-            return None;
-        }
         let n = self.span_bytes();
-        if n == 0 {
-            return Some(&mut []);
-        }
-        // SAFETY: as in `TensorRef::host_bytes`; the view is unique (`&mut self`, and the constructors borrow
-        // mutably or require exclusive access by contract).
-        Some(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, n) })
+        self.mem.host_bytes_mut().map(|b| &mut b[..n])
     }
+
+    /// The bytes spanned by this view, when it lives on a GPU: what stream-ordered fills and copies into it
+    /// take.
+    pub fn device_span_mut(&mut self) -> Result<moelink_cuda::DeviceSpanMut<'_>> {
+        let n = self.span_bytes();
+        self.mem.device_span_mut(0, n).map_err(|e| Error::invalid("tensor", 0, e.to_string()))
+    }
+}
+
+fn check_memory(layout: &Layout, dtype: DType, len: usize) -> Result<()> {
+    let bytes = layout.span_elems() * dtype.size_bytes();
+    if bytes > len {
+        return Err(Error::invalid("shape", 0, format!("{layout:?} of {dtype:?} spans {bytes} bytes, the memory {len}")));
+    }
+    Ok(())
 }
 
 fn check_fits(layout: &Layout, len: usize) -> Result<()> {
@@ -427,21 +426,29 @@ impl Tensor {
             Storage::Cuda(b) => Location::Cuda(b.device_ordinal()),
         }
     }
-    fn addr(&self) -> u64 {
+    fn memory(&self) -> MemRef<'_> {
         match &self.storage {
-            Storage::Host(v) => v.as_ptr() as u64,
-            Storage::Cuda(b) => b.device_ptr(),
+            Storage::Host(v) => MemRef::host(bytemuck::cast_slice(v)),
+            Storage::Cuda(b) => MemRef::device(b),
+        }
+    }
+
+    fn memory_mut(&mut self) -> MemMut<'_> {
+        match &mut self.storage {
+            Storage::Host(v) => MemMut::host(bytemuck::cast_slice_mut(v)),
+            Storage::Cuda(b) => MemMut::device(b),
         }
     }
 
     /// A read-only view.
     pub fn view(&self) -> TensorRef<'_> {
-        TensorRef { addr: self.addr(), location: self.location(), dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+        TensorRef { mem: self.memory(), dtype: self.dtype, layout: self.layout }
     }
 
     /// A writable view.
     pub fn view_mut(&mut self) -> TensorMut<'_> {
-        TensorMut { addr: self.addr(), location: self.location(), dtype: self.dtype, layout: self.layout, _borrow: PhantomData }
+        let (dtype, layout) = (self.dtype, self.layout);
+        TensorMut { mem: self.memory_mut(), dtype, layout }
     }
 
     fn nbytes(&self) -> usize {
@@ -463,7 +470,8 @@ impl Tensor {
         if layout.span_elems() > self.numel() {
             return Err(Error::invalid("strides", 0, format!("{layout:?} reaches past the tensor's {} elements", self.numel())));
         }
-        Ok(TensorMut { addr: self.addr(), location: self.location(), dtype: self.dtype, layout, _borrow: PhantomData })
+        let dtype = self.dtype;
+        Ok(TensorMut { mem: self.memory_mut(), dtype, layout })
     }
 
     /// Copies `src`'s elements into this tensor (same dtype and shape; either may live on the host or a

@@ -21,9 +21,9 @@ use std::time::Duration;
 
 use moelink::group::TcpConfig;
 use moelink::{
-    BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DType, DispatchArgs, DispatchOutputs, Error, Fp8E4M3,
-    LayoutOutputs, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlQuant, Location, Payload, Routing, Tensor,
-    TensorMut, TensorRef, ThreadGroup,
+    BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DType, DispatchArgs, DispatchOutputs, Error, Fp8E4M3, Layout,
+    LayoutOutputs, LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlQuant, Location, MemMut, MemRef, Payload, Routing,
+    Tensor, TensorMut, TensorRef, ThreadGroup,
 };
 use proptest::prelude::*;
 
@@ -114,14 +114,23 @@ impl Made {
 
     /// The view, or `None` when even the raw constructor refuses the layout (then the case is about that).
     fn view(&self) -> Option<TensorRef<'_>> {
+        let bytes = self.span_bytes()?;
         // SAFETY: host views cover `_store` (span checked above); device views are never dereferenced by the
         // host backend (location is checked before any read), and `self` outlives every use of the view.
-        unsafe { TensorRef::from_raw_parts(self.addr, self.loc, self.dtype, &self.shape, &self.strides).ok() }
+        let mem = unsafe { MemRef::from_raw(self.addr, bytes, self.loc.into()) };
+        TensorRef::from_memory(mem, self.dtype, &self.shape, &self.strides).ok()
     }
 
     fn view_mut(&mut self) -> Option<TensorMut<'_>> {
+        let bytes = self.span_bytes()?;
         // SAFETY: as `view`; the view borrows `self` mutably.
-        unsafe { TensorMut::from_raw_parts(self.addr, self.loc, self.dtype, &self.shape, &self.strides).ok() }
+        let mem = unsafe { MemMut::from_raw(self.addr, bytes, self.loc.into()) };
+        TensorMut::from_memory(mem, self.dtype, &self.shape, &self.strides).ok()
+    }
+
+    /// The layout's bytes, or `None` when the layout itself is refused (then the case is about that).
+    fn span_bytes(&self) -> Option<usize> {
+        Some(Layout::new(&self.shape, &self.strides).ok()?.span_elems() * self.dtype.size_bytes())
     }
 }
 

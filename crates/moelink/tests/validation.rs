@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use moelink::{
-    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DType, DispatchArgs, Error, Fp8E4M3, Location,
-    Payload, Routing, Tensor, TensorRef,
+    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DType, DispatchArgs, Error, Fp8E4M3, MemRef, Payload,
+    Place, Routing, Tensor, TensorRef,
 };
 
 /// A host buffer with room for every call of these tests (the capacity rules apply on the host too).
@@ -136,7 +136,9 @@ fn dispatch_rejects_bad_x() {
         "x",
     );
     // a device tensor given to a host buffer
-    let dev = unsafe { TensorRef::from_raw_parts(0x1000, Location::Cuda(0), DType::BF16, &[2, 128], &[128, 1]).unwrap() };
+    // SAFETY: never read: the host buffer refuses a device view before touching it.
+    let dev_mem = unsafe { MemRef::from_raw(0x1000, 2 * 128 * 2, Place::Device(0)) };
+    let dev = TensorRef::from_memory(dev_mem, DType::BF16, &[2, 128], &[128, 1]).unwrap();
     assert_arg(
         dispatch_with(|a, _| {
             a.x = Payload::Bf16(dev);
@@ -418,7 +420,8 @@ fn unsafe_leak(t: &Tensor) -> TensorRef<'static> {
 fn unsafe_leak_ref(v: TensorRef<'_>) -> TensorRef<'static> {
     // SAFETY: test-only: every tensor passed here lives until the end of the test function that owns it,
     // after all ranks have joined.
-    unsafe { TensorRef::from_raw_parts(v.addr(), v.location(), v.dtype(), v.shape(), v.strides()).unwrap() }
+    let mem = unsafe { MemRef::from_raw(v.addr(), v.span_bytes(), v.location().into()) };
+    TensorRef::from_memory(mem, v.dtype(), v.shape(), v.strides()).unwrap()
 }
 
 /// Sizes the machine cannot hold are refused before allocation with an error naming the argument they came

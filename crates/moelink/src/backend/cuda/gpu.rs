@@ -705,7 +705,7 @@ impl Gpu {
 
     /// `len` bytes at byte `offset` of this rank's symmetric buffer as a 1-D `uint8` view.
     pub(crate) fn symmetric_view(&mut self, offset: usize, len: usize) -> Result<TensorMut<'_>> {
-        TensorMut::from_device_span(self.sym.local_mut().span_mut(offset, len)?, DType::U8, &[len], &[1])
+        TensorMut::from_memory(self.sym.local_mut().span_mut(offset, len)?, DType::U8, &[len], &[1])
     }
 }
 

@@ -204,7 +204,7 @@ fn round_of(b: &Internode, hidden: usize, fp8: bool, topk: usize) -> Result<(usi
 
 // ------------------------------------------------------------------------------------------ layout
 
-pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_experts: usize, mut out: LayoutOutputs<'_>) -> Result<()> {
     let rank = b.rank;
     let t = topology(b);
     let (n, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
@@ -215,13 +215,11 @@ pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_e
     let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(0, |v| v.addr());
     let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
     let kernel = b.kernel(&v.layout_spec(), kernel_name::HTI_LAYOUT)?;
-    // SAFETY: the outputs were validated as contiguous int32 tensors of this device with R, E and N elements.
-    unsafe {
-        b.op_stream().memset_d32_async(per_rank, 0, t.num_ranks())?;
-        b.op_stream().memset_d32_async(per_expert, 0, num_experts)?;
-        if per_node != 0 {
-            b.op_stream().memset_d32_async(per_node, 0, t.num_nodes)?;
-        }
+    // The outputs were validated as contiguous int32 tensors of this device with R, E and N elements.
+    out.num_tokens_per_rank.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
+    out.num_tokens_per_expert.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
+    if let Some(per_node) = &mut out.num_tokens_per_rdma_rank {
+        per_node.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
     }
     let (error_claim, error_record) = b.error_sink();
     let strides = topk_idx.strides();
@@ -352,7 +350,7 @@ fn read_notify(b: &mut Internode, seq: u32, s: &HtSpec) -> Result<(HostRouting, 
     Err(b.gpu.settle(e))
 }
 
-pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'_>, mut out: DispatchOutputs<'_>) -> Result<HtDispatched> {
     let s = plan.spec;
     let rank = s.rank;
     let t = topology(b);
@@ -452,14 +450,12 @@ pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'
         pad: 0,
         trace: trace_begin(b, s.num_sms)?,
     };
-    let routing_ptr = r.routing.ptr();
     launch(b, &v.dispatch_spec(), kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
-    if let Some(m) = &out.rank_prefix_matrix {
+    if let Some(m) = &mut out.rank_prefix_matrix {
+        // The output was validated as a contiguous int32 [R, R] tensor of this device; the routing buffer holds
+        // R * R words at rank_prefix, written by notify earlier on this stream.
         let at = RoutingLayout::new(t.num_ranks(), t.num_nodes, s.num_tokens).rank_prefix;
-        // SAFETY: the output was validated as a contiguous int32 [R, R] tensor of this device, and the routing
-        // buffer (alive with the handle) holds R * R words at rank_prefix, written by notify earlier on this
-        // stream.
-        unsafe { b.op_stream().memcpy_dtod_async(m.addr(), routing_ptr + 4 * at as u64, 4 * t.num_ranks() * t.num_ranks())? };
+        m.device_span_mut()?.copy_from_device_async(r.routing.buffer(), 4 * at, b.op_stream())?;
     }
     finish_or_dump(b, Phase::Dispatch, "dispatch", &r.routing, r.round_tokens)?;
     if args.trace != 0 {

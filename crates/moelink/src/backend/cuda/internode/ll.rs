@@ -344,7 +344,7 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut Internode, s: &LlSpec) -> Resul
     // Inside this rank's RDMA region (layout_for checked its end against num_rdma_bytes).
     let bytes = shape.iter().product::<usize>() * DType::BF16.size_bytes();
     let span = b.rdma.local_span_mut(&b.gpu.device, layout.zero_copy, bytes)?;
-    TensorMut::from_device_span(span, DType::BF16, &shape, &strides)
+    TensorMut::from_memory(span, DType::BF16, &shape, &strides)
 }
 
 /// `clean_low_latency_buffer` across nodes (collective): a barrier, zero the signal words of the RDMA

@@ -168,7 +168,7 @@ impl Backend for Internode {
             // The RDMA region holds RDMA_CTRL_BYTES + num_rdma_bytes bytes (Internode::new).
             let len = self.gpu.num_rdma_bytes;
             let span = self.rdma.local_span_mut(&self.gpu.device, RDMA_CTRL_BYTES, len)?;
-            return TensorMut::from_device_span(span, DType::U8, &[len], &[1]);
+            return TensorMut::from_memory(span, DType::U8, &[len], &[1]);
         }
         let len = self.gpu.num_nvl_bytes;
         self.gpu.symmetric_view(HT_DATA, len)

@@ -208,7 +208,7 @@ fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
 
 // ------------------------------------------------------------------------------------------ layout
 
-pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
+pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_experts: usize, mut out: LayoutOutputs<'_>) -> Result<()> {
     let rank = b.rank;
     let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
@@ -217,11 +217,9 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
     check_aligned(num_tokens_per_rank, 4, "num_tokens_per_rank", rank)?;
     check_aligned(num_tokens_per_expert, 4, "num_tokens_per_expert", rank)?;
     let kernel = b.kernel(&HtLayoutVariant.spec(), kernel_name::HT_LAYOUT)?;
-    // SAFETY: both outputs were validated as contiguous int32 tensors of this device with R and E elements.
-    unsafe {
-        b.op_stream().memset_d32_async(num_tokens_per_rank, 0, b.num_ranks)?;
-        b.op_stream().memset_d32_async(num_tokens_per_expert, 0, num_experts)?;
-    }
+    // Both outputs were validated as contiguous int32 tensors of this device with R and E elements.
+    out.num_tokens_per_rank.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
+    out.num_tokens_per_expert.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
     let (error_claim, error_record) = b.error_sink();
     let strides = topk_idx.strides();
     let args = HtLayoutArgs {
@@ -361,7 +359,7 @@ fn read_notify(b: &mut Intranode, seq: u32, s: &HtSpec, row_bytes: usize) -> Res
     Err(b.gpu.settle(e))
 }
 
-pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtDispatched> {
+pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'_>, mut out: DispatchOutputs<'_>) -> Result<HtDispatched> {
     let s = plan.spec;
     let rank = s.rank;
     let num_out_rows = plan.num_recv_rows();
@@ -432,13 +430,10 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     };
     let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
-    if let Some(t) = &out.rank_prefix_matrix {
-        // SAFETY: the output was validated as a contiguous int32 [R, R] tensor of this device, and the routing
-        // buffer (alive with the handle) holds R * R words at RANK_PREFIX, written by ht_notify earlier on
-        // this stream.
-        unsafe {
-            b.op_stream().memcpy_dtod_async(t.addr(), r.routing.ptr() + 4 * routing::RANK_PREFIX as u64, 4 * s.num_ranks * s.num_ranks)?;
-        }
+    if let Some(t) = &mut out.rank_prefix_matrix {
+        // The output was validated as a contiguous int32 [R, R] tensor of this device; the routing buffer holds
+        // R * R words at RANK_PREFIX, written by ht_notify earlier on this stream.
+        t.device_span_mut()?.copy_from_device_async(r.routing.buffer(), 4 * routing::RANK_PREFIX, b.op_stream())?;
     }
     b.gpu.finish_settled(Phase::Dispatch)?;
     if args.trace != 0 {

@@ -416,7 +416,7 @@ pub(crate) fn next_combine_buffer<'b>(b: &'b mut Intranode, s: &LlSpec) -> Resul
     // Inside this rank's symmetric buffer (layout_for checked the region holds it); only combine (a later
     // call, which needs the backend again) reads it.
     let span = b.gpu.sym.local_mut().span_mut(offset, shape.iter().product::<usize>() * DType::BF16.size_bytes())?;
-    TensorMut::from_device_span(span, DType::BF16, &shape, &strides)
+    TensorMut::from_memory(span, DType::BF16, &shape, &strides)
 }
 
 /// `clean_low_latency_buffer`: resets the low-latency control area on every rank (collective): a barrier
