@@ -235,8 +235,9 @@ struct Layout {
 
 Layout run_layout(World& w, u32 me, const RankInputs& in) {
   Layout l;
-  l.per_rank.assign(R, 0);
-  l.per_expert.assign(E, 0);
+  // Garbage, as a fresh torch.empty holds: the kernel stores every counter.
+  l.per_rank.assign(R, 0x5a5a5a5a);
+  l.per_expert.assign(E, 0x5a5a5a5a);
   l.in_rank.assign((size_t)in.t * R + 1, 0xcc);
   k_layout::HtLayoutArgs a{};
   a.topk_idx = (u64)in.topk_idx.data();
@@ -252,8 +253,10 @@ Layout run_layout(World& w, u32 me, const RankInputs& in) {
   a.num_experts = E;
   a.num_ranks = R;
   a.rank = me;
-  const u32 grid = in.t == 0 ? 1 : (in.t + LAYOUT_THREADS - 1) / LAYOUT_THREADS;
-  emu::launch(grid < 4 ? grid : 4, LAYOUT_THREADS, [&] { k_layout::moelink::intranode::layout(a); });
+  // One block per range of LAYOUT_EXPERTS_PER_BLOCK experts, as the backend launches, but at most two, so that
+  // a block owns several ranges when there are more.
+  const u32 ranges = (E + LAYOUT_EXPERTS_PER_BLOCK - 1) / LAYOUT_EXPERTS_PER_BLOCK;
+  emu::launch(ranges < 2 ? ranges : 2, LAYOUT_THREADS, [&] { k_layout::moelink::intranode::layout(a); });
   return l;
 }
 

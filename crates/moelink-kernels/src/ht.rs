@@ -444,11 +444,11 @@ fn define(name: &str, value: impl ToString) -> (String, String) {
 pub struct HtLayoutVariant;
 
 impl HtLayoutVariant {
-    /// Threads per block.
-    pub const THREADS: u32 = 256;
-    /// Expert counters kept in shared memory.
-    pub const SMEM_EXPERTS: u32 = 4096;
-    /// Most blocks a launch uses (grid-stride beyond).
+    /// Threads per block: every block reads every row, so a wide block gives each thread few rows.
+    pub const THREADS: u32 = 1024;
+    /// Experts whose counters one block owns (each block reads every row once per range it owns).
+    pub const EXPERTS_PER_BLOCK: u32 = 32;
+    /// Most blocks a launch uses (blocks take several ranges beyond).
     pub const MAX_BLOCKS: u32 = 1024;
 
     pub fn spec(&self) -> KernelSpec {
@@ -458,15 +458,15 @@ impl HtLayoutVariant {
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
                 define("LAYOUT_THREADS", Self::THREADS),
-                define("LAYOUT_SMEM_EXPERTS", Self::SMEM_EXPERTS),
+                define("LAYOUT_EXPERTS_PER_BLOCK", Self::EXPERTS_PER_BLOCK),
                 define("MOELINK_SIZEOF_HT_LAYOUT_ARGS", std::mem::size_of::<HtLayoutArgs>()),
             ],
         }
     }
 
-    /// Blocks for `num_tokens` tokens.
-    pub fn grid(num_tokens: usize) -> u32 {
-        (num_tokens.div_ceil(Self::THREADS as usize) as u32).clamp(1, Self::MAX_BLOCKS)
+    /// Blocks for `num_experts` experts: one per range of [`Self::EXPERTS_PER_BLOCK`].
+    pub fn grid(num_experts: usize) -> u32 {
+        (num_experts.div_ceil(Self::EXPERTS_PER_BLOCK as usize) as u32).clamp(1, Self::MAX_BLOCKS)
     }
 }
 

@@ -31,8 +31,9 @@ struct EmuCase {
     local_experts: usize,
     /// 16-byte vectors per lane and copy round (small values exercise multi-round and partial rounds).
     max_unroll: usize,
-    /// Expert counters in shared memory (fewer than E exercises the global-atomic path).
-    smem_experts: usize,
+    /// Experts whose counters one layout block owns (fewer than E: several ranges, some blocks owning more
+    /// than one, since the harness launches at most two blocks).
+    experts_per_block: usize,
     /// Rows a sender warp releases per fence (1, partial and whole batches).
     release_batch: usize,
     /// Sender chunk (tokens / rows per source; 0: contiguous parts), a multiple of release_batch as the
@@ -71,7 +72,7 @@ fn assemble(c: &EmuCase) -> String {
     for (k, v) in [
         ("MAX_RANKS", moelink_kernels::abi::MAX_RANKS.to_string()),
         ("LAYOUT_THREADS", "64".into()),
-        ("LAYOUT_SMEM_EXPERTS", c.smem_experts.to_string()),
+        ("LAYOUT_EXPERTS_PER_BLOCK", c.experts_per_block.to_string()),
         ("NOTIFY_THREADS", "64".into()),
         ("MOELINK_SIZEOF_HT_LAYOUT_ARGS", std::mem::size_of::<HtLayoutArgs>().to_string()),
         ("MOELINK_SIZEOF_HT_NOTIFY_ARGS", std::mem::size_of::<HtNotifyArgs>().to_string()),
@@ -158,7 +159,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             fp8: false,
             local_experts: 4,
             max_unroll: 3,
-            smem_experts: 64,
+            experts_per_block: 64,
             release_batch: 1,
             send_chunk: 0,
             recv_chunk: 0,
@@ -172,7 +173,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             fp8: true,
             local_experts: 8,
             max_unroll: 8,
-            smem_experts: 16,
+            experts_per_block: 16,
             release_batch: 4,
             send_chunk: 4,
             recv_chunk: 8,
@@ -186,7 +187,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             fp8: false,
             local_experts: 2,
             max_unroll: 1,
-            smem_experts: 64,
+            experts_per_block: 64,
             release_batch: 2,
             send_chunk: 2,
             recv_chunk: 1,
@@ -200,7 +201,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             fp8: false,
             local_experts: 4,
             max_unroll: 8,
-            smem_experts: 64,
+            experts_per_block: 64,
             release_batch: 3,
             send_chunk: 6,
             recv_chunk: 3,
@@ -214,7 +215,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             fp8: false,
             local_experts: 8,
             max_unroll: 8,
-            smem_experts: 64,
+            experts_per_block: 64,
             release_batch: 8,
             send_chunk: 8,
             recv_chunk: 2,
@@ -228,7 +229,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             fp8: false,
             local_experts: 3,
             max_unroll: 2,
-            smem_experts: 1,
+            experts_per_block: 1,
             release_batch: 5,
             send_chunk: 5,
             recv_chunk: 0,

@@ -208,7 +208,7 @@ fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
 
 // ------------------------------------------------------------------------------------------ layout
 
-pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_experts: usize, mut out: LayoutOutputs<'_>) -> Result<()> {
+pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_experts: usize, out: LayoutOutputs<'_>) -> Result<()> {
     let rank = b.rank;
     let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
@@ -216,10 +216,8 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
     let num_tokens_per_expert = out.num_tokens_per_expert.addr();
     check_aligned(num_tokens_per_rank, 4, "num_tokens_per_rank", rank)?;
     check_aligned(num_tokens_per_expert, 4, "num_tokens_per_expert", rank)?;
+    // The kernel stores every counter (nothing to zero first): one launch is the whole call.
     let kernel = b.kernel(&HtLayoutVariant.spec(), kernel_name::HT_LAYOUT)?;
-    // Both outputs were validated as contiguous int32 tensors of this device with R and E elements.
-    out.num_tokens_per_rank.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
-    out.num_tokens_per_expert.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
     let (error_claim, error_record) = b.error_sink();
     let strides = topk_idx.strides();
     let args = HtLayoutArgs {
@@ -238,7 +236,7 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
         rank: rank as u32,
         reserved: 0,
     };
-    b.launch(&kernel, &LaunchConfig::linear(HtLayoutVariant::grid(t), HtLayoutVariant::THREADS), &args)?;
+    b.launch(&kernel, &LaunchConfig::linear(HtLayoutVariant::grid(num_experts), HtLayoutVariant::THREADS), &args)?;
     b.gpu.finish_settled(Phase::Layout)
 }
 
