@@ -13,6 +13,8 @@
 #endif
 static_assert(LAYOUT_THREADS % WARP_SIZE == 0 && LAYOUT_THREADS >= MAX_RANKS, "whole warps, one thread per rank");
 static_assert(MAX_RANKS <= 32, "a token's ranks are one 32-bit mask");
+// Rows of at most this many entries are read into registers at once (longer rows entry by entry).
+constexpr u32 LAYOUT_REG_TOPK = 16;
 
 // Kernel argument (by value). Must match moelink_kernels::ht::HtLayoutArgs byte for byte.
 struct HtLayoutArgs {
@@ -54,7 +56,7 @@ __global__ void __launch_bounds__(LAYOUT_THREADS) layout(const __grid_constant__
   u8* in_rank = reinterpret_cast<u8*>(a.is_token_in_rank);
   const i64* topk_idx = reinterpret_cast<const i64*>(a.topk_idx);
   const i64 num_experts = a.num_experts;
-  const i64 experts_per_rank = a.num_experts / a.num_ranks;
+  const u32 experts_per_rank = a.num_experts / a.num_ranks;
 
   // E > 0, so block 0 always has the range that starts at expert 0, and with it the ranks.
   for (u32 first = blockIdx.x * LAYOUT_EXPERTS_PER_BLOCK; first < a.num_experts;
@@ -67,20 +69,47 @@ __global__ void __launch_bounds__(LAYOUT_THREADS) layout(const __grid_constant__
     for (u32 t = threadIdx.x; t < a.num_tokens; t += LAYOUT_THREADS) {
       const i64* row = topk_idx + (i64)t * a.topk_stride_token;
       u32 rank_mask = 0;
-      for (u32 k = 0; k < a.topk; k++) {
-        const i64 e = row[(i64)k * a.topk_stride_k];
-        bool valid = e >= 0 && e < num_experts;
-        bool bad = e < -1 || e >= num_experts;
-        for (u32 j = 0; valid && j < k; j++) {
-          if (row[(i64)j * a.topk_stride_k] == e) {
-            valid = false;
-            bad = true;
+      // One entry: counted when valid and in this block's range, reported (once, by block 0) when invalid.
+      auto take = [&](u32 k, i64 e, bool valid, bool bad) {
+        if (bad && owns_ranks) report_error(d, ERR_INVALID_TOPK, NO_PEER, ((u64)t << 32) | k, (u64)e);
+        if (!valid) return;
+        if ((u64)(e - first) < owned) atomicAdd(&s_expert_count[e - first], 1u);
+        rank_mask |= 1u << ((u32)e / experts_per_rank);
+      };
+      if (a.topk <= LAYOUT_REG_TOPK) {
+        // The row in registers: its loads are independent, and the repeat check reads no memory.
+        i64 ids[LAYOUT_REG_TOPK];
+#pragma unroll
+        for (u32 k = 0; k < LAYOUT_REG_TOPK; k++) ids[k] = k < a.topk ? row[(i64)k * a.topk_stride_k] : -1;
+#pragma unroll
+        for (u32 k = 0; k < LAYOUT_REG_TOPK; k++) {
+          if (k < a.topk) {
+            const i64 e = ids[k];
+            bool valid = e >= 0 && e < num_experts;
+            bool bad = e < -1 || e >= num_experts;
+#pragma unroll
+            for (u32 j = 0; j < k; j++) {
+              if (valid && ids[j] == e) {
+                valid = false;
+                bad = true;
+              }
+            }
+            take(k, e, valid, bad);
           }
         }
-        if (bad && owns_ranks) report_error(d, ERR_INVALID_TOPK, NO_PEER, ((u64)t << 32) | k, (u64)e);
-        if (!valid) continue;
-        if ((u64)(e - first) < owned) atomicAdd(&s_expert_count[e - first], 1u);
-        rank_mask |= 1u << (u32)(e / experts_per_rank);
+      } else {
+        for (u32 k = 0; k < a.topk; k++) {
+          const i64 e = row[(i64)k * a.topk_stride_k];
+          bool valid = e >= 0 && e < num_experts;
+          bool bad = e < -1 || e >= num_experts;
+          for (u32 j = 0; valid && j < k; j++) {
+            if (row[(i64)j * a.topk_stride_k] == e) {
+              valid = false;
+              bad = true;
+            }
+          }
+          take(k, e, valid, bad);
+        }
       }
       if (owns_ranks) {
         for (u32 r = 0; r < a.num_ranks; r++) {
