@@ -16,6 +16,28 @@ pub enum Place {
     Device(usize),
 }
 
+/// What both lent types say about their bytes.
+macro_rules! accessors {
+    () => {
+        /// Address of the first byte (host or device).
+        pub fn addr(&self) -> u64 {
+            self.addr
+        }
+        /// Bytes.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+        /// Whether there are no bytes.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+        /// Where the bytes live.
+        pub fn place(&self) -> Place {
+            self.place
+        }
+    };
+}
+
 /// `len` readable bytes at `addr`, lent for `'a`.
 #[derive(Clone, Copy, Debug)]
 pub struct MemRef<'a> {
@@ -55,22 +77,7 @@ impl<'a> MemRef<'a> {
         MemRef { addr: buffer.device_ptr(), len: buffer.len_bytes(), place: Place::Device(buffer.device_ordinal()), _borrow: PhantomData }
     }
 
-    /// Address of the first byte (host or device).
-    pub fn addr(&self) -> u64 {
-        self.addr
-    }
-    /// Bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// Whether there are no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Where the bytes live.
-    pub fn place(&self) -> Place {
-        self.place
-    }
+    accessors!();
 
     /// The bytes, when they live on the host.
     pub fn host_bytes(&self) -> Option<&'a [u8]> {
@@ -105,22 +112,7 @@ impl<'a> MemMut<'a> {
         MemMut { addr: buffer.device_ptr(), len: buffer.len_bytes(), place: Place::Device(buffer.device_ordinal()), _borrow: PhantomData }
     }
 
-    /// Address of the first byte (host or device).
-    pub fn addr(&self) -> u64 {
-        self.addr
-    }
-    /// Bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// Whether there are no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Where the bytes live.
-    pub fn place(&self) -> Place {
-        self.place
-    }
+    accessors!();
 
     /// Read-only reborrow.
     pub fn as_ref(&self) -> MemRef<'_> {
