@@ -17,7 +17,7 @@
 //                                weights per row (0: none)
 //   NUM_BIASES                   biases the combine adds (0, 1 or 2)
 //   HTI_WARPS                    warps per block
-//   HTI_MSG_BYTES, HTI_ROW_BYTES, HTI_CROW_BYTES, HTI_CMSG_BYTES  the row sizes as Rust computes them
+//   HTI_MSG_BYTES, HTI_ROW_BYTES, HTI_COMBINE_ROW_BYTES, HTI_COMBINE_MSG_BYTES  the row sizes as Rust computes them
 //   HTI_STATE_BYTES              bytes of a rank's local state (HtiState + HtiForward)
 //   HTI_TRACE_CHUNKS             chunk records per area of the timing trace
 //   MOELINK_SIZEOF_HTI_*_ARGS    sizeof of each argument struct on the Rust side
@@ -84,7 +84,7 @@
     !defined(NUM_NODES) || !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(NUM_BIASES) ||            \
     !defined(HTI_WARPS) || !defined(MOELINK_SIZEOF_HTI_LAYOUT_ARGS) || !defined(MOELINK_SIZEOF_HTI_NOTIFY_ARGS) ||  \
     !defined(MOELINK_SIZEOF_HTI_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_HTI_COMBINE_ARGS) || !defined(HTI_MSG_BYTES) ||      \
-    !defined(HTI_ROW_BYTES) || !defined(HTI_CROW_BYTES) || !defined(HTI_CMSG_BYTES) || !defined(HTI_STATE_BYTES) ||  \
+    !defined(HTI_ROW_BYTES) || !defined(HTI_COMBINE_ROW_BYTES) || !defined(HTI_COMBINE_MSG_BYTES) || !defined(HTI_STATE_BYTES) ||  \
     !defined(HTI_TRACE_CHUNKS)
 #error "hti.cuh needs every JIT constant listed at the top of the file"
 #endif
@@ -148,10 +148,10 @@ constexpr u32 ROW_BYTES = PAYLOAD_BYTES + HTI_ALIGN16(4 * META_WORDS);
 // Combine: a row going to the forwarder is the bf16 payload and TOPK f32 weights; a partial going home is
 // the fp32 sum and TOPK f32 weight sums.
 constexpr u32 CPAYLOAD_BYTES = 2 * HIDDEN;
-constexpr u32 CROW_BYTES = CPAYLOAD_BYTES + HTI_ALIGN16(4 * TOPK);
-constexpr u32 CMSG_BYTES = 4 * HIDDEN + HTI_ALIGN16(4 * TOPK);
+constexpr u32 COMBINE_ROW_BYTES = CPAYLOAD_BYTES + HTI_ALIGN16(4 * TOPK);
+constexpr u32 COMBINE_MSG_BYTES = 4 * HIDDEN + HTI_ALIGN16(4 * TOPK);
 static_assert(CPAYLOAD_BYTES % VEC_BYTES == 0, "bf16 rows are whole 16-byte vectors");
-static_assert(MSG_BYTES == HTI_MSG_BYTES && ROW_BYTES == HTI_ROW_BYTES && CROW_BYTES == HTI_CROW_BYTES && CMSG_BYTES == HTI_CMSG_BYTES,
+static_assert(MSG_BYTES == HTI_MSG_BYTES && ROW_BYTES == HTI_ROW_BYTES && COMBINE_ROW_BYTES == HTI_COMBINE_ROW_BYTES && COMBINE_MSG_BYTES == HTI_COMBINE_MSG_BYTES,
               "row sizes mirror moelink_kernels::ht_internode::RowSizes");
 // How many rows a warp writes before one fence releases their flags.
 constexpr u32 RELEASE_ROWS = 4;

@@ -88,7 +88,7 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
         if ((u32)(r >> 32) != k) break;
         slots[sent] = (u32)r % M;
         stage_combine_row(a, reinterpret_cast<u8*>(a.nvl.base[l] + a.nvl.off_cparts + ((u64)f.me_local * NUM_NODES + an) * a.nvl.part_bytes) +
-                                 (u64)slots[sent] * CROW_BYTES,
+                                 (u64)slots[sent] * COMBINE_ROW_BYTES,
                           pos, lane);
       }
       release_combine_rows(reinterpret_cast<u32*>(a.nvl.base[l] + a.nvl.off_cflags) + ((u64)f.me_local * NUM_NODES + an) * a.nvl.flag_slots,
@@ -131,7 +131,7 @@ __device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame&
       const u64 r = route[pos];
       if ((u32)(r >> 32) != k) break;
       slots[sent] = (u32)r % M;
-      stage_combine_row(a, part + (u64)slots[sent] * CROW_BYTES, pos, lane);
+      stage_combine_row(a, part + (u64)slots[sent] * COMBINE_ROW_BYTES, pos, lane);
     }
     release_combine_rows(flag, slots, sent, (u32)(f.base + k + 1), lane);
   }
@@ -207,12 +207,12 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
             (void)ptx::ld_acquire_sys(reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_cflags) +
                                       ((u64)j * NUM_NODES + an) * a.nvl.flag_slots + slot);
         // In place at home where stores reach it, else staged for the put.
-        u8* out = rdma::window(a.rdma, s, a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)m * CMSG_BYTES,
-                               a.at.off_csend + (u64)an * a.at.part_bytes + (u64)m * CMSG_BYTES)
+        u8* out = rdma::window(a.rdma, s, a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)m * COMBINE_MSG_BYTES,
+                               a.at.off_csend + (u64)an * a.at.part_bytes + (u64)m * COMBINE_MSG_BYTES)
                       .ptr;
         auto row_of = [&](u32 j) -> const u8* {
           return reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_cparts + ((u64)j * NUM_NODES + an) * a.nvl.part_bytes) +
-                 (u64)slot * CROW_BYTES;
+                 (u64)slot * COMBINE_ROW_BYTES;
         };
         // One rank of the node holds the token: its bf16 row goes home as it is (half the bytes of an fp32
         // partial; the reducer applies the tree's +0.0 padding, single_contributor_partial).
@@ -280,10 +280,10 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       __syncwarp();
       hti_stamp_fwd(a.trace, an, trace_chunk, 1);
       const u32 chunk = c0 / Q;
-      const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)c0 * CMSG_BYTES;
-      const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + (u64)c0 * CMSG_BYTES;
+      const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)c0 * COMBINE_MSG_BYTES;
+      const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + (u64)c0 * COMBINE_MSG_BYTES;
       const u64 sig = a.at.off_cchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
-      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, (c1 - c0) * CMSG_BYTES,
+      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, (c1 - c0) * COMBINE_MSG_BYTES,
                                         sig, ((u64)cseq << 32) | c1, SIGNAL_SET, dr))
         return;
       hti_stamp_fwd(a.trace, an, trace_chunk, 2);
@@ -336,7 +336,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     if (lane < NUM_NODES) {
       const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
       const u32 m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start), m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
-      if (m1 > m0) ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_crecv + (u64)lane * a.at.part_bytes + (u64)m0 * CMSG_BYTES), (m1 - m0) * CMSG_BYTES);
+      if (m1 > m0) ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_crecv + (u64)lane * a.at.part_bytes + (u64)m0 * COMBINE_MSG_BYTES), (m1 - m0) * COMBINE_MSG_BYTES);
     }
     // Rounds in order: wait until the reducers finished round k - 1.
     if (k > 0) {
@@ -375,7 +375,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
       u64 part[NUM_NODES];
 #pragma unroll
       for (u32 b = 0; b < NUM_NODES; b++)
-        part[b] = a.rdma.local_base + a.at.off_crecv + (u64)b * a.at.part_bytes + (u64)__shfl_sync(FULL_WARP_MASK, m, b) * CMSG_BYTES;
+        part[b] = a.rdma.local_base + a.at.off_crecv + (u64)b * a.at.part_bytes + (u64)__shfl_sync(FULL_WARP_MASK, m, b) * COMBINE_MSG_BYTES;
       u32x4* out = reinterpret_cast<u32x4*>(a.combined_x) + (u64)t * (CPAYLOAD_BYTES / VEC_BYTES);
       // 8 channels per lane and step; a lane loads the partials of REDUCE_STEPS steps before it sums any
       // (the sum of a token is otherwise one load latency per step).

@@ -26,18 +26,18 @@ using namespace own_variant;
 #pragma push_macro("TOPK")
 #pragma push_macro("HTI_MSG_BYTES")
 #pragma push_macro("HTI_ROW_BYTES")
-#pragma push_macro("HTI_CROW_BYTES")
-#pragma push_macro("HTI_CMSG_BYTES")
+#pragma push_macro("HTI_COMBINE_ROW_BYTES")
+#pragma push_macro("HTI_COMBINE_MSG_BYTES")
 #undef TOPK
 #undef HTI_MSG_BYTES
 #undef HTI_ROW_BYTES
-#undef HTI_CROW_BYTES
-#undef HTI_CMSG_BYTES
+#undef HTI_COMBINE_ROW_BYTES
+#undef HTI_COMBINE_MSG_BYTES
 #define TOPK HTI_EMU_PEER_TOPK
 #define HTI_MSG_BYTES HTI_EMU_PEER_HTI_MSG_BYTES
 #define HTI_ROW_BYTES HTI_EMU_PEER_HTI_ROW_BYTES
-#define HTI_CROW_BYTES HTI_EMU_PEER_HTI_CROW_BYTES
-#define HTI_CMSG_BYTES HTI_EMU_PEER_HTI_CMSG_BYTES
+#define HTI_COMBINE_ROW_BYTES HTI_EMU_PEER_HTI_COMBINE_ROW_BYTES
+#define HTI_COMBINE_MSG_BYTES HTI_EMU_PEER_HTI_COMBINE_MSG_BYTES
 // hti.cuh's guard is open again for this second build.
 #undef MOELINK_HTI_CUH
 namespace peer_variant {
@@ -49,8 +49,8 @@ namespace peer_variant {
 #pragma pop_macro("TOPK")
 #pragma pop_macro("HTI_MSG_BYTES")
 #pragma pop_macro("HTI_ROW_BYTES")
-#pragma pop_macro("HTI_CROW_BYTES")
-#pragma pop_macro("HTI_CMSG_BYTES")
+#pragma pop_macro("HTI_COMBINE_ROW_BYTES")
+#pragma pop_macro("HTI_COMBINE_MSG_BYTES")
 
 #include <algorithm>
 #include <cstdio>
@@ -132,7 +132,7 @@ struct At {
     rdma.msg_words = 8 + R + num_experts / R;
     rdma.off_notify = take(2 * R * rdma.msg_words * 4);
     rdma.off_notify_send = take(R * rdma.msg_words * 4);
-    rdma.part_bytes = align_up((size_t)m * std::max(MSG_BYTES, CMSG_BYTES), 256);
+    rdma.part_bytes = align_up((size_t)m * std::max(MSG_BYTES, COMBINE_MSG_BYTES), 256);
     rdma.off_drecv = take(N * rdma.part_bytes);
     rdma.off_dsend = take(N * rdma.part_bytes);
     rdma.off_crecv = take(N * rdma.part_bytes);
@@ -147,7 +147,7 @@ struct At {
     nvl.off_dflags = take(R * m * 4);
     nvl.off_cflags = take(R * m * 4);
     nvl_zero_end = at;
-    nvl.part_bytes = align_up((size_t)m * std::max(ROW_BYTES, CROW_BYTES), 128);
+    nvl.part_bytes = align_up((size_t)m * std::max(ROW_BYTES, COMBINE_ROW_BYTES), 128);
     nvl.off_dparts = take(R * nvl.part_bytes);
     nvl.off_cparts = take(R * nvl.part_bytes);
     nvl_total = at;

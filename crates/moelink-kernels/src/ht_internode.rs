@@ -83,13 +83,13 @@ fn align(n: usize, a: usize) -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowSizes {
     /// An RDMA dispatch message (`MSG_BYTES`).
-    pub msg: usize,
+    pub dispatch_msg: usize,
     /// A dispatch row in an NVLink part (`ROW_BYTES`).
-    pub row: usize,
-    /// A combine row going to the forwarder (`CROW_BYTES`).
-    pub crow: usize,
-    /// A combine partial going home (`CMSG_BYTES`).
-    pub cmsg: usize,
+    pub dispatch_row: usize,
+    /// A combine row going to the forwarder (`COMBINE_ROW_BYTES`).
+    pub combine_row: usize,
+    /// A combine partial going home over RDMA (`COMBINE_MSG_BYTES`).
+    pub combine_msg: usize,
 }
 
 impl RowSizes {
@@ -98,11 +98,12 @@ impl RowSizes {
     pub fn new(h: usize, fp8: bool, topk: usize, combine_topk: usize) -> RowSizes {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / 128 } else { 0 };
-        let msg = align(48 + 8 * topk + 4 * scales, 16) + payload;
-        let row = payload + align(4 * (3 * topk + scales + 3), 16);
-        let crow = 2 * h + align(4 * combine_topk, 16);
-        let cmsg = 4 * h + align(4 * combine_topk, 16);
-        RowSizes { msg, row, crow, cmsg }
+        RowSizes {
+            dispatch_msg: align(48 + 8 * topk + 4 * scales, 16) + payload,
+            dispatch_row: payload + align(4 * (3 * topk + scales + 3), 16),
+            combine_row: 2 * h + align(4 * combine_topk, 16),
+            combine_msg: 4 * h + align(4 * combine_topk, 16),
+        }
     }
 }
 
@@ -178,10 +179,10 @@ impl HtiVariant {
                 d("TOPK", self.topk.to_string()),
                 d("NUM_BIASES", self.num_biases.to_string()),
                 d("HTI_WARPS", HTI_WARPS.to_string()),
-                d("HTI_MSG_BYTES", rows.msg.to_string()),
-                d("HTI_ROW_BYTES", rows.row.to_string()),
-                d("HTI_CROW_BYTES", rows.crow.to_string()),
-                d("HTI_CMSG_BYTES", rows.cmsg.to_string()),
+                d("HTI_MSG_BYTES", rows.dispatch_msg.to_string()),
+                d("HTI_ROW_BYTES", rows.dispatch_row.to_string()),
+                d("HTI_COMBINE_ROW_BYTES", rows.combine_row.to_string()),
+                d("HTI_COMBINE_MSG_BYTES", rows.combine_msg.to_string()),
                 d("HTI_STATE_BYTES", HTI_STATE_BYTES.to_string()),
                 d("HTI_TRACE_CHUNKS", HTI_TRACE_CHUNKS.to_string()),
                 d("MOELINK_SIZEOF_HTI_LAYOUT_ARGS", std::mem::size_of::<HtiLayoutArgs>().to_string()),
@@ -496,7 +497,7 @@ pub fn rdma_layout(signal_base: usize, data_base: usize, num_rdma_bytes: usize, 
 pub fn rdma_bytes_needed(num_ranks: usize, num_nodes: usize, round_tokens: usize, rows: RowSizes) -> usize {
     let msg_words = NOTIFY_HEADER_WORDS + num_ranks + HTI_MAX_LOCAL_EXPERTS;
     let notify = align(2 * num_ranks * msg_words * 4, 256) + align(num_ranks * msg_words * 4, 256);
-    let part = align(round_tokens * rows.msg.max(rows.cmsg), 256);
+    let part = align(round_tokens * rows.dispatch_msg.max(rows.combine_msg), 256);
     notify + 4 * num_nodes * part
 }
 
@@ -533,7 +534,7 @@ pub fn nvl_ctrl_bytes(num_ranks: usize, num_nodes: usize) -> usize {
 
 /// `num_nvl_bytes` the NVLink layout needs for rounds of `round_tokens` tokens of this shape.
 pub fn nvl_bytes_needed(num_ranks: usize, round_tokens: usize, rows: RowSizes) -> usize {
-    let per_part = align(round_tokens * rows.row.max(rows.crow), 128);
+    let per_part = align(round_tokens * rows.dispatch_row.max(rows.combine_row), 128);
     // Flag slots follow num_nvl_bytes / (2 R (4 + 256)); the parts then hold round_tokens rows.
     let flags = align(num_ranks * round_tokens * 4, 256);
     (2 * num_ranks * per_part + 2 * flags).max(2 * num_ranks * (4 + 256) * round_tokens)
@@ -545,7 +546,9 @@ pub fn nvl_bytes_needed(num_ranks: usize, round_tokens: usize, rows: RowSizes) -
 pub fn round_shape(rdma: &RdmaAt, nvl: &NvlArgs, rows: RowSizes, chunk_tokens: usize) -> Option<(usize, usize)> {
     let rdma_part = rdma.part_bytes as usize;
     let nvl_part = nvl.part_bytes as usize;
-    let m = (rdma_part / rows.msg.max(rows.cmsg)).min(nvl_part / rows.row.max(rows.crow)).min(nvl.flag_slots as usize);
+    let m = (rdma_part / rows.dispatch_msg.max(rows.combine_msg))
+        .min(nvl_part / rows.dispatch_row.max(rows.combine_row))
+        .min(nvl.flag_slots as usize);
     if m == 0 {
         return None;
     }
@@ -561,12 +564,12 @@ mod tests {
     #[test]
     fn rows_follow_the_kernel_formulas() {
         let r = RowSizes::new(7168, true, 8, 8);
-        assert_eq!(r.msg, align(48 + 64 + 4 * 56, 16) + 7168);
-        assert_eq!(r.row, 7168 + align(4 * (24 + 56 + 3), 16));
-        assert_eq!(r.crow, 14336 + 32);
-        assert_eq!(r.cmsg, 28672 + 32);
+        assert_eq!(r.dispatch_msg, align(48 + 64 + 4 * 56, 16) + 7168);
+        assert_eq!(r.dispatch_row, 7168 + align(4 * (24 + 56 + 3), 16));
+        assert_eq!(r.combine_row, 14336 + 32);
+        assert_eq!(r.combine_msg, 28672 + 32);
         let b = RowSizes::new(256, false, 0, 0);
-        assert_eq!((b.msg, b.row, b.crow, b.cmsg), (48 + 512, 512 + 16, 512, 1024));
+        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (48 + 512, 512 + 16, 512, 1024));
     }
 
     #[test]

@@ -38,7 +38,7 @@ fn run_variant(cxx: &str, v: HtiVariant, tally_slots: Option<u32>) {
     // launched when its host picked the variant from topk_idx's address, for the variant-mismatch scenario
     // (run when this variant carries top-k).
     let peer = HtiVariant { topk: 0, ..v }.dispatch_spec();
-    let mut peer_flags: Vec<String> = ["TOPK", "HTI_MSG_BYTES", "HTI_ROW_BYTES", "HTI_CROW_BYTES", "HTI_CMSG_BYTES"]
+    let mut peer_flags: Vec<String> = ["TOPK", "HTI_MSG_BYTES", "HTI_ROW_BYTES", "HTI_COMBINE_ROW_BYTES", "HTI_COMBINE_MSG_BYTES"]
         .iter()
         .map(|name| format!("-DHTI_EMU_PEER_{name}={}", peer.define(name).expect("every HT-internode spec defines it")))
         .collect();

@@ -479,16 +479,16 @@ fn ht_tokens(s: &Settings, fam: Family, round: usize, p: &HtPlan, rank: usize) -
 /// Across nodes: the rounds the internode HT kernels run for this round's dispatch (`ceil(T_max / M)`, M
 /// from the buffers' sizes and the row size as the backend computes it); `None` on one node.
 fn ht_rounds_per_call(s: &Settings, fam: Family, round: usize, p: &HtPlan) -> Option<usize> {
-    use moelink_kernels::ht_internode as khti;
+    use moelink_kernels::ht_internode as hti_kernels;
     if s.nodes <= 1 {
         return None;
     }
     let t_max = (0..s.ranks).map(|r| ht_tokens(s, fam, round, p, r)).max().unwrap_or(0);
     let topk = if p.with_topk { p.topk } else { 0 };
-    let rows = khti::RowSizes::new(p.hidden, p.fp8, topk, khti::HTI_MAX_TOPK);
-    let rdma = khti::rdma_layout(0, 0, s.num_rdma_bytes, s.ranks, s.nodes)?;
-    let nvl = khti::nvl_layout(0, 0, s.num_nvl_bytes, s.ranks, s.nodes);
-    let (m, _) = khti::round_shape(&rdma, &nvl, rows, s.ht_chunk_tokens.unwrap_or(khti::DEFAULT_CHUNK_TOKENS))?;
+    let rows = hti_kernels::RowSizes::new(p.hidden, p.fp8, topk, hti_kernels::HTI_MAX_TOPK);
+    let rdma = hti_kernels::rdma_layout(0, 0, s.num_rdma_bytes, s.ranks, s.nodes)?;
+    let nvl = hti_kernels::nvl_layout(0, 0, s.num_nvl_bytes, s.ranks, s.nodes);
+    let (m, _) = hti_kernels::round_shape(&rdma, &nvl, rows, s.ht_chunk_tokens.unwrap_or(hti_kernels::DEFAULT_CHUNK_TOKENS))?;
     Some(t_max.div_ceil(m))
 }
 

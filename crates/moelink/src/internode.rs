@@ -192,11 +192,11 @@ pub enum Transport {
 /// assert!(need.num_nvl_bytes > 0 && need.num_rdma_bytes > 0);
 /// ```
 pub fn ht_bytes_needed(topology: Topology, round_tokens: usize, hidden: usize, topk: usize, fp8: bool) -> HtBytes {
-    use moelink_kernels::ht_internode as khti;
-    let rows = khti::RowSizes::new(hidden, fp8, topk, khti::HTI_MAX_TOPK);
+    use moelink_kernels::ht_internode as hti_kernels;
+    let rows = hti_kernels::RowSizes::new(hidden, fp8, topk, hti_kernels::HTI_MAX_TOPK);
     HtBytes {
-        num_nvl_bytes: khti::nvl_bytes_needed(topology.num_ranks(), round_tokens, rows),
-        num_rdma_bytes: khti::rdma_bytes_needed(topology.num_ranks(), topology.num_nodes, round_tokens, rows),
+        num_nvl_bytes: hti_kernels::nvl_bytes_needed(topology.num_ranks(), round_tokens, rows),
+        num_rdma_bytes: hti_kernels::rdma_bytes_needed(topology.num_ranks(), topology.num_nodes, round_tokens, rows),
     }
 }
 
@@ -221,21 +221,25 @@ pub(crate) fn ht_round_shape(
     topk: usize,
     chunk_tokens: usize,
 ) -> crate::Result<(usize, usize)> {
-    use moelink_kernels::ht_internode as khti;
+    use moelink_kernels::ht_internode as hti_kernels;
     let (r, n) = (topology.num_ranks(), topology.num_nodes);
-    let rows = khti::RowSizes::new(hidden, fp8, topk, khti::HTI_MAX_TOPK);
+    let rows = hti_kernels::RowSizes::new(hidden, fp8, topk, hti_kernels::HTI_MAX_TOPK);
     let hint = format!(
         "not even one token per round fits; create the Buffer with sizes from moelink::internode::ht_bytes_needed({topology}, tokens per round, {hidden}, {topk}, {fp8})"
     );
     let too_small = |what, needed, available| Error::BufferTooSmall { rank, what, needed, available, hint: hint.clone() };
-    let nvl = khti::nvl_layout(0, 0, num_nvl_bytes, r, n);
-    if (nvl.part_bytes as usize) < rows.row.max(rows.crow) {
-        return Err(too_small("internode high-throughput NVLink parts (num_nvl_bytes)", khti::nvl_bytes_needed(r, 1, rows), num_nvl_bytes));
+    let nvl = hti_kernels::nvl_layout(0, 0, num_nvl_bytes, r, n);
+    if (nvl.part_bytes as usize) < rows.dispatch_row.max(rows.combine_row) {
+        return Err(too_small(
+            "internode high-throughput NVLink parts (num_nvl_bytes)",
+            hti_kernels::nvl_bytes_needed(r, 1, rows),
+            num_nvl_bytes,
+        ));
     }
-    let rdma_needed = khti::rdma_bytes_needed(r, n, 1, rows);
-    let rdma = khti::rdma_layout(0, 0, num_rdma_bytes, r, n)
+    let rdma_needed = hti_kernels::rdma_bytes_needed(r, n, 1, rows);
+    let rdma = hti_kernels::rdma_layout(0, 0, num_rdma_bytes, r, n)
         .ok_or_else(|| too_small("internode high-throughput RDMA parts (num_rdma_bytes)", rdma_needed, num_rdma_bytes))?;
-    khti::round_shape(&rdma, &nvl, rows, chunk_tokens)
+    hti_kernels::round_shape(&rdma, &nvl, rows, chunk_tokens)
         .ok_or_else(|| too_small("internode high-throughput RDMA parts (num_rdma_bytes)", rdma_needed, num_rdma_bytes))
 }
 
