@@ -110,8 +110,8 @@ test_bin() {  # test_bin NAME RANKS EXECUTABLE [FILTER...]
 trun() {  # trun NAME PROCESSES LIMIT ARGS...: moelink ARGS under torchrun, one process per rank
     local name=$1 n=$2 limit=$3
     shift 3
-    # One rank per process needs no extra hardware queues, and MPS clients that each ask for run.sh's 32
-    # fail to create their contexts beyond the second (CUDA_ERROR_OUT_OF_MEMORY).
+    # One rank per process needs no extra hardware queues, and four MPS clients that each ask for run.sh's 32
+    # fail to create their contexts (CUDA_ERROR_OUT_OF_MEMORY; two work).
     run "$name" "$limit" env -u CUDA_DEVICE_MAX_CONNECTIONS CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) \
         torchrun --standalone --nproc_per_node="$n" --no-python "$BIN" "$@"
 }

@@ -104,8 +104,8 @@ if want shared || want nodes; then
     nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
     # MPS_THREAD_PERCENTAGE (unset by default) limits each process: moelink still divides what a process sees
     # among all the ranks on the GPU, so a limit leaves each rank less.
-    # One rank per process: no extra hardware queues (MPS clients asking for run.sh's 32 each fail to create
-    # their contexts beyond the second, CUDA_ERROR_OUT_OF_MEMORY).
+    # One rank per process: no extra hardware queues (four MPS clients asking for run.sh's 32 each fail to create
+    # their contexts: CUDA_ERROR_OUT_OF_MEMORY; two work).
     shared_env=(env -u CUDA_DEVICE_MAX_CONNECTIONS ${MPS_THREAD_PERCENTAGE:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE} NVSHMEM_HOME="${NVSHMEM_HOME:-$nv}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
         NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1)
     want shared && step "suite, 4 ranks on 1 GPU (mps)" "$OUT/shared-tests.log" 300 \

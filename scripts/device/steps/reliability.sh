@@ -131,8 +131,8 @@ step_chaos() {
         export CUDA_MPS_PIPE_DIRECTORY=$SCRATCH/mps-pipe CUDA_MPS_LOG_DIRECTORY=$SCRATCH/mps-log
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
         nvidia-cuda-mps-control -d && mps=1 && echo "MPS daemon started ($RANKS ranks on $NGPU GPUs)" | tee -a "$CHAOS_LOG"
-        # One rank per process: no extra hardware queues (MPS clients asking for run.sh's 32 each fail to
-        # create their contexts beyond the second, CUDA_ERROR_OUT_OF_MEMORY).
+        # One rank per process: no extra hardware queues (four MPS clients asking for run.sh's 32 each fail to create
+        # their contexts: CUDA_ERROR_OUT_OF_MEMORY; two work).
         local connections=${CUDA_DEVICE_MAX_CONNECTIONS-}
         unset CUDA_DEVICE_MAX_CONNECTIONS
     fi
