@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Step `ab` of scripts/device/run.sh: the same `moelink bench` calls with the base binary (.device/base/moelink,
 # built by `BASE_REV=<rev> scripts/device/build.sh`) and this build's, alternating AB_ROUNDS times (default 3)
-# so that the machine's drift falls on both. AB_ARGS (default: HT and LL at DeepEP's shapes on every GPU, 30
-# repetitions) pass to both. Writes $OUT/ab-{base,head}-<round>.json and prints, per case, the median over
-# rounds of each binary's time and head / base.
+# so that the machine's drift falls on both. AB_ARGS (default: HT and LL at DeepEP's shapes on NGPU ranks, 30
+# repetitions, with a 1xN topology when the ranks outnumber the GPUs) pass to both. Writes
+# $OUT/ab-{base,head}-<round>.json and prints, per case, the median over rounds of each binary's time and head / base.
 set -u
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=ab bash scripts/device/run.sh" >&2; exit 2; }
 rounds=${AB_ROUNDS:-3}
-args=${AB_ARGS:-"--mode all --ranks $MOELINK_TEST_RANKS --reps 30"}
+# More ranks than GPUs (NGPU above the GPUs there are): the bench needs a topology that says they share them.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+share=""
+[ "$MOELINK_TEST_RANKS" -gt "${gpus:-0}" ] 2>/dev/null && share="--topology 1x$MOELINK_TEST_RANKS"
+args=${AB_ARGS:-"--mode all --ranks $MOELINK_TEST_RANKS $share --reps 30"}
 base=$BIN_DIR/base/moelink
 if [ -n "${DRY_RUN:-}" ]; then echo "ab: would run $rounds rounds of 'bench $args' with the base binary and this one"; exit 0; fi
 [ -x "$base" ] || { echo "ab: no base binary ($base): build with BASE_REV=<rev> scripts/device/build.sh and carry .device"; exit 1; }
