@@ -496,8 +496,6 @@ class Buffer:
         self._device_index: int = self._native.device
         # Outputs of earlier calls, reused once unreferenced (``_Reuse``); None where this torch cannot tell.
         self._reuse: Optional[_Reuse] = _Reuse() if _storage_use_count is not None else None
-        # DeepEP's channel elements of the intranode handle: a [1, C] row of zeros ending in 1, per C.
-        self._last_channel: dict = {}
 
     #: Whether calls without events reuse the outputs of earlier calls once nothing references them
     #: (``_Reuse``). Class-wide; ``python -m moelink.bench --host-cost`` turns it off to measure what it saves.
@@ -840,22 +838,25 @@ class Buffer:
                                           in_rank_shape)
             return outs if key is None else reuse.keep(key, outs)
 
+        # On one node the dispatch kernel writes DeepEP's channel elements of the handle (outs[6:9]); across
+        # nodes the internode handle is filled here from the dispatch's outputs.
+        fill_internode_handle = fresh and self._internode
         dispatch = functools.partial(
             self._native.dispatch, x_data, alloc, x_scales, native_handle, num_tokens_per_rank, num_tokens_per_expert,
-            is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config_tuple)
+            is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config_tuple,
+            channel_outputs=fresh and not self._internode)
         if eventless:
             native_handle, per_expert, outs = dispatch(stream, True)
-            if fresh:
-                self._fill_handle(outs, is_token_in_rank, num_tokens_per_rank, channels)
+            if fill_internode_handle:
+                self._internode_handle_fill(outs, is_token_in_rank, num_tokens_per_rank)
             event = EventOverlap()
         else:
             compute = self._enter(previous_event, allocate_on_comm_stream)
             try:
                 native_handle, per_expert, outs = dispatch(self._launch_stream(), True)
-                if fresh:
-                    # DeepEP's handle: the channel parts (moelink's meaning) from the routing, on the same stream.
+                if fill_internode_handle:
                     with require_torch().cuda.stream(self._comm_stream) if self._cuda else contextlib.nullcontext():
-                        self._fill_handle(outs, is_token_in_rank, num_tokens_per_rank, channels)
+                        self._internode_handle_fill(outs, is_token_in_rank, num_tokens_per_rank)
             finally:
                 self._leave(compute, allocate_on_comm_stream)
             inputs = [x_data, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
@@ -902,30 +903,6 @@ class Buffer:
                             self._empty(in_rank_shape, t.int32)]
         return (recv_x, recv_scales, recv_idx, recv_w, rank_prefix, recv_src_idx, *handle_parts)
 
-    def _fill_handle(self, outs: Sequence[Any], in_rank: Tensor, per_rank: Tensor, channels: int) -> None:
-        """Writes DeepEP's handle elements that moelink's routing implies (``DispatchHandle`` /
-        ``InternodeDispatchHandle`` say what each holds), on the current stream, without a host synchronisation."""
-        _, _, _, _, rank_prefix, recv_src_idx, *parts = outs
-        if self._internode:
-            self._internode_handle_fill(parts, rank_prefix, recv_src_idx, in_rank, per_rank)
-            return
-        t = require_torch()
-        channel_prefix, recv_channel_prefix, send_head = parts
-        # [r][c] = 0 for c < C-1, per_rank[r] for c = C-1: one multiply by a row of zeros ending in 1, made once
-        # per C outside any CUDA graph capture (a row filled inside one would hold its values only once the graph
-        # had replayed); a capture that comes first writes the column the long way.
-        last = self._last_channel.get(channels)
-        if last is None and not (self._cuda and self._capturing()):
-            last = t.zeros((1, channels), dtype=t.int32, device=self._device)
-            last[0, channels - 1] = 1
-            self._last_channel[channels] = last
-        if last is not None:
-            t.mul(per_rank.view(-1, 1), last, out=channel_prefix)
-        else:
-            channel_prefix.zero_()[:, channels - 1].copy_(per_rank)
-        recv_channel_prefix.zero_()
-        _send_head(in_rank, send_head)
-
     def _ht_native(self, handle: Any) -> Any:
         """The native routing of a high-throughput handle of this buffer's kind (intranode 6-tuple, or
         internode 10-tuple across nodes), or a plain tuple of its elements."""
@@ -962,11 +939,11 @@ class Buffer:
         return [rdma_cp, gbl_cp, recv_rdma_cp, self._empty((nodes,), t.int32), recv_gbl_cp, self._empty((r,), t.int32),
                 meta, self._empty((num_tokens, nodes), t.int32), nvl_head]
 
-    def _internode_handle_fill(self, parts: Sequence[Any], rank_prefix: Tensor, recv_src_idx: Tensor,
-                               in_rank: Tensor, per_rank: Tensor) -> None:
+    def _internode_handle_fill(self, outs: Sequence[Any], in_rank: Tensor, per_rank: Tensor) -> None:
         """Writes the internode handle's elements (``InternodeDispatchHandle`` says what each holds) from the
-        dispatch's ``rank_prefix_matrix`` and ``recv_src_idx`` and the layout, on the current stream, without a
-        host synchronisation (CUDA-graph capturable)."""
+        dispatch's ``rank_prefix_matrix`` and ``recv_src_idx`` (in ``outs``) and the layout, on the current
+        stream, without a host synchronisation (CUDA-graph capturable)."""
+        _, _, _, _, rank_prefix, recv_src_idx, *parts = outs
         t = require_torch()
         (rdma_cp, gbl_cp, recv_rdma_cp, recv_rdma_sum, recv_gbl_cp, recv_gbl_sum, meta, send_rdma_head,
          send_nvl_head) = parts

@@ -78,6 +78,11 @@ struct HtDispatchArgs {
   u32 dynamic_send;        // 1: sender warps take chunks from HT_CTRL_DISPATCH_CHUNK (needs send_chunk > 0)
   u32 host_seq;            // the notify call whose words host_notify holds for this dispatch
   u64 trace;               // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
+  u64 send_head;           // i32 [T, R]: token t's slot among the rows sent to r, -1 where not sent; 0: not wanted
+  u64 channel_prefix;      // i32 [R, num_channels]: tokens for r in channels 0..=c (all in the last); 0: not wanted
+  u64 recv_channel_prefix; // i32 [R, num_channels]: where channel c of source r starts among its rows (0); 0: not wanted
+  u32 num_channels;        // columns of the two channel matrices
+  u32 reserved;
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
@@ -271,7 +276,8 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 // destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
-//   chunk's first pair while this chunk is sent), so that no token waits for its prefix row; send_token.
+//   chunk's first pair while this chunk is sent), so that no token waits for its prefix row; with send_head,
+//   stores the token's slot there (-1 where it does not go to r); send_token.
 //   Release, once per RELEASE_BATCH tokens of a chunk (a fence waits until the warp's NVLink stores are
 //   acknowledged; one per token left each warp idle for a round trip per row): __syncwarp, every lane
 //   executes fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R st.relaxed.sys's the
@@ -284,6 +290,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < num_ranks && lane != me;
+  i32* send_head = reinterpret_cast<i32*>(a.send_head);
   // Lane `me` loads its own pair too, for send_token's layout check (its rows are the receivers' work).
   auto load_prefix = [&](u32 t) -> i32 { return lane < num_ranks ? prefix[(u64)t * num_ranks + lane] : 0; };
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
@@ -316,6 +323,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         const i32 p0 = slot_next, p1 = slot_after;
         slot_next = p1;
         if (t + 2 <= chunk.end) slot_after = load_prefix(t + 2);
+        if (send_head != nullptr && lane < num_ranks) send_head[(u64)t * num_ranks + lane] = p1 > p0 ? p0 : -1;
         send_token(a, d, t, p0, p1, peer_lane, lane);
       }
       // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
@@ -495,7 +503,22 @@ namespace moelink::intranode {
 //   an expert whose num_tokens_per_expert is not the tokens selecting it (check_expert_tokens, the last block);
 //   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
 //   remote rows from the slab), consumed flags.
+// DeepEP's channel matrices of the handle (block 0, when wanted): this rank sends each destination's rows as
+// one ordered stream, which DeepEP's terms call the last of num_channels channels, the others empty. The
+// send counts are ht_notify's (routing, HT_RT_SEND_COUNT), written before this kernel in stream order.
+__device__ __forceinline__ void write_channel_prefixes(const HtDispatchArgs& a) {
+  if (blockIdx.x != 0 || a.channel_prefix == 0 || a.num_channels == 0) return;
+  const i32* send_count = reinterpret_cast<const i32*>(a.routing) + HT_RT_SEND_COUNT;
+  i32* channel_prefix = reinterpret_cast<i32*>(a.channel_prefix);
+  i32* recv_channel_prefix = reinterpret_cast<i32*>(a.recv_channel_prefix);
+  for (u32 i = threadIdx.x; i < a.num_ranks * a.num_channels; i += blockDim.x) {
+    channel_prefix[i] = i % a.num_channels == a.num_channels - 1 ? send_count[i / a.num_channels] : 0;
+    recv_channel_prefix[i] = 0;
+  }
+}
+
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtDispatchArgs a) {
+  write_channel_prefixes(a);
   zero_tallies(a);
   ht_run_op<DISPATCH_WARPS, TRACE_WORDS>(
       a, PHASE_DISPATCH, a.num_ranks, ROW_BYTES, HT_DISPATCH_WORDS,

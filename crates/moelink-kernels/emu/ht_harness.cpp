@@ -299,12 +299,16 @@ bool run_notify(World& w, u32 me, const RankInputs& in, const Layout& l, Handle&
   return h.routing[k_notify::HT_RT_STATUS] == 0;
 }
 
+// Columns of DeepEP's channel matrices the harness asks the dispatch for (the backend passes the caller's).
+constexpr u32 EMU_CHANNELS = 3;
+
 struct Outputs {
   u32 rows = 0;
   std::vector<u8> x;
   std::vector<float> scales;
   std::vector<i64> idx;
   std::vector<float> w;
+  std::vector<i32> send_head, channel_prefix, recv_channel_prefix;  // DeepEP's channel elements, one past the end
 };
 
 template <typename Args>
@@ -374,6 +378,9 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handl
   o.idx.assign((size_t)rows * K + 1, 12345);
   o.w.assign((size_t)rows * K + 1, -2.0f);
   h.src_idx.assign(rows + 1, -9);
+  o.send_head.assign((size_t)in.t * R + 1, -9);
+  o.channel_prefix.assign(R * EMU_CHANNELS + 1, -9);
+  o.recv_channel_prefix.assign(R * EMU_CHANNELS + 1, -9);
   k_disp::HtDispatchArgs a{};
   fill_dispatch(a, w, me, in, h, rows, dispatch_row_bytes(H, F8, K));
   a.x = (u64)in.x.data();
@@ -396,6 +403,10 @@ void run_dispatch(World& w, u32 me, const RankInputs& in, const Layout& l, Handl
   a.recv_topk_idx = K ? (u64)o.idx.data() : 0;
   a.recv_topk_weights = K ? (u64)o.w.data() : 0;
   a.recv_src_idx = (u64)h.src_idx.data();
+  a.send_head = (u64)o.send_head.data();
+  a.channel_prefix = (u64)o.channel_prefix.data();
+  a.recv_channel_prefix = (u64)o.recv_channel_prefix.data();
+  a.num_channels = EMU_CHANNELS;
   a.trace = trace_buffer(0, me, w.num_sms, k_disp::TRACE_WORDS);
   emu::launch(w.num_sms, k_disp::THREADS, [&] { k_disp::moelink::intranode::dispatch(a); });
   if (a.trace != 0) check_trace(0, me, w.num_sms, k_disp::TRACE_WORDS);
@@ -534,8 +545,27 @@ void check_dispatch(const std::vector<RankInputs>& all, u32 me, const Handle& h,
       CHECK(o.idx[(size_t)i * K + k] == -1, "rank %u: tail row %u topk_idx", me, i);
       CHECK(o.w[(size_t)i * K + k] == 0.0f, "rank %u: tail row %u weight", me, i);
     }
+  // DeepEP's channel elements: each token's slot among the tokens sent to r (-1: not sent), and the channel
+  // matrices with every token in the last channel.
+  const RankInputs& mine = all[me];
+  for (u32 r = 0; r < R; r++) {
+    i32 slot = 0;
+    for (u32 t = 0; t < mine.t; t++) {
+      const i32 want = hits(mine, t, r) ? slot++ : -1;
+      CHECK(o.send_head[(size_t)t * R + r] == want, "rank %u: send_head[%u][%u] = %d, want %d", me, t, r, o.send_head[(size_t)t * R + r], want);
+    }
+    for (u32 c = 0; c < EMU_CHANNELS; c++) {
+      const i32 want = c == EMU_CHANNELS - 1 ? slot : 0;
+      CHECK(o.channel_prefix[r * EMU_CHANNELS + c] == want, "rank %u: channel_prefix_matrix[%u][%u] = %d, want %d", me, r, c,
+            o.channel_prefix[r * EMU_CHANNELS + c], want);
+      CHECK(o.recv_channel_prefix[r * EMU_CHANNELS + c] == 0, "rank %u: recv_channel_prefix_matrix[%u][%u] = %d", me, r, c,
+            o.recv_channel_prefix[r * EMU_CHANNELS + c]);
+    }
+  }
   // Nothing written past the outputs.
   CHECK(o.x[(size_t)o.rows * rb] == 0xab && o.idx[(size_t)o.rows * K] == 12345, "rank %u: outputs written past their rows", me);
+  CHECK(o.send_head[(size_t)mine.t * R] == -9 && o.channel_prefix[R * EMU_CHANNELS] == -9 && o.recv_channel_prefix[R * EMU_CHANNELS] == -9,
+        "rank %u: channel elements written past their end", me);
 }
 
 // Expert output of rank `expert` for (source, token): order-sensitive bf16 values.

@@ -390,6 +390,15 @@ pub struct HtDispatchArgs {
     pub host_seq: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
     pub trace: u64,
+    /// `i32 [T, R]`: token t's slot among the rows this rank sends to r, -1 where it is not sent; 0: not wanted.
+    pub send_head: u64,
+    /// `i32 [R, num_channels]`: this rank's tokens for r in channels `0..=c` (all in the last); 0: not wanted.
+    pub channel_prefix: u64,
+    /// `i32 [R, num_channels]`: where channel c of source r starts among its rows (0); 0: not wanted.
+    pub recv_channel_prefix: u64,
+    /// Columns of the two channel matrices.
+    pub num_channels: u32,
+    pub reserved: u32,
 }
 
 /// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).

@@ -14,8 +14,8 @@ use std::time::Instant;
 use pyo3::prelude::*;
 
 use moelink::{
-    BackendKind, Buffer, BufferOptions, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan, Error,
-    ForeignStream, Group, HtHandle, KernelTracing, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
+    BackendKind, Buffer, BufferOptions, ChannelOutputs, CombineArgs, CombineOutputs, Config, DispatchArgs, DispatchOutputs, DispatchPlan,
+    Error, ForeignStream, Group, HtHandle, KernelTracing, LayoutOutputs, LayoutRef, LlCombineArgs, LlCombineOutputs, LlDispatchArgs,
     LlDispatchOutputs, LlHandle, LlQuant, Location, Payload, RdmaOptions, RecvHook, Routing, TensorRef, Topology, Transport, Tuning,
 };
 
@@ -384,10 +384,24 @@ impl PyBuffer {
 
     /// The outputs of a dispatch from the tuple `(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
     /// rank_prefix_matrix, recv_src_idx, ...)` (None where not wanted; later elements are the caller's).
-    fn dispatch_outputs(&self, py: Python<'_>, outputs: &Obj<'_>) -> PyResult<DispatchOutputs<'static>> {
+    fn dispatch_outputs(&self, py: Python<'_>, outputs: &Obj<'_>, channel_outputs: bool) -> PyResult<DispatchOutputs<'static>> {
         let r = self.rank;
         let item = |i: usize| outputs.get_item(i);
         let (x, scales, idx, w, prefix, src) = (item(0)?, item(1)?, item(2)?, item(3)?, item(4)?, item(5)?);
+        let channels = if channel_outputs {
+            let (prefix, recv_prefix, head) = (item(6)?, item(7)?, item(8)?);
+            Some(ChannelOutputs {
+                channel_prefix_matrix: self.arg(&prefix, "channel_prefix_matrix")?.view_mut(py, "channel_prefix_matrix", r)?,
+                recv_channel_prefix_matrix: self.arg(&recv_prefix, "recv_channel_prefix_matrix")?.view_mut(
+                    py,
+                    "recv_channel_prefix_matrix",
+                    r,
+                )?,
+                send_head: self.arg(&head, "send_head")?.view_mut(py, "send_head", r)?,
+            })
+        } else {
+            None
+        };
         Ok(DispatchOutputs {
             recv_x: self.arg(&x, "recv_x")?.view_mut(py, "recv_x", r)?,
             recv_scales: opt_view_mut(py, &self.opt_arg(Some(&scales), "recv_x_scales")?, "recv_x_scales", r)?,
@@ -395,6 +409,7 @@ impl PyBuffer {
             recv_topk_weights: opt_view_mut(py, &self.opt_arg(Some(&w), "recv_topk_weights")?, "recv_topk_weights", r)?,
             rank_prefix_matrix: opt_view_mut(py, &self.opt_arg(Some(&prefix), "rank_prefix_matrix")?, "rank_prefix_matrix", r)?,
             recv_src_idx: opt_view_mut(py, &self.opt_arg(Some(&src), "recv_src_idx")?, "recv_src_idx", r)?,
+            channels,
         })
     }
 }
@@ -691,6 +706,7 @@ impl PyBuffer {
             recv_topk_weights: opt_view_mut(py, &self.opt_arg(recv_topk_weights, "recv_topk_weights")?, "recv_topk_weights", r)?,
             rank_prefix_matrix: opt_view_mut(py, &self.opt_arg(rank_prefix_matrix, "rank_prefix_matrix")?, "rank_prefix_matrix", r)?,
             recv_src_idx: opt_view_mut(py, &self.opt_arg(recv_src_idx, "recv_src_idx")?, "recv_src_idx", r)?,
+            channels: None,
         };
         let taken = plan.state.lock().ok().and_then(|mut s| s.take());
         let (p, call) = taken.ok_or_else(|| invalid(py, "plan", r, "was already used by dispatch_into"))?;
@@ -701,10 +717,12 @@ impl PyBuffer {
     /// `prepare_dispatch` and `dispatch_into` in one call (collective): after the count exchange,
     /// `alloc(num_recv_rows, hidden, topk, is_fp8, has_topk)` returns the outputs as a tuple `(recv_x,
     /// recv_x_scales, recv_topk_idx, recv_topk_weights, rank_prefix_matrix, recv_src_idx, ...)` (None where
-    /// not wanted; elements after the sixth are the caller's and passed back untouched). Returns `(handle,
+    /// not wanted; elements after the sixth are the caller's and passed back untouched, except that with
+    /// `channel_outputs` the dispatch writes DeepEP's intranode channel elements into elements 6 to 8:
+    /// `channel_prefix_matrix`, `recv_channel_prefix_matrix`, `send_head`, moelink::ChannelOutputs). Returns `(handle,
     /// num_recv_tokens_per_expert, outputs)`. `alloc` runs with the buffer unlocked, as the Python code
     /// between the two calls did.
-    #[pyo3(signature = (x, alloc, x_scales=None, handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None, stream=None, begin_call=false))]
+    #[pyo3(signature = (x, alloc, x_scales=None, handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None, stream=None, begin_call=false, channel_outputs=false))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch<'py>(
         &self,
@@ -723,6 +741,7 @@ impl PyBuffer {
         config: Option<ConfigTuple>,
         stream: Option<u64>,
         begin_call: bool,
+        channel_outputs: bool,
     ) -> PyResult<(PyHtHandle, Vec<usize>, Obj<'py>)> {
         let started = self.host_time.start();
         self.mark_call(begin_call);
@@ -749,7 +768,7 @@ impl PyBuffer {
         let prepared = now();
         let per_expert = plan.num_recv_tokens_per_expert().to_vec();
         let outputs = alloc.call1((plan.num_recv_rows(), plan.hidden(), plan.topk(), plan.is_fp8(), plan.has_topk()))?;
-        let out = self.dispatch_outputs(py, &outputs)?;
+        let out = self.dispatch_outputs(py, &outputs, channel_outputs)?;
         let launch = now();
         let handle = self.run(py, Some(stream), move |b| b.dispatch_into(plan, &call.args(), out))?;
         if let (Some(t0), Some(read_done), Some(prepared), Some(launch)) = (started, read_done, prepared, launch) {

@@ -456,6 +456,7 @@ fn die_in(
             recv_topk_weights: Some(recv_w.view_mut()),
             rank_prefix_matrix: Some(rank_prefix.view_mut()),
             recv_src_idx: Some(src_idx.view_mut()),
+            channels: None,
         };
         return buf.on_stream(stream, |s| {
             s.dispatch_into(plan, &args, out)?;

@@ -467,7 +467,7 @@ impl Buffer {
     /// Moves the tokens (collective). `args` must be the ones the plan was prepared with.
     pub fn dispatch_into(&mut self, plan: DispatchPlan, args: &DispatchArgs<'_>, out: DispatchOutputs<'_>) -> Result<HtHandle> {
         self.begin_call();
-        ht::validate_dispatch_outputs(&plan, &out, self.location())?;
+        ht::validate_dispatch_outputs(&plan, &out, self.location(), self.topology().num_nodes)?;
         let spec = plan.spec;
         let done = self.step(|b| b.dispatch(plan, args, out))?;
         Ok(HtHandle {
@@ -505,6 +505,7 @@ impl Buffer {
             recv_topk_weights: w.as_mut().map(|t| t.view_mut()),
             rank_prefix_matrix: Some(rank_prefix_matrix.view_mut()),
             recv_src_idx: Some(recv_src_idx.view_mut()),
+            channels: None,
         };
         let handle = self.dispatch_into(plan, args, out)?;
         Ok(DispatchResult {

@@ -229,6 +229,7 @@ impl HtGraph {
             recv_topk_weights: Some(t.recv_topk_weights.view_mut()),
             rank_prefix_matrix: Some(t.rank_prefix_matrix.view_mut()),
             recv_src_idx: Some(t.recv_src_idx.view_mut()),
+            channels: None,
         };
         let handle = buf.dispatch_into(plan, &args, out)?;
         let cargs = CombineArgs {

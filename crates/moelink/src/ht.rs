@@ -10,7 +10,9 @@
 //! - With `num_worst_tokens > 0` the outputs have exactly that many rows; rows past the received count have
 //!   `recv_topk_idx = -1`, weight 0, and unspecified payload; the per-expert list is empty.
 //! - DeepEP's handle parts (optional outputs, [`DispatchOutputs`]): `rank_prefix_matrix[i][j]` = tokens rank
-//!   `j` receives from ranks `0..=i`; `recv_src_idx[n]` = row `n`'s token index on its source rank.
+//!   `j` receives from ranks `0..=i`; `recv_src_idx[n]` = row `n`'s token index on its source rank; on one
+//!   node, `send_head[t][r]` = token `t`'s slot among the rows sent to `r` (-1: not sent) and the channel
+//!   matrices ([`ChannelOutputs`]).
 //! - Combine sums, for each original token and channel, the rows returned by every rank it was sent to, in
 //!   fp32, by a pairwise tree over the buffer's topology ([`crate::reduce`]): leaves `v[r]` = rank `r`'s
 //!   row (exact bf16 → fp32), +0.0 for a rank the token was not sent to; each node's `L` leaves summed by
@@ -98,7 +100,8 @@ pub struct DispatchArgs<'a> {
 /// (FP8 only, contiguous), `recv_topk_idx int64 [N, K]`, `recv_topk_weights float32 [N, K]` (fresh dispatch
 /// with top-k only); `N` is [`DispatchPlan::num_recv_rows`].
 ///
-/// The two optional handle outputs are the parts of DeepEP's dispatch handle that callers read; every
+/// The optional handle outputs are the parts of DeepEP's dispatch handle that callers read (more of them, on
+/// one node: [`ChannelOutputs`]); every
 /// contiguous tensor of the stated shape works, written in stream order (no host synchronisation):
 /// - `rank_prefix_matrix int32 [R, R]`: `[i][j]` = tokens rank `j` receives from ranks `0..=i`, so this
 ///   rank's rows from source `i` are `[i-1][rank] .. [i][rank]` of the outputs (from 0 for `i = 0`).
@@ -111,6 +114,30 @@ pub struct DispatchOutputs<'a> {
     pub recv_topk_weights: Option<TensorMut<'a>>,
     pub rank_prefix_matrix: Option<TensorMut<'a>>,
     pub recv_src_idx: Option<TensorMut<'a>>,
+    /// DeepEP's intranode handle elements about channels and send slots ([`ChannelOutputs`]); one node only.
+    pub channels: Option<ChannelOutputs<'a>>,
+}
+
+/// The elements of DeepEP's intranode dispatch handle that moelink's routing implies, written by the dispatch
+/// in stream order. Every contiguous `int32` tensor of the stated shape works; `C >= 1` is the caller's choice
+/// (DeepEP: `config.num_sms / 2`), the same for both matrices. moelink sends each (source, destination) pair's
+/// tokens as one ordered stream; in DeepEP's terms that is the last of `C` channels, the others empty.
+/// - `send_head [T, R]`: token `t`'s slot among the rows this rank sends to rank `r` (it lands at row
+///   `rank_prefix_matrix[rank - 1][r] + send_head[t][r]` of rank `r`'s outputs), `-1` where it is not sent.
+/// - `channel_prefix_matrix [R, C]`: `[r][c]` = this rank's tokens for rank `r` in channels `0..=c`: 0 for
+///   `c < C - 1`, all of them for `c = C - 1`.
+/// - `recv_channel_prefix_matrix [R, C]`: where channel `c` of source `r` starts among the rows from `r`: 0.
+pub struct ChannelOutputs<'a> {
+    pub send_head: TensorMut<'a>,
+    pub channel_prefix_matrix: TensorMut<'a>,
+    pub recv_channel_prefix_matrix: TensorMut<'a>,
+}
+
+impl ChannelOutputs<'_> {
+    /// The channel count `C` (validated by [`validate_dispatch_outputs`]).
+    pub(crate) fn num_channels(&self) -> usize {
+        self.channel_prefix_matrix.shape().get(1).copied().unwrap_or(0)
+    }
 }
 
 /// A validated dispatch: sizes the caller needs to allocate outputs, and backend state between the count
@@ -488,7 +515,7 @@ pub(crate) fn validate_dispatch(a: &DispatchArgs<'_>, f: &BufferFacts) -> Result
 }
 
 /// Validates dispatch outputs against a plan.
-pub(crate) fn validate_dispatch_outputs(p: &DispatchPlan, o: &DispatchOutputs<'_>, loc: Location) -> Result<()> {
+pub(crate) fn validate_dispatch_outputs(p: &DispatchPlan, o: &DispatchOutputs<'_>, loc: Location, num_nodes: usize) -> Result<()> {
     let s = &p.spec;
     let (r, n) = (s.rank, p.num_recv_rows());
     let xd = if s.fp8 { DType::Fp8E4M3 } else { DType::BF16 };
@@ -527,6 +554,26 @@ pub(crate) fn validate_dispatch_outputs(p: &DispatchPlan, o: &DispatchOutputs<'_
     }
     if let Some(t) = &o.recv_src_idx {
         Expect { arg: "recv_src_idx", rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(n)], contiguous: true }.view_mut(t)?;
+    }
+    if let Some(c) = &o.channels {
+        if num_nodes > 1 {
+            return Err(Error::invalid(
+                "send_head",
+                r,
+                format!("DeepEP's intranode handle elements; a buffer over {num_nodes} nodes returns the internode handle"),
+            ));
+        }
+        let i32_matrix = |arg: &'static str, t: &TensorMut<'_>, rows: usize, cols: Option<usize>| {
+            Expect { arg, rank: r, location: loc, dtypes: &[DType::I32], shape: &[Some(rows), cols], contiguous: true }
+                .view_mut(t)
+                .map(|shape| shape[1])
+        };
+        i32_matrix("send_head", &c.send_head, s.num_tokens, Some(nr))?;
+        let cols = i32_matrix("channel_prefix_matrix", &c.channel_prefix_matrix, nr, None)?;
+        if cols == 0 || cols > u32::MAX as usize {
+            return Err(Error::invalid("channel_prefix_matrix", r, format!("{cols} channels; needs at least 1")));
+        }
+        i32_matrix("recv_channel_prefix_matrix", &c.recv_channel_prefix_matrix, nr, Some(cols))?;
     }
     Ok(())
 }

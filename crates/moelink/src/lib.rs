@@ -68,7 +68,9 @@ pub use dtype::{DType, Element, Fp8E4M3};
 pub use error::{Error, Phase, Result};
 pub use graph::{HtGraph, HtGraphSpec, LlGraph, LlGraphCombine, LlGraphSpec, LlGraphSplit};
 pub use group::{Group, TcpGroup, ThreadGroup};
-pub use ht::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Payload, Routing};
+pub use ht::{
+    ChannelOutputs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, HtHandle, LayoutRef, Payload, Routing,
+};
 pub use internode::{EmuNicOptions, RdmaOptions, Topology, Transport};
 pub use ll::{LlCombineArgs, LlCombineOutputs, LlDispatchArgs, LlDispatchOutputs, LlHandle, LlQuant};
 pub use stream::{ForeignStream, StreamScope};

@@ -507,6 +507,7 @@ proptest! {
                 recv_topk_weights: mw.as_mut().and_then(|m| m.view_mut()),
                 rank_prefix_matrix: None,
                 recv_src_idx: None,
+                channels: None,
             };
             let handle = buf.dispatch_into(plan, &args, out)?;
             let rows = buf.alloc(DType::BF16, &[handle.num_recv_rows(), HID])?;

@@ -3,7 +3,8 @@
 
 use moelink::graph::{HtGraph, HtGraphSpec};
 use moelink::{
-    bf16, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DispatchArgs, Fp8E4M3, Payload, Result, Routing, Tensor, Topology,
+    bf16, BackendKind, Buffer, BufferOptions, ChannelOutputs, CombineArgs, Config, DType, DispatchArgs, DispatchOutputs, Fp8E4M3, HtHandle,
+    Payload, Result, Routing, Tensor, Topology,
 };
 use moelink_testkit::harness::{on, ranks, test_options, with_buffers};
 use moelink_testkit::values::random_weights;
@@ -247,6 +248,84 @@ fn check_handle_parts(c: &Case, all: &[Inputs], me: usize, rank_prefix: &[i32], 
     }
 }
 
+/// What the channel outputs hold before a dispatch writes them.
+const CHANNEL_POISON: i32 = -7;
+
+/// A dispatch through `prepare_dispatch` / `dispatch_into` that also writes DeepEP's channel elements
+/// ([`ChannelOutputs`], `num_channels` columns) into poisoned tensors; returns the handle and
+/// `(send_head, channel_prefix_matrix, recv_channel_prefix_matrix)`.
+fn dispatch_with_channels(buf: &mut Buffer, args: &DispatchArgs<'_>, c: &Case, num_channels: usize) -> Result<(HtHandle, [Vec<i32>; 3])> {
+    let (t, r) = (c.tokens_of(buf.rank()), c.ranks);
+    let plan = buf.prepare_dispatch(args)?;
+    let n = plan.num_recv_rows();
+    let mut recv_x = buf.alloc(DType::BF16, &[n, plan.hidden()])?;
+    let (mut idx, mut w) = if plan.has_topk() {
+        (Some(buf.alloc(DType::I64, &[n, plan.topk()])?), Some(buf.alloc(DType::F32, &[n, plan.topk()])?))
+    } else {
+        (None, None)
+    };
+    let poisoned =
+        |rows: usize, cols: usize| Ok::<_, moelink::Error>(on(buf, Tensor::from_vec(vec![CHANNEL_POISON; rows * cols], &[rows, cols])?));
+    let (mut send_head, mut prefix, mut recv_prefix) = (poisoned(t, r)?, poisoned(r, num_channels)?, poisoned(r, num_channels)?);
+    let out = DispatchOutputs {
+        recv_x: recv_x.view_mut(),
+        recv_scales: None,
+        recv_topk_idx: idx.as_mut().map(|t| t.view_mut()),
+        recv_topk_weights: w.as_mut().map(|t| t.view_mut()),
+        rank_prefix_matrix: None,
+        recv_src_idx: None,
+        channels: Some(ChannelOutputs {
+            send_head: send_head.view_mut(),
+            channel_prefix_matrix: prefix.view_mut(),
+            recv_channel_prefix_matrix: recv_prefix.view_mut(),
+        }),
+    };
+    let handle = buf.dispatch_into(plan, args, out)?;
+    Ok((handle, [send_head.to_vec()?, prefix.to_vec()?, recv_prefix.to_vec()?]))
+}
+
+/// DeepEP's channel elements from a fresh dispatch (CPU-synchronised, or no-sync with `worst`) and from a
+/// cached dispatch with its handle: `send_head[t][r]` = token `t`'s slot among the tokens rank `me` sends to
+/// `r` (-1 where it does not go there), the channel matrices all zero but the last column of
+/// `channel_prefix_matrix`, which holds the tokens sent to each rank. Every element is written (poisoned before).
+fn run_channel_case(kind: BackendKind, c: Case, num_channels: usize, worst: bool) {
+    let Some(all) = all_inputs(kind, &c) else { return };
+    let results = with_buffers(kind, c.ranks, test_options(), |buf| {
+        let (x, idx, w) = upload_inputs(buf, &c, &all[buf.rank()])?;
+        let layout = buf.get_dispatch_layout(idx.view(), c.experts)?;
+        let args = DispatchArgs {
+            x: Payload::Bf16(x.view()),
+            routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
+            expert_alignment: 1,
+            num_worst_tokens: if worst { c.tokens * c.ranks } else { 0 },
+            config: None,
+        };
+        let (handle, fresh) = dispatch_with_channels(buf, &args, &c, num_channels)?;
+        let (_, cached) = dispatch_with_channels(buf, &DispatchArgs { routing: Routing::Cached(&handle), ..args }, &c, num_channels)?;
+        Ok((fresh, cached))
+    });
+    for (me, (fresh, cached)) in results.into_iter().enumerate() {
+        let (t, r) = (c.tokens_of(me), c.ranks);
+        let mut want_head = vec![-1i32; t * r];
+        let mut sent = vec![0i32; r];
+        for tok in 0..t {
+            for (dst, count) in sent.iter_mut().enumerate() {
+                if c.hits(&all[me], tok, dst) {
+                    want_head[tok * r + dst] = *count;
+                    *count += 1;
+                }
+            }
+        }
+        let want_prefix: Vec<i32> =
+            (0..r * num_channels).map(|i| if i % num_channels == num_channels - 1 { sent[i / num_channels] } else { 0 }).collect();
+        for (what, [head, prefix, recv_prefix]) in [("fresh", &fresh), ("cached", &cached)] {
+            assert_eq!(head, &want_head, "rank {me}: {what} dispatch's send_head");
+            assert_eq!(prefix, &want_prefix, "rank {me}: {what} dispatch's channel_prefix_matrix");
+            assert_eq!(recv_prefix, &vec![0i32; r * num_channels], "rank {me}: {what} dispatch's recv_channel_prefix_matrix");
+        }
+    }
+}
+
 fn check_tails(out: &moelink::DispatchResult, worst: bool) -> Result<bool> {
     if !worst {
         return Ok(true);
@@ -291,6 +370,14 @@ backend_tests! {
     }
     fn dispatch_8192_tokens(kind: BackendKind) {
         run_dispatch_case(kind, Case { ranks: 2, tokens: 8192, hidden: 128, topk: 4, experts: 16, routing: RouteKind::Uniform, seed: 3 }, false, true, 1);
+    }
+    fn dispatch_writes_deepep_channel_elements(kind: BackendKind) {
+        run_channel_case(kind, case(2, 64, 256, RouteKind::Uniform), 12, false);
+        run_channel_case(kind, case(4, 50, 128, RouteKind::WithHoles), 1, false);
+        run_channel_case(kind, case(4, 64, 128, RouteKind::EmptyRank(3)), 5, false);
+        run_channel_case(kind, case(4, 128, 128, RouteKind::Skewed), 12, true);
+        run_channel_case(kind, case(2, 0, 128, RouteKind::Uniform), 3, false);
+        run_channel_case(kind, case(2, 1, 128, RouteKind::Uniform), 3, true);
     }
     fn combine_identity_experts_exact(kind: BackendKind) {
         run_combine_case(kind, case(4, 64, 256, RouteKind::WithHoles), 0, false);
@@ -387,6 +474,7 @@ fn timed_regions(kind: BackendKind, num_ranks: usize) {
                     recv_topk_weights: d.recv_topk_weights.as_mut().map(|t| t.view_mut()),
                     rank_prefix_matrix: None,
                     recv_src_idx: None,
+                    channels: None,
                 };
                 b.dispatch_into(plan, &args, out)
             })?;

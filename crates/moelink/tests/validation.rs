@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use moelink::{
-    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, CombineArgs, Config, DType, DispatchArgs, Error, Fp8E4M3, MemRef, Payload,
-    Place, Routing, Tensor, TensorRef,
+    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, ChannelOutputs, CombineArgs, Config, DType, DispatchArgs, Error, Fp8E4M3,
+    MemRef, Payload, Place, Routing, Tensor, TensorRef, Topology,
 };
 
 /// A host buffer with room for every call of these tests (the capacity rules apply on the host too).
@@ -318,10 +318,75 @@ fn dispatch_rejects_bad_handle_outputs() {
                 recv_topk_weights: None,
                 rank_prefix_matrix: Some(rank_prefix),
                 recv_src_idx: Some(src_idx),
+                channels: None,
             };
             b.dispatch_into(plan, &args, out).map(|_| ())
         });
         assert_arg(e, arg);
+    }
+}
+
+/// A fresh dispatch of two tokens on `b` (R ranks, experts 0..3) through `dispatch_into`, writing DeepEP's
+/// channel elements into tensors of the given (dtype, shape): send_head, channel_prefix_matrix,
+/// recv_channel_prefix_matrix.
+fn dispatch_with_channel_outputs(b: &mut Buffer, shapes: [(DType, &[usize]); 3]) -> moelink::Result<()> {
+    let x = x_bf16(2, 128);
+    let idx = topk(2, vec![0, 1, 2, 3]);
+    let layout = b.get_dispatch_layout(idx.view(), 4)?;
+    let args = DispatchArgs {
+        x: Payload::Bf16(x.view()),
+        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        config: None,
+    };
+    let plan = b.prepare_dispatch(&args)?;
+    let mut recv_x = b.alloc(DType::BF16, &[plan.num_recv_rows(), 128])?;
+    let [mut head, mut prefix, mut recv_prefix] = shapes.map(|(dtype, shape)| b.alloc(dtype, shape).expect("host memory"));
+    let out = moelink::DispatchOutputs {
+        recv_x: recv_x.view_mut(),
+        recv_scales: None,
+        recv_topk_idx: None,
+        recv_topk_weights: None,
+        rank_prefix_matrix: None,
+        recv_src_idx: None,
+        channels: Some(ChannelOutputs {
+            send_head: head.view_mut(),
+            channel_prefix_matrix: prefix.view_mut(),
+            recv_channel_prefix_matrix: recv_prefix.view_mut(),
+        }),
+    };
+    b.dispatch_into(plan, &args, out).map(|_| ())
+}
+
+/// DeepEP's channel elements (`ChannelOutputs`) must be contiguous int32 tensors: `send_head [T, R]`, both
+/// matrices `[R, C]` with the same `C >= 1`; checked before anything moves. They exist on one node only.
+#[test]
+fn dispatch_rejects_bad_channel_outputs() {
+    let i32_ = DType::I32;
+    let good: [(DType, &[usize]); 3] = [(i32_, &[2, 1]), (i32_, &[1, 4]), (i32_, &[1, 4])];
+    assert!(run_ranks(1, |g| dispatch_with_channel_outputs(&mut host_buffer(g)?, good)).into_iter().all(|r| r.is_ok()));
+    for (arg, shapes) in [
+        ("send_head", [(i32_, &[2, 2][..]), good[1], good[2]]),
+        ("send_head", [(DType::I64, &[2, 1][..]), good[1], good[2]]),
+        ("channel_prefix_matrix", [good[0], (i32_, &[1, 0][..]), (i32_, &[1, 0][..])]),
+        ("channel_prefix_matrix", [good[0], (i32_, &[2, 4][..]), good[2]]),
+        ("recv_channel_prefix_matrix", [good[0], good[1], (i32_, &[1, 3][..])]),
+        ("recv_channel_prefix_matrix", [good[0], good[1], (DType::F32, &[1, 4][..])]),
+    ] {
+        assert_arg(err_of(|b| dispatch_with_channel_outputs(b, shapes)), arg);
+    }
+    // Across nodes the handle is the internode one.
+    let across = run_ranks(2, |g| {
+        let options = BufferOptions { topology: Some(Topology { num_nodes: 2, ranks_per_node: 1 }), ..host_options() };
+        let mut b = Buffer::new(Arc::new(g), options)?;
+        let per_rank = [(i32_, &[2, 2][..]), (i32_, &[2, 4][..]), (i32_, &[2, 4][..])];
+        dispatch_with_channel_outputs(&mut b, per_rank)
+    });
+    for (rank, result) in across.into_iter().enumerate() {
+        let e = result.expect_err("channel outputs across nodes must be rejected");
+        assert_eq!(e.argument(), Some("send_head"), "rank {rank}: {e}");
+        assert!(e.to_string().contains("2 nodes"), "rank {rank}: {e}");
     }
 }
 

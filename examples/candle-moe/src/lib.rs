@@ -264,6 +264,7 @@ impl MoeLayer {
                         recv_topk_weights: Some(TensorMut::from_slice(&mut rw, &[n, k])?),
                         rank_prefix_matrix: None,
                         recv_src_idx: None,
+                        channels: None,
                     };
                     let handle = buf.dispatch_into(plan, &args, out)?;
                     Ok((rx, ri, rw, handle))

@@ -111,6 +111,7 @@ fn outputs_of(res: &mut DispatchResult) -> DispatchOutputs<'_> {
         recv_topk_weights: res.recv_topk_weights.as_mut().map(|t| t.view_mut()),
         rank_prefix_matrix: None,
         recv_src_idx: None,
+        channels: None,
     }
 }
 

@@ -339,6 +339,14 @@ pub(crate) fn dispatch(
     if let Some(t) = out.recv_src_idx.as_mut() {
         super::output_bytes(t, "recv_src_idx", rank)?[..4 * n].copy_from_slice(bytemuck::cast_slice(&recv_src_idx));
     }
+    if let Some(c) = out.channels.as_mut() {
+        let cols = c.num_channels();
+        super::output_bytes(&mut c.send_head, "send_head", rank)?.copy_from_slice(bytemuck::cast_slice(&routing.send_slot));
+        let sent_to = |r: usize| (0..s.num_tokens).filter(|&t| routing.is_token_in_rank[t * nr + r]).count() as i32;
+        let sent: Vec<i32> = (0..nr * cols).map(|i| if i % cols == cols - 1 { sent_to(i / cols) } else { 0 }).collect();
+        super::output_bytes(&mut c.channel_prefix_matrix, "channel_prefix_matrix", rank)?.copy_from_slice(bytemuck::cast_slice(&sent));
+        super::output_bytes(&mut c.recv_channel_prefix_matrix, "recv_channel_prefix_matrix", rank)?.fill(0);
+    }
     routing.recv_src_idx = recv_src_idx;
     Ok(HtDispatched { data: Arc::new(BackendData::new(HOST, routing)), num_recv_tokens: Some(n) })
 }

@@ -390,6 +390,20 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         (HandleData::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
         _ => (0, 0),
     };
+    // DeepEP's channel elements of the handle, written by the kernel (validated: contiguous int32 tensors).
+    let (send_head, channel_prefix, recv_channel_prefix, num_channels) = match &out.channels {
+        Some(c) => {
+            for (t, arg) in [
+                (&c.send_head, "send_head"),
+                (&c.channel_prefix_matrix, "channel_prefix_matrix"),
+                (&c.recv_channel_prefix_matrix, "recv_channel_prefix_matrix"),
+            ] {
+                check_aligned(t.addr(), 4, arg, rank)?;
+            }
+            (c.send_head.addr(), c.channel_prefix_matrix.addr(), c.recv_channel_prefix_matrix.addr(), c.num_channels() as u32)
+        }
+        None => (0, 0, 0, 0),
+    };
     let args = HtDispatchArgs {
         x: addrs.x,
         x_scales: addrs.x_scales,
@@ -425,6 +439,11 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
         host_seq,
         trace: trace_begin(b, s.num_sms, HtDispatchVariant::WARPS)?,
+        send_head,
+        channel_prefix,
+        recv_channel_prefix,
+        num_channels,
+        reserved: 0,
     };
     let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
