@@ -18,7 +18,8 @@
 #   3. DeepEP's own tests/test_low_latency.py and tests/test_intranode.py (DeepEP 567632d, the wheel's commit;
 #      copied into the git-ignored .whl/deepep-tests/ with utils.py, never committed) against moelink imported
 #      as deep_ep (a shim package on PYTHONPATH), then against DeepEP itself for the baseline
-#      (deepep-tests.log, deepep-baseline.log).
+#      (deepep-tests.log, deepep-baseline.log);
+#   4. with HOSTCOST_ALTERNATE=N, N alternations of the Rust HT bench and the Python HT host cost (below).
 set -uo pipefail
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=python bash scripts/device/run.sh" >&2; exit 2; }
 cd "$ROOT" || exit 1
@@ -164,6 +165,13 @@ if want hostcost; then
             done
         fi
     fi
+    # HOSTCOST_ALTERNATE=N: the fresh HT dispatch's bound (Python within 30 us of the Rust bench at the same
+    # shape), N alternations on this machine of the Rust bench and the Python one (rust-ht-I.json, py-ht-I.json).
+    for i in $(seq 1 "${HOSTCOST_ALTERNATE:-0}"); do
+        step "rust ht bench ($i)" "$OUT/alternate.log" 60 "$BIN" bench --mode ht --ranks "$hc_ranks" --reps 30 --json "$OUT/rust-ht-$i.json"
+        step "python ht host cost ($i)" "$OUT/alternate.log" 90 \
+            "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --ops ht --json "$OUT/py-ht-$i.json"
+    done
     echo "== host cost"
     sed -n '/^moelink bench --host-cost/,$p' "$OUT/hostcost.log" | head -80
     echo "== DeepEP's tests (moelink, then DeepEP): timings"
