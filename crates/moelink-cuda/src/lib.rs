@@ -28,6 +28,7 @@
 #![warn(missing_docs)]
 
 mod device;
+mod devptr;
 mod error;
 mod graph;
 mod ipc;
@@ -41,18 +42,19 @@ mod stream;
 mod symmetric;
 
 pub use device::{Device, DeviceInfo};
+pub use devptr::{DevPtr, DevPtrs};
 pub use error::{Error, Result};
 pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use lent::{MemMut, MemRef, Place};
 pub use memory::{DeviceBuffer, DeviceSpanMut, HostMapped};
-pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
+pub use module::{Kernel, KernelArgs, KernelAttributes, KernelParams, LaunchConfig, Module, TypedKernel};
 pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};
 pub use stream::{Event, ForeignStream, Stream};
 pub use symmetric::{AllGather, Exchange, PeerAccess, SymmetricBuffer};
 
-/// Re-export of the trait kernel arguments and host-mapped values must implement.
-pub use bytemuck::{Pod, Zeroable};
+/// Re-export of the traits kernel arguments ([`NoUninit`]) and host-mapped values ([`Pod`]) implement.
+pub use bytemuck::{NoUninit, Pod, Zeroable};
 
 /// What the CUDA layer found on this machine.
 #[derive(Clone, Debug)]
