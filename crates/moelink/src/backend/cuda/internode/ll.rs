@@ -28,6 +28,9 @@ pub(crate) struct LliState {
     state: DeviceBuffer,
     /// Handle areas of sets 0 and 1 for the largest shape seen (`bytes` each).
     handles: Option<(DeviceBuffer, usize)>,
+    /// Smaller handle areas a larger shape replaced: a captured graph may still address them, so they stay
+    /// until the buffer goes (`Gpu::replay`).
+    retired_handles: Vec<DeviceBuffer>,
     pub(crate) calls: LlCalls<Drain>,
 }
 
@@ -40,7 +43,12 @@ pub(crate) enum Drain {
 impl LliState {
     pub(crate) fn new(gpu: &Gpu, enable_shrink: bool) -> Result<LliState> {
         let bytes = moelink_kernels::ll_internode::LLI_STATE_HEAD + 44 * gpu.num_ranks;
-        Ok(LliState { state: DeviceBuffer::zeroed(&gpu.device, bytes)?, handles: None, calls: LlCalls::new(&gpu.device, enable_shrink)? })
+        Ok(LliState {
+            state: DeviceBuffer::zeroed(&gpu.device, bytes)?,
+            handles: None,
+            retired_handles: Vec::new(),
+            calls: LlCalls::new(&gpu.device, enable_shrink)?,
+        })
     }
 }
 
@@ -82,7 +90,10 @@ fn handle_area(b: &mut Internode, layout: &LliLayout, set: usize) -> Result<[Dev
     let h = layout.handle;
     let lli = &mut b.lli;
     if lli.handles.as_ref().is_none_or(|(_, per_set)| *per_set < h.bytes) {
-        lli.handles = Some((DeviceBuffer::zeroed(&b.gpu.device, 2 * h.bytes)?, h.bytes));
+        let grown = (DeviceBuffer::zeroed(&b.gpu.device, 2 * h.bytes)?, h.bytes);
+        if let Some((old, _)) = lli.handles.replace(grown) {
+            lli.retired_handles.push(old);
+        }
     }
     let (buf, per_set) = lli.handles.as_ref().expect("allocated above");
     let base = buf.ptr_at(set * per_set)?;
