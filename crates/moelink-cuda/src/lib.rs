@@ -8,6 +8,9 @@
 //!   [`HostMapped`], [`IpcMapping`], [`Module`]/[`Kernel`] (launch through `cuLaunchKernelEx`),
 //!   [`Graph`]/[`GraphExec`], and [`SymmetricBuffer`] (one buffer per rank, every rank's pointer on every
 //!   rank).
+//! - [`DevPtr`]: a device address only this crate makes, from memory it allocated, mapped or was lent; the
+//!   argument structs of kernels hold these, and [`KernelParams`] + [`Kernel::typed`] make a launch safe
+//!   ([`TypedKernel::launch`]).
 //! - [`MemRef`]/[`MemMut`]: memory that Rust did not allocate (torch tensors, host arrays), lent for a lifetime;
 //!   their `from_raw` constructors are the one `unsafe` door for it, as [`ForeignStream::from_raw`] is for streams.
 //! - [`jit`]: NVRTC → CUBIN with disk and memory caches (and nvJitLink for kernels that link a device

@@ -12,6 +12,8 @@
 //!   lists every variant the tests and the benchmark use; `tests/compile_all.rs` compiles each for sm_90a
 //!   and rejects spills in hot kernels.
 //! - [`abi`]: the Rust mirror of the argument structs, the error record and the constants.
+//! - Every argument struct is `moelink_cuda::KernelParams` (implemented here, beside the sources it mirrors):
+//!   its device addresses are `moelink_cuda::DevPtr`s, so a launch with it is safe.
 //!
 //! ```
 //! use moelink_kernels::{all_variants, Family};
