@@ -312,16 +312,18 @@ impl Gpu {
         matches!(self.mode, StreamMode::External(_))
     }
 
-    /// Device address of byte `offset` of rank `r`'s symmetric buffer.
-    pub(crate) fn peer_addr(&self, r: usize, offset: usize) -> DevPtr {
-        self.sym.peer_ptr(r).byte_add(offset)
+    /// Device address of byte `offset` of rank `r`'s symmetric buffer (an error past its end).
+    pub(crate) fn peer_addr(&self, r: usize, offset: usize) -> Result<DevPtr> {
+        Ok(self.sym.peer_ptr_at(r, offset)?)
     }
 
-    /// Base pointers of every rank's symmetric buffer plus `offset`, padded with nulls to `MAX_RANKS`.
+    /// Base pointers of every rank's symmetric buffer plus `offset` (a region of the control area or the
+    /// start of a data region, inside every rank's buffer), padded with nulls to `MAX_RANKS`.
     pub(crate) fn peer_table(&self, offset: usize) -> DevPtrs<{ abi::MAX_RANKS }> {
+        debug_assert!(offset <= self.sym.len_bytes());
         let mut t = DevPtrs::default();
         for (r, p) in t.iter_mut().enumerate().take(self.num_ranks) {
-            *p = self.peer_addr(r, offset);
+            *p = self.sym.peer_ptr(r).byte_add(offset);
         }
         t
     }

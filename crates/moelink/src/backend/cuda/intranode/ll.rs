@@ -117,10 +117,10 @@ fn tables(b: &Intranode, offset: usize) -> (DevPtrs<MAX_RANKS>, DevPtrs<MAX_RANK
 }
 
 /// The handle area of `set` on this rank: (hrow, hweight, hmeta, home_idx, home_weight).
-fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> [DevPtr; 5] {
-    let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set]);
+fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> Result<[DevPtr; 5]> {
+    let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set])?;
     let h = layout.handle;
-    [base, base.byte_add(h.hweight), base.byte_add(h.hmeta), base.byte_add(h.home_idx), base.byte_add(h.home_weight)]
+    Ok([base, base.byte_add(h.hweight), base.byte_add(h.hmeta), base.byte_add(h.home_idx), base.byte_add(h.home_weight)])
 }
 
 // ------------------------------------------------------------------ timing trace
@@ -219,7 +219,7 @@ pub(crate) fn dispatch<'a>(
     let generation = b.ll.calls.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.dispatch_at[set]);
-    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set);
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set)?;
     let args = LlDispatchArgs {
         ctrl: ctrl_table,
         recv: recv_table,
@@ -316,7 +316,7 @@ pub(crate) fn combine<'a>(
             local.get_or_insert(("zero_copy", problem_reason(problem::ZERO_COPY).1.to_string()));
             DevPtr::NULL
         } else {
-            b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at)
+            b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at)?
         }
     } else {
         a.x.device_ptr()
@@ -327,7 +327,7 @@ pub(crate) fn combine<'a>(
     let set = (b.ll.calls.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
-    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set);
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set)?;
     let args = LlCombineArgs {
         ctrl: ctrl_table,
         recv: recv_table,
