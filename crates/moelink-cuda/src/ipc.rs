@@ -71,8 +71,8 @@ impl IpcMapping {
     }
 
     /// Address usable by kernels on the mapping device.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
+    pub fn device_ptr(&self) -> crate::DevPtr {
+        crate::DevPtr::from_raw(self.ptr)
     }
 
     /// Bytes of the mapping the caller asked for.

@@ -4,6 +4,7 @@
 
 use std::marker::PhantomData;
 
+use crate::devptr::DevPtr;
 use crate::error::{Error, Result};
 use crate::memory::{span_of, DeviceBuffer, DeviceSpanMut};
 
@@ -34,6 +35,10 @@ macro_rules! accessors {
         /// Where the bytes live.
         pub fn place(&self) -> Place {
             self.place
+        }
+        /// Address of the first byte for a kernel, when the bytes live on a GPU.
+        pub fn dev_ptr(&self) -> Option<DevPtr> {
+            matches!(self.place, Place::Device(_)).then(|| DevPtr::from_raw(self.addr))
         }
     };
 }
@@ -74,7 +79,12 @@ impl<'a> MemRef<'a> {
 
     /// The whole of a device allocation of the CUDA layer.
     pub fn device(buffer: &'a DeviceBuffer) -> MemRef<'a> {
-        MemRef { addr: buffer.device_ptr(), len: buffer.len_bytes(), place: Place::Device(buffer.device_ordinal()), _borrow: PhantomData }
+        MemRef {
+            addr: buffer.device_ptr().addr(),
+            len: buffer.len_bytes(),
+            place: Place::Device(buffer.device_ordinal()),
+            _borrow: PhantomData,
+        }
     }
 
     accessors!();
@@ -109,7 +119,12 @@ impl<'a> MemMut<'a> {
 
     /// The whole of a device allocation of the CUDA layer.
     pub fn device(buffer: &'a mut DeviceBuffer) -> MemMut<'a> {
-        MemMut { addr: buffer.device_ptr(), len: buffer.len_bytes(), place: Place::Device(buffer.device_ordinal()), _borrow: PhantomData }
+        MemMut {
+            addr: buffer.device_ptr().addr(),
+            len: buffer.len_bytes(),
+            place: Place::Device(buffer.device_ordinal()),
+            _borrow: PhantomData,
+        }
     }
 
     accessors!();

@@ -8,6 +8,9 @@
 //!   [`HostMapped`], [`IpcMapping`], [`Module`]/[`Kernel`] (launch through `cuLaunchKernelEx`),
 //!   [`Graph`]/[`GraphExec`], and [`SymmetricBuffer`] (one buffer per rank, every rank's pointer on every
 //!   rank).
+//! - [`DevPtr`]: a device address only this crate makes, from memory it allocated, mapped or was lent; the
+//!   argument structs of kernels hold these, and [`KernelParams`] + [`Kernel::typed`] make a launch safe
+//!   ([`TypedKernel::launch`]).
 //! - [`MemRef`]/[`MemMut`]: memory that Rust did not allocate (torch tensors, host arrays), lent for a lifetime;
 //!   their `from_raw` constructors are the one `unsafe` door for it, as [`ForeignStream::from_raw`] is for streams.
 //! - [`jit`]: NVRTC → CUBIN with disk and memory caches (and nvJitLink for kernels that link a device
@@ -28,6 +31,7 @@
 #![warn(missing_docs)]
 
 mod device;
+mod devptr;
 mod error;
 mod graph;
 mod ipc;
@@ -41,18 +45,19 @@ mod stream;
 mod symmetric;
 
 pub use device::{Device, DeviceInfo};
+pub use devptr::{DevPtr, DevPtrs};
 pub use error::{Error, Result};
 pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use lent::{MemMut, MemRef, Place};
 pub use memory::{DeviceBuffer, DeviceSpanMut, HostMapped};
-pub use module::{Kernel, KernelArgs, KernelAttributes, LaunchConfig, Module};
+pub use module::{Kernel, KernelArgs, KernelAttributes, KernelParams, LaunchConfig, Module, TypedKernel};
 pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};
 pub use stream::{Event, ForeignStream, Stream};
 pub use symmetric::{AllGather, Exchange, PeerAccess, SymmetricBuffer};
 
-/// Re-export of the trait kernel arguments and host-mapped values must implement.
-pub use bytemuck::{Pod, Zeroable};
+/// Re-export of the traits kernel arguments ([`NoUninit`]) and host-mapped values ([`Pod`]) implement.
+pub use bytemuck::{NoUninit, Pod, Zeroable};
 
 /// What the CUDA layer found on this machine.
 #[derive(Clone, Debug)]

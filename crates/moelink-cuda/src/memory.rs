@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 
 use crate::device::{same_device, Device};
+use crate::devptr::DevPtr;
 use crate::error::{Error, Result};
 use crate::raw::driver as drv;
 use crate::stream::Stream;
@@ -28,9 +29,18 @@ pub struct DeviceSpanMut<'a> {
 }
 
 impl DeviceSpanMut<'_> {
-    /// Device address of the first byte.
+    /// Device address of the first byte, as a number.
     pub fn addr(&self) -> u64 {
         self.addr
+    }
+    /// Device address of the first byte, for a kernel.
+    pub fn dev_ptr(&self) -> DevPtr {
+        DevPtr::from_raw(self.addr)
+    }
+    /// Device address of byte `offset` of the span (at most its length), for a kernel.
+    pub fn ptr_at(&self, offset: usize) -> Result<DevPtr> {
+        check_range("ptr_at", offset, 0, self.len)?;
+        Ok(DevPtr::from_raw(self.addr + offset as u64))
     }
     /// Bytes.
     pub fn len(&self) -> usize {
@@ -71,7 +81,7 @@ impl DeviceSpanMut<'_> {
         check_range("copy_from_device_async source", src_offset, self.len, src.len_bytes())?;
         // SAFETY: the destination as in `memset_u8_async`; the source range lies inside `src`, checked above,
         // whose drop orders its free after the work that uses it.
-        unsafe { stream.memcpy_dtod_async(self.addr, src.device_ptr() + src_offset as u64, self.len) }
+        unsafe { stream.memcpy_dtod_async(self.addr, src.ptr + src_offset as u64, self.len) }
     }
 
     fn check_stream(&self, what: &str, stream: &Stream) -> Result<()> {
@@ -169,9 +179,16 @@ impl DeviceBuffer {
         self.len
     }
 
-    /// Device address of the first byte.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
+    /// Device address of the first byte (null for a zero-length buffer), for a kernel.
+    pub fn device_ptr(&self) -> DevPtr {
+        DevPtr::from_raw(self.ptr)
+    }
+
+    /// Device address of byte `offset` (at most the length: one past the end is an address too), for a
+    /// kernel.
+    pub fn ptr_at(&self, offset: usize) -> Result<DevPtr> {
+        check_range("ptr_at", offset, 0, self.len)?;
+        Ok(DevPtr::from_raw(self.ptr + offset as u64))
     }
 
     /// Ordinal of the device holding the memory.
@@ -412,8 +429,8 @@ impl<T: Pod> HostMapped<T> {
     }
 
     /// Address kernels use.
-    pub fn device_ptr(&self) -> u64 {
-        self.device_ptr
+    pub fn device_ptr(&self) -> DevPtr {
+        DevPtr::from_raw(self.device_ptr)
     }
 
     /// Reads value `i` with a volatile load (sees concurrent device writes), followed by an acquire fence:

@@ -5,7 +5,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use bytemuck::Pod;
+use bytemuck::NoUninit;
 
 use crate::device::{same_device, Device};
 use crate::error::{Error, Result};
@@ -113,6 +113,12 @@ impl Module {
     /// The device the module is loaded on.
     pub fn device(&self) -> &Device {
         &self.inner.device
+    }
+
+    /// The kernel named `name` (as [`Module::kernel`]), typed by its parameters `A`: checked here to take
+    /// parameters of the sizes `A` gives ([`KernelParams::param_sizes`]), and launched safely.
+    pub fn typed<A: KernelParams>(&self, name: &str) -> Result<TypedKernel<A>> {
+        self.kernel(name)?.typed()
     }
 
     /// The raw `CUmodule` (for libraries that register modules, e.g. NVSHMEM).
@@ -225,6 +231,23 @@ impl Kernel {
         drv::launch_kernel_ex(self.raw, stream.raw(), &raw, &mut ptrs)
     }
 
+    /// This kernel typed by its parameters `A` (see [`KernelParams`]): errors unless its parameters have
+    /// the byte sizes `A` gives.
+    pub fn typed<A: KernelParams>(&self) -> Result<TypedKernel<A>> {
+        let sizes = A::param_sizes();
+        if self.param_sizes != sizes {
+            return Err(Error::invalid(format!(
+                "kernel `{}` takes {} parameter(s) of {:?} bytes, not the {:?} bytes of {}",
+                self.name,
+                self.param_sizes.len(),
+                self.param_sizes,
+                sizes,
+                std::any::type_name::<A>()
+            )));
+        }
+        Ok(TypedKernel { kernel: self.clone(), _params: std::marker::PhantomData })
+    }
+
     fn check_args(&self, args: &KernelArgs) -> Result<()> {
         let got: Vec<usize> = args.spans.iter().map(|&(_, len)| len).collect();
         if got != self.param_sizes {
@@ -263,6 +286,82 @@ impl Kernel {
             }
         }
         Ok(())
+    }
+}
+
+/// A kernel's parameters as one Rust value: what [`TypedKernel::launch`] passes. Usually a `#[repr(C)]`
+/// mirror of the one struct the kernel takes by value, whose methods are then [`KernelParams::one_struct_sizes`]
+/// and [`KernelParams::one_struct`].
+///
+/// What a safe launch rests on, split between this layer and the kernel's:
+/// - this layer checks the kernel's parameter list against the type ([`Kernel::typed`]: the byte size of
+///   each parameter), the stream's device and the launch shape;
+/// - every address in the type is a [`crate::DevPtr`] (or a [`crate::DevPtrs`] table), which only this layer
+///   makes, from memory it allocated, mapped or was lent; so a kernel never receives an address that safe
+///   code made up from a number;
+/// - the owners of that memory keep it alive while work that uses it runs (device memory is freed in
+///   stream order or after the device is idle; lent memory by the contract of [`crate::MemRef::from_raw`]);
+/// - offsets, lengths and counts within the memory are the validating core's to check before a launch, and
+///   the kernel's to respect.
+///
+/// # Safety
+/// Implement it only for a type whose [`KernelParams::args`] are, in order and meaning, the parameters of the
+/// kernels launched with it (for a struct passed by value: a `#[repr(C)]` mirror, field for field, whose
+/// size the kernel source checks, e.g. with a `static_assert`), in which every device address is a `DevPtr`
+/// or `DevPtrs` and no address travels as an integer.
+pub unsafe trait KernelParams: Copy {
+    /// Byte size of each kernel parameter, in order.
+    fn param_sizes() -> Vec<usize>;
+    /// The values of the parameters, in order.
+    fn args(&self) -> KernelArgs;
+
+    /// [`KernelParams::param_sizes`] of a kernel that takes `Self` as its one parameter.
+    fn one_struct_sizes() -> Vec<usize>
+    where
+        Self: NoUninit,
+    {
+        vec![std::mem::size_of::<Self>()]
+    }
+
+    /// [`KernelParams::args`] of a kernel that takes `Self` as its one parameter.
+    fn one_struct(&self) -> KernelArgs
+    where
+        Self: NoUninit,
+    {
+        KernelArgs::new().arg(*self)
+    }
+}
+
+/// A [`Kernel`] checked to take one parameter of type `A` ([`Kernel::typed`]); its launches are safe.
+pub struct TypedKernel<A> {
+    kernel: Kernel,
+    _params: std::marker::PhantomData<fn(&A)>,
+}
+
+impl<A> Clone for TypedKernel<A> {
+    fn clone(&self) -> TypedKernel<A> {
+        TypedKernel { kernel: self.kernel.clone(), _params: std::marker::PhantomData }
+    }
+}
+
+impl<A> std::fmt::Debug for TypedKernel<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TypedKernel<{}>({:?})", std::any::type_name::<A>(), self.kernel)
+    }
+}
+
+impl<A: KernelParams> TypedKernel<A> {
+    /// The kernel underneath (attributes, shared memory limit).
+    pub fn kernel(&self) -> &Kernel {
+        &self.kernel
+    }
+
+    /// Launches the kernel on `stream` with `params`, after the checks of [`Kernel::launch`].
+    pub fn launch(&self, stream: &Stream, cfg: &LaunchConfig, params: &A) -> Result<()> {
+        let args = params.args();
+        // SAFETY: `typed` checked the kernel's parameter sizes against A's, and A's `KernelParams`
+        // implementation says these are its parameters with only CUDA-layer addresses inside (see the trait).
+        unsafe { self.kernel.launch(stream, cfg, &args) }
     }
 }
 
@@ -307,9 +406,9 @@ impl LaunchConfig {
     }
 }
 
-/// A kernel's arguments: a list of plain-old-data values (device pointers as `u64`, integers, floats, and
-/// `#[repr(C)]` structs deriving [`bytemuck::Pod`]), copied at push time. References cannot be pushed
-/// (they are not `Pod`), and [`Kernel::launch`] checks count and sizes against the kernel.
+/// A kernel's arguments: a list of values without padding (device pointers, integers, floats, and
+/// `#[repr(C)]` structs deriving [`bytemuck::NoUninit`]), copied at push time. References cannot be pushed
+/// (they are not `NoUninit`), and [`Kernel::launch`] checks count and sizes against the kernel.
 ///
 /// ```
 /// use moelink_cuda::KernelArgs;
@@ -332,13 +431,13 @@ impl KernelArgs {
     }
 
     /// Appends `value` (builder style).
-    pub fn arg<T: Pod>(mut self, value: T) -> KernelArgs {
+    pub fn arg<T: NoUninit>(mut self, value: T) -> KernelArgs {
         self.push(&value);
         self
     }
 
     /// Appends a copy of `value`.
-    pub fn push<T: Pod>(&mut self, value: &T) {
+    pub fn push<T: NoUninit>(&mut self, value: &T) {
         let bytes = bytemuck::bytes_of(value);
         let offset = self.storage.len() * 16;
         let words = bytes.len().div_ceil(16).max(1);

@@ -507,10 +507,10 @@ impl Nvshmem {
 
     /// The address through which this PE can load/store `pe`'s copy of the heap object at `addr` (P2P),
     /// or `None` when `pe` is reachable only through the network.
-    pub fn peer_address(&self, addr: u64, pe: usize) -> Option<u64> {
+    pub fn peer_address(&self, addr: crate::DevPtr, pe: usize) -> Option<crate::DevPtr> {
         // SAFETY: initialised; `addr` is checked by NVSHMEM (NULL for non-heap addresses).
-        let p = unsafe { (self.rt.api.ptr)(addr as *const c_void, pe as i32) };
-        (!p.is_null()).then_some(p as u64)
+        let p = unsafe { (self.rt.api.ptr)(addr.addr() as *const c_void, pe as i32) };
+        (!p.is_null()).then_some(crate::DevPtr::from_raw(p as u64))
     }
 }
 
@@ -532,8 +532,8 @@ impl std::fmt::Debug for NvshmemHeap {
 
 impl NvshmemHeap {
     /// Device address of this PE's copy.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
+    pub fn device_ptr(&self) -> crate::DevPtr {
+        crate::DevPtr::from_raw(self.ptr)
     }
 
     /// Bytes.

@@ -142,7 +142,7 @@ impl SymmetricBuffer {
             ordinal: device.ordinal(),
             process_key: ex.process_key,
             len: len_bytes as u64,
-            ptr: l.device_ptr(),
+            ptr: l.device_ptr().addr(),
             handle: l.ipc_handle().ok().map(|h| h.0),
         });
         let all = (ex.all_gather)(&me.as_ref().map(PeerInfo::encode).unwrap_or_default())?;
@@ -212,7 +212,7 @@ impl SymmetricBuffer {
                     .handle
                     .ok_or_else(|| bad(format!("rank {r} lives in another process but could not export its buffer over CUDA IPC")))?;
                 let mapping = IpcMapping::open(device, &IpcMemHandle(h), me.len as usize)?;
-                peer_ptrs[r] = mapping.device_ptr();
+                peer_ptrs[r] = mapping.device_ptr().addr();
                 access[r] = PeerAccess::Ipc;
                 mappings.push(mapping);
             }
@@ -246,17 +246,26 @@ impl SymmetricBuffer {
     }
 
     /// Base address of rank `r`'s buffer, usable by kernels on this rank's device.
-    pub fn peer_ptr(&self, r: usize) -> u64 {
-        self.peer_ptrs[r]
+    pub fn peer_ptr(&self, r: usize) -> crate::DevPtr {
+        crate::DevPtr::from_raw(self.peer_ptrs[r])
     }
 
-    /// All ranks' base addresses, indexed by rank (own rank included).
-    pub fn peer_ptrs(&self) -> &[u64] {
+    /// Device address of byte `offset` of rank `r`'s buffer (at most its length), usable by kernels on
+    /// this rank's device.
+    pub fn peer_ptr_at(&self, r: usize, offset: usize) -> Result<crate::DevPtr> {
+        if offset > self.len_bytes() {
+            return Err(crate::Error::invalid(format!("peer_ptr_at: byte {offset} of a {}-byte buffer", self.len_bytes())));
+        }
+        Ok(self.peer_ptr(r).byte_add(offset))
+    }
+
+    /// All ranks' base addresses as numbers, indexed by rank (own rank included).
+    pub fn peer_addrs(&self) -> &[u64] {
         &self.peer_ptrs
     }
 
-    /// Device address of a `u64[num_ranks]` copy of [`peer_ptrs`](Self::peer_ptrs).
-    pub fn peer_table_ptr(&self) -> u64 {
+    /// Device address of a `u64[num_ranks]` copy of [`peer_addrs`](Self::peer_addrs).
+    pub fn peer_table_ptr(&self) -> crate::DevPtr {
         self.peer_table.device_ptr()
     }
 

@@ -365,7 +365,11 @@ fn symmetric_memory_over_all_gpus_in_thread_mode() {
                         // until after the final all_gather below.
                         unsafe {
                             stream
-                                .memcpy_dtod_async(sym.peer_ptr(dst) + (rank * bytes_per_peer) as u64, src.device_ptr(), bytes_per_peer)
+                                .memcpy_dtod_async(
+                                    sym.peer_ptr(dst).byte_add(rank * bytes_per_peer).addr(),
+                                    src.device_ptr().addr(),
+                                    bytes_per_peer,
+                                )
                                 .map_err(|e| e.to_string())?
                         };
                     }
@@ -383,12 +387,12 @@ fn symmetric_memory_over_all_gpus_in_thread_mode() {
                     let mut table = vec![0u8; 8 * n];
                     // SAFETY: the table has n u64; the copy completes before `table` is read.
                     unsafe {
-                        stream.memcpy_dtod_async(src.device_ptr(), sym.peer_table_ptr(), 8 * n).map_err(|e| e.to_string())?;
+                        stream.memcpy_dtod_async(src.device_ptr().addr(), sym.peer_table_ptr().addr(), 8 * n).map_err(|e| e.to_string())?;
                     }
                     stream.synchronize().map_err(|e| e.to_string())?;
                     src.copy_to_host_at(0, &mut table).map_err(|e| e.to_string())?;
                     let ptrs: Vec<u64> = table.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
-                    assert_eq!(ptrs, sym.peer_ptrs());
+                    assert_eq!(ptrs, sym.peer_addrs());
                     gather.all_gather(rank, &[]).map_err(|e| e.to_string())?;
                     Ok(())
                 })
@@ -506,7 +510,7 @@ fn symmetric_memory_of_ranks_sharing_a_gpu() {
                 let stream = Stream::new(&dev).unwrap();
                 let peer = DeviceBuffer::zeroed(&dev, 16).unwrap();
                 // SAFETY: 16 bytes of the peer's live buffer (it waits at the gather below) into `peer`.
-                unsafe { stream.memcpy_dtod_async(peer.device_ptr(), sym.peer_ptr(1 - rank), 16).unwrap() };
+                unsafe { stream.memcpy_dtod_async(peer.device_ptr().addr(), sym.peer_ptr(1 - rank).addr(), 16).unwrap() };
                 stream.synchronize().unwrap();
                 let mut host = [0u8; 16];
                 peer.copy_to_host(&mut host).unwrap();
@@ -565,8 +569,8 @@ fn ipc_child_entry() {
     let stream = Stream::new(&dev).unwrap();
     // SAFETY: both ranges lie inside the 64 MiB mapping and the local buffers, all alive until synchronized.
     unsafe {
-        stream.memcpy_dtod_async(local.device_ptr(), mapping.device_ptr(), half).unwrap();
-        stream.memcpy_dtod_async(mapping.device_ptr() + half as u64, staging.device_ptr(), half).unwrap();
+        stream.memcpy_dtod_async(local.device_ptr().addr(), mapping.device_ptr().addr(), half).unwrap();
+        stream.memcpy_dtod_async(mapping.device_ptr().byte_add(half).addr(), staging.device_ptr().addr(), half).unwrap();
     }
     stream.synchronize().unwrap();
     let mut got = vec![0u8; half];

@@ -3,7 +3,8 @@
 //! its struct's size against the `MOELINK_SIZEOF_*` constant the variant passes, and a test checks the
 //! constants against `cuda/ptx.cuh`.
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::{NoUninit, Pod, Zeroable};
+use moelink_cuda::{DevPtr, DevPtrs, KernelArgs, KernelParams};
 
 /// Ranks the argument structs have room for (one node).
 pub const MAX_RANKS: usize = 8;
@@ -125,14 +126,14 @@ pub mod barrier_region {
 
 /// Argument of `gpu_barrier` / `gpu_barrier_latency` (`BarrierArgs` in `barrier.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct BarrierArgs {
     /// Every rank's barrier region as addressable from this rank (own included); unused entries 0.
-    pub regions: [u64; MAX_RANKS],
+    pub regions: DevPtrs<MAX_RANKS>,
     /// Device address of the rank's error claim word (`u32`, device memory).
-    pub error_claim: u64,
+    pub error_claim: DevPtr,
     /// Device address of the rank's [`ErrorRecord`] (host-mapped).
-    pub error_record: u64,
+    pub error_record: DevPtr,
     /// Deadline of each wait, ns.
     pub timeout_ns: u64,
     /// This rank.
@@ -143,26 +144,101 @@ pub struct BarrierArgs {
 
 /// Argument of `copy_sm` / `copy_tma` (`CopyArgs` in `copy.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct CopyArgs {
     /// Source slice for destination `i` (this GPU), 16-byte aligned.
-    pub src: [u64; MAX_RANKS],
+    pub src: DevPtrs<MAX_RANKS>,
     /// Destination slice `i` (usually peer memory), 16-byte aligned.
-    pub dst: [u64; MAX_RANKS],
+    pub dst: DevPtrs<MAX_RANKS>,
     /// Rank owning `dst[i]` (named in error records).
     pub dst_rank: [u32; MAX_RANKS],
     /// Bytes copied to each destination, a multiple of 16.
     pub bytes_per_peer: u64,
     /// Device address of the error claim word.
-    pub error_claim: u64,
+    pub error_claim: DevPtr,
     /// Device address of the [`ErrorRecord`].
-    pub error_record: u64,
+    pub error_record: DevPtr,
     /// Deadline of each wait, ns.
     pub timeout_ns: u64,
     /// Destinations used (≤ [`MAX_RANKS`]).
     pub num_peers: u32,
     /// This rank.
     pub rank: u32,
+}
+
+/// Parameters of `gpu_barrier_latency` (`barrier.cu`): a barrier's arguments, the barriers to run, and
+/// where the kernel stores the elapsed nanoseconds.
+#[derive(Clone, Copy, Debug)]
+pub struct BarrierLatencyParams {
+    /// The barrier's arguments.
+    pub barrier: BarrierArgs,
+    /// Barriers to run back to back.
+    pub iters: u32,
+    /// Device `u64`: the nanoseconds they took.
+    pub out_ns: DevPtr,
+}
+
+// SAFETY: the parameters of `gpu_barrier_latency(BarrierArgs, u32 iters, u64* out_ns)`, in order, the
+// addresses `DevPtr`s (and `BarrierArgs`, itself `KernelParams`).
+unsafe impl KernelParams for BarrierLatencyParams {
+    fn param_sizes() -> Vec<usize> {
+        vec![std::mem::size_of::<BarrierArgs>(), 4, 8]
+    }
+    fn args(&self) -> KernelArgs {
+        KernelArgs::new().arg(self.barrier).arg(self.iters).arg(self.out_ns)
+    }
+}
+
+/// Parameters of `fill_pattern` (`copy.cu`): writes the pattern of `seed` into `num_vecs` 16-byte vectors at
+/// `dst`, the first 32-bit word numbered `first_word`.
+#[derive(Clone, Copy, Debug)]
+pub struct FillPatternParams {
+    /// Device memory of `16 * num_vecs` bytes.
+    pub dst: DevPtr,
+    /// 16-byte vectors to write.
+    pub num_vecs: u64,
+    /// The pattern's seed.
+    pub seed: u32,
+    /// Index of the first word in the pattern.
+    pub first_word: u64,
+}
+
+// SAFETY: the parameters of `fill_pattern(u64 dst, u64 num_vecs, u32 seed, u64 first_word)`, in order, the
+// address a `DevPtr`.
+unsafe impl KernelParams for FillPatternParams {
+    fn param_sizes() -> Vec<usize> {
+        vec![8, 8, 4, 8]
+    }
+    fn args(&self) -> KernelArgs {
+        KernelArgs::new().arg(self.dst).arg(self.num_vecs).arg(self.seed).arg(self.first_word)
+    }
+}
+
+/// Parameters of `verify_pattern` (`copy.cu`): counts the vectors at `src` that differ from the pattern of
+/// `seed`, into `result` (`u64[2]`: mismatches, first bad index).
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyPatternParams {
+    /// Device memory of `16 * num_vecs` bytes.
+    pub src: DevPtr,
+    /// 16-byte vectors to check.
+    pub num_vecs: u64,
+    /// The pattern's seed.
+    pub seed: u32,
+    /// Index of the first word in the pattern.
+    pub first_word: u64,
+    /// Device `u64[2]`: mismatches, first bad index.
+    pub result: DevPtr,
+}
+
+// SAFETY: the parameters of `verify_pattern(u64 src, u64 num_vecs, u32 seed, u64 first_word, u64 result)`,
+// in order, the addresses `DevPtr`s.
+unsafe impl KernelParams for VerifyPatternParams {
+    fn param_sizes() -> Vec<usize> {
+        vec![8, 8, 4, 8, 8]
+    }
+    fn args(&self) -> KernelArgs {
+        KernelArgs::new().arg(self.src).arg(self.num_vecs).arg(self.seed).arg(self.first_word).arg(self.result)
+    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,8 @@
 //! assert!(rows.iter().all(|&row| region.slab_rows(row) >= 4096));
 //! ```
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::{NoUninit, Zeroable};
+use moelink_cuda::{DevPtr, DevPtrs};
 
 use crate::abi::MAX_RANKS;
 use crate::{Family, KernelSpec};
@@ -301,16 +302,16 @@ pub fn split(total: usize, i: usize, parts: usize) -> usize {
 
 /// Argument of `ht_layout` (`HtLayoutArgs` in `ht_layout.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtLayoutArgs {
-    pub topk_idx: u64,
+    pub topk_idx: DevPtr,
     pub topk_stride_token: i64,
     pub topk_stride_k: i64,
-    pub num_tokens_per_rank: u64,
-    pub num_tokens_per_expert: u64,
-    pub is_token_in_rank: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub num_tokens_per_rank: DevPtr,
+    pub num_tokens_per_expert: DevPtr,
+    pub is_token_in_rank: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub num_tokens: u32,
     pub topk: u32,
     pub num_experts: u32,
@@ -321,17 +322,17 @@ pub struct HtLayoutArgs {
 
 /// Argument of `ht_notify` (`HtNotifyArgs` in `ht_notify.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtNotifyArgs {
-    pub is_token_in_rank: u64,
-    pub num_tokens_per_rank: u64,
-    pub num_tokens_per_expert: u64,
-    pub routing: u64,
-    pub host_out: u64,
-    pub ctrl: [u64; MAX_RANKS],
+    pub is_token_in_rank: DevPtr,
+    pub num_tokens_per_rank: DevPtr,
+    pub num_tokens_per_expert: DevPtr,
+    pub routing: DevPtr,
+    pub host_out: DevPtr,
+    pub ctrl: DevPtrs<MAX_RANKS>,
     pub signature: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub timeout_ns: u64,
     pub rank: u32,
     pub num_ranks: u32,
@@ -345,32 +346,32 @@ pub struct HtNotifyArgs {
 
 /// Argument of `ht_dispatch` (`HtDispatchArgs` in `ht_dispatch.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtDispatchArgs {
-    pub x: u64,
-    pub x_scales: u64,
+    pub x: DevPtr,
+    pub x_scales: DevPtr,
     pub scale_stride_token: i64,
     pub scale_stride_group: i64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
     /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
-    pub num_tokens_per_expert: u64,
+    pub num_tokens_per_expert: DevPtr,
     /// The host-mapped words ht_notify wrote for call `host_seq` (`host_notify`; CPU-synchronised fresh
     /// dispatch with top-k): the rows per local expert it summed from every source's counts are checked
     /// against the arriving rows' top-k ids, unless the words hold another call's by then; 0: no check.
-    pub host_notify: u64,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub recv_topk_idx: u64,
-    pub recv_topk_weights: u64,
-    pub recv_src_idx: u64,
-    pub routing: u64,
-    pub ctrl: [u64; MAX_RANKS],
-    pub data: [u64; MAX_RANKS],
+    pub host_notify: DevPtr,
+    pub recv_x: DevPtr,
+    pub recv_scales: DevPtr,
+    pub recv_topk_idx: DevPtr,
+    pub recv_topk_weights: DevPtr,
+    pub recv_src_idx: DevPtr,
+    pub routing: DevPtr,
+    pub ctrl: DevPtrs<MAX_RANKS>,
+    pub data: DevPtrs<MAX_RANKS>,
     pub flags_offset: u64,
     pub slab_offset: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub timeout_ns: u64,
     pub rank: u32,
     pub num_ranks: u32,
@@ -389,13 +390,13 @@ pub struct HtDispatchArgs {
     /// The notify call whose counts `host_notify` holds for this dispatch.
     pub host_seq: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
-    pub trace: u64,
-    /// `i32 [T, R]`: token t's slot among the rows this rank sends to r, -1 where it is not sent; 0: not wanted.
-    pub send_head: u64,
-    /// `i32 [R, num_channels]`: this rank's tokens for r in channels `0..=c` (all in the last); 0: not wanted.
-    pub channel_prefix: u64,
-    /// `i32 [R, num_channels]`: where channel c of source r starts among its rows (0); 0: not wanted.
-    pub recv_channel_prefix: u64,
+    pub trace: DevPtr,
+    /// `i32 [T, R]`: token t's slot among the rows this rank sends to r, -1 where it is not sent; null: not wanted.
+    pub send_head: DevPtr,
+    /// `i32 [R, num_channels]`: this rank's tokens for r in channels `0..=c` (all in the last); null: not wanted.
+    pub channel_prefix: DevPtr,
+    /// `i32 [R, num_channels]`: where channel c of source r starts among its rows (0); null: not wanted.
+    pub recv_channel_prefix: DevPtr,
     /// Columns of the two channel matrices.
     pub num_channels: u32,
     pub reserved: u32,
@@ -403,21 +404,21 @@ pub struct HtDispatchArgs {
 
 /// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtCombineArgs {
-    pub x: u64,
-    pub topk_weights: u64,
-    pub bias0: u64,
-    pub bias1: u64,
-    pub combined_x: u64,
-    pub combined_topk_weights: u64,
-    pub routing: u64,
-    pub ctrl: [u64; MAX_RANKS],
-    pub data: [u64; MAX_RANKS],
+    pub x: DevPtr,
+    pub topk_weights: DevPtr,
+    pub bias0: DevPtr,
+    pub bias1: DevPtr,
+    pub combined_x: DevPtr,
+    pub combined_topk_weights: DevPtr,
+    pub routing: DevPtr,
+    pub ctrl: DevPtrs<MAX_RANKS>,
+    pub data: DevPtrs<MAX_RANKS>,
     pub flags_offset: u64,
     pub slab_offset: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub timeout_ns: u64,
     pub rank: u32,
     pub num_tokens: u32,
@@ -433,7 +434,7 @@ pub struct HtCombineArgs {
     pub dynamic_send: u32,
     pub reserved: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
-    pub trace: u64,
+    pub trace: DevPtr,
 }
 
 /// u64 words of the timing trace per block of a kernel with `warps` warps per block (`HT_TRACE_*` in ht.cuh):

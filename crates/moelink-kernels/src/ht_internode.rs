@@ -3,7 +3,8 @@
 //! and where everything lives in the RDMA region and in the node's symmetric (NVLink) buffer. Every offset
 //! the kernels use is computed here, once; the protocol is described at the top of `hti.cuh`.
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::{NoUninit, Pod, Zeroable};
+use moelink_cuda::{DevPtr, DevPtrs};
 
 use crate::transport::{RdmaArgs, Transport};
 use crate::{Family, KernelSpec};
@@ -248,9 +249,9 @@ pub struct RdmaAt {
 
 /// The node's symmetric buffers (`NvlArgs`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct NvlArgs {
-    pub base: [u64; 8],
+    pub base: DevPtrs<8>,
     pub off_done: u64,
     pub off_consumed: u64,
     pub off_cconsumed: u64,
@@ -264,17 +265,17 @@ pub struct NvlArgs {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtiLayoutArgs {
-    pub topk_idx: u64,
+    pub topk_idx: DevPtr,
     pub topk_stride_token: i64,
     pub topk_stride_k: i64,
-    pub num_tokens_per_rank: u64,
-    pub num_tokens_per_rdma_rank: u64,
-    pub num_tokens_per_expert: u64,
-    pub is_token_in_rank: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub num_tokens_per_rank: DevPtr,
+    pub num_tokens_per_rdma_rank: DevPtr,
+    pub num_tokens_per_expert: DevPtr,
+    pub is_token_in_rank: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub num_tokens: u32,
     pub topk: u32,
     pub num_experts: u32,
@@ -282,19 +283,19 @@ pub struct HtiLayoutArgs {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtiNotifyArgs {
     pub rdma: RdmaArgs,
     pub at: RdmaAt,
-    pub is_token_in_rank: u64,
-    pub num_tokens_per_rank: u64,
-    pub num_tokens_per_expert: u64,
-    pub routing: u64,
-    pub host_out: u64,
-    pub state: u64,
+    pub is_token_in_rank: DevPtr,
+    pub num_tokens_per_rank: DevPtr,
+    pub num_tokens_per_expert: DevPtr,
+    pub routing: DevPtr,
+    pub host_out: DevPtr,
+    pub state: DevPtr,
     pub signature: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub timeout_ns: u64,
     pub num_tokens: u32,
     pub num_local_experts: u32,
@@ -303,38 +304,38 @@ pub struct HtiNotifyArgs {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtiDispatchArgs {
     pub rdma: RdmaArgs,
     pub at: RdmaAt,
     pub nvl: NvlArgs,
-    pub x: u64,
-    pub x_scales: u64,
+    pub x: DevPtr,
+    pub x_scales: DevPtr,
     pub scale_stride_token: i64,
     pub scale_stride_group: i64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
     /// `i32 [E]`: the fresh dispatch's `num_tokens_per_expert`, checked against `topk_idx`; 0: no check.
-    pub num_tokens_per_expert: u64,
+    pub num_tokens_per_expert: DevPtr,
     /// `u32 [E + 2 E / R + 1]`: the senders' count of the tokens selecting each expert, the receivers' of the
     /// rows selecting each local expert (both 0 between calls), then the kernel's copy of notify's READY word
     /// and per-expert sums ([`HTI_EXPERT_TOKENS_BYTES`]).
-    pub expert_tokens: u64,
+    pub expert_tokens: DevPtr,
     /// Notify's host-mapped words of call `host_seq` (CPU-synchronised fresh dispatch with top-k): the rows
     /// per local expert it summed are checked against the arriving rows' top-k ids, unless the words hold
     /// another call's by then; 0: no check.
-    pub host_notify: u64,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub recv_topk_idx: u64,
-    pub recv_topk_weights: u64,
-    pub recv_src_idx: u64,
-    pub routing: u64,
-    pub fwd_entries: u64,
-    pub recv_route: u64,
-    pub state: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub host_notify: DevPtr,
+    pub recv_x: DevPtr,
+    pub recv_scales: DevPtr,
+    pub recv_topk_idx: DevPtr,
+    pub recv_topk_weights: DevPtr,
+    pub recv_src_idx: DevPtr,
+    pub routing: DevPtr,
+    pub fwd_entries: DevPtr,
+    pub recv_route: DevPtr,
+    pub state: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub timeout_ns: u64,
     pub num_tokens: u32,
     pub num_out_rows: u32,
@@ -348,27 +349,27 @@ pub struct HtiDispatchArgs {
     pub host_seq: u32,
     pub pad: u32,
     /// Host-mapped timing trace ([`trace_words`]), or 0.
-    pub trace: u64,
+    pub trace: DevPtr,
 }
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct HtiCombineArgs {
     pub rdma: RdmaArgs,
     pub at: RdmaAt,
     pub nvl: NvlArgs,
-    pub x: u64,
-    pub topk_weights: u64,
-    pub bias0: u64,
-    pub bias1: u64,
-    pub combined_x: u64,
-    pub combined_topk_weights: u64,
-    pub routing: u64,
-    pub fwd_entries: u64,
-    pub recv_route: u64,
-    pub state: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
+    pub x: DevPtr,
+    pub topk_weights: DevPtr,
+    pub bias0: DevPtr,
+    pub bias1: DevPtr,
+    pub combined_x: DevPtr,
+    pub combined_topk_weights: DevPtr,
+    pub routing: DevPtr,
+    pub fwd_entries: DevPtr,
+    pub recv_route: DevPtr,
+    pub state: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
     pub timeout_ns: u64,
     pub num_tokens: u32,
     pub num_x_rows: u32,
@@ -377,7 +378,7 @@ pub struct HtiCombineArgs {
     pub num_fwd_blocks: u32,
     pub fwd_per_node: u32,
     /// Host-mapped timing trace ([`trace_words`]), or 0.
-    pub trace: u64,
+    pub trace: DevPtr,
 }
 
 /// Timing trace (`HTI_TRACE_*` in hti.cuh): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
@@ -512,7 +513,7 @@ pub fn nvl_layout(ctrl_base: usize, data_base: usize, num_nvl_bytes: usize, num_
     let words = align(num_ranks * 8, 256);
     let pairs = align(rpn * num_nodes * 8, 256);
     NvlArgs {
-        base: [0; 8],
+        base: DevPtrs::default(),
         off_done: ctrl_base as u64,
         off_consumed: (ctrl_base + words) as u64,
         off_cconsumed: (ctrl_base + words + pairs) as u64,

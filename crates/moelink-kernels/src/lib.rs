@@ -12,6 +12,8 @@
 //!   lists every variant the tests and the benchmark use; `tests/compile_all.rs` compiles each for sm_90a
 //!   and rejects spills in hot kernels.
 //! - [`abi`]: the Rust mirror of the argument structs, the error record and the constants.
+//! - Every argument struct is `moelink_cuda::KernelParams` (implemented here, beside the sources it mirrors):
+//!   its device addresses are `moelink_cuda::DevPtr`s, so a launch with it is safe.
 //!
 //! ```
 //! use moelink_kernels::{all_variants, Family};
@@ -37,6 +39,47 @@ pub mod ll_internode;
 pub mod transport;
 
 use moelink_cuda::jit::CompileRequest;
+
+/// Marks each argument struct as the one parameter of its kernels.
+macro_rules! kernel_params {
+    ($($params:ty),* $(,)?) => {
+        $(
+            // SAFETY: a `#[repr(C)]` mirror, field for field, of the struct of the same name that its kernels
+            // take by value (their source `static_assert`s its size against the `MOELINK_SIZEOF_*` its
+            // variant passes); every device address in it is a `DevPtr` or `DevPtrs`, no address travels as
+            // an integer, and the other fields are counts, offsets, sizes and flags whose bounds the
+            // validating core checks before a launch.
+            unsafe impl moelink_cuda::KernelParams for $params {
+                fn param_sizes() -> Vec<usize> {
+                    Self::one_struct_sizes()
+                }
+                fn args(&self) -> moelink_cuda::KernelArgs {
+                    self.one_struct()
+                }
+            }
+        )*
+    };
+}
+
+kernel_params!(
+    abi::BarrierArgs,
+    abi::CopyArgs,
+    ht::HtLayoutArgs,
+    ht::HtNotifyArgs,
+    ht::HtDispatchArgs,
+    ht::HtCombineArgs,
+    ht_internode::HtiLayoutArgs,
+    ht_internode::HtiNotifyArgs,
+    ht_internode::HtiDispatchArgs,
+    ht_internode::HtiCombineArgs,
+    ll::LlDispatchArgs,
+    ll::LlCombineArgs,
+    ll_internode::LliDispatchArgs,
+    ll_internode::LliCombineArgs,
+    transport::TransportBarrierArgs,
+    transport::TransportCheckArgs,
+    transport::TransportBenchArgs,
+);
 
 /// `cuda/ptx.cuh`.
 pub const PTX_HEADER: &str = include_str!("../cuda/ptx.cuh");

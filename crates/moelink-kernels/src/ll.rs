@@ -8,7 +8,8 @@
 //! LL_SMEM_WORDS` (the dispatch sender's token bitmaps per expert, in shared memory, with room for the
 //! receiver's bases), `T_max ≤ 65535` (a dispatch entry packs an expert id and a token rank in 16 bits each).
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::{NoUninit, Pod, Zeroable};
+use moelink_cuda::{DevPtr, DevPtrs};
 
 use crate::abi::MAX_RANKS;
 use crate::{Family, KernelSpec};
@@ -257,35 +258,35 @@ pub struct LlReport {
 
 /// Argument of `ll_dispatch` (`LlDispatchArgs` in `ll.cuh`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct LlDispatchArgs {
     /// `LlCtrl` of every rank, as addressable from this rank.
-    pub ctrl: [u64; MAX_RANKS],
+    pub ctrl: DevPtrs<MAX_RANKS>,
     /// The dispatch receive region of this call's buffer set, on every rank.
-    pub recv: [u64; MAX_RANKS],
-    pub x: u64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub recv_count: u64,
-    pub cum_stats: u64,
-    pub wait_stats: u64,
+    pub recv: DevPtrs<MAX_RANKS>,
+    pub x: DevPtr,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
+    pub recv_x: DevPtr,
+    pub recv_scales: DevPtr,
+    pub recv_count: DevPtr,
+    pub cum_stats: DevPtr,
+    pub wait_stats: DevPtr,
     /// `i32 [E_local, R*T_max]`: DeepEP's `src_info` (the source token of each row), or 0.
-    pub src_info: u64,
+    pub src_info: DevPtr,
     /// `i64 [E_local, R]`: DeepEP's `layout_range` (`begin << 32 | count` per source rank), or 0.
-    pub layout_range: u64,
-    pub hrow: u64,
-    pub hweight: u64,
-    pub hmeta: u64,
-    pub home_idx: u64,
-    pub home_weight: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
-    pub report: u64,
+    pub layout_range: DevPtr,
+    pub hrow: DevPtr,
+    pub hweight: DevPtr,
+    pub hmeta: DevPtr,
+    pub home_idx: DevPtr,
+    pub home_weight: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
+    pub report: DevPtr,
     pub timeout_ns: u64,
     /// Host-mapped timing trace (`[block][LL_TRACE_WORDS]` %globaltimer stamps), or 0.
-    pub trace: u64,
+    pub trace: DevPtr,
     pub off_entries: u64,
     pub off_weights: u64,
     pub off_rows: u64,
@@ -307,27 +308,27 @@ pub struct LlDispatchArgs {
 
 /// Argument of `ll_combine` (`LlCombineArgs` in `ll.cuh`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct LlCombineArgs {
-    pub ctrl: [u64; MAX_RANKS],
+    pub ctrl: DevPtrs<MAX_RANKS>,
     /// The combine receive region of this call's buffer set, on every rank.
-    pub recv: [u64; MAX_RANKS],
-    pub y: u64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
-    pub out: u64,
-    pub wait_stats: u64,
-    pub hrow: u64,
-    pub hweight: u64,
-    pub hmeta: u64,
-    pub home_idx: u64,
-    pub home_weight: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
-    pub report: u64,
+    pub recv: DevPtrs<MAX_RANKS>,
+    pub y: DevPtr,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
+    pub out: DevPtr,
+    pub wait_stats: DevPtr,
+    pub hrow: DevPtr,
+    pub hweight: DevPtr,
+    pub hmeta: DevPtr,
+    pub home_idx: DevPtr,
+    pub home_weight: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
+    pub report: DevPtr,
     pub timeout_ns: u64,
     /// Host-mapped timing trace, or 0.
-    pub trace: u64,
+    pub trace: DevPtr,
     pub rank: u32,
     pub num_ranks: u32,
     pub num_tokens: u32,

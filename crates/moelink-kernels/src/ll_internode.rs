@@ -3,7 +3,8 @@
 //! structs, and the layout of the RDMA region, the local state and the handle area (every offset the
 //! kernels use is computed here, once).
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::{NoUninit, Zeroable};
+use moelink_cuda::DevPtr;
 
 use crate::ll::{LlVariant, LL_SIG_WORDS, LL_THREADS};
 use crate::transport::{RdmaArgs, Transport};
@@ -82,30 +83,30 @@ impl LliVariant {
 
 /// `ll_internode_dispatch`'s argument (`LliDispatchArgs` in `lli.cuh`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct LliDispatchArgs {
     pub rdma: RdmaArgs,
-    pub state: u64,
-    pub x: u64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub recv_count: u64,
-    pub cum_stats: u64,
-    pub wait_stats: u64,
-    pub src_info: u64,
-    pub layout_range: u64,
-    pub htoken: u64,
-    pub hj: u64,
-    pub hrow: u64,
-    pub hweight: u64,
-    pub hmeta: u64,
-    pub home_idx: u64,
-    pub home_weight: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
-    pub report: u64,
+    pub state: DevPtr,
+    pub x: DevPtr,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
+    pub recv_x: DevPtr,
+    pub recv_scales: DevPtr,
+    pub recv_count: DevPtr,
+    pub cum_stats: DevPtr,
+    pub wait_stats: DevPtr,
+    pub src_info: DevPtr,
+    pub layout_range: DevPtr,
+    pub htoken: DevPtr,
+    pub hj: DevPtr,
+    pub hrow: DevPtr,
+    pub hweight: DevPtr,
+    pub hmeta: DevPtr,
+    pub home_idx: DevPtr,
+    pub home_weight: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
+    pub report: DevPtr,
     pub timeout_ns: u64,
     pub off_meta_sig: u64,
     pub off_data_sig: u64,
@@ -129,25 +130,25 @@ pub struct LliDispatchArgs {
 
 /// `ll_internode_combine`'s argument (`LliCombineArgs` in `lli.cuh`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct LliCombineArgs {
     pub rdma: RdmaArgs,
-    pub state: u64,
-    pub y: u64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
-    pub out: u64,
-    pub wait_stats: u64,
-    pub htoken: u64,
-    pub hj: u64,
-    pub hrow: u64,
-    pub hweight: u64,
-    pub hmeta: u64,
-    pub home_idx: u64,
-    pub home_weight: u64,
-    pub error_claim: u64,
-    pub error_record: u64,
-    pub report: u64,
+    pub state: DevPtr,
+    pub y: DevPtr,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
+    pub out: DevPtr,
+    pub wait_stats: DevPtr,
+    pub htoken: DevPtr,
+    pub hj: DevPtr,
+    pub hrow: DevPtr,
+    pub hweight: DevPtr,
+    pub hmeta: DevPtr,
+    pub home_idx: DevPtr,
+    pub home_weight: DevPtr,
+    pub error_claim: DevPtr,
+    pub error_record: DevPtr,
+    pub report: DevPtr,
     pub timeout_ns: u64,
     pub off_meta_sig: u64,
     pub off_data_sig: u64,

@@ -2,7 +2,8 @@
 //! every internode kernel gets, the emulated NIC's state, and the seam's own kernels (`cuda/transport.cu`:
 //! conformance check and micro-benchmark).
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::{NoUninit, Zeroable};
+use moelink_cuda::DevPtr;
 
 use crate::{Family, KernelSpec};
 
@@ -67,14 +68,14 @@ impl Transport {
 
 /// What a kernel needs to reach the RDMA domain (`RdmaArgs` in `transport.cuh`; 64 bytes).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct RdmaArgs {
     /// This rank's RDMA region (device address).
-    pub local_base: u64,
+    pub local_base: DevPtr,
     /// `ptr` / `emu-nic`: device address of `u64[num_ranks]`, every rank's region mapped on this GPU.
-    pub peer_bases: u64,
+    pub peer_bases: DevPtr,
     /// `emu-nic`: this rank's [`NIC_STATE_BYTES`] of NIC state.
-    pub nic_state: u64,
+    pub nic_state: DevPtr,
     /// `emu-nic`: a descriptor runs no earlier than this after it was posted.
     pub nic_delay_ns: u64,
     /// `emu-nic`: rate cap in bytes per microsecond (= MB/s); 0: none.
@@ -97,18 +98,18 @@ pub struct RdmaArgs {
 
 /// Arguments of `transport_barrier` (`TransportBarrierArgs` in `transport.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct TransportBarrierArgs {
     /// The domain.
     pub rdma: RdmaArgs,
     /// Error claim word (device).
-    pub error_claim: u64,
+    pub error_claim: DevPtr,
     /// Error record (host-mapped).
-    pub error_record: u64,
+    pub error_record: DevPtr,
     /// Deadline of every wait.
     pub timeout_ns: u64,
     /// Device `u64`: barriers this rank has entered (the kernel increments it).
-    pub counter: u64,
+    pub counter: DevPtr,
     /// RDMA-region offset of the `u64[num_ranks]` barrier words.
     pub signal_off: u64,
 }
@@ -122,20 +123,20 @@ pub const CHECK_PLANTED_BUG: u32 = 2;
 
 /// Arguments of `transport_check` (`TransportCheckArgs` in `transport.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct TransportCheckArgs {
     /// The domain.
     pub rdma: RdmaArgs,
     /// Error claim word (device).
-    pub error_claim: u64,
+    pub error_claim: DevPtr,
     /// Error record (host-mapped).
-    pub error_record: u64,
+    pub error_record: DevPtr,
     /// Deadline of every wait.
     pub timeout_ns: u64,
     /// Device `u64`: wrong bytes seen (accumulates).
-    pub mismatches: u64,
+    pub mismatches: DevPtr,
     /// Device `u64[num_ranks]`: messages expected from each source so far.
-    pub expected: u64,
+    pub expected: DevPtr,
     /// Seed of every rank's messages.
     pub seed: u32,
     /// Round number (messages differ per round).
@@ -165,18 +166,18 @@ pub const BENCH_BANDWIDTH: u32 = 1;
 
 /// Arguments of `transport_bench` (`TransportBenchArgs` in `transport.cu`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
 pub struct TransportBenchArgs {
     /// The domain.
     pub rdma: RdmaArgs,
     /// Error claim word (device).
-    pub error_claim: u64,
+    pub error_claim: DevPtr,
     /// Error record (host-mapped).
-    pub error_record: u64,
+    pub error_record: DevPtr,
     /// Deadline of every wait.
     pub timeout_ns: u64,
     /// Device `u64[2]`: elapsed ns, bytes.
-    pub result: u64,
+    pub result: DevPtr,
     /// Launch number, from 1.
     pub epoch: u64,
     /// This rank's ping-pong word / counter before the launch.

@@ -14,8 +14,8 @@
 use std::time::{Duration, Instant};
 
 use moelink_cuda::jit::{CacheSource, JitCache};
-use moelink_cuda::{Device, DeviceBuffer, Event, Exchange, Kernel, KernelArgs, LaunchConfig, Stream, SymmetricBuffer};
-use moelink_kernels::abi::{self, BarrierArgs, CopyArgs, ErrorRecord};
+use moelink_cuda::{DevPtr, DevPtrs, Device, DeviceBuffer, Event, Exchange, Kernel, KernelParams, LaunchConfig, Stream, SymmetricBuffer};
+use moelink_kernels::abi::{self, BarrierArgs, BarrierLatencyParams, CopyArgs, ErrorRecord, FillPatternParams, VerifyPatternParams};
 use moelink_kernels::{all_variants, BarrierVariant, CopyVariant, KernelSpec};
 
 pub(crate) use crate::backend::cuda::errors::{phase_of, ErrorSink};
@@ -326,12 +326,11 @@ impl<'g> DiagRank<'g> {
         Err(e)
     }
 
-    fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &KernelArgs) -> Result<()> {
-        // SAFETY: every pointer in `args` was built by this type from memory it owns or maps (the symmetric
-        // buffer and its peers' mappings, the error sink, scratch buffers of the calling method), sized for
-        // what the kernel touches; `finish` or Drop waits for the stream before any of it is released, and
-        // peers keep their buffers until the closing group barrier of `finish_collective`.
-        unsafe { kernel.launch(&self.stream, &cfg, args) }.map_err(Error::from)
+    /// Launches `kernel` on this diagnostic's stream. The memory its arguments address (the symmetric buffer
+    /// and its peers' mappings, the error sink, the calling method's scratch buffers) stays until `wait` or
+    /// Drop has waited for the stream, and peers keep theirs until `finish_collective`'s group barrier.
+    fn launch<A: KernelParams>(&self, kernel: &Kernel, cfg: LaunchConfig, args: &A) -> Result<()> {
+        kernel.typed::<A>()?.launch(&self.stream, &cfg, args).map_err(Error::from)
     }
 
     /// Waits for the stream (bounded) and turns an error record into [`Error::Timeout`], poisoning `self`.
@@ -350,7 +349,7 @@ impl<'g> DiagRank<'g> {
     }
 
     fn barrier_args(&self) -> BarrierArgs {
-        let mut regions = [0u64; abi::MAX_RANKS];
+        let mut regions = DevPtrs::default();
         for (r, slot) in regions.iter_mut().enumerate().take(self.size) {
             *slot = self.sym.peer_ptr(r);
         }
@@ -366,7 +365,7 @@ impl<'g> DiagRank<'g> {
 
     /// Enqueues one cross-GPU barrier.
     fn enqueue_barrier(&self) -> Result<()> {
-        self.launch(&self.barrier, LaunchConfig::linear(1, BarrierVariant::THREADS), &KernelArgs::new().arg(self.barrier_args()))
+        self.launch(&self.barrier, LaunchConfig::linear(1, BarrierVariant::THREADS), &self.barrier_args())
     }
 
     /// One barrier, waited for. Refused once poisoned.
@@ -376,23 +375,23 @@ impl<'g> DiagRank<'g> {
         self.wait(Phase::Barrier)
     }
 
-    fn data_ptr(&self, rank: usize) -> u64 {
-        self.sym.peer_ptr(rank) + DATA_OFFSET as u64
+    fn data_ptr(&self, rank: usize) -> DevPtr {
+        self.sym.peer_ptr(rank).byte_add(DATA_OFFSET)
     }
 
-    fn fill(&self, dst: u64, bytes: usize, seed: u32) -> Result<()> {
+    fn fill(&self, dst: DevPtr, bytes: usize, seed: u32) -> Result<()> {
         let k = self.copy_kernels()?;
         let blocks = (self.device.info().multiprocessors * 4) as u32;
-        let args = KernelArgs::new().arg(dst).arg((bytes / 16) as u64).arg(seed).arg(0u64);
+        let args = FillPatternParams { dst, num_vecs: (bytes / 16) as u64, seed, first_word: 0 };
         self.launch(&k.fill, LaunchConfig::linear(blocks, k.variant.pattern_threads), &args)
     }
 
     /// Enqueues a verification of `bytes` at `src` against `seed`; the counts land in `result[2*slot..]`.
-    fn enqueue_verify(&self, src: u64, bytes: usize, seed: u32, result: &DeviceBuffer, slot: usize) -> Result<()> {
+    fn enqueue_verify(&self, src: DevPtr, bytes: usize, seed: u32, result: &DeviceBuffer, slot: usize) -> Result<()> {
         let k = self.copy_kernels()?;
         let blocks = (self.device.info().multiprocessors * 4) as u32;
-        let out = result.device_ptr() + (16 * slot) as u64;
-        let args = KernelArgs::new().arg(src).arg((bytes / 16) as u64).arg(seed).arg(0u64).arg(out);
+        let result = result.ptr_at(16 * slot)?;
+        let args = VerifyPatternParams { src, num_vecs: (bytes / 16) as u64, seed, first_word: 0, result };
         self.launch(&k.verify, LaunchConfig::linear(blocks, k.variant.pattern_threads), &args)
     }
 
@@ -427,14 +426,14 @@ impl<'g> DiagRank<'g> {
         self.enqueue_barrier()?;
         // Write our pattern into slot `me` of every rank's buffer, through whatever mapping reaches it.
         for dst in 0..n {
-            self.fill(self.data_ptr(dst) + (me * bytes_per_peer) as u64, bytes_per_peer, seed(me, dst))?;
+            self.fill(self.data_ptr(dst).byte_add(me * bytes_per_peer), bytes_per_peer, seed(me, dst))?;
         }
         self.enqueue_barrier()?;
         // Check every slot we received.
         for src in 0..n {
-            self.enqueue_verify(self.data_ptr(me) + (src * bytes_per_peer) as u64, bytes_per_peer, seed(src, me), &result, src)?;
+            self.enqueue_verify(self.data_ptr(me).byte_add(src * bytes_per_peer), bytes_per_peer, seed(src, me), &result, src)?;
         }
-        self.enqueue_verify(self.data_ptr(me) + (me * bytes_per_peer) as u64, bytes_per_peer, seed(me, me) ^ 1, &result, n)?;
+        self.enqueue_verify(self.data_ptr(me).byte_add(me * bytes_per_peer), bytes_per_peer, seed(me, me) ^ 1, &result, n)?;
         self.wait(Phase::Barrier)?;
         let counts = self.read_mismatches(&result, n + 1)?;
         if counts[n] == 0 {
@@ -447,7 +446,7 @@ impl<'g> DiagRank<'g> {
         self.ensure_usable()?;
         let out = DeviceBuffer::zeroed(&self.device, 8)?;
         let run = |d: &mut Self, iters: u32| -> Result<f64> {
-            let args = KernelArgs::new().arg(d.barrier_args()).arg(iters).arg(out.device_ptr());
+            let args = BarrierLatencyParams { barrier: d.barrier_args(), iters, out_ns: out.device_ptr() };
             d.launch(&d.barrier_latency, LaunchConfig::linear(1, BarrierVariant::THREADS), &args)?;
             d.wait(Phase::Barrier)?;
             let mut ns = [0u8; 8];
@@ -501,7 +500,7 @@ impl<'g> DiagRank<'g> {
         // Send buffer: slice `dst` holds the pattern rank `dst` must receive from us.
         let send = DeviceBuffer::alloc(&self.device, n * bytes)?;
         for dst in 0..n {
-            self.fill(send.device_ptr() + (dst * bytes) as u64, bytes, seed(me, dst))?;
+            self.fill(send.ptr_at(dst * bytes)?, bytes, seed(me, dst))?;
         }
         self.wait(Phase::Other)?;
         let mut events = Vec::with_capacity(2 * (BANDWIDTH_REPS + 1));
@@ -585,11 +584,11 @@ impl<'g> DiagRank<'g> {
             ..CopyArgs::default()
         };
         for (i, &dst) in dests.iter().enumerate() {
-            args.src[i] = send.device_ptr() + (dst * bytes) as u64;
-            args.dst[i] = self.data_ptr(dst) + (me * bytes) as u64;
+            args.src[i] = send.ptr_at(dst * bytes)?;
+            args.dst[i] = self.data_ptr(dst).byte_add(me * bytes);
             args.dst_rank[i] = dst as u32;
         }
-        let kargs = KernelArgs::new().arg(args);
+        let kargs = args;
         let result = self.verify_results(sources.len().max(1))?;
         let (kernel, cfg) = (kernel.clone(), cfg);
         // Poison what we receive; a barrier makes sure nobody writes before everyone has.
@@ -608,7 +607,7 @@ impl<'g> DiagRank<'g> {
         }
         self.enqueue_barrier()?;
         for (slot, &src) in sources.iter().enumerate() {
-            self.enqueue_verify(self.data_ptr(me) + (src * bytes) as u64, bytes, seed(src, me), &result, slot)?;
+            self.enqueue_verify(self.data_ptr(me).byte_add(src * bytes), bytes, seed(src, me), &result, slot)?;
         }
         self.wait(Phase::Other)?;
         let bad: u64 = if sources.is_empty() { 0 } else { self.read_mismatches(&result, sources.len())?.iter().sum() };

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use moelink_cuda::jit::JitCache;
-use moelink_cuda::{Device, DeviceBuffer, Kernel, KernelArgs, LaunchConfig, Stream};
+use moelink_cuda::{Device, DeviceBuffer, Kernel, KernelParams, LaunchConfig, Stream};
 use moelink_kernels::transport::{
     TransportBenchArgs, TransportCheckArgs, TransportVariant, BENCH_BANDWIDTH, BENCH_LATENCY, CHECK_PLANTED_BUG, CHECK_PUT_FENCE_SIGNAL,
     CHECK_PUT_SIGNAL, TRANSPORT_SIGNAL_BYTES, TRANSPORT_THREADS,
@@ -127,12 +127,11 @@ impl Probe {
     }
 
     /// Launches `kernel` cooperatively on `blocks` workers (+ the emulated NIC's blocks) and waits for it.
-    fn run<A: bytemuck::Pod>(&self, kernel: &Kernel, blocks: u32, args: &A) -> Result<()> {
+    /// The memory `args` addresses (the domain's region and peers' mappings, the error sink, the caller's
+    /// result buffers) stays until the synchronisation here.
+    fn run<A: KernelParams>(&self, kernel: &Kernel, blocks: u32, args: &A) -> Result<()> {
         let cfg = LaunchConfig::linear(blocks + self.domain.nic_blocks(), TRANSPORT_THREADS).with_cooperative();
-        // SAFETY: every pointer in `args` is this probe's (domain region and peers' mappings, error sink,
-        // result buffers of the caller), alive until the synchronisation below; the struct's size is checked
-        // by the kernel's static_assert against the variant's constant.
-        unsafe { kernel.launch(&self.stream, &cfg, &KernelArgs::new().arg(*args))? };
+        kernel.typed::<A>()?.launch(&self.stream, &cfg, args)?;
         let limit = Duration::from_nanos(self.timeout_ns) * 2 + Duration::from_secs(5);
         let t0 = Instant::now();
         let done = self.stream.synchronize_timeout(limit)?;

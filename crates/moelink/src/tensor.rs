@@ -199,6 +199,11 @@ macro_rules! view_common {
         pub fn addr(&self) -> u64 {
             self.mem.addr()
         }
+        /// Device address of element `[0, 0, ...]` for a kernel; null for a host view, which validation
+        /// keeps away from every kernel.
+        pub(crate) fn device_ptr(&self) -> moelink_cuda::DevPtr {
+            self.mem.dev_ptr().unwrap_or(moelink_cuda::DevPtr::NULL)
+        }
         /// Bytes from the first element to one past the last.
         pub fn span_bytes(&self) -> usize {
             self.layout.span_elems() * self.dtype.size_bytes()

@@ -1,7 +1,7 @@
 //! What the kernels' error records mean: the typed error each record stands for, and the phase a timeout
 //! names. Both fabrics' kernels report through the same record (`moelink_kernels::abi::ErrorRecord`).
 
-use moelink_cuda::{Device, DeviceBuffer, HostMapped};
+use moelink_cuda::{DevPtr, Device, DeviceBuffer, HostMapped};
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::ht::CallSignature;
 
@@ -18,10 +18,10 @@ impl ErrorSink {
     pub(crate) fn new(device: &Device) -> Result<ErrorSink> {
         Ok(ErrorSink { claim: DeviceBuffer::zeroed(device, 4)?, record: HostMapped::new(device, 1)? })
     }
-    pub(crate) fn claim_ptr(&self) -> u64 {
+    pub(crate) fn claim_ptr(&self) -> DevPtr {
         self.claim.device_ptr()
     }
-    pub(crate) fn record_ptr(&self) -> u64 {
+    pub(crate) fn record_ptr(&self) -> DevPtr {
         self.record.device_ptr()
     }
     /// The record, once a kernel has completed it. Kernels write the fields, then `code` (release); so

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use moelink_cuda::jit::CompileRequest;
 use moelink_cuda::{
-    Device, DeviceBuffer, Event, Exchange, GraphExec, HostMapped, Kernel, KernelArgs, LaunchConfig, Module, Stream, SymmetricBuffer,
+    DevPtr, DevPtrs, Device, DeviceBuffer, Event, Exchange, GraphExec, HostMapped, Kernel, KernelParams, LaunchConfig, Module, Stream,
+    SymmetricBuffer,
 };
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::KernelSpec;
@@ -311,22 +312,24 @@ impl Gpu {
         matches!(self.mode, StreamMode::External(_))
     }
 
-    /// Device address of byte `offset` of rank `r`'s symmetric buffer.
-    pub(crate) fn peer_addr(&self, r: usize, offset: usize) -> u64 {
-        self.sym.peer_ptr(r) + offset as u64
+    /// Device address of byte `offset` of rank `r`'s symmetric buffer (an error past its end).
+    pub(crate) fn peer_addr(&self, r: usize, offset: usize) -> Result<DevPtr> {
+        Ok(self.sym.peer_ptr_at(r, offset)?)
     }
 
-    /// Base pointers of every rank's symmetric buffer plus `offset`, padded with zeros to `MAX_RANKS`.
-    pub(crate) fn peer_table(&self, offset: usize) -> [u64; abi::MAX_RANKS] {
-        let mut t = [0u64; abi::MAX_RANKS];
+    /// Base pointers of every rank's symmetric buffer plus `offset` (a region of the control area or the
+    /// start of a data region, inside every rank's buffer), padded with nulls to `MAX_RANKS`.
+    pub(crate) fn peer_table(&self, offset: usize) -> DevPtrs<{ abi::MAX_RANKS }> {
+        debug_assert!(offset <= self.sym.len_bytes());
+        let mut t = DevPtrs::default();
         for (r, p) in t.iter_mut().enumerate().take(self.num_ranks) {
-            *p = self.peer_addr(r, offset);
+            *p = self.sym.peer_ptr(r).byte_add(offset);
         }
         t
     }
 
     /// (claim word, host-mapped record) device addresses every kernel reports errors to.
-    pub(crate) fn error_sink(&self) -> (u64, u64) {
+    pub(crate) fn error_sink(&self) -> (DevPtr, DevPtr) {
         (self.errors.claim_ptr(), self.errors.record_ptr())
     }
 
@@ -359,14 +362,8 @@ impl Gpu {
     }
 
     /// Launches `kernel` with one by-value argument struct on the operation stream.
-    pub(crate) fn launch<A: bytemuck::Pod>(&self, kernel: &Kernel, cfg: &LaunchConfig, args: &A) -> Result<()> {
-        let a = KernelArgs::new().arg(*args);
-        // SAFETY: every kernel of moelink-kernels takes exactly one argument struct whose Rust mirror (in
-        // `abi` or the family's module) is size-checked by the kernel's static_assert against the constant
-        // its KernelSpec passes; pointers inside were derived from live allocations of this backend or from
-        // validated tensor views whose owners keep them alive until the stream work completes.
-        unsafe { kernel.launch(self.op_stream(), cfg, &a)? };
-        Ok(())
+    pub(crate) fn launch<A: KernelParams>(&self, kernel: &Kernel, cfg: &LaunchConfig, args: &A) -> Result<()> {
+        Ok(kernel.typed::<A>()?.launch(self.op_stream(), cfg, args)?)
     }
 
     /// The error a kernel of this rank recorded, if any.
@@ -460,9 +457,9 @@ impl Gpu {
     }
 
     /// Checks that a view lives on this GPU (validation already did; kernels trust it).
-    pub(crate) fn addr_of(&self, t: &TensorRef<'_>) -> u64 {
+    pub(crate) fn addr_of(&self, t: &TensorRef<'_>) -> DevPtr {
         debug_assert_eq!(t.location(), Location::Cuda(self.device.ordinal()));
-        t.addr()
+        t.device_ptr()
     }
 
     /// The NVLink barrier kernel over the barrier region at the start of the control area, enqueued on the
@@ -606,9 +603,9 @@ impl Gpu {
     /// `KernelTracing::high_throughput` every synchronous HT dispatch and combine records `%globaltimer`
     /// stamps; off (and the argument 0) in asynchronous calls and graph captures, whose kernels finish after
     /// the call returns.
-    pub(crate) fn ht_trace_begin(&mut self, words: usize) -> Result<u64> {
+    pub(crate) fn ht_trace_begin(&mut self, words: usize) -> Result<DevPtr> {
         if !self.tracing.high_throughput || self.is_async() || self.is_capturing() {
-            return Ok(0);
+            return Ok(DevPtr::NULL);
         }
         if self.ht_trace.as_ref().is_none_or(|t| t.len() < words) {
             self.ht_trace = Some(HostMapped::new(&self.device, words)?);
@@ -692,13 +689,18 @@ impl Gpu {
         Ok(graph?.instantiate()?)
     }
 
+    #[allow(unsafe_code)]
     pub(crate) fn replay(&mut self, graph: &GraphExec) -> Result<()> {
         if self.capture.is_some() {
             return Err(Error::invalid("graph", self.rank, "cannot replay a graph while capturing"));
         }
         // SAFETY: only the pipelines of `crate::graph` replay, and each owns every tensor and handle its
         // graphs were captured with (inputs, outputs, routing) for as long as it can be replayed; a replay
-        // inside `on_stream` borrows the pipeline until the scope has waited for the work.
+        // inside `on_stream` borrows the pipeline until the scope has waited for the work. The rest the
+        // graphs address is this buffer's own (`Buffer::replay_graph` refuses another buffer's graph), which
+        // it never frees while it lives: the symmetric buffer, the error sink, the low-latency trace words
+        // and the internode handle areas (a larger one retires, not frees, the old); captures take no HT
+        // trace words and no host-mapped notify words (both only for synchronous calls).
         unsafe { graph.launch(self.op_stream())? };
         self.finish(Phase::Other)
     }

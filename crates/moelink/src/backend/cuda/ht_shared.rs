@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use moelink_cuda::HostMapped;
+use moelink_cuda::{DevPtr, HostMapped};
 use moelink_kernels::abi::{self, ErrorRecord};
 use moelink_kernels::ht as kht;
 
@@ -54,7 +54,7 @@ pub(crate) fn to_u32(v: usize, what: &'static str, rank: usize) -> Result<u32> {
 /// The inputs of a dispatch the kernels read, their alignment checked: the payload's (and FP8 scales')
 /// 16- and 4-byte alignment, and, for a fresh dispatch, the top-k and layout tensors'.
 fn check_dispatch_inputs(gpu: &Gpu, a: &DispatchArgs<'_>, rank: usize) -> Result<()> {
-    check_aligned(gpu.addr_of(a.x.x()), 16, "x", rank)?;
+    check_aligned(gpu.addr_of(a.x.x()).addr(), 16, "x", rank)?;
     if let Payload::Fp8 { scales, .. } = a.x {
         check_aligned(scales.addr(), 4, "x_scales", rank)?;
     }
@@ -72,51 +72,51 @@ fn check_dispatch_inputs(gpu: &Gpu, a: &DispatchArgs<'_>, rank: usize) -> Result
 /// The addresses of a dispatch kernel's tensors, the outputs' alignment checked. `topk_idx` and
 /// `topk_weights` are 0 unless top-k travels (a fresh dispatch with top-k).
 pub(crate) struct DispatchAddrs {
-    pub x: u64,
-    pub x_scales: u64,
+    pub x: DevPtr,
+    pub x_scales: DevPtr,
     pub scale_stride_token: i64,
     pub scale_stride_group: i64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
+    pub topk_idx: DevPtr,
+    pub topk_weights: DevPtr,
     /// `num_tokens_per_expert` of a fresh dispatch with top-k, which the senders check against `topk_idx`.
-    pub num_tokens_per_expert: u64,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub recv_topk_idx: u64,
-    pub recv_topk_weights: u64,
-    pub recv_src_idx: u64,
+    pub num_tokens_per_expert: DevPtr,
+    pub recv_x: DevPtr,
+    pub recv_scales: DevPtr,
+    pub recv_topk_idx: DevPtr,
+    pub recv_topk_weights: DevPtr,
+    pub recv_src_idx: DevPtr,
 }
 
 pub(crate) fn dispatch_addrs(gpu: &Gpu, s: &HtSpec, a: &DispatchArgs<'_>, out: &DispatchOutputs<'_>) -> Result<DispatchAddrs> {
     let rank = s.rank;
     let d = DispatchAddrs {
         x: gpu.addr_of(a.x.x()),
-        x_scales: 0,
+        x_scales: DevPtr::NULL,
         scale_stride_token: 0,
         scale_stride_group: 0,
-        topk_idx: 0,
-        topk_weights: 0,
-        num_tokens_per_expert: 0,
-        recv_x: out.recv_x.addr(),
+        topk_idx: DevPtr::NULL,
+        topk_weights: DevPtr::NULL,
+        num_tokens_per_expert: DevPtr::NULL,
+        recv_x: out.recv_x.device_ptr(),
         recv_scales: out_addr(&out.recv_scales),
         recv_topk_idx: out_addr(&out.recv_topk_idx),
         recv_topk_weights: out_addr(&out.recv_topk_weights),
         recv_src_idx: out_addr(&out.recv_src_idx),
     };
-    check_aligned(d.recv_x, 16, "recv_x", rank)?;
-    check_aligned(d.recv_scales, 4, "recv_x_scales", rank)?;
-    check_aligned(d.recv_topk_idx, 8, "recv_topk_idx", rank)?;
-    check_aligned(d.recv_topk_weights, 4, "recv_topk_weights", rank)?;
-    check_aligned(d.recv_src_idx, 4, "recv_src_idx", rank)?;
+    check_aligned(d.recv_x.addr(), 16, "recv_x", rank)?;
+    check_aligned(d.recv_scales.addr(), 4, "recv_x_scales", rank)?;
+    check_aligned(d.recv_topk_idx.addr(), 8, "recv_topk_idx", rank)?;
+    check_aligned(d.recv_topk_weights.addr(), 4, "recv_topk_weights", rank)?;
+    check_aligned(d.recv_src_idx.addr(), 4, "recv_src_idx", rank)?;
     let (x_scales, scale_stride_token, scale_stride_group) = match a.x {
-        Payload::Fp8 { scales, .. } => (scales.addr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
-        Payload::Bf16(_) => (0, 0, 0),
+        Payload::Fp8 { scales, .. } => (scales.device_ptr(), scales.strides()[0] as i64, scales.strides()[1] as i64),
+        Payload::Bf16(_) => (DevPtr::NULL, 0, 0),
     };
     let (topk_idx, topk_weights, num_tokens_per_expert) = match a.routing {
         Routing::Fresh { topk_idx: Some(i), topk_weights: Some(w), layout } if s.has_topk => {
-            (i.addr(), w.addr(), layout.num_tokens_per_expert.addr())
+            (i.device_ptr(), w.device_ptr(), layout.num_tokens_per_expert.device_ptr())
         }
-        _ => (0, 0, 0),
+        _ => (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL),
     };
     Ok(DispatchAddrs { x_scales, scale_stride_token, scale_stride_group, topk_idx, topk_weights, num_tokens_per_expert, ..d })
 }
@@ -125,32 +125,32 @@ pub(crate) fn dispatch_addrs(gpu: &Gpu, s: &HtSpec, a: &DispatchArgs<'_>, out: &
 /// add bias0 then bias1; a lone second bias takes the first slot, which adds the same values in the same
 /// order).
 pub(crate) struct CombineAddrs {
-    pub x: u64,
-    pub topk_weights: u64,
-    pub bias0: u64,
-    pub bias1: u64,
+    pub x: DevPtr,
+    pub topk_weights: DevPtr,
+    pub bias0: DevPtr,
+    pub bias1: DevPtr,
     pub num_biases: usize,
-    pub combined_x: u64,
-    pub combined_topk_weights: u64,
+    pub combined_x: DevPtr,
+    pub combined_topk_weights: DevPtr,
 }
 
 pub(crate) fn combine_addrs(gpu: &Gpu, rank: usize, a: &CombineArgs<'_>, out: &CombineOutputs<'_>) -> Result<CombineAddrs> {
-    let biases: Vec<u64> = a.bias.iter().flatten().map(|t| t.addr()).collect();
+    let biases: Vec<DevPtr> = a.bias.iter().flatten().map(|t| t.device_ptr()).collect();
     let c = CombineAddrs {
         x: gpu.addr_of(&a.x),
-        topk_weights: a.topk_weights.as_ref().map_or(0, |w| w.addr()),
-        bias0: biases.first().copied().unwrap_or(0),
-        bias1: biases.get(1).copied().unwrap_or(0),
+        topk_weights: a.topk_weights.as_ref().map_or(DevPtr::NULL, |w| w.device_ptr()),
+        bias0: biases.first().copied().unwrap_or(DevPtr::NULL),
+        bias1: biases.get(1).copied().unwrap_or(DevPtr::NULL),
         num_biases: biases.len(),
-        combined_x: out.combined_x.addr(),
+        combined_x: out.combined_x.device_ptr(),
         combined_topk_weights: out_addr(&out.combined_topk_weights),
     };
-    check_aligned(c.x, 16, "x", rank)?;
-    check_aligned(c.topk_weights, 4, "topk_weights", rank)?;
-    check_aligned(c.bias0, 16, "bias", rank)?;
-    check_aligned(c.bias1, 16, "bias", rank)?;
-    check_aligned(c.combined_x, 16, "combined_x", rank)?;
-    check_aligned(c.combined_topk_weights, 4, "combined_topk_weights", rank)?;
+    check_aligned(c.x.addr(), 16, "x", rank)?;
+    check_aligned(c.topk_weights.addr(), 4, "topk_weights", rank)?;
+    check_aligned(c.bias0.addr(), 16, "bias", rank)?;
+    check_aligned(c.bias1.addr(), 16, "bias", rank)?;
+    check_aligned(c.combined_x.addr(), 16, "combined_x", rank)?;
+    check_aligned(c.combined_topk_weights.addr(), 4, "combined_topk_weights", rank)?;
     Ok(c)
 }
 
@@ -241,8 +241,8 @@ pub(crate) fn notify_status_error(gpu: &Gpu, s: &HtSpec, status: u32, peer: usiz
     None
 }
 
-fn out_addr(t: &Option<TensorMut<'_>>) -> u64 {
-    t.as_ref().map_or(0, |t| t.addr())
+fn out_addr(t: &Option<TensorMut<'_>>) -> DevPtr {
+    t.as_ref().map_or(DevPtr::NULL, |t| t.device_ptr())
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{Device, HostMapped};
+use moelink_cuda::{DevPtr, Device, HostMapped};
 use moelink_kernels::ll::{flag, problem, LlReport, LL_SIG_WORDS, SIG_FIELDS};
 
 use crate::error::{Error, Result};
@@ -191,8 +191,8 @@ pub(crate) fn signature(s: &LlSpec) -> [u32; LL_SIG_WORDS] {
     sig
 }
 
-pub(crate) fn opt_addr(t: Option<&TensorMut<'_>>) -> u64 {
-    t.map_or(0, |t| t.addr())
+pub(crate) fn opt_addr(t: Option<&TensorMut<'_>>) -> DevPtr {
+    t.map_or(DevPtr::NULL, |t| t.device_ptr())
 }
 
 /// The argument a problem bit names, and why (for the rank whose argument it is).

@@ -51,7 +51,7 @@ impl PooledBuffer {
     pub(crate) fn buffer(&self) -> &DeviceBuffer {
         self.buf.as_ref().expect("a PooledBuffer holds its buffer until dropped")
     }
-    pub(crate) fn ptr(&self) -> u64 {
+    pub(crate) fn ptr(&self) -> moelink_cuda::DevPtr {
         self.buffer().device_ptr()
     }
 }

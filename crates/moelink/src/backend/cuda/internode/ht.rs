@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use moelink_cuda::{HostMapped, LaunchConfig};
+use moelink_cuda::{DevPtr, HostMapped, KernelParams, LaunchConfig};
 use moelink_kernels::ht::{call_signature, CallSignature};
 use moelink_kernels::ht_internode::{
     self as hti_kernels, host_notify, nvl_layout, rdma_layout, routing, HtiCombineArgs, HtiDispatchArgs, HtiLayoutArgs, HtiNotifyArgs,
@@ -128,7 +128,7 @@ fn dispatch_variant(b: &Internode, s: &HtSpec) -> HtiVariant {
 
 /// The launch: `blocks` worker blocks plus the emulated NIC's, cooperative (every role of every block waits
 /// for the others).
-fn launch<A: bytemuck::Pod>(b: &mut Internode, spec: &KernelSpec, name: &'static str, args: &A, blocks: u32) -> Result<()> {
+fn launch<A: KernelParams>(b: &mut Internode, spec: &KernelSpec, name: &'static str, args: &A, blocks: u32) -> Result<()> {
     let k = b.kernel(spec, name)?;
     let nic = b.rdma.nic_blocks();
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
@@ -210,9 +210,9 @@ pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_e
     let (n, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_limits(b, rank, k, num_experts / t.num_ranks())?;
     check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
-    let per_rank = out.num_tokens_per_rank.addr();
-    let per_expert = out.num_tokens_per_expert.addr();
-    let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(0, |v| v.addr());
+    let per_rank = out.num_tokens_per_rank.device_ptr();
+    let per_expert = out.num_tokens_per_expert.device_ptr();
+    let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(DevPtr::NULL, |v| v.device_ptr());
     let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
     let kernel = b.kernel(&v.layout_spec(), kernel_name::HTI_LAYOUT)?;
     // The outputs were validated as contiguous int32 tensors of this device with R, E and N elements.
@@ -230,7 +230,7 @@ pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_e
         num_tokens_per_rank: per_rank,
         num_tokens_per_rdma_rank: per_node,
         num_tokens_per_expert: per_expert,
-        is_token_in_rank: out.is_token_in_rank.addr(),
+        is_token_in_rank: out.is_token_in_rank.device_ptr(),
         error_claim,
         error_record,
         num_tokens: to_u32(n, "topk_idx", rank)?,
@@ -276,9 +276,9 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
             hti.host_notify = Some(HostMapped::new(&b.gpu.device, words.max(host_notify::words(256)))?);
         }
         hti.notify_seq = hti.notify_seq.wrapping_add(1).max(1);
-        (hti.host_notify.as_ref().map_or(0, |m| m.device_ptr()), hti.notify_seq)
+        (hti.host_notify.as_ref().map_or(DevPtr::NULL, |m| m.device_ptr()), hti.notify_seq)
     } else {
-        (0, 0)
+        (DevPtr::NULL, 0)
     };
     let state = hti.state.device_ptr();
     let signature = call_signature(CallSignature {
@@ -294,9 +294,9 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
     let args = HtiNotifyArgs {
         rdma: b.rdma_args(),
         at: rdma_at(b)?,
-        is_token_in_rank: layout.is_token_in_rank.addr(),
-        num_tokens_per_rank: layout.num_tokens_per_rank.addr(),
-        num_tokens_per_expert: layout.num_tokens_per_expert.addr(),
+        is_token_in_rank: layout.is_token_in_rank.device_ptr(),
+        num_tokens_per_rank: layout.num_tokens_per_rank.device_ptr(),
+        num_tokens_per_expert: layout.num_tokens_per_expert.device_ptr(),
         routing: routing_buf.ptr(),
         host_out,
         state,
@@ -411,7 +411,7 @@ pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'
     // notify left in the host-mapped words (what the host returns as num_recv_tokens_per_expert).
     let (host_notify, host_seq) = match (&handle, &r.host, &b.hti.host_notify) {
         (Handle::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
-        _ => (0, 0),
+        _ => (DevPtr::NULL, 0),
     };
     let args = HtiDispatchArgs {
         rdma: b.rdma_args(),
@@ -458,7 +458,7 @@ pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'
         m.device_span_mut()?.copy_from_device_async(r.routing.buffer(), 4 * at, b.op_stream())?;
     }
     finish_or_dump(b, Phase::Dispatch, "dispatch", &r.routing, r.round_tokens)?;
-    if args.trace != 0 {
+    if !args.trace.is_null() {
         let op = if matches!(handle, Handle::Existing(_)) { "cached dispatch" } else { "dispatch" };
         trace_keep(b, kernel_name::HTI_DISPATCH, op, s.num_sms, (send_blocks, fwd_blocks));
     }
@@ -650,7 +650,7 @@ pub(crate) fn combine(b: &mut Internode, s: CombineSpec, a: &CombineArgs<'_>, ou
     };
     launch(b, &v.combine_spec(), kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
     finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)?;
-    if args.trace != 0 {
+    if !args.trace.is_null() {
         trace_keep(b, kernel_name::HTI_COMBINE, "combine", s.num_sms, (send_blocks, fwd_blocks));
     }
     Ok(())
@@ -661,7 +661,7 @@ pub(crate) fn combine(b: &mut Internode, s: CombineSpec, a: &CombineArgs<'_>, ou
 /// With `KernelTracing::high_throughput`, a synchronous internode dispatch or combine stamps its roles and
 /// chunks (`HTI_TRACE_*` in hti.cuh); the words for a launch of `workers` worker blocks (plus the
 /// emulated NIC's), zeroed, or 0 when not tracing.
-fn trace_begin(b: &mut Internode, workers: usize) -> Result<u64> {
+fn trace_begin(b: &mut Internode, workers: usize) -> Result<DevPtr> {
     let nic = b.rdma.nic_blocks() as usize;
     let words = hti_kernels::trace_words(workers + nic, topology(b).num_nodes);
     b.gpu.ht_trace_begin(words)

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{DeviceBuffer, LaunchConfig};
+use moelink_cuda::{DevPtr, DeviceBuffer, KernelParams, LaunchConfig};
 use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{phase, problem, LlVariant};
 use moelink_kernels::ll_internode::{check_limits, LliCombineArgs, LliDispatchArgs, LliLayout, LliVariant, LLI_THREADS};
@@ -28,6 +28,9 @@ pub(crate) struct LliState {
     state: DeviceBuffer,
     /// Handle areas of sets 0 and 1 for the largest shape seen (`bytes` each).
     handles: Option<(DeviceBuffer, usize)>,
+    /// Smaller handle areas a larger shape replaced: a captured graph may still address them, so they stay
+    /// until the buffer goes (`Gpu::replay`).
+    retired_handles: Vec<DeviceBuffer>,
     pub(crate) calls: LlCalls<Drain>,
 }
 
@@ -40,7 +43,12 @@ pub(crate) enum Drain {
 impl LliState {
     pub(crate) fn new(gpu: &Gpu, enable_shrink: bool) -> Result<LliState> {
         let bytes = moelink_kernels::ll_internode::LLI_STATE_HEAD + 44 * gpu.num_ranks;
-        Ok(LliState { state: DeviceBuffer::zeroed(&gpu.device, bytes)?, handles: None, calls: LlCalls::new(&gpu.device, enable_shrink)? })
+        Ok(LliState {
+            state: DeviceBuffer::zeroed(&gpu.device, bytes)?,
+            handles: None,
+            retired_handles: Vec::new(),
+            calls: LlCalls::new(&gpu.device, enable_shrink)?,
+        })
     }
 }
 
@@ -78,15 +86,18 @@ pub(crate) fn bytes_needed(max_tokens: usize, hidden: usize, num_ranks: usize, n
 }
 
 /// Device addresses of set `set`'s handle area: (htoken, hj, hrow, hweight, hmeta, home_idx, home_weight).
-fn handle_area(b: &mut Internode, layout: &LliLayout, set: usize) -> Result<[u64; 7]> {
+fn handle_area(b: &mut Internode, layout: &LliLayout, set: usize) -> Result<[DevPtr; 7]> {
     let h = layout.handle;
     let lli = &mut b.lli;
     if lli.handles.as_ref().is_none_or(|(_, per_set)| *per_set < h.bytes) {
-        lli.handles = Some((DeviceBuffer::zeroed(&b.gpu.device, 2 * h.bytes)?, h.bytes));
+        let grown = (DeviceBuffer::zeroed(&b.gpu.device, 2 * h.bytes)?, h.bytes);
+        if let Some((old, _)) = lli.handles.replace(grown) {
+            lli.retired_handles.push(old);
+        }
     }
     let (buf, per_set) = lli.handles.as_ref().expect("allocated above");
-    let base = buf.device_ptr() + (set * per_set) as u64;
-    let at = |o: usize| base + o as u64;
+    let base = buf.ptr_at(set * per_set)?;
+    let at = |o: usize| base.byte_add(o);
     Ok([at(h.htoken), at(h.hj), at(h.hrow), at(h.hweight), at(h.hmeta), at(h.home_idx), at(h.home_weight)])
 }
 
@@ -98,7 +109,7 @@ fn grid(b: &Internode) -> (u32, u32) {
     (share.saturating_sub(nic).max(1), nic)
 }
 
-fn launch<A: bytemuck::Pod>(b: &mut Internode, v: &LliVariant, name: &'static str, args: &A, cooperative: bool) -> Result<()> {
+fn launch<A: KernelParams>(b: &mut Internode, v: &LliVariant, name: &'static str, args: &A, cooperative: bool) -> Result<()> {
     let spec = if name == kernel_name::LLI_COMBINE { v.combine_spec() } else { v.dispatch_spec() };
     let k = b.kernel(&spec, name)?;
     let (workers, nic) = grid(b);
@@ -169,12 +180,12 @@ pub(crate) fn dispatch<'a>(
     let args = LliDispatchArgs {
         rdma: b.rdma_args(),
         state: b.lli.state.device_ptr(),
-        x: a.x.addr(),
-        topk_idx: a.topk_idx.addr(),
-        topk_weights: a.topk_weights.map_or(0, |w| w.addr()),
-        recv_x: out.recv_x.addr(),
+        x: a.x.device_ptr(),
+        topk_idx: a.topk_idx.device_ptr(),
+        topk_weights: a.topk_weights.map_or(DevPtr::NULL, |w| w.device_ptr()),
+        recv_x: out.recv_x.device_ptr(),
         recv_scales: opt_addr(out.recv_scales.as_ref()),
-        recv_count: out.recv_count.addr(),
+        recv_count: out.recv_count.device_ptr(),
         cum_stats: opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
         wait_stats: opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
         src_info: opt_addr(out.src_info.as_ref()),
@@ -251,17 +262,17 @@ pub(crate) fn combine<'a>(
     begin_call(b)?;
     let (mut host_problem, mut local) = b.lli.calls.handle_problems(routing);
     let shape = [s.num_local_experts(), s.rows_per_expert(), s.hidden];
-    let zero_copy_addr = b.rdma.local_base() + layout.zero_copy as u64;
+    let zero_copy_addr = b.rdma.local_base().byte_add(layout.zero_copy);
     let (y, y_is_zero_copy) = if cs.zero_copy {
         if b.lli.calls.staging != Some(shape) {
             host_problem |= problem::ZERO_COPY;
             local.get_or_insert(("zero_copy", problem_reason(problem::ZERO_COPY).1.to_string()));
-            (0, 0)
+            (DevPtr::NULL, 0)
         } else {
             (zero_copy_addr, 1)
         }
     } else {
-        (a.x.addr(), 0)
+        (a.x.device_ptr(), 0)
     };
     let v = variant(b, &s);
     let set = (b.lli.calls.combine_calls & 1) as usize;
@@ -272,9 +283,9 @@ pub(crate) fn combine<'a>(
         rdma: b.rdma_args(),
         state: b.lli.state.device_ptr(),
         y,
-        topk_idx: a.topk_idx.addr(),
-        topk_weights: a.topk_weights.addr(),
-        out: out.combined_x.addr(),
+        topk_idx: a.topk_idx.device_ptr(),
+        topk_weights: a.topk_weights.device_ptr(),
+        out: out.combined_x.device_ptr(),
         wait_stats: opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
         htoken,
         hj,

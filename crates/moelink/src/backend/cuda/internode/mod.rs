@@ -13,7 +13,7 @@ pub(crate) mod rdma;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use moelink_cuda::{DeviceBuffer, Kernel, LaunchConfig};
+use moelink_cuda::{DevPtr, DeviceBuffer, Kernel, LaunchConfig};
 use moelink_kernels::transport::{TransportBarrierArgs, TransportVariant, TRANSPORT_THREADS};
 use moelink_kernels::KernelSpec;
 
@@ -190,7 +190,7 @@ fn barrier_kernel(gpu: &mut Gpu, rdma: &RdmaDomain) -> Result<Kernel> {
     gpu.kernel_linked(&spec, "transport_barrier", rdma)
 }
 
-fn launch_barrier(gpu: &Gpu, kernel: &Kernel, rdma: moelink_kernels::transport::RdmaArgs, nic_blocks: u32, counter: u64) -> Result<()> {
+fn launch_barrier(gpu: &Gpu, kernel: &Kernel, rdma: moelink_kernels::transport::RdmaArgs, nic_blocks: u32, counter: DevPtr) -> Result<()> {
     let (error_claim, error_record) = gpu.error_sink();
     let args =
         TransportBarrierArgs { rdma, error_claim, error_record, timeout_ns: gpu.timeout_ns, counter, signal_off: BARRIER_WORDS as u64 };

@@ -8,7 +8,9 @@
 //! The region is zeroed on every rank before a group barrier, so signals start at 0 everywhere.
 
 use moelink_cuda::jit::CompileRequest;
-use moelink_cuda::{Device, DeviceBuffer, DeviceSpanMut, Exchange, Module, Nvshmem, NvshmemHeap, NvshmemToolchain, SymmetricBuffer};
+use moelink_cuda::{
+    DevPtr, Device, DeviceBuffer, DeviceSpanMut, Exchange, Module, Nvshmem, NvshmemHeap, NvshmemToolchain, SymmetricBuffer,
+};
 use moelink_kernels::transport::{RdmaArgs, Transport as KernelTransport, NIC_STATE_BYTES};
 use moelink_kernels::KernelSpec;
 
@@ -130,7 +132,7 @@ impl RdmaDomain {
     }
 
     /// Device address of this rank's region.
-    pub(crate) fn local_base(&self) -> u64 {
+    pub(crate) fn local_base(&self) -> DevPtr {
         match &self.region {
             Region::Peers(s) => s.local().device_ptr(),
             Region::Heap(h) => h.device_ptr(),

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use moelink_cuda::{HostMapped, LaunchConfig};
+use moelink_cuda::{DevPtr, DevPtrs, HostMapped, LaunchConfig};
 use moelink_kernels::abi;
 use moelink_kernels::ht::{
     self as kht, host_notify, routing, CallSignature, HtCombineArgs, HtCombineVariant, HtDispatchArgs, HtDispatchVariant, HtLayoutArgs,
@@ -164,7 +164,7 @@ fn too_small(b: &Intranode, what: &'static str, t_max: usize, row_bytes: usize) 
 
 /// The trace words for a launch of `blocks` blocks of `warps` warps, zeroed; 0 when not tracing
 /// ([`super::super::gpu::Gpu::ht_trace_begin`]).
-fn trace_begin(b: &mut Intranode, blocks: usize, warps: u32) -> Result<u64> {
+fn trace_begin(b: &mut Intranode, blocks: usize, warps: u32) -> Result<DevPtr> {
     b.gpu.ht_trace_begin(blocks * kht::trace_words_per_block(warps))
 }
 
@@ -192,7 +192,7 @@ fn ensure_region_agreed(b: &mut Intranode) -> Result<()> {
     Ok(())
 }
 
-fn layout_args(b: &Intranode) -> ([u64; abi::MAX_RANKS], [u64; abi::MAX_RANKS]) {
+fn layout_args(b: &Intranode) -> (DevPtrs<{ abi::MAX_RANKS }>, DevPtrs<{ abi::MAX_RANKS }>) {
     (b.peer_table(ctrl::HT), b.peer_table(HT_DATA))
 }
 
@@ -212,10 +212,10 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
     let rank = b.rank;
     let (t, k) = (topk_idx.shape()[0], topk_idx.shape()[1]);
     check_aligned(topk_idx.addr(), 8, "topk_idx", rank)?;
-    let num_tokens_per_rank = out.num_tokens_per_rank.addr();
-    let num_tokens_per_expert = out.num_tokens_per_expert.addr();
-    check_aligned(num_tokens_per_rank, 4, "num_tokens_per_rank", rank)?;
-    check_aligned(num_tokens_per_expert, 4, "num_tokens_per_expert", rank)?;
+    let num_tokens_per_rank = out.num_tokens_per_rank.device_ptr();
+    let num_tokens_per_expert = out.num_tokens_per_expert.device_ptr();
+    check_aligned(num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
+    check_aligned(num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
     // The kernel stores every counter (nothing to zero first): one launch is the whole call.
     let kernel = b.kernel(&HtLayoutVariant.spec(), kernel_name::HT_LAYOUT)?;
     let (error_claim, error_record) = b.error_sink();
@@ -226,7 +226,7 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
         topk_stride_k: strides[1] as i64,
         num_tokens_per_rank,
         num_tokens_per_expert,
-        is_token_in_rank: out.is_token_in_rank.addr(),
+        is_token_in_rank: out.is_token_in_rank.device_ptr(),
         error_claim,
         error_record,
         num_tokens: to_u32(t, "topk_idx", rank)?,
@@ -282,9 +282,9 @@ pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_
                     b.ht.host_notify = Some(HostMapped::new(&b.gpu.device, words.max(host_notify::words(256)))?);
                 }
                 b.ht.notify_seq = b.ht.notify_seq.wrapping_add(1).max(1);
-                (b.ht.host_notify.as_ref().map_or(0, |m| m.device_ptr()), b.ht.notify_seq)
+                (b.ht.host_notify.as_ref().map_or(DevPtr::NULL, |m| m.device_ptr()), b.ht.notify_seq)
             } else {
-                (0, 0)
+                (DevPtr::NULL, 0)
             };
             let signature = kht::call_signature(CallSignature {
                 hidden: s.hidden,
@@ -297,9 +297,9 @@ pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_
             let kernel = b.kernel(&HtNotifyVariant.spec(), kernel_name::HT_NOTIFY)?;
             let (error_claim, error_record) = b.error_sink();
             let args = HtNotifyArgs {
-                is_token_in_rank: layout.is_token_in_rank.addr(),
-                num_tokens_per_rank: layout.num_tokens_per_rank.addr(),
-                num_tokens_per_expert: layout.num_tokens_per_expert.addr(),
+                is_token_in_rank: layout.is_token_in_rank.device_ptr(),
+                num_tokens_per_rank: layout.num_tokens_per_rank.device_ptr(),
+                num_tokens_per_expert: layout.num_tokens_per_expert.device_ptr(),
                 routing: routing_buf.ptr(),
                 host_out,
                 ctrl: b.peer_table(ctrl::HT),
@@ -388,7 +388,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     // notify left in the host-mapped words (what the host returns as num_recv_tokens_per_expert).
     let (host_notify, host_seq) = match (&handle, &r.host, &b.ht.host_notify) {
         (HandleData::New(_), Some(h), Some(m)) if s.has_topk && h.notify_seq != 0 => (m.device_ptr(), h.notify_seq),
-        _ => (0, 0),
+        _ => (DevPtr::NULL, 0),
     };
     // DeepEP's channel elements of the handle, written by the kernel (validated: contiguous int32 tensors).
     let (send_head, channel_prefix, recv_channel_prefix, num_channels) = match &out.channels {
@@ -400,9 +400,14 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
             ] {
                 check_aligned(t.addr(), 4, arg, rank)?;
             }
-            (c.send_head.addr(), c.channel_prefix_matrix.addr(), c.recv_channel_prefix_matrix.addr(), c.num_channels() as u32)
+            (
+                c.send_head.device_ptr(),
+                c.channel_prefix_matrix.device_ptr(),
+                c.recv_channel_prefix_matrix.device_ptr(),
+                c.num_channels() as u32,
+            )
         }
-        None => (0, 0, 0, 0),
+        None => (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL, 0),
     };
     let args = HtDispatchArgs {
         x: addrs.x,
@@ -453,7 +458,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         t.device_span_mut()?.copy_from_device_async(r.routing.buffer(), 4 * routing::RANK_PREFIX, b.op_stream())?;
     }
     b.gpu.finish_settled(Phase::Dispatch)?;
-    if args.trace != 0 {
+    if !args.trace.is_null() {
         let op = if matches!(handle, HandleData::Existing(_)) { "cached dispatch" } else { "dispatch" };
         trace_keep(b, kernel_name::HT_DISPATCH, op, s.num_sms, HtDispatchVariant::WARPS, args.num_send_blocks as usize);
     }
@@ -526,7 +531,7 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
     let kernel = b.kernel(&variant.spec(), kernel_name::HT_COMBINE)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     b.gpu.finish_settled(Phase::Combine)?;
-    if args.trace != 0 {
+    if !args.trace.is_null() {
         trace_keep(b, kernel_name::HT_COMBINE, "combine", s.num_sms, HtCombineVariant::WARPS, args.num_send_blocks as usize);
     }
     Ok(())

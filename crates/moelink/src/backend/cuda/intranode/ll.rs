@@ -14,7 +14,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{Device, DeviceBuffer, Kernel, LaunchConfig};
+use moelink_cuda::{DevPtr, DevPtrs, Device, DeviceBuffer, Kernel, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
 use moelink_kernels::ll::{
@@ -112,15 +112,15 @@ fn grid_size(b: &Intranode) -> u32 {
 
 /// Addresses shared by both argument structs: every rank's `LlCtrl`, and every rank's copy of the region
 /// at `offset` of the low-latency data region.
-fn tables(b: &Intranode, offset: usize) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
+fn tables(b: &Intranode, offset: usize) -> (DevPtrs<MAX_RANKS>, DevPtrs<MAX_RANKS>) {
     (b.peer_table(ctrl::LL), b.peer_table(ll_data_offset(b) + offset))
 }
 
 /// The handle area of `set` on this rank: (hrow, hweight, hmeta, home_idx, home_weight).
-fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> [u64; 5] {
-    let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set]);
+fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> Result<[DevPtr; 5]> {
+    let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set])?;
     let h = layout.handle;
-    [base, base + h.hweight as u64, base + h.hmeta as u64, base + h.home_idx as u64, base + h.home_weight as u64]
+    Ok([base, base.byte_add(h.hweight), base.byte_add(h.hmeta), base.byte_add(h.home_idx), base.byte_add(h.home_weight)])
 }
 
 // ------------------------------------------------------------------ timing trace
@@ -131,16 +131,16 @@ fn trace_family_words(b: &Intranode) -> usize {
 }
 
 /// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch (allocating the words on
-/// first use), or 0 when tracing is off.
-fn trace_ptr(b: &mut Intranode, family: usize) -> Result<u64> {
+/// first use), or null when tracing is off.
+fn trace_ptr(b: &mut Intranode, family: usize) -> Result<DevPtr> {
     if !b.tracing.low_latency {
-        return Ok(0);
+        return Ok(DevPtr::NULL);
     }
     let words = trace_family_words(b);
     if b.ll.trace.is_none() {
         b.ll.trace = Some(DeviceBuffer::zeroed(&b.gpu.device, 2 * words * 8)?);
     }
-    Ok(b.ll.trace.as_ref().map_or(0, |t| t.device_ptr() + (family * words * 8) as u64))
+    Ok(b.ll.trace.as_ref().map_or(DevPtr::NULL, |t| t.device_ptr().byte_add(family * words * 8)))
 }
 
 /// Enqueues the clearing of the trace words (when a timed region opens, before its barrier).
@@ -219,16 +219,16 @@ pub(crate) fn dispatch<'a>(
     let generation = b.ll.calls.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.dispatch_at[set]);
-    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set);
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set)?;
     let args = LlDispatchArgs {
         ctrl: ctrl_table,
         recv: recv_table,
-        x: a.x.addr(),
-        topk_idx: a.topk_idx.addr(),
-        topk_weights: a.topk_weights.map_or(0, |w| w.addr()),
-        recv_x: out.recv_x.addr(),
+        x: a.x.device_ptr(),
+        topk_idx: a.topk_idx.device_ptr(),
+        topk_weights: a.topk_weights.map_or(DevPtr::NULL, |w| w.device_ptr()),
+        recv_x: out.recv_x.device_ptr(),
         recv_scales: opt_addr(out.recv_scales.as_ref()),
-        recv_count: out.recv_count.addr(),
+        recv_count: out.recv_count.device_ptr(),
         cum_stats: opt_addr(out.cumulative_local_expert_recv_stats.as_ref()),
         wait_stats: opt_addr(out.dispatch_wait_recv_cost_stats.as_ref()),
         src_info: opt_addr(out.src_info.as_ref()),
@@ -314,12 +314,12 @@ pub(crate) fn combine<'a>(
         if b.ll.calls.staging != Some(shape) || layout_for(b, &s, true).is_err() {
             host_problem |= problem::ZERO_COPY;
             local.get_or_insert(("zero_copy", problem_reason(problem::ZERO_COPY).1.to_string()));
-            0
+            DevPtr::NULL
         } else {
-            b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at)
+            b.peer_addr(b.rank, ll_data_offset(b) + layout.staging_at)?
         }
     } else {
-        a.x.addr()
+        a.x.device_ptr()
     };
 
     let variant = variant_of(b, &s);
@@ -327,14 +327,14 @@ pub(crate) fn combine<'a>(
     let set = (b.ll.calls.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
-    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set);
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set)?;
     let args = LlCombineArgs {
         ctrl: ctrl_table,
         recv: recv_table,
         y,
-        topk_idx: a.topk_idx.addr(),
-        topk_weights: a.topk_weights.addr(),
-        out: out.combined_x.addr(),
+        topk_idx: a.topk_idx.device_ptr(),
+        topk_weights: a.topk_weights.device_ptr(),
+        out: out.combined_x.device_ptr(),
         wait_stats: opt_addr(out.combine_wait_recv_cost_stats.as_ref()),
         hrow,
         hweight,
