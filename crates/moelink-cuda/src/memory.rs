@@ -61,7 +61,7 @@ impl DeviceSpanMut<'_> {
         self.check_stream("memset_u8_async", stream)?;
         // SAFETY: the span lies inside a live allocation that its owner lends for 'a (`span_of` checked the
         // range); the owner's drop orders its free after work that uses it, as for a DeviceBuffer.
-        unsafe { stream.memset_d8_async(self.addr, value, self.len) }
+        unsafe { stream.fill_d8(self.addr, value, self.len) }
     }
 
     /// Sets every 32-bit word to `value`, ordered on `stream` (the span must be 4-byte aligned and a
@@ -72,7 +72,7 @@ impl DeviceSpanMut<'_> {
             return Err(Error::invalid(format!("memset_u32_async: {} bytes at {:#x} are not whole aligned words", self.len, self.addr)));
         }
         // SAFETY: as in `memset_u8_async`, and the range is whole aligned words.
-        unsafe { stream.memset_d32_async(self.addr, value, self.len / 4) }
+        unsafe { stream.fill_d32(self.addr, value, self.len / 4) }
     }
 
     /// Copies bytes `[src_offset, src_offset + self.len())` of `src` into the span, ordered on `stream`.
@@ -81,7 +81,7 @@ impl DeviceSpanMut<'_> {
         check_range("copy_from_device_async source", src_offset, self.len, src.len_bytes())?;
         // SAFETY: the destination as in `memset_u8_async`; the source range lies inside `src`, checked above,
         // whose drop orders its free after the work that uses it.
-        unsafe { stream.memcpy_dtod_async(self.addr, src.ptr + src_offset as u64, self.len) }
+        unsafe { stream.copy_dtod(self.addr, src.ptr + src_offset as u64, self.len) }
     }
 
     fn check_stream(&self, what: &str, stream: &Stream) -> Result<()> {
@@ -250,7 +250,7 @@ impl DeviceBuffer {
         same_device("copy_from_device_async", self.device(), stream.device())?;
         // SAFETY: both ranges are inside live allocations (checked). cuMemFree synchronises, so neither
         // allocation can disappear under the pending copy.
-        unsafe { stream.memcpy_dtod_async(self.ptr + dst_offset as u64, src.ptr + src_offset as u64, bytes) }
+        unsafe { stream.copy_dtod(self.ptr + dst_offset as u64, src.ptr + src_offset as u64, bytes) }
     }
 
     /// Stream-ordered host → device copy of `src` into the buffer at `offset`.
@@ -324,7 +324,7 @@ impl DeviceBuffer {
     pub fn memset_u8_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
         same_device("memset_u8_async", self.device(), stream.device())?;
         // SAFETY: the whole live allocation.
-        unsafe { stream.memset_d8_async(self.ptr, value, self.len) }
+        unsafe { stream.fill_d8(self.ptr, value, self.len) }
     }
 
     /// Stream-ordered [`memset_u32`](Self::memset_u32).
@@ -334,7 +334,7 @@ impl DeviceBuffer {
             return Err(Error::invalid(format!("memset_u32_async on a {}-byte buffer (not a multiple of 4)", self.len)));
         }
         // SAFETY: the whole live allocation, word-sized.
-        unsafe { stream.memset_d32_async(self.ptr, value, self.len / 4) }
+        unsafe { stream.fill_d32(self.ptr, value, self.len / 4) }
     }
 
     /// Exports the allocation for another process ([`crate::IpcMapping::open`]).

@@ -216,6 +216,13 @@ impl Kernel {
     /// The kernel trusts its arguments: every pointer among them must be valid for every access the kernel
     /// makes, for as long as the kernel runs, and values must mean what the kernel expects.
     pub unsafe fn launch(&self, stream: &Stream, cfg: &LaunchConfig, args: &KernelArgs) -> Result<()> {
+        stream.mark_unchecked();
+        self.launch_checked(stream, cfg, args)
+    }
+
+    /// [`Kernel::launch`] for [`TypedKernel::launch`], whose parameters the layer checked: the stream is not
+    /// marked as having run unchecked work.
+    unsafe fn launch_checked(&self, stream: &Stream, cfg: &LaunchConfig, args: &KernelArgs) -> Result<()> {
         same_device(&format!("launch of {}", self.name), &self.module.device, stream.device())?;
         self.check_args(args)?;
         self.check_config(cfg)?;
@@ -361,7 +368,7 @@ impl<A: KernelParams> TypedKernel<A> {
         let args = params.args();
         // SAFETY: `typed` checked the kernel's parameter sizes against A's, and A's `KernelParams`
         // implementation says these are its parameters with only CUDA-layer addresses inside (see the trait).
-        unsafe { self.kernel.launch(stream, cfg, &args) }
+        unsafe { self.kernel.launch_checked(stream, cfg, &args) }
     }
 }
 

@@ -1,5 +1,6 @@
 //! Streams and events.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,9 @@ struct StreamHandle {
     device: Device,
     raw: CUstream,
     owned: bool,
+    /// Set by the `unsafe` submissions (raw launches, copies and fills), cleared by `begin_capture`: a graph
+    /// captured while it stays clear holds only checked work ([`crate::GraphExec::launch`]).
+    unchecked_work: AtomicBool,
 }
 
 // SAFETY: a CUstream handle may be used from any thread; the driver serialises submissions.
@@ -66,7 +70,7 @@ impl Stream {
         let _g = device.bind_scoped()?;
         // SAFETY: the device's context is current; the stream is destroyed in Drop.
         let raw = unsafe { drv::stream_create_non_blocking()? };
-        Ok(Stream { inner: Arc::new(StreamHandle { device: device.clone(), raw, owned: true }) })
+        Ok(Stream { inner: Arc::new(StreamHandle { device: device.clone(), raw, owned: true, unchecked_work: AtomicBool::new(false) }) })
     }
 
     /// The stream a [`ForeignStream`] names, on `device` (whose primary context the handle must belong to,
@@ -84,7 +88,14 @@ impl Stream {
     /// `handle` must be a stream of `device`'s primary context (or 0) that stays alive while the returned
     /// value or any of its clones is used.
     pub unsafe fn borrow_raw(device: &Device, handle: u64) -> Stream {
-        Stream { inner: Arc::new(StreamHandle { device: device.clone(), raw: handle as usize as CUstream, owned: false }) }
+        Stream {
+            inner: Arc::new(StreamHandle {
+                device: device.clone(),
+                raw: handle as usize as CUstream,
+                owned: false,
+                unchecked_work: AtomicBool::new(false),
+            }),
+        }
     }
 
     /// The raw `CUstream` as an integer (what torch calls `cuda_stream`).
@@ -158,11 +169,8 @@ impl Stream {
     /// # Safety
     /// Both ranges must be valid device memory of `bytes` bytes for as long as the copy runs.
     pub unsafe fn memcpy_dtod_async(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let _g = self.device().bind_scoped()?;
-        drv::memcpy_dtod_async(dst, src, bytes, self.raw())
+        self.mark_unchecked();
+        self.copy_dtod(dst, src, bytes)
     }
 
     /// Fills `count` 32-bit words at `dst` with `value` in stream order.
@@ -170,11 +178,8 @@ impl Stream {
     /// # Safety
     /// `dst` must be valid, 4-byte aligned device memory of `4 * count` bytes while the fill runs.
     pub unsafe fn memset_d32_async(&self, dst: u64, value: u32, count: usize) -> Result<()> {
-        if count == 0 {
-            return Ok(());
-        }
-        let _g = self.device().bind_scoped()?;
-        drv::memset_d32_async(dst, value, count, self.raw())
+        self.mark_unchecked();
+        self.fill_d32(dst, value, count)
     }
 
     /// Fills `count` bytes at `dst` with `value` in stream order.
@@ -182,6 +187,30 @@ impl Stream {
     /// # Safety
     /// `dst` must be valid device memory of `count` bytes while the fill runs.
     pub unsafe fn memset_d8_async(&self, dst: u64, value: u8, count: usize) -> Result<()> {
+        self.mark_unchecked();
+        self.fill_d8(dst, value, count)
+    }
+
+    /// [`Stream::memcpy_dtod_async`] for the layer's checked wrappers (spans and buffers): not marked unchecked.
+    pub(crate) unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        drv::memcpy_dtod_async(dst, src, bytes, self.raw())
+    }
+
+    /// [`Stream::memset_d32_async`] for the layer's checked wrappers.
+    pub(crate) unsafe fn fill_d32(&self, dst: u64, value: u32, count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let _g = self.device().bind_scoped()?;
+        drv::memset_d32_async(dst, value, count, self.raw())
+    }
+
+    /// [`Stream::memset_d8_async`] for the layer's checked wrappers.
+    pub(crate) unsafe fn fill_d8(&self, dst: u64, value: u8, count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
@@ -189,10 +218,16 @@ impl Stream {
         drv::memset_d8_async(dst, value, count, self.raw())
     }
 
+    /// Records that work whose arguments the layer did not check was submitted here.
+    pub(crate) fn mark_unchecked(&self) {
+        self.inner.unchecked_work.store(true, Ordering::Relaxed);
+    }
+
     /// Starts capturing this stream's work into a graph instead of running it (thread-local capture mode:
     /// other threads' CUDA calls are unaffected). End with [`Stream::end_capture`].
     pub fn begin_capture(&self) -> Result<()> {
         let _g = self.device().bind_scoped()?;
+        self.inner.unchecked_work.store(false, Ordering::Relaxed);
         // SAFETY: live stream of the current context.
         unsafe { drv::stream_begin_capture(self.raw()) }
     }
@@ -202,7 +237,8 @@ impl Stream {
         let _g = self.device().bind_scoped()?;
         // SAFETY: live stream of the current context; the graph is owned by the returned value.
         let raw = unsafe { drv::stream_end_capture(self.raw())? };
-        Ok(crate::graph::Graph::from_raw(self.device(), raw))
+        let checked = !self.inner.unchecked_work.load(Ordering::Relaxed);
+        Ok(crate::graph::Graph::from_raw(self.device(), raw, checked))
     }
 
     /// Captures what `f` submits to this stream into a graph. The capture is ended even when `f` fails,

@@ -233,13 +233,24 @@ fn graph_capture_and_replay() {
     let mut out = vec![0u8; 4 * n as usize];
     buf.copy_to_host(&mut out).unwrap();
     assert!(words_of(&out).iter().all(|&v| v == 0));
+    // Raw launches were captured: the safe replay refuses the graph.
+    assert!(!exec.is_checked());
+    assert!(exec.launch(&stream).unwrap_err().to_string().contains("launch_unchecked"));
     for _ in 0..3 {
         // SAFETY: `buf` is alive; the graph adds 2 to each of its n words.
-        unsafe { exec.launch(&stream).unwrap() };
+        unsafe { exec.launch_unchecked(&stream).unwrap() };
     }
     stream.synchronize().unwrap();
     buf.copy_to_host(&mut out).unwrap();
     assert!(words_of(&out).iter().all(|&v| v == 6));
+    // A capture of checked work only (a buffer fill) replays through the safe launch.
+    let mut filled = DeviceBuffer::zeroed(&dev, 4 * n as usize).unwrap();
+    let checked = stream.capture(|s| filled.memset_u32_async(7, s)).unwrap().instantiate().unwrap();
+    assert!(checked.is_checked());
+    checked.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    filled.copy_to_host(&mut out).unwrap();
+    assert!(words_of(&out).iter().all(|&v| v == 7));
     // A failing capture body ends the capture and reports the body's error.
     let e = stream.capture(|_| Err(Error::InvalidArgument("body failed".into()))).unwrap_err();
     assert!(e.to_string().contains("body failed"));

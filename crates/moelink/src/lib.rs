@@ -38,9 +38,8 @@
 //! assert!(results.iter().all(|r| matches!(r, Ok(4))));
 //! ```
 
-// `unsafe` belongs to the CUDA layer (docs/architecture.md); the one exception, graph replay, allows it
-// where it stands.
-#![deny(unsafe_code)]
+// `unsafe` belongs to the CUDA layer (docs/architecture.md).
+#![forbid(unsafe_code)]
 
 mod backend;
 pub mod buffer;

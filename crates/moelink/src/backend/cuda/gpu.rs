@@ -689,19 +689,19 @@ impl Gpu {
         Ok(graph?.instantiate()?)
     }
 
-    #[allow(unsafe_code)]
     pub(crate) fn replay(&mut self, graph: &GraphExec) -> Result<()> {
         if self.capture.is_some() {
             return Err(Error::invalid("graph", self.rank, "cannot replay a graph while capturing"));
         }
-        // SAFETY: only the pipelines of `crate::graph` replay, and each owns every tensor and handle its
-        // graphs were captured with (inputs, outputs, routing) for as long as it can be replayed; a replay
-        // inside `on_stream` borrows the pipeline until the scope has waited for the work. The rest the
-        // graphs address is this buffer's own (`Buffer::replay_graph` refuses another buffer's graph), which
-        // it never frees while it lives: the symmetric buffer, the error sink, the low-latency trace words
-        // and the internode handle areas (a larger one retires, not frees, the old); captures take no HT
-        // trace words and no host-mapped notify words (both only for synchronous calls).
-        unsafe { graph.launch(self.op_stream())? };
+        // The graph holds typed launches and span copies only, so its replay rests on what they rested on:
+        // the memory they address outlives it. The pipelines of `crate::graph` own every tensor and handle
+        // their graphs were captured with (inputs, outputs, routing) for as long as they can be replayed; a
+        // replay inside `on_stream` borrows the pipeline until the scope has waited for the work. The rest
+        // the graphs address is this buffer's own (`Buffer::replay_graph` refuses another buffer's graph),
+        // which it never frees while it lives: the symmetric buffer, the error sink, the low-latency trace
+        // words and the internode handle areas (a larger one retires, not frees, the old); captures take no
+        // HT trace words and no host-mapped notify words (both only for synchronous calls).
+        graph.launch(self.op_stream())?;
         self.finish(Phase::Other)
     }
 
