@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use moelink::{
-    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, ChannelOutputs, CombineArgs, Config, DType, DispatchArgs, Error, Fp8E4M3,
-    MemRef, Payload, Place, Routing, Tensor, TensorRef, Topology,
+    bf16, group::run_ranks, BackendKind, Buffer, BufferOptions, ChannelOutputs, CombineArgs, Config, DType, DispatchArgs, DispatchLayout,
+    Error, Fp8E4M3, MemRef, Payload, Place, Routing, Tensor, TensorRef, Topology,
 };
 
 /// A host buffer with room for every call of these tests (the capacity rules apply on the host too).
@@ -283,6 +283,25 @@ fn dispatch_rejects_bad_knobs() {
     );
 }
 
+/// Two bf16 tokens of hidden 128 routed to experts 0..3, and their layout on `b`: what the output checks below
+/// dispatch.
+fn two_tokens(b: &mut Buffer) -> moelink::Result<(Tensor, DispatchLayout)> {
+    let idx = topk(2, vec![0, 1, 2, 3]);
+    let layout = b.get_dispatch_layout(idx.view(), 4)?;
+    Ok((x_bf16(2, 128), layout))
+}
+
+/// A fresh CPU-synchronised dispatch of `two_tokens`' tokens without top-k.
+fn two_token_args<'a>(x: &'a Tensor, layout: &'a DispatchLayout) -> DispatchArgs<'a> {
+    DispatchArgs {
+        x: Payload::Bf16(x.view()),
+        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        config: None,
+    }
+}
+
 /// The optional handle outputs of `dispatch_into` (DeepEP's `rank_prefix_matrix` and `recv_src_idx`) must
 /// be contiguous int32 tensors of their shapes, checked before anything moves.
 #[test]
@@ -294,16 +313,8 @@ fn dispatch_rejects_bad_handle_outputs() {
         ("recv_src_idx", vec![2], DType::F32),
     ] {
         let e = err_of(|b| {
-            let x = x_bf16(2, 128);
-            let idx = topk(2, vec![0, 1, 2, 3]);
-            let layout = b.get_dispatch_layout(idx.view(), 4)?;
-            let args = DispatchArgs {
-                x: Payload::Bf16(x.view()),
-                routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
-                expert_alignment: 1,
-                num_worst_tokens: 0,
-                config: None,
-            };
+            let (x, layout) = two_tokens(b)?;
+            let args = two_token_args(&x, &layout);
             let plan = b.prepare_dispatch(&args)?;
             assert_eq!(plan.num_recv_rows(), 2);
             let mut recv_x = b.alloc(DType::BF16, &[2, 128])?;
@@ -330,16 +341,8 @@ fn dispatch_rejects_bad_handle_outputs() {
 /// channel elements into tensors of the given (dtype, shape): send_head, channel_prefix_matrix,
 /// recv_channel_prefix_matrix.
 fn dispatch_with_channel_outputs(b: &mut Buffer, shapes: [(DType, &[usize]); 3]) -> moelink::Result<()> {
-    let x = x_bf16(2, 128);
-    let idx = topk(2, vec![0, 1, 2, 3]);
-    let layout = b.get_dispatch_layout(idx.view(), 4)?;
-    let args = DispatchArgs {
-        x: Payload::Bf16(x.view()),
-        routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: None, topk_weights: None },
-        expert_alignment: 1,
-        num_worst_tokens: 0,
-        config: None,
-    };
+    let (x, layout) = two_tokens(b)?;
+    let args = two_token_args(&x, &layout);
     let plan = b.prepare_dispatch(&args)?;
     let mut recv_x = b.alloc(DType::BF16, &[plan.num_recv_rows(), 128])?;
     let [mut head, mut prefix, mut recv_prefix] = shapes.map(|(dtype, shape)| b.alloc(dtype, shape).expect("host memory"));
