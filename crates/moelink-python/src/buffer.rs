@@ -779,6 +779,43 @@ impl PyBuffer {
         Ok((PyHtHandle { inner: handle, buffer_uid: self.uid }, per_expert, outputs))
     }
 
+    /// A cached dispatch in one native step (collective), for callers that know its outputs' rows from the
+    /// handle (`num_recv_tokens` of a CPU-synchronised one): `x` (bf16, or e4m3 with `x_scales`) sent by
+    /// `handle`'s routing into `recv_x` (and `recv_x_scales` for FP8). The same checks and errors as
+    /// `dispatch` with a handle; rows that differ from the handle's are refused naming `recv_x`.
+    #[pyo3(signature = (x, handle, recv_x, x_scales=None, recv_x_scales=None, config=None, stream=None, begin_call=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn cached_dispatch_into(
+        &self,
+        py: Python<'_>,
+        x: &Obj<'_>,
+        handle: &Obj<'_>,
+        recv_x: &Obj<'_>,
+        x_scales: Option<&Obj<'_>>,
+        recv_x_scales: Option<&Obj<'_>>,
+        config: Option<ConfigTuple>,
+        stream: Option<u64>,
+        begin_call: bool,
+    ) -> PyResult<()> {
+        let started = self.host_time.start();
+        self.mark_call(begin_call);
+        let r = self.rank;
+        let call = self.ht_call(py, x, x_scales, Some(handle), None, None, None, None, None, 1, 0, config)?;
+        let out = DispatchOutputs {
+            recv_x: self.arg(recv_x, "recv_x")?.view_mut(py, "recv_x", r)?,
+            recv_scales: opt_view_mut(py, &self.opt_arg(recv_x_scales, "recv_x_scales")?, "recv_x_scales", r)?,
+            recv_topk_idx: None,
+            recv_topk_weights: None,
+            rank_prefix_matrix: None,
+            recv_src_idx: None,
+            channels: None,
+        };
+        self.run_timed(py, Some(stream), started.map(|t0| ("cached dispatch", t0)), move |b| {
+            let plan = b.prepare_dispatch(&call.args())?;
+            b.dispatch_into(plan, &call.args(), out).map(|_| ())
+        })
+    }
+
     /// Sums expert outputs `x` back onto the tokens' home ranks (collective). `bias_0`/`bias_1`: up to two
     /// `[T, H]` bf16 tensors added to the output. `begin_call` as in `prepare_dispatch`.
     #[pyo3(signature = (x, handle, combined_x, topk_weights=None, combined_topk_weights=None, bias_0=None, bias_1=None, config=None, stream=None, begin_call=false))]
