@@ -489,20 +489,6 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-namespace moelink::intranode {
-// moelink::intranode::dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
-//   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
-//   receive above). The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is
-//   non-zero or T_max exceeds slab_rows for this row size (a cached dispatch of bigger rows), and the epoch
-//   then does not advance, on any rank; the epoch is read at start (counter + 1) and stored by the last block.
-//   Flags: row flags (data region, [src][slot], value = dispatch epoch) from senders to receivers; at the end
-//   the last block hands the slab back: consumed[me] = epoch in every peer's control region, which the
-//   peers' senders of the next dispatch wait for.
-//   reads: x, scales, top-k, routing, own slab and row flags;
-//   reports: a token whose is_token_in_rank row disagrees with the ranks of its top-k experts (check_token_ranks),
-//   an expert whose num_tokens_per_expert is not the tokens selecting it (check_expert_tokens, the last block);
-//   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
-//   remote rows from the slab), consumed flags.
 // DeepEP's channel matrices of the handle (block 0, when wanted): this rank sends each destination's rows as
 // one ordered stream, which DeepEP's terms call the last of num_channels channels, the others empty. The
 // send counts are ht_notify's (routing, HT_RT_SEND_COUNT), written before this kernel in stream order.
@@ -517,6 +503,21 @@ __device__ __forceinline__ void write_channel_prefixes(const HtDispatchArgs& a) 
   }
 }
 
+namespace moelink::intranode {
+// moelink::intranode::dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
+//   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
+//   receive above). The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is
+//   non-zero or T_max exceeds slab_rows for this row size (a cached dispatch of bigger rows), and the epoch
+//   then does not advance, on any rank; the epoch is read at start (counter + 1) and stored by the last block.
+//   Flags: row flags (data region, [src][slot], value = dispatch epoch) from senders to receivers; at the end
+//   the last block hands the slab back: consumed[me] = epoch in every peer's control region, which the
+//   peers' senders of the next dispatch wait for.
+//   reads: x, scales, top-k, routing, own slab and row flags;
+//   reports: a token whose is_token_in_rank row disagrees with the ranks of its top-k experts (check_token_ranks),
+//   an expert whose num_tokens_per_expert is not the tokens selecting it (check_expert_tokens, the last block);
+//   writes: peers' slabs and row flags (senders), the outputs and recv_src_idx (receivers: own rows from x,
+//   remote rows from the slab), consumed flags; when wanted, DeepEP's send_head (senders) and channel
+//   matrices (block 0, write_channel_prefixes).
 __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ HtDispatchArgs a) {
   write_channel_prefixes(a);
   zero_tallies(a);

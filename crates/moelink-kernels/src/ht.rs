@@ -758,7 +758,7 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 14 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 14 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8 + 3 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
     }
 
