@@ -172,6 +172,14 @@ class _Reuse:
         self._sets.clear()
 
 
+def _dispatch_key(fresh: bool, rows: int, hidden: int, dtype: Any, is_fp8: bool, topk: int, channels: int,
+                  in_rank_shape: Tuple[int, ...], stream: Optional[int]) -> Tuple[Any, ...]:
+    """The ``_Reuse`` key of a dispatch's output set: what its shapes and dtypes depend on, and its stream
+    (``topk`` -1 without top-k; ``in_rank_shape`` () for a cached dispatch). Both dispatch paths key their sets
+    with it, so they share them."""
+    return ("dispatch", fresh, rows, hidden, dtype, is_fp8, topk, channels, in_rank_shape, stream)
+
+
 def _event_of(previous_event: Any) -> Any:
     """The CUDA event of an ``EventOverlap`` (or a bare ``torch.cuda.Event``)."""
     return getattr(previous_event, "event", previous_event)
@@ -831,8 +839,8 @@ class Buffer:
             """The outputs, once the count exchange has sized them: the native ones, then the handle's parts."""
             key = None
             if reuse is not None:
-                key = ("dispatch", fresh, n, hidden, x_data.dtype, is_fp8, topk if has_topk else -1, channels,
-                       in_rank_shape, stream)
+                key = _dispatch_key(fresh, n, hidden, x_data.dtype, is_fp8, topk if has_topk else -1, channels,
+                                    in_rank_shape, stream)
                 outs = reuse.take(key)
                 if outs is not None:
                     return outs
@@ -888,7 +896,7 @@ class Buffer:
             shape = self._shape(x_data, "x")
             rows, is_fp8 = native_handle.num_recv_tokens, x_scales is not None
             hidden = shape[1] if len(shape) == 2 else 0
-            key = ("dispatch", False, rows, hidden, x_data.dtype, is_fp8, -1, config_tuple[0] // 2, (), stream)
+            key = _dispatch_key(False, rows, hidden, x_data.dtype, is_fp8, -1, config_tuple[0] // 2, (), stream)
             outs = reuse.take(key) if reuse is not None else None
             if outs is None:
                 outs = self._dispatch_outputs(rows, hidden, 0, is_fp8, False, x_data.dtype, False, config_tuple[0] // 2,

@@ -388,28 +388,40 @@ impl PyBuffer {
         let r = self.rank;
         let item = |i: usize| outputs.get_item(i);
         let (x, scales, idx, w, prefix, src) = (item(0)?, item(1)?, item(2)?, item(3)?, item(4)?, item(5)?);
-        let channels = if channel_outputs {
-            let (prefix, recv_prefix, head) = (item(6)?, item(7)?, item(8)?);
-            Some(ChannelOutputs {
-                channel_prefix_matrix: self.arg(&prefix, "channel_prefix_matrix")?.view_mut(py, "channel_prefix_matrix", r)?,
-                recv_channel_prefix_matrix: self.arg(&recv_prefix, "recv_channel_prefix_matrix")?.view_mut(
-                    py,
-                    "recv_channel_prefix_matrix",
-                    r,
-                )?,
-                send_head: self.arg(&head, "send_head")?.view_mut(py, "send_head", r)?,
-            })
-        } else {
-            None
-        };
+        let mut out = self.dispatch_outputs_of(py, &x, Some(&scales), Some(&idx), Some(&w), Some(&prefix), Some(&src))?;
+        if channel_outputs {
+            let required = |obj: &Obj<'_>, arg: &'static str| self.arg(obj, arg)?.view_mut(py, arg, r);
+            out.channels = Some(ChannelOutputs {
+                channel_prefix_matrix: required(&item(6)?, "channel_prefix_matrix")?,
+                recv_channel_prefix_matrix: required(&item(7)?, "recv_channel_prefix_matrix")?,
+                send_head: required(&item(8)?, "send_head")?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Dispatch outputs from the caller's tensors (absent or None: not wanted), without DeepEP's channel elements.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_outputs_of(
+        &self,
+        py: Python<'_>,
+        recv_x: &Obj<'_>,
+        recv_x_scales: Option<&Obj<'_>>,
+        recv_topk_idx: Option<&Obj<'_>>,
+        recv_topk_weights: Option<&Obj<'_>>,
+        rank_prefix_matrix: Option<&Obj<'_>>,
+        recv_src_idx: Option<&Obj<'_>>,
+    ) -> PyResult<DispatchOutputs<'static>> {
+        let r = self.rank;
+        let optional = |obj: Option<&Obj<'_>>, arg: &'static str| opt_view_mut(py, &self.opt_arg(obj, arg)?, arg, r);
         Ok(DispatchOutputs {
-            recv_x: self.arg(&x, "recv_x")?.view_mut(py, "recv_x", r)?,
-            recv_scales: opt_view_mut(py, &self.opt_arg(Some(&scales), "recv_x_scales")?, "recv_x_scales", r)?,
-            recv_topk_idx: opt_view_mut(py, &self.opt_arg(Some(&idx), "recv_topk_idx")?, "recv_topk_idx", r)?,
-            recv_topk_weights: opt_view_mut(py, &self.opt_arg(Some(&w), "recv_topk_weights")?, "recv_topk_weights", r)?,
-            rank_prefix_matrix: opt_view_mut(py, &self.opt_arg(Some(&prefix), "rank_prefix_matrix")?, "rank_prefix_matrix", r)?,
-            recv_src_idx: opt_view_mut(py, &self.opt_arg(Some(&src), "recv_src_idx")?, "recv_src_idx", r)?,
-            channels,
+            recv_x: self.arg(recv_x, "recv_x")?.view_mut(py, "recv_x", r)?,
+            recv_scales: optional(recv_x_scales, "recv_x_scales")?,
+            recv_topk_idx: optional(recv_topk_idx, "recv_topk_idx")?,
+            recv_topk_weights: optional(recv_topk_weights, "recv_topk_weights")?,
+            rank_prefix_matrix: optional(rank_prefix_matrix, "rank_prefix_matrix")?,
+            recv_src_idx: optional(recv_src_idx, "recv_src_idx")?,
+            channels: None,
         })
     }
 }
@@ -699,15 +711,8 @@ impl PyBuffer {
     ) -> PyResult<PyHtHandle> {
         let r = self.rank;
         self.check_uid(py, plan.buffer_uid, "plan")?;
-        let out = DispatchOutputs {
-            recv_x: self.arg(recv_x, "recv_x")?.view_mut(py, "recv_x", r)?,
-            recv_scales: opt_view_mut(py, &self.opt_arg(recv_x_scales, "recv_x_scales")?, "recv_x_scales", r)?,
-            recv_topk_idx: opt_view_mut(py, &self.opt_arg(recv_topk_idx, "recv_topk_idx")?, "recv_topk_idx", r)?,
-            recv_topk_weights: opt_view_mut(py, &self.opt_arg(recv_topk_weights, "recv_topk_weights")?, "recv_topk_weights", r)?,
-            rank_prefix_matrix: opt_view_mut(py, &self.opt_arg(rank_prefix_matrix, "rank_prefix_matrix")?, "rank_prefix_matrix", r)?,
-            recv_src_idx: opt_view_mut(py, &self.opt_arg(recv_src_idx, "recv_src_idx")?, "recv_src_idx", r)?,
-            channels: None,
-        };
+        let out =
+            self.dispatch_outputs_of(py, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, rank_prefix_matrix, recv_src_idx)?;
         let taken = plan.state.lock().ok().and_then(|mut s| s.take());
         let (p, call) = taken.ok_or_else(|| invalid(py, "plan", r, "was already used by dispatch_into"))?;
         let handle = self.run(py, Some(stream), move |b| b.dispatch_into(p, &call.args(), out))?;
@@ -799,17 +804,8 @@ impl PyBuffer {
     ) -> PyResult<()> {
         let started = self.host_time.start();
         self.mark_call(begin_call);
-        let r = self.rank;
         let call = self.ht_call(py, x, x_scales, Some(handle), None, None, None, None, None, 1, 0, config)?;
-        let out = DispatchOutputs {
-            recv_x: self.arg(recv_x, "recv_x")?.view_mut(py, "recv_x", r)?,
-            recv_scales: opt_view_mut(py, &self.opt_arg(recv_x_scales, "recv_x_scales")?, "recv_x_scales", r)?,
-            recv_topk_idx: None,
-            recv_topk_weights: None,
-            rank_prefix_matrix: None,
-            recv_src_idx: None,
-            channels: None,
-        };
+        let out = self.dispatch_outputs_of(py, recv_x, recv_x_scales, None, None, None, None)?;
         self.run_timed(py, Some(stream), started.map(|t0| ("cached dispatch", t0)), move |b| {
             let plan = b.prepare_dispatch(&call.args())?;
             b.dispatch_into(plan, &call.args(), out).map(|_| ())

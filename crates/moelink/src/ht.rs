@@ -571,7 +571,7 @@ pub(crate) fn validate_dispatch_outputs(p: &DispatchPlan, o: &DispatchOutputs<'_
         i32_matrix("send_head", &c.send_head, s.num_tokens, Some(nr))?;
         let cols = i32_matrix("channel_prefix_matrix", &c.channel_prefix_matrix, nr, None)?;
         if cols == 0 || cols > u32::MAX as usize {
-            return Err(Error::invalid("channel_prefix_matrix", r, format!("{cols} channels; needs at least 1")));
+            return Err(Error::invalid("channel_prefix_matrix", r, format!("{cols} channels; needs 1 to {}", u32::MAX)));
         }
         i32_matrix("recv_channel_prefix_matrix", &c.recv_channel_prefix_matrix, nr, Some(cols))?;
     }
