@@ -51,7 +51,7 @@ pub use graph::{Graph, GraphExec};
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use lent::{MemMut, MemRef, Place};
 pub use memory::{DeviceBuffer, DeviceSpanMut, HostMapped};
-pub use module::{Kernel, KernelArgs, KernelAttributes, KernelParams, LaunchConfig, Module, TypedKernel};
+pub use module::{launch_timing, Kernel, KernelArgs, KernelAttributes, KernelParams, LaunchConfig, Module, TypedKernel};
 pub use nvshmem::{Nvshmem, NvshmemHeap, NvshmemToolchain, NvshmemVersion};
 pub use stream::{Event, ForeignStream, Stream};
 pub use symmetric::{AllGather, Exchange, PeerAccess, SymmetricBuffer};

@@ -223,7 +223,9 @@ impl Kernel {
     /// [`Kernel::launch`] for [`TypedKernel::launch`], whose parameters the layer checked: the stream is not
     /// marked as having run unchecked work.
     unsafe fn launch_checked(&self, stream: &Stream, cfg: &LaunchConfig, args: &KernelArgs) -> Result<()> {
-        same_device(&format!("launch of {}", self.name), &self.module.device, stream.device())?;
+        if !self.module.device.same_as(stream.device()) {
+            same_device(&format!("launch of {}", self.name), &self.module.device, stream.device())?;
+        }
         self.check_args(args)?;
         self.check_config(cfg)?;
         let mut ptrs = args.pointers();
@@ -235,7 +237,22 @@ impl Kernel {
             cooperative: cfg.cooperative,
             cluster: cfg.cluster,
         };
-        drv::launch_kernel_ex(self.raw, stream.raw(), &raw, &mut ptrs)
+        let timed = launch_timing::start();
+        let launched = drv::launch_kernel_ex(self.raw, stream.raw(), &raw, &mut ptrs);
+        launch_timing::stop(timed);
+        launched
+    }
+
+    /// [`TypedKernel::launch`] without making a `TypedKernel`: checks the parameter sizes against `A`'s as
+    /// [`Kernel::typed`] does, then launches (a launch per operation call keeps this path short).
+    pub fn launch_typed<A: KernelParams>(&self, stream: &Stream, cfg: &LaunchConfig, params: &A) -> Result<()> {
+        if self.param_sizes != A::param_sizes() {
+            self.typed::<A>()?;
+        }
+        let args = params.args();
+        // SAFETY: as in `TypedKernel::launch`: the sizes match A's, and A's `KernelParams` implementation says
+        // these are its parameters with only CUDA-layer addresses inside.
+        unsafe { self.launch_checked(stream, cfg, &args) }
     }
 
     /// This kernel typed by its parameters `A` (see [`KernelParams`]): errors unless its parameters have
@@ -256,18 +273,18 @@ impl Kernel {
     }
 
     fn check_args(&self, args: &KernelArgs) -> Result<()> {
-        let got: Vec<usize> = args.spans.iter().map(|&(_, len)| len).collect();
-        if got != self.param_sizes {
-            return Err(Error::invalid(format!(
-                "kernel `{}` takes {} parameter(s) of {:?} bytes; the launch passed {} argument(s) of {:?} bytes",
-                self.name,
-                self.param_sizes.len(),
-                self.param_sizes,
-                got.len(),
-                got
-            )));
+        if args.spans.iter().map(|&(_, len)| len).eq(self.param_sizes.iter().copied()) {
+            return Ok(());
         }
-        Ok(())
+        let got: Vec<usize> = args.spans.iter().map(|&(_, len)| len).collect();
+        Err(Error::invalid(format!(
+            "kernel `{}` takes {} parameter(s) of {:?} bytes; the launch passed {} argument(s) of {:?} bytes",
+            self.name,
+            self.param_sizes.len(),
+            self.param_sizes,
+            got.len(),
+            got
+        )))
     }
 
     fn check_config(&self, cfg: &LaunchConfig) -> Result<()> {
@@ -474,5 +491,43 @@ impl KernelArgs {
         let base = self.storage.as_ptr() as *const u8;
         // The driver only reads through these pointers (it copies the argument bytes at launch).
         self.spans.iter().map(|&(off, _)| base.wrapping_add(off) as *mut c_void).collect()
+    }
+}
+
+/// Host time spent inside the driver's launch call on this thread, summed while switched on: how much of an
+/// operation's host cost is the driver's (the Python package's host-cost split reads it). Off, a launch pays
+/// one thread-local read.
+pub mod launch_timing {
+    use std::cell::Cell;
+    use std::time::Instant;
+
+    thread_local! {
+        static ON: Cell<bool> = const { Cell::new(false) };
+        static SUM: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+
+    /// Switches the timing on or off for this thread and clears its sums.
+    pub fn set_enabled(on: bool) {
+        ON.with(|c| c.set(on));
+        SUM.with(|c| c.set((0, 0)));
+    }
+
+    /// `(launches, nanoseconds)` in the driver's launch call since the last `take` (or since switched on).
+    pub fn take() -> (u64, u64) {
+        SUM.with(|c| c.replace((0, 0)))
+    }
+
+    pub(crate) fn start() -> Option<Instant> {
+        ON.with(|c| c.get()).then(Instant::now)
+    }
+
+    pub(crate) fn stop(started: Option<Instant>) {
+        if let Some(t) = started {
+            let ns = t.elapsed().as_nanos() as u64;
+            SUM.with(|c| {
+                let (n, sum) = c.get();
+                c.set((n + 1, sum + ns));
+            });
+        }
     }
 }

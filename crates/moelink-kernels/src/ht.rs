@@ -450,7 +450,7 @@ fn define(name: &str, value: impl ToString) -> (String, String) {
 }
 
 /// `ht_layout.cu`: one variant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HtLayoutVariant;
 
 impl HtLayoutVariant {
@@ -481,7 +481,7 @@ impl HtLayoutVariant {
 }
 
 /// `ht_notify.cu`: one variant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HtNotifyVariant;
 
 impl HtNotifyVariant {

@@ -334,7 +334,7 @@ impl KernelSpec {
 }
 
 /// Shape of the barrier family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BarrierVariant;
 
 impl BarrierVariant {

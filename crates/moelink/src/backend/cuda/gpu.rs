@@ -8,8 +8,10 @@
 //! caller's stream and returns at once (the Python layer uses this for DeepEP's event semantics); errors
 //! recorded by the kernels then surface when the scope waits, or at the next call.
 
+use std::any::{Any, TypeId};
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -139,6 +141,9 @@ pub(crate) struct Gpu {
     pub(crate) tuning: crate::config::Tuning,
     modules: HashMap<String, Arc<Module>>,
     kernels: HashMap<(String, &'static str), Kernel>,
+    /// The same kernels by the variant value that named them: one `HashMap<(V, &'static str), Kernel>` per
+    /// variant type `V` ([`Gpu::kernel_of`]).
+    kernels_by_variant: HashMap<TypeId, Box<dyn Any + Send>>,
     /// Device buffers for handles (routing words), recycled.
     pub(crate) pool: Arc<BufferPool>,
     /// Host-mapped words of the high-throughput timing trace (`KernelTracing::high_throughput`), grown to the
@@ -243,6 +248,7 @@ impl Gpu {
             tuning: options.tuning.clone(),
             modules: HashMap::new(),
             kernels: HashMap::new(),
+            kernels_by_variant: HashMap::new(),
             pool: Arc::default(),
             ht_trace: None,
             ht_traces: Vec::new(),
@@ -333,13 +339,45 @@ impl Gpu {
         (self.errors.claim_ptr(), self.errors.record_ptr())
     }
 
-    /// Compiles (or loads from the cache) `spec` and returns its kernel `name`.
-    pub(crate) fn kernel(&mut self, spec: &KernelSpec, name: &'static str) -> Result<Kernel> {
-        self.kernel_linked(spec, name, &Plain)
+    /// Kernel `name` of `variant`, compiled from `spec(&variant)` on first use. Every launch of an operation
+    /// finds its kernel here by hashing the variant's few integers: building the compile key (a `KernelSpec`,
+    /// a dozen formatted strings) would cost each launch about half a microsecond of host time.
+    pub(crate) fn kernel_of<V>(&mut self, variant: V, name: &'static str, spec: fn(&V) -> KernelSpec) -> Result<Kernel>
+    where
+        V: Copy + Eq + Hash + Send + 'static,
+    {
+        self.kernel_of_linked(variant, name, spec, &Plain)
     }
 
-    /// [`Gpu::kernel`], the module compiled and loaded by `linker`.
-    pub(crate) fn kernel_linked(&mut self, spec: &KernelSpec, name: &'static str, linker: &dyn ModuleLinker) -> Result<Kernel> {
+    /// [`Gpu::kernel_of`], the module compiled and loaded by `linker`.
+    pub(crate) fn kernel_of_linked<V>(
+        &mut self,
+        variant: V,
+        name: &'static str,
+        spec: fn(&V) -> KernelSpec,
+        linker: &dyn ModuleLinker,
+    ) -> Result<Kernel>
+    where
+        V: Copy + Eq + Hash + Send + 'static,
+    {
+        if let Some(k) = self.variant_kernels::<V>().get(&(variant, name)) {
+            return Ok(k.clone());
+        }
+        let k = self.kernel_linked(&spec(&variant), name, linker)?;
+        self.variant_kernels::<V>().insert((variant, name), k.clone());
+        Ok(k)
+    }
+
+    fn variant_kernels<V: Copy + Eq + Hash + Send + 'static>(&mut self) -> &mut HashMap<(V, &'static str), Kernel> {
+        self.kernels_by_variant
+            .entry(TypeId::of::<V>())
+            .or_insert_with(|| Box::new(HashMap::<(V, &'static str), Kernel>::new()))
+            .downcast_mut()
+            .expect("the map under a variant type's id holds that type's kernels")
+    }
+
+    /// Compiles (or loads from the cache) `spec` with `linker` and returns its kernel `name`.
+    fn kernel_linked(&mut self, spec: &KernelSpec, name: &'static str, linker: &dyn ModuleLinker) -> Result<Kernel> {
         let key = (spec.variant.clone(), name);
         if let Some(k) = self.kernels.get(&key) {
             return Ok(k.clone());
@@ -363,7 +401,7 @@ impl Gpu {
 
     /// Launches `kernel` with one by-value argument struct on the operation stream.
     pub(crate) fn launch<A: KernelParams>(&self, kernel: &Kernel, cfg: &LaunchConfig, args: &A) -> Result<()> {
-        Ok(kernel.typed::<A>()?.launch(self.op_stream(), cfg, args)?)
+        Ok(kernel.launch_typed(self.op_stream(), cfg, args)?)
     }
 
     /// The error a kernel of this rank recorded, if any.
@@ -466,7 +504,8 @@ impl Gpu {
     /// operation stream without waiting for it (collective over the node's ranks); an error it records
     /// surfaces at the next operation's `finish`.
     pub(crate) fn enqueue_nvlink_barrier(&mut self) -> Result<()> {
-        let k = self.kernel(&moelink_kernels::BarrierVariant.spec(), moelink_kernels::kernel_name::BARRIER)?;
+        let k =
+            self.kernel_of(moelink_kernels::BarrierVariant, moelink_kernels::kernel_name::BARRIER, moelink_kernels::BarrierVariant::spec)?;
         let (error_claim, error_record) = self.error_sink();
         let args = abi::BarrierArgs {
             regions: self.peer_table(ctrl::BARRIER),

@@ -128,8 +128,15 @@ fn dispatch_variant(b: &Internode, s: &HtSpec) -> HtiVariant {
 
 /// The launch: `blocks` worker blocks plus the emulated NIC's, cooperative (every role of every block waits
 /// for the others).
-fn launch<A: KernelParams>(b: &mut Internode, spec: &KernelSpec, name: &'static str, args: &A, blocks: u32) -> Result<()> {
-    let k = b.kernel(spec, name)?;
+fn launch<A: KernelParams>(
+    b: &mut Internode,
+    v: HtiVariant,
+    spec: fn(&HtiVariant) -> KernelSpec,
+    name: &'static str,
+    args: &A,
+    blocks: u32,
+) -> Result<()> {
+    let k = b.kernel_of(v, name, spec)?;
     let nic = b.rdma.nic_blocks();
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
 }
@@ -214,7 +221,7 @@ pub(crate) fn dispatch_layout(b: &mut Internode, topk_idx: &TensorRef<'_>, num_e
     let per_expert = out.num_tokens_per_expert.device_ptr();
     let per_node = out.num_tokens_per_rdma_rank.as_ref().map_or(DevPtr::NULL, |v| v.device_ptr());
     let v = HtiVariant::control(t.num_nodes, t.ranks_per_node, variant(b, 128, false, 0, 0).transport);
-    let kernel = b.kernel(&v.layout_spec(), kernel_name::HTI_LAYOUT)?;
+    let kernel = b.kernel_of(v, kernel_name::HTI_LAYOUT, HtiVariant::layout_spec)?;
     // The outputs were validated as contiguous int32 tensors of this device with R, E and N elements.
     out.num_tokens_per_rank.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
     out.num_tokens_per_expert.device_span_mut()?.memset_u32_async(0, b.op_stream())?;
@@ -309,7 +316,7 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
         round_tokens: round_tokens as u32,
         host_seq,
     };
-    launch(b, &v.notify_spec(), kernel_name::HTI_NOTIFY, &args, 1)?;
+    launch(b, v, HtiVariant::notify_spec, kernel_name::HTI_NOTIFY, &args, 1)?;
     let (host, num_fwd) = if sync {
         let (h, f) = read_notify(b, host_seq, &s)?;
         (Some(h), Some(f))
@@ -450,7 +457,7 @@ pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'
         pad: 0,
         trace: trace_begin(b, s.num_sms)?,
     };
-    launch(b, &v.dispatch_spec(), kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
+    launch(b, v, HtiVariant::dispatch_spec, kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
     if let Some(m) = &mut out.rank_prefix_matrix {
         // The output was validated as a contiguous int32 [R, R] tensor of this device; the routing buffer holds
         // R * R words at rank_prefix, written by notify earlier on this stream.
@@ -648,7 +655,7 @@ pub(crate) fn combine(b: &mut Internode, s: CombineSpec, a: &CombineArgs<'_>, ou
         fwd_per_node,
         trace: trace_begin(b, s.num_sms)?,
     };
-    launch(b, &v.combine_spec(), kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
+    launch(b, v, HtiVariant::combine_spec, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
     finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)?;
     if !args.trace.is_null() {
         trace_keep(b, kernel_name::HTI_COMBINE, "combine", s.num_sms, (send_blocks, fwd_blocks));

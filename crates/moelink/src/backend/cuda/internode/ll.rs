@@ -110,8 +110,8 @@ fn grid(b: &Internode) -> (u32, u32) {
 }
 
 fn launch<A: KernelParams>(b: &mut Internode, v: &LliVariant, name: &'static str, args: &A, cooperative: bool) -> Result<()> {
-    let spec = if name == kernel_name::LLI_COMBINE { v.combine_spec() } else { v.dispatch_spec() };
-    let k = b.kernel(&spec, name)?;
+    let spec = if name == kernel_name::LLI_COMBINE { LliVariant::combine_spec } else { LliVariant::dispatch_spec };
+    let k = b.kernel_of(*v, name, spec)?;
     let (workers, nic) = grid(b);
     let mut cfg = LaunchConfig::linear(workers + nic, LLI_THREADS);
     // The emulated NIC must run beside the workers even when a phase runs alone.

@@ -89,10 +89,14 @@ impl Internode {
         moelink_kernels::transport::RdmaArgs { nvlink_ranks_per_node: self.nvlink_ranks_per_node, ..self.rdma.args() }
     }
 
-    /// Compiles (or loads from the cache) `spec` through the transport (NVSHMEM's kernels link against it)
-    /// and returns its kernel `name`. Every kernel of this fabric is loaded here, never by `Gpu::kernel`.
-    pub(crate) fn kernel(&mut self, spec: &KernelSpec, name: &'static str) -> Result<Kernel> {
-        self.gpu.kernel_linked(spec, name, &*self.rdma)
+    /// Kernel `name` of `variant`, compiled (or loaded from the cache) from `spec(&variant)` through the
+    /// transport (NVSHMEM's kernels link against it) on first use. Every kernel of this fabric is loaded
+    /// here, never by `Gpu::kernel_of`.
+    pub(crate) fn kernel_of<V>(&mut self, variant: V, name: &'static str, spec: fn(&V) -> KernelSpec) -> Result<Kernel>
+    where
+        V: Copy + Eq + std::hash::Hash + Send + 'static,
+    {
+        self.gpu.kernel_of_linked(variant, name, spec, &*self.rdma)
     }
 
     /// A barrier of every rank of the RDMA domain, waited for (collective).
@@ -186,8 +190,8 @@ impl Internode {
 
 /// The transport's barrier kernel, linked with the RDMA domain.
 fn barrier_kernel(gpu: &mut Gpu, rdma: &RdmaDomain) -> Result<Kernel> {
-    let spec = TransportVariant { transport: rdma.transport().kernel_transport() }.spec();
-    gpu.kernel_linked(&spec, "transport_barrier", rdma)
+    let variant = TransportVariant { transport: rdma.transport().kernel_transport() };
+    gpu.kernel_of_linked(variant, "transport_barrier", TransportVariant::spec, rdma)
 }
 
 fn launch_barrier(gpu: &Gpu, kernel: &Kernel, rdma: moelink_kernels::transport::RdmaArgs, nic_blocks: u32, counter: DevPtr) -> Result<()> {

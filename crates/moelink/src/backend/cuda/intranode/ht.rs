@@ -217,7 +217,7 @@ pub(crate) fn dispatch_layout(b: &mut Intranode, topk_idx: &TensorRef<'_>, num_e
     check_aligned(num_tokens_per_rank.addr(), 4, "num_tokens_per_rank", rank)?;
     check_aligned(num_tokens_per_expert.addr(), 4, "num_tokens_per_expert", rank)?;
     // The kernel stores every counter (nothing to zero first): one launch is the whole call.
-    let kernel = b.kernel(&HtLayoutVariant.spec(), kernel_name::HT_LAYOUT)?;
+    let kernel = b.kernel_of(HtLayoutVariant, kernel_name::HT_LAYOUT, HtLayoutVariant::spec)?;
     let (error_claim, error_record) = b.error_sink();
     let strides = topk_idx.strides();
     let args = HtLayoutArgs {
@@ -294,7 +294,7 @@ pub(crate) fn prepare_dispatch(b: &mut Intranode, s: HtSpec, a: &DispatchArgs<'_
                 has_topk: s.has_topk,
                 no_sync: !sync,
             });
-            let kernel = b.kernel(&HtNotifyVariant.spec(), kernel_name::HT_NOTIFY)?;
+            let kernel = b.kernel_of(HtNotifyVariant, kernel_name::HT_NOTIFY, HtNotifyVariant::spec)?;
             let (error_claim, error_record) = b.error_sink();
             let args = HtNotifyArgs {
                 is_token_in_rank: layout.is_token_in_rank.device_ptr(),
@@ -450,7 +450,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         num_channels,
         reserved: 0,
     };
-    let kernel = b.kernel(&variant.spec(), kernel_name::HT_DISPATCH)?;
+    let kernel = b.kernel_of(variant, kernel_name::HT_DISPATCH, HtDispatchVariant::spec)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     if let Some(t) = &mut out.rank_prefix_matrix {
         // The output was validated as a contiguous int32 [R, R] tensor of this device; the routing buffer holds
@@ -528,7 +528,7 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
         reserved: 0,
         trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
     };
-    let kernel = b.kernel(&variant.spec(), kernel_name::HT_COMBINE)?;
+    let kernel = b.kernel_of(variant, kernel_name::HT_COMBINE, HtCombineVariant::spec)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
     b.gpu.finish_settled(Phase::Combine)?;
     if !args.trace.is_null() {

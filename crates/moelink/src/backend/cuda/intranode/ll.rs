@@ -46,14 +46,11 @@ pub(crate) struct LlState {
     /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
     /// exactly the points being measured.
     trace: Option<DeviceBuffer>,
-    /// The kernels of the variants used so far, by variant: a call finds its kernel without building the
-    /// variant's compile key (a dozen strings).
-    kernels: Vec<(LlVariant, &'static str, Kernel)>,
 }
 
 impl LlState {
     pub(crate) fn new(device: &Device, enable_shrink: bool) -> Result<LlState> {
-        Ok(LlState { calls: LlCalls::new(device, enable_shrink)?, kernels: Vec::new(), trace: None })
+        Ok(LlState { calls: LlCalls::new(device, enable_shrink)?, trace: None })
     }
 }
 
@@ -75,13 +72,8 @@ fn ll_data_offset(b: &Intranode) -> usize {
 /// every real call).
 /// Kernel `name` (dispatch or combine) of variant `v`, compiled and loaded on first use.
 fn ll_kernel(b: &mut Intranode, v: LlVariant, name: &'static str) -> Result<Kernel> {
-    if let Some((_, _, k)) = b.ll.kernels.iter().find(|(kv, kn, _)| *kv == v && *kn == name) {
-        return Ok(k.clone());
-    }
-    let spec = if name == kernel_name::LL_COMBINE { v.combine_spec() } else { v.dispatch_spec() };
-    let k = b.kernel(&spec, name)?;
-    b.ll.kernels.push((v, name, k.clone()));
-    Ok(k)
+    let spec = if name == kernel_name::LL_COMBINE { LlVariant::combine_spec } else { LlVariant::dispatch_spec };
+    b.kernel_of(v, name, spec)
 }
 
 fn variant_of(b: &Intranode, s: &LlSpec) -> LlVariant {
