@@ -110,26 +110,31 @@ def measure(ctx: Any, op: Callable[[], Any], calls: int, singles: int = 20) -> D
     return {"cpu_us_per_call": cpu, "loop_us_per_call": loop, "sync_us": sync, "sync_call_us": call}
 
 
-def native_split(ctx: Any, buf: Any, fn: Callable[[], Any], cpu_us: float, calls: int = 100) -> Dict[str, Any]:
-    """moelink only: where a call's host time goes, from the native module's host timing over ``calls`` calls
-    (slowest rank): reading the tensor arguments, the backend (GIL released), the native rest; the Python
-    layer is ``cpu_us`` minus those."""
+def native_split(ctx: Any, buf: Any, fn: Callable[[], Any], calls: int = 100) -> Dict[str, Any]:
+    """moelink only: where a call's host time goes, from the native module's host timing over a loop of
+    ``calls`` calls timed as ``cpu_us_per_call`` is (slowest rank): reading the tensor arguments, the backend
+    (GIL released; of it, the driver's launch calls), the native rest; the Python layer is that loop's time
+    per call minus those, all from the same loop."""
     native = getattr(buf, "_native", None)
     if native is None or not hasattr(native, "set_host_timing"):
         return {}
     aligned(ctx)
     native.set_host_timing(True)
     try:
+        t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        loop_us = (time.perf_counter() - t0) / calls * 1e6
         sums = native.host_times()
     finally:
         native.set_host_timing(False)
     ctx.sync()
-    read, backend, rest = (sum(v[i] for v in sums.values()) / calls / 1e3 for i in (1, 2, 3))
-    read, backend, rest = slowest(ctx, [read, backend, rest])
-    return {"native_read_us": read, "native_backend_us": backend, "native_rest_us": rest,
-            "python_us": max(0.0, cpu_us - read - backend - rest)}
+    read, backend, rest, launch, launches = (sum(v[i] for v in sums.values()) / calls / (1e3 if i < 5 else 1)
+                                             for i in (1, 2, 3, 4, 5))
+    loop_us, read, backend, rest, launch, launches = slowest(ctx, [loop_us, read, backend, rest, launch, launches])
+    return {"native_read_us": read, "native_backend_us": backend, "native_launch_us": launch,
+            "launches_per_call": launches, "native_rest_us": rest, "split_loop_us": loop_us,
+            "python_us": max(0.0, loop_us - read - backend - rest)}
 
 
 def failed(err: BaseException) -> Dict[str, Any]:
@@ -159,7 +164,7 @@ class Runner:
         rec = self.record(op, dtype, **extra)
         try:
             rec.update(measure(self.ctx, fn, self.calls))
-            rec.update(native_split(self.ctx, buf, fn, rec["cpu_us_per_call"]))
+            rec.update(native_split(self.ctx, buf, fn))
             if self.ctx.cuda and op.startswith("ll_"):
                 rec["sync_activity"] = profile_single(self.ctx, fn)
         except Exception as err:  # noqa: BLE001 - one failing op must not stop the others
@@ -293,7 +298,7 @@ class Runner:
                 torch.cuda.synchronize()
                 row = [host["dispatch"] / n * 1e6, host["combine"] / n * 1e6]
                 for op in ("low_latency_dispatch", "low_latency_combine"):
-                    calls, read, backend, rest = sums.get(op, (0, 0, 0, 0))
+                    calls, read, backend, rest = sums.get(op, (0, 0, 0, 0, 0, 0))[:4]
                     row += [read / max(calls, 1) / 1e3, backend / max(calls, 1) / 1e3, rest / max(calls, 1) / 1e3]
                 row = slowest(c, row)
                 splits[name] = {"dispatch_us": row[0], "combine_us": row[1]}
@@ -516,11 +521,14 @@ def table(records: List[Dict[str, Any]]) -> str:
     split = [r for r in records if "native_backend_us" in r]
     if split:
         lines.append("")
-        lines.append("moelink's host time per call: Python layer + native (reading tensor arguments + backend + rest), us; "
-                     f"tensors read through: {split[0].get('tensor_route', '-')}")
+        lines.append("moelink's host time per call, one loop: Python layer + native (reading tensor arguments + backend "
+                     "[of it: driver launch calls] + rest), us; tensors read through: "
+                     f"{split[0].get('tensor_route', '-')}")
         for r in split:
-            lines.append(f"  {r['system']:16} {r['op']:22} {r['dtype']:5} {r['python_us']:6.1f} + ({r['native_read_us']:5.1f} + "
-                         f"{r['native_backend_us']:6.1f} + {r['native_rest_us']:4.1f})")
+            lines.append(f"  {r['system']:16} {r['op']:22} {r['dtype']:5} {r.get('split_loop_us', 0):6.1f} = "
+                         f"{r['python_us']:6.1f} + ({r['native_read_us']:5.1f} + {r['native_backend_us']:6.1f} "
+                         f"[{r.get('native_launch_us', 0):5.1f} in {r.get('launches_per_call', 0):.1f}] + "
+                         f"{r['native_rest_us']:4.1f})")
     graphs = [r for r in records if r["op"] == "ll_dispatch_combine_graph"]
     for r in graphs:
         lines.append("")

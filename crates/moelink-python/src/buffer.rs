@@ -58,8 +58,9 @@ pub(crate) struct PyBuffer {
 #[derive(Default)]
 struct HostTime {
     on: AtomicBool,
-    /// Per operation: calls, reading ns, backend ns, rest ns.
-    ops: Mutex<Vec<(&'static str, [u64; 4])>>,
+    /// Per operation: calls, reading ns, backend ns, rest ns, and of the backend's time the ns spent in the
+    /// driver's launch call and the launches.
+    ops: Mutex<Vec<(&'static str, [u64; 6])>>,
 }
 
 impl HostTime {
@@ -71,8 +72,10 @@ impl HostTime {
     fn record(&self, op: &'static str, started: Instant, read_done: Instant, backend_ns: u64) {
         let total = started.elapsed().as_nanos() as u64;
         let read = read_done.duration_since(started).as_nanos() as u64;
+        // The driver's launch time on this thread since the previous record (host timing runs on one thread).
+        let (launches, launch_ns) = moelink_cuda::launch_timing::take();
         if let Ok(mut ops) = self.ops.lock() {
-            let sample = [1, read, backend_ns, total.saturating_sub(read + backend_ns)];
+            let sample = [1, read, backend_ns, total.saturating_sub(read + backend_ns), launch_ns, launches];
             match ops.iter_mut().find(|(name, _)| *name == op) {
                 Some((_, sums)) => sums.iter_mut().zip(sample).for_each(|(s, v)| *s += v),
                 None => ops.push((op, sample)),
@@ -577,18 +580,26 @@ impl PyBuffer {
     /// applied under the buffer lock at the start of the next call (operations that take `begin_call=True`
     /// mark their own start the same way, in the same native call).
     /// Host timing of the calls that take tensors (`low_latency_dispatch`, `low_latency_combine`,
-    /// `get_dispatch_layout`, `dispatch`, `combine`): on or off; turning it on clears the sums.
+    /// `get_dispatch_layout`, `dispatch`, `combine`), made on the calling thread: on or off; turning it on
+    /// clears the sums.
     fn set_host_timing(&self, on: bool) {
         if let Ok(mut ops) = self.host_time.ops.lock() {
             ops.clear();
         }
+        moelink_cuda::launch_timing::set_enabled(on);
         self.host_time.on.store(on, Ordering::Relaxed);
     }
 
-    /// The sums since host timing was turned on: `{op: (calls, read_ns, backend_ns, rest_ns)}` (see
-    /// `set_host_timing`): reading the tensor arguments, the backend with the GIL released, the rest.
-    fn host_times(&self) -> std::collections::HashMap<&'static str, (u64, u64, u64, u64)> {
-        self.host_time.ops.lock().map(|ops| ops.iter().map(|(op, s)| (*op, (s[0], s[1], s[2], s[3]))).collect()).unwrap_or_default()
+    /// The sums since host timing was turned on: `{op: (calls, read_ns, backend_ns, rest_ns, launch_ns,
+    /// launches)}` (see `set_host_timing`): reading the tensor arguments, the backend with the GIL released,
+    /// the rest; and within the backend's time, the driver's launch calls (CUDA backend).
+    #[allow(clippy::type_complexity)]
+    fn host_times(&self) -> std::collections::HashMap<&'static str, (u64, u64, u64, u64, u64, u64)> {
+        self.host_time
+            .ops
+            .lock()
+            .map(|ops| ops.iter().map(|(op, s)| (*op, (s[0], s[1], s[2], s[3], s[4], s[5]))).collect())
+            .unwrap_or_default()
     }
 
     fn begin_call(&self) {

@@ -19,7 +19,8 @@
 #      copied into the git-ignored .whl/deepep-tests/ with utils.py, never committed) against moelink imported
 #      as deep_ep (a shim package on PYTHONPATH), then against DeepEP itself for the baseline
 #      (deepep-tests.log, deepep-baseline.log);
-#   4. with HOSTCOST_ALTERNATE=N, N alternations of the Rust HT bench and the Python HT host cost (below).
+#   4. with HOSTCOST_REPEAT=N, N more runs of the host-cost bench, both systems (below);
+#   5. with HOSTCOST_ALTERNATE=N, N alternations of the Rust HT bench and the Python HT host cost (below).
 set -uo pipefail
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=python bash scripts/device/run.sh" >&2; exit 2; }
 cd "$ROOT" || exit 1
@@ -165,6 +166,12 @@ if want hostcost; then
             done
         fi
     fi
+    # HOSTCOST_REPEAT=N: N more runs of the host-cost bench, both systems, every op (hostcost-rep-I.json): one
+    # host's noise moves both systems' figures, so the ratios are read from several runs of the same call.
+    for i in $(seq 1 "${HOSTCOST_REPEAT:-0}"); do
+        PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, repeat $i" "$OUT/hostcost-rep.log" 120 \
+            "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --json "$OUT/hostcost-rep-$i.json"
+    done
     # HOSTCOST_ALTERNATE=N: the fresh HT dispatch's bound (Python within 30 us of the Rust bench at the same
     # shape), N alternations on this machine of the Rust bench and the Python one (rust-ht-I.json, py-ht-I.json).
     for i in $(seq 1 "${HOSTCOST_ALTERNATE:-0}"); do
