@@ -126,15 +126,16 @@ class _Reuse:
         self._sets: dict = {}
 
     @staticmethod
-    def _free(outs: Tuple[Any, ...], counts: Tuple[Tuple[int, int, int], ...]) -> bool:
+    def _free(outs: Tuple[Any, ...], counts: Tuple[Tuple[int, int, int], ...], refs: int = _FREE_REFS,
+              getrefcount: Any = sys.getrefcount) -> bool:
         """Whether nothing but this object references any tensor of the set."""
         for i in range(len(outs)):
-            t = outs[i]  # referenced by `outs`, `t` and getrefcount's argument: _FREE_REFS
+            t = outs[i]  # referenced by `outs`, `t` and getrefcount's argument: _FREE_REFS (a zip would add one)
             if t is None:
                 continue
             uses, storage_uses, storage = counts[i]
             # The storage's address was taken at keep time: the kept tensor keeps the storage alive.
-            if sys.getrefcount(t) != _Reuse._FREE_REFS or t._use_count() != uses or _storage_use_count(storage) != storage_uses:
+            if getrefcount(t) != refs or t._use_count() != uses or _storage_use_count(storage) != storage_uses:
                 return False
         return True
 
@@ -185,6 +186,9 @@ def _event_of(previous_event: Any) -> Any:
     return getattr(previous_event, "event", previous_event)
 
 
+# What a call without ``async_finish`` returns as its event: nothing to wait for (stateless, so one object serves).
+_NO_EVENT = EventOverlap()
+
 # The attribute one tensor of a handle carries (the first, or ``InternodeDispatchHandle.CARRIER``): the native
 # routing, so that a handle copied into a plain tuple (``tuple(handle)``, or unpacked and packed again) still
 # works with combine and cached dispatch.
@@ -223,17 +227,15 @@ class DispatchHandle(tuple):
     """
 
     native: Any
-    num_tokens: int
-    num_recv_tokens: Optional[int]
-    num_experts: int
 
     def __new__(cls, elements: Sequence[Any] = (), native: Any = None) -> "DispatchHandle":
         handle = super().__new__(cls, tuple(elements))
         handle.native = native
-        handle.num_tokens = native.num_tokens if native is not None else 0
-        handle.num_recv_tokens = native.num_recv_tokens if native is not None else None
-        handle.num_experts = native.num_experts if native is not None else 0
         return handle
+
+    num_tokens = property(lambda self: self.native.num_tokens if self.native is not None else 0)
+    num_recv_tokens = property(lambda self: self.native.num_recv_tokens if self.native is not None else None)
+    num_experts = property(lambda self: self.native.num_experts if self.native is not None else 0)
 
 
 class InternodeDispatchHandle(tuple):
@@ -291,17 +293,15 @@ class InternodeDispatchHandle(tuple):
     CARRIER = 1
 
     native: Any
-    num_tokens: int
-    num_recv_tokens: Optional[int]
-    num_experts: int
 
     def __new__(cls, elements: Sequence[Any] = (), native: Any = None) -> "InternodeDispatchHandle":
         handle = super().__new__(cls, tuple(elements))
         handle.native = native
-        handle.num_tokens = native.num_tokens if native is not None else 0
-        handle.num_recv_tokens = native.num_recv_tokens if native is not None else None
-        handle.num_experts = native.num_experts if native is not None else 0
         return handle
+
+    num_tokens = property(lambda self: self.native.num_tokens if self.native is not None else 0)
+    num_recv_tokens = property(lambda self: self.native.num_recv_tokens if self.native is not None else None)
+    num_experts = property(lambda self: self.native.num_experts if self.native is not None else 0)
 
 
 class LowLatencyHandle(tuple):
@@ -320,19 +320,18 @@ class LowLatencyHandle(tuple):
     """
 
     native: Any
-    num_tokens: int
-    hidden: int
-    num_max_dispatch_tokens_per_rank: int
-    num_experts: int
 
     def __new__(cls, elements: Sequence[Any] = (), native: Any = None) -> "LowLatencyHandle":
-        handle = super().__new__(cls, tuple(elements))
+        handle = super().__new__(cls, elements)
         handle.native = native
-        handle.num_tokens = native.num_tokens if native is not None else 0
-        handle.hidden = native.hidden if native is not None else 0
-        handle.num_max_dispatch_tokens_per_rank = native.num_max_dispatch_tokens_per_rank if native is not None else 0
-        handle.num_experts = native.num_experts if native is not None else 0
         return handle
+
+    # Read from the native routing when asked: a call makes one handle, which few callers inspect.
+    num_tokens = property(lambda self: self.native.num_tokens if self.native is not None else 0)
+    hidden = property(lambda self: self.native.hidden if self.native is not None else 0)
+    num_max_dispatch_tokens_per_rank = property(
+        lambda self: self.native.num_max_dispatch_tokens_per_rank if self.native is not None else 0)
+    num_experts = property(lambda self: self.native.num_experts if self.native is not None else 0)
 
 
 def _native_of(handle: Any, kind: type, size: int, first: str, rank: int, what: str, at: int = 0) -> Any:
@@ -686,7 +685,7 @@ class Buffer:
                 inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
         """Ends an operation on the communication stream: an event (async) or the caller's stream waits."""
         if not self._cuda:
-            return EventOverlap()
+            return _NO_EVENT
         t = require_torch()
         comm = self._comm_stream
         live_in = [x for x in inputs if x is not None]
@@ -702,7 +701,7 @@ class Buffer:
                     x.record_stream(comm)
             return EventOverlap(record_event(comm), live_in + live_out)
         compute.wait_stream(comm)
-        return EventOverlap()
+        return _NO_EVENT
 
     def _wrap_view(self, desc: _TensorTuple) -> Tensor:
         """A tensor over native memory ``(data_ptr, dtype, shape, strides, device)``, keeping the buffer alive."""
@@ -757,7 +756,7 @@ class Buffer:
                     reuse.keep(key, outs)
             per_rank, per_node, per_expert, in_rank = outs
             self._native.get_dispatch_layout_into(topk_idx, num_experts, per_rank, per_expert, in_rank, per_node, stream)
-            return per_rank, per_node, per_expert, in_rank, EventOverlap()
+            return per_rank, per_node, per_expert, in_rank, _NO_EVENT
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
             per_rank, per_node, per_expert, in_rank = self._layout_outputs(num_tokens, num_experts)
@@ -859,7 +858,7 @@ class Buffer:
             native_handle, per_expert, outs = dispatch(stream, True)
             if fill_internode_handle:
                 self._internode_handle_fill(outs, is_token_in_rank, num_tokens_per_rank)
-            event = EventOverlap()
+            event = _NO_EVENT
         else:
             compute = self._enter(previous_event, allocate_on_comm_stream)
             try:
@@ -908,7 +907,7 @@ class Buffer:
             raise
         recv_x, recv_scales = outs[0], outs[1]
         self._native.cached_dispatch_into(x_data, native_handle, recv_x, x_scales, recv_scales, config_tuple, stream, True)
-        return (recv_x, recv_scales) if recv_scales is not None else recv_x, None, None, None, None, EventOverlap()
+        return (recv_x, recv_scales) if recv_scales is not None else recv_x, None, None, None, None, _NO_EVENT
 
     def _dispatch_outputs(self, n: int, hidden: int, topk: int, is_fp8: bool, has_topk: bool, x_dtype: Any, fresh: bool,
                           channels: int, rows_arg: str, in_rank_shape: Tuple[int, ...]) -> Tuple[Any, ...]:
@@ -1052,7 +1051,7 @@ class Buffer:
             combined_x, combined_w = outs
             self._native.combine_into(x, native_handle, combined_x, topk_weights, combined_w, bias_0, bias_1, config_tuple,
                                       stream, True)
-            return combined_x, combined_w, EventOverlap()
+            return combined_x, combined_w, _NO_EVENT
         compute = self._enter(previous_event, allocate_on_comm_stream)
         try:
             combined_x, combined_w = self._combine_outputs(num_tokens, hidden, topk)
@@ -1101,7 +1100,7 @@ class Buffer:
         """The event of an ``async_finish`` call (``compute`` not None): recorded on the communication stream,
         keeping the call's tensors alive."""
         if compute is None:
-            return EventOverlap()
+            return _NO_EVENT
         return EventOverlap(record_event(self._comm_stream), [x for x in tensors if x is not None])
 
     def _hook(self, native_hook: Any, keep: Sequence[Any]) -> Optional[Callable[[], None]]:
@@ -1146,9 +1145,12 @@ class Buffer:
             hidden = x_shape[-1] if len(x_shape) else 0
             t_max = _count(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", self.rank)
             num_experts = _count(num_experts, "num_experts", self.rank)
-            compute, stream = self._ll_stream(async_finish, return_recv_hook)
+            if async_finish:
+                compute, stream = self._ll_stream(async_finish, return_recv_hook)
+                reuse = self._reusable() if compute is None else None
+            else:  # the usual call: the caller's stream, outputs reused where unreferenced
+                compute, stream, reuse = None, self._current_stream(), self._reusable()
             use_fp8, use_ue8m0 = bool(use_fp8), bool(use_ue8m0)
-            reuse = self._reusable() if compute is None else None
             key = ("ll_dispatch", t_max, num_experts, hidden, use_fp8, use_ue8m0, stream)
             outs = reuse.take(key) if reuse is not None else None
             if outs is None:
@@ -1170,7 +1172,7 @@ class Buffer:
             event = self._ll_finish(compute, tensors)
             hook = self._hook(native_hook, tensors)
         else:
-            event = EventOverlap()
+            event = _NO_EVENT
         out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
         setattr(src_info, _NATIVE_ATTR, native_handle)
         ll_handle = LowLatencyHandle((src_info, layout_range, t_max, hidden, num_experts), native_handle)
@@ -1211,7 +1213,10 @@ class Buffer:
             if use_logfmt:
                 raise _invalid(ValueError, "use_logfmt", self.rank, "LogFMT is not supported by moelink (combine sends bf16)")
             native_handle = _native_of(handle, LowLatencyHandle, 5, "src_info", self.rank, "low_latency_dispatch")
-            compute, stream = self._ll_stream(async_finish, return_recv_hook)
+            if async_finish:
+                compute, stream = self._ll_stream(async_finish, return_recv_hook)
+            else:
+                compute, stream = None, self._current_stream()
             if out is None:
                 shape = (native_handle.num_tokens, native_handle.hidden)
                 reuse = self._reusable() if compute is None else None
@@ -1230,7 +1235,7 @@ class Buffer:
             x, topk_idx, topk_weights, native_handle, out, bool(zero_copy), bool(return_recv_hook),
             combine_wait_recv_cost_stats, stream, True)
         if compute is None and native_hook is None:
-            return out, EventOverlap(), None
+            return out, _NO_EVENT, None
         tensors = [x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats]
         return out, self._ll_finish(compute, tensors), self._hook(native_hook, tensors)
 

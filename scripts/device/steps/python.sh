@@ -25,12 +25,12 @@ set -uo pipefail
 [ -n "${MOELINK_DEVICE_RUN:-}" ] || { echo "$0 is a step of scripts/device/run.sh: STEPS=python bash scripts/device/run.sh" >&2; exit 2; }
 cd "$ROOT" || exit 1
 
-# PY_STEPS picks steps (default: all but gpu1, shared, nodes and hostcost).
+# PY_STEPS picks steps (default: all but gpu1, shared, nodes, hostcost and probe).
 PY_STEPS=${PY_STEPS:-"ci gpu2 gpu4 host example bench"}
 for s in $PY_STEPS; do
     case $s in
-    ci | gpu1 | gpu2 | gpu4 | host | shared | nodes | example | bench | hostcost) ;;
-    *) echo "python: unknown step '$s' (known: ci gpu1 gpu2 gpu4 host shared nodes example bench hostcost)" >&2; exit 2 ;;
+    ci | gpu1 | gpu2 | gpu4 | host | shared | nodes | example | bench | hostcost | probe) ;;
+    *) echo "python: unknown step '$s' (known: ci gpu1 gpu2 gpu4 host shared nodes example bench hostcost probe)" >&2; exit 2 ;;
     esac
 done
 if [ -n "${DRY_RUN:-}" ]; then echo "python: would run $PY_STEPS"; exit 0; fi
@@ -129,17 +129,27 @@ bench_args=()
 want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
-if want hostcost; then
-    # HOSTCOST_RANKS: the bench's and DeepEP's tests' ranks (default 2).
-    hc_ranks=${HOSTCOST_RANKS:-2}
-    [ "$ngpu" -ge "$hc_ranks" ] || hc_ranks=$ranks
+# HOSTCOST_RANKS: the host-cost bench's, the probe's and DeepEP's tests' ranks (default 2).
+hc_ranks=${HOSTCOST_RANKS:-2}
+[ "$ngpu" -ge "$hc_ranks" ] || hc_ranks=$ranks
+if want hostcost || want probe; then
     # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
     if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target "$SCRATCH/deepep-site" .whl/deep_ep-*.whl \
             && echo "installed $(ls .whl/deep_ep-*.whl)" >> "$OUT/setup.log"
     else
-        echo "no DeepEP wheel in .whl/: the bench runs moelink alone" >> "$OUT/setup.log"
+        echo "no DeepEP wheel in .whl/: moelink alone" >> "$OUT/setup.log"
     fi
+fi
+# Step `probe`: scripts/device/launch_cost.py, the host time of each piece of an eager call (torch's queries, a
+# launch on the default and on a side stream), both systems (launch-cost.log, launch-cost.json).
+if want probe && [ "$ngpu" -ge 1 ]; then
+    PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "launch cost probe" "$OUT/launch-cost.log" 120 \
+        "${tr[@]}" --nproc_per_node="$hc_ranks" scripts/device/launch_cost.py --json "$OUT/launch-cost.json"
+    cat "$OUT/launch-cost.log"
+fi
+
+if want hostcost; then
     hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
     [ "$ngpu" -eq 0 ] && hc_args=(--host-cost --quick --reuse-ab --json "$OUT/hostcost.json")
     PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
