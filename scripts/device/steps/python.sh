@@ -46,6 +46,13 @@ MOELINK_COMMIT=${MOELINK_COMMIT:-$(sed -n 's/^commit: //p' .device/manifest.txt 
 MOELINK_COMMIT=${MOELINK_COMMIT:-unknown}
 export MOELINK_COMMIT
 export OMP_NUM_THREADS=4
+# PY_CONNECTIONS: CUDA_DEVICE_MAX_CONNECTIONS for this step ("default": unset, the driver's 8). run.sh gives every
+# step 32, which only ranks sharing a GPU in one process need; these steps run one rank per process.
+case ${PY_CONNECTIONS:-} in
+    "") ;;
+    default) unset CUDA_DEVICE_MAX_CONNECTIONS ;;
+    *) export CUDA_DEVICE_MAX_CONNECTIONS=$PY_CONNECTIONS ;;
+esac
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 # An instance given some of the GPUs (CUDA_VISIBLE_DEVICES) counts only those.
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
@@ -69,7 +76,7 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
 }
 
 {
-    echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ), $ngpu GPUs"
+    echo "commit $MOELINK_COMMIT, $(date -u +%FT%TZ), $ngpu GPUs, CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"
     nvidia-smi -L 2>/dev/null
     python3 --version
     python3 -m pip install -q --no-index --no-deps --target "$SCRATCH/site" .device/moelink-*.whl && echo "installed $(ls .device/moelink-*.whl)"
