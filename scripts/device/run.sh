@@ -11,6 +11,8 @@
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
 #   bench     moelink bench $BENCH_ARGS --json $OUT/bench.json
+#   sweep     steps/sweep.sh: the same bench call (SWEEP_ARGS) once per environment setting of SWEEP (tuning and
+#             timing-experiment knobs), a table of the times (its files in results.tgz)
 #   ab        steps/ab.sh: the same bench calls (AB_ARGS) with .device/base/moelink (build.sh with BASE_REV) and
 #             this build's, alternating AB_ROUNDS times; a table of medians and head/base (its files in
 #             results.tgz)
@@ -47,7 +49,7 @@ START=$(date +%s)
 STEP_DIR=scripts/device/steps
 DRY_RUN=${DRY_RUN:-}
 STEPS=${STEPS:-"info tests selftest process nvlink bench"}
-KNOWN_STEPS="info tests selftest process nvlink bench ab procbench internode python reliability"
+KNOWN_STEPS="info tests selftest process nvlink bench ab procbench internode python reliability sweep"
 for s in $STEPS; do
     case " $KNOWN_STEPS " in
         *" $s "*) ;;
@@ -209,6 +211,7 @@ for s in $STEPS; do
         nvlink)   step nvlink   "${T_NVLINK:-90}"   "$BIN" bench nvlink $NVLINK_ARGS --json "$OUT/nvlink.json" ;;
         bench)    step bench    "${T_BENCH:-180}"   "$BIN" bench $BENCH_ARGS --json "$OUT/bench.json" ;;
         ab)       step ab       "${T_AB:-300}"      env OUT="$W/ab" bash "$STEP_DIR/ab.sh" ;;
+        sweep)    step sweep    "${T_SWEEP:-400}"   env OUT="$W/sweep" bash "$STEP_DIR/sweep.sh" ;;
         procbench) step procbench "${T_PROCBENCH:-240}" bash "$STEP_DIR/procbench.sh" ;;
         internode)
             step internode "${T_INTERNODE:-540}" env OUT="$W/internode" W="$W/internode-work" STEPS="${INTERNODE_STEPS:-ht}" \
