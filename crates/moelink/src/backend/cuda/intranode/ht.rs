@@ -49,22 +49,40 @@ fn default_send_blocks(num_sms: usize) -> usize {
     (num_sms / 3).max(link_sms().min(num_sms / 2)).clamp(1, num_sms - 1)
 }
 
-/// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides, clamped to `[1, num_sms - 1]`): the link
-/// SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and more
+/// Sender blocks of both kernels with one peer (EP2): two fifths of the blocks, at most 12. Every remote row
+/// crosses to the one peer while the receivers copy as many rows again (the rank's own), and more senders
+/// than with several peers pay off until the receivers run short. Measured on 2xH200 (EP2, 4096 tokens,
+/// H 7168, both kernels at the same count; cached BF16 dispatch / FP8 dispatch / combine, µs): 16 SMs
+/// 6/8/10: 284/321/425, 162/186/241, 279/290/369; 24 SMs 8/9/10/11/12: 223/205/202/209/225, 129/125/123/122/131,
+/// 221/212/206/209/220; 32 SMs 8/10/12/14: 225/202/207/220, 130/123/118/119, 204/203/195/206; 48 SMs
+/// 8/10/12/16: 230/204/204/207, 133/124/119/114, 197/201/192/196
+/// (bench/results/2026-11-28-2xnvidia-h200-3e2331c-ep2-senders).
+fn one_peer_send_blocks(num_sms: usize) -> usize {
+    ((2 * num_sms + 2) / 5).min(12).clamp(1, num_sms - 1)
+}
+
+/// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides, clamped to `[1, num_sms - 1]`): with one
+/// peer `one_peer_send_blocks`; else the link SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and more
 /// sender SMs land in the all-to-all dip between 10 and 28 SMs (`SM_HEADROOM`): measured on 4xH200 (EP4,
 /// 4096 tokens, H 7168, BF16 dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643;
 /// 48 SMs 8/16: 585/597; 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps,
 /// -run23). The receivers copy this rank's own rows and the arriving rows out.
-fn dispatch_send_blocks(t: &Tuning, num_sms: usize) -> usize {
+fn dispatch_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
     match t.ht_dispatch_send_blocks {
         Some(n) => n.clamp(1, num_sms - 1),
+        None if num_ranks == 2 => one_peer_send_blocks(num_sms),
         None => link_sms().min(num_sms / 2).clamp(1, num_sms - 1),
     }
 }
 
-/// Combine senders (`Tuning::ht_combine_send_blocks` overrides, clamped to `[1, num_sms - 1]`).
-fn combine_send_blocks(t: &Tuning, num_sms: usize) -> usize {
-    t.ht_combine_send_blocks.map_or_else(|| default_send_blocks(num_sms), |n| n.clamp(1, num_sms - 1))
+/// Combine senders (`Tuning::ht_combine_send_blocks` overrides, clamped to `[1, num_sms - 1]`): with one peer
+/// `one_peer_send_blocks`, else `default_send_blocks`.
+fn combine_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
+    match t.ht_combine_send_blocks {
+        Some(n) => n.clamp(1, num_sms - 1),
+        None if num_ranks == 2 => one_peer_send_blocks(num_sms),
+        None => default_send_blocks(num_sms),
+    }
 }
 
 /// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`;
@@ -438,7 +456,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks: dispatch_send_blocks(&b.tuning, s.num_sms) as u32,
+        num_send_blocks: dispatch_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32,
         send_chunk: sender_chunk,
         recv_chunk: recv_chunk(&b.tuning),
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
@@ -521,7 +539,7 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
         num_x_rows: to_u32(s.num_recv_rows, "x", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks: combine_send_blocks(&b.tuning, s.num_sms) as u32,
+        num_send_blocks: combine_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32,
         send_chunk: sender_chunk,
         recv_chunk: recv_chunk(&b.tuning),
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
@@ -545,11 +563,16 @@ mod tests {
     fn sender_blocks_follow_the_formula() {
         let d = Tuning::default();
         for sms in (2..=132).step_by(2) {
-            assert!(dispatch_send_blocks(&d, sms) >= 1 && dispatch_send_blocks(&d, sms) < sms);
-            assert!(combine_send_blocks(&d, sms) >= 1 && combine_send_blocks(&d, sms) < sms);
+            for ranks in [2, 4, 8] {
+                assert!(dispatch_send_blocks(&d, sms, ranks) >= 1 && dispatch_send_blocks(&d, sms, ranks) < sms);
+                assert!(combine_send_blocks(&d, sms, ranks) >= 1 && combine_send_blocks(&d, sms, ranks) < sms);
+            }
         }
-        assert_eq!((dispatch_send_blocks(&d, 24), combine_send_blocks(&d, 24)), (8, 8));
-        assert_eq!([2, 8, 16, 64, 132].map(|n| dispatch_send_blocks(&d, n)), [1, 4, 8, 8, 8]);
+        assert_eq!((dispatch_send_blocks(&d, 24, 4), combine_send_blocks(&d, 24, 4)), (8, 8));
+        assert_eq!([2, 8, 16, 64, 132].map(|n| dispatch_send_blocks(&d, n, 8)), [1, 4, 8, 8, 8]);
+        // One peer: the measured best counts at 16, 24, 32 and 48 SMs.
+        assert_eq!([2, 16, 24, 32, 48, 132].map(|n| dispatch_send_blocks(&d, n, 2)), [1, 6, 10, 12, 12, 12]);
+        assert_eq!(combine_send_blocks(&d, 24, 2), 10);
         assert_eq!([8, 16, 64].map(default_send_blocks), [4, 8, 21]);
     }
 
@@ -571,7 +594,7 @@ mod tests {
             ht_timing_experiment: 7,
             ..d
         };
-        assert_eq!((dispatch_send_blocks(&t, 24), combine_send_blocks(&t, 24)), (23, 1));
+        assert_eq!((dispatch_send_blocks(&t, 24, 2), combine_send_blocks(&t, 24, 2)), (23, 1));
         assert_eq!((release_batch(&t), send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
         assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 7));
         assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
