@@ -146,8 +146,11 @@ fn launch<A: KernelParams>(
 /// per byte: the senders read each row once and write it to every node it reaches; the forwarders copy
 /// each arriving row again (dispatch) or sum a node's rows and write the partial home (combine), which
 /// bounds both kernels. A third of the blocks forward, dealt evenly over the source nodes (a node's chunks
-/// round-robin among its warps; at least one warp per node), a third of the rest receive (dispatch) or
-/// reduce (combine), which gives every source several receiver warps, and the rest send.
+/// round-robin among its warps; at least one warp per node); of the rest, one less than half receive
+/// (dispatch) or reduce (combine) and the others send. Measured as 2 nodes x 1 on 2xH200 over `ptr`, 24 SMs
+/// (8 forwarders; fresh BF16 dispatch / FP8 dispatch / combine, µs): senders 7/8/9/10/11/13:
+/// 657/646/654/678/762/1097, 436/429/431/438/477/679, 723/668/627/670/739/1050; 6 forwarders with 12 or 14
+/// senders: 795/898, 522/551, 685/857 (bench/results/2026-11-28-2xnvidia-h200-ac9b45b-internode-roles).
 /// `fwd_blocks` / `send_blocks` (`Tuning::hti_fwd_blocks`, `ht_*_send_blocks`) override the split within what
 /// the roles need; `config.num_sms` too small for that is refused.
 fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, send_blocks: Option<usize>) -> Result<(u32, u32, u32)> {
@@ -167,7 +170,10 @@ fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, se
     let fwd = fwd_blocks.unwrap_or(num_sms / 3).clamp(fwd_min, num_sms - recv_min - 1);
     let send = match send_blocks {
         Some(n) => n.clamp(1, num_sms - fwd - recv_min),
-        None => num_sms - fwd - ((num_sms - fwd) / 3).clamp(recv_min, num_sms - fwd - 1),
+        None => {
+            let rest = num_sms - fwd;
+            rest - (rest / 2).saturating_sub(1).clamp(recv_min, rest - 1)
+        }
     };
     Ok((send as u32, fwd as u32, (fwd * warps / t.num_nodes) as u32))
 }
@@ -693,8 +699,9 @@ mod tests {
     #[test]
     fn roles_cover_every_source_and_node() {
         let t = Topology { num_nodes: 2, ranks_per_node: 2 };
-        // A third forwards, a third of the rest receives, the rest sends.
-        assert_eq!(roles(0, t, 24, None, None).unwrap(), (11, 8, 64));
+        // A third forwards; of the rest, one less than half receives and the others send.
+        assert_eq!(roles(0, t, 24, None, None).unwrap(), (9, 8, 64));
+        assert_eq!(roles(0, t, 48, None, None).unwrap(), (17, 16, 128));
         // The fewest blocks: a sender, a forwarder, a receiver.
         assert_eq!(roles(0, t, 3, None, None).unwrap(), (1, 1, 8));
         // Overrides, within what the other roles need.
