@@ -246,9 +246,7 @@ impl Kernel {
     /// [`TypedKernel::launch`] without making a `TypedKernel`: checks the parameter sizes against `A`'s as
     /// [`Kernel::typed`] does, then launches (a launch per operation call keeps this path short).
     pub fn launch_typed<A: KernelParams>(&self, stream: &Stream, cfg: &LaunchConfig, params: &A) -> Result<()> {
-        if self.param_sizes != A::param_sizes() {
-            self.typed::<A>()?;
-        }
+        self.check_params::<A>()?;
         let args = params.args();
         // SAFETY: as in `TypedKernel::launch`: the sizes match A's, and A's `KernelParams` implementation says
         // these are its parameters with only CUDA-layer addresses inside.
@@ -258,18 +256,24 @@ impl Kernel {
     /// This kernel typed by its parameters `A` (see [`KernelParams`]): errors unless its parameters have
     /// the byte sizes `A` gives.
     pub fn typed<A: KernelParams>(&self) -> Result<TypedKernel<A>> {
-        let sizes = A::param_sizes();
-        if self.param_sizes != sizes {
-            return Err(Error::invalid(format!(
-                "kernel `{}` takes {} parameter(s) of {:?} bytes, not the {:?} bytes of {}",
-                self.name,
-                self.param_sizes.len(),
-                self.param_sizes,
-                sizes,
-                std::any::type_name::<A>()
-            )));
-        }
+        self.check_params::<A>()?;
         Ok(TypedKernel { kernel: self.clone(), _params: std::marker::PhantomData })
+    }
+
+    /// Errors unless the kernel's parameters have the byte sizes `A` gives.
+    fn check_params<A: KernelParams>(&self) -> Result<()> {
+        let sizes = A::param_sizes();
+        if self.param_sizes == sizes {
+            return Ok(());
+        }
+        Err(Error::invalid(format!(
+            "kernel `{}` takes {} parameter(s) of {:?} bytes, not the {:?} bytes of {}",
+            self.name,
+            self.param_sizes.len(),
+            self.param_sizes,
+            sizes,
+            std::any::type_name::<A>()
+        )))
     }
 
     fn check_args(&self, args: &KernelArgs) -> Result<()> {

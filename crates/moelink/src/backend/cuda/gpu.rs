@@ -140,8 +140,7 @@ pub(crate) struct Gpu {
     /// Tuning overrides and timing experiments (`BufferOptions::tuning`).
     pub(crate) tuning: crate::config::Tuning,
     modules: HashMap<String, Arc<Module>>,
-    kernels: HashMap<(String, &'static str), Kernel>,
-    /// The same kernels by the variant value that named them: one `HashMap<(V, &'static str), Kernel>` per
+    /// The loaded kernels by the variant value that named them: one `HashMap<(V, &'static str), Kernel>` per
     /// variant type `V` ([`Gpu::kernel_of`]).
     kernels_by_variant: HashMap<TypeId, Box<dyn Any + Send>>,
     /// Device buffers for handles (routing words), recycled.
@@ -247,7 +246,6 @@ impl Gpu {
             tracing: options.kernel_tracing,
             tuning: options.tuning.clone(),
             modules: HashMap::new(),
-            kernels: HashMap::new(),
             kernels_by_variant: HashMap::new(),
             pool: Arc::default(),
             ht_trace: None,
@@ -376,12 +374,9 @@ impl Gpu {
             .expect("the map under a variant type's id holds that type's kernels")
     }
 
-    /// Compiles (or loads from the cache) `spec` with `linker` and returns its kernel `name`.
+    /// Kernel `name` of `spec`'s module, compiled (or loaded from the JIT's cache) with `linker` and loaded on
+    /// this GPU once per variant; [`Gpu::kernel_of_linked`] keeps the kernels.
     fn kernel_linked(&mut self, spec: &KernelSpec, name: &'static str, linker: &dyn ModuleLinker) -> Result<Kernel> {
-        let key = (spec.variant.clone(), name);
-        if let Some(k) = self.kernels.get(&key) {
-            return Ok(k.clone());
-        }
         let module = match self.modules.get(&spec.variant) {
             Some(m) => m.clone(),
             None => {
@@ -394,9 +389,7 @@ impl Gpu {
                 m
             }
         };
-        let k = module.kernel(name)?;
-        self.kernels.insert(key, k.clone());
-        Ok(k)
+        Ok(module.kernel(name)?)
     }
 
     /// Launches `kernel` with one by-value argument struct on the operation stream.
@@ -798,7 +791,7 @@ impl Drop for Gpu {
             self.errors.leak();
             std::mem::forget(self.ht_trace.take());
             std::mem::forget(std::mem::take(&mut self.modules));
-            std::mem::forget(std::mem::take(&mut self.kernels));
+            std::mem::forget(std::mem::take(&mut self.kernels_by_variant));
             std::mem::forget(std::mem::take(&mut self.pool));
             return;
         }
