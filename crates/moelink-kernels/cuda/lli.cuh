@@ -125,6 +125,7 @@ struct LliDispatchArgs {
   u64 error_claim, error_record, report, timeout_ns;
   u64 off_meta_sig, off_data_sig, off_consumed;                 // this set's u64 [R] signal arrays
   u64 off_meta, off_msgs, off_send_meta, off_send_msgs;         // this set's regions
+  u64 trace;          // timing trace (ll.cuh, LL_TRACE_*), or 0
   u32 meta_bytes;     // 64 + counts, 16-byte multiple
   u32 num_tokens, max_tokens, num_experts, num_local_experts, set, phases, flags, host_problem, pad;
   u32 sig[LL_SIG_WORDS];
@@ -145,6 +146,7 @@ struct LliCombineArgs {
   u64 off_meta_sig, off_data_sig, off_consumed;                 // this combine set's u64 [R] arrays
   u64 off_meta, off_rows, off_send_meta, off_send_rows;         // this combine set's regions
   u64 off_zero_copy;  // the zero-copy buffer [E_local][R*T_max][H] in the RDMA region
+  u64 trace;          // timing trace (ll.cuh, LL_TRACE_*), or 0
   u32 num_tokens, max_tokens, num_experts, num_local_experts, set, phases, flags, host_problem;
   u32 y_is_zero_copy;  // y is the zero-copy buffer (per-expert rows are put from it without a copy)
   u32 pad[3];
@@ -163,7 +165,10 @@ struct LliShared {
   u32 problem;
   u32 last;
   u32 phase_ok;
+  u64 trace_row;               // this launch's timing-trace row (ll_trace_row), or 0
 };
+
+__device__ __forceinline__ void lli_trace(const LliShared& sm, u32 point) { ll_trace_at(sm.trace_row, point, ptx::globaltimer()); }
 
 // ============================================================================================ frame
 __device__ __forceinline__ LliState* lli_state(u64 s) { return reinterpret_cast<LliState*>(s); }
@@ -200,7 +205,7 @@ __device__ __forceinline__ void lli_hand_back(const Args& a, u32 epoch, const De
 // Kernel entry (every worker thread). DRAIN: only the hand-back of the set as of this rank's last send
 // into it (a receive phase that will never run). Otherwise sm.epoch is the call's epoch.
 template <typename Args>
-__device__ __forceinline__ bool lli_enter(const Args& a, LliShared& sm, const Deadline& d) {
+__device__ __forceinline__ bool lli_enter(const Args& a, LliShared& sm, const Deadline& d, u64 entered) {
   const LliOp op = lli_op(a);
   if (a.phases & LL_PHASE_DRAIN) {
     if (blockIdx.x == 0) {
@@ -215,6 +220,8 @@ __device__ __forceinline__ bool lli_enter(const Args& a, LliShared& sm, const De
     sm.prev_write = ptx::ld_relaxed_gpu(op.last_write);
     sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(op.epoch) + 1u : sm.prev_write;
     sm.abort = 0;
+    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
+    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
   }
   __syncthreads();
   return true;
@@ -222,8 +229,10 @@ __device__ __forceinline__ bool lli_enter(const Args& a, LliShared& sm, const De
 
 // The last worker block of a phase (every thread calls it): true on exactly one block, with the counter
 // reset for the next launch; sm.phase_ok tells it whether every block of the phase succeeded.
-__device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 workers) {
+// `point` is stamped once every thread of the block got here.
+__device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 workers, u32 point) {
   __syncthreads();
+  lli_trace(sm, point);
   if (threadIdx.x == 0) {
     const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
     const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
@@ -241,7 +250,7 @@ __device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 wor
 template <typename Args>
 __device__ __forceinline__ void lli_recv_end(const Args& a, LliShared& sm, u64* expected, u32 epoch, u32 workers,
                                              const Deadline& d) {
-  if (lli_last_block(lli_op(a).recv_done, sm, workers) && sm.phase_ok) {
+  if (lli_last_block(lli_op(a).recv_done, sm, workers, LL_TRACE_RECV_STORED) && sm.phase_ok) {
     for (u32 p = threadIdx.x; p < a.rdma.num_ranks; p += LL_THREADS) expected[p] += sm.first[p];
     ptx::fence_acq_rel_sys();
     __syncthreads();
@@ -253,14 +262,16 @@ __device__ __forceinline__ void lli_recv_end(const Args& a, LliShared& sm, u64* 
 // then run the send and/or the receive phase as `a.phases` says: send(d, sm, epoch, workers), likewise recv.
 template <typename Args, typename Send, typename Recv>
 __device__ __forceinline__ void lli_run(const Args& a, u32 phase, Send send, Recv recv) {
+  const u64 entered = ptx::globaltimer();
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, phase);
   if (rdma::nic_block(a.rdma, d)) return;
   rdma::WorkerScope scope(a.rdma);
   __shared__ LliShared sm;
-  if (!lli_enter(a, sm, d)) return;
+  if (!lli_enter(a, sm, d, entered)) return;
   const u32 epoch = sm.epoch, workers = rdma::num_worker_blocks(a.rdma);
   if (a.phases & LL_PHASE_SEND) send(d, sm, epoch, workers);
   if (a.phases & LL_PHASE_RECV) recv(d, sm, epoch, workers);
+  lli_trace(sm, LL_TRACE_END);
 }
 
 // Send phase start, every thread: waits until every unmasked destination handed the set back (consumed

@@ -128,16 +128,21 @@ __device__ __forceinline__ void lli_combine_rows(const LliCombineArgs& a, const 
 
 __device__ __forceinline__ void lli_combine_send(const LliCombineArgs& a, const Deadline& d, LliShared& sm, u32 epoch, u32 workers) {
   lli_wait_consumed(a, d, sm);
+  lli_trace(sm, LL_TRACE_SEND_READY);
   if (sm.abort == 0) {
-    if (blockIdx.x == 0) lli_combine_check(a, d, sm, epoch);
+    if (blockIdx.x == 0) {
+      lli_combine_check(a, d, sm, epoch);
+      lli_trace(sm, LL_TRACE_INDEX_CHECKED);
+    }
     if (a.host_problem == 0 && (blockIdx.x != 0 || workers == 1)) {
       const u32 data_blocks = workers == 1 ? 1 : workers - 1;
       const u32 block = workers == 1 ? 0 : blockIdx.x - 1;
       lli_combine_rows(a, d, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+      lli_trace(sm, LL_TRACE_SEND_ISSUED);  // thread 0: its warp's messages are out
     }
   }
   const LliOp op = lli_op(a);
-  if (lli_last_block(op.send_done, sm, workers) && threadIdx.x == 0 && sm.phase_ok) {
+  if (lli_last_block(op.send_done, sm, workers, LL_TRACE_SEND_DONE) && threadIdx.x == 0 && sm.phase_ok) {
     *op.epoch = epoch;
     *op.last_write = epoch;
   }
@@ -180,6 +185,7 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
     if (blockIdx.x == 0 && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[p] += (i64)waited;
   }
   __syncthreads();
+  lli_trace(sm, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
     const u32 lane = lane_id();
     const float* wts = reinterpret_cast<const float*>(a.topk_weights);

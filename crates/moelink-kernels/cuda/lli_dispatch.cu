@@ -120,16 +120,21 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
 
 __device__ __forceinline__ void lli_dispatch_send(const LliDispatchArgs& a, const Deadline& d, LliShared& sm, u32 epoch, u32 workers) {
   lli_wait_consumed(a, d, sm);
+  lli_trace(sm, LL_TRACE_SEND_READY);
   if (sm.abort == 0) {
-    if (blockIdx.x == 0) lli_dispatch_check(a, d, sm, epoch);
+    if (blockIdx.x == 0) {
+      lli_dispatch_check(a, d, sm, epoch);
+      lli_trace(sm, LL_TRACE_INDEX_CHECKED);
+    }
     if (a.host_problem == 0 && (blockIdx.x != 0 || workers == 1)) {
       const u32 data_blocks = workers == 1 ? 1 : workers - 1;
       const u32 block = workers == 1 ? 0 : blockIdx.x - 1;
       lli_dispatch_rows(a, d, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+      lli_trace(sm, LL_TRACE_SEND_ISSUED);  // thread 0: its warp's messages are out
     }
   }
   const LliOp op = lli_op(a);
-  if (lli_last_block(op.send_done, sm, workers) && threadIdx.x == 0 && sm.phase_ok) {
+  if (lli_last_block(op.send_done, sm, workers, LL_TRACE_SEND_DONE) && threadIdx.x == 0 && sm.phase_ok) {
     *op.epoch = epoch;
     *op.last_write = epoch;
   }
@@ -190,6 +195,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
     if (blockIdx.x == 0 && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[p] += (i64)waited;
   }
   __syncthreads();
+  lli_trace(sm, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
     // Bases per (source, local expert): counts of the used sources, scanned over sources per expert.
     u32* bases = sm.words;
@@ -198,6 +204,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
       bases[pe] = sm.used[p] ? ptx::ld_cg_u32(reinterpret_cast<const u32*>(a.rdma.local_base + a.off_meta + (u64)p * a.meta_bytes + sizeof(LliMeta)) + pe % EL) : 0u;
     }
     __syncthreads();
+    lli_trace(sm, LL_TRACE_RECV_INDEXED);
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
       u32 run = 0;
       for (u32 p = 0; p < R; p++) {

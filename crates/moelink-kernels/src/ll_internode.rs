@@ -115,6 +115,8 @@ pub struct LliDispatchArgs {
     pub off_msgs: u64,
     pub off_send_meta: u64,
     pub off_send_msgs: u64,
+    /// Timing trace (`[slot][block][LL_TRACE_WORDS]` %globaltimer stamps, `ll.cuh`), or 0.
+    pub trace: DevPtr,
     pub meta_bytes: u32,
     pub num_tokens: u32,
     pub max_tokens: u32,
@@ -158,6 +160,8 @@ pub struct LliCombineArgs {
     pub off_send_meta: u64,
     pub off_send_rows: u64,
     pub off_zero_copy: u64,
+    /// Timing trace, as the dispatch's.
+    pub trace: DevPtr,
     pub num_tokens: u32,
     pub max_tokens: u32,
     pub num_experts: u32,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use moelink_cuda::{DevPtr, Device, HostMapped};
-use moelink_kernels::ll::{flag, problem, LlReport, LL_SIG_WORDS, SIG_FIELDS};
+use moelink_kernels::ll::{flag, problem, LlReport, LL_SIG_WORDS, LL_TRACE_CALLS, LL_TRACE_WORDS, SIG_FIELDS};
 
 use crate::error::{Error, Result};
 use crate::ll::{LlQuant, LlSpec};
@@ -245,6 +245,62 @@ fn report_error(rep: &LlReport, me: usize, local: Option<(&'static str, String)>
         return Some(Error::invalid(arg, me, format!("rank {peer} passed an invalid `{arg}`; the call is abandoned on every rank")));
     }
     None
+}
+
+/// The timing trace of a buffer's low-latency launches (`KernelTracing::low_latency`), both kernel families:
+/// `2 * LL_TRACE_CALLS` launch slots of one row of `LL_TRACE_WORDS` u64 stamps per block (`ll.cuh`).
+/// Allocated on the first traced call and never moved (captured graphs keep its address). Device memory, not
+/// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
+/// exactly the points being measured.
+pub(crate) struct LlTrace {
+    words: Option<moelink_cuda::DeviceBuffer>,
+}
+
+impl LlTrace {
+    pub(crate) fn new() -> LlTrace {
+        LlTrace { words: None }
+    }
+
+    /// Words of one family for launches of at most `max_blocks` blocks.
+    fn family_words(max_blocks: usize) -> usize {
+        2 * LL_TRACE_CALLS * max_blocks.max(1) * LL_TRACE_WORDS
+    }
+
+    /// The trace address of family `family` (0 dispatch, 1 combine) for launches of at most `max_blocks`
+    /// blocks, allocating the words on first use; null when `enabled` is false.
+    pub(crate) fn ptr(&mut self, device: &Device, enabled: bool, max_blocks: usize, family: usize) -> Result<DevPtr> {
+        if !enabled {
+            return Ok(DevPtr::NULL);
+        }
+        let words = Self::family_words(max_blocks);
+        if self.words.is_none() {
+            self.words = Some(moelink_cuda::DeviceBuffer::zeroed(device, 2 * words * 8)?);
+        }
+        Ok(self.words.as_ref().map_or(DevPtr::NULL, |t| t.device_ptr().byte_add(family * words * 8)))
+    }
+
+    /// Enqueues the clearing of the words (when a timed region opens, before its barrier).
+    pub(crate) fn clear(&mut self, stream: &moelink_cuda::Stream) -> Result<()> {
+        if let Some(t) = self.words.as_mut() {
+            t.memset_u32_async(0, stream)?;
+        }
+        Ok(())
+    }
+
+    /// The traces of every launch since the words were last cleared (empty when tracing is off): launches of
+    /// `blocks` blocks, the words sized for `max_blocks`. Called once the timed region's work has completed.
+    pub(crate) fn summaries(&self, max_blocks: usize, blocks: usize, kernels: [&'static str; 2]) -> Vec<crate::trace::KernelTrace> {
+        let Some(t) = self.words.as_ref() else { return Vec::new() };
+        let mut bytes = vec![0u8; t.len_bytes()];
+        if t.copy_to_host(&mut bytes).is_err() {
+            return Vec::new();
+        }
+        let words: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let family = Self::family_words(max_blocks);
+        let mut out = crate::trace::ll_launches(&words[..family], blocks, kernels[0], "dispatch");
+        out.extend(crate::trace::ll_launches(&words[family..], blocks, kernels[1], "combine"));
+        out
+    }
 }
 
 #[cfg(test)]

@@ -13,7 +13,9 @@ use moelink_kernels::ll::{phase, problem, LlVariant};
 use moelink_kernels::ll_internode::{check_limits, LliCombineArgs, LliDispatchArgs, LliLayout, LliVariant, LLI_THREADS};
 
 use super::super::gpu::Gpu;
-use super::super::ll_shared::{opt_addr, problem_reason, signature, CudaLlRouting, HookMarker, LlCalls, Pending, HOOK_PENDING, HOOK_RAN};
+use super::super::ll_shared::{
+    opt_addr, problem_reason, signature, CudaLlRouting, HookMarker, LlCalls, LlTrace, Pending, HOOK_PENDING, HOOK_RAN,
+};
 use super::{Internode, INTERNODE, RDMA_CTRL_BYTES};
 use crate::backend::{BackendData, PendingRecv};
 use crate::dtype::DType;
@@ -32,6 +34,8 @@ pub(crate) struct LliState {
     /// until the buffer goes (`Gpu::replay`).
     retired_handles: Vec<DeviceBuffer>,
     pub(crate) calls: LlCalls<Drain>,
+    /// Timing trace words (`KernelTracing::low_latency`).
+    pub(crate) trace: LlTrace,
 }
 
 /// The receive launch a dropped hook stands for.
@@ -48,6 +52,7 @@ impl LliState {
             handles: None,
             retired_handles: Vec::new(),
             calls: LlCalls::new(&gpu.device, enable_shrink)?,
+            trace: LlTrace::new(),
         })
     }
 }
@@ -119,6 +124,21 @@ fn launch<A: KernelParams>(b: &mut Internode, v: &LliVariant, name: &'static str
         cfg = cfg.with_cooperative();
     }
     b.launch(&k, &cfg, args)
+}
+
+/// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch, or null when tracing
+/// is off.
+fn trace_ptr(b: &mut Internode, family: usize) -> Result<DevPtr> {
+    let (enabled, max_blocks) = (b.tracing.low_latency, b.num_device_sms());
+    b.lli.trace.ptr(&b.gpu.device, enabled, max_blocks, family)
+}
+
+/// The traces of every low-latency launch since the trace was last cleared (empty when tracing is off).
+/// Called once the timed region's work has completed.
+pub(crate) fn trace_summaries(b: &Internode) -> Vec<crate::trace::KernelTrace> {
+    let (workers, nic) = grid(b);
+    let blocks = (workers + nic) as usize;
+    b.lli.trace.summaries(b.num_device_sms(), blocks, [kernel_name::LLI_DISPATCH, kernel_name::LLI_COMBINE])
 }
 
 /// Publishes the consumed flags of receive phases whose hooks were dropped unrun (only the hand-back runs),
@@ -208,6 +228,7 @@ pub(crate) fn dispatch<'a>(
         off_msgs: ls.data as u64,
         off_send_meta: ls.send_meta as u64,
         off_send_msgs: ls.send_data as u64,
+        trace: trace_ptr(b, 0)?,
         meta_bytes: layout.meta_bytes as u32,
         num_tokens: s.num_tokens as u32,
         max_tokens: s.num_max_tokens as u32,
@@ -306,6 +327,7 @@ pub(crate) fn combine<'a>(
         off_send_meta: ls.send_meta as u64,
         off_send_rows: ls.send_data as u64,
         off_zero_copy: layout.zero_copy as u64,
+        trace: trace_ptr(b, 1)?,
         num_tokens: s.num_tokens as u32,
         max_tokens: s.num_max_tokens as u32,
         num_experts: s.num_experts as u32,

@@ -157,15 +157,20 @@ impl Backend for Internode {
     fn timer_begin(&mut self) -> Result<bool> {
         let (rdma_args, nic_blocks, counter) = (self.rdma_args(), self.rdma.nic_blocks(), self.barrier_counter.device_ptr());
         let rdma = &*self.rdma;
+        let lli = &mut self.lli;
         // The kernel is loaded inside, after open_timer's checks: a refused open during a capture loads nothing.
         self.gpu.open_timer(|gpu| {
+            lli.trace.clear(gpu.op_stream())?;
             let kernel = barrier_kernel(gpu, rdma)?;
             launch_barrier(gpu, &kernel, rdma_args, nic_blocks, counter)
         })?;
         Ok(true)
     }
     fn kernel_traces(&self) -> Vec<crate::trace::KernelTrace> {
-        self.gpu.ht_traces().to_vec()
+        let mut all = ll::trace_summaries(self);
+        all.extend(self.gpu.ht_traces().iter().cloned());
+        all.sort_by_key(|t| t.start_ns);
+        all
     }
     fn local_buffer(&mut self, use_rdma_buffer: bool) -> Result<TensorMut<'_>> {
         if use_rdma_buffer {

@@ -14,15 +14,15 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use moelink_cuda::{DevPtr, DevPtrs, Device, DeviceBuffer, Kernel, LaunchConfig};
+use moelink_cuda::{DevPtr, DevPtrs, Device, Kernel, LaunchConfig};
 use moelink_kernels::abi::MAX_RANKS;
 use moelink_kernels::kernel_name;
-use moelink_kernels::ll::{
-    phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlVariant, LL_THREADS, LL_TRACE_CALLS, LL_TRACE_WORDS,
-};
+use moelink_kernels::ll::{phase, problem, LlCombineArgs, LlCtrl, LlDispatchArgs, LlLayout, LlVariant, LL_THREADS};
 
 use super::super::gpu::{ctrl, CTRL_BYTES};
-use super::super::ll_shared::{opt_addr, problem_reason, signature, CudaLlRouting, HookMarker, LlCalls, Pending, HOOK_PENDING, HOOK_RAN};
+use super::super::ll_shared::{
+    opt_addr, problem_reason, signature, CudaLlRouting, HookMarker, LlCalls, LlTrace, Pending, HOOK_PENDING, HOOK_RAN,
+};
 use super::{Intranode, INTRANODE};
 use crate::backend::{BackendData, PendingRecv};
 use crate::dtype::DType;
@@ -41,16 +41,13 @@ pub(crate) enum Drain {
 /// Per-buffer low-latency state.
 pub(crate) struct LlState {
     pub(crate) calls: LlCalls<Drain>,
-    /// Timing trace words (`KernelTracing::low_latency`), one row of u64 per SM and launch slot; allocated on
-    /// the first traced call and never moved (captured graphs keep its address). Device memory, not
-    /// host-mapped: a system-scope fence after a stamp would wait for its PCIe write, ~1-2 µs, and distort
-    /// exactly the points being measured.
-    trace: Option<DeviceBuffer>,
+    /// Timing trace words (`KernelTracing::low_latency`).
+    pub(crate) trace: LlTrace,
 }
 
 impl LlState {
     pub(crate) fn new(device: &Device, enable_shrink: bool) -> Result<LlState> {
-        Ok(LlState { calls: LlCalls::new(device, enable_shrink)?, trace: None })
+        Ok(LlState { calls: LlCalls::new(device, enable_shrink)?, trace: LlTrace::new() })
     }
 }
 
@@ -117,46 +114,17 @@ fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> Result<[DevPtr; 
 
 // ------------------------------------------------------------------ timing trace
 
-/// Trace words of one kernel family: `2 * LL_TRACE_CALLS` launch slots of one row per block.
-fn trace_family_words(b: &Intranode) -> usize {
-    2 * LL_TRACE_CALLS * b.num_device_sms().max(1) * LL_TRACE_WORDS
-}
-
-/// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch (allocating the words on
-/// first use), or null when tracing is off.
+/// The trace address of kernel family `family` (0 dispatch, 1 combine) for a launch, or null when tracing
+/// is off.
 fn trace_ptr(b: &mut Intranode, family: usize) -> Result<DevPtr> {
-    if !b.tracing.low_latency {
-        return Ok(DevPtr::NULL);
-    }
-    let words = trace_family_words(b);
-    if b.ll.trace.is_none() {
-        b.ll.trace = Some(DeviceBuffer::zeroed(&b.gpu.device, 2 * words * 8)?);
-    }
-    Ok(b.ll.trace.as_ref().map_or(DevPtr::NULL, |t| t.device_ptr().byte_add(family * words * 8)))
-}
-
-/// Enqueues the clearing of the trace words (when a timed region opens, before its barrier).
-pub(crate) fn trace_clear(ll: &mut LlState, stream: &moelink_cuda::Stream) -> Result<()> {
-    if let Some(t) = ll.trace.as_mut() {
-        t.memset_u32_async(0, stream)?;
-    }
-    Ok(())
+    let (enabled, max_blocks) = (b.tracing.low_latency, b.num_device_sms());
+    b.ll.trace.ptr(&b.gpu.device, enabled, max_blocks, family)
 }
 
 /// The traces of every low-latency launch since the trace was last cleared (empty when tracing is off).
 /// Called once the timed region's work has completed.
 pub(crate) fn trace_summaries(b: &Intranode) -> Vec<crate::trace::KernelTrace> {
-    let Some(t) = b.ll.trace.as_ref() else { return Vec::new() };
-    let mut bytes = vec![0u8; t.len_bytes()];
-    if t.copy_to_host(&mut bytes).is_err() {
-        return Vec::new();
-    }
-    let words: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-    let family = trace_family_words(b);
-    let blocks = grid_size(b) as usize;
-    let mut out = crate::trace::ll_launches(&words[..family], blocks, kernel_name::LL_DISPATCH, "dispatch");
-    out.extend(crate::trace::ll_launches(&words[family..], blocks, kernel_name::LL_COMBINE, "combine"));
-    out
+    b.ll.trace.summaries(b.num_device_sms(), grid_size(b) as usize, [kernel_name::LL_DISPATCH, kernel_name::LL_COMBINE])
 }
 
 // ------------------------------------------------------------------ reports, drains

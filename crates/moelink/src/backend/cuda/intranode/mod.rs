@@ -76,7 +76,7 @@ impl Backend for Intranode {
     fn timer_begin(&mut self) -> Result<bool> {
         let ll = &mut self.ll;
         self.gpu.open_timer(|gpu| {
-            ll::trace_clear(ll, gpu.op_stream())?;
+            ll.trace.clear(gpu.op_stream())?;
             gpu.enqueue_nvlink_barrier()
         })?;
         Ok(true)
