@@ -46,6 +46,9 @@ __device__ __forceinline__ void ht_trace_stamp(u64 trace, u32 words_per_block, u
 
 // FP8 scales cover this many channels each (moelink::ht::FP8_BLOCK).
 constexpr u32 HT_FP8_BLOCK = 128;
+// Slab rows are whole multiples of this (moelink_kernels::ht::ROW_ALIGN): every row starts on a 128-byte line,
+// so a warp's 512-byte run of 16-byte stores covers whole lines on its way over NVLink.
+constexpr u32 HT_ROW_ALIGN = 128;
 
 // ------------------------------------------------------------------------------------ control region
 // Byte offsets inside a rank's HT control region. Counters and flags that different writers touch sit on

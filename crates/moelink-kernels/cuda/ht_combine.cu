@@ -27,10 +27,11 @@ constexpr u32 BF16_PER_VEC = VEC_BYTES / 2;
 static_assert(NUM_BIASES <= 2, "at most two biases");
 constexpr u32 PAYLOAD_BYTES = HIDDEN * 2;
 constexpr u32 PAYLOAD_VECS = PAYLOAD_BYTES / VEC_BYTES;
-// A slab row: the bf16 payload, then TOPK f32 weights, padded to 16 bytes.
+// A slab row: the bf16 payload, then TOPK f32 weights, padded to 16 bytes, and the row to HT_ROW_ALIGN.
 constexpr u32 WEIGHT_BYTES = (TOPK * 4 + VEC_BYTES - 1) / VEC_BYTES * VEC_BYTES;
 static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
-static_assert(ROW_BYTES == PAYLOAD_BYTES + WEIGHT_BYTES, "slab row differs from moelink_kernels::ht::combine_row_bytes");
+static_assert(ROW_BYTES == (PAYLOAD_BYTES + WEIGHT_BYTES + HT_ROW_ALIGN - 1) / HT_ROW_ALIGN * HT_ROW_ALIGN,
+              "slab row differs from moelink_kernels::ht::combine_row_bytes");
 constexpr u32 THREADS = COMBINE_WARPS * WARP_SIZE;
 constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 // Sender: one step sends a row to every pending source, in ROUNDS rounds; a round loads UNROLL vectors per

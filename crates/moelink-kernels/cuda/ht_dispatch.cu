@@ -23,7 +23,8 @@ constexpr u32 PAYLOAD_BYTES = HIDDEN * (FP8 ? 1 : 2);
 constexpr u32 PAYLOAD_VECS = PAYLOAD_BYTES / VEC_BYTES;
 constexpr u32 NUM_SCALES = FP8 ? HIDDEN / HT_FP8_BLOCK : 0;
 // A slab row: the payload, then u32 meta words: top-k ids as local i64 (2 words each, low word first), the
-// FP8 scales, the top-k weights (0 where the id is -1), the source token index; padded to 16 bytes.
+// FP8 scales, the top-k weights (0 where the id is -1), the source token index; padded to 16 bytes, and the
+// row to HT_ROW_ALIGN.
 constexpr u32 META_SCALES = 2 * TOPK;
 constexpr u32 META_WEIGHTS = META_SCALES + NUM_SCALES;
 constexpr u32 META_SRC = META_WEIGHTS + TOPK;
@@ -32,7 +33,8 @@ constexpr u32 META_BYTES = (META_WORDS * 4 + VEC_BYTES - 1) / VEC_BYTES * VEC_BY
 constexpr u32 META_ITERS = (META_WORDS + WARP_SIZE - 1) / WARP_SIZE;  // meta words per lane
 static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
 static_assert(!FP8 || HIDDEN % HT_FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
-static_assert(ROW_BYTES == PAYLOAD_BYTES + META_BYTES, "slab row differs from moelink_kernels::ht::dispatch_row_bytes");
+static_assert(ROW_BYTES == (PAYLOAD_BYTES + META_BYTES + HT_ROW_ALIGN - 1) / HT_ROW_ALIGN * HT_ROW_ALIGN,
+              "slab row differs from moelink_kernels::ht::dispatch_row_bytes");
 constexpr u32 THREADS = DISPATCH_WARPS * WARP_SIZE;
 constexpr bool EXPERT_CHECK = (HT_EXPERIMENT & HT_EXP_NO_EXPERT_CHECK) == 0;  // a timing experiment turns it off
 // A row is copied in ROUNDS rounds of UNROLL vectors per lane (loads first, then stores).

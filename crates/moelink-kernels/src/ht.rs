@@ -24,6 +24,10 @@ use crate::{Family, KernelSpec};
 pub const FP8_BLOCK: usize = 128;
 /// Bytes of one vectorised access; rows are multiples of it.
 pub const VEC_BYTES: usize = 16;
+/// Slab rows are whole multiples of this (`HT_ROW_ALIGN` in `ht.cuh`), so that every row starts on a 128-byte
+/// line: a warp stores a row in 512-byte runs of 16-byte vectors, and a run that starts mid-line splits two
+/// lines over two requests each on their way over NVLink.
+pub const ROW_ALIGN: usize = 128;
 
 /// Byte offsets inside a rank's HT control region (`HT_CTRL_*` in `ht.cuh`).
 pub mod ctrl {
@@ -140,20 +144,21 @@ pub mod host_notify {
 }
 
 /// Bytes of a dispatch slab row: payload, then `u32` meta words (top-k ids as `i64`, FP8 scales, top-k
-/// weights, the source token index), padded to 16 bytes. `ht_dispatch.cu` asserts the same value.
+/// weights, the source token index) padded to 16 bytes, the row padded to [`ROW_ALIGN`]. `ht_dispatch.cu`
+/// asserts the same value.
 pub fn dispatch_row_bytes(hidden: usize, fp8: bool, topk: usize) -> usize {
     // Saturating: absurd sizes give usize::MAX (which no buffer satisfies) rather than overflow.
     let payload = hidden.saturating_mul(if fp8 { 1 } else { 2 });
     let scales = if fp8 { hidden / FP8_BLOCK } else { 0 };
     let meta_words = topk.saturating_mul(3).saturating_add(scales).saturating_add(1);
     let meta = meta_words.saturating_mul(4).checked_next_multiple_of(VEC_BYTES).unwrap_or(usize::MAX);
-    payload.saturating_add(meta)
+    payload.saturating_add(meta).checked_next_multiple_of(ROW_ALIGN).unwrap_or(usize::MAX)
 }
 
-/// Bytes of a combine slab row: the bf16 payload, then `topk` f32 weights, padded to 16 bytes.
+/// Bytes of a combine slab row: the bf16 payload, then `topk` f32 weights, the row padded to [`ROW_ALIGN`].
 pub fn combine_row_bytes(hidden: usize, topk: usize) -> usize {
     let weights = topk.saturating_mul(4).checked_next_multiple_of(VEC_BYTES).unwrap_or(usize::MAX);
-    hidden.saturating_mul(2).saturating_add(weights)
+    hidden.saturating_mul(2).saturating_add(weights).checked_next_multiple_of(ROW_ALIGN).unwrap_or(usize::MAX)
 }
 
 /// Data-region bytes per row-flag slot and rank: the flag arrays get `num_nvl_bytes / (R * 1024)` slots per
@@ -705,6 +710,7 @@ mod tests {
     fn layouts_agree_with_ht_header() {
         let pairs: &[(&str, usize)] = &[
             ("HT_FP8_BLOCK", FP8_BLOCK),
+            ("HT_ROW_ALIGN", ROW_ALIGN),
             ("HT_CTRL_NOTIFY_EPOCH", ctrl::NOTIFY_EPOCH),
             ("HT_CTRL_DISPATCH_EPOCH", ctrl::DISPATCH_EPOCH),
             ("HT_CTRL_COMBINE_EPOCH", ctrl::COMBINE_EPOCH),
@@ -764,20 +770,20 @@ mod tests {
 
     #[test]
     fn row_sizes() {
-        // BF16 7168 top-8: 14336 payload + (16 + 0 + 8 + 1) words = 100 bytes -> 112.
-        assert_eq!(dispatch_row_bytes(7168, false, 8), 14336 + 112);
-        // FP8 7168 top-8: 7168 + (16 + 56 + 8 + 1) * 4 = 324 -> 336.
-        assert_eq!(dispatch_row_bytes(7168, true, 8), 7168 + 336);
-        // No top-k: the source index alone, padded.
-        assert_eq!(dispatch_row_bytes(128, false, 0), 256 + 16);
-        assert_eq!(combine_row_bytes(7168, 8), 14336 + 32);
+        // BF16 7168 top-8: 14336 payload + (16 + 0 + 8 + 1) words = 100 bytes -> 112, the row to 128.
+        assert_eq!(dispatch_row_bytes(7168, false, 8), 14336 + 128);
+        // FP8 7168 top-8: 7168 + (16 + 56 + 8 + 1) * 4 = 324 -> 336, the row to 128.
+        assert_eq!(dispatch_row_bytes(7168, true, 8), 7168 + 384);
+        // No top-k: the source index alone, the row padded.
+        assert_eq!(dispatch_row_bytes(128, false, 0), 256 + 128);
+        assert_eq!(combine_row_bytes(7168, 8), 14336 + 128);
         assert_eq!(combine_row_bytes(7168, 0), 14336);
-        assert_eq!(combine_row_bytes(256, 1), 512 + 16);
+        assert_eq!(combine_row_bytes(256, 1), 512 + 128);
         for h in [128, 256, 7168] {
             for k in 0..10 {
-                assert_eq!(dispatch_row_bytes(h, false, k) % 16, 0);
-                assert_eq!(dispatch_row_bytes(h, true, k) % 16, 0);
-                assert_eq!(combine_row_bytes(h, k) % 16, 0);
+                assert_eq!(dispatch_row_bytes(h, false, k) % ROW_ALIGN, 0);
+                assert_eq!(dispatch_row_bytes(h, true, k) % ROW_ALIGN, 0);
+                assert_eq!(combine_row_bytes(h, k) % ROW_ALIGN, 0);
             }
         }
     }
