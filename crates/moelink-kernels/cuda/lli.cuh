@@ -40,9 +40,11 @@
 //   send:  (0) wait until every unmasked destination d handed set s back: consumed[s][d] >= last_write[s];
 //          (1) block 0: validation, handle copies, per-destination counts; meta to every rank with
 //              put_signal(SET e) on its meta word [s][me];
-//          (2) the other blocks (block 0 too when alone): one warp per token: routing counted over the
-//              earlier rows, the message staged (FP8 in registers), put_signal(ADD 1) into slot [me][n] of
-//              every destination's data word [s][me].
+//          (2) the other blocks (block 0 too when alone): one token per block at a time, its message built
+//              by every warp (one warp counts the routing over the earlier rows, the others quantise or
+//              copy the row's chunks into the staging), then delivered into slot [me][n] of every
+//              destination: copied there by the block, fenced, and signalled with ADD 1 on its data word
+//              [s][me] where stores reach it; put_signal(ADD 1) from the staging by one warp elsewhere.
 //   recv:  every block waits, per source p, for meta word [s][p] >= e, then for data word [s][p] >=
 //          expected[s][p] + messages (deadline; shrink: soft, decided once per call); scans counts into
 //          bases; expands messages into recv_x; the last block adds the messages to `expected` and signals
@@ -71,6 +73,8 @@ constexpr u32 LLI_MSG_BYTES = LLI_PAYLOAD_AT + ((LLI_ROW_BYTES + 15) / 16) * 16;
 // Combine: a warp sums 8 channels per lane (one 16-byte bf16 vector): 256 channels per step.
 constexpr u32 LLI_COMBINE_CHANNELS = WARP_SIZE * 8;
 constexpr u32 LLI_COMBINE_CHUNKS = (LL_HIDDEN + LLI_COMBINE_CHANNELS - 1) / LLI_COMBINE_CHANNELS;
+// A bf16 row in 512-byte chunks (one 16-byte vector per lane).
+constexpr u32 LLI_ROW_CHUNKS = (ROW_BYTES_BF16 + CHUNK_BYTES - 1) / CHUNK_BYTES;
 constexpr u32 LLI_NONE = 0xffffffffu;
 
 __device__ __forceinline__ u32 lli_min(u32 x, u32 y) { return x < y ? x : y; }
@@ -165,6 +169,7 @@ struct LliShared {
   u32 problem;
   u32 last;
   u32 phase_ok;
+  u32 send_msgs;               // combine send: the messages of every used source
   u64 trace_row;               // this launch's timing-trace row (ll_trace_row), or 0
 };
 

@@ -46,82 +46,139 @@ __device__ __forceinline__ void lli_combine_check(const LliCombineArgs& a, const
   }
 }
 
-// Pre-reduced rows (weights given at dispatch): work item = a received message (source p, index i), one
-// warp: per 256-channel step the lanes sum, from +0.0, f32(w) * f32(y) over this rank's selections in
-// ascending k (each product rounded before the add), round to bf16 into the staging row, and put the row
-// into slot [token][j] of the home, signal ADD 1. Per-expert rows (no weights at dispatch): work item =
-// (message, k) with a local expert; the row is put from the zero-copy buffer (copied there first when y is
-// another tensor) into slot [token][k].
-__device__ __forceinline__ void lli_combine_rows(const LliCombineArgs& a, const Deadline& d, u32 first_warp, u32 num_warps) {
-  const u32 lane = lane_id();
+// The rows home: one received message (source p, index i) per block at a time (messages block, block +
+// data_blocks, ... in source order), its rows built by every warp of the block, 256 channels (one 16-byte
+// bf16 vector per lane) per step, step c by warp c % LL_WARPS.
+//   Pre-reduced (weights given at dispatch): one row, slot [token][j] of the home: per step the lanes sum,
+//   from +0.0, f32(w) * f32(y) over this rank's selections of the token in ascending k (each product rounded
+//   before the add; every selection's load in flight before the first add), rounded to bf16.
+//   Per-expert (no weights at dispatch): one row per local selection k, slot [token][k]: y's row as it is.
+// Each row goes straight into the home's region when this GPU reaches it with stores (rdma::window; every
+// thread fences its stores, one thread signals ADD 1 per row), else into this rank's staging — for
+// per-expert rows the zero-copy buffer, which is y itself when the caller wrote there — and one warp puts
+// it with put_signal. A warp walking a whole row, one load after another, left the sends on 16 blocks for
+// ~112 us at 2x1 (bench/results/2026-11-28-2xnvidia-h200-33ada12-lli-trace-row-align).
+__device__ __forceinline__ void lli_combine_rows(const LliCombineArgs& a, const Deadline& d, LliShared& sm, u32 block, u32 data_blocks) {
+  const u32 lane = lane_id(), warp = warp_id();
   const u32 R = a.rdma.num_ranks, TM = a.max_tokens, me = a.rdma.rank;
   const u8* y = reinterpret_cast<const u8*>(a.y);
   const u32* hmeta = reinterpret_cast<const u32*>(a.hmeta);
   const bool prereduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
-  // Messages of every used source, counted in order: item -> (p, i) by walking the sources.
-  const u32 per = prereduced ? 1 : LL_TOPK;
-  u32 p = 0, before = 0;
-  for (u32 item = first_warp;; item += num_warps) {
-    const u32 g = item / per, k = item % per;
-    while (p < R && g >= before + (hmeta[2 * p + 1] ? hmeta[2 * p] : 0u)) {
-      before += hmeta[2 * p + 1] ? hmeta[2 * p] : 0u;
-      p++;
+  // The messages of each used source, as an exclusive prefix in sm.msgs (unused by the send phase otherwise).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 run = 0;
+    for (u32 p = 0; p < R; p++) {
+      sm.msgs[p] = run;
+      run += hmeta[2 * p + 1] ? hmeta[2 * p] : 0u;
     }
-    if (p >= R) break;
-    const u32 i = g - before;
+    sm.send_msgs = run;
+  }
+  __syncthreads();
+  const u32 total = sm.send_msgs;
+  for (u32 g = block; g < total; g += data_blocks) {
+    u32 lo = 0, hi = R;  // the source: the last p with prefix[p] <= g
+    while (hi - lo > 1) {
+      const u32 mid = (lo + hi) / 2;
+      if (sm.msgs[mid] <= g) lo = mid; else hi = mid;
+    }
+    const u32 p = lo, i = g - sm.msgs[p];
     const u64 h = (u64)p * TM + i;
     const u32 token = reinterpret_cast<const u32*>(a.htoken)[h];
+    i32 hrow = -1;
+    float w = 0.0f;
+    if (lane < LL_TOPK) {
+      hrow = reinterpret_cast<const i32*>(a.hrow)[h * LL_TOPK + lane];
+      if (prereduced) w = bits_f32(reinterpret_cast<const u32*>(a.hweight)[h * LL_TOPK + lane]);
+    }
+    const u32 live = __ballot_sync(FULL_WARP_MASK, hrow >= 0);
+    const u32 qp = (token + p) % a.rdma.num_qps;
     if (prereduced) {
-      i32 hrow = -1;
-      float w = 0.0f;
-      if (lane < LL_TOPK) {
-        hrow = reinterpret_cast<const i32*>(a.hrow)[h * LL_TOPK + lane];
-        w = bits_f32(reinterpret_cast<const u32*>(a.hweight)[h * LL_TOPK + lane]);
+      // The selections in ascending k: row and weight of the q-th (q < __popc(live)).
+      u32 rows[LL_TOPK];
+      float ws[LL_TOPK];
+      u32 m = live;
+#pragma unroll
+      for (u32 q = 0; q < LL_TOPK; q++) {
+        const u32 k = m != 0 ? __ffs(m) - 1 : 0u;
+        rows[q] = (u32)__shfl_sync(FULL_WARP_MASK, hrow, k);
+        ws[q] = __shfl_sync(FULL_WARP_MASK, w, k);
+        m &= m - 1;
       }
-      const u32 live = __ballot_sync(FULL_WARP_MASK, hrow >= 0);
-      const u64 stage = a.off_send_rows + h * ROW_BYTES_BF16;
-      u8* out = reinterpret_cast<u8*>(a.rdma.local_base + stage);
-      for (u32 c = 0; c < LLI_COMBINE_CHUNKS; c++) {
+      const u32 n = __popc(live);
+      const u32 j = reinterpret_cast<const u32*>(a.hj)[h];
+      const u64 dst_off = a.off_rows + ((u64)token * LL_TOPK + j) * ROW_BYTES_BF16, stage_off = a.off_send_rows + h * ROW_BYTES_BF16;
+      const rdma::Window win = rdma::window(a.rdma, p, dst_off, stage_off);
+      for (u32 c = warp; c < LLI_COMBINE_CHUNKS; c += LL_WARPS) {
         const u32 ch = c * LLI_COMBINE_CHANNELS + lane * 8;
+        if (ch >= LL_HIDDEN) continue;
+        u32x4 v[LL_TOPK];
+#pragma unroll
+        for (u32 q = 0; q < LL_TOPK; q++)
+          if (q < n) v[q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)rows[q] * ROW_BYTES_BF16 + (u64)ch * 2));
         float acc[8];
 #pragma unroll
-        for (u32 q = 0; q < 8; q++) acc[q] = 0.0f;
-        for (u32 m = live; m != 0; m &= m - 1) {
-          const u32 k2 = __ffs(m) - 1;
-          const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, hrow, k2);
-          const float wk = __shfl_sync(FULL_WARP_MASK, w, k2);
-          if (ch < LL_HIDDEN) {
-            const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + (u64)ch * 2));
+        for (u32 e = 0; e < 8; e++) acc[e] = 0.0f;
 #pragma unroll
-            for (u32 q = 0; q < 4; q++) {
-              acc[2 * q] = ptx::add_rn_f32(acc[2 * q], ptx::mul_rn_f32(wk, bf16_lo(word_of(v, q))));
-              acc[2 * q + 1] = ptx::add_rn_f32(acc[2 * q + 1], ptx::mul_rn_f32(wk, bf16_hi(word_of(v, q))));
-            }
+        for (u32 q = 0; q < LL_TOPK; q++) {
+          if (q >= n) break;
+#pragma unroll
+          for (u32 e = 0; e < 4; e++) {
+            acc[2 * e] = ptx::add_rn_f32(acc[2 * e], ptx::mul_rn_f32(ws[q], bf16_lo(word_of(v[q], e))));
+            acc[2 * e + 1] = ptx::add_rn_f32(acc[2 * e + 1], ptx::mul_rn_f32(ws[q], bf16_hi(word_of(v[q], e))));
           }
         }
-        if (ch < LL_HIDDEN) {
-          u32x4 o;
-          o.x = ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]);
-          o.y = ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]);
-          o.z = ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]);
-          o.w = ptx::cvt_rn_bf16x2_f32(acc[7], acc[6]);
-          ptx::st_v4(reinterpret_cast<u32x4*>(out + (u64)ch * 2), o);
+        u32x4 o;
+        o.x = ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]);
+        o.y = ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]);
+        o.z = ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]);
+        o.w = ptx::cvt_rn_bf16x2_f32(acc[7], acc[6]);
+        u32x4* out = reinterpret_cast<u32x4*>(win.ptr + (u64)ch * 2);
+        if (win.direct) ptx::st_na_v4(out, o); else ptx::st_v4(out, o);
+      }
+      ptx::fence_acq_rel_sys();
+      __syncthreads();
+      if (warp == 0) {
+        if (win.direct) {
+          if (lane == 0) rdma::signal_thread(a.rdma, qp, p, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+        } else {
+          rdma::put_signal_warp(a.rdma, qp, p, dst_off, stage_off, ROW_BYTES_BF16, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
         }
       }
-      const u32 j = reinterpret_cast<const u32*>(a.hj)[h];
-      rdma::put_signal_warp(a.rdma, (token + p) % a.rdma.num_qps, p, a.off_rows + ((u64)token * LL_TOPK + j) * ROW_BYTES_BF16, stage,
-                            ROW_BYTES_BF16, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
     } else {
-      const i32 hrow = reinterpret_cast<const i32*>(a.hrow)[h * LL_TOPK + k];
-      if (hrow < 0) continue;
-      const u64 src = a.off_zero_copy + (u64)hrow * ROW_BYTES_BF16;
-      if (a.y_is_zero_copy == 0) {
-        u8* dst = reinterpret_cast<u8*>(a.rdma.local_base + src);
-        for (u32 off = lane * VEC_BYTES; off < ROW_BYTES_BF16; off += CHUNK_BYTES)
-          ptx::st_v4(reinterpret_cast<u32x4*>(dst + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)hrow * ROW_BYTES_BF16 + off)));
+      // Item (selection q, 512-byte chunk) per warp; the q-th live selection is slot k of the token.
+      const u32 n = __popc(live);
+      for (u32 item = warp; item < n * LLI_ROW_CHUNKS; item += LL_WARPS) {
+        const u32 q = item / LLI_ROW_CHUNKS, c = item % LLI_ROW_CHUNKS;
+        u32 m = live;
+        for (u32 s2 = 0; s2 < q; s2++) m &= m - 1;
+        const u32 k = __ffs(m) - 1;
+        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, hrow, k);
+        const u64 src_off = a.off_zero_copy + (u64)r * ROW_BYTES_BF16;
+        const u64 dst_off = a.off_rows + ((u64)token * LL_TOPK + k) * ROW_BYTES_BF16;
+        const rdma::Window win = rdma::window(a.rdma, p, dst_off, src_off);
+        const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+        if (off >= ROW_BYTES_BF16 || (!win.direct && a.y_is_zero_copy != 0)) continue;  // staged from y itself
+        const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
+        u32x4* out = reinterpret_cast<u32x4*>(win.ptr + off);
+        if (win.direct) ptx::st_na_v4(out, v); else ptx::st_v4(out, v);
       }
-      rdma::put_signal_warp(a.rdma, (token + p) % a.rdma.num_qps, p, a.off_rows + ((u64)token * LL_TOPK + k) * ROW_BYTES_BF16, src,
-                            ROW_BYTES_BF16, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+      ptx::fence_acq_rel_sys();
+      __syncthreads();
+      u32 m = live;
+      for (u32 q = 0; q < n; q++, m &= m - 1) {
+        if (q % LL_WARPS != warp) continue;
+        const u32 k = __ffs(m) - 1;
+        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, hrow, k);
+        const u64 src_off = a.off_zero_copy + (u64)r * ROW_BYTES_BF16;
+        const u64 dst_off = a.off_rows + ((u64)token * LL_TOPK + k) * ROW_BYTES_BF16;
+        const rdma::Window win = rdma::window(a.rdma, p, dst_off, src_off);
+        if (win.direct) {
+          if (lane == 0) rdma::signal_thread(a.rdma, qp, p, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+        } else {
+          rdma::put_signal_warp(a.rdma, qp, p, dst_off, src_off, ROW_BYTES_BF16, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+        }
+      }
     }
   }
 }
@@ -137,7 +194,7 @@ __device__ __forceinline__ void lli_combine_send(const LliCombineArgs& a, const 
     if (a.host_problem == 0 && (blockIdx.x != 0 || workers == 1)) {
       const u32 data_blocks = workers == 1 ? 1 : workers - 1;
       const u32 block = workers == 1 ? 0 : blockIdx.x - 1;
-      lli_combine_rows(a, d, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+      lli_combine_rows(a, d, sm, block, data_blocks);
       lli_trace(sm, LL_TRACE_SEND_ISSUED);  // thread 0: its warp's messages are out
     }
   }
@@ -213,41 +270,44 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
         if (j < lane && other == id) live = false;
         if (j < lane && od == dest) firstd = false;
       }
-      float acc[8];
-#pragma unroll
-      for (u32 q = 0; q < 8; q++) acc[q] = 0.0f;
+      // Bit q of `use`: slot q of the token is summed, in ascending q, every load in flight before the
+      // first add. Pre-reduced: slot j holds the partial of the token's j-th destination rank (ascending),
+      // skipped when that rank's data is not used; per expert: slot k holds expert k's row, weighted.
+      u32 use = 0;
       if (prereduced) {
-        // Distinct destination ranks in ascending order: slot j holds the j-th's partial.
-        const u32 ranks_mask = __ballot_sync(FULL_WARP_MASK, firstd && live);
-        const u32 n = __popc(ranks_mask);
-        const u32 key = (firstd && live) ? dest : LLI_NONE;
-        u32 taken = 0;
-        for (u32 j = 0; j < n; j++) {
-          u32 best = (key != LLI_NONE && ((taken >> lane) & 1) == 0) ? key : LLI_NONE;
+        const bool is_dest = firstd && live;
+        u32 place = 0;
 #pragma unroll
-          for (u32 m = WARP_SIZE / 2; m >= 1; m /= 2) best = lli_min(best, __shfl_xor_sync(FULL_WARP_MASK, best, m));
-          const u32 owner = __ffs(__ballot_sync(FULL_WARP_MASK, key == best && ((taken >> lane) & 1) == 0)) - 1;
-          taken |= 1u << owner;
-          if (sm.used[best] == 0 || ch >= LL_HIDDEN) continue;
-          const u32x4 v = ptx::ld_cg_v4(rows_at + ((u64)t * LL_TOPK + j) * ROW_BYTES_BF16 + (u64)ch * 2);
+        for (u32 j = 0; j < LL_TOPK; j++) place += __shfl_sync(FULL_WARP_MASK, is_dest ? dest : LLI_NONE, j) < dest ? 1u : 0u;
+        const u32 dests = __ballot_sync(FULL_WARP_MASK, is_dest);
+        const u32 used_dests = __ballot_sync(FULL_WARP_MASK, is_dest && sm.used[dest] != 0);
 #pragma unroll
-          for (u32 q = 0; q < 4; q++) {
-            acc[2 * q] = ptx::add_rn_f32(acc[2 * q], bf16_lo(word_of(v, q)));
-            acc[2 * q + 1] = ptx::add_rn_f32(acc[2 * q + 1], bf16_hi(word_of(v, q)));
-          }
+        for (u32 j = 0; j < LL_TOPK; j++) {
+          const u32 owner = __ffs(__ballot_sync(FULL_WARP_MASK, is_dest && place == j)) - 1;
+          if (j < (u32)__popc(dests) && ((used_dests >> owner) & 1)) use |= 1u << j;
         }
       } else {
-        const u32 lives = __ballot_sync(FULL_WARP_MASK, live);
-        for (u32 m = lives; m != 0; m &= m - 1) {
-          const u32 k = __ffs(m) - 1;
-          const u32 dk = __shfl_sync(FULL_WARP_MASK, dest, k);
-          const float w = __shfl_sync(FULL_WARP_MASK, wk, k);
-          if (sm.used[dk] == 0 || ch >= LL_HIDDEN) continue;
-          const u32x4 v = ptx::ld_cg_v4(rows_at + ((u64)t * LL_TOPK + k) * ROW_BYTES_BF16 + (u64)ch * 2);
+        use = __ballot_sync(FULL_WARP_MASK, live && sm.used[dest] != 0);
+      }
+      u32x4 v[LL_TOPK];
 #pragma unroll
-          for (u32 q = 0; q < 4; q++) {
-            acc[2 * q] = ptx::add_rn_f32(acc[2 * q], ptx::mul_rn_f32(w, bf16_lo(word_of(v, q))));
-            acc[2 * q + 1] = ptx::add_rn_f32(acc[2 * q + 1], ptx::mul_rn_f32(w, bf16_hi(word_of(v, q))));
+      for (u32 q = 0; q < LL_TOPK; q++)
+        if (((use >> q) & 1) && ch < LL_HIDDEN) v[q] = ptx::ld_cg_v4(rows_at + ((u64)t * LL_TOPK + q) * ROW_BYTES_BF16 + (u64)ch * 2);
+      float acc[8];
+#pragma unroll
+      for (u32 e = 0; e < 8; e++) acc[e] = 0.0f;
+#pragma unroll
+      for (u32 q = 0; q < LL_TOPK; q++) {
+        const float w = __shfl_sync(FULL_WARP_MASK, wk, q);
+        if (((use >> q) & 1) == 0 || ch >= LL_HIDDEN) continue;
+#pragma unroll
+        for (u32 e = 0; e < 4; e++) {
+          if (prereduced) {
+            acc[2 * e] = ptx::add_rn_f32(acc[2 * e], bf16_lo(word_of(v[q], e)));
+            acc[2 * e + 1] = ptx::add_rn_f32(acc[2 * e + 1], bf16_hi(word_of(v[q], e)));
+          } else {
+            acc[2 * e] = ptx::add_rn_f32(acc[2 * e], ptx::mul_rn_f32(w, bf16_lo(word_of(v[q], e))));
+            acc[2 * e + 1] = ptx::add_rn_f32(acc[2 * e + 1], ptx::mul_rn_f32(w, bf16_hi(word_of(v[q], e))));
           }
         }
       }
@@ -268,8 +328,9 @@ namespace moelink::internode_ll {
 // moelink::internode_ll::combine: low-latency combine across nodes, send and/or receive phase.
 //   grid, phases: as moelink::internode_ll::dispatch.
 //   SEND  every block waits until the homes handed the combine set back; block 0 checks the combine-time
-//         top-k against the dispatch and puts every rank its meta; the other blocks put one pre-reduced row
-//         per received (source, token), or one row per selection (source, token, k), with put_signal(ADD 1).
+//         top-k against the dispatch and puts every rank its meta; the other blocks send one pre-reduced
+//         row per received (source, token), or one row per selection (source, token, k), a message per
+//         block at a time, built by all its warps, each row counted by an ADD 1 on the home's data word.
 //   RECV  every block waits for every rank's meta and, when it used this rank's dispatch, its rows; work
 //         item (token, 256 channels) per warp: the fixed-order f32 sum, rounded to bf16 into out. The last
 //         block hands the set back.

@@ -56,31 +56,59 @@ __device__ __forceinline__ void lli_dispatch_check(const LliDispatchArgs& a, con
   }
 }
 
-// The messages: one warp per token (worker warps first_warp, first_warp + num_warps, ...). The warp counts
-// the token's routing over the earlier rows, stages the message (header, entries, weights, the row —
-// quantised to FP8 in registers, 16 channels per lane, or copied as bf16) and puts it to every destination
-// rank's slot, starting after this rank.
-__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, u32 first_warp, u32 num_warps) {
-  const u32 lane = lane_id();
+// A message's destinations, shared by the block that sends it: ranks in send order (me + 1, me + 2, ...,
+// every rank starting elsewhere) and the token's compact slot at each.
+struct LliDests {
+  u32 rank[LL_TOPK];
+  u32 slot[LL_TOPK];
+  u32 count;
+};
+
+// The messages: one token per block at a time (tokens block, block + data_blocks, ...), its message built by
+// every warp of the block. The last warp counts the token's routing over the earlier rows and writes the
+// header, entries and weights; the warps quantise (FP8, 16 channels per lane) or copy (bf16) the row's
+// 512-byte chunks, chunk c by warp c % LL_WARPS, into this rank's staging. Then the block delivers it: to a
+// destination it reaches with stores (rdma::window) every thread copies its share of the message there and
+// fences it, and one thread signals ADD 1; another is put from the staging by one warp with put_signal.
+// A warp carrying whole messages (quantise, stage, copy, fence, one dependent step after another) left the
+// sends of 128 tokens on 8 blocks for ~64 us at 2x1 (bench/results/2026-11-28-2xnvidia-h200-33ada12-lli-trace-row-align).
+__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, u32 block, u32 data_blocks) {
+  __shared__ LliDests dests[2];  // alternate per token: the next token's routing never waits on this one's readers
+  constexpr u32 ROUTE_WARP = LL_WARPS - 1;
+  const u32 lane = lane_id(), warp = warp_id();
   const u32 R = a.rdma.num_ranks, me = a.rdma.rank, TM = a.max_tokens;
-  const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const u32* wts = reinterpret_cast<const u32*>(a.topk_weights);
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u8* x = reinterpret_cast<const u8*>(a.x);
-  for (u32 t = first_warp; t < a.num_tokens; t += num_warps) {
-    const LliRoute r = lli_route(a.topk_idx, t, a.num_experts, a.num_local_experts);
+  u32 parity = 0;
+  for (u32 t = block; t < a.num_tokens; t += data_blocks, parity ^= 1) {
+    LliDests& ds = dests[parity];
     const u64 src_off = a.off_send_msgs + (u64)t * LLI_MSG_BYTES;
     u8* msg = reinterpret_cast<u8*>(a.rdma.local_base + src_off);
-    if (lane == 0) reinterpret_cast<u32*>(msg)[0] = t;
-    if (lane < LL_TOPK) {
-      u32* route = reinterpret_cast<u32*>(msg + LLI_HDR_BYTES);
-      route[lane] = r.id != LLI_NONE ? (r.id << 16) | r.rank : LLI_NONE;
-      route[LL_TOPK + lane] = has_weights ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane) : 0u;
+    if (warp == ROUTE_WARP) {
+      const LliRoute r = lli_route(a.topk_idx, t, a.num_experts, a.num_local_experts);
+      if (lane == 0) reinterpret_cast<u32*>(msg)[0] = t;
+      if (lane < LL_TOPK) {
+        u32* route = reinterpret_cast<u32*>(msg + LLI_HDR_BYTES);
+        route[lane] = r.id != LLI_NONE ? (r.id << 16) | r.rank : LLI_NONE;
+        route[LL_TOPK + lane] = has_weights ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane) : 0u;
+      }
+      // A destination's place in the send order: the destinations before it, counted from me + 1.
+      const bool has = r.dest != LLI_NONE;
+      const u32 key = has ? (r.dest + R - me - 1) % R : LLI_NONE;
+      u32 place = 0;
+#pragma unroll
+      for (u32 j = 0; j < LL_TOPK; j++) place += __shfl_sync(FULL_WARP_MASK, key, j) < key ? 1u : 0u;
+      const u32 count = __popc(__ballot_sync(FULL_WARP_MASK, has));
+      if (has) {
+        ds.rank[place] = r.dest;
+        ds.slot[place] = r.slot;
+      }
+      if (lane == 0) ds.count = count;
     }
     u8* row = msg + LLI_PAYLOAD_AT;
+    for (u32 c = warp; c < SEND_CHUNKS; c += LL_WARPS) {
 #if LL_FP8
-    const bool round_scale = (a.flags & LL_FLAG_ROUND_SCALE) != 0;
-    for (u32 c = 0; c < SEND_CHUNKS; c++) {
       const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
       const bool active = ch < LL_HIDDEN;
       u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
@@ -90,30 +118,36 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
         v1 = ptx::ld_nc_na_v4(src + 1);
       }
       float scale_inv;
-      const u32x4 q = quantize16(v0, v1, round_scale, scale_inv);
+      const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
       if (active) {
         ptx::st_v4(reinterpret_cast<u32x4*>(row + ch), q);
         if (lane % FP8_GROUP_LANES == 0) reinterpret_cast<u32*>(row + LL_HIDDEN)[ch / FP8_GROUP] = f32_bits(scale_inv);
       }
-    }
 #else
-    for (u32 off = lane * VEC_BYTES; off < ROW_BYTES_BF16; off += CHUNK_BYTES)
-      ptx::st_v4(reinterpret_cast<u32x4*>(row + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)));
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      if (off < ROW_BYTES_BF16) ptx::st_v4(reinterpret_cast<u32x4*>(row + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)));
 #endif
-    // One put_signal per destination, in the order me + 1, me + 2, ... (every rank starting elsewhere).
-    u32 dests = __ballot_sync(FULL_WARP_MASK, r.dest != LLI_NONE);
-    while (dests != 0) {
-      // The next destination after me: the lane whose rank is nearest above me (mod R).
-      const u32 key = (r.dest != LLI_NONE && ((dests >> lane) & 1)) ? (r.dest + R - me - 1) % R : LLI_NONE;
-      u32 best = key;
-#pragma unroll
-      for (u32 m = WARP_SIZE / 2; m >= 1; m /= 2) best = lli_min(best, __shfl_xor_sync(FULL_WARP_MASK, best, m));
-      const u32 owner = __ffs(__ballot_sync(FULL_WARP_MASK, key == best)) - 1;
-      const u32 p = __shfl_sync(FULL_WARP_MASK, r.dest, owner);
-      const u32 slot = __shfl_sync(FULL_WARP_MASK, r.slot, owner);
-      rdma::put_signal_warp(a.rdma, (t + p) % a.rdma.num_qps, p, a.off_msgs + ((u64)me * TM + slot) * LLI_MSG_BYTES, src_off, LLI_MSG_BYTES,
-                            a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
-      dests &= ~(1u << owner);
+    }
+    __syncthreads();
+    const u32 n = ds.count;
+    for (u32 i = 0; i < n; i++) {
+      const u64 dst_off = a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES;
+      const rdma::Window w = rdma::window(a.rdma, ds.rank[i], dst_off, src_off);
+      if (w.direct) rdma::copy_bytes(w.ptr, msg, LLI_MSG_BYTES, threadIdx.x, LL_THREADS);
+    }
+    // Every thread's stores (the staging, the copies) are visible everywhere before any signal or put.
+    ptx::fence_acq_rel_sys();
+    __syncthreads();
+    for (u32 i = warp; i < n; i += LL_WARPS) {
+      const u32 p = ds.rank[i];
+      const u64 dst_off = a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES;
+      const rdma::Window w = rdma::window(a.rdma, p, dst_off, src_off);
+      const u32 qp = (t + p) % a.rdma.num_qps;
+      if (w.direct) {
+        if (lane == 0) rdma::signal_thread(a.rdma, qp, p, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+      } else {
+        rdma::put_signal_warp(a.rdma, qp, p, dst_off, src_off, LLI_MSG_BYTES, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
+      }
     }
   }
 }
@@ -129,7 +163,7 @@ __device__ __forceinline__ void lli_dispatch_send(const LliDispatchArgs& a, cons
     if (a.host_problem == 0 && (blockIdx.x != 0 || workers == 1)) {
       const u32 data_blocks = workers == 1 ? 1 : workers - 1;
       const u32 block = workers == 1 ? 0 : blockIdx.x - 1;
-      lli_dispatch_rows(a, d, block * LL_WARPS + warp_id(), data_blocks * LL_WARPS);
+      lli_dispatch_rows(a, d, block, data_blocks);
       lli_trace(sm, LL_TRACE_SEND_ISSUED);  // thread 0: its warp's messages are out
     }
   }
@@ -330,8 +364,9 @@ namespace moelink::internode_ll {
 //   grid: W worker blocks (+ the emulated NIC's, transport.cuh), LL_THREADS threads; cooperative when both
 //         phases run in one launch.
 //   SEND  every block waits until the destinations handed the set back; block 0 validates, keeps the
-//         handle copies and puts every rank its meta block; the other blocks (block 0 when alone) put one
-//         message per (token, destination) with put_signal(ADD 1). The last block stores the epoch.
+//         handle copies and puts every rank its meta block; the other blocks (block 0 when alone) send one
+//         message per (token, destination), a token per block at a time, built by all its warps, each
+//         counted by an ADD 1 on the destination's data word. The last block stores the epoch.
 //   RECV  every block waits for every source (meta, then its messages) and scans the counts; work item
 //         (message, 512-byte chunk) per warp: one 16-byte load, one store per selected local expert into
 //         recv_x[e][slot] (slots in (source, token) order), scales column-major; chunk 0 writes the handle
