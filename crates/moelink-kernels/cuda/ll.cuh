@@ -137,7 +137,9 @@ constexpr u32 LL_TRACE_RECV_STORED = 6;  // recv: this block's outputs written
 constexpr u32 LL_TRACE_END = 7;          // block exit
 constexpr u32 LL_TRACE_INDEX_CHECKED = 8;  // dispatch send, block 0 (dispatch_check): rows validated, handle copies
 constexpr u32 LL_TRACE_RECV_INDEXED = 9;  // dispatch receive: counts scanned into bases
-constexpr u32 LL_TRACE_WORDS = 10;
+constexpr u32 LL_TRACE_SEND_BUILT = 10;   // send across nodes: the block's (last) message built in the staging
+constexpr u32 LL_TRACE_SEND_ROUTED = 11;  // send across nodes: the routing warp's (last) routing counted
+constexpr u32 LL_TRACE_WORDS = 12;
 constexpr u32 LL_TRACE_CALLS = 16;
 
 // The row of this launch and block (0 when tracing is off).

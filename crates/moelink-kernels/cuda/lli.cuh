@@ -372,11 +372,15 @@ __device__ __forceinline__ LliRoute lli_route(u64 topk_idx, u32 t, u32 num_exper
   }
   if (!live) r.id = LLI_NONE;
   if (first_dest) r.dest = dest;
+  // A prior id v is on rank dk when v - dk * local_experts < local_experts (unsigned; the ranks' ranges tile
+  // [0, E), so no id outside it falls in one): a division per id and slot, 256 per lane and pass, takes
+  // ~40 us on one warp.
   auto count = [&](const PriorRows& rows) {
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
       const u32 e = __shfl_sync(FULL_WARP_MASK, r.id, k);
       const u32 dk = __shfl_sync(FULL_WARP_MASK, r.dest, k);
+      const u32 first_of_dk = dk != LLI_NONE ? dk * local_experts : 0u;
       u32 with_e = 0, to_d = 0;
 #pragma unroll
       for (u32 i = 0; i < RANK_ROWS; i++) {
@@ -385,7 +389,7 @@ __device__ __forceinline__ LliRoute lli_route(u64 topk_idx, u32 t, u32 num_exper
         for (u32 j = 0; j < LL_TOPK; j++) {
           const u32 v = rows.id[i][j];
           hit_e |= v == e;
-          hit_d |= v < num_experts && v / local_experts == dk;
+          hit_d |= v - first_of_dk < local_experts;
         }
         with_e += hit_e && e != LLI_NONE ? 1u : 0u;
         to_d += hit_d && dk != LLI_NONE ? 1u : 0u;

@@ -20,6 +20,9 @@ __device__ __forceinline__ void lli_dispatch_check(const LliDispatchArgs& a, con
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
     problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+    u32 dest[LL_TOPK];  // the rank of each live slot's expert, one division per slot
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) dest[k] = live[k] ? (u32)ids[k] / EL : LLI_NONE;
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
       reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
@@ -28,8 +31,8 @@ __device__ __forceinline__ void lli_dispatch_check(const LliDispatchArgs& a, con
       atomicAdd(&sm.words[(u32)ids[k]], 1u);
       bool first = true;
 #pragma unroll
-      for (u32 j = 0; j < k; j++) first &= !(live[j] && (u32)ids[j] / EL == (u32)ids[k] / EL);
-      if (first && a.host_problem == 0) atomicAdd(&sm.msgs[(u32)ids[k] / EL], 1u);
+      for (u32 j = 0; j < k; j++) first &= dest[j] != dest[k];
+      if (first && a.host_problem == 0) atomicAdd(&sm.msgs[dest[k]], 1u);
     }
   }
   if (problem != 0) atomicOr(&sm.problem, problem);
@@ -72,7 +75,7 @@ struct LliDests {
 // fences it, and one thread signals ADD 1; another is put from the staging by one warp with put_signal.
 // A warp carrying whole messages (quantise, stage, copy, fence, one dependent step after another) left the
 // sends of 128 tokens on 8 blocks for ~64 us at 2x1 (bench/results/2026-11-28-2xnvidia-h200-33ada12-lli-trace-row-align).
-__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, u32 block, u32 data_blocks) {
+__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, const LliShared& sm, u32 block, u32 data_blocks) {
   __shared__ LliDests dests[2];  // alternate per token: the next token's routing never waits on this one's readers
   constexpr u32 ROUTE_WARP = LL_WARPS - 1;
   const u32 lane = lane_id(), warp = warp_id();
@@ -104,7 +107,10 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
         ds.rank[place] = r.dest;
         ds.slot[place] = r.slot;
       }
-      if (lane == 0) ds.count = count;
+      if (lane == 0) {
+        ds.count = count;
+        if (sm.trace_row != 0) reinterpret_cast<volatile u64*>(sm.trace_row)[LL_TRACE_SEND_ROUTED] = ptx::globaltimer();
+      }
     }
     u8* row = msg + LLI_PAYLOAD_AT;
     for (u32 c = warp; c < SEND_CHUNKS; c += LL_WARPS) {
@@ -129,6 +135,7 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
 #endif
     }
     __syncthreads();
+    lli_trace(sm, LL_TRACE_SEND_BUILT);
     const u32 n = ds.count;
     for (u32 i = 0; i < n; i++) {
       const u64 dst_off = a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES;
@@ -138,6 +145,7 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
     // Every thread's stores (the staging, the copies) are visible everywhere before any signal or put.
     ptx::fence_acq_rel_sys();
     __syncthreads();
+    lli_trace(sm, LL_TRACE_SEND_STORED);
     for (u32 i = warp; i < n; i += LL_WARPS) {
       const u32 p = ds.rank[i];
       const u64 dst_off = a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES;
@@ -163,7 +171,7 @@ __device__ __forceinline__ void lli_dispatch_send(const LliDispatchArgs& a, cons
     if (a.host_problem == 0 && (blockIdx.x != 0 || workers == 1)) {
       const u32 data_blocks = workers == 1 ? 1 : workers - 1;
       const u32 block = workers == 1 ? 0 : blockIdx.x - 1;
-      lli_dispatch_rows(a, d, block, data_blocks);
+      lli_dispatch_rows(a, d, sm, block, data_blocks);
       lli_trace(sm, LL_TRACE_SEND_ISSUED);  // thread 0: its warp's messages are out
     }
   }

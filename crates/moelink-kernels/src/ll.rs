@@ -39,10 +39,22 @@ pub const LL_HINT_TOPK: usize = 16;
 /// Timing trace (`moelink::KernelTracing::low_latency`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
 /// `ll.cuh`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
 /// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
-pub const LL_TRACE_WORDS: usize = 10;
+pub const LL_TRACE_WORDS: usize = 12;
 pub const LL_TRACE_CALLS: usize = 16;
-pub const LL_TRACE_POINTS: [&str; 10] =
-    ["start", "send_ready", "send_issued", "send_stored", "send_done", "recv_seen", "recv_stored", "end", "index_checked", "recv_indexed"];
+pub const LL_TRACE_POINTS: [&str; 12] = [
+    "start",
+    "send_ready",
+    "send_issued",
+    "send_stored",
+    "send_done",
+    "recv_seen",
+    "recv_stored",
+    "end",
+    "index_checked",
+    "recv_indexed",
+    "send_built",
+    "send_routed",
+];
 
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
 pub const SIG_FIELDS: [&str; 6] = ["hidden", "topk", "num_experts", "num_max_dispatch_tokens_per_rank", "quant", "topk_weights"];
