@@ -106,6 +106,10 @@ constexpr u32 PHASE_HTI_COMBINE_RDMA = 13;
 constexpr u32 PHASE_HTI_COMBINE_NVLINK = 14;
 
 #define HTI_ALIGN16(x) (((x) + 15u) / 16u * 16u)
+// Rows and messages are whole 128-byte lines (moelink_kernels::ht_internode::ROW_ALIGN), and so is a
+// message's header: every row and payload starts on a line, and a warp's 512-byte runs of stores cover whole
+// lines on their way over NVLink or RDMA.
+#define HTI_ALIGN_LINE(x) (((x) + 127u) / 128u * 128u)
 // The smallest power of two >= N (N <= 64).
 template <u32 N>
 struct NextPow2 {
@@ -123,13 +127,13 @@ static_assert(!FP8 || HIDDEN % FP8_BLOCK == 0, "FP8 hidden is a multiple of the 
 // An RDMA dispatch message: u32 token, u32 mask (bit j: goes to local rank j), u32 layout tag (MSG_TAG), 4
 // bytes of padding; i32 slot
 // [8] (the row's slot at each local rank of the destination node, -1 elsewhere); i32 top-k ids (global, -1
-// for none); f32 weights; f32 scales; the payload at a 16-byte boundary.
+// for none); f32 weights; f32 scales; the payload at a 128-byte boundary.
 constexpr u32 MSG_SLOTS = 16;
 constexpr u32 MSG_IDS = 48;
 constexpr u32 MSG_WEIGHTS = MSG_IDS + 4 * TOPK;
 constexpr u32 MSG_SCALES = MSG_WEIGHTS + 4 * TOPK;
-constexpr u32 MSG_PAYLOAD = HTI_ALIGN16(MSG_SCALES + 4 * NUM_SCALES);
-constexpr u32 MSG_BYTES = MSG_PAYLOAD + PAYLOAD_BYTES;
+constexpr u32 MSG_PAYLOAD = HTI_ALIGN_LINE(MSG_SCALES + 4 * NUM_SCALES);
+constexpr u32 MSG_BYTES = HTI_ALIGN_LINE(MSG_PAYLOAD + PAYLOAD_BYTES);
 // What a message's layout depends on, so that a forwarder reading a message of another kernel variant (a
 // host that chose the variant differently on one rank) stops with ERR_PEER_LAYOUT instead of forwarding
 // garbage to addresses taken from it.
@@ -137,19 +141,19 @@ constexpr u32 MSG_TAG = 0xa0000000u | (FP8 ? 1u << 27 : 0u) | (TOPK << 20) | HID
 static_assert(HIDDEN < (1u << 20) && TOPK < 128, "the layout tag holds HIDDEN and TOPK");
 // A row in an NVLink dispatch part: the payload, then u32 meta words: the top-k ids as the receiver's local
 // i64 ids (two words each, low first), the scales, the weights (0 where the id is -1 there), the source's
-// token index, the message index and the round (for combine); padded to 16 bytes.
+// token index, the message index and the round (for combine); padded to 16 bytes, the row to a whole line.
 constexpr u32 META_SCALES = 2 * TOPK;
 constexpr u32 META_WEIGHTS = META_SCALES + NUM_SCALES;
 constexpr u32 META_SRC = META_WEIGHTS + TOPK;
 constexpr u32 META_MESSAGE = META_SRC + 1;
 constexpr u32 META_ROUND = META_MESSAGE + 1;
 constexpr u32 META_WORDS = META_ROUND + 1;
-constexpr u32 ROW_BYTES = PAYLOAD_BYTES + HTI_ALIGN16(4 * META_WORDS);
+constexpr u32 ROW_BYTES = HTI_ALIGN_LINE(PAYLOAD_BYTES + HTI_ALIGN16(4 * META_WORDS));
 // Combine: a row going to the forwarder is the bf16 payload and TOPK f32 weights; a partial going home is
 // the fp32 sum and TOPK f32 weight sums.
 constexpr u32 CPAYLOAD_BYTES = 2 * HIDDEN;
-constexpr u32 COMBINE_ROW_BYTES = CPAYLOAD_BYTES + HTI_ALIGN16(4 * TOPK);
-constexpr u32 COMBINE_MSG_BYTES = 4 * HIDDEN + HTI_ALIGN16(4 * TOPK);
+constexpr u32 COMBINE_ROW_BYTES = HTI_ALIGN_LINE(CPAYLOAD_BYTES + HTI_ALIGN16(4 * TOPK));
+constexpr u32 COMBINE_MSG_BYTES = HTI_ALIGN_LINE(4 * HIDDEN + HTI_ALIGN16(4 * TOPK));
 static_assert(CPAYLOAD_BYTES % VEC_BYTES == 0, "bf16 rows are whole 16-byte vectors");
 static_assert(MSG_BYTES == HTI_MSG_BYTES && ROW_BYTES == HTI_ROW_BYTES && COMBINE_ROW_BYTES == HTI_COMBINE_ROW_BYTES && COMBINE_MSG_BYTES == HTI_COMBINE_MSG_BYTES,
               "row sizes mirror moelink_kernels::ht_internode::RowSizes");

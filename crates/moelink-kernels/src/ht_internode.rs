@@ -76,6 +76,9 @@ pub mod host_notify {
     }
 }
 
+/// Rows and messages are whole multiples of this many bytes (`HTI_ROW_ALIGN` in hti.cuh).
+pub const ROW_ALIGN: usize = 128;
+
 fn align(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
 }
@@ -99,11 +102,14 @@ impl RowSizes {
     pub fn new(h: usize, fp8: bool, topk: usize, combine_topk: usize) -> RowSizes {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / 128 } else { 0 };
+        // Whole 128-byte lines: a row or message starts on a line, and the payload of a message too, so that
+        // a warp's 512-byte runs of stores cover whole lines on their way over NVLink or RDMA.
+        let line = |n: usize| align(n, ROW_ALIGN);
         RowSizes {
-            dispatch_msg: align(48 + 8 * topk + 4 * scales, 16) + payload,
-            dispatch_row: payload + align(4 * (3 * topk + scales + 3), 16),
-            combine_row: 2 * h + align(4 * combine_topk, 16),
-            combine_msg: 4 * h + align(4 * combine_topk, 16),
+            dispatch_msg: line(line(48 + 8 * topk + 4 * scales) + payload),
+            dispatch_row: line(payload + align(4 * (3 * topk + scales + 3), 16)),
+            combine_row: line(2 * h + align(4 * combine_topk, 16)),
+            combine_msg: line(4 * h + align(4 * combine_topk, 16)),
         }
     }
 }
@@ -565,12 +571,12 @@ mod tests {
     #[test]
     fn rows_follow_the_kernel_formulas() {
         let r = RowSizes::new(7168, true, 8, 8);
-        assert_eq!(r.dispatch_msg, align(48 + 64 + 4 * 56, 16) + 7168);
-        assert_eq!(r.dispatch_row, 7168 + align(4 * (24 + 56 + 3), 16));
-        assert_eq!(r.combine_row, 14336 + 32);
-        assert_eq!(r.combine_msg, 28672 + 32);
+        assert_eq!(r.dispatch_msg, 384 + 7168);
+        assert_eq!(r.dispatch_row, 7168 + 384);
+        assert_eq!(r.combine_row, 14336 + 128);
+        assert_eq!(r.combine_msg, 28672 + 128);
         let b = RowSizes::new(256, false, 0, 0);
-        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (48 + 512, 512 + 16, 512, 1024));
+        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (128 + 512, 512 + 128, 512, 1024));
     }
 
     #[test]
