@@ -129,8 +129,13 @@ struct NicState {
   alignas(128) u32 workers_exited;  // worker threads of this launch that have finished
   alignas(128) u32 nics_exited;     // NIC blocks of this launch that have finished
   alignas(128) u32 launches;        // launches served (scheduler seed)
+  alignas(128) u64 sent_bytes;      // bytes this launch's NIC blocks put: the rank's rate cap is shared by its blocks
   alignas(128) NicDesc ring[RDMA_MAX_QPS][NIC_RING];
 };
+
+#ifdef MOELINK_SIZEOF_NIC_STATE
+static_assert(sizeof(NicState) == MOELINK_SIZEOF_NIC_STATE, "NicState mirrors moelink_kernels::transport::NIC_STATE_BYTES");
+#endif
 
 namespace rdma {
 
@@ -241,7 +246,8 @@ __device__ __forceinline__ u32 nic_rand(u32& s) {
   return s;
 }
 
-// The NIC: runs on the last `nic_blocks` blocks; block n serves the QPs q with q % nic_blocks == n. Thread
+// The NIC: runs on the last `nic_blocks` blocks; block n serves the QPs q with q % nic_blocks == n, all of
+// them under the rank's one rate cap. Thread
 // 0 picks the next descriptor (the scheduler), the whole block copies its bytes, every thread fences its
 // stores, thread 0 applies the signal and publishes the QP's head. Ends once every worker thread has left
 // and its QPs are drained — or, after a fatal error of this rank, once the workers have left (what is
@@ -256,7 +262,6 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
   u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (me + 1);
   if (rng == 0) rng = 1;
   const u64 start_ns = ptx::globaltimer();
-  u64 sent_bytes = 0;
   for (;;) {
     if (threadIdx.x == 0) {
       u32 action = 0;
@@ -277,8 +282,10 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
           hold = (u64)((h ^ (h >> 15)) * 0x2c1b3c6du % (2u * a.nic_reorder_us)) * 1000;
         }
         if (now - d->post_ns < a.nic_delay_ns + hold) continue;
+        // The rate cap is the rank's: the bytes every NIC block of the launch put so far. Blocks that pass
+        // the test at once may overshoot it by a descriptor each.
         if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0 &&
-            (sent_bytes + d->bytes) * 1000 > (now - start_ns) * (u64)a.nic_bytes_per_us) {
+            (ptx::ld_relaxed_sys_u64(&nic->sent_bytes) + d->bytes) * 1000 > (now - start_ns) * (u64)a.nic_bytes_per_us) {
           continue;
         }
         s_desc = *d;
@@ -306,7 +313,7 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
         copy_bytes(reinterpret_cast<u8*>(peer_base(a, d.pe) + d.dst_off), reinterpret_cast<const u8*>(a.local_base + d.src_off),
                    d.bytes, threadIdx.x, blockDim.x);
         ptx::fence_acq_rel_sys();  // each thread's own stores, before the signal and the head
-        if (threadIdx.x == 0) sent_bytes += d.bytes;
+        if (threadIdx.x == 0) ptx::red_add_relaxed_gpu_u64(&nic->sent_bytes, d.bytes);
       }
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -322,6 +329,7 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
   // The last NIC block out resets the launch counters for the next launch (stream-ordered after this one).
   if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(&nic->nics_exited, 1u) + 1 == a.nic_blocks) {
     ptx::st_release_gpu(&nic->workers_exited, 0u);
+    ptx::st_relaxed_sys_u64(&nic->sent_bytes, 0);
     ptx::st_release_gpu(&nic->nics_exited, 0u);
     ptx::st_release_gpu(&nic->launches, ptx::ld_relaxed_gpu(&nic->launches) + 1);
   }

@@ -18,9 +18,9 @@ pub const TRANSPORT_SOURCE: &str = include_str!("../cuda/transport.cu");
 pub const RDMA_MAX_QPS: usize = 32;
 /// Descriptors per emulated QP (`NIC_RING`).
 pub const NIC_RING: usize = 256;
-/// Bytes of one rank's emulated NIC state (`sizeof(NicState)`): 32 queues × 256 B, three counters on their
+/// Bytes of one rank's emulated NIC state (`sizeof(NicState)`): 32 queues × 256 B, four counters on their
 /// own 128-byte lines, then 32 rings of 256 descriptors × 64 B.
-pub const NIC_STATE_BYTES: usize = RDMA_MAX_QPS * 256 + 3 * 128 + RDMA_MAX_QPS * NIC_RING * 64;
+pub const NIC_STATE_BYTES: usize = RDMA_MAX_QPS * 256 + 4 * 128 + RDMA_MAX_QPS * NIC_RING * 64;
 /// Bytes of signal words at the start of the seam kernels' region (`TRANSPORT_SIGNAL_BYTES`).
 pub const TRANSPORT_SIGNAL_BYTES: usize = 4096;
 /// Threads per block of the seam's kernels.
