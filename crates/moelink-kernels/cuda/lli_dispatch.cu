@@ -281,53 +281,28 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
         reinterpret_cast<u32*>(a.hmeta)[2 * p] = end - sm.msgs[p];
       }
     }
-    // Expansion: work item = (message, chunk), dealt over every warp of the grid. A warp loads its next
-    // item (payload vector, entries, weights, token) before it stores this one: its items' loads overlap.
+    // Expansion: work item = (message, chunk), dealt over every warp of the grid.
     const u32 lane = lane_id();
     const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
     const u32 items = total_msgs * RECV_CHUNKS;
-    struct Fetched {
-      u32x4 v;
-      u32 entry, w, token;
-    };
-    auto message_of = [&](u32 g, u32& p, u32& i) {
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += workers * LL_WARPS) {
+      const u32 g = item / RECV_CHUNKS, c = item % RECV_CHUNKS;
       u32 lo = 0, hi = R;  // the source: the last p with prefix[p] <= g
       while (hi - lo > 1) {
         const u32 mid = (lo + hi) / 2;
         if (sm.msgs[mid] <= g) lo = mid; else hi = mid;
       }
-      p = lo;
-      i = g - sm.msgs[p];
-      return reinterpret_cast<const u8*>(a.rdma.local_base + a.off_msgs + ((u64)p * TM + i) * LLI_MSG_BYTES);
-    };
-    auto fetch = [&](u32 item) {
-      Fetched f = {{0, 0, 0, 0}, LLI_NONE, 0, 0};
-      if (item >= items) return f;
-      const u32 c = item % RECV_CHUNKS;
-      u32 p, i;
-      const u8* msg = message_of(item / RECV_CHUNKS, p, i);
-      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      if (off < PAYLOAD_BYTES) f.v = ptx::ld_cg_v4(msg + LLI_PAYLOAD_AT + off);
-      if (lane < LL_TOPK) {
-        f.entry = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * lane);
-        if (c == 0 && has_weights) f.w = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * (LL_TOPK + lane));
-      }
-      if (c == 0 && lane == 0) f.token = ptx::ld_cg_u32(msg);
-      return f;
-    };
-    const u32 stride = workers * LL_WARPS;
-    Fetched next = fetch(blockIdx.x * LL_WARPS + warp_id());
-    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
-      const Fetched cur = next;
-      next = fetch(item + stride);
-      const u32 c = item % RECV_CHUNKS;
-      u32 p, i;
-      const u8* msg = message_of(item / RECV_CHUNKS, p, i);
+      const u32 p = lo, i = g - sm.msgs[p];
+      const u8* msg = reinterpret_cast<const u8*>(a.rdma.local_base + a.off_msgs + ((u64)p * TM + i) * LLI_MSG_BYTES);
       const u8* payload = msg + LLI_PAYLOAD_AT;
       const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
       const bool active = off < PAYLOAD_BYTES;
-      const u32x4 v = cur.v;
-      const u32 entry = cur.entry, w = cur.w;
+      const u32x4 v = active ? ptx::ld_cg_v4(payload + off) : u32x4{0, 0, 0, 0};
+      u32 entry = LLI_NONE, w = 0;
+      if (lane < LL_TOPK) {
+        entry = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * lane);
+        if (c == 0 && has_weights) w = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * (LL_TOPK + lane));
+      }
       i32 row = -1;
       u32 el = LLI_NONE, slot = 0;
       if (entry != LLI_NONE) {
@@ -338,7 +313,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
         }
       }
       if (c == 0) {
-        const u32 token = __shfl_sync(FULL_WARP_MASK, cur.token, 0);
+        const u32 token = ptx::ld_cg_u32(msg);
         // j: this rank's index among the token's destination ranks, in ascending order.
         const u32 dest = entry != LLI_NONE ? (entry >> 16) / EL : LLI_NONE;
         bool firstd = dest != LLI_NONE;
