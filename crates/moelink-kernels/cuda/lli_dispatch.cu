@@ -75,7 +75,8 @@ struct LliDests {
 // fences it, and one thread signals ADD 1; another is put from the staging by one warp with put_signal.
 // A warp carrying whole messages (quantise, stage, copy, fence, one dependent step after another) left the
 // sends of 128 tokens on 8 blocks for ~64 us at 2x1 (bench/results/2026-11-28-2xnvidia-h200-33ada12-lli-trace-row-align).
-__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, const LliShared& sm, u32 block, u32 data_blocks) {
+__device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, const LliShared& sm, u32 block,
+                                                  u32 data_blocks) {
   __shared__ LliDests dests[2];  // alternate per token: the next token's routing never waits on this one's readers
   constexpr u32 ROUTE_WARP = LL_WARPS - 1;
   const u32 lane = lane_id(), warp = warp_id();
@@ -131,7 +132,8 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
       }
 #else
       const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      if (off < ROW_BYTES_BF16) ptx::st_v4(reinterpret_cast<u32x4*>(row + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)));
+      if (off < ROW_BYTES_BF16)
+        ptx::st_v4(reinterpret_cast<u32x4*>(row + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)));
 #endif
     }
     __syncthreads();

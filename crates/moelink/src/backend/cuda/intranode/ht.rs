@@ -61,28 +61,30 @@ fn one_peer_send_blocks(num_sms: usize) -> usize {
     ((2 * num_sms + 2) / 5).min(12).clamp(1, num_sms - 1)
 }
 
-/// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides, clamped to `[1, num_sms - 1]`): with one
-/// peer `one_peer_send_blocks`; else the link SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and more
-/// sender SMs land in the all-to-all dip between 10 and 28 SMs (`SM_HEADROOM`): measured on 4xH200 (EP4,
+/// Sender blocks: `over` (a `Tuning` override) clamped to `[1, num_sms - 1]`, else `one_peer_send_blocks` with
+/// one peer, else `several_peers`.
+fn send_blocks(over: Option<usize>, num_sms: usize, num_ranks: usize, several_peers: impl FnOnce() -> usize) -> usize {
+    match over {
+        Some(n) => n.clamp(1, num_sms - 1),
+        None if num_ranks == 2 => one_peer_send_blocks(num_sms),
+        None => several_peers(),
+    }
+}
+
+/// Dispatch senders (`Tuning::ht_dispatch_send_blocks` overrides): with one peer `one_peer_send_blocks`; else
+/// the link SMs (at most half), at every SM count. The dispatch is bound by its senders' NVLink stores, and
+/// more sender SMs land in the all-to-all dip between 10 and 28 SMs (`SM_HEADROOM`): measured on 4xH200 (EP4,
 /// 4096 tokens, H 7168, BF16 dispatch, µs) 24 SMs 6/8/10/12 senders 711/588/646/635; 32 SMs 8/10: 592/643;
 /// 48 SMs 8/16: 585/597; 64 SMs 8/16/21: 585/590/638 (bench/results/2026-11-21-4xnvidia-h200-52de077-sweeps,
 /// -run23). The receivers copy this rank's own rows and the arriving rows out.
 fn dispatch_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
-    match t.ht_dispatch_send_blocks {
-        Some(n) => n.clamp(1, num_sms - 1),
-        None if num_ranks == 2 => one_peer_send_blocks(num_sms),
-        None => link_sms().min(num_sms / 2).clamp(1, num_sms - 1),
-    }
+    send_blocks(t.ht_dispatch_send_blocks, num_sms, num_ranks, || link_sms().min(num_sms / 2).clamp(1, num_sms - 1))
 }
 
-/// Combine senders (`Tuning::ht_combine_send_blocks` overrides, clamped to `[1, num_sms - 1]`): with one peer
-/// `one_peer_send_blocks`, else `default_send_blocks`.
+/// Combine senders (`Tuning::ht_combine_send_blocks` overrides): with one peer `one_peer_send_blocks`, else
+/// `default_send_blocks`.
 fn combine_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
-    match t.ht_combine_send_blocks {
-        Some(n) => n.clamp(1, num_sms - 1),
-        None if num_ranks == 2 => one_peer_send_blocks(num_sms),
-        None => default_send_blocks(num_sms),
-    }
+    send_blocks(t.ht_combine_send_blocks, num_sms, num_ranks, || default_send_blocks(num_sms))
 }
 
 /// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`;
