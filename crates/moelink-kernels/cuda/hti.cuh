@@ -155,12 +155,22 @@ constexpr u32 CPAYLOAD_BYTES = 2 * HIDDEN;
 constexpr u32 COMBINE_ROW_BYTES = HTI_ALIGN_LINE(CPAYLOAD_BYTES + HTI_ALIGN16(4 * TOPK));
 constexpr u32 COMBINE_MSG_BYTES = HTI_ALIGN_LINE(4 * HIDDEN + HTI_ALIGN16(4 * TOPK));
 static_assert(CPAYLOAD_BYTES % VEC_BYTES == 0, "bf16 rows are whole 16-byte vectors");
+// The partials of a round go home packed: where one rank of the node held the token, its bf16 row and the
+// weights (COMBINE_ROW_BYTES, weights at CPAYLOAD_BYTES), else the fp32 partial (COMBINE_MSG_BYTES, weights
+// at 4 * HIDDEN). Message m starts after m row-sized messages plus the extra of each fp32 one before it in
+// the round (the reducer counts them with multi_prefix, the forwarder from its fwd_entries), so that a
+// chunk's put carries only the bytes its messages hold.
+constexpr u32 COMBINE_EXTRA_BYTES = COMBINE_MSG_BYTES - COMBINE_ROW_BYTES;
+__device__ __forceinline__ u64 combine_msg_at(u32 m, u32 multi_before) {
+  return (u64)m * COMBINE_ROW_BYTES + (u64)multi_before * COMBINE_EXTRA_BYTES;
+}
 static_assert(MSG_BYTES == HTI_MSG_BYTES && ROW_BYTES == HTI_ROW_BYTES && COMBINE_ROW_BYTES == HTI_COMBINE_ROW_BYTES && COMBINE_MSG_BYTES == HTI_COMBINE_MSG_BYTES,
               "row sizes mirror moelink_kernels::ht_internode::RowSizes");
 // How many rows a warp writes before one fence releases their flags.
 constexpr u32 RELEASE_ROWS = 4;
 // A forwarder's fwd_entries word: bits 0..7 the local ranks the message went to, the round above.
 constexpr u32 ENTRY_ROUND_SHIFT = 8;
+__device__ __forceinline__ bool entry_is_multi(u32 entry) { return __popc(entry & 0xffu) > 1; }
 
 // ---------------------------------------------------------------------------------------------- routing
 // The handle's routing buffer (i32 words, written by notify): a header, then arrays whose offsets depend on
@@ -174,7 +184,7 @@ constexpr u32 RT_ROUND_TOKENS = 5;  // M
 constexpr u32 RT_NUM_FWD = 6;       // messages this rank forwards (sum of fwd_count)
 constexpr u32 RT_HEADER = 8;
 struct RoutingAt {
-  u32 recv_offset, recv_count, tokens_of, fwd_offset, fwd_count, rank_prefix, prefix, node_prefix;
+  u32 recv_offset, recv_count, tokens_of, fwd_offset, fwd_count, rank_prefix, prefix, node_prefix, multi_prefix;
 };
 __device__ __forceinline__ RoutingAt routing_at(u32 num_tokens) {
   RoutingAt r;
@@ -186,6 +196,7 @@ __device__ __forceinline__ RoutingAt routing_at(u32 num_tokens) {
   r.rank_prefix = r.fwd_count + NUM_NODES;
   r.prefix = (r.rank_prefix + NUM_RANKS * NUM_RANKS + 3u) / 4u * 4u;
   r.node_prefix = r.prefix + (num_tokens + 1) * NUM_RANKS;
+  r.multi_prefix = r.node_prefix + (num_tokens + 1) * NUM_NODES;
   return r;
 }
 // Status bits (the same on every rank: derived from every rank's notify message).
@@ -296,6 +307,7 @@ struct HtiNotifyArgs {
   u64 signature;
   u64 error_claim, error_record, timeout_ns;
   u32 num_tokens, num_local_experts, round_tokens, host_seq;
+  u64 trace;  // host-mapped NOTIFY_TRACE_* stamps, or 0
 };
 static_assert(sizeof(HtiNotifyArgs) == MOELINK_SIZEOF_HTI_NOTIFY_ARGS, "HtiNotifyArgs mirrors Rust");
 
@@ -426,6 +438,9 @@ __device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* s_warp, u32& tot
 //   then per source node HTI_TRACE_CHUNKS forwarder chunk records of 3 words, indexed k * ceil(M / Q) + c:
 //     dispatch [words seen, rows copied, released], combine [started, partials staged, put].
 // Chunks past HTI_TRACE_CHUNKS are not stamped.
+// Notify's trace (its own words, one block): when it started, finished the prefix columns and checks, saw
+// every source's message, and ended (before READY).
+constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_PREFIXED = 1, NOTIFY_TRACE_RECEIVED = 2, NOTIFY_TRACE_END = 3;
 constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS;
 constexpr u32 HTI_TRACE_CHUNK_WORDS = 3;
 __device__ __forceinline__ void hti_stamp(u64 trace, u64 word) {

@@ -137,10 +137,27 @@ __device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame&
   }
 }
 
+// How many of entries [from, to) are fp32 partials (the same on every lane); a lane has 8 loads in flight.
+__device__ __forceinline__ u32 count_multi(const u32* entries, u32 from, u32 to, u32 lane) {
+  constexpr u32 U = 8;
+  u32 n = 0;
+  for (u32 base = from; base < to; base += U * WARP_SIZE) {
+    u32 e[U];
+#pragma unroll
+    for (u32 u = 0; u < U; u++) {
+      const u32 i = base + u * WARP_SIZE + lane;
+      e[u] = i < to ? entries[i] : 0u;
+    }
+#pragma unroll
+    for (u32 u = 0; u < U; u++) n += __popc(__ballot_sync(FULL_WARP_MASK, entry_is_multi(e[u])));
+  }
+  return n;
+}
+
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an`: per round, its chunks of Q
 // messages (chunk c with c % P == p; fwd_entries say which ranks each message went to), each message the
-// rows of those ranks summed as the node level of the tree; the chunk's partials staged and put home with
-// its chunk word. The warp that finishes a round's last chunk hands the round's parts back to the node's
+// rows of those ranks summed as the node level of the tree; the chunk's partials (packed: combine_msg_at)
+// staged and put home with its chunk word. The warp that finishes a round's last chunk hands the round's parts back to the node's
 // ranks (HtiForward::combine_chunks_done counts; a round's rows arrive only after the hand-back of the round before).
 __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
   const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
@@ -185,13 +202,19 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       const u64* consumed = rdma_word(a.rdma, a.at.off_cconsumed + 8ull * an);
       if (!warp_wait_u64(consumed, (u64)f.base + k, for_peer(dr, s, f.me), s)) return;
     }
+    // fp32 partials among the round's messages [0, multi_counted): where the next chunk starts.
+    u32 multi_counted = 0, multi_before = 0;
     for (u32 c0 = p * Q; c0 < cnt; c0 += P * Q) {
       const u32 c1 = hti_min(c0 + Q, cnt);
       const u32 trace_chunk = k * ((M + Q - 1) / Q) + c0 / Q;
       hti_stamp_fwd(a.trace, an, trace_chunk, 0);
+      if (RANKS_PER_NODE > 1) multi_before += count_multi(entries + first + g, multi_counted, c0, lane);
+      const u64 chunk_at = combine_msg_at(c0, multi_before);
+      u64 msg_at = chunk_at;
       for (u32 m = c0; m < c1; m++) {
         const u32 message = g + m;
         const u32 mask = entries[first + message] & 0xffu;
+        const bool single = !entry_is_multi(mask);
         // Lane j waits for j's row (NVLink domain), then every lane acquires each flag.
         bool ok = true;
         const u32 slot = message % M;
@@ -207,9 +230,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
             (void)ptx::ld_acquire_sys(reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_cflags) +
                                       ((u64)j * NUM_NODES + an) * a.nvl.flag_slots + slot);
         // In place at home where stores reach it, else staged for the put.
-        u8* out = rdma::window(a.rdma, s, a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)m * COMBINE_MSG_BYTES,
-                               a.at.off_csend + (u64)an * a.at.part_bytes + (u64)m * COMBINE_MSG_BYTES)
-                      .ptr;
+        u8* out = rdma::window(a.rdma, s, a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + msg_at, a.at.off_csend + (u64)an * a.at.part_bytes + msg_at).ptr;
         auto row_of = [&](u32 j) -> const u8* {
           return reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_cparts + ((u64)j * NUM_NODES + an) * a.nvl.part_bytes) +
                  (u64)slot * COMBINE_ROW_BYTES;
@@ -217,7 +238,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
         // One rank of the node holds the token: its bf16 row goes home as it is (half the bytes of an fp32
         // partial; the reducer applies the tree's +0.0 padding, single_contributor_partial).
         constexpr u32 VECS = CPAYLOAD_BYTES / VEC_BYTES;
-        if (__popc(mask) == 1) copy_vecs<false>(reinterpret_cast<u32x4*>(out), reinterpret_cast<const u32x4*>(row_of(__ffs(mask) - 1)), VECS, lane);
+        if (single) copy_vecs<false>(reinterpret_cast<u32x4*>(out), reinterpret_cast<const u32x4*>(row_of(__ffs(mask) - 1)), VECS, lane);
         // 8 channels (one bf16 vector) per lane and step: the node tree over the local ranks. A lane loads
         // the vectors of NODE_STEPS steps before it sums any (NODE_STEPS x ranks loads in flight): the sum
         // of a row is otherwise one load latency per step.
@@ -226,7 +247,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
         const u32x4* rows[RANKS_PER_NODE];
 #pragma unroll
         for (u32 j = 0; j < RANKS_PER_NODE; j++) rows[j] = reinterpret_cast<const u32x4*>(row_of(j));
-        for (u32 v0 = lane; v0 < VECS && __popc(mask) != 1; v0 += NODE_STEPS * WARP_SIZE) {
+        for (u32 v0 = lane; v0 < VECS && !single; v0 += NODE_STEPS * WARP_SIZE) {
           u32x4 in[NODE_STEPS][RANKS_PER_NODE];
 #pragma unroll
           for (u32 u = 0; u < NODE_STEPS; u++) {
@@ -273,17 +294,20 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
               x[0] = ptx::f32_from_bits(reinterpret_cast<const u32*>(row_of(j) + CPAYLOAD_BYTES)[lane]);
             tree.push(j, x);
           }
-          reinterpret_cast<float*>(out + 4 * HIDDEN)[lane] = tree.result(0);
+          reinterpret_cast<float*>(out + (single ? CPAYLOAD_BYTES : 4 * HIDDEN))[lane] = tree.result(0);
         }
+        msg_at += single ? COMBINE_ROW_BYTES : COMBINE_MSG_BYTES;
+        multi_before += single ? 0u : 1u;
       }
+      multi_counted = c1;
       // The chunk's partials, then its chunk word, in one operation.
       __syncwarp();
       hti_stamp_fwd(a.trace, an, trace_chunk, 1);
       const u32 chunk = c0 / Q;
-      const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + (u64)c0 * COMBINE_MSG_BYTES;
-      const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + (u64)c0 * COMBINE_MSG_BYTES;
+      const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + chunk_at;
+      const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + chunk_at;
       const u64 sig = a.at.off_cchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
-      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, (c1 - c0) * COMBINE_MSG_BYTES,
+      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, (u32)(msg_at - chunk_at),
                                         sig, ((u64)cseq << 32) | c1, SIGNAL_SET, dr))
         return;
       hti_stamp_fwd(a.trace, an, trace_chunk, 2);
@@ -309,6 +333,11 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
 __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, const Deadline& dr) {
   const u32 lane = threadIdx.x % WARP_SIZE, T = a.num_tokens, Q = a.chunk_tokens, M = f.round_tokens;
   const i32* node_prefix = f.routing + f.at.node_prefix;
+  const i32* multi_prefix = f.routing + f.at.multi_prefix;
+  // Node n's fp32 partials before token t of the round that starts at token rs (none with one rank per node).
+  auto multi_before = [&](u32 t, u32 rs, u32 n) -> u32 {
+    return RANKS_PER_NODE > 1 ? (u32)(multi_prefix[(u64)t * NUM_NODES + n] - multi_prefix[(u64)rs * NUM_NODES + n]) : 0u;
+  };
   HtiState* st = hti_state(a.state);
   const u32 rounds = rounds_of(f, T);
   auto hand_back_all = [&](u64 value) {
@@ -336,7 +365,8 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     if (lane < NUM_NODES) {
       const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
       const u32 m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start), m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
-      if (m1 > m0) ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_crecv + (u64)lane * a.at.part_bytes + (u64)m0 * COMBINE_MSG_BYTES), (m1 - m0) * COMBINE_MSG_BYTES);
+      const u64 at0 = combine_msg_at(m0, multi_before(t0, round_start, lane)), at1 = combine_msg_at(m1, multi_before(t1, round_start, lane));
+      if (m1 > m0) ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_crecv + (u64)lane * a.at.part_bytes + at0), (u32)(at1 - at0));
     }
     // Rounds in order: wait until the reducers finished round k - 1.
     if (k > 0) {
@@ -346,11 +376,15 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     }
     for (u32 t = t0; t < t1; t++) {
       u32 m = 0;
-      bool in = false, ok = true;
+      u64 msg_at = 0;
+      bool in = false, multi = false, ok = true;
       if (lane < NUM_NODES) {
         const i32 p0 = node_prefix[(u64)t * NUM_NODES + lane], p1 = node_prefix[(u64)(t + 1) * NUM_NODES + lane];
         in = p1 > p0;
         m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
+        const u32 mb = multi_before(t, round_start, lane);
+        multi = in && multi_before(t + 1, round_start, lane) > mb;
+        msg_at = combine_msg_at(m, mb);
         if (in) {
           const u32 peer = lane * RANKS_PER_NODE + f.me_local;
           ok = rdma::wait_signal_geq(a.rdma, a.at.off_cchunk + ((u64)lane * HTI_MAX_CHUNKS + m / Q) * 8, (u64)cseq << 32,
@@ -361,21 +395,13 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
       if (t == t0) hti_stamp_chunk(a.trace, q, 1);
       const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
       // Nodes where one rank held the token sent its bf16 row instead of an fp32 partial.
-      u32 holders = 0;
-      if (in) {
-        const i32* prefix = f.routing + f.at.prefix;
-        for (u32 j = 0; j < RANKS_PER_NODE; j++) {
-          const u32 r = lane * RANKS_PER_NODE + j;
-          holders += prefix[(u64)(t + 1) * NUM_RANKS + r] > prefix[(u64)t * NUM_RANKS + r] ? 1u : 0u;
-        }
-      }
-      const u32 single = __ballot_sync(FULL_WARP_MASK, in && holders == 1);
+      const u32 single = __ballot_sync(FULL_WARP_MASK, in && !multi);
       for (u32 b = 0; b < NUM_NODES; b++)
         if (((nodes >> b) & 1u) != 0u) (void)ptx::ld_acquire_sys_u64(rdma_word(a.rdma, a.at.off_cchunk + ((u64)b * HTI_MAX_CHUNKS + __shfl_sync(FULL_WARP_MASK, m, b) / Q) * 8));
       u64 part[NUM_NODES];
 #pragma unroll
       for (u32 b = 0; b < NUM_NODES; b++)
-        part[b] = a.rdma.local_base + a.at.off_crecv + (u64)b * a.at.part_bytes + (u64)__shfl_sync(FULL_WARP_MASK, m, b) * COMBINE_MSG_BYTES;
+        part[b] = a.rdma.local_base + a.at.off_crecv + (u64)b * a.at.part_bytes + __shfl_sync(FULL_WARP_MASK, msg_at, b);
       u32x4* out = reinterpret_cast<u32x4*>(a.combined_x) + (u64)t * (CPAYLOAD_BYTES / VEC_BYTES);
       // 8 channels per lane and step; a lane loads the partials of REDUCE_STEPS steps before it sums any
       // (the sum of a token is otherwise one load latency per step).
@@ -451,7 +477,8 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
 #pragma unroll
         for (u32 b = 0; b < Tree<NUM_NODES, 1>::W; b++) {
           float x[1] = {0.0f};
-          if (b < NUM_NODES && ((nodes >> b) & 1u) != 0u) x[0] = reinterpret_cast<const float*>(part[b] + 4 * HIDDEN)[lane];
+          if (b < NUM_NODES && ((nodes >> b) & 1u) != 0u)
+            x[0] = reinterpret_cast<const float*>(part[b] + (((single >> b) & 1u) != 0u ? CPAYLOAD_BYTES : 4 * HIDDEN))[lane];
           tree.push(b, x);
         }
         reinterpret_cast<float*>(a.combined_topk_weights)[(u64)t * TOPK + lane] = ptx::add_rn_f32(0.0f, tree.result(0));

@@ -8,8 +8,10 @@ namespace moelink::internode {
 // moelink::internode::notify: the count exchange before a fresh dispatch. One worker block (THREADS) plus,
 //   with the emulated NIC, its blocks; launched cooperatively.
 //   1. Prefixes (routing): for every destination rank r, prefix[t][r] = tokens before t that go to r (t's
-//      slot there), and for every node n, node_prefix[t][n] = tokens before t that reach n (t's message
-//      index in the stream to n's rail peer), t = 0..T; a block-wide scan per column.
+//      slot there); for every node n, node_prefix[t][n] = tokens before t that reach n (t's message index
+//      in the stream to n's rail peer) and, with several ranks per node, multi_prefix[t][n] = those of
+//      them that go to two or more of n's ranks (the combine messages that are fp32 partials, which sets
+//      where a message starts in the packed combine parts); t = 0..T; a block-wide scan per column.
 //   2. A message to every rank r (itself included), staged in this rank's notify send area and put with
 //      SET epoch on r's notify signal [parity][me]: {tokens to r, T, status, signature, tokens to r's
 //      node, the whole count row, tokens per local expert of r}. Then wait (deadline, RDMA domain) for every
@@ -39,6 +41,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   const u8* in_rank = reinterpret_cast<const u8*>(a.is_token_in_rank);
   HtiState* st = hti_state(a.state);
   if (tid == 0) {
+    hti_stamp(a.trace, NOTIFY_TRACE_START);
     s_epoch = ptx::ld_relaxed_gpu(&st->notify_epoch) + 1;
     s_status = 0;
     s_ok = 1;
@@ -46,34 +49,35 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   __syncthreads();
   const u32 epoch = s_epoch, parity = epoch & 1u;
 
-  // 1. Prefix columns: ranks, then nodes (a token reaches a node when it goes to one of its ranks).
+  // 1. Prefix columns: ranks, nodes (a token reaches a node when it goes to one of its ranks), then with
+  //    several ranks per node the multi-holder columns (one rank per node: every message is a bf16 row and
+  //    the columns stay unwritten; nothing reads them).
   const u32 chunk = (T + THREADS - 1) / THREADS;
   const u32 t0 = hti_min(T, tid * chunk), t1 = hti_min(T, t0 + chunk);
-  i32* prefix = routing + at.prefix;
-  i32* node_prefix = routing + at.node_prefix;
-  for (u32 col = 0; col < NUM_RANKS + NUM_NODES; col++) {
-    const bool is_node = col >= NUM_RANKS;
-    const u32 n = col - NUM_RANKS;
+  constexpr u32 MULTI_COLUMNS = RANKS_PER_NODE > 1 ? NUM_NODES : 0;
+  for (u32 col = 0; col < NUM_RANKS + NUM_NODES + MULTI_COLUMNS; col++) {
+    const u32 kind = col < NUM_RANKS ? 0u : col < NUM_RANKS + NUM_NODES ? 1u : 2u;
+    const u32 c = kind == 0 ? col : kind == 1 ? col - NUM_RANKS : col - NUM_RANKS - NUM_NODES;
     auto hit = [&](u32 t) -> u32 {
-      if (!is_node) return in_rank[(u64)t * NUM_RANKS + col] != 0 ? 1u : 0u;
-      for (u32 j = 0; j < RANKS_PER_NODE; j++)
-        if (in_rank[(u64)t * NUM_RANKS + n * RANKS_PER_NODE + j] != 0) return 1u;
-      return 0u;
+      if (kind == 0) return in_rank[(u64)t * NUM_RANKS + c] != 0 ? 1u : 0u;
+      u32 holders = 0;
+      for (u32 j = 0; j < RANKS_PER_NODE; j++) holders += in_rank[(u64)t * NUM_RANKS + c * RANKS_PER_NODE + j] != 0 ? 1u : 0u;
+      return holders > kind - 1 ? 1u : 0u;
     };
     u32 count = 0;
     for (u32 t = t0; t < t1; t++) count += hit(t);
     u32 total = 0;
     u32 run = block_exclusive_scan(count, s_warp, total);
-    i32* out = is_node ? node_prefix : prefix;
-    const u32 stride = is_node ? NUM_NODES : NUM_RANKS, c = is_node ? n : col;
+    i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
+    const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
     for (u32 t = t0; t < t1; t++) {
       out[(u64)t * stride + c] = (i32)run;
       run += hit(t);
     }
     if (tid == 0) {
       out[(u64)T * stride + c] = (i32)total;
-      if (is_node) s_node_count[n] = total;
-      else s_send_count[col] = total;
+      if (kind == 1) s_node_count[c] = total;
+      else if (kind == 0) s_send_count[c] = total;
     }
   }
   __syncthreads();
@@ -86,6 +90,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     if (lane == 0 && bad) atomicOr(&s_status, HTI_STATUS_BAD_EXPERTS);
   }
   __syncthreads();
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_PREFIXED);
 
   // 2. Messages: warp w builds and puts the messages of ranks w, w + HTI_WARPS, ...
   for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
@@ -113,6 +118,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     if (!rdma::wait_signal_geq(a.rdma, sig, epoch, for_peer(d, s, me), s)) s_ok = 0;
   }
   __syncthreads();
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_RECEIVED);
   const bool all_ok = s_ok != 0 && !error_raised(d);
   auto msg_of = [&](u32 s) -> const u32* {
     return reinterpret_cast<const u32*>(rdma_bytes(a.rdma, a.at.off_notify)) + ((u64)parity * NUM_RANKS + s) * a.at.msg_words;
@@ -188,6 +194,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   __syncthreads();
   if (tid == 0) {
     (void)rdma::quiet_thread(a.rdma, RDMA_ALL_QPS, d);
+    hti_stamp(a.trace, NOTIFY_TRACE_END);
     if (host != nullptr) {
       ptx::fence_acq_rel_sys();
       ptx::st_release_sys(host + HN_READY, a.host_seq);

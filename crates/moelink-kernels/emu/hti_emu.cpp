@@ -301,7 +301,7 @@ static Inputs make_inputs(World& w, u32 me, u32 t, u32 seed, Route route) {
 // ---------------------------------------------------------------------------------------------- layout + notify
 static std::vector<i32> routing_buffer(u32 t) {
   const RoutingAt ra = routing_at(t);
-  return std::vector<i32>((size_t)ra.node_prefix + (size_t)(t + 1) * N, -77);
+  return std::vector<i32>((size_t)ra.multi_prefix + (size_t)(t + 1) * N, -77);
 }
 
 static u64 signature() { return 0x5157ull * H + K; }

@@ -307,6 +307,8 @@ pub struct HtiNotifyArgs {
     pub num_local_experts: u32,
     pub round_tokens: u32,
     pub host_seq: u32,
+    /// Host-mapped [`NOTIFY_TRACE_WORDS`] stamps, or 0.
+    pub trace: DevPtr,
 }
 
 #[repr(C)]
@@ -387,6 +389,11 @@ pub struct HtiCombineArgs {
     pub trace: DevPtr,
 }
 
+/// Notify's trace (`NOTIFY_TRACE_*` in hti.cuh): `%globaltimer` when it started, finished its prefix
+/// columns, saw every message, and ended.
+pub const NOTIFY_TRACE_WORDS: usize = 4;
+pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] = ["start", "prefixed", "received", "end"];
+
 /// Timing trace (`HTI_TRACE_*` in hti.cuh): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
 /// words (block start and end, then each warp's role start and end), then [`HTI_TRACE_CHUNKS`] records of
 /// [`HTI_TRACE_CHUNK_WORDS`] for the dispatch senders' / combine reducers' chunks, then as many per source
@@ -423,6 +430,9 @@ pub struct RoutingLayout {
     pub rank_prefix: usize,
     pub prefix: usize,
     pub node_prefix: usize,
+    /// `[T + 1][N]`: per node, the tokens before t that go to two or more of its ranks (their combine
+    /// messages are fp32 partials; the others' are bf16 rows).
+    pub multi_prefix: usize,
     /// Words in all.
     pub words: usize,
 }
@@ -450,8 +460,9 @@ impl RoutingLayout {
         let rank_prefix = fwd_count + n;
         let prefix = align(rank_prefix + r * r, 4);
         let node_prefix = prefix + (num_tokens + 1) * r;
-        let words = node_prefix + (num_tokens + 1) * n;
-        RoutingLayout { recv_offset, recv_count, tokens_of, fwd_offset, fwd_count, rank_prefix, prefix, node_prefix, words }
+        let multi_prefix = node_prefix + (num_tokens + 1) * n;
+        let words = multi_prefix + (num_tokens + 1) * n;
+        RoutingLayout { recv_offset, recv_count, tokens_of, fwd_offset, fwd_count, rank_prefix, prefix, node_prefix, multi_prefix, words }
     }
 }
 
@@ -606,6 +617,7 @@ mod tests {
     fn routing_layout_is_aligned() {
         let l = RoutingLayout::new(16, 2, 4096);
         assert_eq!(l.prefix % 4, 0);
-        assert_eq!(l.words, l.node_prefix + 4097 * 2);
+        assert_eq!(l.multi_prefix, l.node_prefix + 4097 * 2);
+        assert_eq!(l.words, l.multi_prefix + 4097 * 2);
     }
 }

@@ -183,6 +183,17 @@ pub(crate) fn hti_launch(words: &[u64], shape: HtiTraceShape, kernel: &'static s
     Some(KernelTrace { kernel, op, phases: "send+recv", start_ns: t0, span_us, points })
 }
 
+/// The internode notify's launch from its stamps (`NOTIFY_TRACE_*` in hti.cuh, one block); `None` when it
+/// did not stamp its start and end.
+pub(crate) fn notify_launch(words: &[u64], kernel: &'static str) -> Option<KernelTrace> {
+    use moelink_kernels::ht_internode::NOTIFY_TRACE_POINTS;
+    let t0 = words.first().copied().filter(|&v| v != 0)?;
+    let points: Vec<TracePoint> =
+        NOTIFY_TRACE_POINTS.iter().zip(words).filter_map(|(name, &w)| point(name, std::iter::once(w), t0, Some(w))).collect();
+    let span_us = points.iter().find(|p| p.name == "end")?.max_us;
+    Some(KernelTrace { kernel, op: "notify", phases: "send+recv", start_ns: t0, span_us, points })
+}
+
 /// Every low-latency launch in one kernel's words (`2 * LL_TRACE_CALLS` slots of `blocks` rows of
 /// `LL_TRACE_WORDS`); launches that never reached their end are left out.
 pub(crate) fn ll_launches(words: &[u64], blocks: usize, kernel: &'static str, op: &'static str) -> Vec<KernelTrace> {
@@ -213,6 +224,17 @@ pub(crate) fn ll_launches(words: &[u64], blocks: usize, kernel: &'static str, op
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn notify_words_become_points() {
+        let t = notify_launch(&[1_000, 3_500, 9_000, 10_200], "k").unwrap();
+        assert_eq!((t.op, t.start_ns, t.span_us), ("notify", 1_000, 9.2));
+        let names: Vec<_> = t.points.iter().map(|p| (p.name, p.max_us)).collect();
+        assert_eq!(names, [("start", 0.0), ("prefixed", 2.5), ("received", 8.0), ("end", 9.2)]);
+        // A notify that never ended (a timeout) has no trace.
+        assert!(notify_launch(&[1_000, 3_500, 0, 0], "k").is_none());
+        assert!(notify_launch(&[0, 0, 0, 0], "k").is_none());
+    }
 
     #[test]
     fn ht_words_become_role_points() {

@@ -80,6 +80,11 @@ struct Counts {
     /// NIC as the rail peer (same local index) of the sources.
     ht_nic_send: Vec<usize>,
     ht_nic_recv: Vec<usize>,
+    /// HT: of those pairs, the ones whose node holds the token on two or more ranks (moelink's combine sends
+    /// their partial home in fp32, the others' as the one holder's bf16 row): all, sent, received.
+    ht_node_multi: Vec<usize>,
+    ht_nic_multi_send: Vec<usize>,
+    ht_nic_multi_recv: Vec<usize>,
     /// HT: rows each rank receives (what arrives over NVLink, forwarded or from its own node).
     ht_recv_rows: Vec<usize>,
     /// LL: messages each rank sends to / receives from ranks of other nodes, and to / from its own node.
@@ -98,6 +103,9 @@ fn count(topology: &Topology, routing: &[Vec<i64>], topk: usize, experts: usize)
         ht_node_pairs: vec![0; ranks],
         ht_nic_send: vec![0; ranks],
         ht_nic_recv: vec![0; ranks],
+        ht_node_multi: vec![0; ranks],
+        ht_nic_multi_send: vec![0; ranks],
+        ht_nic_multi_recv: vec![0; ranks],
         ht_recv_rows: vec![0; ranks],
         ll_nic_send: vec![0; ranks],
         ll_nic_recv: vec![0; ranks],
@@ -116,11 +124,18 @@ fn count(topology: &Topology, routing: &[Vec<i64>], topk: usize, experts: usize)
             tokens += 1;
             node_pairs += nodes.len();
             c.ht_node_pairs[src] += nodes.len();
-            for &n in nodes.iter().filter(|&&n| n != home) {
+            for &n in &nodes {
+                let multi = dests.iter().filter(|&&d| topology.node_of(d) == n).count() > 1;
+                c.ht_node_multi[src] += multi as usize;
+                if n == home {
+                    continue;
+                }
                 c.ht_nic_send[src] += 1;
                 // The rail peer: the rank of node n with the source's local index.
                 let rail = topology.ranks_of_node(n).start + topology.local_rank_of(src);
                 c.ht_nic_recv[rail] += 1;
+                c.ht_nic_multi_send[src] += multi as usize;
+                c.ht_nic_multi_recv[rail] += multi as usize;
             }
             for &d in &dests {
                 c.ht_recv_rows[d] += 1;
@@ -191,13 +206,26 @@ fn lines(a: &BytesArgs, ht: &Counts, ll: &Counts) -> Vec<Line> {
         nic_recv_max: unit * max(if combine { &ll.ll_nic_send } else { &ll.ll_nic_recv }),
         nvl_bytes: mean(&ll.ll_nvl_send) * unit as f64,
     };
+    // DeepEP sends a node's partial home as bf16; moelink as fp32 where two or more ranks of the node held
+    // the token, so that the sum is the one-node sum bit for bit (docs/oracle.md), and as the holder's bf16
+    // row where one did: twice DeepEP's bytes for the first kind of pair.
+    let extra = 4 * h - bf16_row;
+    let per_rank =
+        |pairs: &[usize], multi: &[usize]| -> Vec<usize> { pairs.iter().zip(multi).map(|(p, m)| p * bf16_row + m * extra).collect() };
+    let moelink_combine = Line {
+        op: "combine (moelink)",
+        dtype: "bf16 rows, fp32 partials",
+        tokens: a.tokens,
+        rdma_bytes: Some(mean(&per_rank(&ht.ht_node_pairs, &ht.ht_node_multi))),
+        nic_send_max: max(&per_rank(&ht.ht_nic_recv, &ht.ht_nic_multi_recv)),
+        nic_recv_max: max(&per_rank(&ht.ht_nic_send, &ht.ht_nic_multi_send)),
+        nvl_bytes: mean(&ht.ht_recv_rows) * bf16_row as f64,
+    };
     vec![
         ht_line("dispatch", "bf16", bf16_row, bf16_row, false),
         ht_line("dispatch", "fp8", fp8_row, fp8_row, false),
-        // DeepEP sends a node's partial home as bf16; moelink as fp32, so that the sum is the one-node sum
-        // bit for bit (docs/oracle.md): twice the RDMA bytes of combine.
         ht_line("combine", "bf16", bf16_row, bf16_row, true),
-        ht_line("combine (moelink)", "fp32 partials", 4 * h, bf16_row, true),
+        moelink_combine,
         ll_line("ll dispatch", "fp8", moelink::internode::ll_message_bytes(h, a.topk, true), false),
         ll_line("ll combine", "bf16", bf16_row, true),
     ]
@@ -332,6 +360,11 @@ mod tests {
         // Rank 0 sends 2 pairs to node 1; both arrive at rank 2, node 1's rank with local index 0.
         assert_eq!((c.ht_nic_send, c.ht_nic_recv), (vec![2, 0, 0, 0], vec![0, 0, 2, 0]));
         assert_eq!(c.ht_recv_rows, vec![1, 1, 2, 2]);
+        // Token 0 of rank 0 has two holders on each node: fp32 partials; the others one holder.
+        assert_eq!(
+            (&c.ht_node_multi, &c.ht_nic_multi_send, &c.ht_nic_multi_recv),
+            (&vec![2, 0, 0, 0], &vec![1, 0, 0, 0], &vec![0, 0, 1, 0])
+        );
         assert_eq!((c.ll_nic_send, c.ll_nic_recv, c.ll_nvl_send), (vec![3, 0, 0, 0], vec![0, 0, 1, 2], vec![1, 0, 0, 1]));
         assert!((c.nodes_per_token - 4.0 / 3.0).abs() < 1e-9);
     }

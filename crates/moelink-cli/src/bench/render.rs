@@ -359,7 +359,15 @@ pub(super) fn render(records: &[Record], backend: BackendKind) -> String {
 /// kernel's first block (min / median / max); across nodes every point of the trace, the chunk durations
 /// (`*_us`) as min / median / max over chunks.
 pub(super) fn print_ht_traces(buf: &Buffer) {
-    for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::internode::")) {
+    let internode: Vec<_> = buf.kernel_traces().into_iter().filter(|t| t.kernel.starts_with("moelink::internode::")).collect();
+    for (i, t) in internode.iter().enumerate() {
+        // The GPU's idle time since the launch before (a fresh dispatch: notify, the host's wait, the launch).
+        let gap = match i.checked_sub(1).map(|j| &internode[j]) {
+            Some(prev) => {
+                format!(" {:.1} us after the {}'s end;", (t.start_ns as f64 - prev.start_ns as f64) / 1e3 - prev.span_us, prev.op)
+            }
+            None => String::new(),
+        };
         let points: Vec<String> = t
             .points
             .iter()
@@ -368,7 +376,7 @@ pub(super) fn print_ht_traces(buf: &Buffer) {
                 format!("{} {sign}{:.1}/{sign}{:.1}/{sign}{:.1} ({})", p.name, p.min_us, p.median_us, p.max_us, p.blocks)
             })
             .collect();
-        eprintln!("moelink trace: rank {} {} ({}): span {:.1} us; {}", buf.rank(), t.op, t.kernel, t.span_us, points.join(", "));
+        eprintln!("moelink trace: rank {} {} ({}): span {:.1} us;{gap} {}", buf.rank(), t.op, t.kernel, t.span_us, points.join(", "));
     }
     for t in buf.kernel_traces().iter().filter(|t| t.kernel.starts_with("moelink::intranode::")) {
         let at = |name: &str| t.point(name).map_or("-".to_string(), |p| format!("+{:.1}/+{:.1}/+{:.1}", p.min_us, p.median_us, p.max_us));

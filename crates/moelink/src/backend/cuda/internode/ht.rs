@@ -321,10 +321,18 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
         num_local_experts: el as u32,
         round_tokens: round_tokens as u32,
         host_seq,
+        // Only a CPU-synchronised notify: the host reads its stamps before the dispatch reuses the words.
+        trace: if sync { b.gpu.ht_trace_begin(hti_kernels::NOTIFY_TRACE_WORDS)? } else { DevPtr::NULL },
     };
     launch(b, v, HtiVariant::notify_spec, kernel_name::HTI_NOTIFY, &args, 1)?;
     let (host, num_fwd) = if sync {
         let (h, f) = read_notify(b, host_seq, &s)?;
+        if !args.trace.is_null() {
+            let words = b.gpu.ht_trace_words(hti_kernels::NOTIFY_TRACE_WORDS);
+            if let Some(trace) = crate::trace::notify_launch(&words, kernel_name::HTI_NOTIFY) {
+                b.gpu.ht_trace_push(trace);
+            }
+        }
         (Some(h), Some(f))
     } else {
         (None, None)
