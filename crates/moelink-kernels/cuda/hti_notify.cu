@@ -30,7 +30,9 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_NOTIFY);
   if (rdma::nic_block(a.rdma, d)) return;
   rdma::WorkerScope scope(a.rdma);
-  __shared__ u32 s_warp[HTI_WARPS];
+  // Prefix columns scanned per pass, and tokens whose loads a thread has in flight at once.
+  constexpr u32 SCAN_COLUMNS = 4, SCAN_TOKENS = 8;
+  __shared__ u32 s_warp[SCAN_COLUMNS * HTI_WARPS];
   __shared__ u32 s_send_count[NUM_RANKS];
   __shared__ u32 s_node_count[NUM_NODES];
   __shared__ u32 s_status, s_epoch, s_ok;
@@ -54,30 +56,52 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   //    the columns stay unwritten; nothing reads them).
   const u32 chunk = (T + THREADS - 1) / THREADS;
   const u32 t0 = hti_min(T, tid * chunk), t1 = hti_min(T, t0 + chunk);
+  //    A pass takes SCAN_COLUMNS columns: a thread counts its tokens with SCAN_TOKENS tokens' loads in flight
+  //    (its rows stay in L1 for the passes after the first), then one block scan serves every column.
   constexpr u32 MULTI_COLUMNS = RANKS_PER_NODE > 1 ? NUM_NODES : 0;
-  for (u32 col = 0; col < NUM_RANKS + NUM_NODES + MULTI_COLUMNS; col++) {
-    const u32 kind = col < NUM_RANKS ? 0u : col < NUM_RANKS + NUM_NODES ? 1u : 2u;
-    const u32 c = kind == 0 ? col : kind == 1 ? col - NUM_RANKS : col - NUM_RANKS - NUM_NODES;
-    auto hit = [&](u32 t) -> u32 {
-      if (kind == 0) return in_rank[(u64)t * NUM_RANKS + c] != 0 ? 1u : 0u;
-      u32 holders = 0;
-      for (u32 j = 0; j < RANKS_PER_NODE; j++) holders += in_rank[(u64)t * NUM_RANKS + c * RANKS_PER_NODE + j] != 0 ? 1u : 0u;
-      return holders > kind - 1 ? 1u : 0u;
-    };
-    u32 count = 0;
-    for (u32 t = t0; t < t1; t++) count += hit(t);
-    u32 total = 0;
-    u32 run = block_exclusive_scan(count, s_warp, total);
-    i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
-    const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
-    for (u32 t = t0; t < t1; t++) {
-      out[(u64)t * stride + c] = (i32)run;
-      run += hit(t);
+  constexpr u32 COLUMNS = NUM_RANKS + NUM_NODES + MULTI_COLUMNS;
+  auto kind_of = [](u32 col) -> u32 { return col < NUM_RANKS ? 0u : col < NUM_RANKS + NUM_NODES ? 1u : 2u; };
+  auto index_of = [](u32 col) -> u32 { return col < NUM_RANKS ? col : col < NUM_RANKS + NUM_NODES ? col - NUM_RANKS : col - NUM_RANKS - NUM_NODES; };
+  auto hit = [&](u32 t, u32 col) -> u32 {
+    if (col >= COLUMNS) return 0u;
+    const u32 kind = kind_of(col), c = index_of(col);
+    if (kind == 0) return in_rank[(u64)t * NUM_RANKS + c] != 0 ? 1u : 0u;
+    u32 holders = 0;
+#pragma unroll
+    for (u32 j = 0; j < RANKS_PER_NODE; j++) holders += in_rank[(u64)t * NUM_RANKS + c * RANKS_PER_NODE + j] != 0 ? 1u : 0u;
+    return holders > kind - 1 ? 1u : 0u;
+  };
+  for (u32 col0 = 0; col0 < COLUMNS; col0 += SCAN_COLUMNS) {
+    u32 count[SCAN_COLUMNS] = {};
+    for (u32 t = t0; t < t1; t += SCAN_TOKENS) {
+      u32 h[SCAN_TOKENS][SCAN_COLUMNS];
+#pragma unroll
+      for (u32 u = 0; u < SCAN_TOKENS; u++)
+#pragma unroll
+        for (u32 j = 0; j < SCAN_COLUMNS; j++) h[u][j] = t + u < t1 ? hit(t + u, col0 + j) : 0u;
+#pragma unroll
+      for (u32 u = 0; u < SCAN_TOKENS; u++)
+#pragma unroll
+        for (u32 j = 0; j < SCAN_COLUMNS; j++) count[j] += h[u][j];
     }
-    if (tid == 0) {
-      out[(u64)T * stride + c] = (i32)total;
-      if (kind == 1) s_node_count[c] = total;
-      else if (kind == 0) s_send_count[c] = total;
+    u32 run[SCAN_COLUMNS], total[SCAN_COLUMNS];
+    block_exclusive_scan<SCAN_COLUMNS>(count, run, total, s_warp);
+#pragma unroll
+    for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+      const u32 col = col0 + j;
+      if (col >= COLUMNS) break;
+      const u32 kind = kind_of(col), c = index_of(col);
+      i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
+      const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
+      for (u32 t = t0; t < t1; t++) {
+        out[(u64)t * stride + c] = (i32)run[j];
+        run[j] += hit(t, col);
+      }
+      if (tid == 0) {
+        out[(u64)T * stride + c] = (i32)total[j];
+        if (kind == 1) s_node_count[c] = total[j];
+        else if (kind == 0) s_send_count[c] = total[j];
+      }
     }
   }
   __syncthreads();

@@ -585,12 +585,19 @@ __device__ __forceinline__ void copy_notify_expected(u32* expected, const volati
 // count none when nothing goes there and at least `sent` otherwise, and no count is negative. u64 lanes, a
 // shuffle tree; every lane gets the answer.
 __device__ __forceinline__ bool expert_counts_disagree(const i32* per_expert, u32 el, u64 sent, u32 lane) {
+  // Four loads in flight per lane: the check is on a notify's critical path.
+  constexpr u32 U = 4;
   u64 sum = 0;
   bool negative = false;
-  for (u32 e = lane; e < el; e += WARP_SIZE) {
-    const i32 c = per_expert[e];
-    negative = negative || c < 0;
-    sum += c < 0 ? 0ull : (u64)c;
+  for (u32 e0 = lane; e0 < el; e0 += U * WARP_SIZE) {
+    i32 c[U];
+#pragma unroll
+    for (u32 u = 0; u < U; u++) c[u] = e0 + u * WARP_SIZE < el ? per_expert[e0 + u * WARP_SIZE] : 0;
+#pragma unroll
+    for (u32 u = 0; u < U; u++) {
+      negative = negative || c[u] < 0;
+      sum += c[u] < 0 ? 0ull : (u64)c[u];
+    }
   }
 #pragma unroll
   for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_WARP_MASK, sum, offset);
