@@ -407,39 +407,25 @@ __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const De
   return ok;
 }
 
-// Block-wide exclusive scans of G u32 columns per thread at once (one pair of barriers for all G):
-// before[j] gets the thread's prefix of column j, total[j] its sum. s_warp holds G * warps words.
-template <u32 G>
-__device__ __forceinline__ void block_exclusive_scan(const u32 (&v)[G], u32 (&before)[G], u32 (&total)[G], u32* s_warp) {
-  const u32 lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-  u32 inclusive[G];
-#pragma unroll
-  for (u32 j = 0; j < G; j++) inclusive[j] = v[j];
+// Block-wide exclusive scan of one u32 per thread; returns the thread's prefix, `total` gets the sum.
+__device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* s_warp, u32& total) {
+  const u32 lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  u32 inclusive = v;
 #pragma unroll
   for (u32 o = 1; o < WARP_SIZE; o <<= 1) {
-#pragma unroll
-    for (u32 j = 0; j < G; j++) {
-      const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive[j], o);
-      if (lane >= o) inclusive[j] += below;
-    }
+    const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive, o);
+    if (lane >= o) inclusive += below;
   }
-  if (lane == WARP_SIZE - 1) {
-#pragma unroll
-    for (u32 j = 0; j < G; j++) s_warp[j * warps + warp] = inclusive[j];
+  if (lane == WARP_SIZE - 1) s_warp[warp] = inclusive;
+  __syncthreads();
+  u32 before = 0, sum = 0;
+  for (u32 w = 0; w < blockDim.x / WARP_SIZE; w++) {
+    if (w < warp) before += s_warp[w];
+    sum += s_warp[w];
   }
   __syncthreads();
-#pragma unroll
-  for (u32 j = 0; j < G; j++) {
-    u32 b = 0, sum = 0;
-    for (u32 w = 0; w < warps; w++) {
-      const u32 x = s_warp[j * warps + w];
-      b += w < warp ? x : 0u;
-      sum += x;
-    }
-    before[j] = b + inclusive[j] - v[j];
-    total[j] = sum;
-  }
-  __syncthreads();
+  total = sum;
+  return before + inclusive - v;
 }
 
 // ---------------------------------------------------------------------------------------------- trace

@@ -30,9 +30,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_NOTIFY);
   if (rdma::nic_block(a.rdma, d)) return;
   rdma::WorkerScope scope(a.rdma);
-  // Prefix columns scanned per pass, and tokens whose loads a thread has in flight at once.
-  constexpr u32 SCAN_COLUMNS = 4, SCAN_TOKENS = 8;
-  __shared__ u32 s_warp[SCAN_COLUMNS * HTI_WARPS];
+  __shared__ u32 s_warp[HTI_WARPS];
   __shared__ u32 s_send_count[NUM_RANKS];
   __shared__ u32 s_node_count[NUM_NODES];
   __shared__ u32 s_status, s_epoch, s_ok;
@@ -56,52 +54,39 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   //    the columns stay unwritten; nothing reads them).
   const u32 chunk = (T + THREADS - 1) / THREADS;
   const u32 t0 = hti_min(T, tid * chunk), t1 = hti_min(T, t0 + chunk);
-  //    A pass takes SCAN_COLUMNS columns: a thread counts its tokens with SCAN_TOKENS tokens' loads in flight
-  //    (its rows stay in L1 for the passes after the first), then one block scan serves every column.
+  //    A kernel that runs once per call executes its code cold: every instruction line comes from L2, so the
+  //    columns share one loop body (no unrolling), and the thread's rows are prefetched into L1 once for all
+  //    of them.
   constexpr u32 MULTI_COLUMNS = RANKS_PER_NODE > 1 ? NUM_NODES : 0;
-  constexpr u32 COLUMNS = NUM_RANKS + NUM_NODES + MULTI_COLUMNS;
-  auto kind_of = [](u32 col) -> u32 { return col < NUM_RANKS ? 0u : col < NUM_RANKS + NUM_NODES ? 1u : 2u; };
-  auto index_of = [](u32 col) -> u32 { return col < NUM_RANKS ? col : col < NUM_RANKS + NUM_NODES ? col - NUM_RANKS : col - NUM_RANKS - NUM_NODES; };
-  auto hit = [&](u32 t, u32 col) -> u32 {
-    if (col >= COLUMNS) return 0u;
-    const u32 kind = kind_of(col), c = index_of(col);
-    if (kind == 0) return in_rank[(u64)t * NUM_RANKS + c] != 0 ? 1u : 0u;
-    u32 holders = 0;
-#pragma unroll
-    for (u32 j = 0; j < RANKS_PER_NODE; j++) holders += in_rank[(u64)t * NUM_RANKS + c * RANKS_PER_NODE + j] != 0 ? 1u : 0u;
-    return holders > kind - 1 ? 1u : 0u;
-  };
-  for (u32 col0 = 0; col0 < COLUMNS; col0 += SCAN_COLUMNS) {
-    u32 count[SCAN_COLUMNS] = {};
-    for (u32 t = t0; t < t1; t += SCAN_TOKENS) {
-      u32 h[SCAN_TOKENS][SCAN_COLUMNS];
-#pragma unroll
-      for (u32 u = 0; u < SCAN_TOKENS; u++)
-#pragma unroll
-        for (u32 j = 0; j < SCAN_COLUMNS; j++) h[u][j] = t + u < t1 ? hit(t + u, col0 + j) : 0u;
-#pragma unroll
-      for (u32 u = 0; u < SCAN_TOKENS; u++)
-#pragma unroll
-        for (u32 j = 0; j < SCAN_COLUMNS; j++) count[j] += h[u][j];
+  for (u64 b = (u64)t0 * NUM_RANKS / 128 * 128; b < (u64)t1 * NUM_RANKS; b += 128) ptx::prefetch_l1(in_rank + b);
+#pragma unroll 1
+  for (u32 col = 0; col < NUM_RANKS + NUM_NODES + MULTI_COLUMNS; col++) {
+    const u32 kind = col < NUM_RANKS ? 0u : col < NUM_RANKS + NUM_NODES ? 1u : 2u;
+    const u32 c = kind == 0 ? col : kind == 1 ? col - NUM_RANKS : col - NUM_RANKS - NUM_NODES;
+    // Rank columns read one byte, node columns the node's RANKS_PER_NODE bytes (a hit: any, or two or more).
+    const u32 first = kind == 0 ? c : c * RANKS_PER_NODE, width = kind == 0 ? 1u : RANKS_PER_NODE, need = kind == 2 ? 2u : 1u;
+    auto hit = [&](u32 t) -> u32 {
+      u32 holders = 0;
+#pragma unroll 1
+      for (u32 j = 0; j < width; j++) holders += in_rank[(u64)t * NUM_RANKS + first + j] != 0 ? 1u : 0u;
+      return holders >= need ? 1u : 0u;
+    };
+    u32 count = 0;
+#pragma unroll 1
+    for (u32 t = t0; t < t1; t++) count += hit(t);
+    u32 total = 0;
+    u32 run = block_exclusive_scan(count, s_warp, total);
+    i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
+    const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
+#pragma unroll 1
+    for (u32 t = t0; t < t1; t++) {
+      out[(u64)t * stride + c] = (i32)run;
+      run += hit(t);
     }
-    u32 run[SCAN_COLUMNS], total[SCAN_COLUMNS];
-    block_exclusive_scan<SCAN_COLUMNS>(count, run, total, s_warp);
-#pragma unroll
-    for (u32 j = 0; j < SCAN_COLUMNS; j++) {
-      const u32 col = col0 + j;
-      if (col >= COLUMNS) break;
-      const u32 kind = kind_of(col), c = index_of(col);
-      i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
-      const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
-      for (u32 t = t0; t < t1; t++) {
-        out[(u64)t * stride + c] = (i32)run[j];
-        run[j] += hit(t, col);
-      }
-      if (tid == 0) {
-        out[(u64)T * stride + c] = (i32)total[j];
-        if (kind == 1) s_node_count[c] = total[j];
-        else if (kind == 0) s_send_count[c] = total[j];
-      }
+    if (tid == 0) {
+      out[(u64)T * stride + c] = (i32)total;
+      if (kind == 1) s_node_count[c] = total;
+      else if (kind == 0) s_send_count[c] = total;
     }
   }
   __syncthreads();
@@ -152,6 +137,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   u32* host = reinterpret_cast<u32*>(a.host_out);
   for (u32 j = tid; j < NUM_RANKS; j += THREADS) {
     u32 received = 0;
+#pragma unroll 1
     for (u32 s = 0; s < NUM_RANKS; s++) {
       if (all_ok) received += msg_of(s)[MSG_W_ROW + j];
       routing[at.rank_prefix + s * NUM_RANKS + j] = (i32)received;
@@ -160,6 +146,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   if (all_ok && host != nullptr) {
     for (u32 e = tid; e < el; e += THREADS) {
       u32 sum = 0;
+#pragma unroll 1
       for (u32 s = 0; s < NUM_RANKS; s++) sum += msg_of(s)[MSG_W_ROW + NUM_RANKS + e];
       host[HN_PER_EXPERT + e] = sum;
     }
@@ -168,6 +155,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     u32 status = HTI_STATUS_FAILED, peer = NO_PEER, num_recv = 0, t_max = 0, num_fwd = 0;
     if (all_ok) {
       status = 0;
+#pragma unroll 1
       for (u32 s = 0; s < NUM_RANKS; s++) {
         const u32* m = msg_of(s);
         routing[at.recv_offset + s] = (i32)num_recv;
@@ -181,12 +169,14 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
           peer = s;
         }
       }
+#pragma unroll 1
       for (u32 n = 0; n < NUM_NODES; n++) {
         const u32 cnt = msg_of(n * RANKS_PER_NODE + local_of(me))[MSG_W_NODE_COUNT];
         routing[at.fwd_offset + n] = (i32)num_fwd;
         routing[at.fwd_count + n] = (i32)cnt;
         num_fwd += cnt;
       }
+#pragma unroll 1
       for (u32 s = 0; s < NUM_RANKS && status == 0; s++) {
         const u32* m = msg_of(s);
         const u64 sig = (u64)m[MSG_W_SIG_LO] | ((u64)m[MSG_W_SIG_HI] << 32);
