@@ -438,9 +438,11 @@ __device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* s_warp, u32& tot
 //   then per source node HTI_TRACE_CHUNKS forwarder chunk records of 3 words, indexed k * ceil(M / Q) + c:
 //     dispatch [words seen, rows copied, released], combine [started, partials staged, put].
 // Chunks past HTI_TRACE_CHUNKS are not stamped.
-// Notify's trace (its own words, one block): when it started, finished the prefix columns and checks, saw
-// every source's message, and ended (before READY).
-constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_PREFIXED = 1, NOTIFY_TRACE_RECEIVED = 2, NOTIFY_TRACE_END = 3;
+// Notify's trace (its own words, one block, thread 0): when it started, read its epoch, counted and scanned
+// the first prefix column, finished every column, then the layout checks, saw every source's message, and
+// ended (before READY).
+constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_EPOCH = 1, NOTIFY_TRACE_COUNTED = 2, NOTIFY_TRACE_SCANNED = 3,
+              NOTIFY_TRACE_COLUMNS = 4, NOTIFY_TRACE_PREFIXED = 5, NOTIFY_TRACE_RECEIVED = 6, NOTIFY_TRACE_END = 7;
 constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS;
 constexpr u32 HTI_TRACE_CHUNK_WORDS = 3;
 __device__ __forceinline__ void hti_stamp(u64 trace, u64 word) {

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     s_ok = 1;
   }
   __syncthreads();
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_EPOCH);
   const u32 epoch = s_epoch, parity = epoch & 1u;
 
   // 1. Prefix columns: ranks, nodes (a token reaches a node when it goes to one of its ranks), then with
@@ -74,8 +75,10 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     u32 count = 0;
 #pragma unroll 1
     for (u32 t = t0; t < t1; t++) count += hit(t);
+    if (tid == 0 && col == 0) hti_stamp(a.trace, NOTIFY_TRACE_COUNTED);
     u32 total = 0;
     u32 run = block_exclusive_scan(count, s_warp, total);
+    if (tid == 0 && col == 0) hti_stamp(a.trace, NOTIFY_TRACE_SCANNED);
     i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
     const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
 #pragma unroll 1
@@ -90,6 +93,7 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     }
   }
   __syncthreads();
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_COLUMNS);
   for (u32 r = tid; r < NUM_RANKS; r += THREADS)
     if ((i32)s_send_count[r] != reinterpret_cast<const i32*>(a.num_tokens_per_rank)[r]) atomicOr(&s_status, HTI_STATUS_BAD_LAYOUT);
   const u32 el = a.num_local_experts, words = MSG_W_ROW + NUM_RANKS + el;

@@ -389,10 +389,12 @@ pub struct HtiCombineArgs {
     pub trace: DevPtr,
 }
 
-/// Notify's trace (`NOTIFY_TRACE_*` in hti.cuh): `%globaltimer` when it started, finished its prefix
-/// columns, saw every message, and ended.
-pub const NOTIFY_TRACE_WORDS: usize = 4;
-pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] = ["start", "prefixed", "received", "end"];
+/// Notify's trace (`NOTIFY_TRACE_*` in hti.cuh): `%globaltimer` when it started, read its epoch, counted
+/// and scanned the first prefix column, finished every column, then the layout checks, saw every message,
+/// and ended.
+pub const NOTIFY_TRACE_WORDS: usize = 8;
+pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] =
+    ["start", "epoch", "counted", "scanned", "columns", "prefixed", "received", "end"];
 
 /// Timing trace (`HTI_TRACE_*` in hti.cuh): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
 /// words (block start and end, then each warp's role start and end), then [`HTI_TRACE_CHUNKS`] records of
