@@ -407,27 +407,6 @@ __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const De
   return ok;
 }
 
-// Block-wide exclusive scan of one u32 per thread; returns the thread's prefix, `total` gets the sum.
-__device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* s_warp, u32& total) {
-  const u32 lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-  u32 inclusive = v;
-#pragma unroll
-  for (u32 o = 1; o < WARP_SIZE; o <<= 1) {
-    const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive, o);
-    if (lane >= o) inclusive += below;
-  }
-  if (lane == WARP_SIZE - 1) s_warp[warp] = inclusive;
-  __syncthreads();
-  u32 before = 0, sum = 0;
-  for (u32 w = 0; w < blockDim.x / WARP_SIZE; w++) {
-    if (w < warp) before += s_warp[w];
-    sum += s_warp[w];
-  }
-  __syncthreads();
-  total = sum;
-  return before + inclusive - v;
-}
-
 // ---------------------------------------------------------------------------------------------- trace
 // Timing trace (moelink::KernelTracing::high_throughput; `trace` is 0 otherwise): %globaltimer stamps in
 // host-mapped u64 words (moelink::backend::cuda::ht_internode mirrors the layout):

@@ -284,9 +284,6 @@ __device__ __forceinline__ void st_na_u64(void* p, u64 v) {
   asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Brings a line into L1 without waiting for it (a thread's rows that several passes read next).
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 // Brings a line into L2 without waiting for it (loads issued before a wait, consumed after it).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

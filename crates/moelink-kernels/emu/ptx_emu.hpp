@@ -78,7 +78,6 @@ __device__ __forceinline__ u32 ld_nc_u32(const void* p) {
 }
 __device__ __forceinline__ void st_na_u32(void* p, u32 v) { std::memcpy(p, &v, 4); }
 __device__ __forceinline__ void st_na_u64(void* p, u64 v) { std::memcpy(p, &v, 8); }
-__device__ __forceinline__ void prefetch_l1(const void*) {}
 __device__ __forceinline__ void prefetch_l2(const void*) {}
 __device__ __forceinline__ void prefetch_l2_bulk(const void*, u32) {}
 
