@@ -30,7 +30,9 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rdma.rank, PHASE_HTI_NOTIFY);
   if (rdma::nic_block(a.rdma, d)) return;
   rdma::WorkerScope scope(a.rdma);
-  __shared__ u32 s_warp[HTI_WARPS];
+  // Prefix columns per pass, and warp steps whose loads are in flight at once while counting.
+  constexpr u32 SCAN_COLUMNS = 4, SCAN_STEPS = 4;
+  __shared__ u32 s_warp[SCAN_COLUMNS * HTI_WARPS];
   __shared__ u32 s_send_count[NUM_RANKS];
   __shared__ u32 s_node_count[NUM_NODES];
   __shared__ u32 s_status, s_epoch, s_ok;
@@ -56,57 +58,100 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   //    Warp w takes tokens [w * per_warp, (w + 1) * per_warp) in steps of 32, lane l token step + l: its
   //    loads and its stores of a step are coalesced (one token per lane; a thread per contiguous chunk
   //    stored 32 scattered words per warp instruction, ~2.4 us per column at 4096 tokens). A step's prefix
-  //    is a warp scan plus the warp's carry; the warps' totals, one block scan. The columns share one loop
-  //    body: the kernel runs once per call, its code cold.
+  //    is a warp scan plus the warp's carry; the warps' totals, one block scan. A pass takes SCAN_COLUMNS
+  //    columns, whose scans interleave; the passes share one loop body (the kernel runs once per call, its
+  //    code cold).
   constexpr u32 MULTI_COLUMNS = RANKS_PER_NODE > 1 ? NUM_NODES : 0;
+  constexpr u32 COLUMNS = NUM_RANKS + NUM_NODES + MULTI_COLUMNS;
   const u32 per_warp = (T + HTI_WARPS * WARP_SIZE - 1) / (HTI_WARPS * WARP_SIZE) * WARP_SIZE;
   const u32 w0 = hti_min(T, warp * per_warp), w1 = hti_min(T, w0 + per_warp);
-#pragma unroll 1
-  for (u32 col = 0; col < NUM_RANKS + NUM_NODES + MULTI_COLUMNS; col++) {
+  // Rank columns read one byte, node columns the node's RANKS_PER_NODE bytes (a hit: any, or two or more).
+  auto hit = [&](u32 t, u32 col) -> u32 {
+    if (t >= w1 || col >= COLUMNS) return 0u;
     const u32 kind = col < NUM_RANKS ? 0u : col < NUM_RANKS + NUM_NODES ? 1u : 2u;
-    const u32 c = kind == 0 ? col : kind == 1 ? col - NUM_RANKS : col - NUM_RANKS - NUM_NODES;
-    // Rank columns read one byte, node columns the node's RANKS_PER_NODE bytes (a hit: any, or two or more).
-    const u32 first = kind == 0 ? c : c * RANKS_PER_NODE, width = kind == 0 ? 1u : RANKS_PER_NODE, need = kind == 2 ? 2u : 1u;
-    auto hit = [&](u32 t) -> u32 {
-      if (t >= w1) return 0u;
-      u32 holders = 0;
+    const u32 first = kind == 0 ? col : kind == 1 ? (col - NUM_RANKS) * RANKS_PER_NODE : (col - NUM_RANKS - NUM_NODES) * RANKS_PER_NODE;
+    const u32 width = kind == 0 ? 1u : RANKS_PER_NODE, need = kind == 2 ? 2u : 1u;
+    u32 holders = 0;
 #pragma unroll 1
-      for (u32 j = 0; j < width; j++) holders += in_rank[(u64)t * NUM_RANKS + first + j] != 0 ? 1u : 0u;
-      return holders >= need ? 1u : 0u;
-    };
-    u32 count = 0;
+    for (u32 j = 0; j < width; j++) holders += in_rank[(u64)t * NUM_RANKS + first + j] != 0 ? 1u : 0u;
+    return holders >= need ? 1u : 0u;
+  };
 #pragma unroll 1
-    for (u32 t = w0 + lane; t < w1; t += WARP_SIZE) count += hit(t);
+  for (u32 col0 = 0; col0 < COLUMNS; col0 += SCAN_COLUMNS) {
+    // Counts, SCAN_STEPS steps' loads in flight.
+    u32 count[SCAN_COLUMNS] = {};
+#pragma unroll 1
+    for (u32 t = w0 + lane; t < w1; t += SCAN_STEPS * WARP_SIZE) {
+      u32 h[SCAN_STEPS][SCAN_COLUMNS];
 #pragma unroll
-    for (u32 o = WARP_SIZE / 2; o > 0; o >>= 1) count += __shfl_xor_sync(FULL_WARP_MASK, count, o);
-    if (tid == 0 && col == 0) hti_stamp(a.trace, NOTIFY_TRACE_COUNTED);
-    if (lane == 0) s_warp[warp] = count;
-    __syncthreads();
-    u32 run = 0, total = 0;
-    for (u32 x = 0; x < HTI_WARPS; x++) {
-      run += x < warp ? s_warp[x] : 0u;
-      total += s_warp[x];
+      for (u32 u = 0; u < SCAN_STEPS; u++)
+#pragma unroll
+        for (u32 j = 0; j < SCAN_COLUMNS; j++) h[u][j] = hit(t + u * WARP_SIZE, col0 + j);
+#pragma unroll
+      for (u32 u = 0; u < SCAN_STEPS; u++)
+#pragma unroll
+        for (u32 j = 0; j < SCAN_COLUMNS; j++) count[j] += h[u][j];
+    }
+#pragma unroll
+    for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+#pragma unroll
+      for (u32 o = WARP_SIZE / 2; o > 0; o >>= 1) count[j] += __shfl_xor_sync(FULL_WARP_MASK, count[j], o);
+    }
+    if (tid == 0 && col0 == 0) hti_stamp(a.trace, NOTIFY_TRACE_COUNTED);
+    if (lane == 0) {
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) s_warp[j * HTI_WARPS + warp] = count[j];
     }
     __syncthreads();
-    if (tid == 0 && col == 0) hti_stamp(a.trace, NOTIFY_TRACE_SCANNED);
-    i32* out = routing + (kind == 0 ? at.prefix : kind == 1 ? at.node_prefix : at.multi_prefix);
-    const u32 stride = kind == 0 ? NUM_RANKS : NUM_NODES;
+    u32 run[SCAN_COLUMNS] = {}, total[SCAN_COLUMNS] = {};
+#pragma unroll 1
+    for (u32 x = 0; x < HTI_WARPS; x++) {
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+        const u32 v = s_warp[j * HTI_WARPS + x];
+        run[j] += x < warp ? v : 0u;
+        total[j] += v;
+      }
+    }
+    __syncthreads();
+    if (tid == 0 && col0 == 0) hti_stamp(a.trace, NOTIFY_TRACE_SCANNED);
 #pragma unroll 1
     for (u32 step = w0; step < w1; step += WARP_SIZE) {
-      const u32 t = step + lane, h = hit(t);
-      u32 inclusive = h;
+      const u32 t = step + lane;
+      u32 h[SCAN_COLUMNS], inclusive[SCAN_COLUMNS];
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) inclusive[j] = h[j] = hit(t, col0 + j);
 #pragma unroll
       for (u32 o = 1; o < WARP_SIZE; o <<= 1) {
-        const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive, o);
-        if (lane >= o) inclusive += below;
+#pragma unroll
+        for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+          const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive[j], o);
+          if (lane >= o) inclusive[j] += below;
+        }
       }
-      if (t < w1) out[(u64)t * stride + c] = (i32)(run + inclusive - h);
-      run += __shfl_sync(FULL_WARP_MASK, inclusive, WARP_SIZE - 1);
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+        const u32 col = col0 + j;
+        if (t < w1 && col < COLUMNS) {
+          const bool rank = col < NUM_RANKS;
+          const u32 c = rank ? col : (col - NUM_RANKS) % NUM_NODES;
+          i32* out = routing + (rank ? at.prefix : col < NUM_RANKS + NUM_NODES ? at.node_prefix : at.multi_prefix);
+          out[(u64)t * (rank ? NUM_RANKS : NUM_NODES) + c] = (i32)(run[j] + inclusive[j] - h[j]);
+        }
+        run[j] += __shfl_sync(FULL_WARP_MASK, inclusive[j], WARP_SIZE - 1);
+      }
     }
-    if (tid == 0) {
-      out[(u64)T * stride + c] = (i32)total;
-      if (kind == 1) s_node_count[c] = total;
-      else if (kind == 0) s_send_count[c] = total;
+    if (tid < SCAN_COLUMNS && col0 + tid < COLUMNS) {
+      const u32 col = col0 + tid;
+      u32 sum = 0;
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) sum = j == tid ? total[j] : sum;
+      const bool rank = col < NUM_RANKS;
+      const u32 c = rank ? col : (col - NUM_RANKS) % NUM_NODES;
+      i32* out = routing + (rank ? at.prefix : col < NUM_RANKS + NUM_NODES ? at.node_prefix : at.multi_prefix);
+      out[(u64)T * (rank ? NUM_RANKS : NUM_NODES) + c] = (i32)sum;
+      if (rank) s_send_count[c] = sum;
+      else if (col < NUM_RANKS + NUM_NODES) s_node_count[c] = sum;
     }
   }
   __syncthreads();
