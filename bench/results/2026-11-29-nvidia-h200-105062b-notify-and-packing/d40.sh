@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Call 40 (1 x H200: ranks share the GPU; 2 x H200 were not lent): 105062b (moelink and ht_internode rebuilt), notify prefix columns four per pass by
+# warp steps. ht_internode; HT at 2x1 over ptr with MOELINK_HT_TRACE, 5 reps, at 4096 and 512 tokens:
+# notify's points and the gap before the dispatch.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT/t" "$OUT/tr" "$OUT/u"
+STEPS="tests" TEST_BINS="moelink.test.ht_internode" T_TESTS=120 BUDGET_S=130 OUT=$OUT/u W=/tmp/w40u \
+  bash scripts/device/run.sh 2>&1 | grep -E "test result|FAILED|panicked" | head -10
+STEPS="sweep" SWEEP="- MOELINK_HT_TRACE=1" T_SWEEP_EACH=80 SWEEP_ARGS="--mode ht --ranks 2 --topology 2x1 --transport ptr --reps 5" \
+  BUDGET_S=170 OUT=$OUT/tr W=/tmp/w40r bash scripts/device/run.sh > /tmp/w40r.log 2>&1
+python3 - <<'PY'
+import json, glob
+for f in sorted(glob.glob("/tmp/w40r/sweep/sweep-*.json")):
+    for r in json.load(open(f)):
+        print("2x1 ptr traced", r.get("op"), r.get("dtype"), r.get("status"), "time %.1f" % r.get("time_us", -1), "cached", r.get("cached_us"), "match", r.get("matches_host"))
+PY
+grep -h "moelink trace: rank . notify" /tmp/w40r/sweep/sweep.log | sed 's/(moelink::internode::notify)//' | cut -c1-330 | tail -8
+grep -h "moelink trace: rank 0 dispatch" /tmp/w40r/sweep/sweep.log | cut -c1-130 | tail -4
+STEPS="sweep" SWEEP="MOELINK_HT_TRACE=1" T_SWEEP_EACH=60 SWEEP_ARGS="--mode ht --ranks 2 --topology 2x1 --transport ptr --reps 3 --tokens 512" \
+  BUDGET_S=70 OUT=$OUT/t W=/tmp/w40s bash scripts/device/run.sh > /tmp/w40s.log 2>&1
+echo "== 512 tokens"
+grep -h "moelink trace: rank . notify" /tmp/w40s/sweep/sweep.log | sed 's/(moelink::internode::notify)//' | cut -c1-330 | tail -6
