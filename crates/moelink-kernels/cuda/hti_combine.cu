@@ -157,8 +157,9 @@ __device__ __forceinline__ u32 count_multi(const u32* entries, u32 from, u32 to,
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an`: per round, its chunks of Q
 // messages (chunk c with c % P == p; fwd_entries say which ranks each message went to), each message the
 // rows of those ranks summed as the node level of the tree; the chunk's partials (packed: combine_msg_at)
-// staged and put home with its chunk word. The warp that finishes a round's last chunk hands the round's parts back to the node's
-// ranks (HtiForward::combine_chunks_done counts; a round's rows arrive only after the hand-back of the round before).
+// staged and put home with its chunk word. The warp that finishes a round's last chunk hands the round's
+// parts back to the node's ranks (HtiForward::combine_chunks_done counts; a round's rows arrive only after the
+// hand-back of the round before).
 __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
   const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
   HtiForward* shared = hti_forward(a.state);
@@ -230,7 +231,8 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
             (void)ptx::ld_acquire_sys(reinterpret_cast<const u32*>(a.nvl.base[f.me_local] + a.nvl.off_cflags) +
                                       ((u64)j * NUM_NODES + an) * a.nvl.flag_slots + slot);
         // In place at home where stores reach it, else staged for the put.
-        u8* out = rdma::window(a.rdma, s, a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + msg_at, a.at.off_csend + (u64)an * a.at.part_bytes + msg_at).ptr;
+        const u64 home_at = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + msg_at;
+        u8* out = rdma::window(a.rdma, s, home_at, a.at.off_csend + (u64)an * a.at.part_bytes + msg_at).ptr;
         auto row_of = [&](u32 j) -> const u8* {
           return reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_cparts + ((u64)j * NUM_NODES + an) * a.nvl.part_bytes) +
                  (u64)slot * COMBINE_ROW_BYTES;
@@ -307,7 +309,8 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
       const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + chunk_at;
       const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + chunk_at;
       const u64 sig = a.at.off_cchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
-      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, (u32)(msg_at - chunk_at),
+      const u32 bytes = (u32)(msg_at - chunk_at);
+      if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, bytes,
                                         sig, ((u64)cseq << 32) | c1, SIGNAL_SET, dr))
         return;
       hti_stamp_fwd(a.trace, an, trace_chunk, 2);
@@ -365,7 +368,8 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
     if (lane < NUM_NODES) {
       const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
       const u32 m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start), m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
-      const u64 at0 = combine_msg_at(m0, multi_before(t0, round_start, lane)), at1 = combine_msg_at(m1, multi_before(t1, round_start, lane));
+      const u64 at0 = combine_msg_at(m0, multi_before(t0, round_start, lane));
+      const u64 at1 = combine_msg_at(m1, multi_before(t1, round_start, lane));
       if (m1 > m0) ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_crecv + (u64)lane * a.at.part_bytes + at0), (u32)(at1 - at0));
     }
     // Rounds in order: wait until the reducers finished round k - 1.

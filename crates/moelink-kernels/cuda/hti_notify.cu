@@ -56,8 +56,8 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   //    several ranks per node the multi-holder columns (one rank per node: every message is a bf16 row and
   //    the columns stay unwritten; nothing reads them).
   //    Warp w takes tokens [w * per_warp, (w + 1) * per_warp) in steps of 32, lane l token step + l: its
-  //    loads and its stores of a step are coalesced (one token per lane; a thread per contiguous chunk
-  //    stored 32 scattered words per warp instruction, ~2.4 us per column at 4096 tokens). A step's prefix
+  //    loads and its stores of a step are coalesced (a thread per contiguous chunk of tokens would store 32
+  //    scattered words per warp instruction, the column's cost at thousands of tokens). A step's prefix
   //    is a warp scan plus the warp's carry; the warps' totals, one block scan. A pass takes SCAN_COLUMNS
   //    columns, whose scans interleave; the passes share one loop body (the kernel runs once per call, its
   //    code cold).

@@ -390,8 +390,8 @@ pub struct HtiCombineArgs {
 }
 
 /// Notify's trace (`NOTIFY_TRACE_*` in hti.cuh): `%globaltimer` when it started, read its epoch, counted
-/// and scanned the first prefix column, finished every column, then the layout checks, saw every message,
-/// and ended.
+/// and scanned its first pass of prefix columns, finished every column, then the layout checks, saw every
+/// message, and ended.
 pub const NOTIFY_TRACE_WORDS: usize = 8;
 pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] =
     ["start", "epoch", "counted", "scanned", "columns", "prefixed", "received", "end"];
