@@ -45,10 +45,10 @@ __device__ __forceinline__ u32* notify_msg(u64 ctrl, u32 parity, u32 src) {
 
 namespace moelink::intranode {
 // moelink::intranode::notify: one block of NOTIFY_THREADS.
-//   1. Prefix: warp w scans a contiguous range of tokens, 32 at a time; with a scan over the warps' totals
-//      per destination that gives routing.prefix[t][r] (tokens before t that go to r; t's send slot at r
-//      when it goes there) for t = 0..T, and send_count[r] = prefix[T][r]. send_count differing from
-//      num_tokens_per_rank marks this rank's message HT_STATUS_BAD_LAYOUT.
+//   1. Prefix: thread i scans a contiguous chunk of tokens; a block-wide exclusive scan per destination gives
+//      routing.prefix[t][r] (tokens before t that go to r; t's send slot at r when it goes there) for
+//      t = 0..T, and send_count[r] = prefix[T][r]. send_count differing from num_tokens_per_rank marks this
+//      rank's message HT_STATUS_BAD_LAYOUT.
 //   1b. Warp w sums num_tokens_per_expert over the experts of ranks w, w + NOTIFY_WARPS, ... (u64 lanes, then
 //      a shuffle tree): each token sent to rank r selects at least one of r's experts, so r's experts count
 //      no tokens when send_count[r] is 0 and at least send_count[r] otherwise, and no count is negative; a
@@ -100,55 +100,45 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1) notify(const __grid_constan
   __syncthreads();
   const u32 epoch = s_epoch, parity = epoch & 1u;
 
-  // 1. Warp w takes tokens [w * per_warp, (w + 1) * per_warp) in steps of 32, one token per lane, so that
-  //    a step's loads and stores are coalesced (a thread per contiguous chunk of tokens would store 32
-  //    scattered words per warp instruction). Counts per warp, a scan over the warps' totals, then per step
-  //    a warp scan per destination plus the warp's carry.
-  const u64 per_warp = ((u64)num_tokens + NOTIFY_THREADS - 1) / NOTIFY_THREADS * WARP_SIZE;
-  const u64 w0 = ht_min_u64(num_tokens, warp * per_warp), w1 = ht_min_u64(num_tokens, w0 + per_warp);
+  // 1. Per-thread counts over a contiguous chunk of tokens, then an exclusive scan over threads.
+  const u64 chunk = ((u64)num_tokens + NOTIFY_THREADS - 1) / NOTIFY_THREADS;
+  const u64 t_begin = ht_min_u64(num_tokens, tid * chunk), t_end = ht_min_u64(num_tokens, t_begin + chunk);
   u32 count[MAX_RANKS];
 #pragma unroll
   for (u32 r = 0; r < MAX_RANKS; r++) count[r] = 0;
-  for (u64 t = w0 + lane; t < w1; t += WARP_SIZE) {
+  for (u64 t = t_begin; t < t_end; t++) {
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
       if (r < num_ranks) count[r] += in_rank[t * num_ranks + r] != 0 ? 1u : 0u;
   }
-#pragma unroll
-  for (u32 r = 0; r < MAX_RANKS; r++) {
-#pragma unroll
-    for (u32 offset = WARP_SIZE / 2; offset > 0; offset >>= 1) count[r] += __shfl_xor_sync(FULL_WARP_MASK, count[r], offset);
-    if (lane == 0) s_warp_total[warp][r] = count[r];
-  }
-  __syncthreads();
   u32 running[MAX_RANKS];
 #pragma unroll
   for (u32 r = 0; r < MAX_RANKS; r++) {
-    running[r] = 0;
-    for (u32 w = 0; w < warp; w++) running[r] += s_warp_total[w][r];
+    u32 inclusive = count[r];
+#pragma unroll
+    for (u32 offset = 1; offset < WARP_SIZE; offset <<= 1) {
+      const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive, offset);
+      if (lane >= offset) inclusive += below;
+    }
+    if (lane == WARP_SIZE - 1) s_warp_total[warp][r] = inclusive;
+    running[r] = inclusive - count[r];
   }
+  __syncthreads();
+#pragma unroll
+  for (u32 r = 0; r < MAX_RANKS; r++)
+    for (u32 w = 0; w < warp; w++) running[r] += s_warp_total[w][r];
   if (tid < MAX_RANKS) {
     u32 total = 0;
     for (u32 w = 0; w < NOTIFY_WARPS; w++) total += s_warp_total[w][tid];
     s_total[tid] = total;
   }
-  for (u64 step = w0; step < w1; step += WARP_SIZE) {
-    const u64 t = step + lane;
-    u32 hit[MAX_RANKS], inclusive[MAX_RANKS];
-#pragma unroll
-    for (u32 r = 0; r < MAX_RANKS; r++) inclusive[r] = hit[r] = t < w1 && r < num_ranks && in_rank[t * num_ranks + r] != 0 ? 1u : 0u;
-#pragma unroll
-    for (u32 offset = 1; offset < WARP_SIZE; offset <<= 1) {
-#pragma unroll
-      for (u32 r = 0; r < MAX_RANKS; r++) {
-        const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive[r], offset);
-        if (lane >= offset) inclusive[r] += below;
-      }
-    }
+  for (u64 t = t_begin; t < t_end; t++) {
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++) {
-      if (t < w1 && r < num_ranks) prefix[t * num_ranks + r] = (i32)(running[r] + inclusive[r] - hit[r]);
-      running[r] += __shfl_sync(FULL_WARP_MASK, inclusive[r], WARP_SIZE - 1);
+      if (r < num_ranks) {
+        prefix[t * num_ranks + r] = (i32)running[r];
+        running[r] += in_rank[t * num_ranks + r] != 0 ? 1u : 0u;
+      }
     }
   }
   __syncthreads();
