@@ -56,16 +56,25 @@ class Ctx:
         self.cuda = _env.backend() != "host" and torch.cuda.is_available()
         if not self.cuda:
             os.environ["MOELINK_BACKEND"] = "host"
+        # More ranks than GPUs (processes sharing a GPU under CUDA MPS): ranks share GPUs round-robin over a
+        # gloo group, since NCCL refuses two ranks on one GPU. The records say so (`gpus`, `shared_gpu`).
+        gpus = torch.cuda.device_count() if self.cuda else 0
+        self.shared_gpu = self.cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus
+        if self.shared_gpu and not args.host_cost:
+            raise SystemExit("moelink.bench: ranks sharing a GPU run only --host-cost (the NCCL baseline needs a GPU per rank)")
         if self.cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if self.cuda else "gloo")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
+        dist.init_process_group("nccl" if self.cuda and not self.shared_gpu else "gloo")
         self.rank, self.num_ranks = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        # Where the bench's own small collectives (timings, checks) live: gloo's are on the CPU.
+        self.collective_device = self.device if self.cuda and not self.shared_gpu else torch.device("cpu")
         self.group = dist.group.WORLD
         self.facts = {
             "backend": "cuda" if self.cuda else "host",
             "device": torch.cuda.get_device_name(self.device) if self.cuda else cpu_model(),
-            "gpus": self.num_ranks if self.cuda else 0,
+            "gpus": min(self.num_ranks, gpus) if self.cuda else 0,
+            "shared_gpu": self.shared_gpu,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "commit": commit(),
         }
@@ -142,19 +151,19 @@ def timed(ctx: Ctx, fn: Callable[[], Any]) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.collective_device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 def mean_over_ranks(ctx: Ctx, v: float) -> float:
-    t = torch.tensor([v], dtype=torch.float64, device=ctx.device)
+    t = torch.tensor([v], dtype=torch.float64, device=ctx.collective_device)
     dist.all_reduce(t)
     return float(t.item()) / ctx.num_ranks
 
 
 def all_ok(ctx: Ctx, ok: bool) -> bool:
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=ctx.device)
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=ctx.collective_device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -535,8 +544,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         systems.pop("nccl", None)
         records = bench_hostcost.run(ctx, args, systems)
         if ctx.rank == 0:
-            print(f"moelink bench --host-cost: {ctx.num_ranks} ranks on {ctx.facts['device']} ({ctx.facts['backend']}), "
+            sharing = f", sharing {ctx.facts['gpus']} GPU(s) under MPS" if ctx.shared_gpu else ""
+            print(f"moelink bench --host-cost: {ctx.num_ranks} ranks on {ctx.facts['device']} ({ctx.facts['backend']}{sharing}), "
                   f"commit {ctx.facts['commit']}, {ctx.facts['date']}")
+            if ctx.shared_gpu:
+                print("NOTE: ranks share a GPU: cpu_us_per_call is host time; loop and sync times are GPU-sharing figures.")
             if not ctx.cuda:
                 print(f"NOTE: {bench_hostcost.HOST_NOTE}.")
             print(bench_hostcost.table(records), flush=True)

@@ -72,7 +72,7 @@ def fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def slowest(ctx: Any, values: List[float]) -> List[float]:
     """Each value's maximum over the ranks."""
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.collective_device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [float(v) for v in t.tolist()]
 

@@ -410,8 +410,8 @@ __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const De
 // ---------------------------------------------------------------------------------------------- trace
 // Timing trace (moelink::KernelTracing::high_throughput; `trace` is 0 otherwise): %globaltimer stamps in
 // host-mapped u64 words (moelink::backend::cuda::ht_internode mirrors the layout):
-//   per block of the grid HTI_TRACE_BLOCK_WORDS (the emulated NIC's stay 0): block start, block end, then per
-//   warp the start and end of its role;
+//   per block of the grid HTI_TRACE_BLOCK_WORDS: block start, block end, then per warp the start and end of
+//   its role (the emulated NIC's blocks: their NIC_STAT_WORDS, transport.cuh);
 //   then HTI_TRACE_CHUNKS chunk records of 3 words, indexed by the sender's / reducer's chunk q:
 //     dispatch sender [taken, staged, put], combine reducer [taken, first partial seen, reduced];
 //   then per source node HTI_TRACE_CHUNKS forwarder chunk records of 3 words, indexed k * ceil(M / Q) + c:
@@ -424,6 +424,7 @@ constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_EPOCH = 1, NOTIFY_TRACE_COUNT
               NOTIFY_TRACE_COLUMNS = 4, NOTIFY_TRACE_PREFIXED = 5, NOTIFY_TRACE_RECEIVED = 6, NOTIFY_TRACE_END = 7;
 constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS;
 constexpr u32 HTI_TRACE_CHUNK_WORDS = 3;
+static_assert(NIC_STAT_WORDS <= HTI_TRACE_BLOCK_WORDS, "a NIC block's statistics fit its trace words");
 __device__ __forceinline__ void hti_stamp(u64 trace, u64 word) {
   if (trace != 0) reinterpret_cast<volatile u64*>(trace)[word] = ptx::globaltimer();
 }
@@ -504,7 +505,8 @@ enum class Role : u32 { SEND, FORWARD, RECEIVE };
 template <typename Args, typename Body, typename Reset, typename BlockEnd, typename LastBlock>
 __device__ __forceinline__ void hti_run(const Args& a, u32 num_tokens, u32* base_word, u32* done_word, const Deadline& d, Body body,
                                         Reset reset, BlockEnd block_end, LastBlock last_block) {
-  if (rdma::nic_block(a.rdma, d)) return;
+  const u64 nic_stats = a.trace != 0 ? a.trace + 8 * (u64)blockIdx.x * HTI_TRACE_BLOCK_WORDS : 0;
+  if (rdma::nic_block(a.rdma, d, nic_stats)) return;
   rdma::WorkerScope scope(a.rdma);
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   if (routing[RT_STATUS] != 0) return;

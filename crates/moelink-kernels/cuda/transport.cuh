@@ -137,6 +137,13 @@ struct NicState {
 static_assert(sizeof(NicState) == MOELINK_SIZEOF_NIC_STATE, "NicState mirrors moelink_kernels::transport::NIC_STATE_BYTES");
 #endif
 
+// A NIC block's statistics, stored by its thread 0 as it exits when the kernel gives them a place (a
+// timing trace): %globaltimer stamps of its start, its end, its first put's start and its last put's end;
+// nanoseconds it spent executing descriptors, idle with nothing posted, and idle with a put posted but held
+// by the rate cap (or the delay); the descriptors it executed and the bytes it put.
+constexpr u32 NIC_STAT_START = 0, NIC_STAT_END = 1, NIC_STAT_FIRST_PUT = 2, NIC_STAT_LAST_PUT = 3, NIC_STAT_BUSY_NS = 4,
+              NIC_STAT_IDLE_NS = 5, NIC_STAT_CAPPED_NS = 6, NIC_STAT_DESCRIPTORS = 7, NIC_STAT_BYTES = 8, NIC_STAT_WORDS = 9;
+
 namespace rdma {
 
 __device__ __forceinline__ NicState* nic_of(const RdmaArgs& a) { return reinterpret_cast<NicState*>(a.nic_state); }
@@ -252,7 +259,8 @@ __device__ __forceinline__ u32 nic_rand(u32& s) {
 // stores, thread 0 applies the signal and publishes the QP's head. Ends once every worker thread has left
 // and its QPs are drained — or, after a fatal error of this rank, once the workers have left (what is
 // still queued is dropped, like a link that went down; the peers' deadlines name this rank).
-__device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl) {
+// `stats`: where this block's NIC_STAT_WORDS go (host-mapped), or 0.
+__device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl, u64 stats) {
   NicState* nic = nic_of(a);
   const u32 me = blockIdx.x - (gridDim.x - a.nic_blocks);
   const u32 expected_workers = (gridDim.x - a.nic_blocks) * blockDim.x;
@@ -262,10 +270,26 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
   u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (me + 1);
   if (rng == 0) rng = 1;
   const u64 start_ns = ptx::globaltimer();
+  // Thread 0's statistics, in shared memory (registers are what the workers' code is short of): the time
+  // since its last look goes to what it decided then.
+  __shared__ u64 s_stat[NIC_STAT_WORDS];
+  __shared__ u64 s_last_look;
+  __shared__ u32 s_state;
+  if (threadIdx.x == 0) {
+    for (u32 w = 0; w < NIC_STAT_WORDS; w++) s_stat[w] = 0;
+    s_last_look = start_ns;
+    s_state = NIC_STAT_IDLE_NS;
+  }
+  auto spend = [&](u64 until) {
+    s_stat[s_state] += until - s_last_look;
+    s_last_look = until;
+  };
   for (;;) {
     if (threadIdx.x == 0) {
       u32 action = 0;
       const u64 now = ptx::globaltimer();
+      spend(now);
+      bool capped = false;
       const u32 first = a.nic_reorder_us != 0 ? nic_rand(rng) % a.num_qps : 0;
       for (u32 i = 0; i < a.num_qps && action == 0; i++) {
         const u32 q = (first + i) % a.num_qps;
@@ -281,17 +305,22 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
           const u32 h = (a.nic_seed * 0x9E3779B1u) ^ (q * 0x85EBCA77u) ^ (next * 0xC2B2AE3Du) ^ 0x27d4eb2fu;
           hold = (u64)((h ^ (h >> 15)) * 0x2c1b3c6du % (2u * a.nic_reorder_us)) * 1000;
         }
-        if (now - d->post_ns < a.nic_delay_ns + hold) continue;
+        if (now - d->post_ns < a.nic_delay_ns + hold) {
+          capped = true;
+          continue;
+        }
         // The rate cap is the rank's: the bytes every NIC block of the launch put so far. Blocks that pass
         // the test at once may overshoot it by a descriptor each.
         if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0 &&
             (ptx::ld_relaxed_sys_u64(&nic->sent_bytes) + d->bytes) * 1000 > (now - start_ns) * (u64)a.nic_bytes_per_us) {
+          capped = true;
           continue;
         }
         s_desc = *d;
         s_qp = q;
         action = 1;
       }
+      s_state = action == 1 ? NIC_STAT_BUSY_NS : capped ? NIC_STAT_CAPPED_NS : NIC_STAT_IDLE_NS;
       if (action == 0) {
         // Idle: done once every worker thread has left and every QP of this block is drained.
         if (ptx::ld_acquire_gpu(&nic->workers_exited) == expected_workers) {
@@ -313,8 +342,14 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
         copy_bytes(reinterpret_cast<u8*>(peer_base(a, d.pe) + d.dst_off), reinterpret_cast<const u8*>(a.local_base + d.src_off),
                    d.bytes, threadIdx.x, blockDim.x);
         ptx::fence_acq_rel_sys();  // each thread's own stores, before the signal and the head
-        if (threadIdx.x == 0) ptx::red_add_relaxed_gpu_u64(&nic->sent_bytes, d.bytes);
+        if (threadIdx.x == 0) {
+          ptx::red_add_relaxed_gpu_u64(&nic->sent_bytes, d.bytes);
+          if (s_stat[NIC_STAT_FIRST_PUT] == 0) s_stat[NIC_STAT_FIRST_PUT] = s_last_look;
+          s_stat[NIC_STAT_LAST_PUT] = ptx::globaltimer();
+          s_stat[NIC_STAT_BYTES] += d.bytes;
+        }
       }
+      if (threadIdx.x == 0) s_stat[NIC_STAT_DESCRIPTORS]++;
       __syncthreads();
       if (threadIdx.x == 0) {
         if ((d.kind & NIC_SIGNAL) != 0) {
@@ -325,6 +360,13 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
       }
     }
     __syncthreads();
+  }
+  if (threadIdx.x == 0 && stats != 0) {
+    volatile u64* w = reinterpret_cast<volatile u64*>(stats);
+    spend(ptx::globaltimer());
+    s_stat[NIC_STAT_START] = start_ns;
+    s_stat[NIC_STAT_END] = s_last_look;
+    for (u32 i = 0; i < NIC_STAT_WORDS; i++) w[i] = s_stat[i];
   }
   // The last NIC block out resets the launch counters for the next launch (stream-ordered after this one).
   if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(&nic->nics_exited, 1u) + 1 == a.nic_blocks) {
@@ -337,15 +379,16 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl)
 #endif
 
 // True on the blocks that acted as the emulated NIC (the kernel returns at once); false on worker blocks
-// and with the other backends.
-__device__ __forceinline__ bool nic_block(const RdmaArgs& a, const Deadline& dl) {
+// and with the other backends. `stats`: where a NIC block's NIC_STAT_WORDS go, or 0.
+__device__ __forceinline__ bool nic_block(const RdmaArgs& a, const Deadline& dl, u64 stats = 0) {
 #if MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC
   if (blockIdx.x < gridDim.x - a.nic_blocks) return false;
-  nic_serve(a, dl);
+  nic_serve(a, dl, stats);
   return true;
 #else
   (void)a;
   (void)dl;
+  (void)stats;
   return false;
 #endif
 }

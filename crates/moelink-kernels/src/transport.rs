@@ -26,6 +26,24 @@ pub const TRANSPORT_SIGNAL_BYTES: usize = 4096;
 /// Threads per block of the seam's kernels.
 pub const TRANSPORT_THREADS: u32 = 256;
 
+/// An emulated NIC block's statistics in a high-throughput timing trace (`NIC_STAT_*` in transport.cuh):
+/// indices of u64 words among the block's trace words. Stamps (`%globaltimer` ns): the block's start and
+/// end, its first put's start, its last put's end; durations (ns): executing descriptors, idle with nothing
+/// posted, idle with a put held by the rate cap or the delay; then descriptors executed and bytes put.
+pub mod nic_stat {
+    pub const START: usize = 0;
+    pub const END: usize = 1;
+    pub const FIRST_PUT: usize = 2;
+    pub const LAST_PUT: usize = 3;
+    pub const BUSY_NS: usize = 4;
+    pub const IDLE_NS: usize = 5;
+    pub const CAPPED_NS: usize = 6;
+    pub const DESCRIPTORS: usize = 7;
+    pub const BYTES: usize = 8;
+    /// Words per block.
+    pub const WORDS: usize = 9;
+}
+
 /// The engine that carries bytes across the RDMA domain (`MOELINK_TRANSPORT`), fixed at JIT time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Transport {
@@ -232,6 +250,26 @@ impl TransportVariant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nic_stat_words_agree_with_the_header() {
+        let pairs = [
+            ("START", nic_stat::START),
+            ("END", nic_stat::END),
+            ("FIRST_PUT", nic_stat::FIRST_PUT),
+            ("LAST_PUT", nic_stat::LAST_PUT),
+            ("BUSY_NS", nic_stat::BUSY_NS),
+            ("IDLE_NS", nic_stat::IDLE_NS),
+            ("CAPPED_NS", nic_stat::CAPPED_NS),
+            ("DESCRIPTORS", nic_stat::DESCRIPTORS),
+            ("BYTES", nic_stat::BYTES),
+            ("WORDS", nic_stat::WORDS),
+        ];
+        for (name, value) in pairs {
+            let needle = format!("NIC_STAT_{name} = {value}");
+            assert!(TRANSPORT_HEADER.contains(&needle), "transport.cuh lacks `{needle}`");
+        }
+    }
 
     #[test]
     fn struct_sizes() {

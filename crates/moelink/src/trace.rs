@@ -127,9 +127,13 @@ pub(crate) struct HtiTraceShape {
 /// the time between two of them (durations, not offsets): dispatch senders `chunk_taken`, `chunk_staged`,
 /// `chunk_put`, `stage_us`, `put_us`; forwarders `fwd_seen`, `fwd_copied`, `fwd_released`, `fwd_copy_us`,
 /// `fwd_release_us`; combine forwarders `fwd_started`, `fwd_summed`, `fwd_put`, `fwd_sum_us`, `fwd_put_us`;
-/// reducers `reduce_taken`, `reduce_seen`, `reduce_done`, `reduce_wait_us`, `reduce_us`.
+/// reducers `reduce_taken`, `reduce_seen`, `reduce_done`, `reduce_wait_us`, `reduce_us`; with the emulated
+/// NIC, per NIC block `nic_first_put`, `nic_last_put`, `nic_end` and the time it spent executing
+/// descriptors, idle with nothing posted, and holding a put for the rate cap: `nic_busy_us`, `nic_idle_us`,
+/// `nic_capped_us`.
 pub(crate) fn hti_launch(words: &[u64], shape: HtiTraceShape, kernel: &'static str, op: &'static str) -> Option<KernelTrace> {
     use moelink_kernels::ht_internode::{HTI_TRACE_BLOCK_WORDS, HTI_TRACE_CHUNKS, HTI_TRACE_CHUNK_WORDS, HTI_WARPS};
+    use moelink_kernels::transport::nic_stat;
     let word = |i: usize| words.get(i).copied().unwrap_or(0);
     let block = |k: usize, w: usize| word(k * HTI_TRACE_BLOCK_WORDS + w);
     let t0 = (0..shape.workers).map(|k| block(k, 0)).filter(|&v| v != 0).min()?;
@@ -178,6 +182,16 @@ pub(crate) fn hti_launch(words: &[u64], shape: HtiTraceShape, kernel: &'static s
     }
     points.push(between(fwd_spans[0], fwds.clone(), 0, 1));
     points.push(between(fwd_spans[1], fwds, 1, 2));
+    // The emulated NIC's blocks (after the workers): when they put, and where their time went.
+    let nics = shape.workers..shape.blocks;
+    let nic_word = move |w: usize| nics.clone().map(move |k| block(k, w));
+    points.push(point("nic_first_put", nic_word(nic_stat::FIRST_PUT), t0, None));
+    points.push(point("nic_last_put", nic_word(nic_stat::LAST_PUT), t0, None));
+    points.push(point("nic_end", nic_word(nic_stat::END), t0, None));
+    let nic_ran = |k: &usize| block(*k, nic_stat::END) != 0;
+    for (name, w) in [("nic_busy_us", nic_stat::BUSY_NS), ("nic_idle_us", nic_stat::IDLE_NS), ("nic_capped_us", nic_stat::CAPPED_NS)] {
+        points.push(summary(name, (shape.workers..shape.blocks).filter(nic_ran).map(|k| block(k, w) as f64 / 1e3).collect()));
+    }
     let points: Vec<TracePoint> = points.into_iter().flatten().collect();
     let span_us = points.iter().find(|p| p.name == "end").map_or(0.0, |p| p.max_us);
     Some(KernelTrace { kernel, op, phases: "send+recv", start_ns: t0, span_us, points })
@@ -280,8 +294,25 @@ mod tests {
         words[chunk(2, 0, 0)] = 6_000;
         words[chunk(2, 0, 1)] = 6_500;
         words[chunk(2, 0, 2)] = 6_600;
+        // No NIC statistics yet: no NIC points.
         let t = hti_launch(&words, shape, "moelink::internode::dispatch", "dispatch").unwrap();
-        assert_eq!((t.start_ns, t.span_us), (1_000, 8.2));
+        assert!(t.point("nic_busy_us").is_none() && t.point("nic_first_put").is_none());
+        // The NIC block (block 3): put from 1.5 to 8.5 us, 5 us busy, 2 idle, 1.5 held by the rate cap.
+        use moelink_kernels::transport::nic_stat;
+        let nic = 3 * HTI_TRACE_BLOCK_WORDS;
+        for (w, v) in [
+            (nic_stat::START, 900),
+            (nic_stat::END, 9_100),
+            (nic_stat::FIRST_PUT, 2_500),
+            (nic_stat::LAST_PUT, 9_500),
+            (nic_stat::BUSY_NS, 5_000),
+            (nic_stat::IDLE_NS, 2_000),
+            (nic_stat::CAPPED_NS, 1_500),
+        ] {
+            words[nic + w] = v;
+        }
+        let t = hti_launch(&words, shape, "moelink::internode::dispatch", "dispatch").unwrap();
+        assert_eq!((t.start_ns, t.span_us), (1_000, 8.2), "the NIC's block is not a worker: start and end are the workers'");
         let at = |n: &str| t.point(n).map(|p| (p.blocks, p.min_us, p.max_us));
         assert_eq!(at("send_start"), Some((1, 0.1, 0.1)));
         assert_eq!(at("fwd_end"), Some((1, 7.1, 7.1)));
@@ -291,6 +322,11 @@ mod tests {
         assert_eq!(at("chunk_put"), Some((2, 4.0, 8.0)));
         assert_eq!(at("fwd_copy_us"), Some((1, 0.5, 0.5)));
         assert_eq!(at("fwd_released"), Some((1, 5.6, 5.6)));
+        assert_eq!(at("nic_first_put"), Some((1, 1.5, 1.5)));
+        assert_eq!(at("nic_last_put"), Some((1, 8.5, 8.5)));
+        assert_eq!(at("nic_busy_us"), Some((1, 5.0, 5.0)));
+        assert_eq!(at("nic_idle_us"), Some((1, 2.0, 2.0)));
+        assert_eq!(at("nic_capped_us"), Some((1, 1.5, 1.5)));
         assert!(t.point("reduce_start").is_none(), "a dispatch has receivers");
         let c = hti_launch(&words, shape, "moelink::internode::combine", "combine").unwrap();
         assert_eq!(c.point("reduce_us").map(|p| p.blocks), Some(2));

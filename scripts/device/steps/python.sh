@@ -105,18 +105,27 @@ want host && MOELINK_BACKEND=host MOELINK_TOPOLOGY=2x2 step "ht 2x2, 4 ranks (ho
 # over each transport the low-latency tests and the high-throughput ones (test_ht.py and the HT handle tests:
 # DeepEP's internode API on the internode kernels; first calls JIT-compile their variants, NVSHMEM's slowly,
 # hence the longer per-test deadline). Ranks share the GPU: no figure here is an NVLink or network one.
-if want shared || want nodes; then
+# Processes sharing one GPU run under CUDA MPS, started as an ordinary daemon (pipe and log under $SCRATCH) and
+# quit at the end of the step that started it; compute mode untouched.
+mps_start() {
     export CUDA_MPS_PIPE_DIRECTORY=$SCRATCH/mps-pipe CUDA_MPS_LOG_DIRECTORY=$SCRATCH/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/setup.log"
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
-    # MPS_THREAD_PERCENTAGE (unset by default) limits each process: moelink still divides what a process sees
-    # among all the ranks on the GPU, so a limit leaves each rank less.
-    # One rank per process: no extra hardware queues (four MPS clients asking for run.sh's 32 each fail to create
-    # their contexts: CUDA_ERROR_OUT_OF_MEMORY; two work).
-    shared_env=(env -u CUDA_DEVICE_MAX_CONNECTIONS ${MPS_THREAD_PERCENTAGE:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE} NVSHMEM_HOME="${NVSHMEM_HOME:-$nv}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-        NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1)
+}
+mps_stop() {
+    echo quit | nvidia-cuda-mps-control
+    trap - EXIT
+}
+nv=$(python3 -c 'import importlib.util; s = importlib.util.find_spec("nvidia.nvshmem"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
+# MPS_THREAD_PERCENTAGE (unset by default) limits each process: moelink still divides what a process sees
+# among all the ranks on the GPU, so a limit leaves each rank less.
+# One rank per process: no extra hardware queues (four MPS clients asking for run.sh's 32 each fail to create
+# their contexts: CUDA_ERROR_OUT_OF_MEMORY; two work). NVSHMEM's PEs on one GPU: no remote transport.
+shared_env=(env -u CUDA_DEVICE_MAX_CONNECTIONS ${MPS_THREAD_PERCENTAGE:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE} NVSHMEM_HOME="${NVSHMEM_HOME:-$nv}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+    NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_NCCL=1)
+if want shared || want nodes; then
+    mps_start
     want shared && step "suite, 4 ranks on 1 GPU (mps)" "$OUT/shared-tests.log" 300 \
         "${shared_env[@]}" "${tr[@]}" --nproc_per_node=4 "${suite[@]}"
     for transport in ${NODE_TRANSPORTS:-emu-nic ptr nvshmem}; do
@@ -127,8 +136,7 @@ if want shared || want nodes; then
             "${shared_env[@]}" MOELINK_TOPOLOGY=2x2 MOELINK_TRANSPORT="$transport" MOELINK_TEST_DEADLINE_S=120 \
             "${tr[@]}" --nproc_per_node=4 -m pytest -q -p no:cacheprovider -rfEs --durations=10 "${ht_tests[@]}"
     done
-    echo quit | nvidia-cuda-mps-control
-    trap - EXIT
+    mps_stop
 fi
 want example && step "examples/moe_layer.py, $ranks ranks" "$OUT/moe_layer.log" 120 "${tr[@]}" --nproc_per_node="$ranks" examples/moe_layer.py
 bench_args=()
@@ -136,9 +144,17 @@ bench_args=()
 want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
-# HOSTCOST_RANKS: the host-cost bench's, the probe's and DeepEP's tests' ranks (default 2).
+# HOSTCOST_RANKS: the host-cost bench's, the probe's and DeepEP's tests' ranks (default 2). With fewer GPUs
+# than that, the host-cost bench runs its ranks on the GPUs there are, under MPS (both systems: host time
+# per call is the CPU's; loops and syncs become GPU-sharing figures), and DeepEP's tests, which need a GPU
+# per rank, do not run.
 hc_ranks=${HOSTCOST_RANKS:-2}
-[ "$ngpu" -ge "$hc_ranks" ] || hc_ranks=$ranks
+hc_env=()
+if [ "$ngpu" -ge 1 ] && [ "$ngpu" -lt "$hc_ranks" ]; then
+    hc_env=("${shared_env[@]}")
+elif [ "$ngpu" -lt "$hc_ranks" ]; then
+    hc_ranks=$ranks
+fi
 if want hostcost || want probe; then
     # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
     if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
@@ -159,8 +175,9 @@ fi
 if want hostcost; then
     hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
     [ "$ngpu" -eq 0 ] && hc_args=(--host-cost --quick --reuse-ab --json "$OUT/hostcost.json")
+    [ ${#hc_env[@]} -gt 0 ] && mps_start
     PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
-        "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
+        "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
     if [ "$ngpu" -ge 2 ] && ! want gpu2; then
         step "gpu suite, 2 ranks (cuda)" "$OUT/gpu-tests-2.log" 150 "${tr[@]}" --nproc_per_node=2 "${suite[@]}"
     fi
@@ -187,8 +204,9 @@ if want hostcost; then
     # host's noise moves both systems' figures, so the ratios are read from several runs of the same call.
     for i in $(seq 1 "${HOSTCOST_REPEAT:-0}"); do
         PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, repeat $i" "$OUT/hostcost-rep.log" 120 \
-            "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --json "$OUT/hostcost-rep-$i.json"
+            "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --json "$OUT/hostcost-rep-$i.json"
     done
+    [ ${#hc_env[@]} -gt 0 ] && mps_stop
     # HOSTCOST_ALTERNATE=N: the fresh HT dispatch's bound (Python within 30 us of the Rust bench at the same
     # shape), N alternations on this machine of the Rust bench and the Python one (rust-ht-I.json, py-ht-I.json).
     for i in $(seq 1 "${HOSTCOST_ALTERNATE:-0}"); do
