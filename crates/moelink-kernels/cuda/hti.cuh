@@ -422,9 +422,9 @@ __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const De
 // message, and ended (before READY).
 constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_EPOCH = 1, NOTIFY_TRACE_COUNTED = 2, NOTIFY_TRACE_SCANNED = 3,
               NOTIFY_TRACE_COLUMNS = 4, NOTIFY_TRACE_PREFIXED = 5, NOTIFY_TRACE_RECEIVED = 6, NOTIFY_TRACE_END = 7;
-constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS;
+// A block's words: its start and end and each warp's two, or an emulated NIC block's statistics if more.
+constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS > NIC_STAT_WORDS ? 2 + 2 * HTI_WARPS : NIC_STAT_WORDS;
 constexpr u32 HTI_TRACE_CHUNK_WORDS = 3;
-static_assert(NIC_STAT_WORDS <= HTI_TRACE_BLOCK_WORDS, "a NIC block's statistics fit its trace words");
 __device__ __forceinline__ void hti_stamp(u64 trace, u64 word) {
   if (trace != 0) reinterpret_cast<volatile u64*>(trace)[word] = ptx::globaltimer();
 }

@@ -400,7 +400,15 @@ pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] =
 /// words (block start and end, then each warp's role start and end), then [`HTI_TRACE_CHUNKS`] records of
 /// [`HTI_TRACE_CHUNK_WORDS`] for the dispatch senders' / combine reducers' chunks, then as many per source
 /// node for the forwarders' chunks. `%globaltimer` nanoseconds, 0 where not reached.
-pub const HTI_TRACE_BLOCK_WORDS: usize = 2 + 2 * HTI_WARPS as usize;
+pub const HTI_TRACE_BLOCK_WORDS: usize = {
+    let role_words = 2 + 2 * HTI_WARPS as usize;
+    // An emulated NIC block stores its statistics in its block's words (hti.cuh takes the larger).
+    if role_words > crate::transport::nic_stat::WORDS {
+        role_words
+    } else {
+        crate::transport::nic_stat::WORDS
+    }
+};
 /// Chunk records per area of the trace (chunks past it are not stamped).
 pub const HTI_TRACE_CHUNKS: usize = 1024;
 /// Words per chunk record.
