@@ -203,6 +203,12 @@ __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 de
   return old;
 }
 
+__device__ __forceinline__ u64 atom_cas_relaxed_gpu_u64(u64* p, u64 expected, u64 desired) {
+  u64 old;
+  asm volatile("atom.relaxed.gpu.global.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "l"(p), "l"(expected), "l"(desired) : "memory");
+  return old;
+}
+
 // A release/acquire fence at system scope (MEMBAR.ALL.SYS). Release pattern: one fence, then relaxed stores
 // to any number of flags. (st.release / red.release each pay such a fence; ld.acquire does not.)
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

@@ -10,8 +10,8 @@
 //   MOELINK_TRANSPORT_EMU_NIC  an emulated NIC (tests only): a put becomes a descriptor in one of this rank's
 //                              queues (one per QP); the last `nic_blocks` blocks of the grid are the NIC and
 //                              execute the descriptors later: in order within a QP, out of order across QPs,
-//                              each no earlier than `nic_delay_ns` after it was posted, at most
-//                              `nic_bytes_per_us`. With a reorder window (`nic_reorder_us`) the QPs are served
+//                              each no earlier than `nic_delay_ns` after it was posted, through one link
+//                              per rank of `nic_bytes_per_us` (no credit while it idles). With a reorder window (`nic_reorder_us`) the QPs are served
 //                              in a seeded random order and every descriptor carrying data waits a further
 //                              seeded random time below twice the window, while bare signals go at once: a
 //                              signal posted on one QP after data on another overtakes it, as on a real
@@ -129,7 +129,7 @@ struct NicState {
   alignas(128) u32 workers_exited;  // worker threads of this launch that have finished
   alignas(128) u32 nics_exited;     // NIC blocks of this launch that have finished
   alignas(128) u32 launches;        // launches served (scheduler seed)
-  alignas(128) u64 sent_bytes;      // bytes this launch's NIC blocks put: the rank's rate cap is shared by its blocks
+  alignas(128) u64 link_free_ns;    // the rank's link, shared by its NIC blocks: when the puts admitted so far have left
   alignas(128) NicDesc ring[RDMA_MAX_QPS][NIC_RING];
 };
 
@@ -253,10 +253,15 @@ __device__ __forceinline__ u32 nic_rand(u32& s) {
   return s;
 }
 
+// How far ahead of the link's clock a put may be admitted: a NIC block starts its copy while the put before
+// it is still on the wire, as a NIC's DMA runs ahead of its link. Idle time beyond this builds no credit.
+constexpr u64 NIC_LINK_SLACK_NS = 2000;
+
 // The NIC: runs on the last `nic_blocks` blocks; block n serves the QPs q with q % nic_blocks == n, all of
-// them under the rank's one rate cap. Thread
-// 0 picks the next descriptor (the scheduler), the whole block copies its bytes, every thread fences its
-// stores, thread 0 applies the signal and publishes the QP's head. Ends once every worker thread has left
+// them through the rank's one link (the rate cap: a clock of when the link is free, which each admitted put
+// moves on by its bytes over the rate). Thread 0 picks the next descriptor (the scheduler), the whole block
+// copies its bytes, then after the block's barrier thread 0 alone fences at system scope (cumulative over
+// the block's stores), applies the signal and publishes the QP's head. Ends once every worker thread has left
 // and its QPs are drained — or, after a fatal error of this rank, once the workers have left (what is
 // still queued is dropped, like a link that went down; the peers' deadlines name this rank).
 // `stats`: where this block's NIC_STAT_WORDS go (host-mapped), or 0.
@@ -309,12 +314,15 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
           capped = true;
           continue;
         }
-        // The rate cap is the rank's: the bytes every NIC block of the launch put so far. Blocks that pass
-        // the test at once may overshoot it by a descriptor each.
-        if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0 &&
-            (ptx::ld_relaxed_sys_u64(&nic->sent_bytes) + d->bytes) * 1000 > (now - start_ns) * (u64)a.nic_bytes_per_us) {
-          capped = true;
-          continue;
+        // The link: a put goes once the link's clock is within the slack of now, and moves it on by its
+        // bytes at the rate (a block that loses the race to another looks again).
+        if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0) {
+          const u64 free_ns = ptx::ld_relaxed_sys_u64(&nic->link_free_ns);
+          const u64 next = (free_ns > now ? free_ns : now) + (u64)d->bytes * 1000 / a.nic_bytes_per_us;
+          if (free_ns > now + NIC_LINK_SLACK_NS || ptx::atom_cas_relaxed_gpu_u64(&nic->link_free_ns, free_ns, next) != free_ns) {
+            capped = true;
+            continue;
+          }
         }
         s_desc = *d;
         s_qp = q;
@@ -341,17 +349,16 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
       if ((d.kind & NIC_PUT) != 0) {
         copy_bytes(reinterpret_cast<u8*>(peer_base(a, d.pe) + d.dst_off), reinterpret_cast<const u8*>(a.local_base + d.src_off),
                    d.bytes, threadIdx.x, blockDim.x);
-        ptx::fence_acq_rel_sys();  // each thread's own stores, before the signal and the head
-        if (threadIdx.x == 0) {
-          ptx::red_add_relaxed_gpu_u64(&nic->sent_bytes, d.bytes);
+      }
+      __syncthreads();  // the block's stores, before thread 0's fence
+      if (threadIdx.x == 0) {
+        s_stat[NIC_STAT_DESCRIPTORS]++;
+        if ((d.kind & NIC_PUT) != 0) {
+          ptx::fence_acq_rel_sys();  // the block's copy (ordered before it by the barrier), before the signal and the head
           if (s_stat[NIC_STAT_FIRST_PUT] == 0) s_stat[NIC_STAT_FIRST_PUT] = s_last_look;
           s_stat[NIC_STAT_LAST_PUT] = ptx::globaltimer();
           s_stat[NIC_STAT_BYTES] += d.bytes;
         }
-      }
-      if (threadIdx.x == 0) s_stat[NIC_STAT_DESCRIPTORS]++;
-      __syncthreads();
-      if (threadIdx.x == 0) {
         if ((d.kind & NIC_SIGNAL) != 0) {
           apply_signal_sys(reinterpret_cast<u64*>(peer_base(a, d.pe) + d.sig_off), d.value, d.sig_op);
           ptx::fence_acq_rel_sys();
@@ -371,7 +378,7 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
   // The last NIC block out resets the launch counters for the next launch (stream-ordered after this one).
   if (threadIdx.x == 0 && ptx::atom_add_acq_rel_gpu(&nic->nics_exited, 1u) + 1 == a.nic_blocks) {
     ptx::st_release_gpu(&nic->workers_exited, 0u);
-    ptx::st_relaxed_sys_u64(&nic->sent_bytes, 0);
+    ptx::st_relaxed_sys_u64(&nic->link_free_ns, 0);
     ptx::st_release_gpu(&nic->nics_exited, 0u);
     ptx::st_release_gpu(&nic->launches, ptx::ld_relaxed_gpu(&nic->launches) + 1);
   }

@@ -47,6 +47,10 @@ __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32* p, u32 expected, u32 de
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   return expected;
 }
+__device__ __forceinline__ u64 atom_cas_relaxed_gpu_u64(u64* p, u64 expected, u64 desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected;
+}
 __device__ __forceinline__ void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 __device__ __forceinline__ void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
