@@ -563,8 +563,9 @@ pub fn nvl_ctrl_bytes(num_ranks: usize, num_nodes: usize) -> usize {
 /// `num_nvl_bytes` the NVLink layout needs for rounds of `round_tokens` tokens of this shape.
 pub fn nvl_bytes_needed(num_ranks: usize, round_tokens: usize, rows: RowSizes) -> usize {
     let per_part = align(round_tokens * rows.dispatch_row.max(rows.combine_row), 128);
-    // Flag slots follow num_nvl_bytes / (2 R (4 + 256)); the parts then hold round_tokens rows.
-    let flags = align(num_ranks * round_tokens * 4, 256);
+    // nvl_layout gives num_nvl_bytes / (2 R (4 + 256)) flag slots, up to HTI_MAX_ROUND_TOKENS: room for the
+    // most it can take, so that the parts left still hold round_tokens rows.
+    let flags = align(num_ranks * HTI_MAX_ROUND_TOKENS * 4, 256);
     (2 * num_ranks * per_part + 2 * flags).max(2 * num_ranks * (4 + 256) * round_tokens)
 }
 
@@ -612,12 +613,16 @@ mod tests {
         let rows = RowSizes::new(7168, true, 8, HTI_MAX_TOPK);
         let (m, q) = round_shape(&rdma, &nvl, rows, 32).unwrap();
         assert!(m >= 1024 && m % q == 0 && m / q <= HTI_MAX_CHUNKS, "{m} {q}");
-        // The sizes the helpers say are needed give at least those rounds back.
-        let need_rdma = rdma_bytes_needed(16, 2, 512, rows);
-        let need_nvl = nvl_bytes_needed(16, 512, rows);
-        let rdma = rdma_layout(64 << 10, 512 << 10, need_rdma, 16, 2).unwrap();
-        let nvl = nvl_layout(1 << 20, 4 << 20, need_nvl, 16, 2);
-        assert!(round_shape(&rdma, &nvl, rows, 32).unwrap().0 >= 512 - 32);
+        // The sizes the helpers say are needed give those rounds back, whole (a round short of the tokens
+        // asked for leaves a last round of a few tokens, which waits for every earlier one to drain).
+        for (ranks, nodes, tokens, fp8) in
+            [(16, 2, 512, true), (2, 2, 4096, false), (2, 2, 4096, true), (4, 2, 4096, false), (64, 8, 128, false)]
+        {
+            let rows = RowSizes::new(7168, fp8, 8, HTI_MAX_TOPK);
+            let rdma = rdma_layout(64 << 10, 512 << 10, rdma_bytes_needed(ranks, nodes, tokens, rows), ranks, nodes).unwrap();
+            let nvl = nvl_layout(1 << 20, 4 << 20, nvl_bytes_needed(ranks, tokens, rows), ranks, nodes);
+            assert_eq!(round_shape(&rdma, &nvl, rows, 8).unwrap().0, tokens, "{ranks} ranks on {nodes} nodes, {tokens} tokens, fp8 {fp8}");
+        }
         // Too small: no round at all.
         let tiny = rdma_layout(64 << 10, 512 << 10, rdma_bytes_needed(16, 2, 0, rows) + 1024, 16, 2).unwrap();
         assert!(round_shape(&tiny, &nvl, rows, 32).is_none());
