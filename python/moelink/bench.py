@@ -539,6 +539,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 systems["deepep"] = deep_ep
         except Exception as err:  # noqa: BLE001 - ImportError, or its own init failing
             systems["deepep"] = f"import deep_ep failed: {type(err).__name__}: {err}"
+    if ctx.shared_gpu and not isinstance(systems.get("deepep", ""), str):
+        # Seen on one H200 under MPS: DeepEP's low-latency buffer fails NVSHMEM's IBGDA init, its dispatch
+        # receive times out and the process aborts, taking the run with it.
+        systems["deepep"] = "DeepEP needs a GPU per rank (with ranks sharing a GPU its low-latency dispatch times out and aborts)"
     records: List[Dict[str, Any]] = []
     if args.host_cost:
         systems.pop("nccl", None)

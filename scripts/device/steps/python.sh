@@ -145,9 +145,9 @@ want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
 # HOSTCOST_RANKS: the host-cost bench's, the probe's and DeepEP's tests' ranks (default 2). With fewer GPUs
-# than that, the host-cost bench runs its ranks on the GPUs there are, under MPS (both systems: host time
-# per call is the CPU's; loops and syncs become GPU-sharing figures), and DeepEP's tests, which need a GPU
-# per rank, do not run.
+# than that, the host-cost bench runs its ranks on the GPUs there are, under MPS: moelink alone (DeepEP needs
+# a GPU per rank, as do its tests, which do not run); host time per call is the CPU's, loops and syncs are
+# GPU-sharing figures.
 hc_ranks=${HOSTCOST_RANKS:-2}
 hc_env=()
 if [ "$ngpu" -ge 1 ] && [ "$ngpu" -lt "$hc_ranks" ]; then
