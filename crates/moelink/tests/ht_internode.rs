@@ -6,8 +6,9 @@
 //! DeepEP's rank_prefix_matrix and recv_src_idx, the combined rows and weights; CPU-synchronised and no-sync
 //! (num_worst_tokens) dispatch, a cached dispatch from a handle, combine with two biases; uniform, holed,
 //! skewed, empty-rank and node-limited routing, ranks with zero tokens; buffers small enough that every call
-//! runs several rounds. On CUDA over `ptr` and over `emu-nic` (which delivers out of order across QPs; the
-//! host backend has no transport). Also the rules of the calls across nodes: `get_dispatch_layout` returns
+//! runs several rounds; calls with fewer experts followed by calls with more on the same buffer. On CUDA
+//! over `ptr` and over `emu-nic` (which delivers out of order across QPs; the host backend has no
+//! transport). Also the rules of the calls across nodes: `get_dispatch_layout` returns
 //! the tokens per node; a buffer where not one token per round fits is refused naming the region; after
 //! high-throughput calls low-latency calls are refused until `clean_low_latency_buffer` (the two share the
 //! RDMA region, as in DeepEP); a silent rank on another node ends every other rank's call with a timeout
@@ -44,9 +45,6 @@ impl Net {
     fn ranks(&self) -> usize {
         self.topology.num_ranks()
     }
-    fn experts(&self) -> usize {
-        4 * self.ranks()
-    }
     fn options(&self, kind: BackendKind, base: BufferOptions) -> BufferOptions {
         let need = ht_bytes_needed(self.topology, ROUND_TOKENS, HIDDEN, TOPK, false);
         BufferOptions {
@@ -71,6 +69,15 @@ struct Call {
     cached: bool,
     biases: usize,
     route: RouteKind,
+    /// Experts per rank: fewer in one call than in the next, so that what that call leaves in the
+    /// buffer's per-expert words lies where the next one counts.
+    experts_per_rank: usize,
+}
+
+impl Call {
+    fn experts(&self, net: &Net) -> usize {
+        self.experts_per_rank * net.ranks()
+    }
 }
 
 fn calls(net: &Net) -> Vec<Call> {
@@ -78,12 +85,12 @@ fn calls(net: &Net) -> Vec<Call> {
     let node_limited = RouteKind::NodeLimited { nodes, max_nodes: (nodes / 2).max(1) };
     let worst = 3 * ROUND_TOKENS * net.ranks();
     vec![
-        Call { fp8: false, num_worst_tokens: 0, cached: true, biases: 2, route: RouteKind::Uniform },
-        Call { fp8: true, num_worst_tokens: 0, cached: false, biases: 0, route: RouteKind::Skewed },
-        Call { fp8: false, num_worst_tokens: worst, cached: false, biases: 1, route: RouteKind::WithHoles },
-        Call { fp8: true, num_worst_tokens: 0, cached: true, biases: 0, route: node_limited },
-        Call { fp8: false, num_worst_tokens: 0, cached: false, biases: 0, route: RouteKind::EmptyRank(1) },
-        Call { fp8: false, num_worst_tokens: worst, cached: false, biases: 2, route: node_limited },
+        Call { fp8: false, num_worst_tokens: 0, cached: true, biases: 2, route: RouteKind::Uniform, experts_per_rank: 4 },
+        Call { fp8: true, num_worst_tokens: 0, cached: false, biases: 0, route: RouteKind::Skewed, experts_per_rank: 2 },
+        Call { fp8: false, num_worst_tokens: worst, cached: false, biases: 1, route: RouteKind::WithHoles, experts_per_rank: 4 },
+        Call { fp8: true, num_worst_tokens: 0, cached: true, biases: 0, route: node_limited, experts_per_rank: 2 },
+        Call { fp8: false, num_worst_tokens: 0, cached: false, biases: 0, route: RouteKind::EmptyRank(1), experts_per_rank: 4 },
+        Call { fp8: false, num_worst_tokens: worst, cached: false, biases: 2, route: node_limited, experts_per_rank: 4 },
     ]
 }
 
@@ -102,7 +109,7 @@ fn inputs(net: &Net, call: &Call, call_no: usize, rank: usize) -> Inputs {
     let mut rng = Rng::new(0x47_1a7e ^ ((call_no as u64) << 16) ^ rank as u64);
     // Rank 1 sends nothing in every other call; the others send up to 3 rounds' worth.
     let tokens = if rank == 1 && call_no % 2 == 1 { 0 } else { [3 * ROUND_TOKENS, 7, 55, 1, 90, 0, 33, 120][(rank + call_no) % 8] };
-    let idx = route(&mut rng, call.route, tokens, TOPK, net.experts(), net.ranks());
+    let idx = route(&mut rng, call.route, tokens, TOPK, call.experts(net), net.ranks());
     let x = (0..tokens * HIDDEN).map(|_| bf16::from_f64(rng.normal())).collect();
     // FP8 payload: any byte but the two NaN patterns, with positive scales.
     let fp8 = (0..tokens * HIDDEN).map(|_| Fp8E4M3((rng.next_u64() as u8) & 0xfe)).collect();
@@ -137,7 +144,7 @@ fn run_call(buf: &mut Buffer, net: &Net, call: &Call, inp: &Inputs) -> Result<Se
     let x_fp8 = buf.upload(&Tensor::from_vec(inp.fp8.clone(), &[t, HIDDEN])?)?;
     let scales = buf.upload(&Tensor::from_vec(inp.scales.clone(), &[t, HIDDEN / 128])?)?;
     let payload = if call.fp8 { Payload::Fp8 { x: x_fp8.view(), scales: scales.view() } } else { Payload::Bf16(x_bf16.view()) };
-    let layout = buf.get_dispatch_layout(idx.view(), net.experts())?;
+    let layout = buf.get_dispatch_layout(idx.view(), call.experts(net))?;
     let args = DispatchArgs {
         x: payload,
         routing: Routing::Fresh { layout: layout.as_ref(), topk_idx: Some(idx.view()), topk_weights: Some(w.view()) },
