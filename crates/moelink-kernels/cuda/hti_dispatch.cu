@@ -127,8 +127,9 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
   if (__any_sync(FULL_WARP_MASK, bad) && lane == 0) report_error(d, ERR_INVALID_LAYOUT, f.me, LAYOUT_ARG_IN_RANK, t);
 }
 
-// The last block: the senders' and receivers' counts checked (check_expert_counts; counted by
-// check_token_ranks, copy_out and flush_tallies). expert_tokens: [senders' E | receivers' E_local | expected].
+// The last block (every thread): the senders' and receivers' counts checked (check_expert_counts; counted by
+// check_token_ranks, copy_out and flush_tallies), every word zeroed for the next call. expert_tokens:
+// [senders' E | receivers' E_local | expected], at offsets that move with the call's E.
 __device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, const Deadline& d) {
   if (TOPK == 0) return;
   u32* expert_tokens = reinterpret_cast<u32*>(a.expert_tokens);
@@ -142,6 +143,13 @@ __device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, co
                  a.host_seq,
                  a.rdma.rank};
   check_expert_counts(c, d);
+  // The expected copy lies past this call's receivers' counts, which is where a later call with more
+  // experts per rank counts its senders: zeroed once read, as check_expert_counts zeroes the counts.
+  if (a.host_notify != 0) {
+    __syncthreads();  // every thread of the block has read it
+    u32* expected = expert_tokens + num_experts + a.num_local_experts;
+    for (u32 i = threadIdx.x; i <= a.num_local_experts; i += blockDim.x) expected[i] = 0u;
+  }
 }
 
 // Receiver warp 0, first: copy_notify_expected into expert_tokens after the receivers' counts.
