@@ -29,16 +29,25 @@ pub const TRANSPORT_THREADS: u32 = 256;
 /// An emulated NIC block's statistics in a high-throughput timing trace (`NIC_STAT_*` in transport.cuh):
 /// indices of u64 words among the block's trace words. Stamps (`%globaltimer` ns): the block's start and
 /// end, its first put's start, its last put's end; durations (ns): executing descriptors, idle with nothing
-/// posted, idle with a put held by the rate cap or the delay; then descriptors executed and bytes put.
+/// posted, idle with a put held by the link or the delay; then descriptors executed and bytes put.
 pub mod nic_stat {
+    /// The block's start (ns).
     pub const START: usize = 0;
+    /// The block's end (ns).
     pub const END: usize = 1;
+    /// When its first put was admitted (ns).
     pub const FIRST_PUT: usize = 2;
+    /// When its last put's copy ended (ns).
     pub const LAST_PUT: usize = 3;
+    /// Time spent executing descriptors (ns).
     pub const BUSY_NS: usize = 4;
+    /// Time idle with nothing posted (ns).
     pub const IDLE_NS: usize = 5;
+    /// Time idle with a put posted but held by the link or the delay (ns).
     pub const CAPPED_NS: usize = 6;
+    /// Descriptors executed.
     pub const DESCRIPTORS: usize = 7;
+    /// Bytes put.
     pub const BYTES: usize = 8;
     /// Words per block.
     pub const WORDS: usize = 9;

@@ -575,7 +575,16 @@ fn ht_round(b: &mut Pair<'_>, s: &Settings, p: &HtPlan, inp: &HtInputs, inp2: Op
     let fresh = |x, lay, idx, w, worst| fresh_args(p, config, x, lay, idx, w, worst);
     b.step = "dispatch";
     let res_h = b.twin.dispatch(&fresh(payload(&x_h, &sc_h), &lay_h, idx_h.view(), w_h.view(), 0))?;
-    let res_p = b.prim.dispatch(&fresh(payload(&x_p, &sc_p), &lay_p, idx_p.view(), w_p.view(), worst))?;
+    let res_p = b.prim.dispatch(&fresh(payload(&x_p, &sc_p), &lay_p, idx_p.view(), w_p.view(), worst)).inspect_err(|_| {
+        // The dispatch checks the layout it is given: say whether the primary's differed from the host's.
+        if !d.0.is_empty() {
+            eprintln!(
+                "soak: rank {} round's layout differed from the host's before the failed dispatch: {}",
+                b.prim.rank(),
+                d.0.join("; ")
+            );
+        }
+    })?;
     let k_out = if p.with_topk { k } else { 0 };
     compare_dispatch(&mut d, "dispatch", &SeenDispatch::of(&res_h)?, &SeenDispatch::of(&res_p)?, worst, k_out);
     if worst == 0 {
