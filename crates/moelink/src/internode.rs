@@ -144,9 +144,13 @@ pub struct EmuNicOptions {
     pub reorder_window_us: u32,
     /// Seed of that reordering.
     pub seed: u32,
-    /// Blocks of each internode launch that act as the NIC (1..=8).
+    /// Blocks of each internode launch that act as the NIC (1..=[`MAX_NIC_BLOCKS`]). Each copies the
+    /// descriptors of its QPs in turn, at some 7–12 GB/s on an H200: a rate cap needs enough of them.
     pub nic_blocks: u32,
 }
+
+/// The most blocks an emulated NIC may have: one per QP.
+pub const MAX_NIC_BLOCKS: u32 = moelink_kernels::transport::RDMA_MAX_QPS as u32;
 
 impl Default for EmuNicOptions {
     fn default() -> Self {
@@ -263,7 +267,7 @@ impl std::str::FromStr for Transport {
     type Err = String;
     /// `nvshmem`, `ptr`, `emu-nic` (default settings: reordering on), or `emu-nic:` with settings, comma
     /// separated: `rate=<GB/s>` (a NIC's rate cap, 0: none), `delay=<µs>`, `reorder=<µs>` (0: in order),
-    /// `seed=<n>`, `nic-blocks=<1..=8>`; e.g. `emu-nic:rate=50,reorder=0` for one 400 Gb/s NIC per GPU.
+    /// `seed=<n>`, `nic-blocks=<1..=32>`; e.g. `emu-nic:rate=50,reorder=0` for one 400 Gb/s NIC per GPU.
     fn from_str(s: &str) -> std::result::Result<Transport, String> {
         let (name, settings) = s.trim().split_once(':').map_or((s.trim(), None), |(n, rest)| (n, Some(rest)));
         match (name, settings) {
@@ -273,7 +277,7 @@ impl std::str::FromStr for Transport {
                 let mut o = EmuNicOptions::default();
                 for item in settings.unwrap_or("").split(',').map(str::trim).filter(|i| !i.is_empty()) {
                     let bad = || {
-                        format!("emu-nic setting {item:?}: expected rate=<GB/s>, delay=<us>, reorder=<us>, seed=<n> or nic-blocks=<1..=8>")
+                        format!("emu-nic setting {item:?}: expected rate=<GB/s>, delay=<us>, reorder=<us>, seed=<n> or nic-blocks=<1..={MAX_NIC_BLOCKS}>")
                     };
                     let (key, value) = item.split_once('=').ok_or_else(bad)?;
                     let int = |v: &str| v.trim().parse::<u64>().map_err(|_| bad());
@@ -284,7 +288,9 @@ impl std::str::FromStr for Transport {
                         "delay" => o.delay_us = int(value)?,
                         "reorder" => o.reorder_window_us = u32::try_from(int(value)?).map_err(|_| bad())?,
                         "seed" => o.seed = u32::try_from(int(value)?).map_err(|_| bad())?,
-                        "nic-blocks" => o.nic_blocks = u32::try_from(int(value)?).ok().filter(|n| (1..=8).contains(n)).ok_or_else(bad)?,
+                        "nic-blocks" => {
+                            o.nic_blocks = u32::try_from(int(value)?).ok().filter(|n| (1..=MAX_NIC_BLOCKS).contains(n)).ok_or_else(bad)?
+                        }
                         _ => return Err(bad()),
                     }
                 }
@@ -385,8 +391,8 @@ impl RdmaOptions {
             }
         }
         if let Transport::EmuNic(n) = &self.transport {
-            if n.nic_blocks == 0 || n.nic_blocks > 8 {
-                return Err(Error::invalid("emu_nic.nic_blocks", rank, format!("{} (must be 1..=8)", n.nic_blocks)));
+            if n.nic_blocks == 0 || n.nic_blocks > MAX_NIC_BLOCKS {
+                return Err(Error::invalid("emu_nic.nic_blocks", rank, format!("{} (must be 1..={MAX_NIC_BLOCKS})", n.nic_blocks)));
             }
             if !(n.rate_gbps >= 0.0 && n.rate_gbps.is_finite()) {
                 return Err(Error::invalid("emu_nic.rate_gbps", rank, format!("{} (must be finite and >= 0)", n.rate_gbps)));
@@ -453,7 +459,9 @@ mod tests {
         let t: Transport = "emu-nic:rate=50, reorder=0,delay=3,seed=7,nic-blocks=2".parse().unwrap();
         let want = EmuNicOptions { rate_gbps: 50.0, reorder_window_us: 0, delay_us: 3, seed: 7, nic_blocks: 2 };
         assert_eq!(t, Transport::EmuNic(want));
-        for bad in ["emu-nic:rate=-1", "emu-nic:speed=5", "emu-nic:nic-blocks=9", "emu-nic:rate", "ptr:rate=5", "rdma"] {
+        for bad in
+            ["emu-nic:rate=-1", "emu-nic:speed=5", "emu-nic:nic-blocks=33", "emu-nic:nic-blocks=0", "emu-nic:rate", "ptr:rate=5", "rdma"]
+        {
             assert!(bad.parse::<Transport>().is_err(), "{bad} must be refused");
         }
         assert!("emu-nic:rate=fast".parse::<Transport>().unwrap_err().contains("rate=fast"), "the error names the setting");
