@@ -25,7 +25,7 @@ use crate::{sys, CliError};
 pub enum TransportSel {
     /// Peer pointers (one host).
     Ptr,
-    /// The emulated NIC (in order per QP, out of order across QPs; delay and rate cap below).
+    /// The emulated NIC (in order per QP, out of order across QPs; delay and link rate below).
     EmuNic,
     /// NVSHMEM (process mode: one process per rank).
     Nvshmem,
@@ -112,7 +112,7 @@ pub struct TransportArgs {
     /// Worker blocks of the bandwidth kernel.
     #[arg(long, default_value_t = 16)]
     pub blocks: u32,
-    /// emu-nic: rate cap per rank in GB/s (0: none).
+    /// emu-nic: the rank's link rate in GB/s (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub emu_rate_gbps: f64,
     /// emu-nic: a put runs no earlier than this after it was posted, microseconds.
