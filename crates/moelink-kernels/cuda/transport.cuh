@@ -11,10 +11,11 @@
 //                              queues (one per QP); the last `nic_blocks` blocks of the grid are the NIC and
 //                              execute the descriptors later: in order within a QP, out of order across QPs,
 //                              each no earlier than `nic_delay_ns` after it was posted, through one link
-//                              per rank of `nic_bytes_per_us` (no credit while it idles). With a reorder window (`nic_reorder_us`) the QPs are served
-//                              in a seeded random order and every descriptor carrying data waits a further
-//                              seeded random time below twice the window, while bare signals go at once: a
-//                              signal posted on one QP after data on another overtakes it, as on a real
+//                              per rank of `nic_bytes_per_us` (no credit while it idles). With a reorder
+//                              window (`nic_reorder_us`) the QPs are served in a seeded random order and
+//                              every descriptor carrying data waits a further seeded random time below
+//                              twice the window, while bare signals go at once: a signal posted on one QP
+//                              after data on another overtakes it, as on a real
 //                              NIC's independent QPs. A protocol that relies on an order real RDMA does not
 //                              give (a signal on one QP after data on another, without a fence) fails here;
 //                              over NVLink it would pass.
@@ -140,7 +141,7 @@ static_assert(sizeof(NicState) == MOELINK_SIZEOF_NIC_STATE, "NicState mirrors mo
 // A NIC block's statistics, stored by its thread 0 as it exits when the kernel gives them a place (a
 // timing trace): %globaltimer stamps of its start, its end, its first put's start and its last put's end;
 // nanoseconds it spent executing descriptors, idle with nothing posted, and idle with a put posted but held
-// by the rate cap (or the delay); the descriptors it executed and the bytes it put.
+// by the link (or the delay); the descriptors it executed and the bytes it put.
 constexpr u32 NIC_STAT_START = 0, NIC_STAT_END = 1, NIC_STAT_FIRST_PUT = 2, NIC_STAT_LAST_PUT = 3, NIC_STAT_BUSY_NS = 4,
               NIC_STAT_IDLE_NS = 5, NIC_STAT_CAPPED_NS = 6, NIC_STAT_DESCRIPTORS = 7, NIC_STAT_BYTES = 8, NIC_STAT_WORDS = 9;
 
@@ -258,8 +259,8 @@ __device__ __forceinline__ u32 nic_rand(u32& s) {
 constexpr u64 NIC_LINK_SLACK_NS = 2000;
 
 // The NIC: runs on the last `nic_blocks` blocks; block n serves the QPs q with q % nic_blocks == n, all of
-// them through the rank's one link (the rate cap: a clock of when the link is free, which each admitted put
-// moves on by its bytes over the rate). Thread 0 picks the next descriptor (the scheduler), the whole block
+// them through the rank's one link (a clock of when the link is free, which each admitted put moves on by
+// its bytes over the rate). Thread 0 picks the next descriptor (the scheduler), the whole block
 // copies its bytes, then after the block's barrier thread 0 alone fences at system scope (cumulative over
 // the block's stores), applies the signal and publishes the QP's head. Ends once every worker thread has left
 // and its QPs are drained — or, after a fatal error of this rank, once the workers have left (what is
