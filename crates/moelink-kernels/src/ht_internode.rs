@@ -563,10 +563,18 @@ pub fn nvl_ctrl_bytes(num_ranks: usize, num_nodes: usize) -> usize {
 /// `num_nvl_bytes` the NVLink layout needs for rounds of `round_tokens` tokens of this shape.
 pub fn nvl_bytes_needed(num_ranks: usize, round_tokens: usize, rows: RowSizes) -> usize {
     let per_part = align(round_tokens * rows.dispatch_row.max(rows.combine_row), 128);
-    // nvl_layout gives num_nvl_bytes / (2 R (4 + 256)) flag slots, up to HTI_MAX_ROUND_TOKENS: room for the
-    // most it can take, so that the parts left still hold round_tokens rows.
-    let flags = align(num_ranks * HTI_MAX_ROUND_TOKENS * 4, 256);
-    (2 * num_ranks * per_part + 2 * flags).max(2 * num_ranks * (4 + 256) * round_tokens)
+    // nvl_layout gives num_nvl_bytes / (2 R (4 + 256)) flag slots (up to HTI_MAX_ROUND_TOKENS), so the flag
+    // areas grow with the size asked for: the least size whose parts, after the flags it gets, still hold
+    // round_tokens rows (a fixed point, reached in a few steps: the flags take ~1.5 % of each step).
+    let flag_bytes = |nvl: usize| align(num_ranks * (nvl / (2 * num_ranks * (4 + 256))).clamp(1, HTI_MAX_ROUND_TOKENS) * 4, 256);
+    let mut nvl = 2 * num_ranks * per_part;
+    loop {
+        let need = (2 * num_ranks * per_part + 2 * flag_bytes(nvl)).max(2 * num_ranks * (4 + 256) * round_tokens);
+        if need <= nvl {
+            return nvl;
+        }
+        nvl = need;
+    }
 }
 
 /// Tokens per round (M) and per chunk (Q) for a call of `rows` on these layouts, with `chunk_tokens` asked
