@@ -33,11 +33,12 @@
 // seq = base + k + 1, base counting every earlier call's rounds (HtiState), so flags and signals only grow.
 //
 // Dispatch, round k of source s = (a, l):
-//   sender (s):      chunks of Q tokens (in order, from a per-call counter). For each destination node b: wait
+//   sender (s):      tokens in order from a per-call counter, in chunks of Q. For each destination node b: wait
 //                    until (b, l) handed round k - 1 back (d_consumed[b] >= base + k); write each token's
 //                    message m (the token's index among this round's tokens for node b, node_prefix) into
 //                    (b, l)'s receive part [a][m] in place where stores reach it (rdma::window), else at send
-//                    part [b][m]; then the chunk's messages [m0, m1) go there with SET (seq << 32 | m1) on its
+//                    part [b][m]; once the chunk's tokens are staged (by any warps), the warp that staged the
+//                    last one sends the chunk's messages [m0, m1) there with SET (seq << 32 | m1) on its
 //                    chunk word d_chunk[a][chunk] (put_window_signal: one put_signal, or fenced stores and the
 //                    signal; a bare signal for an empty chunk). Data, then its chunk word.
 //   forwarder ((b, l), fwd_per_node warps per source node a, chunks dealt round-robin among them): per
@@ -232,7 +233,7 @@ struct HtiState {
   u32 combine_base;        // rounds of every earlier combine
   u32 dispatch_done;       // blocks of the running dispatch that finished
   u32 combine_done;
-  u32 dispatch_chunk;      // next sender chunk of the running dispatch
+  u32 dispatch_token;      // next sender token of the running dispatch
   u32 combine_chunk;       // next reducer chunk of the running combine
   u32 combine_round_tokens;  // tokens of the current round the reducers finished
   u32 combine_rounds_done;   // rounds of the running combine the reducers finished
@@ -241,7 +242,8 @@ struct HtiState {
 static_assert(sizeof(HtiState) == 64, "HtiState is 64 bytes");
 // After HtiState, per source node a: what the forwarder warps of a (several: fwd_per_node) share within a
 // round — chunks done, the round's rows per local rank, messages of the rounds before — and the combine
-// forwarders' chunks done (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
+// forwarders' chunks done; then what the dispatch's receiver warps and sender warps share
+// (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
 struct HtiForward {
   u32 chunks_done[HTI_MAX_NODES];          // dispatch: the running round's chunks the forwarders finished
   u32 messages_before[HTI_MAX_NODES];      // dispatch: messages of the rounds before the running one
@@ -249,6 +251,7 @@ struct HtiForward {
   u32 combine_chunks_done[HTI_MAX_NODES];  // combine: the running round's chunks the forwarders finished
   u32 combine_rounds_back[HTI_MAX_NODES];  // combine: rounds whose parts went back (hand-backs go out in round order)
   u32 recv_fin[HTI_MAX_RANKS];  // dispatch receivers: warps of a source done with its current round
+  u32 chunk_staged[HTI_MAX_CHUNKS];  // dispatch senders: tokens staged, per chunk of a round, over the call's rounds
 };
 static_assert(sizeof(HtiState) + sizeof(HtiForward) == HTI_STATE_BYTES, "the local state mirrors moelink_kernels::ht_internode::HTI_STATE_BYTES");
 __device__ __forceinline__ HtiForward* hti_forward(u64 state) { return reinterpret_cast<HtiForward*>(state + sizeof(HtiState)); }

@@ -158,100 +158,119 @@ __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane
   copy_notify_expected(expected, reinterpret_cast<const volatile u32*>(a.host_notify), HN_READY, HN_PER_EXPERT, a.num_local_experts, lane);
 }
 
-// Sender warp: chunks of Q tokens taken in order from the call's counter (a chunk never straddles a round:
-// M is a multiple of Q). Lane b < N handles node b's hand-back wait, message range and put.
+// Sender warp: tokens one at a time from the call's counter, in order. The chunk of Q tokens goes out as soon
+// as its tokens are staged, by whichever warp stages its last one (a chunk never straddles a round: M is a
+// multiple of Q): with a chunk per warp, the first chunks of every warp would finish together, Q token
+// times after the launch, and the link would idle until then. Lane b < N handles node b's hand-back wait,
+// message range and put.
 __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr) {
   const u32 lane = threadIdx.x % WARP_SIZE, T = a.num_tokens, Q = a.chunk_tokens, M = f.round_tokens;
   const i32* prefix = f.routing + f.at.prefix;
   const i32* node_prefix = f.routing + f.at.node_prefix;
-  u32* counter = &hti_state(a.state)->dispatch_chunk;
+  u32* counter = &hti_state(a.state)->dispatch_token;
+  u32* chunk_staged = hti_forward(a.state)->chunk_staged;
   const u8* x = reinterpret_cast<const u8*>(a.x);
+  u32 rounds_ready = 0;  // lane b: node b handed back every round before this many (this warp has seen)
   for (;;) {
-    u32 q = 0;
-    if (lane == 0) q = ptx::atom_add_relaxed_gpu(counter, 1u);
-    q = __shfl_sync(FULL_WARP_MASK, q, 0);
-    if ((u64)q * Q >= T) break;
-    const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
+    u32 t = 0;
+    if (lane == 0) t = ptx::atom_add_relaxed_gpu(counter, 1u);
+    t = __shfl_sync(FULL_WARP_MASK, t, 0);
+    if (t >= T) break;
+    const u32 q = t / Q, t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
     const u64 seq = (u64)f.base + k + 1;
-    hti_stamp_chunk(a.trace, q, 0);
-    // The chunk's rows are contiguous in x: on their way to L2 while the warp waits and reads the routing.
-    if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t0 * PAYLOAD_BYTES, (t1 - t0) * PAYLOAD_BYTES);
-    // Lane b: this chunk's messages [m0, m1) for node b, after (b, l) handed round k - 1 back.
-    u32 m0 = 0, m1 = 0;
+    if (t == t0) hti_stamp_chunk(a.trace, q, 0);
+    // The row is contiguous in x: on its way to L2 while the warp waits and reads the routing.
+    if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t * PAYLOAD_BYTES, PAYLOAD_BYTES);
+    // Lane b: (b, l) handed round k - 1 back, once per round this warp reaches.
     bool ok = true;
+    if (lane < NUM_NODES && k >= rounds_ready) {
+      const u64* consumed = rdma_word(a.rdma, a.at.off_dconsumed + 8ull * lane);
+      const u32 peer = lane * RANKS_PER_NODE + f.me_local;
+      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dr, peer, f.me), peer);
+      rounds_ready = k + 1;
+    }
+    if (!__all_sync(FULL_WARP_MASK, ok)) return;
+    // The token's message, once per node it reaches.
+    check_token_ranks(a, f, prefix, t, lane, dr);
+    u32 m = 0;
+    bool in = false;
+    if (lane < NUM_NODES) {
+      const i32 p0 = node_prefix[(u64)t * NUM_NODES + lane], p1 = node_prefix[(u64)(t + 1) * NUM_NODES + lane];
+      in = p1 > p0;
+      m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
+    }
+    const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
+    // What every node's message of t carries, read once: lane k < TOPK its top-k entry, lane i scales
+    // i, i + 32, ...
+    i32 id = -1;
+    u32 weight = 0;
+    if (TOPK > 0 && lane < TOPK) {
+      id = (i32)reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
+      weight = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
+    }
+    constexpr u32 SCALES_PER_LANE = (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE;
+    u32 scale[SCALES_PER_LANE > 0 ? SCALES_PER_LANE : 1];
+#pragma unroll
+    for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+      const u32 g = lane + i * WARP_SIZE;
+      if (g < NUM_SCALES) scale[i] = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
+    }
+    u64 node_msg = 0;  // lane b: where node b's message goes
+    for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
+      const u32 b = __ffs(todo) - 1;
+      const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
+      // In place at the rail peer where stores reach it, else staged for the put.
+      u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
+                             a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
+                    .ptr;
+      if (lane == b) node_msg = reinterpret_cast<u64>(msg);
+      // Head and slots: lane j < L gives the slot at (b, j).
+      u32 mask = 0;
+      if (lane < RANKS_PER_NODE) {
+        const u32 r = b * RANKS_PER_NODE + lane;
+        const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
+        reinterpret_cast<i32*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? s0 : -1;
+        mask = s1 > s0 ? 1u : 0u;
+      }
+      mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
+      if (lane == 0) {
+        reinterpret_cast<u32*>(msg)[0] = t;
+        reinterpret_cast<u32*>(msg)[1] = mask;
+        reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
+      }
+      if (TOPK > 0 && lane < TOPK) {
+        reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = id;
+        reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = weight;
+      }
+#pragma unroll
+      for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+        const u32 g = lane + i * WARP_SIZE;
+        if (g < NUM_SCALES) reinterpret_cast<u32*>(msg + MSG_SCALES)[g] = scale[i];
+      }
+    }
+    // The payload: read once, stored into every node's message.
+    copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
+    // Every lane fences its part of the messages (system scope: in place, they went to the peer) before the
+    // token counts into its chunk; the warp that counts the chunk's last token puts the chunk, so the put
+    // (its signal after a fence, or a NIC's read of the staging area) follows every warp's stores.
+    __syncwarp();
+    ptx::fence_acq_rel_sys();
+    __syncwarp();
+    // The word counts chunk `chunk` of every round so far: rounds before k had Q tokens there (only the
+    // call's last chunk is short), and round k's tokens count only once every node handed round k - 1
+    // back, after its puts.
+    u32 staged = 0;
+    if (lane == 0) staged = ptx::atom_add_acq_rel_gpu(chunk_staged + chunk, 1u) + 1;
+    staged = __shfl_sync(FULL_WARP_MASK, staged, 0);
+    if (staged != k * Q + (t1 - t0)) continue;
+    hti_stamp_chunk(a.trace, q, 1);
+    // Lane b: the chunk's messages [m0, m1) for node b.
+    u32 m0 = 0, m1 = 0;
     if (lane < NUM_NODES) {
       const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
       m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start);
       m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
-      const u64* consumed = rdma_word(a.rdma, a.at.off_dconsumed + 8ull * lane);
-      const u32 peer = lane * RANKS_PER_NODE + f.me_local;
-      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dr, peer, f.me), peer);
     }
-    if (!__all_sync(FULL_WARP_MASK, ok)) return;
-    // Stage every token's message once per node it reaches.
-    for (u32 t = t0; t < t1; t++) {
-      check_token_ranks(a, f, prefix, t, lane, dr);
-      u32 m = 0;
-      bool in = false;
-      if (lane < NUM_NODES) {
-        const i32 p0 = node_prefix[(u64)t * NUM_NODES + lane], p1 = node_prefix[(u64)(t + 1) * NUM_NODES + lane];
-        in = p1 > p0;
-        m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
-      }
-      const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
-      // What every node's message of t carries, read once: lane k < TOPK its top-k entry, lane i scales
-      // i, i + 32, ...
-      i32 id = -1;
-      u32 weight = 0;
-      if (TOPK > 0 && lane < TOPK) {
-        id = (i32)reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
-        weight = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
-      }
-      constexpr u32 SCALES_PER_LANE = (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE;
-      u32 scale[SCALES_PER_LANE > 0 ? SCALES_PER_LANE : 1];
-#pragma unroll
-      for (u32 i = 0; i < SCALES_PER_LANE; i++) {
-        const u32 g = lane + i * WARP_SIZE;
-        if (g < NUM_SCALES) scale[i] = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
-      }
-      u64 node_msg = 0;  // lane b: where node b's message goes
-      for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
-        const u32 b = __ffs(todo) - 1;
-        const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
-        // In place at the rail peer where stores reach it, else staged for the put.
-        u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
-                               a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
-                      .ptr;
-        if (lane == b) node_msg = reinterpret_cast<u64>(msg);
-        // Head and slots: lane j < L gives the slot at (b, j).
-        u32 mask = 0;
-        if (lane < RANKS_PER_NODE) {
-          const u32 r = b * RANKS_PER_NODE + lane;
-          const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
-          reinterpret_cast<i32*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? s0 : -1;
-          mask = s1 > s0 ? 1u : 0u;
-        }
-        mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
-        if (lane == 0) {
-          reinterpret_cast<u32*>(msg)[0] = t;
-          reinterpret_cast<u32*>(msg)[1] = mask;
-          reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
-        }
-        if (TOPK > 0 && lane < TOPK) {
-          reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = id;
-          reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = weight;
-        }
-#pragma unroll
-        for (u32 i = 0; i < SCALES_PER_LANE; i++) {
-          const u32 g = lane + i * WARP_SIZE;
-          if (g < NUM_SCALES) reinterpret_cast<u32*>(msg + MSG_SCALES)[g] = scale[i];
-        }
-      }
-      // The payload: read once, stored into every node's message.
-      copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
-    }
-    __syncwarp();
-    hti_stamp_chunk(a.trace, q, 1);
     // One put per node: the chunk's messages, then its chunk word (SET seq << 32 | m1).
     for (u32 b = 0; b < NUM_NODES; b++) {
       const u32 b0 = __shfl_sync(FULL_WARP_MASK, m0, b), b1 = __shfl_sync(FULL_WARP_MASK, m1, b);
@@ -623,9 +642,13 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
         }
       },
       [&]() {
-        st->dispatch_chunk = 0u;
+        st->dispatch_token = 0u;
         for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->messages_before[n] = 0u;
       },
-      [&](Role role) { hti_dispatch::flush_tallies(a, role); }, [&]() { hti_dispatch::check_expert_tokens(a, dr); });
+      [&](Role role) { hti_dispatch::flush_tallies(a, role); },
+      [&]() {
+        for (u32 i = threadIdx.x; i < HTI_MAX_CHUNKS; i += blockDim.x) hti_forward(a.state)->chunk_staged[i] = 0u;
+        hti_dispatch::check_expert_tokens(a, dr);
+      });
 }
 }  // namespace moelink::internode

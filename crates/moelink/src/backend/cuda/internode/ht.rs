@@ -530,7 +530,7 @@ fn protocol_dump(b: &Internode, op: &str, routing_buf: &PooledBuffer, round_toke
         let w = u32s(&st);
         let _ = write!(
             out,
-            "\n  state: notify_epoch {} dispatch_base {} combine_base {} dispatch_done {} combine_done {} dispatch_chunk {} combine_chunk {} combine_round_tokens {} combine_rounds_done {}",
+            "\n  state: notify_epoch {} dispatch_base {} combine_base {} dispatch_done {} combine_done {} dispatch_token {} combine_chunk {} combine_round_tokens {} combine_rounds_done {}",
             w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
         );
         let f = &w[16..];
@@ -544,6 +544,9 @@ fn protocol_dump(b: &Internode, op: &str, routing_buf: &PooledBuffer, round_toke
             &f[10 * mx..10 * mx + n],
             &f[11 * mx..11 * mx + n]
         );
+        // The senders' staged-token counts of the first chunks (zero between calls).
+        let staged = 12 * mx + HTI_MAX_RANKS;
+        let _ = write!(out, "\n  send: chunk_staged[..4] {:?}", &f[staged..staged + 4]);
     }
     // RDMA signals.
     if let Ok(at) = rdma_at(b) {
