@@ -114,13 +114,15 @@ constexpr u32 NIC_PUT = 1;
 constexpr u32 NIC_SIGNAL = 2;
 constexpr u32 NIC_PUT_SIGNAL = NIC_PUT | NIC_SIGNAL;
 
-// One QP: posters take tickets from `tail`; the NIC block serving the QP executes them in ticket order and
-// publishes `head` (executed so far) with release, which frees ring slots and completes quiets.
+// One QP: posters take tickets from `tail`; a NIC block that claimed the QP (`busy`) executes its next ticket
+// and publishes `head` (executed so far) with release, which frees ring slots and completes quiets, then lets
+// the claim go: one descriptor of a QP at a time, in ticket order.
 struct alignas(128) NicQueue {
   u32 tail;
   u32 pad0[31];
   u32 head;
-  u32 pad1[31];
+  u32 busy;
+  u32 pad1[30];
 };
 
 // A rank's NIC (moelink_kernels::transport::NIC_STATE_BYTES), zeroed once when the buffer is created;
@@ -258,22 +260,24 @@ __device__ __forceinline__ u32 nic_rand(u32& s) {
 // it is still on the wire, as a NIC's DMA runs ahead of its link. Idle time beyond this builds no credit.
 constexpr u64 NIC_LINK_SLACK_NS = 2000;
 
-// The NIC: runs on the last `nic_blocks` blocks; block n serves the QPs q with q % nic_blocks == n, all of
-// them through the rank's one link (a clock of when the link is free, which each admitted put moves on by
-// its bytes over the rate). Thread 0 picks the next descriptor (the scheduler), the whole block
-// copies its bytes, then after the block's barrier thread 0 alone fences at system scope (cumulative over
-// the block's stores), applies the signal and publishes the QP's head. Ends once every worker thread has left
-// and its QPs are drained — or, after a fatal error of this rank, once the workers have left (what is
-// still queued is dropped, like a link that went down; the peers' deadlines name this rank).
+// The NIC: runs on the last `nic_blocks` blocks, which serve every QP through the rank's one link (a clock
+// of when the link is free, which each admitted put moves on by its bytes over the rate). Warp 0 picks the
+// next descriptor (the scheduler): at the head of a QP no block holds, past its hold, the oldest (with
+// reordering, a random QP's); thread 0 claims the QP, the whole block copies the bytes, then after the
+// block's barrier thread 0 alone fences at system scope (cumulative over the block's stores), applies the
+// signal, publishes the QP's head and lets the QP go. Any block serves any QP, as a NIC's DMA engines are
+// not tied to QPs (blocks tied to QPs are busy in proportion to their QPs, and the few with more set the
+// pace). Ends once every worker thread has left and every QP is drained — or, after a fatal error of this
+// rank, once the workers have left (what is still queued is dropped, like a link that went down; the
+// peers' deadlines name this rank).
 // `stats`: where this block's NIC_STAT_WORDS go (host-mapped), or 0.
 __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl, u64 stats) {
   NicState* nic = nic_of(a);
-  const u32 me = blockIdx.x - (gridDim.x - a.nic_blocks);
   const u32 expected_workers = (gridDim.x - a.nic_blocks) * blockDim.x;
   __shared__ NicDesc s_desc;
   __shared__ u32 s_action;  // 0: idle, 1: execute s_desc (QP s_qp), 2: exit
   __shared__ u32 s_qp;
-  u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (me + 1);
+  u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (blockIdx.x + 1);
   if (rng == 0) rng = 1;
   const u64 start_ns = ptx::globaltimer();
   // Thread 0's statistics, in shared memory (registers are what the workers' code is short of): the time
@@ -291,56 +295,99 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
     s_last_look = until;
   };
   for (;;) {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < WARP_SIZE) {
+      // Warp 0 schedules: lane q looks at QP q's next descriptor, lane 0 decides.
+      const u32 lane = threadIdx.x;
       u32 action = 0;
-      const u64 now = ptx::globaltimer();
-      spend(now);
-      bool capped = false;
-      const u32 first = a.nic_reorder_us != 0 ? nic_rand(rng) % a.num_qps : 0;
-      for (u32 i = 0; i < a.num_qps && action == 0; i++) {
-        const u32 q = (first + i) % a.num_qps;
-        if (q % a.nic_blocks != me) continue;
-        NicQueue& queue = nic->queue[q];
-        const u32 next = ptx::ld_relaxed_gpu(&queue.head);
-        const NicDesc* d = &nic->ring[q][next % NIC_RING];
-        if (ptx::ld_acquire_gpu(&d->ready) != next + 1) continue;
-        // Data waits a seeded random part of the reorder window (a function of the seed, QP and ticket, so
-        // the wait is fixed once posted); bare signals do not.
-        u64 hold = 0;
-        if (a.nic_reorder_us != 0 && (d->kind & NIC_PUT) != 0) {
-          const u32 h = (a.nic_seed * 0x9E3779B1u) ^ (q * 0x85EBCA77u) ^ (next * 0xC2B2AE3Du) ^ 0x27d4eb2fu;
-          hold = (u64)((h ^ (h >> 15)) * 0x2c1b3c6du % (2u * a.nic_reorder_us)) * 1000;
+      u64 now = 0;
+      if (lane == 0) {
+        now = ptx::globaltimer();
+        spend(now);
+      }
+      now = __shfl_sync(FULL_WARP_MASK, now, 0);
+      // Free (no block holds the QP), posted, and past its hold: data waits a seeded random part of the
+      // reorder window (a function of the seed, QP and ticket, so the wait is fixed once posted); bare
+      // signals do not.
+      bool may_go = false, held = false;
+      u64 posted = ~0ull;
+      if (lane < a.num_qps && ptx::ld_relaxed_gpu(&nic->queue[lane].busy) == 0u) {
+        const u32 next = ptx::ld_acquire_gpu(&nic->queue[lane].head);
+        const NicDesc* d = &nic->ring[lane][next % NIC_RING];
+        if (ptx::ld_acquire_gpu(&d->ready) == next + 1) {
+          u64 hold = 0;
+          if (a.nic_reorder_us != 0 && (d->kind & NIC_PUT) != 0) {
+            const u32 h = (a.nic_seed * 0x9E3779B1u) ^ (lane * 0x85EBCA77u) ^ (next * 0xC2B2AE3Du) ^ 0x27d4eb2fu;
+            hold = (u64)((h ^ (h >> 15)) * 0x2c1b3c6du % (2u * a.nic_reorder_us)) * 1000;
+          }
+          posted = d->post_ns;
+          held = now - posted < a.nic_delay_ns + hold;
+          may_go = !held;
         }
-        if (now - d->post_ns < a.nic_delay_ns + hold) {
-          capped = true;
-          continue;
+      }
+      bool capped = __any_sync(FULL_WARP_MASK, held);
+      const u32 ready = __ballot_sync(FULL_WARP_MASK, may_go);
+      // Which: the oldest posted; when reordering, the first ready QP from a random one on (older
+      // descriptors of other QPs may wait: a NIC slower than its posters would otherwise still deliver in
+      // posting order).
+      u32 pick = RDMA_MAX_QPS;
+      if (ready != 0u && a.nic_reorder_us != 0) {
+        u32 first = 0;
+        if (lane == 0) first = nic_rand(rng) % a.num_qps;
+        first = __shfl_sync(FULL_WARP_MASK, first, 0);
+        const u32 rotated = (u32)((((u64)ready << 32) | ready) >> first);
+        pick = (first + __ffs(rotated) - 1) % WARP_SIZE;
+      } else if (ready != 0u) {
+        u64 best = posted;
+        u32 best_qp = lane;
+        for (u32 o = WARP_SIZE / 2; o > 0; o >>= 1) {
+          const u64 other = __shfl_xor_sync(FULL_WARP_MASK, best, o);
+          const u32 other_qp = __shfl_xor_sync(FULL_WARP_MASK, best_qp, o);
+          if (other < best || (other == best && other_qp < best_qp)) {
+            best = other;
+            best_qp = other_qp;
+          }
         }
+        pick = best_qp;
+      }
+      // Lane 0 claims it (a block that loses the claim looks again); the head read after the claim is the
+      // one to execute, since only a claim holder moves it.
+      if (lane == 0 && pick < RDMA_MAX_QPS && ptx::atom_cas_acq_rel_gpu(&nic->queue[pick].busy, 0u, 1u) == 0u) {
+        NicQueue& queue = nic->queue[pick];
+        const u32 next = ptx::ld_acquire_gpu(&queue.head);
+        const NicDesc* d = &nic->ring[pick][next % NIC_RING];
+        bool go = ptx::ld_acquire_gpu(&d->ready) == next + 1;
         // The link: a put goes once the link's clock is within the slack of now, and moves it on by its
         // bytes at the rate (a block that loses the race to another looks again).
-        if (a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0) {
+        if (go && a.nic_bytes_per_us != 0 && (d->kind & NIC_PUT) != 0) {
           const u64 free_ns = ptx::ld_relaxed_sys_u64(&nic->link_free_ns);
-          const u64 next = (free_ns > now ? free_ns : now) + (u64)d->bytes * 1000 / a.nic_bytes_per_us;
-          if (free_ns > now + NIC_LINK_SLACK_NS || ptx::atom_cas_relaxed_gpu_u64(&nic->link_free_ns, free_ns, next) != free_ns) {
+          const u64 next_free = (free_ns > now ? free_ns : now) + (u64)d->bytes * 1000 / a.nic_bytes_per_us;
+          if (free_ns > now + NIC_LINK_SLACK_NS || ptx::atom_cas_relaxed_gpu_u64(&nic->link_free_ns, free_ns, next_free) != free_ns) {
             capped = true;
-            continue;
+            go = false;
           }
         }
-        s_desc = *d;
-        s_qp = q;
-        action = 1;
-      }
-      s_state = action == 1 ? NIC_STAT_BUSY_NS : capped ? NIC_STAT_CAPPED_NS : NIC_STAT_IDLE_NS;
-      if (action == 0) {
-        // Idle: done once every worker thread has left and every QP of this block is drained.
-        if (ptx::ld_acquire_gpu(&nic->workers_exited) == expected_workers) {
-          bool drained = true;
-          for (u32 q = me; q < a.num_qps; q += a.nic_blocks) {
-            drained = drained && ptx::ld_relaxed_gpu(&nic->queue[q].head) == ptx::ld_relaxed_gpu(&nic->queue[q].tail);
-          }
-          if (drained || error_raised(dl)) action = 2;
+        if (go) {
+          s_desc = *d;
+          s_qp = pick;
+          action = 1;
+        } else {
+          ptx::st_release_gpu(&queue.busy, 0u);
         }
       }
-      s_action = action;
+      if (lane == 0) {
+        s_state = action == 1 ? NIC_STAT_BUSY_NS : capped ? NIC_STAT_CAPPED_NS : NIC_STAT_IDLE_NS;
+        if (action == 0) {
+          // Idle: done once every worker thread has left and every QP is drained.
+          if (ptx::ld_acquire_gpu(&nic->workers_exited) == expected_workers) {
+            bool drained = true;
+            for (u32 q = 0; q < a.num_qps; q++) {
+              drained = drained && ptx::ld_relaxed_gpu(&nic->queue[q].head) == ptx::ld_relaxed_gpu(&nic->queue[q].tail);
+            }
+            if (drained || error_raised(dl)) action = 2;
+          }
+        }
+        s_action = action;
+      }
     }
     __syncthreads();
     const u32 action = s_action;
@@ -365,6 +412,7 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
           ptx::fence_acq_rel_sys();
         }
         ptx::st_release_gpu(&nic->queue[s_qp].head, ptx::ld_relaxed_gpu(&nic->queue[s_qp].head) + 1);
+        ptx::st_release_gpu(&nic->queue[s_qp].busy, 0u);
       }
     }
     __syncthreads();
