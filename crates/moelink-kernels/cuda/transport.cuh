@@ -262,22 +262,23 @@ constexpr u64 NIC_LINK_SLACK_NS = 2000;
 
 // The NIC: runs on the last `nic_blocks` blocks, which serve every QP through the rank's one link (a clock
 // of when the link is free, which each admitted put moves on by its bytes over the rate). Warp 0 picks the
-// next descriptor (the scheduler): at the head of a QP no block holds, past its hold, the oldest (with
-// reordering, a random QP's); thread 0 claims the QP, the whole block copies the bytes, then after the
-// block's barrier thread 0 alone fences at system scope (cumulative over the block's stores), applies the
-// signal, publishes the QP's head and lets the QP go. Any block serves any QP, as a NIC's DMA engines are
-// not tied to QPs (blocks tied to QPs are busy in proportion to their QPs, and the few with more set the
-// pace). Ends once every worker thread has left and every QP is drained — or, after a fatal error of this
+// next descriptor (the scheduler): at the head of a QP no block holds, past its hold, one of the block's
+// own QPs (q % nic_blocks), else the oldest of any (with reordering, a random QP's); thread 0 claims the
+// QP, the whole block copies the bytes, then after the block's barrier thread 0 alone fences at system
+// scope (cumulative over the block's stores), applies the signal, publishes the QP's head and lets the QP
+// go. Any block serves any QP, as a NIC's DMA engines are not tied to QPs (blocks tied to QPs are busy in
+// proportion to their QPs, and the few with more set the pace). Ends once every worker thread has left and every QP is drained — or, after a fatal error of this
 // rank, once the workers have left (what is still queued is dropped, like a link that went down; the
 // peers' deadlines name this rank).
 // `stats`: where this block's NIC_STAT_WORDS go (host-mapped), or 0.
 __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl, u64 stats) {
   NicState* nic = nic_of(a);
+  const u32 me = blockIdx.x - (gridDim.x - a.nic_blocks);
   const u32 expected_workers = (gridDim.x - a.nic_blocks) * blockDim.x;
   __shared__ NicDesc s_desc;
   __shared__ u32 s_action;  // 0: idle, 1: execute s_desc (QP s_qp), 2: exit
   __shared__ u32 s_qp;
-  u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (blockIdx.x + 1);
+  u32 rng = (a.nic_seed * 0x9E3779B1u) ^ (a.rank * 0x85EBCA77u) ^ (ptx::ld_relaxed_gpu(&nic->launches) * 0xC2B2AE3Du) ^ (me + 1);
   if (rng == 0) rng = 1;
   const u64 start_ns = ptx::globaltimer();
   // Thread 0's statistics, in shared memory (registers are what the workers' code is short of): the time
@@ -325,10 +326,14 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
         }
       }
       bool capped = __any_sync(FULL_WARP_MASK, held);
-      const u32 ready = __ballot_sync(FULL_WARP_MASK, may_go);
-      // Which: the oldest posted; when reordering, the first ready QP from a random one on (older
-      // descriptors of other QPs may wait: a NIC slower than its posters would otherwise still deliver in
-      // posting order).
+      // Which: one of this block's own QPs (q % nic_blocks == this block) when one is ready, so that the
+      // blocks do not race for one claim; else the oldest ready descriptor of another QP (the blocks with
+      // fewer QPs, or less queued, take over the others' backlog). When reordering, the first ready QP from
+      // a random one on (older descriptors of other QPs may wait: a NIC slower than its posters would
+      // otherwise still deliver in posting order).
+      const u32 all_ready = __ballot_sync(FULL_WARP_MASK, may_go);
+      const u32 own_ready = __ballot_sync(FULL_WARP_MASK, may_go && lane % a.nic_blocks == me);
+      const u32 ready = own_ready != 0u ? own_ready : all_ready;
       u32 pick = RDMA_MAX_QPS;
       if (ready != 0u && a.nic_reorder_us != 0) {
         u32 first = 0;
@@ -337,7 +342,7 @@ __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl,
         const u32 rotated = (u32)((((u64)ready << 32) | ready) >> first);
         pick = (first + __ffs(rotated) - 1) % WARP_SIZE;
       } else if (ready != 0u) {
-        u64 best = posted;
+        u64 best = ((ready >> lane) & 1u) != 0u ? posted : ~0ull;
         u32 best_qp = lane;
         for (u32 o = WARP_SIZE / 2; o > 0; o >>= 1) {
           const u64 other = __shfl_xor_sync(FULL_WARP_MASK, best, o);
