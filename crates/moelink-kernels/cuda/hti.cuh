@@ -59,14 +59,12 @@
 //                    goes back to its forwarder (b, l) into combine part
 //                    [j][a][message mod M], after the forwarder handed it back (c_nvl_consumed[l][a] >= cbase +
 //                    k); flags = cseq.
-//   forwarder ((b, l), fwd_per_node warps per source node a, in groups that share each chunk, the
-//                    message of a chunk dealt among a group's warps): per message, waits for the rows of the ranks it went to,
+//   forwarder ((b, l), fwd_per_node warps per source node a): per message, waits for the rows of the ranks it went to,
 //                    sums them as the tree's node level (fp32, absent ranks +0.0), writes the partial (fp32
 //                    row and weights; where one rank held the token, its bf16 row as it is) for s's part
 //                    [b][m] (in place or staged at [a][m], as dispatch's sender) once s handed round k - 1
 //                    back (c_consumed[a] >= cbase + k),
-//                    the group's last warp to finish a chunk put_signals it to s's combine receive part
-//                    [b][m0, m1) with its chunk word; at
+//                    put_signals each chunk to s's combine receive part [b][m0, m1) with its chunk word; at
 //                    round end c_nvl_consumed[l][a] = cseq at every j.
 //   reducer (s):     token chunks in order, one round at a time: per token, the partial of every node it
 //                    reached (chunk word c_chunk[b][chunk] >= cseq; a bf16 row where its routing says one rank
@@ -244,8 +242,8 @@ struct HtiState {
 static_assert(sizeof(HtiState) == 64, "HtiState is 64 bytes");
 // After HtiState, per source node a: what the forwarder warps of a (several: fwd_per_node) share within a
 // round — chunks done, the round's rows per local rank, messages of the rounds before — and the combine
-// forwarders' chunks done; then what the dispatch's receiver warps and sender warps, and the combine's
-// forwarder warps of a chunk, share (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
+// forwarders' chunks done; then what the dispatch's receiver warps and sender warps share
+// (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
 struct HtiForward {
   u32 chunks_done[HTI_MAX_NODES];          // dispatch: the running round's chunks the forwarders finished
   u32 messages_before[HTI_MAX_NODES];      // dispatch: messages of the rounds before the running one
@@ -254,7 +252,6 @@ struct HtiForward {
   u32 combine_rounds_back[HTI_MAX_NODES];  // combine: rounds whose parts went back (hand-backs go out in round order)
   u32 recv_fin[HTI_MAX_RANKS];  // dispatch receivers: warps of a source done with its current round
   u32 chunk_staged[HTI_MAX_CHUNKS];  // dispatch senders: tokens staged, per chunk of a round, over the call's rounds
-  u32 combine_chunk_warps[HTI_MAX_NODES][HTI_MAX_CHUNKS];  // combine forwarders: warps of the group done with the chunk
 };
 static_assert(sizeof(HtiState) + sizeof(HtiForward) == HTI_STATE_BYTES, "the local state mirrors moelink_kernels::ht_internode::HTI_STATE_BYTES");
 __device__ __forceinline__ HtiForward* hti_forward(u64 state) { return reinterpret_cast<HtiForward*>(state + sizeof(HtiState)); }

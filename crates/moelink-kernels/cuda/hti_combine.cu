@@ -154,26 +154,14 @@ __device__ __forceinline__ u32 count_multi(const u32* entries, u32 from, u32 to,
   return n;
 }
 
-// The forwarder warps of a source node form groups of G that share each chunk (warp j of a group sums the
-// chunk's messages j, j + G, ...): a chunk goes out about a message's time after its rows arrived instead of
-// Q messages' time, and the first chunks do not wait for every warp's first one. G divides P and leaves at
-// least 8 groups, so that as many chunks are in flight as the round's pipeline needs.
-__device__ __forceinline__ u32 fwd_group_size(u32 P, u32 Q) {
-  u32 g = hti_min(Q, P / 8 > 0 ? P / 8 : 1u);
-  while (g > 1 && P % g != 0) g--;
-  return g;
-}
-
-// Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an`: per round, its group's chunks of Q
-// messages (chunk c with c % (P / G) == p / G; fwd_entries say which ranks each message went to), each
-// message the rows of those ranks summed as the node level of the tree; the chunk's partials (packed:
-// combine_msg_at) staged, and put home with its chunk word by the group's last warp to finish it
-// (HtiForward::combine_chunk_warps counts). The warp that puts a round's last chunk hands the round's parts
-// back to the node's ranks (HtiForward::combine_chunks_done counts; a round's rows arrive only after the
+// Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an`: per round, its chunks of Q
+// messages (chunk c with c % P == p; fwd_entries say which ranks each message went to), each message the
+// rows of those ranks summed as the node level of the tree; the chunk's partials (packed: combine_msg_at)
+// staged and put home with its chunk word. The warp that finishes a round's last chunk hands the round's
+// parts back to the node's ranks (HtiForward::combine_chunks_done counts; a round's rows arrive only after the
 // hand-back of the round before).
 __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
   const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens, Q = a.chunk_tokens, P = a.fwd_per_node;
-  const u32 G = fwd_group_size(P, Q), groups = P / G, group = p / G, j = p % G;
   HtiForward* shared = hti_forward(a.state);
   const u32 s = an * RANKS_PER_NODE + f.me_local;
   const u32 tokens = (u32)f.routing[f.at.tokens_of + s];
@@ -211,26 +199,21 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
     }
     const u32 cnt = lo - g;
     const u32 chunks = (cnt + Q - 1) / Q;
-    // Home handed round k - 1 back: every warp of a group with a chunk this round waits, also one with no
-    // message in it (its count for the chunk must follow the last round's reset).
-    if (group < chunks) {
+    if (p < chunks) {
       const u64* consumed = rdma_word(a.rdma, a.at.off_cconsumed + 8ull * an);
       if (!warp_wait_u64(consumed, (u64)f.base + k, for_peer(dr, s, f.me), s)) return;
     }
-    // fp32 partials among the round's messages [0, multi_counted): where the chunk starts.
+    // fp32 partials among the round's messages [0, multi_counted): where the next chunk starts.
     u32 multi_counted = 0, multi_before = 0;
-    for (u32 c0 = group * Q; c0 < cnt; c0 += groups * Q) {
-      const u32 c1 = hti_min(c0 + Q, cnt), chunk = c0 / Q;
-      const u32 trace_chunk = k * ((M + Q - 1) / Q) + chunk;
-      if (j == 0) hti_stamp_fwd(a.trace, an, trace_chunk, 0);
-      if (RANKS_PER_NODE > 1) {
-        multi_before += count_multi(entries + first + g, multi_counted, c0, lane);
-        multi_counted = c0;
-      }
+    for (u32 c0 = p * Q; c0 < cnt; c0 += P * Q) {
+      const u32 c1 = hti_min(c0 + Q, cnt);
+      const u32 trace_chunk = k * ((M + Q - 1) / Q) + c0 / Q;
+      hti_stamp_fwd(a.trace, an, trace_chunk, 0);
+      if (RANKS_PER_NODE > 1) multi_before += count_multi(entries + first + g, multi_counted, c0, lane);
       const u64 chunk_at = combine_msg_at(c0, multi_before);
-      for (u32 m = c0 + j; m < c1; m += G) {
+      u64 msg_at = chunk_at;
+      for (u32 m = c0; m < c1; m++) {
         const u32 message = g + m;
-        const u64 msg_at = combine_msg_at(m, multi_before + (RANKS_PER_NODE > 1 ? count_multi(entries + first + g, c0, m, lane) : 0u));
         const u32 mask = entries[first + message] & 0xffu;
         const bool single = !entry_is_multi(mask);
         // Lane j waits for j's row (NVLink domain), then every lane acquires each flag.
@@ -315,29 +298,18 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
           }
           reinterpret_cast<float*>(out + (single ? CPAYLOAD_BYTES : 4 * HIDDEN))[lane] = tree.result(0);
         }
+        msg_at += single ? COMBINE_ROW_BYTES : COMBINE_MSG_BYTES;
+        multi_before += single ? 0u : 1u;
       }
-      // Every lane fences its part of the partials (system scope: in place, they went home) before the warp
-      // counts itself into the chunk; the group's last warp puts it, so the put follows every warp's stores.
-      __syncwarp();
-      ptx::fence_acq_rel_sys();
-      __syncwarp();
-      u32 finished = 0;
-      if (lane == 0) finished = ptx::atom_add_acq_rel_gpu(&shared->combine_chunk_warps[an][chunk], 1u) + 1;
-      finished = __shfl_sync(FULL_WARP_MASK, finished, 0);
-      if (finished != G) continue;
-      // The count starts over for the next round's chunk: its warps count only after rows that come after
-      // this round's hand-back, which follows this put (the fence orders the reset before it).
-      if (lane == 0) {
-        shared->combine_chunk_warps[an][chunk] = 0u;
-        ptx::fence_acq_rel_sys();
-      }
+      multi_counted = c1;
       // The chunk's partials, then its chunk word, in one operation.
+      __syncwarp();
       hti_stamp_fwd(a.trace, an, trace_chunk, 1);
-      const u64 chunk_end = combine_msg_at(c1, multi_before + (RANKS_PER_NODE > 1 ? count_multi(entries + first + g, c0, c1, lane) : 0u));
+      const u32 chunk = c0 / Q;
       const u64 dst = a.at.off_crecv + (u64)f.me_node * a.at.part_bytes + chunk_at;
       const u64 src = a.at.off_csend + (u64)an * a.at.part_bytes + chunk_at;
       const u64 sig = a.at.off_cchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
-      const u32 bytes = (u32)(chunk_end - chunk_at);
+      const u32 bytes = (u32)(msg_at - chunk_at);
       if (!rdma::put_window_signal_warp(a.rdma, chunk % a.rdma.num_qps, s, rdma::window(a.rdma, s, dst, src), dst, src, bytes,
                                         sig, ((u64)cseq << 32) | c1, SIGNAL_SET, dr))
         return;

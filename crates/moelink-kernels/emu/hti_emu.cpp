@@ -652,13 +652,6 @@ int main() {
     w.fwd_per_node = 2;
     round_trip(w, t, 3, Route::NodeLimited, NUM_BIASES, false, "node-limited");
     std::printf("rounds of 8 (chunks of 4): uniform + cached, skewed, node-limited ok\n");
-    // Combine forwarder warps in groups that share a chunk (fwd_group_size: 2 and 3 warps for chunks of 4).
-    w.fwd_per_node = 16;
-    round_trip(w, t, 14, Route::Uniform, NUM_BIASES, false, "forwarder groups of 2");
-    w.fwd_per_node = 24;
-    round_trip(w, t, 15, Route::Skewed, NUM_BIASES, false, "forwarder groups of 3");
-    w.fwd_per_node = 2;
-    std::printf("forwarder warps in groups of 2 and 3: ok\n");
     // Zero tokens everywhere, then one token on one rank: nothing may hang or move.
     std::vector<u32> zero(R, 0);
     round_trip(w, zero, 4, Route::Uniform, NUM_BIASES, true, "zero tokens");

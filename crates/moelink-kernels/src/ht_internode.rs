@@ -425,10 +425,8 @@ pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * ((HTI_MAX_RANKS + 2) * HTI_MAX_LO
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the
 /// round, rows per local rank, combine chunks done, combine rounds handed back; per source, the receiver
-/// warps done with its round; per chunk of a round, the dispatch tokens staged; per node and chunk, the
-/// combine forwarder warps done with it).
-pub const HTI_STATE_BYTES: usize =
-    64 + 4 * (4 * HTI_MAX_NODES + 8 * HTI_MAX_NODES) + 4 * HTI_MAX_RANKS + 4 * HTI_MAX_CHUNKS + 4 * HTI_MAX_NODES * HTI_MAX_CHUNKS;
+/// warps done with its round; per chunk of a round, the dispatch tokens staged).
+pub const HTI_STATE_BYTES: usize = 64 + 4 * (4 * HTI_MAX_NODES + 8 * HTI_MAX_NODES) + 4 * HTI_MAX_RANKS + 4 * HTI_MAX_CHUNKS;
 
 /// The routing buffer's word offsets (`RoutingAt` and the `RT_*` header) for `R` ranks over `N` nodes and
 /// `T` tokens.
