@@ -267,9 +267,9 @@ constexpr u64 NIC_LINK_SLACK_NS = 2000;
 // QP, the whole block copies the bytes, then after the block's barrier thread 0 alone fences at system
 // scope (cumulative over the block's stores), applies the signal, publishes the QP's head and lets the QP
 // go. Any block serves any QP, as a NIC's DMA engines are not tied to QPs (blocks tied to QPs are busy in
-// proportion to their QPs, and the few with more set the pace). Ends once every worker thread has left and every QP is drained — or, after a fatal error of this
-// rank, once the workers have left (what is still queued is dropped, like a link that went down; the
-// peers' deadlines name this rank).
+// proportion to their QPs, and the few with more set the pace). Ends once every worker thread has left and
+// every QP is drained — or, after a fatal error of this rank, once the workers have left (what is still
+// queued is dropped, like a link that went down; the peers' deadlines name this rank).
 // `stats`: where this block's NIC_STAT_WORDS go (host-mapped), or 0.
 __device__ __forceinline__ void nic_serve(const RdmaArgs& a, const Deadline& dl, u64 stats) {
   NicState* nic = nic_of(a);
@@ -578,9 +578,10 @@ __device__ __forceinline__ Window window(const RdmaArgs& a, u32 pe, u64 dst_off,
 #endif
 }
 
-// Delivers the `bytes` the warp wrote through `w` (window(a, pe, dst_off, stage_off)), then `sig_op(value)`
-// on rank `pe`'s signal at `sig_off`, applied only once the bytes are visible there: in place, every lane
-// fences its stores before one lane signals; staged, one put_signal.
+// Delivers the `bytes` written through `w` (window(a, pe, dst_off, stage_off)), then `sig_op(value)` on rank
+// `pe`'s signal at `sig_off`, applied only once the bytes are visible there: in place, every lane fences its
+// stores before one lane signals; staged, one put_signal. The bytes are the warp's, or other threads' that
+// fenced their stores at system scope before a release this warp acquired (several warps staging one put).
 __device__ __forceinline__ bool put_window_signal_warp(const RdmaArgs& a, u32 qp, u32 pe, const Window& w, u64 dst_off, u64 stage_off, u32 bytes,
                                                        u64 sig_off, u64 value, u32 sig_op, const Deadline& dl);
 
