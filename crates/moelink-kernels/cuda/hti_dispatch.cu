@@ -158,10 +158,10 @@ __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane
   copy_notify_expected(expected, reinterpret_cast<const volatile u32*>(a.host_notify), HN_READY, HN_PER_EXPERT, a.num_local_experts, lane);
 }
 
-// Sender warp: tokens one at a time from the call's counter, in order. The chunk of Q tokens goes out as soon
+// Sender warp: tokens one at a time from the call's counter, in order. A chunk of Q tokens goes out as soon
 // as its tokens are staged, by whichever warp stages its last one (a chunk never straddles a round: M is a
-// multiple of Q): with a chunk per warp, the first chunks of every warp would finish together, Q token
-// times after the launch, and the link would idle until then. Lane b < N handles node b's hand-back wait,
+// multiple of Q): several warps stage a chunk at once, so the first put leaves about one token's staging
+// time after the launch, and the puts follow the token order. Lane b < N handles node b's hand-back wait,
 // message range and put.
 __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr) {
   const u32 lane = threadIdx.x % WARP_SIZE, T = a.num_tokens, Q = a.chunk_tokens, M = f.round_tokens;
