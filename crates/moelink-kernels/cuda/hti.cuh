@@ -11,6 +11,7 @@
 //   HTI_MAX_RANKS                ranks the shared arrays have room for (num_ranks <= this)
 //   HTI_MAX_NODES                nodes (<= 32: one lane per node)
 //   HTI_MAX_CHUNKS               chunk signal words per (peer node) and round
+//   HTI_MAX_LOCAL_EXPERTS        experts per rank the dispatch's per-expert counts have room for
 //   RANKS_PER_NODE, NUM_NODES    the topology (the combine's trees unroll over them)
 //   HIDDEN, FP8, TOPK            dispatch payload: channels, e4m3 + fp32 scales per 128 or bf16, top-k entries
 //                                travelling with each token (0: none, e.g. a cached dispatch); combine: TOPK
@@ -81,7 +82,7 @@
 #define MOELINK_HTI_CUH
 #include "transport.cuh"
 
-#if !defined(HTI_MAX_RANKS) || !defined(HTI_MAX_NODES) || !defined(HTI_MAX_CHUNKS) || !defined(RANKS_PER_NODE) || \
+#if !defined(HTI_MAX_RANKS) || !defined(HTI_MAX_NODES) || !defined(HTI_MAX_CHUNKS) || !defined(HTI_MAX_LOCAL_EXPERTS) || !defined(RANKS_PER_NODE) || \
     !defined(NUM_NODES) || !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(NUM_BIASES) ||            \
     !defined(HTI_WARPS) || !defined(MOELINK_SIZEOF_HTI_LAYOUT_ARGS) || !defined(MOELINK_SIZEOF_HTI_NOTIFY_ARGS) ||  \
     !defined(MOELINK_SIZEOF_HTI_DISPATCH_ARGS) || !defined(MOELINK_SIZEOF_HTI_COMBINE_ARGS) || !defined(HTI_MSG_BYTES) ||      \
@@ -324,9 +325,9 @@ struct HtiDispatchArgs {
   u64 topk_idx;            // i64 [T, TOPK] (TOPK > 0)
   u64 topk_weights;        // f32 [T, TOPK] (TOPK > 0)
   u64 num_tokens_per_expert;  // i32 [E] of a fresh dispatch, checked against topk_idx; 0: no check
-  u64 expert_tokens;       // u32 [E + 2 E_local + 1]: the senders' count of the tokens selecting each expert, the
-                           // receivers' of the rows selecting each local expert (0 between calls), then the
-                           // copy of notify's READY word and per-expert sums (copy_expected)
+  u64 expert_tokens;       // u32 words at fixed offsets (hti_dispatch.cu's ET_*): the copy of notify's READY word
+                           // and per-expert sums (copy_expected), the receivers' count of the rows selecting each
+                           // local expert, the senders' of the tokens selecting each expert (counts 0 between calls)
   u64 host_notify;         // notify's host-mapped words of call host_seq (CPU-sync; HN_PER_EXPERT checked); 0: none
   u64 recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
   u64 recv_src_idx;        // i32 [num_out_rows], or 0

@@ -30,9 +30,13 @@ __device__ __forceinline__ void copy_to_messages(u32 nodes, u64 node_msg, const 
 // ============================================================================================== dispatch
 namespace hti_dispatch {
 
+// expert_tokens' parts, at offsets that do not move with the call's expert count (so no call's counts lie
+// where another call's copy was): notify's expected counts [1 + E_local] (copy_expected), the receivers'
+// rows per local expert [E_local], the senders' tokens per expert [E].
+constexpr u32 ET_EXPECTED = 0, ET_RECEIVED = 1 + HTI_MAX_LOCAL_EXPERTS, ET_SENT = 1 + 2 * HTI_MAX_LOCAL_EXPERTS;
+
 // The per-expert checks' tallies (check_token_ranks, copy_out, check_expert_counts): a sender block counts the
-// tokens of every expert (expert_tokens[0, E)), a receiver block the rows of each local expert (expert_tokens[E,
-// E + E_local)). When they fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its
+// tokens of every expert (ET_SENT), a receiver block the rows of each local expert (ET_RECEIVED). When they fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its
 // non-zero tallies once at its end (flush_tallies), not a global atomic per entry on the counters' few L2 lines.
 // DISPATCH_TALLY_SLOTS: the JIT leaves it at 2048; the CPU emulator sets fewer to reach the global atomics.
 #ifndef DISPATCH_TALLY_SLOTS
@@ -46,7 +50,7 @@ __device__ __forceinline__ u32 tally_slots(const HtiDispatchArgs& a, bool sender
 }
 
 __device__ __forceinline__ u32* tally_counters(const HtiDispatchArgs& a, bool sender) {
-  return reinterpret_cast<u32*>(a.expert_tokens) + (sender ? 0u : NUM_RANKS * a.num_local_experts);
+  return reinterpret_cast<u32*>(a.expert_tokens) + (sender ? ET_SENT : ET_RECEIVED);
 }
 
 __device__ __forceinline__ void tally(const HtiDispatchArgs& a, bool sender, u32 i) {
@@ -128,33 +132,24 @@ __device__ __forceinline__ void check_token_ranks(const HtiDispatchArgs& a, cons
 }
 
 // The last block (every thread): the senders' and receivers' counts checked (check_expert_counts; counted by
-// check_token_ranks, copy_out and flush_tallies), every word zeroed for the next call. expert_tokens:
-// [senders' E | receivers' E_local | expected], at offsets that move with the call's E.
+// check_token_ranks, copy_out and flush_tallies), each count zeroed for the next call.
 __device__ __forceinline__ void check_expert_tokens(const HtiDispatchArgs& a, const Deadline& d) {
   if (TOPK == 0) return;
   u32* expert_tokens = reinterpret_cast<u32*>(a.expert_tokens);
-  const u32 num_experts = NUM_RANKS * a.num_local_experts;
-  ExpertCounts c{expert_tokens,
+  ExpertCounts c{expert_tokens + ET_SENT,
                  reinterpret_cast<const i32*>(a.num_tokens_per_expert),
-                 expert_tokens + num_experts,
-                 a.host_notify != 0 ? expert_tokens + num_experts + a.num_local_experts : nullptr,
-                 num_experts,
+                 expert_tokens + ET_RECEIVED,
+                 a.host_notify != 0 ? expert_tokens + ET_EXPECTED : nullptr,
+                 NUM_RANKS * a.num_local_experts,
                  a.num_local_experts,
                  a.host_seq,
                  a.rdma.rank};
   check_expert_counts(c, d);
-  // The expected copy lies past this call's receivers' counts, which is where a later call with more
-  // experts per rank counts its senders: zeroed once read, as check_expert_counts zeroes the counts.
-  if (a.host_notify != 0) {
-    __syncthreads();  // every thread of the block has read it
-    u32* expected = expert_tokens + num_experts + a.num_local_experts;
-    for (u32 i = threadIdx.x; i <= a.num_local_experts; i += blockDim.x) expected[i] = 0u;
-  }
 }
 
-// Receiver warp 0, first: copy_notify_expected into expert_tokens after the receivers' counts.
+// Receiver warp 0, first: copy_notify_expected into expert_tokens (ET_EXPECTED).
 __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane) {
-  u32* expected = reinterpret_cast<u32*>(a.expert_tokens) + (NUM_RANKS + 1) * a.num_local_experts;
+  u32* expected = reinterpret_cast<u32*>(a.expert_tokens) + ET_EXPECTED;
   copy_notify_expected(expected, reinterpret_cast<const volatile u32*>(a.host_notify), HN_READY, HN_PER_EXPERT, a.num_local_experts, lane);
 }
 

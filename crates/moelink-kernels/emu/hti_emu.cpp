@@ -195,7 +195,7 @@ struct World {
       std::memset(st.nvl->p, 0, at.nvl_zero_end);
       st.nic.reset(new Buf(sizeof(NicState), 0));
       st.state.reset(new Buf(sizeof(HtiState) + sizeof(HtiForward), 0));
-      st.expert_tokens.reset(new Buf(4 * ((size_t)experts + 2 * (experts / R) + 1), 0));
+      st.expert_tokens.reset(new Buf(4 * ((size_t)experts + 2 * HTI_MAX_LOCAL_EXPERTS + 1), 0));
       peer_bases.push_back(st.rdma->addr());
     }
   }

@@ -179,6 +179,7 @@ impl HtiVariant {
                 d("HTI_MAX_RANKS", HTI_MAX_RANKS.to_string()),
                 d("HTI_MAX_NODES", HTI_MAX_NODES.to_string()),
                 d("HTI_MAX_CHUNKS", HTI_MAX_CHUNKS.to_string()),
+                d("HTI_MAX_LOCAL_EXPERTS", HTI_MAX_LOCAL_EXPERTS.to_string()),
                 d("RANKS_PER_NODE", self.ranks_per_node.to_string()),
                 d("NUM_NODES", self.num_nodes.to_string()),
                 d("HIDDEN", self.hidden.to_string()),
@@ -419,8 +420,9 @@ pub const fn trace_words(blocks: usize, num_nodes: usize) -> usize {
     blocks * HTI_TRACE_BLOCK_WORDS + (1 + num_nodes) * HTI_TRACE_CHUNKS * HTI_TRACE_CHUNK_WORDS
 }
 
-/// Bytes of a rank's per-expert token counts (`HtiDispatchArgs::expert_tokens`): one `u32` for every expert
-/// the largest buffer has, then two for each of its local experts and one more.
+/// Bytes of a rank's per-expert token counts (`HtiDispatchArgs::expert_tokens`, at fixed offsets): notify's
+/// READY word and one `u32` per local expert, the receivers' count per local expert, the senders' per expert
+/// of the largest buffer.
 pub const HTI_EXPERT_TOKENS_BYTES: usize = 4 * ((HTI_MAX_RANKS + 2) * HTI_MAX_LOCAL_EXPERTS + 1);
 
 /// Bytes of the local state (`HtiState`, then `HtiForward`: per node, chunks done, messages before the

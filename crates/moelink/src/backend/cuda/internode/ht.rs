@@ -36,8 +36,8 @@ const _: () = assert!(moelink_kernels::ht::ctrl::BYTES <= 1 << 20, "the internod
 /// The internode high-throughput state of a buffer: its local state words and the host-mapped notify results.
 pub(crate) struct HtiState {
     state: moelink_cuda::DeviceBuffer,
-    /// The dispatch's per-expert tallies (`HtiDispatchArgs::expert_tokens`: the senders' per expert, the
-    /// receivers' per local expert, zero between calls, then the copy of notify's sums).
+    /// The dispatch's per-expert tallies (`HtiDispatchArgs::expert_tokens`: the copy of notify's sums, the
+    /// receivers' per local expert and the senders' per expert, the counts zero between calls).
     expert_tokens: moelink_cuda::DeviceBuffer,
     host_notify: Option<HostMapped<u32>>,
     notify_seq: u32,
