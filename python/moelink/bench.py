@@ -79,6 +79,19 @@ class Ctx:
             "commit": commit(),
         }
 
+    @property
+    def ranks_per_gpu(self) -> int:
+        gpus = max(1, torch.cuda.device_count()) if self.cuda else 1
+        return -(-int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // gpus)
+
+    def sms_partitioned(self) -> bool:
+        """Whether CUDA MPS holds each process sharing a GPU to at most its share of the SMs."""
+        try:
+            percentage = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+        except ValueError:
+            return False
+        return percentage * self.ranks_per_gpu <= 100
+
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
@@ -539,10 +552,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 systems["deepep"] = deep_ep
         except Exception as err:  # noqa: BLE001 - ImportError, or its own init failing
             systems["deepep"] = f"import deep_ep failed: {type(err).__name__}: {err}"
-    if ctx.shared_gpu and not isinstance(systems.get("deepep", ""), str):
-        # Seen on one H200 under MPS: DeepEP's low-latency buffer fails NVSHMEM's IBGDA init, its dispatch
-        # receive times out and the process aborts, taking the run with it.
-        systems["deepep"] = "DeepEP needs a GPU per rank (with ranks sharing a GPU its low-latency dispatch times out and aborts)"
+    if ctx.shared_gpu and not isinstance(systems.get("deepep", ""), str) and not ctx.sms_partitioned():
+        # DeepEP sizes its low-latency kernels to the SMs its context sees. Unless every process on the GPU is
+        # held to its share, one rank's blocks wait for a peer whose blocks find no SM, until DeepEP's timeout
+        # aborts the process.
+        systems["deepep"] = (f"{ctx.ranks_per_gpu} ranks share a GPU: DeepEP runs only with each process held to its share "
+                             f"of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= {100 // ctx.ranks_per_gpu})")
     records: List[Dict[str, Any]] = []
     if args.host_cost:
         systems.pop("nccl", None)
