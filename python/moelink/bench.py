@@ -552,16 +552,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                 systems["deepep"] = deep_ep
         except Exception as err:  # noqa: BLE001 - ImportError, or its own init failing
             systems["deepep"] = f"import deep_ep failed: {type(err).__name__}: {err}"
-    if ctx.shared_gpu and not isinstance(systems.get("deepep", ""), str) and not ctx.sms_partitioned():
-        # DeepEP sizes its low-latency kernels to the SMs its context sees. Unless every process on the GPU is
-        # held to its share, one rank's blocks wait for a peer whose blocks find no SM, until DeepEP's timeout
-        # aborts the process.
-        systems["deepep"] = (f"{ctx.ranks_per_gpu} ranks share a GPU: DeepEP runs only with each process held to its share "
-                             f"of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= {100 // ctx.ranks_per_gpu})")
+    # Ops a system cannot run here: {system: (op family, why)}.
+    skipped: Dict[str, Tuple[str, str]] = {}
+    if ctx.shared_gpu and not isinstance(systems.get("deepep", ""), str):
+        if not ctx.sms_partitioned():
+            # Collective kernels of processes sharing a GPU must be resident together: unless MPS holds each
+            # process to its share of the SMs, DeepEP's kernels, sized to the SMs a context sees, can wait for
+            # a peer whose blocks find no SM, until DeepEP's timeout aborts the process.
+            systems["deepep"] = (f"{ctx.ranks_per_gpu} ranks share a GPU: DeepEP runs only with each process held to its "
+                                 f"share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= {100 // ctx.ranks_per_gpu})")
+        else:
+            # Its intranode kernels run so; its low-latency ones do not: with NVSHMEM's PEs on one GPU its IBGDA
+            # transport fails to initialise, the dispatch's receive times out and the process aborts.
+            skipped["deepep"] = ("ll", "DeepEP's low-latency kernels do not run with ranks sharing a GPU (NVSHMEM's IBGDA "
+                                       "transport fails to initialise, the dispatch receive times out, the process aborts)")
     records: List[Dict[str, Any]] = []
     if args.host_cost:
         systems.pop("nccl", None)
-        records = bench_hostcost.run(ctx, args, systems)
+        records = bench_hostcost.run(ctx, args, systems, skipped)
         if ctx.rank == 0:
             sharing = f", sharing {ctx.facts['gpus']} GPU(s) under MPS" if ctx.shared_gpu else ""
             print(f"moelink bench --host-cost: {ctx.num_ranks} ranks on {ctx.facts['device']} ({ctx.facts['backend']}{sharing}), "

@@ -177,7 +177,7 @@ class Runner:
         s, c, mod = self.s, self.ctx, self.mod
         t, h, k, e, r = s.ll_tokens, s.ll_hidden, s.ll_topk, s.ll_experts, c.num_ranks
         shape = {"tokens": t, "hidden": h, "topk": k, "experts": e}
-        ops = [("ll_dispatch", "fp8"), ("ll_combine", "bf16"), ("ll_dispatch_combine", "fp8")]
+        ops = LL_OPS
         try:
             x, idx, w = inputs(c, t, h, k, e, 2, self.idx_dtype)
             hint = mod.Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
@@ -487,7 +487,9 @@ def activity_lines(activity: List[Dict[str, Any]]) -> List[str]:
 def table(records: List[Dict[str, Any]]) -> str:
     """Side by side: each op's three numbers per system, and moelink's over DeepEP's."""
     systems = sorted({r["system"] for r in records if "cpu_us_per_call" in r}, key=lambda n: (n != "moelink", n))
-    lines_unavailable = [f"{r['system']}: {r['status']} ({r.get('error', '')})" for r in records if r["op"] == "-"]
+    lines_unavailable = list(dict.fromkeys(
+        f"{r['system']}{'' if r['op'] == '-' else ', ' + r['op'].split('_')[0].upper() + ' ops'}: {r['status']} ({r.get('error', '')})"
+        for r in records if r["op"] == "-" or r.get("status") == "unavailable"))
     keys: List[Tuple[str, str]] = []
     for r in records:
         if (r["op"], r["dtype"]) not in keys and "cpu_us_per_call" in r:
@@ -517,7 +519,8 @@ def table(records: List[Dict[str, Any]]) -> str:
             for f in ("cpu_us_per_call", "loop_us_per_call", "sync_us"):
                 if m.get(f) and d.get(f):
                     ratios.append(f"{f.split('_')[0]} {m[f] / d[f]:.2f}")
-            lines.append(f"  {op:22} {dt:5} " + ", ".join(ratios))
+            if ratios:
+                lines.append(f"  {op:22} {dt:5} " + ", ".join(ratios))
     split = [r for r in records if "native_backend_us" in r]
     if split:
         lines.append("")
@@ -582,8 +585,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ops", default="ll,ht", help="ll, ht or ll,ht")
 
 
-def run(ctx: Any, args: argparse.Namespace, systems: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every op of every system; records in the order measured."""
+LL_OPS = (("ll_dispatch", "fp8"), ("ll_combine", "bf16"), ("ll_dispatch_combine", "fp8"))
+
+
+def run(ctx: Any, args: argparse.Namespace, systems: Dict[str, Any],
+        skipped: Optional[Dict[str, Tuple[str, str]]] = None) -> List[Dict[str, Any]]:
+    """Every op of every system; records in the order measured. ``skipped``: ``{system: (family, why)}`` for a
+    family of ops (``"ll"`` or ``"ht"``) that system cannot run here, recorded as unavailable."""
+    skipped = skipped or {}
     shapes = Shapes(args.quick)
     calls = args.calls or (20 if args.quick else 200)
     if ctx.cuda and calls < 100 and not args.quick:
@@ -604,11 +613,14 @@ def run(ctx: Any, args: argparse.Namespace, systems: Dict[str, Any]) -> List[Dic
         saved = getattr(mod.Buffer, "_reuse_outputs", None)
         if reuse is not None:
             mod.Buffer._reuse_outputs = reuse
+        family, why = skipped.get(name, ("", ""))
         try:
-            if "ht" in wanted:
+            if "ht" in wanted and family != "ht":
                 records.extend(runner.ht(args.num_sms, args.nvl_bytes if not args.quick else 64 << 20))
-            if "ll" in wanted:
+            if "ll" in wanted and family != "ll":
                 records.extend(runner.ll(args.graph))
+            for op, dtype in LL_OPS if "ll" in wanted and family == "ll" else ():
+                records.append(runner.record(op, dtype, status="unavailable", error=why))
         finally:
             if reuse is not None:
                 mod.Buffer._reuse_outputs = saved

@@ -145,13 +145,18 @@ want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
     "${tr[@]}" --nproc_per_node="$ranks" -m moelink.bench --json "$OUT/bench-python.json" "${bench_args[@]}"
 
 # HOSTCOST_RANKS: the host-cost bench's, the probe's and DeepEP's tests' ranks (default 2). With fewer GPUs
-# than that, the host-cost bench runs its ranks on the GPUs there are, under MPS: moelink alone (DeepEP needs
-# a GPU per rank, as do its tests, which do not run); host time per call is the CPU's, loops and syncs are
-# GPU-sharing figures.
+# than that, they run their ranks on the GPUs there are, under MPS, each process held to its share of the SMs
+# (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, unless MPS_THREAD_PERCENTAGE says otherwise: collective kernels of
+# processes sharing a GPU must be resident together, and DeepEP sizes its kernels to the SMs it sees). DeepEP's
+# tests then run through scripts/device/share_gpus (a gloo group, rank r on GPU r mod n). DeepEP's low-latency
+# kernels do not run so: the bench records them unavailable and its test_low_latency runs against moelink only.
+# Host time per call is the CPU's; loops, syncs and the tests' timings are GPU-sharing figures.
 hc_ranks=${HOSTCOST_RANKS:-2}
 hc_env=()
+hc_shared=0
 if [ "$ngpu" -ge 1 ] && [ "$ngpu" -lt "$hc_ranks" ]; then
-    hc_env=("${shared_env[@]}")
+    hc_shared=1
+    hc_env=("${shared_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="${MPS_THREAD_PERCENTAGE:-$((100 * ngpu / hc_ranks))}")
 elif [ "$ngpu" -lt "$hc_ranks" ]; then
     hc_ranks=$ranks
 fi
@@ -180,23 +185,32 @@ if want hostcost; then
         "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
     if [ "$ngpu" -ge 2 ] && ! want gpu2; then
         step "gpu suite, 2 ranks (cuda)" "$OUT/gpu-tests-2.log" 150 "${tr[@]}" --nproc_per_node=2 "${suite[@]}"
+    elif [ "$hc_shared" = 1 ]; then
+        step "gpu suite, $hc_ranks ranks on $ngpu GPU(s) (mps)" "$OUT/gpu-tests-2.log" 200 \
+            "${shared_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" "${suite[@]}"
     fi
     # DeepEP's own tests, unchanged, against moelink as deep_ep: a shim package that re-exports moelink.
     tests=.whl/deepep-tests
-    if [ -f "$tests/test_low_latency.py" ] && [ "$ngpu" -ge 2 ]; then
+    share=()  # ranks sharing the GPUs: DeepEP's tests through scripts/device/share_gpus, in hc_env
+    [ "$hc_shared" = 1 ] && share=("${hc_env[@]}" MOELINK_SHARE_GPUS=1)
+    share_path=$ROOT/scripts/device/share_gpus:
+    [ "$hc_shared" = 1 ] || share_path=
+    if [ -f "$tests/test_low_latency.py" ] && { [ "$ngpu" -ge 2 ] || [ "$hc_shared" = 1 ]; }; then
         shim=$SCRATCH/deepep-shim/deep_ep
         mkdir -p "$shim"
         printf 'from moelink import *  # noqa: F401,F403 - DeepEP tests run against moelink\nfrom moelink import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401\n' > "$shim/__init__.py"
         for t in test_low_latency test_intranode; do
             echo "== $t.py against moelink (deep_ep = moelink), DeepEP $(cat "$tests/COMMIT" 2>/dev/null)" >> "$OUT/deepep-tests.log"
-            (cd "$tests" && PYTHONPATH=$SCRATCH/deepep-shim:$PYTHONPATH MASTER_PORT=8371 \
-                step "DeepEP $t (moelink)" "$OUT/deepep-tests.log" 120 python3 "$t.py" --num-processes "$hc_ranks")
+            (cd "$tests" && PYTHONPATH=$share_path$SCRATCH/deepep-shim:$PYTHONPATH MASTER_PORT=8371 \
+                step "DeepEP $t (moelink)" "$OUT/deepep-tests.log" 120 "${share[@]}" python3 "$t.py" --num-processes "$hc_ranks")
         done
         if [ -d "$SCRATCH/deepep-site/deep_ep" ]; then
-            for t in test_low_latency test_intranode; do
+            baseline=(test_low_latency test_intranode)
+            [ "$hc_shared" = 1 ] && baseline=(test_intranode)  # its low-latency kernels need a GPU per rank
+            for t in "${baseline[@]}"; do
                 echo "== $t.py against DeepEP (baseline)" >> "$OUT/deepep-baseline.log"
-                (cd "$tests" && PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
-                    step "DeepEP $t (DeepEP)" "$OUT/deepep-baseline.log" 100 python3 "$t.py" --num-processes "$hc_ranks")
+                (cd "$tests" && PYTHONPATH=$share_path$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
+                    step "DeepEP $t (DeepEP)" "$OUT/deepep-baseline.log" 100 "${share[@]}" python3 "$t.py" --num-processes "$hc_ranks")
             done
         fi
     fi
