@@ -220,14 +220,19 @@ if want hostcost; then
         PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, repeat $i" "$OUT/hostcost-rep.log" 120 \
             "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --json "$OUT/hostcost-rep-$i.json"
     done
-    [ ${#hc_env[@]} -gt 0 ] && mps_stop
     # HOSTCOST_ALTERNATE=N: the fresh HT dispatch's bound (Python within 30 us of the Rust bench at the same
     # shape), N alternations on this machine of the Rust bench and the Python one (rust-ht-I.json, py-ht-I.json).
+    # With ranks sharing a GPU the Rust bench runs as the Python one does: a process per rank, in hc_env.
+    rust_ht=("$BIN" bench --mode ht --ranks "$hc_ranks")
+    [ "$hc_shared" = 1 ] && rust_ht=("${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" --no-python "$BIN" bench --process
+        --mode ht --ranks "$hc_ranks" --topology "1x$hc_ranks")
     for i in $(seq 1 "${HOSTCOST_ALTERNATE:-0}"); do
-        step "rust ht bench ($i)" "$OUT/alternate.log" 60 "$BIN" bench --mode ht --ranks "$hc_ranks" --reps 30 --json "$OUT/rust-ht-$i.json"
+        step "rust ht bench ($i)" "$OUT/alternate.log" 60 "${rust_ht[@]}" --reps 30 --json "$OUT/rust-ht-$i.json"
         step "python ht host cost ($i)" "$OUT/alternate.log" 90 \
-            "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --ops ht --json "$OUT/py-ht-$i.json"
+            "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench --host-cost --ops ht --systems moelink \
+            --json "$OUT/py-ht-$i.json"
     done
+    [ ${#hc_env[@]} -gt 0 ] && mps_stop
     echo "== host cost"
     sed -n '/^moelink bench --host-cost/,$p' "$OUT/hostcost.log" | head -80
     echo "== DeepEP's tests (moelink, then DeepEP): timings"
