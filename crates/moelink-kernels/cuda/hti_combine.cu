@@ -39,10 +39,15 @@ __device__ __forceinline__ void release_combine_rows(u32* flag, const u32 (&slot
   __syncwarp();
 }
 
+// A sender's first release holds one row, later ones up to RELEASE_ROWS: a forwarder's first chunk needs the
+// first row of many senders, and a warp takes microseconds a row, so a first batch of RELEASE_ROWS would hold
+// back the first put by that many row copies.
+__device__ __forceinline__ u32 release_limit(bool first) { return first ? 1u : RELEASE_ROWS; }
+
 // Expert-side sender warp `w` of `n`: lane i serves source s = w + i * n. Each received row of s goes back
 // to its forwarder (this node's rank with s's local index) into combine part [me_local][node(s)] at
 // (message mod M), flagged cseq of its round, once that forwarder handed the part back for the round before.
-// Sources are served in turn, up to RELEASE_ROWS rows of one round per turn, without blocking on any.
+// Sources are served in turn, up to release_limit rows of one round per turn, without blocking on any.
 __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dr, const Deadline& dn) {
   const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
   const u32 s = w + lane * n;
@@ -81,7 +86,8 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
       const u32 cseq = f.base + k + 1;
       u32 sent = 0;
       u32 slots[RELEASE_ROWS];
-      for (; sent < RELEASE_ROWS && q0 + sent < cnt; sent++) {
+      const u32 limit = release_limit(q0 == 0);
+      for (; sent < limit && q0 + sent < cnt; sent++) {
         const u32 pos = base_pos + q0 + sent;
         if (pos >= a.num_x_rows) break;
         const u64 r = route[pos];
@@ -103,7 +109,7 @@ __device__ __forceinline__ void send(const HtiCombineArgs& a, const Frame& f, u3
 
 // Expert-side sender warps when there are at least as many as sources: source s = w % R has the S warps w =
 // s, s + R, ...; warp j = w / R of them sends the source's received rows j, j + S, ... (round order), up to
-// RELEASE_ROWS of one round per fence, each round once its forwarder handed that round's part back.
+// release_limit of one round per fence, each round once its forwarder handed that round's part back.
 __device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame& f, u32 w, u32 n, const Deadline& dn) {
   const u32 lane = threadIdx.x % WARP_SIZE, M = f.round_tokens;
   const u32 s = w % NUM_RANKS, j = w / NUM_RANKS, S = (n - s + NUM_RANKS - 1) / NUM_RANKS;
@@ -125,7 +131,8 @@ __device__ __forceinline__ void send_split(const HtiCombineArgs& a, const Frame&
     (void)ptx::ld_acquire_sys_u64(handed);
     u32 sent = 0;
     u32 slots[RELEASE_ROWS];
-    for (; sent < RELEASE_ROWS && q < count; sent++, q += S) {
+    const u32 limit = release_limit(q == j);
+    for (; sent < limit && q < count; sent++, q += S) {
       const u32 pos = offset + q;
       if (pos >= a.num_x_rows) break;
       const u64 r = route[pos];
