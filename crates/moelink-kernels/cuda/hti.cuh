@@ -67,7 +67,7 @@
 //                    back (c_consumed[a] >= cbase + k),
 //                    put_signals each chunk to s's combine receive part [b][m0, m1) with its chunk word; at
 //                    round end c_nvl_consumed[l][a] = cseq at every j.
-//   reducer (s):     token chunks in order, one round at a time: per token, the partial of every node it
+//   reducer (s):     tokens in order, one at a time, one round at a time: the partial of every node it
 //                    reached (chunk word c_chunk[b][chunk] >= cseq; a bf16 row where its routing says one rank
 //                    of the node held it, + 0.0 as the node tree adds), summed as the tree's upper level, + 0.0,
 //                    the biases, rounded to bf16; after a round's last token, c_consumed[a] = cseq at every
@@ -235,7 +235,7 @@ struct HtiState {
   u32 dispatch_done;       // blocks of the running dispatch that finished
   u32 combine_done;
   u32 dispatch_token;      // next sender token of the running dispatch
-  u32 combine_chunk;       // next reducer chunk of the running combine
+  u32 combine_token;       // next reducer token of the running combine
   u32 combine_round_tokens;  // tokens of the current round the reducers finished
   u32 combine_rounds_done;   // rounds of the running combine the reducers finished
   u32 pad[7];
@@ -417,7 +417,8 @@ __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const De
 //   per block of the grid HTI_TRACE_BLOCK_WORDS: block start, block end, then per warp the start and end of
 //   its role (the emulated NIC's blocks: their NIC_STAT_WORDS, transport.cuh);
 //   then HTI_TRACE_CHUNKS chunk records of 3 words, indexed by the sender's / reducer's chunk q:
-//     dispatch sender [taken, staged, put], combine reducer [taken, first partial seen, reduced];
+//     dispatch sender [taken, staged, put], combine reducer [first token taken, its partials seen, last token
+//     reduced];
 //   then per source node HTI_TRACE_CHUNKS forwarder chunk records of 3 words, indexed k * ceil(M / Q) + c:
 //     dispatch [words seen, rows copied, released], combine [started, partials staged, put].
 // Chunks past HTI_TRACE_CHUNKS are not stamped.

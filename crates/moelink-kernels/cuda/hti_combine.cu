@@ -337,9 +337,11 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
   if (rounds == 0 && p == 0) (void)nvl_hand_back(0, (u64)f.base + f.rounds);
 }
 
-// Home-side reducer warp: token chunks of Q in order from the call's counter, one round at a time (a chunk
-// of round k waits until round k - 1 is reduced, so that hand-backs go out in round order). Per token, lane b
-// finds node b's partial (chunk word, RDMA domain); the upper tree over the nodes, + 0.0, the biases, bf16.
+// Home-side reducer warp: tokens one at a time, in order, from the call's counter, one round at a time (a
+// token of round k waits until round k - 1 is reduced, so that hand-backs go out in round order). A chunk's
+// tokens become ready together (one chunk word per node), so the warps that took them reduce them side by
+// side: the last chunk's tail is one token's reduction, not Q of them in a row. Lane b finds node b's
+// partial (chunk word, RDMA domain); the upper tree over the nodes, + 0.0, the biases, bf16.
 __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, const Deadline& dr) {
   const u32 lane = threadIdx.x % WARP_SIZE, T = a.num_tokens, Q = a.chunk_tokens, M = f.round_tokens;
   const i32* node_prefix = f.routing + f.at.node_prefix;
@@ -364,13 +366,15 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
   const u32* bias0 = reinterpret_cast<const u32*>(a.bias0);
   const u32* bias1 = reinterpret_cast<const u32*>(a.bias1);
   for (;;) {
-    u32 q = 0;
-    if (lane == 0) q = ptx::atom_add_relaxed_gpu(&st->combine_chunk, 1u);
-    q = __shfl_sync(FULL_WARP_MASK, q, 0);
-    if ((u64)q * Q >= T) break;
-    const u32 t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M;
+    u32 t0 = 0;
+    if (lane == 0) t0 = ptx::atom_add_relaxed_gpu(&st->combine_token, 1u);
+    t0 = __shfl_sync(FULL_WARP_MASK, t0, 0);
+    if (t0 >= T) break;
+    // The trace keeps chunk records: taken and seen by the chunk's first token, reduced by its last.
+    const u32 q = t0 / Q, t1 = t0 + 1, k = t0 / M, round_start = k * M;
+    const bool chunk_first = t0 % Q == 0, chunk_last = t1 == hti_min((q + 1) * Q, T);
     const u32 cseq = f.base + k + 1;
-    hti_stamp_chunk(a.trace, q, 0);
+    if (chunk_first) hti_stamp_chunk(a.trace, q, 0);
     // Lane b: node b's partials of the chunk's tokens are contiguous, on their way to L2 while the warp waits.
     if (lane < NUM_NODES) {
       const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
@@ -403,7 +407,7 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
         }
       }
       if (!__all_sync(FULL_WARP_MASK, ok)) return;
-      if (t == t0) hti_stamp_chunk(a.trace, q, 1);
+      if (chunk_first) hti_stamp_chunk(a.trace, q, 1);
       const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
       // Nodes where one rank held the token sent its bf16 row instead of an fp32 partial.
       const u32 single = __ballot_sync(FULL_WARP_MASK, in && !multi);
@@ -495,9 +499,9 @@ __device__ __forceinline__ void reduce(const HtiCombineArgs& a, const Frame& f, 
         reinterpret_cast<float*>(a.combined_topk_weights)[(u64)t * TOPK + lane] = ptx::add_rn_f32(0.0f, tree.result(0));
       }
     }
-    // The chunk is reduced; the last chunk of a round hands the round back to every rail peer.
+    // The token is reduced; the round's last one hands the round back to every rail peer.
     __syncwarp();
-    hti_stamp_chunk(a.trace, q, 2);
+    if (chunk_last) hti_stamp_chunk(a.trace, q, 2);
     u32 finished = 0;
     if (lane == 0) finished = ptx::atom_add_acq_rel_gpu(&st->combine_round_tokens, t1 - t0) + (t1 - t0);
     finished = __shfl_sync(FULL_WARP_MASK, finished, 0);
@@ -539,7 +543,7 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
         }
       },
       [&]() {
-        st->combine_chunk = 0u;
+        st->combine_token = 0u;
         st->combine_round_tokens = 0u;
         st->combine_rounds_done = 0u;
         for (u32 n = 0; n < NUM_NODES; n++) hti_forward(a.state)->combine_rounds_back[n] = 0u;

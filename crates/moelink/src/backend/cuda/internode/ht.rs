@@ -530,7 +530,7 @@ fn protocol_dump(b: &Internode, op: &str, routing_buf: &PooledBuffer, round_toke
         let w = u32s(&st);
         let _ = write!(
             out,
-            "\n  state: notify_epoch {} dispatch_base {} combine_base {} dispatch_done {} combine_done {} dispatch_token {} combine_chunk {} combine_round_tokens {} combine_rounds_done {}",
+            "\n  state: notify_epoch {} dispatch_base {} combine_base {} dispatch_done {} combine_done {} dispatch_token {} combine_token {} combine_round_tokens {} combine_rounds_done {}",
             w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
         );
         let f = &w[16..];
