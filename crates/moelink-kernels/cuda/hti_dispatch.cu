@@ -36,8 +36,9 @@ namespace hti_dispatch {
 constexpr u32 ET_EXPECTED = 0, ET_RECEIVED = 1 + HTI_MAX_LOCAL_EXPERTS, ET_SENT = 1 + 2 * HTI_MAX_LOCAL_EXPERTS;
 
 // The per-expert checks' tallies (check_token_ranks, copy_out, check_expert_counts): a sender block counts the
-// tokens of every expert (ET_SENT), a receiver block the rows of each local expert (ET_RECEIVED). When they fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its
-// non-zero tallies once at its end (flush_tallies), not a global atomic per entry on the counters' few L2 lines.
+// tokens of every expert (ET_SENT), a receiver block the rows of each local expert (ET_RECEIVED). When they
+// fit, a block counts in shared memory (a shared atomic per top-k entry) and adds its non-zero tallies once
+// at its end (flush_tallies), not a global atomic per entry on the counters' few L2 lines.
 // DISPATCH_TALLY_SLOTS: the JIT leaves it at 2048; the CPU emulator sets fewer to reach the global atomics.
 #ifndef DISPATCH_TALLY_SLOTS
 #define DISPATCH_TALLY_SLOTS 2048
