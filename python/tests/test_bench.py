@@ -39,3 +39,23 @@ def test_host_cost_quick_mode_writes_records(tmp_path):
             assert r["ranks"] == 2 and r["backend"] == "host" and "not GPU figures" in r["note"]
     # DeepEP is a row of its own either way: measured where it imports, else unavailable with the reason.
     assert any(r["system"] == "deepep" for r in records)
+
+
+@pytest.mark.skipif(torch is None, reason="the host-cost module imports torch")
+def test_ops_a_system_cannot_run_are_recorded_unavailable_with_the_reason():
+    # As DeepEP's LL ops with ranks sharing a GPU: no buffer is made, each op is a record with the reason,
+    # and the table says why once, above the rows.
+    import argparse
+    import types
+
+    from moelink import bench_hostcost
+
+    ctx = types.SimpleNamespace(cuda=False, num_ranks=2, facts={"device": "cpu", "date": "-", "commit": "-"})
+    args = argparse.Namespace(quick=True, calls=None, reuse_ab=False, ops="ll", graph=False, num_sms=24, nvl_bytes=0)
+    why = "its low-latency kernels do not run here"
+    system = types.SimpleNamespace(Buffer=type("Buffer", (), {}))
+    records = bench_hostcost.run(ctx, args, {"other": system}, {"other": ("ll", why)})
+    assert {(r["op"], r["dtype"]) for r in records} == set(bench_hostcost.LL_OPS)
+    assert all(r["status"] == "unavailable" and r["error"] == why and r["system"] == "other" for r in records)
+    table = bench_hostcost.table(records)
+    assert table.count(why) == 1, table
