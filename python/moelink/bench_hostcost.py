@@ -141,6 +141,12 @@ def failed(err: BaseException) -> Dict[str, Any]:
     return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500]}
 
 
+# Each family's ops, (op, dtype), in the order measured.
+HT_OPS = (("ht_layout", "-"), ("ht_dispatch", "bf16"), ("ht_cached_dispatch", "bf16"), ("ht_cached_dispatch", "fp8"),
+          ("ht_combine", "bf16"))
+LL_OPS = (("ll_dispatch", "fp8"), ("ll_combine", "bf16"), ("ll_dispatch_combine", "fp8"))
+
+
 class Runner:
     """One system's ops on this rank."""
 
@@ -177,7 +183,6 @@ class Runner:
         s, c, mod = self.s, self.ctx, self.mod
         t, h, k, e, r = s.ll_tokens, s.ll_hidden, s.ll_topk, s.ll_experts, c.num_ranks
         shape = {"tokens": t, "hidden": h, "topk": k, "experts": e}
-        ops = LL_OPS
         try:
             x, idx, w = inputs(c, t, h, k, e, 2, self.idx_dtype)
             hint = mod.Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
@@ -187,7 +192,7 @@ class Runner:
             # The expert outputs combine sends: bf16 [E_local, R*T, H], as DeepEP's test simulates its GEMM.
             y = torch.randn(e // r, r * t, h, device=c.device).to(torch.bfloat16)
         except Exception as err:  # noqa: BLE001
-            return [self.record(op, dt, **shape, **failed(err)) for op, dt in ops]
+            return [self.record(op, dt, **shape, **failed(err)) for op, dt in LL_OPS]
 
         def pair() -> Any:
             _, _, hd, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True)
@@ -369,8 +374,6 @@ class Runner:
         s, c, mod = self.s, self.ctx, self.mod
         t, h, k, e = s.ht_tokens, s.ht_hidden, s.ht_topk, s.ht_experts
         shape = {"tokens": t, "hidden": h, "topk": k, "experts": e, "num_sms": num_sms}
-        ops = [("ht_layout", "-"), ("ht_dispatch", "bf16"), ("ht_cached_dispatch", "bf16"),
-               ("ht_cached_dispatch", "fp8"), ("ht_combine", "bf16")]
         try:
             x, idx, w = inputs(c, t, h, k, e, 1, self.idx_dtype)
             x8 = fp8(x)
@@ -385,7 +388,7 @@ class Runner:
 
             recv_x, _, _, _, handle, _ = fresh()
         except Exception as err:  # noqa: BLE001
-            return [self.record(op, dt, **shape, **failed(err)) for op, dt in ops]
+            return [self.record(op, dt, **shape, **failed(err)) for op, dt in HT_OPS]
         fresh_rec = self.run("ht_dispatch", "bf16", fresh, buf, **shape, cpu_synced=True)
         if c.cuda and fresh_rec.get("status") == "ok":
             # Where a fresh, CPU-synced dispatch's time goes on the GPU: its kernels and the gaps between them.
@@ -585,9 +588,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ops", default="ll,ht", help="ll, ht or ll,ht")
 
 
-LL_OPS = (("ll_dispatch", "fp8"), ("ll_combine", "bf16"), ("ll_dispatch_combine", "fp8"))
-
-
 def run(ctx: Any, args: argparse.Namespace, systems: Dict[str, Any],
         skipped: Optional[Dict[str, Tuple[str, str]]] = None) -> List[Dict[str, Any]]:
     """Every op of every system; records in the order measured. ``skipped``: ``{system: (family, why)}`` for a
@@ -619,8 +619,9 @@ def run(ctx: Any, args: argparse.Namespace, systems: Dict[str, Any],
                 records.extend(runner.ht(args.num_sms, args.nvl_bytes if not args.quick else 64 << 20))
             if "ll" in wanted and family != "ll":
                 records.extend(runner.ll(args.graph))
-            for op, dtype in LL_OPS if "ll" in wanted and family == "ll" else ():
-                records.append(runner.record(op, dtype, status="unavailable", error=why))
+            if family in wanted:
+                records.extend(runner.record(op, dtype, status="unavailable", error=why)
+                               for op, dtype in (HT_OPS if family == "ht" else LL_OPS))
         finally:
             if reuse is not None:
                 mod.Buffer._reuse_outputs = saved

@@ -59,3 +59,8 @@ def test_ops_a_system_cannot_run_are_recorded_unavailable_with_the_reason():
     assert all(r["status"] == "unavailable" and r["error"] == why and r["system"] == "other" for r in records)
     table = bench_hostcost.table(records)
     assert table.count(why) == 1, table
+    # The same for the HT family.
+    args.ops = "ht"
+    records = bench_hostcost.run(ctx, args, {"other": system}, {"other": ("ht", why)})
+    assert {(r["op"], r["dtype"]) for r in records} == set(bench_hostcost.HT_OPS)
+    assert all(r["status"] == "unavailable" and r["error"] == why for r in records)
