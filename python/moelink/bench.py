@@ -92,6 +92,15 @@ class Ctx:
             return False
         return percentage * self.ranks_per_gpu <= 100
 
+    def runtime_reports_share(self) -> bool:
+        """Whether the CUDA runtime reports this process's share of the SMs (scripts/device/share_gpus/share_sms.c
+        preloaded with MOELINK_SHARE_GPUS_SMS) rather than the whole GPU's, as MPS leaves it."""
+        try:
+            share = int(os.environ.get("MOELINK_SHARE_GPUS_SMS", "0"))
+        except ValueError:
+            return False
+        return self.cuda and share > 0 and torch.cuda.get_device_properties(self.device).multi_processor_count == share
+
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
@@ -561,11 +570,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             # a peer whose blocks find no SM, until DeepEP's timeout aborts the process.
             systems["deepep"] = (f"{ctx.ranks_per_gpu} ranks share a GPU: DeepEP runs only with each process held to its "
                                  f"share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= {100 // ctx.ranks_per_gpu})")
-        else:
-            # Its intranode kernels run so; its low-latency ones do not: with NVSHMEM's PEs on one GPU its IBGDA
-            # transport fails to initialise, the dispatch's receive times out and the process aborts.
-            skipped["deepep"] = ("ll", "DeepEP's low-latency kernels do not run with ranks sharing a GPU (NVSHMEM's IBGDA "
-                                       "transport fails to initialise, the dispatch receive times out, the process aborts)")
+        elif not ctx.runtime_reports_share():
+            # Its intranode kernels run so. Its low-latency ones launch a cooperative grid sized from the SMs the
+            # runtime reports, the whole GPU's under MPS: blocks past the share find no SM, and the peer waiting on
+            # them times out and aborts.
+            skipped["deepep"] = ("ll", "DeepEP's low-latency grid is sized from the whole GPU's SMs, more than MPS leaves "
+                                       "each process (run with scripts/device/share_gpus/share_sms.c preloaded and "
+                                       "MOELINK_SHARE_GPUS_SMS set to the share)")
     records: List[Dict[str, Any]] = []
     if args.host_cost:
         systems.pop("nccl", None)

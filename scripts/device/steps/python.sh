@@ -73,6 +73,7 @@ step() {  # step NAME LOG TIMEOUT CMD...: runs CMD, records its exit status and 
     local last
     last=$(grep -E "passed|failed|error|PASS|FAIL|^bench records" "$log" | tail -n 1)
     printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$last" >> "$summary"
+    return "$rc"
 }
 
 {
@@ -149,17 +150,22 @@ want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
 # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, unless MPS_THREAD_PERCENTAGE says otherwise: collective kernels of
 # processes sharing a GPU must be resident together, and DeepEP sizes its kernels to the SMs it sees). DeepEP's
 # tests then run through scripts/device/share_gpus (a gloo group, rank r on GPU r mod n). DeepEP's low-latency
-# kernels do not run so: the bench records them unavailable and its test_low_latency runs against moelink only.
+# kernels wait on blocks of a grid sized from the SMs the CUDA runtime reports, which under MPS is the whole GPU:
+# they run only with share_gpus/share_sms.c preloaded, which reports the process's share (MOELINK_SHARE_GPUS_SMS).
+# It is checked with DeepEP's own test_low_latency first; if that fails, the bench records DeepEP's LL ops
+# unavailable. moelink reads the SMs through the driver API, which the preload leaves alone.
 # Host time per call is the CPU's; loops, syncs and the tests' timings are GPU-sharing figures.
 hc_ranks=${HOSTCOST_RANKS:-2}
 hc_env=()
 hc_shared=0
 if [ "$ngpu" -ge 1 ] && [ "$ngpu" -lt "$hc_ranks" ]; then
     hc_shared=1
-    hc_env=("${shared_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="${MPS_THREAD_PERCENTAGE:-$((100 * ngpu / hc_ranks))}")
+    hc_percentage=${MPS_THREAD_PERCENTAGE:-$((100 * ngpu / hc_ranks))}
+    hc_env=("${shared_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="$hc_percentage")
 elif [ "$ngpu" -lt "$hc_ranks" ]; then
     hc_ranks=$ranks
 fi
+share_sms_env=()  # the preload and the share, where ranks share a GPU and the shim builds
 if want hostcost || want probe; then
     # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
     if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
@@ -167,6 +173,17 @@ if want hostcost || want probe; then
             && echo "installed $(ls .whl/deep_ep-*.whl)" >> "$OUT/setup.log"
     else
         echo "no DeepEP wheel in .whl/: moelink alone" >> "$OUT/setup.log"
+    fi
+    if [ "$hc_shared" = 1 ]; then
+        # The whole GPU's SMs, read before MPS starts; the share is what MPS leaves each process.
+        gpu_sms=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>>"$OUT/setup.log")
+        if [ -n "$gpu_sms" ] && cc -shared -fPIC -O2 -I"${CUDA_HOME:-/usr/local/cuda}/include" \
+            scripts/device/share_gpus/share_sms.c -o "$SCRATCH/libshare_sms.so" -ldl >> "$OUT/setup.log" 2>&1; then
+            share_sms_env=(LD_PRELOAD="$SCRATCH/libshare_sms.so" MOELINK_SHARE_GPUS_SMS=$((gpu_sms * hc_percentage / 100)))
+            echo "share_sms: $gpu_sms SMs, ${share_sms_env[*]}" >> "$OUT/setup.log"
+        else
+            echo "share_sms: not built; DeepEP's LL ops will be recorded unavailable" >> "$OUT/setup.log"
+        fi
     fi
 fi
 # Step `probe`: scripts/device/launch_cost.py, the host time of each piece of an eager call (torch's queries, a
@@ -177,10 +194,27 @@ if want probe && [ "$ngpu" -ge 1 ]; then
     cat "$OUT/launch-cost.log"
 fi
 
+tests=.whl/deepep-tests
 if want hostcost; then
     hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
     [ "$ngpu" -eq 0 ] && hc_args=(--host-cost --quick --reuse-ab --json "$OUT/hostcost.json")
     [ ${#hc_env[@]} -gt 0 ] && mps_start
+    if [ ${#share_sms_env[@]} -gt 0 ]; then
+        # DeepEP's low-latency kernels told their share: its own test first, and the preload joins hc_env only if
+        # it passes (a hang leaves MPS refusing clients, so MPS restarts after a failure).
+        if [ -f "$tests/test_low_latency.py" ] && [ -d "$SCRATCH/deepep-site/deep_ep" ] \
+            && (echo "== test_low_latency.py against DeepEP (baseline), ranks sharing a GPU, ${share_sms_env[*]}" \
+                    >> "$OUT/deepep-baseline.log"
+                cd "$tests" && PYTHONPATH=$ROOT/scripts/device/share_gpus:$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8391 \
+                    step "DeepEP test_low_latency (DeepEP)" "$OUT/deepep-baseline.log" 150 \
+                    "${hc_env[@]}" "${share_sms_env[@]}" MOELINK_SHARE_GPUS=1 python3 test_low_latency.py --num-processes "$hc_ranks"); then
+            hc_env+=("${share_sms_env[@]}")
+        else
+            echo "share_sms: DeepEP's test_low_latency did not pass; its LL ops will be recorded unavailable" >> "$OUT/setup.log"
+            mps_stop
+            mps_start
+        fi
+    fi
     PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
         "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
     if [ "$ngpu" -ge 2 ] && ! want gpu2; then
@@ -190,7 +224,6 @@ if want hostcost; then
             "${shared_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" "${suite[@]}"
     fi
     # DeepEP's own tests, unchanged, against moelink as deep_ep: a shim package that re-exports moelink.
-    tests=.whl/deepep-tests
     share=()  # ranks sharing the GPUs: DeepEP's tests through scripts/device/share_gpus, in hc_env
     [ "$hc_shared" = 1 ] && share=("${hc_env[@]}" MOELINK_SHARE_GPUS=1)
     share_path=$ROOT/scripts/device/share_gpus:
@@ -206,7 +239,7 @@ if want hostcost; then
         done
         if [ -d "$SCRATCH/deepep-site/deep_ep" ]; then
             baseline=(test_low_latency test_intranode)
-            [ "$hc_shared" = 1 ] && baseline=(test_intranode)  # its low-latency kernels need a GPU per rank
+            [ "$hc_shared" = 1 ] && baseline=(test_intranode)  # its low-latency test ran above, with share_sms
             for t in "${baseline[@]}"; do
                 echo "== $t.py against DeepEP (baseline)" >> "$OUT/deepep-baseline.log"
                 (cd "$tests" && PYTHONPATH=$share_path$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8381 \
