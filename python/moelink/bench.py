@@ -92,14 +92,15 @@ class Ctx:
             return False
         return percentage * self.ranks_per_gpu <= 100
 
-    def runtime_reports_share(self) -> bool:
-        """Whether the CUDA runtime reports this process's share of the SMs (scripts/device/share_gpus/share_sms.c
-        preloaded with MOELINK_SHARE_GPUS_SMS) rather than the whole GPU's, as MPS leaves it."""
+    def told_sms(self) -> int:
+        """The SMs the CUDA runtime reports where scripts/device/share_gpus/share_sms.c is preloaded with
+        MOELINK_SHARE_GPUS_SMS (and reports them), else 0. moelink reads the SMs through the driver, unaffected."""
         try:
-            share = int(os.environ.get("MOELINK_SHARE_GPUS_SMS", "0"))
+            told = int(os.environ.get("MOELINK_SHARE_GPUS_SMS", "0"))
         except ValueError:
-            return False
-        return self.cuda and share > 0 and torch.cuda.get_device_properties(self.device).multi_processor_count == share
+            return 0
+        reported = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0
+        return told if told > 0 and reported == told else 0
 
     def sync(self) -> None:
         if self.cuda:
@@ -570,13 +571,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             # a peer whose blocks find no SM, until DeepEP's timeout aborts the process.
             systems["deepep"] = (f"{ctx.ranks_per_gpu} ranks share a GPU: DeepEP runs only with each process held to its "
                                  f"share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= {100 // ctx.ranks_per_gpu})")
-        elif not ctx.runtime_reports_share():
-            # Its intranode kernels run so. Its low-latency ones launch a cooperative grid sized from the SMs the
-            # runtime reports, the whole GPU's under MPS: blocks past the share find no SM, and the peer waiting on
-            # them times out and aborts.
-            skipped["deepep"] = ("ll", "DeepEP's low-latency grid is sized from the whole GPU's SMs, more than MPS leaves "
-                                       "each process (run with scripts/device/share_gpus/share_sms.c preloaded and "
-                                       "MOELINK_SHARE_GPUS_SMS set to the share)")
+        elif not ctx.told_sms():
+            # Its intranode kernels run so. Its low-latency ones, a cooperative grid sized from the SMs the runtime
+            # reports, time out waiting on the peer unless told fewer than the MPS share.
+            skipped["deepep"] = ("ll", "DeepEP's low-latency kernels, sized from the SMs the runtime reports, time out with "
+                                       "ranks sharing a GPU unless told fewer (scripts/device/share_gpus/share_sms.c "
+                                       "preloaded, MOELINK_SHARE_GPUS_SMS)")
+        else:
+            ctx.facts["deepep_told_sms"] = ctx.told_sms()  # the SMs DeepEP's kernels were sized from
     records: List[Dict[str, Any]] = []
     if args.host_cost:
         systems.pop("nccl", None)

@@ -1,11 +1,10 @@
-// LD_PRELOAD shim for processes that share a GPU under CUDA MPS: the CUDA runtime reports the SMs of the process's
-// share (MOELINK_SHARE_GPUS_SMS) instead of the whole GPU's.
+// LD_PRELOAD shim for processes that share a GPU under CUDA MPS: the CUDA runtime reports MOELINK_SHARE_GPUS_SMS
+// SMs instead of what it would (the process's MPS share, or the whole GPU without a limit).
 //
-// Why: a kernel whose blocks wait on each other (DeepEP's low-latency dispatch and combine, launched cooperative
-// with a grid sized from cudaDeviceProp::multiProcessorCount) needs every block resident at once. MPS holds a
-// process to its share of the SMs but the runtime still reports them all, so such a grid can be larger than the
-// share: the blocks that find no SM never run, and the peer waiting on them times out. Told its share, the
-// process sizes its grid as it would on a GPU of that many SMs.
+// Why: DeepEP's low-latency kernels launch a cooperative grid, in clusters of 2, sized from multiProcessorCount,
+// whose blocks wait on each other and on the peer's. Two such processes on one H200, each held to 66 SMs by MPS
+// and told so, size 58 blocks of 30 warps and time out waiting on the peer; told 36 SMs, both run. The cause is
+// not known; scripts/device/steps/python.sh finds the largest count that runs (DEEPEP_LL_SMS).
 //
 // Built on the GPU machine by scripts/device/steps/python.sh:
 //   cc -shared -fPIC -O2 -I$CUDA_HOME/include share_sms.c -o libshare_sms.so -ldl

@@ -150,10 +150,11 @@ want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
 # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, unless MPS_THREAD_PERCENTAGE says otherwise: collective kernels of
 # processes sharing a GPU must be resident together, and DeepEP sizes its kernels to the SMs it sees). DeepEP's
 # tests then run through scripts/device/share_gpus (a gloo group, rank r on GPU r mod n). DeepEP's low-latency
-# kernels wait on blocks of a grid sized from the SMs the CUDA runtime reports, which under MPS is the whole GPU:
-# they run only with share_gpus/share_sms.c preloaded, which reports the process's share (MOELINK_SHARE_GPUS_SMS).
-# It is checked with DeepEP's own test_low_latency first; if that fails, the bench records DeepEP's LL ops
-# unavailable. moelink reads the SMs through the driver API, which the preload leaves alone.
+# kernels, sized from the SMs the CUDA runtime reports (the MPS share), time out there: they run when told fewer
+# with share_gpus/share_sms.c preloaded (MOELINK_SHARE_GPUS_SMS). DEEPEP_LL_SMS lists the counts to try, largest
+# first (default "48 42 36": DeepEP's grid is 48, 42 or 36 blocks at 288 experts); the first at which DeepEP's own
+# test_low_latency passes joins hc_env, and if none does, the bench records DeepEP's LL ops unavailable.
+# moelink reads the SMs through the driver API, which the preload leaves alone.
 # Host time per call is the CPU's; loops, syncs and the tests' timings are GPU-sharing figures.
 hc_ranks=${HOSTCOST_RANKS:-2}
 hc_env=()
@@ -165,7 +166,6 @@ if [ "$ngpu" -ge 1 ] && [ "$ngpu" -lt "$hc_ranks" ]; then
 elif [ "$ngpu" -lt "$hc_ranks" ]; then
     hc_ranks=$ranks
 fi
-share_sms_env=()  # the preload and the share, where ranks share a GPU and the shim builds
 if want hostcost || want probe; then
     # DeepEP beside moelink: its wheel for this image (../shared/baselines/README.md), carried in .whl/.
     if ls .whl/deep_ep-*.whl >/dev/null 2>&1; then
@@ -174,46 +174,35 @@ if want hostcost || want probe; then
     else
         echo "no DeepEP wheel in .whl/: moelink alone" >> "$OUT/setup.log"
     fi
-    if [ "$hc_shared" = 1 ]; then
-        # The whole GPU's SMs, read before MPS starts; the share is what MPS leaves each process.
-        gpu_sms=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>>"$OUT/setup.log")
-        if [ -n "$gpu_sms" ] && cc -shared -fPIC -O2 -I"${CUDA_HOME:-/usr/local/cuda}/include" \
-            scripts/device/share_gpus/share_sms.c -o "$SCRATCH/libshare_sms.so" -ldl >> "$OUT/setup.log" 2>&1; then
-            share_sms_env=(LD_PRELOAD="$SCRATCH/libshare_sms.so" MOELINK_SHARE_GPUS_SMS=$((gpu_sms * hc_percentage / 100)))
-            echo "share_sms: $gpu_sms SMs, ${share_sms_env[*]}" >> "$OUT/setup.log"
-        else
-            echo "share_sms: not built; DeepEP's LL ops will be recorded unavailable" >> "$OUT/setup.log"
-        fi
+    if [ "$hc_shared" = 1 ] && ! cc -shared -fPIC -O2 -I"${CUDA_HOME:-/usr/local/cuda}/include" \
+        scripts/device/share_gpus/share_sms.c -o "$SCRATCH/libshare_sms.so" -ldl >> "$OUT/setup.log" 2>&1; then
+        echo "share_sms: not built; DeepEP's LL ops will be recorded unavailable" >> "$OUT/setup.log"
     fi
 fi
-# Step `probe`: scripts/device/launch_cost.py, the host time of each piece of an eager call (torch's queries, a
-# launch on the default and on a side stream), both systems (launch-cost.log, launch-cost.json).
-if want probe && [ "$ngpu" -ge 1 ]; then
-    PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "launch cost probe" "$OUT/launch-cost.log" 120 \
-        "${tr[@]}" --nproc_per_node="$hc_ranks" scripts/device/launch_cost.py --json "$OUT/launch-cost.json"
-    cat "$OUT/launch-cost.log"
-fi
-
 tests=.whl/deepep-tests
 if want hostcost; then
     hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
     [ "$ngpu" -eq 0 ] && hc_args=(--host-cost --quick --reuse-ab --json "$OUT/hostcost.json")
     [ ${#hc_env[@]} -gt 0 ] && mps_start
-    if [ ${#share_sms_env[@]} -gt 0 ]; then
-        # DeepEP's low-latency kernels told their share: its own test first, and the preload joins hc_env only if
-        # it passes (a hang leaves MPS refusing clients, so MPS restarts after a failure).
-        if [ -f "$tests/test_low_latency.py" ] && [ -d "$SCRATCH/deepep-site/deep_ep" ] \
-            && (echo "== test_low_latency.py against DeepEP (baseline), ranks sharing a GPU, ${share_sms_env[*]}" \
-                    >> "$OUT/deepep-baseline.log"
-                cd "$tests" && PYTHONPATH=$ROOT/scripts/device/share_gpus:$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8391 \
-                    step "DeepEP test_low_latency (DeepEP)" "$OUT/deepep-baseline.log" 150 \
+    if [ "$hc_shared" = 1 ] && [ -f "$SCRATCH/libshare_sms.so" ] && [ -f "$tests/test_low_latency.py" ] \
+        && [ -d "$SCRATCH/deepep-site/deep_ep" ]; then
+        # DeepEP's own test decides the SM count its low-latency kernels are told (a hang leaves MPS refusing
+        # clients, so MPS restarts after each failure).
+        for sms in ${DEEPEP_LL_SMS:-48 42 36}; do
+            share_sms_env=(LD_PRELOAD="$SCRATCH/libshare_sms.so" MOELINK_SHARE_GPUS_SMS="$sms")
+            echo "== test_low_latency.py against DeepEP (baseline), ranks sharing a GPU, told $sms SMs" >> "$OUT/deepep-baseline.log"
+            if (cd "$tests" && PYTHONPATH=$ROOT/scripts/device/share_gpus:$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8391 \
+                    step "DeepEP test_low_latency (DeepEP, $sms SMs)" "$OUT/deepep-baseline.log" 75 \
                     "${hc_env[@]}" "${share_sms_env[@]}" MOELINK_SHARE_GPUS=1 python3 test_low_latency.py --num-processes "$hc_ranks"); then
-            hc_env+=("${share_sms_env[@]}")
-        else
-            echo "share_sms: DeepEP's test_low_latency did not pass; its LL ops will be recorded unavailable" >> "$OUT/setup.log"
+                hc_env+=("${share_sms_env[@]}")
+                echo "share_sms: DeepEP's test_low_latency passes told $sms SMs" >> "$OUT/setup.log"
+                break
+            fi
+            echo "share_sms: DeepEP's test_low_latency fails told $sms SMs" >> "$OUT/setup.log"
+            pkill -9 -f test_low_latency.py; sleep 1  # timeout stops the spawner; its ranks hold MPS clients
             mps_stop
             mps_start
-        fi
+        done
     fi
     PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "host cost, $hc_ranks ranks" "$OUT/hostcost.log" 150 \
         "${hc_env[@]}" "${tr[@]}" --nproc_per_node="$hc_ranks" -m moelink.bench "${hc_args[@]}"
