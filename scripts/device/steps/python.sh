@@ -152,8 +152,9 @@ want bench && step "bench, $ranks ranks" "$OUT/bench.log" 240 \
 # tests then run through scripts/device/share_gpus (a gloo group, rank r on GPU r mod n). DeepEP's low-latency
 # kernels, sized from the SMs the CUDA runtime reports (the MPS share), time out there: they run when told fewer
 # with share_gpus/share_sms.c preloaded (MOELINK_SHARE_GPUS_SMS). DEEPEP_LL_SMS lists the counts to try, largest
-# first (default "48 42 36": DeepEP's grid is 48, 42 or 36 blocks at 288 experts); the first at which DeepEP's own
-# test_low_latency passes joins hc_env, and if none does, the bench records DeepEP's LL ops unavailable.
+# first (default "36 30 24": two processes on one H200 at 50 % time out told 58, 48 or 42 and pass told 36); the
+# first at which DeepEP's own test_low_latency passes joins hc_env, and if none does, the bench records DeepEP's
+# LL ops unavailable.
 # moelink reads the SMs through the driver API, which the preload leaves alone.
 # Host time per call is the CPU's; loops, syncs and the tests' timings are GPU-sharing figures.
 hc_ranks=${HOSTCOST_RANKS:-2}
@@ -188,7 +189,7 @@ if want hostcost; then
         && [ -d "$SCRATCH/deepep-site/deep_ep" ]; then
         # DeepEP's own test decides the SM count its low-latency kernels are told (a hang leaves MPS refusing
         # clients, so MPS restarts after each failure).
-        for sms in ${DEEPEP_LL_SMS:-48 42 36}; do
+        for sms in ${DEEPEP_LL_SMS:-36 30 24}; do
             share_sms_env=(LD_PRELOAD="$SCRATCH/libshare_sms.so" MOELINK_SHARE_GPUS_SMS="$sms")
             echo "== test_low_latency.py against DeepEP (baseline), ranks sharing a GPU, told $sms SMs" >> "$OUT/deepep-baseline.log"
             if (cd "$tests" && PYTHONPATH=$ROOT/scripts/device/share_gpus:$SCRATCH/deepep-site:$PYTHONPATH MASTER_PORT=8391 \
