@@ -168,22 +168,29 @@ pub(super) fn summarize(
                 rec.extra.insert("send_us".into(), serde_json::json!(slowest_rank_median(&send)));
                 rec.extra.insert("recv_us".into(), serde_json::json!(slowest_rank_median(&recv)));
             }
+            // Kernel traces are of the ranks that hold them: every rank in thread mode, this process's rank
+            // (rank 0, the reporter) in process mode (`trace_ranks` then says how many).
+            let traced: Vec<&RankOutcome> =
+                outs.iter().copied().filter(|o| o.traces.iter().chain(&o.loop_traces).any(|t| !t.is_empty())).collect();
+            if !traced.is_empty() && traced.len() < outs.len() {
+                rec.extra.insert("trace_ranks".into(), serde_json::json!(traced.len()));
+            }
             for (i, key) in ["kernel", "send_kernel", "recv_kernel"].iter().enumerate() {
-                let spans: Vec<Vec<f64>> = outs.iter().map(|o| o.traces[i].iter().map(|t| t.span_us).collect()).collect();
-                if spans.iter().all(|v| !v.is_empty()) {
+                let spans: Vec<Vec<f64>> = traced.iter().map(|o| o.traces[i].iter().map(|t| t.span_us).collect()).collect();
+                if !spans.is_empty() && spans.iter().all(|v| !v.is_empty()) {
                     rec.extra.insert(format!("{key}_us"), serde_json::json!(slowest_rank_median(&spans)));
-                    rec.extra.insert(format!("{key}_trace"), trace_points_json(outs.iter().map(|o| o.traces[i].as_slice())));
+                    rec.extra.insert(format!("{key}_trace"), trace_points_json(traced.iter().map(|o| o.traces[i].as_slice())));
                 }
             }
             for (i, key) in ["loop_dispatch_kernel_us", "loop_combine_kernel_us", "loop_pair_us"].iter().enumerate() {
-                let v: Vec<Vec<f64>> = outs.iter().map(|o| o.loop_times[i].clone()).collect();
-                if v.iter().all(|v| !v.is_empty()) {
+                let v: Vec<Vec<f64>> = traced.iter().map(|o| o.loop_times[i].clone()).collect();
+                if !v.is_empty() && v.iter().all(|v| !v.is_empty()) {
                     rec.extra.insert((*key).into(), serde_json::json!(slowest_rank_median(&v)));
                 }
             }
             for (i, key) in ["loop_dispatch_trace", "loop_combine_trace"].iter().enumerate() {
-                if outs.iter().all(|o| !o.loop_traces[i].is_empty()) {
-                    rec.extra.insert((*key).into(), trace_points_json(outs.iter().map(|o| o.loop_traces[i].as_slice())));
+                if !traced.is_empty() && traced.iter().all(|o| !o.loop_traces[i].is_empty()) {
+                    rec.extra.insert((*key).into(), trace_points_json(traced.iter().map(|o| o.loop_traces[i].as_slice())));
                 }
             }
             let cached: Vec<Vec<f64>> = outs.iter().map(|o| o.cached_us.clone()).collect();
