@@ -47,10 +47,11 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost;
 // with two items per round the send still takes ~11 us without NVLink: MOELINK_LL_EXPERIMENT=local_stores,
 // bench/results/2026-11-21-4xnvidia-h200-ll-trace).
-// Returns whether this warp stored anything.
-constexpr u32 COMBINE_ITEMS = 3;
-// Expert rows loaded per item and batch (pre-reduced): with top-8 over 4 ranks an item has ~2.2 of them.
-constexpr u32 COMBINE_ROWS = LL_TOPK < 4 ? LL_TOPK : 4;
+// COMBINE_ROWS expert rows of each item are loaded per batch (pre-reduced), and a round takes as many batches
+// as its fullest item needs. An item has ~K/R rows: with top-8 over 4 ranks ~2, which 3 items x 4 rows cover
+// in one batch; over 2 ranks ~4, and 3 x 4 then needs a second batch in most rounds (any item over 4), where
+// 2 items x 6 rows rarely do. Both shapes hold the same registers. Returns whether this warp stored anything.
+template <u32 COMBINE_ITEMS, u32 COMBINE_ROWS>
 __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 R = a.num_ranks, TM = a.max_tokens;
@@ -184,7 +185,10 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   // barriers publish them to the block), so that their latency hides behind it.
   if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
   ll_send_phase(a, d, sm, epoch, [&] { combine_check(a, sm); },
-                [&](u32 first_warp, u32 num_warps) { return combine_rows(a, sm, first_warp, num_warps); });
+                [&](u32 first_warp, u32 num_warps) {
+                  if (a.num_ranks <= 2) return combine_rows<2, (LL_TOPK < 6 ? LL_TOPK : 6)>(a, sm, first_warp, num_warps);
+                  return combine_rows<3, (LL_TOPK < 4 ? LL_TOPK : 4)>(a, sm, first_warp, num_warps);
+                });
 }
 
 // Warp 0 of every block waits for every expert rank r (lane r); r's rows are used when its flag arrived
