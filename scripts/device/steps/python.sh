@@ -180,6 +180,14 @@ if want hostcost || want probe; then
         echo "share_sms: not built; DeepEP's LL ops will be recorded unavailable" >> "$OUT/setup.log"
     fi
 fi
+# Step `probe`: scripts/device/launch_cost.py, the host time of each piece of an eager call (torch's queries, a
+# launch on the default and on a side stream), both systems (launch-cost.log, launch-cost.json).
+if want probe && [ "$ngpu" -ge 1 ]; then
+    PYTHONPATH=$SCRATCH/deepep-site:$PYTHONPATH step "launch cost probe" "$OUT/launch-cost.log" 120 \
+        "${tr[@]}" --nproc_per_node="$hc_ranks" scripts/device/launch_cost.py --json "$OUT/launch-cost.json"
+    cat "$OUT/launch-cost.log"
+fi
+
 tests=.whl/deepep-tests
 if want hostcost; then
     hc_args=(--host-cost --graph --reuse-ab --json "$OUT/hostcost.json")
