@@ -35,8 +35,8 @@ pub struct Record {
     pub gpus: usize,
     /// When the measurement was taken, UTC, ISO-8601 (`2026-11-21T10:04:05Z`).
     pub date: String,
-    /// Short git hash of the code measured: `MOELINK_COMMIT` when set, else `git rev-parse --short HEAD`,
-    /// else `"unknown"`.
+    /// Short git hash of the code measured: `MOELINK_COMMIT` when set, else the commit the binary was built
+    /// from, else `git rev-parse --short HEAD`, else `"unknown"`.
     pub commit: String,
     /// `"ht"` (high-throughput), `"ll"` (low-latency) or `"probe"` (NVLink/barrier/JIT diagnostics).
     pub mode: String,

@@ -41,13 +41,18 @@ pub fn cpu_count() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
-/// Short git hash of the code: `MOELINK_COMMIT` when set (the device machine has no `.git`; the device
-/// scripts set it from the build manifest), else `git rev-parse --short HEAD`, else `"unknown"`.
+/// Short git hash of the code: `MOELINK_COMMIT` when set (the device scripts set it from the build manifest),
+/// else the commit this binary was built from, else `git rev-parse --short HEAD` here, else `"unknown"`.
 pub fn commit() -> String {
-    if let Ok(c) = std::env::var("MOELINK_COMMIT") {
-        if !c.trim().is_empty() {
-            return c.trim().to_string();
-        }
+    commit_from(std::env::var("MOELINK_COMMIT").ok(), env!("MOELINK_BUILD_COMMIT"))
+}
+
+fn commit_from(override_: Option<String>, built_from: &str) -> String {
+    if let Some(c) = override_.map(|c| c.trim().to_string()).filter(|c| !c.is_empty()) {
+        return c;
+    }
+    if !built_from.is_empty() {
+        return built_from.to_string();
     }
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
@@ -131,5 +136,14 @@ mod tests {
     #[test]
     fn cpu_model_is_never_empty() {
         assert!(!cpu_model().is_empty());
+    }
+
+    #[test]
+    fn the_commit_is_the_override_then_the_builds() {
+        assert_eq!(commit_from(Some(" abc1234 \n".into()), "def5678"), "abc1234");
+        assert_eq!(commit_from(Some("  ".into()), "def5678"), "def5678");
+        assert_eq!(commit_from(None, "def5678"), "def5678");
+        // This crate is built inside its repository, so its build stamp names a commit.
+        assert!(!env!("MOELINK_BUILD_COMMIT").is_empty());
     }
 }
