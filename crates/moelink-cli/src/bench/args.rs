@@ -188,6 +188,11 @@ pub struct BenchArgs {
     /// `loop_combine_kernel_us`).
     #[arg(long)]
     pub ll_trace: bool,
+    /// LL: dispatch without the top-k weights, as DeepEP's API does, so that combine sends every expert's
+    /// row to its home rank and the home sums them (records get `ll_combine: per_expert`). Without it dispatch
+    /// carries the weights (moelink's extension) and combine pre-reduces on the expert side (`pre_reduced`).
+    #[arg(long)]
+    pub ll_per_expert: bool,
     /// LL across nodes: the ranks as NODESxRANKS_PER_NODE, e.g. `2x2` for 4 ranks. On one host these are
     /// virtual nodes, and on CUDA the ranks may then outnumber the GPUs (they share them: the times are not
     /// network or NVLink figures). Records get `nodes`, `ranks_per_node`, `transport` and the bytes each rank

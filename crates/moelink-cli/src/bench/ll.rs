@@ -2,7 +2,8 @@
 //! replays of a pipeline captured into CUDA graphs, [`moelink::graph::LlGraph`]; on the host backend the
 //! calls, into the checked call's outputs).
 //!
-//! Dispatch carries the top-k weights (moelink's extension), so combine may pre-reduce on the expert side.
+//! Dispatch carries the top-k weights (moelink's extension), so combine may pre-reduce on the expert side,
+//! unless the job asks for DeepEP's API (`--ll-per-expert`): then combine sends every expert's row home.
 //! The "experts" are the identity: they return their (dequantised) received rows, so combine must give
 //! `x × Σ weights` up to FP8 and bf16 rounding.
 
@@ -49,11 +50,11 @@ impl LlTensors {
         Ok(LlTensors { topk: buf.upload(&self.topk)?, weights: buf.upload(&self.weights)?, x: buf.upload(&self.x)? })
     }
 
-    fn dispatch_args(&self, s: &Shape, dtype: Dtype) -> LlDispatchArgs<'_> {
+    fn dispatch_args(&self, s: &Shape, dtype: Dtype, weights: bool) -> LlDispatchArgs<'_> {
         LlDispatchArgs {
             x: self.x.view(),
             topk_idx: self.topk.view(),
-            topk_weights: Some(self.weights.view()),
+            topk_weights: weights.then(|| self.weights.view()),
             num_max_dispatch_tokens_per_rank: s.tokens,
             num_experts: s.experts,
             quant: quant_of(dtype),
@@ -111,7 +112,8 @@ fn timer_of(buf: &Buffer) -> &'static str {
 
 /// The pipeline a timing replays: this rank's inputs of `inputs`, dispatched as `dtype`; with a combine of
 /// the expert outputs `y` (`bf16 [E_local, R*T_max, H]`, written before the first replay) when given.
-fn pipeline(buf: &mut Buffer, inputs: &Inputs, dtype: Dtype, hook: bool, y: Option<&[bf16]>, graphs: LlGraphSplit) -> Result<LlGraph> {
+fn pipeline(buf: &mut Buffer, job: &Job<'_>, dtype: Dtype, hook: bool, y: Option<&[bf16]>, graphs: LlGraphSplit) -> Result<LlGraph> {
+    let inputs = job.inputs;
     let s = &inputs.shape;
     let spec = LlGraphSpec {
         num_tokens: s.tokens,
@@ -120,7 +122,7 @@ fn pipeline(buf: &mut Buffer, inputs: &Inputs, dtype: Dtype, hook: bool, y: Opti
         topk: s.topk,
         num_experts: s.experts,
         quant: quant_of(dtype),
-        dispatch_weights: true,
+        dispatch_weights: job.ll_dispatch_weights,
         return_recv_hook: hook,
         combine: if y.is_some() { LlGraphCombine::ExpertOutputs } else { LlGraphCombine::None },
         graphs,
@@ -214,14 +216,14 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
     for (case, out) in job.cases.iter().zip(outs.iter_mut()) {
         match case.op {
             Op::Dispatch => {
-                let args = t.dispatch_args(&s, case.dtype);
+                let args = t.dispatch_args(&s, case.dtype, job.ll_dispatch_weights);
                 let Some(mut res) = settle(buf.low_latency_dispatch(&args), out) else {
                     job.skip(me);
                     continue;
                 };
                 out.failures.extend(check_dispatch(&res, inputs, me, case.dtype)?);
                 if let Some(tw) = twin.as_mut() {
-                    match tw.low_latency_dispatch(&host_tensors.dispatch_args(&s, case.dtype)) {
+                    match tw.low_latency_dispatch(&host_tensors.dispatch_args(&s, case.dtype, job.ll_dispatch_weights)) {
                         Ok(host_res) => {
                             let diffs = compare_dispatch(&res, &host_res, &s, case.dtype)?;
                             out.matches_host = Some(diffs.is_empty());
@@ -233,7 +235,7 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                     }
                 }
                 let timed = if uses_graphs(&buf) {
-                    pipeline(&mut buf, inputs, case.dtype, false, None, LlGraphSplit::PerCall)
+                    pipeline(&mut buf, job, case.dtype, false, None, LlGraphSplit::PerCall)
                         .and_then(|p| time_replays(&mut buf, job, &p, 0))
                 } else {
                     job.time(&mut buf, |b| b.low_latency_dispatch_into(&args, outputs_of(&mut res, &s)?).map(drop))
@@ -244,14 +246,14 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                     out.timer = Some(timer_of(&buf));
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
-                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, inputs, &args, &mut res), out) {
+                    if let Some((send, recv)) = settle(time_hook_dispatch(&mut buf, job, &args, &mut res), out) {
                         (out.send_us, out.traces[1]) = (send.us, send.traces);
                         (out.recv_us, out.traces[2]) = (recv.us, recv.traces);
                     }
                 }
             }
             Op::Combine => {
-                let args = t.dispatch_args(&s, combine_dtype);
+                let args = t.dispatch_args(&s, combine_dtype, job.ll_dispatch_weights);
                 let Some(d) = settle(buf.low_latency_dispatch(&args), out) else {
                     job.skip(me);
                     continue;
@@ -267,7 +269,7 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                 let got: Vec<bf16> = c.to_vec()?;
                 out.failures.extend(check_combine(&got, inputs, me, combine_dtype));
                 if let Some(tw) = twin.as_mut() {
-                    match host_combine(tw, &host_tensors, &s, combine_dtype) {
+                    match host_combine(tw, &host_tensors, &s, combine_dtype, job.ll_dispatch_weights) {
                         Ok(want) => {
                             out.matches_host = Some(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
                             let far =
@@ -283,7 +285,7 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                 }
                 let graphs = uses_graphs(&buf);
                 let timed = if graphs {
-                    pipeline(&mut buf, inputs, combine_dtype, false, Some(&y_values), LlGraphSplit::PerCall)
+                    pipeline(&mut buf, job, combine_dtype, false, Some(&y_values), LlGraphSplit::PerCall)
                         .and_then(|p| time_replays(&mut buf, job, &p, 1))
                 } else {
                     job.time(&mut buf, |b| b.low_latency_combine_into(&cargs, combine_outputs(&mut c)).map(drop))
@@ -295,7 +297,7 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                 }
                 if job.hook && out.error.is_none() && out.unavailable.is_none() {
                     let hooked = if graphs {
-                        pipeline(&mut buf, inputs, combine_dtype, true, Some(&y_values), LlGraphSplit::PerPhase)
+                        pipeline(&mut buf, job, combine_dtype, true, Some(&y_values), LlGraphSplit::PerPhase)
                             .and_then(|p| time_split_replays(&mut buf, job, &p, 2))
                     } else {
                         time_hook_combine(&mut buf, job, &cargs, &mut c)
@@ -311,7 +313,7 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                     // The timed replays came back with kernel traces: the backend is tracing.
                     && !out.traces[0].is_empty()
                 {
-                    let looped = pipeline(&mut buf, inputs, combine_dtype, false, Some(&y_values), LlGraphSplit::One)
+                    let looped = pipeline(&mut buf, job, combine_dtype, false, Some(&y_values), LlGraphSplit::One)
                         .and_then(|p| time_loop(&mut buf, job, &p));
                     if let Some((times, traces)) = settle(looped, out) {
                         out.loop_times = times;
@@ -365,20 +367,19 @@ fn time_loop(buf: &mut Buffer, job: &Job<'_>, pipeline: &LlGraph) -> Result<Loop
 fn time_hook_dispatch(
     buf: &mut Buffer,
     job: &Job<'_>,
-    inputs: &Inputs,
     args: &LlDispatchArgs<'_>,
     res: &mut LlDispatchResult,
 ) -> Result<(Timed, Timed)> {
     if uses_graphs(buf) {
         let dtype = if args.quant.is_fp8() { Dtype::Fp8 } else { Dtype::Bf16 };
-        let p = pipeline(buf, inputs, dtype, true, None, LlGraphSplit::PerPhase)?;
+        let p = pipeline(buf, job, dtype, true, None, LlGraphSplit::PerPhase)?;
         return time_split_replays(buf, job, &p, 0);
     }
     let hook_args = LlDispatchArgs { return_recv_hook: true, ..*args };
     let rank = buf.rank();
     let no_hook = || moelink::Error::invalid("return_recv_hook", rank, "the dispatch returned no receive hook");
     time_host_hooks(buf, job, |buf| {
-        let outputs = outputs_of(res, &inputs.shape)?;
+        let outputs = outputs_of(res, &job.inputs.shape)?;
         let ((_handle, hook), send_us) = buf.timed(|b| b.low_latency_dispatch_into(&hook_args, outputs))?;
         let hook = hook.ok_or_else(no_hook)?;
         let ((), recv_us) = buf.timed(|b| b.run_hook(hook))?;
@@ -415,8 +416,8 @@ fn time_hook_combine(buf: &mut Buffer, job: &Job<'_>, args: &LlCombineArgs<'_>, 
 }
 
 /// The host backend's dispatch + identity experts + combine on the same inputs.
-fn host_combine(tw: &mut Buffer, t: &LlTensors, s: &Shape, dtype: Dtype) -> Result<Vec<bf16>> {
-    let d = tw.low_latency_dispatch(&t.dispatch_args(s, dtype))?;
+fn host_combine(tw: &mut Buffer, t: &LlTensors, s: &Shape, dtype: Dtype, weights: bool) -> Result<Vec<bf16>> {
+    let d = tw.low_latency_dispatch(&t.dispatch_args(s, dtype, weights))?;
     let y = Tensor::from_vec(expert_outputs(&d, s, dtype)?, &[s.local_experts(), s.ranks * s.tokens, s.hidden])?;
     let c = tw.low_latency_combine(&t.combine_args(&y, &d.handle))?;
     c.to_vec()
@@ -571,8 +572,8 @@ mod tests {
             |buf, me| {
                 let t = LlTensors::host(&good, me)?;
                 let mut pairs = Vec::new();
-                for dtype in [Dtype::Bf16, Dtype::Fp8] {
-                    let d = buf.low_latency_dispatch(&t.dispatch_args(&shape, dtype))?;
+                for (dtype, weights) in [(Dtype::Bf16, true), (Dtype::Fp8, true), (Dtype::Fp8, false)] {
+                    let d = buf.low_latency_dispatch(&t.dispatch_args(&shape, dtype, weights))?;
                     pairs.push((check_dispatch(&d, &good, me, dtype)?, check_dispatch(&d, &other, me, dtype)?));
                     let y = Tensor::from_vec(expert_outputs(&d, &shape, dtype)?, &[4, 2 * 16, 256])?;
                     let c = buf.low_latency_combine(&t.combine_args(&y, &d.handle))?;

@@ -109,6 +109,8 @@ pub struct Job<'a> {
     pub reps: usize,
     /// LL: also time receive-hook mode.
     pub hook: bool,
+    /// LL: dispatch carries the top-k weights, so combine pre-reduces on the expert side (else per expert).
+    pub ll_dispatch_weights: bool,
     /// Ticked once per repetition by rank 0.
     pub progress: &'a ProgressBar,
     /// What every buffer starts from (backend and sizes are set per buffer): tracing and tuning.
@@ -241,6 +243,7 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
             warmup: p.warmup,
             reps: p.reps,
             hook: a.hook,
+            ll_dispatch_weights: !a.ll_per_expert,
             progress: &progress,
             base: &base,
         };
@@ -259,6 +262,12 @@ pub fn run(a: &BenchArgs) -> std::result::Result<(), CliError> {
             continue;
         }
         let mut new = summarize(case_list, &inputs, &results, &facts, &p, a);
+        if batch.mode == Mode::Ll {
+            let rows = if a.ll_per_expert { "per_expert" } else { "pre_reduced" };
+            for r in new.iter_mut().filter(|r| r.op == "combine") {
+                r.extra.insert("ll_combine".into(), serde_json::json!(rows));
+            }
+        }
         // Tuning and experiments act on the CUDA kernels only (the host backend ignores them).
         if p.backend == BackendKind::Cuda {
             for r in &mut new {
