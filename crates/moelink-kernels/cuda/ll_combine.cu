@@ -47,7 +47,7 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost;
 // with two items per round the send still takes ~11 us without NVLink: MOELINK_LL_EXPERIMENT=local_stores,
 // bench/results/2026-11-21-4xnvidia-h200-ll-trace).
-// COMBINE_ROWS expert rows of each item are loaded per batch (pre-reduced), and a round takes as many batches
+// COMBINE_ROWS expert rows of each item are loaded per batch (both modes), and a round takes as many batches
 // as its fullest item needs. An item has ~K/R rows: with top-8 over 4 ranks ~2, which 3 items x 4 rows cover
 // in one batch; over 2 ranks ~4, and 3 x 4 then needs a second batch in most rounds (any item over 4), where
 // 2 items x 6 rows rarely do. Both shapes hold the same registers. Returns whether this warp stored anything.
@@ -108,72 +108,66 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
                                                          : (u64)t * LL_TOPK * ROW_BYTES_BF16);
       if (valid[j] != 0) stored = true;
     }
-    if (pre_reduced) {
-      float acc[COMBINE_ITEMS][8];
+    // Pre-reduced: the sums start from +0.0. Per expert: acc stays unused.
+    float acc[COMBINE_ITEMS][8];
 #pragma unroll
-      for (u32 j = 0; j < COMBINE_ITEMS; j++)
+    for (u32 j = 0; j < COMBINE_ITEMS; j++)
 #pragma unroll
-        for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
-      // The selected rows of each item, compacted (the q-th row is the q-th set bit of valid, ascending k):
-      // ~K/R of them per item, so one batch of COMBINE_ROWS loads covers nearly every item and the registers
-      // go to more items in flight rather than to empty slots of K.
-      u32 most = 0;
+      for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
+    // The selected rows of each item, compacted (the q-th row is the q-th set bit of valid, ascending k):
+    // ~K/R of them per item, so one batch of COMBINE_ROWS loads covers nearly every item and the registers
+    // go to more items in flight rather than to empty slots of K. Every load of a batch is issued before
+    // any of its rows is used: per expert too, where a store right after each load would wait out one
+    // round trip per row.
+    u32 most = 0;
 #pragma unroll
-      for (u32 j = 0; j < COMBINE_ITEMS; j++) most = (u32)__popc(valid[j]) > most ? (u32)__popc(valid[j]) : most;
-      for (u32 qb = 0; qb < most; qb += COMBINE_ROWS) {
-        u32x4 v[COMBINE_ITEMS][COMBINE_ROWS];
-        u32 kq[COMBINE_ITEMS][COMBINE_ROWS];  // k of each loaded row, WARP_SIZE when none
+    for (u32 j = 0; j < COMBINE_ITEMS; j++) most = (u32)__popc(valid[j]) > most ? (u32)__popc(valid[j]) : most;
+    for (u32 qb = 0; qb < most; qb += COMBINE_ROWS) {
+      u32x4 v[COMBINE_ITEMS][COMBINE_ROWS];
+      u32 kq[COMBINE_ITEMS][COMBINE_ROWS];  // k of each loaded row, WARP_SIZE when none
 #pragma unroll
-        for (u32 j = 0; j < COMBINE_ITEMS; j++) {
-          u32 m = valid[j];
-          for (u32 i = 0; i < qb && m != 0; i++) m &= m - 1;
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+        u32 m = valid[j];
+        for (u32 i = 0; i < qb && m != 0; i++) m &= m - 1;
 #pragma unroll
-          for (u32 q = 0; q < COMBINE_ROWS; q++) {
-            v[j][q] = u32x4{0, 0, 0, 0};
-            kq[j][q] = WARP_SIZE;
-            if (m != 0) {
-              const u32 k = __ffs(m) - 1;
-              m &= m - 1;
-              kq[j][q] = k;
-              const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
-              if (off[j] < ROW_BYTES_BF16 && loads) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
-            }
-          }
-        }
-#pragma unroll
-        for (u32 j = 0; j < COMBINE_ITEMS; j++) {
-#pragma unroll
-          for (u32 q = 0; q < COMBINE_ROWS; q++) {
-            if (kq[j][q] < WARP_SIZE) {
-              const float wk = __shfl_sync(FULL_WARP_MASK, w[j], kq[j][q]);
-#pragma unroll
-              for (u32 i = 0; i < 4; i++) {
-                const u32 word = word_of(v[j][q], i);
-                acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
-                acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
-              }
-            }
+        for (u32 q = 0; q < COMBINE_ROWS; q++) {
+          v[j][q] = u32x4{0, 0, 0, 0};
+          kq[j][q] = WARP_SIZE;
+          if (m != 0) {
+            const u32 k = __ffs(m) - 1;
+            m &= m - 1;
+            kq[j][q] = k;
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
+            if (off[j] < ROW_BYTES_BF16 && loads) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
           }
         }
       }
+#pragma unroll
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+#pragma unroll
+        for (u32 q = 0; q < COMBINE_ROWS; q++) {
+          if (kq[j][q] >= WARP_SIZE) continue;
+          if (pre_reduced) {
+            const float wk = __shfl_sync(FULL_WARP_MASK, w[j], kq[j][q]);
+#pragma unroll
+            for (u32 i = 0; i < 4; i++) {
+              const u32 word = word_of(v[j][q], i);
+              acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
+              acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
+            }
+          } else if (off[j] < ROW_BYTES_BF16) {
+            ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + (u64)kq[j][q] * ROW_BYTES_BF16 + off[j]), v[j][q]);
+          }
+        }
+      }
+    }
+    if (pre_reduced) {
 #pragma unroll
       for (u32 j = 0; j < COMBINE_ITEMS; j++) {
         if (valid[j] == 0 || off[j] >= ROW_BYTES_BF16) continue;
         const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
                            ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
         ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + off[j]), out);
-      }
-    } else {
-#pragma unroll
-      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
-        for (u32 m = valid[j]; m != 0; m &= m - 1) {
-          const u32 k = __ffs(m) - 1;
-          const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
-          if (off[j] < ROW_BYTES_BF16) {
-            const u32x4 v = loads ? ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j])) : u32x4{0, 0, 0, 0};
-            ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + (u64)k * ROW_BYTES_BF16 + off[j]), v);
-          }
-        }
       }
     }
   }
