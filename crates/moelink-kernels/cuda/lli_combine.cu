@@ -146,22 +146,40 @@ __device__ __forceinline__ void lli_combine_rows(const LliCombineArgs& a, const 
         }
       }
     } else {
-      // Item (selection q, 512-byte chunk) per warp; the q-th live selection is slot k of the token.
+      // Item (selection q, 512-byte chunk) per warp; the q-th live selection is slot k of the token. A warp
+      // takes ITEMS items at a time and issues their loads before any store (a store right after its load
+      // would wait out one round trip per item).
+      constexpr u32 ITEMS = 3;
       const u32 n = __popc(live);
-      for (u32 item = warp; item < n * LLI_ROW_CHUNKS; item += LL_WARPS) {
-        const u32 q = item / LLI_ROW_CHUNKS, c = item % LLI_ROW_CHUNKS;
-        u32 m = live;
-        for (u32 s2 = 0; s2 < q; s2++) m &= m - 1;
-        const u32 k = __ffs(m) - 1;
-        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, hrow, k);
-        const u64 src_off = a.off_zero_copy + (u64)r * ROW_BYTES_BF16;
-        const u64 dst_off = a.off_rows + ((u64)token * LL_TOPK + k) * ROW_BYTES_BF16;
-        const rdma::Window win = rdma::window(a.rdma, p, dst_off, src_off);
-        const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-        if (off >= ROW_BYTES_BF16 || (!win.direct && a.y_is_zero_copy != 0)) continue;  // staged from y itself
-        const u32x4 v = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
-        u32x4* out = reinterpret_cast<u32x4*>(win.ptr + off);
-        if (win.direct) ptx::st_na_v4(out, v); else ptx::st_v4(out, v);
+      for (u32 first = warp; first < n * LLI_ROW_CHUNKS; first += ITEMS * LL_WARPS) {
+        u32x4 v[ITEMS];
+        u32x4* out[ITEMS];
+        bool direct[ITEMS];
+#pragma unroll
+        for (u32 b = 0; b < ITEMS; b++) {
+          out[b] = nullptr;
+          direct[b] = true;
+          const u32 item = first + b * LL_WARPS;
+          if (item >= n * LLI_ROW_CHUNKS) continue;
+          const u32 q = item / LLI_ROW_CHUNKS, c = item % LLI_ROW_CHUNKS;
+          u32 m = live;
+          for (u32 s2 = 0; s2 < q; s2++) m &= m - 1;
+          const u32 k = __ffs(m) - 1;
+          const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, hrow, k);
+          const u64 src_off = a.off_zero_copy + (u64)r * ROW_BYTES_BF16;
+          const u64 dst_off = a.off_rows + ((u64)token * LL_TOPK + k) * ROW_BYTES_BF16;
+          const rdma::Window win = rdma::window(a.rdma, p, dst_off, src_off);
+          const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+          if (off >= ROW_BYTES_BF16 || (!win.direct && a.y_is_zero_copy != 0)) continue;  // staged from y itself
+          v[b] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
+          out[b] = reinterpret_cast<u32x4*>(win.ptr + off);
+          direct[b] = win.direct;
+        }
+#pragma unroll
+        for (u32 b = 0; b < ITEMS; b++) {
+          if (out[b] == nullptr) continue;
+          if (direct[b]) ptx::st_na_v4(out[b], v[b]); else ptx::st_v4(out[b], v[b]);
+        }
       }
       ptx::fence_acq_rel_sys();
       __syncthreads();
