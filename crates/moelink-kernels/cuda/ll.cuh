@@ -106,13 +106,9 @@ constexpr u32 LL_EXP_NO_LOADS = 2;
 // counter, once for all blocks (after a system fence), instead of by every block on its own
 // (ll_send_arrive).
 constexpr u32 LL_EXP_LAST_ARRIVES = 4;
-// equal_chunks (results stay right): the combine's send gives each warp an equal count of chunks instead of an
-// equal count of the rows they move (combine_rows), as it does when the pairs outnumber the shared scratch.
-constexpr u32 LL_EXP_EQUAL_CHUNKS = 8;
 constexpr bool LL_LOCAL_STORES = (LL_EXPERIMENT & LL_EXP_LOCAL_STORES) != 0;
 constexpr bool LL_NO_LOADS = (LL_EXPERIMENT & LL_EXP_NO_LOADS) != 0;
 constexpr bool LL_LAST_ARRIVES = (LL_EXPERIMENT & LL_EXP_LAST_ARRIVES) != 0;
-constexpr bool LL_EQUAL_CHUNKS = (LL_EXPERIMENT & LL_EXP_EQUAL_CHUNKS) != 0;
 
 // Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
 constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row

@@ -47,71 +47,8 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // it loads a pair's handle entries (row, weight) and ranks its selected rows once, then streams the chunks,
 // CHUNKS of them with ROWS rows each in flight per batch. Per pair the rows' addresses and weights are
 // fixed, so a batch is loads, adds and stores, with no per-chunk handle loads, ballots or compaction (when a
-// round re-derived those for every chunk, the send spent most of its time issuing them). The runs split the
-// rows to move, not the chunks: a pair's row count varies (top-8 over 2 ranks: 0..8, ~4), and runs of equal
-// chunk counts left the warps holding the fullest pairs to set the pace. Every thread of the block calls
-// this (block-wide scan). Returns whether this warp stored anything.
-// sm.words[st] = the selected rows (handle entries >= 0) of pairs 0..st, in combine_rows' pair order; returns
-// the total. Every thread of the block; pairs + LL_WARPS <= LL_SMEM_WORDS (the last LL_WARPS words hold the
-// warps' sums).
-__device__ __forceinline__ u32 combine_rows_prefix(const LlCombineArgs& a, LlShared& sm, u32 pairs, u32 dest0) {
-  const u32 R = a.num_ranks, TM = a.max_tokens;
-  for (u32 st = threadIdx.x; st < pairs; st += LL_THREADS) {
-    const u32 hr = st % R + dest0;
-    const u32 h = hr >= R ? hr - R : hr, t = st / R;
-    u32 n = 0;
-    if (t < sm.ntok[h]) {
-      const u32* e = reinterpret_cast<const u32*>(a.hrow) + ((u64)h * TM + t) * LL_TOPK;
-#pragma unroll
-      for (u32 k = 0; k < LL_TOPK; k++) n += (i32)ptx::ld_nc_u32(e + k) >= 0 ? 1u : 0u;
-    }
-    sm.words[st] = n;
-  }
-  __syncthreads();
-  // Inclusive scan: each thread sums a contiguous segment, the warps scan those sums, then the segments.
-  const u32 per = (pairs + LL_THREADS - 1) / LL_THREADS;
-  const u32 s0 = threadIdx.x * per < pairs ? threadIdx.x * per : pairs;
-  const u32 s1 = pairs - s0 < per ? pairs : s0 + per;
-  u32 sum = 0;
-  for (u32 i = s0; i < s1; i++) sum += sm.words[i];
-  const u32 lane = lane_id(), warp = warp_id();
-  u32 x = sum;
-#pragma unroll
-  for (u32 off = 1; off < WARP_SIZE; off <<= 1) {
-    const u32 y = __shfl_up_sync(FULL_WARP_MASK, x, off);
-    if (lane >= off) x += y;
-  }
-  u32* warp_sums = sm.words + LL_SMEM_WORDS - LL_WARPS;
-  if (lane == WARP_SIZE - 1) warp_sums[warp] = x;
-  __syncthreads();
-  u32 run = x - sum, all = 0;
-  for (u32 v = 0; v < LL_WARPS; v++) {
-    if (v < warp) run += warp_sums[v];
-    all += warp_sums[v];
-  }
-  for (u32 i = s0; i < s1; i++) {
-    run += sm.words[i];
-    sm.words[i] = run;
-  }
-  __syncthreads();
-  return all;
-}
-
-// The first chunk item (st * BF16_CHUNKS + c, in pair order) whose rows start at or after row-chunk x of the
-// prefix combine_rows_prefix left in sm.words; pairs * BF16_CHUNKS when none does.
-__device__ __forceinline__ u32 combine_first_item(const LlShared& sm, u32 pairs, u64 x) {
-  u32 lo = 0, hi = pairs;  // the first pair whose rows reach past x
-  while (lo < hi) {
-    const u32 mid = (lo + hi) / 2;
-    if ((u64)sm.words[mid] * BF16_CHUNKS > x) hi = mid; else lo = mid + 1;
-  }
-  if (lo == pairs) return pairs * BF16_CHUNKS;
-  const u32 before = lo == 0 ? 0u : sm.words[lo - 1];
-  const u32 n = sm.words[lo] - before;  // > 0: the pair's rows reach past x
-  const u64 into = x - (u64)before * BF16_CHUNKS;
-  return lo * BF16_CHUNKS + (u32)((into + n - 1) / n);
-}
-
+// round re-derived those for every chunk, the send spent most of its time issuing them).
+// Returns whether this warp stored anything.
 template <u32 CHUNKS, u32 ROWS>
 __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
@@ -124,18 +61,10 @@ __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& s
   u32 tokens = 0;
   for (u32 h = 0; h < R; h++) tokens = sm.ntok[h] > tokens ? sm.ntok[h] : tokens;
   tokens = tokens < TM ? tokens : TM;
-  const u32 pairs = R * tokens;
-  const u32 total = pairs * BF16_CHUNKS;
-  u32 begin, end;
-  if (!LL_EQUAL_CHUNKS && pairs + LL_WARPS <= LL_SMEM_WORDS) {
-    const u64 work = (u64)combine_rows_prefix(a, sm, pairs, dest0) * BF16_CHUNKS;
-    begin = combine_first_item(sm, pairs, work * first_warp / num_warps);
-    end = combine_first_item(sm, pairs, work * (first_warp + 1) / num_warps);
-  } else {  // more pairs than shared scratch: equal chunk counts
-    const u32 run = (total + num_warps - 1) / num_warps;
-    begin = first_warp * run < total ? first_warp * run : total;
-    end = total - begin < run ? total : begin + run;
-  }
+  const u32 total = R * tokens * BF16_CHUNKS;
+  const u32 run = (total + num_warps - 1) / num_warps;
+  const u32 begin = first_warp * run < total ? first_warp * run : total;
+  const u32 end = total - begin < run ? total : begin + run;
   bool stored = false;
   for (u32 it = begin; it < end;) {
     const u32 st = it / BF16_CHUNKS;

@@ -70,14 +70,10 @@ pub mod experiment {
     /// The last block of a send phase arrives at every rank for the whole grid, instead of every block on
     /// its own (results stay right).
     pub const LAST_ARRIVES: u32 = 4;
-    /// The combine's send splits its work between warps by chunks instead of by the rows they move (results
-    /// stay right).
-    pub const EQUAL_CHUNKS: u32 = 8;
     /// Experiments whose results are wrong by design.
     pub const WRONG_RESULTS: u32 = LOCAL_STORES | NO_LOADS;
     /// Every experiment by name (`MOELINK_LL_EXPERIMENT`'s words).
-    pub const NAMES: [(&str, u32); 4] =
-        [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES), ("equal_chunks", EQUAL_CHUNKS)];
+    pub const NAMES: [(&str, u32); 3] = [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES)];
 
     /// The comma-separated names of `bits` (`""` for none).
     pub fn names(bits: u32) -> String {
@@ -192,7 +188,7 @@ impl LlVariant {
             }
         }
         // Every experiment compiles (at DeepEP's benchmark shape, where they are used).
-        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES, experiment::EQUAL_CHUNKS] {
+        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES] {
             v.push(LlVariant { experiment: bits, ..LlVariant::new(7168, 8, true) });
         }
         v
@@ -658,7 +654,6 @@ mod tests {
             ("LL_EXP_LOCAL_STORES", experiment::LOCAL_STORES),
             ("LL_EXP_NO_LOADS", experiment::NO_LOADS),
             ("LL_EXP_LAST_ARRIVES", experiment::LAST_ARRIVES),
-            ("LL_EXP_EQUAL_CHUNKS", experiment::EQUAL_CHUNKS),
             ("LL_PROBLEM_TOPK_IDX", problem::TOPK_IDX),
             ("LL_PROBLEM_TOPK_IDX_DIFFERS", problem::TOPK_IDX_DIFFERS),
             ("LL_PROBLEM_WEIGHTS_DIFFER", problem::WEIGHTS_DIFFER),

@@ -231,7 +231,7 @@ impl Tuning {
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
     /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=7), `MOELINK_LL_SMS`,
-    /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`, `equal_chunks`). `Err` names a
+    /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
         let get: &dyn Fn(&str) -> Option<String> = &get;
