@@ -38,137 +38,136 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
   if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
 }
 
-// Rows back. Pre-reduced mode: one bf16 partial per (home, token): sum over this rank's selections of the
-// token in ascending k, from +0.0, of f32(w) * f32(y) rounded to f32 before each add, into slot [me][token]
-// of the home's region. Per-expert mode: each selection's row y into slot [token][k].
-// Work: the (token, home) pairs in (token, home) order, homes starting after this rank (first_dest) so that
-// neighbouring warps store to different homes, for the tokens below the largest count any home sent; each
-// pair's row in BF16_CHUNKS 512-byte chunks (16 bytes a lane). A warp takes one contiguous run of chunks:
-// it loads a pair's handle entries (row, weight) and ranks its selected rows once, then streams the chunks,
-// CHUNKS of them with ROWS rows each in flight per batch. Per pair the rows' addresses and weights are
-// fixed, so a batch is loads, adds and stores, with no per-chunk handle loads, ballots or compaction (when a
-// round re-derived those for every chunk, the send spent most of its time issuing them).
-// Returns whether this warp stored anything.
-template <u32 CHUNKS, u32 ROWS>
+// Rows back: work item = (token, home rank, 512-byte chunk = 256 channels). Pre-reduced mode: one bf16
+// partial per (home, token): sum over this rank's selections of the token in ascending k, from +0.0, of
+// f32(w) * f32(y) rounded to f32 before each add, into slot [me][token] of the home's region. Per-expert
+// mode: each selection's row y into slot [token][k].
+// A warp takes items first_warp + i * num_warps, COMBINE_ITEMS of them per round with every expert-row load
+// of the round in flight together: an item has only ~K/R rows here, so one item per round left each warp a
+// chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost;
+// with two items per round the send still takes ~11 us without NVLink: MOELINK_LL_EXPERIMENT=local_stores,
+// bench/results/2026-11-21-4xnvidia-h200-ll-trace).
+// COMBINE_ROWS expert rows of each item are loaded per batch (both modes), and a round takes as many batches
+// as its fullest item needs. An item has ~K/R rows: with top-8 over 4 ranks ~2, which 3 items x 4 rows cover
+// in one batch; over 2 ranks ~4, and 3 x 4 then needs a second batch in most rounds (any item over 4), where
+// 2 items x 6 rows rarely do. Both shapes hold the same registers. Returns whether this warp stored anything.
+template <u32 COMBINE_ITEMS, u32 COMBINE_ROWS>
 __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 R = a.num_ranks, TM = a.max_tokens;
   const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u8* y = reinterpret_cast<const u8*>(a.y);
+  const u32 items = R * TM * BF16_CHUNKS;
+  bool stored = false;
   constexpr bool local_stores = LL_LOCAL_STORES;
   constexpr bool loads = !LL_NO_LOADS;
-  const u8* y_lane = reinterpret_cast<const u8*>(a.y) + lane * VEC_BYTES;
+  // Rows in (token, home) order, homes starting after this rank (first_dest): consecutive items, and so
+  // every wave of stores, spread over all homes instead of filling one home's region after the other.
   const u32 dest0 = first_dest(a.rank, R);
-  u32 tokens = 0;
-  for (u32 h = 0; h < R; h++) tokens = sm.ntok[h] > tokens ? sm.ntok[h] : tokens;
-  tokens = tokens < TM ? tokens : TM;
-  const u32 total = R * tokens * BF16_CHUNKS;
-  const u32 run = (total + num_warps - 1) / num_warps;
-  const u32 begin = first_warp * run < total ? first_warp * run : total;
-  const u32 end = total - begin < run ? total : begin + run;
-  bool stored = false;
-  for (u32 it = begin; it < end;) {
-    const u32 st = it / BF16_CHUNKS;
-    const u32 c0 = it - st * BF16_CHUNKS;
-    const u32 c1 = end - it < BF16_CHUNKS - c0 ? c0 + (end - it) : BF16_CHUNKS;
-    it += c1 - c0;
-    const u32 hr = st % R + dest0;
-    const u32 h = hr >= R ? hr - R : hr, t = st / R;
-    if (t >= sm.ntok[h]) continue;
-    i32 row = -1;
-    float w = 0.0f;
-    if (lane < LL_TOPK) {
+  auto home_of = [&](u32 st) {
+    const u32 h = st % R + dest0;
+    return h >= R ? h - R : h;
+  };
+  // The handle entries (row, weight) of an item are loaded one round ahead: the expert rows' loads depend on
+  // them, so loading them at the top of each item put two dependent round trips on every item's path.
+  auto load_entry = [&](u32 it, i32& row, float& w) {
+    row = -1;
+    w = 0.0f;
+    const u32 st = it / BF16_CHUNKS, h = home_of(st), t = st / R;
+    if (it < items && lane < LL_TOPK && t < sm.ntok[h]) {
       const u64 at = ((u64)h * TM + t) * LL_TOPK + lane;
       row = (i32)ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hrow) + at);
       if (pre_reduced) w = bits_f32(ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hweight) + at));
     }
-    const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
-    if (valid == 0) continue;  // the home sent this token to no expert here
-    stored = true;
-    const u32 n = __popc(valid);
-    // Lane q holds the q-th selected row in ascending k: its k, row and weight.
-    u32 sel_k = 0;
-    {
-      u32 m = valid;
-      for (u32 q = 0; m != 0; q++, m &= m - 1)
-        if (lane == q) sel_k = __ffs(m) - 1;
+  };
+  i32 row_ahead[COMBINE_ITEMS];
+  float w_ahead[COMBINE_ITEMS];
+#pragma unroll
+  for (u32 j = 0; j < COMBINE_ITEMS; j++) load_entry(first_warp + j * num_warps, row_ahead[j], w_ahead[j]);
+  for (u32 base = first_warp; base < items; base += COMBINE_ITEMS * num_warps) {
+    i32 row[COMBINE_ITEMS];
+    float w[COMBINE_ITEMS];
+    u32 valid[COMBINE_ITEMS];
+    u32 off[COMBINE_ITEMS];
+    u8* dst[COMBINE_ITEMS];
+#pragma unroll
+    for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+      row[j] = row_ahead[j];
+      w[j] = w_ahead[j];
+      load_entry(base + (COMBINE_ITEMS + j) * num_warps, row_ahead[j], w_ahead[j]);
+      // load_entry gives row -1 to items past the end and to tokens the home did not send: valid == 0.
+      const u32 item = base + j * num_warps;
+      const u32 c = item % BF16_CHUNKS, st = item / BF16_CHUNKS;
+      const u32 h = home_of(st), t = st / R;
+      valid[j] = __ballot_sync(FULL_WARP_MASK, row[j] >= 0);
+      off[j] = c * CHUNK_BYTES + lane * VEC_BYTES;
+      u8* region = item < items ? reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : h]) : nullptr;
+      // local_stores: the own region's slot [h][token] (distinct per home, like the real stores).
+      dst[j] = region == nullptr ? nullptr
+                                 : region + (pre_reduced ? ((u64)(local_stores ? h : a.rank) * TM + t) * ROW_BYTES_BF16
+                                                         : (u64)t * LL_TOPK * ROW_BYTES_BF16);
+      if (valid[j] != 0) stored = true;
     }
-    const u32 sel_row = (u32)__shfl_sync(FULL_WARP_MASK, row, sel_k);
-    const float sel_w = __shfl_sync(FULL_WARP_MASK, w, sel_k);
-    // Rows qb..qb+ROWS-1 of the selection: source (this lane's 16 bytes of chunk 0), weight, k.
-    auto gather = [&](u32 qb, const u8* (&src)[ROWS], float (&wq)[ROWS], u32 (&kq)[ROWS]) {
+    // Pre-reduced: the sums start from +0.0. Per expert: acc stays unused.
+    float acc[COMBINE_ITEMS][8];
 #pragma unroll
-      for (u32 q = 0; q < ROWS; q++) {
-        const u32 l = (qb + q) & (WARP_SIZE - 1);
-        src[q] = y_lane + (u64)__shfl_sync(FULL_WARP_MASK, sel_row, l) * ROW_BYTES_BF16;
-        wq[q] = __shfl_sync(FULL_WARP_MASK, sel_w, l);
-        kq[q] = __shfl_sync(FULL_WARP_MASK, sel_k, l);
-      }
-    };
-    const u8* src0[ROWS];
-    float w0[ROWS];
-    u32 k0[ROWS];
-    gather(0, src0, w0, k0);
-    u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : h]);
-    // local_stores: the own region's slot [h][token] (distinct per home, like the real stores).
-    u8* dst = region + lane * VEC_BYTES +
-              (pre_reduced ? ((u64)(local_stores ? h : a.rank) * TM + t) * ROW_BYTES_BF16 : (u64)t * LL_TOPK * ROW_BYTES_BF16);
-    for (u32 c = c0; c < c1; c += CHUNKS) {
-      float acc[CHUNKS][8];
+    for (u32 j = 0; j < COMBINE_ITEMS; j++)
 #pragma unroll
-      for (u32 j = 0; j < CHUNKS; j++)
+      for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
+    // The selected rows of each item, compacted (the q-th row is the q-th set bit of valid, ascending k):
+    // ~K/R of them per item, so one batch of COMBINE_ROWS loads covers nearly every item and the registers
+    // go to more items in flight rather than to empty slots of K. Every load of a batch is issued before
+    // any of its rows is used: per expert too, where a store right after each load would wait out one
+    // round trip per row.
+    u32 most = 0;
 #pragma unroll
-        for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
-      for (u32 qb = 0; qb < n; qb += ROWS) {
-        const u8* src[ROWS];
-        float wq[ROWS];
-        u32 kq[ROWS];
-        if (qb == 0) {
+    for (u32 j = 0; j < COMBINE_ITEMS; j++) most = (u32)__popc(valid[j]) > most ? (u32)__popc(valid[j]) : most;
+    for (u32 qb = 0; qb < most; qb += COMBINE_ROWS) {
+      u32x4 v[COMBINE_ITEMS][COMBINE_ROWS];
+      u32 kq[COMBINE_ITEMS][COMBINE_ROWS];  // k of each loaded row, WARP_SIZE when none
 #pragma unroll
-          for (u32 q = 0; q < ROWS; q++) src[q] = src0[q], wq[q] = w0[q], kq[q] = k0[q];
-        } else {
-          gather(qb, src, wq, kq);
-        }
-        // Every load of the batch before any of its rows is used (a store right after its load would wait
-        // out one round trip per row).
-        u32x4 v[CHUNKS][ROWS];
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+        u32 m = valid[j];
+        for (u32 i = 0; i < qb && m != 0; i++) m &= m - 1;
 #pragma unroll
-        for (u32 j = 0; j < CHUNKS; j++) {
-          const u32 off = (c + j) * CHUNK_BYTES;
-#pragma unroll
-          for (u32 q = 0; q < ROWS; q++) {
-            v[j][q] = u32x4{0, 0, 0, 0};
-            if (loads && qb + q < n && c + j < c1 && off + lane * VEC_BYTES < ROW_BYTES_BF16)
-              v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(src[q] + off));
+        for (u32 q = 0; q < COMBINE_ROWS; q++) {
+          v[j][q] = u32x4{0, 0, 0, 0};
+          kq[j][q] = WARP_SIZE;
+          if (m != 0) {
+            const u32 k = __ffs(m) - 1;
+            m &= m - 1;
+            kq[j][q] = k;
+            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row[j], k);
+            if (off[j] < ROW_BYTES_BF16 && loads) v[j][q] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off[j]));
           }
         }
+      }
 #pragma unroll
-        for (u32 j = 0; j < CHUNKS; j++) {
-          const u32 off = (c + j) * CHUNK_BYTES;
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
 #pragma unroll
-          for (u32 q = 0; q < ROWS; q++) {
-            if (qb + q >= n || c + j >= c1) continue;
-            if (pre_reduced) {
+        for (u32 q = 0; q < COMBINE_ROWS; q++) {
+          if (kq[j][q] >= WARP_SIZE) continue;
+          if (pre_reduced) {
+            const float wk = __shfl_sync(FULL_WARP_MASK, w[j], kq[j][q]);
 #pragma unroll
-              for (u32 i = 0; i < 4; i++) {
-                const u32 word = word_of(v[j][q], i);
-                acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wq[q], bf16_lo(word)));
-                acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wq[q], bf16_hi(word)));
-              }
-            } else if (off + lane * VEC_BYTES < ROW_BYTES_BF16) {
-              ptx::st_na_v4(reinterpret_cast<u32x4*>(dst + (u64)kq[q] * ROW_BYTES_BF16 + off), v[j][q]);
+            for (u32 i = 0; i < 4; i++) {
+              const u32 word = word_of(v[j][q], i);
+              acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
+              acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
             }
+          } else if (off[j] < ROW_BYTES_BF16) {
+            ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + (u64)kq[j][q] * ROW_BYTES_BF16 + off[j]), v[j][q]);
           }
         }
       }
-      if (pre_reduced) {
+    }
+    if (pre_reduced) {
 #pragma unroll
-        for (u32 j = 0; j < CHUNKS; j++) {
-          const u32 off = (c + j) * CHUNK_BYTES;
-          if (c + j >= c1 || off + lane * VEC_BYTES >= ROW_BYTES_BF16) continue;
-          const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
-                             ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
-          ptx::st_na_v4(reinterpret_cast<u32x4*>(dst + off), out);
-        }
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+        if (valid[j] == 0 || off[j] >= ROW_BYTES_BF16) continue;
+        const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
+                           ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + off[j]), out);
       }
     }
   }
@@ -181,9 +180,8 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
   ll_send_phase(a, d, sm, epoch, [&] { combine_check(a, sm); },
                 [&](u32 first_warp, u32 num_warps) {
-                  // ~K/R selected rows per pair: at 2 ranks 3 chunks x 4 rows in flight, else 4 x 2.
-                  if (a.num_ranks <= 2) return combine_rows<3, (LL_TOPK < 4 ? LL_TOPK : 4)>(a, sm, first_warp, num_warps);
-                  return combine_rows<4, (LL_TOPK < 2 ? LL_TOPK : 2)>(a, sm, first_warp, num_warps);
+                  if (a.num_ranks <= 2) return combine_rows<2, (LL_TOPK < 6 ? LL_TOPK : 6)>(a, sm, first_warp, num_warps);
+                  return combine_rows<3, (LL_TOPK < 4 ? LL_TOPK : 4)>(a, sm, first_warp, num_warps);
                 });
 }
 
