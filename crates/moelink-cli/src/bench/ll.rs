@@ -235,8 +235,7 @@ pub fn run_rank(group: Arc<dyn Group>, job: &Job<'_>, num_rdma_bytes: usize) -> 
                     }
                 }
                 let timed = if uses_graphs(&buf) {
-                    pipeline(&mut buf, job, case.dtype, false, None, LlGraphSplit::PerCall)
-                        .and_then(|p| time_replays(&mut buf, job, &p, 0))
+                    pipeline(&mut buf, job, case.dtype, false, None, LlGraphSplit::PerCall).and_then(|p| time_replays(&mut buf, job, &p, 0))
                 } else {
                     job.time(&mut buf, |b| b.low_latency_dispatch_into(&args, outputs_of(&mut res, &s)?).map(drop))
                         .map(|us| Timed { us, traces: Vec::new() })
@@ -364,12 +363,7 @@ fn time_loop(buf: &mut Buffer, job: &Job<'_>, pipeline: &LlGraph) -> Result<Loop
 /// phase (`run_hook`) apart, each in its own timed region (so the receive phase starts with the data
 /// already sent, as when compute overlaps the wait). CUDA: the two phases captured as two graphs and
 /// replayed alternately; host: the calls into `res`. Returns (send µs, receive µs) per rep.
-fn time_hook_dispatch(
-    buf: &mut Buffer,
-    job: &Job<'_>,
-    args: &LlDispatchArgs<'_>,
-    res: &mut LlDispatchResult,
-) -> Result<(Timed, Timed)> {
+fn time_hook_dispatch(buf: &mut Buffer, job: &Job<'_>, args: &LlDispatchArgs<'_>, res: &mut LlDispatchResult) -> Result<(Timed, Timed)> {
     if uses_graphs(buf) {
         let dtype = if args.quant.is_fp8() { Dtype::Fp8 } else { Dtype::Bf16 };
         let p = pipeline(buf, job, dtype, true, None, LlGraphSplit::PerPhase)?;
