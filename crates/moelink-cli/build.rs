@@ -1,5 +1,6 @@
-//! Stamps the binary with the commit it was built from (`MOELINK_BUILD_COMMIT`), so that records name the
-//! code that ran wherever the binary is carried, whatever checkout (or none) sits beside it there.
+//! Stamps the binary (and the Python extension module, whose crate names this script too) with the commit it
+//! was built from (`MOELINK_BUILD_COMMIT`), so that records name the code that ran wherever the binary or the
+//! wheel is carried, whatever checkout (or none) sits beside it there.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _env, bench_hostcost
+from . import _env, _native, bench_hostcost
 
 
 # ---------------------------------------------------------------------------------------------------- setup
@@ -119,8 +119,13 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
+    """The commit records name: ``MOELINK_COMMIT``, else the one the native module was built from, else the
+    checkout's beside this file (an editable install), else "unknown"."""
     if os.environ.get("MOELINK_COMMIT"):
         return os.environ["MOELINK_COMMIT"]
+    built = getattr(_native, "__build_commit__", "")
+    if built:
+        return built
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(os.path.abspath(__file__)))

@@ -141,3 +141,17 @@ def test_event_overlap_without_an_event():
 def test_buffer_without_torch_says_why():
     with pytest.raises(ImportError, match="PyTorch"):
         Buffer(group=None)
+
+
+def test_the_native_module_names_the_commit_it_was_built_from():
+    # scripts/test-python.sh builds the wheel from this checkout, so the stamp is its HEAD; built outside a
+    # git checkout the stamp is empty.
+    import os
+    import subprocess
+
+    built = moelink._native.__build_commit__
+    assert isinstance(built, str)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    if head.returncode == 0:
+        assert built == head.stdout.strip()

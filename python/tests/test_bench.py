@@ -64,3 +64,14 @@ def test_ops_a_system_cannot_run_are_recorded_unavailable_with_the_reason():
     records = bench_hostcost.run(ctx, args, {"other": system}, {"other": ("ht", why)})
     assert {(r["op"], r["dtype"]) for r in records} == set(bench_hostcost.HT_OPS)
     assert all(r["status"] == "unavailable" and r["error"] == why for r in records)
+
+
+@pytest.mark.skipif(torch is None, reason="moelink.bench imports torch")
+def test_records_name_moelink_commit_else_the_commit_the_module_was_built_from(monkeypatch):
+    from moelink import _native, bench
+
+    monkeypatch.setenv("MOELINK_COMMIT", "feedbee")
+    assert bench.commit() == "feedbee"
+    monkeypatch.delenv("MOELINK_COMMIT")
+    if _native.__build_commit__:
+        assert bench.commit() == _native.__build_commit__

@@ -166,6 +166,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // compile; the library reads none. Already set only when this process configured the JIT otherwise.
     let _ = moelink_cuda::jit::configure(moelink_cuda::jit::JitSettings::from_vars(|k| std::env::var(k).ok(), print_jit_report));
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The commit the module was built from ("" when built outside a git checkout).
+    m.add("__build_commit__", env!("MOELINK_BUILD_COMMIT"))?;
     // QPs per peer the kernels use at most across nodes (a larger `num_qps_per_rank` is capped to it).
     m.add("MAX_QPS_PER_RANK", moelink::RdmaOptions::MAX_QPS_PER_RANK)?;
     m.add("TimeoutError", m.py().get_type::<errors::TimeoutError>())?;
