@@ -144,8 +144,9 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < NUM_RANKS && lane != me;
   // Dynamic chunks: chunk q is rows [q * send_chunk, ...) of every source; the warp goes on while some source
-  // has rows there (chunk indices only grow, so later ones are empty too). The next index is taken while
-  // this chunk is sent.
+  // has rows there (chunk indices only grow, so later ones are empty too). The next index is taken before
+  // the chunk's last fence, whose wait hides the atomic's round trip; not at the chunk's start, where a warp
+  // would hold two chunks when the counter runs out, and the sender warps would end up to two chunks apart.
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_COMBINE_CHUNK) : nullptr;
   u32 q = counter != nullptr ? ht_grab_chunk(counter) : 0u;
   HtCursor chunk = {0, 0};
@@ -159,7 +160,6 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     return counter != nullptr ? __any_sync(FULL_WARP_MASK, peer_lane && (u64)q * a.send_chunk < count)
                               : __any_sync(FULL_WARP_MASK, chunk.next < chunk.end);
   };
-  u32 q_following = counter != nullptr && more() ? ht_grab_chunk(counter) : 0u;
   const u32* weights = reinterpret_cast<const u32*>(a.topk_weights);
   while (more()) {
     if (__any_sync(FULL_WARP_MASK, error_raised(d))) break;
@@ -219,6 +219,8 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
       }
       if (active) chunk.next++;
     }
+    const bool chunk_done = !__any_sync(FULL_WARP_MASK, chunk.next < chunk.end);
+    const u32 q_next = counter != nullptr && chunk_done ? ht_grab_chunk(counter) : 0u;
     // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
     __syncwarp();
     ptx::fence_acq_rel_sys();
@@ -229,10 +231,9 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     }
     if (counter == nullptr) {
       ht_next_chunk(chunk, count, a.send_chunk, num_warps);
-    } else if (!__any_sync(FULL_WARP_MASK, chunk.next < chunk.end)) {
-      q = q_following;
+    } else if (chunk_done) {
+      q = q_next;
       if (peer_lane) chunk = ht_chunk_at(q, a.send_chunk, count);
-      if (more()) q_following = ht_grab_chunk(counter);
     }
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);

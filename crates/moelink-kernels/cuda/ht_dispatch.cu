@@ -273,12 +273,12 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 }
 
 // Sender warp `warp_id` of `num_warps` (a channel): chunks of send_chunk tokens — taken in order from the
-// call's chunk counter (dynamic_send, ht_grab_chunk: the next one while the current one is sent), or its
+// call's chunk counter (dynamic_send, ht_grab_chunk: the next one at the current one's last fence), or its
 // interleaved share (HtCursor) — so that every warp sends near the same front of the token order; remote
 // destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
-//   chunk's first pair while this chunk is sent), so that no token waits for its prefix row; with send_head,
+//   chunk's first pair during this chunk's last fence), so that no token waits for its prefix row; with send_head,
 //   stores the token's slot there (-1 where it does not go to r); send_token.
 //   Release, once per RELEASE_BATCH tokens of a chunk (a fence waits until the warp's NVLink stores are
 //   acknowledged; one per token left each warp idle for a round trip per row): __syncwarp, every lane
@@ -306,15 +306,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   while (chunk.next < chunk.end) {
     HtCursor following = chunk;
     following.next = following.end;
-    if (counter != nullptr)
-      following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
-    else
-      ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
     i32 following_p0 = 0, following_p1 = 0;
-    if (following.next < following.end) {
-      following_p0 = load_prefix(following.next);
-      following_p1 = load_prefix(following.next + 1);
-    }
     i32 slot_next = chunk_p0, slot_after = chunk_p1;
     for (u32 batch_begin = chunk.next; batch_begin < chunk.end; batch_begin += RELEASE_BATCH) {
       if (__any_sync(FULL_WARP_MASK, error_raised(d))) return;
@@ -327,6 +319,19 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         if (t + 2 <= chunk.end) slot_after = load_prefix(t + 2);
         if (send_head != nullptr && lane < num_ranks) send_head[(u64)t * num_ranks + lane] = p1 > p0 ? p0 : -1;
         send_token(a, d, t, p0, p1, peer_lane, lane);
+      }
+      // After the chunk's last token the warp takes its next chunk and loads that chunk's first prefix pair,
+      // before the fence, whose wait hides both round trips. Not at the chunk's start: a warp would then hold
+      // two chunks when the counter runs out, and the sender warps end up to two chunks apart.
+      if (batch_end == chunk.end) {
+        if (counter != nullptr)
+          following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
+        else
+          ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
+        if (following.next < following.end) {
+          following_p0 = load_prefix(following.next);
+          following_p1 = load_prefix(following.next + 1);
+        }
       }
       // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
       // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
@@ -394,28 +399,48 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
     for (u32 m = __ballot_sync(FULL_WARP_MASK, hit); m != 0u; m &= m - 1) {
       const u32 i = __ffs(m) - 1, t = t0 + i;
       const u64 row_pos = __shfl_sync(FULL_WARP_MASK, pos, i);
+      // The meta words' sources are loaded with the payload, not after its stores: one round trip per row
+      // fewer.
+      MetaSource meta[META_ITERS];
+#pragma unroll
+      for (u32 k = 0; k < META_ITERS; k++)
+        if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
       copy_payload<true>(x + (u64)t * PAYLOAD_VECS, recv_x + row_pos * PAYLOAD_VECS, lane);
-      for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, row_pos, w, meta_for(a, load_meta(a, t, w), w, me));
+#pragma unroll
+      for (u32 k = 0; k < META_ITERS; k++) {
+        const u32 w = lane + k * WARP_SIZE;
+        if (w < META_WORDS) store_meta(a, row_pos, w, meta_for(a, meta[k], w, me));
+      }
     }
   }
 }
 
-// Copies slab row [s][j] of this rank to receive position `pos` (payload, meta words).
+// Copies slab row [s][j] of this rank to receive position `pos` (payload, meta words). The meta words are
+// loaded (L2, ld.global.cg) before the payload, so that their round trip is the payload's.
 __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32 j, u32 pos, u32 lane) {
   if (pos >= a.num_out_rows) return;  // no-sync overflow: reported once, rows dropped
   const u8* row = reinterpret_cast<const u8*>(a.data[a.rank] + a.slab_offset) + ((u64)s * a.slab_rows + j) * ROW_BYTES;
-  copy_payload<false>(reinterpret_cast<const u32x4*>(row), reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, lane);
   const u32* meta = reinterpret_cast<const u32*>(row + PAYLOAD_BYTES);
-  for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) store_meta(a, pos, w, meta[w]);
+  u32 words[META_ITERS];
+#pragma unroll
+  for (u32 k = 0; k < META_ITERS; k++)
+    if (lane + k * WARP_SIZE < META_WORDS) words[k] = ptx::ld_cg_u32(meta + lane + k * WARP_SIZE);
+  copy_payload<false>(reinterpret_cast<const u32x4*>(row), reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, lane);
+#pragma unroll
+  for (u32 k = 0; k < META_ITERS; k++) {
+    const u32 w = lane + k * WARP_SIZE;
+    if (w < META_WORDS) store_meta(a, pos, w, words[k]);
+  }
 }
 
 // Receiver warp `warp_id` of `num_warps`: for every source s != me, its chunks of recv_chunk rows of s's
 // sub-slab (HtCursor over [0, cnt_s), cnt_s = recv_count[s], rotated by s * n / R so that a warp's chunks of
 // different sources fall due at different times; row j lands at recv_offset[s] + j). Lane s keeps source
-// s's chunk. Sources are served in turn: lane i polls row flag [s][next + i] (relaxed, local memory); the leading
-// run of rows whose flag reached the epoch is acquired (ld.acquire.sys by the lanes that saw them, then
-// __syncwarp) and copied to the outputs. A pass without progress counts towards the deadline (measured from
-// the last progress); on expiry the warp records {ERR_TIMEOUT, peer: the first source it still waits for}.
+// s's chunk. Sources are served in turn: lane i polls row flag [s][next + i] (relaxed, local memory); the
+// leading run of rows whose flag reached the epoch is copied to the outputs, each row after every lane
+// acquired its flag (ld.acquire.sys, one broadcast load: every lane reads part of the row). A pass without
+// progress counts towards the deadline (measured from the last progress); on expiry the warp records
+// {ERR_TIMEOUT, peer: the first source it still waits for}.
 //   Before that: rows [N, num_out_rows) get top-k ids -1 and weights 0 (no-sync outputs); N > num_out_rows
 //   is reported once (ERR_RECV_OVERFLOW, details N and num_out_rows); this rank's own rows (copy_own_rows).
 __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
@@ -454,17 +479,20 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
       const u32 s = __ffs(todo) - 1;
       const u32 j = __shfl_sync(FULL_WARP_MASK, chunk.next, s), stop = __shfl_sync(FULL_WARP_MASK, chunk.end, s);
       const u32 n = stop - j < WARP_SIZE ? stop - j : WARP_SIZE;
-      const u32* flag = flags + (u64)s * a.flag_slots + j + lane;
-      const bool arrived = lane < n && (i32)(ptx::ld_relaxed_sys(flag) - epoch) >= 0;
+      // One row due (recv_chunk 1): every lane polls its flag with the acquire the copy needs, one round
+      // trip per row fewer; several: lane i polls row i, relaxed, and each row is acquired before its copy.
+      const bool one_row = n == 1;
+      const u32* flag = flags + (u64)s * a.flag_slots + j + (one_row ? 0u : lane);
+      const bool arrived = one_row ? (i32)(ptx::ld_acquire_sys(flag) - epoch) >= 0 : lane < n && (i32)(ptx::ld_relaxed_sys(flag) - epoch) >= 0;
       const u32 arrived_mask = __ballot_sync(FULL_WARP_MASK, arrived);
-      const u32 ready = arrived_mask == FULL_WARP_MASK ? WARP_SIZE : (u32)__ffs(~arrived_mask) - 1;
+      // One row: ready only when every lane's own acquire saw the flag.
+      const u32 ready = one_row ? (arrived_mask == FULL_WARP_MASK ? 1u : 0u)
+                                : arrived_mask == FULL_WARP_MASK ? WARP_SIZE : (u32)__ffs(~arrived_mask) - 1;
       if (ready == 0) continue;
-      if (lane < ready) (void)ptx::ld_acquire_sys(flag);
-      __syncwarp();
       const u32 base = __shfl_sync(FULL_WARP_MASK, offset, s);
       for (u32 i = 0; i < ready; i++) {
         // Every lane reads part of the row: every lane acquires its flag (one broadcast load).
-        (void)ptx::ld_acquire_sys(flags + (u64)s * a.flag_slots + j + i);
+        if (!one_row) (void)ptx::ld_acquire_sys(flags + (u64)s * a.flag_slots + j + i);
         if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_out_row(a, s, j + i, base + j + i, lane);
       }
       if (lane == s) {
