@@ -298,6 +298,14 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
   HtCursor chunk = counter != nullptr ? ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens)
                                       : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
+  // Lane i < chunk length starts token next + i's row on its way into L2 (one bulk request, no registers):
+  // the payload loads of a chunk then come from L2, not from DRAM, which shortens each token's round trip
+  // where a warp waits for its loads.
+  auto prefetch_rows = [&](const HtCursor& c) {
+    if (c.next + lane < c.end)
+      ptx::prefetch_l2_bulk(reinterpret_cast<const u8*>(a.x) + (u64)(c.next + lane) * PAYLOAD_BYTES, PAYLOAD_BYTES);
+  };
+  prefetch_rows(chunk);
   i32 chunk_p0 = 0, chunk_p1 = 0;
   if (chunk.next < chunk.end) {
     chunk_p0 = load_prefix(chunk.next);
@@ -320,14 +328,15 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         if (send_head != nullptr && lane < num_ranks) send_head[(u64)t * num_ranks + lane] = p1 > p0 ? p0 : -1;
         send_token(a, d, t, p0, p1, peer_lane, lane);
       }
-      // After the chunk's last token the warp takes its next chunk and loads that chunk's first prefix pair,
-      // before the fence, whose wait hides both round trips. Not at the chunk's start: a warp would then hold
+      // After the chunk's last token the warp takes its next chunk, starts its rows into L2 and loads its
+      // first prefix pair, before the fence, whose wait hides the round trips. Not at the chunk's start: a warp would then hold
       // two chunks when the counter runs out, and the sender warps end up to two chunks apart.
       if (batch_end == chunk.end) {
         if (counter != nullptr)
           following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
         else
           ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
+        prefetch_rows(following);
         if (following.next < following.end) {
           following_p0 = load_prefix(following.next);
           following_p1 = load_prefix(following.next + 1);
@@ -396,8 +405,17 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
       pos = recv_offset_me + (u32)p0;
       hit = p1 > p0 && pos < a.num_out_rows;
     }
-    for (u32 m = __ballot_sync(FULL_WARP_MASK, hit); m != 0u; m &= m - 1) {
+    const u32 hits = __ballot_sync(FULL_WARP_MASK, hit);
+    // The first two rows of the pass start into L2 here, each later one while the row two before it is copied.
+    if (lane < 2 && __popc(hits) > lane) {
+      u32 m = hits;
+      if (lane == 1) m &= m - 1;
+      ptx::prefetch_l2_bulk(x + (u64)(t0 + __ffs(m) - 1) * PAYLOAD_VECS, PAYLOAD_BYTES);
+    }
+    for (u32 m = hits; m != 0u; m &= m - 1) {
       const u32 i = __ffs(m) - 1, t = t0 + i;
+      const u32 ahead = (m & (m - 1)) & ((m & (m - 1)) - 1);  // the hit two rows on
+      if (lane == 0 && ahead != 0u) ptx::prefetch_l2_bulk(x + (u64)(t0 + __ffs(ahead) - 1) * PAYLOAD_VECS, PAYLOAD_BYTES);
       const u64 row_pos = __shfl_sync(FULL_WARP_MASK, pos, i);
       // The meta words' sources are loaded with the payload, not after its stores: one round trip per row
       // fewer.
