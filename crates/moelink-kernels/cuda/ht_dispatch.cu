@@ -329,8 +329,9 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         send_token(a, d, t, p0, p1, peer_lane, lane);
       }
       // After the chunk's last token the warp takes its next chunk, starts its rows into L2 and loads its
-      // first prefix pair, before the fence, whose wait hides the round trips. Not at the chunk's start: a warp would then hold
-      // two chunks when the counter runs out, and the sender warps end up to two chunks apart.
+      // first prefix pair, before the fence, whose wait hides the round trips. Not at the chunk's start: a
+      // warp would then hold two chunks when the counter runs out, and the sender warps end up to two chunks
+      // apart.
       if (batch_end == chunk.end) {
         if (counter != nullptr)
           following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
@@ -405,17 +406,8 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
       pos = recv_offset_me + (u32)p0;
       hit = p1 > p0 && pos < a.num_out_rows;
     }
-    const u32 hits = __ballot_sync(FULL_WARP_MASK, hit);
-    // The first two rows of the pass start into L2 here, each later one while the row two before it is copied.
-    if (lane < 2 && __popc(hits) > lane) {
-      u32 m = hits;
-      if (lane == 1) m &= m - 1;
-      ptx::prefetch_l2_bulk(x + (u64)(t0 + __ffs(m) - 1) * PAYLOAD_VECS, PAYLOAD_BYTES);
-    }
-    for (u32 m = hits; m != 0u; m &= m - 1) {
+    for (u32 m = __ballot_sync(FULL_WARP_MASK, hit); m != 0u; m &= m - 1) {
       const u32 i = __ffs(m) - 1, t = t0 + i;
-      const u32 ahead = (m & (m - 1)) & ((m & (m - 1)) - 1);  // the hit two rows on
-      if (lane == 0 && ahead != 0u) ptx::prefetch_l2_bulk(x + (u64)(t0 + __ffs(ahead) - 1) * PAYLOAD_VECS, PAYLOAD_BYTES);
       const u64 row_pos = __shfl_sync(FULL_WARP_MASK, pos, i);
       // The meta words' sources are loaded with the payload, not after its stores: one round trip per row
       // fewer.
