@@ -298,14 +298,6 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
   HtCursor chunk = counter != nullptr ? ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens)
                                       : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
-  // Lane i < chunk length starts token next + i's row on its way into L2 (one bulk request, no registers):
-  // the payload loads of a chunk then come from L2, not from DRAM, which shortens each token's round trip
-  // where a warp waits for its loads.
-  auto prefetch_rows = [&](const HtCursor& c) {
-    if (c.next + lane < c.end)
-      ptx::prefetch_l2_bulk(reinterpret_cast<const u8*>(a.x) + (u64)(c.next + lane) * PAYLOAD_BYTES, PAYLOAD_BYTES);
-  };
-  prefetch_rows(chunk);
   i32 chunk_p0 = 0, chunk_p1 = 0;
   if (chunk.next < chunk.end) {
     chunk_p0 = load_prefix(chunk.next);
@@ -328,16 +320,14 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         if (send_head != nullptr && lane < num_ranks) send_head[(u64)t * num_ranks + lane] = p1 > p0 ? p0 : -1;
         send_token(a, d, t, p0, p1, peer_lane, lane);
       }
-      // After the chunk's last token the warp takes its next chunk, starts its rows into L2 and loads its
-      // first prefix pair, before the fence, whose wait hides the round trips. Not at the chunk's start: a
-      // warp would then hold two chunks when the counter runs out, and the sender warps end up to two chunks
-      // apart.
+      // After the chunk's last token the warp takes its next chunk and loads that chunk's first prefix pair,
+      // before the fence, whose wait hides both round trips. Not at the chunk's start: a warp would then hold
+      // two chunks when the counter runs out, and the sender warps end up to two chunks apart.
       if (batch_end == chunk.end) {
         if (counter != nullptr)
           following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
         else
           ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
-        prefetch_rows(following);
         if (following.next < following.end) {
           following_p0 = load_prefix(following.next);
           following_p1 = load_prefix(following.next + 1);
