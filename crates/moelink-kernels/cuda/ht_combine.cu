@@ -144,10 +144,9 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < NUM_RANKS && lane != me;
   // Dynamic chunks: chunk q is rows [q * send_chunk, ...) of every source; the warp goes on while some source
-  // has rows there (chunk indices only grow, so later ones are empty too). The next index is taken (and its
-  // rows started into L2) before the chunk's last fence, whose wait hides the round trips; not at the chunk's
-  // start, where a warp would hold two chunks when the counter runs out, and the sender warps would end up to
-  // two chunks apart.
+  // has rows there (chunk indices only grow, so later ones are empty too). The next index is taken before
+  // the chunk's last fence, whose wait hides the atomic's round trip; not at the chunk's start, where a warp
+  // would hold two chunks when the counter runs out, and the sender warps would end up to two chunks apart.
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_COMBINE_CHUNK) : nullptr;
   u32 q = counter != nullptr ? ht_grab_chunk(counter) : 0u;
   HtCursor chunk = {0, 0};
@@ -157,14 +156,6 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     chunk = counter != nullptr ? ht_chunk_at(q, a.send_chunk, count) : ht_first_chunk(count, a.send_chunk, warp_id, num_warps, 0);
     offset = (u32)routing[HT_RT_RECV_OFFSET + lane];
   }
-  // Lane s starts the chunk's rows of source s (consecutive in x) into L2 with one bulk request: the payload
-  // loads then come from L2, not from DRAM, which shortens each row's round trip.
-  auto prefetch_rows = [&]() {
-    if (!peer_lane || chunk.next >= chunk.end || offset + chunk.next >= a.num_x_rows) return;
-    const u32 rows = ht_min_u64(offset + chunk.end, a.num_x_rows) - (offset + chunk.next);
-    ptx::prefetch_l2_bulk(reinterpret_cast<const u8*>(a.x) + (u64)(offset + chunk.next) * PAYLOAD_BYTES, rows * PAYLOAD_BYTES);
-  };
-  prefetch_rows();
   auto more = [&]() -> bool {
     return counter != nullptr ? __any_sync(FULL_WARP_MASK, peer_lane && (u64)q * a.send_chunk < count)
                               : __any_sync(FULL_WARP_MASK, chunk.next < chunk.end);
@@ -228,24 +219,21 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
       }
       if (active) chunk.next++;
     }
-    const u32 batch_end = chunk.next;  // lane s: one past the batch's last row for s
-    if (counter != nullptr && !__any_sync(FULL_WARP_MASK, chunk.next < chunk.end)) {
-      q = ht_grab_chunk(counter);
-      if (peer_lane) chunk = ht_chunk_at(q, a.send_chunk, count);
-      prefetch_rows();
-    }
+    const bool chunk_done = !__any_sync(FULL_WARP_MASK, chunk.next < chunk.end);
+    const u32 q_next = counter != nullptr && chunk_done ? ht_grab_chunk(counter) : 0u;
     // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
     __syncwarp();
     ptx::fence_acq_rel_sys();
     __syncwarp();
     if (lane < NUM_RANKS && lane != me) {
       u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
-      for (u32 row = batch_first; row < batch_end; row++) ptx::st_relaxed_sys(flags + row, epoch);
+      for (u32 row = batch_first; row < chunk.next; row++) ptx::st_relaxed_sys(flags + row, epoch);
     }
     if (counter == nullptr) {
-      const bool moves = chunk.next == chunk.end;  // this lane's chunk is done: ht_next_chunk moves it on
       ht_next_chunk(chunk, count, a.send_chunk, num_warps);
-      if (moves) prefetch_rows();
+    } else if (chunk_done) {
+      q = q_next;
+      if (peer_lane) chunk = ht_chunk_at(q, a.send_chunk, count);
     }
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
