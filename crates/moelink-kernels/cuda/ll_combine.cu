@@ -7,9 +7,6 @@
 constexpr u32 BF16_CHUNKS = (ROW_BYTES_BF16 + CHUNK_BYTES - 1) / CHUNK_BYTES;
 // Combine loads at most this many expert rows before summing them (registers: 4 per row).
 constexpr u32 K_BATCH = LL_TOPK < 8 ? LL_TOPK : 8;
-// The receive phase sums this many (token, chunk) items of a warp at once, their rows' loads in flight
-// together: at DeepEP's decode shape a warp gets one or two items, which took two load round trips in turn.
-constexpr u32 RECV_ITEMS = 2;
 
 // ============================================================================================ combine
 // Block 0 of the send phase: checks this rank's combine inputs against its dispatch (handle area) and
@@ -225,15 +222,15 @@ __device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, con
 }
 
 __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
-  const u32 TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
+  const u32 R = a.num_ranks, TM = a.max_tokens, E = a.num_experts, EL = a.num_local_experts;
   const u32 lane = lane_id();
   const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const u32 items = a.num_tokens * BF16_CHUNKS;
   const u32 stride = gridDim.x * LL_WARPS;
-  // The top-k ids (and weights) of an item are loaded one step ahead: the partials' loads depend on them,
-  // two dependent round trips per item otherwise. They are this rank's own inputs, so the first step's are
+  // The top-k ids (and weights) of an item are loaded one item ahead: the partials' loads depend on them,
+  // two dependent round trips per item otherwise. They are this rank's own inputs, so the first item's are
   // loaded before the flag wait, whose latency they then share.
   auto load_ids = [&](u32 item, i64& e, u32& wbits) {
     e = -1;
@@ -244,108 +241,83 @@ __device__ __forceinline__ void combine_recv(const LlCombineArgs& a, const Deadl
       if (!pre_reduced) wbits = ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.topk_weights) + (u64)t * LL_TOPK + lane);
     }
   };
-  const u32 first = blockIdx.x * LL_WARPS + warp_id();
-  i64 e_next[RECV_ITEMS];
-  u32 w_next[RECV_ITEMS];
-#pragma unroll
-  for (u32 j = 0; j < RECV_ITEMS; j++) load_ids(first + j * stride, e_next[j], w_next[j]);
+  i64 e_next;
+  u32 w_next;
+  load_ids(blockIdx.x * LL_WARPS + warp_id(), e_next, w_next);
   combine_wait_sources(a, d, sm, epoch);
   ll_trace(sm, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
-    // A step takes items first + (s RECV_ITEMS + j) stride, j < RECV_ITEMS: every row of the step is loaded
-    // before any is summed.
-    for (u32 base = first; base < items; base += RECV_ITEMS * stride) {
-      u32 t[RECV_ITEMS], off[RECV_ITEMS], rank_hits[RECV_ITEMS], sel[RECV_ITEMS];
-      bool active[RECV_ITEMS];
-      float w[RECV_ITEMS];
-#pragma unroll
-      for (u32 j = 0; j < RECV_ITEMS; j++) {
-        const u32 item = base + j * stride;
-        const i64 e = e_next[j];
-        const u32 wbits = w_next[j];
-        load_ids(base + (RECV_ITEMS + j) * stride, e_next[j], w_next[j]);
-        bool use = false;
-        u32 r = 0;
-        w[j] = 0.0f;
-        if (lane < LL_TOPK) {
-          if (item < items && e >= 0 && e < (i64)E) {
-            r = (u32)e / EL;
-            use = sm.ok[r] != 0;
-          }
-          w[j] = bits_f32(wbits);
+    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
+      const u32 t = item / BF16_CHUNKS, c = item % BF16_CHUNKS;
+      const i64 e = e_next;
+      const u32 wbits = w_next;
+      load_ids(item + stride, e_next, w_next);
+      bool use = false;
+      u32 r = 0;
+      float w = 0.0f;
+      if (lane < LL_TOPK) {
+        if (e >= 0 && e < (i64)E) {
+          r = (u32)e / EL;
+          use = sm.ok[r] != 0;
         }
-        t[j] = item / BF16_CHUNKS;
-        off[j] = (item % BF16_CHUNKS) * CHUNK_BYTES + lane * VEC_BYTES;
-        active[j] = item < items && off[j] < ROW_BYTES_BF16;
-        rank_hits[j] = __reduce_or_sync(FULL_WARP_MASK, use ? 1u << r : 0u);
-        sel[j] = __ballot_sync(FULL_WARP_MASK, use);
+        w = bits_f32(wbits);
       }
-      float acc[RECV_ITEMS][8];
+      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+      const bool active = off < ROW_BYTES_BF16;
+      float acc[8];
 #pragma unroll
-      for (u32 j = 0; j < RECV_ITEMS; j++)
-#pragma unroll
-        for (u32 i = 0; i < 8; i++) acc[j][i] = 0.0f;
+      for (u32 j = 0; j < 8; j++) acc[j] = 0.0f;
       if (pre_reduced) {
         // Partials of the ranks the token was sent to, in ascending rank order.
-        u32x4 v[RECV_ITEMS][MAX_RANKS];
+        const u32 hit = __reduce_or_sync(FULL_WARP_MASK, use ? 1u << r : 0u);
+        u32x4 v[MAX_RANKS];
 #pragma unroll
-        for (u32 j = 0; j < RECV_ITEMS; j++)
+        for (u32 q = 0; q < MAX_RANKS; q++) {
+          v[q] = u32x4{0, 0, 0, 0};
+          if (((hit >> q) & 1u) && active) v[q] = ptx::ld_cg_v4(region + ((u64)q * TM + t) * ROW_BYTES_BF16 + off);
+        }
 #pragma unroll
-          for (u32 q = 0; q < MAX_RANKS; q++) {
-            v[j][q] = u32x4{0, 0, 0, 0};
-            if (((rank_hits[j] >> q) & 1u) && active[j]) v[j][q] = ptx::ld_cg_v4(region + ((u64)q * TM + t[j]) * ROW_BYTES_BF16 + off[j]);
-          }
+        for (u32 q = 0; q < MAX_RANKS; q++) {
+          if ((hit >> q) & 1u) {
 #pragma unroll
-        for (u32 j = 0; j < RECV_ITEMS; j++)
-#pragma unroll
-          for (u32 q = 0; q < MAX_RANKS; q++) {
-            if ((rank_hits[j] >> q) & 1u) {
-#pragma unroll
-              for (u32 i = 0; i < 4; i++) {
-                const u32 word = word_of(v[j][q], i);
-                acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], bf16_lo(word));
-                acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], bf16_hi(word));
-              }
+            for (u32 i = 0; i < 4; i++) {
+              const u32 word = word_of(v[q], i);
+              acc[2 * i] = ptx::add_rn_f32(acc[2 * i], bf16_lo(word));
+              acc[2 * i + 1] = ptx::add_rn_f32(acc[2 * i + 1], bf16_hi(word));
             }
           }
+        }
       } else {
         // One row per selection, in ascending k, weighted with the combine-time weights.
+        const u32 sel = __ballot_sync(FULL_WARP_MASK, use);
 #pragma unroll
         for (u32 kb = 0; kb < LL_TOPK; kb += K_BATCH) {
-          u32x4 v[RECV_ITEMS][K_BATCH];
+          u32x4 v[K_BATCH];
 #pragma unroll
-          for (u32 j = 0; j < RECV_ITEMS; j++)
+          for (u32 j = 0; j < K_BATCH; j++) {
+            const u32 k = kb + j;
+            v[j] = u32x4{0, 0, 0, 0};
+            if (k < LL_TOPK && ((sel >> k) & 1u) && active) v[j] = ptx::ld_cg_v4(region + ((u64)t * LL_TOPK + k) * ROW_BYTES_BF16 + off);
+          }
 #pragma unroll
-            for (u32 b = 0; b < K_BATCH; b++) {
-              const u32 k = kb + b;
-              v[j][b] = u32x4{0, 0, 0, 0};
-              if (k < LL_TOPK && ((sel[j] >> k) & 1u) && active[j])
-                v[j][b] = ptx::ld_cg_v4(region + ((u64)t[j] * LL_TOPK + k) * ROW_BYTES_BF16 + off[j]);
-            }
+          for (u32 j = 0; j < K_BATCH; j++) {
+            const u32 k = kb + j;
+            if (k < LL_TOPK && ((sel >> k) & 1u)) {
+              const float wk = __shfl_sync(FULL_WARP_MASK, w, k);
 #pragma unroll
-          for (u32 j = 0; j < RECV_ITEMS; j++)
-#pragma unroll
-            for (u32 b = 0; b < K_BATCH; b++) {
-              const u32 k = kb + b;
-              if (k < LL_TOPK && ((sel[j] >> k) & 1u)) {
-                const float wk = __shfl_sync(FULL_WARP_MASK, w[j], k);
-#pragma unroll
-                for (u32 i = 0; i < 4; i++) {
-                  const u32 word = word_of(v[j][b], i);
-                  acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
-                  acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
-                }
+              for (u32 i = 0; i < 4; i++) {
+                const u32 word = word_of(v[j], i);
+                acc[2 * i] = ptx::add_rn_f32(acc[2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
+                acc[2 * i + 1] = ptx::add_rn_f32(acc[2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
               }
             }
+          }
         }
       }
-#pragma unroll
-      for (u32 j = 0; j < RECV_ITEMS; j++) {
-        if (active[j]) {
-          const u32x4 o = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
-                           ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
-          ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.out) + (u64)t[j] * ROW_BYTES_BF16 + off[j]), o);
-        }
+      if (active) {
+        const u32x4 o = {ptx::cvt_rn_bf16x2_f32(acc[1], acc[0]), ptx::cvt_rn_bf16x2_f32(acc[3], acc[2]), ptx::cvt_rn_bf16x2_f32(acc[5], acc[4]),
+                         ptx::cvt_rn_bf16x2_f32(acc[7], acc[6])};
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(reinterpret_cast<u8*>(a.out) + (u64)t * ROW_BYTES_BF16 + off), o);
       }
     }
   }
