@@ -213,7 +213,7 @@ __device__ __forceinline__ void store_payload_round(u32x4* out, u32 round, const
 
 // Checks token t's destinations against its top-k experts (TOPK > 0): `goes_here` on lane r < R says whether
 // the token goes to rank r (is_token_in_rank, through the prefix); lanes k, k + 32, ... load its k-th expert
-// (send_token runs it after load_meta read those words: an L1 hit, not a round trip before the payload). A rank in one set and not in the other is reported
+// (the words load_meta reads again from L1 right after). A rank in one set and not in the other is reported
 // (ERR_INVALID_LAYOUT, LAYOUT_ARG_IN_RANK, the token): a row sent where it selects no expert arrives with every
 // top-k id -1, and an expert whose rank gets no row misses the token. The rows still travel as
 // is_token_in_rank says; the call fails on this rank once the collective has run.
@@ -242,14 +242,11 @@ __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const
 // (ld.global.nc, UNROLL vectors per lane in flight) and stored into every such destination's slab row
 // [me][p0] (st.global.L1::no_allocate over NVLink), then the meta words, remapped per destination.
 __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadline& d, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane) {
-  const bool goes_here = lane < a.num_ranks && p1 > p0;
+  check_token_ranks(a, d, t, lane < a.num_ranks && p1 > p0, lane);
   const bool in = peer_lane && p1 > p0;
   const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)a.rank * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
   const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
-  if (mask == 0) {
-    check_token_ranks(a, d, t, goes_here, lane);
-    return;
-  }
+  if (mask == 0) return;
   u64 dst_of[MAX_RANKS];
 #pragma unroll
   for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
@@ -273,8 +270,6 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
     for (u32 r = 0; r < MAX_RANKS; r++)
       if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
   }
-  // Last: the check's reads and its error branch would otherwise hold the payload's loads back by a round trip.
-  check_token_ranks(a, d, t, goes_here, lane);
 }
 
 // Sender warp `warp_id` of `num_warps` (a channel): chunks of send_chunk tokens — taken in order from the

@@ -187,6 +187,7 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     }
     if (!__all_sync(FULL_WARP_MASK, ok)) return;
     // The token's message, once per node it reaches.
+    check_token_ranks(a, f, prefix, t, lane, dr);
     u32 m = 0;
     bool in = false;
     if (lane < NUM_NODES) {
@@ -245,9 +246,6 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
     }
     // The payload: read once, stored into every node's message.
     copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
-    // The layout check after the payload: its reads (the top-k ids and prefix rows read above, now in L1) and
-    // its error branch would otherwise hold every load of the token back by a round trip.
-    check_token_ranks(a, f, prefix, t, lane, dr);
     // Every lane fences its part of the messages (system scope: in place, they went to the peer) before the
     // token counts into its chunk; the warp that counts the chunk's last token puts the chunk, so the put
     // (its signal after a fence, or a NIC's read of the staging area) follows every warp's stores.
