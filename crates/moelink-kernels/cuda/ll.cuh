@@ -38,7 +38,8 @@
 //
 // Flag protocol (both families; "send" writes into peers, "recv" reads its own receive region):
 //   send:  (0) wait until every unmasked destination d has consumed what this rank last wrote into set s:
-//              ctrl.X_consumed[s][d] >= ctrl.X_last_write[s] (local poll, deadline);
+//              the sum of ctrl.X_consumed[s][d][*] >= LL_ARRIVE_UNIT * ctrl.X_last_write[s] (wrap-safe,
+//              local poll, deadline; the first look loaded with the epochs on entry);
 //          (1) data/metadata stores into every destination's region (weak, 16-byte where possible);
 //          (2) every thread: fence.acq_rel.sys; __syncthreads; then the block arrives at every rank on its
 //              own: red.relaxed.sys.add of (e - e') * share into ctrl.X_arrive[s][me][b % 8] of every rank (itself
@@ -48,11 +49,13 @@
 //              for the others before its flags go out (a last block of a grid-wide counter publishing for
 //              all goes out ~1.3 us after the median block: bench/results/2026-11-21-4xnvidia-h200-0a5e7b6).
 //              A grid counter (local) still finds the last block, which stores the epoch words for the next
-//              launch.
+//              launch (X_prev_write[s] = e', X_last_write[s] = e).
 //   recv:  lane p of warp 0 polls the sum of ctrl.X_arrive[s][p][*] >= LL_ARRIVE_UNIT * e (wrap-safe, relaxed .sys loads, deadline),
-//          then fence.acq_rel.sys + __syncthreads before anyone reads p's data; the last block to finish
-//          stores e into ctrl.X_consumed[s][me] of every rank (after a fence), which lets the sources write
-//          set s again.
+//          then fence.acq_rel.sys + __syncthreads before anyone reads p's data; every block, once past its
+//          reads, hands the set back to every rank p on its own: red.relaxed.sys.add of (e - e') * share
+//          into ctrl.X_consumed[s][me][b % 8] of p (e' = the sources' previous call into set s), so that the
+//          lines sum to LL_ARRIVE_UNIT * e once every block is done, which lets the sources write set s
+//          again (ll_recv_end).
 //   Masked ranks (shrink mode) are not waited for and their data is dropped; with LL_FLAG_SHRINK a missed
 //   deadline masks the peer (decided once per call with a CAS on ctrl.decision, so every block agrees)
 //   instead of raising ERR_TIMEOUT. Without it a missed deadline writes the error record and the kernel
@@ -161,14 +164,25 @@ constexpr u32 ROW_BYTES_BF16 = 2 * LL_HIDDEN;  // bytes of a bf16 row
 // ============================================================================================ structs
 // Per-source metadata, written by the source before its flag (one 64-byte line).
 struct LlMeta {
-  u32 num_tokens;            // tokens the source dispatched in this call
-  u32 problem;               // LL_PROBLEM_* bits of the source's arguments
-  u32 accepted;              // combine: 1 when the source received this rank's dispatch (it was not masked)
-  u32 reserved;
+  u32 num_tokens;            // dispatch: tokens the source dispatched in this call
+  u32 problem;               // dispatch: LL_PROBLEM_* bits of the source's arguments
+  u32 reserved[2];
   u32 sig[LL_SIG_WORDS];     // dispatch: the call signature (hidden, topk, experts, T_max, quant, weights)
-  u32 pad[4];
+  u64 status;                // combine: ll_combine_status of the source's call (one atomic word)
+  u32 pad[2];
 };
 static_assert(sizeof(LlMeta) == 64, "LlMeta is one 64-byte line");
+
+// A combine source's status word: its call's epoch (the tag that makes the word valid for this call), its
+// LL_PROBLEM_* bits and whether it received this rank's dispatch. One 64-bit store, so that a receiver may
+// read it in the same polls as the arrival words, without acquiring first: a word tagged with the call's
+// epoch is this call's, whenever it was loaded.
+__device__ __forceinline__ u64 ll_combine_status(u32 epoch, u32 problem, bool accepted) {
+  return ((u64)epoch << 32) | ((u64)problem << 1) | (accepted ? 1u : 0u);
+}
+__device__ __forceinline__ bool ll_status_current(u64 status, u32 epoch) { return (u32)(status >> 32) == epoch; }
+__device__ __forceinline__ u32 ll_status_problem(u64 status) { return (u32)status >> 1; }
+__device__ __forceinline__ bool ll_status_accepted(u64 status) { return (status & 1u) != 0; }
 
 // Arrival words (ll_send_arrive): a source's blocks add to LL_ARRIVE_LANES words per (set, source), block b
 // to word b % LL_ARRIVE_LANES, each word alone on its 128-byte line; the receiver sums them. With one word
@@ -189,20 +203,22 @@ struct LlCtrl {
   u32 dispatch_epoch;
   u32 combine_epoch;
   u32 dispatch_send_done;
-  u32 dispatch_recv_done;
   u32 combine_send_done;
-  u32 combine_recv_done;
   u32 dispatch_last_write[2];
   u32 combine_last_write[2];
-  u32 pad0[6];
+  u32 dispatch_prev_write[2];           // [set]: this rank's call into the set before last_write
+  u32 combine_prev_write[2];
+  u32 pad0[4];
   u32 decision[2][MAX_RANKS];           // [kind][src] = (epoch << 1) | accepted, shrink mode only
   // [set][src][lane]: the lanes' sum = LL_ARRIVE_UNIT * epoch of src's last dispatch into set
   LlArriveLine dispatch_arrive[2][MAX_RANKS][LL_ARRIVE_LANES];
   LlArriveLine combine_arrive[2][MAX_RANKS][LL_ARRIVE_LANES];
-  u32 dispatch_consumed[2][MAX_RANKS];  // [set][dst] = epoch dst last finished reading set from me
-  u32 combine_consumed[2][MAX_RANKS];
+  // [set][dst][lane]: the lanes' sum = LL_ARRIVE_UNIT * epoch of dst's last finished read of set from me
+  LlArriveLine dispatch_consumed[2][MAX_RANKS][LL_ARRIVE_LANES];
+  LlArriveLine combine_consumed[2][MAX_RANKS][LL_ARRIVE_LANES];
   LlMeta dispatch_meta[2][MAX_RANKS];   // [set][src]
   LlMeta combine_meta[2][MAX_RANKS];
+  u32 dispatch_ready[2][MAX_RANKS];     // [set][src] = epoch of src's last dispatch whose counts and meta are in place
   u32 mask[MAX_RANKS];                  // 1 = rank masked (shrink); not cleared by clean_low_latency_buffer
   u32 pad1[8];
 };
@@ -303,12 +319,14 @@ struct LlShared {
   u32 words[LL_SMEM_WORDS];  // dispatch send, block 0: counts [E]; dispatch recv: bases [R][E_local]
   u32 ok[MAX_RANKS];         // recv: source/expert rank p's data is used in this call
   u32 ntok[MAX_RANKS];       // recv: tokens of source p / combine send: tokens of home p
+  u32 handed[MAX_RANKS];      // send: each destination's hand-back sum, as loaded on entry (ll_enter)
+  u32 masked[MAX_RANKS];     // send: each rank's mask word, as loaded on entry
   u32 epoch;
-  u32 prev_write;            // send: this rank's previous epoch in the call's buffer set (X_last_write[set])
+  u32 prev_write;            // this rank's last call into the set before this launch (X_last_write[set] on entry)
+  u32 recv_prev;             // recv: the sources' call into the set before this one (the hand-back's step)
   u32 abort;                 // a wait of this block failed: skip the data work
   u32 problem;
   u32 last;
-  u32 phase_ok;              // last block: no block of the phase failed
   u64 trace_row;             // this launch's timing-trace row (ll_trace_row), or 0
 };
 
@@ -392,31 +410,8 @@ __device__ __forceinline__ bool ll_decide(u32* word, u32 epoch, bool seen) {
   return (v & 1u) != 0;
 }
 
-// End of a receive phase, called by every thread of every block: the block counts itself in `done` (plus
-// LL_DONE_FAILED when its phase failed: sm.abort), and exactly one block — the last — gets true, with the
-// counter reset for the next launch and an acquire/release fence issued by its thread 0, the thread that
-// then publishes the consumed flags; sm.phase_ok tells it whether every block succeeded (a failure of
-// another phase or kernel does not count). What it publishes only orders the blocks' loads of the receive
-// region, which completed before their barriers; the outputs are ordered by the kernel boundary.
+// A grid-wide counter's word: the blocks that finished, plus LL_DONE_FAILED per block whose phase failed.
 constexpr u32 LL_DONE_FAILED = 1u << 16;  // gridDim.x < 2^16
-// `point`: the trace point stamped once the block's threads are past their work.
-__device__ __forceinline__ bool ll_last_block(u32* done, LlShared& sm, u32 point) {
-  __syncthreads();
-  ll_trace(sm, point);
-  if (threadIdx.x == 0) {
-    const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
-    const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
-    const bool last = (old & (LL_DONE_FAILED - 1)) == gridDim.x - 1;
-    if (last) {
-      ptx::fence_acq_rel_sys();
-      ptx::st_relaxed_gpu(done, 0);
-    }
-    sm.last = last ? 1u : 0u;
-    sm.phase_ok = (old + mine) < LL_DONE_FAILED ? 1u : 0u;
-  }
-  __syncthreads();
-  return sm.last != 0;
-}
 
 // One call's arrivals from all of a source's blocks: block b's share is LL_ARRIVE_UNIT / G, block 0 adds the
 // remainder. Every share is positive (G <= 65536), so the word reaches its target only once every block
@@ -436,15 +431,23 @@ __device__ __forceinline__ u32 ll_arrive_share() {
 // the next launch; nothing waits for it. `epochs`: this call's epoch minus this rank's previous one in the
 // set. With the last_arrives experiment (LL_LAST_ARRIVES) the last block arrives for the whole grid instead
 // (after a system fence, only when no block failed).
-template <typename ArriveOf>
-__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 epochs, ArriveOf arrive_of) {
+// `ready_of(p)` (dispatch): block 0, the check block, also stores the epoch into its ready word at rank p
+// (lane R + p of warp 1), which tells p that this rank's counts and metadata lines are in place while the
+// rows are still in flight; null (combine): nothing.
+template <typename ArriveOf, typename ReadyOf>
+__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 epoch, u32 epochs, ArriveOf arrive_of,
+                                               ReadyOf ready_of) {
   constexpr bool per_block = !LL_LAST_ARRIVES;
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
   ll_trace(sm, LL_TRACE_SEND_STORED);
   // Warp 1, not thread 0: thread 0's counter atomic below then does not wait behind the reductions.
-  if (per_block && warp_id() == 1 && lane_id() < num_ranks && sm.abort == 0)
-    ptx::red_add_relaxed_sys(arrive_of(lane_id()), epochs * ll_arrive_share());
+  const u32 lane = lane_id();
+  if (per_block && warp_id() == 1 && lane < num_ranks && sm.abort == 0) ptx::red_add_relaxed_sys(arrive_of(lane), epochs * ll_arrive_share());
+  if (blockIdx.x == 0 && warp_id() == 1 && lane >= num_ranks && lane < 2 * num_ranks && sm.abort == 0) {
+    u32* ready = ready_of(lane - num_ranks);
+    if (ready != nullptr) ptx::st_relaxed_sys(ready, epoch);
+  }
   if (threadIdx.x == 0) {
     const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
     const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
@@ -463,22 +466,19 @@ __device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool sto
 }
 
 // Waits (warp 0, lane p < R) until every unmasked rank p has consumed what this rank last wrote into set
-// `set` of its region (consumed[p] >= last_write). Shrink mode: a rank that misses the deadline is masked.
-// Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads.
-__device__ __forceinline__ void ll_wait_consumed(const u32* consumed, const u32* last_write, u32* mask, u32 num_ranks,
-                                                 const Deadline& d, bool soft, LlShared& sm) {
-  if (threadIdx.x == 0) sm.abort = 0;
-  __syncthreads();
+// `set` of its region: p's hand-back lines (`consumed`, p's at consumed[p * LL_ARRIVE_LANES]) sum to at
+// least LL_ARRIVE_UNIT * last_write (wrap-safe). ll_enter loaded the first look with the epochs (sm.handed,
+// sm.masked), so a wait that needs no polling costs no round trip here. Shrink mode: a rank that misses the
+// deadline is masked. Sets sm.abort on a hard failure. Called by every block; ends with __syncthreads.
+__device__ __forceinline__ void ll_wait_consumed(const LlArriveLine* consumed, u32* mask, u32 num_ranks, const Deadline& d, bool soft,
+                                                 LlShared& sm) {
   const u32 lane = lane_id();
   if (warp_id() == 0 && lane < num_ranks) {
-    // The three words are loaded together (one round trip, not three); the wait polls only when the first
-    // look at the peer's consumed flag was not enough.
-    const u32 target = ptx::ld_relaxed_gpu(last_write);
-    const u32 masked = ptx::ld_relaxed_gpu(mask + lane);
-    const u32 seen = ptx::ld_relaxed_sys(consumed + lane);
-    if (masked == 0 && (i32)(seen - target) < 0) {
-      const u32 w = ll_wait_geq([&] { return ptx::ld_relaxed_sys(consumed + lane); }, target, d, lane, soft);
-      if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys(consumed + lane);
+    const u32 target = sm.prev_write * LL_ARRIVE_UNIT;
+    if (sm.masked[lane] == 0 && (i32)(sm.handed[lane] - target) < 0) {
+      const LlArriveLine* lines = consumed + lane * LL_ARRIVE_LANES;
+      const u32 w = ll_wait_geq([&] { return ll_arrivals(lines); }, target, d, lane, soft);
+      if (w == LL_WAIT_SEEN) ptx::fence_acq_rel_sys();
       if (w == LL_WAIT_TIMEOUT) ptx::st_relaxed_gpu(mask + lane, 1);
       if (w == LL_WAIT_FAILED) sm.abort = 1;
     }
@@ -493,18 +493,31 @@ struct SourceState {
 };
 
 // Waits for rank `p`'s arrivals of this call (lane p of warp 0; `arrive`: p's lines) to reach `target`
-// (LL_ARRIVE_UNIT * epoch: every block of p's send arrived), honouring its mask. Shrink mode: every block
-// resolves p through the call's decision word (ll_decide), so that all blocks use or drop p's data alike
-// even when they looked at different moments (p masked meanwhile, flag arriving late); a peer decided
-// absent is masked for later calls.
-__device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive, u32 epoch, u32 target, u32* mask, u32* decision, u32 p,
-                                                      const Deadline& d, bool soft, LlShared& sm) {
+// (LL_ARRIVE_UNIT * epoch: every block of p's send arrived), honouring its mask. With `status` (combine: p's
+// status word, written before its arrivals), the same polls also wait for the word of this call, returned
+// in `status_seen`. Shrink mode: every block resolves p through the call's decision word (ll_decide), so
+// that all blocks use or drop p's data alike even when they looked at different moments (p masked
+// meanwhile, flag arriving late); a peer decided absent is masked for later calls.
+// `poll` false (shrink mode, p already found absent by an earlier wait of this block): p is resolved as
+// after a missed deadline, without waiting again.
+__device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive, const u64* status, u64& status_seen, u32 epoch, u32 target,
+                                                      u32* mask, u32* decision, u32 p, const Deadline& d, bool soft, LlShared& sm,
+                                                      bool poll = true) {
   SourceState s = {false, 0};
+  status_seen = 0;
   const bool masked = ptx::ld_relaxed_gpu(mask + p) != 0;
   u32 w = LL_WAIT_TIMEOUT;
-  if (!masked) {
+  if (!masked && poll) {
     const u64 start = ptx::globaltimer();
-    w = ll_wait_geq([&] { return ll_arrivals(arrive); }, target, d, p, soft);
+    // Until the status word is this call's, the sum reads as short of the target.
+    w = ll_wait_geq(
+        [&] {
+          const u32 sum = ll_arrivals(arrive);
+          if (status == nullptr) return sum;
+          status_seen = ptx::ld_relaxed_sys_u64(status);
+          return ll_status_current(status_seen, epoch) ? sum : target - 1u;
+        },
+        target, d, p, soft);
     s.waited_ns = ptx::globaltimer() - start;
   }
   if (w == LL_WAIT_FAILED) {
@@ -516,7 +529,11 @@ __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive
     seen = ll_decide(decision + p, epoch, seen);
     if (!seen && !masked) ptx::st_relaxed_gpu(mask + p, 1);
   }
-  if (seen) ptx::fence_acq_rel_sys();
+  if (seen) {
+    ptx::fence_acq_rel_sys();
+    // Decided seen by another block: the word is this call's now (written before p's arrivals).
+    if (status != nullptr && !ll_status_current(status_seen, epoch)) status_seen = ptx::ld_relaxed_sys_u64(status);
+  }
   s.used = seen;
   return s;
 }
@@ -527,47 +544,72 @@ __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive
 // steps both kernels share are written once: ll_enter, ll_send_phase, ll_recv_end.
 struct LlOpFields {
   u32* epoch;            // the operation's call counter
-  u32* send_done;        // grid-wide counters of the send and the receive phase
-  u32* recv_done;
-  u32* last_write;       // epoch of the area's rank's last send into the set
-  u32* consumed;         // [dst]
-  LlArriveLine* arrive;  // [src * LL_ARRIVE_LANES + lane]
+  u32* send_done;          // grid-wide counter of the send phase
+  u32* last_write;         // epoch of the area's rank's last send into the set
+  u32* prev_write;         // epoch of its send into the set before that one
+  LlArriveLine* consumed;  // [dst * LL_ARRIVE_LANES + lane]
+  LlArriveLine* arrive;    // [src * LL_ARRIVE_LANES + lane]
+  u32* ready;              // [src]: dispatch_ready; null for combine
 };
 __device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlDispatchArgs& a) {
-  return {&c->dispatch_epoch,          &c->dispatch_send_done,         &c->dispatch_recv_done,
-          &c->dispatch_last_write[a.set], c->dispatch_consumed[a.set], &c->dispatch_arrive[a.set][0][0]};
+  return {&c->dispatch_epoch,          &c->dispatch_send_done,          &c->dispatch_last_write[a.set],
+          &c->dispatch_prev_write[a.set], &c->dispatch_consumed[a.set][0][0], &c->dispatch_arrive[a.set][0][0],
+          c->dispatch_ready[a.set]};
 }
 __device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlCombineArgs& a) {
-  return {&c->combine_epoch,          &c->combine_send_done,         &c->combine_recv_done,
-          &c->combine_last_write[a.set], c->combine_consumed[a.set], &c->combine_arrive[a.set][0][0]};
+  return {&c->combine_epoch,          &c->combine_send_done,          &c->combine_last_write[a.set],
+          &c->combine_prev_write[a.set], &c->combine_consumed[a.set][0][0], &c->combine_arrive[a.set][0][0],
+          nullptr};
 }
 
-// Tells every source that this rank finished reading what it wrote into the set: consumed = epoch at each.
+// Tells source p that this rank (or one of its blocks) finished reading what p wrote into the set: adds
+// `amount` to this rank's hand-back line `line` in p's control area.
 template <typename Args>
-__device__ __forceinline__ void ll_hand_back(const Args& a, u32 epoch) {
-  for (u32 p = 0; p < a.num_ranks; p++) ptx::st_relaxed_sys(op_fields(ctrl_of(a.ctrl, p), a).consumed + a.rank, epoch);
+__device__ __forceinline__ void ll_hand_back(const Args& a, u32 p, u32 line, u32 amount) {
+  ptx::red_add_relaxed_sys(&op_fields(ctrl_of(a.ctrl, p), a).consumed[a.rank * LL_ARRIVE_LANES + line].word, amount);
 }
 
 // Kernel entry, every thread. A DRAIN launch (a receive phase that will never run: its hook was dropped)
-// only hands the set back, as of this rank's last send into it, and gets false. Otherwise sm.epoch is the
-// call's epoch: a send works as call e = epoch + 1; a receive-only launch belongs to the last send into its
-// set (with hooks, two calls may be in flight: send e, send e+1, receive e, receive e+1).
+// only hands the set back, as of this rank's last send into it (the whole step from the send before, at
+// once), and gets false. Otherwise sm.epoch is the call's epoch: a send works as call e = epoch + 1; a
+// receive-only launch belongs to the last send into its set (with hooks, two calls may be in flight: send e,
+// send e+1, receive e, receive e+1), and its hand-back steps from the send into the set before that one.
+// Warp 0 loads everything the launch needs from its own control area in one round trip: the epochs and,
+// for a send, each destination's hand-back sum and mask word (ll_wait_consumed only compares them).
 template <typename Args>
 __device__ __forceinline__ bool ll_enter(const Args& a, LlShared& sm, u64 entered) {
-  const LlOpFields own = op_fields(ctrl_of(a.ctrl, a.rank), a);
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const LlOpFields own = op_fields(me, a);
+  const u32 lane = lane_id();
   if (a.phases & LL_PHASE_DRAIN) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (blockIdx.x == 0 && threadIdx.x < a.num_ranks) {
       const u32 e = ptx::ld_relaxed_gpu(own.last_write);
+      const u32 before = ptx::ld_relaxed_gpu(own.prev_write);
       ptx::fence_acq_rel_sys();
-      ll_hand_back(a, e);
+      ll_hand_back(a, threadIdx.x, 0, (e - before) * LL_ARRIVE_UNIT);
     }
     return false;
   }
-  if (threadIdx.x == 0) {
-    sm.prev_write = ptx::ld_relaxed_gpu(own.last_write);
-    sm.epoch = (a.phases & LL_PHASE_SEND) ? ptx::ld_relaxed_gpu(own.epoch) + 1u : sm.prev_write;
-    sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
-    ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
+  if (warp_id() == 0) {
+    const bool send = (a.phases & LL_PHASE_SEND) != 0;
+    const u32 epoch = ptx::ld_relaxed_gpu(own.epoch);
+    const u32 last_write = ptx::ld_relaxed_gpu(own.last_write);
+    const u32 prev_write = ptx::ld_relaxed_gpu(own.prev_write);
+    u32 masked = 0, handed = 0;
+    if (send && lane < a.num_ranks) {
+      masked = ptx::ld_relaxed_gpu(me->mask + lane);
+      handed = ll_arrivals(own.consumed + lane * LL_ARRIVE_LANES);
+      sm.masked[lane] = masked;
+      sm.handed[lane] = handed;
+    }
+    if (lane == 0) {
+      sm.prev_write = last_write;
+      sm.epoch = send ? epoch + 1u : last_write;
+      sm.recv_prev = send ? last_write : prev_write;
+      sm.abort = 0;
+      sm.trace_row = ll_trace_row(a.trace, sm.epoch, a.phases);
+      ll_trace_at(sm.trace_row, LL_TRACE_START, entered);
+    }
   }
   __syncthreads();
   return true;
@@ -582,7 +624,7 @@ template <typename Args, typename Check, typename Rows>
 __device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, LlShared& sm, u32 epoch, Check check, Rows rows) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const LlOpFields own = op_fields(me, a);
-  ll_wait_consumed(own.consumed, own.last_write, me->mask, a.num_ranks, d, (a.flags & LL_FLAG_SHRINK) != 0, sm);
+  ll_wait_consumed(own.consumed, me->mask, a.num_ranks, d, (a.flags & LL_FLAG_SHRINK) != 0, sm);
   ll_trace(sm, LL_TRACE_SEND_READY);
   bool stored = false;
   if (sm.abort == 0) {
@@ -598,20 +640,34 @@ __device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, 
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
   const u32 lane_line = a.rank * LL_ARRIVE_LANES + blockIdx.x % LL_ARRIVE_LANES;
-  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, epoch - sm.prev_write,
-                                   [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; });
+  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, epoch, epoch - sm.prev_write,
+                                   [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; },
+                                   [&](u32 p) {
+                                     u32* ready = op_fields(ctrl_of(a.ctrl, p), a).ready;
+                                     return ready == nullptr ? ready : ready + a.rank;
+                                   });
   if (last && threadIdx.x == 0) {
     *own.epoch = epoch;
+    *own.prev_write = sm.prev_write;
     *own.last_write = epoch;
   }
   ll_trace(sm, LL_TRACE_SEND_DONE);
 }
 
-// End of a receive phase, every thread of every block: the last block hands the set back to every source
-// when every block of the phase succeeded.
+// End of a receive phase, every thread of every block: once its threads are past their work, the block
+// hands the set back to every source on its own (lane p of warp 0: (e - e') x its share, e' = sm.recv_prev,
+// onto its hand-back line at p), unless its phase failed (sm.abort); after every block the lines sum to
+// LL_ARRIVE_UNIT * e. No fence and no grid-wide counter: a hand-back orders the block's loads of its receive
+// region, and each load whose value counts completed before the barrier (the value was stored into an
+// output or decided a branch); the outputs are ordered by the kernel boundary. A last block of a grid-wide
+// counter publishing for all ended the kernel 1.1-1.4 us after the blocks' median
+// (bench/results/2026-11-29-2xnvidia-h200-a5af1bb-fresh-dispatch-split, call 90).
 template <typename Args>
 __device__ __forceinline__ void ll_recv_end(const Args& a, LlShared& sm, u32 epoch) {
-  if (ll_last_block(op_fields(ctrl_of(a.ctrl, a.rank), a).recv_done, sm, LL_TRACE_RECV_STORED) && threadIdx.x == 0 && sm.phase_ok) ll_hand_back(a, epoch);
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_RECV_STORED);
+  if (warp_id() == 0 && lane_id() < a.num_ranks && sm.abort == 0)
+    ll_hand_back(a, lane_id(), blockIdx.x % LL_ARRIVE_LANES, (epoch - sm.recv_prev) * ll_arrive_share());
 }
 
 // ============================================================================================ rows: FP8, top-k

@@ -10,8 +10,8 @@ constexpr u32 K_BATCH = LL_TOPK < 8 ? LL_TOPK : 8;
 
 // ============================================================================================ combine
 // Block 0 of the send phase: checks this rank's combine inputs against its dispatch (handle area) and
-// writes the metadata line (problems, whether this rank received the home rank's dispatch) to every rank.
-__device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& sm) {
+// writes its status word (problems, whether this rank received the home rank's dispatch) to every rank.
+__device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& sm, u32 epoch) {
   const u32 T = a.num_tokens;
   if (threadIdx.x == 0) sm.problem = a.host_problem;
   __syncthreads();
@@ -31,9 +31,8 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
   const u32 problem_all = sm.problem;
   if (threadIdx.x < a.num_ranks) {
     LlMeta* m = &ctrl_of(a.ctrl, threadIdx.x)->combine_meta[a.set][a.rank];
-    ptx::st_na_u32(&m->num_tokens, T);
-    ptx::st_na_u32(&m->problem, problem_all);
-    ptx::st_na_u32(&m->accepted, reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x + 1]);
+    const bool accepted = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x + 1] != 0;
+    ptx::st_relaxed_sys_u64(&m->status, ll_combine_status(epoch, problem_all, accepted));
   }
   if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
 }
@@ -178,7 +177,7 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
   // Tokens per home rank, from this rank's own dispatch handle: loaded before the hand-back wait (whose
   // barriers publish them to the block), so that their latency hides behind it.
   if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
-  ll_send_phase(a, d, sm, epoch, [&] { combine_check(a, sm); },
+  ll_send_phase(a, d, sm, epoch, [&] { combine_check(a, sm, epoch); },
                 [&](u32 first_warp, u32 num_warps) {
                   if (a.num_ranks <= 2) return combine_rows<2, (LL_TOPK < 6 ? LL_TOPK : 6)>(a, sm, first_warp, num_warps);
                   return combine_rows<3, (LL_TOPK < 4 ? LL_TOPK : 4)>(a, sm, first_warp, num_warps);
@@ -186,25 +185,28 @@ __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadl
 }
 
 // Warp 0 of every block waits for every expert rank r (lane r); r's rows are used when its flag arrived
-// (shrink: decided so), r is not masked, r reported no problem and r received this rank's dispatch.
+// (shrink: decided so), r is not masked, r reported no problem and r received this rank's dispatch (its
+// status word, read in the same polls as its arrivals: no round trip after the flag).
 __device__ __forceinline__ void combine_wait_sources(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   const u32 lane = lane_id();
-  if (threadIdx.x == 0) sm.abort = 0;
-  __syncthreads();
   if (warp_id() == 0) {
+    // Only warp 0 writes sm.abort before the barrier below, and every read of it in the send phase came
+    // before that phase's last barrier.
+    if (lane == 0) sm.abort = 0;
+    __syncwarp();
     u32 problem = 0;
     u64 waited = 0;
     if (lane < a.num_ranks) {
-      const SourceState s =
-          ll_wait_source(me->combine_arrive[a.set][lane], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
+      u64 status;
+      const SourceState s = ll_wait_source(me->combine_arrive[a.set][lane], &me->combine_meta[a.set][lane].status, status, epoch,
+                                           epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_COMBINE], lane, d, soft, sm);
       waited = s.waited_ns;
       bool used = false;
       if (s.used) {
-        const LlMeta* m = &me->combine_meta[a.set][lane];
-        problem = ptx::ld_cg_u32(&m->problem);
-        used = problem == 0 && ptx::ld_cg_u32(&m->accepted) != 0;
+        problem = ll_status_problem(status);
+        used = problem == 0 && ll_status_accepted(status);
       }
       sm.ok[lane] = used ? 1u : 0u;
     }

@@ -211,66 +211,83 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
 }
 
 // ============================================================================================ dispatch: receive
-// Warp 0 of every block waits for every source (lane p <-> source p) and checks its metadata: a source is
-// used when its flag arrived (shrink: the call's decision says so), its call signature equals ours and it
-// reported no argument problem. Block 0 records the wait times and reports mismatches/problems (lowest peer).
-__device__ __forceinline__ void dispatch_wait_sources(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
+// A source's metadata line, as warp 0's lane p holds it.
+struct SourceMeta {
+  u32 sig[LL_SIG_WORDS];
+  u32 problem;
+  u32 num_tokens;
+};
+
+// Every word is loaded before any is used: independent loads in flight together.
+__device__ __forceinline__ SourceMeta load_source_meta(const LlMeta* m) {
+  SourceMeta meta;
+#pragma unroll
+  for (u32 i = 0; i < LL_SIG_WORDS; i++) meta.sig[i] = ptx::ld_cg_u32(&m->sig[i]);
+  meta.problem = ptx::ld_cg_u32(&m->problem);
+  meta.num_tokens = ptx::ld_cg_u32(&m->num_tokens);
+  return meta;
+}
+
+// Warp 0, lane p < R: waits until source p's counts and metadata line are in place (its ready word, which
+// its check block stores long before its rows have all arrived) and acquires them; false when p is masked
+// or the wait failed (hard: ERR_TIMEOUT naming p, sm.abort; shrink mode: the data wait then resolves p at
+// once).
+__device__ __forceinline__ bool dispatch_wait_ready(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
-  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  const u32 p = lane_id();
+  if (ptx::ld_relaxed_gpu(me->mask + p) != 0) return false;
+  const u32* ready = &me->dispatch_ready[a.set][p];
+  const u32 w = ll_wait_geq([&] { return ptx::ld_relaxed_sys(ready); }, epoch, d, p, (a.flags & LL_FLAG_SHRINK) != 0);
+  if (w == LL_WAIT_FAILED) sm.abort = 1;
+  if (w != LL_WAIT_SEEN) return false;
+  ptx::fence_acq_rel_sys();
+  return true;
+}
+
+// Warp 0, once every source is resolved (lane p: `source`, its metadata `meta`): a source seen is used when
+// its call signature equals ours and it reported no argument problem (sm.ok, sm.ntok). Block 0 records the
+// wait times and reports mismatches/problems (lowest peer).
+__device__ __forceinline__ void dispatch_check_sources(const LlDispatchArgs& a, LlShared& sm, const SourceState& source, const SourceMeta& meta) {
   const u32 lane = lane_id();
-  if (threadIdx.x == 0) sm.abort = 0;
-  __syncthreads();
-  if (warp_id() == 0) {
-    bool used = false;
-    u32 ntok = 0, mismatch_field = LL_SIG_WORDS, problem = 0;
-    u64 waited = 0;
-    if (lane < a.num_ranks) {
-      const SourceState s =
-          ll_wait_source(me->dispatch_arrive[a.set][lane], epoch, epoch * LL_ARRIVE_UNIT, me->mask, me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
-      waited = s.waited_ns;
-      if (s.used) {
-        const LlMeta* m = &me->dispatch_meta[a.set][lane];
-        // Every word is loaded before any is compared: independent loads in flight together, not one L2
-        // round trip per word.
-        u32 sig[LL_SIG_WORDS];
+  const bool seen = lane < a.num_ranks && source.used;
+  u32 mismatch_field = LL_SIG_WORDS;
+  if (seen) {
 #pragma unroll
-        for (u32 i = 0; i < LL_SIG_WORDS; i++) sig[i] = ptx::ld_cg_u32(&m->sig[i]);
-        problem = ptx::ld_cg_u32(&m->problem);
-        const u32 n = ptx::ld_cg_u32(&m->num_tokens);
-#pragma unroll
-        for (u32 i = LL_SIG_WORDS; i-- > 0;)
-          if (sig[i] != a.sig[i]) mismatch_field = i;
-        ntok = n < a.max_tokens ? n : a.max_tokens;
-        used = mismatch_field == LL_SIG_WORDS && problem == 0;
-      }
-      sm.ok[lane] = used ? 1u : 0u;
-      sm.ntok[lane] = used ? ntok : 0u;
+    for (u32 i = LL_SIG_WORDS; i-- > 0;)
+      if (meta.sig[i] != a.sig[i]) mismatch_field = i;
+  }
+  const u32 problem = seen ? meta.problem : 0u;
+  const bool used = seen && mismatch_field == LL_SIG_WORDS && problem == 0;
+  if (lane < a.num_ranks) {
+    sm.ok[lane] = used ? 1u : 0u;
+    sm.ntok[lane] = used ? (meta.num_tokens < a.max_tokens ? meta.num_tokens : a.max_tokens) : 0u;
+  }
+  if (blockIdx.x == 0) {
+    if (lane < a.num_ranks && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[lane] += (i64)source.waited_ns;
+    LlReport* rep = reinterpret_cast<LlReport*>(a.report);
+    const u32 mism = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && mismatch_field != LL_SIG_WORDS);
+    if (mism != 0 && lane == __ffs(mism) - 1) {
+      const LlMeta* m = &ctrl_of(a.ctrl, a.rank)->dispatch_meta[a.set][lane];
+      ptx::st_relaxed_sys_u64(&rep->mismatch_ours, a.sig[mismatch_field]);
+      ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, ptx::ld_cg_u32(&m->sig[mismatch_field]));
+      ptx::st_relaxed_sys(&rep->mismatch_field, mismatch_field);
+      ptx::st_relaxed_sys(&rep->mismatch_peer, lane + 1);
     }
-    if (blockIdx.x == 0) {
-      if (lane < a.num_ranks && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[lane] += (i64)waited;
-      LlReport* rep = reinterpret_cast<LlReport*>(a.report);
-      const u32 mism = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && mismatch_field != LL_SIG_WORDS);
-      if (mism != 0 && lane == __ffs(mism) - 1) {
-        const LlMeta* m = &me->dispatch_meta[a.set][lane];
-        ptx::st_relaxed_sys_u64(&rep->mismatch_ours, a.sig[mismatch_field]);
-        ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, ptx::ld_cg_u32(&m->sig[mismatch_field]));
-        ptx::st_relaxed_sys(&rep->mismatch_field, mismatch_field);
-        ptx::st_relaxed_sys(&rep->mismatch_peer, lane + 1);
-      }
-      const u32 bad = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && lane != a.rank && problem != 0);
-      if (bad != 0 && lane == __ffs(bad) - 1) {
-        ptx::st_relaxed_sys(&rep->peer_problem, problem);
-        ptx::st_relaxed_sys(&rep->peer_problem_peer, lane + 1);
-      }
+    const u32 bad = __ballot_sync(FULL_WARP_MASK, lane < a.num_ranks && lane != a.rank && problem != 0);
+    if (bad != 0 && lane == __ffs(bad) - 1) {
+      ptx::st_relaxed_sys(&rep->peer_problem, problem);
+      ptx::st_relaxed_sys(&rep->peer_problem_peer, lane + 1);
     }
   }
-  __syncthreads();
 }
 
 __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   const u32 R = a.num_ranks, EL = a.num_local_experts, TM = a.max_tokens;
   const u32 rows = R * TM;
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
+  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
+  const u32 lane = lane_id();
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   // Placement: the slot of (source p, token t) in expert el's rows is the tokens of el from the used
   // sources before p (bases, from the counts each source's block 0 wrote) plus t's rank among p's tokens of
   // el (in its entry): rows in (source, token) order, no atomics, nothing rebuilt here (rebuilding per-source
@@ -278,15 +295,48 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   // bench/results/2026-11-21-4xnvidia-h200-0a5e7b6).
   const u32 first_expert = a.rank * EL;
   u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
-  dispatch_wait_sources(a, d, sm, epoch);
+  const u32* counts = reinterpret_cast<const u32*>(region + a.off_counts);
+
+  // The counts and the metadata lines first, while the rows are still in flight: every source's check block
+  // published them long before its last row (ready words), so that after the rows' flags only the scan and
+  // one round trip (the first item's payload) stand before the first output.
+  bool known = false;
+  if (warp_id() == 0) {
+    if (lane == 0) sm.abort = 0;
+    __syncwarp();
+    if (lane < R) known = dispatch_wait_ready(a, d, sm, epoch);
+  }
+  __syncthreads();
+  SourceMeta meta = {};
+  SourceState source = {false, 0};
+  if (sm.abort == 0) {
+    // Every source's counts, in place or not: those of a source not known here are reloaded below if the
+    // data wait finds the source used after all (shrink mode, decided by another block).
+    if (warp_id() == 0 && known) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
+    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) bases[pe] = ptx::ld_cg_u32(counts + pe);
+    if (warp_id() == 0) {
+      if (lane < R) {
+        u64 no_status;
+        source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
+                                me->decision[LL_KIND_DISPATCH], lane, d, soft, sm, known);
+        if (source.used && !known) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
+      }
+      const u32 reload = __ballot_sync(FULL_WARP_MASK, lane < R && source.used && !known);
+      if (reload != 0) {
+        for (u32 pe = lane; pe < R * EL; pe += WARP_SIZE)
+          if ((reload >> (pe / EL)) & 1u) bases[pe] = ptx::ld_cg_u32(counts + pe);
+      }
+      dispatch_check_sources(a, sm, source, meta);
+    }
+  }
+  __syncthreads();
   ll_trace(sm, LL_TRACE_RECV_SEEN);
 
   if (sm.abort == 0) {
     // Expansion (below): work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
     // Each item's payload chunk, entry and weight are loaded one item ahead, so that a warp's items (~3.4
     // per warp at 128 tokens x 4 ranks) are not a chain of L2 round trips: the next item's loads fly during
-    // this one's stores, and the first item's during the count loads.
-    const u32 lane = lane_id();
+    // this one's stores, and the first item's during the scan.
     const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
     const u32 items = rows * RECV_CHUNKS;
     const u32 stride = gridDim.x * LL_WARPS;
@@ -311,17 +361,13 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       return l;
     };
     Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
-
-    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS)
-      bases[pe] = sm.ok[pe / EL] != 0 ? ptx::ld_cg_u32(region + a.off_counts + (u64)pe * 4) : 0u;
-    __syncthreads();
-    // Each expert's exclusive scan over sources; block 0 also writes DeepEP's layout_range from it (a source
-    // not used, e.g. masked, counts 0).
+    // Each expert's exclusive scan over the used sources; block 0 also writes DeepEP's layout_range from it
+    // (a source not used, e.g. masked, counts 0).
     i64* layout_range = blockIdx.x == 0 ? reinterpret_cast<i64*>(a.layout_range) : nullptr;
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
       u32 run = 0;
       for (u32 p = 0; p < R; p++) {
-        const u32 n = bases[p * EL + e];
+        const u32 n = sm.ok[p] != 0 ? bases[p * EL + e] : 0u;
         bases[p * EL + e] = run;
         if (layout_range != nullptr) layout_range[(u64)e * R + p] = (i64)(((u64)run << 32) | n);
         run += n;

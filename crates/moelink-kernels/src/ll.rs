@@ -201,10 +201,11 @@ impl LlVariant {
 pub struct LlMeta {
     pub num_tokens: u32,
     pub problem: u32,
-    pub accepted: u32,
-    pub reserved: u32,
+    pub reserved: [u32; 2],
     pub sig: [u32; LL_SIG_WORDS],
-    pub pad: [u32; 4],
+    /// Combine: the source's epoch, argument problems and acceptance in one word (`ll_combine_status`).
+    pub status: u64,
+    pub pad: [u32; 2],
 }
 
 /// Arrival words per (buffer set, source), each on its own 128-byte line (`LL_ARRIVE_LANES` in `ll.cuh`).
@@ -225,19 +226,20 @@ pub struct LlCtrl {
     pub dispatch_epoch: u32,
     pub combine_epoch: u32,
     pub dispatch_send_done: u32,
-    pub dispatch_recv_done: u32,
     pub combine_send_done: u32,
-    pub combine_recv_done: u32,
     pub dispatch_last_write: [u32; 2],
     pub combine_last_write: [u32; 2],
-    pub pad0: [u32; 6],
+    pub dispatch_prev_write: [u32; 2],
+    pub combine_prev_write: [u32; 2],
+    pub pad0: [u32; 4],
     pub decision: [[u32; MAX_RANKS]; 2],
     pub dispatch_arrive: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
     pub combine_arrive: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
-    pub dispatch_consumed: [[u32; MAX_RANKS]; 2],
-    pub combine_consumed: [[u32; MAX_RANKS]; 2],
+    pub dispatch_consumed: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
+    pub combine_consumed: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
     pub dispatch_meta: [[LlMeta; MAX_RANKS]; 2],
     pub combine_meta: [[LlMeta; MAX_RANKS]; 2],
+    pub dispatch_ready: [[u32; MAX_RANKS]; 2],
     pub mask: [u32; MAX_RANKS],
     pub pad1: [u32; 8],
 }
@@ -525,11 +527,18 @@ mod tests {
     #[test]
     fn struct_sizes_and_offsets() {
         assert_eq!(std::mem::size_of::<LlMeta>(), 64);
+        assert_eq!(std::mem::offset_of!(LlMeta, status), 48);
         let arrive = 2 * MAX_RANKS * LL_ARRIVE_LANES * 128;
-        assert_eq!(LlCtrl::BYTES, 64 + 3 * 2 * 4 * MAX_RANKS + 2 * arrive + 2 * 2 * 64 * MAX_RANKS + 4 * MAX_RANKS + 32);
+        assert_eq!(LlCtrl::BYTES, 64 + 2 * 4 * MAX_RANKS + 4 * arrive + 2 * 2 * 64 * MAX_RANKS + 2 * 4 * MAX_RANKS + 4 * MAX_RANKS + 32);
         assert_eq!(std::mem::offset_of!(LlCtrl, decision), 64);
-        assert_eq!(std::mem::offset_of!(LlCtrl, dispatch_arrive) % 128, 0, "arrival words on their own lines");
-        assert_eq!(std::mem::offset_of!(LlCtrl, combine_arrive) % 128, 0);
+        for (name, offset) in [
+            ("dispatch_arrive", std::mem::offset_of!(LlCtrl, dispatch_arrive)),
+            ("combine_arrive", std::mem::offset_of!(LlCtrl, combine_arrive)),
+            ("dispatch_consumed", std::mem::offset_of!(LlCtrl, dispatch_consumed)),
+            ("combine_consumed", std::mem::offset_of!(LlCtrl, combine_consumed)),
+        ] {
+            assert_eq!(offset % 128, 0, "{name}: arrival and hand-back words on their own lines");
+        }
         assert_eq!(LlCtrl::MASK_OFFSET, LlCtrl::BYTES - 4 * MAX_RANKS - 32);
         assert_eq!(std::mem::size_of::<LlReport>(), 48);
         assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 24 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
