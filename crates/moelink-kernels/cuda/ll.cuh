@@ -218,7 +218,6 @@ struct LlCtrl {
   LlArriveLine combine_consumed[2][MAX_RANKS][LL_ARRIVE_LANES];
   LlMeta dispatch_meta[2][MAX_RANKS];   // [set][src]
   LlMeta combine_meta[2][MAX_RANKS];
-  u32 dispatch_ready[2][MAX_RANKS];     // [set][src] = epoch of src's last dispatch whose counts and meta are in place
   u32 mask[MAX_RANKS];                  // 1 = rank masked (shrink); not cleared by clean_low_latency_buffer
   u32 pad1[8];
 };
@@ -324,6 +323,9 @@ struct LlShared {
   u32 epoch;
   u32 prev_write;            // this rank's last call into the set before this launch (X_last_write[set] on entry)
   u32 recv_prev;             // recv: the sources' call into the set before this one (the hand-back's step)
+  u32 provisional;           // dispatch recv: the sources a block scans before the flags (bit p: unmasked)
+  u32 used;                  // dispatch recv: the sources used (bit p)
+  u32 rescan;                // dispatch recv: the provisional scan does not hold
   u32 abort;                 // a wait of this block failed: skip the data work
   u32 problem;
   u32 last;
@@ -431,12 +433,8 @@ __device__ __forceinline__ u32 ll_arrive_share() {
 // the next launch; nothing waits for it. `epochs`: this call's epoch minus this rank's previous one in the
 // set. With the last_arrives experiment (LL_LAST_ARRIVES) the last block arrives for the whole grid instead
 // (after a system fence, only when no block failed).
-// `ready_of(p)` (dispatch): block 0, the check block, also stores the epoch into its ready word at rank p
-// (lane R + p of warp 1), which tells p that this rank's counts and metadata lines are in place while the
-// rows are still in flight; null (combine): nothing.
-template <typename ArriveOf, typename ReadyOf>
-__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 epoch, u32 epochs, ArriveOf arrive_of,
-                                               ReadyOf ready_of) {
+template <typename ArriveOf>
+__device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool stored, u32 num_ranks, u32 epochs, ArriveOf arrive_of) {
   constexpr bool per_block = !LL_LAST_ARRIVES;
   if (stored) ptx::fence_acq_rel_sys();
   __syncthreads();
@@ -444,10 +442,6 @@ __device__ __forceinline__ bool ll_send_arrive(u32* done, LlShared& sm, bool sto
   // Warp 1, not thread 0: thread 0's counter atomic below then does not wait behind the reductions.
   const u32 lane = lane_id();
   if (per_block && warp_id() == 1 && lane < num_ranks && sm.abort == 0) ptx::red_add_relaxed_sys(arrive_of(lane), epochs * ll_arrive_share());
-  if (blockIdx.x == 0 && warp_id() == 1 && lane >= num_ranks && lane < 2 * num_ranks && sm.abort == 0) {
-    u32* ready = ready_of(lane - num_ranks);
-    if (ready != nullptr) ptx::st_relaxed_sys(ready, epoch);
-  }
   if (threadIdx.x == 0) {
     const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
     const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
@@ -549,17 +543,14 @@ struct LlOpFields {
   u32* prev_write;         // epoch of its send into the set before that one
   LlArriveLine* consumed;  // [dst * LL_ARRIVE_LANES + lane]
   LlArriveLine* arrive;    // [src * LL_ARRIVE_LANES + lane]
-  u32* ready;              // [src]: dispatch_ready; null for combine
 };
 __device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlDispatchArgs& a) {
   return {&c->dispatch_epoch,          &c->dispatch_send_done,          &c->dispatch_last_write[a.set],
-          &c->dispatch_prev_write[a.set], &c->dispatch_consumed[a.set][0][0], &c->dispatch_arrive[a.set][0][0],
-          c->dispatch_ready[a.set]};
+          &c->dispatch_prev_write[a.set], &c->dispatch_consumed[a.set][0][0], &c->dispatch_arrive[a.set][0][0]};
 }
 __device__ __forceinline__ LlOpFields op_fields(LlCtrl* c, const LlCombineArgs& a) {
   return {&c->combine_epoch,          &c->combine_send_done,          &c->combine_last_write[a.set],
-          &c->combine_prev_write[a.set], &c->combine_consumed[a.set][0][0], &c->combine_arrive[a.set][0][0],
-          nullptr};
+          &c->combine_prev_write[a.set], &c->combine_consumed[a.set][0][0], &c->combine_arrive[a.set][0][0]};
 }
 
 // Tells source p that this rank (or one of its blocks) finished reading what p wrote into the set: adds
@@ -640,12 +631,8 @@ __device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, 
   }
   ll_trace(sm, LL_TRACE_SEND_ISSUED);
   const u32 lane_line = a.rank * LL_ARRIVE_LANES + blockIdx.x % LL_ARRIVE_LANES;
-  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, epoch, epoch - sm.prev_write,
-                                   [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; },
-                                   [&](u32 p) {
-                                     u32* ready = op_fields(ctrl_of(a.ctrl, p), a).ready;
-                                     return ready == nullptr ? ready : ready + a.rank;
-                                   });
+  const bool last = ll_send_arrive(own.send_done, sm, stored, a.num_ranks, epoch - sm.prev_write,
+                                   [&](u32 p) { return &op_fields(ctrl_of(a.ctrl, p), a).arrive[lane_line].word; });
   if (last && threadIdx.x == 0) {
     *own.epoch = epoch;
     *own.prev_write = sm.prev_write;

@@ -20,7 +20,7 @@ __device__ __forceinline__ u32 rotate_ranks(u32 ranks, u32 by, u32 num_ranks) {
 // the rows (dispatch_rows), so this block is never on the critical path (a block 0 that builds every
 // destination's entries ends as late as the data, 10 us at 128 tokens, and is all of the critical path at
 // 1-16 tokens: MOELINK_LL_TRACE, bench/results/2026-11-21-4xnvidia-h200-bf7279e).
-__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
+__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm, u32 epoch) {
   const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const float* wts = reinterpret_cast<const float*>(a.topk_weights);
@@ -46,14 +46,16 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
   if (problem != 0) atomicOr(&sm.problem, problem);
   __syncthreads();
   // Counts: expert e = d * E_local + el goes to counts [me][el] of rank d (local_stores: the own region's
-  // counts [d][el]).
+  // counts [d][el]), tagged with the call's epoch in one 64-bit word, so that the receiver may read them
+  // before this rank's flag (its fence completes only with the rows' NVLink drain).
   constexpr bool local_stores = LL_LOCAL_STORES;
   const u32 EL = a.num_local_experts;
   for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
     const u32 n = sm.words[e];
     const u32 dest = e / EL, el = e % EL;
     u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : dest]);
-    ptx::st_na_u32(region + a.off_counts + ((u64)(local_stores ? dest : a.rank) * EL + el) * 4, n);
+    u64* counts = reinterpret_cast<u64*>(region + a.off_counts);
+    ptx::st_relaxed_sys_u64(counts + (u64)(local_stores ? dest : a.rank) * EL + el, ((u64)epoch << 32) | n);
   }
   __syncthreads();
   ll_trace(sm, LL_TRACE_INDEX_CHECKED);
@@ -206,7 +208,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
         ptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
     }
   }
-  ll_send_phase(a, d, sm, epoch, [&] { dispatch_check(a, sm); },
+  ll_send_phase(a, d, sm, epoch, [&] { dispatch_check(a, sm, epoch); },
                 [&](u32 first_warp, u32 num_warps) { return dispatch_rows(a, first_warp, num_warps); });
 }
 
@@ -226,22 +228,6 @@ __device__ __forceinline__ SourceMeta load_source_meta(const LlMeta* m) {
   meta.problem = ptx::ld_cg_u32(&m->problem);
   meta.num_tokens = ptx::ld_cg_u32(&m->num_tokens);
   return meta;
-}
-
-// Warp 0, lane p < R: waits until source p's counts and metadata line are in place (its ready word, which
-// its check block stores long before its rows have all arrived) and acquires them; false when p is masked
-// or the wait failed (hard: ERR_TIMEOUT naming p, sm.abort; shrink mode: the data wait then resolves p at
-// once).
-__device__ __forceinline__ bool dispatch_wait_ready(const LlDispatchArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
-  LlCtrl* me = ctrl_of(a.ctrl, a.rank);
-  const u32 p = lane_id();
-  if (ptx::ld_relaxed_gpu(me->mask + p) != 0) return false;
-  const u32* ready = &me->dispatch_ready[a.set][p];
-  const u32 w = ll_wait_geq([&] { return ptx::ld_relaxed_sys(ready); }, epoch, d, p, (a.flags & LL_FLAG_SHRINK) != 0);
-  if (w == LL_WAIT_FAILED) sm.abort = 1;
-  if (w != LL_WAIT_SEEN) return false;
-  ptx::fence_acq_rel_sys();
-  return true;
 }
 
 // Warp 0, once every source is resolved (lane p: `source`, its metadata `meta`): a source seen is used when
@@ -287,109 +273,85 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const u8* region = reinterpret_cast<const u8*>(a.recv[a.rank]);
   LlCtrl* me = ctrl_of(a.ctrl, a.rank);
   const u32 lane = lane_id();
-  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   // Placement: the slot of (source p, token t) in expert el's rows is the tokens of el from the used
   // sources before p (bases, from the counts each source's block 0 wrote) plus t's rank among p's tokens of
   // el (in its entry): rows in (source, token) order, no atomics, nothing rebuilt here (rebuilding per-source
   // token bitmaps from all received ids takes every block 1.7-1.9 us after the flags at EP4, 128 tokens:
   // bench/results/2026-11-21-4xnvidia-h200-0a5e7b6).
   const u32 first_expert = a.rank * EL;
-  u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
-  const u32* counts = reinterpret_cast<const u32*>(region + a.off_counts);
-
-  // The counts and the metadata lines first, while the rows are still in flight: every source's check block
-  // published them long before its last row (ready words), so that after the rows' flags only the scan and
-  // one round trip (the first item's payload) stand before the first output.
-  bool known = false;
-  if (warp_id() == 0) {
-    if (lane == 0) sm.abort = 0;
-    __syncwarp();
-    if (lane < R) known = dispatch_wait_ready(a, d, sm, epoch);
-  }
-  __syncthreads();
-  SourceMeta meta = {};
-  SourceState source = {false, 0};
-  if (sm.abort == 0) {
-    // Every source's counts, in place or not: those of a source not known here are reloaded below if the
-    // data wait finds the source used after all (shrink mode, decided by another block).
-    if (warp_id() == 0 && known) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
-    for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) bases[pe] = ptx::ld_cg_u32(counts + pe);
-    if (warp_id() == 0) {
-      if (lane < R) {
-        u64 no_status;
-        source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
-                                me->decision[LL_KIND_DISPATCH], lane, d, soft, sm, known);
-        if (source.used && !known) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
-      }
-      const u32 reload = __ballot_sync(FULL_WARP_MASK, lane < R && source.used && !known);
-      if (reload != 0) {
-        for (u32 pe = lane; pe < R * EL; pe += WARP_SIZE)
-          if ((reload >> (pe / EL)) & 1u) bases[pe] = ptx::ld_cg_u32(counts + pe);
-      }
-      dispatch_check_sources(a, sm, source, meta);
-    }
-  }
-  __syncthreads();
-  ll_trace(sm, LL_TRACE_RECV_SEEN);
-
-  if (sm.abort == 0) {
-    // Expansion (below): work item = (source, token, 512-byte chunk), dealt over every warp of the grid.
-    // Each item's payload chunk, entry and weight are loaded one item ahead, so that a warp's items (~3.4
-    // per warp at 128 tokens x 4 ranks) are not a chain of L2 round trips: the next item's loads fly during
-    // this one's stores, and the first item's during the scan.
-    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
-    const u32 items = rows * RECV_CHUNKS;
-    const u32 stride = gridDim.x * LL_WARPS;
-    struct Ahead {
-      u32x4 v;
-      u32 entry;
-      u32 w;
-    };
-    auto load_ahead = [&](u32 item) {
-      Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
-      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
-      const u32 p = st / TM, t = st % TM;
-      if (item >= items || sm.ok[p] == 0 || t >= sm.ntok[p]) return l;
-      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
-      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      if (off < PAYLOAD_BYTES) l.v = ptx::ld_cg_v4(msg + off);
-      if (lane < LL_TOPK) {
-        const u64 at = (((u64)p * TM + t) * LL_TOPK + lane) * 4;
-        l.entry = ptx::ld_cg_u32(region + a.off_entries + at);
-        if (c == 0 && has_weights) l.w = ptx::ld_cg_u32(region + a.off_weights + at);
-      }
-      return l;
-    };
-    Ahead next = load_ahead(blockIdx.x * LL_WARPS + warp_id());
-    // Each expert's exclusive scan over the used sources; block 0 also writes DeepEP's layout_range from it
-    // (a source not used, e.g. masked, counts 0).
+  u32* bases = sm.words;             // [R][EL]: first each pair's count, then its base
+  u32* totals = sm.words + R * EL;  // [EL]: rows of each local expert (E + EL <= LL_SMEM_WORDS)
+  const u64* counts = reinterpret_cast<const u64*>(region + a.off_counts);
+  // Each expert's exclusive scan over the sources `used` (bit p), and its total; block 0 also writes DeepEP's
+  // layout_range from it (a source not used, e.g. masked, counts 0). `bases` holds the counts before.
+  auto scan = [&](u32 used) {
     i64* layout_range = blockIdx.x == 0 ? reinterpret_cast<i64*>(a.layout_range) : nullptr;
     for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
       u32 run = 0;
       for (u32 p = 0; p < R; p++) {
-        const u32 n = sm.ok[p] != 0 ? bases[p * EL + e] : 0u;
+        const u32 n = (used >> p) & 1u ? bases[p * EL + e] : 0u;
         bases[p * EL + e] = run;
         if (layout_range != nullptr) layout_range[(u64)e * R + p] = (i64)(((u64)run << 32) | n);
         run += n;
       }
-      if (blockIdx.x == 0) {
-        reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
-        if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
-      }
+      totals[e] = run;
     }
-    if (blockIdx.x == 0 && threadIdx.x < R) {
-      reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x] = sm.ntok[threadIdx.x];
-      reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
-    }
-    __syncthreads();
-    ll_trace(sm, LL_TRACE_RECV_INDEXED);
+  };
 
-    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += stride) {
-      const Ahead cur = next;
-      next = load_ahead(item + stride);
-      const u32 c = item % RECV_CHUNKS, st = item / RECV_CHUNKS;
-      const u32 p = st / TM, t = st % TM;
-      if (sm.ok[p] == 0 || t >= sm.ntok[p]) continue;
+  // Before the rows' flags: the counts (tagged with the epoch: no flag needed; a source's check block stored
+  // them long before its last row) and a provisional scan over the unmasked sources, so that after the flags
+  // only the metadata check and the first item's payload (one round trip, together) stand before the first
+  // output. A source found unused after all, or counts not yet there, make the block scan again.
+  u32 masked = 0;
+  if (warp_id() == 0) {
+    if (lane == 0) sm.abort = 0;
+    if (lane < R) masked = ptx::ld_relaxed_gpu(me->mask + lane) != 0 ? 1u : 0u;
+  }
+  bool stale = false;
+  for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
+    const u64 w = ptx::ld_relaxed_sys_u64(counts + pe);
+    stale |= (u32)(w >> 32) != epoch;
+    bases[pe] = (u32)w;
+  }
+  const u32 unmasked = __ballot_sync(FULL_WARP_MASK, lane < R && masked == 0);
+  if (threadIdx.x == 0) sm.provisional = unmasked;
+  const bool any_stale = __syncthreads_and(stale ? 0 : 1) == 0;
+  const u32 provisional = sm.provisional;
+  if (!any_stale) scan(provisional);
+
+  // Expansion: work item = (source, token, 512-byte chunk), dealt over every warp of the grid, one item's
+  // payload chunk, entry and weight loaded one item ahead, so that a warp's items (~1.7 per warp at 128
+  // tokens x 2 ranks) are not a chain of L2 round trips: the next item's loads fly during this one's stores.
+  const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+  const u32 stride = gridDim.x * LL_WARPS;
+  const u32 first_item = blockIdx.x * LL_WARPS + warp_id();
+  struct Item {
+    u32 p, t, c;
+  };
+  struct Ahead {
+    u32x4 v;
+    u32 entry;
+    u32 w;
+  };
+  // `checked`: only items of a used source below its token count are loaded (the others come back empty).
+  auto load_item = [&](const Item& it, bool checked) {
+    Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
+    if (checked && (sm.ok[it.p] == 0 || it.t >= sm.ntok[it.p])) return l;
+    const u8* msg = region + a.off_rows + ((u64)it.p * TM + it.t) * a.row_stride;
+    const u32 off = it.c * CHUNK_BYTES + lane * VEC_BYTES;
+    if (off < PAYLOAD_BYTES) l.v = ptx::ld_cg_v4(msg + off);
+    if (lane < LL_TOPK) {
+      const u64 at = (((u64)it.p * TM + it.t) * LL_TOPK + lane) * 4;
+      l.entry = ptx::ld_cg_u32(region + a.off_entries + at);
+      if (it.c == 0 && has_weights) l.w = ptx::ld_cg_u32(region + a.off_weights + at);
+    }
+    return l;
+  };
+  // One item: one store of the chunk into recv_x[e][base + rank] per selected local expert; chunk 0 also the
+  // scales, the handle rows and weights and DeepEP's src_info.
+  auto expand = [&](const Item& it, const Ahead& cur) {
+    const u32 p = it.p, t = it.t, c = it.c;
+    if (sm.ok[p] == 0 || t >= sm.ntok[p]) return;
       const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
       const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
       const bool active = off < PAYLOAD_BYTES;
@@ -410,7 +372,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
         }
       }
       const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
-      if (valid == 0) continue;
+      if (valid == 0) return;
       u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
       for (u32 m = valid; m != 0; m &= m - 1) {
         const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
@@ -458,7 +420,92 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
         }
       }
 #endif
+  };
+  // The two item spaces: this rank's own items (token, chunk), and the peers' (peer, token, chunk), the
+  // peers in rank order without this rank.
+  const u32 own_tokens = a.num_tokens < TM ? a.num_tokens : TM;
+  const u32 own_count = own_tokens * RECV_CHUNKS, peer_count = (R - 1) * TM * RECV_CHUNKS;
+  auto item_of = [&](bool own, u32 i) {
+    if (own) return Item{a.rank, i / RECV_CHUNKS, i % RECV_CHUNKS};
+    const u32 per_source = TM * RECV_CHUNKS;
+    const u32 q = i / per_source, st = i % per_source;
+    return Item{q >= a.rank ? q + 1 : q, st / RECV_CHUNKS, st % RECV_CHUNKS};
+  };
+  const Ahead none = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
+  // This warp's items i = first_item, first_item + stride, ... of one space, the first one's loads given.
+  auto run_items = [&](bool own, Ahead first) {
+    const u32 count = own ? own_count : peer_count;
+    Ahead next = first;
+    for (u32 i = first_item; i < count; i += stride) {
+      const Ahead cur = next;
+      if (i + stride < count) next = load_item(item_of(own, i + stride), true);
+      expand(item_of(own, i), cur);
     }
+  };
+  auto first_of = [&](bool own, bool checked) { return first_item < (own ? own_count : peer_count) ? load_item(item_of(own, first_item), checked) : none; };
+
+  // This rank's own rows first: its own blocks stored them, so they are complete with its own arrivals (well
+  // before a peer's flag can be seen), and the provisional scan placed them; a block that rescans below
+  // expands them again, one that had no provisional scan expands them after the peers'. Either way a block
+  // takes the same share of the own items (and of the peers' items) as every other block.
+  SourceState source = {false, 0};
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  if (warp_id() == 0 && lane == a.rank) {
+    u64 no_status;
+    source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
+                            me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
+    sm.ok[lane] = source.used ? 1u : 0u;
+    sm.ntok[lane] = own_tokens;
+  }
+  __syncthreads();
+  const bool own_first = sm.abort == 0 && !any_stale && ((provisional >> a.rank) & 1u) != 0 && sm.ok[a.rank] != 0;
+  if (own_first) run_items(true, first_of(true, false));
+
+  if (warp_id() == 0 && lane < R && lane != a.rank) {
+    u64 no_status;
+    source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
+                            me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
+  }
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_RECV_SEEN);
+
+  if (sm.abort == 0) {
+    // The peers' items. The first one's loads fly with warp 0's metadata loads (whichever source it belongs
+    // to: an item of a source found unused is skipped, its values unused).
+    const Ahead first = first_of(false, false);
+    if (warp_id() == 0) {
+      SourceMeta meta = {};
+      if (lane < R && source.used) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
+      dispatch_check_sources(a, sm, source, meta);
+      const u32 used = __ballot_sync(FULL_WARP_MASK, lane < R && sm.ok[lane] != 0);
+      if (lane == 0) {
+        sm.used = used;
+        sm.rescan = any_stale || used != provisional ? 1u : 0u;
+      }
+    }
+    __syncthreads();
+    const bool rescan = sm.rescan != 0;
+    if (rescan) {
+      // The counts again (those not there before are now: the flags order them); a source dropped counts 0.
+      for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) bases[pe] = (u32)ptx::ld_relaxed_sys_u64(counts + pe);
+      __syncthreads();
+      scan(sm.used);
+      __syncthreads();
+    }
+    if (blockIdx.x == 0) {
+      if (threadIdx.x < R) {
+        reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x] = sm.ntok[threadIdx.x];
+        reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
+      }
+      for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
+        reinterpret_cast<i32*>(a.recv_count)[e] = (i32)totals[e];
+        if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)totals[e];
+      }
+    }
+    ll_trace(sm, LL_TRACE_RECV_INDEXED);
+    run_items(false, first);
+    // Own rows not placed yet, or placed by a scan that did not hold (a source before this rank dropped).
+    if (!own_first || rescan) run_items(true, first_of(true, true));
   }
 
   ll_recv_end(a, sm, epoch);

@@ -239,7 +239,6 @@ pub struct LlCtrl {
     pub combine_consumed: [[[LlArriveLine; LL_ARRIVE_LANES]; MAX_RANKS]; 2],
     pub dispatch_meta: [[LlMeta; MAX_RANKS]; 2],
     pub combine_meta: [[LlMeta; MAX_RANKS]; 2],
-    pub dispatch_ready: [[u32; MAX_RANKS]; 2],
     pub mask: [u32; MAX_RANKS],
     pub pad1: [u32; 8],
 }
@@ -401,7 +400,8 @@ pub struct DispatchRegion {
     pub entries: usize,
     /// `f32 [R][T_max][K]`.
     pub weights: usize,
-    /// `u32 [R][E_local]`: tokens each source sends each local expert.
+    /// `u64 [R][E_local]`: tokens each source sends each local expert, tagged with the call's epoch
+    /// (`epoch << 32 | count`).
     pub counts: usize,
     /// `[R][T_max][row_stride]`.
     pub rows: usize,
@@ -468,7 +468,7 @@ impl LlLayout {
         let entries_bytes = align(pairs.checked_mul(4)?)?;
         let row_stride = h.checked_mul(2)?.checked_next_multiple_of(16)?;
         let rows_bytes = r.checked_mul(tm)?.checked_mul(row_stride)?;
-        let counts_bytes = align(r.checked_mul(el)?.checked_mul(4)?)?;
+        let counts_bytes = align(r.checked_mul(el)?.checked_mul(8)?)?;
         let rows_at = (2 * entries_bytes).checked_add(counts_bytes)?;
         let dispatch = DispatchRegion {
             entries: 0,
@@ -529,7 +529,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<LlMeta>(), 64);
         assert_eq!(std::mem::offset_of!(LlMeta, status), 48);
         let arrive = 2 * MAX_RANKS * LL_ARRIVE_LANES * 128;
-        assert_eq!(LlCtrl::BYTES, 64 + 2 * 4 * MAX_RANKS + 4 * arrive + 2 * 2 * 64 * MAX_RANKS + 2 * 4 * MAX_RANKS + 4 * MAX_RANKS + 32);
+        assert_eq!(LlCtrl::BYTES, 64 + 2 * 4 * MAX_RANKS + 4 * arrive + 2 * 2 * 64 * MAX_RANKS + 4 * MAX_RANKS + 32);
         assert_eq!(std::mem::offset_of!(LlCtrl, decision), 64);
         for (name, offset) in [
             ("dispatch_arrive", std::mem::offset_of!(LlCtrl, dispatch_arrive)),
@@ -553,7 +553,7 @@ mod tests {
         assert_eq!(l.dispatch.entries, 0);
         assert_eq!(l.dispatch.weights, 16384, "entries: 4 x 128 x 8 ids");
         assert_eq!(l.dispatch.counts, 2 * 16384);
-        assert_eq!(l.dispatch.rows, 2 * 16384 + 4096, "counts: 4 x 72 words, one aligned page");
+        assert_eq!(l.dispatch.rows, 2 * 16384 + 4096, "counts: 4 x 72 tagged words, one aligned page");
         assert_eq!(l.dispatch.bytes, 2 * 16384 + 4096 + 512 * 14336);
         assert_eq!(l.combine_bytes, 1024 * 14336, "per-expert mode: 128 x 8 rows");
         assert_eq!(l.dispatch_at, [0, l.dispatch.bytes]);
@@ -589,7 +589,7 @@ mod tests {
             let l = LlLayout::new(r, tm, h, k, e).unwrap();
             let el = e / r;
             let d = l.dispatch;
-            assert!(d.weights - d.entries >= r * tm * k * 4 && d.counts - d.weights >= r * tm * k * 4 && d.rows - d.counts >= r * el * 4);
+            assert!(d.weights - d.entries >= r * tm * k * 4 && d.counts - d.weights >= r * tm * k * 4 && d.rows - d.counts >= r * el * 8);
             assert!(d.bytes >= d.rows + r * tm * d.row_stride);
             assert!(d.row_stride >= 2 * h && d.row_stride >= h + h / 32 && d.row_stride % 16 == 0);
             assert!(l.combine_bytes >= (r * tm).max(tm * k) * 2 * h);
