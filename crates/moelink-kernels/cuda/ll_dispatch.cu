@@ -318,6 +318,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   const bool any_stale = __syncthreads_and(stale ? 0 : 1) == 0;
   const u32 provisional = sm.provisional;
   if (!any_stale) scan(provisional);
+  ll_trace(sm, LL_TRACE_RECV_COUNTED);
 
   // Expansion: work item = (source, token, 512-byte chunk), dealt over every warp of the grid, one item's
   // payload chunk, entry and weight loaded one item ahead, so that a warp's items (~1.7 per warp at 128
@@ -458,8 +459,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     sm.ntok[lane] = own_tokens;
   }
   __syncthreads();
-  const bool own_first = sm.abort == 0 && !any_stale && ((provisional >> a.rank) & 1u) != 0 && sm.ok[a.rank] != 0;
+  const bool own_first = !LL_OWN_LATE && sm.abort == 0 && !any_stale && ((provisional >> a.rank) & 1u) != 0 && sm.ok[a.rank] != 0;
   if (own_first) run_items(true, first_of(true, false));
+  ll_trace(sm, LL_TRACE_RECV_OWN);
 
   if (warp_id() == 0 && lane < R && lane != a.rank) {
     u64 no_status;

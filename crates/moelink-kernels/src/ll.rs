@@ -39,9 +39,9 @@ pub const LL_HINT_TOPK: usize = 16;
 /// Timing trace (`moelink::KernelTracing::low_latency`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
 /// `ll.cuh`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
 /// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
-pub const LL_TRACE_WORDS: usize = 12;
+pub const LL_TRACE_WORDS: usize = 14;
 pub const LL_TRACE_CALLS: usize = 16;
-pub const LL_TRACE_POINTS: [&str; 12] = [
+pub const LL_TRACE_POINTS: [&str; 14] = [
     "start",
     "send_ready",
     "send_issued",
@@ -54,6 +54,8 @@ pub const LL_TRACE_POINTS: [&str; 12] = [
     "recv_indexed",
     "send_built",
     "send_routed",
+    "recv_counted",
+    "recv_own",
 ];
 
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
@@ -70,10 +72,14 @@ pub mod experiment {
     /// The last block of a send phase arrives at every rank for the whole grid, instead of every block on
     /// its own (results stay right).
     pub const LAST_ARRIVES: u32 = 4;
+    /// The dispatch receive expands this rank's own rows after the peers' flags, with the peers' rows,
+    /// instead of before them (results stay right).
+    pub const OWN_LATE: u32 = 8;
     /// Experiments whose results are wrong by design.
     pub const WRONG_RESULTS: u32 = LOCAL_STORES | NO_LOADS;
     /// Every experiment by name (`MOELINK_LL_EXPERIMENT`'s words).
-    pub const NAMES: [(&str, u32); 3] = [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES)];
+    pub const NAMES: [(&str, u32); 4] =
+        [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES), ("own_late", OWN_LATE)];
 
     /// The comma-separated names of `bits` (`""` for none).
     pub fn names(bits: u32) -> String {
@@ -188,7 +194,7 @@ impl LlVariant {
             }
         }
         // Every experiment compiles (at DeepEP's benchmark shape, where they are used).
-        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES] {
+        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES, experiment::OWN_LATE] {
             v.push(LlVariant { experiment: bits, ..LlVariant::new(7168, 8, true) });
         }
         v
@@ -663,6 +669,7 @@ mod tests {
             ("LL_EXP_LOCAL_STORES", experiment::LOCAL_STORES),
             ("LL_EXP_NO_LOADS", experiment::NO_LOADS),
             ("LL_EXP_LAST_ARRIVES", experiment::LAST_ARRIVES),
+            ("LL_EXP_OWN_LATE", experiment::OWN_LATE),
             ("LL_PROBLEM_TOPK_IDX", problem::TOPK_IDX),
             ("LL_PROBLEM_TOPK_IDX_DIFFERS", problem::TOPK_IDX_DIFFERS),
             ("LL_PROBLEM_WEIGHTS_DIFFER", problem::WEIGHTS_DIFFER),
