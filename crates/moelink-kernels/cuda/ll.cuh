@@ -499,25 +499,27 @@ struct SourceState {
 // that all blocks use or drop p's data alike even when they looked at different moments (p masked
 // meanwhile, flag arriving late); a peer decided absent is masked for later calls.
 // `poll` false (shrink mode, p already found absent by an earlier wait of this block): p is resolved as
-// after a missed deadline, without waiting again.
+// after a missed deadline, without waiting again. `local` (p is this rank: its writers share this GPU): the
+// acquire is a GPU-scope fence. The mask word and the first look at the arrivals are loaded together.
 __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive, const u64* status, u64& status_seen, u32 epoch, u32 target,
                                                       u32* mask, u32* decision, u32 p, const Deadline& d, bool soft, LlShared& sm,
-                                                      bool poll = true) {
+                                                      bool poll = true, bool local = false) {
   SourceState s = {false, 0};
   status_seen = 0;
-  const bool masked = ptx::ld_relaxed_gpu(mask + p) != 0;
+  // Until the status word is this call's, the sum reads as short of the target.
+  auto read = [&] {
+    const u32 sum = ll_arrivals(arrive);
+    if (status == nullptr) return sum;
+    status_seen = ptx::ld_relaxed_sys_u64(status);
+    return ll_status_current(status_seen, epoch) ? sum : target - 1u;
+  };
+  const u32 mask_word = ptx::ld_relaxed_gpu(mask + p);
+  const u32 first = poll ? read() : target - 1u;
+  const bool masked = mask_word != 0;
   u32 w = LL_WAIT_TIMEOUT;
   if (!masked && poll) {
     const u64 start = ptx::globaltimer();
-    // Until the status word is this call's, the sum reads as short of the target.
-    w = ll_wait_geq(
-        [&] {
-          const u32 sum = ll_arrivals(arrive);
-          if (status == nullptr) return sum;
-          status_seen = ptx::ld_relaxed_sys_u64(status);
-          return ll_status_current(status_seen, epoch) ? sum : target - 1u;
-        },
-        target, d, p, soft);
+    w = (i32)(first - target) >= 0 ? LL_WAIT_SEEN : ll_wait_geq(read, target, d, p, soft);
     s.waited_ns = ptx::globaltimer() - start;
   }
   if (w == LL_WAIT_FAILED) {
@@ -530,7 +532,10 @@ __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive
     if (!seen && !masked) ptx::st_relaxed_gpu(mask + p, 1);
   }
   if (seen) {
-    ptx::fence_acq_rel_sys();
+    if (local)
+      ptx::fence_acq_rel_gpu();
+    else
+      ptx::fence_acq_rel_sys();
     // Decided seen by another block: the word is this call's now (written before p's arrivals).
     if (status != nullptr && !ll_status_current(status_seen, epoch)) status_seen = ptx::ld_relaxed_sys_u64(status);
   }

@@ -282,6 +282,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   u32* bases = sm.words;             // [R][EL]: first each pair's count, then its base
   u32* totals = sm.words + R * EL;  // [EL]: rows of each local expert (E + EL <= LL_SMEM_WORDS)
   const u64* counts = reinterpret_cast<const u64*>(region + a.off_counts);
+  const u32 own_tokens = a.num_tokens < TM ? a.num_tokens : TM;
   // Each expert's exclusive scan over the sources `used` (bit p), and its total; block 0 also writes DeepEP's
   // layout_range from it (a source not used, e.g. masked, counts 0). `bases` holds the counts before.
   auto scan = [&](u32 used) {
@@ -306,6 +307,17 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   if (warp_id() == 0) {
     if (lane == 0) sm.abort = 0;
     if (lane < R) masked = ptx::ld_relaxed_gpu(me->mask + lane) != 0 ? 1u : 0u;
+  }
+  // This rank's own arrivals, waited for first (normally complete
+  // already: one round trip, with the mask words), then the counts.
+  SourceState source = {false, 0};
+  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
+  if (warp_id() == 0 && lane == a.rank) {
+    u64 no_status;
+    source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
+                            me->decision[LL_KIND_DISPATCH], lane, d, soft, sm, true, true);
+    sm.ok[lane] = source.used ? 1u : 0u;
+    sm.ntok[lane] = own_tokens;
   }
   bool stale = false;
   for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
@@ -424,7 +436,6 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   };
   // The two item spaces: this rank's own items (token, chunk), and the peers' (peer, token, chunk), the
   // peers in rank order without this rank.
-  const u32 own_tokens = a.num_tokens < TM ? a.num_tokens : TM;
   const u32 own_count = own_tokens * RECV_CHUNKS, peer_count = (R - 1) * TM * RECV_CHUNKS;
   auto item_of = [&](bool own, u32 i) {
     if (own) return Item{a.rank, i / RECV_CHUNKS, i % RECV_CHUNKS};
@@ -449,15 +460,6 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   // before a peer's flag can be seen), and the provisional scan placed them; a block that rescans below
   // expands them again, one that had no provisional scan expands them after the peers'. Either way a block
   // takes the same share of the own items (and of the peers' items) as every other block.
-  SourceState source = {false, 0};
-  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  if (warp_id() == 0 && lane == a.rank) {
-    u64 no_status;
-    source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
-                            me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
-    sm.ok[lane] = source.used ? 1u : 0u;
-    sm.ntok[lane] = own_tokens;
-  }
   __syncthreads();
   const bool own_first = !LL_OWN_LATE && sm.abort == 0 && !any_stale && ((provisional >> a.rank) & 1u) != 0 && sm.ok[a.rank] != 0;
   if (own_first) run_items(true, first_of(true, false));
