@@ -109,13 +109,9 @@ constexpr u32 LL_EXP_NO_LOADS = 2;
 // counter, once for all blocks (after a system fence), instead of by every block on its own
 // (ll_send_arrive).
 constexpr u32 LL_EXP_LAST_ARRIVES = 4;
-// own_late (results stay right): the dispatch receive expands this rank's own rows after the peers' flags,
-// with the peers' rows, instead of before them.
-constexpr u32 LL_EXP_OWN_LATE = 8;
 constexpr bool LL_LOCAL_STORES = (LL_EXPERIMENT & LL_EXP_LOCAL_STORES) != 0;
 constexpr bool LL_NO_LOADS = (LL_EXPERIMENT & LL_EXP_NO_LOADS) != 0;
 constexpr bool LL_LAST_ARRIVES = (LL_EXPERIMENT & LL_EXP_LAST_ARRIVES) != 0;
-constexpr bool LL_OWN_LATE = (LL_EXPERIMENT & LL_EXP_OWN_LATE) != 0;
 
 // Argument problems (LlMeta::problem, LlReport): bits, each naming one argument on the host.
 constexpr u32 LL_PROBLEM_TOPK_IDX = 1;            // dispatch: an id outside [-1, E) or an expert twice in a row
@@ -146,9 +142,7 @@ constexpr u32 LL_TRACE_INDEX_CHECKED = 8;  // dispatch send, block 0 (dispatch_c
 constexpr u32 LL_TRACE_RECV_INDEXED = 9;  // dispatch receive: counts scanned into bases
 constexpr u32 LL_TRACE_SEND_BUILT = 10;   // send across nodes: the block's (last) message built in the staging
 constexpr u32 LL_TRACE_SEND_ROUTED = 11;  // send across nodes: the routing warp's (last) routing counted
-constexpr u32 LL_TRACE_RECV_COUNTED = 12;  // dispatch receive: the counts read and scanned, before any flag
-constexpr u32 LL_TRACE_RECV_OWN = 13;      // dispatch receive: this rank's own rows expanded, before the peers' flags
-constexpr u32 LL_TRACE_WORDS = 14;
+constexpr u32 LL_TRACE_WORDS = 12;
 constexpr u32 LL_TRACE_CALLS = 16;
 
 // The row of this launch and block (0 when tracing is off).
@@ -329,9 +323,6 @@ struct LlShared {
   u32 epoch;
   u32 prev_write;            // this rank's last call into the set before this launch (X_last_write[set] on entry)
   u32 recv_prev;             // recv: the sources' call into the set before this one (the hand-back's step)
-  u32 provisional;           // dispatch recv: the sources a block scans before the flags (bit p: unmasked)
-  u32 used;                  // dispatch recv: the sources used (bit p)
-  u32 rescan;                // dispatch recv: the provisional scan does not hold
   u32 abort;                 // a wait of this block failed: skip the data work
   u32 problem;
   u32 last;

@@ -20,7 +20,7 @@ __device__ __forceinline__ u32 rotate_ranks(u32 ranks, u32 by, u32 num_ranks) {
 // the rows (dispatch_rows), so this block is never on the critical path (a block 0 that builds every
 // destination's entries ends as late as the data, 10 us at 128 tokens, and is all of the critical path at
 // 1-16 tokens: MOELINK_LL_TRACE, bench/results/2026-11-21-4xnvidia-h200-bf7279e).
-__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm, u32 epoch) {
+__device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared& sm) {
   const u32 T = a.num_tokens, E = a.num_experts, R = a.num_ranks;
   const i64* idx = reinterpret_cast<const i64*>(a.topk_idx);
   const float* wts = reinterpret_cast<const float*>(a.topk_weights);
@@ -46,16 +46,14 @@ __device__ __forceinline__ void dispatch_check(const LlDispatchArgs& a, LlShared
   if (problem != 0) atomicOr(&sm.problem, problem);
   __syncthreads();
   // Counts: expert e = d * E_local + el goes to counts [me][el] of rank d (local_stores: the own region's
-  // counts [d][el]), tagged with the call's epoch in one 64-bit word, so that the receiver may read them
-  // before this rank's flag (its fence completes only with the rows' NVLink drain).
+  // counts [d][el]).
   constexpr bool local_stores = LL_LOCAL_STORES;
   const u32 EL = a.num_local_experts;
   for (u32 e = threadIdx.x; e < E; e += LL_THREADS) {
     const u32 n = sm.words[e];
     const u32 dest = e / EL, el = e % EL;
     u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : dest]);
-    u64* counts = reinterpret_cast<u64*>(region + a.off_counts);
-    ptx::st_relaxed_sys_u64(counts + (u64)(local_stores ? dest : a.rank) * EL + el, ((u64)epoch << 32) | n);
+    ptx::st_na_u32(region + a.off_counts + ((u64)(local_stores ? dest : a.rank) * EL + el) * 4, n);
   }
   __syncthreads();
   ll_trace(sm, LL_TRACE_INDEX_CHECKED);
@@ -208,7 +206,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchArgs& a, const Dea
         ptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
     }
   }
-  ll_send_phase(a, d, sm, epoch, [&] { dispatch_check(a, sm, epoch); },
+  ll_send_phase(a, d, sm, epoch, [&] { dispatch_check(a, sm); },
                 [&](u32 first_warp, u32 num_warps) { return dispatch_rows(a, first_warp, num_warps); });
 }
 
@@ -279,65 +277,34 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   // token bitmaps from all received ids takes every block 1.7-1.9 us after the flags at EP4, 128 tokens:
   // bench/results/2026-11-21-4xnvidia-h200-0a5e7b6).
   const u32 first_expert = a.rank * EL;
-  u32* bases = sm.words;             // [R][EL]: first each pair's count, then its base
-  u32* totals = sm.words + R * EL;  // [EL]: rows of each local expert (E + EL <= LL_SMEM_WORDS)
-  const u64* counts = reinterpret_cast<const u64*>(region + a.off_counts);
-  const u32 own_tokens = a.num_tokens < TM ? a.num_tokens : TM;
-  // Each expert's exclusive scan over the sources `used` (bit p), and its total; block 0 also writes DeepEP's
-  // layout_range from it (a source not used, e.g. masked, counts 0). `bases` holds the counts before.
-  auto scan = [&](u32 used) {
-    i64* layout_range = blockIdx.x == 0 ? reinterpret_cast<i64*>(a.layout_range) : nullptr;
-    for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
-      u32 run = 0;
-      for (u32 p = 0; p < R; p++) {
-        const u32 n = (used >> p) & 1u ? bases[p * EL + e] : 0u;
-        bases[p * EL + e] = run;
-        if (layout_range != nullptr) layout_range[(u64)e * R + p] = (i64)(((u64)run << 32) | n);
-        run += n;
-      }
-      totals[e] = run;
-    }
-  };
+  u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
+  const u32* counts = reinterpret_cast<const u32*>(region + a.off_counts);
 
-  // Before the rows' flags: the counts (tagged with the epoch: no flag needed; a source's check block stored
-  // them long before its last row) and a provisional scan over the unmasked sources, so that after the flags
-  // only the metadata check and the first item's payload (one round trip, together) stand before the first
-  // output. A source found unused after all, or counts not yet there, make the block scan again.
-  u32 masked = 0;
+  // Nothing before the flags: reading the counts or expanding the own rows while the peers' rows land
+  // (ready words, epoch-tagged counts) made every peer's flag visible ~1 us later (calls 95-97).
+  SourceState source = {false, 0};
   if (warp_id() == 0) {
     if (lane == 0) sm.abort = 0;
-    if (lane < R) masked = ptx::ld_relaxed_gpu(me->mask + lane) != 0 ? 1u : 0u;
+    __syncwarp();
+    if (lane < R) {
+      u64 no_status;
+      source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
+                              me->decision[LL_KIND_DISPATCH], lane, d, (a.flags & LL_FLAG_SHRINK) != 0, sm, true, lane == a.rank);
+    }
   }
-  // This rank's own arrivals, waited for first (normally complete
-  // already: one round trip, with the mask words), then the counts.
-  SourceState source = {false, 0};
-  const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
-  if (warp_id() == 0 && lane == a.rank) {
-    u64 no_status;
-    source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
-                            me->decision[LL_KIND_DISPATCH], lane, d, soft, sm, true, true);
-    sm.ok[lane] = source.used ? 1u : 0u;
-    sm.ntok[lane] = own_tokens;
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_RECV_SEEN);
+  if (sm.abort != 0) {
+    ll_recv_end(a, sm, epoch);
+    return;
   }
-  bool stale = false;
-  for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
-    const u64 w = ptx::ld_relaxed_sys_u64(counts + pe);
-    stale |= (u32)(w >> 32) != epoch;
-    bases[pe] = (u32)w;
-  }
-  const u32 unmasked = __ballot_sync(FULL_WARP_MASK, lane < R && masked == 0);
-  if (threadIdx.x == 0) sm.provisional = unmasked;
-  const bool any_stale = __syncthreads_and(stale ? 0 : 1) == 0;
-  const u32 provisional = sm.provisional;
-  if (!any_stale) scan(provisional);
-  ll_trace(sm, LL_TRACE_RECV_COUNTED);
 
   // Expansion: work item = (source, token, 512-byte chunk), dealt over every warp of the grid, one item's
   // payload chunk, entry and weight loaded one item ahead, so that a warp's items (~1.7 per warp at 128
   // tokens x 2 ranks) are not a chain of L2 round trips: the next item's loads fly during this one's stores.
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u32 stride = gridDim.x * LL_WARPS;
-  const u32 first_item = blockIdx.x * LL_WARPS + warp_id();
+  const u32 items = R * TM * RECV_CHUNKS;
   struct Item {
     u32 p, t, c;
   };
@@ -346,10 +313,15 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     u32 entry;
     u32 w;
   };
+  auto item_of = [&](u32 i) {
+    const u32 c = i % RECV_CHUNKS, st = i / RECV_CHUNKS;
+    return Item{st / TM, st % TM, c};
+  };
   // `checked`: only items of a used source below its token count are loaded (the others come back empty).
-  auto load_item = [&](const Item& it, bool checked) {
+  auto load_item = [&](u32 i, bool checked) {
     Ahead l = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
-    if (checked && (sm.ok[it.p] == 0 || it.t >= sm.ntok[it.p])) return l;
+    const Item it = item_of(i);
+    if (i >= items || (checked && (sm.ok[it.p] == 0 || it.t >= sm.ntok[it.p]))) return l;
     const u8* msg = region + a.off_rows + ((u64)it.p * TM + it.t) * a.row_stride;
     const u32 off = it.c * CHUNK_BYTES + lane * VEC_BYTES;
     if (off < PAYLOAD_BYTES) l.v = ptx::ld_cg_v4(msg + off);
@@ -434,82 +406,44 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       }
 #endif
   };
-  // The two item spaces: this rank's own items (token, chunk), and the peers' (peer, token, chunk), the
-  // peers in rank order without this rank.
-  const u32 own_count = own_tokens * RECV_CHUNKS, peer_count = (R - 1) * TM * RECV_CHUNKS;
-  auto item_of = [&](bool own, u32 i) {
-    if (own) return Item{a.rank, i / RECV_CHUNKS, i % RECV_CHUNKS};
-    const u32 per_source = TM * RECV_CHUNKS;
-    const u32 q = i / per_source, st = i % per_source;
-    return Item{q >= a.rank ? q + 1 : q, st / RECV_CHUNKS, st % RECV_CHUNKS};
-  };
-  const Ahead none = {u32x4{0, 0, 0, 0}, 0xffffffffu, 0};
-  // This warp's items i = first_item, first_item + stride, ... of one space, the first one's loads given.
-  auto run_items = [&](bool own, Ahead first) {
-    const u32 count = own ? own_count : peer_count;
-    Ahead next = first;
-    for (u32 i = first_item; i < count; i += stride) {
-      const Ahead cur = next;
-      if (i + stride < count) next = load_item(item_of(own, i + stride), true);
-      expand(item_of(own, i), cur);
-    }
-  };
-  auto first_of = [&](bool own, bool checked) { return first_item < (own ? own_count : peer_count) ? load_item(item_of(own, first_item), checked) : none; };
 
-  // This rank's own rows first: its own blocks stored them, so they are complete with its own arrivals (well
-  // before a peer's flag can be seen), and the provisional scan placed them; a block that rescans below
-  // expands them again, one that had no provisional scan expands them after the peers'. Either way a block
-  // takes the same share of the own items (and of the peers' items) as every other block.
+  // After the flags, one round trip brings what the expansion needs first: every warp's first item
+  // (whichever source it belongs to: an item of a source found unused is skipped, its values unused), the
+  // counts, and warp 0's metadata lines (loaded before the counts, checked after).
+  const u32 first_item = blockIdx.x * LL_WARPS + warp_id();
+  Ahead next = load_item(first_item, false);
+  SourceMeta meta = {};
+  if (warp_id() == 0 && lane < R && source.used) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
+  for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) bases[pe] = ptx::ld_cg_u32(counts + pe);
+  if (warp_id() == 0) dispatch_check_sources(a, sm, source, meta);
   __syncthreads();
-  const bool own_first = !LL_OWN_LATE && sm.abort == 0 && !any_stale && ((provisional >> a.rank) & 1u) != 0 && sm.ok[a.rank] != 0;
-  if (own_first) run_items(true, first_of(true, false));
-  ll_trace(sm, LL_TRACE_RECV_OWN);
-
-  if (warp_id() == 0 && lane < R && lane != a.rank) {
-    u64 no_status;
-    source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
-                            me->decision[LL_KIND_DISPATCH], lane, d, soft, sm);
-  }
-  __syncthreads();
-  ll_trace(sm, LL_TRACE_RECV_SEEN);
-
-  if (sm.abort == 0) {
-    // The peers' items. The first one's loads fly with warp 0's metadata loads (whichever source it belongs
-    // to: an item of a source found unused is skipped, its values unused).
-    const Ahead first = first_of(false, false);
-    if (warp_id() == 0) {
-      SourceMeta meta = {};
-      if (lane < R && source.used) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);
-      dispatch_check_sources(a, sm, source, meta);
-      const u32 used = __ballot_sync(FULL_WARP_MASK, lane < R && sm.ok[lane] != 0);
-      if (lane == 0) {
-        sm.used = used;
-        sm.rescan = any_stale || used != provisional ? 1u : 0u;
-      }
-    }
-    __syncthreads();
-    const bool rescan = sm.rescan != 0;
-    if (rescan) {
-      // The counts again (those not there before are now: the flags order them); a source dropped counts 0.
-      for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) bases[pe] = (u32)ptx::ld_relaxed_sys_u64(counts + pe);
-      __syncthreads();
-      scan(sm.used);
-      __syncthreads();
+  // Each expert's exclusive scan over the used sources; block 0 also writes DeepEP's layout_range from it
+  // (a source not used, e.g. masked, counts 0).
+  i64* layout_range = blockIdx.x == 0 ? reinterpret_cast<i64*>(a.layout_range) : nullptr;
+  for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
+    u32 run = 0;
+    for (u32 p = 0; p < R; p++) {
+      const u32 n = sm.ok[p] != 0 ? bases[p * EL + e] : 0u;
+      bases[p * EL + e] = run;
+      if (layout_range != nullptr) layout_range[(u64)e * R + p] = (i64)(((u64)run << 32) | n);
+      run += n;
     }
     if (blockIdx.x == 0) {
-      if (threadIdx.x < R) {
-        reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x] = sm.ntok[threadIdx.x];
-        reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
-      }
-      for (u32 e = threadIdx.x; e < EL; e += LL_THREADS) {
-        reinterpret_cast<i32*>(a.recv_count)[e] = (i32)totals[e];
-        if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)totals[e];
-      }
+      reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
+      if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
     }
-    ll_trace(sm, LL_TRACE_RECV_INDEXED);
-    run_items(false, first);
-    // Own rows not placed yet, or placed by a scan that did not hold (a source before this rank dropped).
-    if (!own_first || rescan) run_items(true, first_of(true, true));
+  }
+  if (blockIdx.x == 0 && threadIdx.x < R) {
+    reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x] = sm.ntok[threadIdx.x];
+    reinterpret_cast<u32*>(a.hmeta)[2 * threadIdx.x + 1] = sm.ok[threadIdx.x];
+  }
+  __syncthreads();
+  ll_trace(sm, LL_TRACE_RECV_INDEXED);
+
+  for (u32 i = first_item; i < items; i += stride) {
+    const Ahead cur = next;
+    next = load_item(i + stride, true);
+    expand(item_of(i), cur);
   }
 
   ll_recv_end(a, sm, epoch);

@@ -48,7 +48,7 @@ struct Layout {
     entries = 0;
     weights = eb;
     counts = 2 * eb;
-    rows = counts + align_up(r * el * 8, A);
+    rows = counts + align_up(r * el * 4, A);
     dispatch_bytes = align_up(rows + r * tm * row_stride, A);
     combine_bytes = align_up(std::max(r * tm, tm * k) * 2 * h, A);
     hweight = align_up(r * tm * k * 4, A);

@@ -39,9 +39,9 @@ pub const LL_HINT_TOPK: usize = 16;
 /// Timing trace (`moelink::KernelTracing::low_latency`): u64 words per block, and the point each word stamps (`LL_TRACE_*` in
 /// `ll.cuh`), in the order a block passes them. A kernel family's trace holds `2 * LL_TRACE_CALLS` launch
 /// slots (`(epoch % LL_TRACE_CALLS) * 2 + receive-only`) of `grid` rows of `LL_TRACE_WORDS`.
-pub const LL_TRACE_WORDS: usize = 14;
+pub const LL_TRACE_WORDS: usize = 12;
 pub const LL_TRACE_CALLS: usize = 16;
-pub const LL_TRACE_POINTS: [&str; 14] = [
+pub const LL_TRACE_POINTS: [&str; 12] = [
     "start",
     "send_ready",
     "send_issued",
@@ -54,8 +54,6 @@ pub const LL_TRACE_POINTS: [&str; 14] = [
     "recv_indexed",
     "send_built",
     "send_routed",
-    "recv_counted",
-    "recv_own",
 ];
 
 /// Names of the signature words, in the order the host checks them (`LlMeta::sig`).
@@ -72,14 +70,10 @@ pub mod experiment {
     /// The last block of a send phase arrives at every rank for the whole grid, instead of every block on
     /// its own (results stay right).
     pub const LAST_ARRIVES: u32 = 4;
-    /// The dispatch receive expands this rank's own rows after the peers' flags, with the peers' rows,
-    /// instead of before them (results stay right).
-    pub const OWN_LATE: u32 = 8;
     /// Experiments whose results are wrong by design.
     pub const WRONG_RESULTS: u32 = LOCAL_STORES | NO_LOADS;
     /// Every experiment by name (`MOELINK_LL_EXPERIMENT`'s words).
-    pub const NAMES: [(&str, u32); 4] =
-        [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES), ("own_late", OWN_LATE)];
+    pub const NAMES: [(&str, u32); 3] = [("local_stores", LOCAL_STORES), ("no_loads", NO_LOADS), ("last_arrives", LAST_ARRIVES)];
 
     /// The comma-separated names of `bits` (`""` for none).
     pub fn names(bits: u32) -> String {
@@ -194,7 +188,7 @@ impl LlVariant {
             }
         }
         // Every experiment compiles (at DeepEP's benchmark shape, where they are used).
-        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES, experiment::OWN_LATE] {
+        for bits in [experiment::LOCAL_STORES, experiment::NO_LOADS, experiment::LAST_ARRIVES] {
             v.push(LlVariant { experiment: bits, ..LlVariant::new(7168, 8, true) });
         }
         v
@@ -406,8 +400,7 @@ pub struct DispatchRegion {
     pub entries: usize,
     /// `f32 [R][T_max][K]`.
     pub weights: usize,
-    /// `u64 [R][E_local]`: tokens each source sends each local expert, tagged with the call's epoch
-    /// (`epoch << 32 | count`).
+    /// `u32 [R][E_local]`: tokens each source sends each local expert.
     pub counts: usize,
     /// `[R][T_max][row_stride]`.
     pub rows: usize,
@@ -474,7 +467,7 @@ impl LlLayout {
         let entries_bytes = align(pairs.checked_mul(4)?)?;
         let row_stride = h.checked_mul(2)?.checked_next_multiple_of(16)?;
         let rows_bytes = r.checked_mul(tm)?.checked_mul(row_stride)?;
-        let counts_bytes = align(r.checked_mul(el)?.checked_mul(8)?)?;
+        let counts_bytes = align(r.checked_mul(el)?.checked_mul(4)?)?;
         let rows_at = (2 * entries_bytes).checked_add(counts_bytes)?;
         let dispatch = DispatchRegion {
             entries: 0,
@@ -559,7 +552,7 @@ mod tests {
         assert_eq!(l.dispatch.entries, 0);
         assert_eq!(l.dispatch.weights, 16384, "entries: 4 x 128 x 8 ids");
         assert_eq!(l.dispatch.counts, 2 * 16384);
-        assert_eq!(l.dispatch.rows, 2 * 16384 + 4096, "counts: 4 x 72 tagged words, one aligned page");
+        assert_eq!(l.dispatch.rows, 2 * 16384 + 4096, "counts: 4 x 72 words, one aligned page");
         assert_eq!(l.dispatch.bytes, 2 * 16384 + 4096 + 512 * 14336);
         assert_eq!(l.combine_bytes, 1024 * 14336, "per-expert mode: 128 x 8 rows");
         assert_eq!(l.dispatch_at, [0, l.dispatch.bytes]);
@@ -595,7 +588,7 @@ mod tests {
             let l = LlLayout::new(r, tm, h, k, e).unwrap();
             let el = e / r;
             let d = l.dispatch;
-            assert!(d.weights - d.entries >= r * tm * k * 4 && d.counts - d.weights >= r * tm * k * 4 && d.rows - d.counts >= r * el * 8);
+            assert!(d.weights - d.entries >= r * tm * k * 4 && d.counts - d.weights >= r * tm * k * 4 && d.rows - d.counts >= r * el * 4);
             assert!(d.bytes >= d.rows + r * tm * d.row_stride);
             assert!(d.row_stride >= 2 * h && d.row_stride >= h + h / 32 && d.row_stride % 16 == 0);
             assert!(l.combine_bytes >= (r * tm).max(tm * k) * 2 * h);
@@ -669,7 +662,6 @@ mod tests {
             ("LL_EXP_LOCAL_STORES", experiment::LOCAL_STORES),
             ("LL_EXP_NO_LOADS", experiment::NO_LOADS),
             ("LL_EXP_LAST_ARRIVES", experiment::LAST_ARRIVES),
-            ("LL_EXP_OWN_LATE", experiment::OWN_LATE),
             ("LL_PROBLEM_TOPK_IDX", problem::TOPK_IDX),
             ("LL_PROBLEM_TOPK_IDX_DIFFERS", problem::TOPK_IDX_DIFFERS),
             ("LL_PROBLEM_WEIGHTS_DIFFER", problem::WEIGHTS_DIFFER),

@@ -43,13 +43,11 @@ macro_rules! emulate {
     )*};
 }
 
-// The last_arrives and own_late timing experiments keep results right: their builds (a JIT constant) run every
-// scenario too.
+// The last_arrives timing experiment keeps results right: its build (a JIT constant) runs every scenario too.
 emulate! {
     fp8_hidden_1024_top4: 1024, 4, true, 0;
     fp8_hidden_640_top3: 640, 3, true, 0;
     bf16_hidden_264_top2: 264, 2, false, 0;
     bf16_hidden_512_top8: 512, 8, false, 0;
     last_arrives_bf16_hidden_264_top2: 264, 2, false, experiment::LAST_ARRIVES;
-    own_late_fp8_hidden_640_top3: 640, 3, true, experiment::OWN_LATE;
 }
