@@ -489,12 +489,11 @@ struct SourceState {
 // in `status_seen`. Shrink mode: every block resolves p through the call's decision word (ll_decide), so
 // that all blocks use or drop p's data alike even when they looked at different moments (p masked
 // meanwhile, flag arriving late); a peer decided absent is masked for later calls.
-// `poll` false (shrink mode, p already found absent by an earlier wait of this block): p is resolved as
-// after a missed deadline, without waiting again. `local` (p is this rank: its writers share this GPU): the
-// acquire is a GPU-scope fence. The mask word and the first look at the arrivals are loaded together.
+// `local` (p is this rank: its writers share this GPU): the acquire is a GPU-scope fence. The mask word and the
+// first look at the arrivals are loaded together.
 __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive, const u64* status, u64& status_seen, u32 epoch, u32 target,
                                                       u32* mask, u32* decision, u32 p, const Deadline& d, bool soft, LlShared& sm,
-                                                      bool poll = true, bool local = false) {
+                                                      bool local = false) {
   SourceState s = {false, 0};
   status_seen = 0;
   // Until the status word is this call's, the sum reads as short of the target.
@@ -505,10 +504,10 @@ __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive
     return ll_status_current(status_seen, epoch) ? sum : target - 1u;
   };
   const u32 mask_word = ptx::ld_relaxed_gpu(mask + p);
-  const u32 first = poll ? read() : target - 1u;
+  const u32 first = read();
   const bool masked = mask_word != 0;
   u32 w = LL_WAIT_TIMEOUT;
-  if (!masked && poll) {
+  if (!masked) {
     const u64 start = ptx::globaltimer();
     w = (i32)(first - target) >= 0 ? LL_WAIT_SEEN : ll_wait_geq(read, target, d, p, soft);
     s.waited_ns = ptx::globaltimer() - start;
@@ -649,8 +648,8 @@ __device__ __forceinline__ void ll_send_phase(const Args& a, const Deadline& d, 
 // LL_ARRIVE_UNIT * e. No fence and no grid-wide counter: a hand-back orders the block's loads of its receive
 // region, and each load whose value counts completed before the barrier (the value was stored into an
 // output or decided a branch); the outputs are ordered by the kernel boundary. A last block of a grid-wide
-// counter publishing for all ended the kernel 1.1-1.4 us after the blocks' median
-// (bench/results/2026-11-29-2xnvidia-h200-a5af1bb-fresh-dispatch-split, call 90).
+// counter publishing for all ends the kernel 1.1-1.4 us after the blocks' median receive end
+// (bench/results/2026-11-30-2xnvidia-h200-15bc694-ll-receive).
 template <typename Args>
 __device__ __forceinline__ void ll_recv_end(const Args& a, LlShared& sm, u32 epoch) {
   __syncthreads();

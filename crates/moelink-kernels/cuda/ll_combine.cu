@@ -337,8 +337,8 @@ namespace moelink::low_latency {
 //         every rank (ll_send_arrive); the last one stores combine_epoch = last_write[set] = e.
 //   RECV  warp 0 of every block waits for every expert rank; work item (token, chunk) per warp: sum of the
 //         partials in ascending rank order (pre-reduced) or of w * y in ascending k (per expert), from +0.0
-//         in f32, one bf16 rounding, 16-byte store into out. Block 0: wait stats, report. Last block:
-//         consumed flags to every expert rank.
+//         in f32, one bf16 rounding, 16-byte store into out. Block 0: wait stats, report. Every
+//         block, once past its reads: its share of the hand-back to every expert rank (ll_recv_end).
 //   DRAIN consumed flags only (a dropped hook).
 //   reads:  y, topk_idx, topk_weights, handle area; own combine region; own LlCtrl.
 //   writes: every home rank's combine region and LlCtrl flags/metadata (send); out, stats, LlReport (recv).

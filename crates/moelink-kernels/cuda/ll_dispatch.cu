@@ -280,8 +280,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   u32* bases = sm.words;  // [R][EL]: first each pair's count, then its base
   const u32* counts = reinterpret_cast<const u32*>(region + a.off_counts);
 
-  // Nothing before the flags: reading the counts or expanding the own rows while the peers' rows land
-  // (ready words, epoch-tagged counts) made every peer's flag visible ~1 us later (calls 95-97).
+  // Nothing before the flags: loads or stores on this GPU while the peers' rows land (the counts read early,
+  // the own rows expanded first) make every peer's flag visible ~1 us later
+  // (bench/results/2026-11-30-2xnvidia-h200-15bc694-ll-receive).
   SourceState source = {false, 0};
   if (warp_id() == 0) {
     if (lane == 0) sm.abort = 0;
@@ -289,7 +290,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     if (lane < R) {
       u64 no_status;
       source = ll_wait_source(me->dispatch_arrive[a.set][lane], nullptr, no_status, epoch, epoch * LL_ARRIVE_UNIT, me->mask,
-                              me->decision[LL_KIND_DISPATCH], lane, d, (a.flags & LL_FLAG_SHRINK) != 0, sm, true, lane == a.rank);
+                              me->decision[LL_KIND_DISPATCH], lane, d, (a.flags & LL_FLAG_SHRINK) != 0, sm, lane == a.rank);
     }
   }
   __syncthreads();
@@ -467,7 +468,7 @@ namespace moelink::low_latency {
 //         token) order: base + the token's rank among the source's tokens of e), scales column-major,
 //         handle rows/weights and DeepEP's src_info (chunk 0); block 0: recv_count, cumulative stats, wait
 //         stats, DeepEP's layout_range, handle metadata, report.
-//         Last block: consumed flags to every source.
+//         Every block, once past its reads: its share of the hand-back to every source (ll_recv_end).
 //   DRAIN a receive phase that will never run (its hook was dropped): only the consumed flags.
 //   reads:  x, topk_idx, topk_weights; own receive region of the set; own LlCtrl.
 //   writes: every rank's receive region of the set (send) and LlCtrl flags/metadata; recv_x, recv_scales,
