@@ -369,13 +369,14 @@ __device__ __forceinline__ u32 local_of(u32 r) { return r % RANKS_PER_NODE; }
 __device__ __forceinline__ u64* rdma_word(const RdmaArgs& a, u64 off) { return reinterpret_cast<u64*>(a.local_base + off); }
 __device__ __forceinline__ u8* rdma_bytes(const RdmaArgs& a, u64 off) { return reinterpret_cast<u8*>(a.local_base + off); }
 
-// A warp copies `vecs` 16-byte vectors, COPY_UNROLL loads in flight per lane before their stores: a warp's
-// copy rate is its bytes in flight over the load latency (8 KB per ~0.7 us), and every row a role moves is
-// one warp's serial copy, so a 14 KB bf16 row takes two load latencies and an FP8 row one.
+// A warp copies `vecs` 16-byte vectors, U loads in flight per lane before their stores: a warp's copy rate is
+// its bytes in flight (U * 512 bytes) over the load latency, and every row a role moves is one warp's serial
+// copy, so a row takes one load latency per batch of U vectors a lane.
 constexpr u32 COPY_UNROLL = 8;
-template <bool SRC_READ_ONLY>
+// The dispatch rows' batches (more loads a lane would spill registers in the kernel's other roles).
+constexpr u32 ROW_UNROLL = COPY_UNROLL;
+template <u32 U, bool SRC_READ_ONLY>
 __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane) {
-  constexpr u32 U = COPY_UNROLL;
   for (u32 base = 0; base < vecs; base += U * WARP_SIZE) {
     u32x4 v[U];
 #pragma unroll

@@ -17,7 +17,7 @@ namespace hti_combine {
 
 // A received row `pos` (its bf16 payload, then its TOPK weights) into `row` of a forwarder's combine part.
 __device__ __forceinline__ void stage_combine_row(const HtiCombineArgs& a, u8* row, u32 pos, u32 lane) {
-  copy_vecs<true>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(a.x) + (u64)pos * (CPAYLOAD_BYTES / VEC_BYTES),
+  copy_vecs<COPY_UNROLL, true>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(a.x) + (u64)pos * (CPAYLOAD_BYTES / VEC_BYTES),
                   CPAYLOAD_BYTES / VEC_BYTES, lane);
   if (TOPK > 0 && lane < TOPK)
     reinterpret_cast<u32*>(row + CPAYLOAD_BYTES)[lane] = reinterpret_cast<const u32*>(a.topk_weights)[(u64)pos * TOPK + lane];
@@ -247,7 +247,7 @@ __device__ __forceinline__ void forward(const HtiCombineArgs& a, const Frame& f,
         // One rank of the node holds the token: its bf16 row goes home as it is (half the bytes of an fp32
         // partial; the reducer applies the tree's +0.0 padding, single_contributor_partial).
         constexpr u32 VECS = CPAYLOAD_BYTES / VEC_BYTES;
-        if (single) copy_vecs<false>(reinterpret_cast<u32x4*>(out), reinterpret_cast<const u32x4*>(row_of(__ffs(mask) - 1)), VECS, lane);
+        if (single) copy_vecs<COPY_UNROLL, false>(reinterpret_cast<u32x4*>(out), reinterpret_cast<const u32x4*>(row_of(__ffs(mask) - 1)), VECS, lane);
         // 8 channels (one bf16 vector) per lane and step: the node tree over the local ranks. A lane loads
         // the vectors of NODE_STEPS steps before it sums any (NODE_STEPS x ranks loads in flight): the sum
         // of a row is otherwise one load latency per step.

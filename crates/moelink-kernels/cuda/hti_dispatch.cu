@@ -77,25 +77,44 @@ __device__ __forceinline__ void flush_tallies(const HtiDispatchArgs& a, Role rol
   add_tallies(tally_counters(a, sender), s_tally, n);
 }
 
-// The meta word `w` of a dispatch row as local rank `j` of node `node` sees it (from the message `msg`).
-__device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const u8* msg, u32 w, u32 dst_rank, u32 round, u32 message) {
+// What meta word `w` of a dispatch row is made of, read from the message once for every local rank it goes
+// to: the global top-k id (ids and weights), the raw word (scales, weights, the token index).
+struct MetaIn {
+  i32 id;
+  u32 raw;
+};
+constexpr u32 META_ITERS = (META_WORDS + WARP_SIZE - 1) / WARP_SIZE;  // meta words per lane
+
+__device__ __forceinline__ MetaIn load_meta_in(const u8* msg, u32 w) {
   const u32* ids = reinterpret_cast<const u32*>(msg + MSG_IDS);
+  MetaIn m = {-1, 0u};
   if (w < META_SCALES) {
-    const i32 e = (i32)ids[w / 2];
-    const i64 first = (i64)dst_rank * a.num_local_experts;
-    const i64 local = e >= 0 && e >= first && e < first + (i64)a.num_local_experts ? (i64)e - first : -1;
+    m.id = (i32)ids[w / 2];
+  } else if (w < META_WEIGHTS) {
+    m.raw = reinterpret_cast<const u32*>(msg + MSG_SCALES)[w - META_SCALES];
+  } else if (w < META_SRC) {
+    m.id = (i32)ids[w - META_WEIGHTS];
+    m.raw = reinterpret_cast<const u32*>(msg + MSG_WEIGHTS)[w - META_WEIGHTS];
+  } else if (w == META_SRC) {
+    m.raw = reinterpret_cast<const u32*>(msg)[0];
+  }
+  return m;
+}
+
+// The meta word `w` as global rank `dst_rank` sees it: ids remapped to its local experts (-1 elsewhere, as
+// i64 in two words), weights zeroed where the id is -1 there; the message index and round for combine.
+__device__ __forceinline__ u32 meta_word(const HtiDispatchArgs& a, const MetaIn& m, u32 w, u32 dst_rank, u32 round, u32 message) {
+  if (w >= META_SCALES && w < META_WEIGHTS) return m.raw;
+  if (w == META_SRC) return m.raw;
+  if (w == META_MESSAGE) return message;
+  if (w == META_ROUND) return round;
+  const i64 first = (i64)dst_rank * a.num_local_experts;
+  const bool here = m.id >= 0 && m.id >= first && m.id < first + (i64)a.num_local_experts;
+  if (w < META_SCALES) {
+    const i64 local = here ? (i64)m.id - first : -1;
     return (w & 1u) != 0u ? (u32)((u64)local >> 32) : (u32)(u64)local;
   }
-  if (w < META_WEIGHTS) return reinterpret_cast<const u32*>(msg + MSG_SCALES)[w - META_SCALES];
-  if (w < META_SRC) {
-    const i32 e = (i32)ids[w - META_WEIGHTS];
-    const i64 first = (i64)dst_rank * a.num_local_experts;
-    const bool here = e >= 0 && e >= first && e < first + (i64)a.num_local_experts;
-    return here ? reinterpret_cast<const u32*>(msg + MSG_WEIGHTS)[w - META_WEIGHTS] : 0u;
-  }
-  if (w == META_SRC) return reinterpret_cast<const u32*>(msg)[0];
-  if (w == META_MESSAGE) return message;
-  return round;
+  return here ? m.raw : 0u;
 }
 
 // Checks token t's is_token_in_rank row (through the prefix) against the ranks of its top-k experts (TOPK
@@ -353,24 +372,34 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
+        // The header, the slots and the meta words' sources in one round trip, before the payload: a load
+        // issued after the row's stores waits for them (the row may alias the message, as far as the
+        // compiler knows), a round trip per batch of meta words.
         const u32 tag = reinterpret_cast<const u32*>(msg)[2];
+        const u32 mask = reinterpret_cast<const u32*>(msg)[1];
+        i32 slot = -1;
+        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i32*>(msg + MSG_SLOTS)[lane];
+        MetaIn meta[META_ITERS];
+#pragma unroll
+        for (u32 i = 0; i < META_ITERS; i++)
+          if (lane + i * WARP_SIZE < META_WORDS) meta[i] = load_meta_in(msg, lane + i * WARP_SIZE);
         if (tag != MSG_TAG) {
           if (lane == 0) raise_error(dr, ERR_PEER_LAYOUT, s, ((u64)tag << 32) | MSG_TAG);
           return;
         }
-        const u32 mask = reinterpret_cast<const u32*>(msg)[1];
-        i32 slot = -1;
-        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i32*>(msg + MSG_SLOTS)[lane];
         if (__any_sync(FULL_WARP_MASK, slot >= 0 && !handed_back) && !wait_handed_back()) return;
         __syncwarp();
         for (u32 todo = mask; todo != 0u; todo &= todo - 1) {
           const u32 j = __ffs(todo) - 1;
           const u32 slot_j = (u32)__shfl_sync(FULL_WARP_MASK, slot, j);
           u8* row = reinterpret_cast<u8*>(a.nvl.base[j] + a.nvl.off_dparts + (u64)s * a.nvl.part_bytes) + (u64)(slot_j % M) * ROW_BYTES;
-          copy_vecs<false>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(msg + MSG_PAYLOAD), PAYLOAD_VECS, lane);
+          copy_vecs<ROW_UNROLL, false>(reinterpret_cast<u32x4*>(row), reinterpret_cast<const u32x4*>(msg + MSG_PAYLOAD), PAYLOAD_VECS, lane);
           const u32 dst_rank = f.me_node * RANKS_PER_NODE + j;
-          for (u32 w = lane; w < META_WORDS; w += WARP_SIZE)
-            reinterpret_cast<u32*>(row + PAYLOAD_BYTES)[w] = meta_word(a, msg, w, dst_rank, k, g + m);
+#pragma unroll
+          for (u32 i = 0; i < META_ITERS; i++) {
+            const u32 w = lane + i * WARP_SIZE;
+            if (w < META_WORDS) reinterpret_cast<u32*>(row + PAYLOAD_BYTES)[w] = meta_word(a, meta[i], w, dst_rank, k, g + m);
+          }
         }
         if (lane < RANKS_PER_NODE && slot >= 0) {
           if (pending == 0) pending_from = (u32)slot;
@@ -427,10 +456,22 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
 __device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& f, u32 s, u32 slot, u32 pos, u32 lane) {
   const u8* row = reinterpret_cast<const u8*>(a.nvl.base[f.me_local] + a.nvl.off_dparts + (u64)s * a.nvl.part_bytes) +
                   (u64)(slot % f.round_tokens) * ROW_BYTES;
-  copy_vecs<false>(reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, reinterpret_cast<const u32x4*>(row), PAYLOAD_VECS, lane);
+  // The meta words (and lane 0 the route's two) are loaded with the payload's first batch, not after its
+  // stores: one round trip per row instead of one per batch of words.
   const u32* meta = reinterpret_cast<const u32*>(row + PAYLOAD_BYTES);
-  for (u32 w = lane; w < META_WORDS; w += WARP_SIZE) {
-    const u32 v = meta[w];
+  u32 words[META_ITERS];
+#pragma unroll
+  for (u32 i = 0; i < META_ITERS; i++)
+    if (lane + i * WARP_SIZE < META_WORDS) words[i] = meta[lane + i * WARP_SIZE];
+  u64 route = 0;
+  if (lane == 0) route = ((u64)meta[META_ROUND] << 32) | meta[META_MESSAGE];
+  copy_vecs<ROW_UNROLL, false>(reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, reinterpret_cast<const u32x4*>(row), PAYLOAD_VECS,
+                               lane);
+#pragma unroll
+  for (u32 i = 0; i < META_ITERS; i++) {
+    const u32 w = lane + i * WARP_SIZE;
+    if (w >= META_WORDS) continue;
+    const u32 v = words[i];
     if (w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && v < a.num_local_experts)
       tally(a, false, v);
     if (w < META_SCALES) reinterpret_cast<u32*>(a.recv_topk_idx)[(u64)pos * 2 * TOPK + w] = v;
@@ -438,10 +479,7 @@ __device__ __forceinline__ void copy_out(const HtiDispatchArgs& a, const Frame& 
     else if (w < META_SRC) reinterpret_cast<u32*>(a.recv_topk_weights)[(u64)pos * TOPK + (w - META_WEIGHTS)] = v;
     else if (w == META_SRC && a.recv_src_idx != 0) reinterpret_cast<u32*>(a.recv_src_idx)[pos] = v;
   }
-  if (lane == 0) {
-    const u64 route = ((u64)meta[META_ROUND] << 32) | meta[META_MESSAGE];
-    reinterpret_cast<u64*>(a.recv_route)[pos] = route;
-  }
+  if (lane == 0) reinterpret_cast<u64*>(a.recv_route)[pos] = route;
 }
 
 // Receiver warp `w` of `n`: lane i serves source s = w + i * n (one lane per source: n >= R / 32). Sources
