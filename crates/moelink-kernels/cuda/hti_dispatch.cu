@@ -173,139 +173,165 @@ __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane
   copy_notify_expected(expected, reinterpret_cast<const volatile u32*>(a.host_notify), HN_READY, HN_PER_EXPERT, a.num_local_experts, lane);
 }
 
-// Sender warp: tokens one at a time from the call's counter, in order. A chunk of Q tokens goes out as soon
-// as its tokens are staged, by whichever warp stages its last one (a chunk never straddles a round: M is a
-// multiple of Q): several warps stage a chunk at once, so the first put leaves about one token's staging
-// time after the launch, and the puts follow the token order. Lane b < N handles node b's hand-back wait,
-// message range and put.
+// Sender warp: SEND_GROUP consecutive tokens at a time from the call's counter, in order. A chunk of Q tokens
+// goes out as soon as its tokens are staged, by whichever warp stages its last one (a chunk never straddles a
+// round: M is a multiple of Q): several warps stage a chunk at once, so the first put leaves about one group's
+// staging time after the launch, and the puts follow the token order. A group's tokens are staged one after
+// the other and released by one fence and one count per chunk they fall in: the counter's round trip, the
+// fence's wait for the stores to land and the count's round trip are paid once per group, not per token (they
+// were most of a token's ~10 us at 2x1). Lane b < N handles node b's hand-back wait, message range and put.
+constexpr u32 SEND_GROUP = 2;
+
+// Stages token t (round k, which starts at token round_start) into the message of every node it reaches:
+// the layout check, the header, slots, top-k entries and scales, then the payload.
+__device__ __forceinline__ void stage_token(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr, u32 t, u32 round_start, u32 lane) {
+  const i32* prefix = f.routing + f.at.prefix;
+  const i32* node_prefix = f.routing + f.at.node_prefix;
+  const u8* x = reinterpret_cast<const u8*>(a.x);
+  check_token_ranks(a, f, prefix, t, lane, dr);
+  u32 m = 0;
+  bool in = false;
+  if (lane < NUM_NODES) {
+    const i32 p0 = node_prefix[(u64)t * NUM_NODES + lane], p1 = node_prefix[(u64)(t + 1) * NUM_NODES + lane];
+    in = p1 > p0;
+    m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
+  }
+  const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
+  // What every node's message of t carries, read once: lane k < TOPK its top-k entry, lane i scales
+  // i, i + 32, ...
+  i32 id = -1;
+  u32 weight = 0;
+  if (TOPK > 0 && lane < TOPK) {
+    id = (i32)reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
+    weight = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
+  }
+  constexpr u32 SCALES_PER_LANE = (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE;
+  u32 scale[SCALES_PER_LANE > 0 ? SCALES_PER_LANE : 1];
+#pragma unroll
+  for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+    const u32 g = lane + i * WARP_SIZE;
+    if (g < NUM_SCALES) scale[i] = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
+  }
+  u64 node_msg = 0;  // lane b: where node b's message goes
+  for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
+    const u32 b = __ffs(todo) - 1;
+    const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
+    // In place at the rail peer where stores reach it, else staged for the put.
+    u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
+                           a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
+                  .ptr;
+    if (lane == b) node_msg = reinterpret_cast<u64>(msg);
+    // Head and slots: lane j < L gives the slot at (b, j).
+    u32 mask = 0;
+    if (lane < RANKS_PER_NODE) {
+      const u32 r = b * RANKS_PER_NODE + lane;
+      const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
+      reinterpret_cast<i32*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? s0 : -1;
+      mask = s1 > s0 ? 1u : 0u;
+    }
+    mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
+    if (lane == 0) {
+      reinterpret_cast<u32*>(msg)[0] = t;
+      reinterpret_cast<u32*>(msg)[1] = mask;
+      reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
+    }
+    if (TOPK > 0 && lane < TOPK) {
+      reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = id;
+      reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = weight;
+    }
+#pragma unroll
+    for (u32 i = 0; i < SCALES_PER_LANE; i++) {
+      const u32 g = lane + i * WARP_SIZE;
+      if (g < NUM_SCALES) reinterpret_cast<u32*>(msg + MSG_SCALES)[g] = scale[i];
+    }
+  }
+  // The payload: read once, stored into every node's message.
+  copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
+}
+
 __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr) {
   const u32 lane = threadIdx.x % WARP_SIZE, T = a.num_tokens, Q = a.chunk_tokens, M = f.round_tokens;
-  const i32* prefix = f.routing + f.at.prefix;
   const i32* node_prefix = f.routing + f.at.node_prefix;
   u32* counter = &hti_state(a.state)->dispatch_token;
   u32* chunk_staged = hti_forward(a.state)->chunk_staged;
   const u8* x = reinterpret_cast<const u8*>(a.x);
   u32 rounds_ready = 0;  // lane b: node b handed back every round before this many (this warp has seen)
   for (;;) {
-    u32 t = 0;
-    if (lane == 0) t = ptx::atom_add_relaxed_gpu(counter, 1u);
-    t = __shfl_sync(FULL_WARP_MASK, t, 0);
-    if (t >= T) break;
-    const u32 q = t / Q, t0 = q * Q, t1 = hti_min(t0 + Q, T), k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
-    const u64 seq = (u64)f.base + k + 1;
-    if (t == t0) hti_stamp_chunk(a.trace, q, 0);
-    // The row is contiguous in x: on its way to L2 while the warp waits and reads the routing.
-    if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t * PAYLOAD_BYTES, PAYLOAD_BYTES);
-    // Lane b: (b, l) handed round k - 1 back, once per round this warp reaches.
-    bool ok = true;
-    if (lane < NUM_NODES && k >= rounds_ready) {
-      const u64* consumed = rdma_word(a.rdma, a.at.off_dconsumed + 8ull * lane);
-      const u32 peer = lane * RANKS_PER_NODE + f.me_local;
-      ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dr, peer, f.me), peer);
-      rounds_ready = k + 1;
-    }
-    if (!__all_sync(FULL_WARP_MASK, ok)) return;
-    // The token's message, once per node it reaches.
-    check_token_ranks(a, f, prefix, t, lane, dr);
-    u32 m = 0;
-    bool in = false;
-    if (lane < NUM_NODES) {
-      const i32 p0 = node_prefix[(u64)t * NUM_NODES + lane], p1 = node_prefix[(u64)(t + 1) * NUM_NODES + lane];
-      in = p1 > p0;
-      m = (u32)(p0 - node_prefix[(u64)round_start * NUM_NODES + lane]);
-    }
-    const u32 nodes = __ballot_sync(FULL_WARP_MASK, in);
-    // What every node's message of t carries, read once: lane k < TOPK its top-k entry, lane i scales
-    // i, i + 32, ...
-    i32 id = -1;
-    u32 weight = 0;
-    if (TOPK > 0 && lane < TOPK) {
-      id = (i32)reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + lane];
-      weight = reinterpret_cast<const u32*>(a.topk_weights)[(u64)t * TOPK + lane];
-    }
-    constexpr u32 SCALES_PER_LANE = (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE;
-    u32 scale[SCALES_PER_LANE > 0 ? SCALES_PER_LANE : 1];
-#pragma unroll
-    for (u32 i = 0; i < SCALES_PER_LANE; i++) {
-      const u32 g = lane + i * WARP_SIZE;
-      if (g < NUM_SCALES) scale[i] = reinterpret_cast<const u32*>(a.x_scales)[(i64)t * a.scale_stride_token + (i64)g * a.scale_stride_group];
-    }
-    u64 node_msg = 0;  // lane b: where node b's message goes
-    for (u32 todo = nodes; todo != 0u; todo &= todo - 1) {
-      const u32 b = __ffs(todo) - 1;
-      const u32 mb = __shfl_sync(FULL_WARP_MASK, m, b);
-      // In place at the rail peer where stores reach it, else staged for the put.
-      u8* msg = rdma::window(a.rdma, b * RANKS_PER_NODE + f.me_local, a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)mb * MSG_BYTES,
-                             a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)mb * MSG_BYTES)
-                    .ptr;
-      if (lane == b) node_msg = reinterpret_cast<u64>(msg);
-      // Head and slots: lane j < L gives the slot at (b, j).
-      u32 mask = 0;
-      if (lane < RANKS_PER_NODE) {
-        const u32 r = b * RANKS_PER_NODE + lane;
-        const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
-        reinterpret_cast<i32*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? s0 : -1;
-        mask = s1 > s0 ? 1u : 0u;
+    u32 t_first = 0;
+    if (lane == 0) t_first = ptx::atom_add_relaxed_gpu(counter, SEND_GROUP);
+    t_first = __shfl_sync(FULL_WARP_MASK, t_first, 0);
+    if (t_first >= T) break;
+    const u32 t_end = hti_min(t_first + SEND_GROUP, T);
+    // The rows are contiguous in x: on their way to L2 while the warp waits and reads the routing.
+    if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t_first * PAYLOAD_BYTES, (t_end - t_first) * PAYLOAD_BYTES);
+    // A round's tokens count only after the round before was handed back, which needs its chunks put: the
+    // group is released in parts that do not straddle a round.
+    for (u32 part = t_first; part < t_end;) {
+      const u32 part_end = hti_min(t_end, (part / M + 1) * M);
+      for (u32 t = part; t < part_end; t++) {
+        const u32 q = t / Q, k = t / M;
+        if (t == q * Q) hti_stamp_chunk(a.trace, q, 0);
+        // Lane b: (b, l) handed round k - 1 back, once per round this warp reaches.
+        bool ok = true;
+        if (lane < NUM_NODES && k >= rounds_ready) {
+          const u64* consumed = rdma_word(a.rdma, a.at.off_dconsumed + 8ull * lane);
+          const u32 peer = lane * RANKS_PER_NODE + f.me_local;
+          ok = spin_until([&]() { return (i64)(ptx::ld_acquire_sys_u64(consumed) - ((u64)f.base + k)) >= 0; }, for_peer(dr, peer, f.me), peer);
+          rounds_ready = k + 1;
+        }
+        if (!__all_sync(FULL_WARP_MASK, ok)) return;
+        stage_token(a, f, dr, t, k * M, lane);
       }
-      mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
-      if (lane == 0) {
-        reinterpret_cast<u32*>(msg)[0] = t;
-        reinterpret_cast<u32*>(msg)[1] = mask;
-        reinterpret_cast<u32*>(msg)[2] = MSG_TAG;
+      // Every lane fences its part of the messages (system scope: in place, they went to the peer) before the
+      // group's tokens count into their chunks; the warp that counts a chunk's last token puts the chunk, so
+      // the put (its signal after a fence, or a NIC's read of the staging area) follows every warp's stores.
+      __syncwarp();
+      ptx::fence_acq_rel_sys();
+      __syncwarp();
+      // Each chunk the part falls in: [seg, seg_end) of its tokens.
+      for (u32 seg = part; seg < part_end;) {
+        const u32 q = seg / Q, t0 = q * Q, t1 = hti_min(t0 + Q, T), seg_end = hti_min(t1, part_end);
+        const u32 k = t0 / M, round_start = k * M, chunk = (t0 - round_start) / Q;
+        const u64 seq = (u64)f.base + k + 1;
+        // The word counts chunk `chunk` of every round so far: rounds before k had Q tokens there (only the
+        // call's last chunk is short), and round k's tokens count only once every node handed round k - 1
+        // back, after its puts.
+        u32 staged = 0;
+        if (lane == 0) staged = ptx::atom_add_acq_rel_gpu(chunk_staged + chunk, seg_end - seg) + (seg_end - seg);
+        staged = __shfl_sync(FULL_WARP_MASK, staged, 0);
+        seg = seg_end;
+        if (staged != k * Q + (t1 - t0)) continue;
+        hti_stamp_chunk(a.trace, q, 1);
+        // Lane b: the chunk's messages [m0, m1) for node b.
+        u32 m0 = 0, m1 = 0;
+        if (lane < NUM_NODES) {
+          const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
+          m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start);
+          m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
+        }
+        // One put per node: the chunk's messages, then its chunk word (SET seq << 32 | m1).
+        for (u32 b = 0; b < NUM_NODES; b++) {
+          const u32 b0 = __shfl_sync(FULL_WARP_MASK, m0, b), b1 = __shfl_sync(FULL_WARP_MASK, m1, b);
+          const u32 peer = b * RANKS_PER_NODE + f.me_local;
+          const u64 sig = a.at.off_dchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
+          const u64 value = (seq << 32) | b1;
+          const u32 qp = chunk % a.rdma.num_qps;
+          bool sent = true;
+          if (b1 > b0) {
+            const u64 dst = a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)b0 * MSG_BYTES;
+            const u64 src = a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)b0 * MSG_BYTES;
+            sent = rdma::put_window_signal_warp(a.rdma, qp, peer, rdma::window(a.rdma, peer, dst, src), dst, src, (b1 - b0) * MSG_BYTES, sig,
+                                                value, SIGNAL_SET, dr);
+          } else {
+            if (lane == 0) sent = rdma::signal_thread(a.rdma, qp, peer, sig, value, SIGNAL_SET, dr);
+            sent = __shfl_sync(FULL_WARP_MASK, sent ? 1u : 0u, 0) != 0;
+          }
+          if (!sent) return;
+        }
+        hti_stamp_chunk(a.trace, q, 2);
       }
-      if (TOPK > 0 && lane < TOPK) {
-        reinterpret_cast<i32*>(msg + MSG_IDS)[lane] = id;
-        reinterpret_cast<u32*>(msg + MSG_WEIGHTS)[lane] = weight;
-      }
-#pragma unroll
-      for (u32 i = 0; i < SCALES_PER_LANE; i++) {
-        const u32 g = lane + i * WARP_SIZE;
-        if (g < NUM_SCALES) reinterpret_cast<u32*>(msg + MSG_SCALES)[g] = scale[i];
-      }
+      part = part_end;
     }
-    // The payload: read once, stored into every node's message.
-    copy_to_messages(nodes, node_msg, reinterpret_cast<const u32x4*>(x + (u64)t * PAYLOAD_BYTES), lane);
-    // Every lane fences its part of the messages (system scope: in place, they went to the peer) before the
-    // token counts into its chunk; the warp that counts the chunk's last token puts the chunk, so the put
-    // (its signal after a fence, or a NIC's read of the staging area) follows every warp's stores.
-    __syncwarp();
-    ptx::fence_acq_rel_sys();
-    __syncwarp();
-    // The word counts chunk `chunk` of every round so far: rounds before k had Q tokens there (only the
-    // call's last chunk is short), and round k's tokens count only once every node handed round k - 1
-    // back, after its puts.
-    u32 staged = 0;
-    if (lane == 0) staged = ptx::atom_add_acq_rel_gpu(chunk_staged + chunk, 1u) + 1;
-    staged = __shfl_sync(FULL_WARP_MASK, staged, 0);
-    if (staged != k * Q + (t1 - t0)) continue;
-    hti_stamp_chunk(a.trace, q, 1);
-    // Lane b: the chunk's messages [m0, m1) for node b.
-    u32 m0 = 0, m1 = 0;
-    if (lane < NUM_NODES) {
-      const i32 start = node_prefix[(u64)round_start * NUM_NODES + lane];
-      m0 = (u32)(node_prefix[(u64)t0 * NUM_NODES + lane] - start);
-      m1 = (u32)(node_prefix[(u64)t1 * NUM_NODES + lane] - start);
-    }
-    // One put per node: the chunk's messages, then its chunk word (SET seq << 32 | m1).
-    for (u32 b = 0; b < NUM_NODES; b++) {
-      const u32 b0 = __shfl_sync(FULL_WARP_MASK, m0, b), b1 = __shfl_sync(FULL_WARP_MASK, m1, b);
-      const u32 peer = b * RANKS_PER_NODE + f.me_local;
-      const u64 sig = a.at.off_dchunk + ((u64)f.me_node * HTI_MAX_CHUNKS + chunk) * 8;
-      const u64 value = (seq << 32) | b1;
-      const u32 qp = chunk % a.rdma.num_qps;
-      bool sent = true;
-      if (b1 > b0) {
-        const u64 dst = a.at.off_drecv + (u64)f.me_node * a.at.part_bytes + (u64)b0 * MSG_BYTES;
-        const u64 src = a.at.off_dsend + (u64)b * a.at.part_bytes + (u64)b0 * MSG_BYTES;
-        sent = rdma::put_window_signal_warp(a.rdma, qp, peer, rdma::window(a.rdma, peer, dst, src), dst, src, (b1 - b0) * MSG_BYTES, sig,
-                                            value, SIGNAL_SET, dr);
-      } else {
-        if (lane == 0) sent = rdma::signal_thread(a.rdma, qp, peer, sig, value, SIGNAL_SET, dr);
-        sent = __shfl_sync(FULL_WARP_MASK, sent ? 1u : 0u, 0) != 0;
-      }
-      if (!sent) return;
-    }
-    hti_stamp_chunk(a.trace, q, 2);
   }
 }
 

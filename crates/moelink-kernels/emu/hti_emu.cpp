@@ -715,6 +715,18 @@ int main() {
     std::printf("one round: ok\n");
   }
   {
+    // Odd chunks and rounds (rounds of 9 in chunks of 3, then of 5 in chunks of 1): a sender's group of
+    // consecutive tokens falls in two chunks, or in two rounds.
+    World w(9, 3, E);
+    std::vector<u32> t(R);
+    for (u32 p = 0; p < R; p++) t[p] = 11 + (p * 7) % 19;
+    round_trip(w, t, 31, Route::Uniform, NUM_BIASES, true, "rounds of 9, chunks of 3");
+    w.at.m = 5;
+    w.at.q = 1;
+    round_trip(w, t, 32, Route::Skewed, NUM_BIASES, true, "rounds of 5, chunks of 1");
+    std::printf("odd rounds and chunks: ok\n");
+  }
+  {
     // A silent rank: the others' dispatch ends with a timeout naming a peer, in an internode phase.
     World w(8, 4, E);
     w.timeout_ns = 300ull * 1000 * 1000;
