@@ -373,8 +373,12 @@ __device__ __forceinline__ u8* rdma_bytes(const RdmaArgs& a, u64 off) { return r
 // its bytes in flight (U * 512 bytes) over the load latency, and every row a role moves is one warp's serial
 // copy, so a row takes one load latency per batch of U vectors a lane.
 constexpr u32 COPY_UNROLL = 8;
-// The dispatch rows' batches (more loads a lane would spill registers in the kernel's other roles).
-constexpr u32 ROW_UNROLL = COPY_UNROLL;
+// The dispatch rows' batches: as few as 14 loads a lane allow (an FP8 row of 7168 channels in one, a bf16
+// row in two), evenly sized. The kernel then spills a few dozen bytes (128 registers with 512 threads), which
+// costs less than a bf16 row's two extra latencies in every forwarder and receiver.
+constexpr u32 ROW_VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
+constexpr u32 ROW_BATCHES = (ROW_VECS_PER_LANE + 13) / 14;
+constexpr u32 ROW_UNROLL = (ROW_VECS_PER_LANE + ROW_BATCHES - 1) / ROW_BATCHES;
 template <u32 U, bool SRC_READ_ONLY>
 __device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane) {
   for (u32 base = 0; base < vecs; base += U * WARP_SIZE) {
