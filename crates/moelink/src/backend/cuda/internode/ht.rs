@@ -141,19 +141,34 @@ fn launch<A: KernelParams>(
     b.launch(&k, &LaunchConfig::linear(blocks + nic, HTI_THREADS).with_cooperative(), args)
 }
 
-/// Blocks of each role for `num_sms` worker blocks, and forwarder warps per source node. A warp copies a
-/// few GB/s (its loads in flight over their latency), so every role gets blocks in proportion to its work
-/// per byte: the senders read each row once and write it to every node it reaches; the forwarders copy
-/// each arriving row again (dispatch) or sum a node's rows and write the partial home (combine), which
-/// bounds both kernels. A third of the blocks forward, dealt evenly over the source nodes (a node's chunks
-/// round-robin among its warps; at least one warp per node); of the rest, one less than half receive
-/// (dispatch) or reduce (combine) and the others send. Measured as 2 nodes x 1 on 2xH200 over `ptr`, 24 SMs
-/// (8 forwarders; fresh BF16 dispatch / FP8 dispatch / combine, µs): senders 7/8/9/10/11/13:
-/// 657/646/654/678/762/1097, 436/429/431/438/477/679, 723/668/627/670/739/1050; 6 forwarders with 12 or 14
-/// senders: 795/898, 522/551, 685/857 (bench/results/2026-11-28-2xnvidia-h200-ac9b45b-internode-roles).
+/// Blocks of each role of a dispatch (`dispatch`: true) or combine for `num_sms` worker blocks, and forwarder
+/// warps per source node. A warp copies a few GB/s (its loads in flight over their latency), so every role
+/// gets blocks in proportion to its work per byte: the senders read each row once and write it to every node
+/// it reaches; the forwarders copy each arriving row again (dispatch) or sum a node's rows and write the
+/// partial home (combine), which bounds both kernels. The forwarders are dealt evenly over the source nodes
+/// (a node's chunks round-robin among its warps; at least one warp per node).
+///   - Dispatch: three eighths of the blocks forward; of the rest, half (rounded down) receive and the others
+///     send. The senders stage two tokens per fence, so fewer of them keep up.
+///   - Combine: a third of the blocks forward; of the rest, one less than half reduce and the others send.
+///
+/// Measured as 2 nodes x 1 on 2xH200 over `ptr`, 24 SMs, fresh BF16 / FP8 dispatch and combine in µs:
+///   - senders 7/8/9/10/11/13 with 8 forwarders: 657/646/654/678/762/1097, 436/429/431/438/477/679,
+///     723/668/627/670/739/1050; 6 forwarders with 12 or 14 senders: 795/898, 522/551, 685/857
+///     (bench/results/2026-11-28-2xnvidia-h200-ac9b45b-internode-roles);
+///   - the dispatch of fa7e461, forwarders:senders 8:9 (then the default) / 8:8 / 9:8 / 9:7 / 10:7 / 10:6:
+///     BF16 501-506 / 496 / 476 / 515 / 516 / 587, FP8 321-325 / 323 / 317 / 348 / 353 / 396
+///     (bench/results/2026-11-30-2xnvidia-h200-fa7e461-internode-senders).
+///
 /// `fwd_blocks` / `send_blocks` (`Tuning::hti_fwd_blocks`, `ht_*_send_blocks`) override the split within what
 /// the roles need; `config.num_sms` too small for that is refused.
-fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, send_blocks: Option<usize>) -> Result<(u32, u32, u32)> {
+fn roles(
+    rank: usize,
+    t: Topology,
+    num_sms: usize,
+    dispatch: bool,
+    fwd_blocks: Option<usize>,
+    send_blocks: Option<usize>,
+) -> Result<(u32, u32, u32)> {
     let warps = HTI_WARPS as usize;
     let fwd_min = t.num_nodes.div_ceil(warps);
     let recv_min = t.num_ranks().div_ceil(32 * warps).max(1);
@@ -167,12 +182,14 @@ fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, se
             ),
         ));
     }
-    let fwd = fwd_blocks.unwrap_or(num_sms / 3).clamp(fwd_min, num_sms - recv_min - 1);
+    let fwd_default = if dispatch { num_sms * 3 / 8 } else { num_sms / 3 };
+    let fwd = fwd_blocks.unwrap_or(fwd_default).clamp(fwd_min, num_sms - recv_min - 1);
     let send = match send_blocks {
         Some(n) => n.clamp(1, num_sms - fwd - recv_min),
         None => {
             let rest = num_sms - fwd;
-            rest - (rest / 2).saturating_sub(1).clamp(recv_min, rest - 1)
+            let recv = if dispatch { rest / 2 } else { (rest / 2).saturating_sub(1) };
+            rest - recv.clamp(recv_min, rest - 1)
         }
     };
     Ok((send as u32, fwd as u32, (fwd * warps / t.num_nodes) as u32))
@@ -181,7 +198,7 @@ fn roles(rank: usize, t: Topology, num_sms: usize, fwd_blocks: Option<usize>, se
 /// The role split of a dispatch (`dispatch`: true) or combine on this buffer.
 fn roles_of(b: &Internode, rank: usize, num_sms: usize, dispatch: bool) -> Result<(u32, u32, u32)> {
     let send = if dispatch { b.tuning.ht_dispatch_send_blocks } else { b.tuning.ht_combine_send_blocks };
-    roles(rank, topology(b), num_sms, b.tuning.hti_fwd_blocks, send)
+    roles(rank, topology(b), num_sms, dispatch, b.tuning.hti_fwd_blocks, send)
 }
 
 /// The limits of the internode kernels, checked before anything runs (every rank refuses alike).
@@ -710,18 +727,24 @@ mod tests {
     #[test]
     fn roles_cover_every_source_and_node() {
         let t = Topology { num_nodes: 2, ranks_per_node: 2 };
-        // A third forwards; of the rest, one less than half receives and the others send.
-        assert_eq!(roles(0, t, 24, None, None).unwrap(), (9, 8, 64));
-        assert_eq!(roles(0, t, 48, None, None).unwrap(), (17, 16, 128));
+        // Dispatch: three eighths forward; of the rest, half receive and the others send.
+        assert_eq!(roles(0, t, 24, true, None, None).unwrap(), (8, 9, 72));
+        assert_eq!(roles(0, t, 48, true, None, None).unwrap(), (15, 18, 144));
+        // Combine: a third forwards; of the rest, one less than half reduces and the others send.
+        assert_eq!(roles(0, t, 24, false, None, None).unwrap(), (9, 8, 64));
+        assert_eq!(roles(0, t, 48, false, None, None).unwrap(), (17, 16, 128));
         // The fewest blocks: a sender, a forwarder, a receiver.
-        assert_eq!(roles(0, t, 3, None, None).unwrap(), (1, 1, 8));
+        assert_eq!(roles(0, t, 3, true, None, None).unwrap(), (1, 1, 8));
+        assert_eq!(roles(0, t, 3, false, None, None).unwrap(), (1, 1, 8));
         // Overrides, within what the other roles need.
-        assert_eq!(roles(0, t, 24, Some(2), Some(15)).unwrap(), (15, 2, 16));
-        assert_eq!(roles(0, t, 24, Some(30), Some(30)).unwrap(), (1, 22, 176));
+        assert_eq!(roles(0, t, 24, true, Some(2), Some(15)).unwrap(), (15, 2, 16));
+        assert_eq!(roles(0, t, 24, false, Some(30), Some(30)).unwrap(), (1, 22, 176));
         let t = Topology { num_nodes: 32, ranks_per_node: 8 };
-        let (send, fwd, per_node) = roles(0, t, 24, None, None).unwrap();
-        assert_eq!((fwd, per_node), (8, 4));
-        assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
-        assert!(matches!(roles(3, t, 3, None, None), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
+        for dispatch in [true, false] {
+            let (send, fwd, per_node) = roles(0, t, 24, dispatch, None, None).unwrap();
+            assert_eq!((fwd, per_node), if dispatch { (9, 4) } else { (8, 4) });
+            assert!(send >= 1 && (24 - send - fwd) as usize * 16 >= 256 / 32);
+        }
+        assert!(matches!(roles(3, t, 3, true, None, None), Err(Error::InvalidArgument { arg: "config.num_sms", rank: 3, .. })));
     }
 }
