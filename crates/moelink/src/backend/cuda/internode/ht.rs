@@ -157,7 +157,7 @@ fn launch<A: KernelParams>(
 ///     (bench/results/2026-11-28-2xnvidia-h200-ac9b45b-internode-roles);
 ///   - the dispatch of fa7e461, forwarders:senders 8:9 (then the default) / 8:8 / 9:8 / 9:7 / 10:7 / 10:6:
 ///     BF16 501-506 / 496 / 476 / 515 / 516 / 587, FP8 321-325 / 323 / 317 / 348 / 353 / 396
-///     (bench/results/2026-11-30-2xnvidia-h200-fa7e461-internode-senders).
+///     (bench/results/2026-11-30-2xnvidia-h200-fffbd96-internode-dispatch).
 ///
 /// `fwd_blocks` / `send_blocks` (`Tuning::hti_fwd_blocks`, `ht_*_send_blocks`) override the split within what
 /// the roles need; `config.num_sms` too small for that is refused.
