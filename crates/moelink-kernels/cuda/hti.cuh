@@ -374,8 +374,8 @@ __device__ __forceinline__ u8* rdma_bytes(const RdmaArgs& a, u64 off) { return r
 // copy, so a row takes one load latency per batch of U vectors a lane.
 constexpr u32 COPY_UNROLL = 8;
 // The dispatch rows' batches: as few as 14 loads a lane allow (an FP8 row of 7168 channels in one, a bf16
-// row in two), evenly sized. The kernel then spills a few dozen bytes (128 registers with 512 threads), which
-// costs less than a bf16 row's two extra latencies in every forwarder and receiver.
+// row in two), evenly sized. The kernel then spills a few dozen to ~200 bytes (128 registers with 512
+// threads), which costs less than a bf16 row's two extra latencies in every forwarder and receiver.
 constexpr u32 ROW_VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 constexpr u32 ROW_BATCHES = (ROW_VECS_PER_LANE + 13) / 14;
 constexpr u32 ROW_UNROLL = (ROW_VECS_PER_LANE + ROW_BATCHES - 1) / ROW_BATCHES;

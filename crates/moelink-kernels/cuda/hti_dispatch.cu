@@ -178,11 +178,11 @@ __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane
 // round: M is a multiple of Q): several warps stage a chunk at once, so the first put leaves about one group's
 // staging time after the launch, and the puts follow the token order. A group's tokens are staged one after
 // the other and released by one fence and one count per chunk they fall in: the counter's round trip, the
-// fence's wait for the stores to land and the count's round trip are paid once per group, not per token (they
-// were most of a token's ~10 us at 2x1). Lane b < N handles node b's hand-back wait, message range and put.
+// fence's wait for the stores to land and the count's round trip, most of a token's time rather than its
+// bytes, are paid once per group. Lane b < N handles node b's hand-back wait, message range and put.
 constexpr u32 SEND_GROUP = 2;
 
-// Stages token t (round k, which starts at token round_start) into the message of every node it reaches:
+// Stages token t (of the round that starts at token round_start) into the message of every node it reaches:
 // the layout check, the header, slots, top-k entries and scales, then the payload.
 __device__ __forceinline__ void stage_token(const HtiDispatchArgs& a, const Frame& f, const Deadline& dr, u32 t, u32 round_start, u32 lane) {
   const i32* prefix = f.routing + f.at.prefix;
