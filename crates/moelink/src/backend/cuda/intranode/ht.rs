@@ -111,6 +111,18 @@ fn dynamic_send(t: &Tuning, send_chunk: u32) -> u32 {
     (send_chunk > 0 && t.ht_dynamic_send.unwrap_or(true)) as u32
 }
 
+/// Whether the dispatch senders store this rank's own rows (`Tuning::ht_senders_copy_own` overrides; default:
+/// the receivers copy them).
+fn senders_copy_own(t: &Tuning) -> u32 {
+    t.ht_senders_copy_own.unwrap_or(false) as u32
+}
+
+/// The last tokens the dispatch sender warps take one per chunk (`Tuning::ht_send_taper` overrides; default
+/// none). Only dynamic chunks taper.
+fn send_taper(t: &Tuning) -> u32 {
+    t.ht_send_taper.unwrap_or(0)
+}
+
 /// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
 /// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). `Tuning::ht_recv_chunk` overrides (0: one contiguous part
 /// per warp).
@@ -468,6 +480,8 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         channel_prefix,
         recv_channel_prefix,
         num_channels,
+        senders_copy_own: senders_copy_own(&b.tuning),
+        send_taper: send_taper(&b.tuning),
         reserved: 0,
     };
     let kernel = b.kernel_of(variant, kernel_name::HT_DISPATCH, HtDispatchVariant::spec)?;
