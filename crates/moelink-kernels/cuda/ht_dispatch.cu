@@ -84,20 +84,16 @@ struct HtDispatchArgs {
   u64 channel_prefix;      // i32 [R, num_channels]: tokens for r in channels 0..=c (all in the last); 0: not wanted
   u64 recv_channel_prefix; // i32 [R, num_channels]: where channel c of source r starts among its rows (0); 0: not wanted
   u32 num_channels;        // columns of the two channel matrices
-  u32 senders_copy_own;    // 1: the senders store this rank's own rows with the remote ones (send_token); 0: the receivers copy them (copy_own_rows)
   u32 send_taper;          // dynamic_send: the last send_taper tokens go one per chunk (ht_tapered_chunk)
-  u32 reserved;
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
 
 // The per-expert checks' tallies (check_token_ranks, store_meta, check_expert_counts): a sender block counts
-// the tokens of every expert (HT_CTRL_EXPERT_TOKENS), and the block that stores a received row (a receiver,
-// or with senders_copy_own a sender for this rank's own rows) counts it for its local expert
+// the tokens of every expert (HT_CTRL_EXPERT_TOKENS), a receiver block the rows of each local expert
 // (HT_CTRL_RECV_EXPERT_TOKENS). When they fit, a block counts in shared memory (a shared atomic per top-k
-// entry; a sender block's receive counts after its send counts) and adds its non-zero tallies to the control
-// region once at its end (flush_tallies); a global atomic per entry on the few L2 lines of the counters
-// slowed the whole dispatch by their contention.
+// entry) and adds its non-zero tallies to the control region once at its end (flush_tallies); a global
+// atomic per entry on the few L2 lines of the counters slowed the whole dispatch by their contention.
 // DISPATCH_TALLY_SLOTS: the JIT leaves it at 2048; the CPU emulator sets fewer to reach the global atomics.
 #ifndef DISPATCH_TALLY_SLOTS
 #define DISPATCH_TALLY_SLOTS 2048
@@ -105,29 +101,24 @@ static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDisp
 constexpr u32 TALLY_SLOTS = DISPATCH_TALLY_SLOTS;
 __shared__ u32 s_tally[TALLY_SLOTS];
 
-__device__ __forceinline__ u32 send_tally_slots(const HtDispatchArgs& a) { return a.num_ranks * a.num_local_experts; }
-
-// Shared tallies a block keeps: a sender block's send counts, then its receive counts with senders_copy_own.
-__device__ __forceinline__ u32 tally_slots(const HtDispatchArgs& a, bool sender_block) {
-  return sender_block ? send_tally_slots(a) + (a.senders_copy_own != 0 ? a.num_local_experts : 0u) : a.num_local_experts;
+__device__ __forceinline__ u32 tally_slots(const HtDispatchArgs& a, bool sender) {
+  return sender ? a.num_ranks * a.num_local_experts : a.num_local_experts;
 }
 
-__device__ __forceinline__ u32* tally_counters(const HtDispatchArgs& a, bool send_counts) {
-  return ht_ctrl_word(a.ctrl[a.rank], send_counts ? HT_CTRL_EXPERT_TOKENS : HT_CTRL_RECV_EXPERT_TOKENS);
+__device__ __forceinline__ u32* tally_counters(const HtDispatchArgs& a, bool sender) {
+  return ht_ctrl_word(a.ctrl[a.rank], sender ? HT_CTRL_EXPERT_TOKENS : HT_CTRL_RECV_EXPERT_TOKENS);
 }
 
-// Counts entry i of the send counts (send_counts) or of the receive counts, in a sender or receiver block.
-__device__ __forceinline__ void tally(const HtDispatchArgs& a, bool sender_block, bool send_counts, u32 i) {
-  if (tally_slots(a, sender_block) <= TALLY_SLOTS)
-    atomicAdd(&s_tally[(sender_block && !send_counts ? send_tally_slots(a) : 0u) + i], 1u);
+__device__ __forceinline__ void tally(const HtDispatchArgs& a, bool sender, u32 i) {
+  if (tally_slots(a, sender) <= TALLY_SLOTS)
+    atomicAdd(&s_tally[i], 1u);
   else
-    ptx::red_add_relaxed_gpu(tally_counters(a, send_counts) + i, 1u);
+    ptx::red_add_relaxed_gpu(tally_counters(a, sender) + i, 1u);
 }
 
-// Whether the send counts (num_tokens_per_expert given) or the receive counts (host_notify given) are kept in
-// this call.
-__device__ __forceinline__ bool tallies(const HtDispatchArgs& a, bool send_counts) {
-  return EXPERT_CHECK && TOPK > 0 && (send_counts ? a.num_tokens_per_expert != 0 : a.host_notify != 0);
+// Whether this block's role counts in this call.
+__device__ __forceinline__ bool tallies(const HtDispatchArgs& a, bool sender) {
+  return EXPERT_CHECK && TOPK > 0 && (sender ? a.num_tokens_per_expert != 0 : a.host_notify != 0);
 }
 
 // Before any count: the block's tallies zeroed (ht_run_op's first __syncthreads orders it before them).
@@ -140,17 +131,15 @@ __device__ __forceinline__ void zero_tallies(const HtDispatchArgs& a) {
 // region, fenced before the block's arrival at the done counter (the last block reads them).
 __device__ __forceinline__ void flush_tallies(const HtDispatchArgs& a) {
   const bool sender = blockIdx.x < a.num_send_blocks;
-  if (tally_slots(a, sender) > TALLY_SLOTS) return;
-  if (sender && tallies(a, true)) add_tallies(tally_counters(a, true), s_tally, send_tally_slots(a));
-  if ((!sender || a.senders_copy_own != 0) && tallies(a, false))
-    add_tallies(tally_counters(a, false), s_tally + (sender ? send_tally_slots(a) : 0u), a.num_local_experts);
+  const u32 n = tally_slots(a, sender);
+  if (!tallies(a, sender) || n > TALLY_SLOTS) return;
+  add_tallies(tally_counters(a, sender), s_tally, n);
 }
 
-// Stores meta word `w` of the row at receive position `pos` into the outputs (in a sender or a receiver
-// block). With host_notify, the low word of each local top-k id counts the row for its expert (tally;
-// check_expert_tokens).
-__device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32 w, u32 word, bool sender_block) {
-  if (EXPERT_CHECK && w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts) tally(a, sender_block, false, word);
+// Stores meta word `w` of the row at receive position `pos` into the outputs. With host_notify, the low word
+// of each local top-k id counts the row for its expert (tally; check_expert_tokens).
+__device__ __forceinline__ void store_meta(const HtDispatchArgs& a, u64 pos, u32 w, u32 word) {
+  if (EXPERT_CHECK && w < META_SCALES && a.host_notify != 0 && (w & 1u) == 0u && word < a.num_local_experts) tally(a, false, word);
   if (w < META_SCALES)
     reinterpret_cast<u32*>(a.recv_topk_idx)[pos * (2 * TOPK) + w] = word;
   else if (w < META_WEIGHTS)
@@ -239,7 +228,7 @@ __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const
     const i64 e = reinterpret_cast<const i64*>(a.topk_idx)[(u64)t * TOPK + k];
     if (e >= 0 && e < num_experts) {
       want |= 1u << (u32)(e / a.num_local_experts);
-      if (count) tally(a, true, true, (u32)e);
+      if (count) tally(a, true, (u32)e);
     }
   }
   want = __reduce_or_sync(FULL_WARP_MASK, want);
@@ -249,22 +238,15 @@ __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const
 
 // Sends token t to every remote destination r it goes to: lane r < R holds p0 = prefix[t][r] and
 // p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0; lane `me` holds its own
-// pair). The payload is read once (ld.global.nc, UNROLL vectors per lane in flight) and stored into every
-// such destination's slab row [me][p0] (st.global.L1::no_allocate over NVLink), then the meta words, remapped
-// per destination. With senders_copy_own the same registers also go to this rank's own row, recv_x row
-// own_base + p0 of lane `me` (dropped past num_out_rows, as copy_own_rows does): the row is read once for
-// every destination instead of once more by a receiver.
-__device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadline& d, u32 t, i32 p0, i32 p1, bool peer_lane, u32 own_base,
-                                           u32 lane) {
+// pair for check_token_ranks only). The payload is read once
+// (ld.global.nc, UNROLL vectors per lane in flight) and stored into every such destination's slab row
+// [me][p0] (st.global.L1::no_allocate over NVLink), then the meta words, remapped per destination.
+__device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadline& d, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane) {
   check_token_ranks(a, d, t, lane < a.num_ranks && p1 > p0, lane);
   const bool in = peer_lane && p1 > p0;
   const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)a.rank * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
   const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
-  const bool own = a.senders_copy_own != 0 && (HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0 && lane == a.rank && p1 > p0 &&
-                   own_base + (u32)p0 < a.num_out_rows;
-  const bool own_row = __ballot_sync(FULL_WARP_MASK, own) != 0u;
-  if (mask == 0 && !own_row) return;
-  const u64 own_pos = __shfl_sync(FULL_WARP_MASK, own_base + (u32)p0, a.rank);
+  if (mask == 0) return;
   u64 dst_of[MAX_RANKS];
 #pragma unroll
   for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
@@ -274,12 +256,10 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
   for (u32 k = 0; k < META_ITERS; k++)
     if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
 
-  u32x4* own_out = reinterpret_cast<u32x4*>(a.recv_x) + own_pos * PAYLOAD_VECS;
   load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, [&](u32 round, const u32x4 (&v)[UNROLL]) {
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
       if (((mask >> r) & 1u) != 0u && (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) == 0) store_payload_round(reinterpret_cast<u32x4*>(dst_of[r]), round, v, lane);
-    if (own_row) store_payload_round(own_out, round, v, lane);
   });
 
 #pragma unroll
@@ -289,15 +269,14 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
       if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
-    if (own_row) store_meta(a, own_pos, w, meta_for(a, meta[k], w, a.rank), true);
   }
 }
 
 // Sender warp `warp_id` of `num_warps` (a channel): chunks of send_chunk tokens — taken in order from the
 // call's chunk counter (dynamic_send, ht_grab_chunk: the next one at the current one's last fence; the last
 // send_taper tokens one per chunk, ht_tapered_chunk), or its interleaved share (HtCursor) — so that every
-// warp sends near the same front of the token order; remote destinations, and this rank's own rows with
-// senders_copy_own (else they are the receivers' work: copy_own_rows).
+// warp sends near the same front of the token order; remote destinations only (this rank's own rows are the
+// receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
 //   chunk's first pair during this chunk's last fence), so that no token waits for its prefix row; with send_head,
@@ -315,9 +294,8 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   const bool peer_lane = lane < num_ranks && lane != me;
   i32* send_head = reinterpret_cast<i32*>(a.send_head);
-  // Lane `me` loads its own pair too: send_token's layout check, and the own row's position.
+  // Lane `me` loads its own pair too, for send_token's layout check (its rows are the receivers' work).
   auto load_prefix = [&](u32 t) -> i32 { return lane < num_ranks ? prefix[(u64)t * num_ranks + lane] : 0; };
-  const u32 own_base = a.senders_copy_own != 0 ? (u32)reinterpret_cast<const i32*>(a.routing)[HT_RT_RECV_OFFSET + me] : 0u;
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
   HtCursor chunk = counter != nullptr ? ht_tapered_chunk(ht_grab_chunk(counter), a.send_chunk, a.num_tokens, a.send_taper)
                                       : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
@@ -341,7 +319,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         slot_next = p1;
         if (t + 2 <= chunk.end) slot_after = load_prefix(t + 2);
         if (send_head != nullptr && lane < num_ranks) send_head[(u64)t * num_ranks + lane] = p1 > p0 ? p0 : -1;
-        send_token(a, d, t, p0, p1, peer_lane, own_base, lane);
+        send_token(a, d, t, p0, p1, peer_lane, lane);
       }
       // After the chunk's last token the warp takes its next chunk and loads that chunk's first prefix pair,
       // before the fence, whose wait hides both round trips. Not at the chunk's start: a warp would then hold
@@ -396,7 +374,7 @@ __device__ __forceinline__ void copy_payload(const u32x4* src, u32x4* out, u32 l
   load_payload<READ_ONLY>(src, lane, [&](u32 round, const u32x4 (&v)[UNROLL]) { store_payload_round(out, round, v, lane); });
 }
 
-// Receiver warp `warp_id` of `num_warps`, first (unless senders_copy_own): this rank's own rows, tokens [T * id / n, T * (id+1) / n):
+// Receiver warp `warp_id` of `num_warps`, first: this rank's own rows, tokens [T * id / n, T * (id+1) / n):
 // token t with prefix[t + 1][me] > prefix[t][me] is copied from x to recv_x[recv_offset[me] + prefix[t][me]]
 // with its meta words (ids remapped to this rank's experts). Done here rather than by the senders: the
 // senders bound the dispatch (measured: bench/results/2026-11-21-4xnvidia-h200-58851bb-roles), while the
@@ -432,7 +410,7 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
 #pragma unroll
       for (u32 k = 0; k < META_ITERS; k++) {
         const u32 w = lane + k * WARP_SIZE;
-        if (w < META_WORDS) store_meta(a, row_pos, w, meta_for(a, meta[k], w, me), false);
+        if (w < META_WORDS) store_meta(a, row_pos, w, meta_for(a, meta[k], w, me));
       }
     }
   }
@@ -452,7 +430,7 @@ __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32
 #pragma unroll
   for (u32 k = 0; k < META_ITERS; k++) {
     const u32 w = lane + k * WARP_SIZE;
-    if (w < META_WORDS) store_meta(a, pos, w, words[k], false);
+    if (w < META_WORDS) store_meta(a, pos, w, words[k]);
   }
 }
 
@@ -465,8 +443,7 @@ __device__ __forceinline__ void copy_out_row(const HtDispatchArgs& a, u32 s, u32
 // progress counts towards the deadline (measured from the last progress); on expiry the warp records
 // {ERR_TIMEOUT, peer: the first source it still waits for}.
 //   Before that: rows [N, num_out_rows) get top-k ids -1 and weights 0 (no-sync outputs); N > num_out_rows
-//   is reported once (ERR_RECV_OVERFLOW, details N and num_out_rows); this rank's own rows (copy_own_rows),
-//   unless the senders store them.
+//   is reported once (ERR_RECV_OVERFLOW, details N and num_out_rows); this rank's own rows (copy_own_rows).
 __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
   if (EXPERT_CHECK && a.host_notify != 0 && warp_id == 0)
@@ -482,7 +459,7 @@ __device__ __forceinline__ void receive(const HtDispatchArgs& a, u32 epoch, cons
     }
   }
   if (warp_id == 0 && lane == 0 && num_recv > a.num_out_rows) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, num_recv, a.num_out_rows);
-  if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0 && a.senders_copy_own == 0) copy_own_rows(a, warp_id, num_warps);
+  if ((HT_EXPERIMENT & HT_EXP_NO_COPY_OUT) == 0) copy_own_rows(a, warp_id, num_warps);
   const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
 

@@ -404,12 +404,8 @@ pub struct HtDispatchArgs {
     pub recv_channel_prefix: DevPtr,
     /// Columns of the two channel matrices.
     pub num_channels: u32,
-    /// 1: the senders store this rank's own rows along with the remote ones (one read of `x` per token);
-    /// 0: the receivers copy them from `x`.
-    pub senders_copy_own: u32,
     /// With `dynamic_send`: the last `send_taper` tokens are sender chunks of one token (`ht_tapered_chunk`).
     pub send_taper: u32,
-    pub reserved: u32,
 }
 
 /// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).

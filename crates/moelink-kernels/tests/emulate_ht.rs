@@ -45,8 +45,6 @@ struct EmuCase {
     dynamic_send: bool,
     /// The dispatch's per-expert tallies a block keeps in shared memory (fewer than the experts: global atomics).
     tally_slots: usize,
-    /// The dispatch senders store this rank's own rows (else the receivers copy them).
-    senders_copy_own: bool,
     /// The last tokens dynamic sender chunks take one at a time.
     send_taper: usize,
 }
@@ -88,7 +86,6 @@ fn assemble(c: &EmuCase) -> String {
         ("EMU_SEND_CHUNK", c.send_chunk.to_string()),
         ("EMU_RECV_CHUNK", c.recv_chunk.to_string()),
         ("EMU_DYNAMIC_SEND", (c.dynamic_send as u32).to_string()),
-        ("EMU_SENDERS_COPY_OWN", (c.senders_copy_own as u32).to_string()),
         ("EMU_SEND_TAPER", c.send_taper.to_string()),
     ] {
         s += &format!("#define {k} {v}\n");
@@ -171,7 +168,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 0,
             dynamic_send: false,
             tally_slots: 2048,
-            senders_copy_own: false,
             send_taper: 0,
         },
         EmuCase {
@@ -187,7 +183,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 8,
             dynamic_send: true,
             tally_slots: 16,
-            senders_copy_own: true,
             send_taper: 5,
         },
         EmuCase {
@@ -203,7 +198,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 1,
             dynamic_send: false,
             tally_slots: 2048,
-            senders_copy_own: false,
             send_taper: 0,
         },
         EmuCase {
@@ -219,7 +213,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 3,
             dynamic_send: true,
             tally_slots: 2048,
-            senders_copy_own: true,
             send_taper: 4,
         },
         EmuCase {
@@ -235,7 +228,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 2,
             dynamic_send: true,
             tally_slots: 4,
-            senders_copy_own: true,
             send_taper: 0,
         },
         EmuCase {
@@ -251,7 +243,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 0,
             dynamic_send: true,
             tally_slots: 2048,
-            senders_copy_own: true,
             send_taper: 3,
         },
     ];

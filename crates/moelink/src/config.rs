@@ -214,8 +214,6 @@ pub struct Tuning {
     pub ht_recv_chunk: Option<u32>,
     /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
     pub ht_dynamic_send: Option<bool>,
-    /// HT dispatch: the senders store this rank's own rows (true) or the receivers copy them (false).
-    pub ht_senders_copy_own: Option<bool>,
     /// HT dispatch: the last tokens the sender warps take one per chunk (dynamic chunks only).
     pub ht_send_taper: Option<u32>,
     /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
@@ -234,7 +232,7 @@ impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
-    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_SENDERS_COPY_OWN` (0/1), `MOELINK_HT_SEND_TAPER`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_SEND_TAPER`,
     /// `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=7), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
@@ -266,10 +264,6 @@ impl Tuning {
             ht_dynamic_send: match get("MOELINK_HT_DYNAMIC_SEND") {
                 None => None,
                 Some(_) => Some(switch(get, "MOELINK_HT_DYNAMIC_SEND")?),
-            },
-            ht_senders_copy_own: match get("MOELINK_HT_SENDERS_COPY_OWN") {
-                None => None,
-                Some(_) => Some(switch(get, "MOELINK_HT_SENDERS_COPY_OWN")?),
             },
             ht_send_taper: number(get, "MOELINK_HT_SEND_TAPER")?,
             hti_fwd_blocks: number(get, "MOELINK_HTI_FWD_BLOCKS")?,
@@ -311,7 +305,6 @@ impl Tuning {
             show("ht_send_chunk", self.ht_send_chunk),
             show("ht_recv_chunk", self.ht_recv_chunk),
             show("ht_dynamic_send", self.ht_dynamic_send),
-            show("ht_senders_copy_own", self.ht_senders_copy_own),
             show("ht_send_taper", self.ht_send_taper),
             show("ll_sms", self.ll_sms),
         ]
@@ -359,9 +352,9 @@ mod tests {
             t.overrides().as_deref(),
             Some("ht_dispatch_send_blocks=10 ht_release_batch=4 ht_send_chunk=0 ht_dynamic_send=false ll_sms=64")
         );
-        let own = Tuning::from_vars(vars(&[("MOELINK_HT_SENDERS_COPY_OWN", "1"), ("MOELINK_HT_SEND_TAPER", "160")])).unwrap();
-        assert_eq!((own.ht_senders_copy_own, own.ht_send_taper), (Some(true), Some(160)));
-        assert_eq!(own.overrides().as_deref(), Some("ht_senders_copy_own=true ht_send_taper=160"));
+        let taper = Tuning::from_vars(vars(&[("MOELINK_HT_SEND_TAPER", "160")])).unwrap();
+        assert_eq!(taper.ht_send_taper, Some(160));
+        assert_eq!(taper.overrides().as_deref(), Some("ht_send_taper=160"));
         let x =
             Tuning::from_vars(vars(&[("MOELINK_HT_TIMING_EXPERIMENT", "2"), ("MOELINK_LL_EXPERIMENT", "no_loads,local_stores")])).unwrap();
         assert_eq!((x.ht_timing_experiment, x.ll_experiment), (2, 3));
@@ -373,7 +366,6 @@ mod tests {
             ("MOELINK_HT_RELEASE_BATCH", "four"),
             ("MOELINK_LL_SMS", "0"),
             ("MOELINK_HT_DYNAMIC_SEND", "2"),
-            ("MOELINK_HT_SENDERS_COPY_OWN", "yes"),
             ("MOELINK_HT_SEND_TAPER", "-1"),
         ] {
             let e = Tuning::from_vars(vars(&[(name, value)])).unwrap_err();

@@ -38,6 +38,8 @@ pub enum CopyPattern {
     Pair,
     /// Every rank writes an equal share into every other rank.
     AllToAll,
+    /// Every rank copies within its own memory: the rate of the receivers' local copies, no NVLink.
+    Local,
 }
 
 /// One bandwidth measurement.
@@ -514,14 +516,16 @@ impl<'g> DiagRank<'g> {
                 CopyPattern::Pair if me == 0 => vec![1],
                 CopyPattern::Pair => vec![],
                 CopyPattern::AllToAll => (0..n).filter(|&d| d != me).collect(),
+                CopyPattern::Local => vec![me],
             };
             let sources: Vec<usize> = match pattern {
                 CopyPattern::Pair if me == 1 => vec![0],
                 CopyPattern::Pair => vec![],
                 CopyPattern::AllToAll => (0..n).filter(|&s| s != me).collect(),
+                CopyPattern::Local => vec![me],
             };
             let bytes_per_gpu = match pattern {
-                CopyPattern::Pair => bytes,
+                CopyPattern::Pair | CopyPattern::Local => bytes,
                 CopyPattern::AllToAll => (n - 1) * bytes,
             };
             for &method in methods {

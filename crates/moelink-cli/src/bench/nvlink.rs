@@ -29,6 +29,8 @@ pub enum PatternSel {
     Pair,
     /// Every rank writes into every other rank.
     AllToAll,
+    /// Every rank copies within its own memory (no NVLink; a reference for local copies).
+    Local,
 }
 
 /// Options of `moelink bench nvlink`.
@@ -88,8 +90,15 @@ pub fn run(a: &NvlinkArgs) -> Result<(), CliError> {
     };
     let methods: Vec<CopyMethod> =
         a.method.iter().map(|m| if *m == MethodSel::Sm { CopyMethod::SmStores } else { CopyMethod::Tma }).collect();
-    let patterns: Vec<CopyPattern> =
-        a.pattern.iter().map(|p| if *p == PatternSel::Pair { CopyPattern::Pair } else { CopyPattern::AllToAll }).collect();
+    let patterns: Vec<CopyPattern> = a
+        .pattern
+        .iter()
+        .map(|p| match p {
+            PatternSel::Pair => CopyPattern::Pair,
+            PatternSel::AllToAll => CopyPattern::AllToAll,
+            PatternSel::Local => CopyPattern::Local,
+        })
+        .collect();
     let facts = RunFacts {
         system: "moelink".into(),
         backend: "cuda".into(),
@@ -156,6 +165,7 @@ fn pattern_name(p: CopyPattern) -> &'static str {
     match p {
         CopyPattern::Pair => "pair",
         CopyPattern::AllToAll => "all-to-all",
+        CopyPattern::Local => "local",
     }
 }
 
