@@ -170,18 +170,6 @@ __device__ __forceinline__ HtCursor ht_chunk_at(u32 q, u32 chunk, u32 count) {
   return HtCursor{(u32)start, (u32)ht_min_u64(start + chunk, count)};
 }
 
-// Dynamic chunk q when the last `taper` items come one per chunk: items [q * chunk, (q + 1) * chunk) of the
-// first count - taper, then one item each. A warp's last chunk ends the sender's work; single items there
-// let the warps end within about one row's time of each other instead of one whole chunk's.
-__device__ __forceinline__ HtCursor ht_tapered_chunk(u32 q, u32 chunk, u32 count, u32 taper) {
-  const u32 body = taper < count ? count - taper : 0u;
-  const u32 body_chunks = (body + chunk - 1) / chunk;
-  if (q < body_chunks) return HtCursor{q * chunk, (u32)ht_min_u64((u64)(q + 1) * chunk, body)};
-  const u64 item = (u64)body + (q - body_chunks);
-  if (item >= count) return HtCursor{count, count};
-  return HtCursor{(u32)item, (u32)item + 1};
-}
-
 // Moves a cursor whose chunk is done (next == end) to the warp's next chunk, or leaves it finished.
 __device__ __forceinline__ void ht_next_chunk(HtCursor& c, u32 count, u32 chunk, u32 n) {
   if (chunk == 0 || c.end == 0 || c.next != c.end) return;

@@ -84,7 +84,7 @@ struct HtDispatchArgs {
   u64 channel_prefix;      // i32 [R, num_channels]: tokens for r in channels 0..=c (all in the last); 0: not wanted
   u64 recv_channel_prefix; // i32 [R, num_channels]: where channel c of source r starts among its rows (0); 0: not wanted
   u32 num_channels;        // columns of the two channel matrices
-  u32 send_taper;          // dynamic_send: the last send_taper tokens go one per chunk (ht_tapered_chunk)
+  u32 reserved;
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
 static_assert(sizeof(HtDispatchArgs) == MOELINK_SIZEOF_HT_DISPATCH_ARGS, "HtDispatchArgs differs from the Rust definition");
@@ -273,10 +273,9 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 }
 
 // Sender warp `warp_id` of `num_warps` (a channel): chunks of send_chunk tokens — taken in order from the
-// call's chunk counter (dynamic_send, ht_grab_chunk: the next one at the current one's last fence; the last
-// send_taper tokens one per chunk, ht_tapered_chunk), or its interleaved share (HtCursor) — so that every
-// warp sends near the same front of the token order; remote destinations only (this rank's own rows are the
-// receivers' work: see copy_own_rows).
+// call's chunk counter (dynamic_send, ht_grab_chunk: the next one at the current one's last fence), or its
+// interleaved share (HtCursor) — so that every warp sends near the same front of the token order; remote
+// destinations only (this rank's own rows are the receivers' work: see copy_own_rows).
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
 //   chunk's first pair during this chunk's last fence), so that no token waits for its prefix row; with send_head,
@@ -297,7 +296,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   // Lane `me` loads its own pair too, for send_token's layout check (its rows are the receivers' work).
   auto load_prefix = [&](u32 t) -> i32 { return lane < num_ranks ? prefix[(u64)t * num_ranks + lane] : 0; };
   u32* counter = a.dynamic_send != 0 ? ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK) : nullptr;
-  HtCursor chunk = counter != nullptr ? ht_tapered_chunk(ht_grab_chunk(counter), a.send_chunk, a.num_tokens, a.send_taper)
+  HtCursor chunk = counter != nullptr ? ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens)
                                       : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
   i32 chunk_p0 = 0, chunk_p1 = 0;
   if (chunk.next < chunk.end) {
@@ -326,7 +325,7 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
       // two chunks when the counter runs out, and the sender warps end up to two chunks apart.
       if (batch_end == chunk.end) {
         if (counter != nullptr)
-          following = ht_tapered_chunk(ht_grab_chunk(counter), a.send_chunk, a.num_tokens, a.send_taper);
+          following = ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens);
         else
           ht_next_chunk(following, a.num_tokens, a.send_chunk, num_warps);
         if (following.next < following.end) {

@@ -341,7 +341,6 @@ void fill_dispatch(Args& a, World& w, u32 me, const RankInputs& in, const Handle
   a.send_chunk = EMU_SEND_CHUNK;
   a.recv_chunk = EMU_RECV_CHUNK;
   a.dynamic_send = EMU_DYNAMIC_SEND;
-  a.send_taper = EMU_SEND_TAPER;
 }
 
 // Timing trace (MOELINK_HT_TRACE): scenario "trace" gives the dispatch and combine kernels a buffer per rank

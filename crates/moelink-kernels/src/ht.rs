@@ -404,8 +404,7 @@ pub struct HtDispatchArgs {
     pub recv_channel_prefix: DevPtr,
     /// Columns of the two channel matrices.
     pub num_channels: u32,
-    /// With `dynamic_send`: the last `send_taper` tokens are sender chunks of one token (`ht_tapered_chunk`).
-    pub send_taper: u32,
+    pub reserved: u32,
 }
 
 /// Argument of `ht_combine` (`HtCombineArgs` in `ht_combine.cu`).

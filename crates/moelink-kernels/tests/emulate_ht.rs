@@ -45,8 +45,6 @@ struct EmuCase {
     dynamic_send: bool,
     /// The dispatch's per-expert tallies a block keeps in shared memory (fewer than the experts: global atomics).
     tally_slots: usize,
-    /// The last tokens dynamic sender chunks take one at a time.
-    send_taper: usize,
 }
 
 const HT: &str = include_str!("../cuda/ht.cuh");
@@ -86,7 +84,6 @@ fn assemble(c: &EmuCase) -> String {
         ("EMU_SEND_CHUNK", c.send_chunk.to_string()),
         ("EMU_RECV_CHUNK", c.recv_chunk.to_string()),
         ("EMU_DYNAMIC_SEND", (c.dynamic_send as u32).to_string()),
-        ("EMU_SEND_TAPER", c.send_taper.to_string()),
     ] {
         s += &format!("#define {k} {v}\n");
     }
@@ -168,7 +165,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 0,
             dynamic_send: false,
             tally_slots: 2048,
-            send_taper: 0,
         },
         EmuCase {
             ranks: 4,
@@ -183,7 +179,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 8,
             dynamic_send: true,
             tally_slots: 16,
-            send_taper: 5,
         },
         EmuCase {
             ranks: 3,
@@ -198,7 +193,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 1,
             dynamic_send: false,
             tally_slots: 2048,
-            send_taper: 0,
         },
         EmuCase {
             ranks: 1,
@@ -213,7 +207,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 3,
             dynamic_send: true,
             tally_slots: 2048,
-            send_taper: 4,
         },
         EmuCase {
             ranks: 8,
@@ -228,7 +221,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 2,
             dynamic_send: true,
             tally_slots: 4,
-            send_taper: 0,
         },
         EmuCase {
             ranks: 2,
@@ -243,7 +235,6 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 0,
             dynamic_send: true,
             tally_slots: 2048,
-            send_taper: 3,
         },
     ];
     let only = std::env::var("MOELINK_EMU_CASE").ok();

@@ -214,8 +214,6 @@ pub struct Tuning {
     pub ht_recv_chunk: Option<u32>,
     /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
     pub ht_dynamic_send: Option<bool>,
-    /// HT dispatch: the last tokens the sender warps take one per chunk (dynamic chunks only).
-    pub ht_send_taper: Option<u32>,
     /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
     /// other roles leave).
     pub hti_fwd_blocks: Option<usize>,
@@ -232,8 +230,7 @@ impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
-    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_SEND_TAPER`,
-    /// `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=7), `MOELINK_LL_SMS`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=7), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
@@ -265,7 +262,6 @@ impl Tuning {
                 None => None,
                 Some(_) => Some(switch(get, "MOELINK_HT_DYNAMIC_SEND")?),
             },
-            ht_send_taper: number(get, "MOELINK_HT_SEND_TAPER")?,
             hti_fwd_blocks: number(get, "MOELINK_HTI_FWD_BLOCKS")?,
             ht_timing_experiment,
             ll_sms,
@@ -305,7 +301,6 @@ impl Tuning {
             show("ht_send_chunk", self.ht_send_chunk),
             show("ht_recv_chunk", self.ht_recv_chunk),
             show("ht_dynamic_send", self.ht_dynamic_send),
-            show("ht_send_taper", self.ht_send_taper),
             show("ll_sms", self.ll_sms),
         ]
         .into_iter()
@@ -352,9 +347,6 @@ mod tests {
             t.overrides().as_deref(),
             Some("ht_dispatch_send_blocks=10 ht_release_batch=4 ht_send_chunk=0 ht_dynamic_send=false ll_sms=64")
         );
-        let taper = Tuning::from_vars(vars(&[("MOELINK_HT_SEND_TAPER", "160")])).unwrap();
-        assert_eq!(taper.ht_send_taper, Some(160));
-        assert_eq!(taper.overrides().as_deref(), Some("ht_send_taper=160"));
         let x =
             Tuning::from_vars(vars(&[("MOELINK_HT_TIMING_EXPERIMENT", "2"), ("MOELINK_LL_EXPERIMENT", "no_loads,local_stores")])).unwrap();
         assert_eq!((x.ht_timing_experiment, x.ll_experiment), (2, 3));
@@ -366,7 +358,6 @@ mod tests {
             ("MOELINK_HT_RELEASE_BATCH", "four"),
             ("MOELINK_LL_SMS", "0"),
             ("MOELINK_HT_DYNAMIC_SEND", "2"),
-            ("MOELINK_HT_SEND_TAPER", "-1"),
         ] {
             let e = Tuning::from_vars(vars(&[(name, value)])).unwrap_err();
             assert!(e.contains(name), "{e}");

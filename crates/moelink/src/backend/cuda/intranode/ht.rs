@@ -111,15 +111,6 @@ fn dynamic_send(t: &Tuning, send_chunk: u32) -> u32 {
     (send_chunk > 0 && t.ht_dynamic_send.unwrap_or(true)) as u32
 }
 
-/// The last tokens the dispatch sender warps take one per chunk: two per sender warp, so that the warps end
-/// within about a row's time of each other instead of a chunk's (`Tuning::ht_send_taper` overrides). Only
-/// dynamic chunks taper. Measured on 2xH200 (EP2, 4096 tokens, H 7168, 24 SMs, 160 sender warps; fresh
-/// BF16 / FP8 dispatch, µs): taper 0 / 80 / 160 / 320: 227 / 226-231 / 226 / 222-223 and 155-158 / 157 /
-/// 154 / 154; the cached dispatch within 1 µs (bench/results/2026-11-30-2xnvidia-h200-2c79509-ep2-own-rows).
-fn send_taper(t: &Tuning, num_send_blocks: u32) -> u32 {
-    t.ht_send_taper.unwrap_or(2 * num_send_blocks * HtDispatchVariant::WARPS)
-}
-
 /// Receiver work chunk (dispatch: slab rows per source; combine: tokens;
 /// `moelink_kernels::ht::DEFAULT_RECV_CHUNK`). `Tuning::ht_recv_chunk` overrides (0: one contiguous part
 /// per warp).
@@ -438,7 +429,6 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         }
         None => (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL, 0),
     };
-    let num_send_blocks = dispatch_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32;
     let args = HtDispatchArgs {
         x: addrs.x,
         x_scales: addrs.x_scales,
@@ -468,7 +458,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks,
+        num_send_blocks: dispatch_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32,
         send_chunk: sender_chunk,
         recv_chunk: recv_chunk(&b.tuning),
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
@@ -478,7 +468,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         channel_prefix,
         recv_channel_prefix,
         num_channels,
-        send_taper: send_taper(&b.tuning, num_send_blocks),
+        reserved: 0,
     };
     let kernel = b.kernel_of(variant, kernel_name::HT_DISPATCH, HtDispatchVariant::spec)?;
     b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
