@@ -240,9 +240,9 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
 }
 
 // Reducer warp `warp_id` of `num_warps` (source side): its chunks of recv_chunk tokens of this rank
-// (HtCursor over [0, T)). Per token: lane r < R reads prefix[t][r], prefix[t + 1][r]; for every remote rank r the token went to,
-// lane r waits (deadline) until row flag [r][slot] reached the combine epoch, then ld.acquire's it;
-// __syncwarp. The output is, per channel, ((+0.0 + T) + bias0) + bias1, T the pairwise tree over the ranks
+// (HtCursor over [0, T)). Per token: lane r < R holds prefix[t][r], prefix[t + 1][r]; for every remote rank r
+// the token went to, every lane waits (deadline) until row flag [r][slot] reached the combine epoch, polling
+// it with ld.acquire. The output is, per channel, ((+0.0 + T) + bias0) + bias1, T the pairwise tree over the ranks
 // (tree_sum: a rank the token did not go to is +0.0; this rank's row read straight from x at
 // recv_offset[me] + slot), each add an IEEE f32 add.rn, rounded to bf16 by cvt.rn.bf16x2.f32 — the host
 // backend's order bit for bit. Weights: +0.0 + the same tree over the rows' top-k weights.
@@ -259,13 +259,25 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
   const u32 trace_warp = 2 * (threadIdx.x / WARP_SIZE);
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
   HtCursor chunk = ht_first_chunk(a.num_tokens, a.recv_chunk, warp_id, num_warps, 0);
+  // Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead: no token waits
+  // for its prefix row.
+  auto load_prefix = [&](u32 t) -> i32 { return lane < NUM_RANKS ? prefix[(u64)t * NUM_RANKS + lane] : 0; };
+  i32 next_p0 = 0, next_p1 = 0;
+  if (chunk.next < chunk.end) {
+    next_p0 = load_prefix(chunk.next);
+    next_p1 = load_prefix(chunk.next + 1);
+  }
   for (u32 t = chunk.next; t < chunk.end; t = chunk.next) {
     chunk.next = t + 1;
     ht_next_chunk(chunk, a.num_tokens, a.recv_chunk, num_warps);
-    bool in = false, ok = true;
+    const i32 p0 = next_p0, p1 = next_p1;
+    if (chunk.next < chunk.end) {
+      next_p0 = load_prefix(chunk.next);
+      next_p1 = load_prefix(chunk.next + 1);
+    }
+    bool in = false;
     u64 row = 0, weight_row = 0;
     if (lane < NUM_RANKS) {
-      const i32 p0 = prefix[(u64)t * NUM_RANKS + lane], p1 = prefix[(u64)(t + 1) * NUM_RANKS + lane];
       in = p1 > p0;
       if (in && lane == me) {
         const u32 pos = recv_offset_me + (u32)p0;
@@ -276,24 +288,20 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
           in = false;  // no-sync overflow (reported by dispatch and the senders): counts as no row
         }
       } else if (in) {
-        const u32* flag = flags + (u64)lane * a.flag_slots + (u32)p0;
-        ok = wait_flag_geq<true>(flag, epoch, d, lane);
         row = slab + ((u64)lane * a.slab_rows + (u32)p0) * ROW_BYTES;
         weight_row = row + PAYLOAD_BYTES;
       }
     }
-    if (!__all_sync(FULL_WARP_MASK, ok)) break;
-    __syncwarp();
     const u32 mask = __ballot_sync(FULL_WARP_MASK, in);
-    // Every lane reads part of every row: every lane acquires each remote row's flag itself.
-    {
-      const u32 p0_of_lane = lane < NUM_RANKS ? (u32)prefix[(u64)t * NUM_RANKS + lane] : 0u;
+    // Every lane reads part of every row, so every lane waits for each remote row's flag with an acquire of
+    // its own (one broadcast load per poll): a row that has arrived costs one round trip before its loads.
+    bool ok = true;
 #pragma unroll
-      for (u32 r = 0; r < NUM_RANKS; r++) {
-        const u32 p0 = __shfl_sync(FULL_WARP_MASK, p0_of_lane, r);
-        if (r != me && ((mask >> r) & 1u) != 0u) (void)ptx::ld_acquire_sys(flags + (u64)r * a.flag_slots + p0);
-      }
+    for (u32 r = 0; r < NUM_RANKS; r++) {
+      const u32 slot = __shfl_sync(FULL_WARP_MASK, (u32)p0, r);
+      if (r != me && ((mask >> r) & 1u) != 0u && ok) ok = wait_flag_geq(flags + (u64)r * a.flag_slots + slot, epoch, d, r);
     }
+    if (!__all_sync(FULL_WARP_MASK, ok)) break;
     const u32x4* rows[NUM_RANKS];
     const u32* weight_rows[NUM_RANKS];
 #pragma unroll
