@@ -187,6 +187,14 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
         row_valid[r] = __shfl_sync(FULL_WARP_MASK, have_row, r);
         out[r] = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
       }
+      // The rows' top-k weights are loaded before the payload, so that their latency hides behind it: a load
+      // after the remote stores would wait for them (possible aliasing), a round trip per row.
+      u32 weight_bits[NUM_RANKS];
+#pragma unroll
+      for (u32 r = 0; r < NUM_RANKS; r++) {
+        weight_bits[r] = 0u;
+        if (TOPK > 0 && lane < TOPK && ((mask >> r) & 1u) != 0u && row_valid[r]) weight_bits[r] = weights[(u64)row_pos[r] * TOPK + lane];
+      }
       const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
 #pragma unroll 1
       for (u32 round = 0; round < ROUNDS; round++) {
@@ -215,7 +223,7 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
 #pragma unroll
         for (u32 r = 0; r < NUM_RANKS; r++)
           if (((mask >> r) & 1u) != 0u)
-            reinterpret_cast<u32*>(out[r] + PAYLOAD_BYTES)[lane] = row_valid[r] ? weights[(u64)row_pos[r] * TOPK + lane] : 0u;
+            reinterpret_cast<u32*>(out[r] + PAYLOAD_BYTES)[lane] = weight_bits[r];
       }
       if (active) chunk.next++;
     }
