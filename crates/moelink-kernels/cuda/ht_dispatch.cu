@@ -187,11 +187,12 @@ __device__ __forceinline__ u32 meta_for(const HtDispatchArgs& a, const MetaSourc
 // One row's payload read by the warp in rounds of UNROLL 16-byte vectors per lane, all in flight before the
 // round's stores: store(round, v) writes round `round`, whose vector u is element (round * UNROLL + u) *
 // WARP_SIZE + lane (valid below PAYLOAD_VECS). READ_ONLY: src does not change during the kernel (x:
-// ld.global.nc); otherwise (the slab, which peers write during the kernel) plain loads.
+// ld.global.nc); otherwise (the slab, which peers write during the kernel) plain loads. Rounds before
+// first_round were loaded by the caller.
 template <bool READ_ONLY, typename Store>
-__device__ __forceinline__ void load_payload(const u32x4* src, u32 lane, Store store) {
+__device__ __forceinline__ void load_payload(const u32x4* src, u32 lane, Store store, u32 first_round = 0) {
 #pragma unroll 1
-  for (u32 round = 0; round < ROUNDS; round++) {
+  for (u32 round = first_round; round < ROUNDS; round++) {
     u32x4 v[UNROLL];
 #pragma unroll
     for (u32 u = 0; u < UNROLL; u++) {
@@ -236,12 +237,37 @@ __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const
   if (want != sent && lane == 0) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_IN_RANK, t);
 }
 
-// Sends token t to every remote destination r it goes to: lane r < R holds p0 = prefix[t][r] and
-// p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0; lane `me` holds its own
-// pair for check_token_ranks only). The payload is read once
-// (ld.global.nc, UNROLL vectors per lane in flight) and stored into every such destination's slab row
-// [me][p0] (st.global.L1::no_allocate over NVLink), then the meta words, remapped per destination.
-__device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadline& d, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane) {
+// A token's first loads: the sources of its meta words and, when the payload is one round, the payload. The
+// sender stages a token before its stores are due, and the next batch's first token before the batch's
+// fence, whose wait then hides their round trip. A payload of several rounds is not staged: its staged round
+// and the next round's loads would need twice the registers (the bf16 rows at hidden 7168 spill).
+constexpr bool STAGE_PAYLOAD = ROUNDS == 1;
+struct StagedToken {
+  MetaSource meta[META_ITERS];
+  u32x4 v[UNROLL];  // unused unless STAGE_PAYLOAD
+};
+
+__device__ __forceinline__ void stage_token(const HtDispatchArgs& a, u32 t, u32 lane, StagedToken& s) {
+#pragma unroll
+  for (u32 k = 0; k < META_ITERS; k++)
+    if (lane + k * WARP_SIZE < META_WORDS) s.meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
+  if constexpr (STAGE_PAYLOAD) {
+    const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS;
+#pragma unroll
+    for (u32 u = 0; u < UNROLL; u++) {
+      const u32 i = u * WARP_SIZE + lane;
+      if (i < PAYLOAD_VECS) s.v[u] = ptx::ld_nc_na_v4(src + i);
+    }
+  }
+}
+
+// Sends token t, staged in `s` (stage_token), to every remote destination r it goes to: lane r < R holds
+// p0 = prefix[t][r] and p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0; lane
+// `me` holds its own pair for check_token_ranks only). The payload is read once (ld.global.nc, UNROLL
+// vectors per lane in flight) and stored into every such destination's slab row [me][p0]
+// (st.global.L1::no_allocate over NVLink), then the meta words, remapped per destination.
+__device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadline& d, u32 t, i32 p0, i32 p1, bool peer_lane, u32 lane,
+                                           const StagedToken& s) {
   check_token_ranks(a, d, t, lane < a.num_ranks && p1 > p0, lane);
   const bool in = peer_lane && p1 > p0;
   const u64 dst = in ? a.data[lane] + a.slab_offset + ((u64)a.rank * a.slab_rows + (u32)p0) * ROW_BYTES : 0;
@@ -250,17 +276,13 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
   u64 dst_of[MAX_RANKS];
 #pragma unroll
   for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
-  // The meta words' sources are loaded before the payload, so that their latency hides behind it.
-  MetaSource meta[META_ITERS];
-#pragma unroll
-  for (u32 k = 0; k < META_ITERS; k++)
-    if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
-
-  load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, [&](u32 round, const u32x4 (&v)[UNROLL]) {
+  auto store_round = [&](u32 round, const u32x4 (&v)[UNROLL]) {
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
       if (((mask >> r) & 1u) != 0u && (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) == 0) store_payload_round(reinterpret_cast<u32x4*>(dst_of[r]), round, v, lane);
-  });
+  };
+  if constexpr (STAGE_PAYLOAD) store_round(0, s.v);
+  load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, store_round, STAGE_PAYLOAD ? 1u : 0u);
 
 #pragma unroll
   for (u32 k = 0; k < META_ITERS; k++) {
@@ -268,7 +290,7 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
     if (w >= META_WORDS) continue;
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
-      if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
+      if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, s.meta[k], w, r);
   }
 }
 
@@ -279,10 +301,12 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 //   First waits (lane per peer) until every peer consumed the previous dispatch (its slab may be rewritten).
 //   Lane r < R keeps prefix[t][r], prefix[t + 1][r] of the next token, loaded a token ahead (and the next
 //   chunk's first pair during this chunk's last fence), so that no token waits for its prefix row; with send_head,
-//   stores the token's slot there (-1 where it does not go to r); send_token.
+//   stores the token's slot there (-1 where it does not go to r); send_token, on the token stage_token loaded
+//   (each token is staged right after the one before it is stored).
 //   Release, once per RELEASE_BATCH tokens of a chunk (a fence waits until the warp's NVLink stores are
 //   acknowledged; one per token left each warp idle for a round trip per row): __syncwarp, every lane
-//   executes fence.acq_rel.sys (one warp instruction), __syncwarp, then lane r < R st.relaxed.sys's the
+//   executes fence.acq_rel.sys (one warp instruction; the next batch's first token is staged before it),
+//   __syncwarp, then lane r < R st.relaxed.sys's the
 //   dispatch epoch into row flag [me][slot] of remote destination r for each slot the batch filled there
 //   (consecutive: the batch's tokens are).
 __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
@@ -299,9 +323,11 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
   HtCursor chunk = counter != nullptr ? ht_chunk_at(ht_grab_chunk(counter), a.send_chunk, a.num_tokens)
                                       : ht_first_chunk(a.num_tokens, a.send_chunk, warp_id, num_warps, 0);
   i32 chunk_p0 = 0, chunk_p1 = 0;
+  StagedToken staged;
   if (chunk.next < chunk.end) {
     chunk_p0 = load_prefix(chunk.next);
     chunk_p1 = load_prefix(chunk.next + 1);
+    stage_token(a, chunk.next, lane, staged);
   }
   while (chunk.next < chunk.end) {
     HtCursor following = chunk;
@@ -318,7 +344,8 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
         slot_next = p1;
         if (t + 2 <= chunk.end) slot_after = load_prefix(t + 2);
         if (send_head != nullptr && lane < num_ranks) send_head[(u64)t * num_ranks + lane] = p1 > p0 ? p0 : -1;
-        send_token(a, d, t, p0, p1, peer_lane, lane);
+        send_token(a, d, t, p0, p1, peer_lane, lane, staged);
+        if (t + 1 < batch_end) stage_token(a, t + 1, lane, staged);
       }
       // After the chunk's last token the warp takes its next chunk and loads that chunk's first prefix pair,
       // before the fence, whose wait hides both round trips. Not at the chunk's start: a warp would then hold
@@ -333,6 +360,12 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
           following_p1 = load_prefix(following.next + 1);
         }
       }
+      // The next batch's first token is staged before the fence, so that its loads' round trip overlaps the
+      // fence's wait instead of following it.
+      if (batch_end < chunk.end)
+        stage_token(a, batch_end, lane, staged);
+      else if (following.next < following.end)
+        stage_token(a, following.next, lane, staged);
       // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
       // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
       // vectors by the soak on 4xH200), then lane r publishes the flags of the batch's rows for r.

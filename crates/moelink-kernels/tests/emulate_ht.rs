@@ -175,7 +175,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             max_unroll: 8,
             experts_per_block: 16,
             release_batch: 4,
-            send_chunk: 4,
+            send_chunk: 8,
             recv_chunk: 8,
             dynamic_send: true,
             tally_slots: 16,
