@@ -237,21 +237,23 @@ __device__ __forceinline__ void check_token_ranks(const HtDispatchArgs& a, const
   if (want != sent && lane == 0) report_error(d, ERR_INVALID_LAYOUT, a.rank, LAYOUT_ARG_IN_RANK, t);
 }
 
-// A token's first loads: the sources of its meta words and, when the payload is one round, the payload. The
-// sender stages a token before its stores are due, and the next batch's first token before the batch's
-// fence, whose wait then hides their round trip. A payload of several rounds is not staged: its staged round
-// and the next round's loads would need twice the registers (the bf16 rows at hidden 7168 spill).
-constexpr bool STAGE_PAYLOAD = ROUNDS == 1;
+// A token's first loads when its payload is one round of registers (FP8 at hidden 7168): the sources of its
+// meta words and the payload. The sender stages a token before its stores are due, and the next batch's
+// first token before the batch's fence, whose wait then hides their round trip. Rows of several rounds are
+// not staged: their staged round and the next round's loads need twice the registers (the bf16 rows at
+// hidden 7168 spill), and staging only their meta words made the fresh bf16 dispatch slower (2xH200, EP2:
+// bench/results/2026-11-30-2xnvidia-h200-f38b5fa-stage-next).
+constexpr bool STAGE = ROUNDS == 1;
 struct StagedToken {
   MetaSource meta[META_ITERS];
-  u32x4 v[UNROLL];  // unused unless STAGE_PAYLOAD
+  u32x4 v[UNROLL];
 };
 
 __device__ __forceinline__ void stage_token(const HtDispatchArgs& a, u32 t, u32 lane, StagedToken& s) {
+  if constexpr (STAGE) {
 #pragma unroll
-  for (u32 k = 0; k < META_ITERS; k++)
-    if (lane + k * WARP_SIZE < META_WORDS) s.meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
-  if constexpr (STAGE_PAYLOAD) {
+    for (u32 k = 0; k < META_ITERS; k++)
+      if (lane + k * WARP_SIZE < META_WORDS) s.meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
     const u32x4* src = reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS;
 #pragma unroll
     for (u32 u = 0; u < UNROLL; u++) {
@@ -261,7 +263,7 @@ __device__ __forceinline__ void stage_token(const HtDispatchArgs& a, u32 t, u32 
   }
 }
 
-// Sends token t, staged in `s` (stage_token), to every remote destination r it goes to: lane r < R holds
+// Sends token t, staged in `s` when STAGE (stage_token), to every remote destination r it goes to: lane r < R holds
 // p0 = prefix[t][r] and p1 = prefix[t + 1][r] (the token goes to r when they differ, at send slot p0; lane
 // `me` holds its own pair for check_token_ranks only). The payload is read once (ld.global.nc, UNROLL
 // vectors per lane in flight) and stored into every such destination's slab row [me][p0]
@@ -276,13 +278,18 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
   u64 dst_of[MAX_RANKS];
 #pragma unroll
   for (u32 r = 0; r < MAX_RANKS; r++) dst_of[r] = __shfl_sync(FULL_WARP_MASK, dst, r);
+  // Unstaged, the meta words' sources are loaded before the payload, so that their latency hides behind it.
+  MetaSource meta[META_ITERS];
+#pragma unroll
+  for (u32 k = 0; k < META_ITERS; k++)
+    if (lane + k * WARP_SIZE < META_WORDS) meta[k] = STAGE ? s.meta[k] : load_meta(a, t, lane + k * WARP_SIZE);
   auto store_round = [&](u32 round, const u32x4 (&v)[UNROLL]) {
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
       if (((mask >> r) & 1u) != 0u && (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) == 0) store_payload_round(reinterpret_cast<u32x4*>(dst_of[r]), round, v, lane);
   };
-  if constexpr (STAGE_PAYLOAD) store_round(0, s.v);
-  load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, store_round, STAGE_PAYLOAD ? 1u : 0u);
+  if constexpr (STAGE) store_round(0, s.v);
+  load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, store_round, STAGE ? 1u : 0u);
 
 #pragma unroll
   for (u32 k = 0; k < META_ITERS; k++) {
@@ -290,7 +297,7 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
     if (w >= META_WORDS) continue;
 #pragma unroll
     for (u32 r = 0; r < MAX_RANKS; r++)
-      if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, s.meta[k], w, r);
+      if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
   }
 }
 
