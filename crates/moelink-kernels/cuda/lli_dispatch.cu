@@ -241,6 +241,88 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
   __syncthreads();
   lli_trace(sm, LL_TRACE_RECV_SEEN);
   if (sm.abort == 0) {
+    // Message prefix per source (sm.msgs becomes the exclusive prefix; sm.first keeps the counts the end
+    // adds to what the next call expects), so that every warp locates its first item before the counts.
+    __shared__ u32 total_msgs;
+    if (threadIdx.x == 0) {
+      u32 run = 0;
+      for (u32 p = 0; p < R; p++) {
+        const u32 n = sm.msgs[p];
+        sm.msgs[p] = run;
+        run += n;
+      }
+      total_msgs = run;
+    }
+    __syncthreads();
+    // Expansion: work item = (message, 512-byte chunk), dealt over every warp of the grid. An item's payload
+    // chunk, entries, weights, token and scales are loaded one item ahead: the first item's with the
+    // counts (one round trip for both), the next one's during this one's stores. The scales are loaded
+    // once per item, not once per expert row.
+    const u32 lane = lane_id();
+    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
+    const u32 items = total_msgs * RECV_CHUNKS;
+    struct Item {
+      u32 p, i, c;
+      bool live;
+    };
+    struct Ahead {
+      u32x4 v;
+      u32 entry, w, token;
+#if LL_FP8
+      u32 scale[SCALE_ITERS];     // float scales: group lane + 32 i
+      u32x4 ue8m0[UE8M0_ITERS];   // UE8M0: the four float scales of packed word lane + 32 i
+#endif
+    };
+    auto item_of = [&](u32 item) {
+      if (item >= items) return Item{0, 0, 0, false};
+      const u32 g = item / RECV_CHUNKS;
+      u32 lo = 0, hi = R;  // the source: the last p with prefix[p] <= g
+      while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (sm.msgs[mid] <= g) lo = mid; else hi = mid;
+      }
+      return Item{lo, g - sm.msgs[lo], item % RECV_CHUNKS, true};
+    };
+    auto message = [&](const Item& it) {
+      return reinterpret_cast<const u8*>(a.rdma.local_base + a.off_msgs + ((u64)it.p * TM + it.i) * LLI_MSG_BYTES);
+    };
+    auto load_item = [&](const Item& it) {
+      Ahead l = {};
+      l.entry = LLI_NONE;
+      if (!it.live) return l;
+      const u8* msg = message(it);
+      const u8* payload = msg + LLI_PAYLOAD_AT;
+      const u32 off = it.c * CHUNK_BYTES + lane * VEC_BYTES;
+      if (off < PAYLOAD_BYTES) l.v = ptx::ld_cg_v4(payload + off);
+      if (lane < LL_TOPK) {
+        l.entry = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * lane);
+        if (it.c == 0 && has_weights) l.w = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * (LL_TOPK + lane));
+      }
+      if (it.c == 0) {
+        l.token = ptx::ld_cg_u32(msg);
+#if LL_FP8
+        const u8* scales = payload + LL_HIDDEN;
+        if ((a.flags & LL_FLAG_UE8M0) == 0) {
+#pragma unroll
+          for (u32 k = 0; k < SCALE_ITERS; k++) {
+            const u32 g = lane + k * WARP_SIZE;
+            if (g < SCALE_GROUPS) l.scale[k] = ptx::ld_cg_u32(scales + 4 * g);
+          }
+        } else {
+#pragma unroll
+          for (u32 k = 0; k < UE8M0_ITERS; k++) {
+            const u32 j = lane + k * WARP_SIZE;
+            if (j < UE8M0_WORDS) l.ue8m0[k] = ptx::ld_cg_v4(scales + 16 * j);
+          }
+        }
+#endif
+      }
+      return l;
+    };
+    const u32 first_item = blockIdx.x * LL_WARPS + warp_id();
+    Item next_it = item_of(first_item);
+    Ahead next = load_item(next_it);
+
     // Bases per (source, local expert): counts of the used sources, scanned over sources per expert.
     u32* bases = sm.words;
     for (u32 pe = threadIdx.x; pe < R * EL; pe += LL_THREADS) {
@@ -262,49 +344,22 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
         if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
       }
     }
-    // Message prefix per source (in `first`, after the expected counts were read by block 0 of the end).
-    __shared__ u32 total_msgs;
-    if (threadIdx.x == 0) {
-      u32 run = 0;
-      for (u32 p = 0; p < R; p++) {
-        const u32 n = sm.msgs[p];
-        sm.msgs[p] = run;  // now the exclusive prefix
-        run += n;
-      }
-      total_msgs = run;
-    }
-    if (blockIdx.x == 0) {
-      for (u32 p = threadIdx.x; p < R; p += LL_THREADS) reinterpret_cast<u32*>(a.hmeta)[2 * p + 1] = sm.used[p];
-    }
-    __syncthreads();
     if (blockIdx.x == 0) {
       for (u32 p = threadIdx.x; p < R; p += LL_THREADS) {
         const u32 end = p + 1 < R ? sm.msgs[p + 1] : total_msgs;
         reinterpret_cast<u32*>(a.hmeta)[2 * p] = end - sm.msgs[p];
+        reinterpret_cast<u32*>(a.hmeta)[2 * p + 1] = sm.used[p];
       }
     }
-    // Expansion: work item = (message, chunk), dealt over every warp of the grid.
-    const u32 lane = lane_id();
-    const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;
-    const u32 items = total_msgs * RECV_CHUNKS;
-    for (u32 item = blockIdx.x * LL_WARPS + warp_id(); item < items; item += workers * LL_WARPS) {
-      const u32 g = item / RECV_CHUNKS, c = item % RECV_CHUNKS;
-      u32 lo = 0, hi = R;  // the source: the last p with prefix[p] <= g
-      while (hi - lo > 1) {
-        const u32 mid = (lo + hi) / 2;
-        if (sm.msgs[mid] <= g) lo = mid; else hi = mid;
-      }
-      const u32 p = lo, i = g - sm.msgs[p];
-      const u8* msg = reinterpret_cast<const u8*>(a.rdma.local_base + a.off_msgs + ((u64)p * TM + i) * LLI_MSG_BYTES);
-      const u8* payload = msg + LLI_PAYLOAD_AT;
+    __syncthreads();
+
+    // One item: one store of the chunk into recv_x[e][slot] per selected local expert; chunk 0 also the
+    // scales, the handle rows, weights, token and destination index, and DeepEP's src_info.
+    auto expand = [&](const Item& it, const Ahead& cur) {
+      const u32 p = it.p, i = it.i, c = it.c;
       const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
       const bool active = off < PAYLOAD_BYTES;
-      const u32x4 v = active ? ptx::ld_cg_v4(payload + off) : u32x4{0, 0, 0, 0};
-      u32 entry = LLI_NONE, w = 0;
-      if (lane < LL_TOPK) {
-        entry = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * lane);
-        if (c == 0 && has_weights) w = ptx::ld_cg_u32(msg + LLI_HDR_BYTES + 4 * (LL_TOPK + lane));
-      }
+      const u32 entry = cur.entry;
       i32 row = -1;
       u32 el = LLI_NONE, slot = 0;
       if (entry != LLI_NONE) {
@@ -315,7 +370,6 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
         }
       }
       if (c == 0) {
-        const u32 token = ptx::ld_cg_u32(msg);
         // j: this rank's index among the token's destination ranks, in ascending order.
         const u32 dest = entry != LLI_NONE ? (entry >> 16) / EL : LLI_NONE;
         bool firstd = dest != LLI_NONE;
@@ -327,43 +381,59 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
         const u32 j = __popc(__ballot_sync(FULL_WARP_MASK, firstd && dest < me));
         const u64 h = (u64)p * TM + i;
         if (lane == 0) {
-          reinterpret_cast<u32*>(a.htoken)[h] = token;
+          reinterpret_cast<u32*>(a.htoken)[h] = cur.token;
           reinterpret_cast<u32*>(a.hj)[h] = j;
         }
         if (lane < LL_TOPK) {
           reinterpret_cast<i32*>(a.hrow)[h * LL_TOPK + lane] = row;
-          if (has_weights) reinterpret_cast<u32*>(a.hweight)[h * LL_TOPK + lane] = w;
-          if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[(u64)el * rows + slot] = (i32)token;
+          if (has_weights) reinterpret_cast<u32*>(a.hweight)[h * LL_TOPK + lane] = cur.w;
+          if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[(u64)el * rows + slot] = (i32)cur.token;
         }
       }
       const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
       u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
       for (u32 m = valid; m != 0; m &= m - 1) {
         const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
-        if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), v);
+        if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), cur.v);
       }
 #if LL_FP8
       if (c == 0 && valid != 0) {
-        const u8* scales = payload + LL_HIDDEN;
         if ((a.flags & LL_FLAG_UE8M0) == 0) {
           for (u32 m = valid; m != 0; m &= m - 1) {
             const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
             u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
-            for (u32 gidx = lane; gidx < SCALE_GROUPS; gidx += WARP_SIZE) col0[(u64)gidx * rows] = ptx::ld_cg_u32(scales + 4 * gidx);
+#pragma unroll
+            for (u32 k = 0; k < SCALE_ITERS; k++) {
+              const u32 g = lane + k * WARP_SIZE;
+              if (g < SCALE_GROUPS) col0[(u64)g * rows] = cur.scale[k];
+            }
           }
         } else {
+          u32 packed[UE8M0_ITERS];
+#pragma unroll
+          for (u32 k = 0; k < UE8M0_ITERS; k++) {
+            const u32x4 f = cur.ue8m0[k];
+            packed[k] = ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+          }
           for (u32 m = valid; m != 0; m &= m - 1) {
             const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
             u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
-            for (u32 jw = lane; jw < UE8M0_WORDS; jw += WARP_SIZE) {
-              const u32x4 f = ptx::ld_cg_v4(scales + 16 * jw);
-              col0[(u64)jw * rows] =
-                  ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+#pragma unroll
+            for (u32 k = 0; k < UE8M0_ITERS; k++) {
+              const u32 jw = lane + k * WARP_SIZE;
+              if (jw < UE8M0_WORDS) col0[(u64)jw * rows] = packed[k];
             }
           }
         }
       }
 #endif
+    };
+    for (u32 item = first_item; item < items; item += workers * LL_WARPS) {
+      const Item it = next_it;
+      const Ahead cur = next;
+      next_it = item_of(item + workers * LL_WARPS);
+      next = load_item(next_it);
+      expand(it, cur);
     }
   }
   lli_recv_end(a, sm, expected, epoch, workers, d);
