@@ -70,6 +70,8 @@ constexpr u32 LLI_SCALE_GROUPS = LL_FP8 ? SCALE_GROUPS : 0;
 constexpr u32 LLI_ROW_BYTES = LL_FP8 ? LL_HIDDEN + 4 * LLI_SCALE_GROUPS : ROW_BYTES_BF16;
 constexpr u32 LLI_PAYLOAD_AT = LLI_HDR_BYTES + LLI_ROUTE_BYTES;
 constexpr u32 LLI_MSG_BYTES = LLI_PAYLOAD_AT + ((LLI_ROW_BYTES + 15) / 16) * 16;
+// The 512-byte chunks of a row each warp of a sending block holds in registers (lli_dispatch_rows).
+constexpr u32 LLI_WARP_CHUNKS = (SEND_CHUNKS + LL_WARPS - 1) / LL_WARPS;
 // Combine: a warp sums 8 channels per lane (one 16-byte bf16 vector): 256 channels per step.
 constexpr u32 LLI_COMBINE_CHANNELS = WARP_SIZE * 8;
 constexpr u32 LLI_COMBINE_CHUNKS = (LL_HIDDEN + LLI_COMBINE_CHANNELS - 1) / LLI_COMBINE_CHANNELS;
@@ -344,7 +346,9 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
 // The routing of token t in one warp: lane k < K holds its top-k slot — the expert id when live (in [0, E)
 // and not an earlier slot's id), its rank among this rank's earlier tokens of that expert, and, for the
 // first live slot of each destination rank, that rank and the token's compact slot there (the number of
-// earlier tokens routed to it). Counted over the earlier rows 32 * RANK_ROWS at a time (ll.cuh).
+// earlier tokens routed to it). Counted over the earlier rows 32 * RANK_ROWS at a time (ll.cuh), in two
+// passes: the destinations and slots, which the message's stores need, then the ranks, which only its
+// entries need and which are counted while the payload's stores fly.
 struct LliRoute {
   u32 id;         // expert, or LLI_NONE
   u32 rank;       // among earlier tokens of the expert (live slots)
@@ -352,7 +356,8 @@ struct LliRoute {
   u32 slot;       // the token's slot at `dest`
 };
 
-__device__ __forceinline__ LliRoute lli_route(u64 topk_idx, u32 t, u32 num_experts, u32 local_experts) {
+// Pass 1: id, dest and slot (rank 0).
+__device__ __forceinline__ LliRoute lli_route_dests(u64 topk_idx, u32 t, u32 num_experts, u32 local_experts) {
   const i64* topk = reinterpret_cast<const i64*>(topk_idx);
   const u32 lane = lane_id();
   LliRoute r = {LLI_NONE, 0, LLI_NONE, 0};
@@ -378,32 +383,45 @@ __device__ __forceinline__ LliRoute lli_route(u64 topk_idx, u32 t, u32 num_exper
   auto count = [&](const PriorRows& rows) {
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
-      const u32 e = __shfl_sync(FULL_WARP_MASK, r.id, k);
       const u32 dk = __shfl_sync(FULL_WARP_MASK, r.dest, k);
       const u32 first_of_dk = dk != LLI_NONE ? dk * local_experts : 0u;
-      u32 with_e = 0, to_d = 0;
+      u32 to_d = 0;
 #pragma unroll
       for (u32 i = 0; i < RANK_ROWS; i++) {
-        bool hit_e = false, hit_d = false;
+        bool hit_d = false;
 #pragma unroll
-        for (u32 j = 0; j < LL_TOPK; j++) {
-          const u32 v = rows.id[i][j];
-          hit_e |= v == e;
-          hit_d |= v - first_of_dk < local_experts;
-        }
-        with_e += hit_e && e != LLI_NONE ? 1u : 0u;
+        for (u32 j = 0; j < LL_TOPK; j++) hit_d |= rows.id[i][j] - first_of_dk < local_experts;
         to_d += hit_d && dk != LLI_NONE ? 1u : 0u;
       }
-      with_e = __reduce_add_sync(FULL_WARP_MASK, with_e);
       to_d = __reduce_add_sync(FULL_WARP_MASK, to_d);
-      if (lane == k) {
-        r.rank += with_e;
-        r.slot += to_d;
-      }
+      if (lane == k) r.slot += to_d;
     }
   };
   for (u32 base = 0; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(topk_idx, t, base));
   return r;
+}
+
+// Pass 2: r.rank, over the same rows, loaded again (cache hits; holding them across pass 1's stores takes
+// 32 registers more than the bf16 kernel has).
+__device__ __forceinline__ void lli_route_ranks(LliRoute& r, u64 topk_idx, u32 t) {
+  const u32 lane = lane_id();
+  auto count = [&](const PriorRows& rows) {
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) {
+      const u32 e = __shfl_sync(FULL_WARP_MASK, r.id, k);
+      u32 with_e = 0;
+#pragma unroll
+      for (u32 i = 0; i < RANK_ROWS; i++) {
+        bool hit_e = false;
+#pragma unroll
+        for (u32 j = 0; j < LL_TOPK; j++) hit_e |= rows.id[i][j] == e;
+        with_e += hit_e && e != LLI_NONE ? 1u : 0u;
+      }
+      with_e = __reduce_add_sync(FULL_WARP_MASK, with_e);
+      if (lane == k) r.rank += with_e;
+    }
+  };
+  for (u32 base = 0; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(topk_idx, t, base));
 }
 
 #endif  // MOELINK_LLI_CUH

@@ -20,13 +20,16 @@ __device__ __forceinline__ void lli_dispatch_check(const LliDispatchArgs& a, con
     i64 ids[LL_TOPK];
     bool live[LL_TOPK];
     problem |= load_topk_row(idx + (u64)t * LL_TOPK, E, ids, live);
+    u32 w[LL_TOPK];  // loaded together with the ids, before any store
+#pragma unroll
+    for (u32 k = 0; k < LL_TOPK; k++) w[k] = has_weights ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k) : 0u;
     u32 dest[LL_TOPK];  // the rank of each live slot's expert, one division per slot
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) dest[k] = live[k] ? (u32)ids[k] / EL : LLI_NONE;
 #pragma unroll
     for (u32 k = 0; k < LL_TOPK; k++) {
       reinterpret_cast<i64*>(a.home_idx)[(u64)t * LL_TOPK + k] = ids[k];
-      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + k);
+      if (has_weights) reinterpret_cast<u32*>(a.home_weight)[(u64)t * LL_TOPK + k] = w[k];
       if (!live[k]) continue;
       atomicAdd(&sm.words[(u32)ids[k]], 1u);
       bool first = true;
@@ -68,13 +71,16 @@ struct LliDests {
 };
 
 // The messages: one token per block at a time (tokens block, block + data_blocks, ...), its message built by
-// every warp of the block. The last warp counts the token's routing over the earlier rows and writes the
-// header, entries and weights; the warps quantise (FP8, 16 channels per lane) or copy (bf16) the row's
-// 512-byte chunks, chunk c by warp c % LL_WARPS, into this rank's staging. Then the block delivers it: to a
-// destination it reaches with stores (rdma::window) every thread copies its share of the message there and
-// fences it, and one thread signals ADD 1; another is put from the staging by one warp with put_signal.
+// every warp of the block. The last warp finds the token's destinations and its compact slot at each
+// (lli_route_dests); meanwhile the warps load and quantise (FP8, 16 channels per lane) or load (bf16) the
+// row's 512-byte chunks, chunk c by warp c % LL_WARPS, into registers. Then each warp stores its chunk
+// straight into every destination it reaches with stores (rdma::window), and into this rank's staging when
+// another is put from there; the last warp counts the token's ranks per expert (lli_route_ranks) while those
+// stores fly, and stores the header, entries and weights likewise. Every thread fences, and one thread
+// signals ADD 1 to a direct destination; another is put from the staging by one warp with put_signal.
 // A warp carrying whole messages (quantise, stage, copy, fence, one dependent step after another) left the
-// sends of 128 tokens on 8 blocks for ~64 us at 2x1 (bench/results/2026-11-28-2xnvidia-h200-33ada12-lli-trace-row-align).
+// sends of 128 tokens on 8 blocks for ~64 us at 2x1 (bench/results/2026-11-28-2xnvidia-h200-33ada12-lli-trace-row-align);
+// staging every message and copying it out from there put an L2 round trip between the route and the stores.
 __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, const Deadline& d, const LliShared& sm, u32 block,
                                                   u32 data_blocks) {
   __shared__ LliDests dests[2];  // alternate per token: the next token's routing never waits on this one's readers
@@ -89,14 +95,10 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
     LliDests& ds = dests[parity];
     const u64 src_off = a.off_send_msgs + (u64)t * LLI_MSG_BYTES;
     u8* msg = reinterpret_cast<u8*>(a.rdma.local_base + src_off);
+    auto dst_off_of = [&](u32 i) { return a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES; };
+    LliRoute r;
     if (warp == ROUTE_WARP) {
-      const LliRoute r = lli_route(a.topk_idx, t, a.num_experts, a.num_local_experts);
-      if (lane == 0) reinterpret_cast<u32*>(msg)[0] = t;
-      if (lane < LL_TOPK) {
-        u32* route = reinterpret_cast<u32*>(msg + LLI_HDR_BYTES);
-        route[lane] = r.id != LLI_NONE ? (r.id << 16) | r.rank : LLI_NONE;
-        route[LL_TOPK + lane] = has_weights ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane) : 0u;
-      }
+      r = lli_route_dests(a.topk_idx, t, a.num_experts, a.num_local_experts);
       // A destination's place in the send order: the destinations before it, counted from me + 1.
       const bool has = r.dest != LLI_NONE;
       const u32 key = has ? (r.dest + R - me - 1) % R : LLI_NONE;
@@ -113,44 +115,87 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
         if (sm.trace_row != 0) reinterpret_cast<volatile u64*>(sm.trace_row)[LL_TRACE_SEND_ROUTED] = ptx::globaltimer();
       }
     }
-    u8* row = msg + LLI_PAYLOAD_AT;
-    for (u32 c = warp; c < SEND_CHUNKS; c += LL_WARPS) {
+    // This warp's chunks c = warp + k * LL_WARPS (k < LLI_WARP_CHUNKS), in registers.
 #if LL_FP8
+    u32x4 q[LLI_WARP_CHUNKS];
+    float scale_inv[LLI_WARP_CHUNKS];
+#pragma unroll
+    for (u32 k = 0; k < LLI_WARP_CHUNKS; k++) {
+      const u32 c = warp + k * LL_WARPS;
       const u32 ch = c * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
-      const bool active = ch < LL_HIDDEN;
       u32x4 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
-      if (active) {
+      if (c < SEND_CHUNKS && ch < LL_HIDDEN) {
         const u32x4* src = reinterpret_cast<const u32x4*>(x + ((u64)t * LL_HIDDEN + ch) * 2);
         v0 = ptx::ld_nc_na_v4(src);
         v1 = ptx::ld_nc_na_v4(src + 1);
       }
-      float scale_inv;
-      const u32x4 q = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv);
-      if (active) {
-        ptx::st_v4(reinterpret_cast<u32x4*>(row + ch), q);
-        if (lane % FP8_GROUP_LANES == 0) reinterpret_cast<u32*>(row + LL_HIDDEN)[ch / FP8_GROUP] = f32_bits(scale_inv);
-      }
-#else
-      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      if (off < ROW_BYTES_BF16)
-        ptx::st_v4(reinterpret_cast<u32x4*>(row + off), ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)));
-#endif
+      q[k] = u32x4{0, 0, 0, 0};
+      scale_inv[k] = 0.0f;
+      if (c < SEND_CHUNKS) q[k] = quantize16(v0, v1, (a.flags & LL_FLAG_ROUND_SCALE) != 0, scale_inv[k]);  // warp-uniform
     }
+    auto store_chunks = [&](u8* to) {
+#pragma unroll
+      for (u32 k = 0; k < LLI_WARP_CHUNKS; k++) {
+        const u32 ch = (warp + k * LL_WARPS) * FP8_CHUNK_CHANNELS + lane * FP8_LANE_CHANNELS;
+        if (warp + k * LL_WARPS < SEND_CHUNKS && ch < LL_HIDDEN) {
+          ptx::st_v4(reinterpret_cast<u32x4*>(to + LLI_PAYLOAD_AT + ch), q[k]);
+          if (lane % FP8_GROUP_LANES == 0) reinterpret_cast<u32*>(to + LLI_PAYLOAD_AT + LL_HIDDEN)[ch / FP8_GROUP] = f32_bits(scale_inv[k]);
+        }
+      }
+    };
+#else
+    u32x4 v[LLI_WARP_CHUNKS];
+#pragma unroll
+    for (u32 k = 0; k < LLI_WARP_CHUNKS; k++) {
+      const u32 off = (warp + k * LL_WARPS) * CHUNK_BYTES + lane * VEC_BYTES;
+      v[k] = off < ROW_BYTES_BF16 ? ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(x + (u64)t * ROW_BYTES_BF16 + off)) : u32x4{0, 0, 0, 0};
+    }
+    auto store_chunks = [&](u8* to) {
+#pragma unroll
+      for (u32 k = 0; k < LLI_WARP_CHUNKS; k++) {
+        const u32 off = (warp + k * LL_WARPS) * CHUNK_BYTES + lane * VEC_BYTES;
+        if (off < ROW_BYTES_BF16) ptx::st_v4(reinterpret_cast<u32x4*>(to + LLI_PAYLOAD_AT + off), v[k]);
+      }
+    };
+#endif
     __syncthreads();
     lli_trace(sm, LL_TRACE_SEND_BUILT);
     const u32 n = ds.count;
+    bool staged = false;  // some destination is put from the staging
     for (u32 i = 0; i < n; i++) {
-      const u64 dst_off = a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES;
-      const rdma::Window w = rdma::window(a.rdma, ds.rank[i], dst_off, src_off);
-      if (w.direct) rdma::copy_bytes(w.ptr, msg, LLI_MSG_BYTES, threadIdx.x, LL_THREADS);
+      const rdma::Window w = rdma::window(a.rdma, ds.rank[i], dst_off_of(i), src_off);
+      if (w.direct) {
+        store_chunks(w.ptr);
+      } else {
+        staged = true;
+      }
     }
-    // Every thread's stores (the staging, the copies) are visible everywhere before any signal or put.
+    if (staged) store_chunks(msg);
+    if (warp == ROUTE_WARP) {
+      const u32 wbits = has_weights && lane < LL_TOPK ? ptx::ld_nc_u32(wts + (u64)t * LL_TOPK + lane) : 0u;
+      lli_route_ranks(r, a.topk_idx, t);
+      const u32 entry = r.id != LLI_NONE ? (r.id << 16) | r.rank : LLI_NONE;
+      auto store_head = [&](u8* to) {
+        if (lane == 0) reinterpret_cast<u32*>(to)[0] = t;
+        if (lane < LL_TOPK) {
+          u32* route = reinterpret_cast<u32*>(to + LLI_HDR_BYTES);
+          route[lane] = entry;
+          route[LL_TOPK + lane] = wbits;
+        }
+      };
+      for (u32 i = 0; i < n; i++) {
+        const rdma::Window w = rdma::window(a.rdma, ds.rank[i], dst_off_of(i), src_off);
+        if (w.direct) store_head(w.ptr);
+      }
+      if (staged) store_head(msg);
+    }
+    // Every thread's stores (in place, staged) are visible everywhere before any signal or put.
     ptx::fence_acq_rel_sys();
     __syncthreads();
     lli_trace(sm, LL_TRACE_SEND_STORED);
     for (u32 i = warp; i < n; i += LL_WARPS) {
       const u32 p = ds.rank[i];
-      const u64 dst_off = a.off_msgs + ((u64)me * TM + ds.slot[i]) * LLI_MSG_BYTES;
+      const u64 dst_off = dst_off_of(i);
       const rdma::Window w = rdma::window(a.rdma, p, dst_off, src_off);
       const u32 qp = (t + p) % a.rdma.num_qps;
       if (w.direct) {
@@ -163,6 +208,12 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
 }
 
 __device__ __forceinline__ void lli_dispatch_send(const LliDispatchArgs& a, const Deadline& d, LliShared& sm, u32 epoch, u32 workers) {
+  // The top-k rows are sent towards L2 before the hand-back wait, whose round trips they then overlap: the
+  // check block and every route warp read them after it. Not by warp 0, whose lanes poll the hand-back words.
+  if (blockIdx.x == 0 && warp_id() != 0) {
+    for (u32 t = threadIdx.x - WARP_SIZE; t < a.num_tokens; t += LL_THREADS - WARP_SIZE)
+      ptx::prefetch_l2(reinterpret_cast<const i64*>(a.topk_idx) + (u64)t * LL_TOPK);
+  }
   lli_wait_consumed(a, d, sm);
   lli_trace(sm, LL_TRACE_SEND_READY);
   if (sm.abort == 0) {

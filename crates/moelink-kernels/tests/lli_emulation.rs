@@ -55,4 +55,7 @@ emulate! {
     ptr_fp8_hidden_640_top3: 640, 3, true, Transport::Ptr;
     emu_nic_bf16_hidden_264_top2: 264, 2, false, Transport::EmuNic;
     ptr_bf16_hidden_512_top8: 512, 8, false, Transport::Ptr;
+    // More 512-byte chunks than the emulation's two warps: a sending warp holds several (3 and 2).
+    emu_nic_bf16_hidden_1032_top4: 1032, 4, false, Transport::EmuNic;
+    ptr_fp8_hidden_2048_top8: 2048, 8, true, Transport::Ptr;
 }
