@@ -300,13 +300,20 @@ __device__ __forceinline__ void lli_wait_consumed(const Args& a, const Deadline&
   __syncthreads();
 }
 
+// The words of a source's meta head, loaded together once its meta signal is seen (lli_wait_source).
+struct LliMetaWords {
+  u32 num_msgs, problem, accepted;
+  u32 sig[LL_SIG_WORDS];
+};
+
 // Waits (one thread) for source p's meta word of this call and then for its data word to reach
-// `data_base + messages` (messages read from its meta). Shrink mode: the decision word makes every block
-// use or drop p alike. Returns the meta head when p's data may be read, else nullptr; `meta_seen` says
-// whether p's meta (and so the count of messages it sent) arrived.
+// `data_base + messages` (messages read from its meta). The meta head's words are loaded into `words` as
+// soon as the meta is seen, in one round trip, before the data wait (not after it, on the critical path).
+// Shrink mode: the decision word makes every block use or drop p alike. Returns the meta head when p's
+// data may be read, else nullptr; `meta_seen` says whether p's meta (and so `words`) arrived.
 template <typename Args>
 __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, u32 epoch, u64 meta_block, u64 data_base, const Deadline& d,
-                                                          LliShared& sm, u64& waited_ns, bool& meta_seen) {
+                                                          LliShared& sm, u64& waited_ns, bool& meta_seen, LliMetaWords& words) {
   const u32 R = a.rdma.num_ranks;
   const bool soft = (a.flags & LL_FLAG_SHRINK) != 0;
   u32* mask = lli_mask(a.state, R);
@@ -321,7 +328,12 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
     if (w == LL_WAIT_SEEN) {
       (void)ptx::ld_acquire_sys_u64(mword);
       meta_seen = true;
-      const u64 target = data_base + ptx::ld_cg_u32(&meta->num_msgs);
+      words.num_msgs = ptx::ld_cg_u32(&meta->num_msgs);
+      words.problem = ptx::ld_cg_u32(&meta->problem);
+      words.accepted = ptx::ld_cg_u32(&meta->accepted);
+#pragma unroll
+      for (u32 i = 0; i < LL_SIG_WORDS; i++) words.sig[i] = ptx::ld_cg_u32(&meta->sig[i]);
+      const u64 target = data_base + words.num_msgs;
       const u64* dword = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_data_sig + 8ull * p);
       w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(dword); }, (u32)target, d, p, soft);
       if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys_u64(dword);

@@ -238,11 +238,12 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
   for (u32 p = threadIdx.x; p < R; p += LL_THREADS) {
     u64 waited = 0;
     bool meta_seen = false;
-    const LliMeta* m = lli_wait_source(a, p, epoch, a.off_meta + (u64)p * sizeof(LliMeta), expected[p], d, sm, waited, meta_seen);
+    LliMetaWords words = {};
+    const LliMeta* m = lli_wait_source(a, p, epoch, a.off_meta + (u64)p * sizeof(LliMeta), expected[p], d, sm, waited, meta_seen, words);
     u32 used = 0;
     if (m != nullptr) {
-      const u32 problem = ptx::ld_cg_u32(&m->problem);
-      used = ptx::ld_cg_u32(&m->accepted) != 0 ? 1u : 0u;
+      const u32 problem = words.problem;
+      used = words.accepted != 0 ? 1u : 0u;
       if (blockIdx.x == 0 && problem != 0 && p != me) {
         u32 cur = ptx::ld_relaxed_sys(&rep->peer_problem_peer);
         while (cur == 0 || cur > p + 1) {
@@ -256,7 +257,7 @@ __device__ __forceinline__ void lli_combine_recv(const LliCombineArgs& a, const 
       }
     }
     sm.used[p] = used;
-    sm.first[p] = meta_seen ? ptx::ld_cg_u32(&reinterpret_cast<const LliMeta*>(a.rdma.local_base + a.off_meta + (u64)p * sizeof(LliMeta))->num_msgs) : 0u;
+    sm.first[p] = meta_seen ? words.num_msgs : 0u;
     if (blockIdx.x == 0 && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[p] += (i64)waited;
   }
   __syncthreads();

@@ -245,17 +245,15 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
   for (u32 p = threadIdx.x; p < R; p += LL_THREADS) {
     u64 waited = 0;
     bool meta_seen = false;
-    const LliMeta* m = lli_wait_source(a, p, epoch, a.off_meta + (u64)p * a.meta_bytes, expected[p], d, sm, waited, meta_seen);
+    LliMetaWords words = {};
+    const LliMeta* m = lli_wait_source(a, p, epoch, a.off_meta + (u64)p * a.meta_bytes, expected[p], d, sm, waited, meta_seen, words);
     u32 used = 0, n = 0, problem = 0, mismatch_field = LL_SIG_WORDS;
     if (m != nullptr) {
-      u32 sig[LL_SIG_WORDS];
-#pragma unroll
-      for (u32 i = 0; i < LL_SIG_WORDS; i++) sig[i] = ptx::ld_cg_u32(&m->sig[i]);
-      problem = ptx::ld_cg_u32(&m->problem);
-      n = ptx::ld_cg_u32(&m->num_msgs);
+      problem = words.problem;
+      n = words.num_msgs;
 #pragma unroll
       for (u32 i = LL_SIG_WORDS; i-- > 0;)
-        if (sig[i] != a.sig[i]) mismatch_field = i;
+        if (words.sig[i] != a.sig[i]) mismatch_field = i;
       used = mismatch_field == LL_SIG_WORDS && problem == 0 && n <= TM ? 1u : 0u;
       if (blockIdx.x == 0 && mismatch_field != LL_SIG_WORDS) {
         // The lowest mismatching peer wins: CAS on the 1-based peer word from 0 or a higher peer.
@@ -264,7 +262,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
           const u32 seen = ptx::atom_cas_acq_rel_gpu(&rep->mismatch_peer, cur, p + 1);
           if (seen == cur) {
             ptx::st_relaxed_sys_u64(&rep->mismatch_ours, a.sig[mismatch_field]);
-            ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, sig[mismatch_field]);
+            ptx::st_relaxed_sys_u64(&rep->mismatch_theirs, words.sig[mismatch_field]);
             ptx::st_relaxed_sys(&rep->mismatch_field, mismatch_field);
             break;
           }
@@ -286,7 +284,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
     sm.used[p] = used;
     sm.msgs[p] = used ? n : 0;
     // What the data word will have counted once this call is over (the last block adds it).
-    sm.first[p] = meta_seen && m != nullptr ? ptx::ld_cg_u32(&m->num_msgs) : 0;
+    sm.first[p] = meta_seen && m != nullptr ? words.num_msgs : 0;
     if (blockIdx.x == 0 && a.wait_stats != 0) reinterpret_cast<i64*>(a.wait_stats)[p] += (i64)waited;
   }
   __syncthreads();
