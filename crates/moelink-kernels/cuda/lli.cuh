@@ -236,13 +236,14 @@ __device__ __forceinline__ bool lli_enter(const Args& a, LliShared& sm, const De
 
 // The last worker block of a phase (every thread calls it): true on exactly one block, with the counter
 // reset for the next launch; sm.phase_ok tells it whether every block of the phase succeeded.
-// `point` is stamped once every thread of the block got here.
-__device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 workers, u32 point) {
+// `point` is stamped once every thread of the block got here. `release`: the count orders the block's
+// stores before it (acq_rel); otherwise it is relaxed and orders nothing but the count.
+__device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 workers, u32 point, bool release = true) {
   __syncthreads();
   lli_trace(sm, point);
   if (threadIdx.x == 0) {
     const u32 mine = 1u + (sm.abort != 0 ? LL_DONE_FAILED : 0u);
-    const u32 old = ptx::atom_add_acq_rel_gpu(done, mine);
+    const u32 old = release ? ptx::atom_add_acq_rel_gpu(done, mine) : ptx::atom_add_relaxed_gpu(done, mine);
     const bool last = (old & (LL_DONE_FAILED - 1)) == workers - 1;
     if (last) ptx::st_relaxed_gpu(done, 0);
     sm.last = last ? 1u : 0u;
@@ -254,12 +255,16 @@ __device__ __forceinline__ bool lli_last_block(u32* done, LliShared& sm, u32 wor
 
 // The end of a receive phase (every thread of every worker block): the last block adds this call's
 // messages per source (sm.first) to what the next call on this set expects, then hands the set back.
+// No fence, and a relaxed count: the hand-back orders the blocks' loads of the receive region, and each
+// load whose value counts completed before its block's barrier (the value was stored into an output or
+// decided a branch), as in the one-node kernels (ll_recv_end); `expected` and the outputs are ordered by
+// the kernel boundary. An acq_rel count and a system fence made the last block wait for its outputs' stores
+// and ended the kernel ~2.2 us after the last block's receive (bench/results/2026-11-30-2xnvidia-h200-6b1a4d8-lli).
 template <typename Args>
 __device__ __forceinline__ void lli_recv_end(const Args& a, LliShared& sm, u64* expected, u32 epoch, u32 workers,
                                              const Deadline& d) {
-  if (lli_last_block(lli_op(a).recv_done, sm, workers, LL_TRACE_RECV_STORED) && sm.phase_ok) {
+  if (lli_last_block(lli_op(a).recv_done, sm, workers, LL_TRACE_RECV_STORED, false) && sm.phase_ok) {
     for (u32 p = threadIdx.x; p < a.rdma.num_ranks; p += LL_THREADS) expected[p] += sm.first[p];
-    ptx::fence_acq_rel_sys();
     __syncthreads();
     lli_hand_back(a, epoch, d);
   }
