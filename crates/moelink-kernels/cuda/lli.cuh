@@ -298,7 +298,7 @@ __device__ __forceinline__ void lli_wait_consumed(const Args& a, const Deadline&
     if (ptx::ld_relaxed_gpu(mask + p) != 0) continue;
     const u64* word = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_consumed + 8ull * p);
     const u32 w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(word); }, target, d, p, soft);
-    if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys_u64(word);
+    if (w == LL_WAIT_SEEN) ptx::fence_acq_rel_sys();  // the acquire: no second load of the word
     if (w == LL_WAIT_TIMEOUT) ptx::st_relaxed_gpu(mask + p, 1);
     if (w == LL_WAIT_FAILED) sm.abort = 1;
   }
@@ -331,7 +331,7 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
     const u64* mword = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_meta_sig + 8ull * p);
     w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(mword); }, epoch, d, p, soft);
     if (w == LL_WAIT_SEEN) {
-      (void)ptx::ld_acquire_sys_u64(mword);
+      ptx::fence_acq_rel_sys();  // the acquire of the meta: no second load of the word
       meta_seen = true;
       words.num_msgs = ptx::ld_cg_u32(&meta->num_msgs);
       words.problem = ptx::ld_cg_u32(&meta->problem);
@@ -340,8 +340,7 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
       for (u32 i = 0; i < LL_SIG_WORDS; i++) words.sig[i] = ptx::ld_cg_u32(&meta->sig[i]);
       const u64 target = data_base + words.num_msgs;
       const u64* dword = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_data_sig + 8ull * p);
-      w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(dword); }, (u32)target, d, p, soft);
-      if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys_u64(dword);
+      w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(dword); }, (u32)target, d, p, soft);  // acquired below
     }
   }
   waited_ns = ptx::globaltimer() - start;
