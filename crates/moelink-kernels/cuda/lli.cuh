@@ -58,7 +58,7 @@
 #include "transport.cuh"
 
 #if !defined(LLI_MAX_RANKS) || !defined(LLI_SMEM_WORDS) || !defined(MOELINK_SIZEOF_LLI_DISPATCH_ARGS) || \
-    !defined(MOELINK_SIZEOF_LLI_COMBINE_ARGS) || !defined(LLI_DATA_LANES)
+    !defined(MOELINK_SIZEOF_LLI_COMBINE_ARGS)
 #error "lli.cuh needs every JIT constant listed at the top of the file"
 #endif
 static_assert(LLI_MAX_RANKS >= 1 && LLI_MAX_RANKS <= 0xffff, "ranks fit the shared arrays");
@@ -78,13 +78,6 @@ constexpr u32 LLI_COMBINE_CHUNKS = (LL_HIDDEN + LLI_COMBINE_CHANNELS - 1) / LLI_
 // A bf16 row in 512-byte chunks (one 16-byte vector per lane).
 constexpr u32 LLI_ROW_CHUNKS = (ROW_BYTES_BF16 + CHUNK_BYTES - 1) / CHUNK_BYTES;
 constexpr u32 LLI_NONE = 0xffffffffu;
-// A source's data signal: LLI_DATA_LANES u64 words, each on its own 128-byte line, summed by the receiver;
-// a sending block adds to word blockIdx.x % LLI_DATA_LANES (one word per source took every block's remote
-// addition of a call on one line).
-constexpr u32 LLI_DATA_LANE_BYTES = 128;
-__device__ __forceinline__ u64 lli_data_sig(u64 off_data_sig, u32 source, u32 lane) {
-  return off_data_sig + ((u64)source * LLI_DATA_LANES + lane) * LLI_DATA_LANE_BYTES;
-}
 
 __device__ __forceinline__ u32 lli_min(u32 x, u32 y) { return x < y ? x : y; }
 
@@ -305,7 +298,7 @@ __device__ __forceinline__ void lli_wait_consumed(const Args& a, const Deadline&
     if (ptx::ld_relaxed_gpu(mask + p) != 0) continue;
     const u64* word = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_consumed + 8ull * p);
     const u32 w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(word); }, target, d, p, soft);
-    if (w == LL_WAIT_SEEN) ptx::fence_acq_rel_sys();  // the acquire: no second load of the word
+    if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys_u64(word);
     if (w == LL_WAIT_TIMEOUT) ptx::st_relaxed_gpu(mask + p, 1);
     if (w == LL_WAIT_FAILED) sm.abort = 1;
   }
@@ -338,7 +331,7 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
     const u64* mword = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_meta_sig + 8ull * p);
     w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(mword); }, epoch, d, p, soft);
     if (w == LL_WAIT_SEEN) {
-      ptx::fence_acq_rel_sys();  // the acquire of the meta: no second load of the word
+      (void)ptx::ld_acquire_sys_u64(mword);
       meta_seen = true;
       words.num_msgs = ptx::ld_cg_u32(&meta->num_msgs);
       words.problem = ptx::ld_cg_u32(&meta->problem);
@@ -346,14 +339,9 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
 #pragma unroll
       for (u32 i = 0; i < LL_SIG_WORDS; i++) words.sig[i] = ptx::ld_cg_u32(&meta->sig[i]);
       const u64 target = data_base + words.num_msgs;
-      const u8* dwords = reinterpret_cast<const u8*>(a.rdma.local_base + lli_data_sig(a.off_data_sig, p, 0));
-      auto sum = [&] {
-        u64 total = 0;
-#pragma unroll
-        for (u32 l = 0; l < LLI_DATA_LANES; l++) total += ptx::ld_relaxed_sys_u64(reinterpret_cast<const u64*>(dwords + l * LLI_DATA_LANE_BYTES));
-        return (u32)total;
-      };
-      w = ll_wait_geq(sum, (u32)target, d, p, soft);  // acquired below
+      const u64* dword = reinterpret_cast<const u64*>(a.rdma.local_base + a.off_data_sig + 8ull * p);
+      w = ll_wait_geq([&] { return (u32)ptx::ld_relaxed_sys_u64(dword); }, (u32)target, d, p, soft);
+      if (w == LL_WAIT_SEEN) (void)ptx::ld_acquire_sys_u64(dword);
     }
   }
   waited_ns = ptx::globaltimer() - start;

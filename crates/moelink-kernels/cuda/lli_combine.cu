@@ -140,9 +140,9 @@ __device__ __forceinline__ void lli_combine_rows(const LliCombineArgs& a, const 
       __syncthreads();
       if (warp == 0) {
         if (win.direct) {
-          if (lane == 0) rdma::signal_thread(a.rdma, qp, p, lli_data_sig(a.off_data_sig, me, blockIdx.x % LLI_DATA_LANES), 1, SIGNAL_ADD, d);
+          if (lane == 0) rdma::signal_thread(a.rdma, qp, p, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
         } else {
-          rdma::put_signal_warp(a.rdma, qp, p, dst_off, stage_off, ROW_BYTES_BF16, lli_data_sig(a.off_data_sig, me, blockIdx.x % LLI_DATA_LANES), 1, SIGNAL_ADD, d);
+          rdma::put_signal_warp(a.rdma, qp, p, dst_off, stage_off, ROW_BYTES_BF16, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
         }
       }
     } else {
@@ -192,9 +192,9 @@ __device__ __forceinline__ void lli_combine_rows(const LliCombineArgs& a, const 
         const u64 dst_off = a.off_rows + ((u64)token * LL_TOPK + k) * ROW_BYTES_BF16;
         const rdma::Window win = rdma::window(a.rdma, p, dst_off, src_off);
         if (win.direct) {
-          if (lane == 0) rdma::signal_thread(a.rdma, qp, p, lli_data_sig(a.off_data_sig, me, blockIdx.x % LLI_DATA_LANES), 1, SIGNAL_ADD, d);
+          if (lane == 0) rdma::signal_thread(a.rdma, qp, p, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
         } else {
-          rdma::put_signal_warp(a.rdma, qp, p, dst_off, src_off, ROW_BYTES_BF16, lli_data_sig(a.off_data_sig, me, blockIdx.x % LLI_DATA_LANES), 1, SIGNAL_ADD, d);
+          rdma::put_signal_warp(a.rdma, qp, p, dst_off, src_off, ROW_BYTES_BF16, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
         }
       }
     }

@@ -199,9 +199,9 @@ __device__ __forceinline__ void lli_dispatch_rows(const LliDispatchArgs& a, cons
       const rdma::Window w = rdma::window(a.rdma, p, dst_off, src_off);
       const u32 qp = (t + p) % a.rdma.num_qps;
       if (w.direct) {
-        if (lane == 0) rdma::signal_thread(a.rdma, qp, p, lli_data_sig(a.off_data_sig, me, blockIdx.x % LLI_DATA_LANES), 1, SIGNAL_ADD, d);
+        if (lane == 0) rdma::signal_thread(a.rdma, qp, p, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
       } else {
-        rdma::put_signal_warp(a.rdma, qp, p, dst_off, src_off, LLI_MSG_BYTES, lli_data_sig(a.off_data_sig, me, blockIdx.x % LLI_DATA_LANES), 1, SIGNAL_ADD, d);
+        rdma::put_signal_warp(a.rdma, qp, p, dst_off, src_off, LLI_MSG_BYTES, a.off_data_sig + 8ull * me, 1, SIGNAL_ADD, d);
       }
     }
   }

@@ -58,14 +58,12 @@ struct LliAt {
       at = align_up(at + bytes, 256);
       return o;
     };
-    const size_t words = align_up(4 * 2 * r * 8, LLI_DATA_LANE_BYTES), lanes = r * LLI_DATA_LANES * LLI_DATA_LANE_BYTES;
-    signals = take(words + 4 * lanes);
-    signals_end = signals + words + 4 * lanes;
+    signals = take(6 * 2 * r * 8);
+    signals_end = signals + 6 * 2 * r * 8;
     auto sig = [&](size_t array, size_t set) { return signals + (array * 2 + set) * r * 8; };
-    auto data_sig = [&](size_t op, size_t set) { return signals + words + (op * 2 + set) * lanes; };
     for (int set = 0; set < 2; set++) {
-      d[set] = {sig(0, set), data_sig(0, set), sig(1, set), take(r * meta_bytes), take(r * tm * msg), take(r * meta_bytes), take(tm * msg)};
-      c[set] = {sig(2, set), data_sig(1, set), sig(3, set), take(r * 64), take(tm * k * row), take(r * 64), take(r * tm * row)};
+      d[set] = {sig(0, set), sig(1, set), sig(2, set), take(r * meta_bytes), take(r * tm * msg), take(r * meta_bytes), take(tm * msg)};
+      c[set] = {sig(3, set), sig(4, set), sig(5, set), take(r * 64), take(tm * k * row), take(r * 64), take(r * tm * row)};
     }
     zero_copy = take(el * r * tm * row);
     total = at;

@@ -24,12 +24,6 @@ pub const LLI_SMEM_WORDS: usize = 8192;
 pub const LLI_META_BYTES: usize = 64;
 /// Bytes of `LliState` before its arrays.
 pub const LLI_STATE_HEAD: usize = 64;
-/// Words a source's data signal is spread over (`LLI_DATA_LANES`): a sending block adds to word
-/// `block % LLI_DATA_LANES`, and the receiver sums them, so that the blocks' remote additions do not all meet
-/// on one word.
-pub const LLI_DATA_LANES: usize = 8;
-/// Bytes between two data-signal words: each alone on its 128-byte line.
-pub const LLI_DATA_LANE_BYTES: usize = 128;
 
 /// The constants of the low-latency kernels across nodes: the LL shape and the transport.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,7 +52,6 @@ impl LliVariant {
             ("MOELINK_TRANSPORT".to_string(), self.transport.code().to_string()),
             ("LLI_MAX_RANKS".to_string(), LLI_MAX_RANKS.to_string()),
             ("LLI_SMEM_WORDS".to_string(), LLI_SMEM_WORDS.to_string()),
-            ("LLI_DATA_LANES".to_string(), LLI_DATA_LANES.to_string()),
             ("MOELINK_SIZEOF_LLI_DISPATCH_ARGS".to_string(), std::mem::size_of::<LliDispatchArgs>().to_string()),
             ("MOELINK_SIZEOF_LLI_COMBINE_ARGS".to_string(), std::mem::size_of::<LliCombineArgs>().to_string()),
         ]);
@@ -275,30 +268,25 @@ impl LliLayout {
             at = align(at.checked_add(bytes)?, 256)?;
             Some(o)
         };
-        // Signals: four arrays (meta, consumed; dispatch then combine) of [2 sets][R] u64, then the data
-        // words, [2 ops][2 sets][R][LLI_DATA_LANES] on lines of their own.
-        let words = align(r.checked_mul(4 * 2 * 8)?, LLI_DATA_LANE_BYTES)?;
-        let lanes = r.checked_mul(LLI_DATA_LANES * LLI_DATA_LANE_BYTES)?;
-        let signals_bytes = lanes.checked_mul(4)?.checked_add(words)?;
-        let signals = take(signals_bytes)?;
+        // Signals: six arrays (meta, data, consumed; dispatch then combine) of [2 sets][R] u64.
+        let signals = take(r.checked_mul(6 * 2 * 8)?)?;
         let sig = |array: usize, set: usize| signals + ((array * 2 + set) * r) * 8;
-        let data_sig = |op: usize, set: usize| signals + words + (op * 2 + set) * lanes;
         let mut dispatch = [LliSet { meta_sig: 0, data_sig: 0, consumed: 0, meta: 0, data: 0, send_meta: 0, send_data: 0 }; 2];
         let mut combine = dispatch;
         for s in 0..2 {
             dispatch[s] = LliSet {
                 meta_sig: sig(0, s),
-                data_sig: data_sig(0, s),
-                consumed: sig(1, s),
+                data_sig: sig(1, s),
+                consumed: sig(2, s),
                 meta: take(r.checked_mul(meta)?)?,
                 data: take(r.checked_mul(tm)?.checked_mul(msg)?)?,
                 send_meta: take(r.checked_mul(meta)?)?,
                 send_data: take(tm.checked_mul(msg)?)?,
             };
             combine[s] = LliSet {
-                meta_sig: sig(2, s),
-                data_sig: data_sig(1, s),
-                consumed: sig(3, s),
+                meta_sig: sig(3, s),
+                data_sig: sig(4, s),
+                consumed: sig(5, s),
                 meta: take(r.checked_mul(LLI_META_BYTES)?)?,
                 data: take(tm.checked_mul(k)?.checked_mul(row)?)?,
                 send_meta: take(r.checked_mul(LLI_META_BYTES)?)?,
@@ -336,7 +324,7 @@ impl LliLayout {
             dispatch,
             combine,
             signals,
-            signals_end: signals + signals_bytes,
+            signals_end: signals + 6 * 2 * r * 8,
             zero_copy,
             end,
             state_bytes: LLI_STATE_HEAD + 44 * r,
