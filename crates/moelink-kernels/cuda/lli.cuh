@@ -355,7 +355,10 @@ __device__ __forceinline__ const LliMeta* lli_wait_source(const Args& a, u32 p, 
     if (!seen && !masked) ptx::st_relaxed_gpu(mask + p, 1);
   }
   if (!seen) return nullptr;
-  ptx::fence_acq_rel_sys();
+  // Seen here, the acquire loads above order the reads of p's data; seen only by another block's decision
+  // (shrink), a fence does. A system fence costs more than the load it would replace (1.5 us where the
+  // send-start wait used one: bench/results/2026-11-30-2xnvidia-h200-6b1a4d8-lli, call 117).
+  if (w != LL_WAIT_SEEN) ptx::fence_acq_rel_sys();
   return meta;
 }
 
