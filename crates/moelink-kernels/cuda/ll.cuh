@@ -391,6 +391,13 @@ __device__ __forceinline__ u32 ll_arrivals(const LlArriveLine* lines) {
   return sum;
 }
 
+// The acquire of a slot whose sum was seen: every lane loaded again with ld.acquire.sys (one round trip),
+// which costs less than a system fence here.
+__device__ __forceinline__ void ll_acquire_arrivals(const LlArriveLine* lines) {
+#pragma unroll
+  for (u32 i = 0; i < LL_ARRIVE_LANES; i++) (void)ptx::ld_acquire_sys(&lines[i].word);
+}
+
 // Shrink mode: the one decision of this call about a peer, shared by every block. The first block to
 // resolve the peer (flag seen, or deadline missed) stores (epoch << 1 | seen) with a CAS; every other block
 // adopts it. Returns whether the peer's data is used.
@@ -469,7 +476,7 @@ __device__ __forceinline__ void ll_wait_consumed(const LlArriveLine* consumed, u
     if (sm.masked[lane] == 0 && (i32)(sm.handed[lane] - target) < 0) {
       const LlArriveLine* lines = consumed + lane * LL_ARRIVE_LANES;
       const u32 w = ll_wait_geq([&] { return ll_arrivals(lines); }, target, d, lane, soft);
-      if (w == LL_WAIT_SEEN) ptx::fence_acq_rel_sys();
+      if (w == LL_WAIT_SEEN) ll_acquire_arrivals(lines);
       if (w == LL_WAIT_TIMEOUT) ptx::st_relaxed_gpu(mask + lane, 1);
       if (w == LL_WAIT_FAILED) sm.abort = 1;
     }
@@ -524,8 +531,10 @@ __device__ __forceinline__ SourceState ll_wait_source(const LlArriveLine* arrive
   if (seen) {
     if (local)
       ptx::fence_acq_rel_gpu();
+    else if (w == LL_WAIT_SEEN)
+      ll_acquire_arrivals(arrive);
     else
-      ptx::fence_acq_rel_sys();
+      ptx::fence_acq_rel_sys();  // seen by another block's decision (shrink): this thread acquired nothing
     // Decided seen by another block: the word is this call's now (written before p's arrivals).
     if (status != nullptr && !ll_status_current(status_seen, epoch)) status_seen = ptx::ld_relaxed_sys_u64(status);
   }
