@@ -41,10 +41,11 @@
 //          (1) block 0: validation, handle copies, per-destination counts; meta to every rank with
 //              put_signal(SET e) on its meta word [s][me];
 //          (2) the other blocks (block 0 too when alone): one token per block at a time, its message built
-//              by every warp (one warp counts the routing over the earlier rows, the others quantise or
-//              copy the row's chunks into the staging), then delivered into slot [me][n] of every
-//              destination: copied there by the block, fenced, and signalled with ADD 1 on its data word
-//              [s][me] where stores reach it; put_signal(ADD 1) from the staging by one warp elsewhere.
+//              by every warp (one warp counts the token's destinations and slots over the earlier rows, the
+//              others quantise or load the row's chunks into registers), then delivered into slot [me][n]
+//              of every destination: stored there from the registers where stores reach it (the routing
+//              warp adds the header and entries), fenced, and signalled with ADD 1 on its data word [s][me];
+//              elsewhere stored into the staging and put with put_signal(ADD 1) by one warp.
 //   recv:  every block waits, per source p, for meta word [s][p] >= e, then for data word [s][p] >=
 //          expected[s][p] + messages (deadline; shrink: soft, decided once per call); scans counts into
 //          bases; expands messages into recv_x; the last block adds the messages to `expected` and signals
