@@ -789,3 +789,25 @@ __device__ __forceinline__ PriorRows load_prior_rows(u64 topk_idx, u32 t, u32 ba
   }
   return r;
 }
+
+// Lane k < LL_TOPK adds to `rank` how many of `rows` hold the id that lane k holds in `id` (its rank among
+// those rows' tokens of that expert); other lanes add nothing. Every lane calls it (shuffles, reductions).
+// `kSkipDead`: a lane holding ~0 (no expert) adds nothing, instead of counting the rows past t.
+template <bool kSkipDead = false>
+__device__ __forceinline__ void add_rows_with_id(u32 id, const PriorRows& rows, u32& rank) {
+  const u32 lane = lane_id();
+#pragma unroll
+  for (u32 k = 0; k < LL_TOPK; k++) {
+    const u32 e = __shfl_sync(FULL_WARP_MASK, id, k);
+    u32 rows_with_e = 0;
+#pragma unroll
+    for (u32 i = 0; i < RANK_ROWS; i++) {
+      bool hit = false;
+#pragma unroll
+      for (u32 j = 0; j < LL_TOPK; j++) hit |= rows.id[i][j] == e;
+      rows_with_e += hit && (!kSkipDead || e != 0xffffffffu) ? 1u : 0u;
+    }
+    rows_with_e = __reduce_add_sync(FULL_WARP_MASK, rows_with_e);
+    if (lane == k) rank += rows_with_e;
+  }
+}

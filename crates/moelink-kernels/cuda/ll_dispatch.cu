@@ -87,24 +87,8 @@ __device__ __forceinline__ void dispatch_routing(const LlDispatchArgs& a, u32 t,
     if (j < lane && other == id) live = false;
   }
   u32 rank = 0;
-  auto count = [&](const PriorRows& r) {
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) {
-      const u32 e = __shfl_sync(FULL_WARP_MASK, id, k);
-      u32 rows_with_e = 0;
-#pragma unroll
-      for (u32 i = 0; i < RANK_ROWS; i++) {
-        bool hit = false;
-#pragma unroll
-        for (u32 j = 0; j < LL_TOPK; j++) hit |= r.id[i][j] == e;
-        rows_with_e += hit ? 1u : 0u;
-      }
-      rows_with_e = __reduce_add_sync(FULL_WARP_MASK, rows_with_e);
-      if (lane == k) rank += rows_with_e;
-    }
-  };
-  count(first);
-  for (u32 base = RANK_ROWS * WARP_SIZE; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(a.topk_idx, t, base));
+  add_rows_with_id(id, first, rank);
+  for (u32 base = RANK_ROWS * WARP_SIZE; base < t; base += RANK_ROWS * WARP_SIZE) add_rows_with_id(id, load_prior_rows(a.topk_idx, t, base), rank);
   if (lane >= LL_TOPK) return;
   const u32 entry = live ? (id << 16) | rank : 0xffffffffu;
   const bool has_weights = (a.flags & LL_FLAG_WEIGHTS) != 0;

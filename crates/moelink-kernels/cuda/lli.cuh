@@ -425,24 +425,7 @@ __device__ __forceinline__ LliRoute lli_route_dests(u64 topk_idx, u32 t, u32 num
 // Pass 2: r.rank, over the same rows, loaded again (cache hits; holding them across pass 1's stores takes
 // 32 registers more than the bf16 kernel has).
 __device__ __forceinline__ void lli_route_ranks(LliRoute& r, u64 topk_idx, u32 t) {
-  const u32 lane = lane_id();
-  auto count = [&](const PriorRows& rows) {
-#pragma unroll
-    for (u32 k = 0; k < LL_TOPK; k++) {
-      const u32 e = __shfl_sync(FULL_WARP_MASK, r.id, k);
-      u32 with_e = 0;
-#pragma unroll
-      for (u32 i = 0; i < RANK_ROWS; i++) {
-        bool hit_e = false;
-#pragma unroll
-        for (u32 j = 0; j < LL_TOPK; j++) hit_e |= rows.id[i][j] == e;
-        with_e += hit_e && e != LLI_NONE ? 1u : 0u;
-      }
-      with_e = __reduce_add_sync(FULL_WARP_MASK, with_e);
-      if (lane == k) r.rank += with_e;
-    }
-  };
-  for (u32 base = 0; base < t; base += RANK_ROWS * WARP_SIZE) count(load_prior_rows(topk_idx, t, base));
+  for (u32 base = 0; base < t; base += RANK_ROWS * WARP_SIZE) add_rows_with_id<true>(r.id, load_prior_rows(topk_idx, t, base), r.rank);
 }
 
 #endif  // MOELINK_LLI_CUH
