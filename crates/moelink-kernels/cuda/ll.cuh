@@ -681,6 +681,11 @@ constexpr u32 UE8M0_WORDS = SCALE_GROUPS / 4;
 // Register arrays of scales per lane (at least one element; UE8M0 needs H % 512 == 0, checked on the host).
 constexpr u32 SCALE_ITERS = SCALE_GROUPS > WARP_SIZE ? (SCALE_GROUPS + WARP_SIZE - 1) / WARP_SIZE : 1;
 constexpr u32 UE8M0_ITERS = UE8M0_WORDS > WARP_SIZE ? (UE8M0_WORDS + WARP_SIZE - 1) / WARP_SIZE : 1;
+// Four f32 scales that are powers of two (round_scale) as one UE8M0 word: their biased exponents, the first
+// in the low byte (DeepEP's packed scale layout).
+__device__ __forceinline__ u32 ue8m0_pack4(const u32x4& f) {
+  return ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+}
 // Dispatch send: FP8 lanes read 16 channels (32 bytes) and write 16 bytes; bf16 lanes move 16 bytes.
 constexpr u32 FP8_LANE_CHANNELS = 16;
 constexpr u32 FP8_CHUNK_CHANNELS = WARP_SIZE * FP8_LANE_CHANNELS;

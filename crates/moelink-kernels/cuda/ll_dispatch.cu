@@ -375,7 +375,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
             s[i] = 0;
             if (j < UE8M0_WORDS) {
               const u32x4 f = ptx::ld_cg_v4(msg + LL_HIDDEN + 16 * j);
-              s[i] = ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+              s[i] = ue8m0_pack4(f);
             }
           }
           for (u32 m = valid; m != 0; m &= m - 1) {

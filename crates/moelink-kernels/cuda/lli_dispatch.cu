@@ -461,8 +461,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
           u32 packed[UE8M0_ITERS];
 #pragma unroll
           for (u32 k = 0; k < UE8M0_ITERS; k++) {
-            const u32x4 f = cur.ue8m0[k];
-            packed[k] = ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
+            packed[k] = ue8m0_pack4(cur.ue8m0[k]);
           }
           for (u32 m = valid; m != 0; m &= m - 1) {
             const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
