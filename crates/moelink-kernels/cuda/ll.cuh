@@ -686,6 +686,59 @@ constexpr u32 UE8M0_ITERS = UE8M0_WORDS > WARP_SIZE ? (UE8M0_WORDS + WARP_SIZE -
 __device__ __forceinline__ u32 ue8m0_pack4(const u32x4& f) {
   return ((f.x >> 23) & 0xffu) | (((f.y >> 23) & 0xffu) << 8) | (((f.z >> 23) & 0xffu) << 16) | (((f.w >> 23) & 0xffu) << 24);
 }
+// A received row's FP8 scales as one lane carries them from the message to recv_scales: float scales of groups
+// lane + 32 k, or (UE8M0) the four float scales of packed word lane + 32 k. The receivers load them one work
+// item ahead with the payload: loaded after the payload's stores, they are a round trip on the critical path
+// of every block that holds a chunk-0 item.
+struct RowScales {
+  u32 scale[SCALE_ITERS];
+  u32x4 ue8m0[UE8M0_ITERS];
+};
+__device__ __forceinline__ void load_row_scales(const u8* scales, bool ue8m0, RowScales& s) {
+  const u32 lane = lane_id();
+  if (!ue8m0) {
+#pragma unroll
+    for (u32 k = 0; k < SCALE_ITERS; k++) {
+      const u32 g = lane + k * WARP_SIZE;
+      if (g < SCALE_GROUPS) s.scale[k] = ptx::ld_cg_u32(scales + 4 * g);
+    }
+  } else {
+#pragma unroll
+    for (u32 k = 0; k < UE8M0_ITERS; k++) {
+      const u32 j = lane + k * WARP_SIZE;
+      if (j < UE8M0_WORDS) s.ue8m0[k] = ptx::ld_cg_v4(scales + 16 * j);
+    }
+  }
+}
+// The scales into column `row % rows` of expert `row / rows` of recv_scales (column-major [E_local][cols]
+// [rows]) for every lane in `valid`, whose `row` names one of the row's places.
+__device__ __forceinline__ void store_row_scales(const RowScales& s, bool ue8m0, u32 valid, i32 row, u32 rows, u32* recv_scales) {
+  const u32 lane = lane_id();
+  if (!ue8m0) {
+    for (u32 m = valid; m != 0; m &= m - 1) {
+      const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+      u32* col0 = recv_scales + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
+#pragma unroll
+      for (u32 k = 0; k < SCALE_ITERS; k++) {
+        const u32 g = lane + k * WARP_SIZE;
+        if (g < SCALE_GROUPS) col0[(u64)g * rows] = s.scale[k];
+      }
+    }
+  } else {
+    u32 packed[UE8M0_ITERS];
+#pragma unroll
+    for (u32 k = 0; k < UE8M0_ITERS; k++) packed[k] = ue8m0_pack4(s.ue8m0[k]);
+    for (u32 m = valid; m != 0; m &= m - 1) {
+      const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+      u32* col0 = recv_scales + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
+#pragma unroll
+      for (u32 k = 0; k < UE8M0_ITERS; k++) {
+        const u32 j = lane + k * WARP_SIZE;
+        if (j < UE8M0_WORDS) col0[(u64)j * rows] = packed[k];
+      }
+    }
+  }
+}
 // Dispatch send: FP8 lanes read 16 channels (32 bytes) and write 16 bytes; bf16 lanes move 16 bytes.
 constexpr u32 FP8_LANE_CHANNELS = 16;
 constexpr u32 FP8_CHUNK_CHANNELS = WARP_SIZE * FP8_LANE_CHANNELS;

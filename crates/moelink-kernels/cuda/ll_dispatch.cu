@@ -297,6 +297,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     u32x4 v;
     u32 entry;
     u32 w;
+#if LL_FP8
+    RowScales scales;  // chunk 0
+#endif
   };
   auto item_of = [&](u32 i) {
     const u32 c = i % RECV_CHUNKS, st = i / RECV_CHUNKS;
@@ -315,6 +318,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       l.entry = ptx::ld_cg_u32(region + a.off_entries + at);
       if (it.c == 0 && has_weights) l.w = ptx::ld_cg_u32(region + a.off_weights + at);
     }
+#if LL_FP8
+    if (it.c == 0) load_row_scales(msg + LL_HIDDEN, (a.flags & LL_FLAG_UE8M0) != 0, l.scales);
+#endif
     return l;
   };
   // One item: one store of the chunk into recv_x[e][base + rank] per selected local expert; chunk 0 also the
@@ -322,73 +328,34 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   auto expand = [&](const Item& it, const Ahead& cur) {
     const u32 p = it.p, t = it.t, c = it.c;
     if (sm.ok[p] == 0 || t >= sm.ntok[p]) return;
-      const u8* msg = region + a.off_rows + ((u64)p * TM + t) * a.row_stride;
-      const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
-      const bool active = off < PAYLOAD_BYTES;
-      const u32x4 v = cur.v;
-      const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
-      i32 row = -1;
-      if (lane < LL_TOPK) {
-        const u32 el = (cur.entry >> 16) - first_expert;  // other ranks' experts wrap past EL
-        if (cur.entry != 0xffffffffu && el < EL) {
-          const u32 slot = bases[p * EL + el] + (cur.entry & 0xffffu);
-          if (slot < rows) row = (i32)(el * rows + slot);
-        }
-        if (c == 0) {
-          reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
-          if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = cur.w;
-          // DeepEP's src_info [E_local][R*T_max] is indexed like the rows: the row's source token.
-          if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[row] = (i32)t;
-        }
+    const u32 off = c * CHUNK_BYTES + lane * VEC_BYTES;
+    const bool active = off < PAYLOAD_BYTES;
+    const u32x4 v = cur.v;
+    const u64 entry_at = ((u64)p * TM + t) * LL_TOPK + lane;
+    i32 row = -1;
+    if (lane < LL_TOPK) {
+      const u32 el = (cur.entry >> 16) - first_expert;  // other ranks' experts wrap past EL
+      if (cur.entry != 0xffffffffu && el < EL) {
+        const u32 slot = bases[p * EL + el] + (cur.entry & 0xffffu);
+        if (slot < rows) row = (i32)(el * rows + slot);
       }
-      const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
-      if (valid == 0) return;
-      u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
-      for (u32 m = valid; m != 0; m &= m - 1) {
-        const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
-        if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), v);
-      }
-#if LL_FP8
-      // Scales (column-major [E_local][cols][rows]) with the chunk-0 item of the row.
       if (c == 0) {
-        if ((a.flags & LL_FLAG_UE8M0) == 0) {
-          u32 s[SCALE_ITERS];
-#pragma unroll
-          for (u32 i = 0; i < SCALE_ITERS; i++) {
-            const u32 g = lane + i * WARP_SIZE;
-            s[i] = g < SCALE_GROUPS ? ptx::ld_cg_u32(msg + LL_HIDDEN + 4 * g) : 0u;
-          }
-          for (u32 m = valid; m != 0; m &= m - 1) {
-            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
-            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
-#pragma unroll
-            for (u32 i = 0; i < SCALE_ITERS; i++) {
-              const u32 g = lane + i * WARP_SIZE;
-              if (g < SCALE_GROUPS) col0[(u64)g * rows] = s[i];
-            }
-          }
-        } else {
-          u32 s[UE8M0_ITERS];
-#pragma unroll
-          for (u32 i = 0; i < UE8M0_ITERS; i++) {
-            const u32 j = lane + i * WARP_SIZE;
-            s[i] = 0;
-            if (j < UE8M0_WORDS) {
-              const u32x4 f = ptx::ld_cg_v4(msg + LL_HIDDEN + 16 * j);
-              s[i] = ue8m0_pack4(f);
-            }
-          }
-          for (u32 m = valid; m != 0; m &= m - 1) {
-            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
-            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
-#pragma unroll
-            for (u32 i = 0; i < UE8M0_ITERS; i++) {
-              const u32 j = lane + i * WARP_SIZE;
-              if (j < UE8M0_WORDS) col0[(u64)j * rows] = s[i];
-            }
-          }
-        }
+        reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
+        if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = cur.w;
+        // DeepEP's src_info [E_local][R*T_max] is indexed like the rows: the row's source token.
+        if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[row] = (i32)t;
       }
+    }
+    const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
+    if (valid == 0) return;
+    u8* recv_x = reinterpret_cast<u8*>(a.recv_x);
+    for (u32 m = valid; m != 0; m &= m - 1) {
+      const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
+      if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), v);
+    }
+#if LL_FP8
+    // Scales with the chunk-0 item of the row.
+    if (c == 0) store_row_scales(cur.scales, (a.flags & LL_FLAG_UE8M0) != 0, valid, row, rows, reinterpret_cast<u32*>(a.recv_scales));
 #endif
   };
 

@@ -318,8 +318,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
       u32x4 v;
       u32 entry, w, token;
 #if LL_FP8
-      u32 scale[SCALE_ITERS];     // float scales: group lane + 32 i
-      u32x4 ue8m0[UE8M0_ITERS];   // UE8M0: the four float scales of packed word lane + 32 i
+      RowScales scales;
 #endif
     };
     auto item_of = [&](u32 item) {
@@ -350,20 +349,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
       if (it.c == 0) {
         l.token = ptx::ld_cg_u32(msg);
 #if LL_FP8
-        const u8* scales = payload + LL_HIDDEN;
-        if ((a.flags & LL_FLAG_UE8M0) == 0) {
-#pragma unroll
-          for (u32 k = 0; k < SCALE_ITERS; k++) {
-            const u32 g = lane + k * WARP_SIZE;
-            if (g < SCALE_GROUPS) l.scale[k] = ptx::ld_cg_u32(scales + 4 * g);
-          }
-        } else {
-#pragma unroll
-          for (u32 k = 0; k < UE8M0_ITERS; k++) {
-            const u32 j = lane + k * WARP_SIZE;
-            if (j < UE8M0_WORDS) l.ue8m0[k] = ptx::ld_cg_v4(scales + 16 * j);
-          }
-        }
+        load_row_scales(payload + LL_HIDDEN, (a.flags & LL_FLAG_UE8M0) != 0, l.scales);
 #endif
       }
       return l;
@@ -446,34 +432,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
         if (active) ptx::st_na_v4(reinterpret_cast<u32x4*>(recv_x + (u64)r * PAYLOAD_BYTES + off), cur.v);
       }
 #if LL_FP8
-      if (c == 0 && valid != 0) {
-        if ((a.flags & LL_FLAG_UE8M0) == 0) {
-          for (u32 m = valid; m != 0; m &= m - 1) {
-            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
-            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * SCALE_GROUPS * rows + r % rows;
-#pragma unroll
-            for (u32 k = 0; k < SCALE_ITERS; k++) {
-              const u32 g = lane + k * WARP_SIZE;
-              if (g < SCALE_GROUPS) col0[(u64)g * rows] = cur.scale[k];
-            }
-          }
-        } else {
-          u32 packed[UE8M0_ITERS];
-#pragma unroll
-          for (u32 k = 0; k < UE8M0_ITERS; k++) {
-            packed[k] = ue8m0_pack4(cur.ue8m0[k]);
-          }
-          for (u32 m = valid; m != 0; m &= m - 1) {
-            const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, __ffs(m) - 1);
-            u32* col0 = reinterpret_cast<u32*>(a.recv_scales) + (u64)(r / rows) * UE8M0_WORDS * rows + r % rows;
-#pragma unroll
-            for (u32 k = 0; k < UE8M0_ITERS; k++) {
-              const u32 jw = lane + k * WARP_SIZE;
-              if (jw < UE8M0_WORDS) col0[(u64)jw * rows] = packed[k];
-            }
-          }
-        }
-      }
+      if (c == 0 && valid != 0) store_row_scales(cur.scales, (a.flags & LL_FLAG_UE8M0) != 0, valid, row, rows, reinterpret_cast<u32*>(a.recv_scales));
 #endif
     };
     for (u32 item = first_item; item < items; item += workers * LL_WARPS) {
