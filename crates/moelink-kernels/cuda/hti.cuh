@@ -379,20 +379,34 @@ constexpr u32 COPY_UNROLL = 8;
 constexpr u32 ROW_VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 constexpr u32 ROW_BATCHES = (ROW_VECS_PER_LANE + 13) / 14;
 constexpr u32 ROW_UNROLL = (ROW_VECS_PER_LANE + ROW_BATCHES - 1) / ROW_BATCHES;
+// One batch of a warp's copy: U vectors a lane, vector base + u * 32 + lane (those below `vecs`).
+template <u32 U>
+struct VecBatch {
+  u32x4 v[U];
+};
 template <u32 U, bool SRC_READ_ONLY>
-__device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane) {
-  for (u32 base = 0; base < vecs; base += U * WARP_SIZE) {
-    u32x4 v[U];
+__device__ __forceinline__ void load_batch(VecBatch<U>& b, const u32x4* src, u32 base, u32 vecs, u32 lane) {
 #pragma unroll
-    for (u32 u = 0; u < U; u++) {
-      const u32 i = base + u * WARP_SIZE + lane;
-      if (i < vecs) v[u] = SRC_READ_ONLY ? ptx::ld_nc_na_v4(src + i) : ptx::ld_na_v4(src + i);
-    }
+  for (u32 u = 0; u < U; u++) {
+    const u32 i = base + u * WARP_SIZE + lane;
+    if (i < vecs) b.v[u] = SRC_READ_ONLY ? ptx::ld_nc_na_v4(src + i) : ptx::ld_na_v4(src + i);
+  }
+}
+template <u32 U>
+__device__ __forceinline__ void store_batch(const VecBatch<U>& b, u32x4* dst, u32 base, u32 vecs, u32 lane) {
 #pragma unroll
-    for (u32 u = 0; u < U; u++) {
-      const u32 i = base + u * WARP_SIZE + lane;
-      if (i < vecs) ptx::st_na_v4(dst + i, v[u]);
-    }
+  for (u32 u = 0; u < U; u++) {
+    const u32 i = base + u * WARP_SIZE + lane;
+    if (i < vecs) ptx::st_na_v4(dst + i, b.v[u]);
+  }
+}
+// Vectors [from, vecs) in batches; `from` a multiple of U * 32.
+template <u32 U, bool SRC_READ_ONLY>
+__device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane, u32 from = 0) {
+  for (u32 base = from; base < vecs; base += U * WARP_SIZE) {
+    VecBatch<U> b;
+    load_batch<U, SRC_READ_ONLY>(b, src, base, vecs, lane);
+    store_batch<U>(b, dst, base, vecs, lane);
   }
 }
 
