@@ -400,10 +400,9 @@ __device__ __forceinline__ void store_batch(const VecBatch<U>& b, u32x4* dst, u3
     if (i < vecs) ptx::st_na_v4(dst + i, b.v[u]);
   }
 }
-// Vectors [from, vecs) in batches; `from` a multiple of U * 32.
 template <u32 U, bool SRC_READ_ONLY>
-__device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane, u32 from = 0) {
-  for (u32 base = from; base < vecs; base += U * WARP_SIZE) {
+__device__ __forceinline__ void copy_vecs(u32x4* dst, const u32x4* src, u32 vecs, u32 lane) {
+  for (u32 base = 0; base < vecs; base += U * WARP_SIZE) {
     VecBatch<U> b;
     load_batch<U, SRC_READ_ONLY>(b, src, base, vecs, lane);
     store_batch<U>(b, dst, base, vecs, lane);

@@ -398,13 +398,15 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
-        // The header, the slots, the meta words' sources and the payload's first batch in one round trip:
-        // a load issued after the row's stores waits for them (the row may alias the message, as far as
-        // the compiler knows), and loads issued once the header is checked wait for it — a round trip per
-        // message more, half of a chunk's forwarding time.
+        // The header, the slots and the meta words' sources in one round trip, before the payload: a load
+        // issued after the row's stores waits for them (the row may alias the message, as far as the
+        // compiler knows). A row of one batch (FP8) is loaded in the same round trip, not once the header
+        // is checked; a bf16 row's first batch held across the check spills ~200 bytes and made the bf16
+        // dispatch slower (bench/results/2026-11-30-2xnvidia-h200-df3b4e9-internode-quiet-forward).
+        constexpr bool row_with_header = ROW_BATCHES == 1;
         const u32x4* payload = reinterpret_cast<const u32x4*>(msg + MSG_PAYLOAD);
-        VecBatch<ROW_UNROLL> first_batch;
-        load_batch<ROW_UNROLL, false>(first_batch, payload, 0, PAYLOAD_VECS, lane);
+        VecBatch<ROW_UNROLL> row_batch;
+        if (row_with_header) load_batch<ROW_UNROLL, false>(row_batch, payload, 0, PAYLOAD_VECS, lane);
         const u32 tag = reinterpret_cast<const u32*>(msg)[2];
         const u32 mask = reinterpret_cast<const u32*>(msg)[1];
         i32 slot = -1;
@@ -423,8 +425,10 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
           const u32 j = __ffs(todo) - 1;
           const u32 slot_j = (u32)__shfl_sync(FULL_WARP_MASK, slot, j);
           u8* row = reinterpret_cast<u8*>(a.nvl.base[j] + a.nvl.off_dparts + (u64)s * a.nvl.part_bytes) + (u64)(slot_j % M) * ROW_BYTES;
-          store_batch<ROW_UNROLL>(first_batch, reinterpret_cast<u32x4*>(row), 0, PAYLOAD_VECS, lane);
-          copy_vecs<ROW_UNROLL, false>(reinterpret_cast<u32x4*>(row), payload, PAYLOAD_VECS, lane, ROW_UNROLL * WARP_SIZE);
+          if (row_with_header)
+            store_batch<ROW_UNROLL>(row_batch, reinterpret_cast<u32x4*>(row), 0, PAYLOAD_VECS, lane);
+          else
+            copy_vecs<ROW_UNROLL, false>(reinterpret_cast<u32x4*>(row), payload, PAYLOAD_VECS, lane);
           const u32 dst_rank = f.me_node * RANKS_PER_NODE + j;
 #pragma unroll
           for (u32 i = 0; i < META_ITERS; i++) {
