@@ -179,7 +179,9 @@ __device__ __forceinline__ void copy_expected(const HtiDispatchArgs& a, u32 lane
 // staging time after the launch, and the puts follow the token order. A group's tokens are staged one after
 // the other and released by one fence and one count per chunk they fall in: the counter's round trip, the
 // fence's wait for the stores to land and the count's round trip, most of a token's time rather than its
-// bytes, are paid once per group. Lane b < N handles node b's hand-back wait, message range and put.
+// bytes, are paid once per group. The call's first chunk is taken a token at a time: its put then leaves
+// after one token's staging instead of a group's, and until it does a NIC's link idles. Lane b < N handles
+// node b's hand-back wait, message range and put.
 constexpr u32 SEND_GROUP = 2;
 
 // Stages token t (of the round that starts at token round_start) into the message of every node it reaches:
@@ -256,12 +258,15 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
   u32* chunk_staged = hti_forward(a.state)->chunk_staged;
   const u8* x = reinterpret_cast<const u8*>(a.x);
   u32 rounds_ready = 0;  // lane b: node b handed back every round before this many (this warp has seen)
+  // Ticket i < lead is token i; later tickets are groups of SEND_GROUP tokens from lead on.
+  const u32 lead = hti_min(Q, T);
   for (;;) {
-    u32 t_first = 0;
-    if (lane == 0) t_first = ptx::atom_add_relaxed_gpu(counter, SEND_GROUP);
-    t_first = __shfl_sync(FULL_WARP_MASK, t_first, 0);
+    u32 ticket = 0;
+    if (lane == 0) ticket = ptx::atom_add_relaxed_gpu(counter, 1u);
+    ticket = __shfl_sync(FULL_WARP_MASK, ticket, 0);
+    const u32 t_first = ticket < lead ? ticket : lead + (ticket - lead) * SEND_GROUP;
     if (t_first >= T) break;
-    const u32 t_end = hti_min(t_first + SEND_GROUP, T);
+    const u32 t_end = hti_min(t_first + (ticket < lead ? 1u : SEND_GROUP), T);
     // The rows are contiguous in x: on their way to L2 while the warp waits and reads the routing.
     if (lane == 0) ptx::prefetch_l2_bulk(x + (u64)t_first * PAYLOAD_BYTES, (t_end - t_first) * PAYLOAD_BYTES);
     // A round's tokens count only after the round before was handed back, which needs its chunks put: the
