@@ -362,7 +362,7 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
   // After the flags, one round trip brings what the expansion needs first: every warp's first item
   // (whichever source it belongs to: an item of a source found unused is skipped, its values unused), the
   // counts, and warp 0's metadata lines (loaded before the counts, checked after).
-  const u32 first_item = blockIdx.x * LL_WARPS + warp_id();
+  const u32 first_item = first_item_of_warp(gridDim.x);
   Ahead next = load_item(first_item, false);
   SourceMeta meta = {};
   if (warp_id() == 0 && lane < R && source.used) meta = load_source_meta(&me->dispatch_meta[a.set][lane]);

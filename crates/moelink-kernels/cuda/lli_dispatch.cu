@@ -354,7 +354,7 @@ __device__ __forceinline__ void lli_dispatch_recv(const LliDispatchArgs& a, cons
       }
       return l;
     };
-    const u32 first_item = blockIdx.x * LL_WARPS + warp_id();
+    const u32 first_item = first_item_of_warp(workers);
     Item next_it = item_of(first_item);
     Ahead next = load_item(next_it);
 
