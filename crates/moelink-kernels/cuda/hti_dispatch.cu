@@ -406,8 +406,8 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
         // The header, the slots and the meta words' sources in one round trip, before the payload: a load
         // issued after the row's stores waits for them (the row may alias the message, as far as the
         // compiler knows). A row of one batch (FP8) is loaded in the same round trip, not once the header
-        // is checked; a bf16 row's first batch held across the check spills ~200 bytes and made the bf16
-        // dispatch slower (bench/results/2026-11-30-2xnvidia-h200-df3b4e9-internode-quiet-forward).
+        // is checked; a bf16 row's first batch held across the check spills ~200 bytes a thread, which costs
+        // more than the round trip saved (bench/results/2026-11-30-2xnvidia-h200-df3b4e9-internode-quiet-forward).
         constexpr bool row_with_header = ROW_BATCHES == 1;
         const u32x4* payload = reinterpret_cast<const u32x4*>(msg + MSG_PAYLOAD);
         VecBatch<ROW_UNROLL> row_batch;

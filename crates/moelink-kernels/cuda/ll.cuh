@@ -669,9 +669,9 @@ __device__ __forceinline__ void ll_recv_end(const Args& a, LlShared& sm, u32 epo
 
 // The first of a warp's receive work items, dealt over `blocks` blocks of LL_WARPS warps with stride
 // blocks * LL_WARPS: block-major (item i to block i % blocks), so that when the items do not fill every warp
-// equally each block still gets a near-equal share of the bytes. Dealt warp by warp, 3,584 items over 132
-// blocks of 16 warps gave blocks 0-91 two items a warp and 92-131 one, and the last blocks to end were the
-// first ones.
+// equally each block still gets a near-equal share of the bytes: dealt warp by warp, 3,584 items over 132
+// blocks of 16 warps would give blocks 0-91 two items a warp and 92-131 one, and a block's store rate bounds
+// its expansion (bench/results/2026-11-30-2xnvidia-h200-d40541a-ll-block-major).
 __device__ __forceinline__ u32 first_item_of_warp(u32 blocks) { return warp_id() * blocks + blockIdx.x; }
 
 // ============================================================================================ rows: FP8, top-k

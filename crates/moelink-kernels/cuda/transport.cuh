@@ -238,9 +238,9 @@ __device__ __forceinline__ bool nic_post(const RdmaArgs& a, u32 qp, const NicDes
 }
 
 // Waits until every descriptor posted on `qp` (or on every QP) so far has been executed. The QPs' tails and
-// heads are first loaded together, relaxed, and one fence after the last head seen makes it an acquire: one
-// acquire load after another, 24 QPs took one thread ~10 us (the internode notify's end, over the emulated
-// NIC). A QP found behind is waited for up to its tail as read again then, which covers what was posted before.
+// heads are first loaded together, relaxed, and one fence after the last head seen makes it an acquire (one
+// acquire load after another costs one thread ~10 us for 24 QPs, at the internode notify's end). A QP found
+// behind is waited for up to its tail as read again then, which covers what was posted before.
 __device__ __forceinline__ bool nic_quiet(const RdmaArgs& a, u32 qp, const Deadline& dl) {
   NicState* nic = nic_of(a);
   const u32 first = qp == RDMA_ALL_QPS ? 0 : qp, count = qp == RDMA_ALL_QPS ? a.num_qps : 1;
