@@ -25,11 +25,12 @@ static_assert(MAX_RANKS >= 1 && MAX_RANKS <= WARP_SIZE, "one lane per rank");
 
 // Timing experiments (JIT constant HT_EXPERIMENT of ht_dispatch/ht_combine; 0 in every real call): each bit
 // removes one role's data movement while keeping its protocol (flags, fences, waits), so that the time of
-// the other role alone can be measured. Results are wrong with bits 1 and 2; bit 4 leaves them right and drops
-// only the dispatch's per-expert layout checks, so that their cost can be measured beside the real call.
+// the other role alone can be measured. Results are wrong with bits 1, 2 and 8; bit 4 leaves them right and
+// drops only the dispatch's per-expert layout checks, so that their cost can be measured beside the real call.
 constexpr u32 HT_EXP_NO_COPY_OUT = 1;         // receivers/reducers wait for the flags but move no payload
 constexpr u32 HT_EXP_NO_REMOTE_PAYLOAD = 2;   // senders store meta words and flags but no remote payload
 constexpr u32 HT_EXP_NO_EXPERT_CHECK = 4;     // no per-expert counting (check_token_ranks, store_meta, check_expert_tokens)
+constexpr u32 HT_EXP_NO_OWN_PAYLOAD = 8;      // dispatch receivers store the own rows' meta words but not their payload
 
 // Timing trace (moelink::KernelTracing::high_throughput on the host; the argument `trace` is 0 in every other call): %globaltimer
 // stamps into host-mapped u64 words, per block HT_TRACE_BLOCK_WORDS(warps) of them: block start, block end,

@@ -445,7 +445,7 @@ __device__ __forceinline__ void copy_own_rows(const HtDispatchArgs& a, u32 warp_
 #pragma unroll
       for (u32 k = 0; k < META_ITERS; k++)
         if (lane + k * WARP_SIZE < META_WORDS) meta[k] = load_meta(a, t, lane + k * WARP_SIZE);
-      copy_payload<true>(x + (u64)t * PAYLOAD_VECS, recv_x + row_pos * PAYLOAD_VECS, lane);
+      if ((HT_EXPERIMENT & HT_EXP_NO_OWN_PAYLOAD) == 0) copy_payload<true>(x + (u64)t * PAYLOAD_VECS, recv_x + row_pos * PAYLOAD_VECS, lane);
 #pragma unroll
       for (u32 k = 0; k < META_ITERS; k++) {
         const u32 w = lane + k * WARP_SIZE;

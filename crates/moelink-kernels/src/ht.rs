@@ -515,7 +515,7 @@ pub struct HtDispatchVariant {
     pub topk: usize,
     /// Tokens a sender warp writes before one fence releases them (see ht_dispatch.cu).
     pub release_batch: u32,
-    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1 and 2).
+    /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1, 2 and 8).
     pub experiment: u32,
 }
 

@@ -217,8 +217,8 @@ pub struct Tuning {
     /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
     /// other roles leave).
     pub hti_fwd_blocks: Option<usize>,
-    /// HT timing experiment bits (`ht.cuh`'s `HT_EXP_*`: 1 no copy-out, 2 no remote payload); results are
-    /// wrong with any bit set.
+    /// HT timing experiment bits (`ht.cuh`'s `HT_EXP_*`: 1 no copy-out, 2 no remote payload, 4 no per-expert
+    /// checks, 8 no own-row payload); results are wrong with bits 1, 2 and 8.
     pub ht_timing_experiment: u32,
     /// Blocks per low-latency launch (default: this rank's share of the GPU's SMs; at most that).
     pub ll_sms: Option<usize>,
@@ -230,14 +230,14 @@ impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
-    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=7), `MOELINK_LL_SMS`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=15), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
         let get: &dyn Fn(&str) -> Option<String> = &get;
         let ht_timing_experiment = number::<u32>(get, "MOELINK_HT_TIMING_EXPERIMENT")?.unwrap_or(0);
-        if ht_timing_experiment > 7 {
-            return Err(format!("MOELINK_HT_TIMING_EXPERIMENT={ht_timing_experiment}: the experiments are bits 1, 2 and 4 (0..=7)"));
+        if ht_timing_experiment > 15 {
+            return Err(format!("MOELINK_HT_TIMING_EXPERIMENT={ht_timing_experiment}: the experiments are bits 1, 2, 4 and 8 (0..=15)"));
         }
         let mut ll_experiment = 0;
         for word in get("MOELINK_LL_EXPERIMENT").unwrap_or_default().split(',').map(str::trim).filter(|w| !w.is_empty()) {
@@ -282,10 +282,10 @@ impl Tuning {
         (!parts.is_empty()).then(|| parts.join(" "))
     }
 
-    /// True when an experiment makes the results of its mode wrong by design (HT's bits 1 and 2; LL's
+    /// True when an experiment makes the results of its mode wrong by design (HT's bits 1, 2 and 8; LL's
     /// `local_stores` and `no_loads`). HT's bit 4 (no per-expert layout checks) leaves them right.
     pub fn wrong_results(&self) -> bool {
-        self.ht_timing_experiment & 3 != 0 || self.ll_experiment & moelink_kernels::ll::experiment::WRONG_RESULTS != 0
+        self.ht_timing_experiment & 11 != 0 || self.ll_experiment & moelink_kernels::ll::experiment::WRONG_RESULTS != 0
     }
 
     /// The overrides set, `name=value` joined by spaces (`None` when none is): for records.
@@ -354,7 +354,7 @@ mod tests {
         assert!(x.wrong_results());
         for (name, value) in [
             ("MOELINK_LL_EXPERIMENT", "local_store"),
-            ("MOELINK_HT_TIMING_EXPERIMENT", "8"),
+            ("MOELINK_HT_TIMING_EXPERIMENT", "16"),
             ("MOELINK_HT_RELEASE_BATCH", "four"),
             ("MOELINK_LL_SMS", "0"),
             ("MOELINK_HT_DYNAMIC_SEND", "2"),

@@ -125,10 +125,11 @@ fn reduce_load_vecs(t: &Tuning) -> u32 {
 }
 
 /// `Tuning::ht_timing_experiment` (ht.cuh's `HT_EXP_*`, a JIT constant): bits 1 and 2 remove one role's
-/// data movement so that the other role can be timed alone, and the results are wrong (the caller says so:
-/// `moelink bench` warns and marks its records); bit 4 drops the dispatch's per-expert layout checks.
+/// data movement so that the other role can be timed alone, and bit 8 the own rows' payload; the results are
+/// then wrong (the caller says so: `moelink bench` warns and marks its records); bit 4 drops the dispatch's
+/// per-expert layout checks.
 fn timing_experiment(t: &Tuning) -> u32 {
-    t.ht_timing_experiment & 7
+    t.ht_timing_experiment & 15
 }
 
 // ------------------------------------------------------------------------------------------ state
@@ -593,12 +594,12 @@ mod tests {
             ht_send_chunk: Some(5),
             ht_dynamic_send: Some(false),
             ht_reduce_load_vecs: Some(0),
-            ht_timing_experiment: 7,
+            ht_timing_experiment: 15,
             ..d
         };
         assert_eq!((dispatch_send_blocks(&t, 24, 2), combine_send_blocks(&t, 24, 2)), (23, 1));
         assert_eq!((release_batch(&t), send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
-        assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 7));
+        assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 15));
         assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
     }
 }
