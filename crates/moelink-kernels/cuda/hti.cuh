@@ -440,11 +440,11 @@ __device__ __forceinline__ bool warp_wait_u64(const u64* p, u64 target, const De
 //   then per source node HTI_TRACE_CHUNKS forwarder chunk records of 3 words, indexed k * ceil(M / Q) + c:
 //     dispatch [words seen, rows copied, released], combine [started, partials staged, put].
 // Chunks past HTI_TRACE_CHUNKS are not stamped.
-// Notify's trace (its own words, one block, thread 0): when it started, read its epoch, counted and scanned
-// its first pass of prefix columns, finished every column, then the layout checks, saw every source's
-// message, and ended (before READY).
-constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_EPOCH = 1, NOTIFY_TRACE_COUNTED = 2, NOTIFY_TRACE_SCANNED = 3,
-              NOTIFY_TRACE_COLUMNS = 4, NOTIFY_TRACE_PREFIXED = 5, NOTIFY_TRACE_RECEIVED = 6, NOTIFY_TRACE_END = 7;
+// Notify's trace (its own words, one block, thread 0): when it started, read its epoch, counted every
+// prefix column, had the totals and the layout checks, put its messages, stored the prefixes, saw every
+// source's message, and ended (before READY and the quiet).
+constexpr u32 NOTIFY_TRACE_START = 0, NOTIFY_TRACE_EPOCH = 1, NOTIFY_TRACE_COUNTED = 2, NOTIFY_TRACE_CHECKED = 3,
+              NOTIFY_TRACE_SENT = 4, NOTIFY_TRACE_PREFIXED = 5, NOTIFY_TRACE_RECEIVED = 6, NOTIFY_TRACE_END = 7;
 // A block's words: its start and end and each warp's two, or an emulated NIC block's statistics if more.
 constexpr u32 HTI_TRACE_BLOCK_WORDS = 2 + 2 * HTI_WARPS > NIC_STAT_WORDS ? 2 + 2 * HTI_WARPS : NIC_STAT_WORDS;
 constexpr u32 HTI_TRACE_CHUNK_WORDS = 3;

@@ -11,11 +11,12 @@ namespace moelink::internode {
 //      slot there); for every node n, node_prefix[t][n] = tokens before t that reach n (t's message index
 //      in the stream to n's rail peer) and, with several ranks per node, multi_prefix[t][n] = those of
 //      them that go to two or more of n's ranks (the combine messages that are fp32 partials, which sets
-//      where a message starts in the packed combine parts); t = 0..T; a block-wide scan per column.
+//      where a message starts in the packed combine parts); t = 0..T; a block-wide scan per column, whose
+//      totals (every column counted first) are all step 2 needs: the prefixes are stored after its puts.
 //   2. A message to every rank r (itself included), staged in this rank's notify send area and put with
 //      SET epoch on r's notify signal [parity][me]: {tokens to r, T, status, signature, tokens to r's
-//      node, the whole count row, tokens per local expert of r}. Then wait (deadline, RDMA domain) for every
-//      source's signal. Parity double-buffering holds as intranode: a rank writes call e's message only after
+//      node, the whole count row, tokens per local expert of r}. Then, after the prefixes, wait (deadline,
+//      RDMA domain) for every source's signal. Parity double-buffering holds as intranode: a rank writes call e's message only after
 //      its call e-1 saw every call e-1 message, which each peer sent after its call e-2 (stream order); a
 //      quiet at the end completes this call's puts before the next call rewrites the send area.
 //   3. From the messages: recv_count / recv_offset per source, N, T_max, every rank's T, DeepEP's
@@ -32,7 +33,6 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   rdma::WorkerScope scope(a.rdma);
   // Prefix columns per pass, and warp steps whose loads are in flight at once while counting.
   constexpr u32 SCAN_COLUMNS = 4, SCAN_STEPS = 4;
-  __shared__ u32 s_warp[SCAN_COLUMNS * HTI_WARPS];
   __shared__ u32 s_send_count[NUM_RANKS];
   __shared__ u32 s_node_count[NUM_NODES];
   __shared__ u32 s_status, s_epoch, s_ok;
@@ -57,12 +57,15 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   //    the columns stay unwritten; nothing reads them).
   //    Warp w takes tokens [w * per_warp, (w + 1) * per_warp) in steps of 32, lane l token step + l: its
   //    loads and its stores of a step are coalesced (a thread per contiguous chunk of tokens would store 32
-  //    scattered words per warp instruction, the column's cost at thousands of tokens). A step's prefix
-  //    is a warp scan plus the warp's carry; the warps' totals, one block scan. A pass takes SCAN_COLUMNS
-  //    columns, whose scans interleave; the passes share one loop body (the kernel runs once per call, its
-  //    code cold).
+  //    scattered words per warp instruction, the column's cost at thousands of tokens). Every column is
+  //    counted first, warp by warp (s_warp), so that the messages, which need only the totals, leave before
+  //    the prefixes are stored; a step's prefix is then a warp scan plus the warp's carry. A pass takes
+  //    SCAN_COLUMNS columns, whose counts and scans interleave; the passes share one loop body (the kernel
+  //    runs once per call, its code cold).
   constexpr u32 MULTI_COLUMNS = RANKS_PER_NODE > 1 ? NUM_NODES : 0;
   constexpr u32 COLUMNS = NUM_RANKS + NUM_NODES + MULTI_COLUMNS;
+  constexpr u32 PASS_COLUMNS = (COLUMNS + SCAN_COLUMNS - 1) / SCAN_COLUMNS * SCAN_COLUMNS;
+  __shared__ u32 s_warp[PASS_COLUMNS * HTI_WARPS];  // [column][warp]: the warp's tokens that hit the column
   const u32 per_warp = (T + HTI_WARPS * WARP_SIZE - 1) / (HTI_WARPS * WARP_SIZE) * WARP_SIZE;
   const u32 w0 = hti_min(T, warp * per_warp), w1 = hti_min(T, w0 + per_warp);
   // Rank columns read one byte, node columns the node's RANKS_PER_NODE bytes (a hit: any, or two or more).
@@ -76,9 +79,14 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     for (u32 j = 0; j < width; j++) holders += in_rank[(u64)t * NUM_RANKS + first + j] != 0 ? 1u : 0u;
     return holders >= need ? 1u : 0u;
   };
+  auto prefix_out = [&](u32 col) -> i32* {
+    return routing + (col < NUM_RANKS ? at.prefix : col < NUM_RANKS + NUM_NODES ? at.node_prefix : at.multi_prefix);
+  };
+  auto column_of = [&](u32 col) -> u32 { return col < NUM_RANKS ? col : (col - NUM_RANKS) % NUM_NODES; };
+  auto row_width = [&](u32 col) -> u64 { return col < NUM_RANKS ? NUM_RANKS : NUM_NODES; };
+  // 1a. Counts, SCAN_STEPS steps' loads in flight.
 #pragma unroll 1
   for (u32 col0 = 0; col0 < COLUMNS; col0 += SCAN_COLUMNS) {
-    // Counts, SCAN_STEPS steps' loads in flight.
     u32 count[SCAN_COLUMNS] = {};
 #pragma unroll 1
     for (u32 t = w0 + lane; t < w1; t += SCAN_STEPS * WARP_SIZE) {
@@ -97,65 +105,23 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
 #pragma unroll
       for (u32 o = WARP_SIZE / 2; o > 0; o >>= 1) count[j] += __shfl_xor_sync(FULL_WARP_MASK, count[j], o);
     }
-    if (tid == 0 && col0 == 0) hti_stamp(a.trace, NOTIFY_TRACE_COUNTED);
     if (lane == 0) {
 #pragma unroll
-      for (u32 j = 0; j < SCAN_COLUMNS; j++) s_warp[j * HTI_WARPS + warp] = count[j];
-    }
-    __syncthreads();
-    u32 run[SCAN_COLUMNS] = {}, total[SCAN_COLUMNS] = {};
-#pragma unroll 1
-    for (u32 x = 0; x < HTI_WARPS; x++) {
-#pragma unroll
-      for (u32 j = 0; j < SCAN_COLUMNS; j++) {
-        const u32 v = s_warp[j * HTI_WARPS + x];
-        run[j] += x < warp ? v : 0u;
-        total[j] += v;
-      }
-    }
-    __syncthreads();
-    if (tid == 0 && col0 == 0) hti_stamp(a.trace, NOTIFY_TRACE_SCANNED);
-#pragma unroll 1
-    for (u32 step = w0; step < w1; step += WARP_SIZE) {
-      const u32 t = step + lane;
-      u32 h[SCAN_COLUMNS], inclusive[SCAN_COLUMNS];
-#pragma unroll
-      for (u32 j = 0; j < SCAN_COLUMNS; j++) inclusive[j] = h[j] = hit(t, col0 + j);
-#pragma unroll
-      for (u32 o = 1; o < WARP_SIZE; o <<= 1) {
-#pragma unroll
-        for (u32 j = 0; j < SCAN_COLUMNS; j++) {
-          const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive[j], o);
-          if (lane >= o) inclusive[j] += below;
-        }
-      }
-#pragma unroll
-      for (u32 j = 0; j < SCAN_COLUMNS; j++) {
-        const u32 col = col0 + j;
-        if (t < w1 && col < COLUMNS) {
-          const bool rank = col < NUM_RANKS;
-          const u32 c = rank ? col : (col - NUM_RANKS) % NUM_NODES;
-          i32* out = routing + (rank ? at.prefix : col < NUM_RANKS + NUM_NODES ? at.node_prefix : at.multi_prefix);
-          out[(u64)t * (rank ? NUM_RANKS : NUM_NODES) + c] = (i32)(run[j] + inclusive[j] - h[j]);
-        }
-        run[j] += __shfl_sync(FULL_WARP_MASK, inclusive[j], WARP_SIZE - 1);
-      }
-    }
-    if (tid < SCAN_COLUMNS && col0 + tid < COLUMNS) {
-      const u32 col = col0 + tid;
-      u32 sum = 0;
-#pragma unroll
-      for (u32 j = 0; j < SCAN_COLUMNS; j++) sum = j == tid ? total[j] : sum;
-      const bool rank = col < NUM_RANKS;
-      const u32 c = rank ? col : (col - NUM_RANKS) % NUM_NODES;
-      i32* out = routing + (rank ? at.prefix : col < NUM_RANKS + NUM_NODES ? at.node_prefix : at.multi_prefix);
-      out[(u64)T * (rank ? NUM_RANKS : NUM_NODES) + c] = (i32)sum;
-      if (rank) s_send_count[c] = sum;
-      else if (col < NUM_RANKS + NUM_NODES) s_node_count[c] = sum;
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) s_warp[(col0 + j) * HTI_WARPS + warp] = count[j];
     }
   }
   __syncthreads();
-  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_COLUMNS);
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_COUNTED);
+  // 1b. Totals: prefix row T, the send counts and the layout checks.
+  for (u32 col = tid; col < COLUMNS; col += THREADS) {
+    u32 sum = 0;
+#pragma unroll 1
+    for (u32 x = 0; x < HTI_WARPS; x++) sum += s_warp[col * HTI_WARPS + x];
+    prefix_out(col)[(u64)T * row_width(col) + column_of(col)] = (i32)sum;
+    if (col < NUM_RANKS) s_send_count[col] = sum;
+    else if (col < NUM_RANKS + NUM_NODES) s_node_count[col - NUM_RANKS] = sum;
+  }
+  __syncthreads();
   for (u32 r = tid; r < NUM_RANKS; r += THREADS)
     if ((i32)s_send_count[r] != reinterpret_cast<const i32*>(a.num_tokens_per_rank)[r]) atomicOr(&s_status, HTI_STATUS_BAD_LAYOUT);
   const u32 el = a.num_local_experts, words = MSG_W_ROW + NUM_RANKS + el;
@@ -165,9 +131,10 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     if (lane == 0 && bad) atomicOr(&s_status, HTI_STATUS_BAD_EXPERTS);
   }
   __syncthreads();
-  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_PREFIXED);
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_CHECKED);
 
-  // 2. Messages: warp w builds and puts the messages of ranks w, w + HTI_WARPS, ...
+  // 2. Messages: warp w builds and puts the messages of ranks w, w + HTI_WARPS, ...; they travel while the
+  //    prefixes are stored (1c).
   for (u32 r = warp; r < NUM_RANKS; r += HTI_WARPS) {
     u32* msg = reinterpret_cast<u32*>(rdma_bytes(a.rdma, a.at.off_notify_send)) + (u64)r * a.at.msg_words;
     for (u32 w = lane; w < words; w += WARP_SIZE) {
@@ -188,6 +155,40 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
     const u64 sig = a.at.off_notify_sig + ((u64)parity * NUM_RANKS + me) * 8;
     if (!rdma::put_signal_warp(a.rdma, r % a.rdma.num_qps, r, dst, src, (u32)bytes, sig, epoch, SIGNAL_SET, d) && lane == 0) s_ok = 0;
   }
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_SENT);
+
+  // 1c. Prefixes: run = the tokens of the warps before this one, then the warp's steps.
+#pragma unroll 1
+  for (u32 col0 = 0; col0 < COLUMNS; col0 += SCAN_COLUMNS) {
+    u32 run[SCAN_COLUMNS] = {};
+#pragma unroll 1
+    for (u32 x = 0; x < warp; x++) {
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) run[j] += s_warp[(col0 + j) * HTI_WARPS + x];
+    }
+#pragma unroll 1
+    for (u32 step = w0; step < w1; step += WARP_SIZE) {
+      const u32 t = step + lane;
+      u32 h[SCAN_COLUMNS], inclusive[SCAN_COLUMNS];
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) inclusive[j] = h[j] = hit(t, col0 + j);
+#pragma unroll
+      for (u32 o = 1; o < WARP_SIZE; o <<= 1) {
+#pragma unroll
+        for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+          const u32 below = __shfl_up_sync(FULL_WARP_MASK, inclusive[j], o);
+          if (lane >= o) inclusive[j] += below;
+        }
+      }
+#pragma unroll
+      for (u32 j = 0; j < SCAN_COLUMNS; j++) {
+        const u32 col = col0 + j;
+        if (t < w1 && col < COLUMNS) prefix_out(col)[(u64)t * row_width(col) + column_of(col)] = (i32)(run[j] + inclusive[j] - h[j]);
+        run[j] += __shfl_sync(FULL_WARP_MASK, inclusive[j], WARP_SIZE - 1);
+      }
+    }
+  }
+  if (tid == 0) hti_stamp(a.trace, NOTIFY_TRACE_PREFIXED);
   for (u32 s = tid; s < NUM_RANKS; s += THREADS) {
     const u64 sig = a.at.off_notify_sig + ((u64)parity * NUM_RANKS + s) * 8;
     if (!rdma::wait_signal_geq(a.rdma, sig, epoch, for_peer(d, s, me), s)) s_ok = 0;
@@ -273,12 +274,14 @@ __global__ void __launch_bounds__(THREADS, 1) notify(const __grid_constant__ Hti
   }
   __syncthreads();
   if (tid == 0) {
-    (void)rdma::quiet_thread(a.rdma, RDMA_ALL_QPS, d);
     hti_stamp(a.trace, NOTIFY_TRACE_END);
     if (host != nullptr) {
       ptx::fence_acq_rel_sys();
       ptx::st_release_sys(host + HN_READY, a.host_seq);
     }
+    // After READY: the host's turn-around overlaps the wait for this call's puts to complete, which only the
+    // next call's rewrite of the send area needs (a failure here is recorded, and seen by the next call).
+    (void)rdma::quiet_thread(a.rdma, RDMA_ALL_QPS, d);
     st->notify_epoch = epoch;
   }
 }

@@ -391,11 +391,10 @@ pub struct HtiCombineArgs {
 }
 
 /// Notify's trace (`NOTIFY_TRACE_*` in hti.cuh): `%globaltimer` when it started, read its epoch, counted
-/// and scanned its first pass of prefix columns, finished every column, then the layout checks, saw every
-/// message, and ended.
+/// every prefix column, had the totals and the layout checks, put its messages, stored the prefixes, saw
+/// every message, and ended (before READY and the quiet).
 pub const NOTIFY_TRACE_WORDS: usize = 8;
-pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] =
-    ["start", "epoch", "counted", "scanned", "columns", "prefixed", "received", "end"];
+pub const NOTIFY_TRACE_POINTS: [&str; NOTIFY_TRACE_WORDS] = ["start", "epoch", "counted", "checked", "sent", "prefixed", "received", "end"];
 
 /// Timing trace (`HTI_TRACE_*` in hti.cuh): per block of the grid [`HTI_TRACE_BLOCK_WORDS`] u64
 /// words (block start and end, then each warp's role start and end), then [`HTI_TRACE_CHUNKS`] records of
