@@ -23,7 +23,9 @@ pub struct TracePoint {
     /// dispatch receive: `recv_indexed`, the counts scanned into bases. High-throughput: `start` and `end`
     /// (per block), `send_start`, `send_end`, `recv_start`, `recv_end` (per warp of the role); across nodes
     /// also the forwarders' and per-chunk points (`HTI_TRACE_*` in hti.cuh), where a name ending in `_us` is a
-    /// duration (min / median / max over chunks), not a time after the launch.
+    /// duration (min / median / max over chunks), not a time after the launch; a fresh CPU-synchronised
+    /// dispatch across nodes also has the host's `host_ready_us` (notify's READY seen → the dispatch's
+    /// launch called) and `host_launch_us` (the launch call).
     pub name: &'static str,
     /// How many stamps it has: blocks, or for the high-throughput role points warps.
     pub blocks: usize,

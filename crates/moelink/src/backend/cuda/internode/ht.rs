@@ -6,6 +6,7 @@
 //! launch, cooperative, with the emulated NIC's blocks when the transport is `emu-nic`.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use moelink_cuda::{DevPtr, HostMapped, KernelParams, LaunchConfig};
 use moelink_kernels::ht::{call_signature, CallSignature};
@@ -41,6 +42,8 @@ pub(crate) struct HtiState {
     expert_tokens: moelink_cuda::DeviceBuffer,
     host_notify: Option<HostMapped<u32>>,
     notify_seq: u32,
+    /// When the host saw the last CPU-synchronised notify's READY (the trace's host points).
+    ready_seen: Option<Instant>,
 }
 
 impl HtiState {
@@ -50,6 +53,7 @@ impl HtiState {
             expert_tokens: moelink_cuda::DeviceBuffer::zeroed(&gpu.device, hti_kernels::HTI_EXPERT_TOKENS_BYTES)?,
             host_notify: None,
             notify_seq: 0,
+            ready_seen: None,
         })
     }
 }
@@ -344,6 +348,7 @@ pub(crate) fn prepare_dispatch(b: &mut Internode, s: HtSpec, a: &DispatchArgs<'_
     launch(b, v, HtiVariant::notify_spec, kernel_name::HTI_NOTIFY, &args, 1)?;
     let (host, num_fwd) = if sync {
         let (h, f) = read_notify(b, host_seq, &s)?;
+        b.hti.ready_seen = Some(Instant::now());
         if !args.trace.is_null() {
             let words = b.gpu.ht_trace_words(hti_kernels::NOTIFY_TRACE_WORDS);
             if let Some(trace) = crate::trace::notify_launch(&words, kernel_name::HTI_NOTIFY) {
@@ -488,7 +493,9 @@ pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'
         pad: 0,
         trace: trace_begin(b, s.num_sms)?,
     };
+    let launch_at = Instant::now();
     launch(b, v, HtiVariant::dispatch_spec, kernel_name::HTI_DISPATCH, &args, s.num_sms as u32)?;
+    let launched = Instant::now();
     if let Some(m) = &mut out.rank_prefix_matrix {
         // The output was validated as a contiguous int32 [R, R] tensor of this device; the routing buffer holds
         // R * R words at rank_prefix, written by notify earlier on this stream.
@@ -497,8 +504,15 @@ pub(crate) fn dispatch(b: &mut Internode, plan: DispatchPlan, a: &DispatchArgs<'
     }
     finish_or_dump(b, Phase::Dispatch, "dispatch", &r.routing, r.round_tokens)?;
     if !args.trace.is_null() {
-        let op = if matches!(handle, Handle::Existing(_)) { "cached dispatch" } else { "dispatch" };
-        trace_keep(b, kernel_name::HTI_DISPATCH, op, s.num_sms, (send_blocks, fwd_blocks));
+        let fresh = matches!(handle, Handle::New(_));
+        let op = if fresh { "dispatch" } else { "cached dispatch" };
+        // A fresh CPU-synchronised dispatch: the host's part of the gap after notify.
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        let host: Vec<(&'static str, f64)> = match b.hti.ready_seen.take() {
+            Some(ready) if fresh => vec![("host_ready_us", us(launch_at - ready)), ("host_launch_us", us(launched - launch_at))],
+            _ => Vec::new(),
+        };
+        trace_keep(b, kernel_name::HTI_DISPATCH, op, s.num_sms, (send_blocks, fwd_blocks), &host);
     }
     // No-sync mode, but this call waited for the kernels: the received count is on the device.
     let data = match handle {
@@ -692,7 +706,7 @@ pub(crate) fn combine(b: &mut Internode, s: CombineSpec, a: &CombineArgs<'_>, ou
     launch(b, v, HtiVariant::combine_spec, kernel_name::HTI_COMBINE, &args, s.num_sms as u32)?;
     finish_or_dump(b, Phase::Combine, "combine", &r.routing, r.round_tokens)?;
     if !args.trace.is_null() {
-        trace_keep(b, kernel_name::HTI_COMBINE, "combine", s.num_sms, (send_blocks, fwd_blocks));
+        trace_keep(b, kernel_name::HTI_COMBINE, "combine", s.num_sms, (send_blocks, fwd_blocks), &[]);
     }
     Ok(())
 }
@@ -708,14 +722,23 @@ fn trace_begin(b: &mut Internode, workers: usize) -> Result<DevPtr> {
     b.gpu.ht_trace_begin(words)
 }
 
-/// Decodes the trace of the launch that just finished (`roles`: sender and forwarder blocks) and keeps it.
-fn trace_keep(b: &mut Internode, kernel: &'static str, op: &'static str, workers: usize, roles: (u32, u32)) {
+/// Decodes the trace of the launch that just finished (`roles`: sender and forwarder blocks) and keeps it,
+/// with `host`'s durations (µs) as points of their own.
+fn trace_keep(b: &mut Internode, kernel: &'static str, op: &'static str, workers: usize, roles: (u32, u32), host: &[(&'static str, f64)]) {
     let nic = b.rdma.nic_blocks() as usize;
     let nodes = topology(b).num_nodes;
     let words = b.gpu.ht_trace_words(hti_kernels::trace_words(workers + nic, nodes));
     let shape =
         crate::trace::HtiTraceShape { blocks: workers + nic, workers, send_blocks: roles.0 as usize, fwd_blocks: roles.1 as usize, nodes };
-    if let Some(trace) = crate::trace::hti_launch(&words, shape, kernel, op) {
+    if let Some(mut trace) = crate::trace::hti_launch(&words, shape, kernel, op) {
+        trace.points.extend(host.iter().map(|&(name, us)| crate::trace::TracePoint {
+            name,
+            blocks: 1,
+            min_us: us,
+            median_us: us,
+            max_us: us,
+            block0_us: None,
+        }));
         b.gpu.ht_trace_push(trace);
     }
 }
