@@ -16,9 +16,10 @@ namespace moelink::internode {
 //   2. A message to every rank r (itself included), staged in this rank's notify send area and put with
 //      SET epoch on r's notify signal [parity][me]: {tokens to r, T, status, signature, tokens to r's
 //      node, the whole count row, tokens per local expert of r}. Then, after the prefixes, wait (deadline,
-//      RDMA domain) for every source's signal. Parity double-buffering holds as intranode: a rank writes call e's message only after
-//      its call e-1 saw every call e-1 message, which each peer sent after its call e-2 (stream order); a
-//      quiet at the end completes this call's puts before the next call rewrites the send area.
+//      RDMA domain) for every source's signal. Parity double-buffering holds as intranode: a rank writes
+//      call e's message only after its call e-1 saw every call e-1 message, which each peer sent after its
+//      call e-2 (stream order); a quiet at the end completes this call's puts before the next call rewrites
+//      the send area.
 //   3. From the messages: recv_count / recv_offset per source, N, T_max, every rank's T, DeepEP's
 //      rank_prefix_matrix, the forwarder's per-source-node message counts (from the rail sources (a, l)),
 //      K = ceil(T_max / M), the agreed status (the first source with BAD_LAYOUT or BAD_EXPERTS, reported as
