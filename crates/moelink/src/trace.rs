@@ -71,7 +71,7 @@ fn point(name: &'static str, stamps: impl Iterator<Item = u64>, t0: u64, block0:
 }
 
 /// Min / median / max of `values` (µs) as a point without a block-0 value; `None` when there are none.
-fn summary(name: &'static str, mut values: Vec<f64>) -> Option<TracePoint> {
+pub(crate) fn summary(name: &'static str, mut values: Vec<f64>) -> Option<TracePoint> {
     values.sort_by(f64::total_cmp);
     let (&min_us, &max_us) = (values.first()?, values.last()?);
     Some(TracePoint { name, blocks: values.len(), min_us, median_us: values[values.len() / 2], max_us, block0_us: None })

@@ -731,14 +731,7 @@ fn trace_keep(b: &mut Internode, kernel: &'static str, op: &'static str, workers
     let shape =
         crate::trace::HtiTraceShape { blocks: workers + nic, workers, send_blocks: roles.0 as usize, fwd_blocks: roles.1 as usize, nodes };
     if let Some(mut trace) = crate::trace::hti_launch(&words, shape, kernel, op) {
-        trace.points.extend(host.iter().map(|&(name, us)| crate::trace::TracePoint {
-            name,
-            blocks: 1,
-            min_us: us,
-            median_us: us,
-            max_us: us,
-            block0_us: None,
-        }));
+        trace.points.extend(host.iter().filter_map(|&(name, us)| crate::trace::summary(name, vec![us])));
         b.gpu.ht_trace_push(trace);
     }
 }
