@@ -29,10 +29,7 @@
 //     combine receive region   bf16 rows [R][T_max] (pre-reduced partials) or [T_max][K] (one per expert)
 //     handle area (local only) hrow i32 [R][T_max][K]          flat row (e * R*T_max + slot) of recv_x, or -1
 //                              hweight f32 [R][T_max][K], hmeta u32 [R][2] = {tokens, accepted},
-//                              home_idx i64 [T_max][K], home_weight f32 [T_max][K] (this rank's own call),
-//                              hsrc u32 [E_local][R*T_max]     where each row of recv_x goes home:
-//                                                              token | k << 16 | source << 21 (ll_row_src)
-//                              hcount u32 [E_local]            rows of recv_x per local expert
+//                              home_idx i64 [T_max][K], home_weight f32 [T_max][K] (this rank's own call)
 //
 // Epochs, not resets: LlCtrl.dispatch_epoch counts dispatch calls on this GPU; a send kernel works as call
 // e = epoch + 1 and its last block stores e back. Flags carry e (arrival words LL_ARRIVE_UNIT * e), so
@@ -258,8 +255,6 @@ struct LlDispatchArgs {
   u64 hmeta;
   u64 home_idx;
   u64 home_weight;
-  u64 hsrc;
-  u64 hcount;
   u64 error_claim;
   u64 error_record;
   u64 report;            // LlReport (host-mapped)
@@ -299,8 +294,6 @@ struct LlCombineArgs {
   u64 hmeta;
   u64 home_idx;
   u64 home_weight;
-  u64 hsrc;
-  u64 hcount;
   u64 error_claim;
   u64 error_record;
   u64 report;
@@ -350,10 +343,6 @@ __device__ __forceinline__ u32 f32_bits(float f) { return __float_as_uint(f); }
 // bf16 pair (low half = first element) to two floats, exactly.
 __device__ __forceinline__ float bf16_lo(u32 w) { return bits_f32(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return bits_f32(w & 0xffff0000u); }
-
-// An entry of hsrc: where a row of recv_x goes home (source rank p, its token t, the selection k).
-// T_max <= 0xffff, K <= 32 and R <= 32 fit 16 + 5 + 5 bits.
-__device__ __forceinline__ u32 ll_row_src(u32 t, u32 k, u32 p) { return t | k << 16 | p << 21; }
 
 __device__ __forceinline__ u32 word_of(const u32x4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 

@@ -37,22 +37,24 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
   if (threadIdx.x == 0 && problem_all != 0) ptx::st_relaxed_sys(&reinterpret_cast<LlReport*>(a.report)->own_problem, problem_all);
 }
 
-// Rows back, pre-reduced mode: work item = (token, home rank, 512-byte chunk = 256 channels), one bf16
+// Rows back: work item = (token, home rank, 512-byte chunk = 256 channels). Pre-reduced mode: one bf16
 // partial per (home, token): sum over this rank's selections of the token in ascending k, from +0.0, of
-// f32(w) * f32(y) rounded to f32 before each add, into slot [me][token] of the home's region.
+// f32(w) * f32(y) rounded to f32 before each add, into slot [me][token] of the home's region. Per-expert
+// mode: each selection's row y into slot [token][k].
 // A warp takes items first_warp + i * num_warps, COMBINE_ITEMS of them per round with every expert-row load
 // of the round in flight together: an item has only ~K/R rows here, so one item per round left each warp a
 // chain of dependent HBM round trips (~7 items per warp at 128 tokens, the combine send's largest cost;
 // with two items per round the send still takes ~11 us without NVLink: MOELINK_LL_EXPERIMENT=local_stores,
 // bench/results/2026-11-21-4xnvidia-h200-ll-trace).
-// COMBINE_ROWS expert rows of each item are loaded per batch, and a round takes as many batches as its
-// fullest item needs. An item has ~K/R rows: with top-8 over 4 ranks ~2, which 3 items x 4 rows cover in one
-// batch; over 2 ranks ~4, and 3 x 4 then needs a second batch in most rounds (any item over 4), where 2 items
-// x 6 rows rarely do. Both shapes hold the same registers. Returns whether this warp stored anything.
+// COMBINE_ROWS expert rows of each item are loaded per batch (both modes), and a round takes as many batches
+// as its fullest item needs. An item has ~K/R rows: with top-8 over 4 ranks ~2, which 3 items x 4 rows cover
+// in one batch; over 2 ranks ~4, and 3 x 4 then needs a second batch in most rounds (any item over 4), where
+// 2 items x 6 rows rarely do. Both shapes hold the same registers. Returns whether this warp stored anything.
 template <u32 COMBINE_ITEMS, u32 COMBINE_ROWS>
-__device__ __forceinline__ bool combine_partials(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
+__device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
   const u32 R = a.num_ranks, TM = a.max_tokens;
+  const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
   const u8* y = reinterpret_cast<const u8*>(a.y);
   const u32 items = R * TM * BF16_CHUNKS;
   bool stored = false;
@@ -74,7 +76,7 @@ __device__ __forceinline__ bool combine_partials(const LlCombineArgs& a, LlShare
     if (it < items && lane < LL_TOPK && t < sm.ntok[h]) {
       const u64 at = ((u64)h * TM + t) * LL_TOPK + lane;
       row = (i32)ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hrow) + at);
-      w = bits_f32(ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hweight) + at));
+      if (pre_reduced) w = bits_f32(ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hweight) + at));
     }
   };
   i32 row_ahead[COMBINE_ITEMS];
@@ -100,9 +102,12 @@ __device__ __forceinline__ bool combine_partials(const LlCombineArgs& a, LlShare
       off[j] = c * CHUNK_BYTES + lane * VEC_BYTES;
       u8* region = item < items ? reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : h]) : nullptr;
       // local_stores: the own region's slot [h][token] (distinct per home, like the real stores).
-      dst[j] = region == nullptr ? nullptr : region + ((u64)(local_stores ? h : a.rank) * TM + t) * ROW_BYTES_BF16;
+      dst[j] = region == nullptr ? nullptr
+                                 : region + (pre_reduced ? ((u64)(local_stores ? h : a.rank) * TM + t) * ROW_BYTES_BF16
+                                                         : (u64)t * LL_TOPK * ROW_BYTES_BF16);
       if (valid[j] != 0) stored = true;
     }
+    // Pre-reduced: the sums start from +0.0. Per expert: acc stays unused.
     float acc[COMBINE_ITEMS][8];
 #pragma unroll
     for (u32 j = 0; j < COMBINE_ITEMS; j++)
@@ -111,7 +116,8 @@ __device__ __forceinline__ bool combine_partials(const LlCombineArgs& a, LlShare
     // The selected rows of each item, compacted (the q-th row is the q-th set bit of valid, ascending k):
     // ~K/R of them per item, so one batch of COMBINE_ROWS loads covers nearly every item and the registers
     // go to more items in flight rather than to empty slots of K. Every load of a batch is issued before
-    // any of its rows is used.
+    // any of its rows is used: per expert too, where a store right after each load would wait out one
+    // round trip per row.
     u32 most = 0;
 #pragma unroll
     for (u32 j = 0; j < COMBINE_ITEMS; j++) most = (u32)__popc(valid[j]) > most ? (u32)__popc(valid[j]) : most;
@@ -140,102 +146,28 @@ __device__ __forceinline__ bool combine_partials(const LlCombineArgs& a, LlShare
 #pragma unroll
         for (u32 q = 0; q < COMBINE_ROWS; q++) {
           if (kq[j][q] >= WARP_SIZE) continue;
-          const float wk = __shfl_sync(FULL_WARP_MASK, w[j], kq[j][q]);
+          if (pre_reduced) {
+            const float wk = __shfl_sync(FULL_WARP_MASK, w[j], kq[j][q]);
 #pragma unroll
-          for (u32 i = 0; i < 4; i++) {
-            const u32 word = word_of(v[j][q], i);
-            acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
-            acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
+            for (u32 i = 0; i < 4; i++) {
+              const u32 word = word_of(v[j][q], i);
+              acc[j][2 * i] = ptx::add_rn_f32(acc[j][2 * i], ptx::mul_rn_f32(wk, bf16_lo(word)));
+              acc[j][2 * i + 1] = ptx::add_rn_f32(acc[j][2 * i + 1], ptx::mul_rn_f32(wk, bf16_hi(word)));
+            }
+          } else if (off[j] < ROW_BYTES_BF16) {
+            ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + (u64)kq[j][q] * ROW_BYTES_BF16 + off[j]), v[j][q]);
           }
         }
       }
     }
+    if (pre_reduced) {
 #pragma unroll
-    for (u32 j = 0; j < COMBINE_ITEMS; j++) {
-      if (valid[j] == 0 || off[j] >= ROW_BYTES_BF16) continue;
-      const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
-                         ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
-      ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + off[j]), out);
-    }
-  }
-  return stored;
-}
-
-// Rows back, per-expert mode: each received row y goes unchanged into slot [token][k] of its home's region.
-// Work unit = (row of recv_x, 512-byte chunk), the rows dense in recv_x's order (local expert, slot), so
-// every warp takes the same number of chunks (within one) whatever the routing: items of (token, home,
-// chunk) hold 0..K rows each, and dealing them left the last block issuing its stores ~7 us after the
-// median one at EP2 (bench/results/2026-11-30-2xnvidia-h200-afb3bbb-ep2-ratios).
-// A warp takes units first_warp + i * num_warps, UNITS of them per batch: lane j finds unit j's row (a
-// binary search over the per-expert first rows in shared memory) and loads its way home (hsrc); the batch's
-// y loads wait only for the search, so they fly with the hsrc loads, and every load of a batch is issued
-// before its first store. The row counts come in sm.words [E_local] (combine_send loads them before the
-// hand-back wait). Returns whether this warp stored anything.
-template <u32 UNITS>
-__device__ __forceinline__ bool combine_expert_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
-  static_assert(UNITS <= WARP_SIZE, "one lane finds each unit of a batch");
-  const u32 lane = lane_id();
-  const u32 R = a.num_ranks, TM = a.max_tokens, EL = a.num_local_experts, rows = R * TM;
-  const u8* y = reinterpret_cast<const u8*>(a.y);
-  const u32* hsrc = reinterpret_cast<const u32*>(a.hsrc);
-  constexpr bool local_stores = LL_LOCAL_STORES;
-  constexpr bool loads = !LL_NO_LOADS;
-  // first_row[e]: the dense index of expert e's first row (exclusive scan of the counts); first_row[EL]: rows.
-  u32* first_row = sm.words;
-  if (warp_id() == 0) {
-    u32 run = 0;
-    for (u32 e0 = 0; e0 < EL; e0 += WARP_SIZE) {
-      const u32 e = e0 + lane;
-      const u32 n = e < EL ? first_row[e] : 0u;
-      u32 inclusive = n;
-#pragma unroll
-      for (u32 o = 1; o < WARP_SIZE; o <<= 1) {
-        const u32 v = __shfl_up_sync(FULL_WARP_MASK, inclusive, o);
-        if (lane >= o) inclusive += v;
+      for (u32 j = 0; j < COMBINE_ITEMS; j++) {
+        if (valid[j] == 0 || off[j] >= ROW_BYTES_BF16) continue;
+        const u32x4 out = {ptx::cvt_rn_bf16x2_f32(acc[j][1], acc[j][0]), ptx::cvt_rn_bf16x2_f32(acc[j][3], acc[j][2]),
+                           ptx::cvt_rn_bf16x2_f32(acc[j][5], acc[j][4]), ptx::cvt_rn_bf16x2_f32(acc[j][7], acc[j][6])};
+        ptx::st_na_v4(reinterpret_cast<u32x4*>(dst[j] + off[j]), out);
       }
-      if (e < EL) first_row[e] = run + inclusive - n;
-      run += __shfl_sync(FULL_WARP_MASK, inclusive, WARP_SIZE - 1);
-    }
-    if (lane == 0) first_row[EL] = run;
-  }
-  __syncthreads();
-  const u32 units = first_row[EL] * BF16_CHUNKS;
-  bool stored = false;
-  for (u32 base = first_warp; base < units; base += UNITS * num_warps) {
-    u32 row = 0, src = 0xffffffffu;
-    const u32 mine = base + lane * num_warps;
-    if (lane < UNITS && mine < units) {
-      const u32 d = mine / BF16_CHUNKS;
-      // first_row[lo] <= d < first_row[hi]: d is a row of expert lo once hi == lo + 1.
-      u32 lo = 0, hi = EL;
-      while (hi - lo > 1) {
-        const u32 mid = (lo + hi) / 2;
-        if (first_row[mid] <= d) lo = mid;
-        else hi = mid;
-      }
-      row = lo * rows + (d - first_row[lo]);
-      src = ptx::ld_nc_u32(hsrc + row);
-    }
-    u32x4 v[UNITS];
-#pragma unroll
-    for (u32 j = 0; j < UNITS; j++) {
-      v[j] = u32x4{0, 0, 0, 0};
-      const u32 u = base + j * num_warps;
-      const u32 r = (u32)__shfl_sync(FULL_WARP_MASK, row, j);
-      const u32 off = (u % BF16_CHUNKS) * CHUNK_BYTES + lane * VEC_BYTES;
-      if (u < units && off < ROW_BYTES_BF16 && loads) v[j] = ptx::ld_nc_na_v4(reinterpret_cast<const u32x4*>(y + (u64)r * ROW_BYTES_BF16 + off));
-    }
-#pragma unroll
-    for (u32 j = 0; j < UNITS; j++) {
-      const u32 u = base + j * num_warps;
-      const u32 s = (u32)__shfl_sync(FULL_WARP_MASK, src, j);
-      const u32 t = s & 0xffffu, k = (s >> 16) & 31u, p = s >> 21;
-      const u32 off = (u % BF16_CHUNKS) * CHUNK_BYTES + lane * VEC_BYTES;
-      // An entry the dispatch did not write (only if a peer's counts disagreed with its rows) goes nowhere.
-      if (u >= units || p >= R || t >= sm.ntok[p] || k >= LL_TOPK) continue;
-      stored = true;
-      u8* region = reinterpret_cast<u8*>(a.recv[local_stores ? a.rank : p]);
-      if (off < ROW_BYTES_BF16) ptx::st_na_v4(reinterpret_cast<u32x4*>(region + ((u64)t * LL_TOPK + k) * ROW_BYTES_BF16 + off), v[j]);
     }
   }
   return stored;
@@ -244,21 +176,11 @@ __device__ __forceinline__ bool combine_expert_rows(const LlCombineArgs& a, LlSh
 __device__ __forceinline__ void combine_send(const LlCombineArgs& a, const Deadline& d, LlShared& sm, u32 epoch) {
   // Tokens per home rank, from this rank's own dispatch handle: loaded before the hand-back wait (whose
   // barriers publish them to the block), so that their latency hides behind it.
-  // Per expert: the rows of recv_x per local expert, likewise (at most R*T_max each).
-  const bool pre_reduced = (a.flags & LL_FLAG_WEIGHTS) != 0;
   if (threadIdx.x < a.num_ranks) sm.ntok[threadIdx.x] = reinterpret_cast<const u32*>(a.hmeta)[2 * threadIdx.x];
-  if (!pre_reduced) {
-    const u32 rows = a.num_ranks * a.max_tokens;
-    for (u32 e = threadIdx.x; e < a.num_local_experts; e += LL_THREADS) {
-      const u32 n = ptx::ld_nc_u32(reinterpret_cast<const u32*>(a.hcount) + e);
-      sm.words[e] = n < rows ? n : rows;
-    }
-  }
   ll_send_phase(a, d, sm, epoch, [&] { combine_check(a, sm, epoch); },
                 [&](u32 first_warp, u32 num_warps) {
-                  if (!pre_reduced) return combine_expert_rows<16>(a, sm, first_warp, num_warps);
-                  if (a.num_ranks <= 2) return combine_partials<2, (LL_TOPK < 6 ? LL_TOPK : 6)>(a, sm, first_warp, num_warps);
-                  return combine_partials<3, (LL_TOPK < 4 ? LL_TOPK : 4)>(a, sm, first_warp, num_warps);
+                  if (a.num_ranks <= 2) return combine_rows<2, (LL_TOPK < 6 ? LL_TOPK : 6)>(a, sm, first_warp, num_warps);
+                  return combine_rows<3, (LL_TOPK < 4 ? LL_TOPK : 4)>(a, sm, first_warp, num_warps);
                 });
 }
 
@@ -409,10 +331,9 @@ namespace moelink::low_latency {
 //   grid: G blocks (cooperative when both phases run in one launch), block: LL_THREADS.
 //   SEND  every block waits (warp 0) until the home ranks consumed this set's previous use; block 0 checks
 //         the combine-time topk_idx/weights against the dispatch's and writes the metadata lines; blocks
-//         1..G-1 (block 0 too when G == 1): pre-reduced, work item (home rank, token, 256-channel chunk)
-//         per warp, rows from the handle area, loads of the expert outputs y (16 bytes per lane), the
-//         weighted sum; per expert, work unit (row of y, 256-channel chunk), each row's home slot from the
-//         handle area (hsrc); 16-byte stores into the home rank's combine region. Every block arrives at
+//         1..G-1 (block 0 too when G == 1): work item (home rank, token, 256-channel chunk) per warp, rows
+//         from the handle area, loads of the expert outputs y (16 bytes per lane), pre-reduced sum or
+//         per-expert copies, 16-byte stores into the home rank's combine region. Every block arrives at
 //         every rank (ll_send_arrive); the last one stores combine_epoch = last_write[set] = e.
 //   RECV  warp 0 of every block waits for every expert rank; work item (token, chunk) per warp: sum of the
 //         partials in ascending rank order (pre-reduced) or of w * y in ascending k (per expert), from +0.0

@@ -342,11 +342,8 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
       if (c == 0) {
         reinterpret_cast<i32*>(a.hrow)[entry_at] = row;
         if (has_weights) reinterpret_cast<u32*>(a.hweight)[entry_at] = cur.w;
-        if (row >= 0) {
-          reinterpret_cast<u32*>(a.hsrc)[row] = ll_row_src(t, lane, p);
-          // DeepEP's src_info [E_local][R*T_max] is indexed like the rows: the row's source token.
-          if (a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[row] = (i32)t;
-        }
+        // DeepEP's src_info [E_local][R*T_max] is indexed like the rows: the row's source token.
+        if (row >= 0 && a.src_info != 0) reinterpret_cast<i32*>(a.src_info)[row] = (i32)t;
       }
     }
     const u32 valid = __ballot_sync(FULL_WARP_MASK, row >= 0);
@@ -385,7 +382,6 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchArgs& a, const Dea
     }
     if (blockIdx.x == 0) {
       reinterpret_cast<i32*>(a.recv_count)[e] = (i32)run;
-      reinterpret_cast<u32*>(a.hcount)[e] = run;
       if (a.cum_stats != 0) reinterpret_cast<i32*>(a.cum_stats)[e] += (i32)run;
     }
   }
@@ -421,9 +417,8 @@ namespace moelink::low_latency {
 //         (source, token, chunk) per warp:
 //         one 16-byte load, one store per selected local expert into recv_x[e][slot] (slots in (source,
 //         token) order: base + the token's rank among the source's tokens of e), scales column-major,
-//         handle rows/weights, each row's way home (hsrc) and DeepEP's src_info (chunk 0); block 0:
-//         recv_count, the handle's per-expert counts, cumulative stats, wait stats, DeepEP's layout_range,
-//         handle metadata, report.
+//         handle rows/weights and DeepEP's src_info (chunk 0); block 0: recv_count, cumulative stats, wait
+//         stats, DeepEP's layout_range, handle metadata, report.
 //         Every block, once past its reads: its share of the hand-back to every source (ll_recv_end).
 //   DRAIN a receive phase that will never run (its hook was dropped): only the consumed flags.
 //   reads:  x, topk_idx, topk_weights; own receive region of the set; own LlCtrl.

@@ -39,7 +39,7 @@ void launch(const Args& args, u32 grid) {
 // moelink_kernels::ll::LlLayout (same arithmetic).
 struct Layout {
   size_t entries, weights, counts, rows, row_stride, dispatch_bytes, combine_bytes;
-  size_t hweight, hmeta, home_idx, home_weight, hsrc, hcount, handle_bytes;
+  size_t hweight, hmeta, home_idx, home_weight, handle_bytes;
   size_t dispatch_at[2], combine_at[2], handle_at[2], total;
   explicit Layout(const Shape& s) {
     const size_t r = s.ranks, tm = s.t_max, h = LL_HIDDEN, k = LL_TOPK, el = s.el(), A = 4096;
@@ -55,9 +55,7 @@ struct Layout {
     hmeta = 2 * hweight;
     home_idx = hmeta + align_up(r * 8, A);
     home_weight = home_idx + align_up(tm * k * 8, A);
-    hsrc = home_weight + align_up(tm * k * 4, A);
-    hcount = hsrc + align_up(el * r * tm * 4, A);
-    handle_bytes = hcount + align_up(el * 4, A);
+    handle_bytes = home_weight + align_up(tm * k * 4, A);
     size_t at = 0;
     for (int i = 0; i < 2; i++) dispatch_at[i] = at, at += dispatch_bytes;
     for (int i = 0; i < 2; i++) combine_at[i] = at, at += combine_bytes;
@@ -102,10 +100,9 @@ struct World : RefWorld {
   }
   u32 quant_code() const { return q.fp8 ? (1u | (q.round_scale ? 2u : 0u) | (q.ue8m0 ? 4u : 0u)) : 0u; }
 
-  void handle_area(u32 rank, u32 set, u64 out[7]) {
+  void handle_area(u32 rank, u32 set, u64 out[5]) {
     const u64 base = (u64)(r[rank].data + L.handle_at[set]);
     out[0] = base, out[1] = base + L.hweight, out[2] = base + L.hmeta, out[3] = base + L.home_idx, out[4] = base + L.home_weight;
-    out[5] = base + L.hsrc, out[6] = base + L.hcount;
   }
 
   LlDispatchArgs dispatch_args(u32 me, const Inputs& in, DispatchOut& o, bool weights, bool shrink, u32 phases) {
@@ -133,9 +130,9 @@ struct World : RefWorld {
     a.wait_stats = (u64)o.wait.data();
     a.src_info = (u64)o.src_info.data();
     a.layout_range = (u64)o.layout_range.data();
-    u64 h[7];
+    u64 h[5];
     handle_area(me, set, h);
-    a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4], a.hsrc = h[5], a.hcount = h[6];
+    a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4];
     a.error_claim = (u64)&r[me].claim;
     a.error_record = (u64)&r[me].record;
     a.report = (u64)&r[me].report;
@@ -166,9 +163,9 @@ struct World : RefWorld {
     a.topk_weights = (u64)in.w.data();
     a.out = (u64)out.data();
     a.wait_stats = (u64)wait.data();
-    u64 h[7];
+    u64 h[5];
     handle_area(me, dispatch_set, h);
-    a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4], a.hsrc = h[5], a.hcount = h[6];
+    a.hrow = h[0], a.hweight = h[1], a.hmeta = h[2], a.home_idx = h[3], a.home_weight = h[4];
     a.error_claim = (u64)&r[me].claim;
     a.error_record = (u64)&r[me].record;
     a.report = (u64)&r[me].report;

@@ -294,10 +294,6 @@ pub struct LlDispatchArgs {
     pub hmeta: DevPtr,
     pub home_idx: DevPtr,
     pub home_weight: DevPtr,
-    /// `u32 [E_local][R*T_max]`: where each row of `recv_x` goes home (`token | k << 16 | source << 21`).
-    pub hsrc: DevPtr,
-    /// `u32 [E_local]`: rows of `recv_x` per local expert.
-    pub hcount: DevPtr,
     pub error_claim: DevPtr,
     pub error_record: DevPtr,
     pub report: DevPtr,
@@ -340,10 +336,6 @@ pub struct LlCombineArgs {
     pub hmeta: DevPtr,
     pub home_idx: DevPtr,
     pub home_weight: DevPtr,
-    /// `u32 [E_local][R*T_max]`: where each row of `recv_x` goes home (`token | k << 16 | source << 21`).
-    pub hsrc: DevPtr,
-    /// `u32 [E_local]`: rows of `recv_x` per local expert.
-    pub hcount: DevPtr,
     pub error_claim: DevPtr,
     pub error_record: DevPtr,
     pub report: DevPtr,
@@ -429,11 +421,6 @@ pub struct HandleArea {
     pub home_idx: usize,
     /// `f32 [T_max][K]`.
     pub home_weight: usize,
-    /// `u32 [E_local][R*T_max]`: where each row of `recv_x` goes home (`token | k << 16 | source << 21`),
-    /// what the per-expert combine deals its rows by.
-    pub hsrc: usize,
-    /// `u32 [E_local]`: rows of `recv_x` per local expert.
-    pub hcount: usize,
     /// Bytes of the area.
     pub bytes: usize,
 }
@@ -496,9 +483,8 @@ impl LlLayout {
         let hmeta = 2 * hw;
         let home_idx = hmeta + align(r.checked_mul(8)?)?;
         let home_weight = home_idx + align(tm.checked_mul(k)?.checked_mul(8)?)?;
-        let hsrc = home_weight + align(tm.checked_mul(k)?.checked_mul(4)?)?;
-        let hcount = hsrc + align(el.checked_mul(r)?.checked_mul(tm)?.checked_mul(4)?)?;
-        let handle = HandleArea { hweight: hw, hmeta, home_idx, home_weight, hsrc, hcount, bytes: hcount + align(el.checked_mul(4)?)? };
+        let handle =
+            HandleArea { hweight: hw, hmeta, home_idx, home_weight, bytes: home_weight + align(tm.checked_mul(k)?.checked_mul(4)?)? };
         let mut at = 0usize;
         let mut take = |n: usize| -> Option<usize> {
             let here = at;
@@ -554,8 +540,8 @@ mod tests {
         }
         assert_eq!(LlCtrl::MASK_OFFSET, LlCtrl::BYTES - 4 * MAX_RANKS - 32);
         assert_eq!(std::mem::size_of::<LlReport>(), 48);
-        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 26 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
-        assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 17 * 8 + 12 * 4);
+        assert_eq!(std::mem::size_of::<LlDispatchArgs>(), 16 * MAX_RANKS + 24 * 8 + 12 * 4 + 4 * LL_SIG_WORDS);
+        assert_eq!(std::mem::size_of::<LlCombineArgs>(), 16 * MAX_RANKS + 15 * 8 + 12 * 4);
     }
 
     #[test]
@@ -608,8 +594,7 @@ mod tests {
             assert!(l.combine_bytes >= (r * tm).max(tm * k) * 2 * h);
             let a = l.handle;
             assert!(a.hweight >= r * tm * k * 4 && a.hmeta - a.hweight >= r * tm * k * 4);
-            assert!(a.home_idx - a.hmeta >= r * 8 && a.home_weight - a.home_idx >= tm * k * 8 && a.hsrc - a.home_weight >= tm * k * 4);
-            assert!(a.hcount - a.hsrc >= el * r * tm * 4 && a.bytes - a.hcount >= el * 4);
+            assert!(a.home_idx - a.hmeta >= r * 8 && a.home_weight - a.home_idx >= tm * k * 8 && a.bytes - a.home_weight >= tm * k * 4);
             assert!(l.staging_bytes >= el * r * tm * 2 * h);
             assert_eq!(l.handle_at[0] % 16, 0);
         }

@@ -105,19 +105,11 @@ fn tables(b: &Intranode, offset: usize) -> (DevPtrs<MAX_RANKS>, DevPtrs<MAX_RANK
     (b.peer_table(ctrl::LL), b.peer_table(ll_data_offset(b) + offset))
 }
 
-/// The handle area of `set` on this rank: (hrow, hweight, hmeta, home_idx, home_weight, hsrc, hcount).
-fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> Result<[DevPtr; 7]> {
+/// The handle area of `set` on this rank: (hrow, hweight, hmeta, home_idx, home_weight).
+fn handle_area(b: &Intranode, layout: &LlLayout, set: usize) -> Result<[DevPtr; 5]> {
     let base = b.peer_addr(b.rank, ll_data_offset(b) + layout.handle_at[set])?;
     let h = layout.handle;
-    Ok([
-        base,
-        base.byte_add(h.hweight),
-        base.byte_add(h.hmeta),
-        base.byte_add(h.home_idx),
-        base.byte_add(h.home_weight),
-        base.byte_add(h.hsrc),
-        base.byte_add(h.hcount),
-    ])
+    Ok([base, base.byte_add(h.hweight), base.byte_add(h.hmeta), base.byte_add(h.home_idx), base.byte_add(h.home_weight)])
 }
 
 // ------------------------------------------------------------------ timing trace
@@ -187,7 +179,7 @@ pub(crate) fn dispatch<'a>(
     let generation = b.ll.calls.dispatch_calls;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.dispatch_at[set]);
-    let [hrow, hweight, hmeta, home_idx, home_weight, hsrc, hcount] = handle_area(b, &layout, set)?;
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, set)?;
     let args = LlDispatchArgs {
         ctrl: ctrl_table,
         recv: recv_table,
@@ -206,8 +198,6 @@ pub(crate) fn dispatch<'a>(
         hmeta,
         home_idx,
         home_weight,
-        hsrc,
-        hcount,
         error_claim,
         error_record,
         report: b.ll.calls.report.device_ptr(),
@@ -297,7 +287,7 @@ pub(crate) fn combine<'a>(
     let set = (b.ll.calls.combine_calls & 1) as usize;
     let (error_claim, error_record) = b.error_sink();
     let (ctrl_table, recv_table) = tables(b, layout.combine_at[set]);
-    let [hrow, hweight, hmeta, home_idx, home_weight, hsrc, hcount] = handle_area(b, &layout, routing.set)?;
+    let [hrow, hweight, hmeta, home_idx, home_weight] = handle_area(b, &layout, routing.set)?;
     let args = LlCombineArgs {
         ctrl: ctrl_table,
         recv: recv_table,
@@ -311,8 +301,6 @@ pub(crate) fn combine<'a>(
         hmeta,
         home_idx,
         home_weight,
-        hsrc,
-        hcount,
         error_claim,
         error_record,
         report: b.ll.calls.report.device_ptr(),
