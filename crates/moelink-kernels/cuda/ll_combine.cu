@@ -49,10 +49,10 @@ __device__ __forceinline__ void combine_check(const LlCombineArgs& a, LlShared& 
 // COMBINE_ROWS expert rows of each item are loaded per batch (both modes), and a round takes as many batches
 // as its fullest item needs. An item has ~K/R rows: with top-8 over 4 ranks ~2, which 3 items x 4 rows cover
 // in one batch; over 2 ranks ~4, and 3 x 4 then needs a second batch in most rounds (any item over 4), where
-// 2 items x 6 rows rarely do. Both shapes hold the same registers. Per expert over 2 ranks, one item and all
-// its rows (up to 8) a round: 1.4 us faster than 2 x 6 back to back at 128 tokens, 3 x 4 and 4 x 4 2 us
-// slower (bench/results/2026-11-30-2xnvidia-h200-6376730-ll-expert-batch). Returns whether this warp stored
-// anything.
+// 2 items x 6 rows rarely do. Both shapes hold the same registers. Per expert at one or two ranks, one item
+// and all its rows (up to 8) a round: it takes 1.4 us less than 2 x 6 at 128 tokens, where 3 x 4 and 4 x 4
+// take 2 us more (bench/results/2026-11-30-2xnvidia-h200-6376730-ll-expert-batch). Returns whether this warp
+// stored anything.
 template <u32 COMBINE_ITEMS, u32 COMBINE_ROWS>
 __device__ __forceinline__ bool combine_rows(const LlCombineArgs& a, LlShared& sm, u32 first_warp, u32 num_warps) {
   const u32 lane = lane_id();
