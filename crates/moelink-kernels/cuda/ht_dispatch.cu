@@ -291,13 +291,16 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
   if constexpr (STAGE) store_round(0, s.v);
   load_payload<true>(reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS, lane, store_round, STAGE ? 1u : 0u);
 
+  // The meta words, per destination the token goes to: a loop over the mask's bits issues each word's store
+  // once per such destination, not once per possible rank with a predicate.
+  for (u32 todo = mask; todo != 0u; todo &= todo - 1) {
+    const u32 r = __ffs(todo) - 1;
+    u8* out = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r)) + PAYLOAD_BYTES;
 #pragma unroll
-  for (u32 k = 0; k < META_ITERS; k++) {
-    const u32 w = lane + k * WARP_SIZE;
-    if (w >= META_WORDS) continue;
-#pragma unroll
-    for (u32 r = 0; r < MAX_RANKS; r++)
-      if (((mask >> r) & 1u) != 0u) reinterpret_cast<u32*>(dst_of[r] + PAYLOAD_BYTES)[w] = meta_for(a, meta[k], w, r);
+    for (u32 k = 0; k < META_ITERS; k++) {
+      const u32 w = lane + k * WARP_SIZE;
+      if (w < META_WORDS) ptx::st_na_u32(out + 4 * w, meta_for(a, meta[k], w, r));
+    }
   }
 }
 
