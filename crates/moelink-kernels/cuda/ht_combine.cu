@@ -34,11 +34,13 @@ static_assert(ROW_BYTES == (PAYLOAD_BYTES + WEIGHT_BYTES + HT_ROW_ALIGN - 1) / H
               "slab row differs from moelink_kernels::ht::combine_row_bytes");
 constexpr u32 THREADS = COMBINE_WARPS * WARP_SIZE;
 constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
-// Sender: one step sends a row to every pending source, in ROUNDS rounds; a round loads UNROLL vectors per
-// lane of every source's row before storing any (all sources' loads in flight together: loading and storing
-// one row after the other paid a load latency per row), at most MAX_UNROLL + MAX_UNROLL / 2 in all.
+// Sender: one step sends a row to every pending source (the NUM_SOURCES other ranks), in ROUNDS rounds; a
+// round loads UNROLL vectors per lane of every source's row before storing any (all sources' loads in flight
+// together: loading and storing one row after the other paid a load latency per row), at most MAX_UNROLL +
+// MAX_UNROLL / 2 in all.
+constexpr u32 NUM_SOURCES = NUM_RANKS > 1 ? NUM_RANKS - 1 : 1;
 constexpr u32 SEND_LOAD_VECS = MAX_UNROLL + MAX_UNROLL / 2;
-constexpr u32 SEND_MAX_UNROLL = SEND_LOAD_VECS / NUM_RANKS > 0 ? SEND_LOAD_VECS / NUM_RANKS : 1;
+constexpr u32 SEND_MAX_UNROLL = SEND_LOAD_VECS / NUM_SOURCES > 0 ? SEND_LOAD_VECS / NUM_SOURCES : 1;
 constexpr u32 ROUNDS = (VECS_PER_LANE + SEND_MAX_UNROLL - 1) / SEND_MAX_UNROLL;
 constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
 // Reducer: RED_UNROLL vectors of every rank's row (and of each bias) per round.
@@ -178,52 +180,54 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
         have_row = pos < a.num_x_rows;
         if (!have_row) report_error(d, ERR_RECV_OVERFLOW, NO_PEER, (u32)routing[HT_RT_NUM_RECV], a.num_x_rows);
       }
-      u32 row_pos[NUM_RANKS];
-      bool row_valid[NUM_RANKS];
-      u8* out[NUM_RANKS];
+      // Source k is rank (me + 1 + k) % NUM_RANKS: the registers are sized for the other ranks only.
+      u32 row_pos[NUM_SOURCES];
+      bool sending[NUM_SOURCES], row_valid[NUM_SOURCES];
+      u8* out[NUM_SOURCES];
 #pragma unroll
-      for (u32 r = 0; r < NUM_RANKS; r++) {
-        row_pos[r] = __shfl_sync(FULL_WARP_MASK, pos, r);
-        row_valid[r] = __shfl_sync(FULL_WARP_MASK, have_row, r);
-        out[r] = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
+      for (u32 k = 0; k < NUM_SOURCES; k++) {
+        const u32 r = (me + 1 + k) % NUM_RANKS;
+        sending[k] = NUM_RANKS > 1 && ((mask >> r) & 1u) != 0u;
+        row_pos[k] = __shfl_sync(FULL_WARP_MASK, pos, r);
+        row_valid[k] = __shfl_sync(FULL_WARP_MASK, have_row, r);
+        out[k] = reinterpret_cast<u8*>(__shfl_sync(FULL_WARP_MASK, dst, r));
       }
       // The rows' top-k weights are loaded before the payload, so that their latency hides behind it: a load
       // after the remote stores would wait for them (possible aliasing), a round trip per row.
-      u32 weight_bits[NUM_RANKS];
+      u32 weight_bits[NUM_SOURCES];
 #pragma unroll
-      for (u32 r = 0; r < NUM_RANKS; r++) {
-        weight_bits[r] = 0u;
-        if (TOPK > 0 && lane < TOPK && ((mask >> r) & 1u) != 0u && row_valid[r]) weight_bits[r] = weights[(u64)row_pos[r] * TOPK + lane];
+      for (u32 k = 0; k < NUM_SOURCES; k++) {
+        weight_bits[k] = 0u;
+        if (TOPK > 0 && lane < TOPK && sending[k] && row_valid[k]) weight_bits[k] = weights[(u64)row_pos[k] * TOPK + lane];
       }
       const u32x4* x = reinterpret_cast<const u32x4*>(a.x);
 #pragma unroll 1
       for (u32 round = 0; round < ROUNDS; round++) {
-        u32x4 v[NUM_RANKS][UNROLL];
+        u32x4 v[NUM_SOURCES][UNROLL];
 #pragma unroll
-        for (u32 r = 0; r < NUM_RANKS; r++) {
-          if (((mask >> r) & 1u) == 0u) continue;
+        for (u32 k = 0; k < NUM_SOURCES; k++) {
+          if (!sending[k]) continue;
 #pragma unroll
           for (u32 u = 0; u < UNROLL; u++) {
             const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-            v[r][u] = u32x4{0u, 0u, 0u, 0u};
-            if (i < PAYLOAD_VECS && row_valid[r]) v[r][u] = ptx::ld_nc_na_v4(x + (u64)row_pos[r] * PAYLOAD_VECS + i);
+            v[k][u] = u32x4{0u, 0u, 0u, 0u};
+            if (i < PAYLOAD_VECS && row_valid[k]) v[k][u] = ptx::ld_nc_na_v4(x + (u64)row_pos[k] * PAYLOAD_VECS + i);
           }
         }
 #pragma unroll
-        for (u32 r = 0; r < NUM_RANKS; r++) {
-          if (((mask >> r) & 1u) == 0u || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
+        for (u32 k = 0; k < NUM_SOURCES; k++) {
+          if (!sending[k] || (HT_EXPERIMENT & HT_EXP_NO_REMOTE_PAYLOAD) != 0) continue;
 #pragma unroll
           for (u32 u = 0; u < UNROLL; u++) {
             const u32 i = (round * UNROLL + u) * WARP_SIZE + lane;
-            if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out[r]) + i, v[r][u]);
+            if (i < PAYLOAD_VECS) ptx::st_na_v4(reinterpret_cast<u32x4*>(out[k]) + i, v[k][u]);
           }
         }
       }
       if (TOPK > 0 && lane < TOPK) {
 #pragma unroll
-        for (u32 r = 0; r < NUM_RANKS; r++)
-          if (((mask >> r) & 1u) != 0u)
-            reinterpret_cast<u32*>(out[r] + PAYLOAD_BYTES)[lane] = weight_bits[r];
+        for (u32 k = 0; k < NUM_SOURCES; k++)
+          if (sending[k]) reinterpret_cast<u32*>(out[k] + PAYLOAD_BYTES)[lane] = weight_bits[k];
       }
       if (active) chunk.next++;
     }
