@@ -269,3 +269,102 @@ __device__ __forceinline__ bool ht_wait_consumed(u64 ctrl_me, u32 consumed_offse
   __syncwarp();
   return ok;
 }
+
+// ------------------------------------------------------------------------------- the senders' releaser warp
+// With HT_RELEASER (a JIT constant of ht_dispatch and ht_combine), the last warp of every sender block stores
+// the row flags for the block's other warps, so that no warp that stores rows waits for their NVLink
+// acknowledgements: over NVLink the senders' own fences cost ~10 µs of a call (docs/perf-notes.md, item 3).
+//   - A sender warp posts a batch (lane r: the slots [first, end) it filled at destination r) with a CTA-scope
+//     release by every lane, each to its own word: a fence orders only its own thread's writes.
+//   - Releaser lane l acquires sender lane l's word; then every releaser lane fences at system scope, which
+//     orders what its acquire observed (cumulativity) before the flags that lane r then stores.
+//   - One fence covers every batch posted since the last. A sender posts its next batch once the flags of
+//     the one before are out, so that a warp needs one slot range per destination.
+constexpr u32 HT_RELEASE_OPEN = 0xffffffffu;
+template <u32 SENDERS>
+struct HtReleaseBox {
+  u32 posted[SENDERS][WARP_SIZE];  // batches lane l of sender warp w posted
+  u32 released[SENDERS];           // batches of w whose flags are out (the releaser's lane 0 writes it)
+  u32 final_posts[SENDERS];        // w's batch count once w is done; HT_RELEASE_OPEN before
+  i32 first[SENDERS][MAX_RANKS];   // the pending batch's slots [first, end) per destination
+  i32 end[SENDERS][MAX_RANKS];
+};
+static_assert(WARP_SIZE <= 32, "a ready mask is one word");
+
+// Every thread of a sender block, before any warp posts.
+template <u32 SENDERS>
+__device__ __forceinline__ void ht_release_box_init(HtReleaseBox<SENDERS>& box) {
+  for (u32 i = threadIdx.x; i < SENDERS * WARP_SIZE; i += blockDim.x) (&box.posted[0][0])[i] = 0u;
+  for (u32 i = threadIdx.x; i < SENDERS; i += blockDim.x) {
+    box.released[i] = 0u;
+    box.final_posts[i] = HT_RELEASE_OPEN;
+  }
+  __syncthreads();
+}
+
+// Sender warp w posts a batch (lane r < MAX_RANKS: slots [first, end) at r; first == end for no row).
+// `posts` counts w's batches. False on every lane once a fatal error was raised or the wait timed out.
+template <u32 SENDERS>
+__device__ __forceinline__ bool ht_post_batch(HtReleaseBox<SENDERS>& box, u32 w, u32& posts, i32 first, i32 end, const Deadline& d) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+  bool ok = true;
+  if (lane == 0) ok = spin_until([&]() { return ptx::ld_acquire_cta(&box.released[w]) == posts; }, d, NO_PEER);
+  if (!__shfl_sync(FULL_WARP_MASK, ok, 0)) return false;
+  if (lane < MAX_RANKS) {
+    box.first[w][lane] = first;
+    box.end[w][lane] = end;
+  }
+  posts++;
+  ptx::st_release_cta(&box.posted[w][lane], posts);
+  return true;
+}
+
+// Sender warp w has posted its last batch (`posts` in all), on every path out of its work.
+template <u32 SENDERS>
+__device__ __forceinline__ void ht_sender_done(HtReleaseBox<SENDERS>& box, u32 w, u32 posts) {
+  __syncwarp();
+  if (threadIdx.x % WARP_SIZE == 0) ptx::st_release_cta(&box.final_posts[w], posts);
+}
+
+// The releaser warp, until every sender warp of its block is done and released, or a fatal error was raised.
+// Lane r (r < num_ranks, r != me) stores the epoch into flags_of(r)[slot] for the slots posted for r.
+template <u32 SENDERS, typename FlagsOf>
+__device__ __forceinline__ void ht_release_loop(HtReleaseBox<SENDERS>& box, u32 me, u32 num_ranks, u32 epoch, FlagsOf flags_of,
+                                                const Deadline& d) {
+  const u32 lane = threadIdx.x % WARP_SIZE;
+  const bool dest_lane = lane < num_ranks && lane != me;
+  u32* flags = dest_lane ? flags_of(lane) : nullptr;
+  u32 idle = 0;
+  while (true) {
+    u32 ready = 0;
+    bool open = false;
+#pragma unroll 1
+    for (u32 w = 0; w < SENDERS; w++) {
+      const u32 released = box.released[w];
+      if (__all_sync(FULL_WARP_MASK, ptx::ld_acquire_cta(&box.posted[w][lane]) != released))
+        ready |= 1u << w;
+      else
+        open = open || ptx::ld_acquire_cta(&box.final_posts[w]) != released;
+    }
+    if (ready == 0u) {
+      if (!__any_sync(FULL_WARP_MASK, open)) return;
+      if (++idle % DEADLINE_POLL_SPINS == 0 && __any_sync(FULL_WARP_MASK, error_raised(d))) return;
+      continue;
+    }
+    ptx::fence_acq_rel_sys();
+    __syncwarp();
+    if (dest_lane) {
+      for (u32 todo = ready; todo != 0u; todo &= todo - 1) {
+        const u32 w = __ffs(todo) - 1;
+        for (i32 slot = box.first[w][lane]; slot < box.end[w][lane]; slot++) ptx::st_relaxed_sys(flags + (u32)slot, epoch);
+      }
+    }
+    __syncwarp();
+    if (lane == 0)
+      for (u32 todo = ready; todo != 0u; todo &= todo - 1) {
+        const u32 w = __ffs(todo) - 1;
+        ptx::st_release_cta(&box.released[w], box.released[w] + 1);
+      }
+    __syncwarp();
+  }
+}

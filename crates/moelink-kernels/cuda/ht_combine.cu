@@ -9,6 +9,7 @@
 //   COMBINE_WARPS                     warps per block (every block sends or reduces, never both)
 //   MAX_UNROLL                        16-byte vectors a sender lane keeps in flight per copy round
 //   RELEASE_BATCH                     rows per source a sender warp writes before one fence releases them
+//   HT_RELEASER                       1: the last warp of each sender block releases the others' rows (ht.cuh)
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)
 //   NUM_BIASES                        biases the call adds (0, 1 or 2): bias0, bias1 are non-null exactly then
@@ -17,7 +18,7 @@
 #include "ht.cuh"
 
 #if !defined(NUM_RANKS) || !defined(HIDDEN) || !defined(TOPK) || !defined(COMBINE_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(RELEASE_BATCH) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(NUM_BIASES) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
+    !defined(RELEASE_BATCH) || !defined(HT_RELEASER) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(NUM_BIASES) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
 #error "ht_combine.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_RANKS >= 1 && NUM_RANKS <= MAX_RANKS, "ranks");
@@ -33,6 +34,8 @@ static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are who
 static_assert(ROW_BYTES == (PAYLOAD_BYTES + WEIGHT_BYTES + HT_ROW_ALIGN - 1) / HT_ROW_ALIGN * HT_ROW_ALIGN,
               "slab row differs from moelink_kernels::ht::combine_row_bytes");
 constexpr u32 THREADS = COMBINE_WARPS * WARP_SIZE;
+constexpr u32 SENDER_WARPS = HT_RELEASER ? COMBINE_WARPS - 1 : COMBINE_WARPS;  // per sender block
+static_assert(SENDER_WARPS >= 1 && SENDER_WARPS <= 32, "a releaser's ready mask is one word");
 constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 // Sender: one step sends a row to every pending source (the NUM_SOURCES other ranks), in ROUNDS rounds; a
 // round loads UNROLL vectors per lane of every source's row before storing any (all sources' loads in flight
@@ -138,7 +141,8 @@ __device__ __forceinline__ void tree_sum_bf16x8(float (&acc)[BF16_PER_VEC], cons
 // of the batch (one fence per batch, not per row: a fence waits for the warp's NVLink stores to be
 // acknowledged); then sources whose chunk is done move to their next one. A row past num_x_rows (no-sync
 // overflow) goes back as zeros.
-__device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+__device__ __forceinline__ void send_rows(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps,
+                                          HtReleaseBox<SENDER_WARPS>& box, u32& posts) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank;
   const i32* routing = reinterpret_cast<const i32*>(a.routing);
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_COMBINE_CONSUMED, me, NUM_RANKS, epoch, d)) return;
@@ -233,13 +237,17 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     }
     const bool chunk_done = !__any_sync(FULL_WARP_MASK, chunk.next < chunk.end);
     const u32 q_next = counter != nullptr && chunk_done ? ht_grab_chunk(counter) : 0u;
-    // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
-    __syncwarp();
-    ptx::fence_acq_rel_sys();
-    __syncwarp();
-    if (lane < NUM_RANKS && lane != me) {
-      u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
-      for (u32 row = batch_first; row < chunk.next; row++) ptx::st_relaxed_sys(flags + row, epoch);
+    if (HT_RELEASER) {
+      if (!ht_post_batch(box, threadIdx.x / WARP_SIZE, posts, peer_lane ? (i32)batch_first : 0, peer_lane ? (i32)chunk.next : 0, d)) break;
+    } else {
+      // Every lane fences its own row stores before the flag lanes publish (see ht_dispatch.cu).
+      __syncwarp();
+      ptx::fence_acq_rel_sys();
+      __syncwarp();
+      if (lane < NUM_RANKS && lane != me) {
+        u32* flags = reinterpret_cast<u32*>(a.data[lane] + a.flags_offset) + (u64)me * a.flag_slots;
+        for (u32 row = batch_first; row < chunk.next; row++) ptx::st_relaxed_sys(flags + row, epoch);
+      }
     }
     if (counter == nullptr) {
       ht_next_chunk(chunk, count, a.send_chunk, num_warps);
@@ -249,6 +257,30 @@ __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const De
     }
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
+}
+
+// A sender block's warps: with HT_RELEASER its last warp releases the others' batches (ht_release_loop) and
+// the senders are numbered without it.
+__device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  __shared__ HtReleaseBox<SENDER_WARPS> box;
+  u32 posts = 0;
+  if (!HT_RELEASER) {
+    send_rows(a, epoch, d, warp_id, num_warps, box, posts);
+    return;
+  }
+  const u32 block_warp = threadIdx.x / WARP_SIZE;
+  ht_release_box_init(box);
+  if (block_warp == SENDER_WARPS) {
+    const u32 me = a.rank;
+    auto flags_of = [&](u32 r) { return reinterpret_cast<u32*>(a.data[r] + a.flags_offset) + (u64)me * a.flag_slots; };
+    const u32 trace_warp = 2 * block_warp;
+    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
+    ht_release_loop(box, me, NUM_RANKS, epoch, flags_of, d);
+    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
+    return;
+  }
+  send_rows(a, epoch, d, warp_id / COMBINE_WARPS * SENDER_WARPS + block_warp, num_warps / COMBINE_WARPS * SENDER_WARPS, box, posts);
+  ht_sender_done(box, block_warp, posts);
 }
 
 // Reducer warp `warp_id` of `num_warps` (source side): its chunks of recv_chunk tokens of this rank

@@ -8,13 +8,15 @@
 //   DISPATCH_WARPS                    warps per block (every block sends or receives, never both)
 //   MAX_UNROLL                        16-byte vectors a lane keeps in flight per copy round
 //   RELEASE_BATCH                     tokens a sender warp writes before one fence releases them all
+//   HT_RELEASER                       1: the last warp of each sender block releases the others' rows (ht.cuh)
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::dispatch_row_bytes)
 //   MOELINK_SIZEOF_HT_DISPATCH_ARGS   sizeof(moelink_kernels::ht::HtDispatchArgs)
 #include "ht.cuh"
 
 #if !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(DISPATCH_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(RELEASE_BATCH) || !defined(HT_EXPERIMENT) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
+    !defined(RELEASE_BATCH) || !defined(HT_RELEASER) || !defined(HT_EXPERIMENT) || !defined(ROW_BYTES) ||                   \
+    !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
 #error "ht_dispatch.cu needs every JIT constant listed at the top of the file"
 #endif
 
@@ -43,6 +45,8 @@ constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
 constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
 static_assert(ROUNDS * UNROLL * WARP_SIZE >= PAYLOAD_VECS && UNROLL <= MAX_UNROLL, "copy rounds cover the row");
 static_assert(RELEASE_BATCH >= 1, "a sender releases at least one token per fence");
+constexpr u32 SENDER_WARPS = HT_RELEASER ? DISPATCH_WARPS - 1 : DISPATCH_WARPS;  // per sender block
+static_assert(SENDER_WARPS >= 1 && SENDER_WARPS <= 32, "a releaser's ready mask is one word");
 
 // Kernel argument (by value). Must match moelink_kernels::ht::HtDispatchArgs byte for byte.
 struct HtDispatchArgs {
@@ -319,7 +323,8 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 //   __syncwarp, then lane r < R st.relaxed.sys's the
 //   dispatch epoch into row flag [me][slot] of remote destination r for each slot the batch filled there
 //   (consecutive: the batch's tokens are).
-__device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+__device__ __forceinline__ void send_rows(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps,
+                                          HtReleaseBox<SENDER_WARPS>& box, u32& posts) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
   const i32* prefix = reinterpret_cast<const i32*>(a.routing) + HT_RT_PREFIX;
   if (!ht_wait_consumed(a.ctrl[me], HT_CTRL_DISPATCH_CONSUMED, me, num_ranks, epoch, d)) return;
@@ -379,6 +384,10 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
       // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
       // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
       // vectors by the soak on 4xH200), then lane r publishes the flags of the batch's rows for r.
+      if (HT_RELEASER) {
+        if (!ht_post_batch(box, threadIdx.x / WARP_SIZE, posts, peer_lane ? batch_first_slot : 0, peer_lane ? slot_next : 0, d)) return;
+        continue;
+      }
       __syncwarp();
       ptx::fence_acq_rel_sys();
       __syncwarp();
@@ -392,6 +401,30 @@ __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const D
     chunk_p1 = following_p1;
   }
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
+}
+
+// A sender block's warps: with HT_RELEASER its last warp releases the others' batches (ht_release_loop) and
+// the senders are numbered without it.
+__device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  __shared__ HtReleaseBox<SENDER_WARPS> box;
+  u32 posts = 0;
+  if (!HT_RELEASER) {
+    send_rows(a, epoch, d, warp_id, num_warps, box, posts);
+    return;
+  }
+  const u32 block_warp = threadIdx.x / WARP_SIZE;
+  ht_release_box_init(box);
+  if (block_warp == SENDER_WARPS) {
+    const u32 me = a.rank;
+    auto flags_of = [&](u32 r) { return reinterpret_cast<u32*>(a.data[r] + a.flags_offset) + (u64)me * a.flag_slots; };
+    const u32 trace_warp = 2 * block_warp;
+    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
+    ht_release_loop(box, me, a.num_ranks, epoch, flags_of, d);
+    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
+    return;
+  }
+  send_rows(a, epoch, d, warp_id / DISPATCH_WARPS * SENDER_WARPS + block_warp, num_warps / DISPATCH_WARPS * SENDER_WARPS, box, posts);
+  ht_sender_done(box, block_warp, posts);
 }
 
 // The last block: the senders' and receivers' counts checked (check_expert_counts; counted by

@@ -215,6 +215,15 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+// Scope .cta, generic addresses (shared memory): hand-offs between the warps of one block.
+__device__ __forceinline__ u32 ld_acquire_cta(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.cta.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_cta(u32* p, u32 v) { asm volatile("st.release.cta.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
+
 // ============================================================================================ 16-byte accesses
 
 // Streamed read: non-coherent path, no L1 allocation, 256-byte L2 prefetch. Only for data no kernel writes

@@ -53,6 +53,11 @@ __device__ __forceinline__ u64 atom_cas_relaxed_gpu_u64(u64* p, u64 expected, u6
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 __device__ __forceinline__ void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+__device__ __forceinline__ u32 ld_acquire_cta(const u32* p) {
+  emu::yield();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+__device__ __forceinline__ void st_release_cta(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 __device__ __forceinline__ u32x4 ld_nc_na_v4(const u32x4* p) {
   u32x4 v;

@@ -515,6 +515,8 @@ pub struct HtDispatchVariant {
     pub topk: usize,
     /// Tokens a sender warp writes before one fence releases them (see ht_dispatch.cu).
     pub release_batch: u32,
+    /// The last warp of each sender block releases the other warps' rows (`HT_RELEASER`, ht.cuh).
+    pub releaser: bool,
     /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1, 2 and 8).
     pub experiment: u32,
 }
@@ -523,6 +525,10 @@ pub struct HtDispatchVariant {
 /// fence waits until the warp's NVLink stores are acknowledged, so one per row leaves each warp idle for a
 /// round trip per row; a batch amortises it, at the cost of the receivers seeing rows later.
 pub const DEFAULT_RELEASE_BATCH: u32 = 4;
+
+/// Whether the last warp of each HT sender block releases the other warps' rows (`HT_RELEASER`, ht.cuh), so
+/// that no storing warp waits at a system-scope fence.
+pub const DEFAULT_RELEASER: bool = false;
 
 /// Work chunks of the HT kernels' warps (`HtCursor` in ht.cuh): every warp takes every n-th chunk, so that
 /// senders and receivers walk the token order together; 0 gives each warp one contiguous part instead.
@@ -537,7 +543,7 @@ pub const DEFAULT_RECV_CHUNK: u32 = 1;
 impl HtDispatchVariant {
     /// The variant with the default release batch.
     pub fn new(hidden: usize, fp8: bool, topk: usize) -> Self {
-        Self { hidden, fp8, topk, release_batch: DEFAULT_RELEASE_BATCH, experiment: 0 }
+        Self { hidden, fp8, topk, release_batch: DEFAULT_RELEASE_BATCH, releaser: DEFAULT_RELEASER, experiment: 0 }
     }
 
     /// Warps per block.
@@ -558,11 +564,12 @@ impl HtDispatchVariant {
         KernelSpec {
             family: Family::HtDispatch,
             variant: format!(
-                "ht_dispatch[h{},{},k{},b{},x{}]",
+                "ht_dispatch[h{},{},k{},b{},e{},x{}]",
                 self.hidden,
                 if self.fp8 { "fp8" } else { "bf16" },
                 self.topk,
                 self.release_batch,
+                self.releaser as u32,
                 self.experiment
             ),
             defines: vec![
@@ -573,6 +580,7 @@ impl HtDispatchVariant {
                 define("DISPATCH_WARPS", Self::WARPS),
                 define("MAX_UNROLL", Self::MAX_UNROLL),
                 define("RELEASE_BATCH", self.release_batch),
+                define("HT_RELEASER", self.releaser as u32),
                 define("HT_EXPERIMENT", self.experiment),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>()),
@@ -590,6 +598,8 @@ pub struct HtCombineVariant {
     pub topk: usize,
     /// Rows per source a sender warp writes before one fence releases them (see ht_combine.cu).
     pub release_batch: u32,
+    /// The last warp of each sender block releases the other warps' rows (`HT_RELEASER`, ht.cuh).
+    pub releaser: bool,
     /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1 and 2).
     pub experiment: u32,
     /// 16-byte vectors a reducer lane keeps in flight per round (spread over ranks and biases).
@@ -606,6 +616,7 @@ impl HtCombineVariant {
             hidden,
             topk,
             release_batch: DEFAULT_RELEASE_BATCH,
+            releaser: DEFAULT_RELEASER,
             experiment: 0,
             reduce_load_vecs: Self::REDUCE_LOAD_VECS,
             num_biases: 0,
@@ -632,8 +643,15 @@ impl HtCombineVariant {
         KernelSpec {
             family: Family::HtCombine,
             variant: format!(
-                "ht_combine[r{},h{},k{},n{},b{},x{},l{}]",
-                self.num_ranks, self.hidden, self.topk, self.num_biases, self.release_batch, self.experiment, self.reduce_load_vecs
+                "ht_combine[r{},h{},k{},n{},b{},e{},x{},l{}]",
+                self.num_ranks,
+                self.hidden,
+                self.topk,
+                self.num_biases,
+                self.release_batch,
+                self.releaser as u32,
+                self.experiment,
+                self.reduce_load_vecs
             ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
@@ -643,6 +661,7 @@ impl HtCombineVariant {
                 define("COMBINE_WARPS", Self::WARPS),
                 define("MAX_UNROLL", Self::MAX_UNROLL),
                 define("RELEASE_BATCH", self.release_batch),
+                define("HT_RELEASER", self.releaser as u32),
                 define("HT_EXPERIMENT", self.experiment),
                 define("REDUCE_LOAD_VECS", self.reduce_load_vecs),
                 define("NUM_BIASES", self.num_biases),
@@ -690,6 +709,17 @@ pub fn variants() -> Vec<KernelSpec> {
     for (num_ranks, num_biases) in [(4, 1), (4, 2), (8, 2)] {
         v.push(HtCombineVariant { num_biases, ..HtCombineVariant::new(num_ranks, 7168, 8) }.spec());
     }
+    // The releaser warp, both ways, at DeepEP's shapes.
+    for releaser in [false, true] {
+        for (fp8, topk) in [(false, 8), (true, 8), (true, 0)] {
+            v.push(HtDispatchVariant { releaser, ..HtDispatchVariant::new(7168, fp8, topk) }.spec());
+        }
+        for num_ranks in [2, 8] {
+            v.push(HtCombineVariant { releaser, ..HtCombineVariant::new(num_ranks, 7168, 8) }.spec());
+        }
+    }
+    v.sort_by(|a, b| a.variant.cmp(&b.variant));
+    v.dedup_by(|a, b| a.variant == b.variant);
     v
 }
 

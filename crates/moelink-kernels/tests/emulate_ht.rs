@@ -45,6 +45,8 @@ struct EmuCase {
     dynamic_send: bool,
     /// The dispatch's per-expert tallies a block keeps in shared memory (fewer than the experts: global atomics).
     tally_slots: usize,
+    /// A warp of each sender block releases the others' rows (`HT_RELEASER`).
+    releaser: bool,
 }
 
 const HT: &str = include_str!("../cuda/ht.cuh");
@@ -98,6 +100,7 @@ fn assemble(c: &EmuCase) -> String {
             ("DISPATCH_WARPS", warps.clone()),
             ("MAX_UNROLL", c.max_unroll.to_string()),
             ("RELEASE_BATCH", c.release_batch.to_string()),
+            ("HT_RELEASER", (c.releaser as u32).to_string()),
             ("HT_EXPERIMENT", "0".into()),
             ("ROW_BYTES", dispatch_row_bytes(hidden, fp8, topk).to_string()),
             ("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>().to_string()),
@@ -114,6 +117,7 @@ fn assemble(c: &EmuCase) -> String {
             ("COMBINE_WARPS", warps.clone()),
             ("MAX_UNROLL", c.max_unroll.to_string()),
             ("RELEASE_BATCH", c.release_batch.to_string()),
+            ("HT_RELEASER", (c.releaser as u32).to_string()),
             ("HT_EXPERIMENT", "0".into()),
             ("REDUCE_LOAD_VECS", "4".into()),
             ("NUM_BIASES", num_biases.to_string()),
@@ -165,6 +169,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 0,
             dynamic_send: false,
             tally_slots: 2048,
+            releaser: false,
         },
         EmuCase {
             ranks: 4,
@@ -179,6 +184,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 8,
             dynamic_send: true,
             tally_slots: 16,
+            releaser: true,
         },
         EmuCase {
             ranks: 3,
@@ -193,6 +199,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 1,
             dynamic_send: false,
             tally_slots: 2048,
+            releaser: true,
         },
         EmuCase {
             ranks: 1,
@@ -207,6 +214,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 3,
             dynamic_send: true,
             tally_slots: 2048,
+            releaser: false,
         },
         EmuCase {
             ranks: 8,
@@ -221,6 +229,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 2,
             dynamic_send: true,
             tally_slots: 4,
+            releaser: true,
         },
         EmuCase {
             ranks: 2,
@@ -235,6 +244,7 @@ fn ht_kernels_run_on_the_cpu_emulator() {
             recv_chunk: 0,
             dynamic_send: true,
             tally_slots: 2048,
+            releaser: true,
         },
     ];
     let only = std::env::var("MOELINK_EMU_CASE").ok();

@@ -206,6 +206,8 @@ pub struct Tuning {
     pub ht_combine_send_blocks: Option<usize>,
     /// Rows an HT sender warp releases per fence (clamped to 1..=64).
     pub ht_release_batch: Option<u32>,
+    /// The last warp of each HT sender block releases the other warps' rows (`HT_RELEASER`).
+    pub ht_releaser: Option<bool>,
     /// HT combine reducers' 16-byte loads in flight (clamped to 1..=64).
     pub ht_reduce_load_vecs: Option<u32>,
     /// HT sender work chunk (0: one contiguous part per warp; else rounded up to whole release batches).
@@ -229,7 +231,7 @@ pub struct Tuning {
 impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
-    /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
+    /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_RELEASER` (0/1), `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
     /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=15), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
@@ -256,6 +258,10 @@ impl Tuning {
             ht_combine_send_blocks: number(get, "MOELINK_HT_COMBINE_SEND_BLOCKS")?,
             ht_release_batch: number(get, "MOELINK_HT_RELEASE_BATCH")?,
             ht_reduce_load_vecs: number(get, "MOELINK_HT_REDUCE_LOAD_VECS")?,
+            ht_releaser: match get("MOELINK_HT_RELEASER") {
+                None => None,
+                Some(_) => Some(switch(get, "MOELINK_HT_RELEASER")?),
+            },
             ht_send_chunk: number(get, "MOELINK_HT_SEND_CHUNK")?,
             ht_recv_chunk: number(get, "MOELINK_HT_RECV_CHUNK")?,
             ht_dynamic_send: match get("MOELINK_HT_DYNAMIC_SEND") {
@@ -298,6 +304,7 @@ impl Tuning {
             show("ht_combine_send_blocks", self.ht_combine_send_blocks),
             show("ht_release_batch", self.ht_release_batch),
             show("ht_reduce_load_vecs", self.ht_reduce_load_vecs),
+            show("ht_releaser", self.ht_releaser),
             show("ht_send_chunk", self.ht_send_chunk),
             show("ht_recv_chunk", self.ht_recv_chunk),
             show("ht_dynamic_send", self.ht_dynamic_send),

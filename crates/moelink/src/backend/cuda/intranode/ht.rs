@@ -93,6 +93,12 @@ fn release_batch(t: &Tuning) -> u32 {
     t.ht_release_batch.map_or(kht::DEFAULT_RELEASE_BATCH, |n| n.clamp(1, 64))
 }
 
+/// Whether a warp of each sender block releases the others' rows (`moelink_kernels::ht::DEFAULT_RELEASER`;
+/// `Tuning::ht_releaser` overrides).
+fn releaser(t: &Tuning) -> bool {
+    t.ht_releaser.unwrap_or(kht::DEFAULT_RELEASER)
+}
+
 /// Sender work chunk of both HT kernels (`moelink_kernels::ht::HtDispatchArgs::send_chunk`): one release
 /// batch. `Tuning::ht_send_chunk` overrides (0: one contiguous part per warp, the assignment before
 /// interleaving; else rounded up to whole release batches).
@@ -387,6 +393,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     let region = region(b);
     let variant = HtDispatchVariant {
         release_batch: release_batch(&b.tuning),
+        releaser: releaser(&b.tuning),
         experiment: timing_experiment(&b.tuning),
         ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk)
     };
@@ -508,6 +515,7 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
     let variant = HtCombineVariant {
         num_biases: c.num_biases as u32,
         release_batch: release_batch(&b.tuning),
+        releaser: releaser(&b.tuning),
         experiment: timing_experiment(&b.tuning),
         reduce_load_vecs: reduce_load_vecs(&b.tuning),
         ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
