@@ -521,14 +521,30 @@ pub struct HtDispatchVariant {
     pub experiment: u32,
 }
 
-/// Rows a sender warp writes before one `fence.acq_rel.sys` releases them all (HT dispatch and combine). The
-/// fence waits until the warp's NVLink stores are acknowledged, so one per row leaves each warp idle for a
-/// round trip per row; a batch amortises it, at the cost of the receivers seeing rows later.
-pub const DEFAULT_RELEASE_BATCH: u32 = 4;
+/// How an HT sender warp's rows are released: `batch` rows (dispatch: tokens; combine: rows per source) a
+/// release, and whether the last warp of each sender block does it for the others (`HT_RELEASER`, ht.cuh)
+/// or every warp fences its own (`fence.acq_rel.sys`, which waits until the warp's NVLink stores are
+/// acknowledged: one per row leaves each warp idle for a round trip per row; a batch amortises it, at the
+/// cost of the receivers seeing rows later).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtRelease {
+    pub releaser: bool,
+    pub batch: u32,
+}
 
-/// Whether the last warp of each HT sender block releases the other warps' rows (`HT_RELEASER`, ht.cuh), so
-/// that no storing warp waits at a system-scope fence.
-pub const DEFAULT_RELEASER: bool = false;
+/// The dispatch's release. With the releaser, smaller batches no longer stall the senders: BF16 takes it
+/// with batches of 2. FP8 does not (its smaller rows want the larger batch, and the releaser's warp costs
+/// the small calls more than it saves), so FP8 senders fence their own batches of 4.
+pub fn default_dispatch_release(fp8: bool) -> HtRelease {
+    if fp8 {
+        HtRelease { releaser: false, batch: 4 }
+    } else {
+        HtRelease { releaser: true, batch: 2 }
+    }
+}
+
+/// The combine's release: the releaser warp, batches of 2 rows per source.
+pub const DEFAULT_COMBINE_RELEASE: HtRelease = HtRelease { releaser: true, batch: 2 };
 
 /// Work chunks of the HT kernels' warps (`HtCursor` in ht.cuh): every warp takes every n-th chunk, so that
 /// senders and receivers walk the token order together; 0 gives each warp one contiguous part instead.
@@ -541,9 +557,10 @@ pub const DEFAULT_RELEASER: bool = false;
 pub const DEFAULT_RECV_CHUNK: u32 = 1;
 
 impl HtDispatchVariant {
-    /// The variant with the default release batch.
+    /// The variant with the default release (`default_dispatch_release`).
     pub fn new(hidden: usize, fp8: bool, topk: usize) -> Self {
-        Self { hidden, fp8, topk, release_batch: DEFAULT_RELEASE_BATCH, releaser: DEFAULT_RELEASER, experiment: 0 }
+        let release = default_dispatch_release(fp8);
+        Self { hidden, fp8, topk, release_batch: release.batch, releaser: release.releaser, experiment: 0 }
     }
 
     /// Warps per block.
@@ -609,14 +626,14 @@ pub struct HtCombineVariant {
 }
 
 impl HtCombineVariant {
-    /// The variant with the default release batch.
+    /// The variant with the default release (`DEFAULT_COMBINE_RELEASE`).
     pub fn new(num_ranks: usize, hidden: usize, topk: usize) -> Self {
         Self {
             num_ranks,
             hidden,
             topk,
-            release_batch: DEFAULT_RELEASE_BATCH,
-            releaser: DEFAULT_RELEASER,
+            release_batch: DEFAULT_COMBINE_RELEASE.batch,
+            releaser: DEFAULT_COMBINE_RELEASE.releaser,
             experiment: 0,
             reduce_load_vecs: Self::REDUCE_LOAD_VECS,
             num_biases: 0,

@@ -87,16 +87,14 @@ fn combine_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
     send_blocks(t.ht_combine_send_blocks, num_sms, num_ranks, || default_send_blocks(num_sms))
 }
 
-/// Rows a sender warp releases per fence (`moelink_kernels::ht::DEFAULT_RELEASE_BATCH`;
-/// `Tuning::ht_release_batch` overrides, clamped to 1..=64).
-fn release_batch(t: &Tuning) -> u32 {
-    t.ht_release_batch.map_or(kht::DEFAULT_RELEASE_BATCH, |n| n.clamp(1, 64))
-}
-
-/// Whether a warp of each sender block releases the others' rows (`moelink_kernels::ht::DEFAULT_RELEASER`;
-/// `Tuning::ht_releaser` overrides).
-fn releaser(t: &Tuning) -> bool {
-    t.ht_releaser.unwrap_or(kht::DEFAULT_RELEASER)
+/// How the senders release their rows: the kernel's default (`moelink_kernels::ht::default_dispatch_release`,
+/// `DEFAULT_COMBINE_RELEASE`), with `Tuning::ht_release_batch` (clamped to 1..=64) and `Tuning::ht_releaser`
+/// overriding.
+fn release(t: &Tuning, default: kht::HtRelease) -> kht::HtRelease {
+    kht::HtRelease {
+        releaser: t.ht_releaser.unwrap_or(default.releaser),
+        batch: t.ht_release_batch.map_or(default.batch, |n| n.clamp(1, 64)),
+    }
 }
 
 /// Sender work chunk of both HT kernels (`moelink_kernels::ht::HtDispatchArgs::send_chunk`): one release
@@ -391,9 +389,10 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     let state = plan.state.take::<CudaPlan>("plan", rank, INTRANODE)?;
     let addrs = dispatch_addrs(b, &s, a, &out)?;
     let region = region(b);
+    let release = release(&b.tuning, kht::default_dispatch_release(s.fp8));
     let variant = HtDispatchVariant {
-        release_batch: release_batch(&b.tuning),
-        releaser: releaser(&b.tuning),
+        release_batch: release.batch,
+        releaser: release.releaser,
         experiment: timing_experiment(&b.tuning),
         ..HtDispatchVariant::new(s.hidden, s.fp8, s.topk)
     };
@@ -512,10 +511,11 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
     let c = combine_addrs(b, rank, a, &out)?;
+    let release = release(&b.tuning, kht::DEFAULT_COMBINE_RELEASE);
     let variant = HtCombineVariant {
         num_biases: c.num_biases as u32,
-        release_batch: release_batch(&b.tuning),
-        releaser: releaser(&b.tuning),
+        release_batch: release.batch,
+        releaser: release.releaser,
         experiment: timing_experiment(&b.tuning),
         reduce_load_vecs: reduce_load_vecs(&b.tuning),
         ..HtCombineVariant::new(s.num_ranks, s.hidden, s.topk)
@@ -591,8 +591,8 @@ mod tests {
     fn tuning_overrides_are_clamped_where_they_are_used() {
         let d = Tuning::default();
         assert_eq!(
-            (release_batch(&d), recv_chunk(&d), reduce_load_vecs(&d)),
-            (kht::DEFAULT_RELEASE_BATCH, kht::DEFAULT_RECV_CHUNK, HtCombineVariant::REDUCE_LOAD_VECS)
+            (release(&d, kht::DEFAULT_COMBINE_RELEASE), recv_chunk(&d), reduce_load_vecs(&d)),
+            (kht::DEFAULT_COMBINE_RELEASE, kht::DEFAULT_RECV_CHUNK, HtCombineVariant::REDUCE_LOAD_VECS)
         );
         assert_eq!((send_chunk(&d, 4), dynamic_send(&d, 4), timing_experiment(&d)), (4, 1, 0));
         let t = Tuning {
@@ -606,7 +606,9 @@ mod tests {
             ..d
         };
         assert_eq!((dispatch_send_blocks(&t, 24, 2), combine_send_blocks(&t, 24, 2)), (23, 1));
-        assert_eq!((release_batch(&t), send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
+        assert_eq!((release(&t, kht::default_dispatch_release(true)).batch, send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
+        let off = Tuning { ht_releaser: Some(false), ..Tuning::default() };
+        assert_eq!(release(&off, kht::DEFAULT_COMBINE_RELEASE), kht::HtRelease { releaser: false, batch: 2 });
         assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 15));
         assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
     }
