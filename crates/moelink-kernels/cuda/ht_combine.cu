@@ -136,10 +136,11 @@ __device__ __forceinline__ void tree_sum_bf16x8(float (&acc)[BF16_PER_VEC], cons
 // [0, cnt_s)); cnt_s = recv_count[s]; row j is x[recv_offset[s] + j] — go
 // back to s's combine slab row [me][j] with their top-k weights. First waits until every peer consumed the
 // previous combine. Each step sends the next row of every source whose chunk is not done (lane s holds s's
-// cursor); after RELEASE_BATCH steps or at the end of the chunks: __syncwarp, fence.acq_rel.sys by every
-// lane, __syncwarp, and lane s st.relaxed.sys's the combine epoch into row flag [me][j] of s for each row j
-// of the batch (one fence per batch, not per row: a fence waits for the warp's NVLink stores to be
-// acknowledged); then sources whose chunk is done move to their next one. A row past num_x_rows (no-sync
+// cursor); after RELEASE_BATCH steps or at the end of the chunks the batch is released — row flag [me][j]
+// of s = the combine epoch for each row j of the batch: with HT_RELEASER posted to the block's releaser
+// warp (ht_post_batch), else __syncwarp, fence.acq_rel.sys by every lane, __syncwarp, and lane s
+// st.relaxed.sys's the flags (one fence per batch, not per row: a fence waits for the warp's NVLink stores
+// to be acknowledged); then sources whose chunk is done move to their next one. A row past num_x_rows (no-sync
 // overflow) goes back as zeros.
 __device__ __forceinline__ void send_rows(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps,
                                           HtReleaseBox<SENDER_WARPS>& box, u32& posts) {

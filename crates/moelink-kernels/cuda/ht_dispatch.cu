@@ -317,12 +317,12 @@ __device__ __forceinline__ void send_token(const HtDispatchArgs& a, const Deadli
 //   chunk's first pair during this chunk's last fence), so that no token waits for its prefix row; with send_head,
 //   stores the token's slot there (-1 where it does not go to r); send_token, on the token stage_token loaded
 //   (each token is staged right after the one before it is stored).
-//   Release, once per RELEASE_BATCH tokens of a chunk (a fence waits until the warp's NVLink stores are
-//   acknowledged; one per token left each warp idle for a round trip per row): __syncwarp, every lane
-//   executes fence.acq_rel.sys (one warp instruction; the next batch's first token is staged before it),
-//   __syncwarp, then lane r < R st.relaxed.sys's the
-//   dispatch epoch into row flag [me][slot] of remote destination r for each slot the batch filled there
-//   (consecutive: the batch's tokens are).
+//   Release, once per RELEASE_BATCH tokens of a chunk, of row flag [me][slot] of remote destination r for each
+//   slot the batch filled there (consecutive: the batch's tokens are), value the dispatch epoch: with
+//   HT_RELEASER the batch is posted to the block's releaser warp (ht_post_batch); else the warp fences itself
+//   (a fence waits until the warp's NVLink stores are acknowledged; one per token left each warp idle for a
+//   round trip per row): __syncwarp, every lane executes fence.acq_rel.sys (one warp instruction; the next
+//   batch's first token is staged before it), __syncwarp, then lane r < R st.relaxed.sys's the flags.
 __device__ __forceinline__ void send_rows(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps,
                                           HtReleaseBox<SENDER_WARPS>& box, u32& posts) {
   const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, num_ranks = a.num_ranks;
