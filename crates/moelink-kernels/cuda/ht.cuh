@@ -368,3 +368,31 @@ __device__ __forceinline__ void ht_release_loop(HtReleaseBox<SENDERS>& box, u32 
     __syncwarp();
   }
 }
+
+// The senders of one block of ht_dispatch / ht_combine (WARPS warps, SENDERS of them send). With RELEASER
+// the last warp runs ht_release_loop for the others, and send_rows(box, warp, warps, posts) numbers the
+// senders without it; every sender posts its batches and then says it is done.
+template <u32 WARPS, u32 SENDERS, u32 TRACE_WORDS, bool RELEASER, typename Args, typename SendRows>
+__device__ __forceinline__ void ht_send_block(const Args& a, u32 num_ranks, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps,
+                                              SendRows send_rows) {
+  static_assert(SENDERS == (RELEASER ? WARPS - 1 : WARPS), "the releaser is one of the block's warps");
+  __shared__ HtReleaseBox<SENDERS> box;
+  u32 posts = 0;
+  if (!RELEASER) {
+    send_rows(box, warp_id, num_warps, posts);
+    return;
+  }
+  const u32 block_warp = threadIdx.x / WARP_SIZE;
+  ht_release_box_init(box);
+  if (block_warp == SENDERS) {
+    const u32 me = a.rank;
+    auto flags_of = [&](u32 r) { return reinterpret_cast<u32*>(a.data[r] + a.flags_offset) + (u64)me * a.flag_slots; };
+    const u32 trace_warp = 2 * block_warp;
+    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
+    ht_release_loop(box, me, num_ranks, epoch, flags_of, d);
+    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
+    return;
+  }
+  send_rows(box, warp_id / WARPS * SENDERS + block_warp, num_warps / WARPS * SENDERS, posts);
+  ht_sender_done(box, block_warp, posts);
+}

@@ -260,28 +260,11 @@ __device__ __forceinline__ void send_rows(const HtCombineArgs& a, u32 epoch, con
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// A sender block's warps: with HT_RELEASER its last warp releases the others' batches (ht_release_loop) and
-// the senders are numbered without it.
+// A sender block's warps (ht_send_block).
 __device__ __forceinline__ void send(const HtCombineArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
-  __shared__ HtReleaseBox<SENDER_WARPS> box;
-  u32 posts = 0;
-  if (!HT_RELEASER) {
-    send_rows(a, epoch, d, warp_id, num_warps, box, posts);
-    return;
-  }
-  const u32 block_warp = threadIdx.x / WARP_SIZE;
-  ht_release_box_init(box);
-  if (block_warp == SENDER_WARPS) {
-    const u32 me = a.rank;
-    auto flags_of = [&](u32 r) { return reinterpret_cast<u32*>(a.data[r] + a.flags_offset) + (u64)me * a.flag_slots; };
-    const u32 trace_warp = 2 * block_warp;
-    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
-    ht_release_loop(box, me, NUM_RANKS, epoch, flags_of, d);
-    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
-    return;
-  }
-  send_rows(a, epoch, d, warp_id / COMBINE_WARPS * SENDER_WARPS + block_warp, num_warps / COMBINE_WARPS * SENDER_WARPS, box, posts);
-  ht_sender_done(box, block_warp, posts);
+  ht_send_block<COMBINE_WARPS, SENDER_WARPS, TRACE_WORDS, HT_RELEASER != 0>(
+      a, NUM_RANKS, epoch, d, warp_id, num_warps,
+      [&](HtReleaseBox<SENDER_WARPS>& box, u32 w, u32 n, u32& posts) { send_rows(a, epoch, d, w, n, box, posts); });
 }
 
 // Reducer warp `warp_id` of `num_warps` (source side): its chunks of recv_chunk tokens of this rank

@@ -403,28 +403,11 @@ __device__ __forceinline__ void send_rows(const HtDispatchArgs& a, u32 epoch, co
   if (lane == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
 }
 
-// A sender block's warps: with HT_RELEASER its last warp releases the others' batches (ht_release_loop) and
-// the senders are numbered without it.
+// A sender block's warps (ht_send_block).
 __device__ __forceinline__ void send(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
-  __shared__ HtReleaseBox<SENDER_WARPS> box;
-  u32 posts = 0;
-  if (!HT_RELEASER) {
-    send_rows(a, epoch, d, warp_id, num_warps, box, posts);
-    return;
-  }
-  const u32 block_warp = threadIdx.x / WARP_SIZE;
-  ht_release_box_init(box);
-  if (block_warp == SENDER_WARPS) {
-    const u32 me = a.rank;
-    auto flags_of = [&](u32 r) { return reinterpret_cast<u32*>(a.data[r] + a.flags_offset) + (u64)me * a.flag_slots; };
-    const u32 trace_warp = 2 * block_warp;
-    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_START + trace_warp);
-    ht_release_loop(box, me, a.num_ranks, epoch, flags_of, d);
-    if (threadIdx.x % WARP_SIZE == 0) ht_trace_stamp(a.trace, TRACE_WORDS, HT_TRACE_WARP_END + trace_warp);
-    return;
-  }
-  send_rows(a, epoch, d, warp_id / DISPATCH_WARPS * SENDER_WARPS + block_warp, num_warps / DISPATCH_WARPS * SENDER_WARPS, box, posts);
-  ht_sender_done(box, block_warp, posts);
+  ht_send_block<DISPATCH_WARPS, SENDER_WARPS, TRACE_WORDS, HT_RELEASER != 0>(
+      a, a.num_ranks, epoch, d, warp_id, num_warps,
+      [&](HtReleaseBox<SENDER_WARPS>& box, u32 w, u32 n, u32& posts) { send_rows(a, epoch, d, w, n, box, posts); });
 }
 
 // The last block: the senders' and receivers' counts checked (check_expert_counts; counted by
