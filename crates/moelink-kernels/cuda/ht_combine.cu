@@ -8,7 +8,7 @@
 //   TOPK                              top-k weights per row to sum (0: none)
 //   COMBINE_WARPS                     warps per block (every block sends or reduces, never both)
 //   MAX_UNROLL                        16-byte vectors a sender lane keeps in flight per copy round
-//   RELEASE_BATCH                     rows per source a sender warp writes before one fence releases them
+//   RELEASE_BATCH                     rows per source a sender warp writes before one release publishes them
 //   HT_RELEASER                       1: the last warp of each sender block releases the others' rows (ht.cuh)
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)

@@ -7,7 +7,7 @@
 //   TOPK                              top-k entries travelling with each token (0: none, e.g. cached dispatch)
 //   DISPATCH_WARPS                    warps per block (every block sends or receives, never both)
 //   MAX_UNROLL                        16-byte vectors a lane keeps in flight per copy round
-//   RELEASE_BATCH                     tokens a sender warp writes before one fence releases them all
+//   RELEASE_BATCH                     tokens a sender warp writes before one release publishes them all
 //   HT_RELEASER                       1: the last warp of each sender block releases the others' rows (ht.cuh)
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::dispatch_row_bytes)
@@ -381,13 +381,13 @@ __device__ __forceinline__ void send_rows(const HtDispatchArgs& a, u32 epoch, co
         stage_token(a, batch_end, lane, staged);
       else if (following.next < following.end)
         stage_token(a, following.next, lane, staged);
-      // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
-      // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
-      // vectors by the soak on 4xH200), then lane r publishes the flags of the batch's rows for r.
       if (HT_RELEASER) {
         if (!ht_post_batch(box, threadIdx.x / WARP_SIZE, posts, peer_lane ? batch_first_slot : 0, peer_lane ? slot_next : 0, d)) return;
         continue;
       }
+      // Every lane fences its own row stores (a fence orders the fencing thread's writes; a single lane's
+      // fence left other lanes' 16-byte stores in flight when the flag landed — seen as stale 16-byte
+      // vectors by the soak on 4xH200), then lane r publishes the flags of the batch's rows for r.
       __syncwarp();
       ptx::fence_acq_rel_sys();
       __syncwarp();

@@ -513,7 +513,7 @@ pub struct HtDispatchVariant {
     pub fp8: bool,
     /// Top-k entries travelling with each token (0: none).
     pub topk: usize,
-    /// Tokens a sender warp writes before one fence releases them (see ht_dispatch.cu).
+    /// Tokens a sender warp writes before one release publishes them (see ht_dispatch.cu).
     pub release_batch: u32,
     /// The last warp of each sender block releases the other warps' rows (`HT_RELEASER`, ht.cuh).
     pub releaser: bool,
@@ -616,7 +616,7 @@ pub struct HtCombineVariant {
     pub hidden: usize,
     /// Top-k weights per row (0: none).
     pub topk: usize,
-    /// Rows per source a sender warp writes before one fence releases them (see ht_combine.cu).
+    /// Rows per source a sender warp writes before one release publishes them (see ht_combine.cu).
     pub release_batch: u32,
     /// The last warp of each sender block releases the other warps' rows (`HT_RELEASER`, ht.cuh).
     pub releaser: bool,
