@@ -340,12 +340,18 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
   }
 }
 
+// A chunk's messages are forwarded in FWD_UNITS units (contiguous shares), each by its own warp: a unit is
+// one warp's serial chain of round trips, so the last chunk of a call, which nothing else overlaps, is
+// forwarded in a quarter of the time a single warp takes for it.
+constexpr u32 FWD_UNITS = 4;
+
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
-// rounds in order, and in each the chunks c with c % P == p (see the top of the file). Lane j < L keeps local
-// rank j's state: the chunk's first slot not yet flagged and how many, the warp's rows to j this round,
-// whether j handed this round's part back. The warps of `an` share, per round, the chunks done, the rows per
-// local rank and the messages of earlier rounds (HtiForward); the one that finishes a round's last chunk
-// ends the round: done words, then the RDMA hand-back. A round's chunks arrive only after the hand-back of
+// rounds in order, and in each the units u with u % P == p (unit u: share u % FWD_UNITS of chunk
+// u / FWD_UNITS; see the top of the file). Lane j < L keeps local rank j's state: the unit's first slot not
+// yet flagged and how many, the warp's rows to j this round, whether j handed this round's part back. The
+// warps of `an` share, per round, the units done, the rows per local rank and the messages of earlier
+// rounds (HtiForward); the one that finishes a round's last unit ends the round: done words, then the RDMA
+// hand-back. A round's chunks arrive only after the hand-back of
 // the round before, which comes after that round's end reset the shared counts: no warp counts into a round
 // that is still ending.
 __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f, u32 an, u32 p, const Deadline& dr, const Deadline& dn) {
@@ -388,19 +394,24 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       }
       return __all_sync(FULL_WARP_MASK, ok);
     };
-    u32 g = 0;  // messages of s before this round (read once this warp has a chunk of it)
-    for (u32 c = p; c < chunks; c += P) {
+    u32 g = 0;  // messages of s before this round (read once this warp has a unit of it)
+    const u32 units = chunks * FWD_UNITS;
+    for (u32 u = p; u < units; u += P) {
+      const u32 c = u / FWD_UNITS, part = u % FWD_UNITS;
       // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
       if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
       if (c > 0 && !warp_wait_u64(chunk_words + c - 1, seq << 32, for_peer(dr, s, f.me), s)) return;
       const u32 trace_chunk = k * ((M + Q - 1) / Q) + c;
-      hti_stamp_fwd(a.trace, an, trace_chunk, 0);
-      const u32 m_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
-      u32 m = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
+      if (part == 0) hti_stamp_fwd(a.trace, an, trace_chunk, 0);
+      const u32 chunk_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
+      const u32 chunk_begin = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
+      // This unit's share of the chunk's messages.
+      u32 m = chunk_begin + (chunk_end - chunk_begin) * part / FWD_UNITS;
+      const u32 m_end = chunk_begin + (chunk_end - chunk_begin) * (part + 1) / FWD_UNITS;
       // The chunk's messages are contiguous: on their way to L2 while the warp reads the first.
       if (lane == 0 && m_end > m)
         ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES), (m_end - m) * MSG_BYTES);
-      if (c == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
+      if (u == p) g = ptx::ld_acquire_gpu(&shared->messages_before[an]);
       for (; m < m_end; m++) {
         const u8* msg = rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES);
         // The header, the slots and the meta words' sources in one round trip, before the payload: a load
@@ -454,18 +465,18 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
         }
         if (__any_sync(FULL_WARP_MASK, pending >= RELEASE_ROWS)) release();
       }
-      // A chunk's rows to j have consecutive slots; the next chunk of this warp does not follow them.
-      hti_stamp_fwd(a.trace, an, trace_chunk, 1);
+      // A unit's rows to j have consecutive slots; the next unit of this warp does not follow them.
+      if (part == 0) hti_stamp_fwd(a.trace, an, trace_chunk, 1);
       release();
-      hti_stamp_fwd(a.trace, an, trace_chunk, 2);
+      if (part == 0) hti_stamp_fwd(a.trace, an, trace_chunk, 2);
       if (lane < RANKS_PER_NODE && rows > 0) atomicAdd(&shared->round_rows[an][lane], rows);
       rows = 0;
       __syncwarp();
       u32 done = 0;
-      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->chunks_done[an], 1u) + 1;
+      if (lane == 0) done = ptx::atom_add_acq_rel_gpu(&shared->units_done[an], 1u) + 1;
       done = __shfl_sync(FULL_WARP_MASK, done, 0);
-      if (done != chunks) continue;
-      // The round's last chunk: every local rank learns the round's row count — once it is past the round
+      if (done != units) continue;
+      // The round's last unit: every local rank learns the round's row count — once it is past the round
       // before, even when this round brought it no row (its done word still holds that round's count until
       // then); then s may reuse its part here.
       if (!wait_handed_back()) return;
@@ -477,7 +488,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       }
       if (lane == 0) {
         shared->messages_before[an] = g + (u32)ptx::ld_relaxed_sys_u64(chunk_words + chunks - 1);
-        shared->chunks_done[an] = 0;
+        shared->units_done[an] = 0;
         ptx::fence_acq_rel_sys();
         const u64 sig = a.at.off_dconsumed + 8ull * f.me_node;
         (void)rdma::signal_thread(a.rdma, an % a.rdma.num_qps, s, sig, hand_back_value(f, k, rounds), SIGNAL_SET, dr);
@@ -688,7 +699,7 @@ __device__ __forceinline__ void receive_split(const HtiDispatchArgs& a, const Fr
 namespace moelink::internode {
 // moelink::internode::dispatch: grid = workers (persistent, cooperative) + the emulated NIC's blocks, block
 //   THREADS. Blocks [0, num_send_blocks) send, the next num_fwd_blocks forward (warp w: source node w % N,
-//   its chunks c with c % P == w / N; never one warp for two source nodes: it could wait for the first while
+//   its units u with u % P == w / N (FWD_UNITS a chunk); never one warp for two source nodes: it could wait for the first while
 //   the second's sender waits for it, so the host gives num_fwd_blocks * HTI_WARPS >= N * P), the rest
 //   receive: several warps per source when there are at least R (receive_split), else one lane per source
 //   (receive; warps >= R / 32). Protocol: the top of this file. reads: x, scales, top-k, routing, own RDMA receive parts and NVLink parts, signals;

@@ -568,7 +568,7 @@ fn protocol_dump(b: &Internode, op: &str, routing_buf: &PooledBuffer, round_toke
         let mx = HTI_MAX_NODES;
         let _ = write!(
             out,
-            "\n  forward: chunks_done {:?} messages_before {:?} round_rows {:?} combine_chunks_done {:?} combine_rounds_back {:?}",
+            "\n  forward: units_done {:?} messages_before {:?} round_rows {:?} combine_chunks_done {:?} combine_rounds_back {:?}",
             &f[..n],
             &f[mx..mx + n],
             (0..n).map(|a| f[2 * mx + 8 * a..2 * mx + 8 * a + l].to_vec()).collect::<Vec<_>>(),
