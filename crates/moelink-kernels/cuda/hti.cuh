@@ -42,9 +42,9 @@
 //                    last one sends the chunk's messages [m0, m1) there with SET (seq << 32 | m1) on its
 //                    chunk word d_chunk[a][chunk] (put_window_signal: one put_signal, or fenced stores and the
 //                    signal; a bare signal for an empty chunk). Data, then its chunk word.
-//   forwarder ((b, l), fwd_per_node warps per source node a, each chunk cut into FWD_UNITS contiguous units
-//                    of its messages, dealt round-robin among them): per unit (its chunk's word and the one
-//                    before give the chunk's messages); each message goes to every rank j
+//   forwarder ((b, l), fwd_per_node warps per source node a, units dealt round-robin among them: a chunk,
+//                    or a contiguous share of one of a round's last chunks): per unit (its chunk's word and
+//                    the one before give the chunk's messages); each message goes to every rank j
 //                    of this node it has a slot at: the row (payload + meta, top-k ids as j's local ids) into
 //                    j's dispatch part [s][slot mod M] over NVLink, after j handed that part back for round k
 //                    - 1 (nvl_consumed[j][a] >= base + k); every RELEASE rows, and at a unit's end, a fence,
@@ -247,7 +247,7 @@ static_assert(sizeof(HtiState) == 64, "HtiState is 64 bytes");
 // forwarders' chunks done; then what the dispatch's receiver warps and sender warps share
 // (moelink_kernels::ht_internode::HTI_STATE_BYTES covers them).
 struct HtiForward {
-  u32 units_done[HTI_MAX_NODES];           // dispatch: the running round's units (FWD_UNITS a chunk) forwarded
+  u32 units_done[HTI_MAX_NODES];           // dispatch: the running round's units (fwd_unit) forwarded
   u32 messages_before[HTI_MAX_NODES];      // dispatch: messages of the rounds before the running one
   u32 round_rows[HTI_MAX_NODES][8];        // dispatch: the running round's rows per local rank
   u32 combine_chunks_done[HTI_MAX_NODES];  // combine: the running round's chunks the forwarders finished
@@ -340,7 +340,7 @@ struct HtiDispatchArgs {
   u32 num_tokens, num_out_rows, fwd_capacity, num_local_experts;
   u32 chunk_tokens;        // Q: tokens per sender chunk (M is a multiple)
   u32 num_send_blocks, num_fwd_blocks;
-  u32 fwd_per_node;        // forwarder warps per source node (warp w: node w % N, units u with u % P == w / N, FWD_UNITS a chunk)
+  u32 fwd_per_node;        // forwarder warps per source node (warp w: node w % N, units u with u % P == w / N)
   u32 host_seq;            // the notify call whose words host_notify holds for this dispatch
   u32 pad;
   u64 trace;               // host-mapped timing trace (HTI_TRACE_*), or 0

@@ -340,14 +340,30 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
   }
 }
 
-// A chunk's messages are forwarded in FWD_UNITS units (contiguous shares), each by its own warp: a unit is
-// one warp's serial chain of round trips, so the last chunk of a call, which nothing else overlaps, is
-// forwarded in a quarter of the time a single warp takes for it.
-constexpr u32 FWD_UNITS = 4;
+// A round's last FWD_TAIL_CHUNKS chunks are forwarded in FWD_UNITS units (contiguous shares of their
+// messages), each by its own warp: a unit is one warp's serial chain of round trips, and the round's end
+// (its hand-back, the call's end) waits for its last chunk, which nothing overlaps. The other chunks stay
+// whole: a unit costs its warp the chunk words' waits, a fence and the round's counters, which over `ptr`,
+// where the forwarders set the pace, made every chunk split in four 31-42 us slower
+// (bench/results/2026-11-30-2xnvidia-h200-7d7fa53-forward-units).
+constexpr u32 FWD_UNITS = 4, FWD_TAIL_CHUNKS = 2;
+// Unit u of a round of `chunks` chunks: its chunk, its share and the chunk's number of shares.
+struct FwdUnit {
+  u32 chunk, part, parts;
+};
+__device__ __forceinline__ u32 fwd_units(u32 chunks) {
+  const u32 tail = chunks < FWD_TAIL_CHUNKS ? chunks : FWD_TAIL_CHUNKS;
+  return chunks - tail + tail * FWD_UNITS;
+}
+__device__ __forceinline__ FwdUnit fwd_unit(u32 chunks, u32 u) {
+  const u32 whole = chunks < FWD_TAIL_CHUNKS ? 0u : chunks - FWD_TAIL_CHUNKS;
+  if (u < whole) return FwdUnit{u, 0u, 1u};
+  return FwdUnit{whole + (u - whole) / FWD_UNITS, (u - whole) % FWD_UNITS, FWD_UNITS};
+}
 
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
-// rounds in order, and in each the units u with u % P == p (unit u: share u % FWD_UNITS of chunk
-// u / FWD_UNITS; see the top of the file). Lane j < L keeps local rank j's state: the unit's first slot not
+// rounds in order, and in each the units u with u % P == p (fwd_unit: a whole chunk, or a share of one of
+// the round's last chunks; see the top of the file). Lane j < L keeps local rank j's state: the unit's first slot not
 // yet flagged and how many, the warp's rows to j this round, whether j handed this round's part back. The
 // warps of `an` share, per round, the units done, the rows per local rank and the messages of earlier
 // rounds (HtiForward); the one that finishes a round's last unit ends the round: done words, then the RDMA
@@ -395,9 +411,10 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       return __all_sync(FULL_WARP_MASK, ok);
     };
     u32 g = 0;  // messages of s before this round (read once this warp has a unit of it)
-    const u32 units = chunks * FWD_UNITS;
+    const u32 units = fwd_units(chunks);
     for (u32 u = p; u < units; u += P) {
-      const u32 c = u / FWD_UNITS, part = u % FWD_UNITS;
+      const FwdUnit unit = fwd_unit(chunks, u);
+      const u32 c = unit.chunk, part = unit.part;
       // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
       if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
       if (c > 0 && !warp_wait_u64(chunk_words + c - 1, seq << 32, for_peer(dr, s, f.me), s)) return;
@@ -406,8 +423,8 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       const u32 chunk_end = (u32)ptx::ld_relaxed_sys_u64(chunk_words + c);
       const u32 chunk_begin = c > 0 ? (u32)ptx::ld_relaxed_sys_u64(chunk_words + c - 1) : 0u;
       // This unit's share of the chunk's messages.
-      u32 m = chunk_begin + (chunk_end - chunk_begin) * part / FWD_UNITS;
-      const u32 m_end = chunk_begin + (chunk_end - chunk_begin) * (part + 1) / FWD_UNITS;
+      u32 m = chunk_begin + (chunk_end - chunk_begin) * part / unit.parts;
+      const u32 m_end = chunk_begin + (chunk_end - chunk_begin) * (part + 1) / unit.parts;
       // The chunk's messages are contiguous: on their way to L2 while the warp reads the first.
       if (lane == 0 && m_end > m)
         ptx::prefetch_l2_bulk(rdma_bytes(a.rdma, a.at.off_drecv + (u64)an * a.at.part_bytes + (u64)m * MSG_BYTES), (m_end - m) * MSG_BYTES);
@@ -699,7 +716,7 @@ __device__ __forceinline__ void receive_split(const HtiDispatchArgs& a, const Fr
 namespace moelink::internode {
 // moelink::internode::dispatch: grid = workers (persistent, cooperative) + the emulated NIC's blocks, block
 //   THREADS. Blocks [0, num_send_blocks) send, the next num_fwd_blocks forward (warp w: source node w % N,
-//   its units u with u % P == w / N (FWD_UNITS a chunk); never one warp for two source nodes: it could wait for the first while
+//   its units u with u % P == w / N (fwd_unit); never one warp for two source nodes: it could wait for the first while
 //   the second's sender waits for it, so the host gives num_fwd_blocks * HTI_WARPS >= N * P), the rest
 //   receive: several warps per source when there are at least R (receive_split), else one lane per source
 //   (receive; warps >= R / 32). Protocol: the top of this file. reads: x, scales, top-k, routing, own RDMA receive parts and NVLink parts, signals;
