@@ -281,15 +281,18 @@ __device__ __forceinline__ bool ht_wait_consumed(u64 ctrl_me, u32 consumed_offse
 //   - One fence covers every batch posted since the last. A sender posts its next batch once the flags of
 //     the one before are out, so that a warp needs one slot range per destination.
 constexpr u32 HT_RELEASE_OPEN = 0xffffffffu;
+// Warps of a sender block that send rows: all of them, or all but the releaser.
+template <u32 WARPS, bool RELEASER>
+constexpr u32 HT_SENDER_WARPS = RELEASER ? WARPS - 1 : WARPS;
 template <u32 SENDERS>
 struct HtReleaseBox {
+  static_assert(SENDERS >= 1 && SENDERS <= 32, "a releaser's ready mask is one word");
   u32 posted[SENDERS][WARP_SIZE];  // batches lane l of sender warp w posted
   u32 released[SENDERS];           // batches of w whose flags are out (the releaser's lane 0 writes it)
   u32 final_posts[SENDERS];        // w's batch count once w is done; HT_RELEASE_OPEN before
   i32 first[SENDERS][MAX_RANKS];   // the pending batch's slots [first, end) per destination
   i32 end[SENDERS][MAX_RANKS];
 };
-static_assert(WARP_SIZE <= 32, "a ready mask is one word");
 
 // Every thread of a sender block, before any warp posts.
 template <u32 SENDERS>
@@ -375,7 +378,7 @@ __device__ __forceinline__ void ht_release_loop(HtReleaseBox<SENDERS>& box, u32 
 template <u32 WARPS, u32 SENDERS, u32 TRACE_WORDS, bool RELEASER, typename Args, typename SendRows>
 __device__ __forceinline__ void ht_send_block(const Args& a, u32 num_ranks, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps,
                                               SendRows send_rows) {
-  static_assert(SENDERS == (RELEASER ? WARPS - 1 : WARPS), "the releaser is one of the block's warps");
+  static_assert(SENDERS == HT_SENDER_WARPS<WARPS, RELEASER>, "the releaser is one of the block's warps");
   __shared__ HtReleaseBox<SENDERS> box;
   u32 posts = 0;
   if (!RELEASER) {

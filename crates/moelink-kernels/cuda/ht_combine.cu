@@ -34,8 +34,7 @@ static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are who
 static_assert(ROW_BYTES == (PAYLOAD_BYTES + WEIGHT_BYTES + HT_ROW_ALIGN - 1) / HT_ROW_ALIGN * HT_ROW_ALIGN,
               "slab row differs from moelink_kernels::ht::combine_row_bytes");
 constexpr u32 THREADS = COMBINE_WARPS * WARP_SIZE;
-constexpr u32 SENDER_WARPS = HT_RELEASER ? COMBINE_WARPS - 1 : COMBINE_WARPS;  // per sender block
-static_assert(SENDER_WARPS >= 1 && SENDER_WARPS <= 32, "a releaser's ready mask is one word");
+constexpr u32 SENDER_WARPS = HT_SENDER_WARPS<COMBINE_WARPS, HT_RELEASER != 0>;  // per sender block
 constexpr u32 VECS_PER_LANE = (PAYLOAD_VECS + WARP_SIZE - 1) / WARP_SIZE;
 // Sender: one step sends a row to every pending source (the NUM_SOURCES other ranks), in ROUNDS rounds; a
 // round loads UNROLL vectors per lane of every source's row before storing any (all sources' loads in flight

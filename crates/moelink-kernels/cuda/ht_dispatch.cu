@@ -45,8 +45,7 @@ constexpr u32 ROUNDS = (VECS_PER_LANE + MAX_UNROLL - 1) / MAX_UNROLL;
 constexpr u32 UNROLL = (VECS_PER_LANE + ROUNDS - 1) / ROUNDS;
 static_assert(ROUNDS * UNROLL * WARP_SIZE >= PAYLOAD_VECS && UNROLL <= MAX_UNROLL, "copy rounds cover the row");
 static_assert(RELEASE_BATCH >= 1, "a sender releases at least one token per fence");
-constexpr u32 SENDER_WARPS = HT_RELEASER ? DISPATCH_WARPS - 1 : DISPATCH_WARPS;  // per sender block
-static_assert(SENDER_WARPS >= 1 && SENDER_WARPS <= 32, "a releaser's ready mask is one word");
+constexpr u32 SENDER_WARPS = HT_SENDER_WARPS<DISPATCH_WARPS, HT_RELEASER != 0>;  // per sender block
 
 // Kernel argument (by value). Must match moelink_kernels::ht::HtDispatchArgs byte for byte.
 struct HtDispatchArgs {
