@@ -109,10 +109,14 @@ constexpr u32 PHASE_HTI_COMBINE_RDMA = 13;
 constexpr u32 PHASE_HTI_COMBINE_NVLINK = 14;
 
 #define HTI_ALIGN16(x) (((x) + 15u) / 16u * 16u)
-// Rows and messages are whole 128-byte lines (moelink_kernels::ht_internode::ROW_ALIGN), and so is a
-// message's header: every row and payload starts on a line, and a warp's 512-byte runs of stores cover whole
-// lines on their way over NVLink or RDMA.
+// Rows are whole 128-byte lines (moelink_kernels::ht_internode::ROW_ALIGN): every row starts on a line, and a
+// warp's 512-byte runs of stores cover whole lines on their way over NVLink.
 #define HTI_ALIGN_LINE(x) (((x) + 127u) / 128u * 128u)
+// An RDMA dispatch message and its payload start on 64 bytes (moelink_kernels::ht_internode::MSG_ALIGN), two
+// of a line's four sectors: every message byte crosses the NIC, and a whole line would pad an FP8 message's
+// header by 64 bytes (0.85 % of the wire). The sender's stores of the payload are to a staging area or, in
+// place, once per token; the forwarders' loads of it are local.
+#define HTI_ALIGN_MSG(x) (((x) + 63u) / 64u * 64u)
 // The smallest power of two >= N (N <= 64).
 template <u32 N>
 struct NextPow2 {
@@ -128,15 +132,15 @@ constexpr u32 NUM_SCALES = FP8 ? HIDDEN / FP8_BLOCK : 0;
 static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
 static_assert(!FP8 || HIDDEN % FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
 // An RDMA dispatch message: u32 token, u32 mask (bit j: goes to local rank j), u32 layout tag (MSG_TAG), 4
-// bytes of padding; i32 slot
-// [8] (the row's slot at each local rank of the destination node, -1 elsewhere); i32 top-k ids (global, -1
-// for none); f32 weights; f32 scales; the payload at a 128-byte boundary.
+// bytes of padding; i16 slot [8] (the row's slot in the round, modulo the round's tokens, at each local rank
+// of the destination node, -1 elsewhere); i32 top-k ids (global, -1 for none); f32 weights; f32 scales; the
+// payload at HTI_ALIGN_MSG.
 constexpr u32 MSG_SLOTS = 16;
-constexpr u32 MSG_IDS = 48;
+constexpr u32 MSG_IDS = 32;
 constexpr u32 MSG_WEIGHTS = MSG_IDS + 4 * TOPK;
 constexpr u32 MSG_SCALES = MSG_WEIGHTS + 4 * TOPK;
-constexpr u32 MSG_PAYLOAD = HTI_ALIGN_LINE(MSG_SCALES + 4 * NUM_SCALES);
-constexpr u32 MSG_BYTES = HTI_ALIGN_LINE(MSG_PAYLOAD + PAYLOAD_BYTES);
+constexpr u32 MSG_PAYLOAD = HTI_ALIGN_MSG(MSG_SCALES + 4 * NUM_SCALES);
+constexpr u32 MSG_BYTES = HTI_ALIGN_MSG(MSG_PAYLOAD + PAYLOAD_BYTES);
 // What a message's layout depends on, so that a forwarder reading a message of another kernel variant (a
 // host that chose the variant differently on one rank) stops with ERR_PEER_LAYOUT instead of forwarding
 // garbage to addresses taken from it.

@@ -228,7 +228,7 @@ __device__ __forceinline__ void stage_token(const HtiDispatchArgs& a, const Fram
     if (lane < RANKS_PER_NODE) {
       const u32 r = b * RANKS_PER_NODE + lane;
       const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
-      reinterpret_cast<i32*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? s0 : -1;
+      reinterpret_cast<i16*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? (i16)((u32)s0 % f.round_tokens) : (i16)-1;
       mask = s1 > s0 ? 1u : 0u;
     }
     mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
@@ -340,30 +340,33 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
   }
 }
 
-// A round's last FWD_TAIL_CHUNKS chunks are forwarded in FWD_UNITS units (contiguous shares of their
-// messages), each by its own warp: a unit is one warp's serial chain of round trips, and the round's end
-// (its hand-back, the call's end) waits for its last chunk, which nothing overlaps. The other chunks stay
-// whole: a unit costs its warp the chunk words' waits, a fence and the round's counters, which over `ptr`,
-// where the forwarders set the pace, made every chunk split in four 31-42 us slower
-// (bench/results/2026-11-30-2xnvidia-h200-7d7fa53-forward-units).
+// A chunk is forwarded in FWD_UNITS units (contiguous shares of its messages), each by its own warp: a unit
+// is one warp's serial chain of round trips, so a chunk's rows reach the node sooner, and the round's end
+// (its hand-back, the call's end) waits for its last chunk, which nothing overlaps. A unit costs its warp the
+// chunk words' waits, a fence and the round's counters. Where the source's rows come through a NIC, the
+// link sets the pace and the forwarders have that time to spare: every chunk is cut. Where they come by
+// stores (`ptr`, NVSHMEM peers it maps), the forwarders set the pace: only the round's last FWD_TAIL_CHUNKS
+// are cut (bench/results/2026-11-30-2xnvidia-h200-7d7fa53-forward-units: every chunk cut is 6-13 us faster
+// over the emulated NIC and 31-42 us slower over `ptr`).
 constexpr u32 FWD_UNITS = 4, FWD_TAIL_CHUNKS = 2;
-// Unit u of a round of `chunks` chunks: its chunk, its share and the chunk's number of shares.
+// Unit u of a round of `chunks` chunks whose last `tail` are cut: its chunk, its share and the chunk's number
+// of shares.
 struct FwdUnit {
   u32 chunk, part, parts;
 };
-__device__ __forceinline__ u32 fwd_units(u32 chunks) {
-  const u32 tail = chunks < FWD_TAIL_CHUNKS ? chunks : FWD_TAIL_CHUNKS;
+__device__ __forceinline__ u32 fwd_units(u32 chunks, u32 tail) {
+  tail = chunks < tail ? chunks : tail;
   return chunks - tail + tail * FWD_UNITS;
 }
-__device__ __forceinline__ FwdUnit fwd_unit(u32 chunks, u32 u) {
-  const u32 whole = chunks < FWD_TAIL_CHUNKS ? 0u : chunks - FWD_TAIL_CHUNKS;
+__device__ __forceinline__ FwdUnit fwd_unit(u32 chunks, u32 tail, u32 u) {
+  const u32 whole = chunks < tail ? 0u : chunks - tail;
   if (u < whole) return FwdUnit{u, 0u, 1u};
   return FwdUnit{whole + (u - whole) / FWD_UNITS, (u - whole) % FWD_UNITS, FWD_UNITS};
 }
 
 // Forwarder warp `p` of the `P` = fwd_per_node warps of source node `an` (rail source s = an * L + l): its
-// rounds in order, and in each the units u with u % P == p (fwd_unit: a whole chunk, or a share of one of
-// the round's last chunks; see the top of the file). Lane j < L keeps local rank j's state: the unit's first slot not
+// rounds in order, and in each the units u with u % P == p (fwd_unit: a whole chunk, or a share of one;
+// see FWD_UNITS). Lane j < L keeps local rank j's state: the unit's first slot not
 // yet flagged and how many, the warp's rows to j this round, whether j handed this round's part back. The
 // warps of `an` share, per round, the units done, the rows per local rank and the messages of earlier
 // rounds (HtiForward); the one that finishes a round's last unit ends the round: done words, then the RDMA
@@ -383,6 +386,9 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
   auto consumed_of = [&](u32 j) {
     return reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)j * NUM_NODES + an;
   };
+  // How many of a round's last chunks are cut (see FWD_UNITS): all of them when s's puts go through a NIC.
+  const bool through_nic = !rdma::window(a.rdma, s, a.at.off_drecv, a.at.off_dsend).direct;
+  const u32 cut_chunks = through_nic ? HTI_MAX_CHUNKS : FWD_TAIL_CHUNKS;
   for (u32 k = 0; k < rounds; k++) {
     const u64 seq = (u64)f.base + k + 1;
     const u32 chunks = (round_tokens_of(f, tokens, k) + Q - 1) / Q;
@@ -411,9 +417,9 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       return __all_sync(FULL_WARP_MASK, ok);
     };
     u32 g = 0;  // messages of s before this round (read once this warp has a unit of it)
-    const u32 units = fwd_units(chunks);
+    const u32 units = fwd_units(chunks, cut_chunks);
     for (u32 u = p; u < units; u += P) {
-      const FwdUnit unit = fwd_unit(chunks, u);
+      const FwdUnit unit = fwd_unit(chunks, cut_chunks, u);
       const u32 c = unit.chunk, part = unit.part;
       // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
       if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
@@ -443,7 +449,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
         const u32 tag = reinterpret_cast<const u32*>(msg)[2];
         const u32 mask = reinterpret_cast<const u32*>(msg)[1];
         i32 slot = -1;
-        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i32*>(msg + MSG_SLOTS)[lane];
+        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i16*>(msg + MSG_SLOTS)[lane];
         MetaIn meta[META_ITERS];
 #pragma unroll
         for (u32 i = 0; i < META_ITERS; i++)

@@ -29,8 +29,9 @@ pub const HTI_MAX_CHUNKS: usize = 512;
 pub const HTI_MAX_TOPK: usize = 32;
 /// Experts per rank a notify message has room for.
 pub const HTI_MAX_LOCAL_EXPERTS: usize = 1024;
-/// Most tokens per round (flag slots per part).
+/// Most tokens per round (flag slots per part). A dispatch message carries its slots within the round as i16.
 pub const HTI_MAX_ROUND_TOKENS: usize = 16384;
+const _: () = assert!(HTI_MAX_ROUND_TOKENS <= 1 << 15);
 /// Warps per block (`HTI_WARPS`).
 pub const HTI_WARPS: u32 = 16;
 /// Threads per block.
@@ -76,8 +77,10 @@ pub mod host_notify {
     }
 }
 
-/// Rows and messages are whole multiples of this many bytes (`HTI_ROW_ALIGN` in hti.cuh).
+/// Rows are whole multiples of this many bytes (`HTI_ALIGN_LINE` in hti.cuh).
 pub const ROW_ALIGN: usize = 128;
+/// RDMA dispatch messages and their payloads are whole multiples of this many bytes (`HTI_ALIGN_MSG`).
+pub const MSG_ALIGN: usize = 64;
 
 fn align(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
@@ -102,11 +105,12 @@ impl RowSizes {
     pub fn new(h: usize, fp8: bool, topk: usize, combine_topk: usize) -> RowSizes {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / 128 } else { 0 };
-        // Whole 128-byte lines: a row or message starts on a line, and the payload of a message too, so that
-        // a warp's 512-byte runs of stores cover whole lines on their way over NVLink or RDMA.
+        // Whole 128-byte lines: a row starts on a line, so that a warp's 512-byte runs of stores cover whole
+        // lines on their way over NVLink. A message and its payload start on 64 bytes (hti.cuh says why).
         let line = |n: usize| align(n, ROW_ALIGN);
+        let msg = |n: usize| align(n, MSG_ALIGN);
         RowSizes {
-            dispatch_msg: line(line(48 + 8 * topk + 4 * scales) + payload),
+            dispatch_msg: msg(msg(32 + 8 * topk + 4 * scales) + payload),
             dispatch_row: line(payload + align(4 * (3 * topk + scales + 3), 16)),
             combine_row: line(2 * h + align(4 * combine_topk, 16)),
             combine_msg: line(4 * h + align(4 * combine_topk, 16)),
@@ -602,12 +606,12 @@ mod tests {
     #[test]
     fn rows_follow_the_kernel_formulas() {
         let r = RowSizes::new(7168, true, 8, 8);
-        assert_eq!(r.dispatch_msg, 384 + 7168);
+        assert_eq!(r.dispatch_msg, 320 + 7168);
         assert_eq!(r.dispatch_row, 7168 + 384);
         assert_eq!(r.combine_row, 14336 + 128);
         assert_eq!(r.combine_msg, 28672 + 128);
         let b = RowSizes::new(256, false, 0, 0);
-        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (128 + 512, 512 + 128, 512, 1024));
+        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (64 + 512, 512 + 128, 512, 1024));
     }
 
     #[test]
