@@ -112,11 +112,14 @@ constexpr u32 PHASE_HTI_COMBINE_NVLINK = 14;
 // Rows are whole 128-byte lines (moelink_kernels::ht_internode::ROW_ALIGN): every row starts on a line, and a
 // warp's 512-byte runs of stores cover whole lines on their way over NVLink.
 #define HTI_ALIGN_LINE(x) (((x) + 127u) / 128u * 128u)
-// An RDMA dispatch message and its payload start on 64 bytes (moelink_kernels::ht_internode::MSG_ALIGN), two
-// of a line's four sectors: every message byte crosses the NIC, and a whole line would pad an FP8 message's
-// header by 64 bytes (0.85 % of the wire). The sender's stores of the payload are to a staging area or, in
-// place, once per token; the forwarders' loads of it are local.
-#define HTI_ALIGN_MSG(x) (((x) + 63u) / 64u * 64u)
+// An RDMA dispatch message and its payload start on MSG_ALIGN bytes (moelink_kernels::ht_internode::msg_align).
+// Where a NIC carries the messages (the emulated NIC), 64: two of a line's four sectors, so that an FP8
+// message's 320-byte header does not pad a line (0.85 % of what crosses the NIC). Where the senders write
+// them in place over NVLink (`ptr`; NVSHMEM, whose peers on one host are mapped), whole lines: stores that
+// cover half lines made the FP8 dispatch 5-10 us slower there
+// (bench/results/2026-12-01-2xnvidia-h200-a8c3f75-internode-msg-align).
+constexpr u32 MSG_ALIGN = MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC ? 64u : 128u;
+#define HTI_ALIGN_MSG(x) (((x) + MSG_ALIGN - 1u) / MSG_ALIGN * MSG_ALIGN)
 // The smallest power of two >= N (N <= 64).
 template <u32 N>
 struct NextPow2 {

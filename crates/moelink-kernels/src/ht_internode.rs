@@ -79,8 +79,14 @@ pub mod host_notify {
 
 /// Rows are whole multiples of this many bytes (`HTI_ALIGN_LINE` in hti.cuh).
 pub const ROW_ALIGN: usize = 128;
-/// RDMA dispatch messages and their payloads are whole multiples of this many bytes (`HTI_ALIGN_MSG`).
-pub const MSG_ALIGN: usize = 64;
+/// What an RDMA dispatch message and its payload are aligned to over `transport` (`MSG_ALIGN` in hti.cuh):
+/// 64 bytes where a NIC carries them, whole lines where the senders write them in place over NVLink.
+pub fn msg_align(transport: Transport) -> usize {
+    match transport {
+        Transport::EmuNic => 64,
+        Transport::Ptr | Transport::Nvshmem => ROW_ALIGN,
+    }
+}
 
 fn align(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
@@ -101,14 +107,19 @@ pub struct RowSizes {
 
 impl RowSizes {
     /// The sizes for hidden `h`, FP8 or bf16, `topk` entries per dispatch row and `combine_topk` weights per
-    /// combine row.
+    /// combine row, with messages on whole lines: the largest over every transport, for sizing buffers.
     pub fn new(h: usize, fp8: bool, topk: usize, combine_topk: usize) -> RowSizes {
+        RowSizes::over(h, fp8, topk, combine_topk, ROW_ALIGN)
+    }
+
+    /// [`RowSizes::new`] with dispatch messages aligned to `msg_align` bytes ([`msg_align`]).
+    pub fn over(h: usize, fp8: bool, topk: usize, combine_topk: usize, msg_align: usize) -> RowSizes {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / 128 } else { 0 };
         // Whole 128-byte lines: a row starts on a line, so that a warp's 512-byte runs of stores cover whole
-        // lines on their way over NVLink. A message and its payload start on 64 bytes (hti.cuh says why).
+        // lines on their way over NVLink. A message and its payload start on `msg_align` (hti.cuh says why).
         let line = |n: usize| align(n, ROW_ALIGN);
-        let msg = |n: usize| align(n, MSG_ALIGN);
+        let msg = |n: usize| align(n, msg_align);
         RowSizes {
             dispatch_msg: msg(msg(32 + 8 * topk + 4 * scales) + payload),
             dispatch_row: line(payload + align(4 * (3 * topk + scales + 3), 16)),
@@ -138,7 +149,7 @@ impl HtiVariant {
     }
 
     pub fn rows(&self) -> RowSizes {
-        RowSizes::new(self.hidden, self.fp8, self.topk, self.topk)
+        RowSizes::over(self.hidden, self.fp8, self.topk, self.topk, msg_align(self.transport))
     }
 
     /// The compile key of layout ([`HtiVariant::control`]'s).
@@ -606,12 +617,13 @@ mod tests {
     #[test]
     fn rows_follow_the_kernel_formulas() {
         let r = RowSizes::new(7168, true, 8, 8);
-        assert_eq!(r.dispatch_msg, 320 + 7168);
+        assert_eq!(r.dispatch_msg, 384 + 7168);
+        assert_eq!(RowSizes::over(7168, true, 8, 8, 64).dispatch_msg, 320 + 7168);
         assert_eq!(r.dispatch_row, 7168 + 384);
         assert_eq!(r.combine_row, 14336 + 128);
         assert_eq!(r.combine_msg, 28672 + 128);
         let b = RowSizes::new(256, false, 0, 0);
-        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (64 + 512, 512 + 128, 512, 1024));
+        assert_eq!((b.dispatch_msg, b.dispatch_row, b.combine_row, b.combine_msg), (128 + 512, 512 + 128, 512, 1024));
     }
 
     #[test]
