@@ -112,13 +112,14 @@ constexpr u32 PHASE_HTI_COMBINE_NVLINK = 14;
 // Rows are whole 128-byte lines (moelink_kernels::ht_internode::ROW_ALIGN): every row starts on a line, and a
 // warp's 512-byte runs of stores cover whole lines on their way over NVLink.
 #define HTI_ALIGN_LINE(x) (((x) + 127u) / 128u * 128u)
-// An RDMA dispatch message and its payload start on MSG_ALIGN bytes (moelink_kernels::ht_internode::msg_align).
-// Where a NIC carries the messages (the emulated NIC), 64: two of a line's four sectors, so that an FP8
-// message's 320-byte header does not pad a line (0.85 % of what crosses the NIC). Where the senders write
-// them in place over NVLink (`ptr`; NVSHMEM, whose peers on one host are mapped), whole lines: stores that
-// cover half lines made the FP8 dispatch 5-10 us slower there
-// (bench/results/2026-12-01-2xnvidia-h200-a8c3f75-internode-msg-align).
-constexpr u32 MSG_ALIGN = MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC ? 64u : 128u;
+// An RDMA dispatch message and its payload start on MSG_ALIGN bytes (moelink_kernels::ht_internode::msg_compact).
+// Where a NIC carries the messages (the emulated NIC), the header is compact (i16 slots) on 64 bytes, two of
+// a line's four sectors, so that an FP8 message's 320-byte header does not pad a line (0.85 % of what
+// crosses the NIC). Where the senders write the messages in place over NVLink (`ptr`; NVSHMEM, whose peers
+// on one host are mapped), whole lines and i32 slots: the compact form made the FP8 dispatch 5-10 us slower
+// there (bench/results/2026-12-01-2xnvidia-h200-a8c3f75-internode-msg-align).
+constexpr bool MSG_COMPACT = MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC;
+constexpr u32 MSG_ALIGN = MSG_COMPACT ? 64u : 128u;
 #define HTI_ALIGN_MSG(x) (((x) + MSG_ALIGN - 1u) / MSG_ALIGN * MSG_ALIGN)
 // The smallest power of two >= N (N <= 64).
 template <u32 N>
@@ -135,11 +136,20 @@ constexpr u32 NUM_SCALES = FP8 ? HIDDEN / FP8_BLOCK : 0;
 static_assert(PAYLOAD_BYTES % VEC_BYTES == 0 && PAYLOAD_VECS >= 1, "rows are whole 16-byte vectors");
 static_assert(!FP8 || HIDDEN % FP8_BLOCK == 0, "FP8 hidden is a multiple of the scale block");
 // An RDMA dispatch message: u32 token, u32 mask (bit j: goes to local rank j), u32 layout tag (MSG_TAG), 4
-// bytes of padding; i16 slot [8] (the row's slot in the round, modulo the round's tokens, at each local rank
-// of the destination node, -1 elsewhere); i32 top-k ids (global, -1 for none); f32 weights; f32 scales; the
-// payload at HTI_ALIGN_MSG.
+// bytes of padding; the row's slot at each local rank of the destination node, -1 elsewhere (MsgSlot [8]:
+// compact, i16 within the round; else i32, the rank's running count); i32 top-k ids (global, -1 for none);
+// f32 weights; f32 scales; the payload at HTI_ALIGN_MSG.
+template <bool COMPACT>
+struct MsgSlotOf {
+  typedef i32 type;
+};
+template <>
+struct MsgSlotOf<true> {
+  typedef i16 type;
+};
+typedef MsgSlotOf<MSG_COMPACT>::type MsgSlot;
 constexpr u32 MSG_SLOTS = 16;
-constexpr u32 MSG_IDS = 32;
+constexpr u32 MSG_IDS = MSG_SLOTS + 8 * sizeof(MsgSlot);
 constexpr u32 MSG_WEIGHTS = MSG_IDS + 4 * TOPK;
 constexpr u32 MSG_SCALES = MSG_WEIGHTS + 4 * TOPK;
 constexpr u32 MSG_PAYLOAD = HTI_ALIGN_MSG(MSG_SCALES + 4 * NUM_SCALES);

@@ -228,7 +228,8 @@ __device__ __forceinline__ void stage_token(const HtiDispatchArgs& a, const Fram
     if (lane < RANKS_PER_NODE) {
       const u32 r = b * RANKS_PER_NODE + lane;
       const i32 s0 = prefix[(u64)t * NUM_RANKS + r], s1 = prefix[(u64)(t + 1) * NUM_RANKS + r];
-      reinterpret_cast<i16*>(msg + MSG_SLOTS)[lane] = s1 > s0 ? (i16)((u32)s0 % f.round_tokens) : (i16)-1;
+      const i32 slot = MSG_COMPACT ? (i32)((u32)s0 % f.round_tokens) : s0;
+      reinterpret_cast<MsgSlot*>(msg + MSG_SLOTS)[lane] = (MsgSlot)(s1 > s0 ? slot : -1);
       mask = s1 > s0 ? 1u : 0u;
     }
     mask = __ballot_sync(FULL_WARP_MASK, mask != 0u) & ((1u << RANKS_PER_NODE) - 1u);
@@ -449,7 +450,7 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
         const u32 tag = reinterpret_cast<const u32*>(msg)[2];
         const u32 mask = reinterpret_cast<const u32*>(msg)[1];
         i32 slot = -1;
-        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const i16*>(msg + MSG_SLOTS)[lane];
+        if (lane < RANKS_PER_NODE) slot = reinterpret_cast<const MsgSlot*>(msg + MSG_SLOTS)[lane];
         MetaIn meta[META_ITERS];
 #pragma unroll
         for (u32 i = 0; i < META_ITERS; i++)

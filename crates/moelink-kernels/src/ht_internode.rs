@@ -79,12 +79,13 @@ pub mod host_notify {
 
 /// Rows are whole multiples of this many bytes (`HTI_ALIGN_LINE` in hti.cuh).
 pub const ROW_ALIGN: usize = 128;
-/// What an RDMA dispatch message and its payload are aligned to over `transport` (`MSG_ALIGN` in hti.cuh):
-/// 64 bytes where a NIC carries them, whole lines where the senders write them in place over NVLink.
-pub fn msg_align(transport: Transport) -> usize {
+/// Whether the RDMA dispatch messages over `transport` are compact (`MSG_COMPACT` in hti.cuh): i16 slots, the
+/// header and payload on 64 bytes, where a NIC carries them; else i32 slots on whole lines, where the senders
+/// write them in place over NVLink.
+pub fn msg_compact(transport: Transport) -> bool {
     match transport {
-        Transport::EmuNic => 64,
-        Transport::Ptr | Transport::Nvshmem => ROW_ALIGN,
+        Transport::EmuNic => true,
+        Transport::Ptr | Transport::Nvshmem => false,
     }
 }
 
@@ -109,19 +110,22 @@ impl RowSizes {
     /// The sizes for hidden `h`, FP8 or bf16, `topk` entries per dispatch row and `combine_topk` weights per
     /// combine row, with messages on whole lines: the largest over every transport, for sizing buffers.
     pub fn new(h: usize, fp8: bool, topk: usize, combine_topk: usize) -> RowSizes {
-        RowSizes::over(h, fp8, topk, combine_topk, ROW_ALIGN)
+        RowSizes::over(h, fp8, topk, combine_topk, false)
     }
 
-    /// [`RowSizes::new`] with dispatch messages aligned to `msg_align` bytes ([`msg_align`]).
-    pub fn over(h: usize, fp8: bool, topk: usize, combine_topk: usize, msg_align: usize) -> RowSizes {
+    /// [`RowSizes::new`] with compact dispatch messages or not ([`msg_compact`]).
+    pub fn over(h: usize, fp8: bool, topk: usize, combine_topk: usize, compact: bool) -> RowSizes {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / 128 } else { 0 };
         // Whole 128-byte lines: a row starts on a line, so that a warp's 512-byte runs of stores cover whole
-        // lines on their way over NVLink. A message and its payload start on `msg_align` (hti.cuh says why).
+        // lines on their way over NVLink. A message's header holds 16 bytes, 8 slots (i16 when compact, else
+        // i32), the top-k ids and weights and the scales; it and the payload start on 64 bytes when compact,
+        // else on lines (hti.cuh says why).
         let line = |n: usize| align(n, ROW_ALIGN);
+        let (slot_bytes, msg_align) = if compact { (2, 64) } else { (4, ROW_ALIGN) };
         let msg = |n: usize| align(n, msg_align);
         RowSizes {
-            dispatch_msg: msg(msg(32 + 8 * topk + 4 * scales) + payload),
+            dispatch_msg: msg(msg(16 + 8 * slot_bytes + 8 * topk + 4 * scales) + payload),
             dispatch_row: line(payload + align(4 * (3 * topk + scales + 3), 16)),
             combine_row: line(2 * h + align(4 * combine_topk, 16)),
             combine_msg: line(4 * h + align(4 * combine_topk, 16)),
@@ -149,7 +153,7 @@ impl HtiVariant {
     }
 
     pub fn rows(&self) -> RowSizes {
-        RowSizes::over(self.hidden, self.fp8, self.topk, self.topk, msg_align(self.transport))
+        RowSizes::over(self.hidden, self.fp8, self.topk, self.topk, msg_compact(self.transport))
     }
 
     /// The compile key of layout ([`HtiVariant::control`]'s).
@@ -618,7 +622,7 @@ mod tests {
     fn rows_follow_the_kernel_formulas() {
         let r = RowSizes::new(7168, true, 8, 8);
         assert_eq!(r.dispatch_msg, 384 + 7168);
-        assert_eq!(RowSizes::over(7168, true, 8, 8, 64).dispatch_msg, 320 + 7168);
+        assert_eq!(RowSizes::over(7168, true, 8, 8, true).dispatch_msg, 320 + 7168);
         assert_eq!(r.dispatch_row, 7168 + 384);
         assert_eq!(r.combine_row, 14336 + 128);
         assert_eq!(r.combine_msg, 28672 + 128);
