@@ -43,7 +43,8 @@
 //                    chunk word d_chunk[a][chunk] (put_window_signal: one put_signal, or fenced stores and the
 //                    signal; a bare signal for an empty chunk). Data, then its chunk word.
 //   forwarder ((b, l), fwd_per_node warps per source node a, units dealt round-robin among them: a chunk,
-//                    or a contiguous share of one of a round's last chunks): per unit (its chunk's word and
+//                    or a contiguous share of one (every chunk through a NIC, a round's last ones by stores;
+//                    FWD_UNITS)): per unit (its chunk's word and
 //                    the one before give the chunk's messages); each message goes to every rank j
 //                    of this node it has a slot at: the row (payload + meta, top-k ids as j's local ids) into
 //                    j's dispatch part [s][slot mod M] over NVLink, after j handed that part back for round k
