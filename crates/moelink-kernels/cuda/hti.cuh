@@ -117,7 +117,7 @@ constexpr u32 PHASE_HTI_COMBINE_NVLINK = 14;
 // Where a NIC carries the messages (the emulated NIC), the header is compact (i16 slots) on 64 bytes, two of
 // a line's four sectors, so that an FP8 message's 320-byte header does not pad a line (0.85 % of what
 // crosses the NIC). Where the senders write the messages in place over NVLink (`ptr`; NVSHMEM, whose peers
-// on one host are mapped), whole lines and i32 slots: the compact form made the FP8 dispatch 5-10 us slower
+// on one host are mapped), whole lines and i32 slots: the compact form made the FP8 dispatch 5-14 us slower
 // there (bench/results/2026-12-01-2xnvidia-h200-a8c3f75-internode-msg-align).
 constexpr bool MSG_COMPACT = MOELINK_TRANSPORT == MOELINK_TRANSPORT_EMU_NIC;
 constexpr u32 MSG_ALIGN = MSG_COMPACT ? 64u : 128u;
