@@ -350,17 +350,19 @@ __device__ __forceinline__ void send(const HtiDispatchArgs& a, const Frame& f, c
 // are cut (bench/results/2026-11-30-2xnvidia-h200-7d7fa53-forward-units: every chunk cut is 6-13 us faster
 // over the emulated NIC and 31-42 us slower over `ptr`).
 constexpr u32 FWD_UNITS = 4, FWD_TAIL_CHUNKS = 2;
-// Unit u of a round of `chunks` chunks whose last `tail` are cut: its chunk, its share and the chunk's number
-// of shares.
+// Unit u of a round of `chunks` chunks whose last TAIL are cut: its chunk, its share and the chunk's number of
+// shares.
 struct FwdUnit {
   u32 chunk, part, parts;
 };
-__device__ __forceinline__ u32 fwd_units(u32 chunks, u32 tail) {
-  tail = chunks < tail ? chunks : tail;
+template <u32 TAIL>
+__device__ __forceinline__ u32 fwd_units(u32 chunks) {
+  const u32 tail = chunks < TAIL ? chunks : TAIL;
   return chunks - tail + tail * FWD_UNITS;
 }
-__device__ __forceinline__ FwdUnit fwd_unit(u32 chunks, u32 tail, u32 u) {
-  const u32 whole = chunks < tail ? 0u : chunks - tail;
+template <u32 TAIL>
+__device__ __forceinline__ FwdUnit fwd_unit(u32 chunks, u32 u) {
+  const u32 whole = chunks < TAIL ? 0u : chunks - TAIL;
   if (u < whole) return FwdUnit{u, 0u, 1u};
   return FwdUnit{whole + (u - whole) / FWD_UNITS, (u - whole) % FWD_UNITS, FWD_UNITS};
 }
@@ -387,9 +389,8 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
   auto consumed_of = [&](u32 j) {
     return reinterpret_cast<const u64*>(a.nvl.base[f.me_local] + a.nvl.off_consumed) + (u64)j * NUM_NODES + an;
   };
-  // How many of a round's last chunks are cut (see FWD_UNITS): all of them when s's puts go through a NIC.
-  const bool through_nic = !rdma::window(a.rdma, s, a.at.off_drecv, a.at.off_dsend).direct;
-  const u32 cut_chunks = through_nic ? HTI_MAX_CHUNKS : FWD_TAIL_CHUNKS;
+  // Every chunk is cut when s's puts go through a NIC, else a round's last FWD_TAIL_CHUNKS (see FWD_UNITS).
+  const bool cut_all = !rdma::window(a.rdma, s, a.at.off_drecv, a.at.off_dsend).direct;
   for (u32 k = 0; k < rounds; k++) {
     const u64 seq = (u64)f.base + k + 1;
     const u32 chunks = (round_tokens_of(f, tokens, k) + Q - 1) / Q;
@@ -418,9 +419,9 @@ __device__ __forceinline__ void forward(const HtiDispatchArgs& a, const Frame& f
       return __all_sync(FULL_WARP_MASK, ok);
     };
     u32 g = 0;  // messages of s before this round (read once this warp has a unit of it)
-    const u32 units = fwd_units(chunks, cut_chunks);
+    const u32 units = cut_all ? fwd_units<HTI_MAX_CHUNKS>(chunks) : fwd_units<FWD_TAIL_CHUNKS>(chunks);
     for (u32 u = p; u < units; u += P) {
-      const FwdUnit unit = fwd_unit(chunks, cut_chunks, u);
+      const FwdUnit unit = cut_all ? fwd_unit<HTI_MAX_CHUNKS>(chunks, u) : fwd_unit<FWD_TAIL_CHUNKS>(chunks, u);
       const u32 c = unit.chunk, part = unit.part;
       // The chunk's messages [end of chunk c - 1, end of chunk c): both words carry this round's seq.
       if (!warp_wait_u64(chunk_words + c, seq << 32, for_peer(dr, s, f.me), s)) return;
