@@ -549,6 +549,12 @@ pub fn default_dispatch_release(fp8: bool) -> HtRelease {
 /// 200-201 -> 194 µs, 512-2048 tokens 2-4 µs lower; same folder).
 pub const DEFAULT_COMBINE_RELEASE: HtRelease = HtRelease { releaser: true, batch: 2 };
 
+/// Both kernels' release where every rank of the node shares one GPU: the senders' own fences, batches of 4.
+/// The releaser hides a fence's wait for stores to cross a link; with no link that wait is short, and the
+/// releaser's warp is worth more as a sender (four ranks on one H200: the fresh BF16 dispatch 2-3 % slower
+/// with the releaser; bench/results/2026-12-01-1xnvidia-h200-79d1a29-releaser-sharing).
+pub const ONE_GPU_RELEASE: HtRelease = HtRelease { releaser: false, batch: 4 };
+
 /// Work chunks of the HT kernels' warps (`HtCursor` in ht.cuh): every warp takes every n-th chunk, so that
 /// senders and receivers walk the token order together; 0 gives each warp one contiguous part instead.
 /// Senders take one release batch per chunk; receivers this many items (dispatch: slab rows of a source;

@@ -159,6 +159,13 @@ pub(crate) struct Gpu {
     /// Ranks that divide `available_sms`: this process's on this GPU, and other processes' too unless this
     /// context has an execution affinity of its own.
     ranks_dividing_sms: usize,
+    /// Whether every rank of this rank's node runs on this GPU, so that no peer is across a link.
+    node_on_one_gpu: bool,
+}
+
+/// Whether the rank whose key (`host/pci bus id/process key`) is `key` runs on `gpu` (`host/pci bus id`).
+fn runs_on(key: &[u8], gpu: &str) -> bool {
+    key.starts_with(gpu.as_bytes()) && key.get(gpu.len()) == Some(&b'/')
 }
 
 impl Gpu {
@@ -194,11 +201,7 @@ impl Gpu {
         let keys = group.all_gather(here.as_bytes())?;
         let ranks_sharing_gpu = keys.iter().filter(|k| k.as_slice() == here.as_bytes()).count().max(1);
         let processes_share = device.available_sms() >= device.info().multiprocessors;
-        let ranks_dividing_sms = if processes_share {
-            keys.iter().filter(|k| k.starts_with(gpu.as_bytes()) && k.get(gpu.len()) == Some(&b'/')).count().max(1)
-        } else {
-            ranks_sharing_gpu
-        };
+        let ranks_dividing_sms = if processes_share { keys.iter().filter(|k| runs_on(k, &gpu)).count().max(1) } else { ranks_sharing_gpu };
         // A context's streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default), and work
         // waits for whatever is ahead of it in its queue. Ranks of one process on one GPU share a context: a
         // rank's kernel or copy queued behind a peer's collective kernel, which waits for that very rank,
@@ -222,6 +225,7 @@ impl Gpu {
         // lives in the RDMA domain instead (`ll_region_bytes` 0).
         let len = CTRL_BYTES + options.num_nvl_bytes.next_multiple_of(4096) + ll_region_bytes.next_multiple_of(4096);
         let node_ranks = topology.ranks_of_node(topology.node_of(rank));
+        let node_on_one_gpu = keys[node_ranks.clone()].iter().all(|k| runs_on(k, &gpu));
         let gather = |bytes: &[u8]| -> Result<Vec<Vec<u8>>> { Ok(group.all_gather(bytes)?[node_ranks.clone()].to_vec()) };
         let ex = Exchange {
             rank: topology.local_rank_of(rank),
@@ -254,6 +258,7 @@ impl Gpu {
             idle_at_drop: None,
             available_sms: device.available_sms(),
             ranks_dividing_sms,
+            node_on_one_gpu,
             mode: StreamMode::Own,
             last_foreign: None,
             capture: None,
@@ -629,6 +634,12 @@ impl Gpu {
         (self.num_device_sms() / self.ranks_dividing_sms).max(1)
     }
 
+    /// Whether every rank of this rank's node runs on this GPU (thread mode, or processes under CUDA MPS):
+    /// then no peer is across a link. The same on every rank of the node.
+    pub(crate) fn node_on_one_gpu(&self) -> bool {
+        self.node_on_one_gpu
+    }
+
     // -------------------------------------------------------------------------------- HT timing traces
 
     /// `words` zeroed high-throughput trace words for a launch, or 0 when not tracing this call: with
@@ -898,8 +909,18 @@ pub(crate) use forward_gpu_operations;
 
 #[cfg(test)]
 mod tests {
-    use super::Leakable;
+    use super::{runs_on, Leakable};
     use std::rc::Rc;
+
+    #[test]
+    fn a_rank_runs_on_a_gpu_by_host_and_bus_id_whatever_its_process() {
+        let gpu = "node-a/0000:19:00.0";
+        assert!(runs_on(b"node-a/0000:19:00.0/4242", gpu));
+        assert!(runs_on(b"node-a/0000:19:00.0/7", gpu), "another process under MPS");
+        assert!(!runs_on(b"node-a/0000:19:00.0", gpu), "a key always has a process part");
+        assert!(!runs_on(b"node-a/0000:19:00.01/7", gpu), "a longer bus id is another GPU");
+        assert!(!runs_on(b"node-b/0000:19:00.0/7", gpu), "another host");
+    }
 
     #[test]
     fn a_leaked_value_is_never_dropped_a_taken_one_is() {

@@ -88,8 +88,8 @@ fn combine_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
 }
 
 /// How the senders release their rows: the kernel's default (`moelink_kernels::ht::default_dispatch_release`,
-/// `DEFAULT_COMBINE_RELEASE`), with `Tuning::ht_release_batch` (clamped to 1..=64) and `Tuning::ht_releaser`
-/// overriding.
+/// `DEFAULT_COMBINE_RELEASE`, or `ONE_GPU_RELEASE` where the node's ranks share one GPU), with
+/// `Tuning::ht_release_batch` (clamped to 1..=64) and `Tuning::ht_releaser` overriding.
 fn release(t: &Tuning, default: kht::HtRelease) -> kht::HtRelease {
     kht::HtRelease {
         releaser: t.ht_releaser.unwrap_or(default.releaser),
@@ -389,7 +389,8 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     let state = plan.state.take::<CudaPlan>("plan", rank, INTRANODE)?;
     let addrs = dispatch_addrs(b, &s, a, &out)?;
     let region = region(b);
-    let release = release(&b.tuning, kht::default_dispatch_release(s.fp8));
+    let default = if b.gpu.node_on_one_gpu() { kht::ONE_GPU_RELEASE } else { kht::default_dispatch_release(s.fp8) };
+    let release = release(&b.tuning, default);
     let variant = HtDispatchVariant {
         release_batch: release.batch,
         releaser: release.releaser,
@@ -511,7 +512,8 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
     let c = combine_addrs(b, rank, a, &out)?;
-    let release = release(&b.tuning, kht::DEFAULT_COMBINE_RELEASE);
+    let default = if b.gpu.node_on_one_gpu() { kht::ONE_GPU_RELEASE } else { kht::DEFAULT_COMBINE_RELEASE };
+    let release = release(&b.tuning, default);
     let variant = HtCombineVariant {
         num_biases: c.num_biases as u32,
         release_batch: release.batch,
