@@ -6,7 +6,7 @@
 # Steps (each under `timeout`, its exit status and seconds recorded, output appended to $OUT/log.txt):
 #   info      moelink info
 #   tests     every carried test executable, or those named in TEST_BINS, each under T_TEST_EACH seconds
-#             (thread mode, GPU tests included, MOELINK_TEST_RANKS = the GPUs)
+#             (thread mode, GPU tests included, MOELINK_TEST_RANKS_INTRANODE ranks, default 8, sharing the GPUs)
 #   selftest  moelink selftest --strict                          (thread mode, one rank per GPU)
 #   process   torchrun --nproc_per_node=N --no-python moelink selftest --process --strict
 #   nvlink    moelink bench nvlink --json $OUT/nvlink.json
@@ -27,8 +27,9 @@
 # environment (e.g. STEPS=reliability RELIABILITY_STEPS=soak SOAK_ARGS="--t-max 1024").
 #
 # Every step works whatever the ratio of ranks to GPUs: ranks of one process that share a GPU get
-# CUDA_DEVICE_MAX_CONNECTIONS=32 hardware queues (moelink refuses fewer), and the tests' internode
-# executables run with 8 ranks (MOELINK_TEST_RANKS_INTERNODE) on however many GPUs there are.
+# CUDA_DEVICE_MAX_CONNECTIONS=32 hardware queues (moelink refuses fewer), and the test executables run with 8
+# ranks (MOELINK_TEST_RANKS_INTRANODE, MOELINK_TEST_RANKS_INTERNODE) on however many GPUs there are, so that
+# no test skips for want of ranks on a machine with fewer GPUs.
 #
 # Two instances may run side by side on disjoint GPUs (CUDA_VISIBLE_DEVICES) with their own OUT and W.
 #
@@ -179,7 +180,7 @@ run_tests() {
         crate=${b##*/}; crate=${crate%%.*}
         echo "--- $(basename "$b")"
         # The internode tests use fixed rank counts up to 8, sharing the GPUs there are.
-        local ranks=$MOELINK_TEST_RANKS
+        local ranks=${MOELINK_TEST_RANKS_INTRANODE:-8}
         case $b in *internode*) ranks=${MOELINK_TEST_RANKS_INTERNODE:-8} ;; esac
         # Each executable under its own timeout: one hang must not hide the others' results.
         (cd "$ROOT/crates/$crate" 2>/dev/null || cd "$ROOT" || exit; MOELINK_TEST_RANKS=$ranks timeout --kill-after=10 "${T_TEST_EACH:-240}" "$b" $TEST_ARGS)
@@ -190,7 +191,7 @@ run_tests() {
     return "$worst"
 }
 export -f run_tests
-export BIN BIN_DIR ROOT OUT SCRATCH NGPU TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTERNODE DRY_RUN
+export BIN BIN_DIR ROOT OUT SCRATCH NGPU TEST_ARGS TEST_BINS T_TEST_EACH MOELINK_TEST_RANKS MOELINK_TEST_RANKS_INTRANODE MOELINK_TEST_RANKS_INTERNODE DRY_RUN
 # The bodies under steps/ run only from here.
 export MOELINK_DEVICE_RUN=1
 

@@ -551,8 +551,9 @@ pub const DEFAULT_COMBINE_RELEASE: HtRelease = HtRelease { releaser: true, batch
 
 /// Both kernels' release where every rank of the node shares one GPU: the senders' own fences, batches of 4.
 /// The releaser hides a fence's wait for stores to cross a link; with no link that wait is short, and the
-/// releaser's warp is worth more as a sender (four ranks on one H200: the fresh BF16 dispatch 2-3 % slower
-/// with the releaser; bench/results/2026-12-01-1xnvidia-h200-79d1a29-releaser-sharing).
+/// releaser's warp is worth more as a sender. Four ranks on one H200: fresh BF16 dispatch 902-910 -> 887-894
+/// µs, combine 735-744 -> 725-730; two ranks give up 1.5-1.8 % (bench/results/2026-12-01-1xnvidia-h200-
+/// 5ddfa0d-one-gpu-release).
 pub const ONE_GPU_RELEASE: HtRelease = HtRelease { releaser: false, batch: 4 };
 
 /// Work chunks of the HT kernels' warps (`HtCursor` in ht.cuh): every warp takes every n-th chunk, so that
