@@ -206,7 +206,7 @@ sub_budget() {
 for s in $STEPS; do
     case $s in
         info)     step info     "${T_INFO:-30}"     "$BIN" info ;;
-        tests)    step tests    "${T_TESTS:-150}"   bash -c run_tests ;;
+        tests)    step tests    "${T_TESTS:-300}"   bash -c run_tests ;;
         selftest) step selftest "${T_SELFTEST:-45}" "$BIN" selftest --strict ;;
         process)  step process  "${T_PROCESS:-60}"  torchrun --nproc_per_node="$NGPU" --no-python "$BIN" selftest --process --strict ;;
         nvlink)   step nvlink   "${T_NVLINK:-90}"   "$BIN" bench nvlink $NVLINK_ARGS --json "$OUT/nvlink.json" ;;
