@@ -10,8 +10,9 @@
 #           stay alive, rebuild over the survivors and pass a checked round trip), then LL dispatch and
 #           combine again with --shrink (survivors mask it and keep serving, checked against the host
 #           backend). Every rank prints one CHAOS_* line; they are collected into reliability.json.
-#   poison  the poison test executable (tests/poison.rs), GPU tests included: a kernel timeout poisons
-#           every entry point until rebuilt; dropping a buffer with kernels in flight waits for them.
+#   poison  the poison test executable (tests/poison.rs), GPU tests included, at MOELINK_TEST_RANKS_INTRANODE
+#           ranks (8) sharing the GPUs: a kernel timeout poisons every entry point until rebuilt; dropping a
+#           buffer with kernels in flight waits for them.
 #   soak    `moelink-stress soak --backend cuda` (thread mode, one rank per GPU): up to SOAK_ROUNDS (10000) rounds
 #           of each family checked bit for bit against the host backend, memory sampled, stopping at the
 #           time left (at most SOAK_S seconds) with honest counts.
@@ -154,7 +155,7 @@ step_poison() {
     local b=$BIN_DIR/tests/moelink.test.poison t
     [ -x "$b" ] || { echo "no poison test executable carried (.device/tests/moelink.test.poison)"; return 1; }
     t=$(( $(left) - 10 )); [ "$t" -gt 120 ] && t=120
-    (cd "$ROOT/crates/moelink" && MOELINK_TEST_RANKS=$NGPU timeout --kill-after=10 "$t" "$b" --include-ignored --test-threads=1 2>&1) \
+    (cd "$ROOT/crates/moelink" && MOELINK_TEST_RANKS=${MOELINK_TEST_RANKS_INTRANODE:-8} timeout --kill-after=10 "$t" "$b" --include-ignored --test-threads=1 2>&1) \
         | tee "$OUT/poison-log.txt"
     return "${PIPESTATUS[0]}"
 }
