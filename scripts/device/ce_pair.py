@@ -7,12 +7,27 @@ At DeepEP's shape (4096 tokens, hidden 7168), per direction, both directions at 
   2. ce-chunks: the same in 8 copies (what a pipelined path would issue), and the host time to issue them;
   3. sm:        a local copy of twice the rows on 24 SMs (Triton, 24 programs), what the receivers move;
   4. ce+sm:     1 and 3 at once on separate streams: do the copy engines and the SMs' local copy overlap?
-  5. pipeline8: the copy-engine dispatch end to end: 8 pieces, each followed by a 4-byte copy of a flag into
-                the peer, while 24 Triton programs copy the own rows and then each piece once its flag is set.
+  5. pipelineN: the copy-engine dispatch end to end: N pieces, each followed by its flag in the peer (a 4-byte
+                copy, or a stream write: cuStreamWriteValue32), on one side stream or alternating over two,
+                while 24 Triton programs copy the own rows and then each piece once its flag is set;
+                ce-pieces8-*: the same pieces and flags without receivers.
 Times: CUDA events, median of 20 reps, the slower GPU; the host issues each case while the GPUs sleep.
 """
-import json, statistics, sys, time
+import ctypes, json, statistics, sys, time
 import torch
+
+# Flags written by the stream itself (cuStreamWriteValue32, with its memory barrier before the write), the
+# form a path of our own would use, beside flags written by 4-byte copies.
+_libcuda = ctypes.CDLL("libcuda.so.1")
+_write_value = _libcuda.cuStreamWriteValue32_v2
+_write_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+_write_value.restype = ctypes.c_int
+
+
+def stream_write_value(stream, ptr, value):
+    rc = _write_value(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(ptr), ctypes.c_uint32(value), 0)
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWriteValue32_v2 returned {rc}")
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "ce_pair.json"
 T, H = 4096, 7168
@@ -70,6 +85,7 @@ except Exception as e:  # noqa: BLE001
 res = {"sm_kind": sm_kind, "one_gpu": ONE_GPU, "gpus": [torch.cuda.get_device_name(d) for d in devs], "cases": []}
 streams = [torch.cuda.Stream(device=d) for d in devs]
 side = [torch.cuda.Stream(device=d) for d in devs]
+side2 = [torch.cuda.Stream(device=d) for d in devs]
 
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at 1.98 GHz: longer than the host takes to issue any case
@@ -142,23 +158,33 @@ for dtype, row_bytes in (("bf16", H * 2), ("fp8", H)):
     own_out = [local_dst[i][: nbytes // 4] for i in range(2)]
     epoch = [0]
 
-    def pipeline(i, receive=True):
+    def pipeline(i, receive=True, pieces=PIECES, flag="copy", num_streams=1):
+        """pieces copies (alternating over num_streams side streams), each followed by its flag: a 4-byte
+        copy ("copy") or a stream write ("write")."""
         peer = 1 - i
         if i == 0:
             epoch[0] += 1
         e = epoch[0]
         with torch.cuda.stream(streams[i]):
             epoch_word[i].fill_(e)
-        side[i].wait_stream(streams[i])
+        lanes = [side[i], side2[i]][:num_streams]
+        for lane in lanes:
+            lane.wait_stream(streams[i])
         n = x[i].numel()
-        with torch.cuda.stream(side[i]):
-            for c in range(PIECES):
-                a, b = n * c // PIECES, n * (c + 1) // PIECES
+        for c in range(pieces):
+            lane = lanes[c % num_streams]
+            a, b = n * c // pieces, n * (c + 1) // pieces
+            with torch.cuda.stream(lane):
                 stage[peer][a:b].copy_(x[i][a:b], non_blocking=True)
-                flags[peer][c : c + 1].copy_(epoch_word[i], non_blocking=True)
+                if flag == "copy":
+                    flags[peer][c : c + 1].copy_(epoch_word[i], non_blocking=True)
+                else:
+                    stream_write_value(lane, flags[peer].data_ptr() + 4 * c, e)
+        for lane in lanes[1:]:
+            side[i].wait_stream(lane)
         if receive:
             with torch.cuda.stream(streams[i]):
-                receive_kernel[(24,)](own[i], own_out[i], own[i].numel(), stage[i], out[i], flags[i], n // PIECES, PIECES, e,
+                receive_kernel[(24,)](own[i], own_out[i], own[i].numel(), stage[i], out[i], flags[i], n // pieces, pieces, e,
                                       BLOCK=8192, NPROG=24, num_warps=16)
 
     cases = {
@@ -168,16 +194,22 @@ for dtype, row_bytes in (("bf16", H * 2), ("fp8", H)):
         "ce+sm": lambda i: (ce(i), sm(i)),
         "ce-chunks8+sm": lambda i: (ce(i, 8), sm(i)),
         "ce-pieces8-flags": lambda i: pipeline(i, receive=False),
+        "ce-pieces8-writes": lambda i: pipeline(i, receive=False, flag="write"),
+        "ce-pieces8-writes-2streams": lambda i: pipeline(i, receive=False, flag="write", num_streams=2),
         "pipeline8": pipeline,
+        "pipeline8-writes": lambda i: pipeline(i, flag="write"),
+        "pipeline8-writes-2streams": lambda i: pipeline(i, flag="write", num_streams=2),
+        "pipeline4-writes": lambda i: pipeline(i, pieces=4, flag="write"),
+        "pipeline4-writes-2streams": lambda i: pipeline(i, pieces=4, flag="write", num_streams=2),
     }
     if sm_kind.startswith("torch"):
-        del cases["pipeline8"]
+        cases = {k: v for k, v in cases.items() if not k.startswith("pipeline")}
     for name, issue in cases.items():
         t, med, host = timed(issue)
         moved = nbytes if name.startswith("ce") else 0
         rec = {"dtype": dtype, "case": name, "us": round(t, 1), "per_gpu_us": [round(m, 1) for m in med], "host_issue_us": round(host, 1),
                "bytes_per_direction": moved, "ce_gbps_per_direction": round(moved / (t * 1e-6) / 1e9, 1) if moved else None,
-               "local_bytes": 2 * nbytes if ("sm" in name or name == "pipeline8") else 0}
+               "local_bytes": 2 * nbytes if ("sm" in name or name.startswith("pipeline")) else 0}
         res["cases"].append(rec)
         print(f"{dtype} {name:14s} {t:8.1f} us  per GPU {rec['per_gpu_us']}  host {host:6.1f} us  CE GB/s/dir {rec['ce_gbps_per_direction']}", flush=True)
     # The staged rows arrived intact (the last case's copies).
