@@ -70,6 +70,7 @@
 
 // QPs a rank may name per peer (RdmaArgs::num_qps <= RDMA_MAX_QPS).
 constexpr u32 RDMA_MAX_QPS = 32;
+static_assert(RDMA_MAX_QPS <= WARP_SIZE, "nic_serve reads a QP a lane");
 // Descriptors per emulated QP: a poster waits (deadline) while its QP holds this many undelivered ones.
 constexpr u32 NIC_RING = 256;
 // `qp` value of quiet_thread / fence_thread that covers every QP.

@@ -88,9 +88,11 @@ fn combine_send_blocks(t: &Tuning, num_sms: usize, num_ranks: usize) -> usize {
 }
 
 /// How the senders release their rows: the kernel's default (`moelink_kernels::ht::default_dispatch_release`,
-/// `DEFAULT_COMBINE_RELEASE`, or `ONE_GPU_RELEASE` where the node's ranks share one GPU), with
-/// `Tuning::ht_release_batch` (clamped to 1..=64) and `Tuning::ht_releaser` overriding.
-fn release(t: &Tuning, default: kht::HtRelease) -> kht::HtRelease {
+/// `DEFAULT_COMBINE_RELEASE`), or `ONE_GPU_RELEASE` where every rank of the node runs on one GPU
+/// (`node_on_one_gpu`), with `Tuning::ht_release_batch` (clamped to 1..=64) and `Tuning::ht_releaser`
+/// overriding.
+fn release(t: &Tuning, node_on_one_gpu: bool, kernel_default: kht::HtRelease) -> kht::HtRelease {
+    let default = if node_on_one_gpu { kht::ONE_GPU_RELEASE } else { kernel_default };
     kht::HtRelease {
         releaser: t.ht_releaser.unwrap_or(default.releaser),
         batch: t.ht_release_batch.map_or(default.batch, |n| n.clamp(1, 64)),
@@ -389,8 +391,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     let state = plan.state.take::<CudaPlan>("plan", rank, INTRANODE)?;
     let addrs = dispatch_addrs(b, &s, a, &out)?;
     let region = region(b);
-    let default = if b.gpu.node_on_one_gpu() { kht::ONE_GPU_RELEASE } else { kht::default_dispatch_release(s.fp8) };
-    let release = release(&b.tuning, default);
+    let release = release(&b.tuning, b.gpu.node_on_one_gpu(), kht::default_dispatch_release(s.fp8));
     let variant = HtDispatchVariant {
         release_batch: release.batch,
         releaser: release.releaser,
@@ -512,8 +513,7 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
     let rank = s.rank;
     let r = routing_of(&a.handle.data, rank)?;
     let c = combine_addrs(b, rank, a, &out)?;
-    let default = if b.gpu.node_on_one_gpu() { kht::ONE_GPU_RELEASE } else { kht::DEFAULT_COMBINE_RELEASE };
-    let release = release(&b.tuning, default);
+    let release = release(&b.tuning, b.gpu.node_on_one_gpu(), kht::DEFAULT_COMBINE_RELEASE);
     let variant = HtCombineVariant {
         num_biases: c.num_biases as u32,
         release_batch: release.batch,
@@ -593,7 +593,7 @@ mod tests {
     fn tuning_overrides_are_clamped_where_they_are_used() {
         let d = Tuning::default();
         assert_eq!(
-            (release(&d, kht::DEFAULT_COMBINE_RELEASE), recv_chunk(&d), reduce_load_vecs(&d)),
+            (release(&d, false, kht::DEFAULT_COMBINE_RELEASE), recv_chunk(&d), reduce_load_vecs(&d)),
             (kht::DEFAULT_COMBINE_RELEASE, kht::DEFAULT_RECV_CHUNK, HtCombineVariant::REDUCE_LOAD_VECS)
         );
         assert_eq!((send_chunk(&d, 4), dynamic_send(&d, 4), timing_experiment(&d)), (4, 1, 0));
@@ -608,9 +608,16 @@ mod tests {
             ..d
         };
         assert_eq!((dispatch_send_blocks(&t, 24, 2), combine_send_blocks(&t, 24, 2)), (23, 1));
-        assert_eq!((release(&t, kht::default_dispatch_release(true)).batch, send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
+        assert_eq!((release(&t, false, kht::default_dispatch_release(true)).batch, send_chunk(&t, 4), dynamic_send(&t, 4)), (64, 8, 0));
         let off = Tuning { ht_releaser: Some(false), ..Tuning::default() };
-        assert_eq!(release(&off, kht::DEFAULT_COMBINE_RELEASE), kht::HtRelease { releaser: false, batch: 2 });
+        assert_eq!(release(&off, false, kht::DEFAULT_COMBINE_RELEASE), kht::HtRelease { releaser: false, batch: 2 });
+        assert_eq!(release(&d, true, kht::DEFAULT_COMBINE_RELEASE), kht::ONE_GPU_RELEASE, "a node on one GPU");
+        let on = Tuning { ht_releaser: Some(true), ..Tuning::default() };
+        assert_eq!(
+            release(&on, true, kht::DEFAULT_COMBINE_RELEASE),
+            kht::HtRelease { releaser: true, batch: 4 },
+            "the tuning still overrides"
+        );
         assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 15));
         assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
     }
