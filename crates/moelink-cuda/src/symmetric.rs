@@ -284,6 +284,44 @@ impl SymmetricBuffer {
     pub fn device(&self) -> &Device {
         self.local.device()
     }
+
+    /// Copies bytes `[src_offset, src_offset + bytes)` of `src` (device memory of this rank's GPU) into rank
+    /// `r`'s buffer at `offset`, in `stream`'s order (a stream of this rank's GPU): a copy-engine copy, which
+    /// takes no SM. The bytes of rank `r`'s buffer are the protocol's: the caller writes only where `r`
+    /// expects this rank to write, after `r` handed that part back.
+    pub fn copy_to_peer_async(
+        &self,
+        r: usize,
+        offset: usize,
+        src: &crate::MemRef<'_>,
+        src_offset: usize,
+        bytes: usize,
+        stream: &crate::Stream,
+    ) -> Result<()> {
+        let ordinal = self.device().ordinal();
+        if r >= self.peer_ptrs.len() {
+            return Err(Error::invalid(format!("copy_to_peer_async: rank {r} of {}", self.peer_ptrs.len())));
+        }
+        if src.place() != crate::Place::Device(ordinal) || stream.device().ordinal() != ordinal {
+            return Err(Error::invalid(format!(
+                "copy_to_peer_async: the source ({:?}) and the stream (GPU {}) must be on this rank's GPU {ordinal}",
+                src.place(),
+                stream.device().ordinal()
+            )));
+        }
+        let within = |start: usize, len: usize| start.checked_add(bytes).is_some_and(|end| end <= len);
+        if !within(offset, self.len_bytes()) || !within(src_offset, src.len()) {
+            return Err(Error::invalid(format!(
+                "copy_to_peer_async: {bytes} bytes from byte {src_offset} of {} to byte {offset} of {}",
+                src.len(),
+                self.len_bytes()
+            )));
+        }
+        // SAFETY: the destination lies inside rank r's buffer, mapped here for as long as `self` lives (its drop
+        // waits for this rank's streams); the source lies inside lent device memory of this GPU, which its
+        // lender keeps valid until the stream work that reads it has completed (`MemRef::from_raw`).
+        unsafe { stream.copy_dtod(self.peer_ptrs[r] + offset as u64, src.addr() + src_offset as u64, bytes) }
+    }
 }
 
 #[cfg(test)]

@@ -57,6 +57,8 @@ constexpr u32 HT_ROW_ALIGN = 128;
 constexpr u32 HT_CTRL_NOTIFY_EPOCH = 0;            // u32: calls of ht_notify so far
 constexpr u32 HT_CTRL_DISPATCH_EPOCH = 4;          // u32: calls of ht_dispatch so far (not counting skipped)
 constexpr u32 HT_CTRL_COMBINE_EPOCH = 8;           // u32: calls of ht_combine so far (not counting skipped)
+constexpr u32 HT_CTRL_CE_GO = 12;                  // u32: the dispatch epoch the copy-engine pieces may signal (0: none)
+constexpr u32 HT_CTRL_CE_SEEN = 16;                // u32: the dispatch epoch the copy-engine wait last read
 constexpr u32 HT_CTRL_DISPATCH_DONE = 128;         // u32: blocks of the running ht_dispatch that finished
 constexpr u32 HT_CTRL_COMBINE_DONE = 256;          // u32: blocks of the running ht_combine that finished
 constexpr u32 HT_CTRL_DISPATCH_CONSUMED = 384;     // u32[MAX_RANKS]: [src] = last dispatch epoch src consumed
@@ -82,6 +84,16 @@ constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPECTED + (1 + HT_MAX_LOCAL_EXPERTS)
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_NOTIFY_MSGS, "notify flags overlap the messages");
 static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, "consumed flags overlap");
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK, "chunk counters overlap the notify flags");
+
+// ------------------------------------------------------------------------------------ copy-engine staging
+// With HT_CE (ht_dispatch's copy-engine receive, two ranks, cached dispatch), the source's copy engines push its
+// whole x by token index into its dispatch slab at the peer ([src] of the peer's slab), in pieces of
+// ce_piece_tokens tokens: a header line (the source's FP8 scale strides, i64 per token and per group, which
+// ht_ce_signal stores), then token t's payload at HT_CE_HEADER_BYTES + t * payload bytes, then the FP8 scales
+// (the source's x_scales storage as it is) at ce_scales_offset. Piece p is complete when dispatch row flag
+// [src][p] at the peer holds the call's epoch.
+constexpr u32 HT_CE_HEADER_BYTES = HT_ROW_ALIGN;
+constexpr u32 HT_CE_WAIT = 0xffffffffu;  // ht_ce_signal's `piece` for the wait before the first piece
 
 // Words of a notify message (what a rank tells each destination before a fresh dispatch).
 constexpr u32 HT_MSG_COUNT = 0;        // tokens the source sends to this destination

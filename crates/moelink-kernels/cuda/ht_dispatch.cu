@@ -10,13 +10,14 @@
 //   RELEASE_BATCH                     tokens a sender warp writes before one release publishes them all
 //   HT_RELEASER                       1: the last warp of each sender block releases the others' rows (ht.cuh)
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
+//   HT_CE                             1: copy-engine receive (two ranks, cached dispatch; receive_ce), else 0
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::dispatch_row_bytes)
 //   MOELINK_SIZEOF_HT_DISPATCH_ARGS   sizeof(moelink_kernels::ht::HtDispatchArgs)
 #include "ht.cuh"
 
 #if !defined(HIDDEN) || !defined(FP8) || !defined(TOPK) || !defined(DISPATCH_WARPS) || !defined(MAX_UNROLL) || \
     !defined(RELEASE_BATCH) || !defined(HT_RELEASER) || !defined(HT_EXPERIMENT) || !defined(ROW_BYTES) ||                   \
-    !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
+    !defined(HT_CE) || !defined(MOELINK_SIZEOF_HT_DISPATCH_ARGS)
 #error "ht_dispatch.cu needs every JIT constant listed at the top of the file"
 #endif
 
@@ -87,6 +88,9 @@ struct HtDispatchArgs {
   u64 channel_prefix;      // i32 [R, num_channels]: tokens for r in channels 0..=c (all in the last); 0: not wanted
   u64 recv_channel_prefix; // i32 [R, num_channels]: where channel c of source r starts among its rows (0); 0: not wanted
   u32 num_channels;        // columns of the two channel matrices
+  u32 ce_piece_tokens;     // HT_CE: tokens per piece of the peer's staging
+  u64 ce_src_idx;          // HT_CE: i32 [num_out_rows], the source token of each received row (the handle's)
+  u32 ce_scales_offset;    // HT_CE: byte offset of the FP8 scales in the staging
   u32 reserved;
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * DISPATCH_WARPS;  // per block
@@ -591,6 +595,102 @@ __device__ __forceinline__ void write_channel_prefixes(const HtDispatchArgs& a) 
   }
 }
 
+// Rows a copy-engine receiver warp takes from the call's counter at a time.
+constexpr u32 CE_RECV_CHUNK = 4;
+constexpr u32 CE_SCALE_ITERS = FP8 ? (NUM_SCALES + WARP_SIZE - 1) / WARP_SIZE : 1;  // FP8 scales per lane
+static_assert(!HT_CE || TOPK == 0, "the copy-engine receive serves cached dispatches (no top-k)");
+
+// HT_CE: every warp of the grid receives (num_send_blocks 0; two ranks). Items are this rank's rows, then the
+// peer's, each in receive order (for the peer: its token order, the order its pieces land); warps take
+// CE_RECV_CHUNK items at a time from the call's counter (HT_CTRL_DISPATCH_CHUNK, which no sender uses here).
+// Row pos comes from token t = ce_src_idx[pos]: own rows from x and x_scales, the peer's from its staging
+// once the flag of piece t / ce_piece_tokens holds the epoch (lane 0 waits with the deadline, then every lane
+// acquires it: every lane reads part of the row). Pieces land in order, so a warp acquires each piece once.
+__device__ __forceinline__ void receive_ce(const HtDispatchArgs& a, u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+  const u32 lane = threadIdx.x % WARP_SIZE, me = a.rank, peer = 1u - me;
+  const i32* routing = reinterpret_cast<const i32*>(a.routing);
+  const u32 own_first = (u32)routing[HT_RT_RECV_OFFSET + me], own_count = (u32)routing[HT_RT_RECV_COUNT + me];
+  const u32 peer_first = (u32)routing[HT_RT_RECV_OFFSET + peer], peer_count = (u32)routing[HT_RT_RECV_COUNT + peer];
+  const u32 total = own_count + peer_count;
+  const u8* staging = reinterpret_cast<const u8*>(a.data[me] + a.slab_offset) + (u64)peer * a.slab_rows * ROW_BYTES;
+  const u32* piece_flags = reinterpret_cast<const u32*>(a.data[me] + a.flags_offset) + (u64)peer * a.flag_slots;
+  const i32* src_idx = reinterpret_cast<const i32*>(a.ce_src_idx);
+  u32* counter = ht_ctrl_word(a.ctrl[me], HT_CTRL_DISPATCH_CHUNK);
+  // DeepEP's send_head, which the SM senders write as they go: no sender here.
+  if (a.send_head != 0) {
+    const i32* prefix = routing + HT_RT_PREFIX;
+    for (u32 t = warp_id * WARP_SIZE + lane; t < a.num_tokens; t += num_warps * WARP_SIZE)
+      for (u32 r = 0; r < a.num_ranks; r++) {
+        const i32 p0 = prefix[(u64)t * a.num_ranks + r], p1 = prefix[(u64)(t + 1) * a.num_ranks + r];
+        reinterpret_cast<i32*>(a.send_head)[(u64)t * a.num_ranks + r] = p1 > p0 ? p0 : -1;
+      }
+  }
+  u32 pieces_ready = 0;
+  i64 peer_stride_token = 0, peer_stride_group = 0;
+  while (true) {
+    const HtCursor c = ht_chunk_at(ht_grab_chunk(counter), CE_RECV_CHUNK, total);
+    if (c.next == c.end) return;
+    for (u32 k = c.next; k < c.end; k++) {
+      const bool own = k < own_count;
+      const u32 pos = own ? own_first + k : peer_first + (k - own_count);
+      if (pos >= a.num_out_rows) continue;
+      const u32 t = (u32)src_idx[pos];
+      if (a.recv_src_idx != 0 && lane == 0) reinterpret_cast<i32*>(a.recv_src_idx)[pos] = (i32)t;
+      const u32x4* src;
+      const u32* scales;
+      i64 stride_token, stride_group;
+      if (own) {
+        src = reinterpret_cast<const u32x4*>(a.x) + (u64)t * PAYLOAD_VECS;
+        scales = reinterpret_cast<const u32*>(a.x_scales);
+        stride_token = a.scale_stride_token;
+        stride_group = a.scale_stride_group;
+      } else {
+        const u32 piece = t / a.ce_piece_tokens;
+        if (piece >= pieces_ready) {
+          bool ok = true;
+          if (lane == 0) ok = wait_flag_geq(piece_flags + piece, epoch, d, peer);
+          if (!__shfl_sync(FULL_WARP_MASK, ok, 0)) return;
+          (void)ptx::ld_acquire_sys(piece_flags + piece);
+          pieces_ready = piece + 1;
+          const i64* header = reinterpret_cast<const i64*>(staging);
+          peer_stride_token = header[0];
+          peer_stride_group = header[1];
+        }
+        src = reinterpret_cast<const u32x4*>(staging + HT_CE_HEADER_BYTES + (u64)t * PAYLOAD_BYTES);
+        scales = reinterpret_cast<const u32*>(staging + a.ce_scales_offset);
+        stride_token = peer_stride_token;
+        stride_group = peer_stride_group;
+      }
+      // The scales are loaded with the payload, so that their round trip is the payload's.
+      u32 scale[CE_SCALE_ITERS];
+#pragma unroll
+      for (u32 i = 0; i < CE_SCALE_ITERS; i++) {
+        const u32 g = lane + i * WARP_SIZE;
+        if (FP8 && g < NUM_SCALES) scale[i] = scales[(i64)t * stride_token + (i64)g * stride_group];
+      }
+      if (own)
+        copy_payload<true>(src, reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, lane);
+      else
+        copy_payload<false>(src, reinterpret_cast<u32x4*>(a.recv_x) + (u64)pos * PAYLOAD_VECS, lane);
+#pragma unroll
+      for (u32 i = 0; i < CE_SCALE_ITERS; i++) {
+        const u32 g = lane + i * WARP_SIZE;
+        if (FP8 && g < NUM_SCALES) reinterpret_cast<u32*>(a.recv_scales)[(u64)pos * NUM_SCALES + g] = scale[i];
+      }
+    }
+  }
+}
+
+// HT_CE's block end: thread 0 waits until this call's copy-engine wait kernel has published CE_SEEN (the
+// epoch it read), so that the last block cannot advance the epoch before that kernel read it.
+__device__ __forceinline__ void ce_block_end(const HtDispatchArgs& a) {
+  if (threadIdx.x != 0) return;
+  const u32* seen = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_CE_SEEN);
+  const u32 epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_DISPATCH_EPOCH)) + 1;
+  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_DISPATCH);
+  (void)spin_until([&]() { return ptx::ld_relaxed_gpu(seen) == epoch; }, d, a.rank);
+}
+
 namespace moelink::intranode {
 // moelink::intranode::dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
 //   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
@@ -612,7 +712,16 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
   ht_run_op<DISPATCH_WARPS, TRACE_WORDS>(
       a, PHASE_DISPATCH, a.num_ranks, ROW_BYTES, HT_DISPATCH_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
-      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { receive(a, epoch, d, warp_id, num_warps); },
-      [&]() { flush_tallies(a); }, [&](const Deadline& d) { check_expert_tokens(a, d); });
+      [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) {
+        if (HT_CE)
+          receive_ce(a, epoch, d, warp_id, num_warps);
+        else
+          receive(a, epoch, d, warp_id, num_warps);
+      },
+      [&]() {
+        flush_tallies(a);
+        if (HT_CE) ce_block_end(a);
+      },
+      [&](const Deadline& d) { check_expert_tokens(a, d); });
 }
 }  // namespace moelink::intranode

@@ -37,6 +37,10 @@ pub mod ctrl {
     pub const DISPATCH_EPOCH: usize = 4;
     /// `u32`: combine calls so far.
     pub const COMBINE_EPOCH: usize = 8;
+    /// `u32`: the dispatch epoch the copy-engine pieces may signal (0: none); `ht_ce_signal.cu`.
+    pub const CE_GO: usize = 12;
+    /// `u32`: the dispatch epoch the copy-engine wait last read.
+    pub const CE_SEEN: usize = 16;
     /// `u32`: finished blocks of the running dispatch.
     pub const DISPATCH_DONE: usize = 128;
     /// `u32`: finished blocks of the running combine.
@@ -404,6 +408,12 @@ pub struct HtDispatchArgs {
     pub recv_channel_prefix: DevPtr,
     /// Columns of the two channel matrices.
     pub num_channels: u32,
+    /// Copy-engine receive (`HT_CE`): tokens per piece of the peer's staging.
+    pub ce_piece_tokens: u32,
+    /// Copy-engine receive: `i32 [num_out_rows]`, the source token of each received row (the handle's).
+    pub ce_src_idx: DevPtr,
+    /// Copy-engine receive: byte offset of the FP8 scales in the staging ([`ce_staging`]).
+    pub ce_scales_offset: u32,
     pub reserved: u32,
 }
 
@@ -440,6 +450,58 @@ pub struct HtCombineArgs {
     pub reserved: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
     pub trace: DevPtr,
+}
+
+/// Argument of `ht_ce_signal` (`HtCeSignalArgs` in `ht_ce_signal.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, NoUninit, Zeroable)]
+pub struct HtCeSignalArgs {
+    /// The handle's routing buffer (status, T_max).
+    pub routing: DevPtr,
+    /// This rank's HT control region.
+    pub ctrl: DevPtr,
+    /// The peer's dispatch row flags of this rank as source (`[rank][0..]` of the peer's data region).
+    pub peer_flags: DevPtr,
+    /// This rank's staging in the peer's dispatch slab (`[rank]`, header first).
+    pub peer_staging: DevPtr,
+    pub error_claim: DevPtr,
+    pub scale_stride_token: i64,
+    pub scale_stride_group: i64,
+    pub error_record: DevPtr,
+    pub timeout_ns: u64,
+    pub reserved64: u64,
+    pub rank: u32,
+    pub num_ranks: u32,
+    /// Slab rows per source for the dispatch's row size (the dispatch moves nothing when T_max exceeds it).
+    pub slab_rows: u32,
+    /// The piece whose flag to store, or [`CE_WAIT`] for the wait before the first piece.
+    pub piece: u32,
+    pub reserved: [u32; 2],
+}
+
+/// `ht_ce_signal`'s piece for the wait before the first piece (`HT_CE_WAIT`).
+pub const CE_WAIT: u32 = u32::MAX;
+/// Bytes of the staging's header line (`HT_CE_HEADER_BYTES`).
+pub const CE_HEADER_BYTES: usize = ROW_ALIGN;
+
+/// Where a copy-engine dispatch puts a source's rows in the peer's dispatch slab (`HT_CE` in ht.cuh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CeStaging {
+    /// Bytes of a token's payload.
+    pub payload_bytes: usize,
+    /// Offset of the FP8 scales (after `t_max` payloads, line-aligned).
+    pub scales_offset: usize,
+    /// Bytes the staging needs.
+    pub bytes: usize,
+}
+
+/// The staging of `t_max` tokens of `hidden` channels whose FP8 scales' storage spans `scale_floats` floats
+/// (0 for BF16), or `None` when it exceeds `slab_bytes_per_source`.
+pub fn ce_staging(hidden: usize, fp8: bool, t_max: usize, scale_floats: usize, slab_bytes_per_source: usize) -> Option<CeStaging> {
+    let payload_bytes = hidden.checked_mul(if fp8 { 1 } else { 2 })?;
+    let scales_offset = t_max.checked_mul(payload_bytes)?.checked_add(CE_HEADER_BYTES)?.checked_next_multiple_of(ROW_ALIGN)?;
+    let bytes = scale_floats.checked_mul(4)?.checked_add(scales_offset)?;
+    (bytes <= slab_bytes_per_source).then_some(CeStaging { payload_bytes, scales_offset, bytes })
 }
 
 /// u64 words of the timing trace per block of a kernel with `warps` warps per block (`HT_TRACE_*` in ht.cuh):
@@ -519,6 +581,9 @@ pub struct HtDispatchVariant {
     pub releaser: bool,
     /// 0, or `HT_EXP_*` bits of ht.cuh for timing experiments (results are wrong with bits 1, 2 and 8).
     pub experiment: u32,
+    /// Copy-engine receive (`HT_CE`, two ranks, cached dispatch): every block receives, the peer's rows from the
+    /// staging its copy engines filled ([`ce_staging`]).
+    pub copy_engine: bool,
 }
 
 /// How an HT sender warp's rows are released: `batch` rows (dispatch: tokens; combine: rows per source) a
@@ -570,7 +635,7 @@ impl HtDispatchVariant {
     /// The variant with the default release (`default_dispatch_release`).
     pub fn new(hidden: usize, fp8: bool, topk: usize) -> Self {
         let release = default_dispatch_release(fp8);
-        Self { hidden, fp8, topk, release_batch: release.batch, releaser: release.releaser, experiment: 0 }
+        Self { hidden, fp8, topk, release_batch: release.batch, releaser: release.releaser, experiment: 0, copy_engine: false }
     }
 
     /// Warps per block.
@@ -591,13 +656,14 @@ impl HtDispatchVariant {
         KernelSpec {
             family: Family::HtDispatch,
             variant: format!(
-                "ht_dispatch[h{},{},k{},b{},e{},x{}]",
+                "ht_dispatch[h{},{},k{},b{},e{},x{},c{}]",
                 self.hidden,
                 if self.fp8 { "fp8" } else { "bf16" },
                 self.topk,
                 self.release_batch,
                 self.releaser as u32,
-                self.experiment
+                self.experiment,
+                self.copy_engine as u32
             ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
@@ -609,8 +675,29 @@ impl HtDispatchVariant {
                 define("RELEASE_BATCH", self.release_batch),
                 define("HT_RELEASER", self.releaser as u32),
                 define("HT_EXPERIMENT", self.experiment),
+                define("HT_CE", self.copy_engine as u32),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>()),
+            ],
+        }
+    }
+}
+
+/// `ht_ce_signal.cu`: one variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HtCeSignalVariant;
+
+impl HtCeSignalVariant {
+    /// Threads per block (one block; the wait uses a lane per rank, a flag one thread).
+    pub const THREADS: u32 = 32;
+
+    pub fn spec(&self) -> KernelSpec {
+        KernelSpec {
+            family: Family::HtCeSignal,
+            variant: "ht_ce_signal".to_string(),
+            defines: vec![
+                define("MAX_RANKS", MAX_RANKS),
+                define("MOELINK_SIZEOF_HT_CE_SIGNAL_ARGS", std::mem::size_of::<HtCeSignalArgs>()),
             ],
         }
     }
@@ -745,6 +832,11 @@ pub fn variants() -> Vec<KernelSpec> {
             v.push(HtCombineVariant { releaser, ..HtCombineVariant::new(num_ranks, 7168, 8) }.spec());
         }
     }
+    // The copy-engine receive (cached dispatch: no top-k) and its signals.
+    for fp8 in [false, true] {
+        v.push(HtDispatchVariant { copy_engine: true, ..HtDispatchVariant::new(7168, fp8, 0) }.spec());
+    }
+    v.push(HtCeSignalVariant.spec());
     v.sort_by(|a, b| a.variant.cmp(&b.variant));
     v.dedup_by(|a, b| a.variant == b.variant);
     v
@@ -771,6 +863,9 @@ mod tests {
             ("HT_CTRL_NOTIFY_EPOCH", ctrl::NOTIFY_EPOCH),
             ("HT_CTRL_DISPATCH_EPOCH", ctrl::DISPATCH_EPOCH),
             ("HT_CTRL_COMBINE_EPOCH", ctrl::COMBINE_EPOCH),
+            ("HT_CTRL_CE_GO", ctrl::CE_GO),
+            ("HT_CTRL_CE_SEEN", ctrl::CE_SEEN),
+            ("HT_CE_HEADER_BYTES", CE_HEADER_BYTES),
             ("HT_CTRL_DISPATCH_DONE", ctrl::DISPATCH_DONE),
             ("HT_CTRL_COMBINE_DONE", ctrl::COMBINE_DONE),
             ("HT_CTRL_DISPATCH_CONSUMED", ctrl::DISPATCH_CONSUMED),
@@ -821,8 +916,22 @@ mod tests {
     fn struct_sizes() {
         assert_eq!(std::mem::size_of::<HtLayoutArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 14 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8 + 3 * 8 + 2 * 4);
+        assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 14 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8 + 3 * 8 + 2 * 4 + 8 + 2 * 4);
+        assert_eq!(std::mem::size_of::<HtCeSignalArgs>(), 5 * 8 + 2 * 8 + 3 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
+    }
+
+    #[test]
+    fn ce_staging_fits_or_refuses() {
+        // FP8 7168, 4096 tokens, scales [4096, 56]: header line, payloads, line-aligned scales.
+        let st = ce_staging(7168, true, 4096, 4096 * 56, usize::MAX).expect("fits");
+        assert_eq!((st.payload_bytes, st.scales_offset), (7168, 128 + 4096 * 7168));
+        assert_eq!(st.bytes, st.scales_offset + 4096 * 56 * 4);
+        assert_eq!(ce_staging(7168, true, 4096, 4096 * 56, st.bytes), Some(st), "exactly the slab");
+        assert_eq!(ce_staging(7168, true, 4096, 4096 * 56, st.bytes - 1), None, "one byte short");
+        let bf16 = ce_staging(100, false, 3, 0, usize::MAX).expect("fits");
+        assert_eq!((bf16.payload_bytes, bf16.scales_offset, bf16.bytes), (200, 768, 768));
+        assert_eq!(ce_staging(usize::MAX, false, 2, 0, usize::MAX), None, "overflow refuses");
     }
 
     #[test]

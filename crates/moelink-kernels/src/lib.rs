@@ -67,6 +67,7 @@ kernel_params!(
     ht::HtLayoutArgs,
     ht::HtNotifyArgs,
     ht::HtDispatchArgs,
+    ht::HtCeSignalArgs,
     ht::HtCombineArgs,
     ht_internode::HtiLayoutArgs,
     ht_internode::HtiNotifyArgs,
@@ -95,6 +96,8 @@ pub const HT_LAYOUT_SOURCE: &str = include_str!("../cuda/ht_layout.cu");
 pub const HT_NOTIFY_SOURCE: &str = include_str!("../cuda/ht_notify.cu");
 /// `cuda/ht_dispatch.cu`.
 pub const HT_DISPATCH_SOURCE: &str = include_str!("../cuda/ht_dispatch.cu");
+/// `cuda/ht_ce_signal.cu`.
+pub const HT_CE_SIGNAL_SOURCE: &str = include_str!("../cuda/ht_ce_signal.cu");
 /// `cuda/ht_combine.cu`.
 pub const HT_COMBINE_SOURCE: &str = include_str!("../cuda/ht_combine.cu");
 
@@ -138,6 +141,8 @@ pub mod kernel_name {
     pub const HT_NOTIFY: &str = "moelink::intranode::notify";
     /// `ht_dispatch.cu`: high-throughput dispatch.
     pub const HT_DISPATCH: &str = "moelink::intranode::dispatch";
+    /// `ht_ce_signal.cu`: the copy-engine pieces' wait and flags.
+    pub const HT_CE_SIGNAL: &str = "moelink::intranode::copy_engine_signal";
     /// `ht_combine.cu`: high-throughput combine.
     pub const HT_COMBINE: &str = "moelink::intranode::combine";
     /// `ll_dispatch.cu`: low-latency dispatch.
@@ -180,6 +185,8 @@ pub enum Family {
     HtNotify,
     /// `ht_dispatch.cu`: high-throughput dispatch.
     HtDispatch,
+    /// `ht_ce_signal.cu`: the copy-engine pieces' wait and flags.
+    HtCeSignal,
     /// `ht_combine.cu`: high-throughput combine.
     HtCombine,
     /// `ll_dispatch.cu`: low-latency dispatch ([`ll`]).
@@ -211,6 +218,7 @@ impl Family {
             Family::HtLayout => "ht_layout.cu",
             Family::HtNotify => "ht_notify.cu",
             Family::HtDispatch => "ht_dispatch.cu",
+            Family::HtCeSignal => "ht_ce_signal.cu",
             Family::HtCombine => "ht_combine.cu",
             Family::LlDispatch => "ll_dispatch.cu",
             Family::LlCombine => "ll_combine.cu",
@@ -232,6 +240,7 @@ impl Family {
             Family::HtLayout => HT_LAYOUT_SOURCE,
             Family::HtNotify => HT_NOTIFY_SOURCE,
             Family::HtDispatch => HT_DISPATCH_SOURCE,
+            Family::HtCeSignal => HT_CE_SIGNAL_SOURCE,
             Family::HtCombine => HT_COMBINE_SOURCE,
             Family::LlDispatch => ll::LL_DISPATCH_SOURCE,
             Family::LlCombine => ll::LL_COMBINE_SOURCE,
@@ -250,7 +259,7 @@ impl Family {
     pub fn headers(self) -> &'static [&'static str] {
         match self {
             Family::Barrier | Family::Copy => &[],
-            Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCombine => &[HT_HEADER],
+            Family::HtLayout | Family::HtNotify | Family::HtDispatch | Family::HtCeSignal | Family::HtCombine => &[HT_HEADER],
             Family::LlDispatch | Family::LlCombine => &[ll::LL_HEADER],
             Family::Transport => &[transport::TRANSPORT_HEADER],
             Family::LliDispatch | Family::LliCombine => &[ll::LL_HEADER, ll_internode::LLI_HEADER],
@@ -273,6 +282,7 @@ impl Family {
             Family::HtLayout => &[KernelInfo { name: kernel_name::HT_LAYOUT, hot: true }],
             Family::HtNotify => &[KernelInfo { name: kernel_name::HT_NOTIFY, hot: true }],
             Family::HtDispatch => &[KernelInfo { name: kernel_name::HT_DISPATCH, hot: true }],
+            Family::HtCeSignal => &[KernelInfo { name: kernel_name::HT_CE_SIGNAL, hot: false }],
             Family::HtCombine => &[KernelInfo { name: kernel_name::HT_COMBINE, hot: true }],
             Family::LlDispatch => &[KernelInfo { name: kernel_name::LL_DISPATCH, hot: true }],
             Family::LlCombine => &[KernelInfo { name: kernel_name::LL_COMBINE, hot: true }],

@@ -164,6 +164,7 @@ fn profilers_find_one_dispatch_and_one_combine_kernel_per_mode() {
             kernel_name::HT_NOTIFY => "(HtNotifyArgs)",
             kernel_name::HT_DISPATCH => "(HtDispatchArgs)",
             kernel_name::HT_COMBINE => "(HtCombineArgs)",
+            kernel_name::HT_CE_SIGNAL => "(HtCeSignalArgs)",
             kernel_name::LL_DISPATCH => "(LlDispatchArgs)",
             kernel_name::LL_COMBINE => "(LlCombineArgs)",
             kernel_name::LLI_DISPATCH => "(LliDispatchArgs)",
@@ -305,6 +306,8 @@ fn check_sass(tool: &std::ffi::OsStr, spec: &moelink_kernels::KernelSpec, compil
             kernel_name::HT_DISPATCH,
             &["LDG.E.NA.LTC256B.128.CONSTANT", "LDG.E.NA.128", "STG.E.NA.128", "MEMBAR.ALL.SYS", "STG.E.STRONG.SYS", "CCTL.IVALL"],
         )],
+        // The copy-engine pieces' flags: a system fence, then the peer's flag.
+        Family::HtCeSignal => &[(kernel_name::HT_CE_SIGNAL, &["MEMBAR.ALL.SYS", "STG.E.STRONG.SYS"])],
         Family::HtCombine => &[(
             kernel_name::HT_COMBINE,
             &[

@@ -216,6 +216,10 @@ pub struct Tuning {
     pub ht_recv_chunk: Option<u32>,
     /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
     pub ht_dynamic_send: Option<bool>,
+    /// Copy-engine pieces of a cached HT dispatch with two ranks on one node (`MOELINK_HT_CE_PIECES`; 0 or unset:
+    /// the SM senders): each rank's copy engines push its `x` into the peer's slab in this many pieces
+    /// (clamped to 1..=64), and every block of the dispatch receives (`moelink_kernels::ht::ce_staging`).
+    pub ht_ce_pieces: Option<u32>,
     /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
     /// other roles leave).
     pub hti_fwd_blocks: Option<usize>,
@@ -232,7 +236,7 @@ impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_RELEASER` (0/1), `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
-    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=15), `MOELINK_LL_SMS`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_CE_PIECES`, `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=15), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
@@ -268,6 +272,7 @@ impl Tuning {
                 None => None,
                 Some(_) => Some(switch(get, "MOELINK_HT_DYNAMIC_SEND")?),
             },
+            ht_ce_pieces: number(get, "MOELINK_HT_CE_PIECES")?,
             hti_fwd_blocks: number(get, "MOELINK_HTI_FWD_BLOCKS")?,
             ht_timing_experiment,
             ll_sms,
@@ -308,6 +313,7 @@ impl Tuning {
             show("ht_send_chunk", self.ht_send_chunk),
             show("ht_recv_chunk", self.ht_recv_chunk),
             show("ht_dynamic_send", self.ht_dynamic_send),
+            show("ht_ce_pieces", self.ht_ce_pieces),
             show("ll_sms", self.ll_sms),
         ]
         .into_iter()

@@ -227,6 +227,11 @@ pub struct TensorMut<'a> {
 }
 
 impl<'a> TensorRef<'a> {
+    /// The lent memory under the view (a copy-engine copy reads it whole).
+    pub(crate) fn mem(&self) -> MemRef<'a> {
+        self.mem
+    }
+
     view_common!();
 
     /// A contiguous view of a host slice.

@@ -161,6 +161,16 @@ pub(crate) struct Gpu {
     ranks_dividing_sms: usize,
     /// Whether every rank of this rank's node runs on this GPU, so that no peer is across a link.
     node_on_one_gpu: bool,
+    /// The stream of copy-engine copies and its fork and join events (created at first use).
+    side: Option<SideStream>,
+}
+
+/// A stream beside the operation stream: work forked onto it after the operation stream's earlier work, and
+/// joined back before the operation stream's later work, so that callers see one stream.
+struct SideStream {
+    stream: Stream,
+    fork: Event,
+    join: Event,
 }
 
 /// Whether the rank whose key (`host/pci bus id/process key`) is `key` runs on `gpu` (`host/pci bus id`).
@@ -259,6 +269,7 @@ impl Gpu {
             available_sms: device.available_sms(),
             ranks_dividing_sms,
             node_on_one_gpu,
+            side: None,
             mode: StreamMode::Own,
             last_foreign: None,
             capture: None,
@@ -395,6 +406,34 @@ impl Gpu {
             }
         };
         Ok(module.kernel(name)?)
+    }
+
+    /// Makes the side stream's later work wait for the operation stream's work so far (creates it at first use).
+    pub(crate) fn fork_side(&mut self) -> Result<()> {
+        if self.side.is_none() {
+            let stream = Stream::new(&self.device)?;
+            self.side = Some(SideStream { stream, fork: Event::new(&self.device, false)?, join: Event::new(&self.device, false)? });
+        }
+        let side = self.side.as_ref().expect("created above");
+        side.fork.record(self.mode.stream(&self.stream))?;
+        Ok(side.stream.wait_event(&side.fork)?)
+    }
+
+    /// The side stream ([`Gpu::fork_side`] created it).
+    pub(crate) fn side_stream(&self) -> Result<&Stream> {
+        self.side.as_ref().map(|s| &s.stream).ok_or_else(|| Error::invalid("stream", self.rank, "internal: no side stream forked"))
+    }
+
+    /// Later work of the operation stream waits for the side stream's work so far.
+    pub(crate) fn join_side(&self) -> Result<()> {
+        let Some(side) = &self.side else { return Ok(()) };
+        side.join.record(&side.stream)?;
+        Ok(self.op_stream().wait_event(&side.join)?)
+    }
+
+    /// Launches `kernel` with one by-value argument struct on `stream` (the side stream).
+    pub(crate) fn launch_on<A: KernelParams>(&self, stream: &Stream, kernel: &Kernel, cfg: &LaunchConfig, args: &A) -> Result<()> {
+        Ok(kernel.launch_typed(stream, cfg, args)?)
     }
 
     /// Launches `kernel` with one by-value argument struct on the operation stream.

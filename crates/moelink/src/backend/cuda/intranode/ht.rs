@@ -34,7 +34,7 @@ use super::{Intranode, INTRANODE};
 use crate::backend::{BackendData, HtDispatched, LayoutOutputs};
 use crate::config::Tuning;
 use crate::error::{Error, Phase, Result};
-use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Routing};
+use crate::ht::{CombineArgs, CombineOutputs, CombineSpec, DispatchArgs, DispatchOutputs, DispatchPlan, HtSpec, Payload, Routing};
 use crate::tensor::TensorRef;
 
 const _: () = assert!(kht::ctrl::BYTES <= ctrl::LL - ctrl::HT, "the HT control region overflows its slot");
@@ -166,6 +166,9 @@ pub(crate) struct HostRouting {
 pub(crate) struct CudaHtRouting {
     routing: PooledBuffer,
     host: Option<HostRouting>,
+    /// `i32 [N]`: the source token of each received row, kept for the copy-engine dispatch
+    /// (`Tuning::ht_ce_pieces`, two ranks, CPU-sync handles).
+    src_idx: Option<PooledBuffer>,
 }
 
 /// The handle data a dispatch returns: built by a fresh dispatch, shared by a cached one.
@@ -402,7 +405,14 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
 
     // The handle: a fresh dispatch builds it (routing from notify); a cached one re-uses it.
     let handle = match state {
-        CudaPlan::Fresh { routing, host } => HandleData::New(CudaHtRouting { routing, host }),
+        CudaPlan::Fresh { routing, host } => {
+            // The copy-engine receive finds rows by source token: the handle keeps the fresh call's.
+            let src_idx = match &host {
+                Some(_) if ce_pieces(&b.tuning, s.num_ranks).is_some() => Some(pool_take(&b.gpu, 4 * num_out_rows.max(1))?),
+                _ => None,
+            };
+            HandleData::New(CudaHtRouting { routing, host, src_idx })
+        }
         CudaPlan::Cached(data) => HandleData::Existing(data),
     };
     let r = match &handle {
@@ -438,6 +448,15 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         }
         None => (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL, 0),
     };
+    let ce = match &handle {
+        HandleData::Existing(_) => ce_plan(b, &s, a, r, slab_rows)?,
+        HandleData::New(_) => None,
+    };
+    let variant = HtDispatchVariant { copy_engine: ce.is_some(), ..variant };
+    let kept_src_idx = match (&handle, &r.src_idx) {
+        (HandleData::New(_), Some(buf)) => buf.ptr(),
+        _ => DevPtr::NULL,
+    };
     let args = HtDispatchArgs {
         x: addrs.x,
         x_scales: addrs.x_scales,
@@ -451,7 +470,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         recv_scales: addrs.recv_scales,
         recv_topk_idx: addrs.recv_topk_idx,
         recv_topk_weights: addrs.recv_topk_weights,
-        recv_src_idx: addrs.recv_src_idx,
+        recv_src_idx: if kept_src_idx.is_null() { addrs.recv_src_idx } else { kept_src_idx },
         routing: r.routing.ptr(),
         ctrl: ctrl_table,
         data: data_table,
@@ -467,7 +486,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         num_out_rows: to_u32(num_out_rows, "num_worst_tokens", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks: dispatch_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32,
+        num_send_blocks: if ce.is_some() { 0 } else { dispatch_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32 },
         send_chunk: sender_chunk,
         recv_chunk: recv_chunk(&b.tuning),
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
@@ -477,10 +496,23 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         channel_prefix,
         recv_channel_prefix,
         num_channels,
+        ce_piece_tokens: ce.as_ref().map_or(0, |c| c.piece_tokens as u32),
+        ce_src_idx: ce.as_ref().map_or(DevPtr::NULL, |c| c.src_idx),
+        ce_scales_offset: ce.as_ref().map_or(0, |c| c.staging.scales_offset as u32),
         reserved: 0,
     };
     let kernel = b.kernel_of(variant, kernel_name::HT_DISPATCH, HtDispatchVariant::spec)?;
-    b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    if let Some(ce) = &ce {
+        push_pieces(b, &s, a, ce, r, slab_rows, variant.row_bytes(), &kernel, &args)?;
+    } else {
+        b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    }
+    if !kept_src_idx.is_null() {
+        if let (Some(t), Some(buf)) = (&mut out.recv_src_idx, &r.src_idx) {
+            // Validated as a contiguous int32 [num_out_rows] tensor of this device; the kernel wrote the handle's copy.
+            t.device_span_mut()?.copy_from_device_async(buf.buffer(), 0, b.op_stream())?;
+        }
+    }
     if let Some(t) = &mut out.rank_prefix_matrix {
         // The output was validated as a contiguous int32 [R, R] tensor of this device; the routing buffer holds
         // R * R words at RANK_PREFIX, written by ht_notify earlier on this stream.
@@ -505,6 +537,110 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         HandleData::Existing(data) => data,
     };
     Ok(HtDispatched { data, num_recv_tokens })
+}
+
+// ------------------------------------------------------------------------------------------ copy engines
+
+/// `Tuning::ht_ce_pieces` (clamped to 1..=64) where the copy-engine dispatch applies: two ranks on the node.
+fn ce_pieces(t: &Tuning, num_ranks: usize) -> Option<usize> {
+    t.ht_ce_pieces.filter(|&n| n > 0 && num_ranks == 2).map(|n| (n as usize).min(64))
+}
+
+/// A cached dispatch by copy engines (`moelink_kernels::ht::ce_staging`; ht.cuh, "copy-engine staging").
+struct CePlan {
+    pieces: usize,
+    piece_tokens: usize,
+    staging: kht::CeStaging,
+    /// The handle's source token of each received row.
+    src_idx: DevPtr,
+    /// Bytes of this rank's x_scales storage (FP8), copied as it is.
+    scale_bytes: usize,
+}
+
+/// The copy-engine plan of a cached dispatch, or `None` for the SM senders: it needs `ce_pieces`, a handle
+/// that kept its source indices and knows T_max on the host, no graph capture (the pieces run on a side
+/// stream), an SM of this rank's share left free, and a staging that fits the slab.
+fn ce_plan(b: &Intranode, s: &HtSpec, a: &DispatchArgs<'_>, r: &CudaHtRouting, slab_rows: usize) -> Result<Option<CePlan>> {
+    let (Some(pieces), Some(host), Some(src_idx)) = (ce_pieces(&b.tuning, s.num_ranks), &r.host, &r.src_idx) else {
+        return Ok(None);
+    };
+    // The signal kernels need an SM beside the dispatch's blocks, which wait for them.
+    if b.gpu.is_capturing() || s.num_sms >= b.gpu.num_rank_sms() {
+        return Ok(None);
+    }
+    let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
+    let scale_bytes = match &a.x {
+        Payload::Fp8 { scales, .. } => scales.span_bytes(),
+        Payload::Bf16(_) => 0,
+    };
+    let Some(staging) = kht::ce_staging(s.hidden, s.fp8, host.t_max, scale_bytes / 4, slab_rows * row_bytes) else {
+        return Ok(None);
+    };
+    Ok(Some(CePlan { pieces, piece_tokens: host.t_max.div_ceil(pieces).max(1), staging, src_idx: src_idx.ptr(), scale_bytes }))
+}
+
+/// The copy-engine dispatch: on the side stream the wait for the peer's hand-back, then this rank's x by
+/// token index into its staging at the peer, piece by piece, each followed by its flag (`ht_ce_signal.cu`);
+/// on the operation stream the dispatch kernel, every block receiving; then the operation stream joins the
+/// side stream, so that x is read before the call's later work.
+#[allow(clippy::too_many_arguments)]
+fn push_pieces(
+    b: &mut Intranode,
+    s: &HtSpec,
+    a: &DispatchArgs<'_>,
+    ce: &CePlan,
+    r: &CudaHtRouting,
+    slab_rows: usize,
+    row_bytes: usize,
+    dispatch: &moelink_cuda::Kernel,
+    args: &HtDispatchArgs,
+) -> Result<()> {
+    let (rank, peer) = (s.rank, 1 - s.rank);
+    let signal = b.kernel_of(kht::HtCeSignalVariant, kernel_name::HT_CE_SIGNAL, kht::HtCeSignalVariant::spec)?;
+    let region = region(b);
+    let staging = HT_DATA + region.dispatch_slab_offset() + rank * slab_rows * row_bytes;
+    let flags = HT_DATA + region.dispatch_flags_offset() + 4 * rank * region.flag_slots();
+    let (error_claim, error_record) = b.error_sink();
+    let signal_args = |piece: u32| -> Result<kht::HtCeSignalArgs> {
+        Ok(kht::HtCeSignalArgs {
+            routing: r.routing.ptr(),
+            ctrl: b.gpu.peer_addr(rank, ctrl::HT)?,
+            peer_flags: b.gpu.peer_addr(peer, flags)?,
+            peer_staging: b.gpu.peer_addr(peer, staging)?,
+            error_claim,
+            scale_stride_token: args.scale_stride_token,
+            scale_stride_group: args.scale_stride_group,
+            error_record,
+            timeout_ns: b.timeout_ns,
+            rank: rank as u32,
+            num_ranks: s.num_ranks as u32,
+            slab_rows: args.slab_rows,
+            piece,
+            ..Default::default()
+        })
+    };
+    let wait = signal_args(kht::CE_WAIT)?;
+    let piece_args: Vec<kht::HtCeSignalArgs> = (0..ce.pieces).map(|p| signal_args(p as u32)).collect::<Result<_>>()?;
+    let one = LaunchConfig::linear(1, kht::HtCeSignalVariant::THREADS);
+    let x = a.x.x().mem();
+    let pb = ce.staging.payload_bytes;
+    b.gpu.fork_side()?;
+    let side = b.gpu.side_stream()?;
+    b.gpu.launch_on(side, &signal, &one, &wait)?;
+    for (p, flag) in piece_args.iter().enumerate() {
+        let first = p * ce.piece_tokens;
+        if first >= s.num_tokens {
+            break;
+        }
+        if let (0, Payload::Fp8 { scales, .. }) = (p, &a.x) {
+            b.gpu.sym.copy_to_peer_async(peer, staging + ce.staging.scales_offset, &scales.mem(), 0, ce.scale_bytes, side)?;
+        }
+        let n = ce.piece_tokens.min(s.num_tokens - first);
+        b.gpu.sym.copy_to_peer_async(peer, staging + kht::CE_HEADER_BYTES + first * pb, &x, first * pb, n * pb, side)?;
+        b.gpu.launch_on(side, &signal, &one, flag)?;
+    }
+    b.launch(dispatch, &LaunchConfig::linear(s.num_sms as u32, HtDispatchVariant::WARPS * 32), args)?;
+    b.gpu.join_side()
 }
 
 // ------------------------------------------------------------------------------------------ combine
@@ -620,5 +756,8 @@ mod tests {
         );
         assert_eq!((reduce_load_vecs(&t), timing_experiment(&t)), (1, 15));
         assert_eq!(send_chunk(&Tuning { ht_send_chunk: Some(0), ..Tuning::default() }, 4), 0, "0: contiguous parts");
+        let ce = |n| Tuning { ht_ce_pieces: n, ..Tuning::default() };
+        assert_eq!([ce(None), ce(Some(0)), ce(Some(4)), ce(Some(1000))].map(|t| ce_pieces(&t, 2)), [None, None, Some(4), Some(64)]);
+        assert_eq!(ce_pieces(&ce(Some(4)), 4), None, "two ranks only");
     }
 }
