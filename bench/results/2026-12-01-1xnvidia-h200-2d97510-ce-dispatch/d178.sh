@@ -1,0 +1,20 @@
+# call 178 (1xH200): the copy-engine cached dispatch (MOELINK_HT_CE_PIECES) with send_head; 2 ranks sharing the GPU.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32
+D=.device
+{ nvidia-smi -L; date -u; } > $OUT/log.txt
+run() { local name=$1; shift; local t0=$(date +%s); echo "=== $name" >> $OUT/log.txt; "$@" >> $OUT/log.txt 2>&1; echo "$name rc=$? s=$(( $(date +%s) - t0 ))" >> $OUT/summary.txt; }
+for p in 4 1 3; do
+  run test_ce$p env MOELINK_TEST_RANKS=2 MOELINK_HT_CE_PIECES=$p timeout 120 $D/tests/moelink.test.ht --include-ignored --test-threads=1 cuda
+done
+run test_ce4_r4 env MOELINK_TEST_RANKS=4 MOELINK_HT_CE_PIECES=4 timeout 200 $D/tests/moelink.test.ht --include-ignored --test-threads=1 cuda
+B="$D/moelink bench --mode ht --ranks 2 --topology 1x2 --dtype all --reps 20"
+for i in 1 2 3; do
+  run sm_$i timeout 60 $B --json $OUT/sm_$i.json
+  run ce4_$i env MOELINK_HT_CE_PIECES=4 timeout 60 $B --json $OUT/ce4_$i.json
+done
+run ce2 env MOELINK_HT_CE_PIECES=2 timeout 60 $B --json $OUT/ce2.json
+run ce8 env MOELINK_HT_CE_PIECES=8 timeout 60 $B
+run ce4_sweep env MOELINK_HT_CE_PIECES=4 timeout 90 $B --routing uniform,skewed --tokens 1,512,4096
+run sm_sweep timeout 90 $B --routing uniform,skewed --tokens 1,512,4096
+cat $OUT/summary.txt
+grep -A4 "^mode" $OUT/log.txt | grep -v timer | head -80
