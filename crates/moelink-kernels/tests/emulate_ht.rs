@@ -102,6 +102,7 @@ fn assemble(c: &EmuCase) -> String {
             ("RELEASE_BATCH", c.release_batch.to_string()),
             ("HT_RELEASER", (c.releaser as u32).to_string()),
             ("HT_EXPERIMENT", "0".into()),
+            ("HT_CE", "0".into()),
             ("ROW_BYTES", dispatch_row_bytes(hidden, fp8, topk).to_string()),
             ("MOELINK_SIZEOF_HT_DISPATCH_ARGS", std::mem::size_of::<HtDispatchArgs>().to_string()),
             ("DISPATCH_TALLY_SLOTS", c.tally_slots.to_string()),
