@@ -57,8 +57,10 @@ constexpr u32 HT_ROW_ALIGN = 128;
 constexpr u32 HT_CTRL_NOTIFY_EPOCH = 0;            // u32: calls of ht_notify so far
 constexpr u32 HT_CTRL_DISPATCH_EPOCH = 4;          // u32: calls of ht_dispatch so far (not counting skipped)
 constexpr u32 HT_CTRL_COMBINE_EPOCH = 8;           // u32: calls of ht_combine so far (not counting skipped)
-constexpr u32 HT_CTRL_CE_GO = 12;                  // u32: the dispatch epoch the copy-engine pieces may signal (0: none)
-constexpr u32 HT_CTRL_CE_SEEN = 16;                // u32: the dispatch epoch the copy-engine wait last read
+constexpr u32 HT_CTRL_DISPATCH_CE_GO = 12;         // u32: the dispatch epoch the copy-engine pieces may signal (0: none)
+constexpr u32 HT_CTRL_DISPATCH_CE_SEEN = 16;       // u32: the dispatch epoch the copy-engine wait last read
+constexpr u32 HT_CTRL_COMBINE_CE_GO = 20;          // u32: the same for the combine
+constexpr u32 HT_CTRL_COMBINE_CE_SEEN = 24;
 constexpr u32 HT_CTRL_DISPATCH_DONE = 128;         // u32: blocks of the running ht_dispatch that finished
 constexpr u32 HT_CTRL_COMBINE_DONE = 256;          // u32: blocks of the running ht_combine that finished
 constexpr u32 HT_CTRL_DISPATCH_CONSUMED = 384;     // u32[MAX_RANKS]: [src] = last dispatch epoch src consumed
@@ -86,12 +88,15 @@ static_assert(HT_CTRL_COMBINE_CONSUMED + MAX_RANKS * 4 <= HT_CTRL_NOTIFY_FLAGS, 
 static_assert(HT_CTRL_NOTIFY_FLAGS + 2 * MAX_RANKS * 4 <= HT_CTRL_DISPATCH_CHUNK, "chunk counters overlap the notify flags");
 
 // ------------------------------------------------------------------------------------ copy-engine staging
-// With HT_CE (ht_dispatch's copy-engine receive, two ranks, cached dispatch), the source's copy engines push its
-// whole x by token index into its dispatch slab at the peer ([src] of the peer's slab), in pieces of
-// ce_piece_tokens tokens: a header line (the source's FP8 scale strides, i64 per token and per group, which
-// ht_ce_signal stores), then token t's payload at HT_CE_HEADER_BYTES + t * payload bytes, then the FP8 scales
-// (the source's x_scales storage as it is) at ce_scales_offset. Piece p is complete when dispatch row flag
-// [src][p] at the peer holds the call's epoch.
+// With HT_CE (two ranks; ht_ce_signal.cu issues the signals), a rank's copy engines push rows into its slab at
+// the peer ([src] of the peer's slab) in pieces, and piece p is complete when row flag [src][p] at the peer
+// holds the call's epoch. The staging: a header line (the source's FP8 scale strides, i64 per token and per
+// group, which ht_ce_signal stores), then rows of payload bytes from HT_CE_HEADER_BYTES, then a second area
+// at a line-aligned offset:
+//   dispatch (cached): row t is the source's token t (its whole x), pieces of ce_piece_tokens tokens; the
+//     second area is the source's x_scales storage as it is (FP8).
+//   combine: row j is the j-th row this rank received from the peer (x rows [recv_offset[peer], + count)), pieces
+//     of ce_piece_rows rows; the second area is their top-k weights, TOPK f32 a row.
 constexpr u32 HT_CE_HEADER_BYTES = HT_ROW_ALIGN;
 constexpr u32 HT_CE_WAIT = 0xffffffffu;  // ht_ce_signal's `piece` for the wait before the first piece
 
@@ -202,10 +207,21 @@ __device__ __forceinline__ u32* ht_ctrl_word(u64 ctrl, u32 byte_offset) {
 // One operation's words in the control region (HT_CTRL_* byte offsets): its call counter, its blocks' done
 // counter, its sender chunk counter and its consumed flags.
 struct HtOpWords {
-  u32 epoch, done, chunk, consumed;
+  u32 epoch, done, chunk, consumed, ce_go, ce_seen;
 };
-constexpr HtOpWords HT_DISPATCH_WORDS = {HT_CTRL_DISPATCH_EPOCH, HT_CTRL_DISPATCH_DONE, HT_CTRL_DISPATCH_CHUNK, HT_CTRL_DISPATCH_CONSUMED};
-constexpr HtOpWords HT_COMBINE_WORDS = {HT_CTRL_COMBINE_EPOCH, HT_CTRL_COMBINE_DONE, HT_CTRL_COMBINE_CHUNK, HT_CTRL_COMBINE_CONSUMED};
+constexpr HtOpWords HT_DISPATCH_WORDS = {HT_CTRL_DISPATCH_EPOCH,     HT_CTRL_DISPATCH_DONE,  HT_CTRL_DISPATCH_CHUNK,
+                                         HT_CTRL_DISPATCH_CONSUMED, HT_CTRL_DISPATCH_CE_GO, HT_CTRL_DISPATCH_CE_SEEN};
+constexpr HtOpWords HT_COMBINE_WORDS = {HT_CTRL_COMBINE_EPOCH,     HT_CTRL_COMBINE_DONE,  HT_CTRL_COMBINE_CHUNK,
+                                        HT_CTRL_COMBINE_CONSUMED, HT_CTRL_COMBINE_CE_GO, HT_CTRL_COMBINE_CE_SEEN};
+
+// HT_CE's block end (thread 0 of every block, before its arrival): waits until this call's copy-engine wait
+// kernel has published ce_seen (the epoch it read), so that the last block cannot advance the epoch first.
+__device__ __forceinline__ void ht_ce_block_end(u64 ctrl_me, HtOpWords w, const Deadline& d, u32 rank) {
+  if (threadIdx.x != 0) return;
+  const u32* seen = ht_ctrl_word(ctrl_me, w.ce_seen);
+  const u32 epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(ctrl_me, w.epoch)) + 1;
+  (void)spin_until([&]() { return ptx::ld_relaxed_gpu(seen) == epoch; }, d, rank);
+}
 
 // The frame of ht_dispatch and ht_combine, run by every thread of the grid (WARPS warps per block, trace
 // stamps TRACE_WORDS apart per block):

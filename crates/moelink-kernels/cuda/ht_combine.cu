@@ -11,6 +11,7 @@
 //   RELEASE_BATCH                     rows per source a sender warp writes before one release publishes them
 //   HT_RELEASER                       1: the last warp of each sender block releases the others' rows (ht.cuh)
 //   HT_EXPERIMENT                     0; timing experiments only (wrong results): HT_EXP_* bits (ht.cuh)
+//   HT_CE                             1: every block reduces, the peer's rows from its copy engines' staging (two ranks)
 //   REDUCE_LOAD_VECS                  16-byte vectors a reducer lane keeps in flight (over ranks and biases)
 //   NUM_BIASES                        biases the call adds (0, 1 or 2): bias0, bias1 are non-null exactly then
 //   ROW_BYTES                         slab row size as Rust computes it (moelink_kernels::ht::combine_row_bytes)
@@ -18,10 +19,11 @@
 #include "ht.cuh"
 
 #if !defined(NUM_RANKS) || !defined(HIDDEN) || !defined(TOPK) || !defined(COMBINE_WARPS) || !defined(MAX_UNROLL) || \
-    !defined(RELEASE_BATCH) || !defined(HT_RELEASER) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(NUM_BIASES) || !defined(ROW_BYTES) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
+    !defined(RELEASE_BATCH) || !defined(HT_RELEASER) || !defined(HT_EXPERIMENT) || !defined(REDUCE_LOAD_VECS) || !defined(NUM_BIASES) || !defined(ROW_BYTES) || !defined(HT_CE) || !defined(MOELINK_SIZEOF_HT_COMBINE_ARGS)
 #error "ht_combine.cu needs every JIT constant listed at the top of the file"
 #endif
 static_assert(NUM_RANKS >= 1 && NUM_RANKS <= MAX_RANKS, "ranks");
+static_assert(!HT_CE || NUM_RANKS == 2, "the copy-engine combine serves two ranks");
 
 constexpr u32 VEC_BYTES = 16;
 constexpr u32 BF16_PER_VEC = VEC_BYTES / 2;
@@ -76,8 +78,10 @@ struct HtCombineArgs {
   u32 send_chunk;             // rows per sender chunk, per source (HtCursor; 0: one contiguous part per warp)
   u32 recv_chunk;             // tokens per reducer chunk (0: one contiguous part per warp)
   u32 dynamic_send;           // 1: sender warps take chunks from HT_CTRL_COMBINE_CHUNK (needs send_chunk > 0)
-  u32 reserved;
+  u32 ce_piece_rows;          // HT_CE: rows per piece of the peer's staging
   u64 trace;                  // host-mapped timing trace (ht.cuh, HT_TRACE_*), or 0
+  u32 ce_weights_offset;      // HT_CE: byte offset of the top-k weights in the staging
+  u32 reserved;
 };
 constexpr u32 TRACE_WORDS = 2 + 2 * COMBINE_WARPS;  // per block
 static_assert(sizeof(HtCombineArgs) == MOELINK_SIZEOF_HT_COMBINE_ARGS, "HtCombineArgs differs from the Rust definition");
@@ -314,6 +318,10 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
         } else {
           in = false;  // no-sync overflow (reported by dispatch and the senders): counts as no row
         }
+      } else if (in && HT_CE) {
+        const u64 staging = slab + (u64)lane * a.slab_rows * ROW_BYTES;
+        row = staging + HT_CE_HEADER_BYTES + (u64)p0 * PAYLOAD_BYTES;
+        weight_row = staging + a.ce_weights_offset + (u64)p0 * TOPK * 4;
       } else if (in) {
         row = slab + ((u64)lane * a.slab_rows + (u32)p0) * ROW_BYTES;
         weight_row = row + PAYLOAD_BYTES;
@@ -326,7 +334,9 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
 #pragma unroll
     for (u32 r = 0; r < NUM_RANKS; r++) {
       const u32 slot = __shfl_sync(FULL_WARP_MASK, (u32)p0, r);
-      if (r != me && ((mask >> r) & 1u) != 0u && ok) ok = wait_flag_geq(flags + (u64)r * a.flag_slots + slot, epoch, d, r);
+      // HT_CE: the flag of the slot's piece.
+      const u32 flag = HT_CE ? slot / a.ce_piece_rows : slot;
+      if (r != me && ((mask >> r) & 1u) != 0u && ok) ok = wait_flag_geq(flags + (u64)r * a.flag_slots + flag, epoch, d, r);
     }
     if (!__all_sync(FULL_WARP_MASK, ok)) break;
     const u32x4* rows[NUM_RANKS];
@@ -382,7 +392,8 @@ __device__ __forceinline__ void reduce(const HtCombineArgs& a, u32 epoch, const 
 
 namespace moelink::intranode {
 // moelink::intranode::combine: grid num_sms blocks (persistent, one per SM), block THREADS.
-//   Blocks [0, num_send_blocks) send expert outputs back, the others reduce (see send and reduce above).
+//   Blocks [0, num_send_blocks) send expert outputs back, the others reduce (see send and reduce above); with
+//   HT_CE no block sends (num_send_blocks 0): the side stream's copy engines moved the rows (ht_ce_signal.cu).
 //   The frame (ht.cuh, ht_run_op): nothing moves when the handle's routing status is non-zero or T_max
 //   exceeds slab_rows for this row size, and every rank returns.
 //   Flags: row flags (data region, [src][slot], value = combine epoch) from senders to reducers; the last
@@ -394,6 +405,9 @@ __global__ void __launch_bounds__(THREADS, 1) combine(const __grid_constant__ Ht
       a, PHASE_COMBINE, NUM_RANKS, ROW_BYTES, HT_COMBINE_WORDS,
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { send(a, epoch, d, warp_id, num_warps); },
       [&](u32 epoch, const Deadline& d, u32 warp_id, u32 num_warps) { reduce(a, epoch, d, warp_id, num_warps); },
-      []() {}, [](const Deadline&) {});
+      [&]() {
+        if (HT_CE) ht_ce_block_end(a.ctrl[a.rank], HT_COMBINE_WORDS, make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_COMBINE), a.rank);
+      },
+      [](const Deadline&) {});
 }
 }  // namespace moelink::intranode

@@ -681,16 +681,6 @@ __device__ __forceinline__ void receive_ce(const HtDispatchArgs& a, u32 epoch, c
   }
 }
 
-// HT_CE's block end: thread 0 waits until this call's copy-engine wait kernel has published CE_SEEN (the
-// epoch it read), so that the last block cannot advance the epoch before that kernel read it.
-__device__ __forceinline__ void ce_block_end(const HtDispatchArgs& a) {
-  if (threadIdx.x != 0) return;
-  const u32* seen = ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_CE_SEEN);
-  const u32 epoch = ptx::ld_relaxed_gpu(ht_ctrl_word(a.ctrl[a.rank], HT_CTRL_DISPATCH_EPOCH)) + 1;
-  const Deadline d = make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_DISPATCH);
-  (void)spin_until([&]() { return ptx::ld_relaxed_gpu(seen) == epoch; }, d, a.rank);
-}
-
 namespace moelink::intranode {
 // moelink::intranode::dispatch: grid num_sms blocks (persistent, one per SM), block THREADS.
 //   Blocks [0, num_send_blocks) are senders, the others receivers; every warp is one channel (see send and
@@ -720,7 +710,7 @@ __global__ void __launch_bounds__(THREADS, 1) dispatch(const __grid_constant__ H
       },
       [&]() {
         flush_tallies(a);
-        if (HT_CE) ce_block_end(a);
+        if (HT_CE) ht_ce_block_end(a.ctrl[a.rank], HT_DISPATCH_WORDS, make_deadline(a.error_claim, a.error_record, a.timeout_ns, a.rank, PHASE_DISPATCH), a.rank);
       },
       [&](const Deadline& d) { check_expert_tokens(a, d); });
 }

@@ -38,9 +38,13 @@ pub mod ctrl {
     /// `u32`: combine calls so far.
     pub const COMBINE_EPOCH: usize = 8;
     /// `u32`: the dispatch epoch the copy-engine pieces may signal (0: none); `ht_ce_signal.cu`.
-    pub const CE_GO: usize = 12;
+    pub const DISPATCH_CE_GO: usize = 12;
     /// `u32`: the dispatch epoch the copy-engine wait last read.
-    pub const CE_SEEN: usize = 16;
+    pub const DISPATCH_CE_SEEN: usize = 16;
+    /// `u32`: the combine's [`DISPATCH_CE_GO`].
+    pub const COMBINE_CE_GO: usize = 20;
+    /// `u32`: the combine's [`DISPATCH_CE_SEEN`].
+    pub const COMBINE_CE_SEEN: usize = 24;
     /// `u32`: finished blocks of the running dispatch.
     pub const DISPATCH_DONE: usize = 128;
     /// `u32`: finished blocks of the running combine.
@@ -447,9 +451,13 @@ pub struct HtCombineArgs {
     pub recv_chunk: u32,
     /// 1: sender warps take chunks in order from the call's counter (`ht_grab_chunk`); needs `send_chunk > 0`.
     pub dynamic_send: u32,
-    pub reserved: u32,
+    /// Copy-engine reduce (`HT_CE`): rows per piece of the peer's staging.
+    pub ce_piece_rows: u32,
     /// Host-mapped timing trace (`HT_TRACE_*` in ht.cuh; [`trace_words_per_block`]), or 0.
     pub trace: DevPtr,
+    /// Copy-engine reduce: byte offset of the top-k weights in the staging ([`ce_staging`]).
+    pub ce_weights_offset: u32,
+    pub reserved: u32,
 }
 
 /// Argument of `ht_ce_signal` (`HtCeSignalArgs` in `ht_ce_signal.cu`).
@@ -476,7 +484,9 @@ pub struct HtCeSignalArgs {
     pub slab_rows: u32,
     /// The piece whose flag to store, or [`CE_WAIT`] for the wait before the first piece.
     pub piece: u32,
-    pub reserved: [u32; 2],
+    /// 0: a dispatch's pieces, 1: a combine's.
+    pub combine: u32,
+    pub reserved: u32,
 }
 
 /// `ht_ce_signal`'s piece for the wait before the first piece (`HT_CE_WAIT`).
@@ -484,24 +494,24 @@ pub const CE_WAIT: u32 = u32::MAX;
 /// Bytes of the staging's header line (`HT_CE_HEADER_BYTES`).
 pub const CE_HEADER_BYTES: usize = ROW_ALIGN;
 
-/// Where a copy-engine dispatch puts a source's rows in the peer's dispatch slab (`HT_CE` in ht.cuh).
+/// Where a rank's copy engines put its rows in its slab at the peer (`HT_CE` in ht.cuh, "copy-engine staging").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CeStaging {
-    /// Bytes of a token's payload.
+    /// Bytes of a row's payload.
     pub payload_bytes: usize,
-    /// Offset of the FP8 scales (after `t_max` payloads, line-aligned).
-    pub scales_offset: usize,
+    /// Offset of the second area (dispatch: the FP8 scales; combine: the top-k weights), after `t_max` rows,
+    /// line-aligned.
+    pub second_offset: usize,
     /// Bytes the staging needs.
     pub bytes: usize,
 }
 
-/// The staging of `t_max` tokens of `hidden` channels whose FP8 scales' storage spans `scale_floats` floats
-/// (0 for BF16), or `None` when it exceeds `slab_bytes_per_source`.
-pub fn ce_staging(hidden: usize, fp8: bool, t_max: usize, scale_floats: usize, slab_bytes_per_source: usize) -> Option<CeStaging> {
-    let payload_bytes = hidden.checked_mul(if fp8 { 1 } else { 2 })?;
-    let scales_offset = t_max.checked_mul(payload_bytes)?.checked_add(CE_HEADER_BYTES)?.checked_next_multiple_of(ROW_ALIGN)?;
-    let bytes = scale_floats.checked_mul(4)?.checked_add(scales_offset)?;
-    (bytes <= slab_bytes_per_source).then_some(CeStaging { payload_bytes, scales_offset, bytes })
+/// The staging of at most `t_max` rows of `payload_bytes` and a second area of `second_bytes`, or `None` when
+/// it exceeds `slab_bytes_per_source`.
+pub fn ce_staging(payload_bytes: usize, t_max: usize, second_bytes: usize, slab_bytes_per_source: usize) -> Option<CeStaging> {
+    let second_offset = t_max.checked_mul(payload_bytes)?.checked_add(CE_HEADER_BYTES)?.checked_next_multiple_of(ROW_ALIGN)?;
+    let bytes = second_bytes.checked_add(second_offset)?;
+    (bytes <= slab_bytes_per_source).then_some(CeStaging { payload_bytes, second_offset, bytes })
 }
 
 /// u64 words of the timing trace per block of a kernel with `warps` warps per block (`HT_TRACE_*` in ht.cuh):
@@ -720,6 +730,9 @@ pub struct HtCombineVariant {
     pub reduce_load_vecs: u32,
     /// Biases the call adds (0..=2).
     pub num_biases: u32,
+    /// Copy-engine reduce (`HT_CE`, two ranks): every block reduces, the peer's rows from the staging its
+    /// copy engines filled ([`ce_staging`]).
+    pub copy_engine: bool,
 }
 
 impl HtCombineVariant {
@@ -734,6 +747,7 @@ impl HtCombineVariant {
             experiment: 0,
             reduce_load_vecs: Self::REDUCE_LOAD_VECS,
             num_biases: 0,
+            copy_engine: false,
         }
     }
 
@@ -757,7 +771,7 @@ impl HtCombineVariant {
         KernelSpec {
             family: Family::HtCombine,
             variant: format!(
-                "ht_combine[r{},h{},k{},n{},b{},e{},x{},l{}]",
+                "ht_combine[r{},h{},k{},n{},b{},e{},x{},l{},c{}]",
                 self.num_ranks,
                 self.hidden,
                 self.topk,
@@ -765,7 +779,8 @@ impl HtCombineVariant {
                 self.release_batch,
                 self.releaser as u32,
                 self.experiment,
-                self.reduce_load_vecs
+                self.reduce_load_vecs,
+                self.copy_engine as u32
             ),
             defines: vec![
                 define("MAX_RANKS", MAX_RANKS),
@@ -779,6 +794,7 @@ impl HtCombineVariant {
                 define("HT_EXPERIMENT", self.experiment),
                 define("REDUCE_LOAD_VECS", self.reduce_load_vecs),
                 define("NUM_BIASES", self.num_biases),
+                define("HT_CE", self.copy_engine as u32),
                 define("ROW_BYTES", self.row_bytes()),
                 define("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>()),
             ],
@@ -832,9 +848,12 @@ pub fn variants() -> Vec<KernelSpec> {
             v.push(HtCombineVariant { releaser, ..HtCombineVariant::new(num_ranks, 7168, 8) }.spec());
         }
     }
-    // The copy-engine receive (cached dispatch: no top-k) and its signals.
+    // The copy-engine receive (cached dispatch: no top-k), the copy-engine reduce, and their signals.
     for fp8 in [false, true] {
         v.push(HtDispatchVariant { copy_engine: true, ..HtDispatchVariant::new(7168, fp8, 0) }.spec());
+    }
+    for num_biases in [0, 2] {
+        v.push(HtCombineVariant { copy_engine: true, num_biases, ..HtCombineVariant::new(2, 7168, 8) }.spec());
     }
     v.push(HtCeSignalVariant.spec());
     v.sort_by(|a, b| a.variant.cmp(&b.variant));
@@ -863,9 +882,10 @@ mod tests {
             ("HT_CTRL_NOTIFY_EPOCH", ctrl::NOTIFY_EPOCH),
             ("HT_CTRL_DISPATCH_EPOCH", ctrl::DISPATCH_EPOCH),
             ("HT_CTRL_COMBINE_EPOCH", ctrl::COMBINE_EPOCH),
-            ("HT_CTRL_CE_GO", ctrl::CE_GO),
-            ("HT_CTRL_CE_SEEN", ctrl::CE_SEEN),
-            ("HT_CE_HEADER_BYTES", CE_HEADER_BYTES),
+            ("HT_CTRL_DISPATCH_CE_GO", ctrl::DISPATCH_CE_GO),
+            ("HT_CTRL_DISPATCH_CE_SEEN", ctrl::DISPATCH_CE_SEEN),
+            ("HT_CTRL_COMBINE_CE_GO", ctrl::COMBINE_CE_GO),
+            ("HT_CTRL_COMBINE_CE_SEEN", ctrl::COMBINE_CE_SEEN),
             ("HT_CTRL_DISPATCH_DONE", ctrl::DISPATCH_DONE),
             ("HT_CTRL_COMBINE_DONE", ctrl::COMBINE_DONE),
             ("HT_CTRL_DISPATCH_CONSUMED", ctrl::DISPATCH_CONSUMED),
@@ -908,6 +928,7 @@ mod tests {
         assert!(h.contains("constexpr u32 HT_CTRL_RECV_EXPERT_TOKENS = HT_CTRL_EXPERT_TOKENS + MAX_RANKS * HT_MAX_LOCAL_EXPERTS * 4;"));
         assert!(h.contains("constexpr u32 HT_CTRL_RECV_EXPECTED = HT_CTRL_RECV_EXPERT_TOKENS + HT_MAX_LOCAL_EXPERTS * 4;"));
         assert!(h.contains("constexpr u32 HT_CTRL_BYTES = HT_CTRL_RECV_EXPECTED + (1 + HT_MAX_LOCAL_EXPERTS) * 4;"));
+        assert!(h.contains("constexpr u32 HT_CE_HEADER_BYTES = HT_ROW_ALIGN;") && CE_HEADER_BYTES == ROW_ALIGN);
         assert_eq!(routing::PREFIX % 4, 0, "prefix rows 16-byte aligned");
         assert_eq!(host_notify::PER_EXPERT, 16);
     }
@@ -918,20 +939,25 @@ mod tests {
         assert_eq!(std::mem::size_of::<HtNotifyArgs>(), 5 * 8 + 8 * MAX_RANKS + 4 * 8 + 8 * 4);
         assert_eq!(std::mem::size_of::<HtDispatchArgs>(), 14 * 8 + 16 * MAX_RANKS + 5 * 8 + 12 * 4 + 8 + 3 * 8 + 2 * 4 + 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<HtCeSignalArgs>(), 5 * 8 + 2 * 8 + 3 * 8 + 6 * 4);
-        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8);
+        assert_eq!(std::mem::size_of::<HtCombineArgs>(), 7 * 8 + 16 * MAX_RANKS + 5 * 8 + 10 * 4 + 8 + 2 * 4);
     }
 
     #[test]
     fn ce_staging_fits_or_refuses() {
         // FP8 7168, 4096 tokens, scales [4096, 56]: header line, payloads, line-aligned scales.
-        let st = ce_staging(7168, true, 4096, 4096 * 56, usize::MAX).expect("fits");
-        assert_eq!((st.payload_bytes, st.scales_offset), (7168, 128 + 4096 * 7168));
-        assert_eq!(st.bytes, st.scales_offset + 4096 * 56 * 4);
-        assert_eq!(ce_staging(7168, true, 4096, 4096 * 56, st.bytes), Some(st), "exactly the slab");
-        assert_eq!(ce_staging(7168, true, 4096, 4096 * 56, st.bytes - 1), None, "one byte short");
-        let bf16 = ce_staging(100, false, 3, 0, usize::MAX).expect("fits");
-        assert_eq!((bf16.payload_bytes, bf16.scales_offset, bf16.bytes), (200, 768, 768));
-        assert_eq!(ce_staging(usize::MAX, false, 2, 0, usize::MAX), None, "overflow refuses");
+        let st = ce_staging(7168, 4096, 4096 * 56 * 4, usize::MAX).expect("fits");
+        assert_eq!((st.payload_bytes, st.second_offset), (7168, 128 + 4096 * 7168));
+        assert_eq!(st.bytes, st.second_offset + 4096 * 56 * 4);
+        assert_eq!(ce_staging(7168, 4096, 4096 * 56 * 4, st.bytes), Some(st), "exactly the slab");
+        assert_eq!(ce_staging(7168, 4096, 4096 * 56 * 4, st.bytes - 1), None, "one byte short");
+        let bf16 = ce_staging(200, 3, 0, usize::MAX).expect("fits");
+        assert_eq!((bf16.payload_bytes, bf16.second_offset, bf16.bytes), (200, 768, 768));
+        assert_eq!(ce_staging(usize::MAX, 2, 0, usize::MAX), None, "overflow refuses");
+        // The combine's rows fit the slab whenever its rows do: payload and weights are at most a slab row.
+        for (hidden, topk, t_max) in [(7168, 8, 4096), (128, 1, 1), (256, 0, 7)] {
+            let row = combine_row_bytes(hidden, topk);
+            assert!(ce_staging(2 * hidden, t_max, t_max * topk * 4, (t_max + 2) * row).is_some(), "{hidden} {topk} {t_max}");
+        }
     }
 
     #[test]

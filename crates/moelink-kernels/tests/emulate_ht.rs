@@ -122,6 +122,7 @@ fn assemble(c: &EmuCase) -> String {
             ("HT_EXPERIMENT", "0".into()),
             ("REDUCE_LOAD_VECS", "4".into()),
             ("NUM_BIASES", num_biases.to_string()),
+            ("HT_CE", "0".into()),
             ("ROW_BYTES", combine_row_bytes(c.hidden, c.topk).to_string()),
             ("MOELINK_SIZEOF_HT_COMBINE_ARGS", std::mem::size_of::<HtCombineArgs>().to_string()),
         ]

@@ -107,7 +107,9 @@ fn run_dispatch_case(kind: BackendKind, c: Case, fp8: bool, with_topk: bool, ali
         let out = buf.dispatch(&args)?;
         // Cached dispatch with the same routing must give the same rows (and handle parts).
         let cached = buf.dispatch(&DispatchArgs { routing: Routing::Cached(&out.handle), ..args })?;
+        let scales_of = |s: &Option<Tensor>| s.as_ref().map(|s| s.to_vec::<f32>()).transpose();
         let same = cached.recv_x.to_host_bytes()? == out.recv_x.to_host_bytes()?
+            && scales_of(&cached.recv_x_scales)? == scales_of(&out.recv_x_scales)?
             && cached.rank_prefix_matrix.to_vec::<i32>()? == out.rank_prefix_matrix.to_vec::<i32>()?
             && cached.recv_src_idx.to_vec::<i32>()? == out.recv_src_idx.to_vec::<i32>()?;
         let handle_parts = (out.rank_prefix_matrix.to_vec::<i32>()?, out.recv_src_idx.to_vec::<i32>()?);
@@ -351,6 +353,13 @@ backend_tests! {
     }
     fn dispatch_fp8_with_scales(kind: BackendKind) {
         run_dispatch_case(kind, case(4, 50, 1024, RouteKind::WithHoles), true, true, 1);
+    }
+    /// Two ranks: the pair the copy-engine cached dispatch serves (`MOELINK_HT_CE_PIECES`), FP8 and BF16, with
+    /// holes, skewed and with a rank that receives nothing.
+    fn dispatch_two_ranks(kind: BackendKind) {
+        run_dispatch_case(kind, case(2, 70, 1024, RouteKind::WithHoles), true, true, 1);
+        run_dispatch_case(kind, case(2, 96, 256, RouteKind::Skewed), false, true, 1);
+        run_dispatch_case(kind, case(2, 48, 512, RouteKind::EmptyRank(1)), true, true, 1);
     }
     fn dispatch_without_topk(kind: BackendKind) {
         run_dispatch_case(kind, case(2, 33, 128, RouteKind::Uniform), false, false, 1);

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use moelink_cuda::{DevPtr, DevPtrs, HostMapped, LaunchConfig};
+use moelink_cuda::{DevPtr, DevPtrs, HostMapped, KernelParams, LaunchConfig, MemRef};
 use moelink_kernels::abi;
 use moelink_kernels::ht::{
     self as kht, host_notify, routing, CallSignature, HtCombineArgs, HtCombineVariant, HtDispatchArgs, HtDispatchVariant, HtLayoutArgs,
@@ -156,6 +156,8 @@ pub(crate) struct HostRouting {
     t_max: usize,
     /// Received tokens per local expert, unaligned (CPU-sync mode only).
     per_expert_raw: Option<Vec<usize>>,
+    /// Rows received from each source rank (CPU-sync mode only).
+    recv_counts: Option<Vec<usize>>,
     /// The notify call whose host-mapped words these are (0: read back after a no-sync dispatch).
     notify_seq: u32,
 }
@@ -233,7 +235,7 @@ fn read_back_routing(buf: &PooledBuffer) -> Result<HostRouting> {
     debug_assert_eq!(routing::T_MAX, routing::NUM_RECV + 1);
     let num_recv = u32::from_le_bytes(words[..4].try_into().expect("4 bytes")) as usize;
     let t_max = u32::from_le_bytes(words[4..].try_into().expect("4 bytes")) as usize;
-    Ok(HostRouting { num_recv_tokens: num_recv, t_max, per_expert_raw: None, notify_seq: 0 })
+    Ok(HostRouting { num_recv_tokens: num_recv, t_max, per_expert_raw: None, recv_counts: None, notify_seq: 0 })
 }
 
 // ------------------------------------------------------------------------------------------ layout
@@ -376,6 +378,7 @@ fn read_notify(b: &mut Intranode, seq: u32, s: &HtSpec, row_bytes: usize) -> Res
         num_recv_tokens: m.read(host_notify::NUM_RECV) as usize,
         t_max: m.read(host_notify::T_MAX) as usize,
         per_expert_raw: Some((0..s.num_local_experts()).map(|e| m.read(host_notify::PER_EXPERT + e) as usize).collect()),
+        recv_counts: Some((0..s.num_ranks).map(|r| m.read(host_notify::RECV_COUNT + r) as usize).collect()),
         notify_seq: seq,
     };
     if status == 0 {
@@ -449,7 +452,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         None => (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL, 0),
     };
     let ce = match &handle {
-        HandleData::Existing(_) => ce_plan(b, &s, a, r, slab_rows)?,
+        HandleData::Existing(_) => ce_dispatch_plan(b, &s, a, r, slab_rows),
         HandleData::New(_) => None,
     };
     let variant = HtDispatchVariant { copy_engine: ce.is_some(), ..variant };
@@ -498,14 +501,24 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         num_channels,
         ce_piece_tokens: ce.as_ref().map_or(0, |c| c.piece_tokens as u32),
         ce_src_idx: ce.as_ref().map_or(DevPtr::NULL, |c| c.src_idx),
-        ce_scales_offset: ce.as_ref().map_or(0, |c| c.staging.scales_offset as u32),
+        ce_scales_offset: ce.as_ref().map_or(0, |c| c.staging.second_offset as u32),
         reserved: 0,
     };
     let kernel = b.kernel_of(variant, kernel_name::HT_DISPATCH, HtDispatchVariant::spec)?;
+    let cfg = LaunchConfig::linear(s.num_sms as u32, variant.threads());
     if let Some(ce) = &ce {
-        push_pieces(b, &s, a, ce, r, slab_rows, variant.row_bytes(), &kernel, &args)?;
+        let sig = CeSignal {
+            combine: false,
+            routing: r.routing.ptr(),
+            slab_rows: args.slab_rows,
+            staging: HT_DATA + region.dispatch_slab_offset() + rank * slab_rows * variant.row_bytes(),
+            flags: HT_DATA + region.dispatch_flags_offset() + 4 * rank * region.flag_slots(),
+            scale_strides: (args.scale_stride_token, args.scale_stride_group),
+        };
+        let pieces = ce_dispatch_pieces(&s, a, ce, sig.staging);
+        ce_launch(b, &sig, &pieces, &kernel, &cfg, &args)?;
     } else {
-        b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+        b.launch(&kernel, &cfg, &args)?;
     }
     if !kept_src_idx.is_null() {
         if let (Some(t), Some(buf)) = (&mut out.recv_src_idx, &r.src_idx) {
@@ -541,106 +554,166 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
 
 // ------------------------------------------------------------------------------------------ copy engines
 
-/// `Tuning::ht_ce_pieces` (clamped to 1..=64) where the copy-engine dispatch applies: two ranks on the node.
+/// `Tuning::ht_ce_pieces` (clamped to 1..=64) where the copy-engine path applies: two ranks on the node.
 fn ce_pieces(t: &Tuning, num_ranks: usize) -> Option<usize> {
     t.ht_ce_pieces.filter(|&n| n > 0 && num_ranks == 2).map(|n| (n as usize).min(64))
 }
 
-/// A cached dispatch by copy engines (`moelink_kernels::ht::ce_staging`; ht.cuh, "copy-engine staging").
-struct CePlan {
-    pieces: usize,
+/// Whether a call may take the copy-engine path at all: no graph capture (the pieces run on a side stream)
+/// and an SM of this rank's share left beside the kernel's blocks for the signal kernels, which they wait for.
+fn ce_possible(b: &Intranode, num_sms: usize) -> bool {
+    !b.gpu.is_capturing() && num_sms < b.gpu.num_rank_sms()
+}
+
+/// One copy of a piece: `bytes` of `src` from `src_offset` to byte `dst` of the peer's symmetric buffer.
+struct CeCopy<'a> {
+    dst: usize,
+    src: MemRef<'a>,
+    src_offset: usize,
+    bytes: usize,
+}
+
+/// What the signals of one call's pieces need (`ht_ce_signal.cu`).
+struct CeSignal {
+    combine: bool,
+    routing: DevPtr,
+    slab_rows: u32,
+    /// Byte offsets in the symmetric buffer of this rank's staging and row flags at the peer.
+    staging: usize,
+    flags: usize,
+    scale_strides: (i64, i64),
+}
+
+/// The copy-engine path of one call: on the side stream the wait for the peer's hand-back, then each piece's
+/// copies followed by its flag; then `kernel` (every block receiving) on the operation stream; then the
+/// operation stream joins the side stream, so that the inputs are read before the call's later work. The
+/// side work is issued first: should both streams share a hardware queue, the kernel then queues behind the
+/// copies it waits for, never before them.
+fn ce_launch<A: KernelParams>(
+    b: &mut Intranode,
+    sig: &CeSignal,
+    pieces: &[Vec<CeCopy<'_>>],
+    kernel: &moelink_cuda::Kernel,
+    cfg: &LaunchConfig,
+    args: &A,
+) -> Result<()> {
+    let (rank, peer) = (b.rank, 1 - b.rank);
+    let signal = b.kernel_of(kht::HtCeSignalVariant, kernel_name::HT_CE_SIGNAL, kht::HtCeSignalVariant::spec)?;
+    let (error_claim, error_record) = b.error_sink();
+    let base = kht::HtCeSignalArgs {
+        routing: sig.routing,
+        ctrl: b.gpu.peer_addr(rank, ctrl::HT)?,
+        peer_flags: b.gpu.peer_addr(peer, sig.flags)?,
+        peer_staging: b.gpu.peer_addr(peer, sig.staging)?,
+        error_claim,
+        scale_stride_token: sig.scale_strides.0,
+        scale_stride_group: sig.scale_strides.1,
+        error_record,
+        timeout_ns: b.timeout_ns,
+        rank: rank as u32,
+        num_ranks: 2,
+        slab_rows: sig.slab_rows,
+        piece: kht::CE_WAIT,
+        combine: sig.combine as u32,
+        ..Default::default()
+    };
+    let one = LaunchConfig::linear(1, kht::HtCeSignalVariant::THREADS);
+    b.gpu.fork_side()?;
+    let side = b.gpu.side_stream()?;
+    b.gpu.launch_on(side, &signal, &one, &base)?;
+    for (p, copies) in pieces.iter().enumerate() {
+        for c in copies {
+            b.gpu.sym.copy_to_peer_async(peer, c.dst, &c.src, c.src_offset, c.bytes, side)?;
+        }
+        b.gpu.launch_on(side, &signal, &one, &kht::HtCeSignalArgs { piece: p as u32, ..base })?;
+    }
+    b.launch(kernel, cfg, args)?;
+    b.gpu.join_side()
+}
+
+/// A cached dispatch by copy engines: its pieces' tokens and the staging.
+struct CeDispatch {
     piece_tokens: usize,
     staging: kht::CeStaging,
     /// The handle's source token of each received row.
     src_idx: DevPtr,
-    /// Bytes of this rank's x_scales storage (FP8), copied as it is.
-    scale_bytes: usize,
 }
 
 /// The copy-engine plan of a cached dispatch, or `None` for the SM senders: it needs `ce_pieces`, a handle
-/// that kept its source indices and knows T_max on the host, no graph capture (the pieces run on a side
-/// stream), an SM of this rank's share left free, and a staging that fits the slab.
-fn ce_plan(b: &Intranode, s: &HtSpec, a: &DispatchArgs<'_>, r: &CudaHtRouting, slab_rows: usize) -> Result<Option<CePlan>> {
+/// that kept its source indices and knows T_max on the host, `ce_possible`, and a staging that fits the slab.
+fn ce_dispatch_plan(b: &Intranode, s: &HtSpec, a: &DispatchArgs<'_>, r: &CudaHtRouting, slab_rows: usize) -> Option<CeDispatch> {
     let (Some(pieces), Some(host), Some(src_idx)) = (ce_pieces(&b.tuning, s.num_ranks), &r.host, &r.src_idx) else {
-        return Ok(None);
+        return None;
     };
-    // The signal kernels need an SM beside the dispatch's blocks, which wait for them.
-    if b.gpu.is_capturing() || s.num_sms >= b.gpu.num_rank_sms() {
-        return Ok(None);
+    if !ce_possible(b, s.num_sms) {
+        return None;
     }
     let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
     let scale_bytes = match &a.x {
         Payload::Fp8 { scales, .. } => scales.span_bytes(),
         Payload::Bf16(_) => 0,
     };
-    let Some(staging) = kht::ce_staging(s.hidden, s.fp8, host.t_max, scale_bytes / 4, slab_rows * row_bytes) else {
-        return Ok(None);
-    };
-    Ok(Some(CePlan { pieces, piece_tokens: host.t_max.div_ceil(pieces).max(1), staging, src_idx: src_idx.ptr(), scale_bytes }))
+    let payload_bytes = s.hidden * if s.fp8 { 1 } else { 2 };
+    let staging = kht::ce_staging(payload_bytes, host.t_max, scale_bytes, slab_rows * row_bytes)?;
+    Some(CeDispatch { piece_tokens: host.t_max.div_ceil(pieces).max(1), staging, src_idx: src_idx.ptr() })
 }
 
-/// The copy-engine dispatch: on the side stream the wait for the peer's hand-back, then this rank's x by
-/// token index into its staging at the peer, piece by piece, each followed by its flag (`ht_ce_signal.cu`);
-/// on the operation stream the dispatch kernel, every block receiving; then the operation stream joins the
-/// side stream, so that x is read before the call's later work.
-#[allow(clippy::too_many_arguments)]
-fn push_pieces(
-    b: &mut Intranode,
-    s: &HtSpec,
-    a: &DispatchArgs<'_>,
-    ce: &CePlan,
-    r: &CudaHtRouting,
-    slab_rows: usize,
-    row_bytes: usize,
-    dispatch: &moelink_cuda::Kernel,
-    args: &HtDispatchArgs,
-) -> Result<()> {
-    let (rank, peer) = (s.rank, 1 - s.rank);
-    let signal = b.kernel_of(kht::HtCeSignalVariant, kernel_name::HT_CE_SIGNAL, kht::HtCeSignalVariant::spec)?;
-    let region = region(b);
-    let staging = HT_DATA + region.dispatch_slab_offset() + rank * slab_rows * row_bytes;
-    let flags = HT_DATA + region.dispatch_flags_offset() + 4 * rank * region.flag_slots();
-    let (error_claim, error_record) = b.error_sink();
-    let signal_args = |piece: u32| -> Result<kht::HtCeSignalArgs> {
-        Ok(kht::HtCeSignalArgs {
-            routing: r.routing.ptr(),
-            ctrl: b.gpu.peer_addr(rank, ctrl::HT)?,
-            peer_flags: b.gpu.peer_addr(peer, flags)?,
-            peer_staging: b.gpu.peer_addr(peer, staging)?,
-            error_claim,
-            scale_stride_token: args.scale_stride_token,
-            scale_stride_group: args.scale_stride_group,
-            error_record,
-            timeout_ns: b.timeout_ns,
-            rank: rank as u32,
-            num_ranks: s.num_ranks as u32,
-            slab_rows: args.slab_rows,
-            piece,
-            ..Default::default()
-        })
-    };
-    let wait = signal_args(kht::CE_WAIT)?;
-    let piece_args: Vec<kht::HtCeSignalArgs> = (0..ce.pieces).map(|p| signal_args(p as u32)).collect::<Result<_>>()?;
-    let one = LaunchConfig::linear(1, kht::HtCeSignalVariant::THREADS);
-    let x = a.x.x().mem();
+/// The cached dispatch's pieces: this rank's x by token index (the first piece also the FP8 scales' storage
+/// as it is) into its staging at the peer, which begins at `staging`.
+fn ce_dispatch_pieces<'a>(s: &HtSpec, a: &DispatchArgs<'a>, ce: &CeDispatch, staging: usize) -> Vec<Vec<CeCopy<'a>>> {
     let pb = ce.staging.payload_bytes;
-    b.gpu.fork_side()?;
-    let side = b.gpu.side_stream()?;
-    b.gpu.launch_on(side, &signal, &one, &wait)?;
-    for (p, flag) in piece_args.iter().enumerate() {
-        let first = p * ce.piece_tokens;
-        if first >= s.num_tokens {
-            break;
-        }
-        if let (0, Payload::Fp8 { scales, .. }) = (p, &a.x) {
-            b.gpu.sym.copy_to_peer_async(peer, staging + ce.staging.scales_offset, &scales.mem(), 0, ce.scale_bytes, side)?;
+    let mut pieces = Vec::new();
+    for first in (0..s.num_tokens).step_by(ce.piece_tokens) {
+        let mut copies = Vec::with_capacity(2);
+        if let (0, Payload::Fp8 { scales, .. }) = (first, &a.x) {
+            copies.push(CeCopy { dst: staging + ce.staging.second_offset, src: scales.mem(), src_offset: 0, bytes: scales.span_bytes() });
         }
         let n = ce.piece_tokens.min(s.num_tokens - first);
-        b.gpu.sym.copy_to_peer_async(peer, staging + kht::CE_HEADER_BYTES + first * pb, &x, first * pb, n * pb, side)?;
-        b.gpu.launch_on(side, &signal, &one, flag)?;
+        copies.push(CeCopy { dst: staging + kht::CE_HEADER_BYTES + first * pb, src: a.x.x().mem(), src_offset: first * pb, bytes: n * pb });
+        pieces.push(copies);
     }
-    b.launch(dispatch, &LaunchConfig::linear(s.num_sms as u32, HtDispatchVariant::WARPS * 32), args)?;
-    b.gpu.join_side()
+    pieces
+}
+
+/// A combine by copy engines: the rows this rank received from the peer (`rows` from row `first_row` of x, in
+/// pieces of `piece_rows`) go back into its staging at the peer.
+struct CeCombine {
+    piece_rows: usize,
+    staging: kht::CeStaging,
+    first_row: usize,
+    rows: usize,
+}
+
+/// The copy-engine plan of a combine, or `None` for the SM senders: it needs `ce_pieces`, a handle that knows
+/// T_max and the rows from each source on the host, `ce_possible`, and a staging that fits the slab.
+fn ce_combine_plan(b: &Intranode, s: &CombineSpec, r: &CudaHtRouting, slab_rows: usize, row_bytes: usize) -> Option<CeCombine> {
+    let pieces = ce_pieces(&b.tuning, s.num_ranks)?;
+    let host = r.host.as_ref()?;
+    let counts = host.recv_counts.as_ref()?;
+    if !ce_possible(b, s.num_sms) {
+        return None;
+    }
+    let peer = 1 - s.rank;
+    let staging = kht::ce_staging(2 * s.hidden, host.t_max, host.t_max * s.topk * 4, slab_rows * row_bytes)?;
+    Some(CeCombine { piece_rows: host.t_max.div_ceil(pieces).max(1), staging, first_row: counts[..peer].iter().sum(), rows: counts[peer] })
+}
+
+/// The combine's pieces: the peer's rows of x and of the top-k weights, by their slot, into this rank's
+/// staging at the peer, which begins at `staging`.
+fn ce_combine_pieces<'a>(s: &CombineSpec, a: &CombineArgs<'a>, ce: &CeCombine, staging: usize) -> Vec<Vec<CeCopy<'a>>> {
+    let (pb, wb) = (ce.staging.payload_bytes, 4 * s.topk);
+    let mut pieces = Vec::new();
+    for first in (0..ce.rows).step_by(ce.piece_rows) {
+        let n = ce.piece_rows.min(ce.rows - first);
+        let row = ce.first_row + first;
+        let mut copies =
+            vec![CeCopy { dst: staging + kht::CE_HEADER_BYTES + first * pb, src: a.x.mem(), src_offset: row * pb, bytes: n * pb }];
+        if let (Some(w), true) = (&a.topk_weights, wb > 0) {
+            copies.push(CeCopy { dst: staging + ce.staging.second_offset + first * wb, src: w.mem(), src_offset: row * wb, bytes: n * wb });
+        }
+        pieces.push(copies);
+    }
+    pieces
 }
 
 // ------------------------------------------------------------------------------------------ combine
@@ -665,6 +738,8 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
             return Err(too_small(b, "HT combine receive slab", h.t_max, variant.row_bytes()));
         }
     }
+    let ce = ce_combine_plan(b, &s, r, slab_rows, variant.row_bytes());
+    let variant = HtCombineVariant { copy_engine: ce.is_some(), ..variant };
     let (ctrl_table, data_table) = layout_args(b);
     let (error_claim, error_record) = b.error_sink();
     let sender_chunk = send_chunk(&b.tuning, variant.release_batch);
@@ -688,15 +763,31 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
         num_x_rows: to_u32(s.num_recv_rows, "x", rank)?,
         slab_rows: slab_rows.min(u32::MAX as usize) as u32,
         flag_slots: region.flag_slots() as u32,
-        num_send_blocks: combine_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32,
+        num_send_blocks: if ce.is_some() { 0 } else { combine_send_blocks(&b.tuning, s.num_sms, s.num_ranks) as u32 },
         send_chunk: sender_chunk,
         recv_chunk: recv_chunk(&b.tuning),
         dynamic_send: dynamic_send(&b.tuning, sender_chunk),
-        reserved: 0,
+        ce_piece_rows: ce.as_ref().map_or(0, |c| c.piece_rows as u32),
         trace: trace_begin(b, s.num_sms, HtCombineVariant::WARPS)?,
+        ce_weights_offset: ce.as_ref().map_or(0, |c| c.staging.second_offset as u32),
+        reserved: 0,
     };
     let kernel = b.kernel_of(variant, kernel_name::HT_COMBINE, HtCombineVariant::spec)?;
-    b.launch(&kernel, &LaunchConfig::linear(s.num_sms as u32, variant.threads()), &args)?;
+    let cfg = LaunchConfig::linear(s.num_sms as u32, variant.threads());
+    if let Some(ce) = &ce {
+        let sig = CeSignal {
+            combine: true,
+            routing: r.routing.ptr(),
+            slab_rows: args.slab_rows,
+            staging: HT_DATA + region.combine_slab_offset() + rank * slab_rows * variant.row_bytes(),
+            flags: HT_DATA + region.combine_flags_offset() + 4 * rank * region.flag_slots(),
+            scale_strides: (0, 0),
+        };
+        let pieces = ce_combine_pieces(&s, a, ce, sig.staging);
+        ce_launch(b, &sig, &pieces, &kernel, &cfg, &args)?;
+    } else {
+        b.launch(&kernel, &cfg, &args)?;
+    }
     b.gpu.finish_settled(Phase::Combine)?;
     if !args.trace.is_null() {
         trace_keep(b, kernel_name::HT_COMBINE, "combine", s.num_sms, HtCombineVariant::WARPS, args.num_send_blocks as usize);
