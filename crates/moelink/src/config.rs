@@ -216,9 +216,10 @@ pub struct Tuning {
     pub ht_recv_chunk: Option<u32>,
     /// HT sender warps take their chunks from a per-call counter (default) or a fixed interleaved share.
     pub ht_dynamic_send: Option<bool>,
-    /// Copy-engine pieces of a cached HT dispatch with two ranks on one node (`MOELINK_HT_CE_PIECES`; 0 or unset:
-    /// the SM senders): each rank's copy engines push its `x` into the peer's slab in this many pieces
-    /// (clamped to 1..=64), and every block of the dispatch receives (`moelink_kernels::ht::ce_staging`).
+    /// Copy-engine pieces of a cached HT dispatch and a combine with two ranks on one node
+    /// (`MOELINK_HT_CE_PIECES`; 0 or unset: the SM senders): each rank's copy engines push its rows into the
+    /// peer's slab in this many pieces (clamped to 1..=64), and every block of the kernel receives
+    /// (`moelink_kernels::ht::ce_staging`).
     pub ht_ce_pieces: Option<u32>,
     /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
     /// other roles leave).
