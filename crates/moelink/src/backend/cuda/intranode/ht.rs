@@ -507,14 +507,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
     let kernel = b.kernel_of(variant, kernel_name::HT_DISPATCH, HtDispatchVariant::spec)?;
     let cfg = LaunchConfig::linear(s.num_sms as u32, variant.threads());
     if let Some(ce) = &ce {
-        let sig = CeSignal {
-            combine: false,
-            routing: r.routing.ptr(),
-            slab_rows: args.slab_rows,
-            staging: HT_DATA + region.dispatch_slab_offset() + rank * slab_rows * variant.row_bytes(),
-            flags: HT_DATA + region.dispatch_flags_offset() + 4 * rank * region.flag_slots(),
-            scale_strides: (args.scale_stride_token, args.scale_stride_group),
-        };
+        let sig = CeSignal::new(b, false, r, slab_rows, variant.row_bytes(), (args.scale_stride_token, args.scale_stride_group));
         let pieces = ce_dispatch_pieces(&s, a, ce, sig.staging);
         ce_launch(b, &sig, &pieces, &kernel, &cfg, &args)?;
     } else {
@@ -584,6 +577,27 @@ struct CeSignal {
     scale_strides: (i64, i64),
 }
 
+impl CeSignal {
+    /// The signals of one call of the dispatch or the combine (`combine`), whose slab holds `slab_rows` rows of
+    /// `row_bytes` per source: this rank's part of that slab and of its row flags at the peer.
+    fn new(b: &Intranode, combine: bool, r: &CudaHtRouting, slab_rows: usize, row_bytes: usize, scale_strides: (i64, i64)) -> CeSignal {
+        let region = region(b);
+        let (slab, flags) = if combine {
+            (region.combine_slab_offset(), region.combine_flags_offset())
+        } else {
+            (region.dispatch_slab_offset(), region.dispatch_flags_offset())
+        };
+        CeSignal {
+            combine,
+            routing: r.routing.ptr(),
+            slab_rows: slab_rows.min(u32::MAX as usize) as u32,
+            staging: HT_DATA + slab + b.rank * slab_rows * row_bytes,
+            flags: HT_DATA + flags + 4 * b.rank * region.flag_slots(),
+            scale_strides,
+        }
+    }
+}
+
 /// The copy-engine path of one call: on the side stream the wait for the peer's hand-back, then each piece's
 /// copies followed by its flag; then `kernel` (every block receiving) on the operation stream; then the
 /// operation stream joins the side stream, so that the inputs are read before the call's later work. The
@@ -619,16 +633,20 @@ fn ce_launch<A: KernelParams>(
     };
     let one = LaunchConfig::linear(1, kht::HtCeSignalVariant::THREADS);
     b.gpu.fork_side()?;
-    let side = b.gpu.side_stream()?;
-    b.gpu.launch_on(side, &signal, &one, &base)?;
-    for (p, copies) in pieces.iter().enumerate() {
-        for c in copies {
-            b.gpu.sym.copy_to_peer_async(peer, c.dst, &c.src, c.src_offset, c.bytes, side)?;
+    let issued = (|| -> Result<()> {
+        let side = b.gpu.side_stream()?;
+        b.gpu.launch_on(side, &signal, &one, &base)?;
+        for (p, copies) in pieces.iter().enumerate() {
+            for c in copies {
+                b.gpu.sym.copy_to_peer_async(peer, c.dst, &c.src, c.src_offset, c.bytes, side)?;
+            }
+            b.gpu.launch_on(side, &signal, &one, &kht::HtCeSignalArgs { piece: p as u32, ..base })?;
         }
-        b.gpu.launch_on(side, &signal, &one, &kht::HtCeSignalArgs { piece: p as u32, ..base })?;
-    }
-    b.launch(kernel, cfg, args)?;
-    b.gpu.join_side()
+        b.launch(kernel, cfg, args)
+    })();
+    // Joined also after a failed launch: whatever the side stream was given still reads the inputs.
+    let joined = b.gpu.join_side();
+    issued.and(joined)
 }
 
 /// A cached dispatch by copy engines: its pieces' tokens and the staging.
@@ -775,14 +793,7 @@ pub(crate) fn combine(b: &mut Intranode, s: CombineSpec, a: &CombineArgs<'_>, ou
     let kernel = b.kernel_of(variant, kernel_name::HT_COMBINE, HtCombineVariant::spec)?;
     let cfg = LaunchConfig::linear(s.num_sms as u32, variant.threads());
     if let Some(ce) = &ce {
-        let sig = CeSignal {
-            combine: true,
-            routing: r.routing.ptr(),
-            slab_rows: args.slab_rows,
-            staging: HT_DATA + region.combine_slab_offset() + rank * slab_rows * variant.row_bytes(),
-            flags: HT_DATA + region.combine_flags_offset() + 4 * rank * region.flag_slots(),
-            scale_strides: (0, 0),
-        };
+        let sig = CeSignal::new(b, true, r, slab_rows, variant.row_bytes(), (0, 0));
         let pieces = ce_combine_pieces(&s, a, ce, sig.staging);
         ce_launch(b, &sig, &pieces, &kernel, &cfg, &args)?;
     } else {
