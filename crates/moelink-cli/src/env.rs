@@ -4,7 +4,7 @@
 //! | variable | becomes |
 //! |---|---|
 //! | `MOELINK_HT_TRACE=1`, `MOELINK_LL_TRACE=1` | `BufferOptions::kernel_tracing` (bench: `--ll-trace` too) |
-//! | `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`, `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_RELEASER`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`, `MOELINK_HT_DYNAMIC_SEND`, `MOELINK_HT_CE_PIECES`, `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT`, `MOELINK_LL_SMS`, `MOELINK_LL_EXPERIMENT` | `BufferOptions::tuning` (`moelink::Tuning::from_vars` says what each takes) |
+//! | `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`, `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_RELEASER`, `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`, `MOELINK_HT_DYNAMIC_SEND`, `MOELINK_HT_CE_PIECES`, `MOELINK_HT_CE_MIN_PIECE_BYTES`, `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT`, `MOELINK_LL_SMS`, `MOELINK_LL_EXPERIMENT` | `BufferOptions::tuning` (`moelink::Tuning::from_vars` says what each takes) |
 //! | `MOELINK_CACHE_DIR`, `MOELINK_JIT_VERBOSE=1` | the JIT's settings (`moelink_cuda::jit::configure`; reports go to stderr) |
 //!
 //! A timing experiment is announced on stderr when the command starts, and `moelink bench` writes it into

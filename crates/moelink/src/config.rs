@@ -221,6 +221,9 @@ pub struct Tuning {
     /// peer's slab in this many pieces (clamped to 1..=64), and every block of the kernel receives
     /// (`moelink_kernels::ht::ce_staging`).
     pub ht_ce_pieces: Option<u32>,
+    /// Bytes below which a copy-engine piece is merged with the next (`MOELINK_HT_CE_MIN_PIECE_BYTES`; default
+    /// 4 MiB; 0 keeps every piece, as the tests do to exercise many).
+    pub ht_ce_min_piece_bytes: Option<usize>,
     /// Forwarder blocks of the internode HT kernels (default a third of `num_sms`; clamped to what the
     /// other roles leave).
     pub hti_fwd_blocks: Option<usize>,
@@ -237,7 +240,7 @@ impl Tuning {
     /// The programs' environment variables, read through `get` (as [`KernelTracing::from_vars`]):
     /// `MOELINK_HT_DISPATCH_SEND_BLOCKS`, `MOELINK_HT_COMBINE_SEND_BLOCKS`, `MOELINK_HT_RELEASE_BATCH`,
     /// `MOELINK_HT_REDUCE_LOAD_VECS`, `MOELINK_HT_RELEASER` (0/1), `MOELINK_HT_SEND_CHUNK`, `MOELINK_HT_RECV_CHUNK`,
-    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_CE_PIECES`, `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=15), `MOELINK_LL_SMS`,
+    /// `MOELINK_HT_DYNAMIC_SEND` (0/1), `MOELINK_HT_CE_PIECES`, `MOELINK_HT_CE_MIN_PIECE_BYTES`, `MOELINK_HTI_FWD_BLOCKS`, `MOELINK_HT_TIMING_EXPERIMENT` (bits 0..=15), `MOELINK_LL_SMS`,
     /// `MOELINK_LL_EXPERIMENT` (comma-separated: `local_stores`, `no_loads`, `last_arrives`). `Err` names a
     /// variable whose value is not what it takes.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Tuning, String> {
@@ -274,6 +277,7 @@ impl Tuning {
                 Some(_) => Some(switch(get, "MOELINK_HT_DYNAMIC_SEND")?),
             },
             ht_ce_pieces: number(get, "MOELINK_HT_CE_PIECES")?,
+            ht_ce_min_piece_bytes: number(get, "MOELINK_HT_CE_MIN_PIECE_BYTES")?,
             hti_fwd_blocks: number(get, "MOELINK_HTI_FWD_BLOCKS")?,
             ht_timing_experiment,
             ll_sms,
@@ -315,6 +319,7 @@ impl Tuning {
             show("ht_recv_chunk", self.ht_recv_chunk),
             show("ht_dynamic_send", self.ht_dynamic_send),
             show("ht_ce_pieces", self.ht_ce_pieces),
+            show("ht_ce_min_piece_bytes", self.ht_ce_min_piece_bytes),
             show("ll_sms", self.ll_sms),
         ]
         .into_iter()

@@ -552,6 +552,22 @@ fn ce_pieces(t: &Tuning, num_ranks: usize) -> Option<usize> {
     t.ht_ce_pieces.filter(|&n| n > 0 && num_ranks == 2).map(|n| (n as usize).min(64))
 }
 
+/// Bytes below which a piece is not worth its own copy and flag (`Tuning::ht_ce_min_piece_bytes` overrides):
+/// each costs ~5 and ~4 µs of the side stream beyond its bytes (one H200,
+/// `bench/results/2026-12-01-1xnvidia-h200-736b070-ce-pair-check/`), ~3.5 MB at the pair's ~390 GB/s.
+const CE_MIN_PIECE_BYTES: usize = 4 << 20;
+
+/// Rows per piece: `t_max` rows of `row_bytes` in equal pieces, `pieces` of them, or as many as leave none
+/// below `min_bytes` (at least one).
+fn ce_piece_rows(t_max: usize, pieces: usize, row_bytes: usize, min_bytes: usize) -> usize {
+    let fitting = if min_bytes == 0 { pieces } else { t_max.saturating_mul(row_bytes) / min_bytes };
+    t_max.div_ceil(pieces.min(fitting).max(1)).max(1)
+}
+
+fn ce_min_piece_bytes(t: &Tuning) -> usize {
+    t.ht_ce_min_piece_bytes.unwrap_or(CE_MIN_PIECE_BYTES)
+}
+
 /// Whether a call may take the copy-engine path at all: no graph capture (the pieces run on a side stream)
 /// and an SM of this rank's share left beside the kernel's blocks for the signal kernels, which they wait for.
 fn ce_possible(b: &Intranode, num_sms: usize) -> bool {
@@ -673,7 +689,11 @@ fn ce_dispatch_plan(b: &Intranode, s: &HtSpec, a: &DispatchArgs<'_>, r: &CudaHtR
     };
     let payload_bytes = s.hidden * if s.fp8 { 1 } else { 2 };
     let staging = kht::ce_staging(payload_bytes, host.t_max, scale_bytes, slab_rows * row_bytes)?;
-    Some(CeDispatch { piece_tokens: host.t_max.div_ceil(pieces).max(1), staging, src_idx: src_idx.ptr() })
+    Some(CeDispatch {
+        piece_tokens: ce_piece_rows(host.t_max, pieces, payload_bytes, ce_min_piece_bytes(&b.tuning)),
+        staging,
+        src_idx: src_idx.ptr(),
+    })
 }
 
 /// The cached dispatch's pieces: this rank's x by token index (the first piece also the FP8 scales' storage
@@ -713,7 +733,12 @@ fn ce_combine_plan(b: &Intranode, s: &CombineSpec, r: &CudaHtRouting, slab_rows:
     }
     let peer = 1 - s.rank;
     let staging = kht::ce_staging(2 * s.hidden, host.t_max, host.t_max * s.topk * 4, slab_rows * row_bytes)?;
-    Some(CeCombine { piece_rows: host.t_max.div_ceil(pieces).max(1), staging, first_row: counts[..peer].iter().sum(), rows: counts[peer] })
+    Some(CeCombine {
+        piece_rows: ce_piece_rows(host.t_max, pieces, 2 * s.hidden, ce_min_piece_bytes(&b.tuning)),
+        staging,
+        first_row: counts[..peer].iter().sum(),
+        rows: counts[peer],
+    })
 }
 
 /// The combine's pieces: the peer's rows of x and of the top-k weights, by their slot, into this rank's
@@ -861,5 +886,11 @@ mod tests {
         let ce = |n| Tuning { ht_ce_pieces: n, ..Tuning::default() };
         assert_eq!([ce(None), ce(Some(0)), ce(Some(4)), ce(Some(1000))].map(|t| ce_pieces(&t, 2)), [None, None, Some(4), Some(64)]);
         assert_eq!(ce_pieces(&ce(Some(4)), 4), None, "two ranks only");
+        // 4096 FP8 rows of 7168 bytes (29 MB) in 4 pieces; 512 of them (3.7 MB) in one.
+        let min = ce_min_piece_bytes(&d);
+        // 4096 FP8 rows of 7168 bytes (29 MB): 4 pieces; 2048 (14.7 MB): 3 equal ones; 512 (3.7 MB): one.
+        assert_eq!([4096, 2048, 512, 0].map(|t| ce_piece_rows(t, 4, 7168, min)), [1024, 683, 512, 1]);
+        assert_eq!(ce_piece_rows(4096, 64, 14336, min), 293, "14 pieces of 4 MiB or more");
+        assert_eq!((ce_piece_rows(512, 4, 7168, 0), ce_piece_rows(0, 4, 7168, 0)), (128, 1), "0: every piece kept");
     }
 }
