@@ -4,7 +4,8 @@
 # MOELINK_HT_CE_PIECES) over NVLink, everything issue 31 asks of it in one call, about 8 minutes:
 #   1. scripts/device/ce_pair.py: the copy engines each way, in pieces, beside a 24-SM local copy;
 #   2. moelink bench nvlink --sms 24: the SM pair copy the bounds are stated against;
-#   3. the ht tests and a 60 s ht / ht-cached soak at two ranks with 4 pieces;
+#   3. the ht tests at two ranks with 4 pieces of any size (the tests' rows are small), and a 60 s ht / ht-cached
+#      soak with 4 pieces;
 #   4. moelink bench at EP2, the SM senders against 2 and 4 pieces, alternated 3 times, and a token sweep
 #      (1, 512, 4096; uniform and skewed) both ways;
 #   5. DeepEP's test_intranode.py against moelink with 4 pieces, and against DeepEP V1, through the python
@@ -21,7 +22,7 @@ nvidia-smi -L > $S/gpus.txt
 [ "$(wc -l < $S/gpus.txt)" -ge 2 ] || { echo "needs two GPUs: $(cat $S/gpus.txt)"; exit 2; }
 step ce_pair 240 python3 scripts/device/ce_pair.py $S/ce-pair.json
 step nvlink 120 .device/moelink bench nvlink --sms 24 --json $S/nvlink.json
-step tests 150 env MOELINK_TEST_RANKS=2 MOELINK_HT_CE_PIECES=4 .device/tests/moelink.test.ht --include-ignored --test-threads=1 cuda
+step tests 150 env MOELINK_TEST_RANKS=2 MOELINK_HT_CE_PIECES=4 MOELINK_HT_CE_MIN_PIECE_BYTES=0 .device/tests/moelink.test.ht --include-ignored --test-threads=1 cuda
 step soak 100 env MOELINK_HT_CE_PIECES=4 .device/moelink-stress soak --backend cuda --ranks 2 --families ht,ht-cached \
   --t-max 4096 --time-budget-s 60 --json $S/soak.json
 B=(.device/moelink bench --mode ht --ranks 2 --dtype all --reps 20)
