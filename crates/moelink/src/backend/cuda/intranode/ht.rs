@@ -560,7 +560,7 @@ const CE_MIN_PIECE_BYTES: usize = 4 << 20;
 /// Rows per piece: `t_max` rows of `row_bytes` in equal pieces, `pieces` of them, or as many as leave none
 /// below `min_bytes` (at least one).
 fn ce_piece_rows(t_max: usize, pieces: usize, row_bytes: usize, min_bytes: usize) -> usize {
-    let fitting = if min_bytes == 0 { pieces } else { t_max.saturating_mul(row_bytes) / min_bytes };
+    let fitting = t_max.saturating_mul(row_bytes).checked_div(min_bytes).unwrap_or(pieces);
     t_max.div_ceil(pieces.min(fitting).max(1)).max(1)
 }
 
