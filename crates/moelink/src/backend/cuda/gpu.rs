@@ -410,11 +410,14 @@ impl Gpu {
 
     /// Makes the side stream's later work wait for the operation stream's work so far (creates it at first use).
     pub(crate) fn fork_side(&mut self) -> Result<()> {
-        if self.side.is_none() {
-            let stream = Stream::new(&self.device)?;
-            self.side = Some(SideStream { stream, fork: Event::new(&self.device, false)?, join: Event::new(&self.device, false)? });
-        }
-        let side = self.side.as_ref().expect("created above");
+        let side = match &mut self.side {
+            Some(side) => side,
+            none => none.insert(SideStream {
+                stream: Stream::new(&self.device)?,
+                fork: Event::new(&self.device, false)?,
+                join: Event::new(&self.device, false)?,
+            }),
+        };
         side.fork.record(self.mode.stream(&self.stream))?;
         Ok(side.stream.wait_event(&side.fork)?)
     }

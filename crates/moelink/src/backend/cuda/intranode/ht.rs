@@ -452,7 +452,7 @@ pub(crate) fn dispatch(b: &mut Intranode, plan: DispatchPlan, a: &DispatchArgs<'
         None => (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL, 0),
     };
     let ce = match &handle {
-        HandleData::Existing(_) => ce_dispatch_plan(b, &s, a, r, slab_rows),
+        HandleData::Existing(_) => ce_dispatch_plan(b, &s, a, r, slab_rows, variant.row_bytes()),
         HandleData::New(_) => None,
     };
     let variant = HtDispatchVariant { copy_engine: ce.is_some(), ..variant };
@@ -674,15 +674,22 @@ struct CeDispatch {
 }
 
 /// The copy-engine plan of a cached dispatch, or `None` for the SM senders: it needs `ce_pieces`, a handle
-/// that kept its source indices and knows T_max on the host, `ce_possible`, and a staging that fits the slab.
-fn ce_dispatch_plan(b: &Intranode, s: &HtSpec, a: &DispatchArgs<'_>, r: &CudaHtRouting, slab_rows: usize) -> Option<CeDispatch> {
+/// that kept its source indices and knows T_max on the host, `ce_possible`, and a staging that fits the slab
+/// (`slab_rows` rows of the call's `row_bytes` per source).
+fn ce_dispatch_plan(
+    b: &Intranode,
+    s: &HtSpec,
+    a: &DispatchArgs<'_>,
+    r: &CudaHtRouting,
+    slab_rows: usize,
+    row_bytes: usize,
+) -> Option<CeDispatch> {
     let (Some(pieces), Some(host), Some(src_idx)) = (ce_pieces(&b.tuning, s.num_ranks), &r.host, &r.src_idx) else {
         return None;
     };
     if !ce_possible(b, s.num_sms) {
         return None;
     }
-    let row_bytes = kht::dispatch_row_bytes(s.hidden, s.fp8, s.topk);
     let scale_bytes = match &a.x {
         Payload::Fp8 { scales, .. } => scales.span_bytes(),
         Payload::Bf16(_) => 0,
